@@ -1,0 +1,122 @@
+//! Settings of the core, with defaults chosen for chat clients on real networks.
+
+use crate::types::{DeviceKind, Millis};
+use std::fmt;
+
+/// Timeouts of one kind of device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KindConfig {
+    /// An Online device silent for this long is reaped as a ghost. The driver
+    /// renews the lease while the connection lives (QUIC keep-alive is the real
+    /// heartbeat), so this is the safety net for a driver that forgot.
+    pub heartbeat_timeout: Millis,
+    /// How long a lost connection lingers, unseen by others, so that a quick
+    /// reconnect resumes it.
+    pub grace: Millis,
+}
+
+/// What to do when a target already has `max_realtime_per_target` realtime
+/// subscribers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RealtimeOverflow {
+    /// Subscribe in the batched tier instead and say so in the answer.
+    Downgrade,
+    /// Refuse with `Error::LimitExceeded(Limit::RealtimePerTarget)`.
+    Reject,
+}
+
+/// The core's settings. `Config::default()` is what the server runs with.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Config {
+    /// A visible change waits this long and is published only if it held.
+    pub debounce: Millis,
+    /// Batched subscribers get coalesced changes at most this late.
+    pub batch_interval: Millis,
+    /// Indexed by `DeviceKind::index()`.
+    pub kinds: [KindConfig; 4],
+    pub max_subscriptions_per_session: usize,
+    pub max_realtime_per_target: usize,
+    pub realtime_overflow: RealtimeOverflow,
+    /// In bytes of UTF-8.
+    pub max_message_len: usize,
+    pub max_devices_per_user: usize,
+    pub max_sessions: usize,
+    /// Users the core keeps a record of (online or not: last seen is remembered).
+    pub max_users: usize,
+}
+
+impl Default for Config {
+    /// - debounce 300 ms: longer than a Wi-Fi/4G hand-over blip, shorter than a
+    ///   person notices;
+    /// - batch interval 2 s: a contact list may be that stale, and 2 s of
+    ///   coalescing absorbs bursts;
+    /// - mobile: 30 s grace (elevators, tunnels, network switches) and a 90 s
+    ///   heartbeat timeout (mobile OSes delay keep-alives of backgrounded apps);
+    /// - desktop: 15 s grace (sleep, Wi-Fi roaming), 60 s heartbeat timeout;
+    /// - web: 10 s grace (a page reload reconnects within a few seconds), 60 s;
+    /// - other: 15 s grace, 60 s.
+    fn default() -> Config {
+        let kind = |grace, heartbeat| KindConfig {
+            heartbeat_timeout: Millis::from_secs(heartbeat),
+            grace: Millis::from_secs(grace),
+        };
+        Config {
+            debounce: Millis(300),
+            batch_interval: Millis(2000),
+            kinds: [kind(30, 90), kind(15, 60), kind(10, 60), kind(15, 60)],
+            max_subscriptions_per_session: 1_000,
+            max_realtime_per_target: 1_000,
+            realtime_overflow: RealtimeOverflow::Downgrade,
+            max_message_len: 256,
+            max_devices_per_user: 16,
+            max_sessions: 4_000_000,
+            max_users: 10_000_000,
+        }
+    }
+}
+
+impl Config {
+    pub fn kind(&self, kind: DeviceKind) -> &KindConfig {
+        &self.kinds[kind.index()]
+    }
+
+    pub fn kind_mut(&mut self, kind: DeviceKind) -> &mut KindConfig {
+        &mut self.kinds[kind.index()]
+    }
+
+    /// Rejects settings under which the semantics would not hold.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.debounce == Millis::ZERO {
+            return Err(ConfigError("debounce must be at least 1 ms"));
+        }
+        if self.batch_interval == Millis::ZERO {
+            return Err(ConfigError("batch_interval must be at least 1 ms"));
+        }
+        for kind in &self.kinds {
+            if kind.heartbeat_timeout == Millis::ZERO {
+                return Err(ConfigError("heartbeat_timeout must be at least 1 ms"));
+            }
+        }
+        if self.max_sessions > u32::MAX as usize || self.max_users > u32::MAX as usize {
+            return Err(ConfigError("max_sessions and max_users must fit in 32 bits"));
+        }
+        if self.max_devices_per_user == 0 || self.max_sessions == 0 || self.max_users == 0 {
+            return Err(ConfigError(
+                "max_devices_per_user, max_sessions and max_users must be at least 1",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Why a `Config` was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConfigError(pub &'static str);
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invalid config: {}", self.0)
+    }
+}
+
+impl std::error::Error for ConfigError {}

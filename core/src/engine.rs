@@ -1,0 +1,1387 @@
+//! `Core`: the presence state machine.
+//!
+//! Layout, chosen for 1,000,000 users and 2,000,000 devices resident:
+//! - sessions live in a slab (`Slots`); a `SessionId` is slot index plus
+//!   generation, so every session input is one array access;
+//! - users live in a `Vec`, found by id through a deterministic hash index;
+//! - every deadline (lease, debounce, batch flush) sits in one ordered set, so
+//!   `handle_timeout` touches only what is due. Heartbeat leases are renewed
+//!   lazily: `Activity` only writes a timestamp, and a lease that fires early
+//!   re-arms itself at the real deadline;
+//! - a target's subscribers are sorted `Vec<SessionId>` per tier, so a publish
+//!   walks a contiguous list and fan-out order never depends on hashing.
+//!
+//! Every input first runs the timers that are due at its `now`, so the state
+//! always reflects the present: an `Activity` cannot revive a session whose
+//! deadline has already passed.
+
+use crate::config::{Config, ConfigError, RealtimeOverflow};
+use crate::error::{Error, Limit};
+use crate::index::UserIndex;
+use crate::output::{EndReason, Output};
+use crate::types::{DeviceId, DeviceKind, Kinds, Millis, Presence, SessionId, Status, Tier, UserId, Watch};
+use std::collections::{BTreeSet, VecDeque};
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+
+#[cfg(feature = "mutants")]
+macro_rules! mutant {
+    ($core:expr, $m:ident) => {
+        $core.mutant == Some($crate::mutants::Mutant::$m)
+    };
+}
+#[cfg(not(feature = "mutants"))]
+macro_rules! mutant {
+    ($core:expr, $m:ident) => {
+        false
+    };
+}
+
+/// A device connects (or reconnects).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Connect {
+    pub user: UserId,
+    pub device: DeviceId,
+    pub kind: DeviceKind,
+    /// What this session may watch (from its credentials).
+    pub watch: Watch,
+    /// The session this device had before, to resume it and keep its
+    /// subscriptions. Ignored unless it is the device's current session.
+    pub resume: Option<SessionId>,
+}
+
+/// The answer to a `Connect`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Connected {
+    pub session: SessionId,
+    /// The previous session was resumed: its subscriptions carried over and
+    /// `snapshots` holds a fresh snapshot of each.
+    pub resumed: bool,
+    /// An Online session of the same device that this one replaced; an
+    /// `Output::SessionEnded` for it follows.
+    pub superseded: Option<SessionId>,
+    pub snapshots: Vec<Snapshot>,
+}
+
+/// The presence of one subscribed target, as of subscribing.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Snapshot {
+    pub target: UserId,
+    /// The tier granted (a realtime request may be downgraded to batched).
+    pub tier: Tier,
+    pub presence: Presence,
+}
+
+/// Every input, for drivers that prefer one entry point (the model checker,
+/// the fuzzers).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Input {
+    Connect(Connect),
+    Activity(SessionId),
+    Disconnect(SessionId),
+    Logout(SessionId),
+    SetStatus {
+        session: SessionId,
+        status: Status,
+        message: Option<String>,
+    },
+    SetInvisible {
+        session: SessionId,
+        invisible: bool,
+    },
+    Subscribe {
+        session: SessionId,
+        target: UserId,
+        tier: Tier,
+    },
+    Unsubscribe {
+        session: SessionId,
+        target: UserId,
+    },
+    Query {
+        session: SessionId,
+        target: UserId,
+    },
+    /// Nothing but the passing of time.
+    Tick,
+}
+
+/// The answer to an `Input`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Reply {
+    Done,
+    Connected(Connected),
+    Subscribed(Snapshot),
+    Presence(Presence),
+}
+
+/// Metrics. They are not part of the state's identity: two cores that differ
+/// only in counters compare equal and hash alike (the model checker relies on it).
+#[derive(Clone, Debug, Default)]
+pub struct Counters {
+    pub sessions_started: u64,
+    pub resumed: u64,
+    pub superseded: u64,
+    pub logouts: u64,
+    pub disconnects: u64,
+    /// Online devices silent past their heartbeat timeout.
+    pub ghosts_reaped: u64,
+    /// Lingering sessions not resumed within grace.
+    pub grace_expired: u64,
+    pub publishes: u64,
+    /// Debounce windows that ended with nothing new to publish.
+    pub flaps_suppressed: u64,
+    pub notifications_realtime: u64,
+    pub notifications_batched: u64,
+    pub snapshots: u64,
+    pub stale_inputs: u64,
+    pub downgraded: u64,
+    pub limits_hit: u64,
+    /// Gauges.
+    pub sessions_online: u64,
+    pub sessions_lingering: u64,
+    pub users_online: u64,
+}
+
+impl PartialEq for Counters {
+    fn eq(&self, _: &Counters) -> bool {
+        true
+    }
+}
+
+impl Eq for Counters {}
+
+impl Hash for Counters {
+    fn hash<H: Hasher>(&self, _: &mut H) {}
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) enum Timer {
+    /// Heartbeat deadline of an Online session, or grace end of a Lingering one.
+    Lease(SessionId),
+    /// End of a user's debounce window.
+    Debounce(UserId),
+    /// Batch flush of a session.
+    Batch(SessionId),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Link {
+    Online { last_activity: Millis },
+    Lingering { until: Millis },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Sub {
+    pub(crate) target: u32,
+    pub(crate) tier: Tier,
+    /// In the session's pending batch.
+    pub(crate) queued: bool,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub(crate) struct Subs {
+    /// Sorted by target.
+    pub(crate) list: Vec<Sub>,
+    /// Targets with a change not yet flushed, in the order they changed.
+    pub(crate) batch: Vec<u32>,
+    pub(crate) batch_due: Option<Millis>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Session {
+    pub(crate) id: SessionId,
+    pub(crate) user: u32,
+    pub(crate) device: DeviceId,
+    pub(crate) kind: DeviceKind,
+    pub(crate) link: Link,
+    /// The deadline of this session's `Timer::Lease` (heartbeat deadlines are
+    /// armed at or before the real one).
+    pub(crate) lease_due: Millis,
+    pub(crate) watch: Watch,
+    /// `None` while the session has no subscription: most sessions pay 8 bytes.
+    /// While Lingering, subscriptions are parked: kept here, absent from the
+    /// targets' lists.
+    pub(crate) subs: Option<Box<Subs>>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Slot {
+    pub(crate) generation: u32,
+    pub(crate) session: Option<Session>,
+}
+
+/// Subscriber lists of one target, indexed by `tier_index`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub(crate) struct Watchers {
+    /// Other users' Online sessions: they get the published view.
+    pub(crate) others: [Vec<SessionId>; 2],
+    /// The target's own Online sessions: they get the truth.
+    pub(crate) own: [Vec<SessionId>; 2],
+}
+
+impl Watchers {
+    fn is_empty(&self) -> bool {
+        self.others.iter().chain(&self.own).all(Vec::is_empty)
+    }
+
+    pub(crate) fn list(&self, own: bool, tier: Tier) -> &Vec<SessionId> {
+        let lists = if own { &self.own } else { &self.others };
+        &lists[tier_index(tier)]
+    }
+
+    fn list_mut(&mut self, own: bool, tier: Tier) -> &mut Vec<SessionId> {
+        let lists = if own { &mut self.own } else { &mut self.others };
+        &mut lists[tier_index(tier)]
+    }
+}
+
+pub(crate) fn tier_index(tier: Tier) -> usize {
+    match tier {
+        Tier::Realtime => 0,
+        Tier::Batched => 1,
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct User {
+    pub(crate) id: UserId,
+    /// The current session of each device that is Online or Lingering.
+    pub(crate) sessions: Vec<SessionId>,
+    pub(crate) status: Status,
+    pub(crate) message: Option<Arc<str>>,
+    pub(crate) invisible: bool,
+    /// The moment the user was last shown online to others.
+    pub(crate) last_seen: Option<Millis>,
+    /// Bumped by every publish to others and every change of the own view.
+    pub(crate) version: u64,
+    /// What others were last told; also what a new subscriber's snapshot shows.
+    pub(crate) published: Presence,
+    /// End of the running debounce window, if any.
+    pub(crate) debounce_due: Option<Millis>,
+    pub(crate) watchers: Option<Box<Watchers>>,
+}
+
+impl User {
+    fn new(id: UserId) -> User {
+        User {
+            id,
+            sessions: Vec::new(),
+            status: Status::Available,
+            message: None,
+            invisible: false,
+            last_seen: None,
+            version: 0,
+            published: Presence::default(),
+            debounce_due: None,
+            watchers: None,
+        }
+    }
+}
+
+/// Both views of a user, taken before a change to see what it changed.
+struct Views {
+    shown: Presence,
+    own: Presence,
+}
+
+/// The presence state machine. See the crate documentation.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Core {
+    pub(crate) config: Config,
+    pub(crate) clock: Millis,
+    pub(crate) users: Vec<User>,
+    pub(crate) index: UserIndex,
+    pub(crate) slots: Vec<Slot>,
+    pub(crate) free: Vec<u32>,
+    pub(crate) live_sessions: usize,
+    pub(crate) timers: BTreeSet<(Millis, Timer)>,
+    pub(crate) outputs: VecDeque<Output>,
+    pub(crate) counters: Counters,
+    #[cfg(feature = "mutants")]
+    pub(crate) mutant: Option<crate::mutants::Mutant>,
+    /// Under `Mutant::IgnoreStale` only: the device of each superseded session.
+    #[cfg(feature = "mutants")]
+    pub(crate) tombstones: std::collections::BTreeMap<SessionId, (u32, DeviceId)>,
+}
+
+impl Core {
+    pub fn new(config: Config) -> Result<Core, ConfigError> {
+        config.validate()?;
+        Ok(Core {
+            config,
+            clock: Millis::ZERO,
+            users: Vec::new(),
+            index: UserIndex::default(),
+            slots: Vec::new(),
+            free: Vec::new(),
+            live_sessions: 0,
+            timers: BTreeSet::new(),
+            outputs: VecDeque::new(),
+            counters: Counters::default(),
+            #[cfg(feature = "mutants")]
+            mutant: None,
+            #[cfg(feature = "mutants")]
+            tombstones: Default::default(),
+        })
+    }
+
+    /// Switches on one deliberate bug (feature `mutants`).
+    #[cfg(feature = "mutants")]
+    pub fn set_mutant(&mut self, mutant: Option<crate::mutants::Mutant>) {
+        self.mutant = mutant;
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The latest `now` seen.
+    pub fn now(&self) -> Millis {
+        self.clock
+    }
+
+    pub fn counters(&self) -> &Counters {
+        &self.counters
+    }
+
+    // ----- outputs and time -------------------------------------------------
+
+    /// The next thing for the driver to do. Drain after every input.
+    pub fn poll_output(&mut self) -> Option<Output> {
+        self.outputs.pop_front()
+    }
+
+    /// When `handle_timeout` next has work to do.
+    pub fn poll_timeout(&self) -> Option<Millis> {
+        self.timers.first().map(|(due, _)| *due)
+    }
+
+    /// Expiry, debounce ends and batch flushes due at `now`. A no-op when
+    /// nothing is due.
+    pub fn handle_timeout(&mut self, now: Millis) {
+        self.advance(now);
+    }
+
+    fn advance(&mut self, now: Millis) {
+        if now > self.clock {
+            self.clock = now;
+        }
+        self.run_timers();
+    }
+
+    fn run_timers(&mut self) {
+        while let Some(&(due, timer)) = self.timers.first() {
+            if due > self.clock {
+                break;
+            }
+            self.timers.pop_first();
+            match timer {
+                Timer::Lease(session) => self.on_lease(session),
+                Timer::Debounce(user) => self.on_debounce(user),
+                Timer::Batch(session) => self.on_batch(session),
+            }
+        }
+    }
+
+    fn on_lease(&mut self, id: SessionId) {
+        let Some(session) = self.session(id) else {
+            debug_assert!(false, "lease timer of a dead session {id}");
+            return;
+        };
+        let (user, kind) = (session.user, session.kind);
+        match session.link {
+            Link::Online { last_activity } => {
+                let deadline = last_activity.plus(self.config.kind(kind).heartbeat_timeout);
+                if deadline <= self.clock {
+                    let before = self.views(user);
+                    self.counters.ghosts_reaped += 1;
+                    self.end_session(id, EndReason::HeartbeatTimeout);
+                    self.after_change(user, before);
+                } else {
+                    // Renewed since armed: re-arm at the real deadline.
+                    self.set_lease(id, deadline);
+                }
+            }
+            Link::Lingering { until } => {
+                debug_assert!(until <= self.clock);
+                let before = self.views(user);
+                self.counters.grace_expired += 1;
+                self.end_session(id, EndReason::GraceExpired);
+                self.after_change(user, before);
+            }
+        }
+    }
+
+    fn on_debounce(&mut self, user: UserId) {
+        let Some(u) = self.index.get(user) else {
+            debug_assert!(false, "debounce timer of an unknown user");
+            return;
+        };
+        self.users[u as usize].debounce_due = None;
+        let shown = self.shown_view(u);
+        if shown.same_view(&self.users[u as usize].published) {
+            self.counters.flaps_suppressed += 1;
+        } else {
+            self.publish(u, shown);
+        }
+    }
+
+    fn on_batch(&mut self, id: SessionId) {
+        let Some(subs) = self.session_mut(id).and_then(|s| s.subs.as_deref_mut()) else {
+            debug_assert!(false, "batch timer of a session without subscriptions");
+            return;
+        };
+        subs.batch_due = None;
+        let batch = std::mem::take(&mut subs.batch);
+        for &target in &batch {
+            if let Some(sub) = find_sub_mut(subs, target) {
+                sub.queued = false;
+            }
+        }
+        let viewer = self.session(id).map(|s| s.user);
+        for target in batch {
+            let presence = self.view_of(viewer, target);
+            self.counters.notifications_batched += 1;
+            self.outputs.push_back(Output::Push {
+                to: id,
+                target: self.users[target as usize].id,
+                tier: Tier::Batched,
+                presence,
+            });
+        }
+    }
+
+    // ----- inputs -----------------------------------------------------------
+
+    /// One entry point for every input.
+    pub fn handle_input(&mut self, now: Millis, input: Input) -> Result<Reply, Error> {
+        match input {
+            Input::Connect(connect) => self.handle_connect(now, connect).map(Reply::Connected),
+            Input::Activity(s) => self.handle_activity(now, s).map(|()| Reply::Done),
+            Input::Disconnect(s) => self.handle_disconnect(now, s).map(|()| Reply::Done),
+            Input::Logout(s) => self.handle_logout(now, s).map(|()| Reply::Done),
+            Input::SetStatus {
+                session,
+                status,
+                message,
+            } => self
+                .handle_set_status(now, session, status, message.as_deref())
+                .map(|()| Reply::Done),
+            Input::SetInvisible { session, invisible } => self
+                .handle_set_invisible(now, session, invisible)
+                .map(|()| Reply::Done),
+            Input::Subscribe {
+                session,
+                target,
+                tier,
+            } => self
+                .handle_subscribe(now, session, target, tier)
+                .map(Reply::Subscribed),
+            Input::Unsubscribe { session, target } => self
+                .handle_unsubscribe(now, session, target)
+                .map(|()| Reply::Done),
+            Input::Query { session, target } => {
+                self.handle_query(now, session, target).map(Reply::Presence)
+            }
+            Input::Tick => {
+                self.handle_timeout(now);
+                Ok(Reply::Done)
+            }
+        }
+    }
+
+    /// A device connects: Offline → Online, Lingering → Online (unseen), or
+    /// Online → Online with a new session (the old one is superseded).
+    pub fn handle_connect(&mut self, now: Millis, c: Connect) -> Result<Connected, Error> {
+        self.advance(now);
+        let known = self.index.get(c.user);
+        let old = known.and_then(|u| self.device_session(u, c.device));
+        if old.is_none() {
+            if self.live_sessions >= self.config.max_sessions {
+                return Err(self.limit(Limit::Sessions));
+            }
+            if known.is_some_and(|u| {
+                self.users[u as usize].sessions.len() >= self.config.max_devices_per_user
+            }) {
+                return Err(self.limit(Limit::DevicesPerUser));
+            }
+        }
+        let user = self.user_slot(c.user)?;
+        let before = self.views(user);
+
+        let mut carried = Vec::new();
+        let mut resumed = false;
+        let mut superseded = None;
+        if let Some(old) = old {
+            let was_online = self
+                .session(old)
+                .is_some_and(|s| matches!(s.link, Link::Online { .. }));
+            if c.resume == Some(old) {
+                resumed = true;
+                self.counters.resumed += 1;
+                carried = self.detach_subs(old);
+            }
+            if was_online {
+                superseded = Some(old);
+                self.counters.superseded += 1;
+            }
+            self.end_session(old, EndReason::Superseded);
+        }
+
+        let id = self.insert_session(user, &c);
+        let mut snapshots = Vec::with_capacity(carried.len());
+        for sub in carried {
+            let target = self.users[sub.target as usize].id;
+            if sub.target != user && !c.watch.allows(target) {
+                continue; // the new credentials no longer allow it
+            }
+            // Never refuse a carried subscription: at worst downgrade it.
+            if let Ok(snapshot) = self.attach(id, sub.target, sub.tier, false) {
+                snapshots.push(snapshot);
+            }
+        }
+        self.after_change(user, before);
+        Ok(Connected {
+            session: id,
+            resumed,
+            superseded,
+            snapshots,
+        })
+    }
+
+    /// Any sign of life: renews the session's lease.
+    pub fn handle_activity(&mut self, now: Millis, id: SessionId) -> Result<(), Error> {
+        self.advance(now);
+        let id = self.online(id)?;
+        let clock = self.clock;
+        if let Some(session) = self.session_mut(id) {
+            session.link = Link::Online {
+                last_activity: clock,
+            };
+        }
+        Ok(())
+    }
+
+    /// The connection was lost without a logout: Online → Lingering, unseen by
+    /// others until grace runs out.
+    pub fn handle_disconnect(&mut self, now: Millis, id: SessionId) -> Result<(), Error> {
+        self.advance(now);
+        let id = self.online(id)?;
+        self.linger(id);
+        self.run_timers(); // a zero grace ends the session at once
+        Ok(())
+    }
+
+    /// Graceful logout: the session ends now, with no grace.
+    pub fn handle_logout(&mut self, now: Millis, id: SessionId) -> Result<(), Error> {
+        self.advance(now);
+        let id = self.current(id)?;
+        if mutant!(self, LogoutAsDisconnect) {
+            if self
+                .session(id)
+                .is_some_and(|s| matches!(s.link, Link::Online { .. }))
+            {
+                self.linger(id);
+            }
+            return Ok(());
+        }
+        let Some(user) = self.session(id).map(|s| s.user) else {
+            return Err(Error::Stale);
+        };
+        let before = self.views(user);
+        self.counters.logouts += 1;
+        self.end_session(id, EndReason::LoggedOut);
+        self.after_change(user, before);
+        Ok(())
+    }
+
+    /// The user's chosen status and message.
+    pub fn handle_set_status(
+        &mut self,
+        now: Millis,
+        id: SessionId,
+        status: Status,
+        message: Option<&str>,
+    ) -> Result<(), Error> {
+        self.advance(now);
+        let id = self.online(id)?;
+        if message.is_some_and(|m| m.len() > self.config.max_message_len) {
+            return Err(self.limit(Limit::MessageLength));
+        }
+        let Some(user) = self.session(id).map(|s| s.user) else {
+            return Err(Error::Stale);
+        };
+        let before = self.views(user);
+        let u = &mut self.users[user as usize];
+        u.status = status;
+        if u.message.as_deref() != message {
+            u.message = message.map(Arc::from);
+        }
+        self.after_change(user, before);
+        Ok(())
+    }
+
+    /// Appear offline to everyone else (takes effect at once, not debounced).
+    pub fn handle_set_invisible(
+        &mut self,
+        now: Millis,
+        id: SessionId,
+        invisible: bool,
+    ) -> Result<(), Error> {
+        self.advance(now);
+        let id = self.online(id)?;
+        let Some(user) = self.session(id).map(|s| s.user) else {
+            return Err(Error::Stale);
+        };
+        let before = self.views(user);
+        self.users[user as usize].invisible = invisible;
+        self.after_change(user, before);
+        Ok(())
+    }
+
+    /// Watch `target` in `tier`; answers with a snapshot. Subscribing again
+    /// changes the tier and answers with a fresh snapshot.
+    pub fn handle_subscribe(
+        &mut self,
+        now: Millis,
+        id: SessionId,
+        target: UserId,
+        tier: Tier,
+    ) -> Result<Snapshot, Error> {
+        self.advance(now);
+        let id = self.online(id)?;
+        let Some(session) = self.session(id) else {
+            return Err(Error::Stale);
+        };
+        let viewer = session.user;
+        if self.users[viewer as usize].id != target && !session.watch.allows(target) {
+            return Err(Error::NotAllowed);
+        }
+        let existing = self
+            .index
+            .get(target)
+            .and_then(|t| session.subs.as_deref().and_then(|subs| find_sub(subs, t)))
+            .map(|sub| (sub.target, sub.tier));
+        if existing.is_none()
+            && session.subs.as_ref().map_or(0, |s| s.list.len())
+                >= self.config.max_subscriptions_per_session
+        {
+            return Err(self.limit(Limit::SubscriptionsPerSession));
+        }
+        let t = self.user_slot(target)?;
+        if let Some((_, old_tier)) = existing {
+            // Re-subscribing: the fresh snapshot replaces whatever was queued.
+            if old_tier == tier {
+                self.dequeue(id, t);
+                self.counters.snapshots += 1;
+                let presence = self.view_of(Some(viewer), t);
+                return Ok(Snapshot {
+                    target,
+                    tier,
+                    presence,
+                });
+            }
+            if !self.realtime_has_room(viewer, t, tier)
+                && self.config.realtime_overflow == RealtimeOverflow::Reject
+            {
+                return Err(self.limit(Limit::RealtimePerTarget));
+            }
+            self.detach(id, t);
+        }
+        self.attach(id, t, tier, true)
+    }
+
+    /// Stop watching `target`.
+    pub fn handle_unsubscribe(
+        &mut self,
+        now: Millis,
+        id: SessionId,
+        target: UserId,
+    ) -> Result<(), Error> {
+        self.advance(now);
+        let id = self.online(id)?;
+        let t = self.index.get(target).ok_or(Error::NotSubscribed)?;
+        if self.detach(id, t) {
+            Ok(())
+        } else {
+            Err(Error::NotSubscribed)
+        }
+    }
+
+    /// What this session may see of `target` now, without subscribing.
+    pub fn handle_query(
+        &mut self,
+        now: Millis,
+        id: SessionId,
+        target: UserId,
+    ) -> Result<Presence, Error> {
+        self.advance(now);
+        let id = self.online(id)?;
+        self.view(id, target)
+    }
+
+    // ----- getters ----------------------------------------------------------
+
+    /// What others are shown of `user` (published, debounced).
+    pub fn presence(&self, user: UserId) -> Presence {
+        self.index
+            .get(user)
+            .map(|u| self.users[u as usize].published.clone())
+            .unwrap_or_default()
+    }
+
+    /// What others would be shown of `user` if it were published now (the
+    /// target of convergence, I8). Its version is the latest published one.
+    pub fn shown(&self, user: UserId) -> Presence {
+        match self.index.get(user) {
+            Some(u) => Presence {
+                version: self.users[u as usize].published.version,
+                ..self.shown_view(u)
+            },
+            None => Presence::default(),
+        }
+    }
+
+    /// The truth about `user`, as their own sessions see it.
+    pub fn truth(&self, user: UserId) -> Presence {
+        self.index
+            .get(user)
+            .map(|u| self.own_view(u))
+            .unwrap_or_default()
+    }
+
+    /// Really online: some device is Online or Lingering (I1).
+    pub fn is_online(&self, user: UserId) -> bool {
+        self.index
+            .get(user)
+            .is_some_and(|u| !self.users[u as usize].sessions.is_empty())
+    }
+
+    /// Where to deliver a message to `user`: its Online sessions, whatever its
+    /// invisibility or status. Lingering devices are not routable.
+    pub fn route(&self, user: UserId) -> Vec<SessionId> {
+        let Some(u) = self.index.get(user) else {
+            return Vec::new();
+        };
+        self.users[u as usize]
+            .sessions
+            .iter()
+            .copied()
+            .filter(|&s| {
+                self.session(s)
+                    .is_some_and(|s| matches!(s.link, Link::Online { .. }))
+            })
+            .collect()
+    }
+
+    /// What `session` is entitled to see of `target` now.
+    pub fn view(&self, session: SessionId, target: UserId) -> Result<Presence, Error> {
+        let s = self.session(session).ok_or_else(|| self.classify(session))?;
+        if self.users[s.user as usize].id != target && !s.watch.allows(target) {
+            return Err(Error::NotAllowed);
+        }
+        Ok(match self.index.get(target) {
+            Some(t) => self.view_of(Some(s.user), t),
+            None => Presence::default(),
+        })
+    }
+
+    /// A live session's owner, device and link.
+    pub fn session_info(&self, session: SessionId) -> Option<SessionInfo> {
+        self.session(session).map(|s| SessionInfo {
+            user: self.users[s.user as usize].id,
+            device: s.device,
+            kind: s.kind,
+            online: matches!(s.link, Link::Online { .. }),
+        })
+    }
+
+    /// The session's subscriptions, by target.
+    pub fn subscriptions(&self, session: SessionId) -> Vec<(UserId, Tier)> {
+        self.session(session)
+            .and_then(|s| s.subs.as_deref())
+            .map(|subs| {
+                subs.list
+                    .iter()
+                    .map(|sub| (self.users[sub.target as usize].id, sub.tier))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Sessions currently alive (Online or Lingering).
+    pub fn session_count(&self) -> usize {
+        self.live_sessions
+    }
+
+    /// Users the core keeps a record of.
+    pub fn user_count(&self) -> usize {
+        self.users.len()
+    }
+
+    // ----- sessions ---------------------------------------------------------
+
+    pub(crate) fn session(&self, id: SessionId) -> Option<&Session> {
+        self.slots
+            .get(id.index())
+            .filter(|slot| slot.generation == id.generation())
+            .and_then(|slot| slot.session.as_ref())
+    }
+
+    fn session_mut(&mut self, id: SessionId) -> Option<&mut Session> {
+        self.slots
+            .get_mut(id.index())
+            .filter(|slot| slot.generation == id.generation())
+            .and_then(|slot| slot.session.as_mut())
+    }
+
+    /// Why `id` names no live session.
+    fn classify(&self, id: SessionId) -> Error {
+        match self.slots.get(id.index()) {
+            Some(slot) if id.generation() != 0 && id.generation() <= slot.generation => {
+                Error::Stale
+            }
+            _ => Error::UnknownSession,
+        }
+    }
+
+    /// A live (Online or Lingering) session, or why not.
+    fn current(&mut self, id: SessionId) -> Result<SessionId, Error> {
+        if self.session(id).is_some() {
+            return Ok(id);
+        }
+        if mutant!(self, IgnoreStale) {
+            if let Some(current) = self.tombstone_target(id) {
+                return Ok(current);
+            }
+        }
+        let error = self.classify(id);
+        if error == Error::Stale {
+            self.counters.stale_inputs += 1;
+        }
+        Err(error)
+    }
+
+    /// An Online session, or why not (a Lingering session is `Stale` here).
+    fn online(&mut self, id: SessionId) -> Result<SessionId, Error> {
+        let id = self.current(id)?;
+        match self.session(id).map(|s| s.link) {
+            Some(Link::Online { .. }) => Ok(id),
+            _ => {
+                self.counters.stale_inputs += 1;
+                Err(Error::Stale)
+            }
+        }
+    }
+
+    #[cfg(feature = "mutants")]
+    fn tombstone_target(&self, id: SessionId) -> Option<SessionId> {
+        let &(user, device) = self.tombstones.get(&id)?;
+        self.device_session(user, device)
+    }
+
+    #[cfg(not(feature = "mutants"))]
+    fn tombstone_target(&self, _: SessionId) -> Option<SessionId> {
+        None
+    }
+
+    fn device_session(&self, user: u32, device: DeviceId) -> Option<SessionId> {
+        self.users[user as usize]
+            .sessions
+            .iter()
+            .copied()
+            .find(|&s| self.session(s).is_some_and(|s| s.device == device))
+    }
+
+    fn insert_session(&mut self, user: u32, c: &Connect) -> SessionId {
+        let index = match self.free.pop() {
+            Some(index) => {
+                let slot = &mut self.slots[index as usize];
+                slot.generation += 1;
+                index
+            }
+            None => {
+                self.slots.push(Slot {
+                    generation: 1,
+                    session: None,
+                });
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let slot = &mut self.slots[index as usize];
+        let id = SessionId::new(index, slot.generation);
+        let lease_due = self.clock.plus(self.config.kind(c.kind).heartbeat_timeout);
+        slot.session = Some(Session {
+            id,
+            user,
+            device: c.device,
+            kind: c.kind,
+            link: Link::Online {
+                last_activity: self.clock,
+            },
+            lease_due,
+            watch: c.watch.clone(),
+            subs: None,
+        });
+        self.timers.insert((lease_due, Timer::Lease(id)));
+        self.users[user as usize].sessions.push(id);
+        self.live_sessions += 1;
+        self.counters.sessions_started += 1;
+        self.counters.sessions_online += 1;
+        id
+    }
+
+    fn set_lease(&mut self, id: SessionId, due: Millis) {
+        let Some(session) = self.session_mut(id) else {
+            return;
+        };
+        let old = std::mem::replace(&mut session.lease_due, due);
+        self.timers.remove(&(old, Timer::Lease(id)));
+        self.timers.insert((due, Timer::Lease(id)));
+    }
+
+    /// Online → Lingering: the lease becomes the grace deadline and the
+    /// subscriptions are parked (nothing is pushed to a lost connection; a
+    /// resume gets fresh snapshots instead).
+    fn linger(&mut self, id: SessionId) {
+        let Some(session) = self.session(id) else {
+            return;
+        };
+        let until = self.clock.plus(self.config.kind(session.kind).grace);
+        self.park(id);
+        if let Some(session) = self.session_mut(id) {
+            session.link = Link::Lingering { until };
+        }
+        self.set_lease(id, until);
+        self.counters.disconnects += 1;
+        self.counters.sessions_online -= 1;
+        self.counters.sessions_lingering += 1;
+    }
+
+    /// Removes an Online session from its targets' lists and drops its pending
+    /// batch; its subscriptions stay recorded in the session.
+    fn park(&mut self, id: SessionId) {
+        let Some(session) = self.session_mut(id) else {
+            return;
+        };
+        let user = session.user;
+        let Some(subs) = session.subs.as_deref_mut() else {
+            return;
+        };
+        let due = subs.batch_due.take();
+        subs.batch.clear();
+        for sub in &mut subs.list {
+            sub.queued = false;
+        }
+        let list: Vec<Sub> = subs.list.clone();
+        if let Some(due) = due {
+            self.timers.remove(&(due, Timer::Batch(id)));
+        }
+        for sub in list {
+            self.unlist(id, sub.target, sub.target == user, sub.tier);
+        }
+    }
+
+    /// Takes the subscriptions out of a session (for a resume).
+    fn detach_subs(&mut self, id: SessionId) -> Vec<Sub> {
+        let online = self
+            .session(id)
+            .is_some_and(|s| matches!(s.link, Link::Online { .. }));
+        if online {
+            self.park(id);
+        }
+        self.session_mut(id)
+            .and_then(|s| s.subs.take())
+            .map(|subs| subs.list)
+            .unwrap_or_default()
+    }
+
+    /// Ends a live session: no more outputs to it, its subscriptions end.
+    fn end_session(&mut self, id: SessionId, reason: EndReason) {
+        let keep_listed = reason == EndReason::LoggedOut && mutant!(self, KeepSubsAfterLogout);
+        let online = self
+            .session(id)
+            .is_some_and(|s| matches!(s.link, Link::Online { .. }));
+        if online && !keep_listed {
+            self.park(id);
+        }
+        let Some(slot) = self.slots.get_mut(id.index()) else {
+            return;
+        };
+        let Some(session) = slot.session.take() else {
+            return;
+        };
+        if slot.generation < u32::MAX {
+            self.free.push(id.index() as u32);
+        }
+        self.timers.remove(&(session.lease_due, Timer::Lease(id)));
+        if let Some(due) = session.subs.as_ref().and_then(|s| s.batch_due) {
+            self.timers.remove(&(due, Timer::Batch(id)));
+        }
+        #[cfg(feature = "mutants")]
+        if self.mutant == Some(crate::mutants::Mutant::IgnoreStale)
+            && reason == EndReason::Superseded
+        {
+            self.tombstones.insert(id, (session.user, session.device));
+        }
+        self.users[session.user as usize]
+            .sessions
+            .retain(|&s| s != id);
+        self.live_sessions -= 1;
+        match session.link {
+            Link::Online { .. } => self.counters.sessions_online -= 1,
+            Link::Lingering { .. } => self.counters.sessions_lingering -= 1,
+        }
+        self.outputs
+            .push_back(Output::SessionEnded { session: id, reason });
+    }
+
+    // ----- subscriptions ----------------------------------------------------
+
+    fn realtime_has_room(&self, viewer: u32, target: u32, tier: Tier) -> bool {
+        tier == Tier::Batched
+            || viewer == target
+            || self.users[target as usize]
+                .watchers
+                .as_deref()
+                .map_or(0, |w| w.others[0].len())
+                < self.config.max_realtime_per_target
+    }
+
+    /// Subscribes an Online session that is not yet subscribed to `target`.
+    fn attach(
+        &mut self,
+        id: SessionId,
+        target: u32,
+        mut tier: Tier,
+        may_reject: bool,
+    ) -> Result<Snapshot, Error> {
+        let Some(viewer) = self.session(id).map(|s| s.user) else {
+            return Err(Error::Stale);
+        };
+        if !self.realtime_has_room(viewer, target, tier) {
+            if may_reject && self.config.realtime_overflow == RealtimeOverflow::Reject {
+                return Err(self.limit(Limit::RealtimePerTarget));
+            }
+            tier = Tier::Batched;
+            self.counters.downgraded += 1;
+        }
+        let own = viewer == target;
+        let list = self.users[target as usize]
+            .watchers
+            .get_or_insert_with(Default::default)
+            .list_mut(own, tier);
+        if let Err(at) = list.binary_search(&id) {
+            list.insert(at, id);
+        }
+        if let Some(session) = self.session_mut(id) {
+            let subs = session.subs.get_or_insert_with(Default::default);
+            if let Err(at) = subs.list.binary_search_by_key(&target, |s| s.target) {
+                subs.list.insert(
+                    at,
+                    Sub {
+                        target,
+                        tier,
+                        queued: false,
+                    },
+                );
+            }
+        }
+        self.counters.snapshots += 1;
+        Ok(Snapshot {
+            target: self.users[target as usize].id,
+            tier,
+            presence: self.view_of(Some(viewer), target),
+        })
+    }
+
+    /// Unsubscribes; false if the session was not subscribed to `target`.
+    fn detach(&mut self, id: SessionId, target: u32) -> bool {
+        self.dequeue(id, target);
+        let Some(session) = self.session_mut(id) else {
+            return false;
+        };
+        let viewer = session.user;
+        let Some(subs) = session.subs.as_deref_mut() else {
+            return false;
+        };
+        let Ok(at) = subs.list.binary_search_by_key(&target, |s| s.target) else {
+            return false;
+        };
+        let sub = subs.list.remove(at);
+        if subs.list.is_empty() {
+            session.subs = None;
+        }
+        self.unlist(id, target, viewer == target, sub.tier);
+        true
+    }
+
+    /// Drops `target` from the session's pending batch.
+    fn dequeue(&mut self, id: SessionId, target: u32) {
+        let Some(subs) = self.session_mut(id).and_then(|s| s.subs.as_deref_mut()) else {
+            return;
+        };
+        let Some(sub) = find_sub_mut(subs, target) else {
+            return;
+        };
+        if !sub.queued {
+            return;
+        }
+        sub.queued = false;
+        subs.batch.retain(|&t| t != target);
+        if subs.batch.is_empty() {
+            if let Some(due) = subs.batch_due.take() {
+                self.timers.remove(&(due, Timer::Batch(id)));
+            }
+        }
+    }
+
+    fn unlist(&mut self, id: SessionId, target: u32, own: bool, tier: Tier) {
+        let u = &mut self.users[target as usize];
+        let Some(watchers) = u.watchers.as_deref_mut() else {
+            return;
+        };
+        let list = watchers.list_mut(own, tier);
+        if let Ok(at) = list.binary_search(&id) {
+            list.remove(at);
+        }
+        if watchers.is_empty() {
+            u.watchers = None;
+        }
+    }
+
+    // ----- views, debounce and fan-out -------------------------------------
+
+    fn user_slot(&mut self, user: UserId) -> Result<u32, Error> {
+        if let Some(u) = self.index.get(user) {
+            return Ok(u);
+        }
+        if self.users.len() >= self.config.max_users {
+            return Err(self.limit(Limit::Users));
+        }
+        let u = self.users.len() as u32;
+        self.users.push(User::new(user));
+        self.index.insert(user, u);
+        Ok(u)
+    }
+
+    fn limit(&mut self, limit: Limit) -> Error {
+        self.counters.limits_hit += 1;
+        Error::LimitExceeded(limit)
+    }
+
+    fn kinds(&self, user: u32) -> Kinds {
+        self.users[user as usize]
+            .sessions
+            .iter()
+            .filter_map(|&s| self.session(s))
+            .map(|s| s.kind)
+            .collect()
+    }
+
+    /// What others would be shown now (version 0: not yet published).
+    fn shown_view(&self, user: u32) -> Presence {
+        let u = &self.users[user as usize];
+        let hidden = u.invisible && !mutant!(self, InvisibleIgnored);
+        if !u.sessions.is_empty() && !hidden {
+            Presence {
+                version: 0,
+                online: true,
+                status: u.status,
+                message: u.message.clone(),
+                kinds: self.kinds(user),
+                last_seen: None,
+                invisible: false,
+            }
+        } else {
+            Presence {
+                last_seen: u.last_seen,
+                ..Presence::default()
+            }
+        }
+    }
+
+    /// The truth, as the user's own sessions see it.
+    fn own_view(&self, user: u32) -> Presence {
+        let u = &self.users[user as usize];
+        let online = !u.sessions.is_empty();
+        Presence {
+            version: u.version,
+            online,
+            status: u.status,
+            message: u.message.clone(),
+            kinds: self.kinds(user),
+            last_seen: if online { None } else { u.last_seen },
+            invisible: u.invisible,
+        }
+    }
+
+    /// What a session of `viewer` is told about `target`.
+    fn view_of(&self, viewer: Option<u32>, target: u32) -> Presence {
+        if viewer == Some(target) {
+            self.own_view(target)
+        } else {
+            self.users[target as usize].published.clone()
+        }
+    }
+
+    fn views(&self, user: u32) -> Views {
+        Views {
+            shown: self.shown_view(user),
+            own: self.own_view(user),
+        }
+    }
+
+    /// After a change to `user`: last seen, the own view (pushed at once) and
+    /// the shown view (debounced, except that going invisible is published
+    /// at once so that no snapshot can show an invisible user online, I5).
+    fn after_change(&mut self, user: u32, before: Views) {
+        let clock = self.clock;
+        let now_shown_online = {
+            let u = &self.users[user as usize];
+            !u.sessions.is_empty() && (!u.invisible || mutant!(self, InvisibleIgnored))
+        };
+        if before.shown.online && !now_shown_online {
+            self.users[user as usize].last_seen = Some(clock);
+        }
+        let own_online = !self.users[user as usize].sessions.is_empty();
+        if before.own.online != own_online {
+            if own_online {
+                self.counters.users_online += 1;
+            } else {
+                self.counters.users_online -= 1;
+            }
+        }
+
+        let own = self.own_view(user);
+        if !own.same_view(&before.own) {
+            self.users[user as usize].version += 1;
+            self.fan_out(user, true);
+        }
+
+        let shown = self.shown_view(user);
+        if shown.same_view(&before.shown) {
+            return;
+        }
+        let u = &self.users[user as usize];
+        let leak = u.invisible && u.published.online;
+        if leak || mutant!(self, NoDebounce) {
+            self.cancel_debounce(user);
+            if !shown.same_view(&self.users[user as usize].published) {
+                self.publish(user, shown);
+            }
+            return;
+        }
+        // (Re)start the window: a state is published only once it has held
+        // for the whole of it (I6).
+        self.cancel_debounce(user);
+        let due = clock.plus(self.config.debounce);
+        let u = &mut self.users[user as usize];
+        u.debounce_due = Some(due);
+        let id = u.id;
+        self.timers.insert((due, Timer::Debounce(id)));
+    }
+
+    fn cancel_debounce(&mut self, user: u32) {
+        let u = &mut self.users[user as usize];
+        if let Some(due) = u.debounce_due.take() {
+            let id = u.id;
+            self.timers.remove(&(due, Timer::Debounce(id)));
+        }
+    }
+
+    fn publish(&mut self, user: u32, mut shown: Presence) {
+        let u = &mut self.users[user as usize];
+        if !mutant!(self, VersionNotBumped) {
+            u.version += 1;
+        }
+        shown.version = u.version;
+        u.published = shown;
+        self.counters.publishes += 1;
+        self.fan_out(user, false);
+    }
+
+    /// Pushes the user's published view (or, for `own`, the truth) to its
+    /// realtime subscribers and queues it for the batched ones.
+    fn fan_out(&mut self, user: u32, own: bool) {
+        if self.users[user as usize].watchers.is_none() {
+            return;
+        }
+        let presence = if own {
+            self.own_view(user)
+        } else {
+            self.users[user as usize].published.clone()
+        };
+        let Core {
+            users,
+            slots,
+            timers,
+            outputs,
+            counters,
+            config,
+            clock,
+            ..
+        } = self;
+        let u = &users[user as usize];
+        let Some(watchers) = u.watchers.as_deref() else {
+            return;
+        };
+        for &to in watchers.list(own, Tier::Realtime) {
+            counters.notifications_realtime += 1;
+            outputs.push_back(Output::Push {
+                to,
+                target: u.id,
+                tier: Tier::Realtime,
+                presence: presence.clone(),
+            });
+        }
+        for &to in watchers.list(own, Tier::Batched) {
+            let Some(subs) = slots
+                .get_mut(to.index())
+                .filter(|slot| slot.generation == to.generation())
+                .and_then(|slot| slot.session.as_mut())
+                .and_then(|s| s.subs.as_deref_mut())
+            else {
+                continue; // only a mutant lists a dead session; check_invariants says so
+            };
+            let Some(sub) = find_sub_mut(subs, user) else {
+                continue;
+            };
+            if sub.queued {
+                continue; // coalesced: the flush sends the latest
+            }
+            sub.queued = true;
+            subs.batch.push(user);
+            if subs.batch_due.is_none() {
+                let due = clock.plus(config.batch_interval);
+                subs.batch_due = Some(due);
+                timers.insert((due, Timer::Batch(to)));
+            }
+        }
+    }
+}
+
+/// A live session's public description.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SessionInfo {
+    pub user: UserId,
+    pub device: DeviceId,
+    pub kind: DeviceKind,
+    /// Online (true) or Lingering (false).
+    pub online: bool,
+}
+
+fn find_sub(subs: &Subs, target: u32) -> Option<&Sub> {
+    subs.list
+        .binary_search_by_key(&target, |s| s.target)
+        .ok()
+        .map(|at| &subs.list[at])
+}
+
+fn find_sub_mut(subs: &mut Subs, target: u32) -> Option<&mut Sub> {
+    subs.list
+        .binary_search_by_key(&target, |s| s.target)
+        .ok()
+        .map(|at| &mut subs.list[at])
+}

@@ -1,0 +1,59 @@
+//! Typed errors: every refused input says why, and none of them panics.
+
+use std::fmt;
+
+/// Why an input was refused. Nothing changed in the core when one is returned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Error {
+    /// The session was issued but is no longer current (superseded, logged
+    /// out, expired), or is lingering and cannot take this input.
+    Stale,
+    /// No such session was ever issued.
+    UnknownSession,
+    /// A configured cap was reached.
+    LimitExceeded(Limit),
+    /// The session's credentials do not allow watching that user.
+    NotAllowed,
+    /// Unsubscribe from a target the session is not subscribed to.
+    NotSubscribed,
+}
+
+/// Which cap an input hit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Limit {
+    SubscriptionsPerSession,
+    RealtimePerTarget,
+    MessageLength,
+    DevicesPerUser,
+    Sessions,
+    Users,
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Stale => f.write_str("session is no longer current"),
+            Error::UnknownSession => f.write_str("no such session"),
+            Error::LimitExceeded(limit) => write!(f, "limit exceeded: {limit}"),
+            Error::NotAllowed => f.write_str("not allowed to watch that user"),
+            Error::NotSubscribed => f.write_str("not subscribed to that user"),
+        }
+    }
+}
+
+impl fmt::Display for Limit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Limit::SubscriptionsPerSession => "subscriptions per session",
+            Limit::RealtimePerTarget => "realtime subscribers per target",
+            Limit::MessageLength => "status message length",
+            Limit::DevicesPerUser => "devices per user",
+            Limit::Sessions => "sessions",
+            Limit::Users => "users",
+        })
+    }
+}
+
+impl std::error::Error for Error {}

@@ -1,0 +1,30 @@
+//! Deliberately broken variants of the core (feature `mutants`), so that the
+//! model checker and the property tests can show they catch each bug.
+
+/// One bug to switch on with `Core::set_mutant`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Mutant {
+    /// An input naming a superseded session acts on the device's current one.
+    IgnoreStale,
+    /// Visible changes are published at once, with no debounce.
+    NoDebounce,
+    /// Others see invisible users as they really are.
+    InvisibleIgnored,
+    /// Logout leaves the session lingering, like a lost connection.
+    LogoutAsDisconnect,
+    /// Publishing does not bump the version.
+    VersionNotBumped,
+    /// A logged-out session stays in its targets' subscriber lists.
+    KeepSubsAfterLogout,
+}
+
+impl Mutant {
+    pub const ALL: [Mutant; 6] = [
+        Mutant::IgnoreStale,
+        Mutant::NoDebounce,
+        Mutant::InvisibleIgnored,
+        Mutant::LogoutAsDisconnect,
+        Mutant::VersionNotBumped,
+        Mutant::KeepSubsAfterLogout,
+    ];
+}
