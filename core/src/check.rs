@@ -15,9 +15,10 @@ impl Core {
             let Some(s) = &slot.session else { continue };
             live += 1;
             let id = s.id;
-            ensure(id.index() == index && id.generation() == slot.generation, || {
-                format!("session {id} sits in slot {index} gen {}", slot.generation)
-            })?;
+            ensure(
+                id.index() == index && id.generation() == slot.generation,
+                || format!("session {id} sits in slot {index} gen {}", slot.generation),
+            )?;
             let user = self
                 .users
                 .get(s.user as usize)
@@ -28,31 +29,40 @@ impl Core {
             expected_timers.insert((s.lease_due, Timer::Lease(id)));
             match s.link {
                 Link::Online { last_activity } => {
-                    let deadline =
-                        last_activity.plus(self.config.kind(s.kind).heartbeat_timeout);
+                    let deadline = last_activity.plus(self.config.kind(s.kind).heartbeat_timeout);
                     ensure(s.lease_due <= deadline, || {
                         format!("I2: lease of {id} armed after its heartbeat deadline")
                     })?;
                     ensure(deadline > self.clock, || {
-                        format!("I2: ghost {id}: heartbeat deadline {deadline} <= now {}", self.clock)
+                        format!(
+                            "I2: ghost {id}: heartbeat deadline {deadline} <= now {}",
+                            self.clock
+                        )
                     })?;
                 }
                 Link::Lingering { until } => {
-                    ensure(s.lease_due == until, || format!("lease of lingering {id} != until"))?;
+                    ensure(s.lease_due == until, || {
+                        format!("lease of lingering {id} != until")
+                    })?;
                     ensure(until > self.clock, || {
                         format!("I2: lingering {id} past grace ({until} <= {})", self.clock)
                     })?;
                 }
             }
-            let Some(subs) = s.subs.as_deref() else { continue };
-            ensure(!subs.list.is_empty(), || format!("{id} keeps an empty subscription box"))?;
+            let Some(subs) = s.subs.as_deref() else {
+                continue;
+            };
+            ensure(!subs.list.is_empty(), || {
+                format!("{id} keeps an empty subscription box")
+            })?;
             ensure(
                 subs.list.len() <= self.config.max_subscriptions_per_session,
                 || format!("{id} over the subscription cap"),
             )?;
-            ensure(subs.list.windows(2).all(|w| w[0].target < w[1].target), || {
-                format!("{id} subscriptions not sorted")
-            })?;
+            ensure(
+                subs.list.windows(2).all(|w| w[0].target < w[1].target),
+                || format!("{id} subscriptions not sorted"),
+            )?;
             let online = matches!(s.link, Link::Online { .. });
             for sub in &subs.list {
                 let target = self
@@ -68,28 +78,41 @@ impl Core {
                     .as_deref()
                     .is_some_and(|w| w.list(own, sub.tier).binary_search(&id).is_ok());
                 ensure(listed == online, || {
-                    format!("I10: {id} listed={listed} under {:?} while online={online}", target.id)
+                    format!(
+                        "I10: {id} listed={listed} under {:?} while online={online}",
+                        target.id
+                    )
                 })?;
                 ensure(sub.queued == subs.batch.contains(&sub.target), || {
-                    format!("{id}: queued flag of {:?} disagrees with its batch", target.id)
+                    format!(
+                        "{id}: queued flag of {:?} disagrees with its batch",
+                        target.id
+                    )
                 })?;
                 ensure(!sub.queued || sub.tier == Tier::Batched, || {
                     format!("{id}: realtime subscription queued")
                 })?;
             }
-            ensure(subs.batch.len() == subs.list.iter().filter(|s| s.queued).count(), || {
-                format!("{id}: batch holds duplicates or strangers")
-            })?;
-            ensure(subs.batch_due.is_some() == !subs.batch.is_empty(), || {
+            ensure(
+                subs.batch.len() == subs.list.iter().filter(|s| s.queued).count(),
+                || format!("{id}: batch holds duplicates or strangers"),
+            )?;
+            ensure(subs.batch_due.is_some() != subs.batch.is_empty(), || {
                 format!("{id}: batch deadline without batch, or the reverse")
             })?;
-            ensure(online || subs.batch.is_empty(), || format!("{id}: lingering with a batch"))?;
+            ensure(online || subs.batch.is_empty(), || {
+                format!("{id}: lingering with a batch")
+            })?;
             if let Some(due) = subs.batch_due {
                 expected_timers.insert((due, Timer::Batch(id)));
             }
         }
-        ensure(self.index.len() == self.users.len(), || "index size is off".to_string())?;
-        ensure(live == self.live_sessions, || "live session count is off".to_string())?;
+        ensure(self.index.len() == self.users.len(), || {
+            "index size is off".to_string()
+        })?;
+        ensure(live == self.live_sessions, || {
+            "live session count is off".to_string()
+        })?;
 
         for (u, user) in self.users.iter().enumerate() {
             ensure(self.index.get(user.id) == Some(u as u32), || {
@@ -100,7 +123,9 @@ impl Core {
                 let s = self
                     .session(sid)
                     .ok_or_else(|| format!("I1: {:?} lists dead session {sid}", user.id))?;
-                ensure(s.user as usize == u, || format!("{sid} listed under another user"))?;
+                ensure(s.user as usize == u, || {
+                    format!("{sid} listed under another user")
+                })?;
                 ensure(devices.insert(s.device), || {
                     format!("{:?} has two sessions on device {:?}", user.id, s.device)
                 })?;
@@ -145,14 +170,22 @@ impl Core {
         Ok(())
     }
 
-    fn check_watcher(&self, sid: SessionId, target: u32, own: bool, tier: Tier) -> Result<(), String> {
+    fn check_watcher(
+        &self,
+        sid: SessionId,
+        target: u32,
+        own: bool,
+        tier: Tier,
+    ) -> Result<(), String> {
         let s = self
             .session(sid)
             .ok_or_else(|| format!("I10: dead session {sid} still watches user slot {target}"))?;
         ensure(matches!(s.link, Link::Online { .. }), || {
             format!("I10: lingering {sid} listed as a watcher")
         })?;
-        ensure((s.user == target) == own, || format!("{sid} in the wrong own/others list"))?;
+        ensure((s.user == target) == own, || {
+            format!("{sid} in the wrong own/others list")
+        })?;
         let sub = s
             .subs
             .as_deref()

@@ -98,7 +98,9 @@ impl Config {
             }
         }
         if self.max_sessions > u32::MAX as usize || self.max_users > u32::MAX as usize {
-            return Err(ConfigError("max_sessions and max_users must fit in 32 bits"));
+            return Err(ConfigError(
+                "max_sessions and max_users must fit in 32 bits",
+            ));
         }
         if self.max_devices_per_user == 0 || self.max_sessions == 0 || self.max_users == 0 {
             return Err(ConfigError(

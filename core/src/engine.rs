@@ -19,7 +19,9 @@ use crate::config::{Config, ConfigError, RealtimeOverflow};
 use crate::error::{Error, Limit};
 use crate::index::UserIndex;
 use crate::output::{EndReason, Output};
-use crate::types::{DeviceId, DeviceKind, Kinds, Millis, Presence, SessionId, Status, Tier, UserId, Watch};
+use crate::types::{
+    DeviceId, DeviceKind, Kinds, Millis, Presence, SessionId, Status, Tier, UserId, Watch,
+};
 use std::collections::{BTreeSet, VecDeque};
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
@@ -363,18 +365,24 @@ impl Core {
         self.advance(now);
     }
 
+    /// Runs what is due up to `now`, each at its own deadline, so that a late
+    /// `handle_timeout` leaves the same state as a timely one.
     fn advance(&mut self, now: Millis) {
-        if now > self.clock {
-            self.clock = now;
-        }
-        self.run_timers();
+        let now = now.max(self.clock);
+        self.run_timers_until(now);
+        self.clock = now;
     }
 
     fn run_timers(&mut self) {
+        self.run_timers_until(self.clock);
+    }
+
+    fn run_timers_until(&mut self, now: Millis) {
         while let Some(&(due, timer)) = self.timers.first() {
-            if due > self.clock {
+            if due > now {
                 break;
             }
+            self.clock = self.clock.max(due);
             self.timers.pop_first();
             match timer {
                 Timer::Lease(session) => self.on_lease(session),
@@ -777,7 +785,9 @@ impl Core {
 
     /// What `session` is entitled to see of `target` now.
     pub fn view(&self, session: SessionId, target: UserId) -> Result<Presence, Error> {
-        let s = self.session(session).ok_or_else(|| self.classify(session))?;
+        let s = self
+            .session(session)
+            .ok_or_else(|| self.classify(session))?;
         if self.users[s.user as usize].id != target && !s.watch.allows(target) {
             return Err(Error::NotAllowed);
         }
@@ -1033,8 +1043,10 @@ impl Core {
             Link::Online { .. } => self.counters.sessions_online -= 1,
             Link::Lingering { .. } => self.counters.sessions_lingering -= 1,
         }
-        self.outputs
-            .push_back(Output::SessionEnded { session: id, reason });
+        self.outputs.push_back(Output::SessionEnded {
+            session: id,
+            reason,
+        });
     }
 
     // ----- subscriptions ----------------------------------------------------

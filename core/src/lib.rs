@@ -60,5 +60,7 @@ pub use config::{Config, ConfigError, KindConfig, RealtimeOverflow};
 pub use engine::{Connect, Connected, Core, Counters, Input, Reply, SessionInfo, Snapshot};
 pub use error::{Error, Limit};
 pub use output::{EndReason, Output};
-pub use types::{DeviceId, DeviceKind, Kinds, Millis, Presence, SessionId, Status, Tier, UserId, Watch};
+pub use types::{
+    DeviceId, DeviceKind, Kinds, Millis, Presence, SessionId, Status, Tier, UserId, Watch,
+};
 pub use view::{Applied, View};

@@ -34,21 +34,15 @@ impl fmt::Display for Millis {
 }
 
 /// A user, as the driver names it (the transport interns user names into these).
-#[derive(
-    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
-)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct UserId(pub u64);
 
 /// A device of one user; unique within that user only.
-#[derive(
-    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
-)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct DeviceId(pub u64);
 
 /// What sort of device a session runs on; each kind has its own timeouts.
-#[derive(
-    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
-)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum DeviceKind {
     Mobile,
     Desktop,
@@ -100,7 +94,9 @@ impl Kinds {
     }
 
     pub fn iter(self) -> impl Iterator<Item = DeviceKind> {
-        DeviceKind::ALL.into_iter().filter(move |k| self.contains(*k))
+        DeviceKind::ALL
+            .into_iter()
+            .filter(move |k| self.contains(*k))
     }
 
     /// The raw bits, for wire formats.
@@ -126,9 +122,7 @@ impl FromIterator<DeviceKind> for Kinds {
 
 /// A session: one connection's identity, assigned by the core at connect and
 /// never reused while the core lives (a slot index plus a generation).
-#[derive(
-    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
-)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct SessionId(pub u64);
 
 impl SessionId {
@@ -183,9 +177,7 @@ impl Status {
 }
 
 /// How quickly a subscriber hears about changes.
-#[derive(
-    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
-)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum Tier {
     /// Each published change is pushed at once (the chat that is open).
     Realtime,
