@@ -935,7 +935,11 @@ impl Core {
             subs: None,
         });
         self.timers.insert((lease_due, Timer::Lease(id)));
-        self.users[user as usize].sessions.push(id);
+        // Grow one at a time: most users have one or two devices, and the
+        // default growth to four would cost 16 bytes per device at scale.
+        let sessions = &mut self.users[user as usize].sessions;
+        sessions.reserve_exact(1);
+        sessions.push(id);
         self.live_sessions += 1;
         self.counters.sessions_started += 1;
         self.counters.sessions_online += 1;
