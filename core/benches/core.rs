@@ -201,23 +201,34 @@ fn main() {
     let rounds = 50u64;
     let debounce = core.config().debounce.0;
     let mut status_changes = 0;
-    rows.push(timed("set status, 20 realtime subscribers", "notifications", || {
-        let mut pushed = 0;
-        for round in 0..rounds {
-            let status = if round % 2 == 0 { Status::Busy } else { Status::Available };
-            for h in 0..hot {
-                let s = phones[(users - 1 - h) as usize];
-                if core.handle_set_status(Millis(now), s, status, None).is_err() {
-                    panic!("set status refused");
+    rows.push(timed(
+        "set status, 20 realtime subscribers",
+        "notifications",
+        || {
+            let mut pushed = 0;
+            for round in 0..rounds {
+                let status = if round % 2 == 0 {
+                    Status::Busy
+                } else {
+                    Status::Available
+                };
+                for h in 0..hot {
+                    let s = phones[(users - 1 - h) as usize];
+                    if core
+                        .handle_set_status(Millis(now), s, status, None)
+                        .is_err()
+                    {
+                        panic!("set status refused");
+                    }
+                    status_changes += 1;
                 }
-                status_changes += 1;
+                now += debounce;
+                core.handle_timeout(Millis(now));
+                pushed += drain(&mut core);
             }
-            now += debounce;
-            core.handle_timeout(Millis(now));
-            pushed += drain(&mut core);
-        }
-        pushed
-    }));
+            pushed
+        },
+    ));
     let notify_row = rows.last().map(|r| (r.count, r.secs)).unwrap_or((0, 1.0));
 
     // 4. Login storm: new devices connect and subscribe to 20 targets each,
@@ -256,12 +267,16 @@ fn main() {
     let before = core.counters().ghosts_reaped;
     let t_expire = 60_000;
     let mut expired = 0;
-    let expiry = timed("handle_timeout, 1% of devices expiring", "expired devices", || {
-        core.handle_timeout(Millis(t_expire));
-        drain(&mut core);
-        expired = core.counters().ghosts_reaped - before;
-        expired
-    });
+    let expiry = timed(
+        "handle_timeout, 1% of devices expiring",
+        "expired devices",
+        || {
+            core.handle_timeout(Millis(t_expire));
+            drain(&mut core);
+            expired = core.counters().ghosts_reaped - before;
+            expired
+        },
+    );
     rows.push(expiry);
     let idle = timed("handle_timeout, nothing due", "calls", || {
         for _ in 0..1_000_000 {
@@ -288,7 +303,10 @@ fn main() {
         );
     }
     println!();
-    println!("heap per resident device: {bytes_per_device:.0} bytes ({:.0} MiB for {devices} devices)", heap as f64 / (1 << 20) as f64);
+    println!(
+        "heap per resident device: {bytes_per_device:.0} bytes ({:.0} MiB for {devices} devices)",
+        heap as f64 / (1 << 20) as f64
+    );
     println!(
         "login storm: {logins_per_sec:.0} logins/s (21 inputs each); heap per login (one session, 20 subscriptions): {bytes_per_login:.0} bytes"
     );
