@@ -52,10 +52,14 @@ mod types;
 mod view;
 
 #[cfg(feature = "check")]
+mod audit;
+#[cfg(feature = "check")]
 mod check;
 #[cfg(feature = "mutants")]
 pub mod mutants;
 
+#[cfg(feature = "check")]
+pub use audit::Audit;
 pub use config::{Config, ConfigError, KindConfig, RealtimeOverflow};
 pub use engine::{Connect, Connected, Core, Counters, Input, Reply, SessionInfo, Snapshot};
 pub use error::{Error, Limit};

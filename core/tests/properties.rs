@@ -10,7 +10,7 @@ mod reference;
 use greendot_core::*;
 use proptest::prelude::*;
 use reference::Reference;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
 const USERS: u8 = 5;
 
@@ -156,116 +156,35 @@ fn config() -> impl Strategy<Value = Config> {
     })
 }
 
-/// What the driver has seen, to check the invariants about outputs.
+/// Every session id the core issued, in order (inputs pick from these).
 #[derive(Default)]
-struct Observer {
-    /// Every session id the core issued, in order (inputs pick from these).
-    issued: Vec<SessionId>,
-    watch: BTreeMap<SessionId, Watch>,
-    owner: BTreeMap<SessionId, UserId>,
-    ended: BTreeSet<SessionId>,
-    lingering: BTreeSet<SessionId>,
-    /// What each live session is subscribed to, from the answers.
-    subs: BTreeMap<SessionId, BTreeMap<UserId, Tier>>,
-    /// Per (session, target): the highest version received (I7).
-    versions: BTreeMap<(SessionId, UserId), u64>,
-    views: BTreeMap<SessionId, View>,
-    /// When each invisible user went invisible (I5).
-    invisible_since: BTreeMap<UserId, u64>,
-}
+struct Issued(Vec<SessionId>);
 
-impl Observer {
+impl Issued {
     /// Mostly a live session (inputs on dead ones are tested, but they
     /// teach little), sometimes any issued one, rarely one never issued.
     fn pick(&self, i: u8, live: &BTreeSet<SessionId>, online: &[SessionId]) -> SessionId {
-        if i == u8::MAX || self.issued.is_empty() {
+        if i == u8::MAX || self.0.is_empty() {
             SessionId(u64::MAX)
         } else if i < 160 && !online.is_empty() {
             online[i as usize % online.len()]
         } else if i < 208 && !live.is_empty() {
             *live.iter().nth(i as usize % live.len()).unwrap()
         } else {
-            self.issued[i as usize % self.issued.len()]
+            self.0[i as usize % self.0.len()]
         }
     }
+}
 
-    /// I5: what a session of another user is told about an invisible target.
-    fn check_leak(&self, to: SessionId, target: UserId, p: &Presence) -> Result<(), TestCaseError> {
-        if self.owner.get(&to) == Some(&target) {
-            return Ok(());
-        }
-        if let Some(&since) = self.invisible_since.get(&target) {
-            prop_assert!(
-                !p.online,
-                "I5: {to} shown invisible {target:?} online: {p:?}"
-            );
-            prop_assert!(
-                p.last_seen.is_none_or(|t| t.0 <= since),
-                "I5: last seen {:?} after going invisible at {since}",
-                p.last_seen
-            );
-        }
-        Ok(())
-    }
-
-    fn receive(
-        &mut self,
-        to: SessionId,
-        target: UserId,
-        p: &Presence,
-        snapshot: bool,
-    ) -> Result<(), TestCaseError> {
-        self.check_leak(to, target, p)?;
-        let last = self.versions.entry((to, target)).or_insert(0);
-        if snapshot {
-            prop_assert!(
-                p.version >= *last,
-                "I7: snapshot v{} older than v{last} sent to {to}",
-                p.version
-            );
-        } else {
-            prop_assert!(
-                p.version > *last,
-                "I7: {to} got v{} of {target:?} after v{last}",
-                p.version
-            );
-        }
-        *last = p.version;
-        self.views.entry(to).or_default().apply(target, p.clone());
-        Ok(())
-    }
-
-    fn output(&mut self, o: &Output) -> Result<(), TestCaseError> {
-        match o {
-            Output::Push {
-                to,
-                target,
-                tier,
-                presence,
-            } => {
-                prop_assert!(!self.ended.contains(to), "I10: push to ended session {to}");
-                prop_assert!(
-                    !self.lingering.contains(to),
-                    "I10: push to lingering session {to}"
-                );
-                let subscribed = self.subs.get(to).and_then(|s| s.get(target));
-                prop_assert_eq!(subscribed, Some(tier), "I10: push to a non-subscriber");
-                self.receive(*to, *target, presence, false)?;
-            }
-            Output::SessionEnded { session, .. } => {
-                prop_assert!(self.ended.insert(*session), "{session} ended twice");
-                self.lingering.remove(session);
-                self.subs.remove(session);
-            }
-        }
-        Ok(())
-    }
+fn audited(r: Result<(), String>) -> Result<(), TestCaseError> {
+    r.map_err(TestCaseError::fail)
 }
 
 struct Driver {
     core: Core,
     reference: Reference,
-    seen: Observer,
+    issued: Issued,
+    audit: Audit,
     now: u64,
 }
 
@@ -274,7 +193,8 @@ impl Driver {
         Driver {
             core: Core::new(config.clone()).unwrap(),
             reference: Reference::new(config),
-            seen: Observer::default(),
+            issued: Issued::default(),
+            audit: Audit::new(),
             now: 0,
         }
     }
@@ -290,7 +210,7 @@ impl Driver {
             self.now
         );
         for o in &core {
-            self.seen.output(o)?;
+            audited(self.audit.output(o))?;
         }
         Ok(())
     }
@@ -310,7 +230,7 @@ impl Driver {
             .copied()
             .filter(|s| self.core.session_info(*s).is_some_and(|i| i.online))
             .collect();
-        let pick = |i| self.seen.pick(i, &live, &online);
+        let pick = |i| self.issued.pick(i, &live, &online);
         let result: Result<(), Error> = match step.op.clone() {
             Op::Connect {
                 user,
@@ -352,24 +272,11 @@ impl Driver {
                     })
                 };
                 prop_assert_eq!(sort(got.clone()), sort(want));
-                match got {
-                    Err(e) => Err(e),
-                    Ok(connected) => {
-                        let id = connected.session;
-                        self.seen.issued.push(id);
-                        self.seen.watch.insert(id, watch);
-                        self.seen.owner.insert(id, c.user);
-                        let mut subs = BTreeMap::new();
-                        for s in &connected.snapshots {
-                            subs.insert(s.target, s.tier);
-                        }
-                        self.seen.subs.insert(id, subs);
-                        for s in connected.snapshots {
-                            self.seen.receive(id, s.target, &s.presence, true)?;
-                        }
-                        Ok(())
-                    }
+                if let Ok(connected) = &got {
+                    self.issued.0.push(connected.session);
+                    audited(self.audit.connected(&c, connected))?;
                 }
+                got.map(|_| ())
             }
             Op::Activity(s) => {
                 let s = pick(s);
@@ -382,7 +289,7 @@ impl Driver {
                 let got = self.core.handle_disconnect(at, s);
                 prop_assert_eq!(got, self.reference.disconnect(now, s));
                 if got.is_ok() {
-                    self.seen.lingering.insert(s);
+                    self.audit.disconnected(s);
                 }
                 got
             }
@@ -391,7 +298,7 @@ impl Driver {
                 let got = self.core.handle_logout(at, s);
                 prop_assert_eq!(got, self.reference.logout(now, s));
                 if got.is_ok() {
-                    let user = self.seen.owner[&s];
+                    let user = self.audit.owner(s).unwrap();
                     prop_assert!(!self.core.route(user).contains(&s), "I4: {s} still routed");
                     prop_assert!(
                         self.core.subscriptions(s).is_empty(),
@@ -418,12 +325,8 @@ impl Driver {
                 let got = self.core.handle_set_invisible(at, s, invisible);
                 prop_assert_eq!(got, self.reference.set_invisible(now, s, invisible));
                 if got.is_ok() {
-                    let user = self.seen.owner[&s];
-                    if invisible {
-                        self.seen.invisible_since.entry(user).or_insert(now);
-                    } else {
-                        self.seen.invisible_since.remove(&user);
-                    }
+                    let user = self.audit.owner(s).unwrap();
+                    self.audit.invisible(user, invisible, at);
                 }
                 got
             }
@@ -431,22 +334,17 @@ impl Driver {
                 let (s, t) = (pick(s), UserId(t.into()));
                 let got = self.core.handle_subscribe(at, s, t, tier);
                 prop_assert_eq!(&got, &self.reference.subscribe(now, s, t, tier));
-                match got {
-                    Err(e) => Err(e),
-                    Ok(snap) => {
-                        self.seen.subs.entry(s).or_default().insert(t, snap.tier);
-                        self.seen.receive(s, t, &snap.presence, true)?;
-                        Ok(())
-                    }
+                if let Ok(snapshot) = &got {
+                    audited(self.audit.subscribed(s, snapshot))?;
                 }
+                got.map(|_| ())
             }
             Op::Unsubscribe(s, t) => {
                 let (s, t) = (pick(s), UserId(t.into()));
                 let got = self.core.handle_unsubscribe(at, s, t);
                 prop_assert_eq!(got, self.reference.unsubscribe(now, s, t));
                 if got.is_ok() {
-                    self.seen.subs.entry(s).or_default().remove(&t);
-                    self.seen.views.entry(s).or_default().forget(t);
+                    self.audit.unsubscribed(s, t);
                 }
                 got
             }
@@ -455,7 +353,7 @@ impl Driver {
                 let got = self.core.handle_query(at, s, t);
                 prop_assert_eq!(&got, &self.reference.query(now, s, t));
                 if let Ok(p) = &got {
-                    self.seen.check_leak(s, t, p)?;
+                    audited(self.audit.answered(s, t, p))?;
                 }
                 got.map(|_| ())
             }
@@ -511,10 +409,10 @@ impl Driver {
             let subs: BTreeSet<_> = self.core.subscriptions(s).into_iter().collect();
             prop_assert_eq!(&subs, &self.reference.subscriptions(s));
             // I11: only what the credentials allow.
-            let owner = self.seen.owner[&s];
+            let owner = self.audit.owner(s).unwrap();
             for (target, _) in &subs {
                 prop_assert!(
-                    *target == owner || self.seen.watch[&s].allows(*target),
+                    *target == owner || self.audit.watch(s).unwrap().allows(*target),
                     "I11: {s} watches {target:?}"
                 );
             }
@@ -550,7 +448,7 @@ impl Driver {
                 }
                 for (target, _) in self.core.subscriptions(s) {
                     let want = self.core.view(s, target).unwrap();
-                    let got = self.seen.views.get(&s).and_then(|v| v.get(target));
+                    let got = self.audit.view(s).and_then(|v| v.get(target));
                     prop_assert!(
                         got.is_some_and(|g| g.same_view(&want)),
                         "I8: {s} sees {target:?} as {got:?}, shown as {want:?}"
