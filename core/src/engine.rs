@@ -117,6 +117,16 @@ pub enum Reply {
     Presence(Presence),
 }
 
+/// What a server keeps of a user across restarts: the user's choices and
+/// when they were last seen.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Saved {
+    pub status: Status,
+    pub message: Option<Arc<str>>,
+    pub invisible: bool,
+    pub last_seen: Option<Millis>,
+}
+
 /// Metrics. They are not part of the state's identity: two cores that differ
 /// only in counters compare equal and hash alike (the model checker relies on it).
 #[derive(Clone, Debug, Default)]
@@ -727,6 +737,51 @@ impl Core {
         self.advance(now);
         let id = self.online(id)?;
         self.view(id, target)
+    }
+
+    /// Restores what a server saved of `user` before a restart. Only for a
+    /// user who is not online yet (refused with `Error::AlreadyOnline`): the
+    /// user is shown offline with the saved last seen, and keeps the saved
+    /// status and invisibility when they connect.
+    pub fn restore(&mut self, user: UserId, saved: Saved) -> Result<(), Error> {
+        if saved
+            .message
+            .as_ref()
+            .is_some_and(|m| m.len() > self.config.max_message_len)
+        {
+            return Err(self.limit(Limit::MessageLength));
+        }
+        let u = self.user_slot(user)?;
+        let u = &mut self.users[u as usize];
+        if !u.sessions.is_empty() {
+            return Err(Error::AlreadyOnline);
+        }
+        u.status = saved.status;
+        u.message = saved.message;
+        u.invisible = saved.invisible;
+        u.last_seen = saved.last_seen;
+        u.published = Presence {
+            version: u.version,
+            last_seen: saved.last_seen,
+            ..Presence::default()
+        };
+        Ok(())
+    }
+
+    /// What a server should keep of `user` across restarts.
+    pub fn saved(&self, user: UserId) -> Saved {
+        match self.index.get(user) {
+            Some(u) => {
+                let u = &self.users[u as usize];
+                Saved {
+                    status: u.status,
+                    message: u.message.clone(),
+                    invisible: u.invisible,
+                    last_seen: u.last_seen,
+                }
+            }
+            None => Saved::default(),
+        }
     }
 
     // ----- getters ----------------------------------------------------------

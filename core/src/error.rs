@@ -17,6 +17,8 @@ pub enum Error {
     NotAllowed,
     /// Unsubscribe from a target the session is not subscribed to.
     NotSubscribed,
+    /// Restoring saved preferences of a user who is already online.
+    AlreadyOnline,
 }
 
 /// Which cap an input hit.
@@ -39,6 +41,7 @@ impl fmt::Display for Error {
             Error::LimitExceeded(limit) => write!(f, "limit exceeded: {limit}"),
             Error::NotAllowed => f.write_str("not allowed to watch that user"),
             Error::NotSubscribed => f.write_str("not subscribed to that user"),
+            Error::AlreadyOnline => f.write_str("user is already online"),
         }
     }
 }

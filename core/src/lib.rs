@@ -61,7 +61,7 @@ pub mod mutants;
 #[cfg(feature = "check")]
 pub use audit::Audit;
 pub use config::{Config, ConfigError, KindConfig, RealtimeOverflow};
-pub use engine::{Connect, Connected, Core, Counters, Input, Reply, SessionInfo, Snapshot};
+pub use engine::{Connect, Connected, Core, Counters, Input, Reply, Saved, SessionInfo, Snapshot};
 pub use error::{Error, Limit};
 pub use output::{EndReason, Output};
 pub use types::{

@@ -795,3 +795,38 @@ fn invalid_configs_are_refused() {
     config.kind_mut(DeviceKind::Other).heartbeat_timeout = Millis::ZERO;
     assert!(Core::new(config).is_err());
 }
+
+#[test]
+fn saved_preferences_survive_a_restart() {
+    let mut h = Harness::new();
+    let phone = h.connect(ALICE, PHONE, DeviceKind::Mobile);
+    h.core
+        .handle_set_status(Millis(0), phone, Status::Busy, Some("focus"))
+        .unwrap();
+    h.core
+        .handle_set_invisible(Millis(100), phone, true)
+        .unwrap();
+    h.core.handle_logout(Millis(5000), phone).unwrap();
+    let saved = h.core.saved(ALICE);
+    assert_eq!(saved.last_seen, Some(Millis(100)), "frozen when invisible");
+
+    let mut restarted = Harness::new();
+    restarted.core.restore(ALICE, saved.clone()).unwrap();
+    restarted.check();
+    assert_eq!(restarted.core.saved(ALICE), saved);
+    assert_eq!(restarted.core.presence(ALICE).last_seen, Some(Millis(100)));
+    let bob = restarted.connect(BOB, PHONE, DeviceKind::Desktop);
+    restarted.subscribe(bob, ALICE, Tier::Realtime);
+    restarted.connect(ALICE, PHONE, DeviceKind::Mobile);
+    let out = restarted.run_until(10_000);
+    assert!(
+        pushes_to(&out, bob).is_empty(),
+        "I5 across restarts: still invisible"
+    );
+    assert!(restarted.core.truth(ALICE).invisible);
+    assert_eq!(restarted.core.truth(ALICE).status, Status::Busy);
+    assert_eq!(
+        restarted.core.restore(ALICE, Saved::default()),
+        Err(Error::AlreadyOnline)
+    );
+}
