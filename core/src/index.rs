@@ -47,6 +47,7 @@ impl UserIndex {
         self.0.insert(user, slot);
     }
 
+    #[cfg(feature = "check")]
     pub(crate) fn len(&self) -> usize {
         self.0.len()
     }

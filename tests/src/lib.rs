@@ -1,0 +1,352 @@
+//! Shared helpers of the end-to-end tests in `tests/tests/`: a server on
+//! loopback port 0 with small, quick settings; clients; an event recorder that
+//! waits for events with deadlines (never a fixed sleep as synchronisation).
+
+use greendot_core::{KindConfig, Millis, Presence};
+use greendot_transport::client::{Client, ClientConfig, ClientError, Event, Reconnect, Updates};
+use greendot_transport::proto::{self, CloseCode, Kind, ServerFrame};
+use greendot_transport::quinn;
+use greendot_transport::token::{Claims, WatchClaim};
+use greendot_transport::{Server, ServerConfig};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+
+pub use greendot_transport;
+
+pub const SECRET: &[u8] = b"greendot end-to-end test secret";
+
+/// Settings small enough for quick tests, large enough for a loaded 2-core
+/// machine: idle timeout 1.5 s (keep-alive 300 ms), grace 2 s, debounce
+/// 150 ms, batches every 1.5 s, heartbeat timeout 4 s.
+pub fn quick_config() -> ServerConfig {
+    let mut config = ServerConfig::new(SECRET);
+    config.listen = SocketAddr::from(([127, 0, 0, 1], 0));
+    config.keep_alive = Duration::from_millis(300);
+    config.idle_timeout = Duration::from_millis(1500);
+    config.core.debounce = Millis(150);
+    config.core.batch_interval = Millis(1500);
+    config.core.kinds = [KindConfig {
+        heartbeat_timeout: Millis(4000),
+        grace: Millis(2000),
+    }; 4];
+    config.token_leeway = Duration::ZERO;
+    config
+}
+
+/// A server on 127.0.0.1, port 0.
+pub struct TestServer {
+    pub server: Server,
+}
+
+impl TestServer {
+    /// Starts a server with [`quick_config`] changed by `tweak`. Call inside a
+    /// tokio runtime.
+    pub fn start(tweak: impl FnOnce(&mut ServerConfig)) -> TestServer {
+        let mut config = quick_config();
+        tweak(&mut config);
+        let server = Server::bind(config).expect("server binds");
+        TestServer { server }
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.server.local_addr()
+    }
+
+    pub fn config(&self) -> &ServerConfig {
+        self.server.config()
+    }
+
+    pub fn token(&self, user: &str, device: &str, kind: Kind, watch: WatchClaim) -> String {
+        self.server
+            .mint(&Claims::new(
+                user,
+                device,
+                kind,
+                watch,
+                Duration::from_secs(600),
+            ))
+            .expect("token")
+    }
+
+    pub fn service_token(&self, user: &str) -> String {
+        let claims = Claims::new(
+            user,
+            "backend",
+            Kind::Other,
+            WatchClaim::all(),
+            Duration::from_secs(600),
+        )
+        .service();
+        self.server.mint(&claims).expect("token")
+    }
+
+    /// A client configuration matching the server's quick timers.
+    pub fn client_config(&self, token: String) -> ClientConfig {
+        let mut config =
+            ClientConfig::new(self.addr(), vec![self.server.certificate().clone()], token);
+        config.bind = SocketAddr::from(([127, 0, 0, 1], 0));
+        config.keep_alive = self.config().keep_alive;
+        config.idle_timeout = self.config().idle_timeout;
+        config.reconnect = Some(Reconnect {
+            initial_backoff: Duration::from_millis(50),
+            max_backoff: Duration::from_millis(400),
+            give_up_after: Some(Duration::from_secs(30)),
+        });
+        config
+    }
+
+    /// Connects `user`/`device` allowed to watch anybody.
+    pub async fn connect(&self, user: &str, device: &str, kind: Kind) -> (Client, Recorder) {
+        let token = self.token(user, device, kind, WatchClaim::all());
+        self.connect_with(self.client_config(token)).await
+    }
+
+    pub async fn connect_with(&self, config: ClientConfig) -> (Client, Recorder) {
+        let (client, updates) = Client::connect(config).await.expect("client connects");
+        (client, Recorder::new(updates))
+    }
+
+    /// The worst time from a client's death to its offline being published:
+    /// idle timeout (+ one keep-alive) + grace + debounce.
+    pub fn death_to_offline(&self) -> Duration {
+        let c = self.config();
+        let grace = c.core.kinds.iter().map(|k| k.grace.0).max().unwrap_or(0);
+        c.idle_timeout
+            + c.keep_alive
+            + Duration::from_millis(grace)
+            + Duration::from_millis(c.core.debounce.0)
+    }
+}
+
+/// Generous slack for a loaded machine.
+pub const SLACK: Duration = Duration::from_secs(4);
+
+/// Records a client's events with their arrival times.
+pub struct Recorder {
+    updates: Updates,
+    pub seen: Vec<(Instant, Event)>,
+}
+
+impl Recorder {
+    pub fn new(updates: Updates) -> Recorder {
+        Recorder {
+            updates,
+            seen: Vec::new(),
+        }
+    }
+
+    /// Waits until an event matching `pred` arrives (recording every event on
+    /// the way); `None` at the deadline.
+    pub async fn wait_for(
+        &mut self,
+        within: Duration,
+        mut pred: impl FnMut(&Event) -> bool,
+    ) -> Option<(Instant, Event)> {
+        let deadline = Instant::now() + within;
+        loop {
+            match tokio::time::timeout_at(deadline, self.updates.next()).await {
+                Ok(Some(event)) => {
+                    let at = Instant::now();
+                    self.seen.push((at, event.clone()));
+                    if pred(&event) {
+                        return Some((at, event));
+                    }
+                }
+                Ok(None) | Err(_) => return None,
+            }
+        }
+    }
+
+    /// Waits until `target` is seen in a state matching `pred`.
+    pub async fn wait_presence(
+        &mut self,
+        target: &str,
+        within: Duration,
+        mut pred: impl FnMut(&Presence) -> bool,
+    ) -> Option<(Instant, Presence)> {
+        self.wait_for(within, |e| {
+            matches!(e, Event::Presence { target: t, presence, .. } if t == target && pred(presence))
+        })
+        .await
+        .and_then(|(at, e)| match e {
+            Event::Presence { presence, .. } => Some((at, presence)),
+            _ => None,
+        })
+    }
+
+    /// Records what already arrived, then forgets everything recorded.
+    pub fn reset(&mut self) {
+        self.drain();
+        self.seen.clear();
+    }
+
+    /// Records whatever already arrived, without waiting.
+    pub fn drain(&mut self) {
+        while let Some(event) = self.updates.try_next() {
+            self.seen.push((Instant::now(), event));
+        }
+    }
+
+    /// Recorded presence events of `target`.
+    pub fn presences_of<'a>(&'a self, target: &'a str) -> impl Iterator<Item = &'a Presence> {
+        self.seen.iter().filter_map(move |(_, e)| match e {
+            Event::Presence {
+                target: t,
+                presence,
+                ..
+            } if t == target => Some(presence),
+            _ => None,
+        })
+    }
+
+    /// How many recorded events showed `target` offline.
+    pub fn offline_count(&self, target: &str) -> usize {
+        self.presences_of(target).filter(|p| !p.online).count()
+    }
+
+    /// Recorded connection-level events (disconnects, reconnects, close).
+    pub fn connection_events(&self) -> Vec<&Event> {
+        self.seen
+            .iter()
+            .map(|(_, e)| e)
+            .filter(|e| !matches!(e, Event::Presence { .. }))
+            .collect()
+    }
+}
+
+/// A client that runs on its own thread and runtime, so that it can die
+/// without closing anything: `kill` stops its runtime mid-flight, like a
+/// phone whose battery died.
+pub struct Doomed {
+    kill: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Doomed {
+    pub async fn spawn(config: ClientConfig) -> Result<Doomed, ClientError> {
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let (kill_tx, kill_rx) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            let client = rt.block_on(async {
+                match Client::connect(config).await {
+                    Ok((client, _updates)) => {
+                        let _ = ready_tx.send(Ok(()));
+                        let _ = kill_rx.await;
+                        Some(client)
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        None
+                    }
+                }
+            });
+            // Never close: the handle is leaked and the runtime stops without
+            // running another poll, so no close frame is ever sent.
+            std::mem::forget(client);
+            rt.shutdown_background();
+        });
+        match ready_rx.await {
+            Ok(Ok(())) => Ok(Doomed {
+                kill: Some(kill_tx),
+                thread: Some(thread),
+            }),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(ClientError::Closed),
+        }
+    }
+
+    /// Dies without a word.
+    pub fn kill(mut self) {
+        if let Some(kill) = self.kill.take() {
+            let _ = kill.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// A bare QUIC connection to the server, for speaking bad protocol on purpose.
+pub async fn raw_connect(
+    server: &TestServer,
+    alpn: &[u8],
+) -> Result<(quinn::Endpoint, quinn::Connection), String> {
+    let crypto =
+        greendot_transport::tls::client_crypto(&[server.server.certificate().clone()], alpn)
+            .map_err(|e| e.to_string())?;
+    let mut endpoint = quinn::Endpoint::client(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .map_err(|e| e.to_string())?;
+    endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(crypto)));
+    let conn = endpoint
+        .connect(server.addr(), "localhost")
+        .map_err(|e| e.to_string())?
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok((endpoint, conn))
+}
+
+/// What the server did with bytes sent on a fresh control stream: the frames
+/// it answered and how it closed the connection.
+pub struct RawOutcome {
+    pub frames: Vec<ServerFrame>,
+    pub close: Option<CloseCode>,
+    pub reason: String,
+}
+
+/// Sends `bytes` on a new control stream and waits (up to `within`) for the
+/// server's answer and close.
+pub async fn raw_exchange(conn: &quinn::Connection, bytes: &[u8], within: Duration) -> RawOutcome {
+    let exchange = async {
+        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
+        send.write_all(bytes).await.map_err(|e| e.to_string())?;
+        let mut reader = proto::FrameReader::new(1 << 20);
+        let mut frames = Vec::new();
+        while let Ok(Some(payload)) = proto::codec::read_frame(&mut recv, &mut reader).await {
+            match proto::decode::<ServerFrame>(&payload) {
+                Ok(frame) => frames.push(frame),
+                Err(_) => break,
+            }
+        }
+        Ok::<_, String>(frames)
+    };
+    let frames = tokio::time::timeout(within, exchange)
+        .await
+        .ok()
+        .and_then(|r| r.ok())
+        .unwrap_or_default();
+    let (close, reason) = match tokio::time::timeout(within, conn.closed()).await {
+        Ok(quinn::ConnectionError::ApplicationClosed(c)) => (
+            CloseCode::from_code(c.error_code.into_inner()),
+            String::from_utf8_lossy(&c.reason).into_owned(),
+        ),
+        Ok(other) => (None, other.to_string()),
+        Err(_) => (None, "still open".into()),
+    };
+    RawOutcome {
+        frames,
+        close,
+        reason,
+    }
+}
+
+/// Waits until `cond` holds, polling every 20 ms, up to `within`.
+pub async fn eventually(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

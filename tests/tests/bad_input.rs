@@ -1,0 +1,180 @@
+//! Bad input of every kind gets a clear, typed error on that connection only,
+//! while a healthy client connected at the same time notices nothing.
+
+use greendot_core::{Status, Tier};
+use greendot_tests::{raw_connect, raw_exchange, TestServer, SLACK};
+use greendot_transport::client::{Client, ClientError};
+use greendot_transport::proto::{
+    self, encode_frame, CloseCode, ErrorCode, Hello, Kind, Request, RequestFrame, ServerFrame,
+};
+use greendot_transport::token::{unix_now, Claims, TokenKeys, WatchClaim};
+use std::time::Duration;
+
+fn hello(token: String, version: u32) -> Vec<u8> {
+    encode_frame(&Hello {
+        version,
+        token,
+        resume: None,
+    })
+    .unwrap()
+}
+
+fn error_code(frames: &[ServerFrame]) -> Option<ErrorCode> {
+    frames.iter().find_map(|f| match f {
+        ServerFrame::Error(e) => Some(e.code),
+        _ => None,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_typed_errors_and_disturbs_nobody() {
+    let ts = TestServer::start(|_| {});
+    let wait = Duration::from_millis(ts.config().core.debounce.0) + SLACK;
+
+    // The healthy pair: hank and a watcher, watching each other.
+    let (hank, mut hank_events) = ts.connect("hank", "phone", Kind::Mobile).await;
+    let (watcher, mut seen) = ts.connect("walt", "laptop", Kind::Desktop).await;
+    hank.subscribe(&["walt"], Tier::Realtime).await.unwrap();
+    watcher.subscribe(&["hank"], Tier::Realtime).await.unwrap();
+    seen.wait_presence("hank", wait, |p| p.online)
+        .await
+        .expect("hank online");
+    hank_events
+        .wait_presence("walt", wait, |p| p.online)
+        .await
+        .expect("walt online");
+    seen.reset();
+    hank_events.reset();
+    let hank_session = hank.session();
+    let good = |user: &str| ts.token(user, "raw", Kind::Other, WatchClaim::all());
+
+    // 1. Garbage bytes instead of a hello.
+    let (_e1, conn) = raw_connect(&ts, proto::ALPN).await.unwrap();
+    let out = raw_exchange(&conn, &[0, 0, 0, 5, 0xff, 0xff, 0xff, 0xff, 0xff], SLACK).await;
+    assert_eq!(error_code(&out.frames), Some(ErrorCode::BadFrame));
+    assert_eq!(out.close, Some(CloseCode::ProtocolError), "{}", out.reason);
+
+    // 2. Garbage bytes on the control stream after a good hello.
+    let (_e2, conn) = raw_connect(&ts, proto::ALPN).await.unwrap();
+    let mut bytes = hello(good("rogue1"), proto::VERSION);
+    bytes.extend_from_slice(&[0, 0, 0, 7, 42, 0xde, 0xad, 0xbe, 0xef, 0xff, 0x01]);
+    let out = raw_exchange(&conn, &bytes, SLACK).await;
+    assert!(matches!(out.frames.first(), Some(ServerFrame::Welcome(_))));
+    assert_eq!(error_code(&out.frames), Some(ErrorCode::BadFrame));
+    assert_eq!(out.close, Some(CloseCode::ProtocolError), "{}", out.reason);
+
+    // 3. An oversized frame after a good hello: refused from its length alone.
+    let (_e3, conn) = raw_connect(&ts, proto::ALPN).await.unwrap();
+    let mut bytes = hello(good("rogue2"), proto::VERSION);
+    bytes.extend_from_slice(&(1u32 << 20).to_be_bytes());
+    bytes.extend_from_slice(&[0u8; 1024]);
+    let out = raw_exchange(&conn, &bytes, SLACK).await;
+    assert_eq!(error_code(&out.frames), Some(ErrorCode::FrameTooLarge));
+    assert_eq!(out.close, Some(CloseCode::FrameTooLarge), "{}", out.reason);
+
+    // 4. An unknown protocol version.
+    let (_e4, conn) = raw_connect(&ts, proto::ALPN).await.unwrap();
+    let out = raw_exchange(&conn, &hello(good("rogue3"), 99), SLACK).await;
+    assert_eq!(error_code(&out.frames), Some(ErrorCode::UnsupportedVersion));
+    assert_eq!(
+        out.close,
+        Some(CloseCode::UnsupportedVersion),
+        "{}",
+        out.reason
+    );
+    assert!(out.reason.contains("99"), "{}", out.reason);
+
+    // 5. A request before the hello is answered (it is no hello) with an error.
+    let (_e5, conn) = raw_connect(&ts, proto::ALPN).await.unwrap();
+    let early = encode_frame(&RequestFrame {
+        id: 1,
+        request: Request::Ping,
+    })
+    .unwrap();
+    let out = raw_exchange(&conn, &early, SLACK).await;
+    assert!(error_code(&out.frames).is_some());
+    assert!(out.close.is_some(), "{}", out.reason);
+
+    // 6. A wrong ALPN: the TLS handshake fails.
+    let wrong = raw_connect(&ts, b"greendot/0").await;
+    let error = wrong.expect_err("a wrong ALPN must be refused");
+    assert!(
+        error.to_lowercase().contains("application protocol") || error.contains("120"),
+        "{error}"
+    );
+
+    // 7. An expired token.
+    let keys = TokenKeys::new(greendot_tests::SECRET, Duration::ZERO);
+    let mut claims = Claims::new(
+        "eve",
+        "phone",
+        Kind::Mobile,
+        WatchClaim::all(),
+        Duration::ZERO,
+    );
+    claims.exp = unix_now() - 3600;
+    let expired = keys.mint(&claims).unwrap();
+    match Client::connect(ts.client_config(expired)).await {
+        Err(ClientError::Rejected { code, error }) => {
+            assert_eq!(code, Some(CloseCode::TokenExpired));
+            assert_eq!(error.code, ErrorCode::TokenExpired);
+        }
+        other => panic!("expired token: {other:?}"),
+    }
+
+    // 8. A forged token (another secret), a malformed one, a missing one.
+    let forger = TokenKeys::new(b"not the server's secret", Duration::ZERO);
+    let claims = Claims::new("eve", "phone", Kind::Mobile, WatchClaim::all(), SLACK);
+    for token in [
+        forger.mint(&claims).unwrap(),
+        "not.a.jwt".into(),
+        String::new(),
+    ] {
+        match Client::connect(ts.client_config(token.clone())).await {
+            Err(ClientError::Rejected { code, error }) => {
+                assert_eq!(code, Some(CloseCode::Unauthorized), "{token:?}");
+                assert_eq!(error.code, ErrorCode::BadToken, "{token:?}");
+            }
+            other => panic!("token {token:?}: {other:?}"),
+        }
+    }
+
+    // 9. A subscription outside the token's watch list: refused, typed, and
+    //    the connection carries on.
+    let token = ts.token("nina", "phone", Kind::Mobile, WatchClaim::only(["hank"]));
+    let (nina, _) = ts.connect_with(ts.client_config(token)).await;
+    let answer = nina
+        .subscribe(&["walt", "hank"], Tier::Realtime)
+        .await
+        .unwrap();
+    assert_eq!(answer.refused.len(), 1, "{answer:?}");
+    assert_eq!(answer.refused[0].target, "walt");
+    assert_eq!(answer.refused[0].error.code, ErrorCode::NotAllowed);
+    assert_eq!(answer.snapshots.len(), 1);
+    assert_eq!(
+        nina.query("walt").await.unwrap_err().code(),
+        Some(ErrorCode::NotAllowed)
+    );
+    nina.ping().await.unwrap();
+
+    // The healthy pair noticed nothing: same session, no reconnects, never
+    // offline, and pushes still flow both ways.
+    hank.ping().await.unwrap();
+    watcher
+        .set_status(Status::Busy, Some("still here"))
+        .await
+        .unwrap();
+    hank_events
+        .wait_presence("walt", wait, |p| p.message.as_deref() == Some("still here"))
+        .await
+        .expect("hank still gets pushes");
+    hank.set_status(Status::Away, Some("me too")).await.unwrap();
+    seen.wait_presence("hank", wait, |p| p.message.as_deref() == Some("me too"))
+        .await
+        .expect("the watcher still gets pushes");
+    assert_eq!(hank.session(), hank_session);
+    assert!(hank_events.connection_events().is_empty());
+    assert!(seen.connection_events().is_empty());
+    assert_eq!(seen.offline_count("hank"), 0);
+    assert!(ts.server.stats().rejected >= 8, "{:?}", ts.server.stats());
+}

@@ -1,0 +1,143 @@
+//! Limits give typed errors to the peer that exceeds them and nobody else:
+//! subscriptions per session, request rate, connections, service-only calls.
+
+use greendot_core::Tier;
+use greendot_tests::{TestServer, SLACK};
+use greendot_transport::client::{Client, ClientError, Event};
+use greendot_transport::proto::{CloseCode, ErrorCode, Kind};
+use greendot_transport::server::RateLimit;
+use std::time::Duration;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subscription_cap_and_service_only_calls() {
+    let ts = TestServer::start(|c| c.core.max_subscriptions_per_session = 3);
+    let (client, _) = ts.connect("lena", "phone", Kind::Mobile).await;
+    let answer = client
+        .subscribe(&["a", "b", "c", "d"], Tier::Batched)
+        .await
+        .unwrap();
+    assert_eq!(answer.snapshots.len(), 3);
+    assert_eq!(answer.refused.len(), 1);
+    assert_eq!(
+        answer.refused[0].error.code,
+        ErrorCode::TooManySubscriptions
+    );
+
+    let error = client.query_many(&["a", "b"]).await.unwrap_err();
+    assert_eq!(error.code(), Some(ErrorCode::ServiceOnly));
+    let (svc, _) = ts
+        .connect_with(ts.client_config(ts.service_token("backend")))
+        .await;
+    let results = svc.query_many(&["lena", "nobody"]).await.unwrap();
+    assert!(results[0]
+        .1
+        .as_ref()
+        .is_ok_and(|p| p.version == 0 || p.online));
+    assert!(results[1].1.as_ref().is_ok_and(|p| !p.online));
+    client.ping().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_rate_is_limited_per_session() {
+    let ts = TestServer::start(|c| {
+        c.rate = RateLimit {
+            per_second: 2,
+            burst: 5,
+        }
+    });
+    let (flood, mut flood_events) = ts.connect("fred", "phone", Kind::Mobile).await;
+    let (calm, _) = ts.connect("carl", "phone", Kind::Mobile).await;
+    let mut limited = 0;
+    for _ in 0..20 {
+        match flood.ping().await {
+            Ok(()) => {}
+            Err(e) if e.code() == Some(ErrorCode::RateLimited) => limited += 1,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(limited >= 10, "only {limited} of 20 refused");
+    // Another session is unaffected, and the flooder's connection lives on.
+    for _ in 0..5 {
+        calm.ping().await.unwrap();
+    }
+    flood_events.drain();
+    assert!(flood_events.connection_events().is_empty());
+    // The bucket refills.
+    let deadline = tokio::time::Instant::now() + SLACK;
+    loop {
+        match flood.ping().await {
+            Ok(()) => break,
+            Err(e) if e.code() == Some(ErrorCode::RateLimited) => {
+                assert!(tokio::time::Instant::now() < deadline, "never refilled");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_over_the_cap_are_refused_and_superseded_sessions_end() {
+    let ts = TestServer::start(|c| c.max_connections = 2);
+    let (first, mut first_events) = ts.connect("sam", "phone", Kind::Mobile).await;
+    let (second, _) = ts.connect("tom", "phone", Kind::Mobile).await;
+    let token = ts.token("ute", "phone", Kind::Mobile, Default::default());
+    match Client::connect(ts.client_config(token)).await {
+        Err(ClientError::Rejected { code, .. }) => {
+            assert_eq!(code, Some(CloseCode::TooManyConnections))
+        }
+        other => panic!("over the cap: {other:?}"),
+    }
+    first.ping().await.unwrap();
+
+    // The same device connecting again supersedes the first connection
+    // (once there is room), which ends for good.
+    second.close().await;
+    let server = &ts.server;
+    assert!(
+        greendot_tests::eventually(SLACK, || server.stats().connections_open < 2).await,
+        "the closed connection is still counted"
+    );
+    let (sam_again, _) = ts.connect("sam", "phone", Kind::Mobile).await;
+    let (_, event) = first_events
+        .wait_for(SLACK, |e| matches!(e, Event::Closed { .. }))
+        .await
+        .expect("the superseded client is told");
+    assert!(
+        matches!(
+            event,
+            Event::Closed {
+                code: Some(CloseCode::Superseded),
+                ..
+            }
+        ),
+        "{event:?}"
+    );
+    assert!(first.is_closed());
+    sam_again.ping().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_closes_every_connection_with_the_shutdown_code() {
+    let ts = TestServer::start(|_| {});
+    let mut config = ts.client_config(ts.token("sid", "phone", Kind::Mobile, Default::default()));
+    config.reconnect = None;
+    let (client, mut events) = ts.connect_with(config).await;
+    client.ping().await.unwrap();
+    ts.server.shutdown().await;
+    let (_, event) = events
+        .wait_for(SLACK, |e| matches!(e, Event::Closed { .. }))
+        .await
+        .expect("the client is told");
+    assert!(
+        matches!(
+            event,
+            Event::Closed {
+                code: Some(CloseCode::Shutdown),
+                ..
+            }
+        ),
+        "{event:?}"
+    );
+    assert!(matches!(client.ping().await, Err(ClientError::Closed)));
+}

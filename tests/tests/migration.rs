@@ -1,0 +1,91 @@
+//! A client moves to a new UDP socket five times in a row, mid-session: the
+//! server sees every new address, the session carries on, pushes keep
+//! arriving and watchers never see the user go offline.
+
+use greendot_core::{Status, Tier};
+use greendot_tests::{TestServer, SLACK};
+use greendot_transport::proto::Kind;
+use greendot_transport::ServerEvent;
+use std::time::Duration;
+use tokio::time::Instant;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_rebinds_keep_the_session_and_watchers_see_nothing() {
+    let ts = TestServer::start(|_| {});
+    let wait = Duration::from_millis(ts.config().core.debounce.0) + SLACK;
+    let mut server_events = ts.server.events();
+
+    let (watcher, mut seen) = ts.connect("walt", "laptop", Kind::Desktop).await;
+    let (mover, mut mover_events) = ts.connect("mia", "phone", Kind::Mobile).await;
+    // The mover watches too, so pushes to the moving client are checked as well.
+    mover.subscribe(&["walt"], Tier::Realtime).await.unwrap();
+    watcher.subscribe(&["mia"], Tier::Realtime).await.unwrap();
+    seen.wait_presence("mia", wait, |p| p.online)
+        .await
+        .expect("mia online");
+    seen.reset();
+    let session = mover.session();
+    let start_addr = mover.local_addr().unwrap();
+
+    let statuses = [
+        Status::Away,
+        Status::Busy,
+        Status::DoNotDisturb,
+        Status::Available,
+        Status::Away,
+    ];
+    let mut addresses = vec![start_addr];
+    for (i, status) in statuses.into_iter().enumerate() {
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let new_addr = socket.local_addr().unwrap();
+        mover.rebind(socket).unwrap();
+        addresses.push(new_addr);
+        let message = format!("move {i}");
+        mover.set_status(status, Some(&message)).await.unwrap();
+
+        // The server saw the new address.
+        let deadline = Instant::now() + SLACK;
+        loop {
+            match tokio::time::timeout_at(deadline, server_events.recv()).await {
+                Ok(Ok(ServerEvent::Migrated { session: s, to, .. })) if to == new_addr => {
+                    assert_eq!(s, Some(session));
+                    break;
+                }
+                Ok(Ok(_)) => continue,
+                Ok(Err(e)) => panic!("server events: {e}"),
+                Err(_) => panic!("the server never saw move {i} to {new_addr}"),
+            }
+        }
+        // Pushes keep arriving, both ways.
+        seen.wait_presence("mia", wait, |p| {
+            p.online && p.status == status && p.message.as_deref() == Some(message.as_str())
+        })
+        .await
+        .unwrap_or_else(|| panic!("watcher missed mia's status after move {i}"));
+        let walt_message = format!("seen move {i}");
+        watcher
+            .set_status(Status::Available, Some(&walt_message))
+            .await
+            .unwrap();
+        mover_events
+            .wait_presence("walt", wait, |p| {
+                p.message.as_deref() == Some(walt_message.as_str())
+            })
+            .await
+            .unwrap_or_else(|| panic!("mia missed walt's status after move {i}"));
+    }
+
+    assert_eq!(ts.server.stats().migrations, 5);
+    assert_eq!(mover.session(), session, "the session carried on");
+    assert_eq!(mover.local_addr().unwrap(), addresses[5]);
+    assert_eq!(seen.offline_count("mia"), 0, "watchers saw mia offline");
+    mover_events.drain();
+    assert!(
+        mover_events.connection_events().is_empty(),
+        "the mover reconnected: {:?}",
+        mover_events.connection_events()
+    );
+    let counters = ts.server.counters().await.unwrap();
+    assert_eq!(counters.disconnects, 0);
+    assert_eq!(counters.sessions_started, 2);
+}

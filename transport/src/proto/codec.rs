@@ -1,0 +1,222 @@
+//! Length-prefixed postcard frames, sans IO: bytes in, frames out.
+
+use super::frames::{ErrorCode, WireError};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+/// Why a byte stream could not be cut into frames. After one of these the
+/// stream is out of step and must be closed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    #[error("frame of {len} bytes exceeds the cap of {max}")]
+    TooLarge { len: usize, max: usize },
+    #[error("empty frame")]
+    Empty,
+    #[error("stream ended inside a frame")]
+    Truncated,
+}
+
+impl From<FrameError> for WireError {
+    fn from(error: FrameError) -> WireError {
+        let code = match error {
+            FrameError::TooLarge { .. } => ErrorCode::FrameTooLarge,
+            FrameError::Empty | FrameError::Truncated => ErrorCode::BadFrame,
+        };
+        WireError::new(code, error.to_string())
+    }
+}
+
+/// Encodes `value` as one frame: a big-endian `u32` length, then postcard.
+pub fn encode_frame<T: Serialize>(value: &T) -> Result<Vec<u8>, postcard::Error> {
+    let mut out = postcard::to_extend(value, vec![0u8; 4])?;
+    let len = u32::try_from(out.len() - 4).map_err(|_| postcard::Error::SerializeBufferFull)?;
+    out[..4].copy_from_slice(&len.to_be_bytes());
+    Ok(out)
+}
+
+/// Decodes one frame's payload; trailing bytes are an error.
+pub fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, WireError> {
+    match postcard::take_from_bytes::<T>(payload) {
+        Ok((value, [])) => Ok(value),
+        Ok((_, rest)) => Err(WireError::new(
+            ErrorCode::BadFrame,
+            format!("{} trailing bytes after the frame", rest.len()),
+        )),
+        Err(e) => Err(WireError::new(
+            ErrorCode::BadFrame,
+            format!("undecodable frame: {e}"),
+        )),
+    }
+}
+
+/// The protocol version at the start of a `Hello` payload, whatever follows.
+pub fn peek_version(payload: &[u8]) -> Result<u32, WireError> {
+    postcard::take_from_bytes::<u32>(payload)
+        .map(|(version, _)| version)
+        .map_err(|e| WireError::new(ErrorCode::BadFrame, format!("no version in hello: {e}")))
+}
+
+/// Cuts a byte stream into frame payloads, refusing any length over `max`
+/// before buffering it.
+#[derive(Debug)]
+pub struct FrameReader {
+    buf: Vec<u8>,
+    max: usize,
+}
+
+impl FrameReader {
+    pub fn new(max: usize) -> FrameReader {
+        FrameReader {
+            buf: Vec::new(),
+            max,
+        }
+    }
+
+    pub fn push(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// Bytes received but not yet part of a complete frame.
+    pub fn pending(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// The next complete frame, if one is buffered.
+    pub fn next_frame(&mut self) -> Result<Option<Vec<u8>>, FrameError> {
+        let Some(header) = self.buf.get(..4) else {
+            return Ok(None);
+        };
+        let mut prefix = [0u8; 4];
+        prefix.copy_from_slice(header);
+        let len = u32::from_be_bytes(prefix) as usize;
+        if len > self.max {
+            return Err(FrameError::TooLarge { len, max: self.max });
+        }
+        if len == 0 {
+            return Err(FrameError::Empty);
+        }
+        if self.buf.len() < 4 + len {
+            return Ok(None);
+        }
+        let payload = self.buf[4..4 + len].to_vec();
+        self.buf.drain(..4 + len);
+        Ok(Some(payload))
+    }
+
+    /// At the end of the stream: fine if nothing is left over.
+    pub fn finish(&self) -> Result<(), FrameError> {
+        if self.buf.is_empty() {
+            Ok(())
+        } else {
+            Err(FrameError::Truncated)
+        }
+    }
+}
+
+/// Reads the next frame from a QUIC stream: `Ok(None)` at a clean end of the
+/// stream. Cancel-safe: partial data stays in `reader`.
+pub async fn read_frame(
+    recv: &mut quinn::RecvStream,
+    reader: &mut FrameReader,
+) -> Result<Option<Vec<u8>>, ReadError> {
+    let mut chunk = [0u8; 4096];
+    loop {
+        if let Some(frame) = reader.next_frame()? {
+            return Ok(Some(frame));
+        }
+        match recv.read(&mut chunk).await? {
+            Some(n) => reader.push(&chunk[..n]),
+            None => {
+                reader.finish()?;
+                return Ok(None);
+            }
+        }
+    }
+}
+
+/// Why reading a frame from a stream failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    #[error(transparent)]
+    Stream(#[from] quinn::ReadError),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::{Hello, Request, RequestFrame, VERSION};
+
+    #[test]
+    fn round_trip_in_pieces() {
+        let hello = Hello {
+            version: VERSION,
+            token: "t".into(),
+            resume: Some(7),
+        };
+        let req = RequestFrame {
+            id: 3,
+            request: Request::Subscribe {
+                targets: vec!["bob".into()],
+                tier: crate::proto::Tier::Batched,
+            },
+        };
+        let mut bytes = encode_frame(&hello).unwrap();
+        bytes.extend(encode_frame(&req).unwrap());
+        let mut reader = FrameReader::new(1024);
+        let mut frames = Vec::new();
+        for b in &bytes {
+            reader.push(std::slice::from_ref(b));
+            while let Some(f) = reader.next_frame().unwrap() {
+                frames.push(f);
+            }
+        }
+        assert_eq!(frames.len(), 2);
+        assert_eq!(peek_version(&frames[0]).unwrap(), VERSION);
+        assert_eq!(decode::<Hello>(&frames[0]).unwrap(), hello);
+        assert_eq!(decode::<RequestFrame>(&frames[1]).unwrap(), req);
+        assert!(reader.finish().is_ok());
+    }
+
+    /// The examples of docs/protocol.md, byte for byte.
+    #[test]
+    fn bytes_match_the_protocol_document() {
+        let hello = Hello {
+            version: 1,
+            token: "ab".into(),
+            resume: Some(5),
+        };
+        assert_eq!(
+            encode_frame(&hello).unwrap(),
+            [0, 0, 0, 6, 0x01, 0x02, b'a', b'b', 0x01, 0x05]
+        );
+        let req = RequestFrame {
+            id: 300,
+            request: Request::Subscribe {
+                targets: vec!["bob".into()],
+                tier: crate::proto::Tier::Batched,
+            },
+        };
+        assert_eq!(
+            encode_frame(&req).unwrap(),
+            [0, 0, 0, 9, 0xac, 0x02, 0x01, 0x01, 0x03, b'b', b'o', b'b', 0x01]
+        );
+        let error = crate::proto::WireError::new(ErrorCode::TooManyTargets, "");
+        assert_eq!(postcard::to_stdvec(&error).unwrap(), [26, 0]);
+    }
+
+    #[test]
+    fn oversized_and_garbage_are_typed_errors() {
+        let mut reader = FrameReader::new(16);
+        reader.push(&1000u32.to_be_bytes());
+        assert_eq!(
+            reader.next_frame(),
+            Err(FrameError::TooLarge { len: 1000, max: 16 })
+        );
+        let e = decode::<RequestFrame>(&[0xff, 0xff, 0xff]).unwrap_err();
+        assert_eq!(e.code, ErrorCode::BadFrame);
+        let e = decode::<Hello>(&[1, 0, 0, 9]).unwrap_err();
+        assert_eq!(e.code, ErrorCode::BadFrame);
+    }
+}

@@ -1,0 +1,432 @@
+//! The frames of version 1. Field order is the encoding order (postcard):
+//! never reorder fields or enum variants; add new variants at the end.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// The first frame on the control stream, from the client.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// Must stay the first field: the server reads it before anything else.
+    pub version: u32,
+    /// A JWT (HS256) with the claims of `token::Claims`.
+    pub token: String,
+    /// The session this device had, to resume it (from a previous `Welcome`).
+    pub resume: Option<u64>,
+}
+
+/// Every later frame on the control stream, from the client.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RequestFrame {
+    /// Chosen by the client; echoed in the reply. Ids may be reused once answered.
+    pub id: u64,
+    pub request: Request,
+}
+
+/// What a client may ask.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Request {
+    /// Does nothing but renew the session's lease; answered `Done`.
+    Ping,
+    /// Watch these users in this tier; answered `Subscribed`.
+    Subscribe { targets: Vec<String>, tier: Tier },
+    /// Stop watching one user; answered `Done` or `NotSubscribed`.
+    Unsubscribe { target: String },
+    /// What this session may see of these users now; answered `Presences`.
+    /// More than one target needs a service token.
+    Query { targets: Vec<String> },
+    /// The user's chosen status and message; answered `Done`.
+    SetStatus {
+        status: Status,
+        message: Option<String>,
+    },
+    /// Appear offline to everybody else; answered `Done`.
+    SetInvisible { invisible: bool },
+    /// The Online devices of a user (service tokens only); answered `Route`.
+    Route { user: String },
+    /// Graceful logout: answered `Done`, then the server closes the connection
+    /// with `CloseCode::Logout`.
+    Logout,
+}
+
+/// Frames on the control stream, from the server.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ServerFrame {
+    /// The answer to a good `Hello`.
+    Welcome(Welcome),
+    /// The answer to the request with this id.
+    Reply {
+        id: u64,
+        result: Result<Answer, WireError>,
+    },
+    /// A connection-level error; the server closes the connection next.
+    Error(WireError),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Welcome {
+    pub version: u32,
+    /// This connection's session; pass it as `Hello::resume` when reconnecting.
+    pub session: u64,
+    /// The previous session was resumed: its subscriptions carried over and
+    /// `snapshots` holds a fresh snapshot of each.
+    pub resumed: bool,
+    pub user: String,
+    pub device: String,
+    pub snapshots: Vec<Snapshot>,
+    /// The server's frame length cap.
+    pub max_frame: u32,
+}
+
+/// Answers to requests.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Answer {
+    Done,
+    /// One snapshot per granted target (the tier may be downgraded to batched),
+    /// one refusal per refused target.
+    Subscribed {
+        snapshots: Vec<Snapshot>,
+        refused: Vec<Refused>,
+    },
+    Presences(Vec<QueryResult>),
+    Route(Vec<RouteEntry>),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Snapshot {
+    pub target: String,
+    /// The tier granted.
+    pub tier: Tier,
+    pub presence: Presence,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Refused {
+    pub target: String,
+    pub error: WireError,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueryResult {
+    pub target: String,
+    pub result: Result<Presence, WireError>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteEntry {
+    pub device: String,
+    pub kind: Kind,
+    pub session: u64,
+}
+
+/// Frames on the server-opened push streams.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Push {
+    /// The first frame of each push stream.
+    Stream { tier: Tier },
+    /// `target` is now shown as `presence`.
+    Update { target: String, presence: Presence },
+}
+
+/// What a viewer is told about a user.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Presence {
+    /// Per user, only grows: keep the highest seen, drop older ones.
+    pub version: u64,
+    pub online: bool,
+    pub status: Status,
+    pub message: Option<String>,
+    /// Bit set of device kinds online: 1 mobile, 2 desktop, 4 web, 8 other.
+    pub kinds: u8,
+    /// While offline: when the user was last shown online, in Unix
+    /// milliseconds of the server's clock.
+    pub last_seen: Option<u64>,
+    /// Only ever true in a user's view of themselves.
+    pub invisible: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Tier {
+    Realtime,
+    Batched,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Status {
+    #[default]
+    Available,
+    Away,
+    Busy,
+    DoNotDisturb,
+}
+
+/// Device kinds; in tokens they are written in lower case.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    Mobile,
+    Desktop,
+    Web,
+    #[default]
+    Other,
+}
+
+/// A typed error with a human-readable message.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct WireError {
+    pub code: ErrorCode,
+    pub message: String,
+}
+
+impl WireError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> WireError {
+        WireError {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for WireError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:?} ({}): {}",
+            self.code,
+            self.code.code(),
+            self.message
+        )
+    }
+}
+
+impl std::error::Error for WireError {}
+
+/// Error codes, encoded as a `u16` so that a client can carry codes it does not
+/// know yet (`Other`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(from = "u16", into = "u16")]
+pub enum ErrorCode {
+    /// A frame could not be decoded.
+    BadFrame,
+    /// A frame's length exceeded the cap.
+    FrameTooLarge,
+    /// The hello's version is not spoken here.
+    UnsupportedVersion,
+    /// Missing, malformed or forged token, or claims that make no sense.
+    BadToken,
+    /// The token has expired.
+    TokenExpired,
+    /// A hello after the hello, or a request before it.
+    UnexpectedFrame,
+    /// Too many requests: this one was not processed.
+    RateLimited,
+    /// The token's `watch` does not allow that user.
+    NotAllowed,
+    NotSubscribed,
+    /// The session is no longer current (superseded, logged out, expired).
+    Stale,
+    UnknownSession,
+    /// Only service tokens may do this.
+    ServiceOnly,
+    TooManyConnections,
+    /// A malformed request (an empty or over-long name...).
+    BadRequest,
+    Internal,
+    ShuttingDown,
+    /// The per-session subscription cap.
+    TooManySubscriptions,
+    /// The per-target realtime cap (when the server rejects instead of downgrading).
+    RealtimeFull,
+    MessageTooLong,
+    TooManyDevices,
+    TooManySessions,
+    TooManyUsers,
+    /// More targets in one request than allowed.
+    TooManyTargets,
+    Other(u16),
+}
+
+impl ErrorCode {
+    pub fn code(self) -> u16 {
+        match self {
+            ErrorCode::BadFrame => 1,
+            ErrorCode::FrameTooLarge => 2,
+            ErrorCode::UnsupportedVersion => 3,
+            ErrorCode::BadToken => 4,
+            ErrorCode::TokenExpired => 5,
+            ErrorCode::UnexpectedFrame => 6,
+            ErrorCode::RateLimited => 7,
+            ErrorCode::NotAllowed => 8,
+            ErrorCode::NotSubscribed => 9,
+            ErrorCode::Stale => 10,
+            ErrorCode::UnknownSession => 11,
+            ErrorCode::ServiceOnly => 12,
+            ErrorCode::TooManyConnections => 13,
+            ErrorCode::BadRequest => 14,
+            ErrorCode::Internal => 15,
+            ErrorCode::ShuttingDown => 16,
+            ErrorCode::TooManySubscriptions => 20,
+            ErrorCode::RealtimeFull => 21,
+            ErrorCode::MessageTooLong => 22,
+            ErrorCode::TooManyDevices => 23,
+            ErrorCode::TooManySessions => 24,
+            ErrorCode::TooManyUsers => 25,
+            ErrorCode::TooManyTargets => 26,
+            ErrorCode::Other(code) => code,
+        }
+    }
+}
+
+impl From<u16> for ErrorCode {
+    fn from(code: u16) -> ErrorCode {
+        match code {
+            1 => ErrorCode::BadFrame,
+            2 => ErrorCode::FrameTooLarge,
+            3 => ErrorCode::UnsupportedVersion,
+            4 => ErrorCode::BadToken,
+            5 => ErrorCode::TokenExpired,
+            6 => ErrorCode::UnexpectedFrame,
+            7 => ErrorCode::RateLimited,
+            8 => ErrorCode::NotAllowed,
+            9 => ErrorCode::NotSubscribed,
+            10 => ErrorCode::Stale,
+            11 => ErrorCode::UnknownSession,
+            12 => ErrorCode::ServiceOnly,
+            13 => ErrorCode::TooManyConnections,
+            14 => ErrorCode::BadRequest,
+            15 => ErrorCode::Internal,
+            16 => ErrorCode::ShuttingDown,
+            20 => ErrorCode::TooManySubscriptions,
+            21 => ErrorCode::RealtimeFull,
+            22 => ErrorCode::MessageTooLong,
+            23 => ErrorCode::TooManyDevices,
+            24 => ErrorCode::TooManySessions,
+            25 => ErrorCode::TooManyUsers,
+            26 => ErrorCode::TooManyTargets,
+            other => ErrorCode::Other(other),
+        }
+    }
+}
+
+impl From<ErrorCode> for u16 {
+    fn from(code: ErrorCode) -> u16 {
+        code.code()
+    }
+}
+
+// ----- conversions to and from the core's types ----------------------------
+
+impl From<greendot_core::Tier> for Tier {
+    fn from(tier: greendot_core::Tier) -> Tier {
+        match tier {
+            greendot_core::Tier::Realtime => Tier::Realtime,
+            greendot_core::Tier::Batched => Tier::Batched,
+        }
+    }
+}
+
+impl From<Tier> for greendot_core::Tier {
+    fn from(tier: Tier) -> greendot_core::Tier {
+        match tier {
+            Tier::Realtime => greendot_core::Tier::Realtime,
+            Tier::Batched => greendot_core::Tier::Batched,
+        }
+    }
+}
+
+impl From<greendot_core::Status> for Status {
+    fn from(status: greendot_core::Status) -> Status {
+        match status {
+            greendot_core::Status::Available => Status::Available,
+            greendot_core::Status::Away => Status::Away,
+            greendot_core::Status::Busy => Status::Busy,
+            greendot_core::Status::DoNotDisturb => Status::DoNotDisturb,
+        }
+    }
+}
+
+impl From<Status> for greendot_core::Status {
+    fn from(status: Status) -> greendot_core::Status {
+        match status {
+            Status::Available => greendot_core::Status::Available,
+            Status::Away => greendot_core::Status::Away,
+            Status::Busy => greendot_core::Status::Busy,
+            Status::DoNotDisturb => greendot_core::Status::DoNotDisturb,
+        }
+    }
+}
+
+impl From<greendot_core::DeviceKind> for Kind {
+    fn from(kind: greendot_core::DeviceKind) -> Kind {
+        match kind {
+            greendot_core::DeviceKind::Mobile => Kind::Mobile,
+            greendot_core::DeviceKind::Desktop => Kind::Desktop,
+            greendot_core::DeviceKind::Web => Kind::Web,
+            greendot_core::DeviceKind::Other => Kind::Other,
+        }
+    }
+}
+
+impl From<Kind> for greendot_core::DeviceKind {
+    fn from(kind: Kind) -> greendot_core::DeviceKind {
+        match kind {
+            Kind::Mobile => greendot_core::DeviceKind::Mobile,
+            Kind::Desktop => greendot_core::DeviceKind::Desktop,
+            Kind::Web => greendot_core::DeviceKind::Web,
+            Kind::Other => greendot_core::DeviceKind::Other,
+        }
+    }
+}
+
+impl Presence {
+    /// From the core's presence; `unix_base_ms` is the Unix time of the
+    /// server's `Millis(0)`.
+    pub fn from_core(p: &greendot_core::Presence, unix_base_ms: u64) -> Presence {
+        Presence {
+            version: p.version,
+            online: p.online,
+            status: p.status.into(),
+            message: p.message.as_deref().map(str::to_owned),
+            kinds: p.kinds.bits(),
+            last_seen: p.last_seen.map(|m| unix_base_ms.saturating_add(m.0)),
+            invisible: p.invisible,
+        }
+    }
+
+    /// To the core's presence, for a client's `View`: `last_seen` stays in
+    /// Unix milliseconds.
+    pub fn to_core(&self) -> greendot_core::Presence {
+        greendot_core::Presence {
+            version: self.version,
+            online: self.online,
+            status: self.status.into(),
+            message: self.message.as_deref().map(std::sync::Arc::from),
+            kinds: greendot_core::Kinds::from_bits(self.kinds),
+            last_seen: self.last_seen.map(greendot_core::Millis),
+            invisible: self.invisible,
+        }
+    }
+}
+
+impl From<greendot_core::Error> for WireError {
+    fn from(error: greendot_core::Error) -> WireError {
+        use greendot_core::{Error, Limit};
+        let code = match error {
+            Error::Stale => ErrorCode::Stale,
+            Error::UnknownSession => ErrorCode::UnknownSession,
+            Error::NotAllowed => ErrorCode::NotAllowed,
+            Error::NotSubscribed => ErrorCode::NotSubscribed,
+            Error::LimitExceeded(limit) => match limit {
+                Limit::SubscriptionsPerSession => ErrorCode::TooManySubscriptions,
+                Limit::RealtimePerTarget => ErrorCode::RealtimeFull,
+                Limit::MessageLength => ErrorCode::MessageTooLong,
+                Limit::DevicesPerUser => ErrorCode::TooManyDevices,
+                Limit::Sessions => ErrorCode::TooManySessions,
+                Limit::Users => ErrorCode::TooManyUsers,
+                _ => ErrorCode::Internal,
+            },
+            _ => ErrorCode::Internal,
+        };
+        WireError::new(code, error.to_string())
+    }
+}

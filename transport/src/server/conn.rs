@@ -1,0 +1,315 @@
+//! One connection's side of the protocol, sans IO: frame bytes in, a [`Step`]
+//! out (decoding, version check, token verification, rate limiting), which the
+//! [`Hub`] then applies. [`handle_frame`] chains the two: it is exactly what the
+//! server does with a frame, minus the network, so a fuzzer can drive it.
+
+use crate::proto::{
+    self, close_code_for, decode, peek_version, CloseCode, ErrorCode, FrameError, Hello,
+    RequestFrame, ServerFrame, WireError,
+};
+use crate::server::hub::Hub;
+use crate::token::{Claims, TokenKeys};
+use greendot_core::{Millis, SessionId};
+use std::sync::Arc;
+
+/// A request rate per session: a token bucket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RateLimit {
+    /// Sustained requests per second.
+    pub per_second: u32,
+    /// Requests allowed in a burst.
+    pub burst: u32,
+}
+
+impl Default for RateLimit {
+    fn default() -> RateLimit {
+        RateLimit {
+            per_second: 50,
+            burst: 100,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Bucket {
+    limit: RateLimit,
+    /// In thousandths of a request.
+    level: u64,
+    at: Millis,
+}
+
+impl Bucket {
+    fn new(limit: RateLimit) -> Bucket {
+        Bucket {
+            limit,
+            level: u64::from(limit.burst) * 1000,
+            at: Millis::ZERO,
+        }
+    }
+
+    fn take(&mut self, now: Millis) -> bool {
+        let elapsed = now.0.saturating_sub(self.at.0);
+        self.at = Millis(self.at.0.max(now.0));
+        let cap = u64::from(self.limit.burst) * 1000;
+        self.level = self
+            .level
+            .saturating_add(elapsed.saturating_mul(u64::from(self.limit.per_second)))
+            .min(cap);
+        if self.level >= 1000 {
+            self.level -= 1000;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    AwaitHello,
+    /// The hello went to the hub; no answer yet.
+    Pending,
+    Ready(SessionId),
+    Closed,
+}
+
+/// What a connection asks for after one frame.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// A verified hello: connect (or resume) this device.
+    Hello { claims: Claims, resume: Option<u64> },
+    /// A request of the established session.
+    Request {
+        session: SessionId,
+        id: u64,
+        request: proto::Request,
+    },
+    /// Answer with this frame; the hub is not involved.
+    Reply(ServerFrame),
+    /// Send this error, then close the connection with the matching code.
+    Close(WireError),
+    /// Nothing to do (a frame after the connection was condemned).
+    Nothing,
+}
+
+impl Step {
+    /// Whether the hub must see this step.
+    pub fn needs_hub(&self) -> bool {
+        matches!(self, Step::Hello { .. } | Step::Request { .. })
+    }
+}
+
+/// What to send back, and whether to close afterwards.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Handled {
+    pub reply: Option<ServerFrame>,
+    pub close: Option<CloseCode>,
+    /// A hello succeeded and this is the new session.
+    pub welcomed: Option<SessionId>,
+}
+
+impl Handled {
+    pub fn close(error: WireError) -> Handled {
+        Handled {
+            close: Some(close_code_for(error.code)),
+            reply: Some(ServerFrame::Error(error)),
+            welcomed: None,
+        }
+    }
+}
+
+/// One connection's protocol state.
+#[derive(Debug)]
+pub struct ConnState {
+    keys: Arc<TokenKeys>,
+    phase: Phase,
+    bucket: Bucket,
+}
+
+impl ConnState {
+    pub fn new(keys: Arc<TokenKeys>, rate: RateLimit) -> ConnState {
+        ConnState {
+            keys,
+            phase: Phase::AwaitHello,
+            bucket: Bucket::new(rate),
+        }
+    }
+
+    /// The established session, once welcomed.
+    pub fn session(&self) -> Option<SessionId> {
+        match self.phase {
+            Phase::Ready(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// The hub accepted the hello.
+    pub fn on_welcome(&mut self, session: SessionId) {
+        if self.phase == Phase::Pending {
+            self.phase = Phase::Ready(session);
+        }
+    }
+
+    /// The byte stream could not be cut into frames.
+    pub fn on_frame_error(&mut self, error: FrameError) -> Step {
+        self.phase = Phase::Closed;
+        Step::Close(error.into())
+    }
+
+    fn condemn(&mut self, error: WireError) -> Step {
+        self.phase = Phase::Closed;
+        Step::Close(error)
+    }
+
+    /// One frame's payload (without its length prefix).
+    pub fn on_frame(&mut self, now: Millis, payload: &[u8]) -> Step {
+        match self.phase {
+            Phase::Closed => Step::Nothing,
+            Phase::AwaitHello => {
+                let version = match peek_version(payload) {
+                    Ok(v) => v,
+                    Err(e) => return self.condemn(e),
+                };
+                if version != proto::VERSION {
+                    return self.condemn(WireError::new(
+                        ErrorCode::UnsupportedVersion,
+                        format!(
+                            "protocol version {version} is not supported; this server speaks {}",
+                            proto::VERSION
+                        ),
+                    ));
+                }
+                let hello: Hello = match decode(payload) {
+                    Ok(h) => h,
+                    Err(e) => return self.condemn(e),
+                };
+                match self.keys.verify(&hello.token) {
+                    Ok(claims) => {
+                        self.phase = Phase::Pending;
+                        Step::Hello {
+                            claims,
+                            resume: hello.resume,
+                        }
+                    }
+                    Err(e) => self.condemn(e),
+                }
+            }
+            Phase::Pending => self.condemn(WireError::new(
+                ErrorCode::UnexpectedFrame,
+                "a frame before the welcome",
+            )),
+            Phase::Ready(session) => {
+                let frame: RequestFrame = match decode(payload) {
+                    Ok(f) => f,
+                    Err(e) => return self.condemn(e),
+                };
+                if !self.bucket.take(now) {
+                    return Step::Reply(ServerFrame::Reply {
+                        id: frame.id,
+                        result: Err(WireError::new(
+                            ErrorCode::RateLimited,
+                            "too many requests; this one was not processed",
+                        )),
+                    });
+                }
+                Step::Request {
+                    session,
+                    id: frame.id,
+                    request: frame.request,
+                }
+            }
+        }
+    }
+}
+
+/// The sans-network request handler: one frame's payload from a peer in,
+/// whatever the server would answer out (and the core inputs it implies applied
+/// to `hub`). The server runs exactly these two halves, `ConnState::on_frame` in
+/// the connection's task and `Hub::apply` in the core's task.
+pub fn handle_frame(hub: &mut Hub, conn: &mut ConnState, now: Millis, payload: &[u8]) -> Handled {
+    let step = conn.on_frame(now, payload);
+    let handled = hub.apply(now, step);
+    if let Some(session) = handled.welcomed {
+        conn.on_welcome(session);
+    }
+    handled
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::{encode_frame, Answer, Kind, Request, Tier};
+    use crate::server::hub::HubLimits;
+    use crate::token::WatchClaim;
+    use std::time::Duration;
+
+    fn payload<T: serde::Serialize>(v: &T) -> Vec<u8> {
+        encode_frame(v).unwrap()[4..].to_vec()
+    }
+
+    #[test]
+    fn hello_request_and_bad_input_without_a_network() {
+        let keys = Arc::new(TokenKeys::new(b"s", Duration::ZERO));
+        let mut hub = Hub::new(Default::default(), HubLimits::default(), 0).unwrap();
+        let mut conn = ConnState::new(keys.clone(), RateLimit::default());
+
+        // A request before the hello is a bad frame (it is no hello).
+        let mut early = ConnState::new(keys.clone(), RateLimit::default());
+        let h = handle_frame(&mut hub, &mut early, Millis(0), &[0xff; 3]);
+        assert_eq!(h.close, Some(CloseCode::ProtocolError));
+
+        let claims = Claims::new(
+            "alice",
+            "phone",
+            Kind::Mobile,
+            WatchClaim::only(["bob"]),
+            Duration::from_secs(60),
+        );
+        let hello = Hello {
+            version: proto::VERSION,
+            token: keys.mint(&claims).unwrap(),
+            resume: None,
+        };
+        let h = handle_frame(&mut hub, &mut conn, Millis(1), &payload(&hello));
+        assert!(matches!(h.reply, Some(ServerFrame::Welcome(_))));
+        assert!(conn.session().is_some());
+
+        let sub = |target: &str| RequestFrame {
+            id: 9,
+            request: Request::Subscribe {
+                targets: vec![target.into()],
+                tier: Tier::Realtime,
+            },
+        };
+        let h = handle_frame(&mut hub, &mut conn, Millis(2), &payload(&sub("bob")));
+        match h.reply {
+            Some(ServerFrame::Reply {
+                id: 9,
+                result: Ok(Answer::Subscribed { snapshots, refused }),
+            }) => assert!(snapshots.len() == 1 && refused.is_empty()),
+            other => panic!("{other:?}"),
+        }
+        let h = handle_frame(&mut hub, &mut conn, Millis(3), &payload(&sub("carol")));
+        match h.reply {
+            Some(ServerFrame::Reply {
+                result: Ok(Answer::Subscribed { refused, .. }),
+                ..
+            }) => assert_eq!(refused[0].error.code, ErrorCode::NotAllowed),
+            other => panic!("{other:?}"),
+        }
+        let h = handle_frame(&mut hub, &mut conn, Millis(4), &[1, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(h.close, Some(CloseCode::ProtocolError));
+    }
+
+    #[test]
+    fn rate_limit_refuses_past_the_burst() {
+        let mut bucket = Bucket::new(RateLimit {
+            per_second: 10,
+            burst: 3,
+        });
+        assert!((0..3).all(|_| bucket.take(Millis(0))));
+        assert!(!bucket.take(Millis(0)));
+        assert!(bucket.take(Millis(100)));
+        assert!(!bucket.take(Millis(100)));
+    }
+}
