@@ -263,7 +263,8 @@ pub(crate) struct User {
     pub(crate) status: Status,
     pub(crate) message: Option<Arc<str>>,
     pub(crate) invisible: bool,
-    /// The moment the user was last shown online to others.
+    /// The moment the user was last shown online to others (set when a
+    /// published online user goes offline or invisible).
     pub(crate) last_seen: Option<Millis>,
     /// Bumped by every publish to others and every change of the own view.
     pub(crate) version: u64,
@@ -1313,7 +1314,10 @@ impl Core {
             let u = &self.users[user as usize];
             !u.sessions.is_empty() && (!u.invisible || mutant!(self, InvisibleIgnored))
         };
-        if before.shown.online && !now_shown_online {
+        // Last seen is when others last saw the user online: a change nobody
+        // was shown (connect then invisible inside one debounce window) must
+        // not move it, or it would reveal the connection.
+        if before.shown.online && !now_shown_online && self.users[user as usize].published.online {
             self.users[user as usize].last_seen = Some(clock);
         }
         let own_online = !self.users[user as usize].sessions.is_empty();

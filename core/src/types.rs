@@ -228,8 +228,10 @@ pub struct Presence {
     pub message: Option<Arc<str>>,
     /// Kinds of the devices online, only while `online`.
     pub kinds: Kinds,
-    /// While offline: the moment the user was last shown online (frozen at the
-    /// moment they went invisible); `None` if never, and while online.
+    /// While offline: the moment the user was last shown online to others
+    /// (frozen at the moment they went invisible; a connection nobody was
+    /// shown, because it ended or turned invisible within the debounce
+    /// window, does not move it); `None` if never, and while online.
     pub last_seen: Option<Millis>,
     /// Only ever true in a user's view of themselves.
     pub invisible: bool,

@@ -803,18 +803,19 @@ fn saved_preferences_survive_a_restart() {
     h.core
         .handle_set_status(Millis(0), phone, Status::Busy, Some("focus"))
         .unwrap();
+    h.run_until(1000);
     h.core
-        .handle_set_invisible(Millis(100), phone, true)
+        .handle_set_invisible(Millis(1000), phone, true)
         .unwrap();
     h.core.handle_logout(Millis(5000), phone).unwrap();
     let saved = h.core.saved(ALICE);
-    assert_eq!(saved.last_seen, Some(Millis(100)), "frozen when invisible");
+    assert_eq!(saved.last_seen, Some(Millis(1000)), "frozen when invisible");
 
     let mut restarted = Harness::new();
     restarted.core.restore(ALICE, saved.clone()).unwrap();
     restarted.check();
     assert_eq!(restarted.core.saved(ALICE), saved);
-    assert_eq!(restarted.core.presence(ALICE).last_seen, Some(Millis(100)));
+    assert_eq!(restarted.core.presence(ALICE).last_seen, Some(Millis(1000)));
     let bob = restarted.connect(BOB, PHONE, DeviceKind::Desktop);
     restarted.subscribe(bob, ALICE, Tier::Realtime);
     restarted.connect(ALICE, PHONE, DeviceKind::Mobile);
@@ -829,4 +830,35 @@ fn saved_preferences_survive_a_restart() {
         restarted.core.restore(ALICE, Saved::default()),
         Err(Error::AlreadyOnline)
     );
+}
+
+#[test]
+fn connecting_invisible_within_the_window_reveals_nothing_not_even_last_seen() {
+    let mut h = Harness::new();
+    let bob = bob_watches_alice(&mut h, Tier::Realtime);
+    let phone = h.connect(ALICE, PHONE, DeviceKind::Mobile);
+    h.run_until(1000);
+    h.core.handle_logout(Millis(1000), phone).unwrap();
+    h.run_until(2000);
+    let published = h.core.presence(ALICE);
+    assert_eq!(published.last_seen, Some(Millis(1000)));
+    // Back, and invisible 5 ms later: nobody was ever shown this connection.
+    h.at(5000);
+    let phone = h.connect(ALICE, PHONE, DeviceKind::Mobile);
+    h.at(5005);
+    h.core
+        .handle_set_invisible(Millis(5005), phone, true)
+        .unwrap();
+    assert!(
+        pushes_to(&h.run_until(10_000), bob).is_empty(),
+        "I5: {published:?}"
+    );
+    assert_eq!(h.core.presence(ALICE), published);
+    // Nor does a short visit that ends inside the window.
+    h.core.handle_logout(Millis(10_000), phone).unwrap();
+    h.at(20_000);
+    let phone = h.connect(ALICE, PHONE, DeviceKind::Mobile);
+    h.core.handle_logout(Millis(20_100), phone).unwrap();
+    assert!(pushes_to(&h.run_until(30_000), bob).is_empty());
+    assert_eq!(h.core.presence(ALICE).last_seen, Some(Millis(1000)));
 }

@@ -242,7 +242,7 @@ impl Reference {
     fn after(&mut self, user: UserId, before: Before) {
         let now = self.now;
         let shown_online = self.really_online(user) && !self.users[&user].invisible;
-        if before.shown.online && !shown_online {
+        if before.shown.online && !shown_online && self.users[&user].published.online {
             self.users.get_mut(&user).unwrap().last_seen = Some(now);
         }
         if !self.own(user).same_view(&before.own) {
