@@ -66,6 +66,9 @@ pub struct ClientConfig {
     pub reconnect: Option<Reconnect>,
     /// How long a request may wait for its answer. Default 10 s.
     pub request_timeout: Duration,
+    /// How long one attempt to connect and say hello may take (QUIC does not
+    /// notice a server that is down until its handshake times out). Default 5 s.
+    pub connect_timeout: Duration,
     /// The ALPN offered (change it only to test the server).
     pub alpn: Vec<u8>,
     /// The protocol version in the hello (change it only to test the server).
@@ -93,6 +96,7 @@ impl ClientConfig {
             idle_timeout: Duration::from_secs(30),
             reconnect: Some(Reconnect::default()),
             request_timeout: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(5),
             alpn: proto::ALPN.to_vec(),
             version: proto::VERSION,
         }
@@ -296,14 +300,33 @@ fn error_code_for(code: Option<CloseCode>) -> ErrorCode {
         Some(CloseCode::FrameTooLarge) => ErrorCode::FrameTooLarge,
         Some(CloseCode::ProtocolError) => ErrorCode::BadFrame,
         Some(CloseCode::TooManyConnections) => ErrorCode::TooManyConnections,
-        Some(CloseCode::Shutdown) => ErrorCode::ShuttingDown,
+        Some(CloseCode::Shutdown) | Some(CloseCode::Draining) => ErrorCode::ShuttingDown,
         Some(CloseCode::Superseded) | Some(CloseCode::SessionExpired) => ErrorCode::Stale,
         _ => ErrorCode::Other(0),
     }
 }
 
-/// Opens a connection and says hello.
+/// Opens a connection and says hello, within the connect timeout.
 async fn establish(
+    endpoint: &quinn::Endpoint,
+    config: &ClientConfig,
+    resume: Option<SessionId>,
+) -> Result<Established, ClientError> {
+    match tokio::time::timeout(
+        config.connect_timeout,
+        establish_now(endpoint, config, resume),
+    )
+    .await
+    {
+        Ok(result) => result,
+        Err(_) => Err(ClientError::Connect(format!(
+            "no answer from {} within {:?}",
+            config.server, config.connect_timeout
+        ))),
+    }
+}
+
+async fn establish_now(
     endpoint: &quinn::Endpoint,
     config: &ClientConfig,
     resume: Option<SessionId>,
@@ -669,7 +692,16 @@ async fn drive(
             Ok(new) => {
                 let resumed = new.welcome.resumed;
                 let session = SessionId(new.welcome.session);
-                shared.state().session = session;
+                {
+                    let mut state = shared.state();
+                    state.session = session;
+                    if !resumed {
+                        // A new session, perhaps on a restarted server whose
+                        // versions began again: forget what the old one said,
+                        // so the fresh snapshots are not dropped as stale.
+                        state.view = View::new();
+                    }
+                }
                 shared.emit(Event::Reconnected { session, resumed });
                 est = new;
             }
@@ -773,11 +805,15 @@ async fn read_control(
     }
 }
 
-/// Accepts the server's push streams and applies what they carry.
+/// Accepts the server's push streams and applies what they carry. Aborting
+/// this task stops its readers too, so nothing from an old connection is
+/// applied after a reconnect.
 async fn accept_pushes(conn: quinn::Connection, shared: Arc<Shared>) {
+    let mut readers = tokio::task::JoinSet::new();
     while let Ok(recv) = conn.accept_uni().await {
-        tokio::spawn(read_pushes(recv, shared.clone()));
+        readers.spawn(read_pushes(recv, shared.clone()));
     }
+    while readers.join_next().await.is_some() {}
 }
 
 async fn read_pushes(mut recv: quinn::RecvStream, shared: Arc<Shared>) {

@@ -68,10 +68,13 @@ pub enum CloseCode {
     HelloTimeout = 12,
     /// The hello was refused (a limit, a bad name): see the error frame.
     Refused = 13,
+    /// The server is draining (a restart or a deploy): reconnect at once,
+    /// resuming the session; the server (or its successor) is back shortly.
+    Draining = 14,
 }
 
 impl CloseCode {
-    pub const ALL: [CloseCode; 14] = [
+    pub const ALL: [CloseCode; 15] = [
         CloseCode::Normal,
         CloseCode::Logout,
         CloseCode::Superseded,
@@ -86,6 +89,7 @@ impl CloseCode {
         CloseCode::Overloaded,
         CloseCode::HelloTimeout,
         CloseCode::Refused,
+        CloseCode::Draining,
     ];
 
     pub const fn code(self) -> u32 {
@@ -108,6 +112,7 @@ impl CloseCode {
             CloseCode::Normal
                 | CloseCode::SessionExpired
                 | CloseCode::Shutdown
+                | CloseCode::Draining
                 | CloseCode::Overloaded
                 | CloseCode::HelloTimeout
                 | CloseCode::TooManyConnections

@@ -9,8 +9,8 @@ use crate::proto::{
 use crate::server::conn::{Handled, Step};
 use crate::token::{Claims, WatchClaim};
 use greendot_core::{
-    Config, ConfigError, Connect, Core, DeviceId, EndReason, Millis, Output, SessionId, Tier,
-    UserId, Watch,
+    Config, ConfigError, Connect, Core, DeviceId, DeviceKind, EndReason, Millis, Output, Saved,
+    SessionId, Tier, UserId, Watch,
 };
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -107,6 +107,18 @@ pub enum HubOutput {
 struct Meta {
     svc: bool,
     watch_all: bool,
+    user: UserId,
+    device: DeviceId,
+    kind: DeviceKind,
+}
+
+/// A live device, as a restarted server may restore it (see
+/// [`Hub::restore_device`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LiveDevice {
+    pub user: String,
+    pub device: String,
+    pub kind: proto::Kind,
 }
 
 /// The core with names, service flags and wire conversions around it.
@@ -119,6 +131,13 @@ pub struct Hub {
     unix_base_ms: u64,
     limits: HubLimits,
     max_frame: u32,
+    /// Session ids on the wire are the core's XOR this key, so that a session
+    /// id from another process (a client resuming after a restart) names no
+    /// session here.
+    session_key: u64,
+    /// Users whose saved state ([`Hub::saved`]) may have changed, for a
+    /// driver that persists it; drained with [`Hub::take_touched`].
+    touched: Vec<UserId>,
 }
 
 impl Hub {
@@ -133,7 +152,104 @@ impl Hub {
             unix_base_ms,
             limits,
             max_frame: proto::DEFAULT_MAX_FRAME as u32,
+            session_key: 0,
+            touched: Vec::new(),
         })
+    }
+
+    /// Session ids on the wire become the core's XOR `key` (default 0). A
+    /// server picks a random key per process, so that a client resuming a
+    /// session of a previous process never names one of this process.
+    pub fn with_session_key(mut self, key: u64) -> Hub {
+        self.session_key = key;
+        self
+    }
+
+    /// The session id a client is told for a core session.
+    pub fn wire_session(&self, session: SessionId) -> u64 {
+        session.0 ^ self.session_key
+    }
+
+    /// Users whose saved state may have changed since the last call (with
+    /// repeats): connects, disconnects, logouts, status and invisibility
+    /// changes, ended sessions.
+    pub fn take_touched(&mut self) -> Vec<UserId> {
+        std::mem::take(&mut self.touched)
+    }
+
+    /// The user of a live session.
+    pub fn session_user(&self, session: SessionId) -> Option<UserId> {
+        self.sessions.get(&session).map(|m| m.user)
+    }
+
+    /// What a server keeps of `user` across restarts, and whether others are
+    /// shown them online right now.
+    pub fn saved(&self, user: UserId) -> (Saved, bool) {
+        (self.core.saved(user), self.core.shown(user).online)
+    }
+
+    /// Restores what was saved of the user `name` before a restart (see
+    /// `Core::restore`): before the user connects.
+    pub fn restore(&mut self, name: &str, saved: Saved) -> Result<UserId, WireError> {
+        let user = self.intern_user(name)?;
+        self.core.restore(user, saved)?;
+        Ok(user)
+    }
+
+    /// Brings back a device that was live when the previous process drained,
+    /// as a lost connection: it lingers for its grace (others keep seeing the
+    /// user online, unless invisible) and a reconnect of that device takes
+    /// over unseen. Call before accepting connections, after [`Hub::restore`].
+    pub fn restore_device(
+        &mut self,
+        now: Millis,
+        user: &str,
+        device: &str,
+        kind: proto::Kind,
+    ) -> Result<(), WireError> {
+        self.name_ok(device, "device")?;
+        let user = self.intern_user(user)?;
+        let device =
+            self.devices.intern(device).map(DeviceId).ok_or_else(|| {
+                WireError::new(ErrorCode::TooManyDevices, "too many device names")
+            })?;
+        let kind: DeviceKind = kind.into();
+        let connected = self.core.handle_connect(
+            now,
+            Connect {
+                user,
+                device,
+                kind,
+                watch: Watch::only([]),
+                resume: None,
+            },
+        )?;
+        self.sessions.insert(
+            connected.session,
+            Meta {
+                svc: false,
+                watch_all: false,
+                user,
+                device,
+                kind,
+            },
+        );
+        self.core.handle_disconnect(now, connected.session)?;
+        Ok(())
+    }
+
+    /// Every live device (Online or Lingering).
+    pub fn live_devices(&self) -> Vec<LiveDevice> {
+        self.sessions
+            .values()
+            .filter_map(|m| {
+                Some(LiveDevice {
+                    user: self.users.name(m.user.0)?.to_string(),
+                    device: self.devices.name(m.device.0)?.to_string(),
+                    kind: m.kind.into(),
+                })
+            })
+            .collect()
     }
 
     /// The frame cap announced in welcomes (the server's `max_frame`).
@@ -172,6 +288,9 @@ impl Hub {
     /// logout code, otherwise a disconnect (the device lingers for grace).
     /// A stale session changes nothing.
     pub fn closed(&mut self, now: Millis, session: SessionId, logout: bool) {
+        if let Some(user) = self.session_user(session) {
+            self.touched.push(user);
+        }
         let _ = if logout {
             self.core.handle_logout(now, session)
         } else {
@@ -184,7 +303,7 @@ impl Hub {
         match step {
             Step::Hello { claims, resume } => match self.hello(now, &claims, resume) {
                 Ok(welcome) => Handled {
-                    welcomed: Some(SessionId(welcome.session)),
+                    welcomed: Some(SessionId(welcome.session ^ self.session_key)),
                     reply: Some(ServerFrame::Welcome(welcome)),
                     close: None,
                 },
@@ -272,14 +391,18 @@ impl Hub {
                 device,
                 kind: claims.kind.into(),
                 watch,
-                resume: resume.map(SessionId),
+                resume: resume.map(|s| SessionId(s ^ self.session_key)),
             },
         )?;
+        self.touched.push(user);
         self.sessions.insert(
             connected.session,
             Meta {
                 svc: claims.svc,
                 watch_all: matches!(claims.watch, WatchClaim::Star(_)),
+                user,
+                device,
+                kind: claims.kind.into(),
             },
         );
         let snapshots = connected
@@ -289,7 +412,7 @@ impl Hub {
             .collect();
         Ok(Welcome {
             version: proto::VERSION,
-            session: connected.session.0,
+            session: self.wire_session(connected.session),
             resumed: connected.resumed,
             user: claims.sub.clone(),
             device: claims.dev.clone(),
@@ -315,6 +438,14 @@ impl Hub {
     ) -> Result<Answer, WireError> {
         self.core.handle_activity(now, session)?;
         let svc = self.sessions.get(&session).is_some_and(|m| m.svc);
+        if matches!(
+            request,
+            Request::SetStatus { .. } | Request::SetInvisible { .. } | Request::Logout
+        ) {
+            if let Some(user) = self.session_user(session) {
+                self.touched.push(user);
+            }
+        }
         match request {
             Request::Ping => Ok(Answer::Done),
             Request::Subscribe { targets, tier } => {
@@ -394,7 +525,7 @@ impl Hub {
                         Some(RouteEntry {
                             device: self.devices.name(info.device.0)?.to_string(),
                             kind: info.kind.into(),
-                            session: s.0,
+                            session: self.wire_session(s),
                         })
                     })
                     .collect();
@@ -451,7 +582,9 @@ impl Hub {
                 },
             },
             Output::SessionEnded { session, reason } => {
-                self.sessions.remove(&session);
+                if let Some(meta) = self.sessions.remove(&session) {
+                    self.touched.push(meta.user);
+                }
                 HubOutput::End { session, reason }
             }
         })

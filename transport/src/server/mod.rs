@@ -27,24 +27,43 @@
 //!   [`ServerEvent::Migrated`].
 //! - **Bad input** (garbage, oversized frames, unknown versions, bad tokens) gets
 //!   an error frame and a close with a specific code on that connection only.
+//! - **Time** is Unix milliseconds: the core's `now` is the wall clock at start
+//!   plus the monotonic time since (so it never goes backwards while the
+//!   process lives), and instants saved by a previous process (last seen)
+//!   restore as they are.
+//! - **Durability** (optional, [`ServerConfig::store`]): status and
+//!   invisibility are committed to the [`store`] before the request is
+//!   answered; what else changed (last seen, who is shown online) is written
+//!   behind every [`ServerConfig::flush_interval`]. At start every saved user
+//!   is restored into the core before the first connection is accepted.
+//! - **Draining** ([`Server::drain`]): stop accepting, close every connection
+//!   with [`CloseCode::Draining`] (clients reconnect and resume), write the
+//!   store, including the devices that were live; the next process brings them
+//!   back as lingering so nobody who reconnects within grace is shown offline.
 
 pub mod conn;
 pub mod hub;
+pub mod metrics;
+pub mod store;
 
 pub use conn::{handle_frame, ConnState, Handled, RateLimit, Step};
-pub use hub::{Hub, HubLimits, HubOutput, Interner};
+pub use hub::{Hub, HubLimits, HubOutput, Interner, LiveDevice};
+pub use metrics::MetricsSnapshot;
 
 use crate::proto::{
     self, codec::read_frame, codec::ReadError, encode_frame, CloseCode, FrameReader, ServerFrame,
 };
 use crate::tls::{self, Identity, TlsError};
 use crate::token::TokenKeys;
-use greendot_core::{Counters, EndReason, Millis, SessionId, Tier};
-use std::collections::HashMap;
+use greendot_core::{Counters, EndReason, Millis, SessionId, Tier, UserId};
+use metrics::Histogram;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use store::{Batch, Record, Store, StoreWriter};
 use tokio::sync::{broadcast, mpsc, oneshot, Notify};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -86,6 +105,12 @@ pub struct ServerConfig {
     /// Default 1024.
     pub push_queue: usize,
     pub limits: HubLimits,
+    /// The durable store's file (a redb database); `None`: nothing survives
+    /// a restart.
+    pub store: Option<PathBuf>,
+    /// How often what changed is written behind to the store (last seen, who
+    /// is shown online). Default 1 s.
+    pub flush_interval: Duration,
 }
 
 impl ServerConfig {
@@ -106,6 +131,8 @@ impl ServerConfig {
             lease_renewal: None,
             push_queue: 1024,
             limits: HubLimits::default(),
+            store: None,
+            flush_interval: Duration::from_secs(1),
         }
     }
 
@@ -134,9 +161,12 @@ pub enum ServerError {
     Setting(String),
     #[error("cannot bind: {0}")]
     Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Store(#[from] store::StoreError),
 }
 
-/// Something that happened on the server, for logs and tests.
+/// Something that happened on the server, for logs and tests. Sessions are
+/// named as their clients know them (the welcome's `session`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ServerEvent {
     Connected {
@@ -179,29 +209,69 @@ struct StatsInner {
     migrations: AtomicU64,
     rejected: AtomicU64,
     overloaded: AtomicU64,
+    store_errors: AtomicU64,
+    rejected_by: Mutex<BTreeMap<String, u64>>,
+    latency: Histogram,
 }
 
-/// The driver's monotonic clock: `Millis` since the server started.
+impl StatsInner {
+    fn reject(&self, reason: &str) {
+        self.rejected.fetch_add(1, Ordering::Relaxed);
+        let mut by = self.rejected_by.lock().unwrap_or_else(|p| p.into_inner());
+        *by.entry(reason.to_owned()).or_default() += 1;
+    }
+}
+
+/// The metrics label of a rejection.
+fn reason_label(error: &proto::WireError) -> String {
+    match error.code {
+        proto::ErrorCode::Other(n) => format!("code_{n}"),
+        code => format!("{code:?}"),
+    }
+}
+
+/// The driver's clock: Unix milliseconds, read as the wall clock at start plus
+/// the monotonic time since, so it never goes backwards while the process
+/// lives and saved wall-clock instants (last seen) mean the same after a
+/// restart.
 #[derive(Clone, Copy, Debug)]
 struct Clock {
     start: Instant,
+    unix_start_ms: u64,
 }
 
 impl Clock {
+    fn start() -> Clock {
+        let unix_start_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| u64::try_from(d.as_millis()).unwrap_or(0))
+            .unwrap_or(0);
+        Clock {
+            start: Instant::now(),
+            unix_start_ms,
+        }
+    }
+
     fn now(&self) -> Millis {
-        Millis(u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX))
+        let elapsed = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        Millis(self.unix_start_ms.saturating_add(elapsed))
     }
 
     fn instant(&self, at: Millis) -> Option<Instant> {
-        self.start.checked_add(Duration::from_millis(at.0))
+        self.start.checked_add(Duration::from_millis(
+            at.0.saturating_sub(self.unix_start_ms),
+        ))
     }
 }
+
+/// A push and when the core task took the change behind it.
+type Queued = (Instant, proto::Push);
 
 /// Where the core task sends a session's pushes.
 struct Link {
     conn: quinn::Connection,
-    realtime: mpsc::Sender<proto::Push>,
-    batched: mpsc::Sender<proto::Push>,
+    realtime: mpsc::Sender<Queued>,
+    batched: mpsc::Sender<Queued>,
 }
 
 enum CoreMsg {
@@ -217,6 +287,8 @@ enum CoreMsg {
         logout: bool,
     },
     Counters(oneshot::Sender<Counters>),
+    /// Write everything to the store, with the live devices; answer when on disk.
+    Drain(oneshot::Sender<()>),
 }
 
 struct Shared {
@@ -226,9 +298,16 @@ struct Shared {
     clock: Clock,
     stats: StatsInner,
     events: broadcast::Sender<ServerEvent>,
+    /// See [`Hub::with_session_key`]: events name sessions as clients do.
+    session_key: u64,
 }
 
 impl Shared {
+    /// A session as its client knows it.
+    fn wire(&self, session: SessionId) -> SessionId {
+        SessionId(session.0 ^ self.session_key)
+    }
+
     fn event(&self, event: ServerEvent) {
         let _ = self.events.send(event);
     }
@@ -286,17 +365,29 @@ impl Server {
         server_config.transport_config(Arc::new(transport));
         server_config.migration(config.migration);
 
+        if config.flush_interval.is_zero() {
+            return Err(ServerError::Setting(
+                "flush_interval must be more than 0".into(),
+            ));
+        }
+        // The core runs on Unix milliseconds: `last_seen` needs no offset.
+        let clock = Clock::start();
+        let session_key = random_u64();
+        let mut hub = Hub::new(config.core.clone(), config.limits, 0)?
+            .with_max_frame(u32::try_from(config.max_frame).unwrap_or(u32::MAX))
+            .with_session_key(session_key);
+        // Bound first (a taken port fails before the store is touched);
+        // connections wait in quinn's queue until the accept task starts.
         let endpoint = quinn::Endpoint::server(server_config, config.listen)?;
         let local_addr = endpoint.local_addr()?;
-
-        let unix_base_ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| u64::try_from(d.as_millis()).unwrap_or(0))
-            .unwrap_or(0);
-        let hub = Hub::new(config.core.clone(), config.limits, unix_base_ms)?
-            .with_max_frame(u32::try_from(config.max_frame).unwrap_or(u32::MAX));
-        let clock = Clock {
-            start: Instant::now(),
+        // Everything saved is back in the core before the first connection.
+        let writer = match &config.store {
+            Some(path) => {
+                let store = Store::open(path)?;
+                restore(&mut hub, &store, clock.now(), &config)?;
+                Some(StoreWriter::spawn(store)?)
+            }
+            None => None,
         };
         let (core_tx, core_rx) = mpsc::channel(4096);
         let (events, _) = broadcast::channel(4096);
@@ -307,9 +398,10 @@ impl Server {
             clock,
             stats: StatsInner::default(),
             events,
+            session_key,
         });
         let stop = Arc::new(Notify::new());
-        let core_task = tokio::spawn(run_core(hub, core_rx, clock, shared.clone()));
+        let core_task = tokio::spawn(run_core(hub, core_rx, clock, shared.clone(), writer));
         let accept_task = tokio::spawn(accept_loop(endpoint.clone(), shared.clone(), stop.clone()));
         info!(%local_addr, "greendot server listening");
         Ok(Server {
@@ -337,13 +429,13 @@ impl Server {
     }
 
     pub fn stats(&self) -> Stats {
-        let s = &self.shared.stats;
-        Stats {
-            connections_open: s.open.load(Ordering::Relaxed) as u64,
-            connections_total: s.total.load(Ordering::Relaxed),
-            migrations: s.migrations.load(Ordering::Relaxed),
-            rejected: s.rejected.load(Ordering::Relaxed),
-            overloaded: s.overloaded.load(Ordering::Relaxed),
+        self.monitor().stats()
+    }
+
+    /// A cheap handle for reading metrics while the server runs.
+    pub fn monitor(&self) -> Monitor {
+        Monitor {
+            shared: self.shared.clone(),
         }
     }
 
@@ -364,7 +456,36 @@ impl Server {
         self.shared.keys.mint(claims)
     }
 
-    /// Closes every connection (`CloseCode::Shutdown`) and stops the tasks.
+    /// A graceful stop, for restarts and deploys: stops accepting, closes
+    /// every connection with `CloseCode::Draining` (clients reconnect and try
+    /// to resume), then writes the store, including the devices that were
+    /// live, which the next process restores as lingering. Waits at most
+    /// about `2 s` for connections and `10 s` for the store.
+    pub async fn drain(self) {
+        self.stop.notify_one();
+        self.endpoint.set_server_config(None);
+        self.endpoint.close(
+            CloseCode::Draining.varint(),
+            b"server draining: reconnect and resume",
+        );
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+        let (tx, rx) = oneshot::channel();
+        if self.shared.core_tx.send(CoreMsg::Drain(tx)).await.is_ok()
+            && tokio::time::timeout(Duration::from_secs(10), rx)
+                .await
+                .is_err()
+        {
+            warn!("the store did not finish writing in time");
+        }
+        for task in self.tasks {
+            task.abort();
+        }
+        info!("drained");
+    }
+
+    /// Closes every connection (`CloseCode::Shutdown`) and stops the tasks,
+    /// at once: what was not yet written behind to the store (at most one
+    /// flush interval) is lost. [`Server::drain`] is the graceful stop.
     pub async fn shutdown(self) {
         self.stop.notify_one();
         self.endpoint
@@ -374,6 +495,133 @@ impl Server {
             task.abort();
         }
     }
+}
+
+/// Reads the server's metrics while it runs (see [`Server::monitor`]).
+#[derive(Clone)]
+pub struct Monitor {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Monitor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Monitor(..)")
+    }
+}
+
+impl Monitor {
+    pub fn stats(&self) -> Stats {
+        let s = &self.shared.stats;
+        Stats {
+            connections_open: s.open.load(Ordering::Relaxed) as u64,
+            connections_total: s.total.load(Ordering::Relaxed),
+            migrations: s.migrations.load(Ordering::Relaxed),
+            rejected: s.rejected.load(Ordering::Relaxed),
+            overloaded: s.overloaded.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Everything for the metrics page; `None` once the core task stopped.
+    pub async fn metrics(&self) -> Option<MetricsSnapshot> {
+        let (tx, rx) = oneshot::channel();
+        self.shared.core_tx.send(CoreMsg::Counters(tx)).await.ok()?;
+        let counters = rx.await.ok()?;
+        let s = &self.shared.stats;
+        let stats = self.stats();
+        let rejected = s
+            .rejected_by
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        Some(MetricsSnapshot {
+            counters,
+            connections_open: stats.connections_open,
+            connections_total: stats.connections_total,
+            migrations: stats.migrations,
+            overloaded: stats.overloaded,
+            rejected,
+            latency: s.latency.snapshot(),
+            store_errors: s.store_errors.load(Ordering::Relaxed),
+        })
+    }
+}
+
+/// 64 random bits (for the session key); falls back to the clock.
+fn random_u64() -> u64 {
+    use ring::rand::SecureRandom;
+    let mut bytes = [0u8; 8];
+    if ring::rand::SystemRandom::new().fill(&mut bytes).is_ok() {
+        return u64::from_le_bytes(bytes);
+    }
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0x9e37_79b9_7f4a_7c15)
+}
+
+/// Restores everything saved into a fresh hub, and marks the store in use.
+/// A store that cannot be read stops the start: starting without it could
+/// show an invisible user online.
+fn restore(
+    hub: &mut Hub,
+    store: &Store,
+    now: Millis,
+    config: &ServerConfig,
+) -> Result<(), ServerError> {
+    let loaded = store.load_and_begin(now.0)?;
+    let mut restored = 0usize;
+    for (name, record) in &loaded.users {
+        let saved = record.to_saved(loaded.alive_at);
+        match hub.restore(name, saved.clone()) {
+            Ok(_) => restored += 1,
+            Err(e) => {
+                // A message over a lowered cap: keep the rest.
+                let without = greendot_core::Saved {
+                    message: None,
+                    ..saved
+                };
+                hub.restore(name, without).map_err(|e2| {
+                    ServerError::Setting(format!(
+                        "cannot restore the saved state of {name:?}: {e}; {e2}"
+                    ))
+                })?;
+                restored += 1;
+            }
+        }
+    }
+    // Devices live at a drained shutdown come back as lost connections, as of
+    // just over one debounce ago, so that those shown online are published
+    // online again before anyone subscribes.
+    let back = Millis(
+        now.0
+            .saturating_sub(config.core.debounce.0.saturating_add(1)),
+    );
+    let mut lingering = 0usize;
+    for d in &loaded.drained {
+        match hub.restore_device(back, &d.user, &d.device, d.kind) {
+            Ok(()) => lingering += 1,
+            Err(e) => {
+                warn!(user = %d.user, device = %d.device, error = %e, "cannot restore a device")
+            }
+        }
+    }
+    hub.handle_timeout(now);
+    while hub.poll_output().is_some() {}
+    hub.take_touched();
+    info!(
+        users = restored,
+        lingering,
+        clean = loaded.clean,
+        "restored the saved state"
+    );
+    Ok(())
+}
+
+/// The record to write for `user`, by name.
+fn record(hub: &Hub, user: UserId) -> Option<(String, Record)> {
+    let name = hub.user_name(user)?.to_owned();
+    let (saved, shown_online) = hub.saved(user);
+    Some((name, Record::new(&saved, shown_online)))
 }
 
 async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<Shared>, stop: Arc<Notify>) {
@@ -387,39 +635,127 @@ async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<Shared>, stop: Arc<N
     }
 }
 
+enum Wake {
+    Msg(CoreMsg),
+    Timer,
+    Flush,
+}
+
+/// Whether a step changes what must be on disk before it is answered.
+fn durable_user(hub: &Hub, step: &Step) -> Option<UserId> {
+    match step {
+        Step::Request {
+            session,
+            request: proto::Request::SetStatus { .. } | proto::Request::SetInvisible { .. },
+            ..
+        } => hub.session_user(*session),
+        _ => None,
+    }
+}
+
 /// The core task: the only owner of the hub.
 async fn run_core(
     mut hub: Hub,
     mut rx: mpsc::Receiver<CoreMsg>,
     clock: Clock,
     shared: Arc<Shared>,
+    store: Option<StoreWriter>,
 ) {
     let mut links: HashMap<SessionId, Link> = HashMap::new();
+    let mut dirty: HashSet<UserId> = HashSet::new();
+    let mut flush = tokio::time::interval(shared.config.flush_interval);
+    flush.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let deadline = hub.poll_timeout().and_then(|at| clock.instant(at));
-        let msg = tokio::select! {
+        let wake = tokio::select! {
             msg = rx.recv() => match msg {
-                Some(msg) => Some(msg),
+                Some(msg) => Wake::Msg(msg),
                 None => break,
             },
-            _ = sleep_until(deadline), if deadline.is_some() => None,
+            _ = sleep_until(deadline), if deadline.is_some() => Wake::Timer,
+            _ = flush.tick(), if store.is_some() => Wake::Flush,
         };
+        let taken = Instant::now();
         let now = clock.now();
-        match msg {
-            None => hub.handle_timeout(now),
-            Some(CoreMsg::Apply { step, link, reply }) => {
+        match wake {
+            Wake::Timer => hub.handle_timeout(now),
+            Wake::Flush => {
+                if let Some(store) = &store {
+                    let users = dirty.drain().filter_map(|u| record(&hub, u)).collect();
+                    store.write_behind(Batch {
+                        users,
+                        alive_at: Some(now.0),
+                        drained: None,
+                    });
+                }
+            }
+            Wake::Msg(CoreMsg::Drain(reply)) => {
+                dirty.extend(hub.take_touched());
+                match &store {
+                    Some(store) => {
+                        let users = dirty.drain().filter_map(|u| record(&hub, u)).collect();
+                        let done = store.write_durable(Batch {
+                            users,
+                            alive_at: Some(now.0),
+                            drained: Some(hub.live_devices()),
+                        });
+                        let shared = shared.clone();
+                        tokio::spawn(async move {
+                            if !matches!(done.await, Ok(Ok(()))) {
+                                shared.stats.store_errors.fetch_add(1, Ordering::Relaxed);
+                            }
+                            let _ = reply.send(());
+                        });
+                    }
+                    None => {
+                        let _ = reply.send(());
+                    }
+                }
+            }
+            Wake::Msg(CoreMsg::Apply { step, link, reply }) => {
+                let durable = durable_user(&hub, &step);
                 let handled = hub.apply(now, step);
                 if let (Some(session), Some(link)) = (handled.welcomed, link) {
                     links.insert(session, link);
                 }
-                let _ = reply.send(handled);
+                let answered_ok = matches!(
+                    &handled.reply,
+                    Some(ServerFrame::Reply { result: Ok(_), .. })
+                );
+                let pending = durable
+                    .filter(|_| answered_ok)
+                    .and_then(|user| Some((store.as_ref()?, record(&hub, user)?)));
+                match pending {
+                    // On disk before it is acknowledged.
+                    Some((store, user)) => {
+                        let done = store.write_durable(Batch {
+                            users: vec![user],
+                            alive_at: None,
+                            drained: None,
+                        });
+                        let shared = shared.clone();
+                        tokio::spawn(async move {
+                            let handled = match done.await {
+                                Ok(Ok(())) => handled,
+                                _ => {
+                                    shared.stats.store_errors.fetch_add(1, Ordering::Relaxed);
+                                    not_saved(handled)
+                                }
+                            };
+                            let _ = reply.send(handled);
+                        });
+                    }
+                    None => {
+                        let _ = reply.send(handled);
+                    }
+                }
             }
-            Some(CoreMsg::Activity(session)) => hub.activity(now, session),
-            Some(CoreMsg::Closed { session, logout }) => {
+            Wake::Msg(CoreMsg::Activity(session)) => hub.activity(now, session),
+            Wake::Msg(CoreMsg::Closed { session, logout }) => {
                 links.remove(&session);
                 hub.closed(now, session, logout);
             }
-            Some(CoreMsg::Counters(reply)) => {
+            Wake::Msg(CoreMsg::Counters(reply)) => {
                 let _ = reply.send(hub.core().counters().clone());
             }
         }
@@ -437,7 +773,7 @@ async fn run_core(
                         Tier::Realtime => &link.realtime,
                         Tier::Batched => &link.batched,
                     };
-                    if queue.try_send(push).is_err() {
+                    if queue.try_send((taken, push)).is_err() {
                         warn!(%session, "push queue full: closing the stalled connection");
                         shared.stats.overloaded.fetch_add(1, Ordering::Relaxed);
                         link.conn
@@ -466,6 +802,28 @@ async fn run_core(
                 }
             }
         }
+        if store.is_some() {
+            dirty.extend(hub.take_touched());
+        } else {
+            hub.take_touched();
+        }
+    }
+}
+
+/// The answer to a request whose change could not be saved.
+fn not_saved(handled: Handled) -> Handled {
+    match handled.reply {
+        Some(ServerFrame::Reply { id, .. }) => Handled {
+            reply: Some(ServerFrame::Reply {
+                id,
+                result: Err(proto::WireError::new(
+                    proto::ErrorCode::Internal,
+                    "the change is in effect but could not be saved",
+                )),
+            }),
+            ..handled
+        },
+        _ => handled,
     }
 }
 
@@ -522,7 +880,7 @@ async fn serve_connection(incoming: quinn::Incoming, shared: Arc<Shared>) {
         Ok(conn) => conn,
         Err(e) => {
             debug!(%remote, error = %e, "handshake failed");
-            shared.stats.rejected.fetch_add(1, Ordering::Relaxed);
+            shared.stats.reject("handshake");
             shared.event(ServerEvent::Rejected {
                 remote,
                 reason: format!("handshake failed: {e}"),
@@ -534,7 +892,7 @@ async fn serve_connection(incoming: quinn::Incoming, shared: Arc<Shared>) {
     let _admission = Admission(&shared.stats);
     shared.stats.total.fetch_add(1, Ordering::Relaxed);
     if open >= shared.config.max_connections {
-        shared.stats.rejected.fetch_add(1, Ordering::Relaxed);
+        shared.stats.reject("TooManyConnections");
         conn.close(
             CloseCode::TooManyConnections.varint(),
             b"TooManyConnections: the server is at its connection cap",
@@ -556,7 +914,7 @@ async fn serve_connection(incoming: quinn::Incoming, shared: Arc<Shared>) {
             .await;
     }
     shared.event(ServerEvent::Closed {
-        session,
+        session: session.map(|s| shared.wire(s)),
         logout,
         reason: error.to_string(),
     });
@@ -623,11 +981,10 @@ async fn run_connection(conn: &quinn::Connection, shared: &Arc<Shared>) -> Optio
         };
         to_core(shared, step, Some(link)).await
     } else {
-        shared.stats.rejected.fetch_add(1, Ordering::Relaxed);
         Handled::default().merge_local(step)
     };
     if let Some(ServerFrame::Error(e)) = &handled.reply {
-        shared.stats.rejected.fetch_add(1, Ordering::Relaxed);
+        shared.stats.reject(&reason_label(e));
         shared.event(ServerEvent::Rejected {
             remote,
             reason: e.to_string(),
@@ -638,7 +995,7 @@ async fn run_connection(conn: &quinn::Connection, shared: &Arc<Shared>) -> Optio
         state.on_welcome(s);
         if let Some(ServerFrame::Welcome(w)) = &handled.reply {
             shared.event(ServerEvent::Connected {
-                session: s,
+                session: shared.wire(s),
                 user: w.user.clone(),
                 device: w.device.clone(),
                 resumed: w.resumed,
@@ -659,7 +1016,7 @@ async fn run_connection(conn: &quinn::Connection, shared: &Arc<Shared>) -> Optio
         match conn.open_uni().await {
             Ok(stream) => {
                 let _ = stream.set_priority(priority);
-                tokio::spawn(write_pushes(stream, tier, rx));
+                tokio::spawn(write_pushes(stream, tier, rx, shared.clone()));
             }
             Err(_) => return Some(session),
         }
@@ -677,7 +1034,7 @@ async fn run_connection(conn: &quinn::Connection, shared: &Arc<Shared>) -> Optio
             shared.stats.migrations.fetch_add(1, Ordering::Relaxed);
             debug!(%session, from = %address, to = %now, "migrated");
             shared.event(ServerEvent::Migrated {
-                session: Some(session),
+                session: Some(shared.wire(session)),
                 from: *address,
                 to: now,
             });
@@ -712,7 +1069,7 @@ async fn run_connection(conn: &quinn::Connection, shared: &Arc<Shared>) -> Optio
             to_core(shared, step, None).await
         } else {
             if let Step::Close(e) = &step {
-                shared.stats.rejected.fetch_add(1, Ordering::Relaxed);
+                shared.stats.reject(&reason_label(e));
                 shared.event(ServerEvent::Rejected {
                     remote: address,
                     reason: e.to_string(),
@@ -747,7 +1104,8 @@ impl Handled {
 async fn write_pushes(
     mut stream: quinn::SendStream,
     tier: proto::Tier,
-    mut rx: mpsc::Receiver<proto::Push>,
+    mut rx: mpsc::Receiver<Queued>,
+    shared: Arc<Shared>,
 ) {
     let Ok(header) = encode_frame(&proto::Push::Stream { tier }) else {
         return;
@@ -755,22 +1113,27 @@ async fn write_pushes(
     if stream.write_all(&header).await.is_err() {
         return;
     }
-    while let Some(push) = rx.recv().await {
+    let mut taken = Vec::new();
+    while let Some((at, push)) = rx.recv().await {
         let mut bytes = match encode_frame(&push) {
             Ok(b) => b,
             Err(_) => continue,
         };
+        taken.clear();
+        taken.push(at);
         // Write whatever else is already queued in the same call.
-        while let Ok(more) = rx.try_recv() {
+        while bytes.len() <= 32 * 1024 {
+            let Ok((at, more)) = rx.try_recv() else { break };
             if let Ok(b) = encode_frame(&more) {
                 bytes.extend_from_slice(&b);
-            }
-            if bytes.len() > 32 * 1024 {
-                break;
+                taken.push(at);
             }
         }
         if stream.write_all(&bytes).await.is_err() {
             return;
+        }
+        for at in &taken {
+            shared.stats.latency.observe(at.elapsed());
         }
     }
     let _ = stream.finish();

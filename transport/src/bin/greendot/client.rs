@@ -1,0 +1,306 @@
+//! `greendot connect`, `watch` and `query`: the client library on a terminal.
+
+use crate::ClientArgs;
+use greendot_core::{Presence, Status};
+use greendot_transport::client::{Client, ClientConfig, Event, Reconnect, Updates};
+use greendot_transport::rustls::pki_types::pem::PemObject;
+use greendot_transport::rustls::pki_types::CertificateDer;
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::ToSocketAddrs;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Connects as the token's device.
+pub async fn connect(args: &ClientArgs) -> Result<(Client, Updates), String> {
+    let server = args
+        .server
+        .to_socket_addrs()
+        .map_err(|e| format!("bad --server {}: {e}", args.server))?
+        .next()
+        .ok_or_else(|| format!("--server {} names no address", args.server))?;
+    let ca = args
+        .ca
+        .clone()
+        .unwrap_or_else(|| args.data_dir.join(crate::CERT_FILE));
+    let roots = CertificateDer::pem_file_iter(&ca)
+        .and_then(|iter| iter.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| {
+            format!(
+                "cannot read the server's certificate {} ({e}); start `greendot serve` here first or pass --ca",
+                ca.display()
+            )
+        })?;
+    let mut config = ClientConfig::new(server, roots, args.token.trim());
+    config.server_name = args.server_name.clone();
+    config.connect_timeout = Duration::from_secs(3);
+    config.reconnect = Some(Reconnect {
+        initial_backoff: Duration::from_millis(100),
+        max_backoff: Duration::from_secs(2),
+        give_up_after: None,
+    });
+    Client::connect(config).await.map_err(|e| e.to_string())
+}
+
+/// Unix milliseconds as `YYYY-MM-DDTHH:MM:SS.mmmZ`.
+pub fn utc(ms: u64) -> String {
+    let secs = ms / 1000;
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60,
+        ms % 1000
+    )
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn kinds(p: &Presence) -> Vec<&'static str> {
+    p.kinds.iter().map(|k| k.name()).collect()
+}
+
+/// One line about `user`: text or JSON.
+pub fn line(user: &str, p: &Presence, json: bool) -> String {
+    let time = utc(now_ms());
+    if json {
+        let value = serde_json::json!({
+            "time": time,
+            "user": user,
+            "online": p.online,
+            "status": p.status.name(),
+            "message": p.message.as_deref(),
+            "devices": kinds(p),
+            "last_seen": p.last_seen.map(|m| utc(m.0)),
+            "last_seen_ms": p.last_seen.map(|m| m.0),
+            "invisible": p.invisible,
+            "version": p.version,
+        });
+        return value.to_string();
+    }
+    let mut text = format!("{time} {user} ");
+    if p.online {
+        text.push_str("online");
+        if p.status != Status::Available || p.message.is_some() {
+            text.push(' ');
+            text.push_str(p.status.name());
+        }
+        if let Some(m) = &p.message {
+            text.push_str(&format!(" {m:?}"));
+        }
+        let k = kinds(p);
+        if !k.is_empty() {
+            text.push_str(&format!(" on {}", k.join(",")));
+        }
+    } else {
+        text.push_str("offline");
+        match p.last_seen {
+            Some(at) => text.push_str(&format!(", last seen {}", utc(at.0))),
+            None => text.push_str(", never seen"),
+        }
+    }
+    if p.invisible {
+        text.push_str(" (invisible to others)");
+    }
+    text
+}
+
+fn say(text: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{text}");
+    let _ = out.flush();
+}
+
+fn status_of(name: &str) -> Result<Status, String> {
+    Status::ALL
+        .into_iter()
+        .find(|s| s.name() == name || (name == "dnd" && *s == Status::DoNotDisturb))
+        .ok_or_else(|| format!("unknown status `{name}` (available, away, busy, do-not-disturb)"))
+}
+
+fn connection_event(event: &Event) -> Option<String> {
+    match event {
+        Event::Disconnected { reason } => Some(format!("connection lost ({reason}); reconnecting")),
+        Event::Reconnected { resumed, .. } => Some(if *resumed {
+            "reconnected; session resumed".into()
+        } else {
+            "reconnected with a new session".into()
+        }),
+        Event::Closed { reason, .. } => Some(format!("closed: {reason}")),
+        Event::Presence { .. } => None,
+    }
+}
+
+/// `greendot connect`: online until Ctrl-C or SIGTERM.
+pub async fn run_connect(
+    args: &ClientArgs,
+    status: Option<String>,
+    message: Option<String>,
+    invisible: bool,
+    no_logout: bool,
+) -> Result<(), String> {
+    let status = status.as_deref().map(status_of).transpose()?;
+    let (client, mut updates) = connect(args).await?;
+    if invisible {
+        client
+            .set_invisible(true)
+            .await
+            .map_err(|e| format!("cannot go invisible: {e}"))?;
+    }
+    if status.is_some() || message.is_some() {
+        client
+            .set_status(status.unwrap_or_default(), message.as_deref())
+            .await
+            .map_err(|e| format!("cannot set the status: {e}"))?;
+    }
+    say(&format!(
+        "online as {}/{}{}; Ctrl-C to {}",
+        client.user(),
+        client.device(),
+        if invisible { " (invisible)" } else { "" },
+        if no_logout {
+            "leave without logging out"
+        } else {
+            "log out"
+        }
+    ));
+    loop {
+        tokio::select! {
+            event = updates.next() => match event {
+                Some(Event::Closed { reason, .. }) => return Err(format!("closed: {reason}")),
+                Some(event) => {
+                    if let Some(text) = connection_event(&event) {
+                        eprintln!("{text}");
+                    }
+                }
+                None => return Err("the client stopped".into()),
+            },
+            _ = crate::serve::wait_for_signal() => break,
+        }
+    }
+    if no_logout {
+        client.close().await;
+        say("left without logging out: the device lingers for its grace");
+    } else {
+        client
+            .logout()
+            .await
+            .map_err(|e| format!("logout failed: {e}"))?;
+        say("logged out");
+    }
+    Ok(())
+}
+
+/// `greendot watch`: one line per change until Ctrl-C.
+pub async fn run_watch(
+    args: &ClientArgs,
+    users: Vec<String>,
+    json: bool,
+    batched: bool,
+) -> Result<(), String> {
+    if users.is_empty() {
+        return Err("name at least one user to watch".into());
+    }
+    let (client, mut updates) = connect(args).await?;
+    let tier = if batched {
+        greendot_core::Tier::Batched
+    } else {
+        greendot_core::Tier::Realtime
+    };
+    let answer = client
+        .subscribe(&users, tier)
+        .await
+        .map_err(|e| format!("cannot subscribe: {e}"))?;
+    for refused in &answer.refused {
+        eprintln!("cannot watch {}: {}", refused.target, refused.error);
+    }
+    if answer.snapshots.is_empty() {
+        client.logout().await.ok();
+        return Err("nobody to watch".into());
+    }
+    // Print a user only when what is shown of them changed.
+    let mut printed: HashMap<String, Presence> = HashMap::new();
+    let mut show = |target: &str, p: &Presence| {
+        if printed.get(target).is_some_and(|old| old.same_view(p)) {
+            return;
+        }
+        printed.insert(target.to_owned(), p.clone());
+        say(&line(target, p, json));
+    };
+    for (target, _, p) in &answer.snapshots {
+        if let Some(latest) = client.presence(target) {
+            show(target, &latest);
+        } else {
+            show(target, p);
+        }
+    }
+    loop {
+        tokio::select! {
+            event = updates.next() => match event {
+                Some(Event::Presence { target, presence, .. }) => show(&target, &presence),
+                Some(Event::Closed { reason, .. }) => return Err(format!("closed: {reason}")),
+                Some(event) => {
+                    if let Some(text) = connection_event(&event) {
+                        eprintln!("{text}");
+                    }
+                }
+                None => return Err("the client stopped".into()),
+            },
+            _ = crate::serve::wait_for_signal() => break,
+        }
+    }
+    let _ = client.logout().await;
+    Ok(())
+}
+
+/// `greendot query`: answers once, then logs out.
+pub async fn run_query(args: &ClientArgs, users: Vec<String>, json: bool) -> Result<(), String> {
+    if users.is_empty() {
+        return Err("name at least one user".into());
+    }
+    let (client, _updates) = connect(args).await?;
+    let mut failed = false;
+    for user in &users {
+        match client.query(user).await {
+            Ok(p) => say(&line(user, &p, json)),
+            Err(e) => {
+                failed = true;
+                eprintln!("{user}: {e}");
+            }
+        }
+    }
+    let _ = client.logout().await;
+    if failed {
+        Err("some queries failed".into())
+    } else {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utc_formats_unix_ms() {
+        assert_eq!(utc(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(utc(951_782_400_123), "2000-02-29T00:00:00.123Z");
+        assert_eq!(utc(1_700_000_000_000), "2023-11-14T22:13:20.000Z");
+    }
+}

@@ -1,0 +1,357 @@
+//! `greendot`: the presence server and its command-line tools.
+//!
+//! - `greendot serve`: runs the server (defaults: 127.0.0.1:4433/udp, data in
+//!   `./greendot-data/`, metrics on 127.0.0.1:9464);
+//! - `greendot token`: mints a token with the data directory's secret;
+//! - `greendot connect`, `watch`, `query`: a client on a terminal.
+
+mod client;
+mod serve;
+mod settings;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use greendot_transport::proto::Kind;
+use greendot_transport::token::{Claims, TokenKeys, WatchClaim};
+use settings::{Dur, PerKind, Settings};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+pub const CERT_FILE: &str = "cert.pem";
+pub const KEY_FILE: &str = "key.pem";
+pub const SECRET_FILE: &str = "token-secret";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "greendot",
+    version,
+    about = "greendot: a presence server over QUIC, and its tools",
+    after_help = "Logs go to stderr; set RUST_LOG (e.g. RUST_LOG=debug) to change how much."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the server (settings: flags > GREENDOT_* environment > --config file > defaults).
+    Serve(ServeArgs),
+    /// Print a token (a JWT signed with the data directory's secret) on stdout.
+    Token(TokenArgs),
+    /// Stay online as the token's device until Ctrl-C (which logs out).
+    Connect {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// available, away, busy or do-not-disturb.
+        #[arg(long)]
+        status: Option<String>,
+        /// A status message.
+        #[arg(long)]
+        message: Option<String>,
+        /// Appear offline to everyone else.
+        #[arg(long)]
+        invisible: bool,
+        /// On Ctrl-C leave without logging out: the device lingers for its
+        /// grace, as after a crash.
+        #[arg(long)]
+        no_logout: bool,
+    },
+    /// Print one line per change of these users until Ctrl-C.
+    Watch {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// The users to watch.
+        #[arg(required = true)]
+        users: Vec<String>,
+        /// JSON lines instead of text.
+        #[arg(long)]
+        json: bool,
+        /// Subscribe in the batched tier (coalesced, every batch interval).
+        #[arg(long)]
+        batched: bool,
+    },
+    /// Print what is shown of these users now, once.
+    Query {
+        #[command(flatten)]
+        client: ClientArgs,
+        #[arg(required = true)]
+        users: Vec<String>,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Args, Debug)]
+struct ServeArgs {
+    /// A TOML file of settings (see --print-config for every key).
+    #[arg(long, env = "GREENDOT_CONFIG")]
+    config: Option<PathBuf>,
+    /// Print the effective settings as TOML and exit.
+    #[arg(long)]
+    print_config: bool,
+    /// UDP address to listen on [default: 127.0.0.1:4433]; port 0 picks one.
+    #[arg(long, env = "GREENDOT_LISTEN")]
+    listen: Option<SocketAddr>,
+    /// Directory for the certificate, the token secret and the store
+    /// [default: greendot-data].
+    #[arg(long, env = "GREENDOT_DATA_DIR")]
+    data_dir: Option<PathBuf>,
+    /// TCP address of the metrics page, or "off" [default: 127.0.0.1:9464].
+    #[arg(long, env = "GREENDOT_METRICS")]
+    metrics: Option<String>,
+    /// PEM certificate chain (with --key) instead of the dev certificate.
+    #[arg(long, env = "GREENDOT_CERT")]
+    cert: Option<PathBuf>,
+    /// PEM private key of --cert.
+    #[arg(long, env = "GREENDOT_KEY")]
+    key: Option<PathBuf>,
+    /// File holding the token secret [default: <data-dir>/token-secret].
+    #[arg(long, env = "GREENDOT_SECRET_FILE")]
+    secret_file: Option<PathBuf>,
+    /// QUIC keep-alive interval [default: 15s].
+    #[arg(long, env = "GREENDOT_KEEP_ALIVE")]
+    keep_alive: Option<Dur>,
+    /// QUIC idle timeout: silence this long is a lost connection [default: 45s].
+    #[arg(long, env = "GREENDOT_IDLE_TIMEOUT")]
+    idle_timeout: Option<Dur>,
+    /// Debounce window of visible changes [default: 300ms].
+    #[arg(long, env = "GREENDOT_DEBOUNCE")]
+    debounce: Option<Dur>,
+    /// Batched tier flush interval [default: 2s].
+    #[arg(long, env = "GREENDOT_BATCH_INTERVAL")]
+    batch_interval: Option<Dur>,
+    /// How often last seen is written behind to the store [default: 1s].
+    #[arg(long, env = "GREENDOT_FLUSH_INTERVAL")]
+    flush_interval: Option<Dur>,
+    /// Grace of a lost connection, for every device kind (the config file
+    /// can set each kind).
+    #[arg(long, env = "GREENDOT_GRACE")]
+    grace: Option<Dur>,
+    /// Heartbeat timeout, for every device kind.
+    #[arg(long, env = "GREENDOT_HEARTBEAT_TIMEOUT")]
+    heartbeat_timeout: Option<Dur>,
+    /// Clock skew tolerated on token expiry [default: 30s].
+    #[arg(long, env = "GREENDOT_TOKEN_LEEWAY")]
+    token_leeway: Option<Dur>,
+    /// Connection cap [default: 100000].
+    #[arg(long, env = "GREENDOT_MAX_CONNECTIONS")]
+    max_connections: Option<usize>,
+}
+
+impl ServeArgs {
+    /// Defaults, then the file, then environment and flags.
+    fn settings(&self) -> Result<Settings, String> {
+        let mut s = match &self.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+                Settings::from_toml(&text).map_err(|e| format!("{}: {e}", path.display()))?
+            }
+            None => Settings::default(),
+        };
+        fn set<T: Clone>(slot: &mut T, value: &Option<T>) {
+            if let Some(v) = value {
+                *slot = v.clone();
+            }
+        }
+        set(&mut s.listen, &self.listen);
+        set(&mut s.data_dir, &self.data_dir);
+        set(&mut s.metrics, &self.metrics);
+        if self.cert.is_some() {
+            s.cert = self.cert.clone();
+        }
+        if self.key.is_some() {
+            s.key = self.key.clone();
+        }
+        if self.secret_file.is_some() {
+            s.secret_file = self.secret_file.clone();
+        }
+        set(&mut s.keep_alive, &self.keep_alive);
+        set(&mut s.idle_timeout, &self.idle_timeout);
+        set(&mut s.debounce, &self.debounce);
+        set(&mut s.batch_interval, &self.batch_interval);
+        set(&mut s.flush_interval, &self.flush_interval);
+        set(&mut s.token_leeway, &self.token_leeway);
+        set(&mut s.max_connections, &self.max_connections);
+        if let Some(g) = self.grace {
+            s.grace = PerKind::all(g);
+        }
+        if let Some(h) = self.heartbeat_timeout {
+            s.heartbeat_timeout = PerKind::all(h);
+        }
+        Ok(s)
+    }
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum CliKind {
+    Mobile,
+    Desktop,
+    Web,
+    Other,
+}
+
+impl From<CliKind> for Kind {
+    fn from(k: CliKind) -> Kind {
+        match k {
+            CliKind::Mobile => Kind::Mobile,
+            CliKind::Desktop => Kind::Desktop,
+            CliKind::Web => Kind::Web,
+            CliKind::Other => Kind::Other,
+        }
+    }
+}
+
+#[derive(Args, Debug)]
+struct TokenArgs {
+    /// The user (the token's `sub`).
+    #[arg(long)]
+    user: String,
+    /// The device, unique within the user.
+    #[arg(long)]
+    device: String,
+    /// The device kind (each has its own grace and heartbeat timeout).
+    #[arg(long, value_enum, default_value = "other")]
+    kind: CliKind,
+    /// Whom the holder may watch: names separated by commas, or '*' for anybody.
+    #[arg(long, value_delimiter = ',')]
+    watch: Vec<String>,
+    /// How long the token is valid (e.g. 30m, 24h, 7d).
+    #[arg(long, default_value = "24h")]
+    ttl: Dur,
+    /// A service token: may ask where a user's devices are and query many users.
+    #[arg(long)]
+    service: bool,
+    /// The data directory whose secret signs the token.
+    #[arg(long, env = "GREENDOT_DATA_DIR", default_value = "greendot-data")]
+    data_dir: PathBuf,
+    /// The secret file [default: <data-dir>/token-secret].
+    #[arg(long, env = "GREENDOT_SECRET_FILE")]
+    secret_file: Option<PathBuf>,
+}
+
+/// How the client commands reach the server.
+#[derive(Args, Debug)]
+pub struct ClientArgs {
+    /// The token (from `greendot token`).
+    #[arg(long, env = "GREENDOT_TOKEN")]
+    pub token: String,
+    /// The server's UDP address.
+    #[arg(long, env = "GREENDOT_SERVER", default_value = "127.0.0.1:4433")]
+    pub server: String,
+    /// The name in the server's certificate.
+    #[arg(long, default_value = "localhost")]
+    pub server_name: String,
+    /// The certificate to trust (PEM) [default: <data-dir>/cert.pem].
+    #[arg(long, env = "GREENDOT_CA")]
+    pub ca: Option<PathBuf>,
+    /// The server's data directory, for its certificate.
+    #[arg(long, env = "GREENDOT_DATA_DIR", default_value = "greendot-data")]
+    pub data_dir: PathBuf,
+}
+
+/// Reads a token secret file (surrounding whitespace is not part of it).
+pub fn read_secret(path: &Path) -> Result<Vec<u8>, String> {
+    let text = std::fs::read(path).map_err(|e| {
+        format!(
+            "cannot read the token secret {} ({e}); `greendot serve` makes one on first start",
+            path.display()
+        )
+    })?;
+    let secret = text.trim_ascii().to_vec();
+    if secret.is_empty() {
+        return Err(format!("the token secret {} is empty", path.display()));
+    }
+    Ok(secret)
+}
+
+fn token(args: TokenArgs) -> Result<(), String> {
+    let secret_path = args
+        .secret_file
+        .clone()
+        .unwrap_or_else(|| args.data_dir.join(SECRET_FILE));
+    let secret = read_secret(&secret_path)?;
+    let watch = if args.watch.iter().any(|w| w == "*") {
+        WatchClaim::all()
+    } else {
+        WatchClaim::only(args.watch.iter().filter(|w| !w.is_empty()).cloned())
+    };
+    let mut claims = Claims::new(args.user, args.device, args.kind.into(), watch, args.ttl.0);
+    if args.service {
+        claims = claims.service();
+    }
+    let keys = TokenKeys::new(&secret, Duration::ZERO);
+    let jwt = keys.mint(&claims).map_err(|e| e.to_string())?;
+    println!("{jwt}");
+    Ok(())
+}
+
+fn init_logs(default: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Token(args) => token(args),
+        Command::Serve(args) => args.settings().and_then(|settings| {
+            if args.print_config {
+                return settings.to_toml().map(|text| print!("{text}"));
+            }
+            init_logs("info");
+            runtime()?.block_on(serve::serve(settings))
+        }),
+        Command::Connect {
+            client,
+            status,
+            message,
+            invisible,
+            no_logout,
+        } => {
+            init_logs("warn");
+            runtime().and_then(|rt| {
+                rt.block_on(client::run_connect(
+                    &client, status, message, invisible, no_logout,
+                ))
+            })
+        }
+        Command::Watch {
+            client,
+            users,
+            json,
+            batched,
+        } => {
+            init_logs("warn");
+            runtime().and_then(|rt| rt.block_on(client::run_watch(&client, users, json, batched)))
+        }
+        Command::Query {
+            client,
+            users,
+            json,
+        } => {
+            init_logs("warn");
+            runtime().and_then(|rt| rt.block_on(client::run_query(&client, users, json)))
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("greendot: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, String> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))
+}

@@ -1,0 +1,289 @@
+//! `greendot serve`: the data directory, the server, the metrics page and a
+//! graceful drain on SIGTERM or Ctrl-C.
+
+use crate::settings::Settings;
+use crate::{CERT_FILE, KEY_FILE};
+use greendot_core::{KindConfig, Millis};
+use greendot_transport::rustls::pki_types::pem::PemObject;
+use greendot_transport::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use greendot_transport::server::Monitor;
+use greendot_transport::tls::Identity;
+use greendot_transport::{Server, ServerConfig};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tracing::{debug, info};
+
+/// Writes `bytes` to a new file readable by its owner only.
+fn write_private(path: &Path, bytes: &[u8]) -> Result<(), String> {
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(0o600);
+    }
+    let mut file = options
+        .open(path)
+        .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+    file.write_all(bytes)
+        .and_then(|()| file.sync_all())
+        .map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+fn random_hex(n: usize) -> Result<String, String> {
+    use ring::rand::SecureRandom;
+    let mut bytes = vec![0u8; n];
+    ring::rand::SystemRandom::new()
+        .fill(&mut bytes)
+        .map_err(|_| "no system randomness".to_string())?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// SHA-256 of a certificate, as colon-separated hex.
+pub fn fingerprint(der: &[u8]) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, der);
+    digest
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02X}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+/// What `serve` made or found in the data directory.
+struct DataDir {
+    cert: PathBuf,
+    identity: Identity,
+    secret: Vec<u8>,
+    secret_path: PathBuf,
+    created: Vec<PathBuf>,
+}
+
+/// Creates the data directory, a dev certificate and a token secret when
+/// missing; loads them.
+fn prepare(settings: &Settings) -> Result<DataDir, String> {
+    let dir = &settings.data_dir;
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let mut created = Vec::new();
+    let (cert, key) = match (&settings.cert, &settings.key) {
+        (Some(cert), Some(key)) => (cert.clone(), key.clone()),
+        (None, None) => {
+            let cert = dir.join(CERT_FILE);
+            let key = dir.join(KEY_FILE);
+            if !cert.exists() || !key.exists() {
+                let ck = rcgen::generate_simple_self_signed(vec!["localhost".to_string()])
+                    .map_err(|e| format!("cannot make a certificate: {e}"))?;
+                let _ = std::fs::remove_file(&cert);
+                let _ = std::fs::remove_file(&key);
+                write_private(&key, ck.signing_key.serialize_pem().as_bytes())?;
+                write_private(&cert, ck.cert.pem().as_bytes())?;
+                created.push(cert.clone());
+                created.push(key.clone());
+            }
+            (cert, key)
+        }
+        _ => return Err("set both `cert` and `key`, or neither".into()),
+    };
+    let certs = CertificateDer::pem_file_iter(&cert)
+        .and_then(|iter| iter.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| format!("cannot read the certificate {}: {e}", cert.display()))?;
+    if certs.is_empty() {
+        return Err(format!("no certificate in {}", cert.display()));
+    }
+    let key = PrivateKeyDer::from_pem_file(&key)
+        .map_err(|e| format!("cannot read the key {}: {e}", key.display()))?;
+
+    let secret_path = settings.secret_path();
+    if !secret_path.exists() {
+        write_private(&secret_path, format!("{}\n", random_hex(32)?).as_bytes())?;
+        created.push(secret_path.clone());
+    }
+    let secret = crate::read_secret(&secret_path)?;
+    Ok(DataDir {
+        cert,
+        identity: Identity { certs, key },
+        secret,
+        secret_path,
+        created,
+    })
+}
+
+fn server_config(settings: &Settings, data: &DataDir) -> ServerConfig {
+    let mut config = ServerConfig::new(data.secret.clone());
+    config.listen = settings.listen;
+    config.identity = Some(data.identity.clone());
+    config.keep_alive = settings.keep_alive.0;
+    config.idle_timeout = settings.idle_timeout.0;
+    config.token_leeway = settings.token_leeway.0;
+    config.max_connections = settings.max_connections;
+    config.flush_interval = settings.flush_interval.0;
+    config.store = Some(settings.store_path());
+    let ms = |d: Duration| Millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    config.core.debounce = ms(settings.debounce.0);
+    config.core.batch_interval = ms(settings.batch_interval.0);
+    let (g, h) = (&settings.grace, &settings.heartbeat_timeout);
+    config.core.kinds = [
+        (g.mobile, h.mobile),
+        (g.desktop, h.desktop),
+        (g.web, h.web),
+        (g.other, h.other),
+    ]
+    .map(|(grace, heartbeat)| KindConfig {
+        grace: ms(grace.0),
+        heartbeat_timeout: ms(heartbeat.0),
+    });
+    config
+}
+
+pub async fn serve(settings: Settings) -> Result<(), String> {
+    let data = prepare(&settings)?;
+    let config = server_config(&settings, &data);
+    let server = Server::bind(config).map_err(|e| e.to_string())?;
+    let addr = server.local_addr();
+
+    let metrics = if settings.metrics.eq_ignore_ascii_case("off") {
+        None
+    } else {
+        let listener = TcpListener::bind(&settings.metrics)
+            .await
+            .map_err(|e| format!("cannot listen for metrics on {}: {e}", settings.metrics))?;
+        let at = listener.local_addr().map_err(|e| e.to_string())?;
+        tokio::spawn(serve_metrics(listener, server.monitor()));
+        Some(at)
+    };
+
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "greendot listening on {addr} (QUIC, udp)");
+    for path in &data.created {
+        let _ = writeln!(out, "created {}", path.display());
+    }
+    let _ = writeln!(out, "data directory: {}", settings.data_dir.display());
+    let _ = writeln!(out, "certificate: {}", data.cert.display());
+    if let Some(cert) = data.identity.certs.first() {
+        let _ = writeln!(out, "certificate SHA-256: {}", fingerprint(cert.as_ref()));
+    }
+    let _ = writeln!(out, "token secret: {}", data.secret_path.display());
+    let _ = writeln!(out, "store: {}", settings.store_path().display());
+    match metrics {
+        Some(at) => {
+            let _ = writeln!(out, "metrics on http://{at}/metrics");
+        }
+        None => {
+            let _ = writeln!(out, "metrics off");
+        }
+    }
+    // The program as it was run (e.g. target/release/greendot), so the
+    // example works when pasted.
+    let program = std::env::args()
+        .next()
+        .filter(|p| p.contains(std::path::MAIN_SEPARATOR))
+        .unwrap_or_else(|| "greendot".into());
+    let _ = writeln!(
+        out,
+        "try: {program} token --user alice --device phone --watch bob"
+    );
+    drop(out);
+
+    wait_for_signal().await;
+    info!("draining: closing connections and writing the store");
+    server.drain().await;
+    println!("greendot stopped");
+    Ok(())
+}
+
+/// Ctrl-C or SIGTERM.
+pub async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// A minimal HTTP/1.1 responder: `GET /metrics`, anything else is a 404.
+async fn serve_metrics(listener: TcpListener, monitor: Monitor) {
+    loop {
+        let Ok((stream, peer)) = listener.accept().await else {
+            continue;
+        };
+        let monitor = monitor.clone();
+        tokio::spawn(async move {
+            if let Err(e) = answer_http(stream, &monitor).await {
+                debug!(%peer, error = %e, "metrics request failed");
+            }
+        });
+    }
+}
+
+async fn answer_http(mut stream: tokio::net::TcpStream, monitor: &Monitor) -> std::io::Result<()> {
+    let mut buf = Vec::with_capacity(1024);
+    let read = async {
+        let mut chunk = [0u8; 1024];
+        while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 8192 {
+            let n = stream.read(&mut chunk).await?;
+            if n == 0 {
+                break;
+            }
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        Ok::<(), std::io::Error>(())
+    };
+    if tokio::time::timeout(Duration::from_secs(5), read)
+        .await
+        .is_err()
+    {
+        return Ok(());
+    }
+    let head = String::from_utf8_lossy(&buf);
+    let mut words = head.split_whitespace();
+    let (method, path) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
+    let (status, body, kind) = if path != "/metrics" && !path.starts_with("/metrics?") {
+        (
+            "404 Not Found",
+            "not found: try /metrics\n".to_string(),
+            "text/plain",
+        )
+    } else if method != "GET" && method != "HEAD" {
+        (
+            "405 Method Not Allowed",
+            "GET only\n".to_string(),
+            "text/plain",
+        )
+    } else {
+        match monitor.metrics().await {
+            Some(m) => ("200 OK", m.render(), "text/plain; version=0.0.4"),
+            None => (
+                "503 Service Unavailable",
+                "stopping\n".to_string(),
+                "text/plain",
+            ),
+        }
+    };
+    let mut response = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {kind}; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    if method != "HEAD" {
+        response.extend_from_slice(body.as_bytes());
+    }
+    stream.write_all(&response).await?;
+    stream.shutdown().await
+}

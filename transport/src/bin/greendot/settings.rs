@@ -1,0 +1,198 @@
+//! `greendot serve`'s settings: defaults, then a TOML file (`--config`), then
+//! `GREENDOT_…` environment variables, then flags (clap reads the last two).
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// A duration written as `300ms`, `2s`, `15m`, `24h` or `7d`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dur(pub Duration);
+
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("`{text}` is not a duration (like 300ms, 2s, 15m, 24h, 7d)"))?;
+    let ms = match unit.trim() {
+        "ms" => Some(n),
+        "s" | "" => n.checked_mul(1_000),
+        "m" | "min" => n.checked_mul(60_000),
+        "h" => n.checked_mul(3_600_000),
+        "d" => n.checked_mul(86_400_000),
+        _ => {
+            return Err(format!(
+                "`{text}`: unknown unit `{unit}` (use ms, s, m, h or d)"
+            ))
+        }
+    };
+    ms.map(Duration::from_millis)
+        .ok_or_else(|| format!("`{text}` is too long"))
+}
+
+impl std::str::FromStr for Dur {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Dur, String> {
+        parse_duration(s).map(Dur)
+    }
+}
+
+impl std::fmt::Display for Dur {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ms = self.0.as_millis();
+        for (unit, size) in [
+            ("d", 86_400_000),
+            ("h", 3_600_000),
+            ("m", 60_000),
+            ("s", 1_000),
+        ] {
+            if ms >= size && (ms / size) * size == ms {
+                return write!(f, "{}{unit}", ms / size);
+            }
+        }
+        write!(f, "{ms}ms")
+    }
+}
+
+impl Serialize for Dur {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for Dur {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Dur, D::Error> {
+        let text = String::deserialize(d)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+fn secs(n: u64) -> Dur {
+    Dur(Duration::from_secs(n))
+}
+
+/// One duration per device kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PerKind {
+    pub mobile: Dur,
+    pub desktop: Dur,
+    pub web: Dur,
+    pub other: Dur,
+}
+
+impl PerKind {
+    pub fn all(d: Dur) -> PerKind {
+        PerKind {
+            mobile: d,
+            desktop: d,
+            web: d,
+            other: d,
+        }
+    }
+}
+
+/// Everything `greendot serve` runs with. `--print-config` prints it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Settings {
+    /// UDP address of the QUIC server.
+    pub listen: SocketAddr,
+    /// Holds the dev certificate, the token secret and the store.
+    pub data_dir: PathBuf,
+    /// TCP address of the Prometheus metrics page (`GET /metrics`); "off"
+    /// disables it.
+    pub metrics: String,
+    /// A PEM certificate chain and its PEM private key; when unset, a
+    /// self-signed certificate for `localhost` is made in the data directory.
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    /// The file holding the HS256 token secret; default `<data_dir>/token-secret`
+    /// (made on first start).
+    pub secret_file: Option<PathBuf>,
+    pub keep_alive: Dur,
+    pub idle_timeout: Dur,
+    pub debounce: Dur,
+    pub batch_interval: Dur,
+    /// How often last seen and who is shown online are written behind.
+    pub flush_interval: Dur,
+    /// Clock skew tolerated on a token's expiry.
+    pub token_leeway: Dur,
+    pub max_connections: usize,
+    pub grace: PerKind,
+    pub heartbeat_timeout: PerKind,
+}
+
+impl Default for Settings {
+    fn default() -> Settings {
+        let core = greendot_core::Config::default();
+        let per = |f: fn(&greendot_core::KindConfig) -> greendot_core::Millis| PerKind {
+            mobile: Dur(Duration::from_millis(f(&core.kinds[0]).0)),
+            desktop: Dur(Duration::from_millis(f(&core.kinds[1]).0)),
+            web: Dur(Duration::from_millis(f(&core.kinds[2]).0)),
+            other: Dur(Duration::from_millis(f(&core.kinds[3]).0)),
+        };
+        Settings {
+            listen: SocketAddr::from(([127, 0, 0, 1], 4433)),
+            data_dir: PathBuf::from("greendot-data"),
+            metrics: "127.0.0.1:9464".into(),
+            cert: None,
+            key: None,
+            secret_file: None,
+            keep_alive: secs(15),
+            idle_timeout: secs(45),
+            debounce: Dur(Duration::from_millis(core.debounce.0)),
+            batch_interval: Dur(Duration::from_millis(core.batch_interval.0)),
+            flush_interval: secs(1),
+            token_leeway: secs(30),
+            max_connections: 100_000,
+            grace: per(|k| k.grace),
+            heartbeat_timeout: per(|k| k.heartbeat_timeout),
+        }
+    }
+}
+
+impl Settings {
+    pub fn from_toml(text: &str) -> Result<Settings, String> {
+        toml::from_str(text).map_err(|e| e.to_string())
+    }
+
+    pub fn to_toml(&self) -> Result<String, String> {
+        toml::to_string(self).map_err(|e| e.to_string())
+    }
+
+    pub fn secret_path(&self) -> PathBuf {
+        self.secret_file
+            .clone()
+            .unwrap_or_else(|| self.data_dir.join(crate::SECRET_FILE))
+    }
+
+    pub fn store_path(&self) -> PathBuf {
+        self.data_dir.join("greendot.redb")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_and_toml_round_trip() {
+        assert_eq!(parse_duration("300ms"), Ok(Duration::from_millis(300)));
+        assert_eq!(parse_duration("24h"), Ok(Duration::from_secs(86_400)));
+        assert!(parse_duration("soon").is_err());
+        assert_eq!(Dur(Duration::from_millis(1500)).to_string(), "1500ms");
+        assert_eq!(Dur(Duration::from_secs(120)).to_string(), "2m");
+        let s = Settings::default();
+        let text = s.to_toml().unwrap();
+        assert_eq!(Settings::from_toml(&text).unwrap(), s);
+        let partial = Settings::from_toml("debounce = \"1s\"\n[grace]\nmobile = \"5s\"\ndesktop = \"5s\"\nweb = \"5s\"\nother = \"5s\"\n").unwrap();
+        assert_eq!(partial.debounce, secs(1));
+        assert!(Settings::from_toml("nonsense = 1").is_err());
+    }
+}

@@ -1,0 +1,276 @@
+//! Metrics in the Prometheus text format: the core's counters, the
+//! transport's counters, and a fixed-bucket histogram of push latency.
+
+use greendot_core::Counters;
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Upper bounds of the latency buckets, in microseconds.
+const BOUNDS_US: [u64; 14] = [
+    100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000,
+    1_000_000, 2_500_000,
+];
+
+/// A histogram with fixed buckets; lock-free.
+#[derive(Debug, Default)]
+pub struct Histogram {
+    counts: [AtomicU64; BOUNDS_US.len() + 1],
+    sum_us: AtomicU64,
+}
+
+impl Histogram {
+    pub fn observe(&self, d: Duration) {
+        let us = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        let i = BOUNDS_US
+            .iter()
+            .position(|&b| us <= b)
+            .unwrap_or(BOUNDS_US.len());
+        self.counts[i].fetch_add(1, Ordering::Relaxed);
+        self.sum_us.fetch_add(us, Ordering::Relaxed);
+    }
+
+    /// Cumulative counts per bucket (the last is +Inf), and the sum in µs.
+    pub fn snapshot(&self) -> (Vec<u64>, u64) {
+        let mut total = 0;
+        let cumulative = self
+            .counts
+            .iter()
+            .map(|c| {
+                total += c.load(Ordering::Relaxed);
+                total
+            })
+            .collect();
+        (cumulative, self.sum_us.load(Ordering::Relaxed))
+    }
+}
+
+/// Everything the metrics page shows, gathered at one moment.
+#[derive(Clone, Debug, Default)]
+pub struct MetricsSnapshot {
+    pub counters: Counters,
+    pub connections_open: u64,
+    pub connections_total: u64,
+    pub migrations: u64,
+    pub overloaded: u64,
+    pub rejected: BTreeMap<String, u64>,
+    pub latency: (Vec<u64>, u64),
+    pub store_errors: u64,
+}
+
+fn metric(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(&str, u64)]) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+    for (labels, value) in samples {
+        if labels.is_empty() {
+            let _ = writeln!(out, "{name} {value}");
+        } else {
+            let _ = writeln!(out, "{name}{{{labels}}} {value}");
+        }
+    }
+}
+
+impl MetricsSnapshot {
+    /// The Prometheus text exposition format (version 0.0.4).
+    pub fn render(&self) -> String {
+        let c = &self.counters;
+        let mut out = String::new();
+        metric(
+            &mut out,
+            "greendot_users_online",
+            "gauge",
+            "Users really online (some device online or lingering).",
+            &[("", c.users_online)],
+        );
+        metric(
+            &mut out,
+            "greendot_devices",
+            "gauge",
+            "Devices by state.",
+            &[
+                ("state=\"online\"", c.sessions_online),
+                ("state=\"lingering\"", c.sessions_lingering),
+            ],
+        );
+        metric(
+            &mut out,
+            "greendot_sessions",
+            "gauge",
+            "Live sessions (online or lingering).",
+            &[("", c.sessions_online + c.sessions_lingering)],
+        );
+        metric(
+            &mut out,
+            "greendot_sessions_started_total",
+            "counter",
+            "Sessions started.",
+            &[("", c.sessions_started)],
+        );
+        metric(
+            &mut out,
+            "greendot_sessions_ended_total",
+            "counter",
+            "Sessions ended, by reason.",
+            &[
+                ("reason=\"logout\"", c.logouts),
+                ("reason=\"superseded\"", c.superseded),
+                ("reason=\"heartbeat_timeout\"", c.ghosts_reaped),
+                ("reason=\"grace_expired\"", c.grace_expired),
+            ],
+        );
+        metric(
+            &mut out,
+            "greendot_resumed_total",
+            "counter",
+            "Lingering sessions resumed by a reconnect.",
+            &[("", c.resumed)],
+        );
+        metric(
+            &mut out,
+            "greendot_disconnects_total",
+            "counter",
+            "Connections lost without a logout.",
+            &[("", c.disconnects)],
+        );
+        metric(
+            &mut out,
+            "greendot_connections",
+            "gauge",
+            "Open QUIC connections.",
+            &[("", self.connections_open)],
+        );
+        metric(
+            &mut out,
+            "greendot_connections_total",
+            "counter",
+            "QUIC connections accepted.",
+            &[("", self.connections_total)],
+        );
+        metric(
+            &mut out,
+            "greendot_migrations_total",
+            "counter",
+            "Connection migrations (a client's address changed).",
+            &[("", self.migrations)],
+        );
+        metric(
+            &mut out,
+            "greendot_ghosts_reaped_total",
+            "counter",
+            "Online devices reaped after their heartbeat timeout.",
+            &[("", c.ghosts_reaped)],
+        );
+        metric(
+            &mut out,
+            "greendot_flaps_suppressed_total",
+            "counter",
+            "Debounce windows that ended with nothing new to publish.",
+            &[("", c.flaps_suppressed)],
+        );
+        metric(
+            &mut out,
+            "greendot_publishes_total",
+            "counter",
+            "Changes published to subscribers.",
+            &[("", c.publishes)],
+        );
+        metric(
+            &mut out,
+            "greendot_notifications_total",
+            "counter",
+            "Notifications sent, by tier.",
+            &[
+                ("tier=\"realtime\"", c.notifications_realtime),
+                ("tier=\"batched\"", c.notifications_batched),
+                ("tier=\"snapshot\"", c.snapshots),
+            ],
+        );
+        metric(
+            &mut out,
+            "greendot_limits_hit_total",
+            "counter",
+            "Requests refused by a configured cap.",
+            &[("", c.limits_hit)],
+        );
+        metric(
+            &mut out,
+            "greendot_stale_inputs_total",
+            "counter",
+            "Inputs naming a session that was no longer current.",
+            &[("", c.stale_inputs)],
+        );
+        let rejected: Vec<(String, u64)> = self
+            .rejected
+            .iter()
+            .map(|(reason, n)| (format!("reason=\"{reason}\""), *n))
+            .collect();
+        let rejected: Vec<(&str, u64)> = rejected.iter().map(|(l, n)| (l.as_str(), *n)).collect();
+        metric(
+            &mut out,
+            "greendot_rejected_total",
+            "counter",
+            "Connections refused or closed for bad input, by reason.",
+            &rejected,
+        );
+        metric(
+            &mut out,
+            "greendot_overloaded_total",
+            "counter",
+            "Connections closed because the client did not read its pushes.",
+            &[("", self.overloaded)],
+        );
+        metric(
+            &mut out,
+            "greendot_store_errors_total",
+            "counter",
+            "Failed writes to the durable store.",
+            &[("", self.store_errors)],
+        );
+        let name = "greendot_push_latency_seconds";
+        let _ = writeln!(
+            out,
+            "# HELP {name} From the core task taking a change (an input or a due timer) \
+             to its push being written to the connection (debounce and batch waits excluded)."
+        );
+        let _ = writeln!(out, "# TYPE {name} histogram");
+        let (cumulative, sum_us) = &self.latency;
+        for (i, count) in cumulative.iter().enumerate() {
+            let le = match BOUNDS_US.get(i) {
+                Some(b) => format!("{}", *b as f64 / 1e6),
+                None => "+Inf".to_owned(),
+            };
+            let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {count}");
+        }
+        let _ = writeln!(out, "{name}_sum {}", *sum_us as f64 / 1e6);
+        let _ = writeln!(
+            out,
+            "{name}_count {}",
+            cumulative.last().copied().unwrap_or(0)
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_is_cumulative_and_renders() {
+        let h = Histogram::default();
+        h.observe(Duration::from_micros(50));
+        h.observe(Duration::from_millis(3));
+        h.observe(Duration::from_secs(10));
+        let (cumulative, _) = h.snapshot();
+        assert_eq!(cumulative[0], 1);
+        assert_eq!(cumulative[BOUNDS_US.len()], 3);
+        let text = MetricsSnapshot {
+            latency: h.snapshot(),
+            ..Default::default()
+        }
+        .render();
+        assert!(text.contains("greendot_push_latency_seconds_bucket{le=\"+Inf\"} 3"));
+        assert!(text.contains("greendot_devices{state=\"lingering\"} 0"));
+    }
+}

@@ -1,0 +1,396 @@
+//! The real `greendot` binary, end to end: `serve` in a temporary data
+//! directory, `token`, `connect`, `watch --json`, `query`, the metrics page;
+//! `kill -9` of a client (the watcher sees it offline within the bound),
+//! `kill -9` of the server and a restart (an invisible user stays invisible,
+//! last seen survives), and a graceful drain (SIGTERM) and restart that no
+//! watcher notices.
+//!
+//! Every wait is for an observable line with a deadline; the only timed
+//! windows are the ones in which something must *not* happen.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_greendot");
+
+/// Quick timers: a killed client is offline after idle timeout (1 s) + one
+/// keep-alive (250 ms) + grace (1 s) + debounce (100 ms).
+const FLAGS: &[&str] = &[
+    "--idle-timeout",
+    "1s",
+    "--keep-alive",
+    "250ms",
+    "--grace",
+    "1s",
+    "--debounce",
+    "100ms",
+    "--heartbeat-timeout",
+    "20s",
+    "--flush-interval",
+    "1s",
+];
+const OFFLINE_BOUND: Duration = Duration::from_millis(1000 + 250 + 1000 + 100);
+/// Room for a loaded 2-core machine.
+const SLACK: Duration = Duration::from_secs(8);
+
+/// A child process killed when dropped, with its stdout (and optionally
+/// stderr) read line by line on threads.
+struct Proc {
+    name: String,
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+fn read_lines(pipe: impl Read + Send + 'static, tx: mpsc::Sender<String>, tag: &'static str) {
+    std::thread::spawn(move || {
+        for line in BufReader::new(pipe).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(format!("{tag}{line}")).is_err() {
+                break;
+            }
+        }
+    });
+}
+
+impl Proc {
+    fn spawn(name: &str, dir: &Path, args: &[&str]) -> Proc {
+        let mut child = Command::new(BIN)
+            .args(args)
+            .current_dir(dir)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
+        let (tx, lines) = mpsc::channel();
+        read_lines(child.stdout.take().expect("stdout"), tx.clone(), "");
+        read_lines(child.stderr.take().expect("stderr"), tx, "stderr: ");
+        Proc {
+            name: name.to_owned(),
+            child,
+            lines,
+            seen: Vec::new(),
+        }
+    }
+
+    /// Waits for a line matching `pred` (stderr lines start with
+    /// `stderr: `); returns it.
+    fn wait_for(&mut self, within: Duration, what: &str, pred: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    self.seen.push(line.clone());
+                    if pred(&line) {
+                        return line;
+                    }
+                }
+                Err(_) => panic!(
+                    "{}: no line {what} within {within:?}; it said:\n{}",
+                    self.name,
+                    self.seen.join("\n")
+                ),
+            }
+        }
+    }
+
+    /// Reads what arrived, without waiting.
+    fn drain(&mut self) {
+        while let Ok(line) = self.lines.try_recv() {
+            self.seen.push(line);
+        }
+    }
+
+    /// `kill -9`.
+    fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    fn signal(&self, sig: &str) {
+        let status = Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(status.success());
+    }
+
+    fn wait_exit(&mut self, within: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} did not exit within {within:?}",
+                self.name
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn run(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new(BIN)
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("greendot runs");
+    assert!(
+        out.status.success(),
+        "greendot {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8")
+}
+
+fn token(dir: &Path, user: &str, device: &str, kind: &str, watch: &str) -> String {
+    let mut args = vec![
+        "token", "--user", user, "--device", device, "--kind", kind, "--ttl", "1h",
+    ];
+    if !watch.is_empty() {
+        args.extend(["--watch", watch]);
+    }
+    let out = run(dir, &args);
+    // Only the token on stdout.
+    assert_eq!(out.lines().count(), 1, "{out:?}");
+    let jwt = out.trim().to_owned();
+    assert_eq!(jwt.split('.').count(), 3, "{jwt}");
+    jwt
+}
+
+fn json(line: &str) -> serde_json::Value {
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"))
+}
+
+fn is(line: &str, user: &str, online: bool) -> bool {
+    serde_json::from_str::<serde_json::Value>(line)
+        .is_ok_and(|v| v["user"] == user && v["online"] == online)
+}
+
+struct Served {
+    proc: Proc,
+    addr: SocketAddr,
+    metrics: SocketAddr,
+}
+
+fn serve(dir: &Path, listen: &str) -> Served {
+    let mut args = vec!["serve", "--listen", listen, "--metrics", "127.0.0.1:0"];
+    args.extend(FLAGS);
+    let mut proc = Proc::spawn("serve", dir, &args);
+    let line = proc.wait_for(SLACK, "listening", |l| {
+        l.starts_with("greendot listening on ")
+    });
+    let addr = line
+        .trim_start_matches("greendot listening on ")
+        .split_whitespace()
+        .next()
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    let line = proc.wait_for(SLACK, "metrics", |l| l.starts_with("metrics on http://"));
+    let metrics = line
+        .trim_start_matches("metrics on http://")
+        .trim_end_matches("/metrics")
+        .parse()
+        .unwrap_or_else(|_| panic!("no metrics address in {line:?}"));
+    proc.wait_for(SLACK, "an example", |l| l.starts_with("try: "));
+    Served {
+        proc,
+        addr,
+        metrics,
+    }
+}
+
+fn client(dir: &Path, name: &str, served: &Served, args: &[&str]) -> Proc {
+    let addr = served.addr.to_string();
+    let mut all: Vec<&str> = args.to_vec();
+    all.extend(["--server", &addr]);
+    Proc::spawn(name, dir, &all)
+}
+
+fn query(dir: &Path, served: &Served, token: &str, user: &str) -> serde_json::Value {
+    let addr = served.addr.to_string();
+    let out = run(
+        dir,
+        &["query", "--token", token, "--server", &addr, user, "--json"],
+    );
+    json(out.trim())
+}
+
+fn metrics(at: SocketAddr) -> String {
+    let mut stream = TcpStream::connect(at).expect("metrics port");
+    stream.set_read_timeout(Some(SLACK)).expect("read timeout");
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .expect("request");
+    let mut text = String::new();
+    stream.read_to_string(&mut text).expect("response");
+    assert!(text.starts_with("HTTP/1.1 200 OK"), "{text}");
+    text
+}
+
+fn temp_dir() -> PathBuf {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let dir = std::env::temp_dir().join(format!("greendot-bin-{}-{nanos}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+#[test]
+fn the_binary_serves_survives_kill_9_and_drains() {
+    let dir = temp_dir();
+    let mut server = serve(&dir, "127.0.0.1:0");
+    let first = server.proc.seen.join("\n");
+    assert!(first.contains("created greendot-data/cert.pem"), "{first}");
+    assert!(first.contains("certificate SHA-256: "), "{first}");
+    assert!(first.contains("token --user"), "{first}");
+    let listen = server.addr.to_string();
+
+    let alice = token(&dir, "alice", "phone", "mobile", "");
+    let carol = token(&dir, "carol", "desk", "desktop", "");
+    let carol_cli = token(&dir, "carol", "cli", "other", "");
+    let dave = token(&dir, "dave", "tablet", "web", "");
+    let bob = token(&dir, "bob", "laptop", "desktop", "alice,carol,dave");
+    let bob_cli = token(&dir, "bob", "cli", "other", "*");
+
+    let mut watch = client(
+        &dir,
+        "watch",
+        &server,
+        &["watch", "--token", &bob, "alice", "carol", "dave", "--json"],
+    );
+    for user in ["alice", "carol", "dave"] {
+        watch.wait_for(SLACK, "snapshot", |l| is(l, user, false));
+    }
+
+    // connect: the watcher sees alice online.
+    let mut alice_proc = client(&dir, "alice", &server, &["connect", "--token", &alice]);
+    alice_proc.wait_for(SLACK, "online", |l| l.starts_with("online as alice/phone"));
+    let line = watch.wait_for(SLACK, "alice online", |l| is(l, "alice", true));
+    assert_eq!(json(&line)["devices"], serde_json::json!(["mobile"]));
+
+    // kill -9 of the client: offline after idle timeout + grace + debounce.
+    let killed = Instant::now();
+    alice_proc.kill9();
+    let line = watch.wait_for(OFFLINE_BOUND + SLACK, "alice offline", |l| {
+        is(l, "alice", false)
+    });
+    let took = killed.elapsed();
+    assert!(
+        took >= Duration::from_millis(1000),
+        "offline after {took:?}: sooner than grace"
+    );
+    let alice_seen = json(&line)["last_seen_ms"].as_u64().expect("last seen");
+
+    // carol connects invisible; the store has it before the answer.
+    let mut carol_proc = client(
+        &dir,
+        "carol",
+        &server,
+        &["connect", "--token", &carol, "--invisible"],
+    );
+    carol_proc.wait_for(SLACK, "online", |l| l.contains("(invisible)"));
+    let own = query(&dir, &server, &carol_cli, "carol");
+    assert_eq!(own["invisible"], true, "{own}");
+    let page = metrics(server.metrics);
+    for name in [
+        "greendot_users_online 2", // bob (watching) and carol
+        "greendot_devices{state=\"online\"}",
+        "greendot_connections ",
+        "greendot_push_latency_seconds_bucket{le=\"+Inf\"}",
+        "greendot_notifications_total{tier=\"realtime\"}",
+    ] {
+        assert!(page.contains(name), "no {name} in\n{page}");
+    }
+
+    // kill -9 of the server, and a restart on the same port.
+    server.proc.kill9();
+    let server = serve(&dir, &listen);
+    // carol's client reconnects (a new session: a new process)...
+    carol_proc.wait_for(SLACK, "reconnected", |l| l.contains("reconnected"));
+    watch.wait_for(SLACK, "reconnected", |l| l.contains("reconnected"));
+    // ... and is still invisible: her own view says so.
+    let own = query(&dir, &server, &carol_cli, "carol");
+    assert_eq!(own["invisible"], true, "{own}");
+    assert_eq!(own["online"], true, "{own}");
+    assert!(
+        own["devices"]
+            .as_array()
+            .is_some_and(|d| d.contains(&serde_json::json!("desktop"))),
+        "carol's client is back: {own}"
+    );
+    // A visible user after the restart: the watcher is live again.
+    let _dave_proc = client(&dir, "dave", &server, &["connect", "--token", &dave]);
+    watch.wait_for(SLACK, "dave online", |l| is(l, "dave", true));
+    // alice's last seen survived the crash (written behind within 1 s).
+    let p = query(&dir, &server, &bob_cli, "alice");
+    let restored = p["last_seen_ms"].as_u64().expect("last seen");
+    assert!(
+        restored.abs_diff(alice_seen) <= 1000,
+        "last seen {restored} vs {alice_seen}"
+    );
+
+    // A graceful drain (SIGTERM) and a restart: nobody is shown offline.
+    let drained_at = watch.seen.len();
+    let mut server = server;
+    server.proc.signal("-TERM");
+    let status = server.proc.wait_exit(SLACK);
+    assert!(status.success(), "serve exited with {status}");
+    server.proc.drain();
+    assert!(
+        server.proc.seen.iter().any(|l| l == "greendot stopped"),
+        "{:?}",
+        server.proc.seen
+    );
+    let server = serve(&dir, &listen);
+    watch.wait_for(SLACK, "reconnected", |l| l.contains("reconnected"));
+    let p = query(&dir, &server, &bob_cli, "dave");
+    assert_eq!(p["online"], true, "{p}");
+    // Past grace + debounce: a storm would have shown by now.
+    std::thread::sleep(Duration::from_millis(1000 + 100 + 1500));
+    let p = query(&dir, &server, &bob_cli, "dave");
+    assert_eq!(p["online"], true, "dave stayed online: {p}");
+    watch.drain();
+
+    let carol_online: Vec<_> = watch.seen.iter().filter(|l| is(l, "carol", true)).collect();
+    assert!(
+        carol_online.is_empty(),
+        "invisible carol shown online: {carol_online:?}"
+    );
+    let dave_offline: Vec<_> = watch.seen[drained_at..]
+        .iter()
+        .filter(|l| is(l, "dave", false))
+        .collect();
+    assert!(
+        dave_offline.is_empty(),
+        "a drain showed dave offline: {dave_offline:?}"
+    );
+    let page = metrics(server.metrics);
+    assert!(
+        page.contains("greendot_devices{state=\"online\"} 3"),
+        "{page}"
+    );
+
+    drop(watch);
+    drop(carol_proc);
+    drop(server);
+    std::fs::remove_dir_all(&dir).ok();
+}
