@@ -1,0 +1,140 @@
+//! Arbitrary frames from several peers fed to the server's per-connection
+//! request handler (`handle_frame`) without a network: each frame gets a typed
+//! answer or a close, never a panic; every request is answered under its own
+//! id; and the core's invariants hold after every step.
+#![no_main]
+
+use arbitrary::Arbitrary;
+use greendot_core::Millis;
+use greendot_transport::proto::codec::encode_frame;
+use greendot_transport::proto::{self, Hello, Kind, Request, RequestFrame, ServerFrame, Status, Tier};
+use greendot_transport::server::{handle_frame, ConnState, Hub, HubLimits, RateLimit};
+use greendot_transport::token::{Claims, TokenKeys, WatchClaim};
+use libfuzzer_sys::fuzz_target;
+use std::sync::Arc;
+use std::time::Duration;
+
+const NAMES: [&str; 4] = ["ann", "bob", "cy", "dee"];
+
+#[derive(Arbitrary, Debug)]
+struct Case {
+    steps: Vec<Step>,
+}
+
+#[derive(Arbitrary, Debug)]
+struct Step {
+    conn: u8,
+    dt: u8,
+    what: What,
+}
+
+#[derive(Arbitrary, Debug)]
+enum What {
+    /// A hello with a valid token (or a bad one).
+    Hello { user: u8, device: u8, kind: u8, watch_all: bool, service: bool, forged: bool, version: u8, resume: Option<u64> },
+    Request { id: u64, request: Req },
+    Raw(Vec<u8>),
+    /// The connection is gone: logout or disconnect.
+    Closed { logout: bool },
+    Tick,
+}
+
+#[derive(Arbitrary, Debug)]
+enum Req {
+    Ping,
+    Subscribe { targets: Vec<u8>, realtime: bool, junk: Option<String> },
+    Unsubscribe(u8),
+    Query(Vec<u8>),
+    SetStatus(u8, Option<String>),
+    SetInvisible(bool),
+    Route(u8),
+    Logout,
+}
+
+fn name(i: u8) -> String {
+    NAMES[usize::from(i) % NAMES.len()].to_string()
+}
+
+fn payload<T: serde::Serialize>(value: &T) -> Vec<u8> {
+    let frame = encode_frame(value).expect("a request encodes");
+    frame[4..].to_vec()
+}
+
+fn request(r: Req) -> Request {
+    match r {
+        Req::Ping => Request::Ping,
+        Req::Subscribe { targets, realtime, junk } => Request::Subscribe {
+            targets: targets.into_iter().map(name).chain(junk).collect(),
+            tier: if realtime { Tier::Realtime } else { Tier::Batched },
+        },
+        Req::Unsubscribe(t) => Request::Unsubscribe { target: name(t) },
+        Req::Query(ts) => Request::Query { targets: ts.into_iter().map(name).collect() },
+        Req::SetStatus(s, message) => Request::SetStatus {
+            status: [Status::Available, Status::Away, Status::Busy, Status::DoNotDisturb][usize::from(s % 4)],
+            message,
+        },
+        Req::SetInvisible(b) => Request::SetInvisible { invisible: b },
+        Req::Route(u) => Request::Route { user: name(u) },
+        Req::Logout => Request::Logout,
+    }
+}
+
+fuzz_target!(|case: Case| {
+    let keys = Arc::new(TokenKeys::new(b"fuzz secret", Duration::ZERO));
+    let forger = TokenKeys::new(b"another secret", Duration::ZERO);
+    let config = greendot_core::Config { debounce: Millis(50), batch_interval: Millis(200), ..Default::default() };
+    let limits = HubLimits { max_names: 16, max_targets: 4, max_watch: 8, ..HubLimits::default() };
+    let mut hub = Hub::new(config, limits, 0).expect("valid config");
+    let rate = RateLimit { per_second: 100, burst: 20 };
+    let mut conns: Vec<ConnState> = (0..4).map(|_| ConnState::new(keys.clone(), rate)).collect();
+    // A connection that has seen no frame yet: its first frame must be a hello.
+    let mut fresh = [true; 4];
+    let mut now = 0u64;
+    for step in case.steps {
+        now += u64::from(step.dt);
+        let at = Millis(now);
+        let c = usize::from(step.conn) % conns.len();
+        match step.what {
+            What::Hello { user, device, kind, watch_all, service, forged, version, resume } => {
+                let kind = [Kind::Mobile, Kind::Desktop, Kind::Web, Kind::Other][usize::from(kind % 4)];
+                let watch = if watch_all { WatchClaim::all() } else { WatchClaim::only([name(user.wrapping_add(1))]) };
+                let mut claims = Claims::new(name(user), name(device), kind, watch, Duration::from_secs(600));
+                if service {
+                    claims = claims.service();
+                }
+                let signer = if forged { &forger } else { &*keys };
+                let token = signer.mint(&claims).expect("claims encode");
+                let version = if version < 250 { proto::VERSION } else { u32::from(version) };
+                let hello = Hello { version, token, resume };
+                let handled = handle_frame(&mut hub, &mut conns[c], at, &payload(&hello));
+                if std::mem::take(&mut fresh[c]) && (forged || version != proto::VERSION) {
+                    assert!(handled.close.is_some(), "a bad hello must close: {handled:?}");
+                }
+            }
+            What::Request { id, request: r } => {
+                let frame = RequestFrame { id, request: request(r) };
+                let handled = handle_frame(&mut hub, &mut conns[c], at, &payload(&frame));
+                fresh[c] = false;
+                if let Some(ServerFrame::Reply { id: answered, .. }) = &handled.reply {
+                    assert_eq!(*answered, id, "a reply carries its request's id");
+                }
+            }
+            What::Raw(bytes) => {
+                let _ = handle_frame(&mut hub, &mut conns[c], at, &bytes);
+                fresh[c] = false;
+            }
+            What::Closed { logout } => {
+                if let Some(session) = conns[c].session() {
+                    hub.closed(at, session, logout);
+                }
+                conns[c] = ConnState::new(keys.clone(), rate);
+                fresh[c] = true;
+            }
+            What::Tick => hub.handle_timeout(at),
+        }
+        while hub.poll_output().is_some() {}
+        if let Err(why) = hub.core().check_invariants() {
+            panic!("{why}");
+        }
+    }
+});
