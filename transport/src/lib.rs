@@ -12,6 +12,7 @@
 //! - [`tls`]: TLS 1.3 configuration and development certificates.
 
 pub mod client;
+pub mod loadgen;
 pub mod proto;
 pub mod server;
 pub mod tls;

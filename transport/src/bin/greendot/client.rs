@@ -304,3 +304,32 @@ mod tests {
         assert_eq!(utc(1_700_000_000_000), "2023-11-14T22:13:20.000Z");
     }
 }
+
+/// `greendot bench`: the load generator against a running server.
+pub async fn run_bench(args: crate::BenchArgs) -> Result<(), String> {
+    use greendot_transport::loadgen::{run, LoadOptions, LoadReport};
+    let ca = args
+        .ca
+        .clone()
+        .unwrap_or_else(|| args.data_dir.join(crate::CERT_FILE));
+    let roots = CertificateDer::pem_file_iter(&ca)
+        .and_then(|iter| iter.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| {
+            format!(
+                "cannot read the server's certificate {} ({e}); pass --ca",
+                ca.display()
+            )
+        })?;
+    let secret = crate::read_secret(&args.data_dir.join(crate::SECRET_FILE))?;
+    let mut opts = LoadOptions::new(args.server, roots, secret, args.connections);
+    opts.contacts = args.contacts;
+    opts.churn = args.churn;
+    opts.duration = args.duration.0;
+    opts.endpoints = args.endpoints.max(1);
+    opts.server_pid = args.server_pid;
+    opts.progress = true;
+    let report = run(opts).await;
+    println!("{}", LoadReport::header());
+    println!("{report}");
+    Ok(())
+}

@@ -72,6 +72,9 @@ enum Command {
         #[arg(long)]
         batched: bool,
     },
+    /// Load-test a running server: open N connections (users bench0…), each
+    /// watching 20 others, with churn; print one table row.
+    Bench(BenchArgs),
     /// Print what is shown of these users now, once.
     Query {
         #[command(flatten)]
@@ -252,6 +255,38 @@ pub struct ClientArgs {
     pub data_dir: PathBuf,
 }
 
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// The server's UDP address.
+    #[arg(long, env = "GREENDOT_SERVER", default_value = "127.0.0.1:4433")]
+    pub server: SocketAddr,
+    /// The certificate to trust (PEM) [default: <data-dir>/cert.pem].
+    #[arg(long, env = "GREENDOT_CA")]
+    pub ca: Option<PathBuf>,
+    /// The server's data directory: its certificate and token secret (the
+    /// load generator mints its users' tokens).
+    #[arg(long, env = "GREENDOT_DATA_DIR", default_value = "greendot-data")]
+    pub data_dir: PathBuf,
+    /// Concurrent connections to open and hold.
+    #[arg(short = 'n', long, default_value_t = 1000)]
+    pub connections: usize,
+    /// Users each connection subscribes to (realtime).
+    #[arg(long, default_value_t = 20)]
+    pub contacts: usize,
+    /// Share of the connections that act (status change or reconnect) per second.
+    #[arg(long, default_value_t = 0.01)]
+    pub churn: f64,
+    /// How long the churn runs and is measured.
+    #[arg(long, default_value = "30s")]
+    pub duration: Dur,
+    /// Client UDP endpoints the connections are spread over.
+    #[arg(long, default_value_t = 8)]
+    pub endpoints: usize,
+    /// The server's process id, to report its memory per session and CPU.
+    #[arg(long)]
+    pub server_pid: Option<u32>,
+}
+
 /// Reads a token secret file (surrounding whitespace is not part of it).
 pub fn read_secret(path: &Path) -> Result<Vec<u8>, String> {
     let text = std::fs::read(path).map_err(|e| {
@@ -330,6 +365,10 @@ fn main() -> ExitCode {
         } => {
             init_logs("warn");
             runtime().and_then(|rt| rt.block_on(client::run_watch(&client, users, json, batched)))
+        }
+        Command::Bench(args) => {
+            init_logs("warn");
+            runtime().and_then(|rt| rt.block_on(client::run_bench(args)))
         }
         Command::Query {
             client,

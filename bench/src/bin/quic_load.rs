@@ -1,0 +1,249 @@
+//! End-to-end QUIC load: a greendot server in a child process (so that its
+//! memory and CPU are its own), and `greendot_transport::loadgen::run` in this
+//! one, for N = 1k, 10k, 100k connections (or `--n 1000,5000`), each
+//! subscribed to 20 contacts in the realtime tier, with 1% churn per second
+//! (half status changes, half reconnects that resume).
+//!
+//! `cargo run --release -p greendot-bench --bin quic_load` (`-- --duration 30`
+//! seconds of churn per N, `-- --churn 0.01`, `-- --endpoints 8`). Everything
+//! goes to 127.0.0.1; each N gets a fresh server, stopped at the end.
+
+use greendot_bench::plot;
+use greendot_bench::{arg, flag, raise_nofile};
+use greendot_transport::loadgen::{self, LoadOptions, LoadReport};
+use greendot_transport::rustls::pki_types::CertificateDer;
+use greendot_transport::{Server, ServerConfig};
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+const SECRET: &str = "greendot-bench-secret";
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// The child: a server on 127.0.0.1, until its standard input closes.
+fn serve() {
+    let max: usize = arg("--max-connections", 110_000);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| panic!("runtime: {e}"));
+    runtime.block_on(async {
+        let mut config = ServerConfig::new(SECRET.as_bytes().to_vec());
+        config.listen = "127.0.0.1:0".parse().unwrap_or_else(|e| panic!("{e}"));
+        config.max_connections = max;
+        let server = Server::bind(config).unwrap_or_else(|e| panic!("server: {e}"));
+        println!("ADDR {}", server.local_addr());
+        println!("CERT {}", hex(server.certificate()));
+        let _ = std::io::stdout().flush();
+        // Until the parent closes our stdin (or dies).
+        let _ = tokio::task::spawn_blocking(|| {
+            let mut line = String::new();
+            while std::io::stdin().read_line(&mut line).is_ok_and(|n| n > 0) {
+                line.clear();
+            }
+        })
+        .await;
+        server.shutdown().await;
+    });
+}
+
+struct Child_ {
+    child: Child,
+}
+
+impl Drop for Child_ {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        for _ in 0..50 {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_server(n: usize) -> Result<(Child_, std::net::SocketAddr, Vec<u8>), String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut child = Command::new(exe)
+        .args([
+            "--serve",
+            "--max-connections",
+            &(n + n / 5 + 1000).to_string(),
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| format!("cannot start the server process: {e}"))?;
+    let stdout = child.stdout.take().ok_or("no stdout")?;
+    let guard = Child_ { child };
+    let mut lines = BufReader::new(stdout).lines();
+    let mut addr = None;
+    let mut cert = None;
+    while addr.is_none() || cert.is_none() {
+        let line = lines
+            .next()
+            .ok_or("the server process ended before saying its address")?
+            .map_err(|e| e.to_string())?;
+        if let Some(a) = line.strip_prefix("ADDR ") {
+            addr = a.parse().ok();
+        } else if let Some(c) = line.strip_prefix("CERT ") {
+            cert = unhex(c);
+        }
+    }
+    match (addr, cert) {
+        (Some(a), Some(c)) => Ok((guard, a, c)),
+        _ => Err("bad address or certificate from the server process".into()),
+    }
+}
+
+fn main() {
+    if flag("--serve") {
+        serve();
+        return;
+    }
+    let nofile = raise_nofile();
+    let ns: Vec<usize> = arg("--n", "1000,10000,100000".to_string())
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    let duration = Duration::from_secs(arg("--duration", 30));
+    let churn: f64 = arg("--churn", 0.01);
+    let endpoints: usize = arg("--endpoints", 8);
+    let concurrency: usize = arg("--concurrency", 32);
+    let ramp_timeout = Duration::from_secs(arg("--ramp-timeout", 240));
+    eprintln!("open-file limit {nofile}; N = {ns:?}, {duration:?} of churn at {churn} per second");
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| panic!("runtime: {e}"));
+    let mut reports: Vec<LoadReport> = Vec::new();
+    for &n in &ns {
+        eprintln!("N = {n}: starting a server process");
+        let (child, addr, cert) = match start_server(n) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("quic_load: {e}");
+                std::process::exit(2);
+            }
+        };
+        let mut opts = LoadOptions::new(addr, vec![CertificateDer::from(cert)], SECRET, n);
+        opts.server_pid = Some(child.child.id());
+        opts.duration = duration;
+        opts.churn = churn;
+        opts.endpoints = endpoints;
+        opts.connect_concurrency = concurrency;
+        opts.ramp_timeout = ramp_timeout;
+        let report = runtime.block_on(loadgen::run(opts));
+        eprintln!("{}\n{report}", LoadReport::header());
+        eprintln!(
+            "  ramp {:.1} s, failed {}, reconnect failures {}, request errors {}, latency samples {}, client CPU {:.2} cores",
+            report.ramp.as_secs_f64(),
+            report.failed,
+            report.reconnect_failures,
+            report.request_errors,
+            report.latency_samples,
+            report.client_cpu_window.unwrap_or(0.0)
+        );
+        drop(child);
+        let stop = report.connected < n / 2;
+        reports.push(report);
+        if stop {
+            eprintln!("fewer than half of the connections came up: not trying a larger N");
+            break;
+        }
+    }
+
+    println!();
+    println!(
+        "QUIC load: 20 realtime contacts per connection, churn {:.1}%/s (half status changes, half reconnects with resume), {} s measured per N, {endpoints} client endpoints; server in its own process, debounce 300 ms subtracted from latency",
+        churn * 100.0,
+        duration.as_secs()
+    );
+    println!();
+    println!("{}", LoadReport::header());
+    for r in &reports {
+        println!("{r}");
+    }
+    println!();
+    for r in &reports {
+        println!(
+            "N = {}: connected {} in {:.1} s (99% in {:.1} s; {} failed), server RSS {} -> {} MiB, {} latency samples, {} reconnect failures, {} request errors, load generator CPU {:.2} cores",
+            r.target,
+            r.connected,
+            r.ramp.as_secs_f64(),
+            r.ramp_99.as_secs_f64(),
+            r.failed,
+            r.server_rss_before.unwrap_or(0) >> 20,
+            r.server_rss_after.unwrap_or(0) >> 20,
+            r.latency_samples,
+            r.reconnect_failures,
+            r.request_errors,
+            r.client_cpu_window.unwrap_or(0.0)
+        );
+    }
+
+    let docs = greendot_bench::docs_dir();
+    let x = |r: &LoadReport| r.connected as f64;
+    let lat = |f: fn(&LoadReport) -> Option<Duration>| -> Vec<(f64, f64)> {
+        reports
+            .iter()
+            .filter_map(|r| Some((x(r), f(r)?.as_secs_f64() * 1e3)))
+            .collect()
+    };
+    let series = vec![
+        ("p50".to_string(), lat(|r| r.latency_p50)),
+        ("p99".to_string(), lat(|r| r.latency_p99)),
+        ("p99.9".to_string(), lat(|r| r.latency_p999)),
+    ];
+    let path = docs.join("bench-quic-latency.svg");
+    match plot::lines(
+        &path,
+        "Change-to-push latency after debounce, by connections held",
+        "connections",
+        "milliseconds",
+        &series,
+        true,
+    ) {
+        Ok(()) => eprintln!("plot: {}", path.display()),
+        Err(e) => eprintln!("plot failed: {e}"),
+    }
+    let mem: Vec<(f64, f64)> = reports
+        .iter()
+        .filter_map(|r| Some((x(r), r.bytes_per_session()? / 1024.0)))
+        .collect();
+    let path = docs.join("bench-quic-memory.svg");
+    match plot::lines(
+        &path,
+        "Server memory per session (RSS delta / sessions), goal 16 KiB",
+        "connections",
+        "KiB per session",
+        &[
+            ("server KiB/session".to_string(), mem),
+            (
+                "goal".to_string(),
+                reports.iter().map(|r| (x(r), 16.0)).collect(),
+            ),
+        ],
+        true,
+    ) {
+        Ok(()) => eprintln!("plot: {}", path.display()),
+        Err(e) => eprintln!("plot failed: {e}"),
+    }
+}
