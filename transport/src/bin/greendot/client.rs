@@ -293,18 +293,6 @@ pub async fn run_query(args: &ClientArgs, users: Vec<String>, json: bool) -> Res
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn utc_formats_unix_ms() {
-        assert_eq!(utc(0), "1970-01-01T00:00:00.000Z");
-        assert_eq!(utc(951_782_400_123), "2000-02-29T00:00:00.123Z");
-        assert_eq!(utc(1_700_000_000_000), "2023-11-14T22:13:20.000Z");
-    }
-}
-
 /// `greendot bench`: the load generator against a running server.
 pub async fn run_bench(args: crate::BenchArgs) -> Result<(), String> {
     use greendot_transport::loadgen::{run, LoadOptions, LoadReport};
@@ -332,4 +320,16 @@ pub async fn run_bench(args: crate::BenchArgs) -> Result<(), String> {
     println!("{}", LoadReport::header());
     println!("{report}");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utc_formats_unix_ms() {
+        assert_eq!(utc(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(utc(951_782_400_123), "2000-02-29T00:00:00.123Z");
+        assert_eq!(utc(1_700_000_000_000), "2023-11-14T22:13:20.000Z");
+    }
 }
