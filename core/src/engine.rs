@@ -1368,10 +1368,12 @@ impl Core {
 
     fn publish(&mut self, user: u32, mut shown: Presence) {
         let u = &mut self.users[user as usize];
-        if !mutant!(self, VersionNotBumped) {
+        if mutant!(self, VersionNotBumped) {
+            shown.version = u.published.version;
+        } else {
             u.version += 1;
+            shown.version = u.version;
         }
-        shown.version = u.version;
         u.published = shown;
         self.counters.publishes += 1;
         self.fan_out(user, false);

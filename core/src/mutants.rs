@@ -12,7 +12,7 @@ pub enum Mutant {
     InvisibleIgnored,
     /// Logout leaves the session lingering, like a lost connection.
     LogoutAsDisconnect,
-    /// Publishing does not bump the version.
+    /// A publish goes out under the previous published version.
     VersionNotBumped,
     /// A logged-out session stays in its targets' subscriber lists.
     KeepSubsAfterLogout,

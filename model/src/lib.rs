@@ -1,0 +1,18 @@
+//! # greendot-model
+//!
+//! stateright models that drive the real `greendot-core` (never a
+//! re-implementation) and check the invariants I1–I11 of DESIGN.md:
+//!
+//! - [`core_model`] (Model 1): the core under every input, stale ones
+//!   included, with time advancing in small steps across every threshold;
+//! - [`protocol`] (Model 2): a server actor running the core and client actors
+//!   using the core's `View`, over a network that loses, reorders and
+//!   duplicates messages, with reconnects that resume.
+//!
+//! See VERIFIED.md for what is checked, the bounds and the state counts.
+
+pub mod core_model;
+pub mod protocol;
+
+pub use core_model::{Bounds, CoreModel, CoreState};
+pub use protocol::{protocol_model, protocol_model_with, ProtocolBounds, ProtocolModel};

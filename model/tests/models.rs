@@ -1,0 +1,176 @@
+//! The CI checks: exhaustive BFS of both models at their default bounds, with
+//! pinned state counts, and every mutant of the core caught by the invariant
+//! it breaks. Run in release (`cargo test --workspace --release`).
+
+use greendot_core::mutants::Mutant;
+use greendot_core::Core;
+use greendot_model::core_model::{describe_path, Bounds, CoreModel};
+use greendot_model::protocol::{protocol_config, protocol_model_with, ProtocolBounds};
+use stateright::{Checker, HasDiscoveries, Model};
+use std::collections::BTreeSet;
+use std::sync::Mutex;
+use std::time::Instant;
+
+/// The checks run one at a time: each uses every core and a few GB.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Unique states of Model 1 at `Bounds::CI`. A change means the model or
+/// the core changed what they can reach: check why, then update.
+const CORE_STATES: usize = 2_458_069;
+/// Unique states of Model 2 at `ProtocolBounds::CI` (reconnects) and
+/// `ProtocolBounds::CI_LOSSY`.
+const PROTOCOL_STATES: usize = 841_182;
+const PROTOCOL_LOSSY_STATES: usize = 411_988;
+
+fn threads() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get())
+}
+
+#[test]
+fn model1_core_every_invariant_holds_at_ci_bounds() {
+    let _serial = serial();
+    let start = Instant::now();
+    let checker = CoreModel::new(Bounds::CI)
+        .checker()
+        .threads(threads())
+        .spawn_bfs()
+        .join();
+    println!(
+        "Model 1: {} unique states ({} generated) in {:.1?}",
+        checker.unique_state_count(),
+        checker.state_count(),
+        start.elapsed()
+    );
+    for p in checker.model().properties() {
+        if let Some(path) = checker.discovery(p.name) {
+            if p.expectation.discovery_is_failure() {
+                for line in describe_path(checker.model(), &path.into_vec()) {
+                    println!("  {line}");
+                }
+                panic!("{} violated", p.name);
+            }
+        }
+    }
+    checker.assert_properties();
+    assert_eq!(
+        checker.unique_state_count(),
+        CORE_STATES,
+        "Model 1 state count changed"
+    );
+}
+
+fn check_protocol(name: &str, bounds: ProtocolBounds) -> usize {
+    let start = Instant::now();
+    let checker = greendot_model::protocol_model(bounds)
+        .checker()
+        .threads(threads())
+        .spawn_bfs()
+        .join();
+    println!(
+        "{name}: {} unique states ({} generated) in {:.1?}",
+        checker.unique_state_count(),
+        checker.state_count(),
+        start.elapsed()
+    );
+    for p in checker.model().properties() {
+        let found = checker.discovery(p.name);
+        if p.expectation.discovery_is_failure() {
+            if let Some(path) = found {
+                for action in path.into_actions() {
+                    println!("  {}", checker.model().format_action(&action));
+                }
+                panic!("{name}: {} violated", p.name);
+            }
+        } else if bounds == ProtocolBounds::CI {
+            assert!(found.is_some(), "{name}: {} never reached", p.name);
+        }
+    }
+    checker.unique_state_count()
+}
+
+#[test]
+fn model2_protocol_invariants_hold_at_ci_bounds() {
+    let _serial = serial();
+    let with_reconnects = check_protocol("Model 2 (reconnects)", ProtocolBounds::CI);
+    let lossy = check_protocol("Model 2 (lossy)", ProtocolBounds::CI_LOSSY);
+    assert_eq!(
+        (with_reconnects, lossy),
+        (PROTOCOL_STATES, PROTOCOL_LOSSY_STATES),
+        "Model 2 state counts changed"
+    );
+}
+
+/// The invariant each mutant breaks.
+fn expected(m: Mutant) -> &'static str {
+    match m {
+        Mutant::IgnoreStale => "I3 stale inputs",
+        Mutant::NoDebounce => "I6 debounce",
+        Mutant::InvisibleIgnored => "I5 invisible",
+        Mutant::LogoutAsDisconnect => "I4 logout is final",
+        Mutant::VersionNotBumped => "I7 versions",
+        Mutant::KeepSubsAfterLogout => "I4 logout is final",
+    }
+}
+
+/// Runs Model 1 with a mutant until the invariant it breaks fails.
+fn catch(m: Mutant) {
+    let model = CoreModel::new(Bounds::CI);
+    let mut core = model.init.clone();
+    core.set_mutant(Some(m));
+    let want = expected(m);
+    let checker = model
+        .with_core(core)
+        .checker()
+        .threads(threads())
+        .finish_when(HasDiscoveries::AnyOf(BTreeSet::from([want])))
+        .spawn_bfs()
+        .join();
+    let failed: Vec<&str> = checker
+        .model()
+        .properties()
+        .iter()
+        .filter(|p| p.expectation.discovery_is_failure() && checker.discovery(p.name).is_some())
+        .map(|p| p.name)
+        .collect();
+    let path = checker
+        .discovery(want)
+        .unwrap_or_else(|| panic!("{m:?} not caught by {want}; failed: {failed:?}"));
+    println!("{m:?} caught by {want:?} (also: {failed:?}):");
+    for line in describe_path(checker.model(), &path.into_vec()) {
+        println!("  {line}");
+    }
+}
+
+#[test]
+fn model1_catches_every_mutant_and_names_the_invariant() {
+    let _serial = serial();
+    for m in Mutant::ALL {
+        catch(m);
+    }
+}
+
+#[test]
+fn model2_catches_invisible_ignored() {
+    let _serial = serial();
+    for (m, want) in [(Mutant::InvisibleIgnored, "I5 invisible")] {
+        let mut core = Core::new(protocol_config()).unwrap();
+        core.set_mutant(Some(m));
+        let checker = protocol_model_with(ProtocolBounds::CI, core)
+            .checker()
+            .threads(threads())
+            .finish_when(HasDiscoveries::AnyOf(BTreeSet::from([want])))
+            .spawn_bfs()
+            .join();
+        let path = checker
+            .discovery(want)
+            .unwrap_or_else(|| panic!("{m:?} not caught by {want} in Model 2"));
+        println!("Model 2: {m:?} caught by {want:?}:");
+        for action in path.into_actions() {
+            println!("  {}", checker.model().format_action(&action));
+        }
+    }
+}
