@@ -8,6 +8,7 @@ use greendot_transport::rustls::pki_types::CertificateDer;
 use std::collections::HashMap;
 use std::io::Write;
 use std::net::ToSocketAddrs;
+use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Connects as the token's device.
@@ -18,18 +19,7 @@ pub async fn connect(args: &ClientArgs) -> Result<(Client, Updates), String> {
         .map_err(|e| format!("bad --server {}: {e}", args.server))?
         .next()
         .ok_or_else(|| format!("--server {} names no address", args.server))?;
-    let ca = args
-        .ca
-        .clone()
-        .unwrap_or_else(|| args.data_dir.join(crate::CERT_FILE));
-    let roots = CertificateDer::pem_file_iter(&ca)
-        .and_then(|iter| iter.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| {
-            format!(
-                "cannot read the server's certificate {} ({e}); start `greendot serve` here first or pass --ca",
-                ca.display()
-            )
-        })?;
+    let roots = trusted_roots(args.ca.as_deref(), &args.data_dir)?;
     let mut config = ClientConfig::new(server, roots, args.token.trim());
     config.server_name = args.server_name.clone();
     config.connect_timeout = Duration::from_secs(3);
@@ -39,6 +29,22 @@ pub async fn connect(args: &ClientArgs) -> Result<(Client, Updates), String> {
         give_up_after: None,
     });
     Client::connect(config).await.map_err(|e| e.to_string())
+}
+
+/// The certificate to trust: `--ca`, or the server's in its data directory.
+fn trusted_roots(
+    ca: Option<&Path>,
+    data_dir: &Path,
+) -> Result<Vec<CertificateDer<'static>>, String> {
+    let ca = ca.map_or_else(|| data_dir.join(crate::CERT_FILE), Path::to_path_buf);
+    CertificateDer::pem_file_iter(&ca)
+        .and_then(|iter| iter.collect::<Result<Vec<_>, _>>())
+        .map_err(|e| {
+            format!(
+                "cannot read the server's certificate {} ({e}); start `greendot serve` here first or pass --ca",
+                ca.display()
+            )
+        })
 }
 
 /// Unix milliseconds as `YYYY-MM-DDTHH:MM:SS.mmmZ`.
@@ -296,18 +302,7 @@ pub async fn run_query(args: &ClientArgs, users: Vec<String>, json: bool) -> Res
 /// `greendot bench`: the load generator against a running server.
 pub async fn run_bench(args: crate::BenchArgs) -> Result<(), String> {
     use greendot_transport::loadgen::{run, LoadOptions, LoadReport};
-    let ca = args
-        .ca
-        .clone()
-        .unwrap_or_else(|| args.data_dir.join(crate::CERT_FILE));
-    let roots = CertificateDer::pem_file_iter(&ca)
-        .and_then(|iter| iter.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| {
-            format!(
-                "cannot read the server's certificate {} ({e}); pass --ca",
-                ca.display()
-            )
-        })?;
+    let roots = trusted_roots(args.ca.as_deref(), &args.data_dir)?;
     let secret = crate::read_secret(&args.data_dir.join(crate::SECRET_FILE))?;
     let mut opts = LoadOptions::new(args.server, roots, secret, args.connections);
     opts.contacts = args.contacts;
