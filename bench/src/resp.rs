@@ -99,18 +99,7 @@ pub fn encode(buf: &mut Vec<u8>, args: &[&[u8]]) {
 }
 
 fn push_num(buf: &mut Vec<u8>, n: u64) {
-    let mut digits = [0u8; 20];
-    let mut i = digits.len();
-    let mut n = n;
-    loop {
-        i -= 1;
-        digits[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            break;
-        }
-    }
-    buf.extend_from_slice(&digits[i..]);
+    push_decimal(buf, n);
     buf.extend_from_slice(b"\r\n");
 }
 

@@ -447,6 +447,15 @@ fn converged(_: &ProtocolModel, s: &ProtocolState, after_resume: bool) -> bool {
 }
 
 impl ServerState {
+    /// What each user is shown as and whether they are invisible, taken
+    /// before an input so that I5 can judge what the input sent.
+    fn shown_and_invisible(&self, users: &[UserId]) -> Vec<(Presence, bool)> {
+        users
+            .iter()
+            .map(|&u| (self.core.shown(u), self.core.truth(u).invisible))
+            .collect()
+    }
+
     /// Runs one input through the core and sends what it produced.
     fn input(
         &mut self,
@@ -807,10 +816,7 @@ fn server_msg(spec: &ServerSpec, state: &mut Cow<NodeState>, src: Id, msg: Msg, 
                 watch: Watch::All,
                 resume,
             });
-            let users_before: Vec<(Presence, bool)> = users
-                .iter()
-                .map(|&u| (server.core.shown(u), server.core.truth(u).invisible))
-                .collect();
+            let users_before = server.shown_and_invisible(users);
             // The connection exists before the core's outputs are sent.
             let reply = server.input(users, now, input, o);
             if let Ok(Reply::Connected(c)) = reply {
@@ -856,10 +862,7 @@ fn server_msg(spec: &ServerSpec, state: &mut Cow<NodeState>, src: Id, msg: Msg, 
                     message: None,
                 },
             };
-            let users_before: Vec<(Presence, bool)> = users
-                .iter()
-                .map(|&u| (server.core.shown(u), server.core.truth(u).invisible))
-                .collect();
+            let users_before = server.shown_and_invisible(users);
             if let Ok(Reply::Subscribed(snap)) = server.input(users, now, input, o) {
                 server.check_i5(
                     users,

@@ -480,11 +480,14 @@ async fn run_scenario(
                             ws = c;
                         }
                         Err(_) => {
+                            // Counted as a switch that never came back; the
+                            // coordinator still waits for every mover.
                             results.push(SwitchResult {
                                 key,
                                 back,
                                 answered,
                             });
+                            done.add_permits(1);
                             return results;
                         }
                     }
