@@ -103,6 +103,14 @@ impl FrameReader {
         Ok(Some(payload))
     }
 
+    /// Gives back a large buffer once it is empty: an idle connection keeps
+    /// no read buffer.
+    pub fn compact(&mut self) {
+        if self.buf.is_empty() && self.buf.capacity() > 256 {
+            self.buf = Vec::new();
+        }
+    }
+
     /// At the end of the stream: fine if nothing is left over.
     pub fn finish(&self) -> Result<(), FrameError> {
         if self.buf.is_empty() {

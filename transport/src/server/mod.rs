@@ -1,29 +1,31 @@
 //! The greendot server: QUIC in front of one presence core.
 //!
 //! Design:
-//! - **One owner of the core.** A single *core task* owns the [`Hub`] (the core
-//!   plus name interning) and is fed by one mpsc channel. It sleeps until the
-//!   next message or `poll_timeout()`, applies the input, then drains every
-//!   output. No lock is held across an await anywhere; the core is never shared.
-//! - **One task per connection.** It reads the control stream, cuts frames with a
-//!   hard size cap and runs [`ConnState::on_frame`] (decode, version, token,
-//!   rate limit) itself; steps that need the core travel to the core task with a
-//!   oneshot for the answer ([`Hub::apply`]). [`handle_frame`] is those two
-//!   halves chained, without a network.
-//! - **Pushes.** For each session the core task holds a link: the QUIC
-//!   connection and two bounded channels, realtime and batched, each drained by
-//!   a writer task into its own server-opened unidirectional stream (realtime
-//!   at a higher priority). A full channel means the client does not read: its
-//!   connection is closed (`Overloaded`), never the core blocked.
+//! - **One task.** A single task owns the UDP socket, quinn-proto's sans-IO
+//!   endpoint with every connection, and the [`Hub`] (the core plus name
+//!   interning); see [`driver`] for why. It sleeps until a datagram, a control
+//!   message or the earliest deadline (a connection's, the core's, the lease
+//!   renewal's, the store's), handles it, then drains every output. Nothing is
+//!   shared with another task but counters and the event channel.
+//! - **A connection** is the client's control stream, cut into frames with a
+//!   hard size cap, run through [`ConnState::on_frame`] (decode, version,
+//!   token, rate limit) and [`Hub::apply`], answered on the same stream in
+//!   order. [`handle_frame`] is those two halves chained, without a network.
+//! - **Pushes.** At the welcome the server opens two unidirectional streams,
+//!   realtime (higher priority) and batched, and writes each push into its
+//!   stream as the core emits it. Pushes a stream cannot take yet (QUIC flow
+//!   control) wait in a queue of at most [`ServerConfig::push_queue`]; a full
+//!   queue means the client does not read: its connection is closed
+//!   (`Overloaded`), never the core blocked.
 //! - **QUIC is the heartbeat.** Keep-alive and idle timeout are server settings.
-//!   While a connection lives its task renews the session's lease in the core
-//!   (any frame, and a timer at a third of the shortest heartbeat timeout), so a
-//!   hung connection task is reaped by the core's own timeout. When the
-//!   connection ends the task reports `Closed`: an application close with the
-//!   logout code is a logout, anything else (idle timeout, transport error, a
-//!   plain close) a disconnect, and the device lingers for its grace.
-//! - **Migration** is on by default; the connection task notices a new remote
-//!   address on every frame and timer tick, counts it and reports it as a
+//!   While a connection lives its session's lease is renewed in the core (on
+//!   any frame, and for every connection at a third of the shortest heartbeat
+//!   timeout). When the connection ends the session is told: an application
+//!   close with the logout code is a logout, anything else (idle timeout,
+//!   transport error, a plain close) a disconnect, and the device lingers for
+//!   its grace.
+//! - **Migration** is on by default; a new remote address is noticed after
+//!   the datagram that shows it, counted and reported as a
 //!   [`ServerEvent::Migrated`].
 //! - **Bad input** (garbage, oversized frames, unknown versions, bad tokens) gets
 //!   an error frame and a close with a specific code on that connection only.
@@ -33,15 +35,18 @@
 //!   restore as they are.
 //! - **Durability** (optional, [`ServerConfig::store`]): status and
 //!   invisibility are committed to the [`store`] before the request is
-//!   answered; what else changed (last seen, who is shown online) is written
-//!   behind every [`ServerConfig::flush_interval`]. At start every saved user
-//!   is restored into the core before the first connection is accepted.
+//!   answered (the connection's later frames wait behind it; the rest of the
+//!   server does not); what else changed (last seen, who is shown online) is
+//!   written behind every [`ServerConfig::flush_interval`]. At start every
+//!   saved user is restored into the core before the first connection is
+//!   accepted.
 //! - **Draining** ([`Server::drain`]): stop accepting, close every connection
 //!   with [`CloseCode::Draining`] (clients reconnect and resume), write the
 //!   store, including the devices that were live; the next process brings them
 //!   back as lingering so nobody who reconnects within grace is shown offline.
 
 pub mod conn;
+mod driver;
 pub mod hub;
 pub mod metrics;
 pub mod store;
@@ -50,24 +55,23 @@ pub use conn::{handle_frame, ConnState, Handled, RateLimit, Step};
 pub use hub::{Hub, HubLimits, HubOutput, Interner, LiveDevice};
 pub use metrics::MetricsSnapshot;
 
-use crate::proto::{
-    self, codec::read_frame, codec::ReadError, encode_frame, CloseCode, FrameReader, ServerFrame,
-};
+use crate::proto::{self, CloseCode, ServerFrame};
 use crate::tls::{self, Identity, TlsError};
 use crate::token::TokenKeys;
-use greendot_core::{Counters, EndReason, Millis, SessionId, Tier, UserId};
+use driver::Control;
+use greendot_core::{Counters, Millis, SessionId, UserId};
 use metrics::Histogram;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-use store::{Batch, Record, Store, StoreWriter};
-use tokio::sync::{broadcast, mpsc, oneshot, Notify};
+use store::{Record, Store, StoreWriter};
+use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 /// Server settings. `ServerConfig::new(secret)` gives the documented defaults.
 #[derive(Clone, Debug)]
@@ -264,37 +268,10 @@ impl Clock {
     }
 }
 
-/// A push and when the core task took the change behind it.
-type Queued = (Instant, proto::Push);
-
-/// Where the core task sends a session's pushes.
-struct Link {
-    conn: quinn::Connection,
-    realtime: mpsc::Sender<Queued>,
-    batched: mpsc::Sender<Queued>,
-}
-
-enum CoreMsg {
-    /// A step that needs the hub; a hello step carries the connection's link.
-    Apply {
-        step: Step,
-        link: Option<Link>,
-        reply: oneshot::Sender<Handled>,
-    },
-    Activity(SessionId),
-    Closed {
-        session: SessionId,
-        logout: bool,
-    },
-    Counters(oneshot::Sender<Counters>),
-    /// Write everything to the store, with the live devices; answer when on disk.
-    Drain(oneshot::Sender<()>),
-}
-
 struct Shared {
     config: ServerConfig,
     keys: Arc<TokenKeys>,
-    core_tx: mpsc::Sender<CoreMsg>,
+    control: mpsc::Sender<Control>,
     clock: Clock,
     stats: StatsInner,
     events: broadcast::Sender<ServerEvent>,
@@ -317,11 +294,9 @@ impl Shared {
 /// running until the runtime stops.
 pub struct Server {
     local_addr: SocketAddr,
-    endpoint: quinn::Endpoint,
     shared: Arc<Shared>,
     certificate: rustls::pki_types::CertificateDer<'static>,
-    stop: Arc<Notify>,
-    tasks: Vec<JoinHandle<()>>,
+    task: JoinHandle<()>,
 }
 
 impl Server {
@@ -360,6 +335,12 @@ impl Server {
         // One control stream per connection; pushes come on server-opened streams.
         transport.max_concurrent_bidi_streams(1u32.into());
         transport.max_concurrent_uni_streams(0u32.into());
+        // What a peer may make the server buffer: a few frames on the control
+        // stream, not quinn's megabytes (it never needs more).
+        let window = u32::try_from(config.max_frame.saturating_mul(4)).unwrap_or(u32::MAX);
+        transport.stream_receive_window(window.into());
+        transport.receive_window(window.into());
+        transport.datagram_receive_buffer_size(None);
         let mut server_config =
             quinn::ServerConfig::with_crypto(Arc::new(tls::server_crypto(&identity)?));
         server_config.transport_config(Arc::new(transport));
@@ -376,10 +357,17 @@ impl Server {
         let mut hub = Hub::new(config.core.clone(), config.limits, 0)?
             .with_max_frame(u32::try_from(config.max_frame).unwrap_or(u32::MAX))
             .with_session_key(session_key);
-        // Bound first (a taken port fails before the store is touched);
-        // connections wait in quinn's queue until the accept task starts.
-        let endpoint = quinn::Endpoint::server(server_config, config.listen)?;
-        let local_addr = endpoint.local_addr()?;
+        // Bound first (a taken port fails before the store is touched).
+        let socket = std::net::UdpSocket::bind(config.listen)?;
+        socket.set_nonblocking(true)?;
+        let socket = tokio::net::UdpSocket::from_std(socket)?;
+        let local_addr = socket.local_addr()?;
+        let endpoint = quinn_proto::Endpoint::new(
+            Arc::new(quinn_proto::EndpointConfig::default()),
+            Some(Arc::new(server_config)),
+            false,
+            None,
+        );
         // Everything saved is back in the core before the first connection.
         let writer = match &config.store {
             Some(path) => {
@@ -389,28 +377,25 @@ impl Server {
             }
             None => None,
         };
-        let (core_tx, core_rx) = mpsc::channel(4096);
+        let (control, control_rx) = mpsc::channel(1024);
         let (events, _) = broadcast::channel(4096);
         let shared = Arc::new(Shared {
             keys: Arc::new(TokenKeys::new(&config.token_secret, config.token_leeway)),
             config,
-            core_tx,
+            control: control.clone(),
             clock,
             stats: StatsInner::default(),
             events,
             session_key,
         });
-        let stop = Arc::new(Notify::new());
-        let core_task = tokio::spawn(run_core(hub, core_rx, clock, shared.clone(), writer));
-        let accept_task = tokio::spawn(accept_loop(endpoint.clone(), shared.clone(), stop.clone()));
+        let driver = driver::Driver::new(shared.clone(), socket, endpoint, hub, writer, control);
+        let task = tokio::spawn(driver.run(control_rx));
         info!(%local_addr, "greendot server listening");
         Ok(Server {
             local_addr,
-            endpoint,
             shared,
             certificate,
-            stop,
-            tasks: vec![core_task, accept_task],
+            task,
         })
     }
 
@@ -447,7 +432,7 @@ impl Server {
     /// The core's counters, or `None` once the core task has stopped.
     pub async fn counters(&self) -> Option<Counters> {
         let (tx, rx) = oneshot::channel();
-        self.shared.core_tx.send(CoreMsg::Counters(tx)).await.ok()?;
+        self.shared.control.send(Control::Counters(tx)).await.ok()?;
         rx.await.ok()
     }
 
@@ -462,38 +447,39 @@ impl Server {
     /// live, which the next process restores as lingering. Waits at most
     /// about `2 s` for connections and `10 s` for the store.
     pub async fn drain(self) {
-        self.stop.notify_one();
-        self.endpoint.set_server_config(None);
-        self.endpoint.close(
-            CloseCode::Draining.varint(),
+        self.stop(
+            CloseCode::Draining,
             b"server draining: reconnect and resume",
-        );
-        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
-        let (tx, rx) = oneshot::channel();
-        if self.shared.core_tx.send(CoreMsg::Drain(tx)).await.is_ok()
-            && tokio::time::timeout(Duration::from_secs(10), rx)
-                .await
-                .is_err()
-        {
-            warn!("the store did not finish writing in time");
-        }
-        for task in self.tasks {
-            task.abort();
-        }
+            true,
+        )
+        .await;
         info!("drained");
     }
 
-    /// Closes every connection (`CloseCode::Shutdown`) and stops the tasks,
+    /// Closes every connection (`CloseCode::Shutdown`) and stops the task,
     /// at once: what was not yet written behind to the store (at most one
     /// flush interval) is lost. [`Server::drain`] is the graceful stop.
     pub async fn shutdown(self) {
-        self.stop.notify_one();
-        self.endpoint
-            .close(CloseCode::Shutdown.varint(), b"server shutting down");
-        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
-        for task in self.tasks {
-            task.abort();
+        self.stop(CloseCode::Shutdown, b"server shutting down", false)
+            .await;
+    }
+
+    async fn stop(self, code: CloseCode, text: &'static [u8], save: bool) {
+        let (done, finished) = oneshot::channel();
+        let stop = Control::Stop {
+            code,
+            text,
+            save,
+            done,
+        };
+        if self.shared.control.send(stop).await.is_ok()
+            && tokio::time::timeout(Duration::from_secs(15), finished)
+                .await
+                .is_err()
+        {
+            warn!("the server did not stop in time");
         }
+        self.task.abort();
     }
 }
 
@@ -524,7 +510,7 @@ impl Monitor {
     /// Everything for the metrics page; `None` once the core task stopped.
     pub async fn metrics(&self) -> Option<MetricsSnapshot> {
         let (tx, rx) = oneshot::channel();
-        self.shared.core_tx.send(CoreMsg::Counters(tx)).await.ok()?;
+        self.shared.control.send(Control::Counters(tx)).await.ok()?;
         let counters = rx.await.ok()?;
         let s = &self.shared.stats;
         let stats = self.stats();
@@ -624,23 +610,6 @@ fn record(hub: &Hub, user: UserId) -> Option<(String, Record)> {
     Some((name, Record::new(&saved, shown_online)))
 }
 
-async fn accept_loop(endpoint: quinn::Endpoint, shared: Arc<Shared>, stop: Arc<Notify>) {
-    loop {
-        let incoming = tokio::select! {
-            incoming = endpoint.accept() => incoming,
-            _ = stop.notified() => break,
-        };
-        let Some(incoming) = incoming else { break };
-        tokio::spawn(serve_connection(incoming, shared.clone()));
-    }
-}
-
-enum Wake {
-    Msg(CoreMsg),
-    Timer,
-    Flush,
-}
-
 /// Whether a step changes what must be on disk before it is answered.
 fn durable_user(hub: &Hub, step: &Step) -> Option<UserId> {
     match step {
@@ -650,163 +619,6 @@ fn durable_user(hub: &Hub, step: &Step) -> Option<UserId> {
             ..
         } => hub.session_user(*session),
         _ => None,
-    }
-}
-
-/// The core task: the only owner of the hub.
-async fn run_core(
-    mut hub: Hub,
-    mut rx: mpsc::Receiver<CoreMsg>,
-    clock: Clock,
-    shared: Arc<Shared>,
-    store: Option<StoreWriter>,
-) {
-    let mut links: HashMap<SessionId, Link> = HashMap::new();
-    let mut dirty: HashSet<UserId> = HashSet::new();
-    let mut flush = tokio::time::interval(shared.config.flush_interval);
-    flush.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        let deadline = hub.poll_timeout().and_then(|at| clock.instant(at));
-        let wake = tokio::select! {
-            msg = rx.recv() => match msg {
-                Some(msg) => Wake::Msg(msg),
-                None => break,
-            },
-            _ = sleep_until(deadline), if deadline.is_some() => Wake::Timer,
-            _ = flush.tick(), if store.is_some() => Wake::Flush,
-        };
-        let taken = Instant::now();
-        let now = clock.now();
-        match wake {
-            Wake::Timer => hub.handle_timeout(now),
-            Wake::Flush => {
-                if let Some(store) = &store {
-                    let users = dirty.drain().filter_map(|u| record(&hub, u)).collect();
-                    store.write_behind(Batch {
-                        users,
-                        alive_at: Some(now.0),
-                        drained: None,
-                    });
-                }
-            }
-            Wake::Msg(CoreMsg::Drain(reply)) => {
-                dirty.extend(hub.take_touched());
-                match &store {
-                    Some(store) => {
-                        let users = dirty.drain().filter_map(|u| record(&hub, u)).collect();
-                        let done = store.write_durable(Batch {
-                            users,
-                            alive_at: Some(now.0),
-                            drained: Some(hub.live_devices()),
-                        });
-                        let shared = shared.clone();
-                        tokio::spawn(async move {
-                            if !matches!(done.await, Ok(Ok(()))) {
-                                shared.stats.store_errors.fetch_add(1, Ordering::Relaxed);
-                            }
-                            let _ = reply.send(());
-                        });
-                    }
-                    None => {
-                        let _ = reply.send(());
-                    }
-                }
-            }
-            Wake::Msg(CoreMsg::Apply { step, link, reply }) => {
-                let durable = durable_user(&hub, &step);
-                let handled = hub.apply(now, step);
-                if let (Some(session), Some(link)) = (handled.welcomed, link) {
-                    links.insert(session, link);
-                }
-                let answered_ok = matches!(
-                    &handled.reply,
-                    Some(ServerFrame::Reply { result: Ok(_), .. })
-                );
-                let pending = durable
-                    .filter(|_| answered_ok)
-                    .and_then(|user| Some((store.as_ref()?, record(&hub, user)?)));
-                match pending {
-                    // On disk before it is acknowledged.
-                    Some((store, user)) => {
-                        let done = store.write_durable(Batch {
-                            users: vec![user],
-                            alive_at: None,
-                            drained: None,
-                        });
-                        let shared = shared.clone();
-                        tokio::spawn(async move {
-                            let handled = match done.await {
-                                Ok(Ok(())) => handled,
-                                _ => {
-                                    shared.stats.store_errors.fetch_add(1, Ordering::Relaxed);
-                                    not_saved(handled)
-                                }
-                            };
-                            let _ = reply.send(handled);
-                        });
-                    }
-                    None => {
-                        let _ = reply.send(handled);
-                    }
-                }
-            }
-            Wake::Msg(CoreMsg::Activity(session)) => hub.activity(now, session),
-            Wake::Msg(CoreMsg::Closed { session, logout }) => {
-                links.remove(&session);
-                hub.closed(now, session, logout);
-            }
-            Wake::Msg(CoreMsg::Counters(reply)) => {
-                let _ = reply.send(hub.core().counters().clone());
-            }
-        }
-        while let Some(output) = hub.poll_output() {
-            match output {
-                HubOutput::Push {
-                    session,
-                    tier,
-                    push,
-                } => {
-                    let Some(link) = links.get(&session) else {
-                        continue;
-                    };
-                    let queue = match tier {
-                        Tier::Realtime => &link.realtime,
-                        Tier::Batched => &link.batched,
-                    };
-                    if queue.try_send((taken, push)).is_err() {
-                        warn!(%session, "push queue full: closing the stalled connection");
-                        shared.stats.overloaded.fetch_add(1, Ordering::Relaxed);
-                        link.conn
-                            .close(CloseCode::Overloaded.varint(), b"pushes not read in time");
-                        links.remove(&session);
-                    }
-                }
-                HubOutput::End { session, reason } => {
-                    let Some(link) = links.remove(&session) else {
-                        continue;
-                    };
-                    let (code, text): (CloseCode, &[u8]) = match reason {
-                        EndReason::Superseded => {
-                            (CloseCode::Superseded, b"the device connected again")
-                        }
-                        EndReason::HeartbeatTimeout => {
-                            (CloseCode::SessionExpired, b"no sign of life in time")
-                        }
-                        EndReason::GraceExpired => {
-                            (CloseCode::SessionExpired, b"not back within grace")
-                        }
-                        // The connection's own task answers the logout, then closes.
-                        EndReason::LoggedOut => continue,
-                    };
-                    link.conn.close(code.varint(), text);
-                }
-            }
-        }
-        if store.is_some() {
-            dirty.extend(hub.take_touched());
-        } else {
-            hub.take_touched();
-        }
     }
 }
 
@@ -827,263 +639,10 @@ fn not_saved(handled: Handled) -> Handled {
     }
 }
 
-async fn sleep_until(deadline: Option<Instant>) {
-    match deadline {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
-    }
-}
-
-/// Decrements the open-connection count when a connection task ends.
-struct Admission<'a>(&'a StatsInner);
-
-impl Drop for Admission<'_> {
-    fn drop(&mut self) {
-        self.0.open.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
 fn reason_text(error: &proto::WireError) -> Vec<u8> {
     let mut text = format!("{:?}: {}", error.code, error.message).into_bytes();
     text.truncate(400);
     text
-}
-
-/// Writes `frame` and, if asked, closes after giving the peer a moment to
-/// receive it.
-async fn answer(
-    conn: &quinn::Connection,
-    send: &mut quinn::SendStream,
-    handled: &Handled,
-) -> Result<(), ()> {
-    if let Some(frame) = &handled.reply {
-        let bytes = encode_frame(frame).map_err(|_| ())?;
-        send.write_all(&bytes).await.map_err(|_| ())?;
-    }
-    if let Some(code) = handled.close {
-        let text = match &handled.reply {
-            Some(ServerFrame::Error(e)) => reason_text(e),
-            _ => format!("{code:?}").into_bytes(),
-        };
-        let _ = send.finish();
-        // Let the frame reach the peer (or the peer close first), then close.
-        let _ = tokio::time::timeout(Duration::from_secs(1), send.stopped()).await;
-        conn.close(code.varint(), &text);
-        return Err(());
-    }
-    Ok(())
-}
-
-async fn serve_connection(incoming: quinn::Incoming, shared: Arc<Shared>) {
-    let remote = incoming.remote_address();
-    let conn = match incoming.await {
-        Ok(conn) => conn,
-        Err(e) => {
-            debug!(%remote, error = %e, "handshake failed");
-            shared.stats.reject("handshake");
-            shared.event(ServerEvent::Rejected {
-                remote,
-                reason: format!("handshake failed: {e}"),
-            });
-            return;
-        }
-    };
-    let open = shared.stats.open.fetch_add(1, Ordering::Relaxed);
-    let _admission = Admission(&shared.stats);
-    shared.stats.total.fetch_add(1, Ordering::Relaxed);
-    if open >= shared.config.max_connections {
-        shared.stats.reject("TooManyConnections");
-        conn.close(
-            CloseCode::TooManyConnections.varint(),
-            b"TooManyConnections: the server is at its connection cap",
-        );
-        return;
-    }
-    let session = run_connection(&conn, &shared).await;
-    // Whatever ended the loop, wait for the connection itself to end.
-    let error = conn.closed().await;
-    let logout = matches!(
-        &error,
-        quinn::ConnectionError::ApplicationClosed(close)
-            if close.error_code == CloseCode::Logout.varint()
-    );
-    if let Some(session) = session {
-        let _ = shared
-            .core_tx
-            .send(CoreMsg::Closed { session, logout })
-            .await;
-    }
-    shared.event(ServerEvent::Closed {
-        session: session.map(|s| shared.wire(s)),
-        logout,
-        reason: error.to_string(),
-    });
-}
-
-/// Sends a step to the core task and waits for its answer.
-async fn to_core(shared: &Shared, step: Step, link: Option<Link>) -> Handled {
-    let (tx, rx) = oneshot::channel();
-    let msg = CoreMsg::Apply {
-        step,
-        link,
-        reply: tx,
-    };
-    if shared.core_tx.send(msg).await.is_err() {
-        return Handled::close(proto::WireError::new(
-            proto::ErrorCode::ShuttingDown,
-            "server shutting down",
-        ));
-    }
-    rx.await.unwrap_or_else(|_| {
-        Handled::close(proto::WireError::new(
-            proto::ErrorCode::ShuttingDown,
-            "server shutting down",
-        ))
-    })
-}
-
-/// The life of one connection until it closes or is condemned; returns the
-/// session it had.
-async fn run_connection(conn: &quinn::Connection, shared: &Arc<Shared>) -> Option<SessionId> {
-    let config = &shared.config;
-    let remote = conn.remote_address();
-    let hello_deadline = Instant::now() + config.hello_timeout;
-    let (mut send, mut recv) = match tokio::time::timeout_at(hello_deadline, conn.accept_bi()).await
-    {
-        Ok(Ok(streams)) => streams,
-        Ok(Err(_)) => return None,
-        Err(_) => {
-            conn.close(CloseCode::HelloTimeout.varint(), b"no hello in time");
-            return None;
-        }
-    };
-    let mut reader = FrameReader::new(config.max_frame);
-    let mut state = ConnState::new(shared.keys.clone(), config.rate);
-
-    // The hello.
-    let step =
-        match tokio::time::timeout_at(hello_deadline, read_frame(&mut recv, &mut reader)).await {
-            Err(_) => {
-                conn.close(CloseCode::HelloTimeout.varint(), b"no hello in time");
-                return None;
-            }
-            Ok(Ok(Some(payload))) => state.on_frame(shared.clock.now(), &payload),
-            Ok(Ok(None)) | Ok(Err(ReadError::Stream(_))) => return None,
-            Ok(Err(ReadError::Frame(e))) => state.on_frame_error(e),
-        };
-    let (realtime_tx, realtime_rx) = mpsc::channel(config.push_queue);
-    let (batched_tx, batched_rx) = mpsc::channel(config.push_queue);
-    let handled = if step.needs_hub() {
-        let link = Link {
-            conn: conn.clone(),
-            realtime: realtime_tx,
-            batched: batched_tx,
-        };
-        to_core(shared, step, Some(link)).await
-    } else {
-        Handled::default().merge_local(step)
-    };
-    if let Some(ServerFrame::Error(e)) = &handled.reply {
-        shared.stats.reject(&reason_label(e));
-        shared.event(ServerEvent::Rejected {
-            remote,
-            reason: e.to_string(),
-        });
-    }
-    let session = handled.welcomed;
-    if let Some(s) = session {
-        state.on_welcome(s);
-        if let Some(ServerFrame::Welcome(w)) = &handled.reply {
-            shared.event(ServerEvent::Connected {
-                session: shared.wire(s),
-                user: w.user.clone(),
-                device: w.device.clone(),
-                resumed: w.resumed,
-                remote,
-            });
-        }
-    }
-    if answer(conn, &mut send, &handled).await.is_err() {
-        return session;
-    }
-    let session = session?;
-
-    // The push streams.
-    for (tier, rx, priority) in [
-        (proto::Tier::Realtime, realtime_rx, 1),
-        (proto::Tier::Batched, batched_rx, 0),
-    ] {
-        match conn.open_uni().await {
-            Ok(stream) => {
-                let _ = stream.set_priority(priority);
-                tokio::spawn(write_pushes(stream, tier, rx, shared.clone()));
-            }
-            Err(_) => return Some(session),
-        }
-    }
-
-    let mut renew = tokio::time::interval(config.renewal());
-    renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // Migrations show on every frame; this catches moves between frames.
-    let mut poll_address = tokio::time::interval(config.renewal().min(Duration::from_secs(1)));
-    poll_address.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut address = remote;
-    let check_address = |address: &mut SocketAddr| {
-        let now = conn.remote_address();
-        if now != *address {
-            shared.stats.migrations.fetch_add(1, Ordering::Relaxed);
-            debug!(%session, from = %address, to = %now, "migrated");
-            shared.event(ServerEvent::Migrated {
-                session: Some(shared.wire(session)),
-                from: *address,
-                to: now,
-            });
-            *address = now;
-        }
-    };
-    loop {
-        let step = tokio::select! {
-            frame = read_frame(&mut recv, &mut reader) => match frame {
-                Ok(Some(payload)) => state.on_frame(shared.clock.now(), &payload),
-                // The client finished its control stream: nothing more to read.
-                Ok(None) => {
-                    let _ = conn.closed().await;
-                    return Some(session);
-                }
-                Err(ReadError::Stream(_)) => return Some(session),
-                Err(ReadError::Frame(e)) => state.on_frame_error(e),
-            },
-            _ = renew.tick() => {
-                check_address(&mut address);
-                let _ = shared.core_tx.send(CoreMsg::Activity(session)).await;
-                continue;
-            }
-            _ = poll_address.tick() => {
-                check_address(&mut address);
-                continue;
-            }
-            _ = conn.closed() => return Some(session),
-        };
-        check_address(&mut address);
-        let handled = if step.needs_hub() {
-            to_core(shared, step, None).await
-        } else {
-            if let Step::Close(e) = &step {
-                shared.stats.reject(&reason_label(e));
-                shared.event(ServerEvent::Rejected {
-                    remote: address,
-                    reason: e.to_string(),
-                });
-            } else {
-                // Answered locally (rate limited): still a sign of life.
-                let _ = shared.core_tx.send(CoreMsg::Activity(session)).await;
-            }
-            Handled::default().merge_local(step)
-        };
-        if answer(conn, &mut send, &handled).await.is_err() {
-            return Some(session);
-        }
-    }
 }
 
 impl Handled {
@@ -1098,43 +657,4 @@ impl Handled {
             _ => self,
         }
     }
-}
-
-/// Drains one tier's pushes into its stream.
-async fn write_pushes(
-    mut stream: quinn::SendStream,
-    tier: proto::Tier,
-    mut rx: mpsc::Receiver<Queued>,
-    shared: Arc<Shared>,
-) {
-    let Ok(header) = encode_frame(&proto::Push::Stream { tier }) else {
-        return;
-    };
-    if stream.write_all(&header).await.is_err() {
-        return;
-    }
-    let mut taken = Vec::new();
-    while let Some((at, push)) = rx.recv().await {
-        let mut bytes = match encode_frame(&push) {
-            Ok(b) => b,
-            Err(_) => continue,
-        };
-        taken.clear();
-        taken.push(at);
-        // Write whatever else is already queued in the same call.
-        while bytes.len() <= 32 * 1024 {
-            let Ok((at, more)) = rx.try_recv() else { break };
-            if let Ok(b) = encode_frame(&more) {
-                bytes.extend_from_slice(&b);
-                taken.push(at);
-            }
-        }
-        if stream.write_all(&bytes).await.is_err() {
-            return;
-        }
-        for at in &taken {
-            shared.stats.latency.observe(at.elapsed());
-        }
-    }
-    let _ = stream.finish();
 }

@@ -1,0 +1,1137 @@
+//! The server's one task: a UDP socket, quinn-proto's sans-IO endpoint and
+//! connections, and the [`Hub`], driven together.
+//!
+//! Why one task and not quinn's per-connection tasks: a presence server holds
+//! many mostly idle connections, and what each costs at rest is the limit.
+//! quinn's async wrapper gives every connection a driver, an event channel,
+//! wakers and the application its own tasks and push queues (about 48 KiB per
+//! session, measured); here a connection is one `quinn_proto::Connection` and
+//! a few small fields in a slot, and the core is called directly, with no
+//! channel or oneshot between a frame and its answer. Everything below is
+//! synchronous except the socket and the timer the loop sleeps on.
+//!
+//! One pass of the loop: take what woke it (datagrams, a control message, a
+//! timer), feed it to the endpoint and connections, then `pump`: handle every
+//! application event of the touched connections (frames go through
+//! [`ConnState::on_frame`] and [`Hub::apply`], outputs are routed to push
+//! streams at once), then let every touched connection transmit and re-arm
+//! its timer.
+
+use super::conn::{ConnState, Handled, Step};
+use super::hub::{Hub, HubOutput};
+use super::store::{Batch, StoreWriter};
+use super::{
+    durable_user, not_saved, reason_label, reason_text, record, Clock, ServerEvent, Shared,
+};
+use crate::proto::{self, encode_frame, CloseCode, FrameError, FrameReader, ServerFrame};
+use bytes::{Bytes, BytesMut};
+use greendot_core::{Counters, EndReason, SessionId, Tier, UserId};
+use quinn_proto::{
+    ConnectionError, ConnectionHandle, DatagramEvent, Dir, Endpoint, Event, StreamEvent, StreamId,
+};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::UdpSocket;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use tracing::{debug, warn};
+
+/// Datagrams taken from the socket per wake-up before the connections run.
+const RECV_BATCH: usize = 64;
+/// Datagrams kept while the socket's send buffer is full; beyond this they
+/// are dropped (QUIC retransmits).
+const OUTBOX_CAP: usize = 4096;
+/// Bytes read from a control stream per round: one maximal frame and its
+/// prefix, so what is buffered per connection stays bounded.
+fn read_budget(max_frame: usize) -> usize {
+    max_frame + 4
+}
+
+/// Messages from the [`super::Server`] handle and from store waiters.
+pub(super) enum Control {
+    Counters(oneshot::Sender<Counters>),
+    /// A durable write finished; answer the request that waited for it.
+    Saved {
+        ch: usize,
+        serial: u64,
+        handled: Handled,
+        ok: bool,
+    },
+    /// Close every connection with `code`, wait up to two seconds for them to
+    /// go, then (if `save`) write the store with the live devices, and stop.
+    Stop {
+        code: CloseCode,
+        text: &'static [u8],
+        save: bool,
+        done: oneshot::Sender<()>,
+    },
+}
+
+/// A server-opened push stream of one tier.
+struct PushStream {
+    id: StreamId,
+    /// Encoded pushes the stream did not accept yet (flow control), with the
+    /// instant of the change behind each.
+    pending: VecDeque<(Instant, Vec<u8>)>,
+}
+
+/// One connection.
+struct Conn {
+    quic: quinn_proto::Connection,
+    /// Tells a reused slot from the connection a store waiter answers.
+    serial: u64,
+    state: ConnState,
+    reader: FrameReader,
+    /// The client's bidirectional control stream, once opened.
+    control: Option<StreamId>,
+    /// Answer bytes the control stream did not accept yet.
+    unsent: Vec<u8>,
+    /// Realtime and batched, opened at the welcome.
+    pushes: Option<Box<[PushStream; 2]>>,
+    session: Option<SessionId>,
+    address: SocketAddr,
+    /// The handshake is done.
+    connected: bool,
+    /// Counted in `Stats::connections_open` (handshake done, under the cap).
+    counted: bool,
+    /// The client finished (or reset) its side of the control stream.
+    control_done: bool,
+    /// The end was reported (hub, stats, event); nothing more is read.
+    ended: bool,
+    /// A durable request waits for the store: frames after it wait too, so
+    /// answers keep their order.
+    waiting_store: bool,
+    /// After the answer in flight: close with this code.
+    closing: Option<(CloseCode, Vec<u8>)>,
+    /// The hello deadline, or how long a closing answer may take to arrive.
+    deadline: Option<Instant>,
+    /// The instant under which this connection sits in the timer set.
+    timer: Option<Instant>,
+    /// In the driver's `touched` list.
+    touched: bool,
+}
+
+pub(super) struct Driver {
+    shared: Arc<Shared>,
+    socket: UdpSocket,
+    endpoint: Endpoint,
+    hub: Hub,
+    clock: Clock,
+    conns: Vec<Option<Box<Conn>>>,
+    sessions: HashMap<SessionId, usize>,
+    timers: BTreeSet<(Instant, usize)>,
+    touched: Vec<usize>,
+    next_serial: u64,
+    outbox: VecDeque<(SocketAddr, Vec<u8>)>,
+    send_buf: Vec<u8>,
+    store: Option<StoreWriter>,
+    dirty_users: HashSet<UserId>,
+    next_flush: Instant,
+    next_renewal: Instant,
+    control_tx: mpsc::Sender<Control>,
+    stopping: Option<Stopping>,
+}
+
+struct Stopping {
+    save: bool,
+    done: oneshot::Sender<()>,
+    until: Instant,
+}
+
+enum Wake {
+    Datagram(usize, SocketAddr),
+    RecvError,
+    Control(Control),
+    Writable,
+    Timer,
+}
+
+impl Driver {
+    pub(super) fn new(
+        shared: Arc<Shared>,
+        socket: UdpSocket,
+        endpoint: Endpoint,
+        hub: Hub,
+        store: Option<StoreWriter>,
+        control_tx: mpsc::Sender<Control>,
+    ) -> Driver {
+        let now = Instant::now();
+        Driver {
+            clock: shared.clock,
+            next_flush: now + shared.config.flush_interval,
+            next_renewal: now + shared.config.renewal(),
+            shared,
+            socket,
+            endpoint,
+            hub,
+            conns: Vec::new(),
+            sessions: HashMap::new(),
+            timers: BTreeSet::new(),
+            touched: Vec::new(),
+            next_serial: 0,
+            outbox: VecDeque::new(),
+            send_buf: Vec::new(),
+            store,
+            dirty_users: HashSet::new(),
+            control_tx,
+            stopping: None,
+        }
+    }
+
+    /// Runs until stopped by [`Control::Stop`].
+    pub(super) async fn run(mut self, mut control: mpsc::Receiver<Control>) {
+        let mut buf = vec![0u8; 65536];
+        loop {
+            let deadline = self.next_deadline();
+            let wake = tokio::select! {
+                biased;
+                msg = control.recv() => match msg {
+                    Some(msg) => Wake::Control(msg),
+                    None => return,
+                },
+                got = self.socket.recv_from(&mut buf) => match got {
+                    Ok((n, from)) => Wake::Datagram(n, from),
+                    Err(_) => Wake::RecvError,
+                },
+                _ = self.socket.writable(), if !self.outbox.is_empty() => Wake::Writable,
+                _ = tokio::time::sleep_until(deadline) => Wake::Timer,
+            };
+            let now = Instant::now();
+            match wake {
+                Wake::Datagram(n, from) => {
+                    self.on_datagram(now, from, &buf[..n]);
+                    for _ in 1..RECV_BATCH {
+                        match self.socket.try_recv_from(&mut buf) {
+                            Ok((n, from)) => self.on_datagram(now, from, &buf[..n]),
+                            Err(_) => break,
+                        }
+                    }
+                }
+                // ICMP errors (a client gone) surface here; nothing to do.
+                Wake::RecvError => {}
+                Wake::Control(msg) => self.on_control(now, msg),
+                Wake::Writable => self.send_outbox(),
+                Wake::Timer => {}
+            }
+            self.on_timers(now);
+            self.pump(now);
+            if let Some(stop) = &self.stopping {
+                if self.conns.iter().all(Option::is_none) || now >= stop.until {
+                    self.finish().await;
+                    return;
+                }
+            }
+        }
+    }
+
+    fn next_deadline(&self) -> Instant {
+        let far = Instant::now() + Duration::from_secs(3600);
+        let mut at = self.next_renewal.min(far);
+        if self.store.is_some() {
+            at = at.min(self.next_flush);
+        }
+        if let Some((t, _)) = self.timers.first() {
+            at = at.min(*t);
+        }
+        if let Some(t) = self.hub.poll_timeout().and_then(|m| self.clock.instant(m)) {
+            at = at.min(t);
+        }
+        if let Some(stop) = &self.stopping {
+            at = at.min(stop.until);
+        }
+        at
+    }
+
+    fn conn(&mut self, ch: usize) -> Option<&mut Conn> {
+        slot(&mut self.conns, ch)
+    }
+
+    fn touch(&mut self, ch: usize) {
+        if let Some(conn) = self.conn(ch) {
+            if !conn.touched {
+                conn.touched = true;
+                self.touched.push(ch);
+            }
+        }
+    }
+
+    // ---- the socket ----
+
+    fn send(&mut self, to: SocketAddr, bytes: &[u8]) {
+        send_to(&self.socket, &mut self.outbox, to, bytes);
+    }
+
+    fn send_outbox(&mut self) {
+        while let Some((to, bytes)) = self.outbox.front() {
+            match self.socket.try_send_to(bytes, *to) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                _ => {
+                    self.outbox.pop_front();
+                }
+            }
+        }
+    }
+
+    fn on_datagram(&mut self, now: Instant, from: SocketAddr, data: &[u8]) {
+        let mut buf = std::mem::take(&mut self.send_buf);
+        buf.clear();
+        let event = self.endpoint.handle(
+            now.into_std(),
+            from,
+            None,
+            None,
+            BytesMut::from(data),
+            &mut buf,
+        );
+        match event {
+            Some(DatagramEvent::NewConnection(incoming)) => {
+                if self.stopping.is_some() {
+                    let t = self.endpoint.refuse(incoming, &mut buf);
+                    self.send(t.destination, &buf[..t.size]);
+                } else {
+                    match self
+                        .endpoint
+                        .accept(incoming, now.into_std(), &mut buf, None)
+                    {
+                        Ok((ch, quic)) => self.insert(ch, quic),
+                        Err(e) => {
+                            if let Some(t) = e.response {
+                                self.send(t.destination, &buf[..t.size]);
+                            }
+                            self.handshake_failed(from, &e.cause);
+                        }
+                    }
+                }
+            }
+            Some(DatagramEvent::ConnectionEvent(ch, event)) => {
+                if let Some(conn) = self.conn(ch.0) {
+                    conn.quic.handle_event(event);
+                    self.touch(ch.0);
+                }
+            }
+            Some(DatagramEvent::Response(t)) => self.send(t.destination, &buf[..t.size]),
+            None => {}
+        }
+        self.send_buf = buf;
+    }
+
+    fn insert(&mut self, ch: ConnectionHandle, quic: quinn_proto::Connection) {
+        let config = &self.shared.config;
+        self.next_serial += 1;
+        let conn = Conn {
+            address: quic.remote_address(),
+            quic,
+            serial: self.next_serial,
+            state: ConnState::new(self.shared.keys.clone(), config.rate),
+            reader: FrameReader::new(config.max_frame),
+            control: None,
+            unsent: Vec::new(),
+            pushes: None,
+            session: None,
+            connected: false,
+            counted: false,
+            control_done: false,
+            ended: false,
+            waiting_store: false,
+            closing: None,
+            deadline: None,
+            timer: None,
+            touched: false,
+        };
+        if self.conns.len() <= ch.0 {
+            self.conns.resize_with(ch.0 + 1, || None);
+        }
+        self.conns[ch.0] = Some(Box::new(conn));
+        self.touch(ch.0);
+    }
+
+    fn handshake_failed(&self, remote: SocketAddr, error: &ConnectionError) {
+        debug!(%remote, %error, "handshake failed");
+        self.shared.stats.reject("handshake");
+        self.shared.event(ServerEvent::Rejected {
+            remote,
+            reason: format!("handshake failed: {error}"),
+        });
+    }
+
+    // ---- control messages and timers ----
+
+    fn on_control(&mut self, now: Instant, msg: Control) {
+        match msg {
+            Control::Counters(reply) => {
+                let _ = reply.send(self.hub.core().counters().clone());
+            }
+            Control::Saved {
+                ch,
+                serial,
+                handled,
+                ok,
+            } => {
+                let handled = if ok {
+                    handled
+                } else {
+                    self.shared
+                        .stats
+                        .store_errors
+                        .fetch_add(1, Ordering::Relaxed);
+                    not_saved(handled)
+                };
+                let Some(conn) = self.conn(ch) else { return };
+                if conn.serial != serial || conn.ended {
+                    return;
+                }
+                conn.waiting_store = false;
+                self.answer(ch, now, handled);
+                // Frames that waited behind it.
+                self.read_control(ch, now);
+                self.touch(ch);
+            }
+            Control::Stop {
+                code,
+                text,
+                save,
+                done,
+            } => {
+                self.endpoint.set_server_config(None);
+                for ch in 0..self.conns.len() {
+                    if self.conns[ch].is_some() {
+                        self.close(ch, now, code, text);
+                    }
+                }
+                self.stopping = Some(Stopping {
+                    save,
+                    done,
+                    until: now + Duration::from_secs(2),
+                });
+            }
+        }
+    }
+
+    fn on_timers(&mut self, now: Instant) {
+        while let Some(&(at, ch)) = self.timers.first() {
+            if at > now {
+                break;
+            }
+            self.timers.pop_first();
+            let Some(conn) = slot(&mut self.conns, ch) else {
+                continue;
+            };
+            conn.timer = None;
+            conn.quic.handle_timeout(now.into_std());
+            if conn.deadline.is_some_and(|d| d <= now) {
+                conn.deadline = None;
+                let hello_due = conn.session.is_none() && !conn.ended;
+                match conn.closing.take() {
+                    Some((code, text)) => self.close(ch, now, code, &text),
+                    None if hello_due => {
+                        self.close(ch, now, CloseCode::HelloTimeout, b"no hello in time")
+                    }
+                    None => {}
+                }
+            }
+            self.touch(ch);
+        }
+        if self.hub.poll_timeout().and_then(|m| self.clock.instant(m)) <= Some(now) {
+            self.hub.handle_timeout(self.clock.now());
+        }
+        if now >= self.next_renewal {
+            // An open connection is a live device: QUIC's keep-alive and idle
+            // timeout stand for the heartbeat.
+            let at = self.clock.now();
+            for &session in self.sessions.keys() {
+                self.hub.activity(at, session);
+            }
+            self.next_renewal = now + self.shared.config.renewal();
+        }
+        if self.store.is_some() && now >= self.next_flush {
+            self.next_flush = now + self.shared.config.flush_interval;
+            self.flush_store();
+        }
+    }
+
+    fn flush_store(&mut self) {
+        let Some(store) = &self.store else { return };
+        self.dirty_users.extend(self.hub.take_touched());
+        let users = self
+            .dirty_users
+            .drain()
+            .filter_map(|u| record(&self.hub, u))
+            .collect();
+        store.write_behind(Batch {
+            users,
+            alive_at: Some(self.clock.now().0),
+            drained: None,
+        });
+    }
+
+    /// The end of a [`Control::Stop`]: the store with the live devices.
+    async fn finish(&mut self) {
+        let Some(stop) = self.stopping.take() else {
+            return;
+        };
+        if stop.save {
+            if let Some(store) = &self.store {
+                self.dirty_users.extend(self.hub.take_touched());
+                let users = self
+                    .dirty_users
+                    .drain()
+                    .filter_map(|u| record(&self.hub, u))
+                    .collect();
+                let done = store.write_durable(Batch {
+                    users,
+                    alive_at: Some(self.clock.now().0),
+                    drained: Some(self.hub.live_devices()),
+                });
+                match tokio::time::timeout(Duration::from_secs(10), done).await {
+                    Ok(Ok(Ok(()))) => {}
+                    Ok(_) => {
+                        self.shared
+                            .stats
+                            .store_errors
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(_) => warn!("the store did not finish writing in time"),
+                }
+            }
+        }
+        let _ = stop.done.send(());
+    }
+
+    // ---- the pump ----
+
+    fn pump(&mut self, now: Instant) {
+        self.route(now);
+        let mut round = Vec::new();
+        while !self.touched.is_empty() {
+            std::mem::swap(&mut round, &mut self.touched);
+            for ch in round.drain(..) {
+                self.drive(ch, now);
+            }
+        }
+        if self.store.is_some() {
+            self.dirty_users.extend(self.hub.take_touched());
+        } else {
+            self.hub.take_touched();
+        }
+    }
+
+    /// Hands a connection's endpoint events to the endpoint; `true` once the
+    /// connection is drained (the endpoint has forgotten it).
+    fn endpoint_events(&mut self, ch: usize) -> bool {
+        let mut drained = false;
+        let Some(conn) = slot(&mut self.conns, ch) else {
+            return false;
+        };
+        while let Some(event) = conn.quic.poll_endpoint_events() {
+            drained |= event.is_drained();
+            if let Some(back) = self.endpoint.handle_event(ConnectionHandle(ch), event) {
+                conn.quic.handle_event(back);
+            }
+        }
+        drained
+    }
+
+    /// Everything a connection has to say and do, then its transmits and its
+    /// timer.
+    fn drive(&mut self, ch: usize, now: Instant) {
+        let Some(conn) = slot(&mut self.conns, ch) else {
+            return;
+        };
+        conn.touched = false;
+        let mut drained = false;
+        loop {
+            drained |= self.endpoint_events(ch);
+            let Some(conn) = slot(&mut self.conns, ch) else {
+                return;
+            };
+            let Some(event) = conn.quic.poll() else { break };
+            self.on_event(ch, now, event);
+        }
+        self.check_address(ch);
+        self.route(now);
+        if let Some(conn) = slot(&mut self.conns, ch) {
+            let buf = &mut self.send_buf;
+            loop {
+                // quinn-proto writes each datagram from the start of `buf`.
+                buf.clear();
+                let Some(t) = conn.quic.poll_transmit(now.into_std(), 1, buf) else {
+                    break;
+                };
+                send_to(
+                    &self.socket,
+                    &mut self.outbox,
+                    t.destination,
+                    &buf[..t.size],
+                );
+            }
+        }
+        // Transmitting can emit endpoint events (new connection ids).
+        drained |= self.endpoint_events(ch);
+        let Some(conn) = slot(&mut self.conns, ch) else {
+            return;
+        };
+        if drained || conn.quic.is_drained() {
+            self.remove(ch, now);
+            return;
+        }
+        let next = match (
+            conn.quic.poll_timeout().map(Instant::from_std),
+            conn.deadline,
+        ) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        if next != conn.timer {
+            if let Some(old) = conn.timer.take() {
+                self.timers.remove(&(old, ch));
+            }
+            if let Some(at) = next {
+                conn.timer = Some(at);
+                self.timers.insert((at, ch));
+            }
+        }
+    }
+
+    fn remove(&mut self, ch: usize, now: Instant) {
+        self.end(ch, now, false, "drained".into());
+        if let Some(conn) = self.conns.get_mut(ch).and_then(Option::take) {
+            if let Some(at) = conn.timer {
+                self.timers.remove(&(at, ch));
+            }
+        }
+    }
+
+    fn check_address(&mut self, ch: usize) {
+        let Some(conn) = self.conn(ch) else { return };
+        let now = conn.quic.remote_address();
+        if now == conn.address || conn.ended {
+            return;
+        }
+        let from = std::mem::replace(&mut conn.address, now);
+        let session = conn.session;
+        self.shared.stats.migrations.fetch_add(1, Ordering::Relaxed);
+        debug!(?session, %from, to = %now, "migrated");
+        self.shared.event(ServerEvent::Migrated {
+            session: session.map(|s| self.shared.wire(s)),
+            from,
+            to: now,
+        });
+    }
+
+    fn on_event(&mut self, ch: usize, now: Instant, event: Event) {
+        match event {
+            Event::Connected => self.on_connected(ch, now),
+            Event::ConnectionLost { reason } => {
+                let logout = matches!(
+                    &reason,
+                    ConnectionError::ApplicationClosed(close)
+                        if close.error_code == CloseCode::Logout.varint()
+                );
+                let Some(conn) = slot(&mut self.conns, ch) else {
+                    return;
+                };
+                if !conn.connected && !conn.ended {
+                    let remote = conn.address;
+                    self.handshake_failed(remote, &reason);
+                }
+                self.end(ch, now, logout, reason.to_string());
+            }
+            Event::Stream(StreamEvent::Opened { dir: Dir::Bi }) => {
+                let Some(conn) = slot(&mut self.conns, ch) else {
+                    return;
+                };
+                while let Some(id) = conn.quic.streams().accept(Dir::Bi) {
+                    if conn.control.is_none() && !conn.control_done {
+                        conn.control = Some(id);
+                    } else {
+                        // One control stream per connection.
+                        let _ = conn.quic.recv_stream(id).stop(0u32.into());
+                    }
+                }
+                self.read_control(ch, now);
+            }
+            Event::Stream(StreamEvent::Readable { id })
+                if self.conn(ch).is_some_and(|c| c.control == Some(id)) =>
+            {
+                self.read_control(ch, now);
+            }
+            Event::Stream(StreamEvent::Writable { id }) => self.write_pending(ch, now, id),
+            Event::Stream(StreamEvent::Finished { id } | StreamEvent::Stopped { id, .. }) => {
+                let Some(conn) = slot(&mut self.conns, ch) else {
+                    return;
+                };
+                if conn.control == Some(id) && conn.unsent.is_empty() {
+                    if let Some((code, text)) = conn.closing.take() {
+                        self.close(ch, now, code, &text);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn on_connected(&mut self, ch: usize, now: Instant) {
+        let stats = &self.shared.stats;
+        let open = stats.open.load(Ordering::Relaxed);
+        stats.total.fetch_add(1, Ordering::Relaxed);
+        if let Some(conn) = slot(&mut self.conns, ch) {
+            conn.connected = true;
+        }
+        if open >= self.shared.config.max_connections {
+            stats.reject("TooManyConnections");
+            self.close(
+                ch,
+                now,
+                CloseCode::TooManyConnections,
+                b"TooManyConnections: the server is at its connection cap",
+            );
+            return;
+        }
+        stats.open.fetch_add(1, Ordering::Relaxed);
+        let hello = now + self.shared.config.hello_timeout;
+        let Some(conn) = self.conn(ch) else { return };
+        conn.counted = true;
+        conn.connected = true;
+        conn.deadline = Some(hello);
+    }
+
+    /// The connection is over for the application: report it once.
+    fn end(&mut self, ch: usize, now: Instant, logout: bool, reason: String) {
+        let Some(conn) = self.conn(ch) else { return };
+        if conn.ended {
+            return;
+        }
+        conn.ended = true;
+        conn.closing = None;
+        conn.deadline = None;
+        let counted = std::mem::take(&mut conn.counted);
+        let connected = conn.connected;
+        let session = conn.session;
+        conn.pushes = None;
+        conn.unsent = Vec::new();
+        conn.reader = FrameReader::new(0);
+        if counted {
+            self.shared.stats.open.fetch_sub(1, Ordering::Relaxed);
+        }
+        if let Some(session) = session {
+            if self.sessions.get(&session) == Some(&ch) {
+                self.sessions.remove(&session);
+            }
+            self.hub.closed(self.clock.now(), session, logout);
+        }
+        if connected {
+            self.shared.event(ServerEvent::Closed {
+                session: session.map(|s| self.shared.wire(s)),
+                logout,
+                reason,
+            });
+        }
+        let _ = now;
+    }
+
+    /// Closes the connection now (the peer gets `code` and `text`).
+    fn close(&mut self, ch: usize, now: Instant, code: CloseCode, text: &[u8]) {
+        let Some(conn) = self.conn(ch) else { return };
+        conn.quic
+            .close(now.into_std(), code.varint(), Bytes::copy_from_slice(text));
+        self.touch(ch);
+        self.end(ch, now, false, format!("closed by the server: {code:?}"));
+    }
+
+    // ---- the control stream ----
+
+    /// Reads and handles frames until the stream has no more, or the
+    /// connection waits (for the store) or is condemned.
+    fn read_control(&mut self, ch: usize, now: Instant) {
+        let budget = read_budget(self.shared.config.max_frame);
+        loop {
+            // Frames already buffered first.
+            loop {
+                let Some(conn) = slot(&mut self.conns, ch) else {
+                    return;
+                };
+                if conn.ended || conn.waiting_store || conn.closing.is_some() {
+                    return;
+                }
+                let step = match conn.reader.next_frame() {
+                    Ok(Some(payload)) => conn.state.on_frame(self.clock.now(), &payload),
+                    Ok(None) => {
+                        conn.reader.compact();
+                        break;
+                    }
+                    Err(e) => conn.state.on_frame_error(e),
+                };
+                self.on_step(ch, now, step);
+            }
+            let Some(conn) = slot(&mut self.conns, ch) else {
+                return;
+            };
+            if conn.control_done {
+                // The client finished its control stream: a partial frame
+                // left over is an error; otherwise nothing more comes.
+                if conn.reader.finish().is_err() {
+                    conn.reader = FrameReader::new(0);
+                    let step = conn.state.on_frame_error(FrameError::Truncated);
+                    self.on_step(ch, now, step);
+                }
+                return;
+            }
+            let Some(id) = conn.control else { return };
+            let mut recv = conn.quic.recv_stream(id);
+            let Ok(mut chunks) = recv.read(true) else {
+                return;
+            };
+            let mut got = 0usize;
+            let mut fin = false;
+            while got < budget {
+                match chunks.next(budget - got) {
+                    Ok(Some(chunk)) => {
+                        got += chunk.bytes.len();
+                        conn.reader.push(&chunk.bytes);
+                    }
+                    Ok(None) => {
+                        fin = true;
+                        break;
+                    }
+                    Err(quinn_proto::ReadError::Blocked) => break,
+                    Err(quinn_proto::ReadError::Reset(_)) => {
+                        // Abandoned mid-stream: nothing buffered is trusted.
+                        fin = true;
+                        conn.reader = FrameReader::new(0);
+                        break;
+                    }
+                }
+            }
+            // Credit the peer gets back goes out with the next transmit.
+            let _ = chunks.finalize();
+            conn.control_done = fin;
+            self.touch(ch);
+            if got == 0 && !fin {
+                return;
+            }
+        }
+    }
+
+    fn on_step(&mut self, ch: usize, now: Instant, step: Step) {
+        let at = self.clock.now();
+        let Some(conn) = self.conn(ch) else { return };
+        let session = conn.session;
+        let remote = conn.address;
+        // Any frame of an established session is a sign of life.
+        if let Some(s) = session {
+            self.hub.activity(at, s);
+        }
+        if let Step::Close(e) = &step {
+            self.shared.stats.reject(&reason_label(e));
+            self.shared.event(ServerEvent::Rejected {
+                remote,
+                reason: e.to_string(),
+            });
+        }
+        if !step.needs_hub() {
+            let handled = Handled::default().merge_local(step);
+            self.answer(ch, now, handled);
+            return;
+        }
+        let durable = durable_user(&self.hub, &step);
+        let handled = self.hub.apply(at, step);
+        if let Some(s) = handled.welcomed {
+            self.welcome(ch, now, s, &handled);
+        } else if let Some(ServerFrame::Error(e)) = &handled.reply {
+            self.shared.stats.reject(&reason_label(e));
+            self.shared.event(ServerEvent::Rejected {
+                remote,
+                reason: e.to_string(),
+            });
+        }
+        let answered_ok = matches!(
+            &handled.reply,
+            Some(ServerFrame::Reply { result: Ok(_), .. })
+        );
+        let pending = durable
+            .filter(|_| answered_ok)
+            .and_then(|user| Some((self.store.as_ref()?, record(&self.hub, user)?)));
+        match pending {
+            // On disk before it is acknowledged; later frames wait.
+            Some((store, user)) => {
+                let done = store.write_durable(Batch {
+                    users: vec![user],
+                    alive_at: None,
+                    drained: None,
+                });
+                let Some(conn) = self.conn(ch) else { return };
+                conn.waiting_store = true;
+                let serial = conn.serial;
+                let tx = self.control_tx.clone();
+                tokio::spawn(async move {
+                    let ok = matches!(done.await, Ok(Ok(())));
+                    let _ = tx
+                        .send(Control::Saved {
+                            ch,
+                            serial,
+                            handled,
+                            ok,
+                        })
+                        .await;
+                });
+            }
+            None => self.answer(ch, now, handled),
+        }
+        // Pushes the step caused (snapshots, a status change) go out now.
+        self.route(now);
+    }
+
+    fn welcome(&mut self, ch: usize, now: Instant, session: SessionId, handled: &Handled) {
+        let Some(conn) = self.conn(ch) else { return };
+        conn.state.on_welcome(session);
+        conn.session = Some(session);
+        conn.deadline = None;
+        let remote = conn.address;
+        // The push streams, realtime at the higher priority.
+        let mut streams = Vec::with_capacity(2);
+        for (tier, priority) in [(proto::Tier::Realtime, 1), (proto::Tier::Batched, 0)] {
+            let Some(id) = conn.quic.streams().open(Dir::Uni) else {
+                break;
+            };
+            let _ = conn.quic.send_stream(id).set_priority(priority);
+            streams.push(PushStream {
+                id,
+                pending: VecDeque::new(),
+            });
+            if let (Ok(header), Some(stream)) = (
+                encode_frame(&proto::Push::Stream { tier }),
+                streams.last_mut(),
+            ) {
+                write_or_queue(&mut conn.quic, stream, now, header);
+            }
+        }
+        if let Ok(pair) = <[PushStream; 2]>::try_from(streams) {
+            conn.pushes = Some(Box::new(pair));
+        }
+        if let Some(old) = self.sessions.insert(session, ch) {
+            if old != ch {
+                debug!(%session, "session moved to a new connection");
+            }
+        }
+        if let Some(ServerFrame::Welcome(w)) = &handled.reply {
+            self.shared.event(ServerEvent::Connected {
+                session: self.shared.wire(session),
+                user: w.user.clone(),
+                device: w.device.clone(),
+                resumed: w.resumed,
+                remote,
+            });
+        }
+        if self.conn(ch).is_some_and(|c| c.pushes.is_none()) {
+            self.close(
+                ch,
+                now,
+                CloseCode::ProtocolError,
+                b"the client allows no push streams",
+            );
+        }
+    }
+
+    /// Sends the answer, and arranges the close it asks for.
+    fn answer(&mut self, ch: usize, now: Instant, handled: Handled) {
+        let Some(conn) = self.conn(ch) else { return };
+        if conn.ended {
+            return;
+        }
+        if let Some(frame) = &handled.reply {
+            if let Ok(bytes) = encode_frame(frame) {
+                conn.unsent.extend_from_slice(&bytes);
+            }
+        }
+        if let Some(code) = handled.close {
+            let text = match &handled.reply {
+                Some(ServerFrame::Error(e)) => reason_text(e),
+                _ => format!("{code:?}").into_bytes(),
+            };
+            conn.closing = Some((code, text));
+            // Let the answer reach the peer (or the peer stop the stream), then close.
+            conn.deadline = Some(now + Duration::from_secs(1));
+        }
+        self.touch(ch);
+        if let Some(id) = self.conn(ch).and_then(|c| c.control) {
+            self.write_pending(ch, now, id);
+        } else if let Some((code, text)) = self.conn(ch).and_then(|c| c.closing.take()) {
+            self.close(ch, now, code, &text);
+        }
+    }
+
+    /// Writes what waits for stream `id` (answers or pushes).
+    fn write_pending(&mut self, ch: usize, now: Instant, id: StreamId) {
+        let Some(conn) = slot(&mut self.conns, ch) else {
+            return;
+        };
+        if conn.control == Some(id) {
+            if !conn.unsent.is_empty() {
+                match conn.quic.send_stream(id).write(&conn.unsent) {
+                    Ok(n) => {
+                        conn.unsent.drain(..n);
+                    }
+                    Err(quinn_proto::WriteError::Blocked) => return,
+                    // Stopped by the client: it reads no answers.
+                    Err(_) => conn.unsent.clear(),
+                }
+            }
+            if conn.unsent.is_empty() {
+                conn.unsent = Vec::new();
+                // The answer before a close is all out: finish, and close
+                // once it is acknowledged (or at the deadline).
+                if conn.closing.is_some() && conn.quic.send_stream(id).finish().is_err() {
+                    if let Some((code, text)) = conn.closing.take() {
+                        self.close(ch, now, code, &text);
+                    }
+                }
+            }
+            return;
+        }
+        let latency = &self.shared.stats.latency;
+        let Some(pushes) = conn.pushes.as_deref_mut() else {
+            return;
+        };
+        for stream in pushes.iter_mut().filter(|s| s.id == id) {
+            while let Some((at, bytes)) = stream.pending.front_mut() {
+                match conn.quic.send_stream(id).write(bytes) {
+                    Ok(n) if n == bytes.len() => {
+                        latency.observe(at.elapsed());
+                        stream.pending.pop_front();
+                    }
+                    Ok(n) => {
+                        bytes.drain(..n);
+                        break;
+                    }
+                    Err(quinn_proto::WriteError::Blocked) => break,
+                    Err(_) => {
+                        stream.pending.clear();
+                        break;
+                    }
+                }
+            }
+            if stream.pending.is_empty() {
+                stream.pending = VecDeque::new();
+            }
+        }
+    }
+
+    /// Sends every output of the hub where it goes.
+    fn route(&mut self, now: Instant) {
+        while let Some(output) = self.hub.poll_output() {
+            let (session, stalled) = match output {
+                HubOutput::Push {
+                    session,
+                    tier,
+                    push,
+                } => {
+                    let Some(&ch) = self.sessions.get(&session) else {
+                        continue;
+                    };
+                    let Ok(bytes) = encode_frame(&push) else {
+                        continue;
+                    };
+                    let limit = self.shared.config.push_queue;
+                    let Some(conn) = slot(&mut self.conns, ch) else {
+                        continue;
+                    };
+                    let Some(pushes) = conn.pushes.as_deref_mut() else {
+                        continue;
+                    };
+                    let stream = match tier {
+                        Tier::Realtime => &mut pushes[0],
+                        Tier::Batched => &mut pushes[1],
+                    };
+                    if stream.pending.len() >= limit {
+                        (session, ch)
+                    } else {
+                        if write_or_queue(&mut conn.quic, stream, now, bytes) {
+                            self.shared.stats.latency.observe(now.elapsed());
+                        }
+                        self.touch(ch);
+                        continue;
+                    }
+                }
+                HubOutput::End { session, reason } => {
+                    let Some(&ch) = self.sessions.get(&session) else {
+                        continue;
+                    };
+                    let (code, text): (CloseCode, &[u8]) = match reason {
+                        EndReason::Superseded => {
+                            (CloseCode::Superseded, b"the device connected again")
+                        }
+                        EndReason::HeartbeatTimeout => {
+                            (CloseCode::SessionExpired, b"no sign of life in time")
+                        }
+                        EndReason::GraceExpired => {
+                            (CloseCode::SessionExpired, b"not back within grace")
+                        }
+                        // The logout's answer goes out first, then the close.
+                        EndReason::LoggedOut => continue,
+                    };
+                    self.close(ch, now, code, text);
+                    continue;
+                }
+            };
+            warn!(%session, "push queue full: closing the stalled connection");
+            self.shared.stats.overloaded.fetch_add(1, Ordering::Relaxed);
+            self.close(
+                stalled,
+                now,
+                CloseCode::Overloaded,
+                b"pushes not read in time",
+            );
+        }
+    }
+}
+
+/// Writes `bytes` to a push stream, or queues it behind what waits; `true`
+/// if it went straight into the stream.
+fn write_or_queue(
+    quic: &mut quinn_proto::Connection,
+    stream: &mut PushStream,
+    at: Instant,
+    bytes: Vec<u8>,
+) -> bool {
+    if stream.pending.is_empty() {
+        match quic.send_stream(stream.id).write(&bytes) {
+            Ok(n) if n == bytes.len() => return true,
+            Ok(n) => stream.pending.push_back((at, bytes[n..].to_vec())),
+            Err(quinn_proto::WriteError::Blocked) => stream.pending.push_back((at, bytes)),
+            // Stopped by the client: it reads no more pushes of this tier.
+            Err(_) => {}
+        }
+    } else {
+        stream.pending.push_back((at, bytes));
+    }
+    false
+}
+
+fn slot(conns: &mut [Option<Box<Conn>>], ch: usize) -> Option<&mut Conn> {
+    conns.get_mut(ch).and_then(|c| c.as_deref_mut())
+}
+
+/// Sends a datagram now, or keeps it until the socket can take it.
+fn send_to(
+    socket: &UdpSocket,
+    outbox: &mut VecDeque<(SocketAddr, Vec<u8>)>,
+    to: SocketAddr,
+    bytes: &[u8],
+) {
+    if outbox.is_empty() {
+        match socket.try_send_to(bytes, to) {
+            Ok(_) => return,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => {
+                debug!(%to, error = %e, "send failed");
+                return;
+            }
+        }
+    }
+    if outbox.len() < OUTBOX_CAP {
+        outbox.push_back((to, bytes.to_vec()));
+    }
+}
