@@ -1,8 +1,9 @@
 //! Shared pieces of greendot's comparison benchmarks: randomness, arguments,
-//! tables, process accounting and SVG plots. The benchmarks themselves are the
-//! binaries in `src/bin/` (`vs_redis`, `quic_load`, `switch`); nothing here runs
-//! under `cargo test`.
+//! tables, process accounting, SVG plots and a delayed network path. The
+//! benchmarks themselves are the binaries in `src/bin/` (`vs_redis`,
+//! `quic_load`, `switch`); nothing here runs under `cargo test`.
 
+pub mod path;
 pub mod plot;
 pub mod resp;
 

@@ -2,7 +2,8 @@
 //! baseline, when a client's address changes (Wi-Fi to 4G).
 //!
 //! `cargo run --release -p greendot-bench --bin switch` (`-- --movers 100
-//! --switches 10 --gap-ms 1000`). 1,000 switches per scenario by default:
+//! --switches 10 --gap-ms 1000`; `-- --rtt-ms 50` puts the movers behind a
+//! path with that round trip, see `greendot_bench::path`). 1,000 switches per scenario by default:
 //! 100 movers switch 10 times each, concurrently; each mover is watched
 //! (realtime) by one watcher that never moves. A switch is: the network goes
 //! away for `gap`, comes back on a new address, and the mover sets a status
@@ -29,7 +30,7 @@
 
 use futures_util::{SinkExt, StreamExt};
 use greendot_bench::plot::{self, Group};
-use greendot_bench::{arg, quantile, raise_nofile};
+use greendot_bench::{arg, path, quantile, raise_nofile};
 use greendot_core::{Config, Millis, SessionId};
 use greendot_transport::client::{Client, ClientConfig, Event};
 use greendot_transport::proto::{
@@ -373,6 +374,7 @@ async fn run_scenario(
     movers: usize,
     switches: usize,
     gap: Duration,
+    rtt: Duration,
 ) -> Outcome {
     let mut config = Config::default();
     if scenario == Scenario::WsNoGrace {
@@ -395,6 +397,16 @@ async fn run_scenario(
     } else {
         (ws_server(config).await, Vec::new())
     };
+    // Movers reach the server over a path with a round trip; watchers, who
+    // only observe, directly.
+    let mover_addr = if rtt.is_zero() {
+        Ok(addr)
+    } else if scenario == Scenario::Quic {
+        path::udp(addr, rtt).await
+    } else {
+        path::tcp(addr, rtt).await
+    }
+    .unwrap_or_else(|e| panic!("the delayed path: {e}"));
 
     // Movers connect first and are published online; then watchers subscribe.
     let mut mover_tasks = Vec::new();
@@ -414,7 +426,7 @@ async fn run_scenario(
             let mut results = Vec::new();
             let stagger = Duration::from_millis((m as u64 * 7919) % 1000);
             if scenario == Scenario::Quic {
-                let mut cc = ClientConfig::new(addr, roots, tok);
+                let mut cc = ClientConfig::new(mover_addr, roots, tok);
                 cc.bind = "127.0.0.1:0".parse().unwrap_or_else(|e| panic!("{e}"));
                 let Ok((client, _updates)) = Client::connect(cc).await else {
                     let _ = ready_tx.send(()).await;
@@ -452,7 +464,7 @@ async fn run_scenario(
                 let _ = finish.changed().await;
                 client.close().await;
             } else {
-                let Ok(mut ws) = WsClient::connect(addr, &tok, None).await else {
+                let Ok(mut ws) = WsClient::connect(mover_addr, &tok, None).await else {
                     let _ = ready_tx.send(()).await;
                     done.add_permits(1);
                     return results;
@@ -468,7 +480,7 @@ async fn run_scenario(
                     let back = Instant::now();
                     let key = format!("m{m}-s{k}");
                     let mut answered = None;
-                    match WsClient::connect(addr, &tok, Some(session)).await {
+                    match WsClient::connect(mover_addr, &tok, Some(session)).await {
                         Ok(mut c) => {
                             let request = Request::SetStatus {
                                 status: status(k),
@@ -640,6 +652,7 @@ fn main() {
     let movers: usize = arg("--movers", 100);
     let switches: usize = arg("--switches", 10);
     let gap = Duration::from_millis(arg("--gap-ms", 1000));
+    let rtt = Duration::from_millis(arg("--rtt-ms", 0));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -649,7 +662,7 @@ fn main() {
     let mut outcomes = Vec::new();
     for s in scenarios {
         eprintln!("{}: {} switches", s.name(), movers * switches);
-        let o = runtime.block_on(run_scenario(s, movers, switches, gap));
+        let o = runtime.block_on(run_scenario(s, movers, switches, gap, rtt));
         eprintln!(
             "  done: {} switches, {} false offlines, {} pushes missed",
             o.switches, o.false_offline, o.missed
@@ -657,8 +670,16 @@ fn main() {
         outcomes.push((s, o));
     }
     println!();
+    let over = if rtt.is_zero() {
+        "movers on loopback".to_string()
+    } else {
+        format!(
+            "movers on a path with a {} ms round trip (a user-space relay)",
+            rtt.as_millis()
+        )
+    };
     println!(
-        "{movers} movers x {switches} switches each, network gone for {} ms per switch, 1 realtime watcher per mover; times from the network coming back (the push includes the 300 ms debounce)",
+        "{movers} movers x {switches} switches each, network gone for {} ms per switch, 1 realtime watcher per mover, {over}; times from the network coming back (the push includes the 300 ms debounce)",
         gap.as_millis()
     );
     println!();
@@ -690,7 +711,12 @@ fn main() {
     }
     println!();
 
-    let path = greendot_bench::docs_dir().join("bench-switch.svg");
+    let file = if rtt.is_zero() {
+        "bench-switch.svg".to_string()
+    } else {
+        format!("bench-switch-rtt{}.svg", rtt.as_millis())
+    };
+    let path = greendot_bench::docs_dir().join(file);
     let groups: Vec<Group> = outcomes
         .iter()
         .map(|(s, o)| Group {
@@ -705,7 +731,15 @@ fn main() {
         .collect();
     match plot::grouped_bars(
         &path,
-        &format!("Network switch ({} per transport)", movers * switches),
+        &format!(
+            "Network switch ({} per transport, {})",
+            movers * switches,
+            if rtt.is_zero() {
+                "loopback".to_string()
+            } else {
+                format!("{} ms round trip", rtt.as_millis())
+            }
+        ),
         "ms (false offlines: per 1000 switches)",
         &[
             "mover answered p50 (ms)",
