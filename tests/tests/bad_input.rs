@@ -178,3 +178,42 @@ async fn bad_input_gets_typed_errors_and_disturbs_nobody() {
     assert_eq!(seen.offline_count("hank"), 0);
     assert!(ts.server.stats().rejected >= 8, "{:?}", ts.server.stats());
 }
+
+/// A client that sends requests and never reads the answers is held back by
+/// flow control (the server stops reading its requests while its answers
+/// wait), so it cannot make the server buffer without bound; everyone else
+/// is answered as usual meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_reads_answers_is_held_back() {
+    let ts = TestServer::start(|_| {});
+    let (healthy, _events) = ts.connect("hank", "phone", Kind::Mobile).await;
+
+    let (_endpoint, conn) = raw_connect(&ts, proto::ALPN).await.unwrap();
+    let (mut send, _recv) = conn.open_bi().await.unwrap();
+    let token = ts.token("flood", "raw", Kind::Other, WatchClaim::all());
+    send.write_all(&hello(token, proto::VERSION)).await.unwrap();
+    // 200,000 queries, about 2.4 MB; their answers (mostly "rate limited")
+    // would be several times the client's receive window.
+    let mut bytes = Vec::new();
+    for id in 0..200_000u64 {
+        bytes.extend_from_slice(
+            &encode_frame(&RequestFrame {
+                id,
+                request: Request::Query {
+                    targets: vec!["hank".into()],
+                },
+            })
+            .unwrap(),
+        );
+    }
+    let flood = tokio::time::timeout(Duration::from_secs(3), send.write_all(&bytes)).await;
+    assert!(
+        flood.is_err(),
+        "the server read every request although no answer was read"
+    );
+
+    // The healthy client is answered at once.
+    let started = std::time::Instant::now();
+    healthy.set_status(Status::Busy, None).await.unwrap();
+    assert!(started.elapsed() < SLACK, "{:?}", started.elapsed());
+}

@@ -519,19 +519,22 @@ impl Driver {
     }
 
     /// Hands a connection's endpoint events to the endpoint; `true` once the
-    /// connection is drained (the endpoint has forgotten it).
+    /// connection is drained (the endpoint has forgotten it: nothing more may
+    /// be handed over for it).
     fn endpoint_events(&mut self, ch: usize) -> bool {
-        let mut drained = false;
         let Some(conn) = slot(&mut self.conns, ch) else {
             return false;
         };
         while let Some(event) = conn.quic.poll_endpoint_events() {
-            drained |= event.is_drained();
+            let drained = event.is_drained();
             if let Some(back) = self.endpoint.handle_event(ConnectionHandle(ch), event) {
                 conn.quic.handle_event(back);
             }
+            if drained {
+                return true;
+            }
         }
-        drained
+        false
     }
 
     /// Everything a connection has to say and do, then its transmits and its
@@ -543,7 +546,9 @@ impl Driver {
         conn.touched = false;
         let mut drained = false;
         loop {
-            drained |= self.endpoint_events(ch);
+            if !drained {
+                drained = self.endpoint_events(ch);
+            }
             let Some(conn) = slot(&mut self.conns, ch) else {
                 return;
             };
@@ -552,6 +557,10 @@ impl Driver {
         }
         self.check_address(ch);
         self.route(now);
+        if drained {
+            self.remove(ch, now);
+            return;
+        }
         if let Some(conn) = slot(&mut self.conns, ch) {
             let buf = &mut self.send_buf;
             loop {
@@ -569,14 +578,13 @@ impl Driver {
             }
         }
         // Transmitting can emit endpoint events (new connection ids).
-        drained |= self.endpoint_events(ch);
-        let Some(conn) = slot(&mut self.conns, ch) else {
-            return;
-        };
-        if drained || conn.quic.is_drained() {
+        if self.endpoint_events(ch) {
             self.remove(ch, now);
             return;
         }
+        let Some(conn) = slot(&mut self.conns, ch) else {
+            return;
+        };
         let next = match (
             conn.quic.poll_timeout().map(Instant::from_std),
             conn.deadline,
@@ -658,7 +666,13 @@ impl Driver {
             {
                 self.read_control(ch, now);
             }
-            Event::Stream(StreamEvent::Writable { id }) => self.write_pending(ch, now, id),
+            Event::Stream(StreamEvent::Writable { id }) => {
+                self.write_pending(ch, now, id);
+                // Requests held back behind unread answers.
+                if self.conn(ch).is_some_and(|c| c.control == Some(id)) {
+                    self.read_control(ch, now);
+                }
+            }
             Event::Stream(StreamEvent::Finished { id } | StreamEvent::Stopped { id, .. }) => {
                 let Some(conn) = slot(&mut self.conns, ch) else {
                     return;
@@ -753,7 +767,13 @@ impl Driver {
                 let Some(conn) = slot(&mut self.conns, ch) else {
                     return;
                 };
-                if conn.ended || conn.waiting_store || conn.closing.is_some() {
+                // Answers the client does not read stop its requests being
+                // read (QUIC flow control then stops the client).
+                if conn.ended
+                    || conn.waiting_store
+                    || conn.closing.is_some()
+                    || !conn.unsent.is_empty()
+                {
                     return;
                 }
                 let step = match conn.reader.next_frame() {

@@ -335,11 +335,13 @@ impl Server {
         // One control stream per connection; pushes come on server-opened streams.
         transport.max_concurrent_bidi_streams(1u32.into());
         transport.max_concurrent_uni_streams(0u32.into());
-        // What a peer may make the server buffer: a few frames on the control
-        // stream, not quinn's megabytes (it never needs more).
+        // What a peer may make the server buffer, either way: a few frames,
+        // not quinn's megabytes (a presence connection never needs more, and
+        // 100,000 connections each at quinn's default would not fit).
         let window = u32::try_from(config.max_frame.saturating_mul(4)).unwrap_or(u32::MAX);
         transport.stream_receive_window(window.into());
         transport.receive_window(window.into());
+        transport.send_window(u64::from(window));
         transport.datagram_receive_buffer_size(None);
         let mut server_config =
             quinn::ServerConfig::with_crypto(Arc::new(tls::server_crypto(&identity)?));
