@@ -217,3 +217,33 @@ async fn a_client_that_never_reads_answers_is_held_back() {
     healthy.set_status(Status::Busy, None).await.unwrap();
     assert!(started.elapsed() < SLACK, "{:?}", started.elapsed());
 }
+
+/// Datagrams that are not QUIC, or are QUIC cut short, reach the server's one
+/// task before any connection exists: they are dropped, and the server keeps
+/// serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_datagrams_are_dropped_and_disturb_nobody() {
+    let ts = TestServer::start(|_| {});
+    let (healthy, _events) = ts.connect("hank", "phone", Kind::Mobile).await;
+    let socket = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for i in 0..3000usize {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let base = [1usize, 20, 1200, 1500][i % 4];
+        let len = base - (x as usize) % base.min(8);
+        let mut bytes: Vec<u8> = (0..len).map(|k| (x >> (k % 56)) as u8).collect();
+        // Every fourth looks like a long-header Initial with a bad body.
+        if i % 4 == 2 {
+            bytes[0] = 0xc3;
+            bytes[1..5].copy_from_slice(&1u32.to_be_bytes());
+        }
+        let _ = socket.send_to(&bytes, ts.addr()).await;
+    }
+    let started = std::time::Instant::now();
+    healthy.set_status(Status::Busy, None).await.unwrap();
+    assert!(started.elapsed() < SLACK, "{:?}", started.elapsed());
+    // And a new client still gets in.
+    let (_late, _) = ts.connect("late", "phone", Kind::Mobile).await;
+}
