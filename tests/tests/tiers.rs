@@ -75,3 +75,29 @@ async fn realtime_arrives_first_and_batched_coalesces() {
     );
     assert_eq!(realtime.presences_of("tess").count(), 3);
 }
+
+/// A batch larger than what the connection may have in flight (its send
+/// window, 4 × max_frame) is written in parts as acknowledgements free the
+/// window, and arrives whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_larger_than_the_send_window_arrives_whole() {
+    // max_frame 256: a 1 KiB send window; 40 updates of about 50 bytes each.
+    let ts = TestServer::start(|c| c.max_frame = 256);
+    let within = Duration::from_millis(ts.config().core.batch_interval.0) * 2 + SLACK;
+    let names: Vec<String> = (0..40)
+        .map(|i| format!("friend-with-a-long-name-{i:02}"))
+        .collect();
+    let (watcher, mut seen) = ts.connect("watcher", "laptop", Kind::Desktop).await;
+    for chunk in names.chunks(4) {
+        watcher.subscribe(chunk, Tier::Batched).await.unwrap();
+    }
+    let mut friends = Vec::new();
+    for name in &names {
+        friends.push(ts.connect(name, "phone", Kind::Mobile).await);
+    }
+    for name in &names {
+        seen.wait_presence(name, within, |p| p.online)
+            .await
+            .unwrap_or_else(|| panic!("{name} online never arrived"));
+    }
+}

@@ -42,8 +42,11 @@ use tracing::{debug, warn};
 /// Datagrams taken from the socket per wake-up before the connections run.
 const RECV_BATCH: usize = 64;
 /// Datagrams kept while the socket's send buffer is full; beyond this they
-/// are dropped (QUIC retransmits).
-const OUTBOX_CAP: usize = 4096;
+/// are dropped (QUIC retransmits). Not while stopping: every connection's
+/// close packet is kept until sent, so clients learn of it at once.
+const OUTBOX_CAP: usize = 16384;
+/// Connections allowed past `max_connections` while they handshake.
+const HANDSHAKE_HEADROOM: usize = 1024;
 /// Bytes read from a control stream per round: one maximal frame and its
 /// prefix, so what is buffered per connection stays bounded.
 fn read_budget(max_frame: usize) -> usize {
@@ -218,6 +221,10 @@ impl Driver {
             }
             self.on_timers(now);
             self.pump(now);
+            // Sending must not wait for a quiet moment in receiving.
+            if !self.outbox.is_empty() {
+                self.send_outbox();
+            }
             if let Some(stop) = &self.stopping {
                 if self.conns.iter().all(Option::is_none) || now >= stop.until {
                     self.finish().await;
@@ -261,7 +268,16 @@ impl Driver {
     // ---- the socket ----
 
     fn send(&mut self, to: SocketAddr, bytes: &[u8]) {
-        send_to(&self.socket, &mut self.outbox, to, bytes);
+        let cap = self.outbox_cap();
+        send_to(&self.socket, &mut self.outbox, cap, to, bytes);
+    }
+
+    fn outbox_cap(&self) -> usize {
+        if self.stopping.is_some() {
+            usize::MAX
+        } else {
+            OUTBOX_CAP
+        }
     }
 
     fn send_outbox(&mut self) {
@@ -288,7 +304,19 @@ impl Driver {
         );
         match event {
             Some(DatagramEvent::NewConnection(incoming)) => {
-                if self.stopping.is_some() {
+                // Connections still in their handshake count too: past the
+                // cap plus some headroom (where clients still get the typed
+                // `TooManyConnections` close) a new one is refused outright.
+                let cap = self
+                    .shared
+                    .config
+                    .max_connections
+                    .saturating_add(HANDSHAKE_HEADROOM);
+                let full = self.endpoint.open_connections() >= cap;
+                if self.stopping.is_some() || full {
+                    if full {
+                        self.shared.stats.reject("TooManyConnections");
+                    }
                     let t = self.endpoint.refuse(incoming, &mut buf);
                     self.send(t.destination, &buf[..t.size]);
                 } else {
@@ -434,7 +462,12 @@ impl Driver {
             }
             self.touch(ch);
         }
-        if self.hub.poll_timeout().and_then(|m| self.clock.instant(m)) <= Some(now) {
+        if self
+            .hub
+            .poll_timeout()
+            .and_then(|m| self.clock.instant(m))
+            .is_some_and(|at| at <= now)
+        {
             self.hub.handle_timeout(self.clock.now());
         }
         if now >= self.next_renewal {
@@ -472,6 +505,16 @@ impl Driver {
         let Some(stop) = self.stopping.take() else {
             return;
         };
+        // The close packets first: clients that get them reconnect at once.
+        let flush = async {
+            while !self.outbox.is_empty() {
+                if self.socket.writable().await.is_err() {
+                    break;
+                }
+                self.send_outbox();
+            }
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(1), flush).await;
         if stop.save {
             if let Some(store) = &self.store {
                 self.dirty_users.extend(self.hub.take_touched());
@@ -561,6 +604,7 @@ impl Driver {
             self.remove(ch, now);
             return;
         }
+        let cap = self.outbox_cap();
         if let Some(conn) = slot(&mut self.conns, ch) {
             let buf = &mut self.send_buf;
             loop {
@@ -572,6 +616,7 @@ impl Driver {
                 send_to(
                     &self.socket,
                     &mut self.outbox,
+                    cap,
                     t.destination,
                     &buf[..t.size],
                 );
@@ -673,17 +718,30 @@ impl Driver {
                     self.read_control(ch, now);
                 }
             }
-            Event::Stream(StreamEvent::Finished { id } | StreamEvent::Stopped { id, .. }) => {
-                let Some(conn) = slot(&mut self.conns, ch) else {
-                    return;
-                };
-                if conn.control == Some(id) && conn.unsent.is_empty() {
-                    if let Some((code, text)) = conn.closing.take() {
-                        self.close(ch, now, code, &text);
-                    }
-                }
+            Event::Stream(StreamEvent::Stopped { id, .. }) => {
+                // The client reads no more of this stream: what waits for it
+                // is dropped (the write fails), which may unblock the control
+                // stream's reading or its close.
+                self.write_pending(ch, now, id);
+                self.after_answers(ch, now, id);
             }
+            Event::Stream(StreamEvent::Finished { id }) => self.after_answers(ch, now, id),
             _ => {}
+        }
+    }
+
+    /// The control stream's answers are all out (or dropped): close if a
+    /// close was waiting for them, otherwise read the requests held back.
+    fn after_answers(&mut self, ch: usize, now: Instant, id: StreamId) {
+        let Some(conn) = slot(&mut self.conns, ch) else {
+            return;
+        };
+        if conn.control != Some(id) || !conn.unsent.is_empty() {
+            return;
+        }
+        match conn.closing.take() {
+            Some((code, text)) => self.close(ch, now, code, &text),
+            None => self.read_control(ch, now),
         }
     }
 
@@ -989,7 +1047,9 @@ impl Driver {
             return;
         };
         if conn.control == Some(id) {
-            if !conn.unsent.is_empty() {
+            // Until all is taken or quinn says `Blocked`: only a write that
+            // is refused outright promises a `Writable` event later.
+            while !conn.unsent.is_empty() {
                 match conn.quic.send_stream(id).write(&conn.unsent) {
                     Ok(n) => {
                         conn.unsent.drain(..n);
@@ -1022,9 +1082,9 @@ impl Driver {
                         latency.observe(at.elapsed());
                         stream.pending.pop_front();
                     }
+                    // Part taken: try the rest (see above).
                     Ok(n) => {
                         bytes.drain(..n);
-                        break;
                     }
                     Err(quinn_proto::WriteError::Blocked) => break,
                     Err(_) => {
@@ -1116,18 +1176,25 @@ fn write_or_queue(
     at: Instant,
     bytes: Vec<u8>,
 ) -> bool {
-    if stream.pending.is_empty() {
-        match quic.send_stream(stream.id).write(&bytes) {
-            Ok(n) if n == bytes.len() => return true,
-            Ok(n) => stream.pending.push_back((at, bytes[n..].to_vec())),
-            Err(quinn_proto::WriteError::Blocked) => stream.pending.push_back((at, bytes)),
-            // Stopped by the client: it reads no more pushes of this tier.
-            Err(_) => {}
-        }
-    } else {
+    if !stream.pending.is_empty() {
         stream.pending.push_back((at, bytes));
+        return false;
     }
-    false
+    // Until all is taken or quinn says `Blocked`: only a write that is
+    // refused outright promises a `Writable` event later.
+    let mut sent = 0;
+    while sent < bytes.len() {
+        match quic.send_stream(stream.id).write(&bytes[sent..]) {
+            Ok(n) => sent += n,
+            Err(quinn_proto::WriteError::Blocked) => {
+                stream.pending.push_back((at, bytes[sent..].to_vec()));
+                return false;
+            }
+            // Stopped by the client: it reads no more pushes of this tier.
+            Err(_) => return false,
+        }
+    }
+    true
 }
 
 fn slot(conns: &mut [Option<Box<Conn>>], ch: usize) -> Option<&mut Conn> {
@@ -1138,6 +1205,7 @@ fn slot(conns: &mut [Option<Box<Conn>>], ch: usize) -> Option<&mut Conn> {
 fn send_to(
     socket: &UdpSocket,
     outbox: &mut VecDeque<(SocketAddr, Vec<u8>)>,
+    cap: usize,
     to: SocketAddr,
     bytes: &[u8],
 ) {
@@ -1151,7 +1219,7 @@ fn send_to(
             }
         }
     }
-    if outbox.len() < OUTBOX_CAP {
+    if outbox.len() < cap {
         outbox.push_back((to, bytes.to_vec()));
     }
 }
