@@ -226,6 +226,9 @@ struct Ctx {
     /// Per status change: nanoseconds since `t0` when it was sent (0: none).
     sent: Vec<AtomicU64>,
     next_seq: AtomicUsize,
+    /// In every status message, so that no change repeats what a server kept
+    /// from an earlier run (a repeat publishes nothing).
+    run: u64,
     measuring: AtomicBool,
     latencies_us: Mutex<Vec<u32>>,
     connected: AtomicUsize,
@@ -272,7 +275,9 @@ impl Ctx {
             .message
             .as_deref()
             .and_then(|m| m.strip_prefix('c'))
-            .and_then(|s| s.parse::<usize>().ok());
+            .and_then(|m| m.split_once('-'))
+            .filter(|(_, run)| run.parse::<u64>().ok() == Some(self.run))
+            .and_then(|(seq, _)| seq.parse::<usize>().ok());
         if let Some(sent) = seq.and_then(|s| self.sent.get(s)) {
             let at = sent.load(Relaxed);
             if at != 0 {
@@ -516,7 +521,7 @@ async fn device(
             }
             let request = Request::SetStatus {
                 status,
-                message: Some(format!("c{seq}")),
+                message: Some(format!("c{seq}-{}", ctx.run)),
             };
             let mut halves = (live.send, live.recv, live.reader);
             let result = call(&mut halves, next_id, request).await;
@@ -593,6 +598,10 @@ pub async fn run(opts: LoadOptions) -> LoadReport {
         t0: Instant::now(),
         sent: (0..changes_cap).map(|_| AtomicU64::new(0)).collect(),
         next_seq: AtomicUsize::new(0),
+        run: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0),
         measuring: AtomicBool::new(false),
         latencies_us: Mutex::new(Vec::new()),
         connected: AtomicUsize::new(0),
