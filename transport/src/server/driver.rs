@@ -485,19 +485,29 @@ impl Driver {
         }
     }
 
-    fn flush_store(&mut self) {
-        let Some(store) = &self.store else { return };
+    /// The records of every user changed since the last write.
+    fn changed_records(&mut self) -> Batch {
         self.dirty_users.extend(self.hub.take_touched());
         let users = self
             .dirty_users
             .drain()
             .filter_map(|u| record(&self.hub, u))
             .collect();
-        store.write_behind(Batch {
+        Batch {
             users,
             alive_at: Some(self.clock.now().0),
             drained: None,
-        });
+        }
+    }
+
+    fn flush_store(&mut self) {
+        if self.store.is_none() {
+            return;
+        }
+        let batch = self.changed_records();
+        if let Some(store) = &self.store {
+            store.write_behind(batch);
+        }
     }
 
     /// The end of a [`Control::Stop`]: the store with the live devices.
@@ -515,19 +525,13 @@ impl Driver {
             }
         };
         let _ = tokio::time::timeout(Duration::from_secs(1), flush).await;
-        if stop.save {
+        if stop.save && self.store.is_some() {
+            let batch = Batch {
+                drained: Some(self.hub.live_devices()),
+                ..self.changed_records()
+            };
             if let Some(store) = &self.store {
-                self.dirty_users.extend(self.hub.take_touched());
-                let users = self
-                    .dirty_users
-                    .drain()
-                    .filter_map(|u| record(&self.hub, u))
-                    .collect();
-                let done = store.write_durable(Batch {
-                    users,
-                    alive_at: Some(self.clock.now().0),
-                    drained: Some(self.hub.live_devices()),
-                });
+                let done = store.write_durable(batch);
                 match tokio::time::timeout(Duration::from_secs(10), done).await {
                     Ok(Ok(Ok(()))) => {}
                     Ok(_) => {
@@ -601,7 +605,7 @@ impl Driver {
         self.check_address(ch);
         self.route(now);
         if drained {
-            self.remove(ch, now);
+            self.remove(ch);
             return;
         }
         let cap = self.outbox_cap();
@@ -624,7 +628,7 @@ impl Driver {
         }
         // Transmitting can emit endpoint events (new connection ids).
         if self.endpoint_events(ch) {
-            self.remove(ch, now);
+            self.remove(ch);
             return;
         }
         let Some(conn) = slot(&mut self.conns, ch) else {
@@ -648,8 +652,8 @@ impl Driver {
         }
     }
 
-    fn remove(&mut self, ch: usize, now: Instant) {
-        self.end(ch, now, false, "drained".into());
+    fn remove(&mut self, ch: usize) {
+        self.end(ch, false, "drained".into());
         if let Some(conn) = self.conns.get_mut(ch).and_then(Option::take) {
             if let Some(at) = conn.timer {
                 self.timers.remove(&(at, ch));
@@ -690,7 +694,7 @@ impl Driver {
                     let remote = conn.address;
                     self.handshake_failed(remote, &reason);
                 }
-                self.end(ch, now, logout, reason.to_string());
+                self.end(ch, logout, reason.to_string());
             }
             Event::Stream(StreamEvent::Opened { dir: Dir::Bi }) => {
                 let Some(conn) = slot(&mut self.conns, ch) else {
@@ -771,7 +775,7 @@ impl Driver {
     }
 
     /// The connection is over for the application: report it once.
-    fn end(&mut self, ch: usize, now: Instant, logout: bool, reason: String) {
+    fn end(&mut self, ch: usize, logout: bool, reason: String) {
         let Some(conn) = self.conn(ch) else { return };
         if conn.ended {
             return;
@@ -801,7 +805,6 @@ impl Driver {
                 reason,
             });
         }
-        let _ = now;
     }
 
     /// Closes the connection now (the peer gets `code` and `text`).
@@ -810,7 +813,7 @@ impl Driver {
         conn.quic
             .close(now.into_std(), code.varint(), Bytes::copy_from_slice(text));
         self.touch(ch);
-        self.end(ch, now, false, format!("closed by the server: {code:?}"));
+        self.end(ch, false, format!("closed by the server: {code:?}"));
     }
 
     // ---- the control stream ----
