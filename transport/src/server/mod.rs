@@ -261,9 +261,13 @@ impl Clock {
         Millis(self.unix_start_ms.saturating_add(elapsed))
     }
 
+    /// When a core deadline is due. `now()` truncates to the millisecond, so
+    /// an input stamped `m` happened up to 1 ms after `m`: waking at `at + 1`
+    /// ms keeps every window the core measures (debounce, grace) at least as
+    /// long in real time, never a fraction of a millisecond short.
     fn instant(&self, at: Millis) -> Option<Instant> {
         self.start.checked_add(Duration::from_millis(
-            at.0.saturating_sub(self.unix_start_ms),
+            at.0.saturating_sub(self.unix_start_ms).saturating_add(1),
         ))
     }
 }
