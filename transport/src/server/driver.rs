@@ -20,9 +20,7 @@
 use super::conn::{ConnState, Handled, Step};
 use super::hub::{Hub, HubOutput};
 use super::store::{Batch, StoreWriter};
-use super::{
-    durable_user, not_saved, reason_label, reason_text, record, Clock, ServerEvent, Shared,
-};
+use super::{durable_user, not_saved, reason_label, reason_text, record, ServerEvent, Shared};
 use crate::proto::{self, encode_frame, CloseCode, FrameError, FrameReader, ServerFrame};
 use bytes::{Bytes, BytesMut};
 use greendot_core::{Counters, EndReason, SessionId, Tier, UserId};
@@ -122,7 +120,6 @@ pub(super) struct Driver {
     socket: UdpSocket,
     endpoint: Endpoint,
     hub: Hub,
-    clock: Clock,
     conns: Vec<Option<Box<Conn>>>,
     sessions: HashMap<SessionId, usize>,
     timers: BTreeSet<(Instant, usize)>,
@@ -134,7 +131,6 @@ pub(super) struct Driver {
     dirty_users: HashSet<UserId>,
     next_flush: Instant,
     next_renewal: Instant,
-    control_tx: mpsc::Sender<Control>,
     stopping: Option<Stopping>,
 }
 
@@ -159,11 +155,9 @@ impl Driver {
         endpoint: Endpoint,
         hub: Hub,
         store: Option<StoreWriter>,
-        control_tx: mpsc::Sender<Control>,
     ) -> Driver {
         let now = Instant::now();
         Driver {
-            clock: shared.clock,
             next_flush: now + shared.config.flush_interval,
             next_renewal: now + shared.config.renewal(),
             shared,
@@ -179,7 +173,6 @@ impl Driver {
             send_buf: Vec::new(),
             store,
             dirty_users: HashSet::new(),
-            control_tx,
             stopping: None,
         }
     }
@@ -243,7 +236,11 @@ impl Driver {
         if let Some((t, _)) = self.timers.first() {
             at = at.min(*t);
         }
-        if let Some(t) = self.hub.poll_timeout().and_then(|m| self.clock.instant(m)) {
+        if let Some(t) = self
+            .hub
+            .poll_timeout()
+            .and_then(|m| self.shared.clock.instant(m))
+        {
             at = at.min(t);
         }
         if let Some(stop) = &self.stopping {
@@ -465,15 +462,15 @@ impl Driver {
         if self
             .hub
             .poll_timeout()
-            .and_then(|m| self.clock.instant(m))
+            .and_then(|m| self.shared.clock.instant(m))
             .is_some_and(|at| at <= now)
         {
-            self.hub.handle_timeout(self.clock.now());
+            self.hub.handle_timeout(self.shared.clock.now());
         }
         if now >= self.next_renewal {
             // An open connection is a live device: QUIC's keep-alive and idle
             // timeout stand for the heartbeat.
-            let at = self.clock.now();
+            let at = self.shared.clock.now();
             for &session in self.sessions.keys() {
                 self.hub.activity(at, session);
             }
@@ -495,7 +492,7 @@ impl Driver {
             .collect();
         Batch {
             users,
-            alive_at: Some(self.clock.now().0),
+            alive_at: Some(self.shared.clock.now().0),
             drained: None,
         }
     }
@@ -796,7 +793,7 @@ impl Driver {
             if self.sessions.get(&session) == Some(&ch) {
                 self.sessions.remove(&session);
             }
-            self.hub.closed(self.clock.now(), session, logout);
+            self.hub.closed(self.shared.clock.now(), session, logout);
         }
         if connected {
             self.shared.event(ServerEvent::Closed {
@@ -838,7 +835,7 @@ impl Driver {
                     return;
                 }
                 let step = match conn.reader.next_frame() {
-                    Ok(Some(payload)) => conn.state.on_frame(self.clock.now(), &payload),
+                    Ok(Some(payload)) => conn.state.on_frame(self.shared.clock.now(), &payload),
                     Ok(None) => {
                         conn.reader.compact();
                         break;
@@ -897,7 +894,7 @@ impl Driver {
     }
 
     fn on_step(&mut self, ch: usize, now: Instant, step: Step) {
-        let at = self.clock.now();
+        let at = self.shared.clock.now();
         let Some(conn) = self.conn(ch) else { return };
         let session = conn.session;
         let remote = conn.address;
@@ -946,7 +943,7 @@ impl Driver {
                 let Some(conn) = self.conn(ch) else { return };
                 conn.waiting_store = true;
                 let serial = conn.serial;
-                let tx = self.control_tx.clone();
+                let tx = self.shared.control.clone();
                 tokio::spawn(async move {
                     let ok = matches!(done.await, Ok(Ok(())));
                     let _ = tx
@@ -961,8 +958,7 @@ impl Driver {
             }
             None => self.answer(ch, now, handled),
         }
-        // Pushes the step caused (snapshots, a status change) go out now.
-        self.route(now);
+        // What the step made the core emit is routed by `drive` or `pump`.
     }
 
     fn welcome(&mut self, ch: usize, now: Instant, session: SessionId, handled: &Handled) {
@@ -992,11 +988,7 @@ impl Driver {
         if let Ok(pair) = <[PushStream; 2]>::try_from(streams) {
             conn.pushes = Some(Box::new(pair));
         }
-        if let Some(old) = self.sessions.insert(session, ch) {
-            if old != ch {
-                debug!(%session, "session moved to a new connection");
-            }
-        }
+        self.sessions.insert(session, ch);
         if let Some(ServerFrame::Welcome(w)) = &handled.reply {
             self.shared.event(ServerEvent::Connected {
                 session: self.shared.wire(session),

@@ -388,13 +388,13 @@ impl Server {
         let shared = Arc::new(Shared {
             keys: Arc::new(TokenKeys::new(&config.token_secret, config.token_leeway)),
             config,
-            control: control.clone(),
+            control,
             clock,
             stats: StatsInner::default(),
             events,
             session_key,
         });
-        let driver = driver::Driver::new(shared.clone(), socket, endpoint, hub, writer, control);
+        let driver = driver::Driver::new(shared.clone(), socket, endpoint, hub, writer);
         let task = tokio::spawn(driver.run(control_rx));
         info!(%local_addr, "greendot server listening");
         Ok(Server {
