@@ -11,6 +11,35 @@
 //!
 //! In the client's `Presence`, `last_seen` is in Unix milliseconds (the
 //! server's clock), not on the server's monotonic clock.
+//!
+//! # Reconnecting
+//!
+//! Every wait before an attempt is drawn with full jitter: uniformly in
+//! `[0, min(max_backoff, initial_backoff * 2^n)]` before the `n`-th attempt
+//! (from 0), so that clients that lost the same server at the same moment do
+//! not come back at the same moment. A close reason from the server may carry
+//! `retry_ms=<decimal>` (a draining server spreads its clients over the time
+//! it needs to admit them all): the next wait is then drawn uniformly in
+//! `[0, retry_ms]` instead. Every connection of one [`Client`] uses the same
+//! TLS configuration, and so the same session cache: a reconnect resumes the
+//! TLS session (no certificate signature, no certificate check) when the
+//! server still knows it.
+//!
+//! # A request without an answer in time
+//!
+//! [`ClientError::Timeout`] means the client does not know the outcome:
+//! - a request still waiting to be sent (the client was reconnecting) is
+//!   dropped when its caller gives up, and never takes effect;
+//! - a request already sent may or may not have taken effect; it may still
+//!   take effect after the timeout (the transport retransmits it until the
+//!   connection is declared lost).
+//!
+//! Requests of one client reach the server in the order they were made, so a
+//! later call always wins over an earlier one that timed out.
+//! [`Client::set_status`] and [`Client::set_invisible`] are idempotent:
+//! setting the value the user already has changes nothing anybody sees (no
+//! push, no new version), so after a timeout simply call again until it is
+//! answered. The client does not retry by itself.
 
 use crate::proto::{
     self, codec::read_frame, encode_frame, Answer, CloseCode, ErrorCode, FrameReader, Hello, Push,
@@ -18,6 +47,7 @@ use crate::proto::{
 };
 use crate::tls;
 use greendot_core::{Applied, Presence, SessionId, Status, Tier, UserId, View};
+use quinn::crypto::rustls::QuicClientConfig;
 use rustls::pki_types::CertificateDer;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::{SocketAddr, UdpSocket};
@@ -26,14 +56,125 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tracing::debug;
 
-/// Reconnection policy.
+/// Reconnection policy (see the module docs: waits are drawn with full jitter).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Reconnect {
-    /// First delay after a loss; doubles up to `max_backoff`.
+    /// The ceiling of the first wait after a loss; it doubles with every
+    /// failed attempt up to `max_backoff`.
     pub initial_backoff: Duration,
+    /// The largest ceiling of a wait (a `retry_ms` from the server may exceed
+    /// it).
     pub max_backoff: Duration,
     /// Stop trying after this long without a connection (`None`: never).
     pub give_up_after: Option<Duration>,
+}
+
+/// The longest wait taken from a server's `retry_ms` (a larger one is cut
+/// to this).
+pub const MAX_RETRY_HINT: Duration = Duration::from_secs(300);
+
+/// The `retry_ms=<decimal>` a server may put in a close reason (a word of its
+/// own: `xretry_ms=5` is not one), as a duration of at most
+/// [`MAX_RETRY_HINT`]. The first one counts.
+pub fn retry_hint(reason: &str) -> Option<Duration> {
+    const KEY: &str = "retry_ms=";
+    let mut rest = reason;
+    let mut offset = 0;
+    while let Some(at) = rest.find(KEY) {
+        let start = offset + at;
+        let word_start = match reason[..start].chars().next_back() {
+            None => true,
+            Some(c) => !(c.is_alphanumeric() || c == '_'),
+        };
+        let digits: &str = {
+            let after = &reason[start + KEY.len()..];
+            let end = after
+                .find(|c: char| !c.is_ascii_digit())
+                .unwrap_or(after.len());
+            &after[..end]
+        };
+        if word_start && !digits.is_empty() {
+            // Too many digits for a u64 is simply "a very long time".
+            let ms = digits.parse::<u64>().unwrap_or(u64::MAX);
+            return Some(Duration::from_millis(ms).min(MAX_RETRY_HINT));
+        }
+        offset = start + KEY.len();
+        rest = &reason[offset..];
+    }
+    None
+}
+
+/// Full-jitter exponential backoff: the `n`-th wait (from 0) is uniform in
+/// `[0, min(max_backoff, initial_backoff * 2^n)]`, or uniform in
+/// `[0, retry_ms]` when the server suggested one.
+#[derive(Clone, Debug)]
+pub struct Backoff {
+    policy: Reconnect,
+    attempt: u32,
+    rng: u64,
+}
+
+impl Backoff {
+    /// Seeded from the system's randomness (`ring`), so that two clients
+    /// started together draw different waits.
+    pub fn new(policy: Reconnect) -> Backoff {
+        use ring::rand::SecureRandom;
+        let mut seed = [0u8; 8];
+        let seed = match ring::rand::SystemRandom::new().fill(&mut seed) {
+            Ok(()) => u64::from_le_bytes(seed),
+            // No system randomness: the clock's nanoseconds still differ
+            // between clients.
+            Err(_) => std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64),
+        };
+        Backoff::with_seed(policy, seed)
+    }
+
+    /// A replayable sequence of waits (tests, benchmarks).
+    pub fn with_seed(policy: Reconnect, seed: u64) -> Backoff {
+        Backoff {
+            policy,
+            attempt: 0,
+            // xorshift needs a state other than 0.
+            rng: seed | 1,
+        }
+    }
+
+    /// The ceiling of the next wait: `min(max_backoff, initial_backoff * 2^n)`.
+    pub fn ceiling(&self) -> Duration {
+        let factor = 1u32.checked_shl(self.attempt).unwrap_or(u32::MAX);
+        self.policy
+            .initial_backoff
+            .checked_mul(factor)
+            .unwrap_or(Duration::MAX)
+            .min(self.policy.max_backoff)
+    }
+
+    /// The next wait: uniform in `[0, hint]` if the server suggested one,
+    /// otherwise uniform in `[0, ceiling()]`; the ceiling then doubles.
+    pub fn next_delay(&mut self, hint: Option<Duration>) -> Duration {
+        let ceiling = hint.unwrap_or_else(|| self.ceiling());
+        self.attempt = self.attempt.saturating_add(1);
+        self.uniform(ceiling)
+    }
+
+    /// Starts again from `initial_backoff` (after a success).
+    pub fn reset(&mut self) {
+        self.attempt = 0;
+    }
+
+    /// Uniform in `[0, max]`, to the nanosecond.
+    fn uniform(&mut self, max: Duration) -> Duration {
+        // xorshift64*: plenty for spreading reconnects.
+        self.rng ^= self.rng >> 12;
+        self.rng ^= self.rng << 25;
+        self.rng ^= self.rng >> 27;
+        let r = self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        let span = u64::try_from(max.as_nanos()).unwrap_or(u64::MAX);
+        let nanos = ((u128::from(r) * (u128::from(span) + 1)) >> 64) as u64;
+        Duration::from_nanos(nanos)
+    }
 }
 
 impl Default for Reconnect {
@@ -73,6 +214,11 @@ pub struct ClientConfig {
     pub alpn: Vec<u8>,
     /// The protocol version in the hello (change it only to test the server).
     pub version: u32,
+    /// A TLS configuration to use instead of the one built from `roots` (a
+    /// custom certificate check, a session cache shared by several clients).
+    /// It must allow TLS 1.3; if it offers no ALPN, `alpn` is offered.
+    /// Default `None`.
+    pub tls: Option<Arc<rustls::ClientConfig>>,
 }
 
 impl ClientConfig {
@@ -99,6 +245,7 @@ impl ClientConfig {
             connect_timeout: Duration::from_secs(5),
             alpn: proto::ALPN.to_vec(),
             version: proto::VERSION,
+            tls: None,
         }
     }
 }
@@ -135,6 +282,15 @@ impl ClientError {
     pub fn code(&self) -> Option<ErrorCode> {
         match self {
             ClientError::Rejected { error, .. } | ClientError::Server(error) => Some(error.code),
+            _ => None,
+        }
+    }
+
+    /// How long the server asked the client to wait at most before
+    /// reconnecting (`retry_ms` in its close reason), if it did.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            ClientError::Rejected { error, .. } => retry_hint(&error.message),
             _ => None,
         }
     }
@@ -292,6 +448,22 @@ fn lost(error: &quinn::ConnectionError) -> ClientError {
     ClientError::Lost(error.to_string())
 }
 
+/// After an error frame: the server's close code, and the error with the
+/// close reason's `retry_ms` added to its message if only the reason has it.
+async fn rejected_after(conn: &quinn::Connection, mut error: WireError) -> ClientError {
+    let code = match conn.closed().await {
+        quinn::ConnectionError::ApplicationClosed(c) => {
+            let reason = String::from_utf8_lossy(&c.reason);
+            if let (None, Some(hint)) = (retry_hint(&error.message), retry_hint(&reason)) {
+                error.message = format!("{} retry_ms={}", error.message, hint.as_millis());
+            }
+            CloseCode::from_code(c.error_code.into_inner())
+        }
+        _ => None,
+    };
+    ClientError::Rejected { code, error }
+}
+
 fn error_code_for(code: Option<CloseCode>) -> ErrorCode {
     match code {
         Some(CloseCode::Unauthorized) => ErrorCode::BadToken,
@@ -366,15 +538,7 @@ async fn establish_now(
                 reader,
                 welcome,
             }),
-            ServerFrame::Error(error) => {
-                let code = match conn.closed().await {
-                    quinn::ConnectionError::ApplicationClosed(c) => {
-                        CloseCode::from_code(c.error_code.into_inner())
-                    }
-                    _ => None,
-                };
-                Err(ClientError::Rejected { code, error })
-            }
+            ServerFrame::Error(error) => Err(rejected_after(&conn, error).await),
             ServerFrame::Reply { .. } => {
                 Err(ClientError::Protocol("a reply before the welcome".into()))
             }
@@ -390,8 +554,19 @@ async fn establish_now(
 impl Client {
     /// Connects, says hello and starts the client's tasks.
     pub async fn connect(config: ClientConfig) -> Result<(Client, Updates), ClientError> {
-        let crypto = tls::client_crypto(&config.roots, &config.alpn)
-            .map_err(|e| ClientError::Config(e.to_string()))?;
+        // One TLS configuration for every connection of this client: its
+        // session cache is what lets a reconnect resume TLS.
+        let crypto = match &config.tls {
+            Some(given) => {
+                let mut tls = (**given).clone();
+                if tls.alpn_protocols.is_empty() {
+                    tls.alpn_protocols = vec![config.alpn.clone()];
+                }
+                QuicClientConfig::try_from(tls).map_err(|e| ClientError::Config(e.to_string()))?
+            }
+            None => tls::client_crypto(&config.roots, &config.alpn)
+                .map_err(|e| ClientError::Config(e.to_string()))?,
+        };
         let mut transport = quinn::TransportConfig::default();
         transport.keep_alive_interval(Some(config.keep_alive));
         transport.max_idle_timeout(Some(
@@ -566,6 +741,10 @@ impl Client {
         }
     }
 
+    /// The user's chosen status and message. Idempotent: after a
+    /// [`ClientError::Timeout`] (outcome unknown, see the module docs) call
+    /// it again with the same values; a value the user already has changes
+    /// nothing anybody sees.
     pub async fn set_status(
         &self,
         status: Status,
@@ -583,6 +762,8 @@ impl Client {
         }
     }
 
+    /// Appear offline to everybody else (or stop). Idempotent like
+    /// [`Client::set_status`]: retry it after a timeout.
     pub async fn set_invisible(&self, invisible: bool) -> Result<(), ClientError> {
         match self.call(Request::SetInvisible { invisible }).await? {
             Answer::Done => Ok(()),
@@ -688,7 +869,8 @@ async fn drive(
         shared.emit(Event::Disconnected {
             reason: error.to_string(),
         });
-        match reconnect(&shared, &config, policy, &mut cmd_rx, &mut deferred).await {
+        let hint = error.retry_after();
+        match reconnect(&shared, &config, policy, hint, &mut cmd_rx, &mut deferred).await {
             Ok(new) => {
                 let resumed = new.welcome.resumed;
                 let session = SessionId(new.welcome.session);
@@ -723,17 +905,44 @@ fn finish(shared: &Shared, code: Option<CloseCode>, reason: String) {
     shared.emit(Event::Closed { code, reason });
 }
 
-/// Tries to connect again with backoff, resuming the session.
+/// Waits `delay` while taking commands: requests wait for the connection, a
+/// close ends the client.
+async fn wait_taking_commands(
+    delay: Duration,
+    cmd_rx: &mut mpsc::Receiver<Cmd>,
+    deferred: &mut VecDeque<Cmd>,
+) -> Result<(), Exit> {
+    let sleep = tokio::time::sleep(delay);
+    tokio::pin!(sleep);
+    loop {
+        tokio::select! {
+            _ = &mut sleep => return Ok(()),
+            cmd = cmd_rx.recv() => match cmd {
+                Some(Cmd::Close { code, done }) => {
+                    let _ = done.send(());
+                    return Err(Exit::Closed(code));
+                }
+                Some(cmd) => deferred.push_back(cmd),
+                None => return Err(Exit::Closed(CloseCode::Normal)),
+            },
+        }
+    }
+}
+
+/// Tries to connect again, resuming the session: before each attempt a wait
+/// drawn with full jitter, or within the `retry_ms` the server last asked for.
 async fn reconnect(
     shared: &Arc<Shared>,
     config: &ClientConfig,
     policy: Reconnect,
+    mut hint: Option<Duration>,
     cmd_rx: &mut mpsc::Receiver<Cmd>,
     deferred: &mut VecDeque<Cmd>,
 ) -> Result<Established, Exit> {
     let started = tokio::time::Instant::now();
-    let mut backoff = policy.initial_backoff;
+    let mut backoff = Backoff::new(policy);
     loop {
+        wait_taking_commands(backoff.next_delay(hint.take()), cmd_rx, deferred).await?;
         let resume = Some(shared.state().session);
         let attempt = establish(&shared.endpoint, config, resume);
         tokio::pin!(attempt);
@@ -758,7 +967,10 @@ async fn reconnect(
             {
                 return Err(Exit::Lost(ClientError::Rejected { code, error }));
             }
-            Err(e) => debug!(error = %e, "reconnect attempt failed"),
+            Err(e) => {
+                debug!(error = %e, "reconnect attempt failed");
+                hint = e.retry_after();
+            }
         }
         if policy
             .give_up_after
@@ -766,22 +978,6 @@ async fn reconnect(
         {
             return Err(Exit::Lost(ClientError::Lost("gave up reconnecting".into())));
         }
-        let sleep = tokio::time::sleep(backoff);
-        tokio::pin!(sleep);
-        loop {
-            tokio::select! {
-                _ = &mut sleep => break,
-                cmd = cmd_rx.recv() => match cmd {
-                    Some(Cmd::Close { code, done }) => {
-                        let _ = done.send(());
-                        return Err(Exit::Closed(code));
-                    }
-                    Some(cmd) => deferred.push_back(cmd),
-                    None => return Err(Exit::Closed(CloseCode::Normal)),
-                },
-            }
-        }
-        backoff = (backoff * 2).min(policy.max_backoff);
     }
 }
 
@@ -898,6 +1094,11 @@ async fn run(
 
     let exit = 'conn: loop {
         while let Some((request, waiter)) = startup.pop_front() {
+            // The caller gave up waiting (a timeout): a request never sent
+            // must never take effect later, so it is not sent at all.
+            if matches!(&waiter, Pending::User(reply) if reply.is_closed()) {
+                continue;
+            }
             *next_id = next_id.wrapping_add(1);
             let id = *next_id;
             let bytes = match encode_frame(&RequestFrame { id, request }) {
@@ -962,13 +1163,7 @@ async fn run(
                 }
                 Some(Ok(ServerFrame::Error(error))) => {
                     // The server closes next; report its error with the close code.
-                    let code = match conn.closed().await {
-                        quinn::ConnectionError::ApplicationClosed(c) => {
-                            CloseCode::from_code(c.error_code.into_inner())
-                        }
-                        _ => None,
-                    };
-                    break Exit::Lost(ClientError::Rejected { code, error });
+                    break Exit::Lost(rejected_after(&conn, error).await);
                 }
                 Some(Ok(ServerFrame::Welcome(_))) => {
                     conn.close(CloseCode::ProtocolError.varint(), b"a second welcome");
@@ -998,4 +1193,127 @@ async fn run(
         }
     }
     exit
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(initial_ms: u64, max_ms: u64) -> Reconnect {
+        Reconnect {
+            initial_backoff: Duration::from_millis(initial_ms),
+            max_backoff: Duration::from_millis(max_ms),
+            give_up_after: None,
+        }
+    }
+
+    #[test]
+    fn backoff_ceilings_double_up_to_the_maximum() {
+        let mut b = Backoff::with_seed(policy(100, 5000), 7);
+        let mut ceilings = Vec::new();
+        for _ in 0..10 {
+            ceilings.push(b.ceiling().as_millis());
+            b.next_delay(None);
+        }
+        assert_eq!(
+            ceilings,
+            [100, 200, 400, 800, 1600, 3200, 5000, 5000, 5000, 5000]
+        );
+        // No overflow however many attempts.
+        for _ in 0..100 {
+            b.next_delay(None);
+        }
+        assert_eq!(b.ceiling(), Duration::from_millis(5000));
+        b.reset();
+        assert_eq!(b.ceiling(), Duration::from_millis(100));
+    }
+
+    #[test]
+    fn backoff_waits_are_spread_over_the_whole_range() {
+        // Full jitter: every wait in [0, ceiling], and over many draws both
+        // ends of the range are reached (not a fixed or a half-range wait).
+        let mut all = Vec::new();
+        for seed in 0..2000u64 {
+            let mut b = Backoff::with_seed(policy(100, 400), seed.wrapping_mul(0x9e37_79b9));
+            for n in 0..4 {
+                let ceiling = b.ceiling();
+                let d = b.next_delay(None);
+                assert!(d <= ceiling, "wait {d:?} over ceiling {ceiling:?}");
+                if n == 3 {
+                    all.push(d.as_secs_f64() / ceiling.as_secs_f64());
+                }
+            }
+        }
+        let below = all.iter().filter(|&&x| x < 0.1).count();
+        let above = all.iter().filter(|&&x| x > 0.9).count();
+        let mean = all.iter().sum::<f64>() / all.len() as f64;
+        assert!(below > 100 && above > 100, "{below} low, {above} high");
+        assert!((mean - 0.5).abs() < 0.05, "mean {mean}");
+        // Two clients seeded from the system draw different waits.
+        let a: Vec<_> = {
+            let mut b = Backoff::new(policy(1000, 1000));
+            (0..4).map(|_| b.next_delay(None)).collect()
+        };
+        let b: Vec<_> = {
+            let mut b = Backoff::new(policy(1000, 1000));
+            (0..4).map(|_| b.next_delay(None)).collect()
+        };
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn a_server_hint_bounds_the_next_wait_only() {
+        let hint = Duration::from_millis(12_000);
+        let mut longest = Duration::ZERO;
+        for seed in 1..500u64 {
+            let mut b = Backoff::with_seed(policy(100, 5000), seed);
+            let d = b.next_delay(Some(hint));
+            assert!(d <= hint);
+            longest = longest.max(d);
+            // The hint replaced the first ceiling; the doubling goes on.
+            assert_eq!(b.ceiling(), Duration::from_millis(200));
+            assert!(b.next_delay(None) <= Duration::from_millis(200));
+        }
+        // A hint above max_backoff is honoured.
+        assert!(longest > Duration::from_millis(5000), "{longest:?}");
+        // A zero hint: at once.
+        let mut b = Backoff::with_seed(policy(100, 5000), 3);
+        assert_eq!(b.next_delay(Some(Duration::ZERO)), Duration::ZERO);
+    }
+
+    #[test]
+    fn retry_ms_is_read_from_a_close_reason() {
+        let ms = |s: &str| retry_hint(s).map(|d| d.as_millis());
+        assert_eq!(
+            ms("server draining: reconnect and resume retry_ms=12000"),
+            Some(12_000)
+        );
+        assert_eq!(ms("retry_ms=0"), Some(0));
+        assert_eq!(ms("TooManyConnections: full (retry_ms=250)"), Some(250));
+        assert_eq!(ms("retry_ms=250, then retry_ms=9"), Some(250));
+        assert_eq!(ms("busy retry_ms=1500; more text"), Some(1500));
+        // Not a word of its own, no digits, a negative or a decimal point.
+        assert_eq!(ms("xretry_ms=5"), None);
+        assert_eq!(ms("retry_ms="), None);
+        assert_eq!(ms("retry_ms=-5"), None);
+        assert_eq!(ms("retry_ms = 5"), None);
+        assert_eq!(ms("retry_ms=1.5"), Some(1));
+        assert_eq!(ms("server draining"), None);
+        assert_eq!(ms(""), None);
+        // A bad one first does not hide a good one after it.
+        assert_eq!(ms("xretry_ms=5 retry_ms=7"), Some(7));
+        // Absurd values are cut to MAX_RETRY_HINT.
+        assert_eq!(
+            retry_hint("retry_ms=99999999999999999999999"),
+            Some(MAX_RETRY_HINT)
+        );
+        assert_eq!(retry_hint("retry_ms=86400000"), Some(MAX_RETRY_HINT));
+        // Carried by a rejection, not by other errors.
+        let rejected = ClientError::Rejected {
+            code: Some(CloseCode::Draining),
+            error: WireError::new(ErrorCode::ShuttingDown, "draining retry_ms=40"),
+        };
+        assert_eq!(rejected.retry_after(), Some(Duration::from_millis(40)));
+        assert_eq!(ClientError::Timeout.retry_after(), None);
+    }
 }

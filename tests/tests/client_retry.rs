@@ -1,0 +1,275 @@
+//! The client library across an outage: a reconnect resumes the TLS session
+//! (no certificate check, no certificate signature on the server), a request
+//! that timed out before it was sent never takes effect later, and retrying
+//! set_status / set_invisible after a timeout converges.
+//!
+//! The outage is a UDP relay between client and server that can drop every
+//! datagram, as a dead network would.
+
+use greendot_core::Status;
+use greendot_tests::{TestServer, SLACK};
+use greendot_transport::client::{ClientConfig, ClientError, Event};
+use greendot_transport::proto::Kind;
+use greendot_transport::rustls::{
+    self,
+    client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier},
+    client::WebPkiServerVerifier,
+    pki_types::{CertificateDer, ServerName, UnixTime},
+    DigitallySignedStruct, SignatureScheme,
+};
+use greendot_transport::token::WatchClaim;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::UdpSocket;
+
+/// Forwards datagrams between one client and the server; `cut` drops them all.
+struct Relay {
+    addr: SocketAddr,
+    cut: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Relay {
+    async fn start(server: SocketAddr) -> Relay {
+        let front = Arc::new(UdpSocket::bind("127.0.0.1:0").await.unwrap());
+        let back = Arc::new(UdpSocket::bind("127.0.0.1:0").await.unwrap());
+        back.connect(server).await.unwrap();
+        let addr = front.local_addr().unwrap();
+        let cut = Arc::new(AtomicBool::new(false));
+        let client = Arc::new(std::sync::Mutex::new(None::<SocketAddr>));
+        let up = {
+            let (front, back, cut, client) =
+                (front.clone(), back.clone(), cut.clone(), client.clone());
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 65536];
+                while let Ok((n, from)) = front.recv_from(&mut buf).await {
+                    *client.lock().unwrap() = Some(from);
+                    if !cut.load(Ordering::Relaxed) {
+                        let _ = back.send(&buf[..n]).await;
+                    }
+                }
+            })
+        };
+        let down = {
+            let cut = cut.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 65536];
+                while let Ok(n) = back.recv(&mut buf).await {
+                    let to = *client.lock().unwrap();
+                    if let (false, Some(to)) = (cut.load(Ordering::Relaxed), to) {
+                        let _ = front.send_to(&buf[..n], to).await;
+                    }
+                }
+            })
+        };
+        Relay {
+            addr,
+            cut,
+            tasks: vec![up, down],
+        }
+    }
+
+    fn cut(&self, cut: bool) {
+        self.cut.store(cut, Ordering::Relaxed);
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// The usual certificate check, counted: a resumed TLS 1.3 handshake sends
+/// no certificate, so nothing is checked.
+#[derive(Debug)]
+struct CountingVerifier {
+    inner: Arc<WebPkiServerVerifier>,
+    checks: Arc<AtomicUsize>,
+}
+
+impl ServerCertVerifier for CountingVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        self.checks.fetch_add(1, Ordering::SeqCst);
+        self.inner
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
+}
+
+/// A client of `user` through `relay`, with short request and connect
+/// timeouts.
+fn via_relay(ts: &TestServer, relay: &Relay, user: &str) -> ClientConfig {
+    let mut config = ts.client_config(ts.token(user, "phone", Kind::Mobile, WatchClaim::all()));
+    config.server = relay.addr;
+    config.request_timeout = Duration::from_millis(500);
+    config.connect_timeout = Duration::from_secs(3);
+    config
+}
+
+/// What `client` is shown as to itself; a query that times out (the
+/// relay just healed, retransmissions pending) is simply asked again.
+async fn shown_to_self(client: &greendot_transport::client::Client) -> greendot_core::Presence {
+    let deadline = tokio::time::Instant::now() + SLACK;
+    loop {
+        match client.query(&client.user()).await {
+            Ok(p) => return p,
+            Err(ClientError::Timeout) if tokio::time::Instant::now() < deadline => {}
+            Err(e) => panic!("query: {e}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reconnect_resumes_the_tls_session() {
+    let ts = TestServer::start(|_| {});
+    let relay = Relay::start(ts.addr()).await;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ts.server.certificate().clone()).unwrap();
+    let checks = Arc::new(AtomicUsize::new(0));
+    let verifier = CountingVerifier {
+        inner: WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+            .build()
+            .unwrap(),
+        checks: checks.clone(),
+    };
+    let tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(verifier))
+        .with_no_client_auth();
+    let mut config = via_relay(&ts, &relay, "tess");
+    config.tls = Some(Arc::new(tls));
+    let (client, mut events) = ts.connect_with(config).await;
+    client.ping().await.unwrap();
+    assert_eq!(
+        checks.load(Ordering::SeqCst),
+        1,
+        "the first handshake is full"
+    );
+
+    // The network dies: the client notices (idle timeout), then it is back.
+    relay.cut(true);
+    let idle = ts.config().idle_timeout;
+    events
+        .wait_for(idle + SLACK, |e| matches!(e, Event::Disconnected { .. }))
+        .await
+        .expect("the client notices the dead network");
+    relay.cut(false);
+    let (_, event) = events
+        .wait_for(SLACK, |e| matches!(e, Event::Reconnected { .. }))
+        .await
+        .expect("the client reconnects");
+    assert!(
+        matches!(event, Event::Reconnected { resumed: true, .. }),
+        "{event:?}"
+    );
+    client.ping().await.unwrap();
+    // Resumed TLS: the server sent no certificate, so none was checked (and
+    // the server signed nothing).
+    assert_eq!(
+        checks.load(Ordering::SeqCst),
+        1,
+        "the reconnect made a full TLS handshake"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_request_is_never_sent_late_and_retries_converge() {
+    let ts = TestServer::start(|_| {});
+    let relay = Relay::start(ts.addr()).await;
+    let (client, mut events) = ts.connect_with(via_relay(&ts, &relay, "rita")).await;
+    let idle = ts.config().idle_timeout;
+
+    // 1. Sent, then the network died: the outcome is unknown to the caller,
+    //    and the change may still take effect (QUIC retransmits it) when the
+    //    network is back before the connection is declared lost.
+    relay.cut(true);
+    let sent = client.set_status(Status::Busy, Some("sent")).await;
+    assert!(matches!(sent, Err(ClientError::Timeout)), "{sent:?}");
+    relay.cut(false);
+    let me = shown_to_self(&client).await;
+    assert_eq!(me.status, Status::Busy, "{me:?}");
+
+    // 2. Asked while the client was reconnecting, and given up on: never
+    //    sent, never in effect, even after the client is back.
+    relay.cut(true);
+    events
+        .wait_for(idle + SLACK, |e| matches!(e, Event::Disconnected { .. }))
+        .await
+        .expect("the client notices the dead network");
+    let unsent = client.set_status(Status::Away, Some("unsent")).await;
+    assert!(matches!(unsent, Err(ClientError::Timeout)), "{unsent:?}");
+    let invisible = client.set_invisible(true).await;
+    assert!(
+        matches!(invisible, Err(ClientError::Timeout)),
+        "{invisible:?}"
+    );
+    relay.cut(false);
+    events
+        .wait_for(SLACK, |e| matches!(e, Event::Reconnected { .. }))
+        .await
+        .expect("the client reconnects");
+    // Requests are answered in order: had the abandoned ones been sent on
+    // the new connection, this query would see them.
+    let me = shown_to_self(&client).await;
+    assert_eq!(
+        (me.status, me.message.as_deref(), me.invisible),
+        (Status::Busy, Some("sent"), false),
+        "{me:?}"
+    );
+
+    // 3. Retrying converges: the retry takes effect once, and a second
+    //    retry of the same values changes nothing (same version).
+    client
+        .set_status(Status::Away, Some("retried"))
+        .await
+        .unwrap();
+    client.set_invisible(true).await.unwrap();
+    let once = shown_to_self(&client).await;
+    assert_eq!(
+        (once.status, once.message.as_deref(), once.invisible),
+        (Status::Away, Some("retried"), true)
+    );
+    client
+        .set_status(Status::Away, Some("retried"))
+        .await
+        .unwrap();
+    client.set_invisible(true).await.unwrap();
+    let twice = shown_to_self(&client).await;
+    assert_eq!(twice, once, "a repeated value changed what is shown");
+}
