@@ -1,7 +1,7 @@
 //! Limits give typed errors to the peer that exceeds them and nobody else:
 //! subscriptions per session, request rate, connections, service-only calls.
 
-use greendot_core::Tier;
+use greendot_core::{Kinds, Presence, Tier};
 use greendot_tests::{TestServer, SLACK};
 use greendot_transport::client::{Client, ClientError, Event};
 use greendot_transport::proto::{CloseCode, ErrorCode, Kind};
@@ -28,12 +28,29 @@ async fn subscription_cap_and_service_only_calls() {
     let (svc, _) = ts
         .connect_with(ts.client_config(ts.service_token("backend")))
         .await;
-    let results = svc.query_many(&["lena", "nobody"]).await.unwrap();
-    assert!(results[0]
-        .1
-        .as_ref()
-        .is_ok_and(|p| p.version == 0 || p.online));
-    assert!(results[1].1.as_ref().is_ok_and(|p| !p.online));
+    // lena is shown online once her arrival is published (one debounce);
+    // a user never seen is offline at version 0, with nothing else known.
+    let deadline =
+        tokio::time::Instant::now() + Duration::from_millis(ts.config().core.debounce.0) + SLACK;
+    let (lena, nobody) = loop {
+        let results = svc.query_many(&["lena", "nobody"]).await.unwrap();
+        assert_eq!(results[0].0, "lena");
+        assert_eq!(results[1].0, "nobody");
+        let lena = results[0].1.clone().expect("lena may be queried");
+        if lena.online || tokio::time::Instant::now() >= deadline {
+            break (lena, results[1].1.clone());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(lena.online, "lena is never shown online: {lena:?}");
+    assert!(lena.version >= 1, "{lena:?}");
+    assert_eq!(lena.kinds, Kinds::from_bits(1), "{lena:?}"); // mobile
+    assert_eq!(lena.last_seen, None, "{lena:?}");
+    assert_eq!(nobody, Ok(Presence::default()));
+    assert_eq!(
+        nobody.as_ref().map(|p| (p.version, p.online, p.last_seen)),
+        Ok((0, false, None))
+    );
     client.ping().await.unwrap();
 }
 
