@@ -2,8 +2,12 @@
 //!
 //! Claims: `sub` (user), `dev` (device), `kind` (`mobile`, `desktop`, `web`,
 //! `other`; default `other`), `watch` (a list of user names, or `"*"` for
-//! anybody; default: nobody but the user), `svc` (a service token: may call
-//! route and query many users at once; default false), `exp` (Unix seconds).
+//! anybody; default: nobody but the user; `["*"]` is the user named `*`, not
+//! a wildcard), `svc` (a service token: may call route and query many users
+//! at once; default false), `exp` (Unix seconds). `sub`, `dev` and `exp` are
+//! required; the header needs `alg: HS256` and nothing else (`typ` is not
+//! checked). The HMAC key is the secret's bytes as given (the `greendot`
+//! binary reads its secret file with surrounding whitespace removed).
 
 use crate::proto::{ErrorCode, Kind, WireError};
 use jsonwebtoken::{errors::ErrorKind, Algorithm, DecodingKey, EncodingKey, Header, Validation};
@@ -178,6 +182,36 @@ mod tests {
         let parsed: Claims = serde_json_like(json);
         assert_eq!(parsed.watch, WatchClaim::all());
         assert_eq!(parsed.kind, Kind::Other);
+
+        // "*" inside a list is a user's name, not a wildcard.
+        let json = r#"{"sub":"a","dev":"d","watch":["*"],"exp":99999999999}"#;
+        assert_eq!(serde_json_like(json).watch, WatchClaim::only(["*"]));
+        // A header without `typ` is fine; `dev` is required.
+        let keys = TokenKeys::new(b"k", Duration::ZERO);
+        let no_typ = signed(
+            r#"{"alg":"HS256"}"#,
+            r#"{"sub":"a","dev":"d","exp":99999999999}"#,
+        );
+        assert_eq!(keys.verify(&no_typ).unwrap().dev, "d");
+        let no_dev = signed(r#"{"alg":"HS256"}"#, r#"{"sub":"a","exp":99999999999}"#);
+        assert_eq!(keys.verify(&no_dev).unwrap_err().code, ErrorCode::BadToken);
+    }
+
+    /// A token signed with the key `k`, from raw header and claims JSON.
+    fn signed(header: &str, claims: &str) -> String {
+        use base64_url as b64;
+        let signing_input = format!(
+            "{}.{}",
+            b64::encode(header.as_bytes()),
+            b64::encode(claims.as_bytes())
+        );
+        let sig = jsonwebtoken::crypto::sign(
+            signing_input.as_bytes(),
+            &EncodingKey::from_secret(b"k"),
+            Algorithm::HS256,
+        )
+        .unwrap();
+        format!("{signing_input}.{sig}")
     }
 
     fn serde_json_like(json: &str) -> Claims {
