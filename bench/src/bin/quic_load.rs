@@ -7,10 +7,16 @@
 //! `cargo run --release -p greendot-bench --bin quic_load` (`-- --duration 30`
 //! seconds of churn per N, `-- --churn 0.01`, `-- --endpoints 8`). Everything
 //! goes to 127.0.0.1; each N gets a fresh server, stopped at the end.
+//!
+//! `-- --mass-reconnect K` (with one `--n N`, N ≥ K) instead holds N sessions
+//! and makes K of them reconnect at the same moment (a plain close, then a
+//! new handshake that resumes the session, no wait), first offering TLS
+//! session tickets and then without: how long until all K are back, and
+//! handshakes per second, for the overload run.
 
 use greendot_bench::plot;
 use greendot_bench::{arg, flag, raise_nofile};
-use greendot_transport::loadgen::{self, LoadOptions, LoadReport};
+use greendot_transport::loadgen::{self, Herd, HerdOptions, LoadOptions, LoadReport};
 use greendot_transport::rustls::pki_types::CertificateDer;
 use greendot_transport::{Server, ServerConfig};
 use std::io::{BufRead, BufReader, Write};
@@ -111,12 +117,96 @@ fn start_server(n: usize) -> Result<(Child_, std::net::SocketAddr, Vec<u8>), Str
     }
 }
 
+/// `--mass-reconnect K`: N sessions held, K reconnect at once, with TLS
+/// resumption offered and without.
+fn mass_reconnect(n: usize, k: usize) {
+    let endpoints: usize = arg("--endpoints", 8);
+    let concurrency: usize = arg("--concurrency", 32);
+    let ramp_timeout = Duration::from_secs(arg("--ramp-timeout", 240));
+    let k = k.min(n);
+    let (child, addr, cert) = match start_server(n) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("quic_load: {e}");
+            std::process::exit(2);
+        }
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| panic!("runtime: {e}"));
+    let result = runtime.block_on(async {
+        let mut opts = HerdOptions::new(addr, vec![CertificateDer::from(cert)], SECRET, n);
+        opts.watchers = 0;
+        opts.endpoints = endpoints;
+        opts.connect_concurrency = concurrency;
+        opts.kind = greendot_transport::proto::Kind::Mobile;
+        let herd = Herd::start(opts, ramp_timeout).await?;
+        let mut rows = Vec::new();
+        for resumption in [true, false] {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            herd.set_resumption(resumption);
+            let before = herd.counts();
+            herd.mark();
+            let since = std::time::Instant::now();
+            herd.mass_reconnect(k);
+            let took = herd.wait_back(k, since, Duration::from_secs(600)).await;
+            let after = herd.counts();
+            rows.push((resumption, took, before, after));
+        }
+        herd.stop().await;
+        Ok::<_, String>(rows)
+    });
+    drop(child);
+    let rows = match result {
+        Ok(rows) => rows,
+        Err(e) => {
+            eprintln!("quic_load: {e}");
+            std::process::exit(2);
+        }
+    };
+    println!();
+    println!(
+        "Mass reconnect: {k} of {n} held sessions reconnect at once (server in its own process)"
+    );
+    println!();
+    println!("| K | TLS tickets offered | all back (s) | handshakes/s | handshakes (full) | failed attempts |");
+    println!("|---:|---|---:|---:|---:|---:|");
+    for (resumption, took, before, after) in rows {
+        let handshakes = after.handshakes - before.handshakes;
+        let full = after.full_handshakes - before.full_handshakes;
+        println!(
+            "| {k} | {} | {} | {} | {handshakes} ({full}) | {} |",
+            if resumption { "yes" } else { "no" },
+            took.map_or("not all back".into(), |d| format!("{:.2}", d.as_secs_f64())),
+            took.map_or("-".into(), |d| format!(
+                "{:.0}",
+                k as f64 / d.as_secs_f64().max(1e-9)
+            )),
+            after.failed_attempts - before.failed_attempts
+        );
+    }
+}
+
 fn main() {
     if flag("--serve") {
         serve();
         return;
     }
     let nofile = raise_nofile();
+    let mass: usize = arg("--mass-reconnect", 0);
+    if mass > 0 {
+        let k = mass;
+        let n: usize = arg("--n", k.to_string())
+            .split(',')
+            .filter_map(|s| s.trim().parse().ok())
+            .next()
+            .unwrap_or(k);
+        eprintln!("open-file limit {nofile}; mass reconnect of {k} of {n} sessions");
+        mass_reconnect(n, k);
+        return;
+    }
     let ns: Vec<usize> = arg("--n", "1000,10000,100000".to_string())
         .split(',')
         .filter_map(|s| s.trim().parse().ok())
