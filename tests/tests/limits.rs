@@ -158,3 +158,87 @@ async fn shutdown_closes_every_connection_with_the_shutdown_code() {
     );
     assert!(matches!(client.ping().await, Err(ClientError::Closed)));
 }
+
+/// `max_frame` counts a frame's payload, not its 4-byte length: a payload of
+/// exactly `max_frame` bytes is read and answered, one byte more is refused
+/// from the length alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_frame_counts_the_payload_without_the_length() {
+    use greendot_tests::{raw_connect, raw_exchange};
+    use greendot_transport::proto::{
+        self, encode_frame, Hello, Request, RequestFrame, ServerFrame,
+    };
+    use greendot_transport::token::WatchClaim;
+
+    // Room for the hello (its token), which is held to the same cap.
+    let max_frame = 512;
+    let ts = TestServer::start(|c| c.max_frame = max_frame);
+    let query = |name_len: usize| {
+        encode_frame(&RequestFrame {
+            id: 7,
+            request: Request::Query {
+                targets: vec!["x".repeat(name_len)],
+            },
+        })
+        .unwrap()
+    };
+    // The name that makes the payload exactly max_frame bytes.
+    let fit = (1..max_frame)
+        .find(|&len| query(len).len() == max_frame + 4)
+        .unwrap();
+    let hello = || {
+        let token = ts.token("max", "raw", Kind::Other, WatchClaim::all());
+        encode_frame(&Hello {
+            version: proto::VERSION,
+            token,
+            resume: None,
+        })
+        .unwrap()
+    };
+
+    // Exactly max_frame: read and answered (the connection stays open, so
+    // read frames until the answer).
+    let (_e1, conn) = raw_connect(&ts, proto::ALPN).await.unwrap();
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    let mut bytes = hello();
+    bytes.extend_from_slice(&query(fit));
+    send.write_all(&bytes).await.unwrap();
+    let answered = tokio::time::timeout(SLACK, async {
+        let mut reader = proto::FrameReader::new(1 << 20);
+        loop {
+            match proto::codec::read_frame(&mut recv, &mut reader).await {
+                Ok(Some(payload)) => match proto::decode::<ServerFrame>(&payload) {
+                    Ok(ServerFrame::Reply { id: 7, .. }) => return Ok(()),
+                    Ok(ServerFrame::Error(e)) => return Err(format!("{e}")),
+                    _ => {}
+                },
+                other => return Err(format!("{other:?}")),
+            }
+        }
+    })
+    .await;
+    assert!(
+        matches!(answered, Ok(Ok(()))),
+        "a payload of exactly max_frame was not answered: {answered:?}"
+    );
+
+    // One byte more: refused.
+    let (_e2, conn) = raw_connect(&ts, proto::ALPN).await.unwrap();
+    let mut bytes = hello();
+    bytes.extend_from_slice(&query(fit + 1));
+    assert_eq!(query(fit + 1).len(), max_frame + 5);
+    let over = raw_exchange(&conn, &bytes, SLACK).await;
+    assert!(
+        over.frames
+            .iter()
+            .any(|f| matches!(f, ServerFrame::Error(e) if e.code == ErrorCode::FrameTooLarge)),
+        "{:?}",
+        over.frames
+    );
+    assert_eq!(
+        over.close,
+        Some(CloseCode::FrameTooLarge),
+        "{}",
+        over.reason
+    );
+}
