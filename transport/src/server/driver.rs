@@ -51,9 +51,14 @@ fn read_budget(max_frame: usize) -> usize {
     max_frame + 4
 }
 
+/// User names checked per lease-renewal tick by [`Hub::sweep`].
+const SWEEP_BUDGET: usize = 4096;
+
 /// Messages from the [`super::Server`] handle and from store waiters.
 pub(super) enum Control {
     Counters(oneshot::Sender<Counters>),
+    /// The core's counters with the hub's census.
+    Census(oneshot::Sender<Census>),
     /// A durable write finished; answer the request that waited for it.
     Saved {
         ch: usize,
@@ -69,6 +74,15 @@ pub(super) enum Control {
         save: bool,
         done: oneshot::Sender<()>,
     },
+}
+
+/// What the metrics read of the hub.
+pub(super) struct Census {
+    pub counters: Counters,
+    /// User names held (as many core records at most).
+    pub users_known: usize,
+    /// User and device names held.
+    pub names: usize,
 }
 
 /// A server-opened push stream of one tier.
@@ -389,6 +403,13 @@ impl Driver {
             Control::Counters(reply) => {
                 let _ = reply.send(self.hub.core().counters().clone());
             }
+            Control::Census(reply) => {
+                let _ = reply.send(Census {
+                    counters: self.hub.core().counters().clone(),
+                    users_known: self.hub.user_names(),
+                    names: self.hub.names(),
+                });
+            }
             Control::Saved {
                 ch,
                 serial,
@@ -475,6 +496,9 @@ impl Driver {
                 self.hub.activity(at, session);
             }
             self.next_renewal = now + self.shared.config.renewal();
+            if self.store.is_none() {
+                self.hub.sweep(SWEEP_BUDGET);
+            }
         }
         if self.store.is_some() && now >= self.next_flush {
             self.next_flush = now + self.shared.config.flush_interval;
@@ -502,6 +526,10 @@ impl Driver {
             return;
         }
         let batch = self.changed_records();
+        // Users are freed only once their records are taken: a freed user's
+        // record can no longer be read.
+        self.hub.release_idle();
+        self.hub.sweep(SWEEP_BUDGET);
         if let Some(store) = &self.store {
             store.write_behind(batch);
         }
@@ -559,6 +587,7 @@ impl Driver {
             self.dirty_users.extend(self.hub.take_touched());
         } else {
             self.hub.take_touched();
+            self.hub.release_idle();
         }
     }
 

@@ -15,20 +15,37 @@ use greendot_core::{
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// Names to dense ids and back, with a cap. Ids are never reused.
+/// Names to ids and back, with a cap on the names held at once. An id is a
+/// slot index in its low 32 bits and that slot's generation in the high 32:
+/// a freed slot is reused for another name under a new generation, so an id
+/// kept from before (a dirty-user list, a stale session) never names the next
+/// owner. Each name also counts references its owner takes and drops
+/// ([`Interner::acquire`], [`Interner::drop_ref`]).
 #[derive(Debug, Default)]
 pub struct Interner {
     ids: HashMap<Arc<str>, u64>,
-    names: Vec<Arc<str>>,
+    slots: Vec<NameSlot>,
+    free: Vec<u32>,
+    live: usize,
     cap: usize,
+}
+
+#[derive(Debug, Default)]
+struct NameSlot {
+    name: Option<Arc<str>>,
+    generation: u32,
+    refs: u32,
+}
+
+fn id_of(index: u32, generation: u32) -> u64 {
+    u64::from(index) | (u64::from(generation) << 32)
 }
 
 impl Interner {
     pub fn new(cap: usize) -> Interner {
         Interner {
-            ids: HashMap::new(),
-            names: Vec::new(),
             cap,
+            ..Interner::default()
         }
     }
 
@@ -36,30 +53,106 @@ impl Interner {
         self.ids.get(name).copied()
     }
 
+    fn slot(&self, id: u64) -> Option<&NameSlot> {
+        let slot = self.slots.get(usize::try_from(id & 0xffff_ffff).ok()?)?;
+        (u64::from(slot.generation) == id >> 32 && slot.name.is_some()).then_some(slot)
+    }
+
+    fn slot_mut(&mut self, id: u64) -> Option<&mut NameSlot> {
+        let slot = self
+            .slots
+            .get_mut(usize::try_from(id & 0xffff_ffff).ok()?)?;
+        (u64::from(slot.generation) == id >> 32 && slot.name.is_some()).then_some(slot)
+    }
+
+    /// The id of `name`, interning it if new; `None` at the cap.
     pub fn intern(&mut self, name: &str) -> Option<u64> {
         if let Some(id) = self.get(name) {
             return Some(id);
         }
-        if self.names.len() >= self.cap {
+        if self.live >= self.cap {
             return None;
         }
-        let id = self.names.len() as u64;
         let name: Arc<str> = Arc::from(name);
-        self.names.push(name.clone());
+        let index = match self.free.pop() {
+            Some(index) => index,
+            None => {
+                let index = u32::try_from(self.slots.len()).ok()?;
+                self.slots.push(NameSlot::default());
+                index
+            }
+        };
+        let slot = &mut self.slots[index as usize];
+        slot.name = Some(name.clone());
+        slot.refs = 0;
+        let id = id_of(index, slot.generation);
         self.ids.insert(name, id);
+        self.live += 1;
         Some(id)
     }
 
     pub fn name(&self, id: u64) -> Option<&Arc<str>> {
-        usize::try_from(id).ok().and_then(|i| self.names.get(i))
+        self.slot(id).and_then(|s| s.name.as_ref())
     }
 
+    /// Takes a reference on a live name.
+    pub fn acquire(&mut self, id: u64) {
+        if let Some(slot) = self.slot_mut(id) {
+            slot.refs = slot.refs.saturating_add(1);
+        }
+    }
+
+    /// Drops a reference; the references left.
+    pub fn drop_ref(&mut self, id: u64) -> u32 {
+        match self.slot_mut(id) {
+            Some(slot) => {
+                slot.refs = slot.refs.saturating_sub(1);
+                slot.refs
+            }
+            None => 0,
+        }
+    }
+
+    /// References held on a live name (0 for an unknown id).
+    pub fn refs(&self, id: u64) -> u32 {
+        self.slot(id).map_or(0, |s| s.refs)
+    }
+
+    /// Forgets a name; its slot comes back under the next generation (a slot
+    /// whose generation would wrap is retired instead).
+    pub fn remove(&mut self, id: u64) -> bool {
+        let index = (id & 0xffff_ffff) as u32;
+        let Some(slot) = self.slot_mut(id) else {
+            return false;
+        };
+        let name = slot.name.take();
+        slot.refs = 0;
+        let reusable = slot.generation < u32::MAX;
+        slot.generation = slot.generation.wrapping_add(1);
+        if let Some(name) = name {
+            self.ids.remove(&name);
+        }
+        if reusable {
+            self.free.push(index);
+        }
+        self.live -= 1;
+        true
+    }
+
+    /// The id of the live name in slot `index`, if any.
+    fn id_at(&self, index: usize) -> Option<u64> {
+        let slot = self.slots.get(index)?;
+        slot.name.as_ref()?;
+        Some(id_of(u32::try_from(index).ok()?, slot.generation))
+    }
+
+    /// Names held.
     pub fn len(&self) -> usize {
-        self.names.len()
+        self.live
     }
 
     pub fn is_empty(&self) -> bool {
-        self.names.is_empty()
+        self.live == 0
     }
 }
 
@@ -103,10 +196,13 @@ pub enum HubOutput {
     },
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Meta {
     svc: bool,
     watch_all: bool,
+    /// The token's watch list (shared with the core's `Watch`): each entry
+    /// holds a reference on its name while the session lives.
+    watch: Option<Arc<[UserId]>>,
     user: UserId,
     device: DeviceId,
     kind: DeviceKind,
@@ -138,6 +234,13 @@ pub struct Hub {
     /// Users whose saved state ([`Hub::saved`]) may have changed, for a
     /// driver that persists it; drained with [`Hub::take_touched`].
     touched: Vec<UserId>,
+    /// Users that may hold nothing any more, freed by [`Hub::release_idle`].
+    idle: Vec<UserId>,
+    /// Users offline with default saved state that could not be freed yet
+    /// (a debounce running, a watcher): tried again by [`Hub::sweep`].
+    retry: Vec<UserId>,
+    /// Where [`Hub::sweep`] goes on in the user names.
+    sweep_at: usize,
 }
 
 impl Hub {
@@ -154,6 +257,9 @@ impl Hub {
             max_frame: proto::DEFAULT_MAX_FRAME as u32,
             session_key: 0,
             touched: Vec::new(),
+            idle: Vec::new(),
+            retry: Vec::new(),
+            sweep_at: 0,
         })
     }
 
@@ -192,6 +298,7 @@ impl Hub {
     /// `Core::restore`): before the user connects.
     pub fn restore(&mut self, name: &str, saved: Saved) -> Result<UserId, WireError> {
         let user = self.intern_user(name)?;
+        self.idle.push(user);
         self.core.restore(user, saved)?;
         Ok(user)
     }
@@ -209,26 +316,28 @@ impl Hub {
     ) -> Result<(), WireError> {
         self.name_ok(device, "device")?;
         let user = self.intern_user(user)?;
-        let device =
-            self.devices.intern(device).map(DeviceId).ok_or_else(|| {
-                WireError::new(ErrorCode::TooManyDevices, "too many device names")
-            })?;
+        let device = self.intern_device(device, user)?;
         let kind: DeviceKind = kind.into();
-        let connected = self.core.handle_connect(
-            now,
-            Connect {
-                user,
-                device,
-                kind,
-                watch: Watch::only([]),
-                resume: None,
-            },
-        )?;
+        let connected = self
+            .core
+            .handle_connect(
+                now,
+                Connect {
+                    user,
+                    device,
+                    kind,
+                    watch: Watch::only([]),
+                    resume: None,
+                },
+            )
+            .inspect_err(|_| self.forget_unused(user, device))?;
+        self.devices.acquire(device.0);
         self.sessions.insert(
             connected.session,
             Meta {
                 svc: false,
                 watch_all: false,
+                watch: None,
                 user,
                 device,
                 kind,
@@ -292,6 +401,7 @@ impl Hub {
             self.touched.push(user);
         }
         let _ = if logout {
+            self.note_targets(session);
             self.core.handle_logout(now, session)
         } else {
             self.core.handle_disconnect(now, session)
@@ -354,6 +464,92 @@ impl Hub {
             .ok_or_else(|| WireError::new(ErrorCode::TooManyUsers, "too many user names"))
     }
 
+    fn intern_device(&mut self, name: &str, user: UserId) -> Result<DeviceId, WireError> {
+        self.devices.intern(name).map(DeviceId).ok_or_else(|| {
+            self.idle.push(user);
+            WireError::new(ErrorCode::TooManyDevices, "too many device names")
+        })
+    }
+
+    /// After a connect that failed: names it interned that nothing holds.
+    fn forget_unused(&mut self, user: UserId, device: DeviceId) {
+        if self.devices.refs(device.0) == 0 {
+            self.devices.remove(device.0);
+        }
+        self.idle.push(user);
+    }
+
+    /// The targets of a session about to end (they may hold nothing after).
+    fn note_targets(&mut self, session: SessionId) {
+        let targets = self.core.subscriptions(session);
+        self.idle
+            .extend(targets.into_iter().map(|(target, _)| target));
+    }
+
+    /// Whether the name of `user` and its core record can go: no session's
+    /// watch list names it, and the core holds nothing of it.
+    fn try_release(&mut self, user: UserId) -> bool {
+        if self.users.name(user.0).is_none() || self.users.refs(user.0) > 0 {
+            return false;
+        }
+        if !self.core.release(user) {
+            return false;
+        }
+        self.users.remove(user.0)
+    }
+
+    /// Frees the users noted since the last call that hold nothing (no
+    /// session, no watcher, no watch list naming them, default saved state);
+    /// how many were freed. A driver that persists users calls it only after
+    /// it took their records (a freed user's record cannot be read).
+    pub fn release_idle(&mut self) -> usize {
+        let idle = std::mem::take(&mut self.idle);
+        let mut freed = 0;
+        for user in idle {
+            if self.try_release(user) {
+                freed += 1;
+            } else if self.users.name(user.0).is_some()
+                && !self.core.is_online(user)
+                && self.core.saved(user) == Saved::default()
+            {
+                self.retry.push(user);
+            }
+        }
+        freed
+    }
+
+    /// Tries again the users [`Hub::release_idle`] could not free yet, then
+    /// checks the next `budget` user names (round robin) and frees those that
+    /// hold nothing: catches what `release_idle` is not told of (the targets
+    /// of a session that ended on a timer). How many were freed.
+    pub fn sweep(&mut self, budget: usize) -> usize {
+        let retry = std::mem::take(&mut self.retry);
+        let mut freed = 0;
+        for user in retry {
+            freed += usize::from(self.try_release(user));
+        }
+        for _ in 0..budget.min(self.users.slots.len()) {
+            if self.sweep_at >= self.users.slots.len() {
+                self.sweep_at = 0;
+            }
+            if let Some(id) = self.users.id_at(self.sweep_at) {
+                freed += usize::from(self.try_release(UserId(id)));
+            }
+            self.sweep_at += 1;
+        }
+        freed
+    }
+
+    /// User names held (each has at most one core record).
+    pub fn user_names(&self) -> usize {
+        self.users.len()
+    }
+
+    /// User and device names held.
+    pub fn names(&self) -> usize {
+        self.users.len() + self.devices.len()
+    }
+
     /// A verified hello: connect (or resume) the device.
     pub fn hello(
         &mut self,
@@ -361,29 +557,51 @@ impl Hub {
         claims: &Claims,
         resume: Option<u64>,
     ) -> Result<Welcome, WireError> {
+        // Every name is checked before any is interned: a refused hello
+        // leaves nothing behind.
         self.name_ok(&claims.dev, "device")?;
+        self.name_ok(&claims.sub, "user")?;
+        if let WatchClaim::List(list) = &claims.watch {
+            if list.len() > self.limits.max_watch {
+                return Err(WireError::new(
+                    ErrorCode::BadToken,
+                    format!("watch lists more than {} users", self.limits.max_watch),
+                ));
+            }
+            for name in list {
+                self.name_ok(name, "watched user")?;
+            }
+        }
         let user = self.intern_user(&claims.sub)?;
         let watch = match &claims.watch {
             WatchClaim::Star(_) => Watch::All,
             WatchClaim::List(list) => {
-                if list.len() > self.limits.max_watch {
-                    return Err(WireError::new(
-                        ErrorCode::BadToken,
-                        format!("watch lists more than {} users", self.limits.max_watch),
-                    ));
-                }
                 let mut ids = Vec::with_capacity(list.len());
                 for name in list {
-                    ids.push(self.intern_user(name)?);
+                    match self.intern_user(name) {
+                        Ok(id) => ids.push(id),
+                        Err(e) => {
+                            self.idle.push(user);
+                            self.idle.extend(ids);
+                            return Err(e);
+                        }
+                    }
                 }
                 Watch::only(ids)
             }
         };
-        let device = self
-            .devices
-            .intern(&claims.dev)
-            .map(DeviceId)
-            .ok_or_else(|| WireError::new(ErrorCode::TooManyDevices, "too many device names"))?;
+        let watched = match &watch {
+            Watch::Only(ids) => Some(ids.clone()),
+            Watch::All => None,
+        };
+        let device = match self.intern_device(&claims.dev, user) {
+            Ok(device) => device,
+            Err(e) => {
+                self.idle
+                    .extend(watched.iter().flat_map(|ids| ids.iter().copied()));
+                return Err(e);
+            }
+        };
         let connected = self.core.handle_connect(
             now,
             Connect {
@@ -393,13 +611,27 @@ impl Hub {
                 watch,
                 resume: resume.map(|s| SessionId(s ^ self.session_key)),
             },
-        )?;
+        );
+        let connected = match connected {
+            Ok(c) => c,
+            Err(e) => {
+                self.forget_unused(user, device);
+                self.idle
+                    .extend(watched.iter().flat_map(|ids| ids.iter().copied()));
+                return Err(e.into());
+            }
+        };
+        self.devices.acquire(device.0);
+        for id in watched.iter().flat_map(|ids| ids.iter()) {
+            self.users.acquire(id.0);
+        }
         self.touched.push(user);
         self.sessions.insert(
             connected.session,
             Meta {
                 svc: claims.svc,
                 watch_all: matches!(claims.watch, WatchClaim::Star(_)),
+                watch: watched,
                 user,
                 device,
                 kind: claims.kind.into(),
@@ -452,11 +684,28 @@ impl Hub {
                 self.check_targets(targets.len())?;
                 let mut snapshots = Vec::new();
                 let mut refused = Vec::new();
+                let watch_all = self.sessions.get(&session).is_some_and(|m| m.watch_all);
                 for target in targets {
-                    let result = self.intern_user(&target).and_then(|id| {
+                    // A name nobody holds can only be in no watch list (a
+                    // session's list holds its names): refused before it is
+                    // interned, so refusals create nothing.
+                    let result = self.name_ok(&target, "user").and_then(|()| {
+                        match self.users.get(&target) {
+                            Some(id) => Ok(UserId(id)),
+                            None if watch_all => self.intern_user(&target),
+                            None => Err(WireError::new(
+                                ErrorCode::NotAllowed,
+                                "not allowed to watch that user",
+                            )),
+                        }
+                    });
+                    let result = result.and_then(|id| {
                         self.core
                             .handle_subscribe(now, session, id, tier.into())
-                            .map_err(WireError::from)
+                            .map_err(|e| {
+                                self.idle.push(id);
+                                WireError::from(e)
+                            })
                     });
                     match result {
                         Ok(s) => snapshots.push(self.snapshot(&s)),
@@ -470,6 +719,7 @@ impl Hub {
                     WireError::new(ErrorCode::NotSubscribed, "not subscribed to that user")
                 })?;
                 self.core.handle_unsubscribe(now, session, UserId(id))?;
+                self.idle.push(UserId(id));
                 Ok(Answer::Done)
             }
             Request::Query { targets } => {
@@ -532,6 +782,7 @@ impl Hub {
                 Ok(Answer::Route(entries))
             }
             Request::Logout => {
+                self.note_targets(session);
                 self.core.handle_logout(now, session)?;
                 Ok(Answer::Done)
             }
@@ -584,9 +835,42 @@ impl Hub {
             Output::SessionEnded { session, reason } => {
                 if let Some(meta) = self.sessions.remove(&session) {
                     self.touched.push(meta.user);
+                    self.idle.push(meta.user);
+                    if self.devices.drop_ref(meta.device.0) == 0 {
+                        self.devices.remove(meta.device.0);
+                    }
+                    for id in meta.watch.iter().flat_map(|ids| ids.iter()) {
+                        if self.users.drop_ref(id.0) == 0 {
+                            self.idle.push(*id);
+                        }
+                    }
                 }
                 HubOutput::End { session, reason }
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Interner;
+
+    #[test]
+    fn a_freed_slot_never_answers_to_its_old_id() {
+        let mut names = Interner::new(2);
+        let ann = names.intern("ann").unwrap();
+        let bob = names.intern("bob").unwrap();
+        assert_eq!(names.intern("cy"), None, "at the cap");
+        assert!(names.remove(ann));
+        assert!(!names.remove(ann), "already gone");
+        let cy = names.intern("cy").unwrap();
+        assert_eq!(cy & 0xffff_ffff, ann & 0xffff_ffff, "the slot is reused");
+        assert_ne!(cy, ann);
+        assert_eq!(names.name(ann), None);
+        assert_eq!(names.name(cy).map(|n| &**n), Some("cy"));
+        assert_eq!(names.get("ann"), None);
+        names.acquire(bob);
+        assert_eq!(names.drop_ref(bob), 0);
+        assert_eq!(names.len(), 2);
     }
 }

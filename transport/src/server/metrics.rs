@@ -57,6 +57,10 @@ pub struct MetricsSnapshot {
     pub rejected: BTreeMap<String, u64>,
     pub latency: (Vec<u64>, u64),
     pub store_errors: u64,
+    /// User names the hub holds (each with at most one core record).
+    pub users_known: u64,
+    /// User and device names the hub holds.
+    pub names: u64,
 }
 
 fn metric(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(&str, u64)]) {
@@ -132,6 +136,20 @@ impl MetricsSnapshot {
             "counter",
             "Connections lost without a logout.",
             &[("", c.disconnects)],
+        );
+        metric(
+            &mut out,
+            "greendot_users_known",
+            "gauge",
+            "Users the server keeps a record of (live, watched, or with saved state).",
+            &[("", self.users_known)],
+        );
+        metric(
+            &mut out,
+            "greendot_names",
+            "gauge",
+            "User and device names held.",
+            &[("", self.names)],
         );
         metric(
             &mut out,

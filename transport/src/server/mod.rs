@@ -516,8 +516,8 @@ impl Monitor {
     /// Everything for the metrics page; `None` once the core task stopped.
     pub async fn metrics(&self) -> Option<MetricsSnapshot> {
         let (tx, rx) = oneshot::channel();
-        self.shared.control.send(Control::Counters(tx)).await.ok()?;
-        let counters = rx.await.ok()?;
+        self.shared.control.send(Control::Census(tx)).await.ok()?;
+        let census = rx.await.ok()?;
         let s = &self.shared.stats;
         let stats = self.stats();
         let rejected = s
@@ -526,7 +526,9 @@ impl Monitor {
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         Some(MetricsSnapshot {
-            counters,
+            counters: census.counters,
+            users_known: census.users_known as u64,
+            names: census.names as u64,
             connections_open: stats.connections_open,
             connections_total: stats.connections_total,
             migrations: stats.migrations,
