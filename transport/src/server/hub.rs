@@ -443,6 +443,9 @@ impl Hub {
         }
     }
 
+    /// DESIGN.md "Identifiers": 1 to `max_name_len` bytes of UTF-8 (the
+    /// wire's strings are UTF-8 already) without control characters, which
+    /// would be echoed into logs, events and other clients' screens.
     fn name_ok(&self, name: &str, what: &str) -> Result<(), WireError> {
         if name.is_empty() || name.len() > self.limits.max_name_len {
             return Err(WireError::new(
@@ -451,6 +454,12 @@ impl Hub {
                     "{what} name must be 1 to {} bytes",
                     self.limits.max_name_len
                 ),
+            ));
+        }
+        if name.chars().any(char::is_control) {
+            return Err(WireError::new(
+                ErrorCode::BadRequest,
+                format!("{what} name must not contain control characters"),
             ));
         }
         Ok(())
@@ -715,6 +724,7 @@ impl Hub {
                 Ok(Answer::Subscribed { snapshots, refused })
             }
             Request::Unsubscribe { target } => {
+                self.name_ok(&target, "user")?;
                 let id = self.users.get(&target).ok_or_else(|| {
                     WireError::new(ErrorCode::NotSubscribed, "not subscribed to that user")
                 })?;
@@ -732,16 +742,18 @@ impl Hub {
                 self.check_targets(targets.len())?;
                 let mut results = Vec::with_capacity(targets.len());
                 for target in targets {
-                    let result = match self.users.get(&target) {
-                        Some(id) => self
+                    let known = self
+                        .name_ok(&target, "user")
+                        .map(|()| self.users.get(&target));
+                    let result = match known {
+                        Err(e) => Err(e),
+                        Ok(Some(id)) => self
                             .core
                             .handle_query(now, session, UserId(id))
                             .map(|p| proto::Presence::from_core(&p, self.unix_base_ms))
                             .map_err(WireError::from),
                         // Never seen: offline, if the session may know that much.
-                        None => self
-                            .name_ok(&target, "user")
-                            .and_then(|()| self.query_unknown(session)),
+                        Ok(None) => self.query_unknown(session),
                     };
                     results.push(QueryResult { target, result });
                 }
@@ -763,6 +775,7 @@ impl Hub {
                         "route needs a service token",
                     ));
                 }
+                self.name_ok(&user, "user")?;
                 let Some(id) = self.users.get(&user) else {
                     return Ok(Answer::Route(Vec::new()));
                 };
