@@ -2,11 +2,18 @@
 //! make the server hold, and how it is stopped.
 
 use greendot_core::Tier;
-use greendot_tests::TestServer;
+use greendot_tests::{raw_connect, TestServer, SLACK};
 use greendot_transport::client::{Client, ClientError};
-use greendot_transport::proto::{CloseCode, ErrorCode, Kind};
-use greendot_transport::server::RateLimit;
+use greendot_transport::proto::codec::read_frame;
+use greendot_transport::proto::{
+    self, decode, encode_frame, CloseCode, ErrorCode, FrameReader, Hello, Kind, Request,
+    RequestFrame, ServerFrame, ALPN,
+};
+use greendot_transport::quinn;
+use greendot_transport::server::{RateLimit, RATE_LIMIT_PATIENCE};
 use greendot_transport::token::WatchClaim;
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// A deterministic stream of names nobody uses.
 fn random_names(seed: u64, n: usize) -> Vec<String> {
@@ -119,4 +126,72 @@ async fn names_with_control_characters_are_refused() {
     let after = ts.server.monitor().metrics().await.unwrap();
     assert_eq!(after.users_known, before.users_known + 2);
     client.ping().await.unwrap();
+}
+
+/// A client that keeps pipelining requests past its rate is closed with
+/// `RateLimited` once its refusals lasted `RATE_LIMIT_PATIENCE`, instead of
+/// being answered one refusal at a time forever; a calm client is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_slows_down_is_closed() {
+    let ts = TestServer::start(|c| {
+        c.rate = RateLimit {
+            per_second: 20,
+            burst: 20,
+        }
+    });
+    let (calm, _calm_events) = ts.connect("calm", "phone", Kind::Mobile).await;
+    let (_endpoint, conn) = raw_connect(&ts, ALPN).await.unwrap();
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    let hello = Hello {
+        version: proto::VERSION,
+        token: ts.token("flood", "phone", Kind::Mobile, WatchClaim::all()),
+        resume: None,
+    };
+    send.write_all(&encode_frame(&hello).unwrap())
+        .await
+        .unwrap();
+    // Answers are read (and counted) so that flow control never slows the
+    // flood down: only the rate limit stands in its way.
+    let reader = tokio::spawn(async move {
+        let mut reader = FrameReader::new(1 << 20);
+        let mut refused = 0usize;
+        while let Ok(Some(payload)) = read_frame(&mut recv, &mut reader).await {
+            if let Ok(ServerFrame::Reply { result: Err(e), .. }) = decode::<ServerFrame>(&payload) {
+                assert_eq!(e.code, ErrorCode::RateLimited);
+                refused += 1;
+            }
+        }
+        refused
+    });
+    let ping = encode_frame(&RequestFrame {
+        id: 1,
+        request: Request::Ping,
+    })
+    .unwrap();
+    let started = Instant::now();
+    let flood = async {
+        loop {
+            if send.write_all(&ping.repeat(10)).await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    let patience = Duration::from_millis(RATE_LIMIT_PATIENCE.0);
+    let _ = tokio::time::timeout(patience + SLACK, flood).await;
+    let close = tokio::time::timeout(SLACK, conn.closed()).await;
+    let elapsed = started.elapsed();
+    match close {
+        Ok(quinn::ConnectionError::ApplicationClosed(c)) => {
+            assert_eq!(
+                CloseCode::from_code(c.error_code.into_inner()),
+                Some(CloseCode::RateLimited)
+            )
+        }
+        other => panic!("not closed for its rate: {other:?}"),
+    }
+    assert!(elapsed >= patience, "closed after {elapsed:?}");
+    let refused = reader.await.unwrap();
+    assert!(refused > 100, "{refused} refusals before the close");
+    calm.ping().await.unwrap();
 }

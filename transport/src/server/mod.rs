@@ -51,7 +51,7 @@ pub mod hub;
 pub mod metrics;
 pub mod store;
 
-pub use conn::{handle_frame, ConnState, Handled, RateLimit, Step};
+pub use conn::{handle_frame, ConnState, Handled, RateLimit, Step, RATE_LIMIT_PATIENCE};
 pub use hub::{Hub, HubLimits, HubOutput, Interner, LiveDevice};
 pub use metrics::MetricsSnapshot;
 
