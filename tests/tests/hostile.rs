@@ -195,3 +195,40 @@ async fn a_client_that_never_slows_down_is_closed() {
     assert!(refused > 100, "{refused} refusals before the close");
     calm.ping().await.unwrap();
 }
+
+/// A client that stops (STOP_SENDING) one of its push streams is closed with
+/// `StreamStopped` rather than kept online while every push to it is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopping_a_push_stream_closes_the_connection() {
+    let ts = TestServer::start(|_| {});
+    let (watcher, _watcher_events) = ts.connect("wendy", "phone", Kind::Mobile).await;
+    let (_endpoint, conn) = raw_connect(&ts, ALPN).await.unwrap();
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    let hello = Hello {
+        version: proto::VERSION,
+        token: ts.token("stopper", "phone", Kind::Mobile, WatchClaim::all()),
+        resume: None,
+    };
+    send.write_all(&encode_frame(&hello).unwrap())
+        .await
+        .unwrap();
+    let mut reader = FrameReader::new(1 << 20);
+    let welcome = read_frame(&mut recv, &mut reader).await.unwrap().unwrap();
+    assert!(matches!(
+        decode::<ServerFrame>(&welcome),
+        Ok(ServerFrame::Welcome(_))
+    ));
+    let mut push = tokio::time::timeout(SLACK, conn.accept_uni())
+        .await
+        .expect("a push stream in time")
+        .unwrap();
+    push.stop(0u32.into()).unwrap();
+    match tokio::time::timeout(SLACK, conn.closed()).await {
+        Ok(quinn::ConnectionError::ApplicationClosed(c)) => assert_eq!(
+            CloseCode::from_code(c.error_code.into_inner()),
+            Some(CloseCode::StreamStopped)
+        ),
+        other => panic!("not closed for the stopped stream: {other:?}"),
+    }
+    watcher.ping().await.unwrap();
+}

@@ -748,6 +748,30 @@ impl Driver {
                     self.read_control(ch, now);
                 }
             }
+            Event::Stream(StreamEvent::Stopped { id, .. })
+                if self.conn(ch).is_some_and(|c| {
+                    c.pushes
+                        .as_deref()
+                        .is_some_and(|p| p.iter().any(|s| s.id == id))
+                }) =>
+            {
+                // A client that stops a push stream would stay online while
+                // missing every update of that tier: a protocol error.
+                let remote = self.conn(ch).map(|c| c.address);
+                self.shared.stats.reject("StreamStopped");
+                if let Some(remote) = remote {
+                    self.shared.event(ServerEvent::Rejected {
+                        remote,
+                        reason: "the client stopped a push stream".into(),
+                    });
+                }
+                self.close(
+                    ch,
+                    now,
+                    CloseCode::StreamStopped,
+                    b"the client stopped a push stream",
+                );
+            }
             Event::Stream(StreamEvent::Stopped { id, .. }) => {
                 // The client reads no more of this stream: what waits for it
                 // is dropped (the write fails), which may unblock the control
