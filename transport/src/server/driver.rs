@@ -389,6 +389,14 @@ impl Driver {
 
     fn handshake_failed(&self, remote: SocketAddr, error: &ConnectionError) {
         debug!(%remote, %error, "handshake failed");
+        if super::handshake_aborted(error) {
+            // Not bad input: a client whose network went away mid-handshake.
+            self.shared
+                .stats
+                .handshakes_aborted
+                .fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         self.shared.stats.reject("handshake");
         self.shared.event(ServerEvent::Rejected {
             remote,

@@ -57,6 +57,8 @@ pub struct MetricsSnapshot {
     pub rejected: BTreeMap<String, u64>,
     pub latency: (Vec<u64>, u64),
     pub store_errors: u64,
+    /// Handshakes cut short (timed out, reset, given up): not bad input.
+    pub handshakes_aborted: u64,
     /// User names the hub holds (each with at most one core record).
     pub users_known: u64,
     /// User and device names the hub holds.
@@ -230,6 +232,13 @@ impl MetricsSnapshot {
             "counter",
             "Connections refused or closed for bad input, by reason.",
             &rejected,
+        );
+        metric(
+            &mut out,
+            "greendot_handshakes_aborted_total",
+            "counter",
+            "Handshakes cut short (the client's network went away, it gave up): not bad input.",
+            &[("", self.handshakes_aborted)],
         );
         metric(
             &mut out,

@@ -214,6 +214,7 @@ struct StatsInner {
     rejected: AtomicU64,
     overloaded: AtomicU64,
     store_errors: AtomicU64,
+    handshakes_aborted: AtomicU64,
     rejected_by: Mutex<BTreeMap<String, u64>>,
     latency: Histogram,
 }
@@ -223,6 +224,23 @@ impl StatsInner {
         self.rejected.fetch_add(1, Ordering::Relaxed);
         let mut by = self.rejected_by.lock().unwrap_or_else(|p| p.into_inner());
         *by.entry(reason.to_owned()).or_default() += 1;
+    }
+}
+
+/// Whether a failed handshake was merely cut short (the client's network
+/// went away, it gave up, the server was stopping) rather than refused for
+/// bad input (a TLS alert, a wrong ALPN, a QUIC protocol violation): the
+/// first is counted in `greendot_handshakes_aborted_total`, the second in
+/// `greendot_rejected_total{reason="handshake"}`.
+pub(crate) fn handshake_aborted(error: &quinn_proto::ConnectionError) -> bool {
+    use quinn_proto::{ConnectionError as E, TransportErrorCode};
+    match error {
+        E::TimedOut | E::Reset | E::LocallyClosed | E::CidsExhausted | E::ApplicationClosed(_) => {
+            true
+        }
+        // The peer's stack gave up without an error of its own.
+        E::ConnectionClosed(close) => close.error_code == TransportErrorCode::NO_ERROR,
+        E::TransportError(_) | E::VersionMismatch => false,
     }
 }
 
@@ -536,6 +554,7 @@ impl Monitor {
             rejected,
             latency: s.latency.snapshot(),
             store_errors: s.store_errors.load(Ordering::Relaxed),
+            handshakes_aborted: s.handshakes_aborted.load(Ordering::Relaxed),
         })
     }
 }
@@ -664,5 +683,40 @@ impl Handled {
             Step::Close(error) => Handled::close(error),
             _ => self,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::handshake_aborted;
+    use quinn_proto::{ConnectionError, TransportError, TransportErrorCode};
+
+    #[test]
+    fn a_lost_handshake_is_not_bad_input() {
+        assert!(handshake_aborted(&ConnectionError::TimedOut));
+        assert!(handshake_aborted(&ConnectionError::Reset));
+        assert!(handshake_aborted(&ConnectionError::LocallyClosed));
+        let close = |code| {
+            ConnectionError::ConnectionClosed(quinn_proto::ConnectionClose {
+                error_code: code,
+                frame_type: None,
+                reason: bytes::Bytes::new(),
+            })
+        };
+        assert!(handshake_aborted(&close(TransportErrorCode::NO_ERROR)));
+        // A TLS alert (here: no application protocol) is bad input.
+        assert!(!handshake_aborted(&close(TransportErrorCode::crypto(0x78))));
+        assert!(!handshake_aborted(&close(
+            TransportErrorCode::PROTOCOL_VIOLATION
+        )));
+        let violation = TransportError {
+            code: TransportErrorCode::crypto(0x2a),
+            frame: None,
+            reason: "bad certificate".into(),
+        };
+        assert!(!handshake_aborted(&ConnectionError::TransportError(
+            violation
+        )));
+        assert!(!handshake_aborted(&ConnectionError::VersionMismatch));
     }
 }
