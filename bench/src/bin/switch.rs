@@ -97,7 +97,7 @@ async fn ws_core(mut hub: Hub, mut rx: mpsc::Receiver<CoreMsg>, start: Instant) 
             }
             CoreMsg::Activity(s) => hub.activity(now(), s),
             CoreMsg::Tick => {}
-            CoreMsg::Closed(s) => hub.closed(now(), s, false),
+            CoreMsg::Closed(s) => hub.closed(now(), s, false, now()),
         }
         if hub.poll_timeout().is_some_and(|t| t <= now()) {
             hub.handle_timeout(now());

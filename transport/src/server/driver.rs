@@ -23,7 +23,7 @@ use super::store::{Batch, StoreWriter};
 use super::{durable_user, not_saved, reason_label, reason_text, record, ServerEvent, Shared};
 use crate::proto::{self, encode_frame, CloseCode, FrameError, FrameReader, ServerFrame};
 use bytes::{Bytes, BytesMut};
-use greendot_core::{Counters, EndReason, SessionId, Tier, UserId};
+use greendot_core::{Counters, EndReason, Millis, SessionId, Tier, UserId};
 use quinn_proto::{
     ConnectionError, ConnectionHandle, DatagramEvent, Dir, Endpoint, Event, StreamEvent, StreamId,
 };
@@ -123,6 +123,9 @@ struct Conn {
     closing: Option<(CloseCode, Vec<u8>)>,
     /// The hello deadline, or how long a closing answer may take to arrive.
     deadline: Option<Instant>,
+    /// When a datagram of this connection last arrived (Unix ms): the
+    /// user's last seen if the connection is lost.
+    last_heard: Millis,
     /// The instant under which this connection sits in the timer set.
     timer: Option<Instant>,
     /// In the driver's `touched` list.
@@ -346,7 +349,9 @@ impl Driver {
                 }
             }
             Some(DatagramEvent::ConnectionEvent(ch, event)) => {
+                let heard = self.shared.clock.at(now);
                 if let Some(conn) = self.conn(ch.0) {
+                    conn.last_heard = heard;
                     conn.quic.handle_event(event);
                     self.touch(ch.0);
                 }
@@ -377,6 +382,7 @@ impl Driver {
             waiting_store: false,
             closing: None,
             deadline: None,
+            last_heard: self.shared.clock.now(),
             timer: None,
             touched: false,
         };
@@ -844,6 +850,7 @@ impl Driver {
         let counted = std::mem::take(&mut conn.counted);
         let connected = conn.connected;
         let session = conn.session;
+        let last_heard = conn.last_heard;
         conn.pushes = None;
         conn.unsent = Vec::new();
         conn.reader = FrameReader::new(0);
@@ -854,7 +861,8 @@ impl Driver {
             if self.sessions.get(&session) == Some(&ch) {
                 self.sessions.remove(&session);
             }
-            self.hub.closed(self.shared.clock.now(), session, logout);
+            let now = self.shared.clock.now();
+            self.hub.closed(now, session, logout, last_heard.min(now));
         }
         if connected {
             self.shared.event(ServerEvent::Closed {

@@ -395,8 +395,10 @@ impl Hub {
 
     /// The connection of `session` is gone: a logout if it closed with the
     /// logout code, otherwise a disconnect (the device lingers for grace).
-    /// A stale session changes nothing.
-    pub fn closed(&mut self, now: Millis, session: SessionId, logout: bool) {
+    /// `last_heard`: when the connection last received anything from the
+    /// client (its last packet), what the user's `last_seen` is to show
+    /// (DESIGN.md). A stale session changes nothing.
+    pub fn closed(&mut self, now: Millis, session: SessionId, logout: bool, last_heard: Millis) {
         if let Some(user) = self.session_user(session) {
             self.touched.push(user);
         }
@@ -404,6 +406,9 @@ impl Hub {
             self.note_targets(session);
             self.core.handle_logout(now, session)
         } else {
+            // TODO(core merge): `handle_disconnect(now, session, last_heard)`
+            // once the core takes it; until then last seen is `now`.
+            tracing::trace!(?session, last_heard = last_heard.0, "disconnected");
             self.core.handle_disconnect(now, session)
         };
     }

@@ -275,7 +275,13 @@ impl Clock {
     }
 
     fn now(&self) -> Millis {
-        let elapsed = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.at(Instant::now())
+    }
+
+    /// `instant` on this clock.
+    fn at(&self, instant: Instant) -> Millis {
+        let elapsed = instant.saturating_duration_since(self.start);
+        let elapsed = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
         Millis(self.unix_start_ms.saturating_add(elapsed))
     }
 
