@@ -64,7 +64,8 @@ pub(super) enum Control {
         ch: usize,
         serial: u64,
         handled: Handled,
-        ok: bool,
+        /// Why it could not be saved (a failed commit, or none in time).
+        error: Option<String>,
     },
     /// Close every connection with `code`, wait up to two seconds for them to
     /// go, then (if `save`) write the store with the live devices, and stop.
@@ -428,16 +429,17 @@ impl Driver {
                 ch,
                 serial,
                 handled,
-                ok,
+                error,
             } => {
-                let handled = if ok {
-                    handled
-                } else {
-                    self.shared
-                        .stats
-                        .store_errors
-                        .fetch_add(1, Ordering::Relaxed);
-                    not_saved(handled)
+                let handled = match error {
+                    None => handled,
+                    Some(error) => {
+                        self.shared
+                            .stats
+                            .store_errors
+                            .fetch_add(1, Ordering::Relaxed);
+                        not_saved(handled, &error)
+                    }
                 };
                 let Some(conn) = self.conn(ch) else { return };
                 if conn.serial != serial || conn.ended {
@@ -570,16 +572,12 @@ impl Driver {
                 ..self.changed_records()
             };
             if let Some(store) = &self.store {
-                let done = store.write_durable(batch);
-                match tokio::time::timeout(Duration::from_secs(10), done).await {
-                    Ok(Ok(Ok(()))) => {}
-                    Ok(_) => {
-                        self.shared
-                            .stats
-                            .store_errors
-                            .fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(_) => warn!("the store did not finish writing in time"),
+                if let Err(e) = store.write_durable(batch, Duration::from_secs(10)).await {
+                    warn!(error = %e, "the store was not written at the stop");
+                    self.shared
+                        .stats
+                        .store_errors
+                        .fetch_add(1, Ordering::Relaxed);
                 }
             }
         }
@@ -1004,23 +1002,31 @@ impl Driver {
         match pending {
             // On disk before it is acknowledged; later frames wait.
             Some((store, user)) => {
-                let done = store.write_durable(Batch {
+                let store = store.clone();
+                let batch = Batch {
                     users: vec![user],
                     alive_at: None,
                     drained: None,
-                });
+                };
+                let timeout = self.shared.config.store_timeout;
                 let Some(conn) = self.conn(ch) else { return };
                 conn.waiting_store = true;
                 let serial = conn.serial;
                 let tx = self.shared.control.clone();
+                // The wait (for room in the writer's queue, then for the
+                // commit) is this task's, never the driver's.
                 tokio::spawn(async move {
-                    let ok = matches!(done.await, Ok(Ok(())));
+                    let error = store
+                        .write_durable(batch, timeout)
+                        .await
+                        .err()
+                        .map(|e| e.to_string());
                     let _ = tx
                         .send(Control::Saved {
                             ch,
                             serial,
                             handled,
-                            ok,
+                            error,
                         })
                         .await;
                 });

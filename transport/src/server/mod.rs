@@ -39,7 +39,15 @@
 //!   server does not); what else changed (last seen, who is shown online) is
 //!   written behind every [`ServerConfig::flush_interval`]. At start every
 //!   saved user is restored into the core before the first connection is
-//!   accepted.
+//!   accepted (the file is opened and read off the runtime's worker).
+//!   A commit that fails, or does not finish within
+//!   [`ServerConfig::store_timeout`], is **not rolled back**: the change is
+//!   in effect (watchers see it) and the request is answered `Internal`,
+//!   "the change is in effect but could not be saved"; the change stays
+//!   pending and is written with the next flush that succeeds (a failed
+//!   batch keeps its users). The writer's queue is bounded
+//!   ([`store::DURABLE_QUEUE`] durable requests; write-behind batches merge
+//!   into one per user).
 //! - **Draining** ([`Server::drain`]): stop accepting, close every connection
 //!   with [`CloseCode::Draining`] (clients reconnect and resume), write the
 //!   store, including the devices that were live; the next process brings them
@@ -115,6 +123,12 @@ pub struct ServerConfig {
     /// How often what changed is written behind to the store (last seen, who
     /// is shown online). Default 1 s.
     pub flush_interval: Duration,
+    /// How long a status or invisibility change waits for its commit before
+    /// it is answered "in effect but could not be saved". Default 5 s.
+    pub store_timeout: Duration,
+    /// Faults injected into the store writer (tests only).
+    #[doc(hidden)]
+    pub store_faults: Option<Arc<store::StoreFaults>>,
 }
 
 impl ServerConfig {
@@ -137,6 +151,8 @@ impl ServerConfig {
             limits: HubLimits::default(),
             store: None,
             flush_interval: Duration::from_secs(1),
+            store_timeout: Duration::from_secs(5),
+            store_faults: None,
         }
     }
 
@@ -401,9 +417,24 @@ impl Server {
         // Everything saved is back in the core before the first connection.
         let writer = match &config.store {
             Some(path) => {
-                let store = Store::open(path)?;
-                restore(&mut hub, &store, clock.now(), &config)?;
-                Some(StoreWriter::spawn(store)?)
+                // Disk work: off the runtime's worker (the runtime moves
+                // its other tasks elsewhere meanwhile).
+                let mut open = || -> Result<Store, ServerError> {
+                    let store = Store::open(path)?;
+                    restore(&mut hub, &store, clock.now(), &config)?;
+                    Ok(store)
+                };
+                let store = match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor())
+                {
+                    Ok(tokio::runtime::RuntimeFlavor::MultiThread) => {
+                        tokio::task::block_in_place(open)?
+                    }
+                    _ => open()?,
+                };
+                Some(StoreWriter::spawn_with_faults(
+                    store,
+                    config.store_faults.clone(),
+                )?)
             }
             None => None,
         };
@@ -655,15 +686,17 @@ fn durable_user(hub: &Hub, step: &Step) -> Option<UserId> {
     }
 }
 
-/// The answer to a request whose change could not be saved.
-fn not_saved(handled: Handled) -> Handled {
+/// The answer to a request whose change could not be saved (the commit
+/// failed or did not finish within `store_timeout`): the change stays in
+/// effect (see "Durability" in the module docs).
+fn not_saved(handled: Handled, why: &str) -> Handled {
     match handled.reply {
         Some(ServerFrame::Reply { id, .. }) => Handled {
             reply: Some(ServerFrame::Reply {
                 id,
                 result: Err(proto::WireError::new(
                     proto::ErrorCode::Internal,
-                    "the change is in effect but could not be saved",
+                    format!("the change is in effect but could not be saved: {why}"),
                 )),
             }),
             ..handled
