@@ -1,7 +1,7 @@
 //! Hostile clients: what a client with a valid token but bad intentions can
 //! make the server hold, and how it is stopped.
 
-use greendot_core::Tier;
+use greendot_core::{Status, Tier};
 use greendot_tests::{raw_connect, TestServer, SLACK};
 use greendot_transport::client::{Client, ClientError};
 use greendot_transport::proto::codec::read_frame;
@@ -12,6 +12,7 @@ use greendot_transport::proto::{
 use greendot_transport::quinn;
 use greendot_transport::server::{RateLimit, RATE_LIMIT_PATIENCE};
 use greendot_transport::token::WatchClaim;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -231,4 +232,118 @@ async fn stopping_a_push_stream_closes_the_connection() {
         other => panic!("not closed for the stopped stream: {other:?}"),
     }
     watcher.ping().await.unwrap();
+}
+
+/// A raw connection whose receive windows are small, so that pushes it does
+/// not read soon wait in the server's queues.
+async fn stingy_connect(ts: &TestServer) -> (quinn::Endpoint, quinn::Connection) {
+    let crypto =
+        greendot_transport::tls::client_crypto(&[ts.server.certificate().clone()], ALPN).unwrap();
+    let mut transport = quinn::TransportConfig::default();
+    transport.stream_receive_window(4096u32.into());
+    transport.receive_window(8192u32.into());
+    let mut config = quinn::ClientConfig::new(Arc::new(crypto));
+    config.transport_config(Arc::new(transport));
+    let mut endpoint =
+        quinn::Endpoint::client(std::net::SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
+    endpoint.set_default_client_config(config);
+    let conn = endpoint
+        .connect(ts.addr(), "localhost")
+        .unwrap()
+        .await
+        .unwrap();
+    (endpoint, conn)
+}
+
+/// `sink` watches itself and never reads its pushes while its other device
+/// changes its status 200 times with 1 KB messages; how the server closed
+/// the sink (`None`: still open).
+async fn stall_with_big_pushes(ts: &TestServer) -> Option<CloseCode> {
+    let (_endpoint, conn) = stingy_connect(ts).await;
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    let hello = Hello {
+        version: proto::VERSION,
+        token: ts.token("sink", "tablet", Kind::Mobile, WatchClaim::all()),
+        resume: None,
+    };
+    let subscribe = RequestFrame {
+        id: 1,
+        request: Request::Subscribe {
+            targets: vec!["sink".into()],
+            tier: proto::Tier::Realtime,
+        },
+    };
+    send.write_all(&encode_frame(&hello).unwrap())
+        .await
+        .unwrap();
+    send.write_all(&encode_frame(&subscribe).unwrap())
+        .await
+        .unwrap();
+    let mut reader = FrameReader::new(1 << 20);
+    for _ in 0..2 {
+        read_frame(&mut recv, &mut reader).await.unwrap().unwrap();
+    }
+    let (writer, _events) = ts.connect("sink", "pc", Kind::Desktop).await;
+    for i in 0..200 {
+        let message = format!("{i:04}").repeat(250);
+        if writer
+            .set_status(Status::Busy, Some(&message))
+            .await
+            .is_err()
+        {
+            break;
+        }
+    }
+    match tokio::time::timeout(SLACK, conn.closed()).await {
+        Ok(quinn::ConnectionError::ApplicationClosed(c)) => {
+            CloseCode::from_code(c.error_code.into_inner())
+        }
+        _ => None,
+    }
+}
+
+/// Push queues are bounded in bytes per connection, not only in pushes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_does_not_read_is_closed_by_bytes_queued() {
+    let ts = TestServer::start(|c| {
+        c.core.max_message_len = 1_000;
+        c.rate = RateLimit {
+            per_second: 10_000,
+            burst: 10_000,
+        };
+        c.push_queue = 100_000;
+        c.push_queue_bytes = 16 * 1024;
+    });
+    assert_eq!(
+        stall_with_big_pushes(&ts).await,
+        Some(CloseCode::Overloaded)
+    );
+    assert!(ts.server.stats().overloaded >= 1);
+}
+
+/// Past the server's byte budget the largest queue is closed; a client that
+/// reads is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_byte_budget_the_slowest_reader_is_closed() {
+    let ts = TestServer::start(|c| {
+        c.core.max_message_len = 1_000;
+        c.rate = RateLimit {
+            per_second: 10_000,
+            burst: 10_000,
+        };
+        c.push_queue = 100_000;
+        c.push_queue_bytes = 1 << 30;
+        c.push_budget_bytes = 32 * 1024;
+    });
+    let (reader, mut reader_events) = ts.connect("reader", "phone", Kind::Mobile).await;
+    reader.subscribe(&["sink"], Tier::Realtime).await.unwrap();
+    assert_eq!(
+        stall_with_big_pushes(&ts).await,
+        Some(CloseCode::Overloaded)
+    );
+    reader_events
+        .wait_presence("sink", SLACK, |p| p.status == Status::Busy)
+        .await
+        .expect("the reader got its pushes");
+    reader.ping().await.unwrap();
 }

@@ -104,9 +104,9 @@ async fn ws_core(mut hub: Hub, mut rx: mpsc::Receiver<CoreMsg>, start: Instant) 
         }
         while let Some(out) = hub.poll_output() {
             match out {
-                HubOutput::Push { session, push, .. } => {
+                HubOutput::Push { session, frame, .. } => {
                     if let Some(link) = links.get(&session) {
-                        let _ = link.send(tagged(1, postcard::to_stdvec(&push)));
+                        let _ = link.send(tagged(1, Ok(frame[4..].to_vec())));
                     }
                 }
                 HubOutput::End { session, .. } => {

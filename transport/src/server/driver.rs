@@ -22,7 +22,7 @@ use super::hub::{Hub, HubOutput};
 use super::store::{Batch, StoreWriter};
 use super::{durable_user, not_saved, reason_label, reason_text, record, ServerEvent, Shared};
 use crate::proto::{self, encode_frame, CloseCode, FrameError, FrameReader, ServerFrame};
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use greendot_core::{Counters, EndReason, Millis, SessionId, Tier, UserId};
 use quinn_proto::{
     ConnectionError, ConnectionHandle, DatagramEvent, Dir, Endpoint, Event, StreamEvent, StreamId,
@@ -91,7 +91,7 @@ struct PushStream {
     id: StreamId,
     /// Encoded pushes the stream did not accept yet (flow control), with the
     /// instant of the change behind each.
-    pending: VecDeque<(Instant, Vec<u8>)>,
+    pending: VecDeque<(Instant, Bytes)>,
 }
 
 /// One connection.
@@ -107,6 +107,8 @@ struct Conn {
     unsent: Vec<u8>,
     /// Realtime and batched, opened at the welcome.
     pushes: Option<Box<[PushStream; 2]>>,
+    /// Bytes waiting in `pushes` (counted in `Driver::queued` too).
+    queued: usize,
     session: Option<SessionId>,
     address: SocketAddr,
     /// The handshake is done.
@@ -147,6 +149,8 @@ pub(super) struct Driver {
     send_buf: Vec<u8>,
     store: Option<StoreWriter>,
     dirty_users: HashSet<UserId>,
+    /// Push bytes waiting in every connection's queues.
+    queued: usize,
     next_flush: Instant,
     next_renewal: Instant,
     stopping: Option<Stopping>,
@@ -191,6 +195,7 @@ impl Driver {
             send_buf: Vec::new(),
             store,
             dirty_users: HashSet::new(),
+            queued: 0,
             stopping: None,
         }
     }
@@ -375,6 +380,7 @@ impl Driver {
             control: None,
             unsent: Vec::new(),
             pushes: None,
+            queued: 0,
             session: None,
             connected: false,
             counted: false,
@@ -838,7 +844,9 @@ impl Driver {
 
     /// The connection is over for the application: report it once.
     fn end(&mut self, ch: usize, logout: bool, reason: String) {
-        let Some(conn) = self.conn(ch) else { return };
+        let Some(conn) = slot(&mut self.conns, ch) else {
+            return;
+        };
         if conn.ended {
             return;
         }
@@ -850,6 +858,7 @@ impl Driver {
         let session = conn.session;
         let last_heard = conn.last_heard;
         conn.pushes = None;
+        self.queued -= std::mem::take(&mut conn.queued);
         conn.unsent = Vec::new();
         conn.reader = FrameReader::new(0);
         if counted {
@@ -1037,7 +1046,9 @@ impl Driver {
     }
 
     fn welcome(&mut self, ch: usize, now: Instant, session: SessionId, handled: &Handled) {
-        let Some(conn) = self.conn(ch) else { return };
+        let Some(conn) = slot(&mut self.conns, ch) else {
+            return;
+        };
         conn.state.on_welcome(session);
         conn.session = Some(session);
         conn.deadline = None;
@@ -1057,7 +1068,9 @@ impl Driver {
                 encode_frame(&proto::Push::Stream { tier }),
                 streams.last_mut(),
             ) {
-                write_or_queue(&mut conn.quic, stream, now, header);
+                let (_, queued) = write_or_queue(&mut conn.quic, stream, now, header.into());
+                conn.queued += queued;
+                self.queued += queued;
             }
         }
         if let Ok(pair) = <[PushStream; 2]>::try_from(streams) {
@@ -1145,19 +1158,23 @@ impl Driver {
         let Some(pushes) = conn.pushes.as_deref_mut() else {
             return;
         };
+        let mut written = 0;
         for stream in pushes.iter_mut().filter(|s| s.id == id) {
             while let Some((at, bytes)) = stream.pending.front_mut() {
                 match conn.quic.send_stream(id).write(bytes) {
                     Ok(n) if n == bytes.len() => {
                         latency.observe(at.elapsed());
+                        written += n;
                         stream.pending.pop_front();
                     }
                     // Part taken: try the rest (see above).
                     Ok(n) => {
-                        bytes.drain(..n);
+                        written += n;
+                        bytes.advance(n);
                     }
                     Err(quinn_proto::WriteError::Blocked) => break,
                     Err(_) => {
+                        written += stream.pending.iter().map(|(_, b)| b.len()).sum::<usize>();
                         stream.pending.clear();
                         break;
                     }
@@ -1167,6 +1184,8 @@ impl Driver {
                 stream.pending = VecDeque::new();
             }
         }
+        conn.queued -= written;
+        self.queued -= written;
     }
 
     /// Sends every output of the hub where it goes.
@@ -1176,15 +1195,13 @@ impl Driver {
                 HubOutput::Push {
                     session,
                     tier,
-                    push,
+                    frame,
                 } => {
                     let Some(&ch) = self.sessions.get(&session) else {
                         continue;
                     };
-                    let Ok(bytes) = encode_frame(&push) else {
-                        continue;
-                    };
-                    let limit = self.shared.config.push_queue;
+                    let config = &self.shared.config;
+                    let (limit, limit_bytes) = (config.push_queue, config.push_queue_bytes);
                     let Some(conn) = slot(&mut self.conns, ch) else {
                         continue;
                     };
@@ -1195,10 +1212,15 @@ impl Driver {
                         Tier::Realtime => &mut pushes[0],
                         Tier::Batched => &mut pushes[1],
                     };
-                    if stream.pending.len() >= limit {
+                    if stream.pending.len() >= limit
+                        || conn.queued.saturating_add(frame.len()) > limit_bytes
+                    {
                         (session, ch)
                     } else {
-                        if write_or_queue(&mut conn.quic, stream, now, bytes) {
+                        let (straight, queued) = write_or_queue(&mut conn.quic, stream, now, frame);
+                        conn.queued += queued;
+                        self.queued += queued;
+                        if straight {
                             self.shared.stats.latency.observe(now.elapsed());
                         }
                         self.touch(ch);
@@ -1227,44 +1249,70 @@ impl Driver {
                 }
             };
             warn!(%session, "push queue full: closing the stalled connection");
-            self.shared.stats.overloaded.fetch_add(1, Ordering::Relaxed);
-            self.close(
-                stalled,
-                now,
-                CloseCode::Overloaded,
-                b"pushes not read in time",
-            );
+            self.overloaded(stalled, now);
+        }
+        self.within_budget(now);
+    }
+
+    fn overloaded(&mut self, ch: usize, now: Instant) {
+        self.shared.stats.overloaded.fetch_add(1, Ordering::Relaxed);
+        self.close(ch, now, CloseCode::Overloaded, b"pushes not read in time");
+    }
+
+    /// Past the server's push byte budget, the slowest readers (the largest
+    /// queues) are closed until the rest fits: a few clients that do not
+    /// read cannot make the server run out of memory for everybody.
+    fn within_budget(&mut self, now: Instant) {
+        let budget = self.shared.config.push_budget_bytes;
+        if self.queued <= budget {
+            return;
+        }
+        let mut queues: Vec<(usize, usize)> = self
+            .conns
+            .iter()
+            .enumerate()
+            .filter_map(|(ch, c)| Some((c.as_deref()?.queued, ch)))
+            .filter(|&(queued, _)| queued > 0)
+            .collect();
+        queues.sort_unstable_by(|a, b| b.cmp(a));
+        for (_, ch) in queues {
+            if self.queued <= budget {
+                break;
+            }
+            warn!(ch, "push byte budget exceeded: closing the slowest reader");
+            self.overloaded(ch, now);
         }
     }
 }
 
-/// Writes `bytes` to a push stream, or queues it behind what waits; `true`
-/// if it went straight into the stream.
+/// Writes `bytes` to a push stream, or queues it behind what waits: whether
+/// it went straight into the stream, and how many bytes were queued.
 fn write_or_queue(
     quic: &mut quinn_proto::Connection,
     stream: &mut PushStream,
     at: Instant,
-    bytes: Vec<u8>,
-) -> bool {
+    mut bytes: Bytes,
+) -> (bool, usize) {
     if !stream.pending.is_empty() {
+        let n = bytes.len();
         stream.pending.push_back((at, bytes));
-        return false;
+        return (false, n);
     }
     // Until all is taken or quinn says `Blocked`: only a write that is
     // refused outright promises a `Writable` event later.
-    let mut sent = 0;
-    while sent < bytes.len() {
-        match quic.send_stream(stream.id).write(&bytes[sent..]) {
-            Ok(n) => sent += n,
+    while !bytes.is_empty() {
+        match quic.send_stream(stream.id).write(&bytes) {
+            Ok(n) => bytes.advance(n),
             Err(quinn_proto::WriteError::Blocked) => {
-                stream.pending.push_back((at, bytes[sent..].to_vec()));
-                return false;
+                let n = bytes.len();
+                stream.pending.push_back((at, bytes));
+                return (false, n);
             }
-            // Stopped by the client: it reads no more pushes of this tier.
-            Err(_) => return false,
+            // Stopped by the client (the connection is being closed for it).
+            Err(_) => return (false, 0),
         }
     }
-    true
+    (true, 0)
 }
 
 fn slot(conns: &mut [Option<Box<Conn>>], ch: usize) -> Option<&mut Conn> {

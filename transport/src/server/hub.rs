@@ -8,6 +8,7 @@ use crate::proto::{
 };
 use crate::server::conn::{Handled, Step};
 use crate::token::{Claims, WatchClaim};
+use bytes::Bytes;
 use greendot_core::{
     Config, ConfigError, Connect, Core, DeviceId, DeviceKind, EndReason, Millis, Output, Saved,
     SessionId, Tier, UserId, Watch,
@@ -183,11 +184,14 @@ impl Default for HubLimits {
 /// What the hub asks its driver to do, drained with [`Hub::poll_output`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum HubOutput {
-    /// Send this update on the session's push stream of this tier.
+    /// Send this update on the session's push stream of this tier: `frame`
+    /// is the encoded [`proto::Push::Update`] (length prefix included),
+    /// encoded once per target and view and shared by every subscriber it
+    /// goes to.
     Push {
         session: SessionId,
         tier: Tier,
-        push: proto::Push,
+        frame: Bytes,
     },
     /// The session is over: close its connection if it still has one.
     End {
@@ -241,6 +245,9 @@ pub struct Hub {
     retry: Vec<UserId>,
     /// Where [`Hub::sweep`] goes on in the user names.
     sweep_at: usize,
+    /// Push frames encoded since the outputs were last drained, by target
+    /// and view: a publish to many subscribers is encoded once.
+    encoded: HashMap<(UserId, greendot_core::Presence), Bytes>,
 }
 
 impl Hub {
@@ -260,6 +267,7 @@ impl Hub {
             idle: Vec::new(),
             retry: Vec::new(),
             sweep_at: 0,
+            encoded: HashMap::new(),
         })
     }
 
@@ -835,21 +843,38 @@ impl Hub {
 
     /// The next output for the driver.
     pub fn poll_output(&mut self) -> Option<HubOutput> {
-        let out = self.core.poll_output()?;
+        let Some(out) = self.core.poll_output() else {
+            // Drained: the next outputs are of later changes.
+            self.encoded.clear();
+            return None;
+        };
         Some(match out {
             Output::Push {
                 to,
                 target,
                 tier,
                 presence,
-            } => HubOutput::Push {
-                session: to,
-                tier,
-                push: proto::Push::Update {
-                    target: self.user_name(target).unwrap_or_default().to_owned(),
-                    presence: proto::Presence::from_core(&presence, self.unix_base_ms),
-                },
-            },
+            } => {
+                let key = (target, presence);
+                let frame = match self.encoded.get(&key) {
+                    Some(frame) => frame.clone(),
+                    None => {
+                        let push = proto::Push::Update {
+                            target: self.user_name(target).unwrap_or_default().to_owned(),
+                            presence: proto::Presence::from_core(&key.1, self.unix_base_ms),
+                        };
+                        // A push is a few small fields: it always encodes.
+                        let frame = Bytes::from(proto::encode_frame(&push).unwrap_or_default());
+                        self.encoded.insert(key, frame.clone());
+                        frame
+                    }
+                };
+                HubOutput::Push {
+                    session: to,
+                    tier,
+                    frame,
+                }
+            }
             Output::SessionEnded { session, reason } => {
                 if let Some(meta) = self.sessions.remove(&session) {
                     self.touched.push(meta.user);
@@ -871,7 +896,51 @@ impl Hub {
 
 #[cfg(test)]
 mod tests {
-    use super::Interner;
+    use super::{Hub, HubLimits, HubOutput, Interner};
+    use crate::proto::{Kind, Request, Tier};
+    use crate::token::{Claims, WatchClaim};
+    use greendot_core::Millis;
+    use std::time::Duration;
+
+    /// A publish to many subscribers is encoded once: every push carries
+    /// the same bytes.
+    #[test]
+    fn one_publish_is_encoded_once_for_every_subscriber() {
+        let mut hub = Hub::new(Default::default(), HubLimits::default(), 0).unwrap();
+        let claims = |user: &str| {
+            Claims::new(
+                user,
+                "phone",
+                Kind::Mobile,
+                WatchClaim::all(),
+                Duration::from_secs(60),
+            )
+        };
+        let mut watchers = Vec::new();
+        for name in ["w1", "w2", "w3"] {
+            let welcome = hub.hello(Millis(1), &claims(name), None).unwrap();
+            let session = greendot_core::SessionId(welcome.session);
+            let subscribe = Request::Subscribe {
+                targets: vec!["star".into()],
+                tier: Tier::Realtime,
+            };
+            hub.request(Millis(1), session, subscribe).unwrap();
+            watchers.push(session);
+        }
+        while hub.poll_output().is_some() {}
+        hub.hello(Millis(2), &claims("star"), None).unwrap();
+        hub.handle_timeout(Millis(60_000));
+        let mut frames = Vec::new();
+        while let Some(out) = hub.poll_output() {
+            if let HubOutput::Push { session, frame, .. } = out {
+                if watchers.contains(&session) {
+                    frames.push(frame);
+                }
+            }
+        }
+        assert_eq!(frames.len(), 3);
+        assert!(frames.iter().all(|f| f.as_ptr() == frames[0].as_ptr()));
+    }
 
     #[test]
     fn a_freed_slot_never_answers_to_its_old_id() {

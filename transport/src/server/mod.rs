@@ -13,10 +13,14 @@
 //!   order. [`handle_frame`] is those two halves chained, without a network.
 //! - **Pushes.** At the welcome the server opens two unidirectional streams,
 //!   realtime (higher priority) and batched, and writes each push into its
-//!   stream as the core emits it. Pushes a stream cannot take yet (QUIC flow
-//!   control) wait in a queue of at most [`ServerConfig::push_queue`]; a full
+//!   stream as the core emits it, each update encoded once and its bytes
+//!   shared by every subscriber. Pushes a stream cannot take yet (QUIC flow
+//!   control) wait in a queue of at most [`ServerConfig::push_queue`] pushes
+//!   and [`ServerConfig::push_queue_bytes`] bytes per connection; a full
 //!   queue means the client does not read: its connection is closed
-//!   (`Overloaded`), never the core blocked.
+//!   (`Overloaded`), never the core blocked. Past
+//!   [`ServerConfig::push_budget_bytes`] queued in the whole server, the
+//!   connections with the largest queues are closed the same way.
 //! - **QUIC is the heartbeat.** Keep-alive and idle timeout are server settings.
 //!   While a connection lives its session's lease is renewed in the core (on
 //!   any frame, and for every connection at a third of the shortest heartbeat
@@ -116,6 +120,12 @@ pub struct ServerConfig {
     /// Pushes queued per session and tier before the client counts as stalled.
     /// Default 1024.
     pub push_queue: usize,
+    /// Push bytes queued per connection (both tiers) before the client
+    /// counts as stalled (`Overloaded`). Default 256 KiB.
+    pub push_queue_bytes: usize,
+    /// Push bytes queued in the whole server; beyond it the connections with
+    /// the largest queues are closed (`Overloaded`). Default 256 MiB.
+    pub push_budget_bytes: usize,
     pub limits: HubLimits,
     /// The durable store's file (a redb database); `None`: nothing survives
     /// a restart.
@@ -148,6 +158,8 @@ impl ServerConfig {
             hello_timeout: Duration::from_secs(10),
             lease_renewal: None,
             push_queue: 1024,
+            push_queue_bytes: 256 * 1024,
+            push_budget_bytes: 256 * 1024 * 1024,
             limits: HubLimits::default(),
             store: None,
             flush_interval: Duration::from_secs(1),
@@ -355,8 +367,10 @@ impl Server {
         if config.max_frame < 64 || config.max_frame > u32::MAX as usize {
             return Err(ServerError::Setting("max_frame must be at least 64".into()));
         }
-        if config.push_queue == 0 {
-            return Err(ServerError::Setting("push_queue must be at least 1".into()));
+        if config.push_queue == 0 || config.push_queue_bytes == 0 || config.push_budget_bytes == 0 {
+            return Err(ServerError::Setting(
+                "push_queue, push_queue_bytes and push_budget_bytes must be at least 1".into(),
+            ));
         }
         let identity = match &config.identity {
             Some(identity) => identity.clone(),
