@@ -258,8 +258,8 @@ impl ConnState {
 
 /// The sans-network request handler: one frame's payload from a peer in,
 /// whatever the server would answer out (and the core inputs it implies applied
-/// to `hub`). The server runs exactly these two halves, `ConnState::on_frame` in
-/// the connection's task and `Hub::apply` in the core's task.
+/// to `hub`). The server's one task runs exactly these two halves, one after
+/// the other, for each frame of a connection (see `server::driver`).
 pub fn handle_frame(hub: &mut Hub, conn: &mut ConnState, now: Millis, payload: &[u8]) -> Handled {
     let step = conn.on_frame(now, payload);
     let handled = hub.apply(now, step);

@@ -1,6 +1,7 @@
 //! `Hub`: the core plus what the wire needs around it (names ⇄ ids, which
-//! sessions hold service tokens), sans IO. The server's core task owns exactly
-//! one; a fuzzer can own one too and drive it without a network.
+//! sessions hold service tokens, which names may be forgotten), sans IO. The
+//! server's one task (`server::driver`) owns exactly one, next to every
+//! connection; a fuzzer can own one too and drive it without a network.
 
 use crate::proto::{
     self, Answer, ErrorCode, QueryResult, Refused, Request, RouteEntry, ServerFrame, Snapshot,

@@ -257,7 +257,7 @@ impl MetricsSnapshot {
         let name = "greendot_push_latency_seconds";
         let _ = writeln!(
             out,
-            "# HELP {name} From the core task taking a change (an input or a due timer) \
+            "# HELP {name} From the server's task taking a change (an input or a due timer) \
              to its push being written to the connection (debounce and batch waits excluded)."
         );
         let _ = writeln!(out, "# TYPE {name} histogram");

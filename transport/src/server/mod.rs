@@ -346,8 +346,8 @@ impl Shared {
     }
 }
 
-/// A running server. Dropping it without [`Server::shutdown`] leaves the tasks
-/// running until the runtime stops.
+/// A running server. Dropping it without [`Server::shutdown`] leaves its task
+/// (and the store's writer thread) running until the runtime stops.
 pub struct Server {
     local_addr: SocketAddr,
     shared: Arc<Shared>,
@@ -356,8 +356,9 @@ pub struct Server {
 }
 
 impl Server {
-    /// Binds the UDP socket and starts the core and accept tasks. Must be called
-    /// inside a tokio runtime.
+    /// Binds the UDP socket, restores the store if any, and starts the
+    /// server's one task (see [`driver`]). Must be called inside a tokio
+    /// runtime.
     pub fn bind(config: ServerConfig) -> Result<Server, ServerError> {
         if config.token_secret.is_empty() {
             return Err(ServerError::Setting(
@@ -504,7 +505,7 @@ impl Server {
         self.shared.events.subscribe()
     }
 
-    /// The core's counters, or `None` once the core task has stopped.
+    /// The core's counters, or `None` once the server's task has stopped.
     pub async fn counters(&self) -> Option<Counters> {
         let (tx, rx) = oneshot::channel();
         self.shared.control.send(Control::Counters(tx)).await.ok()?;
@@ -582,7 +583,7 @@ impl Monitor {
         }
     }
 
-    /// Everything for the metrics page; `None` once the core task stopped.
+    /// Everything for the metrics page; `None` once the server's task stopped.
     pub async fn metrics(&self) -> Option<MetricsSnapshot> {
         let (tx, rx) = oneshot::channel();
         self.shared.control.send(Control::Census(tx)).await.ok()?;
