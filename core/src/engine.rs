@@ -785,6 +785,76 @@ impl Core {
         }
     }
 
+    /// Forgets `user` if the core holds nothing of it: no live session (its
+    /// own), no watcher, no subscription of another session naming it (parked
+    /// ones included), no debounce running, and only default saved state.
+    /// `true` if the core keeps no record of `user` afterwards (also when it
+    /// never had one), so its id may be given to somebody else.
+    ///
+    /// Cost: a scan of the session slots (the record that moves into the freed
+    /// place is renumbered wherever sessions name it).
+    pub fn release(&mut self, user: UserId) -> bool {
+        let Some(u) = self.index.get(user) else {
+            return true;
+        };
+        let record = &self.users[u as usize];
+        let holds = !record.sessions.is_empty()
+            || record.debounce_due.is_some()
+            || record.watchers.as_deref().is_some_and(|w| !w.is_empty())
+            || self.saved(user) != Saved::default();
+        if holds {
+            return false;
+        }
+        let named = self
+            .slots
+            .iter()
+            .filter_map(|s| s.session.as_ref())
+            .any(|s| {
+                s.user == u
+                    || s.subs
+                        .as_deref()
+                        .is_some_and(|subs| subs.list.iter().any(|sub| sub.target == u))
+            });
+        #[cfg(feature = "mutants")]
+        let named = named || self.tombstones.values().any(|&(owner, _)| owner == u);
+        if named {
+            return false;
+        }
+        let last = (self.users.len() - 1) as u32;
+        self.users.swap_remove(u as usize);
+        self.index.remove(user);
+        if u != last {
+            // The last record moved into slot `u`: renumber it.
+            let moved = self.users[u as usize].id;
+            self.index.insert(moved, u);
+            for session in self.slots.iter_mut().filter_map(|s| s.session.as_mut()) {
+                if session.user == last {
+                    session.user = u;
+                }
+                if let Some(subs) = session.subs.as_deref_mut() {
+                    let mut renamed = false;
+                    for sub in subs.list.iter_mut().filter(|sub| sub.target == last) {
+                        sub.target = u;
+                        renamed = true;
+                    }
+                    if renamed {
+                        subs.list.sort_by_key(|sub| sub.target);
+                    }
+                    for target in subs.batch.iter_mut().filter(|t| **t == last) {
+                        *target = u;
+                    }
+                }
+            }
+            #[cfg(feature = "mutants")]
+            for (owner, _) in self.tombstones.values_mut() {
+                if *owner == last {
+                    *owner = u;
+                }
+            }
+        }
+        true
+    }
+
     // ----- getters ----------------------------------------------------------
 
     /// What others are shown of `user` (published, debounced).

@@ -47,6 +47,10 @@ impl UserIndex {
         self.0.insert(user, slot);
     }
 
+    pub(crate) fn remove(&mut self, user: UserId) {
+        self.0.remove(&user);
+    }
+
     #[cfg(feature = "check")]
     pub(crate) fn len(&self) -> usize {
         self.0.len()

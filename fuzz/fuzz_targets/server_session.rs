@@ -125,7 +125,7 @@ fuzz_target!(|case: Case| {
             }
             What::Closed { logout } => {
                 if let Some(session) = conns[c].session() {
-                    hub.closed(at, session, logout);
+                    hub.closed(at, session, logout, at);
                 }
                 conns[c] = ConnState::new(keys.clone(), rate);
                 fresh[c] = true;

@@ -97,16 +97,16 @@ async fn ws_core(mut hub: Hub, mut rx: mpsc::Receiver<CoreMsg>, start: Instant) 
             }
             CoreMsg::Activity(s) => hub.activity(now(), s),
             CoreMsg::Tick => {}
-            CoreMsg::Closed(s) => hub.closed(now(), s, false),
+            CoreMsg::Closed(s) => hub.closed(now(), s, false, now()),
         }
         if hub.poll_timeout().is_some_and(|t| t <= now()) {
             hub.handle_timeout(now());
         }
         while let Some(out) = hub.poll_output() {
             match out {
-                HubOutput::Push { session, push, .. } => {
+                HubOutput::Push { session, frame, .. } => {
                     if let Some(link) = links.get(&session) {
-                        let _ = link.send(tagged(1, postcard::to_stdvec(&push)));
+                        let _ = link.send(tagged(1, Ok(frame[4..].to_vec())));
                     }
                 }
                 HubOutput::End { session, .. } => {

@@ -71,10 +71,17 @@ pub enum CloseCode {
     /// The server is draining (a restart or a deploy): reconnect at once,
     /// resuming the session; the server (or its successor) is back shortly.
     Draining = 14,
+    /// The client kept sending past its request rate for
+    /// `RATE_LIMIT_PATIENCE` (requests refused every second for 5 s):
+    /// reconnect only after slowing down.
+    RateLimited = 15,
+    /// The client stopped (STOP_SENDING) one of its push streams: it would
+    /// stay online while missing every update.
+    StreamStopped = 16,
 }
 
 impl CloseCode {
-    pub const ALL: [CloseCode; 15] = [
+    pub const ALL: [CloseCode; 17] = [
         CloseCode::Normal,
         CloseCode::Logout,
         CloseCode::Superseded,
@@ -90,6 +97,8 @@ impl CloseCode {
         CloseCode::HelloTimeout,
         CloseCode::Refused,
         CloseCode::Draining,
+        CloseCode::RateLimited,
+        CloseCode::StreamStopped,
     ];
 
     pub const fn code(self) -> u32 {
@@ -132,6 +141,7 @@ pub fn close_code_for(code: ErrorCode) -> CloseCode {
         ErrorCode::TooManyConnections => CloseCode::TooManyConnections,
         ErrorCode::ShuttingDown => CloseCode::Shutdown,
         ErrorCode::BadFrame | ErrorCode::UnexpectedFrame => CloseCode::ProtocolError,
+        ErrorCode::RateLimited => CloseCode::RateLimited,
         _ => CloseCode::Refused,
     }
 }

@@ -64,6 +64,22 @@ impl Bucket {
     }
 }
 
+/// How long a client may keep sending past its rate before it is closed
+/// with `CloseCode::RateLimited`: a refusal streak that lasts this long (no
+/// second without a refusal in it) means the client does not slow down for
+/// refusals, and answering each one would go on forever.
+pub const RATE_LIMIT_PATIENCE: Millis = Millis(5_000);
+
+/// A second without a refusal ends a refusal streak.
+const STREAK_GAP: Millis = Millis(1_000);
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Streak {
+    /// The first and the latest refusal of the current streak.
+    since: Millis,
+    last: Millis,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
     AwaitHello,
@@ -124,6 +140,7 @@ pub struct ConnState {
     keys: Arc<TokenKeys>,
     phase: Phase,
     bucket: Bucket,
+    refusals: Option<Streak>,
 }
 
 impl ConnState {
@@ -132,6 +149,7 @@ impl ConnState {
             keys,
             phase: Phase::AwaitHello,
             bucket: Bucket::new(rate),
+            refusals: None,
         }
     }
 
@@ -204,6 +222,22 @@ impl ConnState {
                     Err(e) => return self.condemn(e),
                 };
                 if !self.bucket.take(now) {
+                    let streak = match self.refusals {
+                        Some(s) if now.0.saturating_sub(s.last.0) < STREAK_GAP.0 => {
+                            Streak { last: now, ..s }
+                        }
+                        _ => Streak {
+                            since: now,
+                            last: now,
+                        },
+                    };
+                    self.refusals = Some(streak);
+                    if now.0.saturating_sub(streak.since.0) >= RATE_LIMIT_PATIENCE.0 {
+                        return self.condemn(WireError::new(
+                            ErrorCode::RateLimited,
+                            "requests kept coming past the rate limit",
+                        ));
+                    }
                     return Step::Reply(ServerFrame::Reply {
                         id: frame.id,
                         result: Err(WireError::new(
@@ -224,8 +258,8 @@ impl ConnState {
 
 /// The sans-network request handler: one frame's payload from a peer in,
 /// whatever the server would answer out (and the core inputs it implies applied
-/// to `hub`). The server runs exactly these two halves, `ConnState::on_frame` in
-/// the connection's task and `Hub::apply` in the core's task.
+/// to `hub`). The server's one task runs exactly these two halves, one after
+/// the other, for each frame of a connection (see `server::driver`).
 pub fn handle_frame(hub: &mut Hub, conn: &mut ConnState, now: Millis, payload: &[u8]) -> Handled {
     let step = conn.on_frame(now, payload);
     let handled = hub.apply(now, step);
@@ -299,6 +333,63 @@ mod tests {
         }
         let h = handle_frame(&mut hub, &mut conn, Millis(4), &[1, 2, 3, 4, 5, 6, 7]);
         assert_eq!(h.close, Some(CloseCode::ProtocolError));
+    }
+
+    #[test]
+    fn a_client_that_never_slows_down_is_closed() {
+        let keys = Arc::new(TokenKeys::new(b"s", Duration::ZERO));
+        let rate = RateLimit {
+            per_second: 10,
+            burst: 10,
+        };
+        let mut hub = Hub::new(Default::default(), HubLimits::default(), 0).unwrap();
+        let mut conn = ConnState::new(keys.clone(), rate);
+        let claims = Claims::new(
+            "al",
+            "phone",
+            Kind::Mobile,
+            WatchClaim::all(),
+            Duration::from_secs(60),
+        );
+        let hello = Hello {
+            version: proto::VERSION,
+            token: keys.mint(&claims).unwrap(),
+            resume: None,
+        };
+        handle_frame(&mut hub, &mut conn, Millis(0), &payload(&hello));
+        let ping = payload(&RequestFrame {
+            id: 1,
+            request: Request::Ping,
+        });
+        // A refusal now and then (a burst past the limit, then calm) never
+        // closes: each streak ends with a quiet second.
+        let mut closed = None;
+        let mut refused = 0;
+        for t in (0..20_000).step_by(2_000) {
+            for _ in 0..15 {
+                match conn.on_frame(Millis(t), &ping) {
+                    Step::Close(e) => closed = Some((t, e)),
+                    Step::Reply(_) => refused += 1,
+                    _ => {}
+                }
+            }
+        }
+        assert_eq!(closed, None, "bursts past the rate, each followed by calm");
+        assert!(refused >= 50);
+        // 100 per second from now on: refused every second, closed after
+        // RATE_LIMIT_PATIENCE.
+        let start = 20_000;
+        for t in (start..start + 20_000).step_by(10) {
+            if let Step::Close(e) = conn.on_frame(Millis(t), &ping) {
+                closed = Some((t, e));
+                break;
+            }
+        }
+        let (at, error) = closed.expect("closed");
+        assert_eq!(error.code, ErrorCode::RateLimited);
+        assert_eq!(close_code_for(error.code), CloseCode::RateLimited);
+        assert!(at - start >= RATE_LIMIT_PATIENCE.0 && at - start <= RATE_LIMIT_PATIENCE.0 + 2_000);
+        assert_eq!(conn.on_frame(Millis(at + 1), &ping), Step::Nothing);
     }
 
     #[test]

@@ -22,8 +22,8 @@ use super::hub::{Hub, HubOutput};
 use super::store::{Batch, StoreWriter};
 use super::{durable_user, not_saved, reason_label, reason_text, record, ServerEvent, Shared};
 use crate::proto::{self, encode_frame, CloseCode, FrameError, FrameReader, ServerFrame};
-use bytes::{Bytes, BytesMut};
-use greendot_core::{Counters, EndReason, SessionId, Tier, UserId};
+use bytes::{Buf, Bytes, BytesMut};
+use greendot_core::{Counters, EndReason, Millis, SessionId, Tier, UserId};
 use quinn_proto::{
     ConnectionError, ConnectionHandle, DatagramEvent, Dir, Endpoint, Event, StreamEvent, StreamId,
 };
@@ -51,15 +51,21 @@ fn read_budget(max_frame: usize) -> usize {
     max_frame + 4
 }
 
+/// User names checked per lease-renewal tick by [`Hub::sweep`].
+const SWEEP_BUDGET: usize = 4096;
+
 /// Messages from the [`super::Server`] handle and from store waiters.
 pub(super) enum Control {
     Counters(oneshot::Sender<Counters>),
+    /// The core's counters with the hub's census.
+    Census(oneshot::Sender<Census>),
     /// A durable write finished; answer the request that waited for it.
     Saved {
         ch: usize,
         serial: u64,
         handled: Handled,
-        ok: bool,
+        /// Why it could not be saved (a failed commit, or none in time).
+        error: Option<String>,
     },
     /// Close every connection with `code`, wait up to two seconds for them to
     /// go, then (if `save`) write the store with the live devices, and stop.
@@ -71,12 +77,21 @@ pub(super) enum Control {
     },
 }
 
+/// What the metrics read of the hub.
+pub(super) struct Census {
+    pub counters: Counters,
+    /// User names held (as many core records at most).
+    pub users_known: usize,
+    /// User and device names held.
+    pub names: usize,
+}
+
 /// A server-opened push stream of one tier.
 struct PushStream {
     id: StreamId,
     /// Encoded pushes the stream did not accept yet (flow control), with the
     /// instant of the change behind each.
-    pending: VecDeque<(Instant, Vec<u8>)>,
+    pending: VecDeque<(Instant, Bytes)>,
 }
 
 /// One connection.
@@ -92,6 +107,8 @@ struct Conn {
     unsent: Vec<u8>,
     /// Realtime and batched, opened at the welcome.
     pushes: Option<Box<[PushStream; 2]>>,
+    /// Bytes waiting in `pushes` (counted in `Driver::queued` too).
+    queued: usize,
     session: Option<SessionId>,
     address: SocketAddr,
     /// The handshake is done.
@@ -109,6 +126,9 @@ struct Conn {
     closing: Option<(CloseCode, Vec<u8>)>,
     /// The hello deadline, or how long a closing answer may take to arrive.
     deadline: Option<Instant>,
+    /// When a datagram of this connection last arrived (Unix ms): the
+    /// user's last seen if the connection is lost.
+    last_heard: Millis,
     /// The instant under which this connection sits in the timer set.
     timer: Option<Instant>,
     /// In the driver's `touched` list.
@@ -129,6 +149,8 @@ pub(super) struct Driver {
     send_buf: Vec<u8>,
     store: Option<StoreWriter>,
     dirty_users: HashSet<UserId>,
+    /// Push bytes waiting in every connection's queues.
+    queued: usize,
     next_flush: Instant,
     next_renewal: Instant,
     stopping: Option<Stopping>,
@@ -173,6 +195,7 @@ impl Driver {
             send_buf: Vec::new(),
             store,
             dirty_users: HashSet::new(),
+            queued: 0,
             stopping: None,
         }
     }
@@ -332,7 +355,9 @@ impl Driver {
                 }
             }
             Some(DatagramEvent::ConnectionEvent(ch, event)) => {
+                let heard = self.shared.clock.at(now);
                 if let Some(conn) = self.conn(ch.0) {
+                    conn.last_heard = heard;
                     conn.quic.handle_event(event);
                     self.touch(ch.0);
                 }
@@ -355,6 +380,7 @@ impl Driver {
             control: None,
             unsent: Vec::new(),
             pushes: None,
+            queued: 0,
             session: None,
             connected: false,
             counted: false,
@@ -363,6 +389,7 @@ impl Driver {
             waiting_store: false,
             closing: None,
             deadline: None,
+            last_heard: self.shared.clock.now(),
             timer: None,
             touched: false,
         };
@@ -375,6 +402,14 @@ impl Driver {
 
     fn handshake_failed(&self, remote: SocketAddr, error: &ConnectionError) {
         debug!(%remote, %error, "handshake failed");
+        if super::handshake_aborted(error) {
+            // Not bad input: a client whose network went away mid-handshake.
+            self.shared
+                .stats
+                .handshakes_aborted
+                .fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         self.shared.stats.reject("handshake");
         self.shared.event(ServerEvent::Rejected {
             remote,
@@ -389,20 +424,28 @@ impl Driver {
             Control::Counters(reply) => {
                 let _ = reply.send(self.hub.core().counters().clone());
             }
+            Control::Census(reply) => {
+                let _ = reply.send(Census {
+                    counters: self.hub.core().counters().clone(),
+                    users_known: self.hub.user_names(),
+                    names: self.hub.names(),
+                });
+            }
             Control::Saved {
                 ch,
                 serial,
                 handled,
-                ok,
+                error,
             } => {
-                let handled = if ok {
-                    handled
-                } else {
-                    self.shared
-                        .stats
-                        .store_errors
-                        .fetch_add(1, Ordering::Relaxed);
-                    not_saved(handled)
+                let handled = match error {
+                    None => handled,
+                    Some(error) => {
+                        self.shared
+                            .stats
+                            .store_errors
+                            .fetch_add(1, Ordering::Relaxed);
+                        not_saved(handled, &error)
+                    }
                 };
                 let Some(conn) = self.conn(ch) else { return };
                 if conn.serial != serial || conn.ended {
@@ -475,6 +518,9 @@ impl Driver {
                 self.hub.activity(at, session);
             }
             self.next_renewal = now + self.shared.config.renewal();
+            if self.store.is_none() {
+                self.hub.sweep(SWEEP_BUDGET);
+            }
         }
         if self.store.is_some() && now >= self.next_flush {
             self.next_flush = now + self.shared.config.flush_interval;
@@ -502,6 +548,10 @@ impl Driver {
             return;
         }
         let batch = self.changed_records();
+        // Users are freed only once their records are taken: a freed user's
+        // record can no longer be read.
+        self.hub.release_idle();
+        self.hub.sweep(SWEEP_BUDGET);
         if let Some(store) = &self.store {
             store.write_behind(batch);
         }
@@ -528,16 +578,12 @@ impl Driver {
                 ..self.changed_records()
             };
             if let Some(store) = &self.store {
-                let done = store.write_durable(batch);
-                match tokio::time::timeout(Duration::from_secs(10), done).await {
-                    Ok(Ok(Ok(()))) => {}
-                    Ok(_) => {
-                        self.shared
-                            .stats
-                            .store_errors
-                            .fetch_add(1, Ordering::Relaxed);
-                    }
-                    Err(_) => warn!("the store did not finish writing in time"),
+                if let Err(e) = store.write_durable(batch, Duration::from_secs(10)).await {
+                    warn!(error = %e, "the store was not written at the stop");
+                    self.shared
+                        .stats
+                        .store_errors
+                        .fetch_add(1, Ordering::Relaxed);
                 }
             }
         }
@@ -559,6 +605,7 @@ impl Driver {
             self.dirty_users.extend(self.hub.take_touched());
         } else {
             self.hub.take_touched();
+            self.hub.release_idle();
         }
     }
 
@@ -719,6 +766,30 @@ impl Driver {
                     self.read_control(ch, now);
                 }
             }
+            Event::Stream(StreamEvent::Stopped { id, .. })
+                if self.conn(ch).is_some_and(|c| {
+                    c.pushes
+                        .as_deref()
+                        .is_some_and(|p| p.iter().any(|s| s.id == id))
+                }) =>
+            {
+                // A client that stops a push stream would stay online while
+                // missing every update of that tier: a protocol error.
+                let remote = self.conn(ch).map(|c| c.address);
+                self.shared.stats.reject("StreamStopped");
+                if let Some(remote) = remote {
+                    self.shared.event(ServerEvent::Rejected {
+                        remote,
+                        reason: "the client stopped a push stream".into(),
+                    });
+                }
+                self.close(
+                    ch,
+                    now,
+                    CloseCode::StreamStopped,
+                    b"the client stopped a push stream",
+                );
+            }
             Event::Stream(StreamEvent::Stopped { id, .. }) => {
                 // The client reads no more of this stream: what waits for it
                 // is dropped (the write fails), which may unblock the control
@@ -773,7 +844,9 @@ impl Driver {
 
     /// The connection is over for the application: report it once.
     fn end(&mut self, ch: usize, logout: bool, reason: String) {
-        let Some(conn) = self.conn(ch) else { return };
+        let Some(conn) = slot(&mut self.conns, ch) else {
+            return;
+        };
         if conn.ended {
             return;
         }
@@ -783,7 +856,9 @@ impl Driver {
         let counted = std::mem::take(&mut conn.counted);
         let connected = conn.connected;
         let session = conn.session;
+        let last_heard = conn.last_heard;
         conn.pushes = None;
+        self.queued -= std::mem::take(&mut conn.queued);
         conn.unsent = Vec::new();
         conn.reader = FrameReader::new(0);
         if counted {
@@ -793,7 +868,8 @@ impl Driver {
             if self.sessions.get(&session) == Some(&ch) {
                 self.sessions.remove(&session);
             }
-            self.hub.closed(self.shared.clock.now(), session, logout);
+            let now = self.shared.clock.now();
+            self.hub.closed(now, session, logout, last_heard.min(now));
         }
         if connected {
             self.shared.event(ServerEvent::Closed {
@@ -935,23 +1011,31 @@ impl Driver {
         match pending {
             // On disk before it is acknowledged; later frames wait.
             Some((store, user)) => {
-                let done = store.write_durable(Batch {
+                let store = store.clone();
+                let batch = Batch {
                     users: vec![user],
                     alive_at: None,
                     drained: None,
-                });
+                };
+                let timeout = self.shared.config.store_timeout;
                 let Some(conn) = self.conn(ch) else { return };
                 conn.waiting_store = true;
                 let serial = conn.serial;
                 let tx = self.shared.control.clone();
+                // The wait (for room in the writer's queue, then for the
+                // commit) is this task's, never the driver's.
                 tokio::spawn(async move {
-                    let ok = matches!(done.await, Ok(Ok(())));
+                    let error = store
+                        .write_durable(batch, timeout)
+                        .await
+                        .err()
+                        .map(|e| e.to_string());
                     let _ = tx
                         .send(Control::Saved {
                             ch,
                             serial,
                             handled,
-                            ok,
+                            error,
                         })
                         .await;
                 });
@@ -962,7 +1046,9 @@ impl Driver {
     }
 
     fn welcome(&mut self, ch: usize, now: Instant, session: SessionId, handled: &Handled) {
-        let Some(conn) = self.conn(ch) else { return };
+        let Some(conn) = slot(&mut self.conns, ch) else {
+            return;
+        };
         conn.state.on_welcome(session);
         conn.session = Some(session);
         conn.deadline = None;
@@ -982,7 +1068,9 @@ impl Driver {
                 encode_frame(&proto::Push::Stream { tier }),
                 streams.last_mut(),
             ) {
-                write_or_queue(&mut conn.quic, stream, now, header);
+                let (_, queued) = write_or_queue(&mut conn.quic, stream, now, header.into());
+                conn.queued += queued;
+                self.queued += queued;
             }
         }
         if let Ok(pair) = <[PushStream; 2]>::try_from(streams) {
@@ -1070,19 +1158,23 @@ impl Driver {
         let Some(pushes) = conn.pushes.as_deref_mut() else {
             return;
         };
+        let mut written = 0;
         for stream in pushes.iter_mut().filter(|s| s.id == id) {
             while let Some((at, bytes)) = stream.pending.front_mut() {
                 match conn.quic.send_stream(id).write(bytes) {
                     Ok(n) if n == bytes.len() => {
                         latency.observe(at.elapsed());
+                        written += n;
                         stream.pending.pop_front();
                     }
                     // Part taken: try the rest (see above).
                     Ok(n) => {
-                        bytes.drain(..n);
+                        written += n;
+                        bytes.advance(n);
                     }
                     Err(quinn_proto::WriteError::Blocked) => break,
                     Err(_) => {
+                        written += stream.pending.iter().map(|(_, b)| b.len()).sum::<usize>();
                         stream.pending.clear();
                         break;
                     }
@@ -1092,6 +1184,8 @@ impl Driver {
                 stream.pending = VecDeque::new();
             }
         }
+        conn.queued -= written;
+        self.queued -= written;
     }
 
     /// Sends every output of the hub where it goes.
@@ -1101,15 +1195,13 @@ impl Driver {
                 HubOutput::Push {
                     session,
                     tier,
-                    push,
+                    frame,
                 } => {
                     let Some(&ch) = self.sessions.get(&session) else {
                         continue;
                     };
-                    let Ok(bytes) = encode_frame(&push) else {
-                        continue;
-                    };
-                    let limit = self.shared.config.push_queue;
+                    let config = &self.shared.config;
+                    let (limit, limit_bytes) = (config.push_queue, config.push_queue_bytes);
                     let Some(conn) = slot(&mut self.conns, ch) else {
                         continue;
                     };
@@ -1120,10 +1212,15 @@ impl Driver {
                         Tier::Realtime => &mut pushes[0],
                         Tier::Batched => &mut pushes[1],
                     };
-                    if stream.pending.len() >= limit {
+                    if stream.pending.len() >= limit
+                        || conn.queued.saturating_add(frame.len()) > limit_bytes
+                    {
                         (session, ch)
                     } else {
-                        if write_or_queue(&mut conn.quic, stream, now, bytes) {
+                        let (straight, queued) = write_or_queue(&mut conn.quic, stream, now, frame);
+                        conn.queued += queued;
+                        self.queued += queued;
+                        if straight {
                             self.shared.stats.latency.observe(now.elapsed());
                         }
                         self.touch(ch);
@@ -1152,44 +1249,70 @@ impl Driver {
                 }
             };
             warn!(%session, "push queue full: closing the stalled connection");
-            self.shared.stats.overloaded.fetch_add(1, Ordering::Relaxed);
-            self.close(
-                stalled,
-                now,
-                CloseCode::Overloaded,
-                b"pushes not read in time",
-            );
+            self.overloaded(stalled, now);
+        }
+        self.within_budget(now);
+    }
+
+    fn overloaded(&mut self, ch: usize, now: Instant) {
+        self.shared.stats.overloaded.fetch_add(1, Ordering::Relaxed);
+        self.close(ch, now, CloseCode::Overloaded, b"pushes not read in time");
+    }
+
+    /// Past the server's push byte budget, the slowest readers (the largest
+    /// queues) are closed until the rest fits: a few clients that do not
+    /// read cannot make the server run out of memory for everybody.
+    fn within_budget(&mut self, now: Instant) {
+        let budget = self.shared.config.push_budget_bytes;
+        if self.queued <= budget {
+            return;
+        }
+        let mut queues: Vec<(usize, usize)> = self
+            .conns
+            .iter()
+            .enumerate()
+            .filter_map(|(ch, c)| Some((c.as_deref()?.queued, ch)))
+            .filter(|&(queued, _)| queued > 0)
+            .collect();
+        queues.sort_unstable_by(|a, b| b.cmp(a));
+        for (_, ch) in queues {
+            if self.queued <= budget {
+                break;
+            }
+            warn!(ch, "push byte budget exceeded: closing the slowest reader");
+            self.overloaded(ch, now);
         }
     }
 }
 
-/// Writes `bytes` to a push stream, or queues it behind what waits; `true`
-/// if it went straight into the stream.
+/// Writes `bytes` to a push stream, or queues it behind what waits: whether
+/// it went straight into the stream, and how many bytes were queued.
 fn write_or_queue(
     quic: &mut quinn_proto::Connection,
     stream: &mut PushStream,
     at: Instant,
-    bytes: Vec<u8>,
-) -> bool {
+    mut bytes: Bytes,
+) -> (bool, usize) {
     if !stream.pending.is_empty() {
+        let n = bytes.len();
         stream.pending.push_back((at, bytes));
-        return false;
+        return (false, n);
     }
     // Until all is taken or quinn says `Blocked`: only a write that is
     // refused outright promises a `Writable` event later.
-    let mut sent = 0;
-    while sent < bytes.len() {
-        match quic.send_stream(stream.id).write(&bytes[sent..]) {
-            Ok(n) => sent += n,
+    while !bytes.is_empty() {
+        match quic.send_stream(stream.id).write(&bytes) {
+            Ok(n) => bytes.advance(n),
             Err(quinn_proto::WriteError::Blocked) => {
-                stream.pending.push_back((at, bytes[sent..].to_vec()));
-                return false;
+                let n = bytes.len();
+                stream.pending.push_back((at, bytes));
+                return (false, n);
             }
-            // Stopped by the client: it reads no more pushes of this tier.
-            Err(_) => return false,
+            // Stopped by the client (the connection is being closed for it).
+            Err(_) => return (false, 0),
         }
     }
-    true
+    (true, 0)
 }
 
 fn slot(conns: &mut [Option<Box<Conn>>], ch: usize) -> Option<&mut Conn> {

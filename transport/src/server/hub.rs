@@ -1,6 +1,7 @@
 //! `Hub`: the core plus what the wire needs around it (names ⇄ ids, which
-//! sessions hold service tokens), sans IO. The server's core task owns exactly
-//! one; a fuzzer can own one too and drive it without a network.
+//! sessions hold service tokens, which names may be forgotten), sans IO. The
+//! server's one task (`server::driver`) owns exactly one, next to every
+//! connection; a fuzzer can own one too and drive it without a network.
 
 use crate::proto::{
     self, Answer, ErrorCode, QueryResult, Refused, Request, RouteEntry, ServerFrame, Snapshot,
@@ -8,6 +9,7 @@ use crate::proto::{
 };
 use crate::server::conn::{Handled, Step};
 use crate::token::{Claims, WatchClaim};
+use bytes::Bytes;
 use greendot_core::{
     Config, ConfigError, Connect, Core, DeviceId, DeviceKind, EndReason, Millis, Output, Saved,
     SessionId, Tier, UserId, Watch,
@@ -15,20 +17,37 @@ use greendot_core::{
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// Names to dense ids and back, with a cap. Ids are never reused.
+/// Names to ids and back, with a cap on the names held at once. An id is a
+/// slot index in its low 32 bits and that slot's generation in the high 32:
+/// a freed slot is reused for another name under a new generation, so an id
+/// kept from before (a dirty-user list, a stale session) never names the next
+/// owner. Each name also counts references its owner takes and drops
+/// ([`Interner::acquire`], [`Interner::drop_ref`]).
 #[derive(Debug, Default)]
 pub struct Interner {
     ids: HashMap<Arc<str>, u64>,
-    names: Vec<Arc<str>>,
+    slots: Vec<NameSlot>,
+    free: Vec<u32>,
+    live: usize,
     cap: usize,
+}
+
+#[derive(Debug, Default)]
+struct NameSlot {
+    name: Option<Arc<str>>,
+    generation: u32,
+    refs: u32,
+}
+
+fn id_of(index: u32, generation: u32) -> u64 {
+    u64::from(index) | (u64::from(generation) << 32)
 }
 
 impl Interner {
     pub fn new(cap: usize) -> Interner {
         Interner {
-            ids: HashMap::new(),
-            names: Vec::new(),
             cap,
+            ..Interner::default()
         }
     }
 
@@ -36,30 +55,106 @@ impl Interner {
         self.ids.get(name).copied()
     }
 
+    fn slot(&self, id: u64) -> Option<&NameSlot> {
+        let slot = self.slots.get(usize::try_from(id & 0xffff_ffff).ok()?)?;
+        (u64::from(slot.generation) == id >> 32 && slot.name.is_some()).then_some(slot)
+    }
+
+    fn slot_mut(&mut self, id: u64) -> Option<&mut NameSlot> {
+        let slot = self
+            .slots
+            .get_mut(usize::try_from(id & 0xffff_ffff).ok()?)?;
+        (u64::from(slot.generation) == id >> 32 && slot.name.is_some()).then_some(slot)
+    }
+
+    /// The id of `name`, interning it if new; `None` at the cap.
     pub fn intern(&mut self, name: &str) -> Option<u64> {
         if let Some(id) = self.get(name) {
             return Some(id);
         }
-        if self.names.len() >= self.cap {
+        if self.live >= self.cap {
             return None;
         }
-        let id = self.names.len() as u64;
         let name: Arc<str> = Arc::from(name);
-        self.names.push(name.clone());
+        let index = match self.free.pop() {
+            Some(index) => index,
+            None => {
+                let index = u32::try_from(self.slots.len()).ok()?;
+                self.slots.push(NameSlot::default());
+                index
+            }
+        };
+        let slot = &mut self.slots[index as usize];
+        slot.name = Some(name.clone());
+        slot.refs = 0;
+        let id = id_of(index, slot.generation);
         self.ids.insert(name, id);
+        self.live += 1;
         Some(id)
     }
 
     pub fn name(&self, id: u64) -> Option<&Arc<str>> {
-        usize::try_from(id).ok().and_then(|i| self.names.get(i))
+        self.slot(id).and_then(|s| s.name.as_ref())
     }
 
+    /// Takes a reference on a live name.
+    pub fn acquire(&mut self, id: u64) {
+        if let Some(slot) = self.slot_mut(id) {
+            slot.refs = slot.refs.saturating_add(1);
+        }
+    }
+
+    /// Drops a reference; the references left.
+    pub fn drop_ref(&mut self, id: u64) -> u32 {
+        match self.slot_mut(id) {
+            Some(slot) => {
+                slot.refs = slot.refs.saturating_sub(1);
+                slot.refs
+            }
+            None => 0,
+        }
+    }
+
+    /// References held on a live name (0 for an unknown id).
+    pub fn refs(&self, id: u64) -> u32 {
+        self.slot(id).map_or(0, |s| s.refs)
+    }
+
+    /// Forgets a name; its slot comes back under the next generation (a slot
+    /// whose generation would wrap is retired instead).
+    pub fn remove(&mut self, id: u64) -> bool {
+        let index = (id & 0xffff_ffff) as u32;
+        let Some(slot) = self.slot_mut(id) else {
+            return false;
+        };
+        let name = slot.name.take();
+        slot.refs = 0;
+        let reusable = slot.generation < u32::MAX;
+        slot.generation = slot.generation.wrapping_add(1);
+        if let Some(name) = name {
+            self.ids.remove(&name);
+        }
+        if reusable {
+            self.free.push(index);
+        }
+        self.live -= 1;
+        true
+    }
+
+    /// The id of the live name in slot `index`, if any.
+    fn id_at(&self, index: usize) -> Option<u64> {
+        let slot = self.slots.get(index)?;
+        slot.name.as_ref()?;
+        Some(id_of(u32::try_from(index).ok()?, slot.generation))
+    }
+
+    /// Names held.
     pub fn len(&self) -> usize {
-        self.names.len()
+        self.live
     }
 
     pub fn is_empty(&self) -> bool {
-        self.names.is_empty()
+        self.live == 0
     }
 }
 
@@ -90,11 +185,14 @@ impl Default for HubLimits {
 /// What the hub asks its driver to do, drained with [`Hub::poll_output`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum HubOutput {
-    /// Send this update on the session's push stream of this tier.
+    /// Send this update on the session's push stream of this tier: `frame`
+    /// is the encoded [`proto::Push::Update`] (length prefix included),
+    /// encoded once per target and view and shared by every subscriber it
+    /// goes to.
     Push {
         session: SessionId,
         tier: Tier,
-        push: proto::Push,
+        frame: Bytes,
     },
     /// The session is over: close its connection if it still has one.
     End {
@@ -103,10 +201,13 @@ pub enum HubOutput {
     },
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Meta {
     svc: bool,
     watch_all: bool,
+    /// The token's watch list (shared with the core's `Watch`): each entry
+    /// holds a reference on its name while the session lives.
+    watch: Option<Arc<[UserId]>>,
     user: UserId,
     device: DeviceId,
     kind: DeviceKind,
@@ -138,6 +239,16 @@ pub struct Hub {
     /// Users whose saved state ([`Hub::saved`]) may have changed, for a
     /// driver that persists it; drained with [`Hub::take_touched`].
     touched: Vec<UserId>,
+    /// Users that may hold nothing any more, freed by [`Hub::release_idle`].
+    idle: Vec<UserId>,
+    /// Users offline with default saved state that could not be freed yet
+    /// (a debounce running, a watcher): tried again by [`Hub::sweep`].
+    retry: Vec<UserId>,
+    /// Where [`Hub::sweep`] goes on in the user names.
+    sweep_at: usize,
+    /// Push frames encoded since the outputs were last drained, by target
+    /// and view: a publish to many subscribers is encoded once.
+    encoded: HashMap<(UserId, greendot_core::Presence), Bytes>,
 }
 
 impl Hub {
@@ -154,6 +265,10 @@ impl Hub {
             max_frame: proto::DEFAULT_MAX_FRAME as u32,
             session_key: 0,
             touched: Vec::new(),
+            idle: Vec::new(),
+            retry: Vec::new(),
+            sweep_at: 0,
+            encoded: HashMap::new(),
         })
     }
 
@@ -192,6 +307,7 @@ impl Hub {
     /// `Core::restore`): before the user connects.
     pub fn restore(&mut self, name: &str, saved: Saved) -> Result<UserId, WireError> {
         let user = self.intern_user(name)?;
+        self.idle.push(user);
         self.core.restore(user, saved)?;
         Ok(user)
     }
@@ -209,26 +325,28 @@ impl Hub {
     ) -> Result<(), WireError> {
         self.name_ok(device, "device")?;
         let user = self.intern_user(user)?;
-        let device =
-            self.devices.intern(device).map(DeviceId).ok_or_else(|| {
-                WireError::new(ErrorCode::TooManyDevices, "too many device names")
-            })?;
+        let device = self.intern_device(device, user)?;
         let kind: DeviceKind = kind.into();
-        let connected = self.core.handle_connect(
-            now,
-            Connect {
-                user,
-                device,
-                kind,
-                watch: Watch::only([]),
-                resume: None,
-            },
-        )?;
+        let connected = self
+            .core
+            .handle_connect(
+                now,
+                Connect {
+                    user,
+                    device,
+                    kind,
+                    watch: Watch::only([]),
+                    resume: None,
+                },
+            )
+            .inspect_err(|_| self.forget_unused(user, device))?;
+        self.devices.acquire(device.0);
         self.sessions.insert(
             connected.session,
             Meta {
                 svc: false,
                 watch_all: false,
+                watch: None,
                 user,
                 device,
                 kind,
@@ -286,14 +404,20 @@ impl Hub {
 
     /// The connection of `session` is gone: a logout if it closed with the
     /// logout code, otherwise a disconnect (the device lingers for grace).
-    /// A stale session changes nothing.
-    pub fn closed(&mut self, now: Millis, session: SessionId, logout: bool) {
+    /// `last_heard`: when the connection last received anything from the
+    /// client (its last packet), what the user's `last_seen` is to show
+    /// (DESIGN.md). A stale session changes nothing.
+    pub fn closed(&mut self, now: Millis, session: SessionId, logout: bool, last_heard: Millis) {
         if let Some(user) = self.session_user(session) {
             self.touched.push(user);
         }
         let _ = if logout {
+            self.note_targets(session);
             self.core.handle_logout(now, session)
         } else {
+            // TODO(core merge): `handle_disconnect(now, session, last_heard)`
+            // once the core takes it; until then last seen is `now`.
+            tracing::trace!(?session, last_heard = last_heard.0, "disconnected");
             self.core.handle_disconnect(now, session)
         };
     }
@@ -333,6 +457,9 @@ impl Hub {
         }
     }
 
+    /// DESIGN.md "Identifiers": 1 to `max_name_len` bytes of UTF-8 (the
+    /// wire's strings are UTF-8 already) without control characters, which
+    /// would be echoed into logs, events and other clients' screens.
     fn name_ok(&self, name: &str, what: &str) -> Result<(), WireError> {
         if name.is_empty() || name.len() > self.limits.max_name_len {
             return Err(WireError::new(
@@ -341,6 +468,12 @@ impl Hub {
                     "{what} name must be 1 to {} bytes",
                     self.limits.max_name_len
                 ),
+            ));
+        }
+        if name.chars().any(char::is_control) {
+            return Err(WireError::new(
+                ErrorCode::BadRequest,
+                format!("{what} name must not contain control characters"),
             ));
         }
         Ok(())
@@ -354,6 +487,92 @@ impl Hub {
             .ok_or_else(|| WireError::new(ErrorCode::TooManyUsers, "too many user names"))
     }
 
+    fn intern_device(&mut self, name: &str, user: UserId) -> Result<DeviceId, WireError> {
+        self.devices.intern(name).map(DeviceId).ok_or_else(|| {
+            self.idle.push(user);
+            WireError::new(ErrorCode::TooManyDevices, "too many device names")
+        })
+    }
+
+    /// After a connect that failed: names it interned that nothing holds.
+    fn forget_unused(&mut self, user: UserId, device: DeviceId) {
+        if self.devices.refs(device.0) == 0 {
+            self.devices.remove(device.0);
+        }
+        self.idle.push(user);
+    }
+
+    /// The targets of a session about to end (they may hold nothing after).
+    fn note_targets(&mut self, session: SessionId) {
+        let targets = self.core.subscriptions(session);
+        self.idle
+            .extend(targets.into_iter().map(|(target, _)| target));
+    }
+
+    /// Whether the name of `user` and its core record can go: no session's
+    /// watch list names it, and the core holds nothing of it.
+    fn try_release(&mut self, user: UserId) -> bool {
+        if self.users.name(user.0).is_none() || self.users.refs(user.0) > 0 {
+            return false;
+        }
+        if !self.core.release(user) {
+            return false;
+        }
+        self.users.remove(user.0)
+    }
+
+    /// Frees the users noted since the last call that hold nothing (no
+    /// session, no watcher, no watch list naming them, default saved state);
+    /// how many were freed. A driver that persists users calls it only after
+    /// it took their records (a freed user's record cannot be read).
+    pub fn release_idle(&mut self) -> usize {
+        let idle = std::mem::take(&mut self.idle);
+        let mut freed = 0;
+        for user in idle {
+            if self.try_release(user) {
+                freed += 1;
+            } else if self.users.name(user.0).is_some()
+                && !self.core.is_online(user)
+                && self.core.saved(user) == Saved::default()
+            {
+                self.retry.push(user);
+            }
+        }
+        freed
+    }
+
+    /// Tries again the users [`Hub::release_idle`] could not free yet, then
+    /// checks the next `budget` user names (round robin) and frees those that
+    /// hold nothing: catches what `release_idle` is not told of (the targets
+    /// of a session that ended on a timer). How many were freed.
+    pub fn sweep(&mut self, budget: usize) -> usize {
+        let retry = std::mem::take(&mut self.retry);
+        let mut freed = 0;
+        for user in retry {
+            freed += usize::from(self.try_release(user));
+        }
+        for _ in 0..budget.min(self.users.slots.len()) {
+            if self.sweep_at >= self.users.slots.len() {
+                self.sweep_at = 0;
+            }
+            if let Some(id) = self.users.id_at(self.sweep_at) {
+                freed += usize::from(self.try_release(UserId(id)));
+            }
+            self.sweep_at += 1;
+        }
+        freed
+    }
+
+    /// User names held (each has at most one core record).
+    pub fn user_names(&self) -> usize {
+        self.users.len()
+    }
+
+    /// User and device names held.
+    pub fn names(&self) -> usize {
+        self.users.len() + self.devices.len()
+    }
+
     /// A verified hello: connect (or resume) the device.
     pub fn hello(
         &mut self,
@@ -361,29 +580,51 @@ impl Hub {
         claims: &Claims,
         resume: Option<u64>,
     ) -> Result<Welcome, WireError> {
+        // Every name is checked before any is interned: a refused hello
+        // leaves nothing behind.
         self.name_ok(&claims.dev, "device")?;
+        self.name_ok(&claims.sub, "user")?;
+        if let WatchClaim::List(list) = &claims.watch {
+            if list.len() > self.limits.max_watch {
+                return Err(WireError::new(
+                    ErrorCode::BadToken,
+                    format!("watch lists more than {} users", self.limits.max_watch),
+                ));
+            }
+            for name in list {
+                self.name_ok(name, "watched user")?;
+            }
+        }
         let user = self.intern_user(&claims.sub)?;
         let watch = match &claims.watch {
             WatchClaim::Star(_) => Watch::All,
             WatchClaim::List(list) => {
-                if list.len() > self.limits.max_watch {
-                    return Err(WireError::new(
-                        ErrorCode::BadToken,
-                        format!("watch lists more than {} users", self.limits.max_watch),
-                    ));
-                }
                 let mut ids = Vec::with_capacity(list.len());
                 for name in list {
-                    ids.push(self.intern_user(name)?);
+                    match self.intern_user(name) {
+                        Ok(id) => ids.push(id),
+                        Err(e) => {
+                            self.idle.push(user);
+                            self.idle.extend(ids);
+                            return Err(e);
+                        }
+                    }
                 }
                 Watch::only(ids)
             }
         };
-        let device = self
-            .devices
-            .intern(&claims.dev)
-            .map(DeviceId)
-            .ok_or_else(|| WireError::new(ErrorCode::TooManyDevices, "too many device names"))?;
+        let watched = match &watch {
+            Watch::Only(ids) => Some(ids.clone()),
+            Watch::All => None,
+        };
+        let device = match self.intern_device(&claims.dev, user) {
+            Ok(device) => device,
+            Err(e) => {
+                self.idle
+                    .extend(watched.iter().flat_map(|ids| ids.iter().copied()));
+                return Err(e);
+            }
+        };
         let connected = self.core.handle_connect(
             now,
             Connect {
@@ -393,13 +634,27 @@ impl Hub {
                 watch,
                 resume: resume.map(|s| SessionId(s ^ self.session_key)),
             },
-        )?;
+        );
+        let connected = match connected {
+            Ok(c) => c,
+            Err(e) => {
+                self.forget_unused(user, device);
+                self.idle
+                    .extend(watched.iter().flat_map(|ids| ids.iter().copied()));
+                return Err(e.into());
+            }
+        };
+        self.devices.acquire(device.0);
+        for id in watched.iter().flat_map(|ids| ids.iter()) {
+            self.users.acquire(id.0);
+        }
         self.touched.push(user);
         self.sessions.insert(
             connected.session,
             Meta {
                 svc: claims.svc,
                 watch_all: matches!(claims.watch, WatchClaim::Star(_)),
+                watch: watched,
                 user,
                 device,
                 kind: claims.kind.into(),
@@ -452,11 +707,28 @@ impl Hub {
                 self.check_targets(targets.len())?;
                 let mut snapshots = Vec::new();
                 let mut refused = Vec::new();
+                let watch_all = self.sessions.get(&session).is_some_and(|m| m.watch_all);
                 for target in targets {
-                    let result = self.intern_user(&target).and_then(|id| {
+                    // A name nobody holds can only be in no watch list (a
+                    // session's list holds its names): refused before it is
+                    // interned, so refusals create nothing.
+                    let result = self.name_ok(&target, "user").and_then(|()| {
+                        match self.users.get(&target) {
+                            Some(id) => Ok(UserId(id)),
+                            None if watch_all => self.intern_user(&target),
+                            None => Err(WireError::new(
+                                ErrorCode::NotAllowed,
+                                "not allowed to watch that user",
+                            )),
+                        }
+                    });
+                    let result = result.and_then(|id| {
                         self.core
                             .handle_subscribe(now, session, id, tier.into())
-                            .map_err(WireError::from)
+                            .map_err(|e| {
+                                self.idle.push(id);
+                                WireError::from(e)
+                            })
                     });
                     match result {
                         Ok(s) => snapshots.push(self.snapshot(&s)),
@@ -466,10 +738,12 @@ impl Hub {
                 Ok(Answer::Subscribed { snapshots, refused })
             }
             Request::Unsubscribe { target } => {
+                self.name_ok(&target, "user")?;
                 let id = self.users.get(&target).ok_or_else(|| {
                     WireError::new(ErrorCode::NotSubscribed, "not subscribed to that user")
                 })?;
                 self.core.handle_unsubscribe(now, session, UserId(id))?;
+                self.idle.push(UserId(id));
                 Ok(Answer::Done)
             }
             Request::Query { targets } => {
@@ -482,16 +756,18 @@ impl Hub {
                 self.check_targets(targets.len())?;
                 let mut results = Vec::with_capacity(targets.len());
                 for target in targets {
-                    let result = match self.users.get(&target) {
-                        Some(id) => self
+                    let known = self
+                        .name_ok(&target, "user")
+                        .map(|()| self.users.get(&target));
+                    let result = match known {
+                        Err(e) => Err(e),
+                        Ok(Some(id)) => self
                             .core
                             .handle_query(now, session, UserId(id))
                             .map(|p| proto::Presence::from_core(&p, self.unix_base_ms))
                             .map_err(WireError::from),
                         // Never seen: offline, if the session may know that much.
-                        None => self
-                            .name_ok(&target, "user")
-                            .and_then(|()| self.query_unknown(session)),
+                        Ok(None) => self.query_unknown(session),
                     };
                     results.push(QueryResult { target, result });
                 }
@@ -513,6 +789,7 @@ impl Hub {
                         "route needs a service token",
                     ));
                 }
+                self.name_ok(&user, "user")?;
                 let Some(id) = self.users.get(&user) else {
                     return Ok(Answer::Route(Vec::new()));
                 };
@@ -532,6 +809,7 @@ impl Hub {
                 Ok(Answer::Route(entries))
             }
             Request::Logout => {
+                self.note_targets(session);
                 self.core.handle_logout(now, session)?;
                 Ok(Answer::Done)
             }
@@ -566,27 +844,121 @@ impl Hub {
 
     /// The next output for the driver.
     pub fn poll_output(&mut self) -> Option<HubOutput> {
-        let out = self.core.poll_output()?;
+        let Some(out) = self.core.poll_output() else {
+            // Drained: the next outputs are of later changes.
+            self.encoded.clear();
+            return None;
+        };
         Some(match out {
             Output::Push {
                 to,
                 target,
                 tier,
                 presence,
-            } => HubOutput::Push {
-                session: to,
-                tier,
-                push: proto::Push::Update {
-                    target: self.user_name(target).unwrap_or_default().to_owned(),
-                    presence: proto::Presence::from_core(&presence, self.unix_base_ms),
-                },
-            },
+            } => {
+                let key = (target, presence);
+                let frame = match self.encoded.get(&key) {
+                    Some(frame) => frame.clone(),
+                    None => {
+                        let push = proto::Push::Update {
+                            target: self.user_name(target).unwrap_or_default().to_owned(),
+                            presence: proto::Presence::from_core(&key.1, self.unix_base_ms),
+                        };
+                        // A push is a few small fields: it always encodes.
+                        let frame = Bytes::from(proto::encode_frame(&push).unwrap_or_default());
+                        self.encoded.insert(key, frame.clone());
+                        frame
+                    }
+                };
+                HubOutput::Push {
+                    session: to,
+                    tier,
+                    frame,
+                }
+            }
             Output::SessionEnded { session, reason } => {
                 if let Some(meta) = self.sessions.remove(&session) {
                     self.touched.push(meta.user);
+                    self.idle.push(meta.user);
+                    if self.devices.drop_ref(meta.device.0) == 0 {
+                        self.devices.remove(meta.device.0);
+                    }
+                    for id in meta.watch.iter().flat_map(|ids| ids.iter()) {
+                        if self.users.drop_ref(id.0) == 0 {
+                            self.idle.push(*id);
+                        }
+                    }
                 }
                 HubOutput::End { session, reason }
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Hub, HubLimits, HubOutput, Interner};
+    use crate::proto::{Kind, Request, Tier};
+    use crate::token::{Claims, WatchClaim};
+    use greendot_core::Millis;
+    use std::time::Duration;
+
+    /// A publish to many subscribers is encoded once: every push carries
+    /// the same bytes.
+    #[test]
+    fn one_publish_is_encoded_once_for_every_subscriber() {
+        let mut hub = Hub::new(Default::default(), HubLimits::default(), 0).unwrap();
+        let claims = |user: &str| {
+            Claims::new(
+                user,
+                "phone",
+                Kind::Mobile,
+                WatchClaim::all(),
+                Duration::from_secs(60),
+            )
+        };
+        let mut watchers = Vec::new();
+        for name in ["w1", "w2", "w3"] {
+            let welcome = hub.hello(Millis(1), &claims(name), None).unwrap();
+            let session = greendot_core::SessionId(welcome.session);
+            let subscribe = Request::Subscribe {
+                targets: vec!["star".into()],
+                tier: Tier::Realtime,
+            };
+            hub.request(Millis(1), session, subscribe).unwrap();
+            watchers.push(session);
+        }
+        while hub.poll_output().is_some() {}
+        hub.hello(Millis(2), &claims("star"), None).unwrap();
+        hub.handle_timeout(Millis(60_000));
+        let mut frames = Vec::new();
+        while let Some(out) = hub.poll_output() {
+            if let HubOutput::Push { session, frame, .. } = out {
+                if watchers.contains(&session) {
+                    frames.push(frame);
+                }
+            }
+        }
+        assert_eq!(frames.len(), 3);
+        assert!(frames.iter().all(|f| f.as_ptr() == frames[0].as_ptr()));
+    }
+
+    #[test]
+    fn a_freed_slot_never_answers_to_its_old_id() {
+        let mut names = Interner::new(2);
+        let ann = names.intern("ann").unwrap();
+        let bob = names.intern("bob").unwrap();
+        assert_eq!(names.intern("cy"), None, "at the cap");
+        assert!(names.remove(ann));
+        assert!(!names.remove(ann), "already gone");
+        let cy = names.intern("cy").unwrap();
+        assert_eq!(cy & 0xffff_ffff, ann & 0xffff_ffff, "the slot is reused");
+        assert_ne!(cy, ann);
+        assert_eq!(names.name(ann), None);
+        assert_eq!(names.name(cy).map(|n| &**n), Some("cy"));
+        assert_eq!(names.get("ann"), None);
+        names.acquire(bob);
+        assert_eq!(names.drop_ref(bob), 0);
+        assert_eq!(names.len(), 2);
     }
 }

@@ -57,6 +57,12 @@ pub struct MetricsSnapshot {
     pub rejected: BTreeMap<String, u64>,
     pub latency: (Vec<u64>, u64),
     pub store_errors: u64,
+    /// Handshakes cut short (timed out, reset, given up): not bad input.
+    pub handshakes_aborted: u64,
+    /// User names the hub holds (each with at most one core record).
+    pub users_known: u64,
+    /// User and device names the hub holds.
+    pub names: u64,
 }
 
 fn metric(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(&str, u64)]) {
@@ -132,6 +138,20 @@ impl MetricsSnapshot {
             "counter",
             "Connections lost without a logout.",
             &[("", c.disconnects)],
+        );
+        metric(
+            &mut out,
+            "greendot_users_known",
+            "gauge",
+            "Users the server keeps a record of (live, watched, or with saved state).",
+            &[("", self.users_known)],
+        );
+        metric(
+            &mut out,
+            "greendot_names",
+            "gauge",
+            "User and device names held.",
+            &[("", self.names)],
         );
         metric(
             &mut out,
@@ -215,6 +235,13 @@ impl MetricsSnapshot {
         );
         metric(
             &mut out,
+            "greendot_handshakes_aborted_total",
+            "counter",
+            "Handshakes cut short (the client's network went away, it gave up): not bad input.",
+            &[("", self.handshakes_aborted)],
+        );
+        metric(
+            &mut out,
             "greendot_overloaded_total",
             "counter",
             "Connections closed because the client did not read its pushes.",
@@ -230,7 +257,7 @@ impl MetricsSnapshot {
         let name = "greendot_push_latency_seconds";
         let _ = writeln!(
             out,
-            "# HELP {name} From the core task taking a change (an input or a due timer) \
+            "# HELP {name} From the server's task taking a change (an input or a due timer) \
              to its push being written to the connection (debounce and batch waits excluded)."
         );
         let _ = writeln!(out, "# TYPE {name} histogram");

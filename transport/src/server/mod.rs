@@ -13,10 +13,14 @@
 //!   order. [`handle_frame`] is those two halves chained, without a network.
 //! - **Pushes.** At the welcome the server opens two unidirectional streams,
 //!   realtime (higher priority) and batched, and writes each push into its
-//!   stream as the core emits it. Pushes a stream cannot take yet (QUIC flow
-//!   control) wait in a queue of at most [`ServerConfig::push_queue`]; a full
+//!   stream as the core emits it, each update encoded once and its bytes
+//!   shared by every subscriber. Pushes a stream cannot take yet (QUIC flow
+//!   control) wait in a queue of at most [`ServerConfig::push_queue`] pushes
+//!   and [`ServerConfig::push_queue_bytes`] bytes per connection; a full
 //!   queue means the client does not read: its connection is closed
-//!   (`Overloaded`), never the core blocked.
+//!   (`Overloaded`), never the core blocked. Past
+//!   [`ServerConfig::push_budget_bytes`] queued in the whole server, the
+//!   connections with the largest queues are closed the same way.
 //! - **QUIC is the heartbeat.** Keep-alive and idle timeout are server settings.
 //!   While a connection lives its session's lease is renewed in the core (on
 //!   any frame, and for every connection at a third of the shortest heartbeat
@@ -39,7 +43,15 @@
 //!   server does not); what else changed (last seen, who is shown online) is
 //!   written behind every [`ServerConfig::flush_interval`]. At start every
 //!   saved user is restored into the core before the first connection is
-//!   accepted.
+//!   accepted (the file is opened and read off the runtime's worker).
+//!   A commit that fails, or does not finish within
+//!   [`ServerConfig::store_timeout`], is **not rolled back**: the change is
+//!   in effect (watchers see it) and the request is answered `Internal`,
+//!   "the change is in effect but could not be saved"; the change stays
+//!   pending and is written with the next flush that succeeds (a failed
+//!   batch keeps its users). The writer's queue is bounded
+//!   ([`store::DURABLE_QUEUE`] durable requests; write-behind batches merge
+//!   into one per user).
 //! - **Draining** ([`Server::drain`]): stop accepting, close every connection
 //!   with [`CloseCode::Draining`] (clients reconnect and resume), write the
 //!   store, including the devices that were live; the next process brings them
@@ -51,7 +63,7 @@ pub mod hub;
 pub mod metrics;
 pub mod store;
 
-pub use conn::{handle_frame, ConnState, Handled, RateLimit, Step};
+pub use conn::{handle_frame, ConnState, Handled, RateLimit, Step, RATE_LIMIT_PATIENCE};
 pub use hub::{Hub, HubLimits, HubOutput, Interner, LiveDevice};
 pub use metrics::MetricsSnapshot;
 
@@ -108,6 +120,12 @@ pub struct ServerConfig {
     /// Pushes queued per session and tier before the client counts as stalled.
     /// Default 1024.
     pub push_queue: usize,
+    /// Push bytes queued per connection (both tiers) before the client
+    /// counts as stalled (`Overloaded`). Default 256 KiB.
+    pub push_queue_bytes: usize,
+    /// Push bytes queued in the whole server; beyond it the connections with
+    /// the largest queues are closed (`Overloaded`). Default 256 MiB.
+    pub push_budget_bytes: usize,
     pub limits: HubLimits,
     /// The durable store's file (a redb database); `None`: nothing survives
     /// a restart.
@@ -115,6 +133,12 @@ pub struct ServerConfig {
     /// How often what changed is written behind to the store (last seen, who
     /// is shown online). Default 1 s.
     pub flush_interval: Duration,
+    /// How long a status or invisibility change waits for its commit before
+    /// it is answered "in effect but could not be saved". Default 5 s.
+    pub store_timeout: Duration,
+    /// Faults injected into the store writer (tests only).
+    #[doc(hidden)]
+    pub store_faults: Option<Arc<store::StoreFaults>>,
 }
 
 impl ServerConfig {
@@ -134,9 +158,13 @@ impl ServerConfig {
             hello_timeout: Duration::from_secs(10),
             lease_renewal: None,
             push_queue: 1024,
+            push_queue_bytes: 256 * 1024,
+            push_budget_bytes: 256 * 1024 * 1024,
             limits: HubLimits::default(),
             store: None,
             flush_interval: Duration::from_secs(1),
+            store_timeout: Duration::from_secs(5),
+            store_faults: None,
         }
     }
 
@@ -214,6 +242,7 @@ struct StatsInner {
     rejected: AtomicU64,
     overloaded: AtomicU64,
     store_errors: AtomicU64,
+    handshakes_aborted: AtomicU64,
     rejected_by: Mutex<BTreeMap<String, u64>>,
     latency: Histogram,
 }
@@ -223,6 +252,23 @@ impl StatsInner {
         self.rejected.fetch_add(1, Ordering::Relaxed);
         let mut by = self.rejected_by.lock().unwrap_or_else(|p| p.into_inner());
         *by.entry(reason.to_owned()).or_default() += 1;
+    }
+}
+
+/// Whether a failed handshake was merely cut short (the client's network
+/// went away, it gave up, the server was stopping) rather than refused for
+/// bad input (a TLS alert, a wrong ALPN, a QUIC protocol violation): the
+/// first is counted in `greendot_handshakes_aborted_total`, the second in
+/// `greendot_rejected_total{reason="handshake"}`.
+pub(crate) fn handshake_aborted(error: &quinn_proto::ConnectionError) -> bool {
+    use quinn_proto::{ConnectionError as E, TransportErrorCode};
+    match error {
+        E::TimedOut | E::Reset | E::LocallyClosed | E::CidsExhausted | E::ApplicationClosed(_) => {
+            true
+        }
+        // The peer's stack gave up without an error of its own.
+        E::ConnectionClosed(close) => close.error_code == TransportErrorCode::NO_ERROR,
+        E::TransportError(_) | E::VersionMismatch => false,
     }
 }
 
@@ -257,7 +303,13 @@ impl Clock {
     }
 
     fn now(&self) -> Millis {
-        let elapsed = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.at(Instant::now())
+    }
+
+    /// `instant` on this clock.
+    fn at(&self, instant: Instant) -> Millis {
+        let elapsed = instant.saturating_duration_since(self.start);
+        let elapsed = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
         Millis(self.unix_start_ms.saturating_add(elapsed))
     }
 
@@ -294,8 +346,8 @@ impl Shared {
     }
 }
 
-/// A running server. Dropping it without [`Server::shutdown`] leaves the tasks
-/// running until the runtime stops.
+/// A running server. Dropping it without [`Server::shutdown`] leaves its task
+/// (and the store's writer thread) running until the runtime stops.
 pub struct Server {
     local_addr: SocketAddr,
     shared: Arc<Shared>,
@@ -304,8 +356,9 @@ pub struct Server {
 }
 
 impl Server {
-    /// Binds the UDP socket and starts the core and accept tasks. Must be called
-    /// inside a tokio runtime.
+    /// Binds the UDP socket, restores the store if any, and starts the
+    /// server's one task (see [`driver`]). Must be called inside a tokio
+    /// runtime.
     pub fn bind(config: ServerConfig) -> Result<Server, ServerError> {
         if config.token_secret.is_empty() {
             return Err(ServerError::Setting(
@@ -315,8 +368,10 @@ impl Server {
         if config.max_frame < 64 || config.max_frame > u32::MAX as usize {
             return Err(ServerError::Setting("max_frame must be at least 64".into()));
         }
-        if config.push_queue == 0 {
-            return Err(ServerError::Setting("push_queue must be at least 1".into()));
+        if config.push_queue == 0 || config.push_queue_bytes == 0 || config.push_budget_bytes == 0 {
+            return Err(ServerError::Setting(
+                "push_queue, push_queue_bytes and push_budget_bytes must be at least 1".into(),
+            ));
         }
         let identity = match &config.identity {
             Some(identity) => identity.clone(),
@@ -377,9 +432,24 @@ impl Server {
         // Everything saved is back in the core before the first connection.
         let writer = match &config.store {
             Some(path) => {
-                let store = Store::open(path)?;
-                restore(&mut hub, &store, clock.now(), &config)?;
-                Some(StoreWriter::spawn(store)?)
+                // Disk work: off the runtime's worker (the runtime moves
+                // its other tasks elsewhere meanwhile).
+                let mut open = || -> Result<Store, ServerError> {
+                    let store = Store::open(path)?;
+                    restore(&mut hub, &store, clock.now(), &config)?;
+                    Ok(store)
+                };
+                let store = match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor())
+                {
+                    Ok(tokio::runtime::RuntimeFlavor::MultiThread) => {
+                        tokio::task::block_in_place(open)?
+                    }
+                    _ => open()?,
+                };
+                Some(StoreWriter::spawn_with_faults(
+                    store,
+                    config.store_faults.clone(),
+                )?)
             }
             None => None,
         };
@@ -435,7 +505,7 @@ impl Server {
         self.shared.events.subscribe()
     }
 
-    /// The core's counters, or `None` once the core task has stopped.
+    /// The core's counters, or `None` once the server's task has stopped.
     pub async fn counters(&self) -> Option<Counters> {
         let (tx, rx) = oneshot::channel();
         self.shared.control.send(Control::Counters(tx)).await.ok()?;
@@ -513,11 +583,11 @@ impl Monitor {
         }
     }
 
-    /// Everything for the metrics page; `None` once the core task stopped.
+    /// Everything for the metrics page; `None` once the server's task stopped.
     pub async fn metrics(&self) -> Option<MetricsSnapshot> {
         let (tx, rx) = oneshot::channel();
-        self.shared.control.send(Control::Counters(tx)).await.ok()?;
-        let counters = rx.await.ok()?;
+        self.shared.control.send(Control::Census(tx)).await.ok()?;
+        let census = rx.await.ok()?;
         let s = &self.shared.stats;
         let stats = self.stats();
         let rejected = s
@@ -526,7 +596,9 @@ impl Monitor {
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         Some(MetricsSnapshot {
-            counters,
+            counters: census.counters,
+            users_known: census.users_known as u64,
+            names: census.names as u64,
             connections_open: stats.connections_open,
             connections_total: stats.connections_total,
             migrations: stats.migrations,
@@ -534,6 +606,7 @@ impl Monitor {
             rejected,
             latency: s.latency.snapshot(),
             store_errors: s.store_errors.load(Ordering::Relaxed),
+            handshakes_aborted: s.handshakes_aborted.load(Ordering::Relaxed),
         })
     }
 }
@@ -628,15 +701,17 @@ fn durable_user(hub: &Hub, step: &Step) -> Option<UserId> {
     }
 }
 
-/// The answer to a request whose change could not be saved.
-fn not_saved(handled: Handled) -> Handled {
+/// The answer to a request whose change could not be saved (the commit
+/// failed or did not finish within `store_timeout`): the change stays in
+/// effect (see "Durability" in the module docs).
+fn not_saved(handled: Handled, why: &str) -> Handled {
     match handled.reply {
         Some(ServerFrame::Reply { id, .. }) => Handled {
             reply: Some(ServerFrame::Reply {
                 id,
                 result: Err(proto::WireError::new(
                     proto::ErrorCode::Internal,
-                    "the change is in effect but could not be saved",
+                    format!("the change is in effect but could not be saved: {why}"),
                 )),
             }),
             ..handled
@@ -662,5 +737,40 @@ impl Handled {
             Step::Close(error) => Handled::close(error),
             _ => self,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::handshake_aborted;
+    use quinn_proto::{ConnectionError, TransportError, TransportErrorCode};
+
+    #[test]
+    fn a_lost_handshake_is_not_bad_input() {
+        assert!(handshake_aborted(&ConnectionError::TimedOut));
+        assert!(handshake_aborted(&ConnectionError::Reset));
+        assert!(handshake_aborted(&ConnectionError::LocallyClosed));
+        let close = |code| {
+            ConnectionError::ConnectionClosed(quinn_proto::ConnectionClose {
+                error_code: code,
+                frame_type: None,
+                reason: bytes::Bytes::new(),
+            })
+        };
+        assert!(handshake_aborted(&close(TransportErrorCode::NO_ERROR)));
+        // A TLS alert (here: no application protocol) is bad input.
+        assert!(!handshake_aborted(&close(TransportErrorCode::crypto(0x78))));
+        assert!(!handshake_aborted(&close(
+            TransportErrorCode::PROTOCOL_VIOLATION
+        )));
+        let violation = TransportError {
+            code: TransportErrorCode::crypto(0x2a),
+            frame: None,
+            reason: "bad certificate".into(),
+        };
+        assert!(!handshake_aborted(&ConnectionError::TransportError(
+            violation
+        )));
+        assert!(!handshake_aborted(&ConnectionError::VersionMismatch));
     }
 }

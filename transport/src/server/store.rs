@@ -15,17 +15,29 @@
 //! Every commit is redb's default `Durability::Immediate`: on disk when
 //! `commit` returns. One writer thread groups whatever is queued into one
 //! transaction, so many acknowledgements share one fsync.
+//!
+//! Bounded: durable requests queue in a channel of [`DURABLE_QUEUE`] (a
+//! sender waits for room, with the server's `store_timeout`); write-behind
+//! batches are not queued but merged into one pending batch (one record per
+//! user, the newest), so a slow disk costs memory per dirty user, not per
+//! flush. A batch that fails to commit is merged back under what came since
+//! and written with the next one: a failure loses no dirty user.
 
 use crate::proto::{Kind, Status};
 use crate::server::hub::LiveDevice;
 use greendot_core::{Millis, Saved};
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 use std::path::Path;
-use std::sync::mpsc;
-use std::sync::Arc;
-use tokio::sync::oneshot;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
 use tracing::error;
+
+/// Durable requests queued for the writer at most; more wait for room.
+pub const DURABLE_QUEUE: usize = 1024;
 
 const USERS: TableDefinition<&str, &[u8]> = TableDefinition::new("users");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
@@ -108,18 +120,6 @@ pub struct Batch {
     pub alive_at: Option<u64>,
     /// A drained shutdown: these devices were live; marks the store clean.
     pub drained: Option<Vec<LiveDevice>>,
-}
-
-impl Batch {
-    fn absorb(&mut self, other: Batch) {
-        self.users.extend(other.users);
-        if other.alive_at.is_some() {
-            self.alive_at = other.alive_at;
-        }
-        if other.drained.is_some() {
-            self.drained = other.drained;
-        }
-    }
 }
 
 fn kind_code(kind: Kind) -> u8 {
@@ -251,68 +251,246 @@ impl Store {
     }
 }
 
-struct Job {
-    batch: Batch,
-    done: Option<oneshot::Sender<Result<(), StoreError>>>,
+/// Faults to inject into the writer, for tests of what a failing or hung
+/// disk does to the server. Not for production use.
+#[doc(hidden)]
+#[derive(Debug, Default)]
+pub struct StoreFaults {
+    /// Every commit fails.
+    pub fail: AtomicBool,
+    /// The writer hangs before each commit while this is set.
+    pub stall: AtomicBool,
+    /// The user records of every successful commit, in order.
+    pub committed: Mutex<Vec<(String, Record)>>,
 }
 
-/// The writer thread's mailbox. Sending never blocks.
-#[derive(Clone, Debug)]
+struct Job {
+    batch: Batch,
+    /// When it was handed over (see [`Pending`]).
+    seq: u64,
+    done: oneshot::Sender<Result<(), StoreError>>,
+}
+
+/// Batches merged for the next commit: one record per user, the one handed
+/// over last (by sequence number: a durable job and a write-behind batch
+/// may reach the writer in another order than they were made).
+#[derive(Default)]
+struct Pending {
+    users: HashMap<String, (u64, Record)>,
+    /// With the sequence number of the batch that set it.
+    alive_at: Option<(u64, u64)>,
+    drained: Option<(u64, Vec<LiveDevice>)>,
+}
+
+impl Pending {
+    fn merge(&mut self, batch: Batch, seq: u64) {
+        for (name, record) in batch.users {
+            match self.users.get(&name) {
+                Some((newer, _)) if *newer > seq => {}
+                _ => {
+                    self.users.insert(name, (seq, record));
+                }
+            }
+        }
+        if let Some(at) = batch.alive_at {
+            if self.alive_at.is_none_or(|(newer, _)| newer <= seq) {
+                self.alive_at = Some((seq, at));
+            }
+        }
+        if let Some(devices) = batch.drained {
+            if self.drained.as_ref().is_none_or(|(newer, _)| *newer <= seq) {
+                self.drained = Some((seq, devices));
+            }
+        }
+    }
+
+    /// Merges another pending set in (a failed commit back under what came
+    /// since).
+    fn merge_pending(&mut self, other: Pending) {
+        for (name, (seq, record)) in other.users {
+            self.merge(
+                Batch {
+                    users: vec![(name, record)],
+                    ..Batch::default()
+                },
+                seq,
+            );
+        }
+        if let Some((seq, at)) = other.alive_at {
+            self.merge(
+                Batch {
+                    alive_at: Some(at),
+                    ..Batch::default()
+                },
+                seq,
+            );
+        }
+        if let Some((seq, devices)) = other.drained {
+            self.merge(
+                Batch {
+                    drained: Some(devices),
+                    ..Batch::default()
+                },
+                seq,
+            );
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.users.is_empty() && self.alive_at.is_none() && self.drained.is_none()
+    }
+
+    fn batch(&self) -> Batch {
+        Batch {
+            users: self
+                .users
+                .iter()
+                .map(|(name, (_, record))| (name.clone(), record.clone()))
+                .collect(),
+            alive_at: self.alive_at.map(|(_, at)| at),
+            drained: self.drained.as_ref().map(|(_, d)| d.clone()),
+        }
+    }
+}
+
+/// The writer thread's mailbox. Never blocks the caller: durable batches
+/// are sent by the task that waits for them; write-behind merges.
+#[derive(Clone)]
 pub struct StoreWriter {
-    tx: mpsc::Sender<Job>,
+    tx: mpsc::Sender<Option<Job>>,
+    pending: Arc<Mutex<Pending>>,
+    seq: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for StoreWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StoreWriter(..)")
+    }
 }
 
 impl StoreWriter {
     /// Starts the writer thread (it ends when every `StoreWriter` is dropped).
     pub fn spawn(store: Store) -> Result<StoreWriter, StoreError> {
-        let (tx, rx) = mpsc::channel::<Job>();
+        StoreWriter::spawn_with_faults(store, None)
+    }
+
+    /// [`StoreWriter::spawn`] with injected faults (tests).
+    #[doc(hidden)]
+    pub fn spawn_with_faults(
+        store: Store,
+        faults: Option<Arc<StoreFaults>>,
+    ) -> Result<StoreWriter, StoreError> {
+        // One slot more than the durable queue: a write-behind wake-up
+        // always finds room or a wake-up already queued.
+        let (tx, rx) = mpsc::channel::<Option<Job>>(DURABLE_QUEUE + 1);
+        let pending = Arc::new(Mutex::new(Pending::default()));
+        let shared = pending.clone();
         std::thread::Builder::new()
             .name("greendot-store".into())
-            .spawn(move || write_loop(store, rx))
+            .spawn(move || write_loop(store, rx, shared, faults))
             .map_err(err)?;
-        Ok(StoreWriter { tx })
+        Ok(StoreWriter {
+            tx,
+            pending,
+            seq: Arc::new(AtomicU64::new(0)),
+        })
     }
 
-    /// Queues a write-behind batch.
+    /// Merges a write-behind batch into the pending one and wakes the writer.
     pub fn write_behind(&self, batch: Batch) {
-        if self.tx.send(Job { batch, done: None }).is_err() {
-            error!("the store writer has stopped: a write is lost");
-        }
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .merge(batch, seq);
+        // Full: the writer has work queued and takes the pending batch with it.
+        let _ = self.tx.try_send(None);
     }
 
-    /// Queues a batch; the answer comes once it is on disk.
-    pub fn write_durable(&self, batch: Batch) -> oneshot::Receiver<Result<(), StoreError>> {
+    /// Writes a batch durably: `Ok` once it is on disk. Waits for room in
+    /// the queue and for the commit, each within `timeout` in all.
+    pub async fn write_durable(&self, batch: Batch, timeout: Duration) -> Result<(), StoreError> {
         let (done, rx) = oneshot::channel();
-        let job = Job {
-            batch,
-            done: Some(done),
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
+        let job = Job { batch, seq, done };
+        let wait = async {
+            self.tx
+                .send(Some(job))
+                .await
+                .map_err(|_| StoreError("the store writer has stopped".into()))?;
+            rx.await
+                .map_err(|_| StoreError("the store writer has stopped".into()))?
         };
-        if let Err(mpsc::SendError(job)) = self.tx.send(job) {
-            if let Some(done) = job.done {
-                let _ = done.send(Err(StoreError("the store writer has stopped".into())));
-            }
+        match tokio::time::timeout(timeout, wait).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError(format!(
+                "the store did not commit within {timeout:?}"
+            ))),
         }
-        rx
     }
 }
 
-fn write_loop(store: Store, rx: mpsc::Receiver<Job>) {
-    while let Ok(first) = rx.recv() {
-        let mut batch = first.batch;
-        let mut waiting: Vec<_> = first.done.into_iter().collect();
-        // Group commit: everything already queued goes in the same transaction.
-        while let Ok(more) = rx.try_recv() {
-            batch.absorb(more.batch);
-            waiting.extend(more.done);
+fn write_loop(
+    store: Store,
+    mut rx: mpsc::Receiver<Option<Job>>,
+    pending: Arc<Mutex<Pending>>,
+    faults: Option<Arc<StoreFaults>>,
+) {
+    let lock = || pending.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        let first = rx.blocking_recv();
+        let stopping = first.is_none();
+        // Group commit: what is pending and every durable job already queued
+        // go in the same transaction.
+        let mut commit = std::mem::take(&mut *lock());
+        let mut waiting = Vec::new();
+        for job in first
+            .into_iter()
+            .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+            .flatten()
+        {
+            commit.merge(job.batch, job.seq);
+            waiting.push(job.done);
         }
-        let result = store.write(&batch);
-        if let Err(e) = &result {
-            error!(error = %e, users = batch.users.len(), "store write failed");
+        if !commit.is_empty() {
+            let batch = commit.batch();
+            let result = write_with_faults(&store, &batch, faults.as_deref());
+            if let Err(e) = &result {
+                error!(error = %e, users = batch.users.len(), "store write failed; kept for the next flush");
+                // Merged with whatever came meanwhile: the newest record wins.
+                lock().merge_pending(commit);
+            }
+            for done in waiting {
+                let _ = done.send(result.clone());
+            }
         }
-        for done in waiting {
-            let _ = done.send(result.clone());
+        if stopping {
+            return;
         }
     }
+}
+
+fn write_with_faults(
+    store: &Store,
+    batch: &Batch,
+    faults: Option<&StoreFaults>,
+) -> Result<(), StoreError> {
+    if let Some(faults) = faults {
+        while faults.stall.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if faults.fail.load(Ordering::Relaxed) {
+            return Err(StoreError("injected failure".into()));
+        }
+        store.write(batch)?;
+        faults
+            .committed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(batch.users.iter().cloned());
+        return Ok(());
+    }
+    store.write(batch)
 }
 
 #[cfg(test)]

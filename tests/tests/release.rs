@@ -1,0 +1,177 @@
+//! Users who hold nothing are forgotten: after 100,000 distinct users came
+//! and went, the server holds what it held before, names, records and heap.
+
+use greendot_tests::TestServer;
+use greendot_transport::proto::{self, encode_frame, Hello, Kind, Request, RequestFrame};
+use greendot_transport::server::{handle_frame, ConnState, Hub, HubLimits, RateLimit};
+use greendot_transport::token::{Claims, TokenKeys, WatchClaim};
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Counts the bytes allocated and not yet freed, in this test binary.
+struct Counting;
+
+static LIVE: AtomicIsize = AtomicIsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LIVE.fetch_add(
+            new_size as isize - layout.size() as isize,
+            Ordering::Relaxed,
+        );
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: Counting = Counting;
+
+/// A frame's payload, without its length prefix.
+fn payload(frame: Vec<u8>) -> Vec<u8> {
+    frame[4..].to_vec()
+}
+
+/// One user connects (a device of their own name), watches a friend, and
+/// logs out at once: nothing was ever published of them.
+fn come_and_go(hub: &mut Hub, keys: &Arc<TokenKeys>, i: usize, now: greendot_core::Millis) {
+    let claims = Claims::new(
+        format!("user-{i}"),
+        format!("device-{i}"),
+        Kind::Mobile,
+        WatchClaim::only(["friend"]),
+        Duration::from_secs(600),
+    );
+    let hello = Hello {
+        version: proto::VERSION,
+        token: keys.mint(&claims).unwrap(),
+        resume: None,
+    };
+    let mut conn = ConnState::new(keys.clone(), RateLimit::default());
+    let welcome = handle_frame(hub, &mut conn, now, &payload(encode_frame(&hello).unwrap()));
+    assert!(welcome.welcomed.is_some(), "{welcome:?}");
+    let subscribe = RequestFrame {
+        id: 1,
+        request: Request::Subscribe {
+            targets: vec!["friend".into()],
+            tier: proto::Tier::Realtime,
+        },
+    };
+    handle_frame(
+        hub,
+        &mut conn,
+        now,
+        &payload(encode_frame(&subscribe).unwrap()),
+    );
+    let logout = RequestFrame {
+        id: 2,
+        request: Request::Logout,
+    };
+    let bye = handle_frame(
+        hub,
+        &mut conn,
+        now,
+        &payload(encode_frame(&logout).unwrap()),
+    );
+    assert_eq!(bye.close, Some(proto::CloseCode::Logout));
+    while hub.poll_output().is_some() {}
+    hub.take_touched();
+    hub.release_idle();
+}
+
+/// The hub as the driver runs it, without a network (100,000 QUIC
+/// handshakes would take a minute here): names, core records and heap all
+/// come back to where they were.
+#[test]
+fn hundred_thousand_users_come_and_go_and_leave_nothing() {
+    let keys = Arc::new(TokenKeys::new(b"release test secret", Duration::ZERO));
+    let mut hub = Hub::new(greendot_core::Config::default(), HubLimits::default(), 0).unwrap();
+    // A driver sweeps now and then; debounce windows end meanwhile.
+    let mut clock = 0u64;
+    let mut run = |hub: &mut Hub, users: std::ops::Range<usize>| {
+        for i in users {
+            clock += 10;
+            come_and_go(hub, &keys, i, greendot_core::Millis(clock));
+            if i % 1_000 == 0 {
+                hub.sweep(0);
+            }
+        }
+        // Past every debounce window, then one full sweep.
+        clock += 60_000;
+        hub.handle_timeout(greendot_core::Millis(clock));
+        hub.sweep(usize::MAX);
+    };
+    // Warm-up: buffers and tables reach their working size.
+    run(&mut hub, 0..5_000);
+    let names = hub.names();
+    let users = hub.core().user_count();
+    let heap = LIVE.load(Ordering::Relaxed);
+    run(&mut hub, 5_000..105_000);
+    assert_eq!(hub.names(), names);
+    assert_eq!(hub.core().user_count(), users);
+    assert_eq!(hub.user_names(), 0, "nobody holds anything");
+    let grown = LIVE.load(Ordering::Relaxed) - heap;
+    assert!(
+        grown * 10 <= heap,
+        "live heap grew by {grown} bytes from {heap}"
+    );
+}
+
+/// The same over QUIC, with fewer users: the server's census returns to
+/// where it started once they all logged out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn users_who_logged_out_are_forgotten_by_the_server() {
+    let ts = Arc::new(TestServer::start(|_| {}));
+    let start = ts.server.monitor().metrics().await.unwrap();
+    let mut tasks = tokio::task::JoinSet::new();
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    for _ in 0..8 {
+        let ts = ts.clone();
+        let next = next.clone();
+        tasks.spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= 400 {
+                    return;
+                }
+                let token = ts.token(
+                    &format!("user-{i}"),
+                    &format!("device-{i}"),
+                    Kind::Web,
+                    WatchClaim::only(["friend"]),
+                );
+                let (client, _events) = ts.connect_with(ts.client_config(token)).await;
+                client
+                    .subscribe(&["friend"], greendot_core::Tier::Batched)
+                    .await
+                    .unwrap();
+                client.logout().await.unwrap();
+            }
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap();
+    }
+    let monitor = ts.server.monitor();
+    let mut end = monitor.metrics().await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while (end.names, end.users_known) != (start.names, start.users_known)
+        && tokio::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        end = monitor.metrics().await.unwrap();
+    }
+    assert_eq!(
+        (end.names, end.users_known),
+        (start.names, start.users_known)
+    );
+}
