@@ -234,7 +234,7 @@ impl Hub {
                 kind,
             },
         );
-        self.core.handle_disconnect(now, connected.session)?;
+        self.core.handle_disconnect(now, connected.session, now)?;
         Ok(())
     }
 
@@ -294,7 +294,7 @@ impl Hub {
         let _ = if logout {
             self.core.handle_logout(now, session)
         } else {
-            self.core.handle_disconnect(now, session)
+            self.core.handle_disconnect(now, session, now)
         };
     }
 
