@@ -308,10 +308,12 @@ pub(crate) struct User {
     /// offline or invisible).
     pub(crate) last_seen: Option<Millis>,
     /// While the user is shown: the latest moment heard from their devices
-    /// outside their live sessions' links (sessions that ended, logouts,
-    /// `SetInvisible`), if later than every live session's last heard.
-    /// Zero otherwise: when the user stops being shown with no device left,
-    /// last seen is the latest of this and what their sessions held.
+    /// outside their live sessions' links (sessions that ended, folded in as
+    /// they end; logouts; `SetInvisible`). When the user stops being shown
+    /// with no device left, last seen is this. Each change zeroes it when
+    /// the user is not shown or a live session was heard from as late
+    /// (it would add nothing); an `Activity` may overtake it in between,
+    /// which is harmless since it only ever counts through a max.
     pub(crate) heard: Millis,
     /// Subscriptions to this user held by sessions, Online or Lingering
     /// (parked ones too): a record with subscribers cannot be released.
