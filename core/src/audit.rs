@@ -4,7 +4,8 @@
 //! Feed it every accepted input's answer and every output, in order; each call
 //! returns the first violation found, named by invariant:
 //! - I5: no other user's session is shown an invisible user online, nor a
-//!   last seen later than the moment they went invisible;
+//!   last seen later than the moment they went invisible, nor later than the
+//!   last moment the user's devices were heard from (fed with `heard`);
 //! - I7: per (session, target), pushed versions strictly increase and a
 //!   snapshot is never older than what was sent before;
 //! - I10: pushes go only to live, Online subscribers in the tier they hold;
@@ -26,6 +27,8 @@ pub struct Audit {
     versions: BTreeMap<(SessionId, UserId), u64>,
     views: BTreeMap<SessionId, View>,
     invisible_since: BTreeMap<UserId, Millis>,
+    /// The latest moment each user's devices were heard from.
+    heard: BTreeMap<UserId, Millis>,
 }
 
 impl Audit {
@@ -85,9 +88,21 @@ impl Audit {
         }
     }
 
-    /// An accepted Disconnect: the session lingers and must get nothing.
-    pub fn disconnected(&mut self, session: SessionId) {
+    /// The server heard from `session`'s device at `at`: an accepted
+    /// Connect, Activity, Logout or SetInvisible at its `now`. Every such
+    /// moment must be fed, or a true last seen reads as a violation.
+    pub fn heard(&mut self, session: SessionId, at: Millis) {
+        if let Some(&user) = self.owner.get(&session) {
+            let heard = self.heard.entry(user).or_insert(at);
+            *heard = (*heard).max(at);
+        }
+    }
+
+    /// An accepted Disconnect at `now` whose connection was last heard from
+    /// at `last_heard`: the session lingers and must get nothing.
+    pub fn disconnected(&mut self, session: SessionId, now: Millis, last_heard: Millis) {
         self.lingering.insert(session);
+        self.heard(session, last_heard.min(now));
     }
 
     /// An accepted SetInvisible of a session of `user` at `now`.
@@ -146,6 +161,16 @@ impl Audit {
     fn check_leak(&self, to: SessionId, target: UserId, p: &Presence) -> Result<(), String> {
         if self.owner.get(&to) == Some(&target) {
             return Ok(());
+        }
+        if let Some(seen) = p.last_seen {
+            match self.heard.get(&target) {
+                Some(&heard) if seen <= heard => {}
+                heard => {
+                    return Err(format!(
+                        "I5: {to} shown {target:?} last seen {seen}, last heard {heard:?}"
+                    ))
+                }
+            }
         }
         let Some(&since) = self.invisible_since.get(&target) else {
             return Ok(());

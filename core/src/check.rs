@@ -1,8 +1,8 @@
 //! `Core::check_invariants()` (feature `check`): a full structural check of
 //! the state, run after every step by property tests, fuzzers and the model.
 
-use crate::engine::{tier_index, Core, Link, Timer};
-use crate::types::{SessionId, Tier};
+use crate::engine::{tier_index, Core, Link, Timer, User};
+use crate::types::{Millis, SessionId, Tier};
 use std::collections::BTreeSet;
 
 impl Core {
@@ -11,6 +11,12 @@ impl Core {
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut expected_timers = BTreeSet::new();
         let mut live = 0;
+        let free: BTreeSet<u32> = self.free_users.iter().copied().collect();
+        ensure(free.len() == self.free_users.len(), || {
+            "a user slot is free twice".to_string()
+        })?;
+        // Subscriptions held to each user slot, Online or Lingering.
+        let mut subscribers = vec![0u32; self.users.len()];
         for (index, slot) in self.slots.iter().enumerate() {
             let Some(s) = &slot.session else { continue };
             live += 1;
@@ -22,11 +28,15 @@ impl Core {
             let user = self
                 .users
                 .get(s.user as usize)
+                .filter(|_| !free.contains(&s.user))
                 .ok_or_else(|| format!("session {id} of unknown user slot {}", s.user))?;
             ensure(user.sessions.contains(&id), || {
                 format!("I1: session {id} missing from its user's sessions")
             })?;
             expected_timers.insert((s.lease_due, Timer::Lease(id)));
+            ensure(s.link.last_heard() <= self.clock, || {
+                format!("{id} was last heard after now")
+            })?;
             match s.link {
                 Link::Online { last_activity } => {
                     let deadline = last_activity.plus(self.config.kind(s.kind).heartbeat_timeout);
@@ -40,10 +50,8 @@ impl Core {
                         )
                     })?;
                 }
-                Link::Lingering { until } => {
-                    ensure(s.lease_due == until, || {
-                        format!("lease of lingering {id} != until")
-                    })?;
+                Link::Lingering { .. } => {
+                    let until = s.lease_due;
                     ensure(until > self.clock, || {
                         format!("I2: lingering {id} past grace ({until} <= {})", self.clock)
                     })?;
@@ -68,7 +76,9 @@ impl Core {
                 let target = self
                     .users
                     .get(sub.target as usize)
+                    .filter(|_| !free.contains(&sub.target))
                     .ok_or_else(|| format!("{id} subscribed to unknown user slot"))?;
+                subscribers[sub.target as usize] += 1;
                 ensure(sub.target == s.user || s.watch.allows(target.id), || {
                     format!("I11: {id} subscribed to {:?} outside its watch", target.id)
                 })?;
@@ -107,7 +117,7 @@ impl Core {
                 expected_timers.insert((due, Timer::Batch(id)));
             }
         }
-        ensure(self.index.len() == self.users.len(), || {
+        ensure(self.index.len() + free.len() == self.users.len(), || {
             "index size is off".to_string()
         })?;
         ensure(live == self.live_sessions, || {
@@ -115,9 +125,29 @@ impl Core {
         })?;
 
         for (u, user) in self.users.iter().enumerate() {
+            if free.contains(&(u as u32)) {
+                ensure(*user == User::vacant(), || {
+                    format!("released user slot {u} is not vacant")
+                })?;
+                continue;
+            }
             ensure(self.index.get(user.id) == Some(u as u32), || {
                 format!("index does not map {:?} to slot {u}", user.id)
             })?;
+            let held = subscribers[u];
+            ensure(user.subscribers == held, || {
+                format!(
+                    "{:?} counts {} subscribers, sessions hold {held}",
+                    user.id, user.subscribers
+                )
+            })?;
+            ensure(user.heard <= self.clock, || {
+                format!("{:?} was heard from after now", user.id)
+            })?;
+            ensure(
+                !user.sessions.is_empty() || user.heard == Millis::ZERO,
+                || format!("{:?} keeps a last heard without a session", user.id),
+            )?;
             let mut devices = BTreeSet::new();
             for &sid in &user.sessions {
                 let s = self

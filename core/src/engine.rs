@@ -80,7 +80,12 @@ pub struct Snapshot {
 pub enum Input {
     Connect(Connect),
     Activity(SessionId),
-    Disconnect(SessionId),
+    /// The connection was lost; the driver last heard from it at `last_heard`
+    /// (see [`Core::handle_disconnect`]).
+    Disconnect {
+        session: SessionId,
+        last_heard: Millis,
+    },
     Logout(SessionId),
     SetStatus {
         session: SessionId,
@@ -127,9 +132,10 @@ pub struct Saved {
     pub last_seen: Option<Millis>,
 }
 
-/// Metrics. They are not part of the state's identity: two cores that differ
-/// only in counters compare equal and hash alike (the model checker relies on it).
-#[derive(Clone, Debug, Default)]
+/// Metrics. Two counter sets compare by value; a `Core`'s equality and hash
+/// leave its counters out (two cores that differ only in counters behave
+/// alike, and the model checker relies on it).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Counters {
     pub sessions_started: u64,
     pub resumed: u64,
@@ -149,22 +155,43 @@ pub struct Counters {
     pub stale_inputs: u64,
     pub downgraded: u64,
     pub limits_hit: u64,
+    /// User records freed by `Core::release`.
+    pub users_released: u64,
     /// Gauges.
     pub sessions_online: u64,
     pub sessions_lingering: u64,
     pub users_online: u64,
 }
 
-impl PartialEq for Counters {
-    fn eq(&self, _: &Counters) -> bool {
+/// The core's counters, left out of its `Eq` and `Hash`: metrics describe
+/// the history, not the state, so two cores that differ only in counters are
+/// the same state. Private: `Counters` itself compares by value.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Metrics(pub(crate) Counters);
+
+impl PartialEq for Metrics {
+    fn eq(&self, _: &Metrics) -> bool {
         true
     }
 }
 
-impl Eq for Counters {}
+impl Eq for Metrics {}
 
-impl Hash for Counters {
+impl Hash for Metrics {
     fn hash<H: Hasher>(&self, _: &mut H) {}
+}
+
+impl std::ops::Deref for Metrics {
+    type Target = Counters;
+    fn deref(&self) -> &Counters {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Metrics {
+    fn deref_mut(&mut self) -> &mut Counters {
+        &mut self.0
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -179,8 +206,21 @@ pub(crate) enum Timer {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Link {
+    /// `last_activity` is also when the device was last heard from.
     Online { last_activity: Millis },
-    Lingering { until: Millis },
+    /// Lost; its grace ends at the session's `lease_due`. `last_heard` is
+    /// when the driver last heard from the connection.
+    Lingering { last_heard: Millis },
+}
+
+impl Link {
+    /// The last moment the server heard from this session's device.
+    pub(crate) fn last_heard(self) -> Millis {
+        match self {
+            Link::Online { last_activity } => last_activity,
+            Link::Lingering { last_heard } => last_heard,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -263,9 +303,21 @@ pub(crate) struct User {
     pub(crate) status: Status,
     pub(crate) message: Option<Arc<str>>,
     pub(crate) invisible: bool,
-    /// The moment the user was last shown online to others (set when a
-    /// published online user goes offline or invisible).
+    /// The last moment the server heard from one of the user's devices while
+    /// they were shown to others (set when a published online user goes
+    /// offline or invisible).
     pub(crate) last_seen: Option<Millis>,
+    /// While the user is shown: the latest moment heard from their devices
+    /// outside their live sessions' links (sessions that ended, folded in as
+    /// they end; logouts; `SetInvisible`). When the user stops being shown
+    /// with no device left, last seen is this. Each change zeroes it when
+    /// the user is not shown or a live session was heard from as late
+    /// (it would add nothing); an `Activity` may overtake it in between,
+    /// which is harmless since it only ever counts through a max.
+    pub(crate) heard: Millis,
+    /// Subscriptions to this user held by sessions, Online or Lingering
+    /// (parked ones too): a record with subscribers cannot be released.
+    pub(crate) subscribers: u32,
     /// Bumped by every publish to others and every change of the own view.
     pub(crate) version: u64,
     /// What others were last told; also what a new subscriber's snapshot shows.
@@ -276,7 +328,9 @@ pub(crate) struct User {
 }
 
 impl User {
-    fn new(id: UserId) -> User {
+    /// A user never seen, whose versions start at `version` (the core's
+    /// floor, above every version a released record ever issued).
+    fn new(id: UserId, version: u64) -> User {
         User {
             id,
             sessions: Vec::new(),
@@ -284,11 +338,35 @@ impl User {
             message: None,
             invisible: false,
             last_seen: None,
-            version: 0,
-            published: Presence::default(),
+            heard: Millis::ZERO,
+            subscribers: 0,
+            version,
+            published: Presence {
+                version,
+                ..Presence::default()
+            },
             debounce_due: None,
             watchers: None,
         }
+    }
+
+    /// What a released slot holds until it is reused (the slot is listed in
+    /// `Core::free_users`; its contents mean nothing).
+    pub(crate) fn vacant() -> User {
+        User::new(UserId(u64::MAX), 0)
+    }
+
+    /// Nothing would be lost by forgetting this record: no session, no
+    /// subscriber, no pending publish, and saved state that is the default.
+    fn holds_nothing(&self) -> bool {
+        self.sessions.is_empty()
+            && self.subscribers == 0
+            && self.watchers.is_none()
+            && self.debounce_due.is_none()
+            && self.status == Status::Available
+            && self.message.is_none()
+            && !self.invisible
+            && self.last_seen.is_none()
     }
 }
 
@@ -303,14 +381,21 @@ struct Views {
 pub struct Core {
     pub(crate) config: Config,
     pub(crate) clock: Millis,
+    /// Indexed by user slot; slots in `free_users` are vacant.
     pub(crate) users: Vec<User>,
+    /// Released user slots, reused before `users` grows.
+    pub(crate) free_users: Vec<u32>,
+    /// The highest version any released user reached: a user created after
+    /// a release starts above it, so a watcher never sees a version of a
+    /// re-created user that is not newer than one it saw before the release.
+    pub(crate) version_floor: u64,
     pub(crate) index: UserIndex,
     pub(crate) slots: Vec<Slot>,
     pub(crate) free: Vec<u32>,
     pub(crate) live_sessions: usize,
     pub(crate) timers: BTreeSet<(Millis, Timer)>,
     pub(crate) outputs: VecDeque<Output>,
-    pub(crate) counters: Counters,
+    pub(crate) counters: Metrics,
     #[cfg(feature = "mutants")]
     pub(crate) mutant: Option<crate::mutants::Mutant>,
     /// Under `Mutant::IgnoreStale` only: the device of each superseded session.
@@ -325,13 +410,15 @@ impl Core {
             config,
             clock: Millis::ZERO,
             users: Vec::new(),
+            free_users: Vec::new(),
+            version_floor: 0,
             index: UserIndex::default(),
             slots: Vec::new(),
             free: Vec::new(),
             live_sessions: 0,
             timers: BTreeSet::new(),
             outputs: VecDeque::new(),
-            counters: Counters::default(),
+            counters: Metrics::default(),
             #[cfg(feature = "mutants")]
             mutant: None,
             #[cfg(feature = "mutants")]
@@ -355,7 +442,7 @@ impl Core {
     }
 
     pub fn counters(&self) -> &Counters {
-        &self.counters
+        &self.counters.0
     }
 
     // ----- outputs and time -------------------------------------------------
@@ -422,8 +509,8 @@ impl Core {
                     self.set_lease(id, deadline);
                 }
             }
-            Link::Lingering { until } => {
-                debug_assert!(until <= self.clock);
+            Link::Lingering { .. } => {
+                debug_assert!(session.lease_due <= self.clock);
                 let before = self.views(user);
                 self.counters.grace_expired += 1;
                 self.end_session(id, EndReason::GraceExpired);
@@ -478,7 +565,12 @@ impl Core {
         match input {
             Input::Connect(connect) => self.handle_connect(now, connect).map(Reply::Connected),
             Input::Activity(s) => self.handle_activity(now, s).map(|()| Reply::Done),
-            Input::Disconnect(s) => self.handle_disconnect(now, s).map(|()| Reply::Done),
+            Input::Disconnect {
+                session,
+                last_heard,
+            } => self
+                .handle_disconnect(now, session, last_heard)
+                .map(|()| Reply::Done),
             Input::Logout(s) => self.handle_logout(now, s).map(|()| Reply::Done),
             Input::SetStatus {
                 session,
@@ -569,7 +661,8 @@ impl Core {
         })
     }
 
-    /// Any sign of life: renews the session's lease.
+    /// Any sign of life: renews the session's lease; the device was heard
+    /// from at `now`.
     pub fn handle_activity(&mut self, now: Millis, id: SessionId) -> Result<(), Error> {
         self.advance(now);
         let id = self.online(id)?;
@@ -584,15 +677,28 @@ impl Core {
 
     /// The connection was lost without a logout: Online → Lingering, unseen by
     /// others until grace runs out.
-    pub fn handle_disconnect(&mut self, now: Millis, id: SessionId) -> Result<(), Error> {
+    ///
+    /// `last_heard` is when the driver last heard from the connection (its
+    /// last packet), usually earlier than `now`, when the loss was noticed.
+    /// It is what the user's last seen will read if this was their last
+    /// device, never the end of grace. It is clamped to between the session's
+    /// last activity and `now`.
+    pub fn handle_disconnect(
+        &mut self,
+        now: Millis,
+        id: SessionId,
+        last_heard: Millis,
+    ) -> Result<(), Error> {
         self.advance(now);
         let id = self.online(id)?;
-        self.linger(id);
+        let last_activity = self.session(id).map_or(self.clock, |s| s.link.last_heard());
+        self.linger(id, last_heard.clamp(last_activity, self.clock));
         self.run_timers(); // a zero grace ends the session at once
         Ok(())
     }
 
-    /// Graceful logout: the session ends now, with no grace.
+    /// Graceful logout: the session ends now, with no grace. The device was
+    /// heard from at `now`.
     pub fn handle_logout(&mut self, now: Millis, id: SessionId) -> Result<(), Error> {
         self.advance(now);
         let id = self.current(id)?;
@@ -601,7 +707,7 @@ impl Core {
                 .session(id)
                 .is_some_and(|s| matches!(s.link, Link::Online { .. }))
             {
-                self.linger(id);
+                self.linger(id, self.clock);
             }
             return Ok(());
         }
@@ -611,6 +717,7 @@ impl Core {
         let before = self.views(user);
         self.counters.logouts += 1;
         self.end_session(id, EndReason::LoggedOut);
+        self.heard(user);
         self.after_change(user, before);
         Ok(())
     }
@@ -642,6 +749,8 @@ impl Core {
     }
 
     /// Appear offline to everyone else (takes effect at once, not debounced).
+    /// The device was heard from at `now`: going invisible freezes last seen
+    /// there.
     pub fn handle_set_invisible(
         &mut self,
         now: Millis,
@@ -655,6 +764,7 @@ impl Core {
         };
         let before = self.views(user);
         self.users[user as usize].invisible = invisible;
+        self.heard(user);
         self.after_change(user, before);
         Ok(())
     }
@@ -769,6 +879,44 @@ impl Core {
         Ok(())
     }
 
+    /// Frees the record of `user` if it holds nothing: no session (Online or
+    /// Lingering), no subscriber (a lingering session's parked subscription
+    /// counts), no pending publish, and saved state that is the default
+    /// ([`Saved::default`]). Returns whether it was freed. A freed user is
+    /// unknown again (shown as `Presence::default()` until they reappear);
+    /// the slot is reused. A user created later under the same id starts
+    /// from versions above every version any released user reached, so no
+    /// watcher ever sees its versions go back.
+    pub fn release(&mut self, user: UserId) -> bool {
+        let Some(u) = self.index.get(user) else {
+            return false;
+        };
+        if !self.users[u as usize].holds_nothing() {
+            return false;
+        }
+        let record = std::mem::replace(&mut self.users[u as usize], User::vacant());
+        self.version_floor = self.version_floor.max(record.version);
+        self.index.remove(user);
+        self.free_users.push(u);
+        #[cfg(feature = "mutants")]
+        self.tombstones.retain(|_, (owner, _)| *owner != u);
+        self.counters.users_released += 1;
+        true
+    }
+
+    /// Whether the core keeps a record of `user` (created by a connect, a
+    /// subscribe or a restore; gone after a release).
+    pub fn is_known(&self, user: UserId) -> bool {
+        self.index.get(user).is_some()
+    }
+
+    /// Whether [`Core::release`] would free `user` now.
+    pub fn is_releasable(&self, user: UserId) -> bool {
+        self.index
+            .get(user)
+            .is_some_and(|u| self.users[u as usize].holds_nothing())
+    }
+
     /// What a server should keep of `user` across restarts.
     pub fn saved(&self, user: UserId) -> Saved {
         match self.index.get(user) {
@@ -785,75 +933,6 @@ impl Core {
         }
     }
 
-    /// Forgets `user` if the core holds nothing of it: no live session (its
-    /// own), no watcher, no subscription of another session naming it (parked
-    /// ones included), no debounce running, and only default saved state.
-    /// `true` if the core keeps no record of `user` afterwards (also when it
-    /// never had one), so its id may be given to somebody else.
-    ///
-    /// Cost: a scan of the session slots (the record that moves into the freed
-    /// place is renumbered wherever sessions name it).
-    pub fn release(&mut self, user: UserId) -> bool {
-        let Some(u) = self.index.get(user) else {
-            return true;
-        };
-        let record = &self.users[u as usize];
-        let holds = !record.sessions.is_empty()
-            || record.debounce_due.is_some()
-            || record.watchers.as_deref().is_some_and(|w| !w.is_empty())
-            || self.saved(user) != Saved::default();
-        if holds {
-            return false;
-        }
-        let named = self
-            .slots
-            .iter()
-            .filter_map(|s| s.session.as_ref())
-            .any(|s| {
-                s.user == u
-                    || s.subs
-                        .as_deref()
-                        .is_some_and(|subs| subs.list.iter().any(|sub| sub.target == u))
-            });
-        #[cfg(feature = "mutants")]
-        let named = named || self.tombstones.values().any(|&(owner, _)| owner == u);
-        if named {
-            return false;
-        }
-        let last = (self.users.len() - 1) as u32;
-        self.users.swap_remove(u as usize);
-        self.index.remove(user);
-        if u != last {
-            // The last record moved into slot `u`: renumber it.
-            let moved = self.users[u as usize].id;
-            self.index.insert(moved, u);
-            for session in self.slots.iter_mut().filter_map(|s| s.session.as_mut()) {
-                if session.user == last {
-                    session.user = u;
-                }
-                if let Some(subs) = session.subs.as_deref_mut() {
-                    let mut renamed = false;
-                    for sub in subs.list.iter_mut().filter(|sub| sub.target == last) {
-                        sub.target = u;
-                        renamed = true;
-                    }
-                    if renamed {
-                        subs.list.sort_by_key(|sub| sub.target);
-                    }
-                    for target in subs.batch.iter_mut().filter(|t| **t == last) {
-                        *target = u;
-                    }
-                }
-            }
-            #[cfg(feature = "mutants")]
-            for (owner, _) in self.tombstones.values_mut() {
-                if *owner == last {
-                    *owner = u;
-                }
-            }
-        }
-        true
-    }
 
     // ----- getters ----------------------------------------------------------
 
@@ -953,6 +1032,12 @@ impl Core {
 
     /// Users the core keeps a record of.
     pub fn user_count(&self) -> usize {
+        self.users.len() - self.free_users.len()
+    }
+
+    /// User records allocated, held or released and waiting for reuse: the
+    /// core's memory for users follows this, the peak of `user_count`.
+    pub fn user_slots(&self) -> usize {
         self.users.len()
     }
 
@@ -1084,14 +1169,14 @@ impl Core {
     /// Online → Lingering: the lease becomes the grace deadline and the
     /// subscriptions are parked (nothing is pushed to a lost connection; a
     /// resume gets fresh snapshots instead).
-    fn linger(&mut self, id: SessionId) {
+    fn linger(&mut self, id: SessionId, last_heard: Millis) {
         let Some(session) = self.session(id) else {
             return;
         };
         let until = self.clock.plus(self.config.kind(session.kind).grace);
         self.park(id);
         if let Some(session) = self.session_mut(id) {
-            session.link = Link::Lingering { until };
+            session.link = Link::Lingering { last_heard };
         }
         self.set_lease(id, until);
         self.counters.disconnects += 1;
@@ -1131,10 +1216,15 @@ impl Core {
         if online {
             self.park(id);
         }
-        self.session_mut(id)
+        let list = self
+            .session_mut(id)
             .and_then(|s| s.subs.take())
             .map(|subs| subs.list)
-            .unwrap_or_default()
+            .unwrap_or_default();
+        for sub in &list {
+            self.users[sub.target as usize].subscribers -= 1;
+        }
+        list
     }
 
     /// Ends a live session: no more outputs to it, its subscriptions end.
@@ -1156,8 +1246,13 @@ impl Core {
             self.free.push(id.index() as u32);
         }
         self.timers.remove(&(session.lease_due, Timer::Lease(id)));
-        if let Some(due) = session.subs.as_ref().and_then(|s| s.batch_due) {
-            self.timers.remove(&(due, Timer::Batch(id)));
+        if let Some(subs) = session.subs.as_deref() {
+            if let Some(due) = subs.batch_due {
+                self.timers.remove(&(due, Timer::Batch(id)));
+            }
+            for sub in &subs.list {
+                self.users[sub.target as usize].subscribers -= 1;
+            }
         }
         #[cfg(feature = "mutants")]
         if self.mutant == Some(crate::mutants::Mutant::IgnoreStale)
@@ -1165,9 +1260,9 @@ impl Core {
         {
             self.tombstones.insert(id, (session.user, session.device));
         }
-        self.users[session.user as usize]
-            .sessions
-            .retain(|&s| s != id);
+        let u = &mut self.users[session.user as usize];
+        u.sessions.retain(|&s| s != id);
+        u.heard = u.heard.max(session.link.last_heard());
         self.live_sessions -= 1;
         match session.link {
             Link::Online { .. } => self.counters.sessions_online -= 1,
@@ -1228,6 +1323,7 @@ impl Core {
                         queued: false,
                     },
                 );
+                self.users[target as usize].subscribers += 1;
             }
         }
         self.counters.snapshots += 1;
@@ -1255,6 +1351,7 @@ impl Core {
         if subs.list.is_empty() {
             session.subs = None;
         }
+        self.users[target as usize].subscribers -= 1;
         self.unlist(id, target, viewer == target, sub.tier);
         true
     }
@@ -1299,11 +1396,20 @@ impl Core {
         if let Some(u) = self.index.get(user) {
             return Ok(u);
         }
-        if self.users.len() >= self.config.max_users {
+        if self.user_count() >= self.config.max_users {
             return Err(self.limit(Limit::Users));
         }
-        let u = self.users.len() as u32;
-        self.users.push(User::new(user));
+        let record = User::new(user, self.version_floor);
+        let u = match self.free_users.pop() {
+            Some(u) => {
+                self.users[u as usize] = record;
+                u
+            }
+            None => {
+                self.users.push(record);
+                (self.users.len() - 1) as u32
+            }
+        };
         self.index.insert(user, u);
         Ok(u)
     }
@@ -1384,11 +1490,36 @@ impl Core {
             let u = &self.users[user as usize];
             !u.sessions.is_empty() && (!u.invisible || mutant!(self, InvisibleIgnored))
         };
-        // Last seen is when others last saw the user online: a change nobody
-        // was shown (connect then invisible inside one debounce window) must
-        // not move it, or it would reveal the connection.
-        if before.shown.online && !now_shown_online && self.users[user as usize].published.online {
-            self.users[user as usize].last_seen = Some(clock);
+        // Last seen is the last moment a device was heard from while others
+        // saw the user online: a change nobody was shown (connect then
+        // invisible inside one debounce window) must not move it, or it would
+        // reveal the connection.
+        let live_heard = self.users[user as usize]
+            .sessions
+            .iter()
+            .filter_map(|&s| self.session(s))
+            .map(|s| s.link.last_heard())
+            .max();
+        let u = &mut self.users[user as usize];
+        if before.shown.online && !now_shown_online && u.published.online {
+            // Every device gone: their sessions' last heard are in `heard`.
+            // Still connected: the user went invisible, which freezes it now.
+            let heard = if u.sessions.is_empty() {
+                u.heard
+            } else {
+                clock
+            };
+            u.last_seen = Some(if mutant!(self, LastSeenAtExpiry) {
+                clock
+            } else {
+                heard.min(clock)
+            });
+        }
+        // `heard` only matters while the user is shown, and only if no live
+        // session was heard from as late: keep it zero otherwise, so that
+        // equal situations are equal states (what a model checker counts).
+        if !now_shown_online || live_heard.is_some_and(|live| u.heard <= live) {
+            u.heard = Millis::ZERO;
         }
         let own_online = !self.users[user as usize].sessions.is_empty();
         if before.own.online != own_online {
@@ -1426,6 +1557,12 @@ impl Core {
         u.debounce_due = Some(due);
         let id = u.id;
         self.timers.insert((due, Timer::Debounce(id)));
+    }
+
+    /// The user's device was heard from now (a logout, `SetInvisible`).
+    fn heard(&mut self, user: u32) {
+        let u = &mut self.users[user as usize];
+        u.heard = u.heard.max(self.clock);
     }
 
     fn cancel_debounce(&mut self, user: u32) {

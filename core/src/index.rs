@@ -1,9 +1,10 @@
 //! A deterministic `UserId -> slot` index.
 //!
 //! std's `RandomState` would make the core non-deterministic, so the hasher is
-//! a fixed mixer. The index is derived from `Core::users` (every user record
-//! carries its id), so it takes no part in the core's `Eq`/`Hash`: two cores
-//! with equal user records have equal indexes.
+//! a fixed mixer. The index is derived from `Core::users` and
+//! `Core::free_users` (every held user record carries its id), so it takes no
+//! part in the core's `Eq`/`Hash`: two cores with equal user records have
+//! equal indexes.
 
 use crate::types::UserId;
 use std::collections::HashMap;

@@ -16,15 +16,19 @@ pub enum Mutant {
     VersionNotBumped,
     /// A logged-out session stays in its targets' subscriber lists.
     KeepSubsAfterLogout,
+    /// Last seen reads the moment the user stopped being shown (the end of
+    /// grace, the heartbeat timeout) instead of when a device was last heard.
+    LastSeenAtExpiry,
 }
 
 impl Mutant {
-    pub const ALL: [Mutant; 6] = [
+    pub const ALL: [Mutant; 7] = [
         Mutant::IgnoreStale,
         Mutant::NoDebounce,
         Mutant::InvisibleIgnored,
         Mutant::LogoutAsDisconnect,
         Mutant::VersionNotBumped,
         Mutant::KeepSubsAfterLogout,
+        Mutant::LastSeenAtExpiry,
     ];
 }

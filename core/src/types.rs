@@ -228,10 +228,12 @@ pub struct Presence {
     pub message: Option<Arc<str>>,
     /// Kinds of the devices online, only while `online`.
     pub kinds: Kinds,
-    /// While offline: the moment the user was last shown online to others
-    /// (frozen at the moment they went invisible; a connection nobody was
+    /// While offline: the last moment the server heard from one of the
+    /// user's devices (its last packet, or the logout) while others were
+    /// shown the user online; never when a grace period or a timeout ran
+    /// out. Frozen at the moment they went invisible; a connection nobody was
     /// shown, because it ended or turned invisible within the debounce
-    /// window, does not move it); `None` if never, and while online.
+    /// window, does not move it. `None` if never, and while online.
     pub last_seen: Option<Millis>,
     /// Only ever true in a user's view of themselves.
     pub invisible: bool,

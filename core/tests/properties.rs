@@ -25,13 +25,17 @@ enum Op {
         resume: Option<u8>,
     },
     Activity(u8),
-    Disconnect(u8),
+    /// The driver last heard from the connection this many ms before now
+    /// (negative: a driver's instant after `now`, which the core clamps).
+    Disconnect(u8, i16),
     Logout(u8),
     SetStatus(u8, Status, Option<u8>),
     SetInvisible(u8, bool),
     Subscribe(u8, u8, Tier),
     Unsubscribe(u8, u8),
     Query(u8, u8),
+    /// `Core::release` of a user.
+    Release(u8),
     Tick,
 }
 
@@ -53,6 +57,7 @@ struct Mix {
     subscribe: u32,
     unsubscribe: u32,
     query: u32,
+    release: u32,
     tick: u32,
 }
 
@@ -66,7 +71,23 @@ const BALANCED: Mix = Mix {
     subscribe: 10,
     unsubscribe: 1,
     query: 1,
+    release: 2,
     tick: 3,
+};
+
+/// Users come and go within a debounce window and watchers let go of them,
+/// so that records become releasable.
+const RELEASES: Mix = Mix {
+    connect: 8,
+    logout: 8,
+    disconnect: 1,
+    activity: 2,
+    status: 1,
+    invisible: 1,
+    subscribe: 4,
+    unsubscribe: 4,
+    release: 16,
+    ..BALANCED
 };
 
 fn kind() -> impl Strategy<Value = DeviceKind> {
@@ -99,7 +120,11 @@ fn op(mix: Mix) -> impl Strategy<Value = Op> {
                 resume,
             }),
         mix.activity => pick().prop_map(Op::Activity),
-        mix.disconnect => pick().prop_map(Op::Disconnect),
+        mix.disconnect => (pick(), prop_oneof![
+            2 => Just(0i16),
+            4 => 1i16..=3000,
+            1 => -500i16..=-1,
+        ]).prop_map(|(s, back)| Op::Disconnect(s, back)),
         mix.logout => pick().prop_map(Op::Logout),
         mix.status => (pick(), prop::sample::select(Status::ALL.to_vec()), prop::option::of(0u8..12))
             .prop_map(|(s, status, len)| Op::SetStatus(s, status, len)),
@@ -107,6 +132,7 @@ fn op(mix: Mix) -> impl Strategy<Value = Op> {
         mix.subscribe => (pick(), user(), tier()).prop_map(|(s, t, tier)| Op::Subscribe(s, t, tier)),
         mix.unsubscribe => (pick(), user()).prop_map(|(s, t)| Op::Unsubscribe(s, t)),
         mix.query => (pick(), user()).prop_map(|(s, t)| Op::Query(s, t)),
+        mix.release => user().prop_map(Op::Release),
         mix.tick => Just(Op::Tick),
     ]
 }
@@ -186,6 +212,13 @@ struct Driver {
     issued: Issued,
     audit: Audit,
     now: u64,
+    /// The highest (own, published) version seen of each user id, across
+    /// releases: a re-created user starts above both.
+    versions_seen: std::collections::BTreeMap<UserId, (u64, u64)>,
+    /// Users released and not yet created again.
+    released: BTreeSet<UserId>,
+    /// Released users that were created again.
+    recreated: u64,
 }
 
 impl Driver {
@@ -196,6 +229,9 @@ impl Driver {
             issued: Issued::default(),
             audit: Audit::new(),
             now: 0,
+            versions_seen: Default::default(),
+            released: BTreeSet::new(),
+            recreated: 0,
         }
     }
 
@@ -275,6 +311,7 @@ impl Driver {
                 if let Ok(connected) = &got {
                     self.issued.0.push(connected.session);
                     audited(self.audit.connected(&c, connected))?;
+                    self.audit.heard(connected.session, at);
                 }
                 got.map(|_| ())
             }
@@ -282,14 +319,18 @@ impl Driver {
                 let s = pick(s);
                 let got = self.core.handle_activity(at, s);
                 prop_assert_eq!(got, self.reference.activity(now, s));
+                if got.is_ok() {
+                    self.audit.heard(s, at);
+                }
                 got
             }
-            Op::Disconnect(s) => {
+            Op::Disconnect(s, back) => {
                 let s = pick(s);
-                let got = self.core.handle_disconnect(at, s);
-                prop_assert_eq!(got, self.reference.disconnect(now, s));
+                let last_heard = now.saturating_add_signed(-i64::from(back));
+                let got = self.core.handle_disconnect(at, s, Millis(last_heard));
+                prop_assert_eq!(got, self.reference.disconnect(now, s, last_heard));
                 if got.is_ok() {
-                    self.audit.disconnected(s);
+                    self.audit.disconnected(s, at, Millis(last_heard));
                 }
                 got
             }
@@ -298,6 +339,7 @@ impl Driver {
                 let got = self.core.handle_logout(at, s);
                 prop_assert_eq!(got, self.reference.logout(now, s));
                 if got.is_ok() {
+                    self.audit.heard(s, at);
                     let user = self.audit.owner(s).unwrap();
                     prop_assert!(!self.core.route(user).contains(&s), "I4: {s} still routed");
                     prop_assert!(
@@ -327,6 +369,7 @@ impl Driver {
                 if got.is_ok() {
                     let user = self.audit.owner(s).unwrap();
                     self.audit.invisible(user, invisible, at);
+                    self.audit.heard(s, at);
                 }
                 got
             }
@@ -357,6 +400,21 @@ impl Driver {
                 }
                 got.map(|_| ())
             }
+            Op::Release(u) => {
+                let user = UserId(u.into());
+                let releasable = self.core.is_releasable(user);
+                let got = self.core.release(user);
+                prop_assert_eq!(got, self.reference.release(user), "release {:?}", user);
+                prop_assert_eq!(got, releasable, "is_releasable {:?}", user);
+                if got {
+                    self.released.insert(user);
+                    prop_assert_eq!(self.core.truth(user), Presence::default());
+                    prop_assert!(!self.core.release(user), "released twice");
+                } else {
+                    prop_assert_eq!(&self.core, &before, "a refused release changed the state");
+                }
+                Ok(())
+            }
             Op::Tick => Ok(()),
         };
         if result == Err(Error::Stale) || result == Err(Error::UnknownSession) {
@@ -366,9 +424,29 @@ impl Driver {
         self.check_state()
     }
 
-    fn check_state(&self) -> Result<(), TestCaseError> {
+    fn check_state(&mut self) -> Result<(), TestCaseError> {
         if let Err(why) = self.core.check_invariants() {
             return Err(TestCaseError::fail(why));
+        }
+        prop_assert_eq!(self.core.user_count(), self.reference.user_count());
+        for u in 1..=USERS {
+            let user = UserId(u.into());
+            if !self.reference.knows(user) {
+                continue; // never created, or released: unknown
+            }
+            if self.released.remove(&user) {
+                self.recreated += 1;
+            }
+            let now = (
+                self.core.truth(user).version,
+                self.core.presence(user).version,
+            );
+            let seen = self.versions_seen.entry(user).or_default();
+            prop_assert!(
+                now.0 >= seen.0 && now.1 >= seen.1,
+                "I7: versions of {user:?} went back across a release: {now:?} after {seen:?}"
+            );
+            *seen = now;
         }
         prop_assert!(
             self.reference.early_publishes.is_empty(),
@@ -512,6 +590,14 @@ proptest! {
         run(config, &steps)?;
     }
 
+    /// Releases among everything else: I1–I11 hold, versions per (session,
+    /// target) still increase, and a user that comes back is a new record
+    /// whose versions start above every released one.
+    #[test]
+    fn releases_keep_every_invariant_and_versions_above_the_floor(config in config(), steps in steps(RELEASES)) {
+        run(config, &steps)?;
+    }
+
     #[test]
     fn i8_convergence_after_inputs_stop(config in config(), steps in steps(Mix {
         subscribe: 10, status: 6, ..BALANCED
@@ -539,8 +625,13 @@ proptest! {
 }
 
 /// Runs `cases` generated cases of `mix` with a fixed seed; returns the first
-/// failure, and the core counters summed over the cases that passed.
-fn sample(cases: u32, mutant: Option<mutants::Mutant>) -> (Option<String>, Counters) {
+/// failure, the core counters summed over the cases that passed, and how many
+/// released users were created again.
+fn sample(
+    cases: u32,
+    mutant: Option<mutants::Mutant>,
+    mix: Mix,
+) -> (Option<String>, Counters, u64) {
     use proptest::test_runner::{Config as RunnerConfig, RngAlgorithm, TestRng, TestRunner};
     let mut runner = TestRunner::new_with_rng(
         RunnerConfig {
@@ -551,13 +642,15 @@ fn sample(cases: u32, mutant: Option<mutants::Mutant>) -> (Option<String>, Count
         TestRng::deterministic_rng(RngAlgorithm::ChaCha),
     );
     let total = std::cell::RefCell::new(Counters::default());
-    let result = runner.run(&(config(), steps(BALANCED)), |(config, steps)| {
+    let recreated = std::cell::Cell::new(0);
+    let result = runner.run(&(config(), steps(mix)), |(config, steps)| {
         let mut d = Driver::new(config);
         d.core.set_mutant(mutant);
         for step in &steps {
             d.step(step)?;
         }
         d.converge()?;
+        recreated.set(recreated.get() + d.recreated);
         let c = d.core.counters();
         let mut t = total.borrow_mut();
         t.resumed += c.resumed;
@@ -572,15 +665,20 @@ fn sample(cases: u32, mutant: Option<mutants::Mutant>) -> (Option<String>, Count
         t.downgraded += c.downgraded;
         t.limits_hit += c.limits_hit;
         t.logouts += c.logouts;
+        t.users_released += c.users_released;
         Ok(())
     });
-    (result.err().map(|e| e.to_string()), total.into_inner())
+    (
+        result.err().map(|e| e.to_string()),
+        total.into_inner(),
+        recreated.get(),
+    )
 }
 
 /// The generated inputs are not vacuous: they reach every transition.
 #[test]
 fn the_input_mix_reaches_every_transition() {
-    let (failure, c) = sample(32, None);
+    let (failure, c, _) = sample(32, None, BALANCED);
     assert_eq!(failure, None);
     for (what, n) in [
         ("resumes", c.resumed),
@@ -598,13 +696,20 @@ fn the_input_mix_reaches_every_transition() {
     ] {
         assert!(n >= 10, "only {n} {what} in 32 cases: {c:?}");
     }
+    let (failure, c, recreated) = sample(32, None, RELEASES);
+    assert_eq!(failure, None);
+    assert!(
+        c.users_released >= 20 && recreated >= 10,
+        "only {} releases and {recreated} re-creations in 32 cases",
+        c.users_released
+    );
 }
 
 /// The property tests catch each deliberately broken core.
 #[test]
 fn every_mutant_fails_the_property_tests() {
     for mutant in mutants::Mutant::ALL {
-        let (failure, _) = sample(64, Some(mutant));
+        let (failure, ..) = sample(64, Some(mutant), BALANCED);
         assert!(failure.is_some(), "{mutant:?} went unnoticed");
     }
 }

@@ -1,7 +1,8 @@
 //! An arbitrary configuration and sequence of inputs and time steps through
 //! the core: it never panics, `check_invariants()` holds after every step, and
-//! the output invariants (I5, I7, I10, I11, through `Audit`) and I1, I3, I4,
-//! I9 are checked after every step too.
+//! the output invariants (I5 with last seen never after the last heard, I7,
+//! I10, I11, through `Audit`) and I1, I3, I4, I9 are checked after every step
+//! too, across releases of users.
 #![no_main]
 
 use arbitrary::Arbitrary;
@@ -28,13 +29,15 @@ struct Step {
 enum Op {
     Connect { user: u8, device: u8, kind: u8, watch: Option<Vec<u8>>, resume: Option<u8> },
     Activity(u8),
-    Disconnect(u8),
+    /// Last heard this many ms before now (negative: after now, clamped).
+    Disconnect(u8, i16),
     Logout(u8),
     SetStatus(u8, u8, Option<String>),
     SetInvisible(u8, bool),
     Subscribe(u8, u8, bool),
     Unsubscribe(u8, u8),
     Query(u8, u8),
+    Release(u8),
     Tick,
 }
 
@@ -98,15 +101,24 @@ fuzz_target!(|case: Case| {
                 if let Ok(connected) = &got {
                     issued.push(connected.session);
                     ok(audit.connected(&c, connected));
+                    audit.heard(connected.session, at);
                 }
                 got.map(|_| ())
             }
-            Op::Activity(s) => core.handle_activity(at, pick(&issued, *s)),
-            Op::Disconnect(s) => {
+            Op::Activity(s) => {
                 let s = pick(&issued, *s);
-                let got = core.handle_disconnect(at, s);
+                let got = core.handle_activity(at, s);
                 if got.is_ok() {
-                    audit.disconnected(s);
+                    audit.heard(s, at);
+                }
+                got
+            }
+            Op::Disconnect(s, back) => {
+                let s = pick(&issued, *s);
+                let last_heard = Millis(now.saturating_add_signed(-i64::from(*back)));
+                let got = core.handle_disconnect(at, s, last_heard);
+                if got.is_ok() {
+                    audit.disconnected(s, at, last_heard);
                 }
                 got
             }
@@ -114,6 +126,7 @@ fuzz_target!(|case: Case| {
                 let s = pick(&issued, *s);
                 let got = core.handle_logout(at, s);
                 if got.is_ok() {
+                    audit.heard(s, at);
                     let owner = audit.owner(s).expect("an accepted session was audited");
                     assert!(!core.route(owner).contains(&s), "I4: {s} still routed");
                     assert!(core.subscriptions(s).is_empty(), "I4: {s} keeps subscriptions");
@@ -132,6 +145,7 @@ fuzz_target!(|case: Case| {
                 if got.is_ok() {
                     let owner = audit.owner(s).expect("an accepted session was audited");
                     audit.invisible(owner, *invisible, at);
+                    audit.heard(s, at);
                 }
                 got
             }
@@ -159,6 +173,18 @@ fuzz_target!(|case: Case| {
                     ok(audit.answered(s, user(*t), p));
                 }
                 got.map(|_| ())
+            }
+            Op::Release(u) => {
+                let u = user(*u);
+                let releasable = core.is_releasable(u);
+                let released = core.release(u);
+                assert_eq!(released, releasable, "is_releasable disagrees with release");
+                if released {
+                    assert_eq!(core.truth(u), Presence::default(), "a released user is unknown");
+                } else {
+                    assert!(core == before, "a refused release changed the state");
+                }
+                Ok(())
             }
             Op::Tick => Ok(()),
         };

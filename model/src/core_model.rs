@@ -50,6 +50,10 @@ pub mod cap {
     pub const STALE: u16 = 1 << 6;
     /// `Connect` without resume while a session is live (supersede).
     pub const RECONNECT: u16 = 1 << 7;
+    /// `Disconnect` of a device that went silent before the loss was
+    /// noticed: the driver last heard from it before `now` (at time 0, which
+    /// the core clamps up to its last activity).
+    pub const SILENT_LOSS: u16 = 1 << 10;
     pub const ALL: u16 = u16::MAX;
 }
 
@@ -139,7 +143,11 @@ pub fn small_config(devices: usize) -> Config {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Op {
     Activity,
-    Disconnect,
+    /// `silent`: last heard before `now` (see `cap::SILENT_LOSS`); otherwise
+    /// last heard at `now`.
+    Disconnect {
+        silent: bool,
+    },
     Logout,
     SetStatus(Status),
     SetInvisible(bool),
@@ -182,6 +190,11 @@ pub struct Track {
     pub truth_since: Option<Millis>,
     /// When the user went invisible, while invisible.
     pub invisible_since: Option<Millis>,
+    /// The latest moment the user's devices were heard from (accepted
+    /// Connect, Activity, Logout, SetInvisible at `now`, a Disconnect at its
+    /// last heard) since others were shown the user online; `None` while
+    /// they are not.
+    pub heard: Option<Millis>,
 }
 
 /// Notable things the last transition did (for `sometimes` properties).
@@ -196,6 +209,9 @@ pub mod event {
     pub const GRACE_EXPIRED: u16 = 1 << 7;
     pub const NOT_ALLOWED: u16 = 1 << 8;
     pub const STALE_REFUSED: u16 = 1 << 9;
+    /// Last seen was set to a moment before the transition's `now` (a silent
+    /// device, a reaped ghost, a grace that ran out).
+    pub const LAST_SEEN_BEFORE_NOW: u16 = 1 << 10;
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -329,7 +345,10 @@ impl CoreModel {
                 let user = |i: u8| self.users[i as usize];
                 let input = match op {
                     Op::Activity => Input::Activity(session),
-                    Op::Disconnect => Input::Disconnect(session),
+                    Op::Disconnect { silent } => Input::Disconnect {
+                        session,
+                        last_heard: if silent { Millis::ZERO } else { now },
+                    },
                     Op::Logout => Input::Logout(session),
                     Op::SetStatus(status) => Input::SetStatus {
                         session,
@@ -550,6 +569,7 @@ impl CoreModel {
         }
 
         // ---- per-device bookkeeping ----------------------------------------
+        let mut heard = None;
         if let (
             Action::Input {
                 dev,
@@ -561,9 +581,22 @@ impl CoreModel {
         {
             let d = &mut n.devs[dev as usize];
             match op {
-                Op::Activity => d.active_at = Some(now),
-                Op::Disconnect => d.lost_at = Some(now),
-                Op::SetStatus(_) | Op::SetInvisible(_) => n.toggles += 1,
+                Op::Activity => {
+                    d.active_at = Some(now);
+                    heard = Some((dev, now));
+                }
+                Op::Disconnect { silent } => {
+                    d.lost_at = Some(now);
+                    // Clamped up to the last activity, as the core must.
+                    let last_heard = if silent { d.active_at } else { Some(now) };
+                    heard = last_heard.map(|at| (dev, at));
+                }
+                Op::Logout => heard = Some((dev, now)),
+                Op::SetInvisible(_) => {
+                    n.toggles += 1;
+                    heard = Some((dev, now));
+                }
+                Op::SetStatus(_) => n.toggles += 1,
                 _ => {}
             }
         }
@@ -572,7 +605,13 @@ impl CoreModel {
                 let d = &mut n.devs[dev as usize];
                 d.active_at = Some(now);
                 d.lost_at = None;
+                heard = Some((dev, now));
             }
+        }
+        if let Some((dev, at)) = heard {
+            let t = self.user_index(self.devices[dev as usize].user);
+            let track = &mut n.users[t];
+            track.heard = Some(track.heard.map_or(at, |h| h.max(at)));
         }
         if let (Input::Logout(id), Ok(_)) = (&input, &reply) {
             self.check_logout(&n.core, *id, &mut bad);
@@ -645,6 +684,21 @@ impl CoreModel {
                 track.invisible_since = None;
             } else if !s.core.truth(user).invisible {
                 track.invisible_since = Some(now);
+            }
+            // Last seen moves only to the last moment a device was heard
+            // from (going invisible is heard at that moment), never to the
+            // moment a grace or a timeout ran out.
+            let seen = n.core.saved(user).last_seen;
+            if seen != s.core.saved(user).last_seen {
+                if seen != track.heard {
+                    bad.push(format!(
+                        "LS: {user:?} last seen set to {seen:?} at {now}, last heard {:?}",
+                        track.heard
+                    ));
+                }
+                if seen.is_some_and(|at| at < now) {
+                    ev |= event::LAST_SEEN_BEFORE_NOW;
+                }
             }
         }
 
@@ -899,6 +953,13 @@ impl CoreModel {
                 track.truth_since = None;
             }
         }
+        for (t, track) in n.users.iter_mut().enumerate() {
+            if !n.core.shown(self.users[t]).online {
+                // Only what is heard while shown counts; the next shown
+                // stay starts with a moment heard (a connect, going visible).
+                track.heard = None;
+            }
+        }
         for (dev, spec) in n.devs.iter_mut().zip(&self.devices) {
             if spec.caps & cap::STALE == 0 {
                 dev.old = None; // only devices that send stale inputs need it
@@ -957,7 +1018,8 @@ fn check_shown_to_other(
 fn named_session(input: &Input) -> Option<SessionId> {
     match input {
         Input::Connect(_) | Input::Tick => None,
-        Input::Activity(s) | Input::Disconnect(s) | Input::Logout(s) => Some(*s),
+        Input::Activity(s) | Input::Logout(s) => Some(*s),
+        Input::Disconnect { session, .. } => Some(*session),
         Input::SetStatus { session, .. }
         | Input::SetInvisible { session, .. }
         | Input::Subscribe { session, .. }
@@ -1042,7 +1104,12 @@ impl Model for CoreModel {
                         input(Op::Activity);
                     }
                     if can(cap::DROP) {
-                        input(Op::Disconnect);
+                        input(Op::Disconnect { silent: false });
+                    }
+                    // Silent only differs when something was heard before now.
+                    let active = state.active_at.unwrap_or(s.core.now());
+                    if can(cap::SILENT_LOSS) && active < s.core.now() {
+                        input(Op::Disconnect { silent: true });
                     }
                     if can(cap::LOGOUT) {
                         input(Op::Logout);
@@ -1101,7 +1168,7 @@ impl Model for CoreModel {
             if stale_id.is_some() && can(cap::STALE) {
                 for op in [
                     Op::Activity,
-                    Op::Disconnect,
+                    Op::Disconnect { silent: false },
                     Op::Logout,
                     Op::SetInvisible(true),
                     Op::SetStatus(Status::Busy),
@@ -1152,6 +1219,7 @@ impl Model for CoreModel {
             Property::<Self>::always("I10 no stray output", |_, s| !has(s, "I10")),
             Property::<Self>::always("I11 authorization", |_, s| !has(s, "I11")),
             Property::<Self>::always("core structure", |_, s| !has(s, "S")),
+            Property::<Self>::always("last seen is last heard", |_, s| !has(s, "LS")),
             Property::<Self>::sometimes("flap suppressed by debounce", |_, s| {
                 s.events & event::FLAP_SUPPRESSED != 0
             }),
@@ -1173,6 +1241,9 @@ impl Model for CoreModel {
                 s.events & event::INVISIBLE_AT_ONCE != 0
             }),
             Property::<Self>::sometimes("converged batched watcher", converged_batched),
+            Property::<Self>::sometimes("last seen set to an earlier moment", |_, s| {
+                s.events & event::LAST_SEEN_BEFORE_NOW != 0
+            }),
         ]
     }
 }
@@ -1226,7 +1297,10 @@ pub fn describe_input(input: &Input) -> String {
             c.resume.map(|r| format!(" resume {r}")).unwrap_or_default()
         ),
         Input::Activity(s) => format!("Activity {s}"),
-        Input::Disconnect(s) => format!("Disconnect {s}"),
+        Input::Disconnect {
+            session,
+            last_heard,
+        } => format!("Disconnect {session} last heard {}", last_heard.0),
         Input::Logout(s) => format!("Logout {s}"),
         Input::SetStatus {
             session, status, ..

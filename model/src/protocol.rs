@@ -885,7 +885,13 @@ fn server_msg(spec: &ServerSpec, state: &mut Cow<NodeState>, src: Id, msg: Msg, 
         }
         Msg::Lost { attempt } => {
             let session = server.conns[&(client, attempt)];
-            let _ = server.input(users, now, Input::Disconnect(session), o);
+            // Last seen is Model 1's concern; here the loss is reported as
+            // heard until it was noticed.
+            let input = Input::Disconnect {
+                session,
+                last_heard: now,
+            };
+            let _ = server.input(users, now, input, o);
         }
         _ => {}
     }

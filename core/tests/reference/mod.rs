@@ -24,6 +24,8 @@ struct RSession {
     online: bool,
     last_activity: u64,
     until: u64,
+    /// While Lingering: when the connection was last heard from.
+    last_heard: u64,
     watch: Watch,
     subs: BTreeMap<UserId, RSub>,
     batch: Vec<UserId>,
@@ -36,6 +38,10 @@ struct RUser {
     message: Option<Arc<str>>,
     invisible: bool,
     last_seen: Option<u64>,
+    /// The latest moment any device of the user was heard from since others
+    /// were last shown them going online (what last seen becomes when they
+    /// stop being shown).
+    heard_while_shown: u64,
     version: u64,
     published: Presence,
     debounce_due: Option<u64>,
@@ -49,6 +55,8 @@ pub struct Reference {
     users: BTreeMap<UserId, RUser>,
     sessions: BTreeMap<SessionId, RSession>,
     issued: BTreeSet<SessionId>,
+    /// The highest version of any released user.
+    version_floor: u64,
     pub out: Vec<Output>,
     /// Publishes that went out after less than a full debounce window (I6);
     /// must stay empty.
@@ -74,6 +82,7 @@ impl Reference {
             users: BTreeMap::new(),
             sessions: BTreeMap::new(),
             issued: BTreeSet::new(),
+            version_floor: 0,
             out: Vec::new(),
             early_publishes: Vec::new(),
         }
@@ -239,11 +248,22 @@ impl Reference {
         }
     }
 
+    /// A device of `user` was heard from at `at`.
+    fn heard(&mut self, user: UserId, at: u64) {
+        let u = self.users.get_mut(&user).unwrap();
+        u.heard_while_shown = u.heard_while_shown.max(at);
+    }
+
     fn after(&mut self, user: UserId, before: Before) {
         let now = self.now;
         let shown_online = self.really_online(user) && !self.users[&user].invisible;
-        if before.shown.online && !shown_online && self.users[&user].published.online {
-            self.users.get_mut(&user).unwrap().last_seen = Some(now);
+        let u = self.users.get_mut(&user).unwrap();
+        if !before.shown.online && shown_online {
+            // Shown from now on: what was heard before does not count.
+            u.heard_while_shown = now;
+        }
+        if before.shown.online && !shown_online && u.published.online {
+            u.last_seen = Some(u.heard_while_shown);
         }
         if !self.own(user).same_view(&before.own) {
             self.users.get_mut(&user).unwrap().version += 1;
@@ -332,7 +352,18 @@ impl Reference {
             if self.users.len() >= self.cfg.max_users {
                 return Err(Error::LimitExceeded(Limit::Users));
             }
-            self.users.insert(user, RUser::default());
+            let floor = self.version_floor;
+            self.users.insert(
+                user,
+                RUser {
+                    version: floor,
+                    published: Presence {
+                        version: floor,
+                        ..Presence::default()
+                    },
+                    ..RUser::default()
+                },
+            );
         }
         Ok(())
     }
@@ -445,12 +476,14 @@ impl Reference {
                 online: true,
                 last_activity: self.now,
                 until: 0,
+                last_heard: 0,
                 watch: c.watch.clone(),
                 subs: BTreeMap::new(),
                 batch: Vec::new(),
                 batch_due: None,
             },
         );
+        self.heard(c.user, self.now);
         let mut snapshots = Vec::new();
         for (target, tier) in carried {
             if target != c.user && !c.watch.allows(target) {
@@ -469,24 +502,30 @@ impl Reference {
 
     pub fn activity(&mut self, now: u64, id: SessionId) -> Result<(), Error> {
         self.advance(now);
-        self.lookup(id, true)?;
+        let user = self.lookup(id, true)?.user;
         let now = self.now;
         self.sessions.get_mut(&id).unwrap().last_activity = now;
+        self.heard(user, now);
         Ok(())
     }
 
-    pub fn disconnect(&mut self, now: u64, id: SessionId) -> Result<(), Error> {
+    pub fn disconnect(&mut self, now: u64, id: SessionId, last_heard: u64) -> Result<(), Error> {
         self.advance(now);
         let grace = self.cfg.kind(self.lookup(id, true)?.kind).grace.0;
         let now = self.now;
         let s = self.sessions.get_mut(&id).unwrap();
+        // Heard from no earlier than its last activity, no later than now.
+        let last_heard = last_heard.clamp(s.last_activity, now);
+        let user = s.user;
         s.online = false;
         s.until = now + grace;
+        s.last_heard = last_heard;
         s.batch.clear();
         s.batch_due = None;
         for sub in s.subs.values_mut() {
             sub.queued = false;
         }
+        self.heard(user, last_heard);
         self.advance(now);
         Ok(())
     }
@@ -496,6 +535,7 @@ impl Reference {
         let user = self.lookup(id, false)?.user;
         let before = self.before(user);
         self.end(id, EndReason::LoggedOut);
+        self.heard(user, self.now);
         self.after(user, before);
         Ok(())
     }
@@ -525,6 +565,7 @@ impl Reference {
         let user = self.lookup(id, true)?.user;
         let before = self.before(user);
         self.users.get_mut(&user).unwrap().invisible = invisible;
+        self.heard(user, self.now);
         self.after(user, before);
         Ok(())
     }
@@ -584,6 +625,34 @@ impl Reference {
             return Err(Error::NotAllowed);
         }
         Ok(self.view_of(s.user, target))
+    }
+
+    /// Forgets `user` if nothing would be lost: no live session, no session
+    /// subscribed to them, no pending publish, default saved state.
+    pub fn release(&mut self, user: UserId) -> bool {
+        let Some(u) = self.users.get(&user) else {
+            return false;
+        };
+        let watched = self.sessions.values().any(|s| s.subs.contains_key(&user));
+        let saved_default = u.status == Status::Available
+            && u.message.is_none()
+            && !u.invisible
+            && u.last_seen.is_none();
+        if self.really_online(user) || watched || u.debounce_due.is_some() || !saved_default {
+            return false;
+        }
+        self.version_floor = self.version_floor.max(u.version);
+        self.users.remove(&user);
+        true
+    }
+
+    pub fn user_count(&self) -> usize {
+        self.users.len()
+    }
+
+    /// Whether `user` has a record (created and not released).
+    pub fn knows(&self, user: UserId) -> bool {
+        self.users.contains_key(&user)
     }
 
     // ----- what tests compare -----------------------------------------------

@@ -352,7 +352,7 @@ impl Hub {
                 kind,
             },
         );
-        self.core.handle_disconnect(now, connected.session)?;
+        self.core.handle_disconnect(now, connected.session, now)?;
         Ok(())
     }
 
@@ -415,10 +415,7 @@ impl Hub {
             self.note_targets(session);
             self.core.handle_logout(now, session)
         } else {
-            // TODO(core merge): `handle_disconnect(now, session, last_heard)`
-            // once the core takes it; until then last seen is `now`.
-            tracing::trace!(?session, last_heard = last_heard.0, "disconnected");
-            self.core.handle_disconnect(now, session)
+            self.core.handle_disconnect(now, session, last_heard)
         };
     }
 
@@ -515,7 +512,8 @@ impl Hub {
         if self.users.name(user.0).is_none() || self.users.refs(user.0) > 0 {
             return false;
         }
-        if !self.core.release(user) {
+        // A name without a core record (only ever in a watch list) goes too.
+        if self.core.is_known(user) && !self.core.release(user) {
             return false;
         }
         self.users.remove(user.0)
