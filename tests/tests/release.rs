@@ -120,6 +120,7 @@ fn hundred_thousand_users_come_and_go_and_leave_nothing() {
     assert_eq!(hub.core().user_count(), users);
     assert_eq!(hub.user_names(), 0, "nobody holds anything");
     let grown = LIVE.load(Ordering::Relaxed) - heap;
+    eprintln!("live heap {heap} bytes after the warm-up, {grown:+} after 100,000 more users");
     assert!(
         grown * 10 <= heap,
         "live heap grew by {grown} bytes from {heap}"
