@@ -16,7 +16,6 @@ fn unix_ms() -> u64 {
 
 // Passes once the core takes `last_heard` in `handle_disconnect` (the core
 // branch); the driver already measures it and hands it to `Hub::closed`.
-#[ignore = "needs the core's handle_disconnect(now, session, last_heard)"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_client_is_last_seen_at_its_last_packet() {
     let ts = TestServer::start(|_| {});

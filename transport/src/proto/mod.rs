@@ -127,6 +127,8 @@ impl CloseCode {
                 | CloseCode::TooManyConnections
                 | CloseCode::ProtocolError
                 | CloseCode::FrameTooLarge
+                | CloseCode::RateLimited
+                | CloseCode::StreamStopped
         )
     }
 }
