@@ -10,17 +10,23 @@
 //! channel or oneshot between a frame and its answer. Everything below is
 //! synchronous except the socket and the timer the loop sleeps on.
 //!
-//! One pass of the loop: take what woke it (datagrams, a control message, a
-//! timer), feed it to the endpoint and connections, then `pump`: handle every
-//! application event of the touched connections (frames go through
-//! [`ConnState::on_frame`] and [`Hub::apply`], outputs are routed to push
-//! streams at once), then let every touched connection transmit and re-arm
-//! its timer.
+//! One pass of the loop ([`Driver::pass`]), bounded by [`PassBudget`]: read
+//! the socket until it is empty (or the budget is spent) and feed each
+//! datagram to the endpoint and its connection; handle the due timers; then
+//! `pump`: handle every application event of the touched connections (frames
+//! go through [`ConnState::on_frame`] and [`Hub::apply`], outputs are routed
+//! to push streams at once) and let each transmit and re-arm its timer. What
+//! a budget leaves (timers still due, connections still touched) is carried
+//! to the next pass, which starts without sleeping, again by reading the
+//! socket: under overload receiving is never starved, and nothing one pass
+//! does grows with the backlog.
 
 use super::conn::{ConnState, Handled, Step};
 use super::hub::{Hub, HubOutput};
 use super::store::{Batch, StoreWriter};
-use super::{durable_user, not_saved, reason_label, reason_text, record, ServerEvent, Shared};
+use super::{
+    durable_user, not_saved, reason_label, reason_text, record, PassBudget, ServerEvent, Shared,
+};
 use crate::proto::{self, encode_frame, CloseCode, FrameError, FrameReader, ServerFrame};
 use bytes::{Bytes, BytesMut};
 use greendot_core::{Counters, EndReason, SessionId, Tier, UserId};
@@ -37,8 +43,8 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
-/// Datagrams taken from the socket per wake-up before the connections run.
-const RECV_BATCH: usize = 64;
+/// Control messages handled per pass besides the one that woke it.
+const CONTROL_BATCH: usize = 64;
 /// Datagrams kept while the socket's send buffer is full; beyond this they
 /// are dropped (QUIC retransmits). Not while stopping: every connection's
 /// close packet is kept until sent, so clients learn of it at once.
@@ -123,7 +129,11 @@ pub(super) struct Driver {
     conns: Vec<Option<Box<Conn>>>,
     sessions: HashMap<SessionId, usize>,
     timers: BTreeSet<(Instant, usize)>,
-    touched: Vec<usize>,
+    /// Connections to drive, oldest first; what a pass's budget leaves is
+    /// driven by the next.
+    touched: VecDeque<usize>,
+    budget: PassBudget,
+    recv_buf: Vec<u8>,
     next_serial: u64,
     outbox: VecDeque<(SocketAddr, Vec<u8>)>,
     send_buf: Vec<u8>,
@@ -140,14 +150,6 @@ struct Stopping {
     until: Instant,
 }
 
-enum Wake {
-    Datagram(usize, SocketAddr),
-    RecvError,
-    Control(Control),
-    Writable,
-    Timer,
-}
-
 impl Driver {
     pub(super) fn new(
         shared: Arc<Shared>,
@@ -158,6 +160,7 @@ impl Driver {
     ) -> Driver {
         let now = Instant::now();
         Driver {
+            budget: shared.config.pass,
             next_flush: now + shared.config.flush_interval,
             next_renewal: now + shared.config.renewal(),
             shared,
@@ -167,7 +170,8 @@ impl Driver {
             conns: Vec::new(),
             sessions: HashMap::new(),
             timers: BTreeSet::new(),
-            touched: Vec::new(),
+            touched: VecDeque::new(),
+            recv_buf: vec![0u8; 65536],
             next_serial: 0,
             outbox: VecDeque::new(),
             send_buf: Vec::new(),
@@ -179,45 +183,34 @@ impl Driver {
 
     /// Runs until stopped by [`Control::Stop`].
     pub(super) async fn run(mut self, mut control: mpsc::Receiver<Control>) {
-        let mut buf = vec![0u8; 65536];
         loop {
-            let deadline = self.next_deadline();
-            let wake = tokio::select! {
-                biased;
-                msg = control.recv() => match msg {
-                    Some(msg) => Wake::Control(msg),
-                    None => return,
-                },
-                got = self.socket.recv_from(&mut buf) => match got {
-                    Ok((n, from)) => Wake::Datagram(n, from),
-                    Err(_) => Wake::RecvError,
-                },
-                _ = self.socket.writable(), if !self.outbox.is_empty() => Wake::Writable,
-                _ = tokio::time::sleep_until(deadline) => Wake::Timer,
-            };
-            let now = Instant::now();
-            match wake {
-                Wake::Datagram(n, from) => {
-                    self.on_datagram(now, from, &buf[..n]);
-                    for _ in 1..RECV_BATCH {
-                        match self.socket.try_recv_from(&mut buf) {
-                            Ok((n, from)) => self.on_datagram(now, from, &buf[..n]),
-                            Err(_) => break,
-                        }
-                    }
+            if self.carried(Instant::now()) {
+                // Work left by the last pass: let the runtime's other tasks
+                // (store waiters, metrics) run, then go on without sleeping.
+                tokio::task::yield_now().await;
+            } else {
+                let deadline = self.next_deadline();
+                tokio::select! {
+                    biased;
+                    msg = control.recv() => match msg {
+                        Some(msg) => self.on_control(Instant::now(), msg),
+                        None => return,
+                    },
+                    _ = self.socket.readable() => {}
+                    _ = self.socket.writable(), if !self.outbox.is_empty() => {}
+                    _ = tokio::time::sleep_until(deadline) => {}
                 }
-                // ICMP errors (a client gone) surface here; nothing to do.
-                Wake::RecvError => {}
-                Wake::Control(msg) => self.on_control(now, msg),
-                Wake::Writable => self.send_outbox(),
-                Wake::Timer => {}
             }
-            self.on_timers(now);
-            self.pump(now);
-            // Sending must not wait for a quiet moment in receiving.
-            if !self.outbox.is_empty() {
-                self.send_outbox();
+            // Control messages that came meanwhile (a few per pass).
+            for _ in 0..CONTROL_BATCH {
+                match control.try_recv() {
+                    Ok(msg) => self.on_control(Instant::now(), msg),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => return,
+                }
             }
+            let now = Instant::now();
+            self.pass(now);
             if let Some(stop) = &self.stopping {
                 if self.conns.iter().all(Option::is_none) || now >= stop.until {
                     self.finish().await;
@@ -225,6 +218,50 @@ impl Driver {
                 }
             }
         }
+    }
+
+    /// One pass, bounded by [`PassBudget`]: read the socket (until it is
+    /// empty or the budget is spent) before anything else, so that timers
+    /// and busy connections never starve receiving; then the due timers and
+    /// the touched connections, each up to its budget (the rest waits for
+    /// the next pass, in order); then send.
+    /// Returns how many datagrams it read.
+    fn pass(&mut self, now: Instant) -> usize {
+        let read = self.receive(now);
+        self.on_timers(now);
+        self.pump(now);
+        // Sending must not wait for a quiet moment in receiving.
+        if !self.outbox.is_empty() {
+            self.send_outbox();
+        }
+        read
+    }
+
+    /// Whether the last pass left work (due timers, touched connections)
+    /// that the next one must do without waiting for a wake-up.
+    fn carried(&self, now: Instant) -> bool {
+        !self.touched.is_empty() || self.timers.first().is_some_and(|&(at, _)| at <= now)
+    }
+
+    /// Reads datagrams until the socket has none or the budget is spent;
+    /// returns how many were read.
+    fn receive(&mut self, now: Instant) -> usize {
+        let mut buf = std::mem::take(&mut self.recv_buf);
+        let mut read = 0;
+        while read < self.budget.datagrams {
+            match self.socket.try_recv_from(&mut buf) {
+                Ok((n, from)) => {
+                    read += 1;
+                    self.on_datagram(now, from, &buf[..n]);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                // ICMP errors (a client gone) surface here; nothing to do,
+                // but they count, so an error loop cannot spin forever.
+                Err(_) => read += 1,
+            }
+        }
+        self.recv_buf = buf;
+        read
     }
 
     fn next_deadline(&self) -> Instant {
@@ -257,7 +294,7 @@ impl Driver {
         if let Some(conn) = self.conn(ch) {
             if !conn.touched {
                 conn.touched = true;
-                self.touched.push(ch);
+                self.touched.push_back(ch);
             }
         }
     }
@@ -435,8 +472,14 @@ impl Driver {
         }
     }
 
+    /// The due connection timers, at most the pass budget of them (earliest
+    /// first; the rest stay due for the next pass), then the hub's, the lease
+    /// renewal and the store's.
     fn on_timers(&mut self, now: Instant) {
-        while let Some(&(at, ch)) = self.timers.first() {
+        for _ in 0..self.budget.timers {
+            let Some(&(at, ch)) = self.timers.first() else {
+                break;
+            };
             if at > now {
                 break;
             }
@@ -548,12 +591,11 @@ impl Driver {
 
     fn pump(&mut self, now: Instant) {
         self.route(now);
-        let mut round = Vec::new();
-        while !self.touched.is_empty() {
-            std::mem::swap(&mut round, &mut self.touched);
-            for ch in round.drain(..) {
-                self.drive(ch, now);
-            }
+        for _ in 0..self.budget.connections {
+            let Some(ch) = self.touched.pop_front() else {
+                break;
+            };
+            self.drive(ch, now);
         }
         if self.store.is_some() {
             self.dirty_users.extend(self.hub.take_touched());
@@ -1218,3 +1260,7 @@ fn send_to(
         outbox.push_back((to, bytes.to_vec()));
     }
 }
+
+#[cfg(test)]
+#[path = "driver_tests.rs"]
+mod tests;

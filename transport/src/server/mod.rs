@@ -115,6 +115,37 @@ pub struct ServerConfig {
     /// How often what changed is written behind to the store (last seen, who
     /// is shown online). Default 1 s.
     pub flush_interval: Duration,
+    /// The UDP socket's receive and send buffers, asked of the kernel (which
+    /// may grant less: see `/proc/sys/net/core/rmem_max`; the server logs
+    /// what it got). Default 8 MiB: a burst of keep-alives or handshakes
+    /// from 100,000 clients must wait there, not be dropped.
+    pub socket_buffer: usize,
+    /// What one pass of the server's loop does at most.
+    pub pass: PassBudget,
+}
+
+/// What one pass of the server's loop does at most; what is left is carried
+/// to the next pass, never skipped. Each pass reads the socket first, so a
+/// backlog of timers or busy connections never stops datagrams being read
+/// (and the kernel dropping them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PassBudget {
+    /// Datagrams read from the socket (it is read until empty or this many).
+    pub datagrams: usize,
+    /// Connection timers handled (retransmits, keep-alives, deadlines).
+    pub timers: usize,
+    /// Connections driven (their events handled, their packets built).
+    pub connections: usize,
+}
+
+impl Default for PassBudget {
+    fn default() -> PassBudget {
+        PassBudget {
+            datagrams: 1024,
+            timers: 1024,
+            connections: 1024,
+        }
+    }
 }
 
 impl ServerConfig {
@@ -137,6 +168,8 @@ impl ServerConfig {
             limits: HubLimits::default(),
             store: None,
             flush_interval: Duration::from_secs(1),
+            socket_buffer: 8 << 20,
+            pass: PassBudget::default(),
         }
     }
 
@@ -303,10 +336,34 @@ pub struct Server {
     task: JoinHandle<()>,
 }
 
+/// A server built but not running: [`Server::bind`] spawns its driver; tests
+/// run the driver's passes by hand.
+struct Built {
+    local_addr: SocketAddr,
+    shared: Arc<Shared>,
+    certificate: rustls::pki_types::CertificateDer<'static>,
+    driver: driver::Driver,
+    control: mpsc::Receiver<Control>,
+}
+
 impl Server {
     /// Binds the UDP socket and starts the core and accept tasks. Must be called
     /// inside a tokio runtime.
     pub fn bind(config: ServerConfig) -> Result<Server, ServerError> {
+        let built = Server::build(config)?;
+        let task = tokio::spawn(built.driver.run(built.control));
+        info!(local_addr = %built.local_addr, "greendot server listening");
+        Ok(Server {
+            local_addr: built.local_addr,
+            shared: built.shared,
+            certificate: built.certificate,
+            task,
+        })
+    }
+
+    /// Everything [`Server::bind`] makes, the driver not yet running (tests
+    /// run its passes by hand). Must be called inside a tokio runtime.
+    fn build(config: ServerConfig) -> Result<Built, ServerError> {
         if config.token_secret.is_empty() {
             return Err(ServerError::Setting(
                 "token_secret must not be empty".into(),
@@ -317,6 +374,12 @@ impl Server {
         }
         if config.push_queue == 0 {
             return Err(ServerError::Setting("push_queue must be at least 1".into()));
+        }
+        let pass = config.pass;
+        if pass.datagrams == 0 || pass.timers == 0 || pass.connections == 0 {
+            return Err(ServerError::Setting(
+                "every part of the pass budget must be at least 1".into(),
+            ));
         }
         let identity = match &config.identity {
             Some(identity) => identity.clone(),
@@ -366,6 +429,7 @@ impl Server {
         // Bound first (a taken port fails before the store is touched).
         let socket = std::net::UdpSocket::bind(config.listen)?;
         socket.set_nonblocking(true)?;
+        socket_buffers(&socket, config.socket_buffer);
         let socket = tokio::net::UdpSocket::from_std(socket)?;
         let local_addr = socket.local_addr()?;
         let endpoint = quinn_proto::Endpoint::new(
@@ -395,13 +459,12 @@ impl Server {
             session_key,
         });
         let driver = driver::Driver::new(shared.clone(), socket, endpoint, hub, writer);
-        let task = tokio::spawn(driver.run(control_rx));
-        info!(%local_addr, "greendot server listening");
-        Ok(Server {
+        Ok(Built {
             local_addr,
             shared,
             certificate,
-            task,
+            driver,
+            control: control_rx,
         })
     }
 
@@ -537,6 +600,74 @@ impl Monitor {
         })
     }
 }
+
+/// Asks for `bytes` of receive and send buffer, and logs when the kernel
+/// grants less (Linux caps an unprivileged request at `net.core.rmem_max` /
+/// `wmem_max`; a privileged process may exceed the cap, so that is tried next).
+fn socket_buffers(socket: &std::net::UdpSocket, bytes: usize) {
+    let sock = socket2::SockRef::from(socket);
+    // Linux reports twice what it grants (bookkeeping included).
+    let granted = |got: std::io::Result<usize>| got.map(|n| n / 2).unwrap_or(0);
+    let _ = sock.set_recv_buffer_size(bytes);
+    let mut recv = granted(sock.recv_buffer_size());
+    if recv < bytes {
+        force_buffer(socket, FORCE_RCVBUF, bytes);
+        recv = granted(sock.recv_buffer_size());
+    }
+    let _ = sock.set_send_buffer_size(bytes);
+    let mut send = granted(sock.send_buffer_size());
+    if send < bytes {
+        force_buffer(socket, FORCE_SNDBUF, bytes);
+        send = granted(sock.send_buffer_size());
+    }
+    if recv < bytes || send < bytes {
+        let cap = |name: &str| {
+            std::fs::read_to_string(format!("/proc/sys/net/core/{name}"))
+                .map(|s| s.trim().to_owned())
+                .unwrap_or_else(|_| "?".into())
+        };
+        warn!(
+            requested = bytes,
+            receive = recv,
+            send,
+            rmem_max = %cap("rmem_max"),
+            wmem_max = %cap("wmem_max"),
+            "the kernel capped the UDP socket buffers: raise net.core.rmem_max and wmem_max"
+        );
+    } else {
+        info!(receive = recv, send, "UDP socket buffers");
+    }
+}
+
+#[cfg(target_os = "linux")]
+const FORCE_RCVBUF: libc::c_int = libc::SO_RCVBUFFORCE;
+#[cfg(target_os = "linux")]
+const FORCE_SNDBUF: libc::c_int = libc::SO_SNDBUFFORCE;
+#[cfg(not(target_os = "linux"))]
+const FORCE_RCVBUF: i32 = 0;
+#[cfg(not(target_os = "linux"))]
+const FORCE_SNDBUF: i32 = 0;
+
+/// `SO_RCVBUFFORCE` / `SO_SNDBUFFORCE`: past the sysctl cap, for a process
+/// with CAP_NET_ADMIN; fails harmlessly otherwise.
+#[cfg(target_os = "linux")]
+fn force_buffer(socket: &std::net::UdpSocket, option: libc::c_int, bytes: usize) {
+    use std::os::fd::AsRawFd;
+    let value = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
+    // SAFETY: a valid socket descriptor, a c_int option value of the right size.
+    unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            option,
+            (&value as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn force_buffer(_: &std::net::UdpSocket, _: i32, _: usize) {}
 
 /// 64 random bits (for the session key); falls back to the clock.
 fn random_u64() -> u64 {

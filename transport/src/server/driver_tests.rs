@@ -1,0 +1,132 @@
+//! The driver's pass structure, run by hand on a real socket.
+
+use super::*;
+use crate::proto::ALPN;
+use crate::server::{Server, ServerConfig};
+use crate::tls;
+
+/// A server built but not running, on a loopback port.
+fn built(pass: PassBudget) -> super::super::Built {
+    let mut config = ServerConfig::new(b"secret".to_vec());
+    config.listen = "127.0.0.1:0".parse().unwrap();
+    config.pass = pass;
+    Server::build(config).unwrap()
+}
+
+/// A QUIC client's first datagram (an Initial) to `server`.
+fn client_initial(
+    server: SocketAddr,
+    cert: &rustls::pki_types::CertificateDer<'static>,
+) -> Vec<u8> {
+    let mut client = Endpoint::new(
+        Arc::new(quinn_proto::EndpointConfig::default()),
+        None,
+        false,
+        None,
+    );
+    let crypto = tls::client_crypto(std::slice::from_ref(cert), ALPN).unwrap();
+    let config = quinn_proto::ClientConfig::new(Arc::new(crypto));
+    let (_, mut conn) = client
+        .connect(std::time::Instant::now(), config, server, "localhost")
+        .unwrap();
+    let mut buf = Vec::new();
+    let t = conn
+        .poll_transmit(std::time::Instant::now(), 1, &mut buf)
+        .unwrap();
+    buf.truncate(t.size);
+    buf
+}
+
+#[tokio::test]
+async fn a_pass_reads_the_socket_while_thousands_of_timers_are_due() {
+    const TIMERS: usize = 5000;
+    const NOISE: usize = 300;
+    let budget = PassBudget {
+        datagrams: 1024,
+        timers: 16,
+        connections: 16,
+    };
+    let built = built(budget);
+    let server = built.local_addr;
+    let mut driver = built.driver;
+    // Thousands of due timers: the scheduler handles them as any
+    // connection's (these name no live connection, so each costs little,
+    // but each counts against the budget).
+    let due = Instant::now();
+    for i in 0..TIMERS {
+        driver.timers.insert((due, 1_000_000 + i));
+    }
+    // A backlog: datagrams the endpoint drops, then a real client's Initial.
+    let client = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    for _ in 0..NOISE {
+        client.send_to(&[0u8], server).unwrap();
+    }
+    client
+        .send_to(&client_initial(server, &built.certificate), server)
+        .unwrap();
+    driver.socket.readable().await.unwrap();
+
+    let read = driver.pass(Instant::now());
+
+    // Everything waiting was read in the one pass, the Initial answered...
+    assert_eq!(read, NOISE + 1, "the pass did not read the whole backlog");
+    client
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut buf = [0u8; 2048];
+    let (n, from) = client
+        .recv_from(&mut buf)
+        .expect("the Initial was not answered in the pass that read it");
+    assert_eq!(from, server);
+    assert!(n >= 1200, "an Initial's answer is padded, got {n} bytes");
+    // ...and only the pass's share of the timers handled: the rest is carried.
+    let fake = |d: &Driver| d.timers.iter().filter(|(_, ch)| *ch >= 1_000_000).count();
+    assert_eq!(fake(&driver), TIMERS - budget.timers);
+    assert!(driver.carried(Instant::now()));
+    // Carried, never skipped: later passes handle every one.
+    let mut passes = 0;
+    while fake(&driver) > 0 {
+        driver.pass(Instant::now());
+        passes += 1;
+        assert!(passes <= TIMERS, "due timers are never handled");
+    }
+    assert_eq!(passes, (TIMERS - budget.timers).div_ceil(budget.timers));
+}
+
+#[tokio::test]
+async fn a_pass_drives_at_most_its_budget_of_connections() {
+    let budget = PassBudget {
+        datagrams: 1024,
+        timers: 1024,
+        connections: 4,
+    };
+    let built = built(budget);
+    let server = built.local_addr;
+    let mut driver = built.driver;
+    // Ten clients' Initials: ten new connections, each touched once.
+    let clients: Vec<_> = (0..10)
+        .map(|_| std::net::UdpSocket::bind("127.0.0.1:0").unwrap())
+        .collect();
+    for client in &clients {
+        client
+            .send_to(&client_initial(server, &built.certificate), server)
+            .unwrap();
+    }
+    driver.socket.readable().await.unwrap();
+    assert_eq!(driver.pass(Instant::now()), 10);
+    assert_eq!(driver.touched.len(), 10 - budget.connections);
+    // The rest are driven by the next passes, oldest first: every client
+    // gets its answer.
+    driver.pass(Instant::now());
+    driver.pass(Instant::now());
+    assert!(driver.touched.is_empty());
+    let mut buf = [0u8; 2048];
+    for client in &clients {
+        client
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        client
+            .recv_from(&mut buf)
+            .expect("a carried connection was never driven");
+    }
+}
