@@ -24,11 +24,12 @@
 use super::conn::{ConnState, Handled, Step};
 use super::hub::{Hub, HubOutput};
 use super::store::{Batch, StoreWriter};
+use super::udp::{Datagram, Io};
 use super::{
     durable_user, not_saved, reason_label, reason_text, record, PassBudget, ServerEvent, Shared,
 };
 use crate::proto::{self, encode_frame, CloseCode, FrameError, FrameReader, ServerFrame};
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use greendot_core::{Counters, EndReason, SessionId, Tier, UserId};
 use quinn_proto::{
     ConnectionError, ConnectionHandle, DatagramEvent, Dir, Endpoint, Event, StreamEvent, StreamId,
@@ -38,7 +39,6 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::net::UdpSocket;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tracing::{debug, warn};
@@ -123,7 +123,7 @@ struct Conn {
 
 pub(super) struct Driver {
     shared: Arc<Shared>,
-    socket: UdpSocket,
+    io: Io,
     endpoint: Endpoint,
     hub: Hub,
     conns: Vec<Option<Box<Conn>>>,
@@ -133,9 +133,8 @@ pub(super) struct Driver {
     /// driven by the next.
     touched: VecDeque<usize>,
     budget: PassBudget,
-    recv_buf: Vec<u8>,
+    recv_batch: Vec<Datagram>,
     next_serial: u64,
-    outbox: VecDeque<(SocketAddr, Vec<u8>)>,
     send_buf: Vec<u8>,
     store: Option<StoreWriter>,
     dirty_users: HashSet<UserId>,
@@ -153,7 +152,7 @@ struct Stopping {
 impl Driver {
     pub(super) fn new(
         shared: Arc<Shared>,
-        socket: UdpSocket,
+        io: Io,
         endpoint: Endpoint,
         hub: Hub,
         store: Option<StoreWriter>,
@@ -164,16 +163,15 @@ impl Driver {
             next_flush: now + shared.config.flush_interval,
             next_renewal: now + shared.config.renewal(),
             shared,
-            socket,
+            io,
             endpoint,
             hub,
             conns: Vec::new(),
             sessions: HashMap::new(),
             timers: BTreeSet::new(),
             touched: VecDeque::new(),
-            recv_buf: vec![0u8; 65536],
+            recv_batch: Vec::new(),
             next_serial: 0,
-            outbox: VecDeque::new(),
             send_buf: Vec::new(),
             store,
             dirty_users: HashSet::new(),
@@ -196,8 +194,8 @@ impl Driver {
                         Some(msg) => self.on_control(Instant::now(), msg),
                         None => return,
                     },
-                    _ = self.socket.readable() => {}
-                    _ = self.socket.writable(), if !self.outbox.is_empty() => {}
+                    _ = self.io.socket.readable() => {}
+                    _ = self.io.socket.writable(), if !self.io.is_empty() => {}
                     _ = tokio::time::sleep_until(deadline) => {}
                 }
             }
@@ -231,9 +229,7 @@ impl Driver {
         self.on_timers(now);
         self.pump(now);
         // Sending must not wait for a quiet moment in receiving.
-        if !self.outbox.is_empty() {
-            self.send_outbox();
-        }
+        self.io.flush();
         read
     }
 
@@ -243,24 +239,25 @@ impl Driver {
         !self.touched.is_empty() || self.timers.first().is_some_and(|&(at, _)| at <= now)
     }
 
-    /// Reads datagrams until the socket has none or the budget is spent;
-    /// returns how many were read.
+    /// Reads datagrams until the socket has none or the budget is spent
+    /// (the last batch may pass it by a few); returns how many were read.
     fn receive(&mut self, now: Instant) -> usize {
-        let mut buf = std::mem::take(&mut self.recv_buf);
+        let mut batch = std::mem::take(&mut self.recv_batch);
         let mut read = 0;
         while read < self.budget.datagrams {
-            match self.socket.try_recv_from(&mut buf) {
-                Ok((n, from)) => {
-                    read += 1;
-                    self.on_datagram(now, from, &buf[..n]);
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            batch.clear();
+            match self.io.recv(&mut batch) {
+                Ok(0) => break,
+                Ok(n) => read += n,
                 // ICMP errors (a client gone) surface here; nothing to do,
                 // but they count, so an error loop cannot spin forever.
                 Err(_) => read += 1,
             }
+            for d in batch.drain(..) {
+                self.on_datagram(now, d);
+            }
         }
-        self.recv_buf = buf;
+        self.recv_batch = batch;
         read
     }
 
@@ -301,9 +298,9 @@ impl Driver {
 
     // ---- the socket ----
 
-    fn send(&mut self, to: SocketAddr, bytes: &[u8]) {
+    fn send(&mut self, t: &quinn_proto::Transmit, bytes: &[u8]) {
         let cap = self.outbox_cap();
-        send_to(&self.socket, &mut self.outbox, cap, to, bytes);
+        self.io.send(cap, t, bytes);
     }
 
     fn outbox_cap(&self) -> usize {
@@ -314,26 +311,16 @@ impl Driver {
         }
     }
 
-    fn send_outbox(&mut self) {
-        while let Some((to, bytes)) = self.outbox.front() {
-            match self.socket.try_send_to(bytes, *to) {
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
-                _ => {
-                    self.outbox.pop_front();
-                }
-            }
-        }
-    }
-
-    fn on_datagram(&mut self, now: Instant, from: SocketAddr, data: &[u8]) {
+    fn on_datagram(&mut self, now: Instant, datagram: Datagram) {
         let mut buf = std::mem::take(&mut self.send_buf);
         buf.clear();
+        let from = datagram.from;
         let event = self.endpoint.handle(
             now.into_std(),
             from,
-            None,
-            None,
-            BytesMut::from(data),
+            datagram.local_ip,
+            datagram.ecn,
+            datagram.data,
             &mut buf,
         );
         match event {
@@ -352,7 +339,7 @@ impl Driver {
                         self.shared.stats.reject("TooManyConnections");
                     }
                     let t = self.endpoint.refuse(incoming, &mut buf);
-                    self.send(t.destination, &buf[..t.size]);
+                    self.send(&t, &buf[..t.size]);
                 } else {
                     match self
                         .endpoint
@@ -361,7 +348,7 @@ impl Driver {
                         Ok((ch, quic)) => self.insert(ch, quic),
                         Err(e) => {
                             if let Some(t) = e.response {
-                                self.send(t.destination, &buf[..t.size]);
+                                self.send(&t, &buf[..t.size]);
                             }
                             self.handshake_failed(from, &e.cause);
                         }
@@ -374,7 +361,7 @@ impl Driver {
                     self.touch(ch.0);
                 }
             }
-            Some(DatagramEvent::Response(t)) => self.send(t.destination, &buf[..t.size]),
+            Some(DatagramEvent::Response(t)) => self.send(&t, &buf[..t.size]),
             None => {}
         }
         self.send_buf = buf;
@@ -557,11 +544,11 @@ impl Driver {
         };
         // The close packets first: clients that get them reconnect at once.
         let flush = async {
-            while !self.outbox.is_empty() {
-                if self.socket.writable().await.is_err() {
+            while !self.io.is_empty() {
+                if self.io.socket.writable().await.is_err() {
                     break;
                 }
-                self.send_outbox();
+                self.io.flush();
             }
         };
         let _ = tokio::time::timeout(Duration::from_secs(1), flush).await;
@@ -648,21 +635,16 @@ impl Driver {
             return;
         }
         let cap = self.outbox_cap();
+        let segments = self.io.max_segments();
         if let Some(conn) = slot(&mut self.conns, ch) {
             let buf = &mut self.send_buf;
             loop {
-                // quinn-proto writes each datagram from the start of `buf`.
+                // quinn-proto writes each transmit from the start of `buf`.
                 buf.clear();
-                let Some(t) = conn.quic.poll_transmit(now.into_std(), 1, buf) else {
+                let Some(t) = conn.quic.poll_transmit(now.into_std(), segments, buf) else {
                     break;
                 };
-                send_to(
-                    &self.socket,
-                    &mut self.outbox,
-                    cap,
-                    t.destination,
-                    &buf[..t.size],
-                );
+                self.io.send(cap, &t, &buf[..t.size]);
             }
         }
         // Transmitting can emit endpoint events (new connection ids).
@@ -1236,29 +1218,6 @@ fn write_or_queue(
 
 fn slot(conns: &mut [Option<Box<Conn>>], ch: usize) -> Option<&mut Conn> {
     conns.get_mut(ch).and_then(|c| c.as_deref_mut())
-}
-
-/// Sends a datagram now, or keeps it until the socket can take it.
-fn send_to(
-    socket: &UdpSocket,
-    outbox: &mut VecDeque<(SocketAddr, Vec<u8>)>,
-    cap: usize,
-    to: SocketAddr,
-    bytes: &[u8],
-) {
-    if outbox.is_empty() {
-        match socket.try_send_to(bytes, to) {
-            Ok(_) => return,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(e) => {
-                debug!(%to, error = %e, "send failed");
-                return;
-            }
-        }
-    }
-    if outbox.len() < cap {
-        outbox.push_back((to, bytes.to_vec()));
-    }
 }
 
 #[cfg(test)]

@@ -7,8 +7,12 @@ use crate::tls;
 
 /// A server built but not running, on a loopback port.
 fn built(pass: PassBudget) -> super::super::Built {
+    built_on("127.0.0.1:0", pass)
+}
+
+fn built_on(listen: &str, pass: PassBudget) -> super::super::Built {
     let mut config = ServerConfig::new(b"secret".to_vec());
-    config.listen = "127.0.0.1:0".parse().unwrap();
+    config.listen = listen.parse().unwrap();
     config.pass = pass;
     Server::build(config).unwrap()
 }
@@ -64,7 +68,7 @@ async fn a_pass_reads_the_socket_while_thousands_of_timers_are_due() {
     client
         .send_to(&client_initial(server, &built.certificate), server)
         .unwrap();
-    driver.socket.readable().await.unwrap();
+    driver.io.socket.readable().await.unwrap();
 
     let read = driver.pass(Instant::now());
 
@@ -112,7 +116,7 @@ async fn a_pass_drives_at_most_its_budget_of_connections() {
             .send_to(&client_initial(server, &built.certificate), server)
             .unwrap();
     }
-    driver.socket.readable().await.unwrap();
+    driver.io.socket.readable().await.unwrap();
     assert_eq!(driver.pass(Instant::now()), 10);
     assert_eq!(driver.touched.len(), 10 - budget.connections);
     // The rest are driven by the next passes, oldest first: every client
@@ -129,4 +133,29 @@ async fn a_pass_drives_at_most_its_budget_of_connections() {
             .recv_from(&mut buf)
             .expect("a carried connection was never driven");
     }
+}
+
+/// A server on every address answers from the address the client wrote to
+/// (here 127.0.0.2, where the kernel would otherwise pick 127.0.0.1): a
+/// client on a host with several addresses would drop an answer from
+/// another one.
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn answers_come_from_the_address_the_client_wrote_to() {
+    let built = built_on("0.0.0.0:0", PassBudget::default());
+    let port = built.local_addr.port();
+    let mut driver = built.driver;
+    let to: SocketAddr = ([127, 0, 0, 2], port).into();
+    let client = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    client
+        .send_to(&client_initial(to, &built.certificate), to)
+        .unwrap();
+    driver.io.socket.readable().await.unwrap();
+    assert_eq!(driver.pass(Instant::now()), 1);
+    client
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut buf = [0u8; 2048];
+    let (_, from) = client.recv_from(&mut buf).expect("no answer");
+    assert_eq!(from, to);
 }

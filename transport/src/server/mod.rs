@@ -50,6 +50,7 @@ mod driver;
 pub mod hub;
 pub mod metrics;
 pub mod store;
+mod udp;
 
 pub use conn::{handle_frame, ConnState, Handled, RateLimit, Step};
 pub use hub::{Hub, HubLimits, HubOutput, Interner, LiveDevice};
@@ -430,8 +431,8 @@ impl Server {
         let socket = std::net::UdpSocket::bind(config.listen)?;
         socket.set_nonblocking(true)?;
         socket_buffers(&socket, config.socket_buffer);
-        let socket = tokio::net::UdpSocket::from_std(socket)?;
-        let local_addr = socket.local_addr()?;
+        let io = udp::Io::new(socket)?;
+        let local_addr = io.socket.local_addr()?;
         let endpoint = quinn_proto::Endpoint::new(
             Arc::new(quinn_proto::EndpointConfig::default()),
             Some(Arc::new(server_config)),
@@ -458,7 +459,7 @@ impl Server {
             events,
             session_key,
         });
-        let driver = driver::Driver::new(shared.clone(), socket, endpoint, hub, writer);
+        let driver = driver::Driver::new(shared.clone(), io, endpoint, hub, writer);
         Ok(Built {
             local_addr,
             shared,
