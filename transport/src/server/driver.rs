@@ -121,10 +121,61 @@ struct Conn {
     touched: bool,
 }
 
+/// How a new connection is accepted: its server config, one of the
+/// keep-alive variants, picked by the driver's own randomness.
+pub(super) struct Accept {
+    /// (keep-alive interval, server config with it).
+    variants: Vec<(Duration, Arc<quinn_proto::ServerConfig>)>,
+    rng: SmallRng,
+}
+
+impl Accept {
+    pub(super) fn new(
+        variants: Vec<(Duration, Arc<quinn_proto::ServerConfig>)>,
+        seed: u64,
+    ) -> Accept {
+        Accept {
+            variants,
+            rng: SmallRng(seed | 1),
+        }
+    }
+
+    /// A new connection's server config (`None`: the endpoint's own).
+    fn pick(&mut self) -> Option<&(Duration, Arc<quinn_proto::ServerConfig>)> {
+        let n = self.variants.len() as u64;
+        if n == 0 {
+            return None;
+        }
+        let i = self.rng.below(n);
+        self.variants.get(usize::try_from(i).ok()?)
+    }
+}
+
+/// xorshift64*: jitter needs no cryptographic randomness, only a seed
+/// (from the system's) and speed.
+pub(super) struct SmallRng(u64);
+
+impl SmallRng {
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// Uniform enough in `0..n` (`n` > 0).
+    fn below(&mut self, n: u64) -> u64 {
+        ((u128::from(self.next()) * u128::from(n)) >> 64) as u64
+    }
+}
+
 pub(super) struct Driver {
     shared: Arc<Shared>,
     io: Io,
     endpoint: Endpoint,
+    accept: Accept,
     hub: Hub,
     conns: Vec<Option<Box<Conn>>>,
     sessions: HashMap<SessionId, usize>,
@@ -154,6 +205,7 @@ impl Driver {
         shared: Arc<Shared>,
         io: Io,
         endpoint: Endpoint,
+        accept: Accept,
         hub: Hub,
         store: Option<StoreWriter>,
     ) -> Driver {
@@ -165,6 +217,7 @@ impl Driver {
             shared,
             io,
             endpoint,
+            accept,
             hub,
             conns: Vec::new(),
             sessions: HashMap::new(),
@@ -341,9 +394,10 @@ impl Driver {
                     let t = self.endpoint.refuse(incoming, &mut buf);
                     self.send(&t, &buf[..t.size]);
                 } else {
+                    let config = self.accept.pick().map(|(_, c)| c.clone());
                     match self
                         .endpoint
-                        .accept(incoming, now.into_std(), &mut buf, None)
+                        .accept(incoming, now.into_std(), &mut buf, config)
                     {
                         Ok((ch, quic)) => self.insert(ch, quic),
                         Err(e) => {

@@ -159,3 +159,20 @@ async fn answers_come_from_the_address_the_client_wrote_to() {
     let (_, from) = client.recv_from(&mut buf).expect("no answer");
     assert_eq!(from, to);
 }
+
+/// Connections accepted together get keep-alives spread over [0.75, 1] of
+/// the configured interval, not all the same one.
+#[tokio::test]
+async fn keep_alives_are_jittered_per_connection() {
+    let built = built(PassBudget::default());
+    let keep_alive = built.shared.config.keep_alive;
+    let mut accept = built.driver.accept;
+    let picked: Vec<Duration> = (0..1000)
+        .map(|_| accept.pick().expect("a config").0)
+        .collect();
+    let (min, max) = (picked.iter().min().unwrap(), picked.iter().max().unwrap());
+    assert!(*min >= keep_alive.mul_f64(0.75) && *max <= keep_alive);
+    assert!(*max - *min >= keep_alive.mul_f64(0.2), "{min:?}..{max:?}");
+    let distinct: std::collections::BTreeSet<_> = picked.iter().collect();
+    assert!(distinct.len() >= 16, "only {} intervals", distinct.len());
+}

@@ -87,7 +87,9 @@ pub struct ServerConfig {
     /// The TLS certificate; `None` generates a self-signed one for `localhost`.
     pub identity: Option<Identity>,
     /// QUIC keep-alive. Default 15 s: under the 30 s after which many mobile
-    /// NATs forget a UDP mapping.
+    /// NATs forget a UDP mapping. Each connection gets its own interval,
+    /// drawn from [0.75, 1] × this, so connections opened together do not
+    /// keep sending their keep-alives together.
     pub keep_alive: Duration,
     /// QUIC idle timeout: silence this long means the connection is lost
     /// (Disconnect). Default 45 s: three keep-alives may be lost, and a phone
@@ -268,6 +270,37 @@ fn reason_label(error: &proto::WireError) -> String {
     }
 }
 
+/// QUIC transport settings of a connection, with this keep-alive interval.
+fn transport_config(
+    config: &ServerConfig,
+    keep_alive: Duration,
+) -> Result<quinn::TransportConfig, ServerError> {
+    let mut transport = quinn::TransportConfig::default();
+    transport.keep_alive_interval(Some(keep_alive));
+    transport.max_idle_timeout(Some(
+        config
+            .idle_timeout
+            .try_into()
+            .map_err(|_| ServerError::Setting("idle_timeout too large".into()))?,
+    ));
+    // One control stream per connection; pushes come on server-opened streams.
+    transport.max_concurrent_bidi_streams(1u32.into());
+    transport.max_concurrent_uni_streams(0u32.into());
+    // What a peer may make the server buffer, either way: a few frames,
+    // not quinn's megabytes (a presence connection never needs more, and
+    // 100,000 connections each at quinn's default would not fit).
+    let window = u32::try_from(config.max_frame.saturating_mul(4)).unwrap_or(u32::MAX);
+    transport.stream_receive_window(window.into());
+    transport.receive_window(window.into());
+    transport.send_window(u64::from(window));
+    transport.datagram_receive_buffer_size(None);
+    Ok(transport)
+}
+
+/// Keep-alive intervals a connection may get, evenly spaced over
+/// [0.75, 1] × [`ServerConfig::keep_alive`] (15 s: steps of 121 ms).
+const KEEP_ALIVE_STEPS: usize = 32;
+
 /// The driver's clock: Unix milliseconds, read as the wall clock at start plus
 /// the monotonic time since, so it never goes backwards while the process
 /// lives and saved wall-clock instants (last seen) mean the same after a
@@ -392,29 +425,24 @@ impl Server {
             .cloned()
             .ok_or_else(|| ServerError::Setting("the identity has no certificate".into()))?;
 
-        let mut transport = quinn::TransportConfig::default();
-        transport.keep_alive_interval(Some(config.keep_alive));
-        transport.max_idle_timeout(Some(
-            config
-                .idle_timeout
-                .try_into()
-                .map_err(|_| ServerError::Setting("idle_timeout too large".into()))?,
-        ));
-        // One control stream per connection; pushes come on server-opened streams.
-        transport.max_concurrent_bidi_streams(1u32.into());
-        transport.max_concurrent_uni_streams(0u32.into());
-        // What a peer may make the server buffer, either way: a few frames,
-        // not quinn's megabytes (a presence connection never needs more, and
-        // 100,000 connections each at quinn's default would not fit).
-        let window = u32::try_from(config.max_frame.saturating_mul(4)).unwrap_or(u32::MAX);
-        transport.stream_receive_window(window.into());
-        transport.receive_window(window.into());
-        transport.send_window(u64::from(window));
-        transport.datagram_receive_buffer_size(None);
         let mut server_config =
             quinn::ServerConfig::with_crypto(Arc::new(tls::server_crypto(&identity)?));
-        server_config.transport_config(Arc::new(transport));
         server_config.migration(config.migration);
+        // One variant per keep-alive step in [0.75, 1] × keep_alive; each
+        // accepted connection gets one at random, so connections opened
+        // together (a ramp, a mass reconnect) do not send their keep-alives
+        // together for the rest of their lives.
+        let variants: Vec<(Duration, Arc<quinn::ServerConfig>)> = (0..KEEP_ALIVE_STEPS)
+            .map(|i| {
+                let scale = 0.75 + 0.25 * i as f64 / (KEEP_ALIVE_STEPS - 1) as f64;
+                let interval = config.keep_alive.mul_f64(scale);
+                let transport = transport_config(&config, interval)?;
+                let mut variant = server_config.clone();
+                variant.transport_config(Arc::new(transport));
+                Ok((interval, Arc::new(variant)))
+            })
+            .collect::<Result<_, ServerError>>()?;
+        server_config.transport_config(Arc::new(transport_config(&config, config.keep_alive)?));
 
         if config.flush_interval.is_zero() {
             return Err(ServerError::Setting(
@@ -439,6 +467,7 @@ impl Server {
             false,
             None,
         );
+        let accept = driver::Accept::new(variants, random_u64());
         // Everything saved is back in the core before the first connection.
         let writer = match &config.store {
             Some(path) => {
@@ -459,7 +488,7 @@ impl Server {
             events,
             session_key,
         });
-        let driver = driver::Driver::new(shared.clone(), io, endpoint, hub, writer);
+        let driver = driver::Driver::new(shared.clone(), io, endpoint, accept, hub, writer);
         Ok(Built {
             local_addr,
             shared,
