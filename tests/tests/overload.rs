@@ -34,3 +34,76 @@ async fn clients_send_the_server_no_mtu_probes() {
     assert_eq!(stats.path.current_mtu, 1200);
     conn.close(0u32.into(), b"");
 }
+
+/// Initials of clients that will never answer, each a new connection, as
+/// a spoofing flood sends them.
+fn initials(ts: &TestServer, n: usize) -> Vec<Vec<u8>> {
+    let crypto = tls::client_crypto(std::slice::from_ref(ts.server.certificate()), ALPN).unwrap();
+    let config = quinn_proto::ClientConfig::new(Arc::new(crypto));
+    let mut endpoint = quinn_proto::Endpoint::new(
+        Arc::new(quinn_proto::EndpointConfig::default()),
+        None,
+        false,
+        None,
+    );
+    let now = std::time::Instant::now();
+    (0..n)
+        .map(|_| {
+            let (_, mut conn) = endpoint
+                .connect(now, config.clone(), ts.addr(), "localhost")
+                .unwrap();
+            let mut buf = Vec::new();
+            let t = conn.poll_transmit(now, 1, &mut buf).unwrap();
+            buf.truncate(t.size);
+            buf
+        })
+        .collect()
+}
+
+/// A flood of Initials from many source ports (as from spoofed addresses:
+/// nobody completes them) costs the server a stateless Retry each once a
+/// few handshakes are in flight, so it never holds more than a few
+/// half-open handshakes, and a real client still connects and is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_initials_gets_retries_and_a_real_client_is_served() {
+    const THRESHOLD: usize = 16;
+    const FLOOD: usize = 1500;
+    let ts = TestServer::start(|c| {
+        c.retry_threshold = THRESHOLD;
+    });
+    let flood = initials(&ts, FLOOD);
+    let to = ts.addr();
+    let sockets: Vec<std::net::UdpSocket> = (0..100)
+        .map(|_| std::net::UdpSocket::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let send = |part: &[Vec<u8>]| {
+        for (i, initial) in part.iter().enumerate() {
+            let _ = sockets[i % sockets.len()].send_to(initial, to);
+        }
+    };
+    let (first, rest) = flood.split_at(FLOOD / 2);
+    send(first);
+
+    // A real client connects while the rest of the flood arrives.
+    let connecting = tokio::time::timeout(
+        SLACK,
+        ts.connect("ann", "phone", greendot_transport::proto::Kind::Mobile),
+    );
+    let (connected, ()) = tokio::join!(connecting, async { send(rest) });
+    let (ann, _events) = connected.expect("the real client connects during the flood");
+    ann.subscribe(&["bob"], greendot_core::Tier::Realtime)
+        .await
+        .expect("and is served");
+
+    let metrics = ts.server.monitor().metrics().await.unwrap();
+    assert!(
+        metrics.handshakes_in_flight <= THRESHOLD as u64 + 1,
+        "the server holds {} half-open handshakes",
+        metrics.handshakes_in_flight
+    );
+    assert!(
+        metrics.shed("retry") >= (FLOOD - THRESHOLD - 1) as u64,
+        "{:?}",
+        metrics.shed
+    );
+}

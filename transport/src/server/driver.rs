@@ -27,6 +27,7 @@ use super::store::{Batch, StoreWriter};
 use super::udp::{Datagram, Io};
 use super::{
     durable_user, not_saved, reason_label, reason_text, record, PassBudget, ServerEvent, Shared,
+    Shed,
 };
 use crate::proto::{self, encode_frame, CloseCode, FrameError, FrameReader, ServerFrame};
 use bytes::Bytes;
@@ -35,7 +36,7 @@ use quinn_proto::{
     ConnectionError, ConnectionHandle, DatagramEvent, Dir, Endpoint, Event, StreamEvent, StreamId,
 };
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -119,6 +120,8 @@ struct Conn {
     timer: Option<Instant>,
     /// In the driver's `touched` list.
     touched: bool,
+    /// Counted in the driver's handshakes in flight, from this address.
+    handshake_ip: Option<IpAddr>,
 }
 
 /// How a new connection is accepted: its server config, one of the
@@ -151,6 +154,38 @@ impl Accept {
     }
 }
 
+/// The admission rate: a token bucket of handshakes, refilled at the
+/// configured rate, holding at most one second's worth.
+struct Pacer {
+    rate: f64,
+    tokens: f64,
+    at: Instant,
+}
+
+impl Pacer {
+    fn new(per_sec: u32, now: Instant) -> Pacer {
+        let rate = f64::from(per_sec.max(1));
+        Pacer {
+            rate,
+            tokens: rate,
+            at: now,
+        }
+    }
+
+    /// Takes a token if there is one.
+    fn admit(&mut self, now: Instant) -> bool {
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        self.at = self.at.max(now);
+        self.tokens = (self.tokens + elapsed * self.rate).min(self.rate);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
 /// xorshift64*: jitter needs no cryptographic randomness, only a seed
 /// (from the system's) and speed.
 pub(super) struct SmallRng(u64);
@@ -176,6 +211,10 @@ pub(super) struct Driver {
     io: Io,
     endpoint: Endpoint,
     accept: Accept,
+    /// Handshakes in flight, in all and by address.
+    handshaking: usize,
+    per_address: HashMap<IpAddr, usize>,
+    pacer: Pacer,
     hub: Hub,
     conns: Vec<Option<Box<Conn>>>,
     sessions: HashMap<SessionId, usize>,
@@ -212,12 +251,15 @@ impl Driver {
         let now = Instant::now();
         Driver {
             budget: shared.config.pass,
+            pacer: Pacer::new(shared.config.max_handshakes_per_sec, now),
             next_flush: now + shared.config.flush_interval,
             next_renewal: now + shared.config.renewal(),
             shared,
             io,
             endpoint,
             accept,
+            handshaking: 0,
+            per_address: HashMap::new(),
             hub,
             conns: Vec::new(),
             sessions: HashMap::new(),
@@ -378,36 +420,7 @@ impl Driver {
         );
         match event {
             Some(DatagramEvent::NewConnection(incoming)) => {
-                // Connections still in their handshake count too: past the
-                // cap plus some headroom (where clients still get the typed
-                // `TooManyConnections` close) a new one is refused outright.
-                let cap = self
-                    .shared
-                    .config
-                    .max_connections
-                    .saturating_add(HANDSHAKE_HEADROOM);
-                let full = self.endpoint.open_connections() >= cap;
-                if self.stopping.is_some() || full {
-                    if full {
-                        self.shared.stats.reject("TooManyConnections");
-                    }
-                    let t = self.endpoint.refuse(incoming, &mut buf);
-                    self.send(&t, &buf[..t.size]);
-                } else {
-                    let config = self.accept.pick().map(|(_, c)| c.clone());
-                    match self
-                        .endpoint
-                        .accept(incoming, now.into_std(), &mut buf, config)
-                    {
-                        Ok((ch, quic)) => self.insert(ch, quic),
-                        Err(e) => {
-                            if let Some(t) = e.response {
-                                self.send(&t, &buf[..t.size]);
-                            }
-                            self.handshake_failed(from, &e.cause);
-                        }
-                    }
-                }
+                self.on_incoming(now, incoming, &mut buf);
             }
             Some(DatagramEvent::ConnectionEvent(ch, event)) => {
                 if let Some(conn) = self.conn(ch.0) {
@@ -419,6 +432,99 @@ impl Driver {
             None => {}
         }
         self.send_buf = buf;
+    }
+
+    /// A new client's first packet: shed it early and cheaply when the
+    /// server is past what it can take, otherwise accept it.
+    fn on_incoming(&mut self, now: Instant, incoming: quinn_proto::Incoming, buf: &mut Vec<u8>) {
+        let config = &self.shared.config;
+        let ip = incoming.remote_address().ip();
+        let from_ip = self.per_address.get(&ip).copied().unwrap_or(0);
+        let crowded = self.handshaking >= config.retry_threshold
+            || from_ip >= config.max_handshakes_per_address;
+        // Connections still in their handshake count too: past the cap plus
+        // some headroom (where clients still get the typed
+        // `TooManyConnections` close) a new one is refused outright.
+        let cap = config.max_connections.saturating_add(HANDSHAKE_HEADROOM);
+        let shed = if self.stopping.is_some() {
+            Some(Shed::Draining)
+        } else if crowded && !incoming.remote_address_validated() && incoming.may_retry() {
+            Some(Shed::Retry)
+        } else if from_ip >= config.max_handshakes_per_address {
+            Some(Shed::PerAddress)
+        } else if self.endpoint.open_connections() >= cap {
+            Some(Shed::Capacity)
+        } else if !self.pacer.admit(now) {
+            Some(Shed::Rate)
+        } else {
+            None
+        };
+        if let Some(reason) = shed {
+            self.shared.stats.shed(reason);
+            let t = match reason {
+                Shed::Retry => match self.endpoint.retry(incoming, buf) {
+                    Ok(t) => t,
+                    Err(e) => self.endpoint.refuse(e.into_incoming(), buf),
+                },
+                _ => self.endpoint.refuse(incoming, buf),
+            };
+            self.send(&t, &buf[..t.size]);
+            return;
+        }
+        let remote = incoming.remote_address();
+        let config = self.accept.pick().map(|(_, c)| c.clone());
+        match self.endpoint.accept(incoming, now.into_std(), buf, config) {
+            Ok((ch, quic)) => {
+                self.insert(ch, quic);
+                self.handshake_begins(ch.0, ip, now);
+            }
+            Err(e) => {
+                if let Some(t) = e.response {
+                    self.send(&t, &buf[..t.size]);
+                }
+                debug!(%remote, error = %e.cause, "handshake refused");
+                self.shared.stats.reject("handshake");
+                self.shared.event(ServerEvent::Rejected {
+                    remote,
+                    reason: format!("handshake failed: {}", e.cause),
+                });
+            }
+        }
+    }
+
+    /// Counts a handshake in flight, and gives it `hello_timeout` from now
+    /// to complete and send its hello.
+    fn handshake_begins(&mut self, ch: usize, ip: IpAddr, now: Instant) {
+        let deadline = now + self.shared.config.hello_timeout;
+        let Some(conn) = slot(&mut self.conns, ch) else {
+            return;
+        };
+        conn.handshake_ip = Some(ip);
+        conn.deadline = Some(deadline);
+        self.handshaking += 1;
+        *self.per_address.entry(ip).or_default() += 1;
+        self.shared
+            .stats
+            .handshaking
+            .store(self.handshaking, Ordering::Relaxed);
+    }
+
+    /// The handshake completed or the connection ended: no longer in flight.
+    fn handshake_over(&mut self, ch: usize) {
+        let Some(ip) = slot(&mut self.conns, ch).and_then(|c| c.handshake_ip.take()) else {
+            return;
+        };
+        self.handshaking = self.handshaking.saturating_sub(1);
+        if let Some(n) = self.per_address.get_mut(&ip) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.per_address.remove(&ip);
+            }
+        }
+        self.shared
+            .stats
+            .handshaking
+            .store(self.handshaking, Ordering::Relaxed);
     }
 
     fn insert(&mut self, ch: ConnectionHandle, quic: quinn_proto::Connection) {
@@ -443,6 +549,7 @@ impl Driver {
             deadline: None,
             timer: None,
             touched: false,
+            handshake_ip: None,
         };
         if self.conns.len() <= ch.0 {
             self.conns.resize_with(ch.0 + 1, || None);
@@ -451,9 +558,14 @@ impl Driver {
         self.touch(ch.0);
     }
 
+    /// A handshake the client abandoned or lost (its network came back
+    /// mid-attempt, or it gave up): counted apart from bad input.
     fn handshake_failed(&self, remote: SocketAddr, error: &ConnectionError) {
         debug!(%remote, %error, "handshake failed");
-        self.shared.stats.reject("handshake");
+        self.shared
+            .stats
+            .handshakes_aborted
+            .fetch_add(1, Ordering::Relaxed);
         self.shared.event(ServerEvent::Rejected {
             remote,
             reason: format!("handshake failed: {error}"),
@@ -533,9 +645,13 @@ impl Driver {
             if conn.deadline.is_some_and(|d| d <= now) {
                 conn.deadline = None;
                 let hello_due = conn.session.is_none() && !conn.ended;
+                let handshaking = !conn.connected;
                 match conn.closing.take() {
                     Some((code, text)) => self.close(ch, now, code, &text),
                     None if hello_due => {
+                        if handshaking {
+                            self.shared.stats.shed(Shed::HandshakeTimeout);
+                        }
                         self.close(ch, now, CloseCode::HelloTimeout, b"no hello in time")
                     }
                     None => {}
@@ -825,6 +941,7 @@ impl Driver {
     }
 
     fn on_connected(&mut self, ch: usize, now: Instant) {
+        self.handshake_over(ch);
         let stats = &self.shared.stats;
         let open = stats.open.load(Ordering::Relaxed);
         stats.total.fetch_add(1, Ordering::Relaxed);
@@ -846,11 +963,14 @@ impl Driver {
         let Some(conn) = self.conn(ch) else { return };
         conn.counted = true;
         conn.connected = true;
-        conn.deadline = Some(hello);
+        // The hello is due `hello_timeout` after the first packet (set when
+        // accepted), not after a slow handshake.
+        conn.deadline = conn.deadline.or(Some(hello));
     }
 
     /// The connection is over for the application: report it once.
     fn end(&mut self, ch: usize, logout: bool, reason: String) {
+        self.handshake_over(ch);
         let Some(conn) = self.conn(ch) else { return };
         if conn.ended {
             return;

@@ -176,3 +176,16 @@ async fn keep_alives_are_jittered_per_connection() {
     let distinct: std::collections::BTreeSet<_> = picked.iter().collect();
     assert!(distinct.len() >= 16, "only {} intervals", distinct.len());
 }
+
+/// The admission pacer takes a second's worth at once, then the rate.
+#[test]
+fn the_pacer_admits_its_rate_and_no_more() {
+    let t0 = Instant::now();
+    let mut pacer = Pacer::new(10, t0);
+    assert_eq!((0..20).filter(|_| pacer.admit(t0)).count(), 10);
+    let later = t0 + Duration::from_millis(500);
+    assert_eq!((0..20).filter(|_| pacer.admit(later)).count(), 5);
+    // Never more than a second's worth saved up.
+    let much_later = later + Duration::from_secs(60);
+    assert_eq!((0..50).filter(|_| pacer.admit(much_later)).count(), 10);
+}

@@ -57,6 +57,21 @@ pub struct MetricsSnapshot {
     pub rejected: BTreeMap<String, u64>,
     pub latency: (Vec<u64>, u64),
     pub store_errors: u64,
+    /// New connections shed, by reason (see [`super::Shed`]).
+    pub shed: Vec<(&'static str, u64)>,
+    /// Handshakes that ended before completing, not for bad input.
+    pub handshakes_aborted: u64,
+    pub handshakes_in_flight: u64,
+}
+
+impl MetricsSnapshot {
+    /// How many new connections were shed for `reason` (a label).
+    pub fn shed(&self, reason: &str) -> u64 {
+        self.shed
+            .iter()
+            .find(|(label, _)| *label == reason)
+            .map_or(0, |(_, n)| *n)
+    }
 }
 
 fn metric(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(&str, u64)]) {
@@ -226,6 +241,34 @@ impl MetricsSnapshot {
             "counter",
             "Failed writes to the durable store.",
             &[("", self.store_errors)],
+        );
+        let shed: Vec<(String, u64)> = self
+            .shed
+            .iter()
+            .map(|(reason, n)| (format!("reason=\"{reason}\""), *n))
+            .collect();
+        let shed: Vec<(&str, u64)> = shed.iter().map(|(l, n)| (l.as_str(), *n)).collect();
+        metric(
+            &mut out,
+            "greendot_shed_total",
+            "counter",
+            "New connections shed instead of served, by reason: retry (sent a QUIC Retry), \
+             per_address, capacity, rate (admission rate), handshake_timeout, draining.",
+            &shed,
+        );
+        metric(
+            &mut out,
+            "greendot_handshakes_aborted_total",
+            "counter",
+            "Handshakes that ended before completing (the client gave up or was lost).",
+            &[("", self.handshakes_aborted)],
+        );
+        metric(
+            &mut out,
+            "greendot_handshakes_in_flight",
+            "gauge",
+            "Handshakes (and hellos) in progress.",
+            &[("", self.handshakes_in_flight)],
         );
         let name = "greendot_push_latency_seconds";
         let _ = writeln!(

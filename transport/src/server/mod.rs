@@ -103,8 +103,26 @@ pub struct ServerConfig {
     pub max_frame: usize,
     /// Requests per session. Default 50/s, bursts of 100.
     pub rate: RateLimit,
-    /// Time allowed to open the control stream and send the hello. Default 10 s.
+    /// Time allowed from a client's first packet to its hello: the
+    /// handshake, opening the control stream and sending the hello. Default
+    /// 10 s (well under the idle timeout: a handshake that stalls holds its
+    /// state no longer than this).
     pub hello_timeout: Duration,
+    /// Admission rate: new handshakes accepted per second (bursts of one
+    /// second's worth); beyond it new connections are refused at once,
+    /// cheaply, and established ones keep being served. Also sets the
+    /// reconnect spread the server suggests when it drains, and how long
+    /// restored devices may take to come back. Default 3000.
+    pub max_handshakes_per_sec: u32,
+    /// Unvalidated handshakes in flight beyond which a new client must first
+    /// prove its address with a QUIC Retry (one round trip, no state kept):
+    /// a flood of spoofed Initials then costs a stateless answer each, not a
+    /// handshake. Default 512.
+    pub retry_threshold: usize,
+    /// Handshakes in flight from one IP address beyond which its new ones
+    /// get a Retry (if unproven) or are refused. Default 512 (addresses
+    /// behind a carrier NAT share one).
+    pub max_handshakes_per_address: usize,
     /// How often a live connection renews its lease in the core; `None`: a
     /// third of the shortest heartbeat timeout of the core's config.
     pub lease_renewal: Option<Duration>,
@@ -173,6 +191,9 @@ impl ServerConfig {
             max_frame: proto::DEFAULT_MAX_FRAME,
             rate: RateLimit::default(),
             hello_timeout: Duration::from_secs(10),
+            max_handshakes_per_sec: 3000,
+            retry_threshold: 512,
+            max_handshakes_per_address: 512,
             lease_renewal: None,
             push_queue: 1024,
             limits: HubLimits::default(),
@@ -258,6 +279,12 @@ struct StatsInner {
     rejected: AtomicU64,
     overloaded: AtomicU64,
     store_errors: AtomicU64,
+    /// New connections shed, by [`Shed`] reason.
+    shed: [AtomicU64; Shed::ALL.len()],
+    /// Handshakes the client gave up (or lost) before they completed.
+    handshakes_aborted: AtomicU64,
+    /// Handshakes in flight now.
+    handshaking: AtomicUsize,
     rejected_by: Mutex<BTreeMap<String, u64>>,
     latency: Histogram,
 }
@@ -267,6 +294,52 @@ impl StatsInner {
         self.rejected.fetch_add(1, Ordering::Relaxed);
         let mut by = self.rejected_by.lock().unwrap_or_else(|p| p.into_inner());
         *by.entry(reason.to_owned()).or_default() += 1;
+    }
+}
+
+/// Why a new connection was shed rather than served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shed {
+    /// Sent a QUIC Retry: too many unvalidated handshakes in flight.
+    Retry,
+    /// Refused: too many handshakes in flight from its address.
+    PerAddress,
+    /// Refused: the connection cap (with its handshake headroom) is reached.
+    Capacity,
+    /// Refused: over the admission rate.
+    Rate,
+    /// Closed: no hello within `hello_timeout` of its first packet.
+    HandshakeTimeout,
+    /// Refused: the server is draining.
+    Draining,
+}
+
+impl Shed {
+    pub const ALL: [Shed; 6] = [
+        Shed::Retry,
+        Shed::PerAddress,
+        Shed::Capacity,
+        Shed::Rate,
+        Shed::HandshakeTimeout,
+        Shed::Draining,
+    ];
+
+    /// The metrics label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Shed::Retry => "retry",
+            Shed::PerAddress => "per_address",
+            Shed::Capacity => "capacity",
+            Shed::Rate => "rate",
+            Shed::HandshakeTimeout => "handshake_timeout",
+            Shed::Draining => "draining",
+        }
+    }
+}
+
+impl StatsInner {
+    fn shed(&self, reason: Shed) {
+        self.shed[reason as usize].fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -416,6 +489,11 @@ impl Server {
         }
         if config.push_queue == 0 {
             return Err(ServerError::Setting("push_queue must be at least 1".into()));
+        }
+        if config.max_handshakes_per_sec == 0 || config.max_handshakes_per_address == 0 {
+            return Err(ServerError::Setting(
+                "max_handshakes_per_sec and max_handshakes_per_address must be at least 1".into(),
+            ));
         }
         let pass = config.pass;
         if pass.datagrams == 0 || pass.timers == 0 || pass.connections == 0 {
@@ -639,6 +717,12 @@ impl Monitor {
             rejected,
             latency: s.latency.snapshot(),
             store_errors: s.store_errors.load(Ordering::Relaxed),
+            shed: Shed::ALL
+                .iter()
+                .map(|&r| (r.label(), s.shed[r as usize].load(Ordering::Relaxed)))
+                .collect(),
+            handshakes_aborted: s.handshakes_aborted.load(Ordering::Relaxed),
+            handshakes_in_flight: s.handshaking.load(Ordering::Relaxed) as u64,
         })
     }
 }
