@@ -592,6 +592,35 @@ impl Core {
         Ok(())
     }
 
+    /// [`Core::handle_disconnect`], with the grace lasting until `until` when
+    /// that is later than its usual end (never shorter). For devices
+    /// restored as lingering after a restart: they may have to wait their
+    /// turn to be readmitted, and must not be shown offline meanwhile.
+    pub fn handle_disconnect_until(
+        &mut self,
+        now: Millis,
+        id: SessionId,
+        until: Millis,
+    ) -> Result<(), Error> {
+        self.advance(now);
+        let id = self.online(id)?;
+        self.linger(id);
+        let extend = self
+            .session_mut(id)
+            .and_then(|session| match &mut session.link {
+                Link::Lingering { until: end } if until > *end => {
+                    *end = until;
+                    Some(until)
+                }
+                _ => None,
+            });
+        if let Some(until) = extend {
+            self.set_lease(id, until);
+        }
+        self.run_timers(); // a zero grace ends the session at once
+        Ok(())
+    }
+
     /// Graceful logout: the session ends now, with no grace.
     pub fn handle_logout(&mut self, now: Millis, id: SessionId) -> Result<(), Error> {
         self.advance(now);

@@ -107,3 +107,44 @@ async fn a_flood_of_initials_gets_retries_and_a_real_client_is_served() {
         metrics.shed
     );
 }
+
+/// A drain's close tells clients over how long to spread their reconnect:
+/// `retry_ms=` the time to readmit every connection at the admission rate
+/// (at least 1 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_draining_close_carries_a_retry_hint() {
+    let ts = TestServer::start(|c| c.max_handshakes_per_sec = 2);
+    let endpoint = client_endpoint(&ts);
+    let mut conns = Vec::new();
+    for _ in 0..2 {
+        let conn = tokio::time::timeout(SLACK, endpoint.connect(ts.addr(), "localhost").unwrap())
+            .await
+            .expect("handshake in time")
+            .expect("handshake");
+        conns.push(conn);
+    }
+    // Established on the server's side too (an application close during
+    // the handshake reaches the client without its reason).
+    let deadline = tokio::time::Instant::now() + SLACK;
+    while ts.server.stats().connections_open < 2 {
+        assert!(tokio::time::Instant::now() < deadline, "not established");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let drained = tokio::spawn(ts.server.drain());
+    for conn in conns {
+        let reason = match tokio::time::timeout(SLACK, conn.closed()).await {
+            Ok(quinn::ConnectionError::ApplicationClosed(close)) => close.reason,
+            other => panic!("not an application close: {other:?}"),
+        };
+        let text = String::from_utf8_lossy(&reason).into_owned();
+        let retry_ms: u64 = text
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("retry_ms="))
+            .unwrap_or_else(|| panic!("no retry_ms in {text:?}"))
+            .parse()
+            .expect("retry_ms is a decimal");
+        // Two connections at two a second: one second, the floor.
+        assert_eq!(retry_ms, 1000, "{text:?}");
+    }
+    drained.await.unwrap();
+}

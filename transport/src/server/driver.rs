@@ -26,8 +26,8 @@ use super::hub::{Hub, HubOutput};
 use super::store::{Batch, StoreWriter};
 use super::udp::{Datagram, Io};
 use super::{
-    durable_user, not_saved, reason_label, reason_text, record, PassBudget, ServerEvent, Shared,
-    Shed,
+    durable_user, not_saved, readmit_ms, reason_label, reason_text, record, with_retry_hint,
+    PassBudget, ServerEvent, Shared, Shed,
 };
 use crate::proto::{self, encode_frame, CloseCode, FrameError, FrameReader, ServerFrame};
 use bytes::Bytes;
@@ -492,6 +492,13 @@ impl Driver {
         }
     }
 
+    /// The reconnect spread suggested in a close for shedding or draining:
+    /// the time to readmit every open connection at the admission rate.
+    fn retry_ms(&self) -> u64 {
+        let open = self.shared.stats.open.load(Ordering::Relaxed);
+        readmit_ms(open, self.shared.config.max_handshakes_per_sec)
+    }
+
     /// Counts a handshake in flight, and gives it `hello_timeout` from now
     /// to complete and send its hello.
     fn handshake_begins(&mut self, ch: usize, ip: IpAddr, now: Instant) {
@@ -611,9 +618,15 @@ impl Driver {
                 done,
             } => {
                 self.endpoint.set_server_config(None);
+                // Clients reconnecting to the next process are spread over
+                // the time it needs to readmit them all.
+                let text = match code {
+                    CloseCode::Draining => with_retry_hint(text, self.retry_ms()),
+                    _ => text.to_vec(),
+                };
                 for ch in 0..self.conns.len() {
                     if self.conns[ch].is_some() {
-                        self.close(ch, now, code, text);
+                        self.close(ch, now, code, &text);
                     }
                 }
                 self.stopping = Some(Stopping {
@@ -950,12 +963,11 @@ impl Driver {
         }
         if open >= self.shared.config.max_connections {
             stats.reject("TooManyConnections");
-            self.close(
-                ch,
-                now,
-                CloseCode::TooManyConnections,
+            let text = with_retry_hint(
                 b"TooManyConnections: the server is at its connection cap",
+                self.retry_ms(),
             );
+            self.close(ch, now, CloseCode::TooManyConnections, &text);
             return;
         }
         stats.open.fetch_add(1, Ordering::Relaxed);

@@ -189,3 +189,16 @@ fn the_pacer_admits_its_rate_and_no_more() {
     let much_later = later + Duration::from_secs(60);
     assert_eq!((0..50).filter(|_| pacer.admit(much_later)).count(), 10);
 }
+
+/// The reconnect spread: connections over the admission rate, at least 1 s.
+#[test]
+fn the_retry_hint_is_the_time_to_readmit_everyone() {
+    use crate::server::{readmit_ms, with_retry_hint};
+    assert_eq!(readmit_ms(100_000, 3000), 33_333);
+    assert_eq!(readmit_ms(10, 3000), 1000);
+    assert_eq!(readmit_ms(0, 0), 1000);
+    assert_eq!(
+        with_retry_hint(b"server draining", 33_333),
+        b"server draining retry_ms=33333".to_vec()
+    );
+}

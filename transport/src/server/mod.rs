@@ -845,9 +845,15 @@ fn restore(
         now.0
             .saturating_sub(config.core.debounce.0.saturating_add(1)),
     );
+    // They come back at most at the admission rate: each lingers for its
+    // grace plus the time to readmit them all, so that nobody waiting for
+    // their turn is shown offline.
+    let readmit = readmit_ms(loaded.drained.len(), config.max_handshakes_per_sec);
     let mut lingering = 0usize;
     for d in &loaded.drained {
-        match hub.restore_device(back, &d.user, &d.device, d.kind) {
+        let grace = config.core.kind(d.kind.into()).grace;
+        let until = Millis(now.0.saturating_add(grace.0).saturating_add(readmit));
+        match hub.restore_device(back, &d.user, &d.device, d.kind, until) {
             Ok(()) => lingering += 1,
             Err(e) => {
                 warn!(user = %d.user, device = %d.device, error = %e, "cannot restore a device")
@@ -864,6 +870,22 @@ fn restore(
         "restored the saved state"
     );
     Ok(())
+}
+
+/// The time to readmit `connections` at `per_sec`, in ms (at least 1 s): the
+/// spread of reconnects the server suggests when it drains (`retry_ms=` in
+/// the close reason), and the extra grace of devices restored after it.
+pub(crate) fn readmit_ms(connections: usize, per_sec: u32) -> u64 {
+    let connections = u64::try_from(connections).unwrap_or(u64::MAX);
+    (connections.saturating_mul(1000) / u64::from(per_sec.max(1))).max(1000)
+}
+
+/// A close reason carrying the reconnect hint: clients spread their
+/// reconnect uniformly over [0, retry_ms].
+pub(crate) fn with_retry_hint(text: &[u8], retry_ms: u64) -> Vec<u8> {
+    let mut text = text.to_vec();
+    text.extend_from_slice(format!(" retry_ms={retry_ms}").as_bytes());
+    text
 }
 
 /// The record to write for `user`, by name.
