@@ -106,6 +106,13 @@ async fn a_flood_of_initials_gets_retries_and_a_real_client_is_served() {
         "{:?}",
         metrics.shed
     );
+    // Overload is visible: the loop's passes and the socket as the kernel
+    // sees it.
+    assert!(metrics.loop_pass.0.last().is_some_and(|&n| n > 0));
+    #[cfg(target_os = "linux")]
+    assert!(metrics.udp.is_some(), "the socket is not found in /proc/net/udp");
+    let text = metrics.render();
+    assert!(text.contains("greendot_shed_total{reason=\"retry\"}"));
 }
 
 /// A drain's close tells clients over how long to spread their reconnect:

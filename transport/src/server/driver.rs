@@ -304,6 +304,11 @@ impl Driver {
             }
             let now = Instant::now();
             self.pass(now);
+            let stats = &self.shared.stats;
+            stats.loop_pass.observe(now.elapsed());
+            if self.carried(Instant::now()) {
+                stats.loop_carried.fetch_add(1, Ordering::Relaxed);
+            }
             if let Some(stop) = &self.stopping {
                 if self.conns.iter().all(Option::is_none) || now >= stop.until {
                     self.finish().await;

@@ -287,6 +287,9 @@ struct StatsInner {
     handshaking: AtomicUsize,
     rejected_by: Mutex<BTreeMap<String, u64>>,
     latency: Histogram,
+    /// Durations of the loop's passes, and how many left work to the next.
+    loop_pass: Histogram,
+    loop_carried: AtomicU64,
 }
 
 impl StatsInner {
@@ -429,6 +432,8 @@ struct Shared {
     events: broadcast::Sender<ServerEvent>,
     /// See [`Hub::with_session_key`]: events name sessions as clients do.
     session_key: u64,
+    /// The UDP socket's inode, to find it in `/proc/net/udp`.
+    socket_inode: Option<u64>,
 }
 
 impl Shared {
@@ -545,6 +550,7 @@ impl Server {
         let socket = std::net::UdpSocket::bind(config.listen)?;
         socket.set_nonblocking(true)?;
         socket_buffers(&socket, config.socket_buffer);
+        let socket_inode = socket_inode(&socket);
         let io = udp::Io::new(socket)?;
         let local_addr = io.socket.local_addr()?;
         let mut endpoint_config = quinn_proto::EndpointConfig::default();
@@ -577,6 +583,7 @@ impl Server {
             stats: StatsInner::default(),
             events,
             session_key,
+            socket_inode,
         });
         let driver = driver::Driver::new(shared.clone(), io, endpoint, accept, hub, writer);
         Ok(Built {
@@ -723,6 +730,12 @@ impl Monitor {
                 .collect(),
             handshakes_aborted: s.handshakes_aborted.load(Ordering::Relaxed),
             handshakes_in_flight: s.handshaking.load(Ordering::Relaxed) as u64,
+            loop_pass: s.loop_pass.snapshot(),
+            loop_carried: s.loop_carried.load(Ordering::Relaxed),
+            udp: self
+                .shared
+                .socket_inode
+                .and_then(metrics::UdpSocketStats::read),
         })
     }
 }
@@ -794,6 +807,21 @@ fn force_buffer(socket: &std::net::UdpSocket, option: libc::c_int, bytes: usize)
 
 #[cfg(not(target_os = "linux"))]
 fn force_buffer(_: &std::net::UdpSocket, _: i32, _: usize) {}
+
+/// The socket's inode (Linux: `/proc/self/fd/N` is the socket itself).
+#[cfg(target_os = "linux")]
+fn socket_inode(socket: &std::net::UdpSocket) -> Option<u64> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(format!("/proc/self/fd/{}", socket.as_raw_fd()))
+        .ok()
+        .map(|m| m.ino())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn socket_inode(_: &std::net::UdpSocket) -> Option<u64> {
+    None
+}
 
 /// 64 random bits (for the session key); falls back to the clock.
 fn random_u64() -> u64 {
