@@ -697,6 +697,28 @@ impl Core {
         Ok(())
     }
 
+    /// [`Core::handle_disconnect`], with the grace lasting until `until` when
+    /// that is later than its usual end (never shorter). For devices
+    /// restored as lingering after a restart: they may have to wait their
+    /// turn to be readmitted, and must not be shown offline meanwhile.
+    pub fn handle_disconnect_until(
+        &mut self,
+        now: Millis,
+        id: SessionId,
+        last_heard: Millis,
+        until: Millis,
+    ) -> Result<(), Error> {
+        self.advance(now);
+        let id = self.online(id)?;
+        let last_activity = self.session(id).map_or(self.clock, |s| s.link.last_heard());
+        self.linger(id, last_heard.clamp(last_activity, self.clock));
+        if self.session(id).is_some_and(|s| until > s.lease_due) {
+            self.set_lease(id, until);
+        }
+        self.run_timers(); // a zero grace ends the session at once
+        Ok(())
+    }
+
     /// Graceful logout: the session ends now, with no grace. The device was
     /// heard from at `now`.
     pub fn handle_logout(&mut self, now: Millis, id: SessionId) -> Result<(), Error> {

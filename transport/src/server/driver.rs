@@ -10,35 +10,42 @@
 //! channel or oneshot between a frame and its answer. Everything below is
 //! synchronous except the socket and the timer the loop sleeps on.
 //!
-//! One pass of the loop: take what woke it (datagrams, a control message, a
-//! timer), feed it to the endpoint and connections, then `pump`: handle every
-//! application event of the touched connections (frames go through
-//! [`ConnState::on_frame`] and [`Hub::apply`], outputs are routed to push
-//! streams at once), then let every touched connection transmit and re-arm
-//! its timer.
+//! One pass of the loop ([`Driver::pass`]), bounded by [`PassBudget`]: read
+//! the socket until it is empty (or the budget is spent) and feed each
+//! datagram to the endpoint and its connection; handle the due timers; then
+//! `pump`: handle every application event of the touched connections (frames
+//! go through [`ConnState::on_frame`] and [`Hub::apply`], outputs are routed
+//! to push streams at once) and let each transmit and re-arm its timer. What
+//! a budget leaves (timers still due, connections still touched) is carried
+//! to the next pass, which starts without sleeping, again by reading the
+//! socket: under overload receiving is never starved, and nothing one pass
+//! does grows with the backlog.
 
 use super::conn::{ConnState, Handled, Step};
 use super::hub::{Hub, HubOutput};
 use super::store::{Batch, StoreWriter};
-use super::{durable_user, not_saved, reason_label, reason_text, record, ServerEvent, Shared};
+use super::udp::{Datagram, Io};
+use super::{
+    durable_user, not_saved, readmit_ms, reason_label, reason_text, record, with_retry_hint,
+    PassBudget, ServerEvent, Shared, Shed,
+};
 use crate::proto::{self, encode_frame, CloseCode, FrameError, FrameReader, ServerFrame};
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, Bytes};
 use greendot_core::{Counters, EndReason, Millis, SessionId, Tier, UserId};
 use quinn_proto::{
     ConnectionError, ConnectionHandle, DatagramEvent, Dir, Endpoint, Event, StreamEvent, StreamId,
 };
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::net::UdpSocket;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
-/// Datagrams taken from the socket per wake-up before the connections run.
-const RECV_BATCH: usize = 64;
+/// Control messages handled per pass besides the one that woke it.
+const CONTROL_BATCH: usize = 64;
 /// Datagrams kept while the socket's send buffer is full; beyond this they
 /// are dropped (QUIC retransmits). Not while stopping: every connection's
 /// close packet is kept until sent, so clients learn of it at once.
@@ -133,19 +140,111 @@ struct Conn {
     timer: Option<Instant>,
     /// In the driver's `touched` list.
     touched: bool,
+    /// Counted in the driver's handshakes in flight, from this address.
+    handshake_ip: Option<IpAddr>,
+}
+
+/// How a new connection is accepted: its server config, one of the
+/// keep-alive variants, picked by the driver's own randomness.
+pub(super) struct Accept {
+    /// (keep-alive interval, server config with it).
+    variants: Vec<(Duration, Arc<quinn_proto::ServerConfig>)>,
+    rng: SmallRng,
+}
+
+impl Accept {
+    pub(super) fn new(
+        variants: Vec<(Duration, Arc<quinn_proto::ServerConfig>)>,
+        seed: u64,
+    ) -> Accept {
+        Accept {
+            variants,
+            rng: SmallRng(seed | 1),
+        }
+    }
+
+    /// A new connection's server config (`None`: the endpoint's own).
+    fn pick(&mut self) -> Option<&(Duration, Arc<quinn_proto::ServerConfig>)> {
+        let n = self.variants.len() as u64;
+        if n == 0 {
+            return None;
+        }
+        let i = self.rng.below(n);
+        self.variants.get(usize::try_from(i).ok()?)
+    }
+}
+
+/// The admission rate: a token bucket of handshakes, refilled at the
+/// configured rate, holding at most one second's worth.
+struct Pacer {
+    rate: f64,
+    tokens: f64,
+    at: Instant,
+}
+
+impl Pacer {
+    fn new(per_sec: u32, now: Instant) -> Pacer {
+        let rate = f64::from(per_sec.max(1));
+        Pacer {
+            rate,
+            tokens: rate,
+            at: now,
+        }
+    }
+
+    /// Takes a token if there is one.
+    fn admit(&mut self, now: Instant) -> bool {
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        self.at = self.at.max(now);
+        self.tokens = (self.tokens + elapsed * self.rate).min(self.rate);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// xorshift64*: jitter needs no cryptographic randomness, only a seed
+/// (from the system's) and speed.
+pub(super) struct SmallRng(u64);
+
+impl SmallRng {
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// Uniform enough in `0..n` (`n` > 0).
+    fn below(&mut self, n: u64) -> u64 {
+        ((u128::from(self.next()) * u128::from(n)) >> 64) as u64
+    }
 }
 
 pub(super) struct Driver {
     shared: Arc<Shared>,
-    socket: UdpSocket,
+    io: Io,
     endpoint: Endpoint,
+    accept: Accept,
+    /// Handshakes in flight, in all and by address.
+    handshaking: usize,
+    per_address: HashMap<IpAddr, usize>,
+    pacer: Pacer,
     hub: Hub,
     conns: Vec<Option<Box<Conn>>>,
     sessions: HashMap<SessionId, usize>,
     timers: BTreeSet<(Instant, usize)>,
-    touched: Vec<usize>,
+    /// Connections to drive, oldest first; what a pass's budget leaves is
+    /// driven by the next.
+    touched: VecDeque<usize>,
+    budget: PassBudget,
+    recv_batch: Vec<Datagram>,
     next_serial: u64,
-    outbox: VecDeque<(SocketAddr, Vec<u8>)>,
     send_buf: Vec<u8>,
     store: Option<StoreWriter>,
     dirty_users: HashSet<UserId>,
@@ -162,36 +261,34 @@ struct Stopping {
     until: Instant,
 }
 
-enum Wake {
-    Datagram(usize, SocketAddr),
-    RecvError,
-    Control(Control),
-    Writable,
-    Timer,
-}
-
 impl Driver {
     pub(super) fn new(
         shared: Arc<Shared>,
-        socket: UdpSocket,
+        io: Io,
         endpoint: Endpoint,
+        accept: Accept,
         hub: Hub,
         store: Option<StoreWriter>,
     ) -> Driver {
         let now = Instant::now();
         Driver {
+            budget: shared.config.pass,
+            pacer: Pacer::new(shared.config.max_handshakes_per_sec, now),
             next_flush: now + shared.config.flush_interval,
             next_renewal: now + shared.config.renewal(),
             shared,
-            socket,
+            io,
             endpoint,
+            accept,
+            handshaking: 0,
+            per_address: HashMap::new(),
             hub,
             conns: Vec::new(),
             sessions: HashMap::new(),
             timers: BTreeSet::new(),
-            touched: Vec::new(),
+            touched: VecDeque::new(),
+            recv_batch: Vec::new(),
             next_serial: 0,
-            outbox: VecDeque::new(),
             send_buf: Vec::new(),
             store,
             dirty_users: HashSet::new(),
@@ -202,44 +299,38 @@ impl Driver {
 
     /// Runs until stopped by [`Control::Stop`].
     pub(super) async fn run(mut self, mut control: mpsc::Receiver<Control>) {
-        let mut buf = vec![0u8; 65536];
         loop {
-            let deadline = self.next_deadline();
-            let wake = tokio::select! {
-                biased;
-                msg = control.recv() => match msg {
-                    Some(msg) => Wake::Control(msg),
-                    None => return,
-                },
-                got = self.socket.recv_from(&mut buf) => match got {
-                    Ok((n, from)) => Wake::Datagram(n, from),
-                    Err(_) => Wake::RecvError,
-                },
-                _ = self.socket.writable(), if !self.outbox.is_empty() => Wake::Writable,
-                _ = tokio::time::sleep_until(deadline) => Wake::Timer,
-            };
-            let now = Instant::now();
-            match wake {
-                Wake::Datagram(n, from) => {
-                    self.on_datagram(now, from, &buf[..n]);
-                    for _ in 1..RECV_BATCH {
-                        match self.socket.try_recv_from(&mut buf) {
-                            Ok((n, from)) => self.on_datagram(now, from, &buf[..n]),
-                            Err(_) => break,
-                        }
-                    }
+            if self.carried(Instant::now()) {
+                // Work left by the last pass: let the runtime's other tasks
+                // (store waiters, metrics) run, then go on without sleeping.
+                tokio::task::yield_now().await;
+            } else {
+                let deadline = self.next_deadline();
+                tokio::select! {
+                    biased;
+                    msg = control.recv() => match msg {
+                        Some(msg) => self.on_control(Instant::now(), msg),
+                        None => return,
+                    },
+                    _ = self.io.socket.readable() => {}
+                    _ = self.io.socket.writable(), if !self.io.is_empty() => {}
+                    _ = tokio::time::sleep_until(deadline) => {}
                 }
-                // ICMP errors (a client gone) surface here; nothing to do.
-                Wake::RecvError => {}
-                Wake::Control(msg) => self.on_control(now, msg),
-                Wake::Writable => self.send_outbox(),
-                Wake::Timer => {}
             }
-            self.on_timers(now);
-            self.pump(now);
-            // Sending must not wait for a quiet moment in receiving.
-            if !self.outbox.is_empty() {
-                self.send_outbox();
+            // Control messages that came meanwhile (a few per pass).
+            for _ in 0..CONTROL_BATCH {
+                match control.try_recv() {
+                    Ok(msg) => self.on_control(Instant::now(), msg),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => return,
+                }
+            }
+            let now = Instant::now();
+            self.pass(now);
+            let stats = &self.shared.stats;
+            stats.loop_pass.observe(now.elapsed());
+            if self.carried(Instant::now()) {
+                stats.loop_carried.fetch_add(1, Ordering::Relaxed);
             }
             if let Some(stop) = &self.stopping {
                 if self.conns.iter().all(Option::is_none) || now >= stop.until {
@@ -248,6 +339,49 @@ impl Driver {
                 }
             }
         }
+    }
+
+    /// One pass, bounded by [`PassBudget`]: read the socket (until it is
+    /// empty or the budget is spent) before anything else, so that timers
+    /// and busy connections never starve receiving; then the due timers and
+    /// the touched connections, each up to its budget (the rest waits for
+    /// the next pass, in order); then send.
+    /// Returns how many datagrams it read.
+    fn pass(&mut self, now: Instant) -> usize {
+        let read = self.receive(now);
+        self.on_timers(now);
+        self.pump(now);
+        // Sending must not wait for a quiet moment in receiving.
+        self.io.flush();
+        read
+    }
+
+    /// Whether the last pass left work (due timers, touched connections)
+    /// that the next one must do without waiting for a wake-up.
+    fn carried(&self, now: Instant) -> bool {
+        !self.touched.is_empty() || self.timers.first().is_some_and(|&(at, _)| at <= now)
+    }
+
+    /// Reads datagrams until the socket has none or the budget is spent
+    /// (the last batch may pass it by a few); returns how many were read.
+    fn receive(&mut self, now: Instant) -> usize {
+        let mut batch = std::mem::take(&mut self.recv_batch);
+        let mut read = 0;
+        while read < self.budget.datagrams {
+            batch.clear();
+            match self.io.recv(&mut batch) {
+                Ok(0) => break,
+                Ok(n) => read += n,
+                // ICMP errors (a client gone) surface here; nothing to do,
+                // but they count, so an error loop cannot spin forever.
+                Err(_) => read += 1,
+            }
+            for d in batch.drain(..) {
+                self.on_datagram(now, d);
+            }
+        }
+        self.recv_batch = batch;
+        read
     }
 
     fn next_deadline(&self) -> Instant {
@@ -280,16 +414,16 @@ impl Driver {
         if let Some(conn) = self.conn(ch) {
             if !conn.touched {
                 conn.touched = true;
-                self.touched.push(ch);
+                self.touched.push_back(ch);
             }
         }
     }
 
     // ---- the socket ----
 
-    fn send(&mut self, to: SocketAddr, bytes: &[u8]) {
+    fn send(&mut self, t: &quinn_proto::Transmit, bytes: &[u8]) {
         let cap = self.outbox_cap();
-        send_to(&self.socket, &mut self.outbox, cap, to, bytes);
+        self.io.send(cap, t, bytes);
     }
 
     fn outbox_cap(&self) -> usize {
@@ -300,59 +434,21 @@ impl Driver {
         }
     }
 
-    fn send_outbox(&mut self) {
-        while let Some((to, bytes)) = self.outbox.front() {
-            match self.socket.try_send_to(bytes, *to) {
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
-                _ => {
-                    self.outbox.pop_front();
-                }
-            }
-        }
-    }
-
-    fn on_datagram(&mut self, now: Instant, from: SocketAddr, data: &[u8]) {
+    fn on_datagram(&mut self, now: Instant, datagram: Datagram) {
         let mut buf = std::mem::take(&mut self.send_buf);
         buf.clear();
+        let from = datagram.from;
         let event = self.endpoint.handle(
             now.into_std(),
             from,
-            None,
-            None,
-            BytesMut::from(data),
+            datagram.local_ip,
+            datagram.ecn,
+            datagram.data,
             &mut buf,
         );
         match event {
             Some(DatagramEvent::NewConnection(incoming)) => {
-                // Connections still in their handshake count too: past the
-                // cap plus some headroom (where clients still get the typed
-                // `TooManyConnections` close) a new one is refused outright.
-                let cap = self
-                    .shared
-                    .config
-                    .max_connections
-                    .saturating_add(HANDSHAKE_HEADROOM);
-                let full = self.endpoint.open_connections() >= cap;
-                if self.stopping.is_some() || full {
-                    if full {
-                        self.shared.stats.reject("TooManyConnections");
-                    }
-                    let t = self.endpoint.refuse(incoming, &mut buf);
-                    self.send(t.destination, &buf[..t.size]);
-                } else {
-                    match self
-                        .endpoint
-                        .accept(incoming, now.into_std(), &mut buf, None)
-                    {
-                        Ok((ch, quic)) => self.insert(ch, quic),
-                        Err(e) => {
-                            if let Some(t) = e.response {
-                                self.send(t.destination, &buf[..t.size]);
-                            }
-                            self.handshake_failed(from, &e.cause);
-                        }
-                    }
-                }
+                self.on_incoming(now, incoming, &mut buf);
             }
             Some(DatagramEvent::ConnectionEvent(ch, event)) => {
                 let heard = self.shared.clock.at(now);
@@ -362,10 +458,110 @@ impl Driver {
                     self.touch(ch.0);
                 }
             }
-            Some(DatagramEvent::Response(t)) => self.send(t.destination, &buf[..t.size]),
+            Some(DatagramEvent::Response(t)) => self.send(&t, &buf[..t.size]),
             None => {}
         }
         self.send_buf = buf;
+    }
+
+    /// A new client's first packet: shed it early and cheaply when the
+    /// server is past what it can take, otherwise accept it.
+    fn on_incoming(&mut self, now: Instant, incoming: quinn_proto::Incoming, buf: &mut Vec<u8>) {
+        let config = &self.shared.config;
+        let ip = incoming.remote_address().ip();
+        let from_ip = self.per_address.get(&ip).copied().unwrap_or(0);
+        let crowded = self.handshaking >= config.retry_threshold
+            || from_ip >= config.max_handshakes_per_address;
+        // Connections still in their handshake count too: past the cap plus
+        // some headroom (where clients still get the typed
+        // `TooManyConnections` close) a new one is refused outright.
+        let cap = config.max_connections.saturating_add(HANDSHAKE_HEADROOM);
+        let shed = if self.stopping.is_some() {
+            Some(Shed::Draining)
+        } else if crowded && !incoming.remote_address_validated() && incoming.may_retry() {
+            Some(Shed::Retry)
+        } else if from_ip >= config.max_handshakes_per_address {
+            Some(Shed::PerAddress)
+        } else if self.endpoint.open_connections() >= cap {
+            Some(Shed::Capacity)
+        } else if !self.pacer.admit(now) {
+            Some(Shed::Rate)
+        } else {
+            None
+        };
+        if let Some(reason) = shed {
+            self.shared.stats.shed(reason);
+            let t = match reason {
+                Shed::Retry => match self.endpoint.retry(incoming, buf) {
+                    Ok(t) => t,
+                    Err(e) => self.endpoint.refuse(e.into_incoming(), buf),
+                },
+                _ => self.endpoint.refuse(incoming, buf),
+            };
+            self.send(&t, &buf[..t.size]);
+            return;
+        }
+        let remote = incoming.remote_address();
+        let config = self.accept.pick().map(|(_, c)| c.clone());
+        match self.endpoint.accept(incoming, now.into_std(), buf, config) {
+            Ok((ch, quic)) => {
+                self.insert(ch, quic);
+                self.handshake_begins(ch.0, ip, now);
+            }
+            Err(e) => {
+                if let Some(t) = e.response {
+                    self.send(&t, &buf[..t.size]);
+                }
+                debug!(%remote, error = %e.cause, "handshake refused");
+                self.shared.stats.reject("handshake");
+                self.shared.event(ServerEvent::Rejected {
+                    remote,
+                    reason: format!("handshake failed: {}", e.cause),
+                });
+            }
+        }
+    }
+
+    /// The reconnect spread suggested in a close for shedding or draining:
+    /// the time to readmit every open connection at the admission rate.
+    fn retry_ms(&self) -> u64 {
+        let open = self.shared.stats.open.load(Ordering::Relaxed);
+        readmit_ms(open, self.shared.config.max_handshakes_per_sec)
+    }
+
+    /// Counts a handshake in flight, and gives it `hello_timeout` from now
+    /// to complete and send its hello.
+    fn handshake_begins(&mut self, ch: usize, ip: IpAddr, now: Instant) {
+        let deadline = now + self.shared.config.hello_timeout;
+        let Some(conn) = slot(&mut self.conns, ch) else {
+            return;
+        };
+        conn.handshake_ip = Some(ip);
+        conn.deadline = Some(deadline);
+        self.handshaking += 1;
+        *self.per_address.entry(ip).or_default() += 1;
+        self.shared
+            .stats
+            .handshaking
+            .store(self.handshaking, Ordering::Relaxed);
+    }
+
+    /// The handshake completed or the connection ended: no longer in flight.
+    fn handshake_over(&mut self, ch: usize) {
+        let Some(ip) = slot(&mut self.conns, ch).and_then(|c| c.handshake_ip.take()) else {
+            return;
+        };
+        self.handshaking = self.handshaking.saturating_sub(1);
+        if let Some(n) = self.per_address.get_mut(&ip) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.per_address.remove(&ip);
+            }
+        }
+        self.shared
+            .stats
+            .handshaking
+            .store(self.handshaking, Ordering::Relaxed);
     }
 
     fn insert(&mut self, ch: ConnectionHandle, quic: quinn_proto::Connection) {
@@ -392,6 +588,7 @@ impl Driver {
             last_heard: self.shared.clock.now(),
             timer: None,
             touched: false,
+            handshake_ip: None,
         };
         if self.conns.len() <= ch.0 {
             self.conns.resize_with(ch.0 + 1, || None);
@@ -400,6 +597,8 @@ impl Driver {
         self.touch(ch.0);
     }
 
+    /// A handshake the client abandoned or lost (its network came back
+    /// mid-attempt, or it gave up): counted apart from bad input.
     fn handshake_failed(&self, remote: SocketAddr, error: &ConnectionError) {
         debug!(%remote, %error, "handshake failed");
         if super::handshake_aborted(error) {
@@ -464,9 +663,15 @@ impl Driver {
                 done,
             } => {
                 self.endpoint.set_server_config(None);
+                // Clients reconnecting to the next process are spread over
+                // the time it needs to readmit them all.
+                let text = match code {
+                    CloseCode::Draining => with_retry_hint(text, self.retry_ms()),
+                    _ => text.to_vec(),
+                };
                 for ch in 0..self.conns.len() {
                     if self.conns[ch].is_some() {
-                        self.close(ch, now, code, text);
+                        self.close(ch, now, code, &text);
                     }
                 }
                 self.stopping = Some(Stopping {
@@ -478,8 +683,14 @@ impl Driver {
         }
     }
 
+    /// The due connection timers, at most the pass budget of them (earliest
+    /// first; the rest stay due for the next pass), then the hub's, the lease
+    /// renewal and the store's.
     fn on_timers(&mut self, now: Instant) {
-        while let Some(&(at, ch)) = self.timers.first() {
+        for _ in 0..self.budget.timers {
+            let Some(&(at, ch)) = self.timers.first() else {
+                break;
+            };
             if at > now {
                 break;
             }
@@ -492,9 +703,13 @@ impl Driver {
             if conn.deadline.is_some_and(|d| d <= now) {
                 conn.deadline = None;
                 let hello_due = conn.session.is_none() && !conn.ended;
+                let handshaking = !conn.connected;
                 match conn.closing.take() {
                     Some((code, text)) => self.close(ch, now, code, &text),
                     None if hello_due => {
+                        if handshaking {
+                            self.shared.stats.shed(Shed::HandshakeTimeout);
+                        }
                         self.close(ch, now, CloseCode::HelloTimeout, b"no hello in time")
                     }
                     None => {}
@@ -564,11 +779,11 @@ impl Driver {
         };
         // The close packets first: clients that get them reconnect at once.
         let flush = async {
-            while !self.outbox.is_empty() {
-                if self.socket.writable().await.is_err() {
+            while !self.io.is_empty() {
+                if self.io.socket.writable().await.is_err() {
                     break;
                 }
-                self.send_outbox();
+                self.io.flush();
             }
         };
         let _ = tokio::time::timeout(Duration::from_secs(1), flush).await;
@@ -594,12 +809,11 @@ impl Driver {
 
     fn pump(&mut self, now: Instant) {
         self.route(now);
-        let mut round = Vec::new();
-        while !self.touched.is_empty() {
-            std::mem::swap(&mut round, &mut self.touched);
-            for ch in round.drain(..) {
-                self.drive(ch, now);
-            }
+        for _ in 0..self.budget.connections {
+            let Some(ch) = self.touched.pop_front() else {
+                break;
+            };
+            self.drive(ch, now);
         }
         if self.store.is_some() {
             self.dirty_users.extend(self.hub.take_touched());
@@ -653,21 +867,16 @@ impl Driver {
             return;
         }
         let cap = self.outbox_cap();
+        let segments = self.io.max_segments();
         if let Some(conn) = slot(&mut self.conns, ch) {
             let buf = &mut self.send_buf;
             loop {
-                // quinn-proto writes each datagram from the start of `buf`.
+                // quinn-proto writes each transmit from the start of `buf`.
                 buf.clear();
-                let Some(t) = conn.quic.poll_transmit(now.into_std(), 1, buf) else {
+                let Some(t) = conn.quic.poll_transmit(now.into_std(), segments, buf) else {
                     break;
                 };
-                send_to(
-                    &self.socket,
-                    &mut self.outbox,
-                    cap,
-                    t.destination,
-                    &buf[..t.size],
-                );
+                self.io.send(cap, &t, &buf[..t.size]);
             }
         }
         // Transmitting can emit endpoint events (new connection ids).
@@ -818,6 +1027,7 @@ impl Driver {
     }
 
     fn on_connected(&mut self, ch: usize, now: Instant) {
+        self.handshake_over(ch);
         let stats = &self.shared.stats;
         let open = stats.open.load(Ordering::Relaxed);
         stats.total.fetch_add(1, Ordering::Relaxed);
@@ -826,12 +1036,11 @@ impl Driver {
         }
         if open >= self.shared.config.max_connections {
             stats.reject("TooManyConnections");
-            self.close(
-                ch,
-                now,
-                CloseCode::TooManyConnections,
+            let text = with_retry_hint(
                 b"TooManyConnections: the server is at its connection cap",
+                self.retry_ms(),
             );
+            self.close(ch, now, CloseCode::TooManyConnections, &text);
             return;
         }
         stats.open.fetch_add(1, Ordering::Relaxed);
@@ -839,11 +1048,14 @@ impl Driver {
         let Some(conn) = self.conn(ch) else { return };
         conn.counted = true;
         conn.connected = true;
-        conn.deadline = Some(hello);
+        // The hello is due `hello_timeout` after the first packet (set when
+        // accepted), not after a slow handshake.
+        conn.deadline = conn.deadline.or(Some(hello));
     }
 
     /// The connection is over for the application: report it once.
     fn end(&mut self, ch: usize, logout: bool, reason: String) {
+        self.handshake_over(ch);
         let Some(conn) = slot(&mut self.conns, ch) else {
             return;
         };
@@ -1319,25 +1531,6 @@ fn slot(conns: &mut [Option<Box<Conn>>], ch: usize) -> Option<&mut Conn> {
     conns.get_mut(ch).and_then(|c| c.as_deref_mut())
 }
 
-/// Sends a datagram now, or keeps it until the socket can take it.
-fn send_to(
-    socket: &UdpSocket,
-    outbox: &mut VecDeque<(SocketAddr, Vec<u8>)>,
-    cap: usize,
-    to: SocketAddr,
-    bytes: &[u8],
-) {
-    if outbox.is_empty() {
-        match socket.try_send_to(bytes, to) {
-            Ok(_) => return,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(e) => {
-                debug!(%to, error = %e, "send failed");
-                return;
-            }
-        }
-    }
-    if outbox.len() < cap {
-        outbox.push_back((to, bytes.to_vec()));
-    }
-}
+#[cfg(test)]
+#[path = "driver_tests.rs"]
+mod tests;

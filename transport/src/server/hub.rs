@@ -322,6 +322,7 @@ impl Hub {
         user: &str,
         device: &str,
         kind: proto::Kind,
+        linger_until: Millis,
     ) -> Result<(), WireError> {
         self.name_ok(device, "device")?;
         let user = self.intern_user(user)?;
@@ -352,7 +353,10 @@ impl Hub {
                 kind,
             },
         );
-        self.core.handle_disconnect(now, connected.session, now)?;
+        // Lingering at least until `linger_until` (the restart's readmission
+        // time past the grace).
+        self.core
+            .handle_disconnect_until(now, connected.session, now, linger_until)?;
         Ok(())
     }
 

@@ -57,12 +57,30 @@ pub struct MetricsSnapshot {
     pub rejected: BTreeMap<String, u64>,
     pub latency: (Vec<u64>, u64),
     pub store_errors: u64,
-    /// Handshakes cut short (timed out, reset, given up): not bad input.
-    pub handshakes_aborted: u64,
     /// User names the hub holds (each with at most one core record).
     pub users_known: u64,
     /// User and device names the hub holds.
     pub names: u64,
+    /// New connections shed, by reason (see [`super::Shed`]).
+    pub shed: Vec<(&'static str, u64)>,
+    /// Handshakes that ended before completing, not for bad input.
+    pub handshakes_aborted: u64,
+    pub handshakes_in_flight: u64,
+    /// Durations of the loop's passes.
+    pub loop_pass: (Vec<u64>, u64),
+    pub loop_carried: u64,
+    /// The socket as the kernel sees it (Linux only).
+    pub udp: Option<UdpSocketStats>,
+}
+
+impl MetricsSnapshot {
+    /// How many new connections were shed for `reason` (a label).
+    pub fn shed(&self, reason: &str) -> u64 {
+        self.shed
+            .iter()
+            .find(|(label, _)| *label == reason)
+            .map_or(0, |(_, n)| *n)
+    }
 }
 
 fn metric(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(&str, u64)]) {
@@ -74,6 +92,60 @@ fn metric(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(&str
         } else {
             let _ = writeln!(out, "{name}{{{labels}}} {value}");
         }
+    }
+}
+
+/// A histogram in the Prometheus text format.
+fn histogram(out: &mut String, name: &str, help: &str, (cumulative, sum_us): &(Vec<u64>, u64)) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} histogram");
+    for (i, count) in cumulative.iter().enumerate() {
+        let le = match BOUNDS_US.get(i) {
+            Some(b) => format!("{}", *b as f64 / 1e6),
+            None => "+Inf".to_owned(),
+        };
+        let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {count}");
+    }
+    let _ = writeln!(out, "{name}_sum {}", *sum_us as f64 / 1e6);
+    let _ = writeln!(
+        out,
+        "{name}_count {}",
+        cumulative.last().copied().unwrap_or(0)
+    );
+}
+
+/// The kernel's view of the server's UDP socket.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UdpSocketStats {
+    /// Datagrams dropped on a full receive buffer, since the socket opened.
+    pub drops: u64,
+    /// Bytes waiting to be read.
+    pub rx_queue: u64,
+}
+
+impl UdpSocketStats {
+    /// The socket with this inode in `/proc/net/udp` or `/proc/net/udp6`.
+    pub fn read(inode: u64) -> Option<UdpSocketStats> {
+        ["/proc/net/udp", "/proc/net/udp6"].iter().find_map(|path| {
+            let text = std::fs::read_to_string(path).ok()?;
+            UdpSocketStats::parse(&text, inode)
+        })
+    }
+
+    /// Columns: sl local rem st tx_queue:rx_queue tr:when retrnsmt uid
+    /// timeout inode ref pointer drops.
+    fn parse(text: &str, inode: u64) -> Option<UdpSocketStats> {
+        text.lines().skip(1).find_map(|line| {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            if cols.get(9)?.parse::<u64>().ok()? != inode {
+                return None;
+            }
+            let rx = cols.get(4)?.split(':').nth(1)?;
+            Some(UdpSocketStats {
+                drops: cols.get(12)?.parse().ok()?,
+                rx_queue: u64::from_str_radix(rx, 16).ok()?,
+            })
+        })
     }
 }
 
@@ -254,27 +326,65 @@ impl MetricsSnapshot {
             "Failed writes to the durable store.",
             &[("", self.store_errors)],
         );
-        let name = "greendot_push_latency_seconds";
-        let _ = writeln!(
-            out,
-            "# HELP {name} From the server's task taking a change (an input or a due timer) \
-             to its push being written to the connection (debounce and batch waits excluded)."
+        let shed: Vec<(String, u64)> = self
+            .shed
+            .iter()
+            .map(|(reason, n)| (format!("reason=\"{reason}\""), *n))
+            .collect();
+        let shed: Vec<(&str, u64)> = shed.iter().map(|(l, n)| (l.as_str(), *n)).collect();
+        metric(
+            &mut out,
+            "greendot_shed_total",
+            "counter",
+            "New connections shed instead of served, by reason: retry (sent a QUIC Retry), \
+             per_address, capacity, rate (admission rate), handshake_timeout, draining.",
+            &shed,
         );
-        let _ = writeln!(out, "# TYPE {name} histogram");
-        let (cumulative, sum_us) = &self.latency;
-        for (i, count) in cumulative.iter().enumerate() {
-            let le = match BOUNDS_US.get(i) {
-                Some(b) => format!("{}", *b as f64 / 1e6),
-                None => "+Inf".to_owned(),
-            };
-            let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {count}");
+        metric(
+            &mut out,
+            "greendot_handshakes_in_flight",
+            "gauge",
+            "Handshakes (and hellos) in progress.",
+            &[("", self.handshakes_in_flight)],
+        );
+        histogram(
+            &mut out,
+            "greendot_push_latency_seconds",
+            "From the core task taking a change (an input or a due timer) \
+             to its push being written to the connection (debounce and batch waits excluded).",
+            &self.latency,
+        );
+        histogram(
+            &mut out,
+            "greendot_loop_pass_seconds",
+            "Duration of each pass of the server's loop (read the socket, timers, connections): \
+             how long a datagram may wait to be read once the loop is busy.",
+            &self.loop_pass,
+        );
+        metric(
+            &mut out,
+            "greendot_loop_carried_total",
+            "counter",
+            "Passes that left work (due timers, busy connections) to the next pass.",
+            &[("", self.loop_carried)],
+        );
+        if let Some(udp) = &self.udp {
+            metric(
+                &mut out,
+                "greendot_udp_receive_drops_total",
+                "counter",
+                "Datagrams the kernel dropped because the server's socket buffer was full \
+                 (from /proc/net/udp).",
+                &[("", udp.drops)],
+            );
+            metric(
+                &mut out,
+                "greendot_udp_receive_queue_bytes",
+                "gauge",
+                "Bytes waiting in the server's socket receive buffer.",
+                &[("", udp.rx_queue)],
+            );
         }
-        let _ = writeln!(out, "{name}_sum {}", *sum_us as f64 / 1e6);
-        let _ = writeln!(
-            out,
-            "{name}_count {}",
-            cumulative.last().copied().unwrap_or(0)
-        );
         out
     }
 }
@@ -301,5 +411,20 @@ mod tests {
         assert!(text.contains("greendot_devices{state=\"lingering\"} 0"));
         assert!(text.contains("greendot_users_known 0"));
         assert!(text.contains("greendot_handshakes_aborted_total 0"));
+    }
+
+    #[test]
+    fn udp_drops_are_read_from_the_sockets_line() {
+        let text = "   sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode ref pointer drops\n\
+  1: 00000000:1151 00000000:0000 07 00000000:00000000 00:00000000 00000000     0        0 1111 2 0000000000000000 0\n\
+  2: 0100007F:D2C3 00000000:0000 07 00000000:00003F00 00:00000000 00000000     0        0 4242 2 0000000000000000 17\n";
+        assert_eq!(
+            UdpSocketStats::parse(text, 4242),
+            Some(UdpSocketStats {
+                drops: 17,
+                rx_queue: 0x3f00
+            })
+        );
+        assert_eq!(UdpSocketStats::parse(text, 9), None);
     }
 }

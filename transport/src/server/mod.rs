@@ -62,6 +62,7 @@ mod driver;
 pub mod hub;
 pub mod metrics;
 pub mod store;
+mod udp;
 
 pub use conn::{handle_frame, ConnState, Handled, RateLimit, Step, RATE_LIMIT_PATIENCE};
 pub use hub::{Hub, HubLimits, HubOutput, Interner, LiveDevice};
@@ -98,7 +99,9 @@ pub struct ServerConfig {
     /// The TLS certificate; `None` generates a self-signed one for `localhost`.
     pub identity: Option<Identity>,
     /// QUIC keep-alive. Default 15 s: under the 30 s after which many mobile
-    /// NATs forget a UDP mapping.
+    /// NATs forget a UDP mapping. Each connection gets its own interval,
+    /// drawn from [0.75, 1] × this, so connections opened together do not
+    /// keep sending their keep-alives together.
     pub keep_alive: Duration,
     /// QUIC idle timeout: silence this long means the connection is lost
     /// (Disconnect). Default 45 s: three keep-alives may be lost, and a phone
@@ -112,8 +115,26 @@ pub struct ServerConfig {
     pub max_frame: usize,
     /// Requests per session. Default 50/s, bursts of 100.
     pub rate: RateLimit,
-    /// Time allowed to open the control stream and send the hello. Default 10 s.
+    /// Time allowed from a client's first packet to its hello: the
+    /// handshake, opening the control stream and sending the hello. Default
+    /// 10 s (well under the idle timeout: a handshake that stalls holds its
+    /// state no longer than this).
     pub hello_timeout: Duration,
+    /// Admission rate: new handshakes accepted per second (bursts of one
+    /// second's worth); beyond it new connections are refused at once,
+    /// cheaply, and established ones keep being served. Also sets the
+    /// reconnect spread the server suggests when it drains, and how long
+    /// restored devices may take to come back. Default 3000.
+    pub max_handshakes_per_sec: u32,
+    /// Unvalidated handshakes in flight beyond which a new client must first
+    /// prove its address with a QUIC Retry (one round trip, no state kept):
+    /// a flood of spoofed Initials then costs a stateless answer each, not a
+    /// handshake. Default 512.
+    pub retry_threshold: usize,
+    /// Handshakes in flight from one IP address beyond which its new ones
+    /// get a Retry (if unproven) or are refused. Default 512 (addresses
+    /// behind a carrier NAT share one).
+    pub max_handshakes_per_address: usize,
     /// How often a live connection renews its lease in the core; `None`: a
     /// third of the shortest heartbeat timeout of the core's config.
     pub lease_renewal: Option<Duration>,
@@ -139,6 +160,44 @@ pub struct ServerConfig {
     /// Faults injected into the store writer (tests only).
     #[doc(hidden)]
     pub store_faults: Option<Arc<store::StoreFaults>>,
+    /// The UDP socket's receive and send buffers, asked of the kernel (which
+    /// may grant less: see `/proc/sys/net/core/rmem_max`; the server logs
+    /// what it got). Default 8 MiB: a burst of keep-alives or handshakes
+    /// from 100,000 clients must wait there, not be dropped.
+    pub socket_buffer: usize,
+    /// What one pass of the server's loop does at most.
+    pub pass: PassBudget,
+    /// The largest UDP payload the server accepts, advertised to clients.
+    /// Default 1200, QUIC's minimum: clients then never send path-MTU
+    /// probes, datagrams padded to up to 1452 bytes that the server must
+    /// parse padding byte by byte (measured: 6-10% of the server's CPU
+    /// under load). Presence requests are small; what the server sends is
+    /// not limited by this.
+    pub max_udp_payload: u16,
+}
+
+/// What one pass of the server's loop does at most; what is left is carried
+/// to the next pass, never skipped. Each pass reads the socket first, so a
+/// backlog of timers or busy connections never stops datagrams being read
+/// (and the kernel dropping them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PassBudget {
+    /// Datagrams read from the socket (it is read until empty or this many).
+    pub datagrams: usize,
+    /// Connection timers handled (retransmits, keep-alives, deadlines).
+    pub timers: usize,
+    /// Connections driven (their events handled, their packets built).
+    pub connections: usize,
+}
+
+impl Default for PassBudget {
+    fn default() -> PassBudget {
+        PassBudget {
+            datagrams: 1024,
+            timers: 1024,
+            connections: 1024,
+        }
+    }
 }
 
 impl ServerConfig {
@@ -156,6 +215,9 @@ impl ServerConfig {
             max_frame: proto::DEFAULT_MAX_FRAME,
             rate: RateLimit::default(),
             hello_timeout: Duration::from_secs(10),
+            max_handshakes_per_sec: 3000,
+            retry_threshold: 512,
+            max_handshakes_per_address: 512,
             lease_renewal: None,
             push_queue: 1024,
             push_queue_bytes: 256 * 1024,
@@ -165,6 +227,9 @@ impl ServerConfig {
             flush_interval: Duration::from_secs(1),
             store_timeout: Duration::from_secs(5),
             store_faults: None,
+            socket_buffer: 8 << 20,
+            pass: PassBudget::default(),
+            max_udp_payload: 1200,
         }
     }
 
@@ -242,9 +307,17 @@ struct StatsInner {
     rejected: AtomicU64,
     overloaded: AtomicU64,
     store_errors: AtomicU64,
+    /// New connections shed, by [`Shed`] reason.
+    shed: [AtomicU64; Shed::ALL.len()],
+    /// Handshakes the client gave up (or lost) before they completed.
     handshakes_aborted: AtomicU64,
+    /// Handshakes in flight now.
+    handshaking: AtomicUsize,
     rejected_by: Mutex<BTreeMap<String, u64>>,
     latency: Histogram,
+    /// Durations of the loop's passes, and how many left work to the next.
+    loop_pass: Histogram,
+    loop_carried: AtomicU64,
 }
 
 impl StatsInner {
@@ -272,6 +345,52 @@ pub(crate) fn handshake_aborted(error: &quinn_proto::ConnectionError) -> bool {
     }
 }
 
+/// Why a new connection was shed rather than served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shed {
+    /// Sent a QUIC Retry: too many unvalidated handshakes in flight.
+    Retry,
+    /// Refused: too many handshakes in flight from its address.
+    PerAddress,
+    /// Refused: the connection cap (with its handshake headroom) is reached.
+    Capacity,
+    /// Refused: over the admission rate.
+    Rate,
+    /// Closed: no hello within `hello_timeout` of its first packet.
+    HandshakeTimeout,
+    /// Refused: the server is draining.
+    Draining,
+}
+
+impl Shed {
+    pub const ALL: [Shed; 6] = [
+        Shed::Retry,
+        Shed::PerAddress,
+        Shed::Capacity,
+        Shed::Rate,
+        Shed::HandshakeTimeout,
+        Shed::Draining,
+    ];
+
+    /// The metrics label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Shed::Retry => "retry",
+            Shed::PerAddress => "per_address",
+            Shed::Capacity => "capacity",
+            Shed::Rate => "rate",
+            Shed::HandshakeTimeout => "handshake_timeout",
+            Shed::Draining => "draining",
+        }
+    }
+}
+
+impl StatsInner {
+    fn shed(&self, reason: Shed) {
+        self.shed[reason as usize].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 /// The metrics label of a rejection.
 fn reason_label(error: &proto::WireError) -> String {
     match error.code {
@@ -279,6 +398,37 @@ fn reason_label(error: &proto::WireError) -> String {
         code => format!("{code:?}"),
     }
 }
+
+/// QUIC transport settings of a connection, with this keep-alive interval.
+fn transport_config(
+    config: &ServerConfig,
+    keep_alive: Duration,
+) -> Result<quinn::TransportConfig, ServerError> {
+    let mut transport = quinn::TransportConfig::default();
+    transport.keep_alive_interval(Some(keep_alive));
+    transport.max_idle_timeout(Some(
+        config
+            .idle_timeout
+            .try_into()
+            .map_err(|_| ServerError::Setting("idle_timeout too large".into()))?,
+    ));
+    // One control stream per connection; pushes come on server-opened streams.
+    transport.max_concurrent_bidi_streams(1u32.into());
+    transport.max_concurrent_uni_streams(0u32.into());
+    // What a peer may make the server buffer, either way: a few frames,
+    // not quinn's megabytes (a presence connection never needs more, and
+    // 100,000 connections each at quinn's default would not fit).
+    let window = u32::try_from(config.max_frame.saturating_mul(4)).unwrap_or(u32::MAX);
+    transport.stream_receive_window(window.into());
+    transport.receive_window(window.into());
+    transport.send_window(u64::from(window));
+    transport.datagram_receive_buffer_size(None);
+    Ok(transport)
+}
+
+/// Keep-alive intervals a connection may get, evenly spaced over
+/// [0.75, 1] × [`ServerConfig::keep_alive`] (15 s: steps of 121 ms).
+const KEEP_ALIVE_STEPS: usize = 32;
 
 /// The driver's clock: Unix milliseconds, read as the wall clock at start plus
 /// the monotonic time since, so it never goes backwards while the process
@@ -333,6 +483,8 @@ struct Shared {
     events: broadcast::Sender<ServerEvent>,
     /// See [`Hub::with_session_key`]: events name sessions as clients do.
     session_key: u64,
+    /// The UDP socket's inode, to find it in `/proc/net/udp`.
+    socket_inode: Option<u64>,
 }
 
 impl Shared {
@@ -355,11 +507,35 @@ pub struct Server {
     task: JoinHandle<()>,
 }
 
+/// A server built but not running: [`Server::bind`] spawns its driver; tests
+/// run the driver's passes by hand.
+struct Built {
+    local_addr: SocketAddr,
+    shared: Arc<Shared>,
+    certificate: rustls::pki_types::CertificateDer<'static>,
+    driver: driver::Driver,
+    control: mpsc::Receiver<Control>,
+}
+
 impl Server {
     /// Binds the UDP socket, restores the store if any, and starts the
     /// server's one task (see [`driver`]). Must be called inside a tokio
     /// runtime.
     pub fn bind(config: ServerConfig) -> Result<Server, ServerError> {
+        let built = Server::build(config)?;
+        let task = tokio::spawn(built.driver.run(built.control));
+        info!(local_addr = %built.local_addr, "greendot server listening");
+        Ok(Server {
+            local_addr: built.local_addr,
+            shared: built.shared,
+            certificate: built.certificate,
+            task,
+        })
+    }
+
+    /// Everything [`Server::bind`] makes, the driver not yet running (tests
+    /// run its passes by hand). Must be called inside a tokio runtime.
+    fn build(config: ServerConfig) -> Result<Built, ServerError> {
         if config.token_secret.is_empty() {
             return Err(ServerError::Setting(
                 "token_secret must not be empty".into(),
@@ -373,6 +549,17 @@ impl Server {
                 "push_queue, push_queue_bytes and push_budget_bytes must be at least 1".into(),
             ));
         }
+        if config.max_handshakes_per_sec == 0 || config.max_handshakes_per_address == 0 {
+            return Err(ServerError::Setting(
+                "max_handshakes_per_sec and max_handshakes_per_address must be at least 1".into(),
+            ));
+        }
+        let pass = config.pass;
+        if pass.datagrams == 0 || pass.timers == 0 || pass.connections == 0 {
+            return Err(ServerError::Setting(
+                "every part of the pass budget must be at least 1".into(),
+            ));
+        }
         let identity = match &config.identity {
             Some(identity) => identity.clone(),
             None => Identity::self_signed(&["localhost"])?,
@@ -383,29 +570,24 @@ impl Server {
             .cloned()
             .ok_or_else(|| ServerError::Setting("the identity has no certificate".into()))?;
 
-        let mut transport = quinn::TransportConfig::default();
-        transport.keep_alive_interval(Some(config.keep_alive));
-        transport.max_idle_timeout(Some(
-            config
-                .idle_timeout
-                .try_into()
-                .map_err(|_| ServerError::Setting("idle_timeout too large".into()))?,
-        ));
-        // One control stream per connection; pushes come on server-opened streams.
-        transport.max_concurrent_bidi_streams(1u32.into());
-        transport.max_concurrent_uni_streams(0u32.into());
-        // What a peer may make the server buffer, either way: a few frames,
-        // not quinn's megabytes (a presence connection never needs more, and
-        // 100,000 connections each at quinn's default would not fit).
-        let window = u32::try_from(config.max_frame.saturating_mul(4)).unwrap_or(u32::MAX);
-        transport.stream_receive_window(window.into());
-        transport.receive_window(window.into());
-        transport.send_window(u64::from(window));
-        transport.datagram_receive_buffer_size(None);
         let mut server_config =
             quinn::ServerConfig::with_crypto(Arc::new(tls::server_crypto(&identity)?));
-        server_config.transport_config(Arc::new(transport));
         server_config.migration(config.migration);
+        // One variant per keep-alive step in [0.75, 1] × keep_alive; each
+        // accepted connection gets one at random, so connections opened
+        // together (a ramp, a mass reconnect) do not send their keep-alives
+        // together for the rest of their lives.
+        let variants: Vec<(Duration, Arc<quinn::ServerConfig>)> = (0..KEEP_ALIVE_STEPS)
+            .map(|i| {
+                let scale = 0.75 + 0.25 * i as f64 / (KEEP_ALIVE_STEPS - 1) as f64;
+                let interval = config.keep_alive.mul_f64(scale);
+                let transport = transport_config(&config, interval)?;
+                let mut variant = server_config.clone();
+                variant.transport_config(Arc::new(transport));
+                Ok((interval, Arc::new(variant)))
+            })
+            .collect::<Result<_, ServerError>>()?;
+        server_config.transport_config(Arc::new(transport_config(&config, config.keep_alive)?));
 
         if config.flush_interval.is_zero() {
             return Err(ServerError::Setting(
@@ -421,14 +603,21 @@ impl Server {
         // Bound first (a taken port fails before the store is touched).
         let socket = std::net::UdpSocket::bind(config.listen)?;
         socket.set_nonblocking(true)?;
-        let socket = tokio::net::UdpSocket::from_std(socket)?;
-        let local_addr = socket.local_addr()?;
+        socket_buffers(&socket, config.socket_buffer);
+        let socket_inode = socket_inode(&socket);
+        let io = udp::Io::new(socket)?;
+        let local_addr = io.socket.local_addr()?;
+        let mut endpoint_config = quinn_proto::EndpointConfig::default();
+        endpoint_config
+            .max_udp_payload_size(config.max_udp_payload)
+            .map_err(|_| ServerError::Setting("max_udp_payload must be 1200 to 65527".into()))?;
         let endpoint = quinn_proto::Endpoint::new(
-            Arc::new(quinn_proto::EndpointConfig::default()),
+            Arc::new(endpoint_config),
             Some(Arc::new(server_config)),
             false,
             None,
         );
+        let accept = driver::Accept::new(variants, random_u64());
         // Everything saved is back in the core before the first connection.
         let writer = match &config.store {
             Some(path) => {
@@ -463,15 +652,15 @@ impl Server {
             stats: StatsInner::default(),
             events,
             session_key,
+            socket_inode,
         });
-        let driver = driver::Driver::new(shared.clone(), socket, endpoint, hub, writer);
-        let task = tokio::spawn(driver.run(control_rx));
-        info!(%local_addr, "greendot server listening");
-        Ok(Server {
+        let driver = driver::Driver::new(shared.clone(), io, endpoint, accept, hub, writer);
+        Ok(Built {
             local_addr,
             shared,
             certificate,
-            task,
+            driver,
+            control: control_rx,
         })
     }
 
@@ -606,9 +795,103 @@ impl Monitor {
             rejected,
             latency: s.latency.snapshot(),
             store_errors: s.store_errors.load(Ordering::Relaxed),
+            shed: Shed::ALL
+                .iter()
+                .map(|&r| (r.label(), s.shed[r as usize].load(Ordering::Relaxed)))
+                .collect(),
             handshakes_aborted: s.handshakes_aborted.load(Ordering::Relaxed),
+            handshakes_in_flight: s.handshaking.load(Ordering::Relaxed) as u64,
+            loop_pass: s.loop_pass.snapshot(),
+            loop_carried: s.loop_carried.load(Ordering::Relaxed),
+            udp: self
+                .shared
+                .socket_inode
+                .and_then(metrics::UdpSocketStats::read),
         })
     }
+}
+
+/// Asks for `bytes` of receive and send buffer, and logs when the kernel
+/// grants less (Linux caps an unprivileged request at `net.core.rmem_max` /
+/// `wmem_max`; a privileged process may exceed the cap, so that is tried next).
+fn socket_buffers(socket: &std::net::UdpSocket, bytes: usize) {
+    let sock = socket2::SockRef::from(socket);
+    // Linux reports twice what it grants (bookkeeping included).
+    let granted = |got: std::io::Result<usize>| got.map(|n| n / 2).unwrap_or(0);
+    let _ = sock.set_recv_buffer_size(bytes);
+    let mut recv = granted(sock.recv_buffer_size());
+    if recv < bytes {
+        force_buffer(socket, FORCE_RCVBUF, bytes);
+        recv = granted(sock.recv_buffer_size());
+    }
+    let _ = sock.set_send_buffer_size(bytes);
+    let mut send = granted(sock.send_buffer_size());
+    if send < bytes {
+        force_buffer(socket, FORCE_SNDBUF, bytes);
+        send = granted(sock.send_buffer_size());
+    }
+    if recv < bytes || send < bytes {
+        let cap = |name: &str| {
+            std::fs::read_to_string(format!("/proc/sys/net/core/{name}"))
+                .map(|s| s.trim().to_owned())
+                .unwrap_or_else(|_| "?".into())
+        };
+        warn!(
+            requested = bytes,
+            receive = recv,
+            send,
+            rmem_max = %cap("rmem_max"),
+            wmem_max = %cap("wmem_max"),
+            "the kernel capped the UDP socket buffers: raise net.core.rmem_max and wmem_max"
+        );
+    } else {
+        info!(receive = recv, send, "UDP socket buffers");
+    }
+}
+
+#[cfg(target_os = "linux")]
+const FORCE_RCVBUF: libc::c_int = libc::SO_RCVBUFFORCE;
+#[cfg(target_os = "linux")]
+const FORCE_SNDBUF: libc::c_int = libc::SO_SNDBUFFORCE;
+#[cfg(not(target_os = "linux"))]
+const FORCE_RCVBUF: i32 = 0;
+#[cfg(not(target_os = "linux"))]
+const FORCE_SNDBUF: i32 = 0;
+
+/// `SO_RCVBUFFORCE` / `SO_SNDBUFFORCE`: past the sysctl cap, for a process
+/// with CAP_NET_ADMIN; fails harmlessly otherwise.
+#[cfg(target_os = "linux")]
+fn force_buffer(socket: &std::net::UdpSocket, option: libc::c_int, bytes: usize) {
+    use std::os::fd::AsRawFd;
+    let value = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
+    // SAFETY: a valid socket descriptor, a c_int option value of the right size.
+    unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            option,
+            (&value as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn force_buffer(_: &std::net::UdpSocket, _: i32, _: usize) {}
+
+/// The socket's inode (Linux: `/proc/self/fd/N` is the socket itself).
+#[cfg(target_os = "linux")]
+fn socket_inode(socket: &std::net::UdpSocket) -> Option<u64> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(format!("/proc/self/fd/{}", socket.as_raw_fd()))
+        .ok()
+        .map(|m| m.ino())
+}
+
+#[cfg(not(target_os = "linux"))]
+fn socket_inode(_: &std::net::UdpSocket) -> Option<u64> {
+    None
 }
 
 /// 64 random bits (for the session key); falls back to the clock.
@@ -661,9 +944,15 @@ fn restore(
         now.0
             .saturating_sub(config.core.debounce.0.saturating_add(1)),
     );
+    // They come back at most at the admission rate: each lingers for its
+    // grace plus the time to readmit them all, so that nobody waiting for
+    // their turn is shown offline.
+    let readmit = readmit_ms(loaded.drained.len(), config.max_handshakes_per_sec);
     let mut lingering = 0usize;
     for d in &loaded.drained {
-        match hub.restore_device(back, &d.user, &d.device, d.kind) {
+        let grace = config.core.kind(d.kind.into()).grace;
+        let until = Millis(now.0.saturating_add(grace.0).saturating_add(readmit));
+        match hub.restore_device(back, &d.user, &d.device, d.kind, until) {
             Ok(()) => lingering += 1,
             Err(e) => {
                 warn!(user = %d.user, device = %d.device, error = %e, "cannot restore a device")
@@ -680,6 +969,22 @@ fn restore(
         "restored the saved state"
     );
     Ok(())
+}
+
+/// The time to readmit `connections` at `per_sec`, in ms (at least 1 s): the
+/// spread of reconnects the server suggests when it drains (`retry_ms=` in
+/// the close reason), and the extra grace of devices restored after it.
+pub(crate) fn readmit_ms(connections: usize, per_sec: u32) -> u64 {
+    let connections = u64::try_from(connections).unwrap_or(u64::MAX);
+    (connections.saturating_mul(1000) / u64::from(per_sec.max(1))).max(1000)
+}
+
+/// A close reason carrying the reconnect hint: clients spread their
+/// reconnect uniformly over [0, retry_ms].
+pub(crate) fn with_retry_hint(text: &[u8], retry_ms: u64) -> Vec<u8> {
+    let mut text = text.to_vec();
+    text.extend_from_slice(format!(" retry_ms={retry_ms}").as_bytes());
+    text
 }
 
 /// The record to write for `user`, by name.

@@ -341,7 +341,7 @@ fn main() -> ExitCode {
                 return settings.to_toml().map(|text| print!("{text}"));
             }
             init_logs("info");
-            runtime()?.block_on(serve::serve(settings))
+            serve::runtime()?.block_on(serve::serve(settings))
         }),
         Command::Connect {
             client,

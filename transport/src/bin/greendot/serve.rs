@@ -138,6 +138,16 @@ fn server_config(settings: &Settings, data: &DataDir) -> ServerConfig {
     config
 }
 
+/// The server is one task (the driver), plus the store's own thread: one
+/// runtime thread serves it, its durable waits and the metrics page, with
+/// no second worker to wake and no work stealing.
+pub fn runtime() -> Result<tokio::runtime::Runtime, String> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))
+}
+
 pub async fn serve(settings: Settings) -> Result<(), String> {
     let data = prepare(&settings)?;
     let config = server_config(&settings, &data);
