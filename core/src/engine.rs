@@ -675,6 +675,23 @@ impl Core {
         Ok(())
     }
 
+    /// A sign of life observed by the driver at `heard` (not later than
+    /// `now`): the lease counts from then. For a driver that renews the
+    /// leases of open connections in a sweep: the renewal must not claim the
+    /// device was heard at the sweep (that would move `last_seen` past the
+    /// device's real last packet). Never moves the last activity back.
+    pub fn handle_heard(&mut self, now: Millis, id: SessionId, heard: Millis) -> Result<(), Error> {
+        self.advance(now);
+        let id = self.online(id)?;
+        let heard = heard.min(self.clock);
+        if let Some(session) = self.session_mut(id) {
+            if let Link::Online { last_activity } = &mut session.link {
+                *last_activity = (*last_activity).max(heard);
+            }
+        }
+        Ok(())
+    }
+
     /// The connection was lost without a logout: Online → Lingering, unseen by
     /// others until grace runs out.
     ///

@@ -1168,3 +1168,31 @@ fn counters_compare_by_value_but_stay_out_of_the_cores_equality() {
     assert_eq!(h.core, before);
     assert_ne!(h.core.counters(), before.counters());
 }
+
+/// A driver's renewal sweep passes when it last heard from a connection: the
+/// lease counts from then and `last_seen` stays at that moment, not the sweep.
+#[test]
+fn a_renewal_as_of_the_last_packet_keeps_the_real_last_heard() {
+    let mut core = Core::new(Config::default()).unwrap();
+    let connect = |user| Connect {
+        user: UserId(user),
+        device: DeviceId(1),
+        kind: DeviceKind::Desktop,
+        watch: Watch::All,
+        resume: None,
+    };
+    let phone = core.handle_connect(Millis(0), connect(1)).unwrap().session;
+    let watcher = core.handle_connect(Millis(0), connect(2)).unwrap().session;
+    core.handle_subscribe(Millis(0), watcher, UserId(1), Tier::Realtime)
+        .unwrap();
+    core.handle_activity(Millis(5_000), phone).unwrap();
+    // Sweeps at 20 s and 40 s: the connection was last heard at 10 s.
+    core.handle_heard(Millis(20_000), phone, Millis(10_000)).unwrap();
+    core.handle_heard(Millis(40_000), phone, Millis(10_000)).unwrap();
+    // An older report never moves it back.
+    core.handle_heard(Millis(41_000), phone, Millis(1_000)).unwrap();
+    core.handle_disconnect(Millis(55_000), phone, Millis(10_000))
+        .unwrap();
+    core.handle_timeout(Millis(200_000));
+    assert_eq!(core.presence(UserId(1)).last_seen, Some(Millis(10_000)));
+}

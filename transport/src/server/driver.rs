@@ -728,9 +728,13 @@ impl Driver {
         if now >= self.next_renewal {
             // An open connection is a live device: QUIC's keep-alive and idle
             // timeout stand for the heartbeat.
+            // Renewed as of each connection's last datagram, not now: a
+            // client that fell silent must keep its real last heard.
             let at = self.shared.clock.now();
-            for &session in self.sessions.keys() {
-                self.hub.activity(at, session);
+            for (&session, &ch) in &self.sessions {
+                if let Some(conn) = self.conns.get(ch).and_then(|c| c.as_deref()) {
+                    self.hub.heard(at, session, conn.last_heard);
+                }
             }
             self.next_renewal = now + self.shared.config.renewal();
             if self.store.is_none() {

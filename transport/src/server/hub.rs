@@ -406,6 +406,12 @@ impl Hub {
         let _ = self.core.handle_activity(now, session);
     }
 
+    /// The connection of `session` was last heard from at `heard`: renews
+    /// its lease from then (see `Core::handle_heard`).
+    pub fn heard(&mut self, now: Millis, session: SessionId, heard: Millis) {
+        let _ = self.core.handle_heard(now, session, heard);
+    }
+
     /// The connection of `session` is gone: a logout if it closed with the
     /// logout code, otherwise a disconnect (the device lingers for grace).
     /// `last_heard`: when the connection last received anything from the
