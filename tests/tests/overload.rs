@@ -110,7 +110,10 @@ async fn a_flood_of_initials_gets_retries_and_a_real_client_is_served() {
     // sees it.
     assert!(metrics.loop_pass.0.last().is_some_and(|&n| n > 0));
     #[cfg(target_os = "linux")]
-    assert!(metrics.udp.is_some(), "the socket is not found in /proc/net/udp");
+    assert!(
+        metrics.udp.is_some(),
+        "the socket is not found in /proc/net/udp"
+    );
     let text = metrics.render();
     assert!(text.contains("greendot_shed_total{reason=\"retry\"}"));
 }

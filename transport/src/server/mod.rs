@@ -52,10 +52,19 @@
 //!   batch keeps its users). The writer's queue is bounded
 //!   ([`store::DURABLE_QUEUE`] durable requests; write-behind batches merge
 //!   into one per user).
+//! - **Overload.** Each pass of the loop reads the socket first and is
+//!   bounded ([`PassBudget`]); new handshakes are shed early and cheaply
+//!   when the server is past what it can take ([`Shed`]: a QUIC Retry for
+//!   unvalidated clients past [`ServerConfig::retry_threshold`], a limit per
+//!   address, an admission rate, the connection cap), so established
+//!   sessions keep being served; keep-alives are jittered per connection.
 //! - **Draining** ([`Server::drain`]): stop accepting, close every connection
 //!   with [`CloseCode::Draining`] (clients reconnect and resume), write the
 //!   store, including the devices that were live; the next process brings them
 //!   back as lingering so nobody who reconnects within grace is shown offline.
+//!   The close's reason carries `retry_ms=N`, the time to readmit everyone
+//!   at the admission rate: clients spread their reconnect over [0, N] ms,
+//!   and restored devices linger for their grace plus that time.
 
 pub mod conn;
 mod driver;

@@ -141,6 +141,9 @@ struct ServeArgs {
     /// Connection cap [default: 100000].
     #[arg(long, env = "GREENDOT_MAX_CONNECTIONS")]
     max_connections: Option<usize>,
+    /// Admission rate, new handshakes per second [default: 3000].
+    #[arg(long, env = "GREENDOT_MAX_HANDSHAKES_PER_SEC")]
+    max_handshakes_per_sec: Option<u32>,
 }
 
 impl ServeArgs {
@@ -178,6 +181,7 @@ impl ServeArgs {
         set(&mut s.flush_interval, &self.flush_interval);
         set(&mut s.token_leeway, &self.token_leeway);
         set(&mut s.max_connections, &self.max_connections);
+        set(&mut s.max_handshakes_per_sec, &self.max_handshakes_per_sec);
         if let Some(g) = self.grace {
             s.grace = PerKind::all(g);
         }

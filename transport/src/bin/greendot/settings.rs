@@ -124,6 +124,9 @@ pub struct Settings {
     /// Clock skew tolerated on a token's expiry.
     pub token_leeway: Dur,
     pub max_connections: usize,
+    /// Admission rate: new handshakes per second beyond which new
+    /// connections are refused (established ones are served).
+    pub max_handshakes_per_sec: u32,
     pub grace: PerKind,
     pub heartbeat_timeout: PerKind,
 }
@@ -151,6 +154,7 @@ impl Default for Settings {
             flush_interval: secs(1),
             token_leeway: secs(30),
             max_connections: 100_000,
+            max_handshakes_per_sec: 3000,
             grace: per(|k| k.grace),
             heartbeat_timeout: per(|k| k.heartbeat_timeout),
         }
