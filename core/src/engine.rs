@@ -972,7 +972,6 @@ impl Core {
         }
     }
 
-
     // ----- getters ----------------------------------------------------------
 
     /// What others are shown of `user` (published, debounced).

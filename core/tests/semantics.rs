@@ -1187,10 +1187,13 @@ fn a_renewal_as_of_the_last_packet_keeps_the_real_last_heard() {
         .unwrap();
     core.handle_activity(Millis(5_000), phone).unwrap();
     // Sweeps at 20 s and 40 s: the connection was last heard at 10 s.
-    core.handle_heard(Millis(20_000), phone, Millis(10_000)).unwrap();
-    core.handle_heard(Millis(40_000), phone, Millis(10_000)).unwrap();
+    core.handle_heard(Millis(20_000), phone, Millis(10_000))
+        .unwrap();
+    core.handle_heard(Millis(40_000), phone, Millis(10_000))
+        .unwrap();
     // An older report never moves it back.
-    core.handle_heard(Millis(41_000), phone, Millis(1_000)).unwrap();
+    core.handle_heard(Millis(41_000), phone, Millis(1_000))
+        .unwrap();
     core.handle_disconnect(Millis(55_000), phone, Millis(10_000))
         .unwrap();
     core.handle_timeout(Millis(200_000));

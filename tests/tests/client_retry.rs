@@ -290,7 +290,7 @@ async fn clients_spread_their_reconnects_over_the_servers_retry_ms() {
     const CLIENTS: usize = 20;
     let retry = Duration::from_millis(3000);
     let identity = Identity::self_signed(&["localhost"]).unwrap();
-    let crypto = tls::server_crypto(&identity).unwrap();
+    let crypto = tls::server_crypto(&identity, b"test ticket secret").unwrap();
     let server = quinn::Endpoint::server(
         quinn::ServerConfig::with_crypto(Arc::new(crypto)),
         SocketAddr::from(([127, 0, 0, 1], 0)),

@@ -58,7 +58,10 @@ fn server_provider() -> Arc<rustls::crypto::CryptoProvider> {
 
 /// The server's QUIC crypto: TLS 1.3 only, ALPN `greendot/1`, no client
 /// certs, its own cipher suite order, and stateless session tickets.
-pub fn server_crypto(identity: &Identity) -> Result<QuicServerConfig, TlsError> {
+pub fn server_crypto(
+    identity: &Identity,
+    ticket_secret: &[u8],
+) -> Result<QuicServerConfig, TlsError> {
     let mut tls = rustls::ServerConfig::builder_with_provider(server_provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(|e| TlsError(e.to_string()))?
@@ -67,12 +70,12 @@ pub fn server_crypto(identity: &Identity) -> Result<QuicServerConfig, TlsError> 
         .map_err(|e| TlsError(e.to_string()))?;
     tls.alpn_protocols = vec![ALPN.to_vec()];
     tls.ignore_client_order = true;
-    // Stateless tickets (encrypted with a key that rotates every 6 hours):
-    // every client that was served may resume, not only the last 256 as
-    // with the default in-memory cache, and the server keeps nothing per
-    // client. A resumption skips the certificate signature. The key lives
-    // in memory: after a restart clients do one full handshake again.
-    tls.ticketer = rustls::crypto::ring::Ticketer::new().map_err(|e| TlsError(e.to_string()))?;
+    // Stateless tickets: every client that was served may resume, not only
+    // the last 256 as with the default in-memory cache, and the server keeps
+    // nothing per client. A resumption skips the certificate signature. The
+    // ticket keys derive from `ticket_secret`, so tickets survive a restart
+    // (the readmission herd after a drain resumes too).
+    tls.ticketer = Arc::new(SecretTickets::new(ticket_secret)?);
     QuicServerConfig::try_from(tls).map_err(|e| TlsError(e.to_string()))
 }
 
@@ -94,4 +97,140 @@ pub fn client_crypto(
         .with_no_client_auth();
     tls.alpn_protocols = vec![alpn.to_vec()];
     QuicClientConfig::try_from(tls).map_err(|e| TlsError(e.to_string()))
+}
+
+/// Session tickets sealed (AES-256-GCM) with a key derived from a secret by
+/// HKDF-SHA256 for each 12-hour period; a ticket of the current or the
+/// previous period opens. Every process given the same secret (a restarted
+/// one, another node) opens the others' tickets, with no key file to keep.
+/// Layout: period (u32 BE) | nonce (12) | ciphertext and tag.
+pub(crate) struct SecretTickets {
+    prk: ring::hkdf::Prk,
+    random: ring::rand::SystemRandom,
+}
+
+impl std::fmt::Debug for SecretTickets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SecretTickets(..)")
+    }
+}
+
+const TICKET_PERIOD_SECS: u64 = 12 * 3600;
+
+impl SecretTickets {
+    pub(crate) fn new(secret: &[u8]) -> Result<SecretTickets, TlsError> {
+        if secret.is_empty() {
+            return Err(TlsError("the ticket secret is empty".into()));
+        }
+        let salt =
+            ring::hkdf::Salt::new(ring::hkdf::HKDF_SHA256, b"greendot/1 tls session tickets");
+        Ok(SecretTickets {
+            prk: salt.extract(secret),
+            random: ring::rand::SystemRandom::new(),
+        })
+    }
+
+    fn period_now() -> u32 {
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        u32::try_from(secs / TICKET_PERIOD_SECS).unwrap_or(u32::MAX)
+    }
+
+    fn key(&self, period: u32) -> Option<ring::aead::LessSafeKey> {
+        let info = period.to_be_bytes();
+        let info = [&info[..]];
+        let okm = self.prk.expand(&info, &ring::aead::AES_256_GCM).ok()?;
+        let mut bytes = [0u8; 32];
+        okm.fill(&mut bytes).ok()?;
+        let key = ring::aead::UnboundKey::new(&ring::aead::AES_256_GCM, &bytes).ok()?;
+        Some(ring::aead::LessSafeKey::new(key))
+    }
+
+    fn seal(&self, period: u32, plain: &[u8]) -> Option<Vec<u8>> {
+        use ring::rand::SecureRandom;
+        let mut nonce = [0u8; 12];
+        self.random.fill(&mut nonce).ok()?;
+        let mut out = Vec::with_capacity(4 + 12 + plain.len() + 16);
+        out.extend_from_slice(&period.to_be_bytes());
+        out.extend_from_slice(&nonce);
+        let mut body = plain.to_vec();
+        self.key(period)?
+            .seal_in_place_append_tag(
+                ring::aead::Nonce::assume_unique_for_key(nonce),
+                ring::aead::Aad::from(period.to_be_bytes()),
+                &mut body,
+            )
+            .ok()?;
+        out.extend_from_slice(&body);
+        Some(out)
+    }
+
+    fn open(&self, now: u32, sealed: &[u8]) -> Option<Vec<u8>> {
+        let period = u32::from_be_bytes(sealed.get(..4)?.try_into().ok()?);
+        if period != now && period.checked_add(1) != Some(now) {
+            return None;
+        }
+        let nonce: [u8; 12] = sealed.get(4..16)?.try_into().ok()?;
+        let mut body = sealed.get(16..)?.to_vec();
+        let plain = self
+            .key(period)?
+            .open_in_place(
+                ring::aead::Nonce::assume_unique_for_key(nonce),
+                ring::aead::Aad::from(period.to_be_bytes()),
+                &mut body,
+            )
+            .ok()?;
+        Some(plain.to_vec())
+    }
+}
+
+impl rustls::server::ProducesTickets for SecretTickets {
+    fn enabled(&self) -> bool {
+        true
+    }
+
+    /// Seconds a client may keep a ticket: one period, so it still opens.
+    fn lifetime(&self) -> u32 {
+        TICKET_PERIOD_SECS as u32
+    }
+
+    fn encrypt(&self, plain: &[u8]) -> Option<Vec<u8>> {
+        self.seal(Self::period_now(), plain)
+    }
+
+    fn decrypt(&self, cipher: &[u8]) -> Option<Vec<u8>> {
+        self.open(Self::period_now(), cipher)
+    }
+}
+
+#[cfg(test)]
+mod ticket_tests {
+    use super::SecretTickets;
+
+    #[test]
+    fn tickets_open_with_the_same_secret_in_this_or_the_next_period_only() {
+        let a = SecretTickets::new(b"secret").unwrap();
+        let restarted = SecretTickets::new(b"secret").unwrap();
+        let other = SecretTickets::new(b"another secret").unwrap();
+        let sealed = a.seal(100, b"session state").unwrap();
+        assert_eq!(
+            restarted.open(100, &sealed).as_deref(),
+            Some(&b"session state"[..])
+        );
+        assert_eq!(
+            restarted.open(101, &sealed).as_deref(),
+            Some(&b"session state"[..])
+        );
+        assert_eq!(restarted.open(102, &sealed), None);
+        assert_eq!(other.open(100, &sealed), None);
+        let mut forged = sealed.clone();
+        forged[3] = 101; // claims a later period: the tag no longer matches
+        assert_eq!(restarted.open(101, &forged), None);
+        let mut flipped = sealed;
+        let last = flipped.len() - 1;
+        flipped[last] ^= 1;
+        assert_eq!(restarted.open(100, &flipped), None);
+        assert_eq!(restarted.open(100, &[1, 2, 3]), None);
+    }
 }

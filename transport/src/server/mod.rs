@@ -579,8 +579,10 @@ impl Server {
             .cloned()
             .ok_or_else(|| ServerError::Setting("the identity has no certificate".into()))?;
 
-        let mut server_config =
-            quinn::ServerConfig::with_crypto(Arc::new(tls::server_crypto(&identity)?));
+        let mut server_config = quinn::ServerConfig::with_crypto(Arc::new(tls::server_crypto(
+            &identity,
+            &config.token_secret,
+        )?));
         server_config.migration(config.migration);
         // One variant per keep-alive step in [0.75, 1] × keep_alive; each
         // accepted connection gets one at random, so connections opened
