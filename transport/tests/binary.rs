@@ -299,6 +299,7 @@ fn the_binary_serves_survives_kill_9_and_drains() {
         "offline after {took:?}: sooner than grace"
     );
     let alice_seen = json(&line)["last_seen_ms"].as_u64().expect("last seen");
+    let alice_offline = Instant::now();
 
     // carol connects invisible; the store has it before the answer.
     let mut carol_proc = client(
@@ -321,7 +322,10 @@ fn the_binary_serves_survives_kill_9_and_drains() {
         assert!(page.contains(name), "no {name} in\n{page}");
     }
 
-    // kill -9 of the server, and a restart on the same port.
+    // kill -9 of the server, and a restart on the same port: alice's offline
+    // had one flush interval (1 s) to be written behind.
+    let flushed = alice_offline + Duration::from_millis(1000 + 250);
+    std::thread::sleep(flushed.saturating_duration_since(Instant::now()));
     server.proc.kill9();
     let server = serve(&dir, &listen);
     // carol's client reconnects (a new session: a new process)...
