@@ -37,7 +37,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Run the server (settings: flags > GREENDOT_* environment > --config file > defaults).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Print a token (a JWT signed with the data directory's secret) on stdout.
     Token(TokenArgs),
     /// Stay online as the token's device until Ctrl-C (which logs out).
@@ -144,6 +144,15 @@ struct ServeArgs {
     /// Admission rate, new handshakes per second [default: 3000].
     #[arg(long, env = "GREENDOT_MAX_HANDSHAKES_PER_SEC")]
     max_handshakes_per_sec: Option<u32>,
+    /// Longest wait for a status or invisibility change's commit [default: 5s].
+    #[arg(long, env = "GREENDOT_STORE_TIMEOUT")]
+    store_timeout: Option<Dur>,
+    /// Push bytes one connection may have waiting [default: 262144].
+    #[arg(long, env = "GREENDOT_PUSH_QUEUE_BYTES")]
+    push_queue_bytes: Option<usize>,
+    /// Push bytes all connections may have waiting [default: 268435456].
+    #[arg(long, env = "GREENDOT_PUSH_BUDGET_BYTES")]
+    push_budget_bytes: Option<usize>,
 }
 
 impl ServeArgs {
@@ -182,6 +191,9 @@ impl ServeArgs {
         set(&mut s.token_leeway, &self.token_leeway);
         set(&mut s.max_connections, &self.max_connections);
         set(&mut s.max_handshakes_per_sec, &self.max_handshakes_per_sec);
+        set(&mut s.store_timeout, &self.store_timeout);
+        set(&mut s.push_queue_bytes, &self.push_queue_bytes);
+        set(&mut s.push_budget_bytes, &self.push_budget_bytes);
         if let Some(g) = self.grace {
             s.grace = PerKind::all(g);
         }

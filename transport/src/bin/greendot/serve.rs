@@ -120,6 +120,9 @@ fn server_config(settings: &Settings, data: &DataDir) -> ServerConfig {
     config.token_leeway = settings.token_leeway.0;
     config.max_connections = settings.max_connections;
     config.max_handshakes_per_sec = settings.max_handshakes_per_sec;
+    config.store_timeout = settings.store_timeout.0;
+    config.push_queue_bytes = settings.push_queue_bytes;
+    config.push_budget_bytes = settings.push_budget_bytes;
     config.flush_interval = settings.flush_interval.0;
     config.store = Some(settings.store_path());
     let ms = |d: Duration| Millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX));

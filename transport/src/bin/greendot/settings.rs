@@ -127,6 +127,15 @@ pub struct Settings {
     /// Admission rate: new handshakes per second beyond which new
     /// connections are refused (established ones are served).
     pub max_handshakes_per_sec: u32,
+    /// How long a status or invisibility change waits for its commit before
+    /// it is answered "in effect but could not be saved".
+    pub store_timeout: Dur,
+    /// Push bytes one connection may have waiting; past it the client is
+    /// closed as Overloaded.
+    pub push_queue_bytes: usize,
+    /// Push bytes all connections together may have waiting; past it the
+    /// largest queues are closed as Overloaded.
+    pub push_budget_bytes: usize,
     pub grace: PerKind,
     pub heartbeat_timeout: PerKind,
 }
@@ -134,6 +143,7 @@ pub struct Settings {
 impl Default for Settings {
     fn default() -> Settings {
         let core = greendot_core::Config::default();
+        let server = greendot_transport::ServerConfig::new(b"defaults".to_vec());
         let per = |f: fn(&greendot_core::KindConfig) -> greendot_core::Millis| PerKind {
             mobile: Dur(Duration::from_millis(f(&core.kinds[0]).0)),
             desktop: Dur(Duration::from_millis(f(&core.kinds[1]).0)),
@@ -155,6 +165,9 @@ impl Default for Settings {
             token_leeway: secs(30),
             max_connections: 100_000,
             max_handshakes_per_sec: 3000,
+            store_timeout: Dur(server.store_timeout),
+            push_queue_bytes: server.push_queue_bytes,
+            push_budget_bytes: server.push_budget_bytes,
             grace: per(|k| k.grace),
             heartbeat_timeout: per(|k| k.heartbeat_timeout),
         }
