@@ -39,8 +39,8 @@ fn unhex(s: &str) -> Option<Vec<u8>> {
 /// The child: a server on 127.0.0.1, until its standard input closes.
 fn serve() {
     let max: usize = arg("--max-connections", 110_000);
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+    // As `greendot serve`: the server is one task, on one runtime thread.
+    let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap_or_else(|e| panic!("runtime: {e}"));
