@@ -706,12 +706,7 @@ impl Core {
         id: SessionId,
         last_heard: Millis,
     ) -> Result<(), Error> {
-        self.advance(now);
-        let id = self.online(id)?;
-        let last_activity = self.session(id).map_or(self.clock, |s| s.link.last_heard());
-        self.linger(id, last_heard.clamp(last_activity, self.clock));
-        self.run_timers(); // a zero grace ends the session at once
-        Ok(())
+        self.handle_disconnect_until(now, id, last_heard, Millis::ZERO)
     }
 
     /// [`Core::handle_disconnect`], with the grace lasting until `until` when

@@ -917,15 +917,24 @@ async fn wait_taking_commands(
     loop {
         tokio::select! {
             _ = &mut sleep => return Ok(()),
-            cmd = cmd_rx.recv() => match cmd {
-                Some(Cmd::Close { code, done }) => {
-                    let _ = done.send(());
-                    return Err(Exit::Closed(code));
-                }
-                Some(cmd) => deferred.push_back(cmd),
-                None => return Err(Exit::Closed(CloseCode::Normal)),
-            },
+            cmd = cmd_rx.recv() => take_command(cmd, deferred)?,
         }
+    }
+}
+
+/// A command that came while reconnecting: a close ends the attempt, any
+/// other waits for the connection.
+fn take_command(cmd: Option<Cmd>, deferred: &mut VecDeque<Cmd>) -> Result<(), Exit> {
+    match cmd {
+        Some(Cmd::Close { code, done }) => {
+            let _ = done.send(());
+            Err(Exit::Closed(code))
+        }
+        Some(cmd) => {
+            deferred.push_back(cmd);
+            Ok(())
+        }
+        None => Err(Exit::Closed(CloseCode::Normal)),
     }
 }
 
@@ -950,14 +959,7 @@ async fn reconnect(
         let result = loop {
             tokio::select! {
                 result = &mut attempt => break result,
-                cmd = cmd_rx.recv() => match cmd {
-                    Some(Cmd::Close { code, done }) => {
-                        let _ = done.send(());
-                        return Err(Exit::Closed(code));
-                    }
-                    Some(cmd) => deferred.push_back(cmd),
-                    None => return Err(Exit::Closed(CloseCode::Normal)),
-                },
+                cmd = cmd_rx.recv() => take_command(cmd, deferred)?,
             }
         };
         match result {

@@ -169,9 +169,27 @@ fn main() {
             drained.as_secs_f64(),
             restarted.as_secs_f64()
         );
+        // What the restarted server sheds while the herd comes back.
+        let monitor = second.monitor();
+        let report = handle.spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(4)).await;
+                if let Some(m) = monitor.metrics().await {
+                    eprintln!(
+                        "  server: {} open, {} handshaking, shed {:?}, aborted {}, rejected {:?}",
+                        m.connections_open,
+                        m.handshakes_in_flight,
+                        m.shed,
+                        m.handshakes_aborted,
+                        m.rejected
+                    );
+                }
+            }
+        });
         let back = herd
             .wait_back(n, drain_start, Duration::from_secs(600))
             .await;
+        report.abort();
         let herd_counts = diff(herd.counts(), before);
         // The grace of anyone not back has run out by now: an offline would
         // have been published.
