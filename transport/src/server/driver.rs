@@ -1380,7 +1380,7 @@ impl Driver {
                 match conn.quic.send_stream(id).write(bytes) {
                     Ok(n) if n == bytes.len() => {
                         latency.observe(at.elapsed());
-                        written += n;
+                        written += n + PUSH_ENTRY_OVERHEAD;
                         stream.pending.pop_front();
                     }
                     // Part taken: try the rest (see above).
@@ -1390,7 +1390,11 @@ impl Driver {
                     }
                     Err(quinn_proto::WriteError::Blocked) => break,
                     Err(_) => {
-                        written += stream.pending.iter().map(|(_, b)| b.len()).sum::<usize>();
+                        written += stream
+                            .pending
+                            .iter()
+                            .map(|(_, b)| queued_cost(b))
+                            .sum::<usize>();
                         stream.pending.clear();
                         break;
                     }
@@ -1417,7 +1421,7 @@ impl Driver {
                         continue;
                     };
                     let config = &self.shared.config;
-                    let (limit, limit_bytes) = (config.push_queue, config.push_queue_bytes);
+                    let limit_bytes = config.push_queue_bytes;
                     let Some(conn) = slot(&mut self.conns, ch) else {
                         continue;
                     };
@@ -1428,9 +1432,7 @@ impl Driver {
                         Tier::Realtime => &mut pushes[0],
                         Tier::Batched => &mut pushes[1],
                     };
-                    if stream.pending.len() >= limit
-                        || conn.queued.saturating_add(frame.len()) > limit_bytes
-                    {
+                    if conn.queued.saturating_add(queued_cost(&frame)) > limit_bytes {
                         (session, ch)
                     } else {
                         let (straight, queued) = write_or_queue(&mut conn.quic, stream, now, frame);
@@ -1510,7 +1512,7 @@ fn write_or_queue(
     mut bytes: Bytes,
 ) -> (bool, usize) {
     if !stream.pending.is_empty() {
-        let n = bytes.len();
+        let n = queued_cost(&bytes);
         stream.pending.push_back((at, bytes));
         return (false, n);
     }
@@ -1520,7 +1522,7 @@ fn write_or_queue(
         match quic.send_stream(stream.id).write(&bytes) {
             Ok(n) => bytes.advance(n),
             Err(quinn_proto::WriteError::Blocked) => {
-                let n = bytes.len();
+                let n = queued_cost(&bytes);
                 stream.pending.push_back((at, bytes));
                 return (false, n);
             }
@@ -1529,6 +1531,16 @@ fn write_or_queue(
         }
     }
     (true, 0)
+}
+
+/// What one queued push entry costs beside its bytes: with it, the byte
+/// limits also bound how many tiny pushes a queue can hold.
+const PUSH_ENTRY_OVERHEAD: usize = std::mem::size_of::<(Instant, Bytes)>();
+
+/// The bytes a queued push counts for in the per-connection limit and the
+/// server's budget.
+fn queued_cost(bytes: &Bytes) -> usize {
+    bytes.len() + PUSH_ENTRY_OVERHEAD
 }
 
 fn slot(conns: &mut [Option<Box<Conn>>], ch: usize) -> Option<&mut Conn> {

@@ -15,8 +15,8 @@
 //!   realtime (higher priority) and batched, and writes each push into its
 //!   stream as the core emits it, each update encoded once and its bytes
 //!   shared by every subscriber. Pushes a stream cannot take yet (QUIC flow
-//!   control) wait in a queue of at most [`ServerConfig::push_queue`] pushes
-//!   and [`ServerConfig::push_queue_bytes`] bytes per connection; a full
+//!   control) wait in a queue of at most [`ServerConfig::push_queue_bytes`]
+//!   bytes per connection (each queued push also counts its bookkeeping); a full
 //!   queue means the client does not read: its connection is closed
 //!   (`Overloaded`), never the core blocked. Past
 //!   [`ServerConfig::push_budget_bytes`] queued in the whole server, the
@@ -147,9 +147,6 @@ pub struct ServerConfig {
     /// How often a live connection renews its lease in the core; `None`: a
     /// third of the shortest heartbeat timeout of the core's config.
     pub lease_renewal: Option<Duration>,
-    /// Pushes queued per session and tier before the client counts as stalled.
-    /// Default 1024.
-    pub push_queue: usize,
     /// Push bytes queued per connection (both tiers) before the client
     /// counts as stalled (`Overloaded`). Default 256 KiB.
     pub push_queue_bytes: usize,
@@ -228,7 +225,6 @@ impl ServerConfig {
             retry_threshold: 512,
             max_handshakes_per_address: 512,
             lease_renewal: None,
-            push_queue: 1024,
             push_queue_bytes: 256 * 1024,
             push_budget_bytes: 256 * 1024 * 1024,
             limits: HubLimits::default(),
@@ -553,9 +549,9 @@ impl Server {
         if config.max_frame < 64 || config.max_frame > u32::MAX as usize {
             return Err(ServerError::Setting("max_frame must be at least 64".into()));
         }
-        if config.push_queue == 0 || config.push_queue_bytes == 0 || config.push_budget_bytes == 0 {
+        if config.push_queue_bytes == 0 || config.push_budget_bytes == 0 {
             return Err(ServerError::Setting(
-                "push_queue, push_queue_bytes and push_budget_bytes must be at least 1".into(),
+                "push_queue_bytes and push_budget_bytes must be at least 1".into(),
             ));
         }
         if config.max_handshakes_per_sec == 0 || config.max_handshakes_per_address == 0 {
