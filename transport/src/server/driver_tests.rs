@@ -2,8 +2,12 @@
 
 use super::*;
 use crate::proto::ALPN;
+use crate::server::state::Pacer;
+use crate::server::PassBudget;
 use crate::server::{Server, ServerConfig};
 use crate::tls;
+use quinn_proto::Endpoint;
+use std::net::SocketAddr;
 
 /// A server built but not running, on a loopback port.
 fn built(pass: PassBudget) -> super::super::Built {
@@ -58,7 +62,7 @@ async fn a_pass_reads_the_socket_while_thousands_of_timers_are_due() {
     // but each counts against the budget).
     let due = Instant::now();
     for i in 0..TIMERS {
-        driver.timers.insert((due, 1_000_000 + i));
+        driver.state.timers.insert((due, 1_000_000 + i));
     }
     // A backlog: datagrams the endpoint drops, then a real client's Initial.
     let client = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
@@ -84,9 +88,15 @@ async fn a_pass_reads_the_socket_while_thousands_of_timers_are_due() {
     assert_eq!(from, server);
     assert!(n >= 1200, "an Initial's answer is padded, got {n} bytes");
     // ...and only the pass's share of the timers handled: the rest is carried.
-    let fake = |d: &Driver| d.timers.iter().filter(|(_, ch)| *ch >= 1_000_000).count();
+    let fake = |d: &Driver| {
+        d.state
+            .timers
+            .iter()
+            .filter(|(_, ch)| *ch >= 1_000_000)
+            .count()
+    };
     assert_eq!(fake(&driver), TIMERS - budget.timers);
-    assert!(driver.carried(Instant::now()));
+    assert!(driver.state.has_carried_work(Instant::now()));
     // Carried, never skipped: later passes handle every one.
     let mut passes = 0;
     while fake(&driver) > 0 {
@@ -118,12 +128,12 @@ async fn a_pass_drives_at_most_its_budget_of_connections() {
     }
     driver.io.socket.readable().await.unwrap();
     assert_eq!(driver.pass(Instant::now()), 10);
-    assert_eq!(driver.touched.len(), 10 - budget.connections);
+    assert_eq!(driver.state.touched.len(), 10 - budget.connections);
     // The rest are driven by the next passes, oldest first: every client
     // gets its answer.
     driver.pass(Instant::now());
     driver.pass(Instant::now());
-    assert!(driver.touched.is_empty());
+    assert!(driver.state.touched.is_empty());
     let mut buf = [0u8; 2048];
     for client in &clients {
         client
@@ -166,7 +176,7 @@ async fn answers_come_from_the_address_the_client_wrote_to() {
 async fn keep_alives_are_jittered_per_connection() {
     let built = built(PassBudget::default());
     let keep_alive = built.shared.config.keep_alive;
-    let mut accept = built.driver.accept;
+    let mut accept = built.driver.state.accept;
     let picked: Vec<Duration> = (0..1000)
         .map(|_| accept.pick().expect("a config").0)
         .collect();

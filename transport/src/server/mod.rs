@@ -70,18 +70,24 @@ pub mod conn;
 mod driver;
 pub mod hub;
 pub mod metrics;
+mod quic;
+mod session;
+mod state;
 pub mod store;
 mod udp;
 
 pub use conn::{handle_frame, ConnState, Handled, RateLimit, Step, RATE_LIMIT_PATIENCE};
 pub use hub::{Hub, HubLimits, HubOutput, Interner, LiveDevice};
 pub use metrics::MetricsSnapshot;
+pub use state::{
+    Census, Datagram, ServerInput, ServerMutant, ServerOutput, ServerState, StoreRequest, Transmit,
+};
 
 use crate::proto::{self, CloseCode, ServerFrame};
-use crate::tls::{self, Identity, TlsError};
+use crate::tls::{Identity, TlsError};
 use crate::token::TokenKeys;
 use driver::Control;
-use greendot_core::{Counters, Millis, SessionId, UserId};
+use greendot_core::{Counters, SessionId, UserId};
 use metrics::Histogram;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -92,7 +98,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use store::{Record, Store, StoreWriter};
 use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::task::JoinHandle;
-use tokio::time::Instant;
 use tracing::{info, warn};
 
 /// Server settings. `ServerConfig::new(secret)` gives the documented defaults.
@@ -180,6 +185,10 @@ pub struct ServerConfig {
     /// under load). Presence requests are small; what the server sends is
     /// not limited by this.
     pub max_udp_payload: u16,
+    /// A deliberately broken variant of the server, for the simulator to
+    /// catch (tests only; `None` by default).
+    #[doc(hidden)]
+    pub mutant: Option<ServerMutant>,
 }
 
 /// What one pass of the server's loop does at most; what is left is carried
@@ -235,6 +244,7 @@ impl ServerConfig {
             socket_buffer: 8 << 20,
             pass: PassBudget::default(),
             max_udp_payload: 1200,
+            mutant: None,
         }
     }
 
@@ -326,6 +336,16 @@ struct StatsInner {
 }
 
 impl StatsInner {
+    fn snapshot(&self) -> Stats {
+        Stats {
+            connections_open: self.open.load(Ordering::Relaxed) as u64,
+            connections_total: self.total.load(Ordering::Relaxed),
+            migrations: self.migrations.load(Ordering::Relaxed),
+            rejected: self.rejected.load(Ordering::Relaxed),
+            overloaded: self.overloaded.load(Ordering::Relaxed),
+        }
+    }
+
     fn reject(&self, reason: &str) {
         self.rejected.fetch_add(1, Ordering::Relaxed);
         let mut by = self.rejected_by.lock().unwrap_or_else(|p| p.into_inner());
@@ -404,6 +424,41 @@ fn reason_label(error: &proto::WireError) -> String {
     }
 }
 
+/// Refuses settings the server cannot run with.
+fn validate(config: &ServerConfig) -> Result<(), ServerError> {
+    if config.token_secret.is_empty() {
+        return Err(ServerError::Setting(
+            "token_secret must not be empty".into(),
+        ));
+    }
+    if config.max_frame < 64 || config.max_frame > u32::MAX as usize {
+        return Err(ServerError::Setting("max_frame must be at least 64".into()));
+    }
+    if config.push_queue_bytes == 0 || config.push_budget_bytes == 0 {
+        return Err(ServerError::Setting(
+            "push_queue_bytes and push_budget_bytes must be at least 1".into(),
+        ));
+    }
+    if config.max_handshakes_per_sec == 0 || config.max_handshakes_per_address == 0 {
+        return Err(ServerError::Setting(
+            "max_handshakes_per_sec and max_handshakes_per_address must be at least 1".into(),
+        ));
+    }
+    let pass = config.pass;
+    if pass.datagrams == 0 || pass.timers == 0 || pass.connections == 0 {
+        return Err(ServerError::Setting(
+            "every part of the pass budget must be at least 1".into(),
+        ));
+    }
+    if config.flush_interval.is_zero() {
+        return Err(ServerError::Setting(
+            "flush_interval must be more than 0".into(),
+        ));
+    }
+    transport_config(config, config.keep_alive)?;
+    Ok(())
+}
+
 /// QUIC transport settings of a connection, with this keep-alive interval.
 fn transport_config(
     config: &ServerConfig,
@@ -435,72 +490,23 @@ fn transport_config(
 /// [0.75, 1] × [`ServerConfig::keep_alive`] (15 s: steps of 121 ms).
 const KEEP_ALIVE_STEPS: usize = 32;
 
-/// The driver's clock: Unix milliseconds, read as the wall clock at start plus
-/// the monotonic time since, so it never goes backwards while the process
-/// lives and saved wall-clock instants (last seen) mean the same after a
-/// restart.
-#[derive(Clone, Copy, Debug)]
-struct Clock {
-    start: Instant,
-    unix_start_ms: u64,
-}
-
-impl Clock {
-    fn start() -> Clock {
-        let unix_start_ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| u64::try_from(d.as_millis()).unwrap_or(0))
-            .unwrap_or(0);
-        Clock {
-            start: Instant::now(),
-            unix_start_ms,
-        }
-    }
-
-    fn now(&self) -> Millis {
-        self.at(Instant::now())
-    }
-
-    /// `instant` on this clock.
-    fn at(&self, instant: Instant) -> Millis {
-        let elapsed = instant.saturating_duration_since(self.start);
-        let elapsed = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
-        Millis(self.unix_start_ms.saturating_add(elapsed))
-    }
-
-    /// When a core deadline is due. `now()` truncates to the millisecond, so
-    /// an input stamped `m` happened up to 1 ms after `m`: waking at `at + 1`
-    /// ms keeps every window the core measures (debounce, grace) at least as
-    /// long in real time, never a fraction of a millisecond short.
-    fn instant(&self, at: Millis) -> Option<Instant> {
-        self.start.checked_add(Duration::from_millis(
-            at.0.saturating_sub(self.unix_start_ms).saturating_add(1),
-        ))
-    }
+/// The wall clock, in Unix milliseconds.
+fn unix_now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(0))
+        .unwrap_or(0)
 }
 
 struct Shared {
     config: ServerConfig,
     keys: Arc<TokenKeys>,
     control: mpsc::Sender<Control>,
-    clock: Clock,
-    stats: StatsInner,
+    /// The state's counters, shared with the monitor.
+    stats: Arc<StatsInner>,
     events: broadcast::Sender<ServerEvent>,
-    /// See [`Hub::with_session_key`]: events name sessions as clients do.
-    session_key: u64,
     /// The UDP socket's inode, to find it in `/proc/net/udp`.
     socket_inode: Option<u64>,
-}
-
-impl Shared {
-    /// A session as its client knows it.
-    fn wire(&self, session: SessionId) -> SessionId {
-        SessionId(session.0 ^ self.session_key)
-    }
-
-    fn event(&self, event: ServerEvent) {
-        let _ = self.events.send(event);
-    }
 }
 
 /// A running server. Dropping it without [`Server::shutdown`] leaves its task
@@ -541,72 +547,7 @@ impl Server {
     /// Everything [`Server::bind`] makes, the driver not yet running (tests
     /// run its passes by hand). Must be called inside a tokio runtime.
     fn build(config: ServerConfig) -> Result<Built, ServerError> {
-        if config.token_secret.is_empty() {
-            return Err(ServerError::Setting(
-                "token_secret must not be empty".into(),
-            ));
-        }
-        if config.max_frame < 64 || config.max_frame > u32::MAX as usize {
-            return Err(ServerError::Setting("max_frame must be at least 64".into()));
-        }
-        if config.push_queue_bytes == 0 || config.push_budget_bytes == 0 {
-            return Err(ServerError::Setting(
-                "push_queue_bytes and push_budget_bytes must be at least 1".into(),
-            ));
-        }
-        if config.max_handshakes_per_sec == 0 || config.max_handshakes_per_address == 0 {
-            return Err(ServerError::Setting(
-                "max_handshakes_per_sec and max_handshakes_per_address must be at least 1".into(),
-            ));
-        }
-        let pass = config.pass;
-        if pass.datagrams == 0 || pass.timers == 0 || pass.connections == 0 {
-            return Err(ServerError::Setting(
-                "every part of the pass budget must be at least 1".into(),
-            ));
-        }
-        let identity = match &config.identity {
-            Some(identity) => identity.clone(),
-            None => Identity::self_signed(&["localhost"])?,
-        };
-        let certificate = identity
-            .certs
-            .first()
-            .cloned()
-            .ok_or_else(|| ServerError::Setting("the identity has no certificate".into()))?;
-
-        let mut server_config = quinn::ServerConfig::with_crypto(Arc::new(tls::server_crypto(
-            &identity,
-            &config.token_secret,
-        )?));
-        server_config.migration(config.migration);
-        // One variant per keep-alive step in [0.75, 1] × keep_alive; each
-        // accepted connection gets one at random, so connections opened
-        // together (a ramp, a mass reconnect) do not send their keep-alives
-        // together for the rest of their lives.
-        let variants: Vec<(Duration, Arc<quinn::ServerConfig>)> = (0..KEEP_ALIVE_STEPS)
-            .map(|i| {
-                let scale = 0.75 + 0.25 * i as f64 / (KEEP_ALIVE_STEPS - 1) as f64;
-                let interval = config.keep_alive.mul_f64(scale);
-                let transport = transport_config(&config, interval)?;
-                let mut variant = server_config.clone();
-                variant.transport_config(Arc::new(transport));
-                Ok((interval, Arc::new(variant)))
-            })
-            .collect::<Result<_, ServerError>>()?;
-        server_config.transport_config(Arc::new(transport_config(&config, config.keep_alive)?));
-
-        if config.flush_interval.is_zero() {
-            return Err(ServerError::Setting(
-                "flush_interval must be more than 0".into(),
-            ));
-        }
-        // The core runs on Unix milliseconds: `last_seen` needs no offset.
-        let clock = Clock::start();
-        let session_key = random_u64();
-        let mut hub = Hub::new(config.core.clone(), config.limits, 0)?
-            .with_max_frame(u32::try_from(config.max_frame).unwrap_or(u32::MAX))
-            .with_session_key(session_key);
+        validate(&config)?;
         // Bound first (a taken port fails before the store is touched).
         let socket = std::net::UdpSocket::bind(config.listen)?;
         socket.set_nonblocking(true)?;
@@ -614,54 +555,43 @@ impl Server {
         let socket_inode = socket_inode(&socket);
         let io = udp::Io::new(socket)?;
         let local_addr = io.socket.local_addr()?;
-        let mut endpoint_config = quinn_proto::EndpointConfig::default();
-        endpoint_config
-            .max_udp_payload_size(config.max_udp_payload)
-            .map_err(|_| ServerError::Setting("max_udp_payload must be 1200 to 65527".into()))?;
-        let endpoint = quinn_proto::Endpoint::new(
-            Arc::new(endpoint_config),
-            Some(Arc::new(server_config)),
-            false,
-            None,
-        );
-        let accept = driver::Accept::new(variants, random_u64());
+        let now = std::time::Instant::now();
+        let unix_ms = unix_now_ms();
         // Everything saved is back in the core before the first connection.
-        let writer = match &config.store {
+        let (loaded, writer) = match &config.store {
             Some(path) => {
                 // Disk work: off the runtime's worker (the runtime moves
                 // its other tasks elsewhere meanwhile).
-                let mut open = || -> Result<Store, ServerError> {
+                let open = || -> Result<(Store, store::Loaded), ServerError> {
                     let store = Store::open(path)?;
-                    restore(&mut hub, &store, clock.now(), &config)?;
-                    Ok(store)
+                    let loaded = store.load_and_begin(unix_ms)?;
+                    Ok((store, loaded))
                 };
-                let store = match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor())
-                {
-                    Ok(tokio::runtime::RuntimeFlavor::MultiThread) => {
-                        tokio::task::block_in_place(open)?
-                    }
-                    _ => open()?,
-                };
-                Some(StoreWriter::spawn_with_faults(
-                    store,
-                    config.store_faults.clone(),
-                )?)
+                let (store, loaded) =
+                    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+                        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => {
+                            tokio::task::block_in_place(open)?
+                        }
+                        _ => open()?,
+                    };
+                let writer = StoreWriter::spawn_with_faults(store, config.store_faults.clone())?;
+                (Some(loaded), Some(writer))
             }
-            None => None,
+            None => (None, None),
         };
+        let state = ServerState::new(config.clone(), now, unix_ms, random_u64(), loaded)?;
+        let certificate = state.certificate().clone();
         let (control, control_rx) = mpsc::channel(1024);
         let (events, _) = broadcast::channel(4096);
         let shared = Arc::new(Shared {
-            keys: Arc::new(TokenKeys::new(&config.token_secret, config.token_leeway)),
+            keys: state.keys().clone(),
             config,
             control,
-            clock,
-            stats: StatsInner::default(),
+            stats: state.shared_stats(),
             events,
-            session_key,
             socket_inode,
         });
-        let driver = driver::Driver::new(shared.clone(), io, endpoint, accept, hub, writer);
+        let driver = driver::Driver::new(shared.clone(), io, state, writer);
         Ok(Built {
             local_addr,
             shared,
@@ -769,14 +699,7 @@ impl std::fmt::Debug for Monitor {
 
 impl Monitor {
     pub fn stats(&self) -> Stats {
-        let s = &self.shared.stats;
-        Stats {
-            connections_open: s.open.load(Ordering::Relaxed) as u64,
-            connections_total: s.total.load(Ordering::Relaxed),
-            migrations: s.migrations.load(Ordering::Relaxed),
-            rejected: s.rejected.load(Ordering::Relaxed),
-            overloaded: s.overloaded.load(Ordering::Relaxed),
-        }
+        self.shared.stats.snapshot()
     }
 
     /// Everything for the metrics page; `None` once the server's task stopped.
@@ -912,70 +835,6 @@ fn random_u64() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0x9e37_79b9_7f4a_7c15)
-}
-
-/// Restores everything saved into a fresh hub, and marks the store in use.
-/// A store that cannot be read stops the start: starting without it could
-/// show an invisible user online.
-fn restore(
-    hub: &mut Hub,
-    store: &Store,
-    now: Millis,
-    config: &ServerConfig,
-) -> Result<(), ServerError> {
-    let loaded = store.load_and_begin(now.0)?;
-    let mut restored = 0usize;
-    for (name, record) in &loaded.users {
-        let saved = record.to_saved(loaded.alive_at);
-        match hub.restore(name, saved.clone()) {
-            Ok(_) => restored += 1,
-            Err(e) => {
-                // A message over a lowered cap: keep the rest.
-                let without = greendot_core::Saved {
-                    message: None,
-                    ..saved
-                };
-                hub.restore(name, without).map_err(|e2| {
-                    ServerError::Setting(format!(
-                        "cannot restore the saved state of {name:?}: {e}; {e2}"
-                    ))
-                })?;
-                restored += 1;
-            }
-        }
-    }
-    // Devices live at a drained shutdown come back as lost connections, as of
-    // just over one debounce ago, so that those shown online are published
-    // online again before anyone subscribes.
-    let back = Millis(
-        now.0
-            .saturating_sub(config.core.debounce.0.saturating_add(1)),
-    );
-    // They come back at most at the admission rate: each lingers for its
-    // grace plus the time to readmit them all, so that nobody waiting for
-    // their turn is shown offline.
-    let readmit = readmit_ms(loaded.drained.len(), config.max_handshakes_per_sec);
-    let mut lingering = 0usize;
-    for d in &loaded.drained {
-        let grace = config.core.kind(d.kind.into()).grace;
-        let until = Millis(now.0.saturating_add(grace.0).saturating_add(readmit));
-        match hub.restore_device(back, &d.user, &d.device, d.kind, until) {
-            Ok(()) => lingering += 1,
-            Err(e) => {
-                warn!(user = %d.user, device = %d.device, error = %e, "cannot restore a device")
-            }
-        }
-    }
-    hub.handle_timeout(now);
-    while hub.poll_output().is_some() {}
-    hub.take_touched();
-    info!(
-        users = restored,
-        lingering,
-        clean = loaded.clean,
-        "restored the saved state"
-    );
-    Ok(())
 }
 
 /// The time to readmit `connections` at `per_sec`, in ms (at least 1 s): the

@@ -4,6 +4,7 @@
 //! answer (a host with several addresses answers from the one the client
 //! wrote to). Waiting stays tokio's: readiness of the same socket.
 
+use super::state::{Datagram, Transmit as Outgoing};
 use bytes::BytesMut;
 use quinn_udp::{RecvMeta, Transmit, UdpSocketState, BATCH_SIZE};
 use std::collections::VecDeque;
@@ -17,15 +18,6 @@ use tracing::debug;
 const MAX_SEGMENTS: usize = 10;
 /// Room for one received datagram (or one GRO batch of `gro_segments`).
 const MAX_DATAGRAM: usize = 1472;
-
-/// One received datagram.
-pub(super) struct Datagram {
-    pub from: SocketAddr,
-    /// The address the datagram was sent to (ours), where known.
-    pub local_ip: Option<IpAddr>,
-    pub ecn: Option<quinn_proto::EcnCodepoint>,
-    pub data: BytesMut,
-}
 
 /// A transmit waiting for the socket to take it.
 struct Queued {
@@ -87,7 +79,7 @@ impl Io {
             while !data.is_empty() {
                 let one = data.split_to(stride.min(data.len()));
                 out.push(Datagram {
-                    from: meta.addr,
+                    remote: meta.addr,
                     local_ip: meta.dst_ip,
                     ecn: meta
                         .ecn
@@ -102,7 +94,8 @@ impl Io {
 
     /// Sends a transmit now, or keeps it (at most `cap` kept) until the
     /// socket can take it; beyond that it is dropped (QUIC retransmits).
-    pub fn send(&mut self, cap: usize, t: &quinn_proto::Transmit, contents: &[u8]) {
+    /// Gives the buffer back unless it is kept.
+    pub fn send(&mut self, cap: usize, t: Outgoing) -> Option<Vec<u8>> {
         let queued = Queued {
             destination: t.destination,
             src_ip: t.src_ip,
@@ -110,20 +103,19 @@ impl Io {
                 .ecn
                 .and_then(|e| quinn_udp::EcnCodepoint::from_bits(e as u8)),
             segment_size: t.segment_size,
-            contents: Vec::new(),
+            contents: t.contents,
         };
         if self.outbox.is_empty() {
-            match self.try_send(&queued, contents) {
+            match self.try_send(&queued, &queued.contents) {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                _ => return,
+                _ => return Some(queued.contents),
             }
         }
         if self.outbox.len() < cap {
-            self.outbox.push_back(Queued {
-                contents: contents.to_vec(),
-                ..queued
-            });
+            self.outbox.push_back(queued);
+            return None;
         }
+        Some(queued.contents)
     }
 
     /// Sends what waits, until the socket is full.

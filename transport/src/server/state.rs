@@ -1,0 +1,1778 @@
+//! The whole server as a sans-IO state machine: [`ServerState`] owns the
+//! [`Hub`] (the core), quinn-proto's endpoint and connections, every timer,
+//! the admission pacer and shedding, the push queues and the leases. It has
+//! no socket, no runtime, no clock and no thread: time comes in with every
+//! call (`now`, a `std::time::Instant`, and the wall clock given at
+//! [`ServerState::new`] or by [`ServerInput::SetWallClock`]), and all its
+//! randomness (QUIC connection ids and reset key, keep-alive jitter, the
+//! session key) comes from the `seed` given to `new`. The same inputs give
+//! the same outputs, so a simulator can run it on virtual time and replay a
+//! seed. (TLS keys are drawn by rustls itself: they change the bytes of a
+//! handshake, not what the server does.)
+//!
+//! The shape is quinn-proto's (and str0m's):
+//! - in: [`ServerState::handle_datagram`] (a UDP datagram),
+//!   [`ServerState::handle_timeout`] (the due timers and the connections
+//!   touched since: this is where work is done), [`ServerState::handle_input`]
+//!   (the store's answers, a stop, a jump of the wall clock);
+//! - out, drained after every call: [`ServerState::poll_transmit`]
+//!   (datagrams to send; give their buffers back with
+//!   [`ServerState::recycle`]), [`ServerState::poll_output`] (store writes,
+//!   events, the end of a stop), and [`ServerState::poll_timeout`] (when to
+//!   call `handle_timeout` next: `now` itself while work is carried).
+//! - read: [`ServerState::counters`], [`ServerState::census`],
+//!   [`ServerState::stats`].
+//!
+//! **Fairness** ([`PassBudget`]): `handle_timeout` handles at most
+//! `timers` connection timers and drives at most `connections` connections;
+//! the rest is carried ([`ServerState::has_carried_work`]) to the next call.
+//! A driver reads the socket (up to `datagrams`) before each call, so under
+//! overload receiving is never starved.
+//!
+//! **The store** is outside: the state asks for writes
+//! ([`ServerOutput::Store`]); a durable write carries a ticket, and the
+//! request behind it is answered when [`ServerInput::StoreDone`] brings the
+//! ticket back (or, if it does not within `store_timeout`, answered "not
+//! saved"). The connection's later frames wait behind it.
+//!
+//! **Sessions** ([`super::session`]) do not know QUIC: they talk to their
+//! transport through a small binding trait; QUIC is the one binding today
+//! ([`super::quic`]).
+
+use super::conn::{ConnState, Handled, Step};
+use super::hub::{Hub, HubOutput};
+use super::quic::QuicLink;
+use super::session::{
+    tier_index, Binding, Flushed, Happened, Next, Overdue, Phase, Pushed, Session,
+};
+use super::store::{Batch, Loaded, StoreError};
+use super::{
+    durable_user, not_saved, readmit_ms, reason_label, reason_text, record, transport_config,
+    validate, with_retry_hint, PassBudget, ServerConfig, ServerError, ServerEvent, Shed, Stats,
+    StatsInner, KEEP_ALIVE_STEPS,
+};
+use crate::proto::{self, encode_frame, CloseCode, ServerFrame};
+use crate::tls::{self, Identity};
+use crate::token::TokenKeys;
+use bytes::BytesMut;
+use greendot_core::{Counters, EndReason, Millis, SessionId, UserId};
+use quinn_proto::{ConnectionHandle, DatagramEvent, EcnCodepoint, Endpoint};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::hash::BuildHasherDefault;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tracing::{debug, info, warn};
+
+/// Maps whose iteration order is the same in every run (std's default
+/// hasher is seeded per process).
+type DetHasher = BuildHasherDefault<std::collections::hash_map::DefaultHasher>;
+type DetMap<K, V> = HashMap<K, V, DetHasher>;
+type DetSet<K> = HashSet<K, DetHasher>;
+
+/// Connections allowed past `max_connections` while they handshake.
+const HANDSHAKE_HEADROOM: usize = 1024;
+/// User names checked per lease-renewal tick by [`Hub::sweep`].
+const SWEEP_BUDGET: usize = 4096;
+/// How long a closing answer may take to reach the peer.
+const CLOSE_LINGER: Duration = Duration::from_secs(1);
+/// How long a stop waits for the connections to go.
+const STOP_LINGER: Duration = Duration::from_secs(2);
+/// How long a stop waits for the final store write.
+const STOP_SAVE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Transmit buffers kept for reuse.
+const POOL_CAP: usize = 256;
+
+/// Bytes read from a control stream per round: one maximal frame and its
+/// prefix, so what is buffered per connection stays bounded.
+fn read_budget(max_frame: usize) -> usize {
+    max_frame + 4
+}
+
+/// One received UDP datagram.
+#[derive(Debug)]
+pub struct Datagram {
+    pub remote: SocketAddr,
+    /// The address the datagram was sent to (ours), where known: the answer
+    /// leaves from it.
+    pub local_ip: Option<IpAddr>,
+    pub ecn: Option<EcnCodepoint>,
+    pub data: BytesMut,
+}
+
+/// A UDP datagram (or a GSO batch of `segment_size` segments) to send.
+#[derive(Debug)]
+pub struct Transmit {
+    pub destination: SocketAddr,
+    pub src_ip: Option<IpAddr>,
+    pub ecn: Option<EcnCodepoint>,
+    /// The bytes; give the buffer back with [`ServerState::recycle`].
+    pub contents: Vec<u8>,
+    pub segment_size: Option<usize>,
+}
+
+/// Inputs other than datagrams and time.
+#[derive(Debug)]
+pub enum ServerInput {
+    /// The store finished the durable write of `ticket`.
+    StoreDone {
+        ticket: u64,
+        result: Result<(), StoreError>,
+    },
+    /// Close every connection with `code`, wait up to two seconds for them
+    /// to go, then (if `save`) write the store with the live devices, and
+    /// end with [`ServerOutput::Stopped`].
+    Stop {
+        code: CloseCode,
+        text: Vec<u8>,
+        save: bool,
+    },
+    /// The wall clock now reads `unix_ms` (it jumped). The core's time
+    /// follows, except that it never goes backwards.
+    SetWallClock { unix_ms: u64 },
+}
+
+/// A write the store is asked for.
+#[derive(Debug)]
+pub enum StoreRequest {
+    /// Write behind: merge with what is pending; nobody waits for it.
+    Behind(Batch),
+    /// On disk before `ticket` is answered with [`ServerInput::StoreDone`]
+    /// (the state gives up after `timeout`).
+    Durable {
+        ticket: u64,
+        batch: Batch,
+        timeout: Duration,
+    },
+}
+
+/// What the state asks of its driver, besides transmits.
+#[derive(Debug)]
+pub enum ServerOutput {
+    Store(StoreRequest),
+    Event(ServerEvent),
+    /// A [`ServerInput::Stop`] is complete: nothing more will happen.
+    Stopped,
+}
+
+/// What the metrics read of the hub.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Census {
+    pub counters: Counters,
+    /// User names held (as many core records at most).
+    pub users_known: usize,
+    /// User and device names held.
+    pub names: usize,
+}
+
+/// Deliberately broken variants of the server (for the simulator: it must
+/// catch each). Off unless set in [`ServerConfig::mutant`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ServerMutant {
+    /// A logout request is answered, but the core is only told when the
+    /// connection goes, and the connection is not closed: the session keeps
+    /// its subscriptions and pushes are still routed to it after its logout.
+    PushAfterLogout,
+    /// Traffic does not count as a sign of life: a connection's datagrams
+    /// and frames neither refresh its last heard nor renew the lease.
+    LeaseNotRenewedOnTraffic,
+    /// A connection whose address changes is closed and its session ended
+    /// as a disconnect (the device lingers), instead of migrating.
+    MigrationAsDisconnect,
+}
+
+impl ServerMutant {
+    pub const ALL: [ServerMutant; 3] = [
+        ServerMutant::PushAfterLogout,
+        ServerMutant::LeaseNotRenewedOnTraffic,
+        ServerMutant::MigrationAsDisconnect,
+    ];
+}
+
+/// How a new connection is accepted: its server config, one of the
+/// keep-alive variants, picked by the state's own randomness.
+pub(super) struct Accept {
+    /// (keep-alive interval, server config with it).
+    variants: Vec<(Duration, Arc<quinn_proto::ServerConfig>)>,
+    rng: SmallRng,
+}
+
+impl Accept {
+    pub(super) fn new(
+        variants: Vec<(Duration, Arc<quinn_proto::ServerConfig>)>,
+        seed: u64,
+    ) -> Accept {
+        Accept {
+            variants,
+            rng: SmallRng(seed | 1),
+        }
+    }
+
+    /// A new connection's server config (`None`: the endpoint's own).
+    pub(super) fn pick(&mut self) -> Option<&(Duration, Arc<quinn_proto::ServerConfig>)> {
+        let n = self.variants.len() as u64;
+        if n == 0 {
+            return None;
+        }
+        let i = self.rng.below(n);
+        self.variants.get(usize::try_from(i).ok()?)
+    }
+}
+
+/// The admission rate: a token bucket of handshakes, refilled at the
+/// configured rate, holding at most one second's worth.
+pub(super) struct Pacer {
+    rate: f64,
+    tokens: f64,
+    at: Instant,
+}
+
+impl Pacer {
+    pub(super) fn new(per_sec: u32, now: Instant) -> Pacer {
+        let rate = f64::from(per_sec.max(1));
+        Pacer {
+            rate,
+            tokens: rate,
+            at: now,
+        }
+    }
+
+    /// Takes a token if there is one.
+    pub(super) fn admit(&mut self, now: Instant) -> bool {
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        self.at = self.at.max(now);
+        self.tokens = (self.tokens + elapsed * self.rate).min(self.rate);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// xorshift64*: jitter and connection ids need no cryptographic
+/// randomness, only a seed and speed.
+#[derive(Clone, Debug)]
+pub(super) struct SmallRng(u64);
+
+impl SmallRng {
+    pub(super) fn new(seed: u64) -> SmallRng {
+        SmallRng(seed | 1)
+    }
+
+    pub(super) fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// Uniform enough in `0..n` (`n` > 0).
+    fn below(&mut self, n: u64) -> u64 {
+        ((u128::from(self.next()) * u128::from(n)) >> 64) as u64
+    }
+}
+
+/// Connection ids from the seed (quinn's own generator draws from the
+/// thread's randomness). 8 bytes, as quinn's default.
+struct SeededCids {
+    rng: SmallRng,
+}
+
+impl quinn_proto::ConnectionIdGenerator for SeededCids {
+    fn generate_cid(&mut self) -> quinn_proto::ConnectionId {
+        quinn_proto::ConnectionId::new(&self.rng.next().to_le_bytes())
+    }
+
+    fn cid_len(&self) -> usize {
+        8
+    }
+
+    fn cid_lifetime(&self) -> Option<Duration> {
+        None
+    }
+}
+
+/// The state's clock: Unix milliseconds, read as the wall clock at a base
+/// instant plus the monotonic time since, so it never goes backwards and
+/// saved wall-clock instants (last seen) mean the same after a restart.
+#[derive(Clone, Copy, Debug)]
+struct Clock {
+    start: Instant,
+    unix_start_ms: u64,
+    /// Never less than this (after the wall clock jumped back).
+    floor: u64,
+}
+
+impl Clock {
+    /// `instant` on this clock.
+    fn at(&self, instant: Instant) -> Millis {
+        let elapsed = instant.saturating_duration_since(self.start);
+        let elapsed = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
+        Millis(self.unix_start_ms.saturating_add(elapsed).max(self.floor))
+    }
+
+    /// When a core deadline is due. `at()` truncates to the millisecond, so
+    /// an input stamped `m` happened up to 1 ms after `m`: waking at `at + 1`
+    /// ms keeps every window the core measures (debounce, grace) at least as
+    /// long in real time, never a fraction of a millisecond short.
+    fn instant(&self, at: Millis) -> Option<Instant> {
+        self.start.checked_add(Duration::from_millis(
+            at.0.saturating_sub(self.unix_start_ms).saturating_add(1),
+        ))
+    }
+
+    /// The wall clock reads `unix_ms` at `now`.
+    fn set(&mut self, now: Instant, unix_ms: u64) {
+        self.floor = self.at(now).0;
+        self.start = now;
+        self.unix_start_ms = unix_ms;
+    }
+}
+
+/// One connection: its session layer over its QUIC binding.
+struct Conn {
+    link: QuicLink,
+    session: Session,
+    /// Tells a reused slot from the connection a store ticket answers.
+    serial: u64,
+    /// The instant under which this connection sits in the timer set.
+    timer: Option<Instant>,
+    /// In the state's `touched` list.
+    touched: bool,
+}
+
+/// What a durable write in flight is for.
+enum Ticket {
+    /// A request's answer waits for it.
+    Answer {
+        ch: usize,
+        serial: u64,
+        handled: Handled,
+        deadline: Instant,
+    },
+    /// The final write of a stop.
+    Stop { deadline: Instant },
+}
+
+impl Ticket {
+    fn deadline(&self) -> Instant {
+        match self {
+            Ticket::Answer { deadline, .. } | Ticket::Stop { deadline } => *deadline,
+        }
+    }
+}
+
+enum Stopping {
+    /// Connections are closing, until `until`.
+    Closing { save: bool, until: Instant },
+    /// The final store write is in flight (its ticket answers it).
+    Saving,
+    /// [`ServerOutput::Stopped`] was emitted.
+    Done,
+}
+
+/// The sans-IO server (see the module docs).
+pub struct ServerState {
+    config: ServerConfig,
+    keys: Arc<TokenKeys>,
+    stats: Arc<StatsInner>,
+    clock: Clock,
+    certificate: rustls::pki_types::CertificateDer<'static>,
+    endpoint: Endpoint,
+    pub(super) accept: Accept,
+    /// Handshakes in flight, in all and by address.
+    handshaking: usize,
+    per_address: DetMap<IpAddr, usize>,
+    pacer: Pacer,
+    hub: Hub,
+    session_key: u64,
+    conns: Vec<Option<Box<Conn>>>,
+    sessions: DetMap<SessionId, usize>,
+    pub(super) timers: BTreeSet<(Instant, usize)>,
+    /// Connections to drive, oldest first; what a call's budget leaves is
+    /// driven by the next.
+    pub(super) touched: VecDeque<usize>,
+    budget: PassBudget,
+    next_serial: u64,
+    max_datagrams: usize,
+    transmits: VecDeque<Transmit>,
+    pool: Vec<Vec<u8>>,
+    outputs: VecDeque<ServerOutput>,
+    /// A store is in use (its writes are asked for).
+    stored: bool,
+    dirty_users: DetSet<UserId>,
+    /// Push bytes waiting in every connection's queues.
+    queued: usize,
+    next_flush: Instant,
+    next_renewal: Instant,
+    tickets: BTreeMap<u64, Ticket>,
+    next_ticket: u64,
+    stopping: Option<Stopping>,
+    /// The latest `now` seen: what `poll_timeout` answers while work is carried.
+    last_now: Instant,
+}
+
+impl std::fmt::Debug for ServerState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerState")
+            .field("connections", &self.endpoint.open_connections())
+            .field("sessions", &self.sessions.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Takes `n` bits of a seed apart for each use, so uses do not correlate.
+fn derive(seed: u64, purpose: u64) -> u64 {
+    let mut rng = SmallRng::new(seed ^ purpose.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    rng.next();
+    rng.next()
+}
+
+impl ServerState {
+    /// A server at `now`, when the wall clock reads `unix_ms`. `seed`
+    /// drives all its randomness. `restored`: what the store loaded
+    /// (`Some` also means a store is in use: writes will be asked for);
+    /// everything in it is back in the core before the first datagram.
+    pub fn new(
+        config: ServerConfig,
+        now: Instant,
+        unix_ms: u64,
+        seed: u64,
+        restored: Option<Loaded>,
+    ) -> Result<ServerState, ServerError> {
+        validate(&config)?;
+        let identity = match &config.identity {
+            Some(identity) => identity.clone(),
+            None => Identity::self_signed(&["localhost"])?,
+        };
+        let certificate = identity
+            .certs
+            .first()
+            .cloned()
+            .ok_or_else(|| ServerError::Setting("the identity has no certificate".into()))?;
+        let mut server_config = quinn_proto::ServerConfig::with_crypto(Arc::new(
+            tls::server_crypto(&identity, &config.token_secret)?,
+        ));
+        server_config.migration(config.migration);
+        // One variant per keep-alive step in [0.75, 1] × keep_alive; each
+        // accepted connection gets one at random, so connections opened
+        // together (a ramp, a mass reconnect) do not send their keep-alives
+        // together for the rest of their lives.
+        let variants: Vec<(Duration, Arc<quinn_proto::ServerConfig>)> = (0..KEEP_ALIVE_STEPS)
+            .map(|i| {
+                let scale = 0.75 + 0.25 * i as f64 / (KEEP_ALIVE_STEPS - 1) as f64;
+                let interval = config.keep_alive.mul_f64(scale);
+                let transport = transport_config(&config, interval)?;
+                let mut variant = server_config.clone();
+                variant.transport_config(Arc::new(transport));
+                Ok((interval, Arc::new(variant)))
+            })
+            .collect::<Result<_, ServerError>>()?;
+        server_config.transport_config(Arc::new(transport_config(&config, config.keep_alive)?));
+
+        let mut reset_key = [0u8; 64];
+        for (i, chunk) in reset_key.chunks_mut(8).enumerate() {
+            chunk.copy_from_slice(&derive(seed, 100 + i as u64).to_le_bytes());
+        }
+        let mut endpoint_config = quinn_proto::EndpointConfig::new(Arc::new(ring::hmac::Key::new(
+            ring::hmac::HMAC_SHA256,
+            &reset_key,
+        )));
+        endpoint_config
+            .max_udp_payload_size(config.max_udp_payload)
+            .map_err(|_| ServerError::Setting("max_udp_payload must be 1200 to 65527".into()))?;
+        let cids = Arc::new(AtomicU64::new(derive(seed, 2)));
+        endpoint_config.cid_generator(move || {
+            let n = cids.fetch_add(1, Ordering::Relaxed);
+            Box::new(SeededCids {
+                rng: SmallRng::new(derive(n, 3)),
+            })
+        });
+        let mut rng_seed = [0u8; 32];
+        for (i, chunk) in rng_seed.chunks_mut(8).enumerate() {
+            chunk.copy_from_slice(&derive(seed, 10 + i as u64).to_le_bytes());
+        }
+        let endpoint = Endpoint::new(
+            Arc::new(endpoint_config),
+            Some(Arc::new(server_config)),
+            false,
+            Some(rng_seed),
+        );
+
+        let clock = Clock {
+            start: now,
+            unix_start_ms: unix_ms,
+            floor: 0,
+        };
+        let session_key = derive(seed, 1);
+        // The core runs on Unix milliseconds: `last_seen` needs no offset.
+        let mut hub = Hub::new(config.core.clone(), config.limits, 0)?
+            .with_max_frame(u32::try_from(config.max_frame).unwrap_or(u32::MAX))
+            .with_session_key(session_key);
+        let stored = restored.is_some();
+        if let Some(loaded) = restored {
+            restore(&mut hub, loaded, clock.at(now), &config)?;
+        }
+        Ok(ServerState {
+            keys: Arc::new(TokenKeys::new(&config.token_secret, config.token_leeway)),
+            stats: Arc::new(StatsInner::default()),
+            clock,
+            certificate,
+            endpoint,
+            accept: Accept::new(variants, derive(seed, 4)),
+            handshaking: 0,
+            per_address: DetMap::default(),
+            pacer: Pacer::new(config.max_handshakes_per_sec, now),
+            hub,
+            session_key,
+            conns: Vec::new(),
+            sessions: DetMap::default(),
+            timers: BTreeSet::new(),
+            touched: VecDeque::new(),
+            budget: config.pass,
+            next_serial: 0,
+            max_datagrams: 1,
+            transmits: VecDeque::new(),
+            pool: Vec::new(),
+            outputs: VecDeque::new(),
+            stored,
+            dirty_users: DetSet::default(),
+            queued: 0,
+            next_flush: now + config.flush_interval,
+            next_renewal: now + config.renewal(),
+            tickets: BTreeMap::new(),
+            next_ticket: 0,
+            stopping: None,
+            last_now: now,
+            config,
+        })
+    }
+
+    // ---- the public API ----
+
+    /// The server's certificate (the generated one when none was configured).
+    pub fn certificate(&self) -> &rustls::pki_types::CertificateDer<'static> {
+        &self.certificate
+    }
+
+    pub fn config(&self) -> &ServerConfig {
+        &self.config
+    }
+
+    /// Mints a token with the server's secret (for tools and tests).
+    pub fn keys(&self) -> &Arc<TokenKeys> {
+        &self.keys
+    }
+
+    /// Datagrams a transmit may carry (GSO segments); default 1.
+    pub fn set_max_datagrams(&mut self, n: usize) {
+        self.max_datagrams = n.max(1);
+    }
+
+    /// A datagram arrived. Work it causes is done by the next
+    /// [`ServerState::handle_timeout`] (which [`ServerState::poll_timeout`]
+    /// then asks for at once); only answers the endpoint gives without a
+    /// connection (version negotiation, Retry, refusals) are queued here.
+    pub fn handle_datagram(&mut self, now: Instant, datagram: Datagram) {
+        self.last_now = self.last_now.max(now);
+        let mut buf = self.buffer();
+        let remote = datagram.remote;
+        let event = self.endpoint.handle(
+            now,
+            remote,
+            datagram.local_ip,
+            datagram.ecn,
+            datagram.data,
+            &mut buf,
+        );
+        match event {
+            Some(DatagramEvent::NewConnection(incoming)) => {
+                self.on_incoming(now, incoming, buf);
+            }
+            Some(DatagramEvent::ConnectionEvent(ch, event)) => {
+                let heard = self.clock.at(now);
+                let renew = !self.mutant(ServerMutant::LeaseNotRenewedOnTraffic);
+                if let Some(conn) = self.conn(ch.0) {
+                    if renew {
+                        conn.session.last_heard = heard;
+                    }
+                    conn.link.quic.handle_event(event);
+                    self.touch(ch.0);
+                }
+                self.recycle(buf);
+            }
+            Some(DatagramEvent::Response(t)) => self.queue_transmit(t, buf),
+            None => self.recycle(buf),
+        }
+    }
+
+    /// Handles the due timers (connections', the core's, the lease
+    /// renewal, the store's) and drives the connections touched since the
+    /// last call, each up to its [`PassBudget`]; what is left is carried.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.last_now = self.last_now.max(now);
+        self.on_timers(now);
+        self.pump(now);
+        self.check_stop(now);
+    }
+
+    /// When [`ServerState::handle_timeout`] is due: the latest `now` given
+    /// while work is carried (call it again at once).
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        if matches!(self.stopping, Some(Stopping::Done)) {
+            return None;
+        }
+        if !self.touched.is_empty() {
+            return Some(self.last_now);
+        }
+        let mut at = self.next_renewal;
+        if self.stored {
+            at = at.min(self.next_flush);
+        }
+        if let Some((t, _)) = self.timers.first() {
+            at = at.min(*t);
+        }
+        if let Some(t) = self.hub.poll_timeout().and_then(|m| self.clock.instant(m)) {
+            at = at.min(t);
+        }
+        if let Some(t) = self.tickets.values().map(Ticket::deadline).min() {
+            at = at.min(t);
+        }
+        if let Some(Stopping::Closing { until, .. }) = &self.stopping {
+            at = at.min(*until);
+        }
+        Some(at)
+    }
+
+    /// Whether the last call left work (due timers, touched connections)
+    /// that the next must do without waiting.
+    pub fn has_carried_work(&self, now: Instant) -> bool {
+        !self.touched.is_empty() || self.timers.first().is_some_and(|&(at, _)| at <= now)
+    }
+
+    /// The next datagram to send.
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        self.transmits.pop_front()
+    }
+
+    /// Gives a transmit's buffer back for reuse.
+    pub fn recycle(&mut self, mut contents: Vec<u8>) {
+        if self.pool.len() < POOL_CAP {
+            contents.clear();
+            self.pool.push(contents);
+        }
+    }
+
+    /// The next output (store write, event, end of a stop).
+    pub fn poll_output(&mut self) -> Option<ServerOutput> {
+        self.outputs.pop_front()
+    }
+
+    pub fn handle_input(&mut self, now: Instant, input: ServerInput) {
+        self.last_now = self.last_now.max(now);
+        match input {
+            ServerInput::StoreDone { ticket, result } => self.store_done(now, ticket, result),
+            ServerInput::Stop { code, text, save } => self.stop(now, code, text, save),
+            ServerInput::SetWallClock { unix_ms } => self.clock.set(now, unix_ms),
+        }
+    }
+
+    /// The core's counters.
+    pub fn counters(&self) -> Counters {
+        self.hub.core().counters().clone()
+    }
+
+    /// The core's counters with the hub's census.
+    pub fn census(&self) -> Census {
+        Census {
+            counters: self.counters(),
+            users_known: self.hub.user_names(),
+            names: self.hub.names(),
+        }
+    }
+
+    /// The transport counters.
+    pub fn stats(&self) -> Stats {
+        self.stats.snapshot()
+    }
+
+    /// The core behind the hub (for checks of what it says).
+    pub fn hub(&self) -> &Hub {
+        &self.hub
+    }
+
+    /// A session as its client knows it (the welcome's `session`).
+    pub fn wire(&self, session: SessionId) -> SessionId {
+        SessionId(session.0 ^ self.session_key)
+    }
+
+    /// Whether a stop is under way (every close packet is then kept until
+    /// sent).
+    pub fn is_stopping(&self) -> bool {
+        self.stopping.is_some()
+    }
+
+    /// Connections held (in any phase).
+    pub fn connections(&self) -> usize {
+        self.conns.iter().filter(|c| c.is_some()).count()
+    }
+
+    /// Push bytes queued in the whole server.
+    pub fn queued_push_bytes(&self) -> usize {
+        self.queued
+    }
+
+    pub(super) fn shared_stats(&self) -> Arc<StatsInner> {
+        self.stats.clone()
+    }
+
+    // ---- internals ----
+
+    fn mutant(&self, m: ServerMutant) -> bool {
+        self.config.mutant == Some(m)
+    }
+
+    fn buffer(&mut self) -> Vec<u8> {
+        let mut buf = self.pool.pop().unwrap_or_default();
+        buf.clear();
+        buf
+    }
+
+    fn queue_transmit(&mut self, t: quinn_proto::Transmit, mut buf: Vec<u8>) {
+        buf.truncate(t.size);
+        self.transmits.push_back(Transmit {
+            destination: t.destination,
+            src_ip: t.src_ip,
+            ecn: t.ecn,
+            contents: buf,
+            segment_size: t.segment_size,
+        });
+    }
+
+    fn event(&mut self, event: ServerEvent) {
+        self.outputs.push_back(ServerOutput::Event(event));
+    }
+
+    fn conn(&mut self, ch: usize) -> Option<&mut Conn> {
+        slot(&mut self.conns, ch)
+    }
+
+    fn touch(&mut self, ch: usize) {
+        if let Some(conn) = self.conn(ch) {
+            if !conn.touched {
+                conn.touched = true;
+                self.touched.push_back(ch);
+            }
+        }
+    }
+
+    /// A new client's first packet: shed it early and cheaply when the
+    /// server is past what it can take, otherwise accept it.
+    fn on_incoming(&mut self, now: Instant, incoming: quinn_proto::Incoming, mut buf: Vec<u8>) {
+        let config = &self.config;
+        let ip = incoming.remote_address().ip();
+        let from_ip = self.per_address.get(&ip).copied().unwrap_or(0);
+        let crowded = self.handshaking >= config.retry_threshold
+            || from_ip >= config.max_handshakes_per_address;
+        // Connections still in their handshake count too: past the cap plus
+        // some headroom (where clients still get the typed
+        // `TooManyConnections` close) a new one is refused outright.
+        let cap = config.max_connections.saturating_add(HANDSHAKE_HEADROOM);
+        let shed = if self.stopping.is_some() {
+            Some(Shed::Draining)
+        } else if crowded && !incoming.remote_address_validated() && incoming.may_retry() {
+            Some(Shed::Retry)
+        } else if from_ip >= config.max_handshakes_per_address {
+            Some(Shed::PerAddress)
+        } else if self.endpoint.open_connections() >= cap {
+            Some(Shed::Capacity)
+        } else if !self.pacer.admit(now) {
+            Some(Shed::Rate)
+        } else {
+            None
+        };
+        if let Some(reason) = shed {
+            self.stats.shed(reason);
+            let t = match reason {
+                Shed::Retry => match self.endpoint.retry(incoming, &mut buf) {
+                    Ok(t) => t,
+                    Err(e) => self.endpoint.refuse(e.into_incoming(), &mut buf),
+                },
+                _ => self.endpoint.refuse(incoming, &mut buf),
+            };
+            self.queue_transmit(t, buf);
+            return;
+        }
+        let remote = incoming.remote_address();
+        let server_config = self.accept.pick().map(|(_, c)| c.clone());
+        match self.endpoint.accept(incoming, now, &mut buf, server_config) {
+            Ok((ch, quic)) => {
+                self.recycle(buf);
+                self.insert(ch, quic, ip, now);
+            }
+            Err(e) => {
+                match e.response {
+                    Some(t) => self.queue_transmit(t, buf),
+                    None => self.recycle(buf),
+                }
+                debug!(%remote, error = %e.cause, "handshake refused");
+                self.stats.reject("handshake");
+                self.event(ServerEvent::Rejected {
+                    remote,
+                    reason: format!("handshake failed: {}", e.cause),
+                });
+            }
+        }
+    }
+
+    /// The reconnect spread suggested in a close for shedding or draining:
+    /// the time to readmit every open connection at the admission rate.
+    fn retry_ms(&self) -> u64 {
+        let open = self.stats.open.load(Ordering::Relaxed);
+        readmit_ms(open, self.config.max_handshakes_per_sec)
+    }
+
+    /// A new connection, counted among the handshakes in flight, with
+    /// `hello_timeout` from now to complete and send its hello.
+    fn insert(
+        &mut self,
+        ch: ConnectionHandle,
+        quic: quinn_proto::Connection,
+        ip: IpAddr,
+        now: Instant,
+    ) {
+        self.next_serial += 1;
+        let phase = Phase::Handshaking {
+            ip,
+            hello_by: now + self.config.hello_timeout,
+        };
+        let session = Session::new(
+            ConnState::new(self.keys.clone(), self.config.rate),
+            self.config.max_frame,
+            quic.remote_address(),
+            self.clock.at(now),
+            phase,
+        );
+        let conn = Conn {
+            link: QuicLink::new(quic),
+            session,
+            serial: self.next_serial,
+            timer: None,
+            touched: false,
+        };
+        if self.conns.len() <= ch.0 {
+            self.conns.resize_with(ch.0 + 1, || None);
+        }
+        self.conns[ch.0] = Some(Box::new(conn));
+        self.handshaking += 1;
+        *self.per_address.entry(ip).or_default() += 1;
+        self.stats
+            .handshaking
+            .store(self.handshaking, Ordering::Relaxed);
+        self.touch(ch.0);
+    }
+
+    /// A handshake no longer in flight (it completed, or the connection
+    /// ended during it).
+    fn handshake_over(&mut self, ip: IpAddr) {
+        self.handshaking = self.handshaking.saturating_sub(1);
+        if let Some(n) = self.per_address.get_mut(&ip) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.per_address.remove(&ip);
+            }
+        }
+        self.stats
+            .handshaking
+            .store(self.handshaking, Ordering::Relaxed);
+    }
+
+    /// A handshake the client abandoned or lost (its network came back
+    /// mid-attempt, or it gave up): counted apart from bad input.
+    fn handshake_failed(&mut self, remote: SocketAddr, error: &str, aborted: bool) {
+        debug!(%remote, %error, "handshake failed");
+        if aborted {
+            // Not bad input: a client whose network went away mid-handshake.
+            self.stats
+                .handshakes_aborted
+                .fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        self.stats.reject("handshake");
+        self.event(ServerEvent::Rejected {
+            remote,
+            reason: format!("handshake failed: {error}"),
+        });
+    }
+
+    // ---- inputs: the store and a stop ----
+
+    fn store_done(&mut self, now: Instant, ticket: u64, result: Result<(), StoreError>) {
+        let Some(waiting) = self.tickets.remove(&ticket) else {
+            // Timed out already (answered then), or unknown.
+            return;
+        };
+        match waiting {
+            Ticket::Answer {
+                ch,
+                serial,
+                handled,
+                ..
+            } => self.saved(now, ch, serial, ticket, handled, result.err()),
+            Ticket::Stop { .. } => {
+                if let Err(e) = result {
+                    warn!(error = %e, "the store was not written at the stop");
+                    self.stats.store_errors.fetch_add(1, Ordering::Relaxed);
+                }
+                self.stopped();
+            }
+        }
+    }
+
+    /// A durable write finished (or failed, or timed out): answer the
+    /// request that waited for it, then the frames behind it.
+    fn saved(
+        &mut self,
+        now: Instant,
+        ch: usize,
+        serial: u64,
+        ticket: u64,
+        handled: Handled,
+        error: Option<StoreError>,
+    ) {
+        let handled = match error {
+            None => handled,
+            Some(error) => {
+                self.stats.store_errors.fetch_add(1, Ordering::Relaxed);
+                not_saved(handled, &error.to_string())
+            }
+        };
+        let Some(conn) = self.conn(ch) else { return };
+        if conn.serial != serial {
+            return;
+        }
+        match conn.session.phase {
+            Phase::WaitingStore { ticket: t } if t == ticket => conn.session.phase = Phase::Live,
+            _ => return,
+        }
+        self.answer(ch, now, handled);
+        // Frames that waited behind it.
+        self.read_control(ch, now);
+        self.touch(ch);
+    }
+
+    fn stop(&mut self, now: Instant, code: CloseCode, text: Vec<u8>, save: bool) {
+        if self.stopping.is_some() {
+            return;
+        }
+        self.endpoint.set_server_config(None);
+        // Clients reconnecting to the next process are spread over the time
+        // it needs to readmit them all.
+        let text = match code {
+            CloseCode::Draining => with_retry_hint(&text, self.retry_ms()),
+            _ => text,
+        };
+        for ch in 0..self.conns.len() {
+            if self.conns[ch].is_some() {
+                self.close(ch, now, code, &text);
+            }
+        }
+        self.stopping = Some(Stopping::Closing {
+            save,
+            until: now + STOP_LINGER,
+        });
+    }
+
+    /// Once every connection is gone (or the linger is over): the final
+    /// store write, then the end.
+    fn check_stop(&mut self, now: Instant) {
+        let Some(Stopping::Closing { save, until }) = self.stopping else {
+            return;
+        };
+        if self.conns.iter().any(Option::is_some) && now < until {
+            return;
+        }
+        if save && self.stored {
+            let batch = Batch {
+                drained: Some(self.hub.live_devices()),
+                ..self.changed_records()
+            };
+            let ticket = self.ticket(Ticket::Stop {
+                deadline: now + STOP_SAVE_TIMEOUT,
+            });
+            self.outputs
+                .push_back(ServerOutput::Store(StoreRequest::Durable {
+                    ticket,
+                    batch,
+                    timeout: STOP_SAVE_TIMEOUT,
+                }));
+            self.stopping = Some(Stopping::Saving);
+        } else {
+            self.stopped();
+        }
+    }
+
+    fn stopped(&mut self) {
+        self.stopping = Some(Stopping::Done);
+        self.outputs.push_back(ServerOutput::Stopped);
+    }
+
+    fn ticket(&mut self, ticket: Ticket) -> u64 {
+        self.next_ticket += 1;
+        self.tickets.insert(self.next_ticket, ticket);
+        self.next_ticket
+    }
+
+    // ---- timers ----
+
+    /// The due connection timers, at most the budget of them (earliest
+    /// first; the rest stay due for the next call), then the hub's, the
+    /// store's tickets, the lease renewal and the store's flush.
+    fn on_timers(&mut self, now: Instant) {
+        for _ in 0..self.budget.timers {
+            let Some(&(at, ch)) = self.timers.first() else {
+                break;
+            };
+            if at > now {
+                break;
+            }
+            self.timers.pop_first();
+            let Some(conn) = self.conn(ch) else {
+                continue;
+            };
+            conn.timer = None;
+            conn.link.quic.handle_timeout(now);
+            match conn.session.overdue(now) {
+                Some(Overdue::Close(code, text)) => self.close(ch, now, code, &text),
+                Some(Overdue::NoHello { handshaking }) => {
+                    if handshaking {
+                        self.stats.shed(Shed::HandshakeTimeout);
+                    }
+                    self.close(ch, now, CloseCode::HelloTimeout, b"no hello in time");
+                }
+                None => {}
+            }
+            self.touch(ch);
+        }
+        if self
+            .hub
+            .poll_timeout()
+            .and_then(|m| self.clock.instant(m))
+            .is_some_and(|at| at <= now)
+        {
+            self.hub.handle_timeout(self.clock.at(now));
+        }
+        // Durable writes that took too long: answered "not saved".
+        while let Some(entry) = self.tickets.first_entry() {
+            if entry.get().deadline() > now {
+                break;
+            }
+            let (ticket, waiting) = entry.remove_entry();
+            let error = StoreError(format!(
+                "the store did not commit within {:?}",
+                self.config.store_timeout
+            ));
+            match waiting {
+                Ticket::Answer {
+                    ch,
+                    serial,
+                    handled,
+                    ..
+                } => self.saved(now, ch, serial, ticket, handled, Some(error)),
+                Ticket::Stop { .. } => {
+                    warn!("the store was not written at the stop: no commit in time");
+                    self.stats.store_errors.fetch_add(1, Ordering::Relaxed);
+                    self.stopped();
+                }
+            }
+        }
+        if now >= self.next_renewal {
+            // An open connection is a live device: QUIC's keep-alive and idle
+            // timeout stand for the heartbeat. Renewed as of each
+            // connection's last datagram, not now: a client that fell
+            // silent must keep its real last heard.
+            let at = self.clock.at(now);
+            for (&session, &ch) in &self.sessions {
+                if let Some(conn) = self.conns.get(ch).and_then(|c| c.as_deref()) {
+                    self.hub.heard(at, session, conn.session.last_heard);
+                }
+            }
+            self.next_renewal = now + self.config.renewal();
+            if !self.stored {
+                self.hub.sweep(SWEEP_BUDGET);
+            }
+        }
+        if self.stored && now >= self.next_flush {
+            self.next_flush = now + self.config.flush_interval;
+            self.flush_store(now);
+        }
+    }
+
+    /// The records of every user changed since the last write.
+    fn changed_records(&mut self) -> Batch {
+        self.dirty_users.extend(self.hub.take_touched());
+        let mut users: Vec<UserId> = self.dirty_users.drain().collect();
+        users.sort_unstable();
+        let users = users
+            .into_iter()
+            .filter_map(|u| record(&self.hub, u))
+            .collect();
+        Batch {
+            users,
+            alive_at: Some(self.clock.at(self.last_now).0),
+            drained: None,
+        }
+    }
+
+    fn flush_store(&mut self, _now: Instant) {
+        let batch = self.changed_records();
+        // Users are freed only once their records are taken: a freed user's
+        // record can no longer be read.
+        self.hub.release_idle();
+        self.hub.sweep(SWEEP_BUDGET);
+        self.outputs
+            .push_back(ServerOutput::Store(StoreRequest::Behind(batch)));
+    }
+
+    // ---- the pump ----
+
+    fn pump(&mut self, now: Instant) {
+        self.route(now);
+        for _ in 0..self.budget.connections {
+            let Some(ch) = self.touched.pop_front() else {
+                break;
+            };
+            self.drive(ch, now);
+        }
+        if self.stored {
+            self.dirty_users.extend(self.hub.take_touched());
+        } else {
+            self.hub.take_touched();
+            self.hub.release_idle();
+        }
+    }
+
+    /// Hands a connection's endpoint events to the endpoint; `true` once the
+    /// connection is drained (the endpoint has forgotten it: nothing more may
+    /// be handed over for it).
+    fn endpoint_events(&mut self, ch: usize) -> bool {
+        let Some(conn) = slot(&mut self.conns, ch) else {
+            return false;
+        };
+        while let Some(event) = conn.link.quic.poll_endpoint_events() {
+            let drained = event.is_drained();
+            if let Some(back) = self.endpoint.handle_event(ConnectionHandle(ch), event) {
+                conn.link.quic.handle_event(back);
+            }
+            if drained {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Everything a connection has to say and do, then its transmits and its
+    /// timer.
+    fn drive(&mut self, ch: usize, now: Instant) {
+        let Some(conn) = slot(&mut self.conns, ch) else {
+            return;
+        };
+        conn.touched = false;
+        let mut drained = false;
+        loop {
+            if !drained {
+                drained = self.endpoint_events(ch);
+            }
+            let Some(conn) = slot(&mut self.conns, ch) else {
+                return;
+            };
+            let Some(event) = conn.link.quic.poll() else {
+                break;
+            };
+            let refuse = conn.session.control_done();
+            let aborted = match &event {
+                quinn_proto::Event::ConnectionLost { reason } => super::handshake_aborted(reason),
+                _ => false,
+            };
+            if let Some(happened) = conn.link.translate(event, refuse) {
+                self.on_happened(ch, now, happened, aborted);
+            }
+        }
+        self.check_address(ch, now);
+        self.route(now);
+        if drained {
+            self.remove(ch);
+            return;
+        }
+        let segments = self.max_datagrams;
+        loop {
+            let mut buf = self.buffer();
+            let Some(conn) = slot(&mut self.conns, ch) else {
+                self.recycle(buf);
+                return;
+            };
+            // quinn-proto writes each transmit from the start of `buf`.
+            match conn.link.quic.poll_transmit(now, segments, &mut buf) {
+                Some(t) => self.queue_transmit(t, buf),
+                None => {
+                    self.recycle(buf);
+                    break;
+                }
+            }
+        }
+        // Transmitting can emit endpoint events (new connection ids).
+        if self.endpoint_events(ch) {
+            self.remove(ch);
+            return;
+        }
+        let Some(conn) = slot(&mut self.conns, ch) else {
+            return;
+        };
+        let next = match (conn.link.quic.poll_timeout(), conn.session.phase.deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        if next != conn.timer {
+            if let Some(old) = conn.timer.take() {
+                self.timers.remove(&(old, ch));
+            }
+            if let Some(at) = next {
+                conn.timer = Some(at);
+                self.timers.insert((at, ch));
+            }
+        }
+    }
+
+    fn remove(&mut self, ch: usize) {
+        self.end(ch, false, "drained".into());
+        if let Some(conn) = self.conns.get_mut(ch).and_then(Option::take) {
+            if let Some(at) = conn.timer {
+                self.timers.remove(&(at, ch));
+            }
+        }
+    }
+
+    fn check_address(&mut self, ch: usize, now: Instant) {
+        let Some(conn) = self.conn(ch) else { return };
+        let to = conn.link.remote();
+        if to == conn.session.address || conn.session.is_ended() {
+            return;
+        }
+        let from = std::mem::replace(&mut conn.session.address, to);
+        let session = conn.session.id;
+        self.stats.migrations.fetch_add(1, Ordering::Relaxed);
+        debug!(?session, %from, %to, "migrated");
+        self.event(ServerEvent::Migrated {
+            session: session.map(|s| self.wire(s)),
+            from,
+            to,
+        });
+        if self.mutant(ServerMutant::MigrationAsDisconnect) {
+            self.close(ch, now, CloseCode::Normal, b"address changed");
+        }
+    }
+
+    /// What the binding reported, in session terms.
+    fn on_happened(&mut self, ch: usize, now: Instant, happened: Happened, aborted: bool) {
+        match happened {
+            Happened::Connected => self.on_connected(ch, now),
+            Happened::Lost { logout, reason } => {
+                let Some(conn) = self.conn(ch) else { return };
+                if matches!(conn.session.phase, Phase::Handshaking { .. }) {
+                    let remote = conn.session.address;
+                    self.handshake_failed(remote, &reason, aborted);
+                }
+                self.end(ch, logout, reason);
+            }
+            Happened::ControlReadable => self.read_control(ch, now),
+            Happened::ControlWritable => {
+                self.write_answers(ch, now);
+                // Requests held back behind unread answers.
+                self.read_control(ch, now);
+            }
+            Happened::PushWritable(tier) => self.write_pushes(ch, now, tier),
+            Happened::PushStopped => {
+                // A client that stops a push stream would stay online while
+                // missing every update of that tier: a protocol error.
+                let Some(conn) = self.conn(ch) else { return };
+                let remote = conn.session.address;
+                self.stats.reject("StreamStopped");
+                self.event(ServerEvent::Rejected {
+                    remote,
+                    reason: "the client stopped a push stream".into(),
+                });
+                self.close(
+                    ch,
+                    now,
+                    CloseCode::StreamStopped,
+                    b"the client stopped a push stream",
+                );
+            }
+            Happened::ControlStopped => {
+                // The client reads no more answers: what waits for it is
+                // dropped (the write fails), which may unblock the reading
+                // or the close.
+                self.write_answers(ch, now);
+                self.after_answers(ch, now);
+            }
+            Happened::AnswersDelivered => self.after_answers(ch, now),
+        }
+    }
+
+    /// The answers are all out (or dropped): close if a close was waiting
+    /// for them, otherwise read the requests held back.
+    fn after_answers(&mut self, ch: usize, now: Instant) {
+        let Some(conn) = self.conn(ch) else { return };
+        if !conn.link.has_control() || !conn.session.answers_out() {
+            return;
+        }
+        match conn.session.answers_delivered() {
+            Some((code, text)) => self.close(ch, now, code, &text),
+            None => self.read_control(ch, now),
+        }
+    }
+
+    fn on_connected(&mut self, ch: usize, now: Instant) {
+        let hello = now + self.config.hello_timeout;
+        let Some(conn) = self.conn(ch) else { return };
+        // The hello is due `hello_timeout` after the first packet (set when
+        // accepted), not after a slow handshake.
+        let hello_by = conn.session.phase.deadline().unwrap_or(hello);
+        let ip = conn.session.connected(hello_by);
+        if let Some(ip) = ip {
+            self.handshake_over(ip);
+        }
+        let stats = self.stats.clone();
+        let open = stats.open.load(Ordering::Relaxed);
+        stats.total.fetch_add(1, Ordering::Relaxed);
+        if open >= self.config.max_connections {
+            stats.reject("TooManyConnections");
+            let text = with_retry_hint(
+                b"TooManyConnections: the server is at its connection cap",
+                self.retry_ms(),
+            );
+            // Connected but never counted: closed and reported at once.
+            let Some(conn) = self.conn(ch) else { return };
+            conn.link.close(now, CloseCode::TooManyConnections, &text);
+            conn.session.end();
+            self.touch(ch);
+            self.event(ServerEvent::Closed {
+                session: None,
+                logout: false,
+                reason: "closed by the server: TooManyConnections".into(),
+            });
+            return;
+        }
+        stats.open.fetch_add(1, Ordering::Relaxed);
+        // Frames that came with the end of the handshake.
+        self.read_control(ch, now);
+    }
+
+    /// The connection is over for the application: report it once.
+    fn end(&mut self, ch: usize, logout: bool, reason: String) {
+        let Some(conn) = slot(&mut self.conns, ch) else {
+            return;
+        };
+        if conn.session.is_ended() {
+            return;
+        }
+        let was = conn.session.end();
+        let session = conn.session.id;
+        let last_heard = conn.session.last_heard;
+        self.queued -= std::mem::take(&mut conn.session.queued);
+        if let Phase::Handshaking { ip, .. } = was {
+            self.handshake_over(ip);
+        }
+        let connected = was.is_open();
+        if connected {
+            self.stats.open.fetch_sub(1, Ordering::Relaxed);
+        }
+        if let Some(session) = session {
+            if self.sessions.get(&session) == Some(&ch) {
+                self.sessions.remove(&session);
+            }
+            let now = self.clock.at(self.last_now);
+            self.hub.closed(now, session, logout, last_heard.min(now));
+        }
+        if connected {
+            let session = session.map(|s| self.wire(s));
+            self.event(ServerEvent::Closed {
+                session,
+                logout,
+                reason,
+            });
+        }
+    }
+
+    /// Closes the connection now (the peer gets `code` and `text`).
+    fn close(&mut self, ch: usize, now: Instant, code: CloseCode, text: &[u8]) {
+        let Some(conn) = self.conn(ch) else { return };
+        conn.link.close(now, code, text);
+        self.touch(ch);
+        self.end(ch, false, format!("closed by the server: {code:?}"));
+    }
+
+    // ---- the session layer ----
+
+    /// Reads and handles frames until the control channel has no more, or
+    /// the connection waits (for the store, for its answers to be read) or
+    /// is condemned.
+    fn read_control(&mut self, ch: usize, now: Instant) {
+        let budget = read_budget(self.config.max_frame);
+        let at = self.clock.at(now);
+        loop {
+            let Some(conn) = slot(&mut self.conns, ch) else {
+                return;
+            };
+            match conn.session.next_frame(&mut conn.link, at, budget) {
+                Next::Step(step) => self.on_step(ch, now, step),
+                Next::Idle => break,
+            }
+        }
+        self.touch(ch);
+    }
+
+    fn on_step(&mut self, ch: usize, now: Instant, step: Step) {
+        let at = self.clock.at(now);
+        let Some(conn) = self.conn(ch) else { return };
+        let session = conn.session.id;
+        let remote = conn.session.address;
+        // Any frame of an established session is a sign of life.
+        if let Some(s) = session {
+            if !self.mutant(ServerMutant::LeaseNotRenewedOnTraffic) {
+                self.hub.activity(at, s);
+            }
+        }
+        if let Step::Close(e) = &step {
+            self.stats.reject(&reason_label(e));
+            self.event(ServerEvent::Rejected {
+                remote,
+                reason: e.to_string(),
+            });
+        }
+        if !step.needs_hub() {
+            let handled = Handled::default().merge_local(step);
+            self.answer(ch, now, handled);
+            return;
+        }
+        if self.mutant(ServerMutant::PushAfterLogout) {
+            if let Step::Request {
+                id,
+                request: proto::Request::Logout,
+                ..
+            } = &step
+            {
+                let handled = Handled {
+                    reply: Some(ServerFrame::Reply {
+                        id: *id,
+                        result: Ok(proto::Answer::Done),
+                    }),
+                    ..Handled::default()
+                };
+                self.answer(ch, now, handled);
+                return;
+            }
+        }
+        let durable = durable_user(&self.hub, &step);
+        let handled = self.hub.apply(at, step);
+        if let Some(s) = handled.welcomed {
+            self.welcome(ch, now, s, &handled);
+        } else if let Some(ServerFrame::Error(e)) = &handled.reply {
+            self.stats.reject(&reason_label(e));
+            self.event(ServerEvent::Rejected {
+                remote,
+                reason: e.to_string(),
+            });
+        }
+        let answered_ok = matches!(
+            &handled.reply,
+            Some(ServerFrame::Reply { result: Ok(_), .. })
+        );
+        let pending = durable
+            .filter(|_| answered_ok && self.stored)
+            .and_then(|user| record(&self.hub, user));
+        match pending {
+            // On disk before it is acknowledged; later frames wait.
+            Some(user) => {
+                let timeout = self.config.store_timeout;
+                let Some(conn) = self.conn(ch) else { return };
+                let serial = conn.serial;
+                let ticket = self.ticket(Ticket::Answer {
+                    ch,
+                    serial,
+                    handled,
+                    deadline: now + timeout,
+                });
+                if let Some(conn) = self.conn(ch) {
+                    conn.session.phase = Phase::WaitingStore { ticket };
+                }
+                let batch = Batch {
+                    users: vec![user],
+                    alive_at: None,
+                    drained: None,
+                };
+                self.outputs
+                    .push_back(ServerOutput::Store(StoreRequest::Durable {
+                        ticket,
+                        batch,
+                        timeout,
+                    }));
+            }
+            None => self.answer(ch, now, handled),
+        }
+        // What the step made the core emit is routed by `drive` or `pump`.
+    }
+
+    fn welcome(&mut self, ch: usize, now: Instant, session: SessionId, handled: &Handled) {
+        let Some(conn) = slot(&mut self.conns, ch) else {
+            return;
+        };
+        let opened = conn.session.welcome(session, &mut conn.link);
+        let remote = conn.session.address;
+        if opened {
+            // Each push stream starts with its tier.
+            for (i, tier) in [(0, proto::Tier::Realtime), (1, proto::Tier::Batched)] {
+                if let Ok(header) = encode_frame(&proto::Push::Stream { tier }) {
+                    let pushed =
+                        conn.session
+                            .push(&mut conn.link, i, now, header.into(), usize::MAX);
+                    if let Pushed::Queued(n) = pushed {
+                        self.queued += n;
+                    }
+                }
+            }
+        }
+        self.sessions.insert(session, ch);
+        if let Some(ServerFrame::Welcome(w)) = &handled.reply {
+            self.event(ServerEvent::Connected {
+                session: self.wire(session),
+                user: w.user.clone(),
+                device: w.device.clone(),
+                resumed: w.resumed,
+                remote,
+            });
+        }
+        if !opened {
+            self.close(
+                ch,
+                now,
+                CloseCode::ProtocolError,
+                b"the client allows no push streams",
+            );
+        }
+    }
+
+    /// Sends the answer, and arranges the close it asks for.
+    fn answer(&mut self, ch: usize, now: Instant, handled: Handled) {
+        let Some(conn) = self.conn(ch) else { return };
+        if conn.session.is_ended() {
+            return;
+        }
+        let frame = match &handled.reply {
+            Some(frame) => encode_frame(frame).unwrap_or_default(),
+            None => Vec::new(),
+        };
+        let close = handled.close.map(|code| {
+            let text = match &handled.reply {
+                Some(ServerFrame::Error(e)) => reason_text(e),
+                _ => format!("{code:?}").into_bytes(),
+            };
+            (code, text)
+        });
+        let Some(conn) = self.conn(ch) else { return };
+        // Let the answer reach the peer (or the peer stop the stream), then close.
+        conn.session.answer(&frame, close, now + CLOSE_LINGER);
+        self.touch(ch);
+        let Some(conn) = self.conn(ch) else { return };
+        if conn.link.has_control() {
+            self.write_answers(ch, now);
+        } else if let Some((code, text)) = conn.session.take_close() {
+            self.close(ch, now, code, &text);
+        }
+    }
+
+    fn write_answers(&mut self, ch: usize, now: Instant) {
+        let Some(conn) = slot(&mut self.conns, ch) else {
+            return;
+        };
+        if let Flushed::Close(code, text) = conn.session.write_answers(&mut conn.link) {
+            self.close(ch, now, code, &text);
+        }
+    }
+
+    fn write_pushes(&mut self, ch: usize, now: Instant, tier: usize) {
+        let Some(conn) = slot(&mut self.conns, ch) else {
+            return;
+        };
+        let latency = &self.stats.latency;
+        let freed = conn.session.write_pushes(&mut conn.link, tier, |at| {
+            latency.observe(now.saturating_duration_since(at))
+        });
+        self.queued -= freed;
+    }
+
+    /// Sends every output of the hub where it goes.
+    fn route(&mut self, now: Instant) {
+        while let Some(output) = self.hub.poll_output() {
+            match output {
+                HubOutput::Push {
+                    session,
+                    tier,
+                    frame,
+                } => {
+                    let Some(&ch) = self.sessions.get(&session) else {
+                        continue;
+                    };
+                    let limit = self.config.push_queue_bytes;
+                    let Some(conn) = slot(&mut self.conns, ch) else {
+                        continue;
+                    };
+                    match conn
+                        .session
+                        .push(&mut conn.link, tier_index(tier), now, frame, limit)
+                    {
+                        Pushed::Sent => {
+                            self.stats.latency.observe(Duration::ZERO);
+                            self.touch(ch);
+                        }
+                        Pushed::Queued(n) => {
+                            self.queued += n;
+                            self.touch(ch);
+                        }
+                        Pushed::Dropped => self.touch(ch),
+                        Pushed::Stalled => {
+                            warn!(%session, "push queue full: closing the stalled connection");
+                            self.overloaded(ch, now);
+                        }
+                    }
+                }
+                HubOutput::End { session, reason } => {
+                    let Some(&ch) = self.sessions.get(&session) else {
+                        continue;
+                    };
+                    let (code, text): (CloseCode, &[u8]) = match reason {
+                        EndReason::Superseded => {
+                            (CloseCode::Superseded, b"the device connected again")
+                        }
+                        EndReason::HeartbeatTimeout => {
+                            (CloseCode::SessionExpired, b"no sign of life in time")
+                        }
+                        EndReason::GraceExpired => {
+                            (CloseCode::SessionExpired, b"not back within grace")
+                        }
+                        // The logout's answer goes out first, then the close.
+                        EndReason::LoggedOut => continue,
+                    };
+                    self.close(ch, now, code, text);
+                }
+            }
+        }
+        self.within_budget(now);
+    }
+
+    fn overloaded(&mut self, ch: usize, now: Instant) {
+        self.stats.overloaded.fetch_add(1, Ordering::Relaxed);
+        self.close(ch, now, CloseCode::Overloaded, b"pushes not read in time");
+    }
+
+    /// Past the server's push byte budget, the slowest readers (the largest
+    /// queues) are closed until the rest fits: a few clients that do not
+    /// read cannot make the server run out of memory for everybody.
+    fn within_budget(&mut self, now: Instant) {
+        let budget = self.config.push_budget_bytes;
+        if self.queued <= budget {
+            return;
+        }
+        let mut queues: Vec<(usize, usize)> = self
+            .conns
+            .iter()
+            .enumerate()
+            .filter_map(|(ch, c)| Some((c.as_deref()?.session.queued, ch)))
+            .filter(|&(queued, _)| queued > 0)
+            .collect();
+        queues.sort_unstable_by(|a, b| b.cmp(a));
+        for (_, ch) in queues {
+            if self.queued <= budget {
+                break;
+            }
+            warn!(ch, "push byte budget exceeded: closing the slowest reader");
+            self.overloaded(ch, now);
+        }
+    }
+}
+
+fn slot(conns: &mut [Option<Box<Conn>>], ch: usize) -> Option<&mut Conn> {
+    conns.get_mut(ch).and_then(|c| c.as_deref_mut())
+}
+
+/// Restores everything saved into a fresh hub. A record that cannot be
+/// restored stops the start: starting without it could show an invisible
+/// user online.
+fn restore(
+    hub: &mut Hub,
+    loaded: Loaded,
+    now: Millis,
+    config: &ServerConfig,
+) -> Result<(), ServerError> {
+    let mut restored = 0usize;
+    for (name, record) in &loaded.users {
+        let saved = record.to_saved(loaded.alive_at);
+        match hub.restore(name, saved.clone()) {
+            Ok(_) => restored += 1,
+            Err(e) => {
+                // A message over a lowered cap: keep the rest.
+                let without = greendot_core::Saved {
+                    message: None,
+                    ..saved
+                };
+                hub.restore(name, without).map_err(|e2| {
+                    ServerError::Setting(format!(
+                        "cannot restore the saved state of {name:?}: {e}; {e2}"
+                    ))
+                })?;
+                restored += 1;
+            }
+        }
+    }
+    // Devices live at a drained shutdown come back as lost connections, as of
+    // just over one debounce ago, so that those shown online are published
+    // online again before anyone subscribes.
+    let back = Millis(
+        now.0
+            .saturating_sub(config.core.debounce.0.saturating_add(1)),
+    );
+    // They come back at most at the admission rate: each lingers for its
+    // grace plus the time to readmit them all, so that nobody waiting for
+    // their turn is shown offline.
+    let readmit = readmit_ms(loaded.drained.len(), config.max_handshakes_per_sec);
+    let mut lingering = 0usize;
+    for d in &loaded.drained {
+        let grace = config.core.kind(d.kind.into()).grace;
+        let until = Millis(now.0.saturating_add(grace.0).saturating_add(readmit));
+        match hub.restore_device(back, &d.user, &d.device, d.kind, until) {
+            Ok(()) => lingering += 1,
+            Err(e) => {
+                warn!(user = %d.user, device = %d.device, error = %e, "cannot restore a device")
+            }
+        }
+    }
+    hub.handle_timeout(now);
+    while hub.poll_output().is_some() {}
+    hub.take_touched();
+    info!(
+        users = restored,
+        lingering,
+        clean = loaded.clean,
+        "restored the saved state"
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+#[path = "state_tests.rs"]
+mod tests;

@@ -1,0 +1,3 @@
+//! [`ServerState`] driven directly, on virtual time, with synthetic datagrams.
+
+use super::*;
