@@ -189,6 +189,10 @@ pub(crate) enum Next {
     Idle,
 }
 
+/// Pushes a push channel did not take yet, with the instant of the change
+/// behind each.
+type PushQueue = VecDeque<(Instant, Bytes)>;
+
 /// One connection's session layer.
 #[derive(Debug)]
 pub(crate) struct Session {
@@ -203,7 +207,7 @@ pub(crate) struct Session {
     unsent: Vec<u8>,
     /// Encoded pushes each push channel did not take yet (flow control),
     /// with the instant of the change behind each: realtime, batched.
-    pushes: Option<Box<[VecDeque<(Instant, Bytes)>; 2]>>,
+    pushes: Option<Box<[PushQueue; 2]>>,
     /// Bytes waiting in `pushes` (counted in the server's total too).
     pub queued: usize,
     /// The peer's address as last reported.
@@ -266,8 +270,9 @@ impl Session {
 
     /// Its deadline passed: what to do.
     pub fn overdue(&mut self, now: Instant) -> Option<Overdue> {
-        if !self.phase.deadline().is_some_and(|d| d <= now) {
-            return None;
+        match self.phase.deadline() {
+            Some(d) if d <= now => {}
+            _ => return None,
         }
         match std::mem::replace(&mut self.phase, Phase::Live) {
             Phase::Closing { code, text, .. } => Some(Overdue::Close(code, text)),

@@ -81,8 +81,10 @@ const CLOSE_LINGER: Duration = Duration::from_secs(1);
 const STOP_LINGER: Duration = Duration::from_secs(2);
 /// How long a stop waits for the final store write.
 const STOP_SAVE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Transmit buffers kept for reuse.
-const POOL_CAP: usize = 256;
+/// Transmit buffers kept for reuse: about what one call with the default
+/// budget hands out; a larger buffer (a big GSO batch) is not kept.
+const POOL_CAP: usize = 1024;
+const POOL_BUFFER_CAP: usize = 16 * 1024;
 
 /// Bytes read from a control stream per round: one maximal frame and its
 /// prefix, so what is buffered per connection stays bounded.
@@ -129,7 +131,7 @@ pub enum ServerInput {
         save: bool,
     },
     /// The wall clock now reads `unix_ms` (it jumped). The core's time
-    /// follows, except that it never goes backwards.
+    /// follows a jump forward; a jump back is ignored (it never goes back).
     SetWallClock { unix_ms: u64 },
 }
 
@@ -175,7 +177,9 @@ pub enum ServerMutant {
     /// its subscriptions and pushes are still routed to it after its logout.
     PushAfterLogout,
     /// Traffic does not count as a sign of life: a connection's datagrams
-    /// and frames neither refresh its last heard nor renew the lease.
+    /// do not refresh its last heard (so the periodic renewal renews
+    /// nothing) and its frames do not count as activity (only an explicit
+    /// `Ping`, which the core handles itself, still renews the lease).
     LeaseNotRenewedOnTraffic,
     /// A connection whose address changes is closed and its session ended
     /// as a disconnect (the device lingers), instead of migrating.
@@ -304,8 +308,6 @@ impl quinn_proto::ConnectionIdGenerator for SeededCids {
 struct Clock {
     start: Instant,
     unix_start_ms: u64,
-    /// Never less than this (after the wall clock jumped back).
-    floor: u64,
 }
 
 impl Clock {
@@ -313,7 +315,7 @@ impl Clock {
     fn at(&self, instant: Instant) -> Millis {
         let elapsed = instant.saturating_duration_since(self.start);
         let elapsed = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
-        Millis(self.unix_start_ms.saturating_add(elapsed).max(self.floor))
+        Millis(self.unix_start_ms.saturating_add(elapsed))
     }
 
     /// When a core deadline is due. `at()` truncates to the millisecond, so
@@ -326,11 +328,14 @@ impl Clock {
         ))
     }
 
-    /// The wall clock reads `unix_ms` at `now`.
+    /// The wall clock reads `unix_ms` at `now`: a jump forward is taken
+    /// (time passed at once: debounces, graces and leases expire as they
+    /// would), a jump back is not (the core's time never goes back; it goes
+    /// on from where it was).
     fn set(&mut self, now: Instant, unix_ms: u64) {
-        self.floor = self.at(now).0;
+        let current = self.at(now).0;
         self.start = now;
-        self.unix_start_ms = unix_ms;
+        self.unix_start_ms = unix_ms.max(current);
     }
 }
 
@@ -411,6 +416,8 @@ pub struct ServerState {
     next_flush: Instant,
     next_renewal: Instant,
     tickets: BTreeMap<u64, Ticket>,
+    /// The tickets by deadline.
+    ticket_deadlines: BTreeSet<(Instant, u64)>,
     next_ticket: u64,
     stopping: Option<Stopping>,
     /// The latest `now` seen: what `poll_timeout` answers while work is carried.
@@ -507,7 +514,6 @@ impl ServerState {
         let clock = Clock {
             start: now,
             unix_start_ms: unix_ms,
-            floor: 0,
         };
         let session_key = derive(seed, 1);
         // The core runs on Unix milliseconds: `last_seen` needs no offset.
@@ -546,6 +552,7 @@ impl ServerState {
             next_flush: now + config.flush_interval,
             next_renewal: now + config.renewal(),
             tickets: BTreeMap::new(),
+            ticket_deadlines: BTreeSet::new(),
             next_ticket: 0,
             stopping: None,
             last_now: now,
@@ -640,7 +647,7 @@ impl ServerState {
         if let Some(t) = self.hub.poll_timeout().and_then(|m| self.clock.instant(m)) {
             at = at.min(t);
         }
-        if let Some(t) = self.tickets.values().map(Ticket::deadline).min() {
+        if let Some(&(t, _)) = self.ticket_deadlines.first() {
             at = at.min(t);
         }
         if let Some(Stopping::Closing { until, .. }) = &self.stopping {
@@ -662,7 +669,7 @@ impl ServerState {
 
     /// Gives a transmit's buffer back for reuse.
     pub fn recycle(&mut self, mut contents: Vec<u8>) {
-        if self.pool.len() < POOL_CAP {
+        if self.pool.len() < POOL_CAP && contents.capacity() <= POOL_BUFFER_CAP {
             contents.clear();
             self.pool.push(contents);
         }
@@ -917,6 +924,7 @@ impl ServerState {
             // Timed out already (answered then), or unknown.
             return;
         };
+        self.ticket_deadlines.remove(&(waiting.deadline(), ticket));
         match waiting {
             Ticket::Answer {
                 ch,
@@ -1024,6 +1032,8 @@ impl ServerState {
 
     fn ticket(&mut self, ticket: Ticket) -> u64 {
         self.next_ticket += 1;
+        self.ticket_deadlines
+            .insert((ticket.deadline(), self.next_ticket));
         self.tickets.insert(self.next_ticket, ticket);
         self.next_ticket
     }
@@ -1068,11 +1078,14 @@ impl ServerState {
             self.hub.handle_timeout(self.clock.at(now));
         }
         // Durable writes that took too long: answered "not saved".
-        while let Some(entry) = self.tickets.first_entry() {
-            if entry.get().deadline() > now {
+        while let Some(&(deadline, ticket)) = self.ticket_deadlines.first() {
+            if deadline > now {
                 break;
             }
-            let (ticket, waiting) = entry.remove_entry();
+            self.ticket_deadlines.pop_first();
+            let Some(waiting) = self.tickets.remove(&ticket) else {
+                continue;
+            };
             let error = StoreError(format!(
                 "the store did not commit within {:?}",
                 self.config.store_timeout
