@@ -1,12 +1,21 @@
 //! The greendot server: QUIC in front of one presence core.
 //!
 //! Design:
-//! - **One task.** A single task owns the UDP socket, quinn-proto's sans-IO
-//!   endpoint with every connection, and the [`Hub`] (the core plus name
-//!   interning); see [`driver`] for why. It sleeps until a datagram, a control
-//!   message or the earliest deadline (a connection's, the core's, the lease
-//!   renewal's, the store's), handles it, then drains every output. Nothing is
-//!   shared with another task but counters and the event channel.
+//! - **A sans-IO state machine in one task.** [`ServerState`] (in `state`)
+//!   is the whole server without IO: quinn-proto's endpoint with every
+//!   connection, the [`Hub`] (the core plus name interning), the timers,
+//!   shedding, push queues and leases; datagrams, time and control inputs go
+//!   in, transmits, store writes and events come out, and a seed drives all
+//!   its randomness, so a simulator runs it on virtual time. A single task
+//!   (`driver`) owns the UDP socket, the timer and the control channel around
+//!   it, and hands store writes to the store's thread; see `driver` for why
+//!   one task. It sleeps until a datagram, a control message or the state's
+//!   next deadline, then reads the socket, lets the state work, and sends.
+//!   Nothing is shared with another task but counters and the event channel.
+//! - **Sessions do not know QUIC.** A connection's session layer (`session`:
+//!   its `Phase`, frames, answers, push queues, closing)
+//!   talks to its transport through a small binding trait; QUIC (`quic`) is
+//!   the one binding today.
 //! - **A connection** is the client's control stream, cut into frames with a
 //!   hard size cap, run through [`ConnState::on_frame`] (decode, version,
 //!   token, rate limit) and [`Hub::apply`], answered on the same stream in
@@ -530,7 +539,7 @@ struct Built {
 
 impl Server {
     /// Binds the UDP socket, restores the store if any, and starts the
-    /// server's one task (see [`driver`]). Must be called inside a tokio
+    /// server's one task (see `driver`). Must be called inside a tokio
     /// runtime.
     pub fn bind(config: ServerConfig) -> Result<Server, ServerError> {
         let built = Server::build(config)?;

@@ -35,9 +35,9 @@
 //! ticket back (or, if it does not within `store_timeout`, answered "not
 //! saved"). The connection's later frames wait behind it.
 //!
-//! **Sessions** ([`super::session`]) do not know QUIC: they talk to their
+//! **Sessions** (`session`) do not know QUIC: they talk to their
 //! transport through a small binding trait; QUIC is the one binding today
-//! ([`super::quic`]).
+//! (`quic`).
 
 use super::conn::{ConnState, Handled, Step};
 use super::hub::{Hub, HubOutput};

@@ -528,3 +528,67 @@ fn a_wall_clock_jump_back_never_turns_the_core_time_back() {
         Some(t1 + Duration::from_millis(1_001))
     );
 }
+
+/// A drain: every client is closed with `Draining` (and a reconnect
+/// spread), then the store is written with the live devices, and only once
+/// that write's ticket comes back is the state stopped.
+#[test]
+fn a_drain_closes_everyone_then_saves_the_live_devices_then_stops() {
+    let mut net = Net::new(config(), Some(Loaded::default()));
+    let ann = net.connect("ann", "laptop");
+    let bob = net.connect("bob", "phone");
+    net.store.clear();
+    net.server.handle_input(
+        net.now,
+        ServerInput::Stop {
+            code: CloseCode::Draining,
+            text: b"draining".to_vec(),
+            save: true,
+        },
+    );
+    assert!(net.server.is_stopping());
+    net.run_until(Duration::from_secs(5), |net| {
+        net.store
+            .iter()
+            .any(|r| matches!(r, StoreRequest::Durable { .. }))
+    });
+    for c in [ann, bob] {
+        match &net.clients[c].lost {
+            Some(ConnectionError::ApplicationClosed(close)) => {
+                assert_eq!(close.error_code, CloseCode::Draining.varint());
+                assert!(String::from_utf8_lossy(&close.reason).contains("retry_ms="));
+            }
+            other => panic!("not drained: {other:?}"),
+        }
+    }
+    let ticket = match net.store.pop() {
+        Some(StoreRequest::Durable { ticket, batch, .. }) => {
+            let mut drained: Vec<String> = batch
+                .drained
+                .expect("the live devices")
+                .into_iter()
+                .map(|d| d.user)
+                .collect();
+            drained.sort();
+            assert_eq!(drained, ["ann", "bob"]);
+            ticket
+        }
+        other => panic!("{other:?}"),
+    };
+    assert!(
+        net.server.poll_timeout().is_some(),
+        "stopped before the save"
+    );
+    net.server.handle_input(
+        net.now,
+        ServerInput::StoreDone {
+            ticket,
+            result: Ok(()),
+        },
+    );
+    assert!(matches!(
+        net.server.poll_output(),
+        Some(ServerOutput::Stopped)
+    ));
+    assert_eq!(net.server.poll_timeout(), None);
+}
