@@ -360,11 +360,14 @@ impl Hub {
         Ok(())
     }
 
-    /// Every live device (Online or Lingering).
+    /// Every live device (Online or Lingering), in session order (the same
+    /// in every run, whatever the map's hasher).
     pub fn live_devices(&self) -> Vec<LiveDevice> {
-        self.sessions
-            .values()
-            .filter_map(|m| {
+        let mut sessions: Vec<(&SessionId, &Meta)> = self.sessions.iter().collect();
+        sessions.sort_unstable_by_key(|(id, _)| **id);
+        sessions
+            .into_iter()
+            .filter_map(|(_, m)| {
                 Some(LiveDevice {
                     user: self.users.name(m.user.0)?.to_string(),
                     device: self.devices.name(m.device.0)?.to_string(),

@@ -566,29 +566,34 @@ impl Server {
         let local_addr = io.socket.local_addr()?;
         let now = std::time::Instant::now();
         let unix_ms = unix_now_ms();
+        let seed = random_u64();
         // Everything saved is back in the core before the first connection.
-        let (loaded, writer) = match &config.store {
-            Some(path) => {
-                // Disk work: off the runtime's worker (the runtime moves
-                // its other tasks elsewhere meanwhile).
-                let open = || -> Result<(Store, store::Loaded), ServerError> {
+        // Disk work (and restoring many users): off the runtime's worker
+        // (the runtime moves its other tasks elsewhere meanwhile).
+        let start = || -> Result<(ServerState, Option<StoreWriter>), ServerError> {
+            let (loaded, store) = match &config.store {
+                Some(path) => {
                     let store = Store::open(path)?;
-                    let loaded = store.load_and_begin(unix_ms)?;
-                    Ok((store, loaded))
-                };
-                let (store, loaded) =
-                    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
-                        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => {
-                            tokio::task::block_in_place(open)?
-                        }
-                        _ => open()?,
-                    };
-                let writer = StoreWriter::spawn_with_faults(store, config.store_faults.clone())?;
-                (Some(loaded), Some(writer))
-            }
-            None => (None, None),
+                    (Some(store.load_and_begin(unix_ms)?), Some(store))
+                }
+                None => (None, None),
+            };
+            let state = ServerState::new(config.clone(), now, unix_ms, seed, loaded)?;
+            let writer = match store {
+                Some(store) => Some(StoreWriter::spawn_with_faults(
+                    store,
+                    config.store_faults.clone(),
+                )?),
+                None => None,
+            };
+            Ok((state, writer))
         };
-        let state = ServerState::new(config.clone(), now, unix_ms, random_u64(), loaded)?;
+        let (state, writer) = match tokio::runtime::Handle::try_current()
+            .map(|h| h.runtime_flavor())
+        {
+            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(start)?,
+            _ => start()?,
+        };
         let certificate = state.certificate().clone();
         let (control, control_rx) = mpsc::channel(1024);
         let (events, _) = broadcast::channel(4096);

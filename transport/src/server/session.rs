@@ -491,6 +491,25 @@ impl Session {
         }
     }
 
+    /// The session's own bookkeeping: `queued` is what its push queues hold.
+    pub fn check(&self) -> Result<(), String> {
+        let held: usize = self
+            .pushes
+            .iter()
+            .flat_map(|p| p.iter())
+            .flat_map(|q| q.iter())
+            .map(|(_, b)| queued_cost(b))
+            .sum();
+        if held != self.queued {
+            return Err(format!("{} push bytes counted, {held} held", self.queued));
+        }
+        if self.is_ended() && (self.queued != 0 || self.pushes.is_some() || !self.unsent.is_empty())
+        {
+            return Err("an ended session still holds pushes or answers".into());
+        }
+        Ok(())
+    }
+
     /// Whether the peer already finished its control channel (a second
     /// one is refused).
     pub fn control_done(&self) -> bool {

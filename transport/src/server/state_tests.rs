@@ -183,6 +183,9 @@ impl Net {
                 break;
             }
         }
+        if let Err(e) = self.server.check() {
+            panic!("the state's bookkeeping broke: {e}");
+        }
         self.now += TICK;
     }
 
