@@ -6,10 +6,11 @@
 
 use arbitrary::Arbitrary;
 use greendot_core::Millis;
-use greendot_transport::proto::codec::encode_frame;
-use greendot_transport::proto::{self, Hello, Kind, Request, RequestFrame, ServerFrame, Status, Tier};
-use greendot_transport::server::{handle_frame, ConnState, Hub, HubLimits, RateLimit};
-use greendot_transport::token::{Claims, TokenKeys, WatchClaim};
+use greendot_proto::codec::encode_frame;
+use greendot_proto::{self as proto, Hello, Kind, Request, RequestFrame, ServerFrame, Status, Tier};
+use greendot_server::testing::{handle_frame, ConnState, Hub};
+use greendot_server::{HubLimits, RateLimit};
+use greendot_server::token::{Claims, TokenKeys, WatchClaim};
 use libfuzzer_sys::fuzz_target;
 use std::sync::Arc;
 use std::time::Duration;

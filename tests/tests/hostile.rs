@@ -1,17 +1,17 @@
 //! Hostile clients: what a client with a valid token but bad intentions can
 //! make the server hold, and how it is stopped.
 
+use greendot_client::quinn;
+use greendot_client::{Client, ClientError};
 use greendot_core::{Status, Tier};
-use greendot_tests::{raw_connect, TestServer, SLACK};
-use greendot_transport::client::{Client, ClientError};
-use greendot_transport::proto::codec::read_frame;
-use greendot_transport::proto::{
-    self, decode, encode_frame, CloseCode, ErrorCode, FrameReader, Hello, Kind, Request,
+use greendot_proto::codec::read_frame;
+use greendot_proto::{
+    self as proto, decode, encode_frame, CloseCode, ErrorCode, FrameReader, Hello, Kind, Request,
     RequestFrame, ServerFrame, ALPN,
 };
-use greendot_transport::quinn;
-use greendot_transport::server::{RateLimit, RATE_LIMIT_PATIENCE};
-use greendot_transport::token::WatchClaim;
+use greendot_server::token::WatchClaim;
+use greendot_server::{RateLimit, RATE_LIMIT_PATIENCE};
+use greendot_tests::{raw_connect, TestServer, SLACK};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -238,7 +238,7 @@ async fn stopping_a_push_stream_closes_the_connection() {
 /// not read soon wait in the server's queues.
 async fn stingy_connect(ts: &TestServer) -> (quinn::Endpoint, quinn::Connection) {
     let crypto =
-        greendot_transport::tls::client_crypto(&[ts.server.certificate().clone()], ALPN).unwrap();
+        greendot_client::tls::client_crypto(&[ts.server.certificate().clone()], ALPN).unwrap();
     let mut transport = quinn::TransportConfig::default();
     transport.stream_receive_window(4096u32.into());
     transport.receive_window(8192u32.into());

@@ -41,12 +41,18 @@
 //! push, no new version), so after a timeout simply call again until it is
 //! answered. The client does not retry by itself.
 
-use crate::proto::{
-    self, codec::read_frame, encode_frame, Answer, CloseCode, ErrorCode, FrameReader, Hello, Push,
-    QueryResult, Refused, Request, RequestFrame, RouteEntry, ServerFrame, Welcome, WireError,
-};
-use crate::tls;
+pub mod tls;
+
+// Re-exported so users need no second copy of them (TLS settings, roots).
+pub use quinn;
+pub use rustls;
+
 use greendot_core::{Applied, Presence, SessionId, Status, Tier, UserId, View};
+use greendot_proto::{
+    self as proto, codec::read_frame, encode_frame, Answer, CloseCode, ErrorCode, FrameReader,
+    Hello, Push, QueryResult, Refused, Request, RequestFrame, RouteEntry, ServerFrame, Welcome,
+    WireError,
+};
 use quinn::crypto::rustls::QuicClientConfig;
 use rustls::pki_types::CertificateDer;
 use std::collections::{BTreeMap, HashMap, VecDeque};

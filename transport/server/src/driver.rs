@@ -29,9 +29,11 @@ use super::{
     durable_user, not_saved, readmit_ms, reason_label, reason_text, record, with_retry_hint,
     PassBudget, ServerEvent, Shared, Shed,
 };
-use crate::proto::{self, encode_frame, CloseCode, FrameError, FrameReader, ServerFrame};
 use bytes::{Buf, Bytes};
 use greendot_core::{Counters, EndReason, Millis, SessionId, Tier, UserId};
+use greendot_proto::{
+    self as proto, encode_frame, CloseCode, FrameError, FrameReader, ServerFrame,
+};
 use quinn_proto::{
     ConnectionError, ConnectionHandle, DatagramEvent, Dir, Endpoint, Event, StreamEvent, StreamId,
 };

@@ -66,22 +66,36 @@
 //!   at the admission rate: clients spread their reconnect over [0, N] ms,
 //!   and restored devices linger for their grace plus that time.
 
-pub mod conn;
+mod conn;
 mod driver;
-pub mod hub;
+mod hub;
 pub mod metrics;
-pub mod store;
+mod store;
+pub mod tls;
+pub mod token;
 mod udp;
 
-pub use conn::{handle_frame, ConnState, Handled, RateLimit, Step, RATE_LIMIT_PATIENCE};
-pub use hub::{Hub, HubLimits, HubOutput, Interner, LiveDevice};
+use conn::{Handled, Step};
+pub use conn::{RateLimit, RATE_LIMIT_PATIENCE};
+use hub::Hub;
+pub use hub::HubLimits;
 pub use metrics::MetricsSnapshot;
+pub use store::StoreError;
+pub use tls::{Identity, TlsError};
 
-use crate::proto::{self, CloseCode, ServerFrame};
-use crate::tls::{self, Identity, TlsError};
+/// Internals for this workspace's tests, benches and fuzz targets (a session
+/// without a network, the store with injected faults); not a stable API.
+#[doc(hidden)]
+pub mod testing {
+    pub use crate::conn::{handle_frame, ConnState, Handled, Step};
+    pub use crate::hub::{Hub, HubOutput, Interner, LiveDevice};
+    pub use crate::store::{Record, Store, StoreFaults};
+}
+
 use crate::token::TokenKeys;
 use driver::Control;
 use greendot_core::{Counters, Millis, SessionId, UserId};
+use greendot_proto::{self as proto, CloseCode, ServerFrame};
 use metrics::Histogram;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -709,7 +723,7 @@ impl Server {
     }
 
     /// Mints a token with the server's secret (for tools and tests).
-    pub fn mint(&self, claims: &crate::token::Claims) -> Result<String, proto::WireError> {
+    pub fn mint(&self, claims: &crate::token::Claims) -> Result<String, token::MintError> {
         self.shared.keys.mint(claims)
     }
 
