@@ -89,11 +89,11 @@ impl TestServer {
         config.bind = SocketAddr::from(([127, 0, 0, 1], 0));
         config.keep_alive = self.config().keep_alive;
         config.idle_timeout = self.config().idle_timeout;
-        config.reconnect = Some(Reconnect {
-            initial_backoff: Duration::from_millis(50),
-            max_backoff: Duration::from_millis(400),
-            give_up_after: Some(Duration::from_secs(30)),
-        });
+        config.reconnect = Some(Reconnect::new(
+            Duration::from_millis(50),
+            Duration::from_millis(400),
+            Some(Duration::from_secs(30)),
+        ));
         config
     }
 

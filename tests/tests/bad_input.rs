@@ -237,12 +237,7 @@ async fn a_client_that_never_reads_answers_is_held_back() {
     // No rate limit in the way: every request is a real query with a real
     // answer (and a flood past the rate limit may be closed, which is not
     // what this test is about).
-    let ts = TestServer::start(|c| {
-        c.rate = RateLimit {
-            per_second: 10_000_000,
-            burst: 10_000_000,
-        }
-    });
+    let ts = TestServer::start(|c| c.rate = RateLimit::new(10_000_000, 10_000_000));
     let (healthy, _events) = ts.connect("hank", "phone", Kind::Mobile).await;
 
     // A raw client whose receive window for the control stream is known.

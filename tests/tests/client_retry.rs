@@ -348,11 +348,11 @@ async fn clients_spread_their_reconnects_over_the_servers_retry_ms() {
         // One at a time: the fake server answers hellos one by one.
         let mut config = ClientConfig::new(addr, identity.certs.clone(), "token");
         config.bind = SocketAddr::from(([127, 0, 0, 1], 0));
-        config.reconnect = Some(greendot_client::Reconnect {
-            initial_backoff: Duration::from_millis(50),
-            max_backoff: Duration::from_millis(400),
-            give_up_after: Some(Duration::from_secs(30)),
-        });
+        config.reconnect = Some(greendot_client::Reconnect::new(
+            Duration::from_millis(50),
+            Duration::from_millis(400),
+            Some(Duration::from_secs(30)),
+        ));
         clients.push(Client::connect(config).await.unwrap());
     }
     let mut closed = std::collections::HashMap::new();

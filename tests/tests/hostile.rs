@@ -33,12 +33,7 @@ fn random_names(seed: u64, n: usize) -> Vec<String> {
 /// else: every refused target is refused before its name is kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_targets_create_no_names_and_no_users() {
-    let ts = TestServer::start(|c| {
-        c.rate = RateLimit {
-            per_second: 10_000,
-            burst: 10_000,
-        }
-    });
+    let ts = TestServer::start(|c| c.rate = RateLimit::new(10_000, 10_000));
     let token = ts.token(
         "mallory",
         "laptop",
@@ -134,12 +129,7 @@ async fn names_with_control_characters_are_refused() {
 /// being answered one refusal at a time forever; a calm client is not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_never_slows_down_is_closed() {
-    let ts = TestServer::start(|c| {
-        c.rate = RateLimit {
-            per_second: 20,
-            burst: 20,
-        }
-    });
+    let ts = TestServer::start(|c| c.rate = RateLimit::new(20, 20));
     let (calm, _calm_events) = ts.connect("calm", "phone", Kind::Mobile).await;
     let (_endpoint, conn) = raw_connect(&ts, ALPN).await.unwrap();
     let (mut send, mut recv) = conn.open_bi().await.unwrap();
@@ -307,10 +297,7 @@ async fn stall_with_big_pushes(ts: &TestServer) -> Option<CloseCode> {
 async fn a_client_that_does_not_read_is_closed_by_bytes_queued() {
     let ts = TestServer::start(|c| {
         c.core.max_message_len = 1_000;
-        c.rate = RateLimit {
-            per_second: 10_000,
-            burst: 10_000,
-        };
+        c.rate = RateLimit::new(10_000, 10_000);
         c.push_queue_bytes = 16 * 1024;
     });
     assert_eq!(
@@ -326,10 +313,7 @@ async fn a_client_that_does_not_read_is_closed_by_bytes_queued() {
 async fn past_the_byte_budget_the_slowest_reader_is_closed() {
     let ts = TestServer::start(|c| {
         c.core.max_message_len = 1_000;
-        c.rate = RateLimit {
-            per_second: 10_000,
-            burst: 10_000,
-        };
+        c.rate = RateLimit::new(10_000, 10_000);
         c.push_queue_bytes = 1 << 30;
         c.push_budget_bytes = 32 * 1024;
     });

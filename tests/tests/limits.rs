@@ -56,12 +56,7 @@ async fn subscription_cap_and_service_only_calls() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_rate_is_limited_per_session() {
-    let ts = TestServer::start(|c| {
-        c.rate = RateLimit {
-            per_second: 2,
-            burst: 5,
-        }
-    });
+    let ts = TestServer::start(|c| c.rate = RateLimit::new(2, 5));
     let (flood, mut flood_events) = ts.connect("fred", "phone", Kind::Mobile).await;
     let (calm, _) = ts.connect("carl", "phone", Kind::Mobile).await;
     let mut limited = 0;

@@ -64,6 +64,7 @@ use tracing::debug;
 
 /// Reconnection policy (see the module docs: waits are drawn with full jitter).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Reconnect {
     /// The ceiling of the first wait after a loss; it doubles with every
     /// failed attempt up to `max_backoff`.
@@ -193,8 +194,25 @@ impl Default for Reconnect {
     }
 }
 
+impl Reconnect {
+    /// A policy with these waits (see the fields); a setting added later
+    /// gets its default.
+    pub fn new(
+        initial_backoff: Duration,
+        max_backoff: Duration,
+        give_up_after: Option<Duration>,
+    ) -> Reconnect {
+        Reconnect {
+            initial_backoff,
+            max_backoff,
+            give_up_after,
+        }
+    }
+}
+
 /// Client settings.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct ClientConfig {
     pub server: SocketAddr,
     /// The name in the server's certificate. Default `localhost`.

@@ -36,6 +36,7 @@ use tokio::sync::{watch, Semaphore};
 
 /// What to run.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct LoadOptions {
     pub server: SocketAddr,
     /// The server's certificate (or its CA), trusted as a root.
@@ -759,6 +760,7 @@ pub async fn run(opts: LoadOptions) -> LoadReport {
 
 /// What a [`Herd`] holds and how its devices reconnect.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct HerdOptions {
     pub server: SocketAddr,
     pub roots: Vec<CertificateDer<'static>>,

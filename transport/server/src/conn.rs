@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 /// A request rate per session: a token bucket.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RateLimit {
     /// Sustained requests per second.
     pub per_second: u32,
@@ -27,6 +28,13 @@ impl Default for RateLimit {
             per_second: 50,
             burst: 100,
         }
+    }
+}
+
+impl RateLimit {
+    /// `per_second` sustained, bursts of `burst`.
+    pub fn new(per_second: u32, burst: u32) -> RateLimit {
+        RateLimit { per_second, burst }
     }
 }
 

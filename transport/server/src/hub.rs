@@ -160,6 +160,7 @@ impl Interner {
 
 /// Limits the hub enforces on requests (the core enforces its own).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct HubLimits {
     /// User and device names, in bytes.
     pub max_name_len: usize,

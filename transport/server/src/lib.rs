@@ -111,6 +111,7 @@ use tracing::{info, warn};
 
 /// Server settings. `ServerConfig::new(secret)` gives the documented defaults.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct ServerConfig {
     pub listen: SocketAddr,
     /// The presence core's settings (debounce, grace, caps...).
@@ -201,6 +202,7 @@ pub struct ServerConfig {
 /// backlog of timers or busy connections never stops datagrams being read
 /// (and the kernel dropping them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PassBudget {
     /// Datagrams read from the socket (it is read until empty or this many).
     pub datagrams: usize,

@@ -23,11 +23,11 @@ pub async fn connect(args: &ClientArgs) -> Result<(Client, Updates), String> {
     let mut config = ClientConfig::new(server, roots, args.token.trim());
     config.server_name = args.server_name.clone();
     config.connect_timeout = Duration::from_secs(3);
-    config.reconnect = Some(Reconnect {
-        initial_backoff: Duration::from_millis(100),
-        max_backoff: Duration::from_secs(2),
-        give_up_after: None,
-    });
+    config.reconnect = Some(Reconnect::new(
+        Duration::from_millis(100),
+        Duration::from_secs(2),
+        None,
+    ));
     Client::connect(config).await.map_err(|e| e.to_string())
 }
 
