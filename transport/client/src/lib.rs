@@ -279,6 +279,9 @@ impl ClientConfig {
 pub enum ClientError {
     #[error("invalid client setting: {0}")]
     Config(String),
+    /// The TLS configuration could not be built (a bad root certificate).
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
     #[error("cannot connect: {0}")]
     Connect(String),
     /// The server refused the connection: an error frame and/or a close code.
@@ -586,10 +589,9 @@ impl Client {
                 if tls.alpn_protocols.is_empty() {
                     tls.alpn_protocols = vec![config.alpn.clone()];
                 }
-                QuicClientConfig::try_from(tls).map_err(|e| ClientError::Config(e.to_string()))?
+                QuicClientConfig::try_from(tls).map_err(tls::TlsError::from)?
             }
-            None => tls::client_crypto(&config.roots, &config.alpn)
-                .map_err(|e| ClientError::Config(e.to_string()))?,
+            None => tls::client_crypto(&config.roots, &config.alpn)?,
         };
         let mut transport = quinn::TransportConfig::default();
         transport.keep_alive_interval(Some(config.keep_alive));
