@@ -51,11 +51,11 @@ use super::{
     validate, with_retry_hint, PassBudget, ServerConfig, ServerError, ServerEvent, Shed, Stats,
     StatsInner, KEEP_ALIVE_STEPS,
 };
-use crate::proto::{self, encode_frame, CloseCode, ServerFrame};
 use crate::tls::{self, Identity};
 use crate::token::TokenKeys;
 use bytes::BytesMut;
 use greendot_core::{Counters, EndReason, Millis, SessionId, UserId};
+use greendot_proto::{self as proto, encode_frame, CloseCode, ServerFrame};
 use quinn_proto::{ConnectionHandle, DatagramEvent, EcnCodepoint, Endpoint};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::BuildHasherDefault;

@@ -75,28 +75,43 @@
 //!   at the admission rate: clients spread their reconnect over [0, N] ms,
 //!   and restored devices linger for their grace plus that time.
 
-pub mod conn;
+mod conn;
 mod driver;
-pub mod hub;
+mod hub;
 pub mod metrics;
 mod quic;
 mod session;
 mod state;
-pub mod store;
+mod store;
+pub mod tls;
+pub mod token;
 mod udp;
 
-pub use conn::{handle_frame, ConnState, Handled, RateLimit, Step, RATE_LIMIT_PATIENCE};
-pub use hub::{Hub, HubLimits, HubOutput, Interner, LiveDevice};
+use conn::{Handled, Step};
+pub use conn::{RateLimit, RATE_LIMIT_PATIENCE};
+use hub::Hub;
+pub use hub::HubLimits;
+pub use hub::LiveDevice;
 pub use metrics::MetricsSnapshot;
 pub use state::{
     Census, Datagram, ServerInput, ServerMutant, ServerOutput, ServerState, StoreRequest, Transmit,
 };
+pub use store::{Batch, Loaded, Record, StoreError};
+pub use tls::{Identity, TlsError};
 
-use crate::proto::{self, CloseCode, ServerFrame};
-use crate::tls::{Identity, TlsError};
+/// Internals for this workspace's tests, benches and fuzz targets (a session
+/// without a network, the store with injected faults); not a stable API.
+#[doc(hidden)]
+pub mod testing {
+    pub use crate::conn::{handle_frame, ConnState, Handled, Step};
+    pub use crate::hub::{Hub, HubOutput, Interner, LiveDevice};
+    pub use crate::store::{Record, Store, StoreFaults};
+}
+
 use crate::token::TokenKeys;
 use driver::Control;
 use greendot_core::{Counters, SessionId, UserId};
+use greendot_proto::{self as proto, CloseCode, ServerFrame};
 use metrics::Histogram;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -104,13 +119,14 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-use store::{Record, Store, StoreWriter};
+use store::{Store, StoreWriter};
 use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
 /// Server settings. `ServerConfig::new(secret)` gives the documented defaults.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct ServerConfig {
     pub listen: SocketAddr,
     /// The presence core's settings (debounce, grace, caps...).
@@ -205,6 +221,7 @@ pub struct ServerConfig {
 /// backlog of timers or busy connections never stops datagrams being read
 /// (and the kernel dropping them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PassBudget {
     /// Datagrams read from the socket (it is read until empty or this many).
     pub datagrams: usize,
@@ -653,7 +670,7 @@ impl Server {
     }
 
     /// Mints a token with the server's secret (for tools and tests).
-    pub fn mint(&self, claims: &crate::token::Claims) -> Result<String, proto::WireError> {
+    pub fn mint(&self, claims: &crate::token::Claims) -> Result<String, token::MintError> {
         self.shared.keys.mint(claims)
     }
 

@@ -3,9 +3,11 @@
 //! clock.
 
 use super::*;
-use crate::proto::{decode, Hello, Kind, Push, Request, RequestFrame, Status, Tier, ALPN, VERSION};
-use crate::server::store::Loaded;
+use crate::store::Loaded;
 use crate::token::{Claims, WatchClaim};
+use greendot_proto::{
+    decode, Hello, Kind, Push, Request, RequestFrame, Status, Tier, ALPN, VERSION,
+};
 use quinn_proto::{ClientConfig, ConnectionError, Dir, Event, StreamEvent, StreamId};
 
 const SERVER: SocketAddr = SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::new(10, 0, 0, 1)), 4433);
@@ -23,9 +25,9 @@ struct Client {
     control: Option<StreamId>,
     /// Sent on the control stream once the handshake is done.
     hello: Vec<u8>,
-    answers: crate::proto::FrameReader,
+    answers: greendot_proto::FrameReader,
     replies: Vec<ServerFrame>,
-    pushes: Vec<(StreamId, crate::proto::FrameReader)>,
+    pushes: Vec<(StreamId, greendot_proto::FrameReader)>,
     updates: Vec<Push>,
     lost: Option<ConnectionError>,
     next_id: u64,
@@ -67,8 +69,11 @@ impl Net {
             false,
             None,
         );
-        let crypto =
-            tls::client_crypto(std::slice::from_ref(self.server.certificate()), ALPN).unwrap();
+        let crypto = greendot_client::tls::client_crypto(
+            std::slice::from_ref(self.server.certificate()),
+            ALPN,
+        )
+        .unwrap();
         let (ch, conn) = endpoint
             .connect(
                 self.now,
@@ -96,7 +101,7 @@ impl Net {
             addr,
             control: None,
             hello: encode_frame(&hello).unwrap(),
-            answers: crate::proto::FrameReader::new(1 << 20),
+            answers: greendot_proto::FrameReader::new(1 << 20),
             replies: Vec::new(),
             pushes: Vec::new(),
             updates: Vec::new(),
@@ -212,7 +217,8 @@ impl Net {
                     }
                     Event::Stream(StreamEvent::Opened { dir: Dir::Uni }) => {
                         while let Some(id) = c.conn.streams().accept(Dir::Uni) {
-                            c.pushes.push((id, crate::proto::FrameReader::new(1 << 20)));
+                            c.pushes
+                                .push((id, greendot_proto::FrameReader::new(1 << 20)));
                         }
                     }
                     _ => {}
@@ -264,7 +270,7 @@ impl Client {
 fn read_stream(
     conn: &mut quinn_proto::Connection,
     id: StreamId,
-    reader: &mut crate::proto::FrameReader,
+    reader: &mut greendot_proto::FrameReader,
 ) {
     let mut recv = conn.recv_stream(id);
     let Ok(mut chunks) = recv.read(true) else {

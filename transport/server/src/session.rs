@@ -8,9 +8,9 @@
 //! WebSocket and a cluster bus would be others.
 
 use super::conn::{ConnState, Step};
-use crate::proto::{CloseCode, FrameError, FrameReader};
 use bytes::{Buf, Bytes};
 use greendot_core::{Millis, SessionId, Tier};
+use greendot_proto::{CloseCode, FrameError, FrameReader};
 use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Instant;
