@@ -13,9 +13,9 @@
 //!   next deadline, then reads the socket, lets the state work, and sends.
 //!   Nothing is shared with another task but counters and the event channel.
 //! - **Sessions do not know QUIC.** A connection's session layer (`session`:
-//!   its `Phase`, frames, answers, push queues, closing)
-//!   talks to its transport through a small binding trait; QUIC (`quic`) is
-//!   the one binding today.
+//!   its `Phase`, frames, answers, push queues, closing) talks to its
+//!   transport through a small binding trait; QUIC (`quic`) is the one
+//!   binding today.
 //! - **A connection** is the client's control stream, cut into frames with a
 //!   hard size cap, run through [`ConnState::on_frame`] (decode, version,
 //!   token, rate limit) and [`Hub::apply`], answered on the same stream in

@@ -4,8 +4,11 @@
 //! byte counts), and what it asks the server to do next. It never sees
 //! QUIC: it talks to its transport through the small [`Binding`] trait
 //! (a control channel of frames in and answers out, two push channels, a
-//! close with a code). QUIC is one binding ([`super::quic`]); WebTransport,
-//! WebSocket and a cluster bus would be others.
+//! close with a code). QUIC is one binding (`quic`); WebTransport,
+//! WebSocket and a cluster bus would be others. A new binding implements
+//! [`Binding`], turns its own events into [`Happened`]s, and takes its
+//! place beside `QuicLink` in the server's connection slot (an enum of
+//! links once there are two); nothing in this file changes.
 
 use super::conn::{ConnState, Step};
 use bytes::{Buf, Bytes};

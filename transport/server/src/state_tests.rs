@@ -47,8 +47,12 @@ fn config() -> ServerConfig {
 
 impl Net {
     fn new(config: ServerConfig, restored: Option<Loaded>) -> Net {
+        Net::seeded(config, restored, 7)
+    }
+
+    fn seeded(config: ServerConfig, restored: Option<Loaded>, seed: u64) -> Net {
         let now = Instant::now();
-        let server = ServerState::new(config, now, super::super::unix_now_ms(), 7, restored)
+        let server = ServerState::new(config, now, super::super::unix_now_ms(), seed, restored)
             .expect("a server");
         Net {
             server,
@@ -496,6 +500,27 @@ fn no_push_after_logout_and_the_mutant_pushes() {
             Some(_) => assert!(after > 0, "the mutant pushed nothing after the logout"),
         }
     }
+}
+
+/// The same scenario from the same seed gives the same events (sessions
+/// named the same, in the same order); another seed names them otherwise.
+#[test]
+fn the_same_seed_gives_the_same_run() {
+    let run = |seed| {
+        let mut net = Net::seeded(config(), None, seed);
+        let ann = net.connect("ann", "laptop");
+        let bob = net.connect("bob", "phone");
+        net.clients[ann].addr = SocketAddr::from(([10, 0, 9, 9], 6000));
+        net.request(ann, Request::Ping);
+        let logout = net.request(bob, Request::Logout);
+        net.reply(bob, logout);
+        net.run_for(Duration::from_secs(1));
+        net.events
+    };
+    let (a, b, c) = (run(3), run(3), run(4));
+    assert!(a.len() >= 4, "{a:?}");
+    assert_eq!(a, b);
+    assert_ne!(a, c);
 }
 
 /// The seed decides the state's randomness: the same seed, the same
