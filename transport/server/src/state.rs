@@ -1231,7 +1231,7 @@ impl ServerState {
         }
         if self.stored && now >= self.next_flush {
             self.next_flush = now + self.config.flush_interval;
-            self.flush_store(now);
+            self.flush_store();
         }
     }
 
@@ -1251,7 +1251,7 @@ impl ServerState {
         }
     }
 
-    fn flush_store(&mut self, _now: Instant) {
+    fn flush_store(&mut self) {
         let batch = self.changed_records();
         // Users are freed only once their records are taken: a freed user's
         // record can no longer be read.
