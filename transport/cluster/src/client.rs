@@ -54,7 +54,12 @@ impl Cluster {
             .request_timeout(Some(config.op_timeout))
             .connection_timeout(config.op_timeout)
             .subscription_capacity(config.channel_capacity);
-        let client = async_nats::connect_with_options(urls, options)
+        let servers: Vec<&str> = urls
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .collect();
+        let client = async_nats::connect_with_options(servers, options)
             .await
             .map_err(|source| ClusterError::Connect {
                 urls: urls.to_owned(),
@@ -241,15 +246,50 @@ impl Cluster {
         let value = encode_claim(&self.config.node, Some(held.epoch));
         let ttl = Some(self.config.claim_ttl);
         let key = shard_key(held.shard);
-        held.revision = write_if(
+        let put = || Write::Put {
+            value: value.clone(),
+            ttl,
+        };
+        match write_if(
             &self.js,
             &self.claims,
             &key,
             held.revision,
-            Write::Put { value, ttl },
+            put(),
             self.timeout(),
         )
-        .await?;
+        .await
+        {
+            Ok(revision) => held.revision = revision,
+            Err(ClusterError::Conflict { .. }) => {
+                // An earlier renewal that timed out may have landed later:
+                // the claim is still ours if it keeps our epoch (a new claim
+                // would have a new one). Adopt its revision without moving
+                // the deadline, and try once more.
+                match self.read_claim(held.shard).await? {
+                    ClaimState::Held(r) if r.owner == self.config.node && r.epoch == held.epoch => {
+                        held.revision = write_if(
+                            &self.js,
+                            &self.claims,
+                            &key,
+                            r.revision,
+                            put(),
+                            self.timeout(),
+                        )
+                        .await?;
+                    }
+                    _ => {
+                        let bucket = self.claims.name.clone();
+                        return Err(ClusterError::Conflict {
+                            bucket,
+                            key,
+                            expected: held.revision,
+                        });
+                    }
+                }
+            }
+            Err(e) => return Err(e),
+        }
         held.tenure.renewed(sent_at);
         Ok(())
     }

@@ -117,7 +117,6 @@ pub(crate) async fn write_if(
     write: Write,
     timeout: Duration,
 ) -> Result<u64> {
-    use async_nats::jetstream::context::PublishErrorKind;
     let mut headers = HeaderMap::new();
     headers.insert(
         "Nats-Expected-Last-Subject-Sequence",
@@ -149,19 +148,34 @@ pub(crate) async fn write_if(
             after: timeout,
         }),
         Ok(Ok(ack)) => Ok(ack.sequence),
-        Ok(Err(e)) if e.kind() == PublishErrorKind::WrongLastSequence => {
-            Err(ClusterError::Conflict {
-                bucket: bucket(),
-                key: key.to_owned(),
-                expected,
-            })
-        }
+        Ok(Err(e)) if is_wrong_last_sequence(&e) => Err(ClusterError::Conflict {
+            bucket: bucket(),
+            key: key.to_owned(),
+            expected,
+        }),
         Ok(Err(source)) => Err(ClusterError::Write {
             bucket: bucket(),
             key: key.to_owned(),
             source,
         }),
     }
+}
+
+/// A failed compare-and-set. nats-server 2.15 answers it with error code
+/// 10164 ("wrong last sequence", without the number), which `async-nats`
+/// 0.51 does not map to `WrongLastSequence` (it knows only 10071).
+fn is_wrong_last_sequence(e: &async_nats::jetstream::context::PublishError) -> bool {
+    use async_nats::jetstream::context::PublishErrorKind;
+    use async_nats::jetstream::ErrorCode;
+    if e.kind() == PublishErrorKind::WrongLastSequence {
+        return true;
+    }
+    std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<async_nats::jetstream::Error>())
+        .is_some_and(|j| {
+            j.error_code() == ErrorCode::STREAM_WRONG_LAST_SEQUENCE
+                || j.error_code() == ErrorCode(10164)
+        })
 }
 
 /// An unconditional put (preferences, last published views): returns once
