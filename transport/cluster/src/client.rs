@@ -13,7 +13,9 @@ use crate::ids::{user_key, NodeId, ShardId};
 use crate::kv::{put, read, write_if, KvEntry, KvOp, Write};
 use crate::membership::{MemberEvent, Membership};
 use crate::messaging::{OwnerInbox, RequestKind, ViewFeed};
-use crate::ownership::{decode_claim, encode_claim, shard_key, ClaimState, ClaimTable, HeldShard};
+use crate::ownership::{
+    decode_claim, encode_claim, epoch_key, shard_key, ClaimState, ClaimTable, HeldShard,
+};
 use crate::tenure::Tenure;
 
 /// This node's lease: while it may act, the node may serve clients.
@@ -181,6 +183,11 @@ impl Cluster {
         Ok(())
     }
 
+    /// The latest entry of `node`'s lease (a `Put` while it is live).
+    pub async fn lease(&self, node: &NodeId) -> Result<Option<KvEntry>> {
+        read(&self.leases, node.as_str(), self.timeout()).await
+    }
+
     /// Watches the node leases: first the current ones, then every change.
     pub async fn watch_members(&self) -> Result<MemberWatch> {
         let inner = self
@@ -215,10 +222,12 @@ impl Cluster {
 
     /// Claims `shard` by compare-and-set on `expected_revision` (from the
     /// claim table or `read_claim`). Exactly one of racing claimers wins;
-    /// the others get `Conflict`. The winner's revision is the epoch.
+    /// the others get `Conflict`. First bumps the shard's epoch counter, so
+    /// the winner's epoch is above every earlier owner's.
     pub async fn claim_shard(&self, shard: ShardId, expected_revision: u64) -> Result<HeldShard> {
+        let epoch = self.bump_epoch(shard).await?;
         let sent_at = Instant::now();
-        let value = encode_claim(&self.config.node, None);
+        let value = encode_claim(&self.config.node, epoch);
         let ttl = Some(self.config.claim_ttl);
         let key = shard_key(shard);
         let revision = write_if(
@@ -232,10 +241,48 @@ impl Cluster {
         .await?;
         Ok(HeldShard {
             shard,
-            epoch: revision,
+            epoch,
             revision,
             tenure: Tenure::granted(self.config.claim_timing(), sent_at),
         })
+    }
+
+    /// Raises `shard`'s epoch counter by one (compare-and-set, retried while
+    /// racing claimers bump it too) and returns the new epoch.
+    async fn bump_epoch(&self, shard: ShardId) -> Result<u64> {
+        let key = epoch_key(shard);
+        let mut attempts = 0;
+        loop {
+            let (current, revision) = match read(&self.claims, &key, self.timeout()).await? {
+                Some(e) if e.op == KvOp::Put => {
+                    let text = std::str::from_utf8(&e.value).unwrap_or("");
+                    let n: u64 = text.parse().map_err(|_| ClusterError::Corrupt {
+                        bucket: self.claims.name.clone(),
+                        key: key.clone(),
+                    })?;
+                    (n, e.revision)
+                }
+                Some(e) => (0, e.revision),
+                None => (0, 0),
+            };
+            let next = current + 1;
+            let value = Bytes::from(next.to_string());
+            let write = Write::Put { value, ttl: None };
+            match write_if(
+                &self.js,
+                &self.claims,
+                &key,
+                revision,
+                write,
+                self.timeout(),
+            )
+            .await
+            {
+                Ok(_) => return Ok(next),
+                Err(ClusterError::Conflict { .. }) if attempts < 8 => attempts += 1,
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// Renews a held claim (same epoch, new revision, fresh TTL). On any
@@ -243,7 +290,7 @@ impl Cluster {
     /// the shard: it stops acting at once.
     pub async fn renew_claim(&self, held: &mut HeldShard) -> Result<()> {
         let sent_at = Instant::now();
-        let value = encode_claim(&self.config.node, Some(held.epoch));
+        let value = encode_claim(&self.config.node, held.epoch);
         let ttl = Some(self.config.claim_ttl);
         let key = shard_key(held.shard);
         let put = || Write::Put {

@@ -11,7 +11,7 @@ use crate::tenure::LeaseTiming;
 pub struct ClusterConfig {
     pub node: NodeId,
     /// Prefix of bucket names (`<prefix>_leases`, …) and subjects
-    /// (`<prefix>.view.<shard>`, …): `[A-Za-z0-9_-]+`.
+    /// (`<prefix>.shard.<shard>`, …): `[A-Za-z0-9_-]+`.
     pub prefix: String,
     /// Replicas of every bucket (3 on a 3-node NATS cluster; 1 on one node).
     pub replicas: usize,
@@ -61,7 +61,7 @@ impl ClusterConfig {
     pub fn new(node: NodeId) -> ClusterConfig {
         ClusterConfig {
             node,
-            prefix: "greendot".into(),
+            prefix: "gd".into(),
             replicas: 3,
             shard_count: 4096,
             lease_ttl: Duration::from_secs(10),
@@ -142,7 +142,7 @@ impl ClusterConfig {
     }
 
     pub fn view_subject(&self, shard: crate::ShardId) -> String {
-        format!("{}.view.{}", self.prefix, shard.0)
+        format!("{}.shard.{}", self.prefix, shard.0)
     }
 
     pub fn request_subject(&self, shard: crate::ShardId, kind: crate::RequestKind) -> String {

@@ -52,6 +52,8 @@ pub enum ClusterError {
         #[source]
         source: async_nats::jetstream::stream::LastRawMessageError,
     },
+    #[error("{bucket}/{key} holds a value greendot did not write")]
+    Corrupt { bucket: String, key: String },
     #[error("watching {bucket}")]
     Watch {
         bucket: String,

@@ -13,7 +13,8 @@
 //!
 //! Buckets (history 1, `replicas` each): `<prefix>_leases` (key: node id,
 //! per-key TTL `lease_ttl`), `<prefix>_claims` (key: shard number, TTL
-//! `claim_ttl`; the claim's first revision is the shard's epoch),
+//! `claim_ttl`; value `<owner>@<epoch>`; `epoch.<shard>` counts the shard's
+//! epochs),
 //! `<prefix>_prefs` and `<prefix>_views` (key: escaped user id).
 //!
 //! What NATS 2.15 does (checked by `tests/live.rs`): a key written with
@@ -46,7 +47,7 @@ pub use kv::{KvEntry, KvOp};
 pub use membership::{Member, MemberEvent, Membership};
 pub use messaging::{OwnerInbox, OwnerRequest, RequestKind, ShardMessage, ViewFeed};
 pub use ownership::{
-    decode_claim, encode_claim, ClaimAction, ClaimRecord, ClaimState, ClaimTable, HeldShard,
-    Ownership,
+    decode_claim, encode_claim, epoch_key, ClaimAction, ClaimRecord, ClaimState, ClaimTable,
+    HeldShard, Ownership,
 };
 pub use tenure::{LeaseTiming, Tenure};

@@ -1,4 +1,4 @@
-//! Per-shard subjects: the views an owner publishes (`<prefix>.view.<shard>`)
+//! Per-shard subjects: the views an owner publishes (`<prefix>.shard.<shard>`)
 //! and the requests to a shard's owner (`<prefix>.req.<shard>.<kind>`). A
 //! node holds at most one subscription per shard for each, never one per
 //! user or per watcher (NATS interest costs about 1 KB per subscription on

@@ -2,11 +2,13 @@
 //! table, the live-node set and an explicit `now`.
 //!
 //! A claim is the KV key `<shard>` of the claims bucket, written by
-//! compare-and-set with the claim TTL. The revision of the write that took
-//! the claim is the shard's **epoch**: revisions of a JetStream stream only
-//! grow, so a later owner's epoch is always higher. Renewals write
-//! `<owner>@<epoch>` (a new revision, the same epoch); the first write is
-//! just `<owner>`.
+//! compare-and-set with the claim TTL; its value is `<owner>@<epoch>`. The
+//! shard's **epoch** comes from its counter `epoch.<shard>` (same bucket, no
+//! TTL), which a claimer bumps by compare-and-set before it writes the claim:
+//! epochs of a shard are small, dense and only grow, even after a claim
+//! expired (the core keeps the epoch in a version's high 24 bits, so the
+//! stream-wide revision, which every renewal of every shard raises, would
+//! not fit for long).
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
@@ -39,11 +41,8 @@ pub struct ClaimRecord {
 }
 
 /// The value of a claim write.
-pub fn encode_claim(owner: &NodeId, epoch: Option<u64>) -> Bytes {
-    match epoch {
-        None => Bytes::from(owner.as_str().to_owned()),
-        Some(epoch) => Bytes::from(format!("{owner}@{epoch}")),
-    }
+pub fn encode_claim(owner: &NodeId, epoch: u64) -> Bytes {
+    Bytes::from(format!("{owner}@{epoch}"))
 }
 
 /// Reads a claim entry; `None` when the value is not a claim (written by
@@ -55,20 +54,20 @@ pub fn decode_claim(entry: &KvEntry) -> Option<ClaimState> {
         }),
         KvOp::Put => {
             let text = std::str::from_utf8(&entry.value).ok()?;
-            let (owner, epoch) = match text.split_once('@') {
-                None => (text, entry.revision),
-                Some((owner, epoch)) => (owner, epoch.parse().ok()?),
-            };
-            if epoch > entry.revision {
-                return None;
-            }
+            let (owner, epoch) = text.split_once('@')?;
             Some(ClaimState::Held(ClaimRecord {
                 owner: NodeId::new(owner).ok()?,
-                epoch,
+                epoch: epoch.parse().ok()?,
                 revision: entry.revision,
             }))
         }
     }
+}
+
+/// The KV key of a shard's epoch counter (not a shard key: the claim watch
+/// skips it).
+pub fn epoch_key(shard: ShardId) -> String {
+    format!("epoch.{}", shard.0)
 }
 
 pub fn shard_key(shard: ShardId) -> String {
@@ -278,40 +277,20 @@ mod tests {
     }
 
     #[test]
-    fn claim_values_round_trip_and_epoch_is_the_first_revision() {
+    fn claim_values_round_trip() {
         let n1 = node("n1");
-        let first = put(
-            "5",
-            std::str::from_utf8(&encode_claim(&n1, None)).unwrap(),
-            40,
-        );
+        let claim = put("5", std::str::from_utf8(&encode_claim(&n1, 3)).unwrap(), 44);
         assert_eq!(
-            decode_claim(&first),
-            Some(ClaimState::Held(ClaimRecord {
-                owner: n1.clone(),
-                epoch: 40,
-                revision: 40
-            }))
-        );
-        let renewal = put(
-            "5",
-            std::str::from_utf8(&encode_claim(&n1, Some(40))).unwrap(),
-            44,
-        );
-        assert_eq!(
-            decode_claim(&renewal),
+            decode_claim(&claim),
             Some(ClaimState::Held(ClaimRecord {
                 owner: n1,
-                epoch: 40,
+                epoch: 3,
                 revision: 44
             }))
         );
-        assert_eq!(
-            decode_claim(&put("5", "n1@99", 44)),
-            None,
-            "an epoch above the revision is forged"
-        );
-        assert_eq!(decode_claim(&put("5", "bad node", 44)), None);
+        assert_eq!(decode_claim(&put("5", "n1", 44)), None, "no epoch");
+        assert_eq!(decode_claim(&put("5", "n1@x", 44)), None);
+        assert_eq!(decode_claim(&put("5", "bad node@1", 44)), None);
         let marker = KvEntry {
             key: "5".into(),
             op: KvOp::Purge,
@@ -330,13 +309,19 @@ mod tests {
         assert_eq!(parse_shard_key("017", 4096), None);
         assert_eq!(parse_shard_key("4096", 4096), None);
         assert_eq!(parse_shard_key("x", 4096), None);
+        assert_eq!(
+            parse_shard_key(&epoch_key(ShardId(3)), 4096),
+            None,
+            "counters are no claims"
+        );
     }
 
     #[test]
     fn claim_table_ignores_stale_entries() {
         let mut t = ClaimTable::default();
-        assert!(t.apply(&put("1", "n1", 10), 8).is_some());
-        assert!(t.apply(&put("1", "n2", 9), 8).is_none());
+        assert!(t.apply(&put("1", "n1@1", 10), 8).is_some());
+        assert!(t.apply(&put("1", "n2@2", 9), 8).is_none());
+        assert!(t.apply(&put("epoch.1", "5", 11), 8).is_none());
         assert!(matches!(t.get(ShardId(1)), ClaimState::Held(r) if r.owner.as_str() == "n1"));
         assert_eq!(t.get(ShardId(2)), ClaimState::Free { revision: 0 });
     }
@@ -363,7 +348,7 @@ mod tests {
                 .collect::<Vec<_>>()
         );
         // Held by n2 (say n2 owned it before n1 joined): n1 waits.
-        claims.apply(&put(&mine[0].0.to_string(), "n2", 100), 64);
+        claims.apply(&put(&mine[0].0.to_string(), "n2@1", 100), 64);
         let plan = me.plan(&m, &claims, now);
         assert!(!plan
             .iter()

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use greendot_cluster::testing::NatsCluster;
 use greendot_cluster::{
-    ClaimState, Cluster, ClusterConfig, ClusterError, MemberEvent, NodeId, Ownership, RequestKind,
-    ShardId,
+    ClaimState, Cluster, ClusterConfig, ClusterError, KvOp, MemberEvent, NodeId, Ownership,
+    RequestKind, ShardId,
 };
 
 const LEASE_TTL: Duration = Duration::from_secs(2);
@@ -342,17 +342,17 @@ async fn stream_leader(nats: &NatsCluster, bucket: &str) -> usize {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_cut_off_from_nats_stops_owning_then_closes_clients_before_its_keys_expire() {
     let mut nats = NatsCluster::start(3).await;
-    let b = connect(&nats.urls(), "b").await;
+    let _buckets = connect(&nats.url(0), "setup").await;
     // Cut `a` off by killing the one NATS node it knows, chosen to lead
     // neither the leases nor the claims stream (so b's view needs no election).
     let leaders = [
-        stream_leader(&nats, "greendot_leases").await,
-        stream_leader(&nats, "greendot_claims").await,
+        stream_leader(&nats, "gd_leases").await,
+        stream_leader(&nats, "gd_claims").await,
     ];
     let k = (0..3).find(|i| !leaders.contains(i)).unwrap();
+    // b stays on another NATS node, so its watches never move.
+    let b = connect(&nats.url((k + 1) % 3), "b").await;
     let a = connect(&nats.url(k), "a").await;
-    let mut members = b.watch_members().await.unwrap();
-    let mut claims = b.watch_claims().await.unwrap();
 
     let mut lease = a.acquire_lease(Bytes::new()).await.unwrap();
     let mut ownership = Ownership::new(a.node().clone(), a.config().shard_count);
@@ -410,28 +410,24 @@ async fn a_node_cut_off_from_nats_stops_owning_then_closes_clients_before_its_ke
     );
 
     // b sees the claim expire, then the lease, each after a's matching stop.
+    // b polls with leader reads: a watch's consumer may have lived on the
+    // killed NATS node, and a watch then stalls until it is recreated.
     let deadline = Instant::now() + LEASE_TTL + EXPIRY_SLACK;
-    let claim_gone = loop {
-        let (s, state) = tokio::time::timeout_at(deadline.into(), claims.next())
-            .await
-            .unwrap()
-            .unwrap()
-            .unwrap();
-        if s == shard && matches!(state, ClaimState::Free { .. }) {
-            break Instant::now();
-        }
-    };
-    let lease_gone = loop {
-        let event = tokio::time::timeout_at(deadline.into(), members.next())
-            .await
-            .unwrap()
-            .unwrap()
-            .unwrap();
-        if matches!(event, MemberEvent::Left { ref node, expired: true, .. } if node.as_str() == "a")
+    let (mut claim_gone, mut lease_gone) = (None, None);
+    while claim_gone.is_none() || lease_gone.is_none() {
+        assert!(Instant::now() < deadline, "claim or lease never expired");
+        if claim_gone.is_none() && matches!(b.read_claim(shard).await, Ok(ClaimState::Free { .. }))
         {
-            break Instant::now();
+            claim_gone = Some(Instant::now());
         }
-    };
+        if lease_gone.is_none()
+            && matches!(b.lease(a.node()).await, Ok(Some(e)) if e.op != KvOp::Put)
+        {
+            lease_gone = Some(Instant::now());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (claim_gone, lease_gone) = (claim_gone.unwrap(), lease_gone.unwrap());
     assert!(stopped_owning < claim_gone, "owned after its claim expired");
     assert!(
         closed_clients < lease_gone,
@@ -620,7 +616,7 @@ async fn kill_9_of_a_nats_node_and_kv_and_claims_keep_working() {
     let mut held = a.claim_shard(ShardId(1), 0).await.unwrap();
 
     // Worst case: kill the node leading the claims stream.
-    let victim = stream_leader(&nats, "greendot_claims").await;
+    let victim = stream_leader(&nats, "gd_claims").await;
     let killed_at = Instant::now();
     nats.kill(victim);
 
