@@ -338,7 +338,7 @@ async fn stream_leader(nats: &NatsCluster, bucket: &str) -> usize {
 }
 
 /// A node cut off from NATS stops owning, then closes its clients, each
-/// before the others see its claim and its lease expire.
+/// while its claim and its lease are still in the KV.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_cut_off_from_nats_stops_owning_then_closes_clients_before_its_keys_expire() {
     let mut nats = NatsCluster::start(3).await;
@@ -358,6 +358,40 @@ async fn a_node_cut_off_from_nats_stops_owning_then_closes_clients_before_its_ke
     let mut ownership = Ownership::new(a.node().clone(), a.config().shard_count);
     let shard = ShardId(3);
     ownership.insert(a.claim_shard(shard, 0).await.unwrap());
+
+    // b watches both keys from now on: for each, the send instant of the
+    // last read that still found it (the key surely existed then). Leader
+    // reads, not a watch: a watch's consumer may live on the NATS node
+    // about to be killed, and then stalls until it is recreated.
+    let observer = {
+        let (b, node) = (b.clone(), a.node().clone());
+        tokio::spawn(async move {
+            let deadline = Instant::now() + LEASE_TTL * 2 + EXPIRY_SLACK;
+            let (mut claim_present, mut lease_present) = (None, None);
+            let (mut claim_gone, mut lease_gone) = (false, false);
+            while !(claim_gone && lease_gone) {
+                assert!(Instant::now() < deadline, "claim or lease never expired");
+                let sent = Instant::now();
+                if !claim_gone {
+                    match b.read_claim(shard).await {
+                        Ok(ClaimState::Held(_)) => claim_present = Some(sent),
+                        Ok(ClaimState::Free { .. }) => claim_gone = true,
+                        Err(_) => {}
+                    }
+                }
+                let sent = Instant::now();
+                if !lease_gone {
+                    match b.lease(&node).await {
+                        Ok(Some(e)) if e.op == KvOp::Put => lease_present = Some(sent),
+                        Ok(_) => lease_gone = true,
+                        Err(_) => {}
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            (claim_present.unwrap(), lease_present.unwrap())
+        })
+    };
 
     // a's duty loop: renew lease and claim when due; stop owning and close
     // clients at the deadlines. Renewals race the deadlines (select!), so a
@@ -409,34 +443,19 @@ async fn a_node_cut_off_from_nats_stops_owning_then_closes_clients_before_its_ke
         "closed clients before it stopped owning"
     );
 
-    // b sees the claim expire, then the lease, each after a's matching stop.
-    // b polls with leader reads: a watch's consumer may have lived on the
-    // killed NATS node, and a watch then stalls until it is recreated.
-    let deadline = Instant::now() + LEASE_TTL + EXPIRY_SLACK;
-    let (mut claim_gone, mut lease_gone) = (None, None);
-    while claim_gone.is_none() || lease_gone.is_none() {
-        assert!(Instant::now() < deadline, "claim or lease never expired");
-        if claim_gone.is_none() && matches!(b.read_claim(shard).await, Ok(ClaimState::Free { .. }))
-        {
-            claim_gone = Some(Instant::now());
-        }
-        if lease_gone.is_none()
-            && matches!(b.lease(a.node()).await, Ok(Some(e)) if e.op != KvOp::Put)
-        {
-            lease_gone = Some(Instant::now());
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let (claim_gone, lease_gone) = (claim_gone.unwrap(), lease_gone.unwrap());
-    assert!(stopped_owning < claim_gone, "owned after its claim expired");
+    let (claim_present, lease_present) = observer.await.unwrap();
     assert!(
-        closed_clients < lease_gone,
+        stopped_owning < claim_present,
+        "owned after its claim expired"
+    );
+    assert!(
+        closed_clients < lease_present,
         "served clients after its lease expired"
     );
     eprintln!(
-        "cut off at +0: stopped owning {:?} before the claim expired, closed clients {:?} before the lease expired",
-        claim_gone - stopped_owning,
-        lease_gone - closed_clients
+        "after the cut-off: stopped owning {:?} before the last read that found the claim, closed clients {:?} before the last read that found the lease",
+        claim_present - stopped_owning,
+        lease_present - closed_clients
     );
 }
 
