@@ -222,29 +222,52 @@ impl Cluster {
 
     /// Claims `shard` by compare-and-set on `expected_revision` (from the
     /// claim table or `read_claim`). Exactly one of racing claimers wins;
-    /// the others get `Conflict`. First bumps the shard's epoch counter, so
-    /// the winner's epoch is above every earlier owner's.
+    /// the others get `ShardHeld` (or `Conflict`). First bumps the shard's
+    /// epoch counter, so the winner's epoch is above every earlier owner's.
+    ///
+    /// If the claim is still free but at another revision than expected
+    /// (its expiry marker was removed after `marker_ttl`, or the caller's
+    /// table lagged), it retries once on the revision it read.
     pub async fn claim_shard(&self, shard: ShardId, expected_revision: u64) -> Result<HeldShard> {
         let epoch = self.bump_epoch(shard).await?;
-        let sent_at = Instant::now();
-        let value = encode_claim(&self.config.node, epoch);
-        let ttl = Some(self.config.claim_ttl);
         let key = shard_key(shard);
-        let revision = write_if(
-            &self.js,
-            &self.claims,
-            &key,
-            expected_revision,
-            Write::Put { value, ttl },
-            self.timeout(),
-        )
-        .await?;
-        Ok(HeldShard {
-            shard,
-            epoch,
-            revision,
-            tenure: Tenure::granted(self.config.claim_timing(), sent_at),
-        })
+        let claim = |expected: u64| {
+            let value = encode_claim(&self.config.node, epoch);
+            let write = Write::Put {
+                value,
+                ttl: Some(self.config.claim_ttl),
+            };
+            let key = &key;
+            async move {
+                let sent_at = Instant::now();
+                let revision =
+                    write_if(&self.js, &self.claims, key, expected, write, self.timeout()).await?;
+                Ok::<_, ClusterError>(HeldShard {
+                    shard,
+                    epoch,
+                    revision,
+                    tenure: Tenure::granted(self.config.claim_timing(), sent_at),
+                })
+            }
+        };
+        match claim(expected_revision).await {
+            Err(ClusterError::Conflict { .. }) => match self.read_claim(shard).await? {
+                ClaimState::Free { revision } if revision != expected_revision => {
+                    claim(revision).await
+                }
+                ClaimState::Free { .. } => Err(ClusterError::Conflict {
+                    bucket: self.claims.name.clone(),
+                    key: key.clone(),
+                    expected: expected_revision,
+                }),
+                ClaimState::Held(r) => Err(ClusterError::ShardHeld {
+                    shard,
+                    owner: r.owner,
+                    epoch: r.epoch,
+                }),
+            },
+            other => other,
+        }
     }
 
     /// Raises `shard`'s epoch counter by one (compare-and-set, retried while
