@@ -12,7 +12,7 @@ use crate::error::{ClusterError, Result};
 use crate::ids::{user_key, NodeId, ShardId};
 use crate::kv::{put, read, write_if, KvEntry, KvOp, Write};
 use crate::membership::{MemberEvent, Membership};
-use crate::messaging::{OwnerInbox, RequestKind, ViewFeed};
+use crate::messaging::{check_shard, OwnerInbox, RequestKind, ViewFeed};
 use crate::ownership::{
     decode_claim, encode_claim, epoch_key, shard_key, ClaimState, ClaimTable, HeldShard,
 };
@@ -208,6 +208,7 @@ impl Cluster {
     // ---- shard claims ------------------------------------------------------
 
     pub async fn read_claim(&self, shard: ShardId) -> Result<ClaimState> {
+        check_shard(&self.config, shard)?;
         Ok(
             match read(&self.claims, &shard_key(shard), self.timeout()).await? {
                 None => ClaimState::Free { revision: 0 },
@@ -229,6 +230,7 @@ impl Cluster {
     /// (its expiry marker was removed after `marker_ttl`, or the caller's
     /// table lagged), it retries once on the revision it read.
     pub async fn claim_shard(&self, shard: ShardId, expected_revision: u64) -> Result<HeldShard> {
+        check_shard(&self.config, shard)?;
         let epoch = self.bump_epoch(shard).await?;
         let key = shard_key(shard);
         let claim = |expected: u64| {
@@ -437,6 +439,7 @@ impl Cluster {
     /// Publishes a view once, on its shard's subject; NATS delivers one copy
     /// to each node subscribed to the shard.
     pub async fn publish_view(&self, shard: ShardId, payload: Bytes) -> Result<()> {
+        check_shard(&self.config, shard)?;
         let subject = self.config.view_subject(shard);
         self.client
             .publish(subject.clone(), payload)
@@ -462,6 +465,7 @@ impl Cluster {
         kind: RequestKind,
         payload: Bytes,
     ) -> Result<Bytes> {
+        check_shard(&self.config, shard)?;
         use async_nats::RequestErrorKind;
         let subject = self.config.request_subject(shard, kind);
         match self.client.request(subject.clone(), payload).await {

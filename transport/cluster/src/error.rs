@@ -9,6 +9,8 @@ use crate::ids::{IdError, NodeId, ShardId};
 pub enum ClusterError {
     #[error("invalid cluster configuration")]
     Config(#[from] ConfigError),
+    #[error("shard {shard} does not exist (shard_count {shard_count})")]
+    NoSuchShard { shard: ShardId, shard_count: u32 },
     #[error("invalid id")]
     Id(#[from] IdError),
     #[error("connecting to NATS at {urls}")]

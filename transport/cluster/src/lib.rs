@@ -17,10 +17,23 @@
 //! epochs),
 //! `<prefix>_prefs` and `<prefix>_views` (key: escaped user id).
 //!
-//! What NATS 2.15 does (checked by `tests/live.rs`): a key written with
-//! `Nats-TTL` disappears on its own and watchers get an expiry marker
-//! (`Purge`); a write without `Nats-TTL` (what `async_nats`'s `Store::update`
-//! sends) makes the key permanent, so renewals here always resend the TTL.
+//! What nats-server 2.15.1 with `async-nats` 0.51 does (checked live by
+//! `tests/live.rs` on a 3-node cluster, R3 buckets):
+//! - a key written with `Nats-TTL` disappears on its own, and a watch then
+//!   yields an expiry marker (`Purge`); with a 2 s TTL the marker arrived
+//!   2.00 s after the last renewal returned. TTLs are whole seconds (≥ 1 s);
+//! - a write without `Nats-TTL` (what `Store::update` sends) makes the key
+//!   permanent: the TTL belongs to each message, so renewals here resend it
+//!   (test `a_plain_kv_update_drops_the_per_key_ttl`). `create_with_ttl` on
+//!   a deleted or expired key also writes without the TTL; `acquire_lease`
+//!   and `claim_shard` write with it;
+//! - a failed compare-and-set comes back as JetStream error 10164, which
+//!   `async-nats` reports as `Other`, not `WrongLastSequence`: recognised
+//!   here (`ClusterError::Conflict`);
+//! - `kill -9` of the node leading a bucket's stream: writes to that bucket
+//!   fail until a new leader is elected, 4.4–8.2 s here; data written before
+//!   stays (R3), and the restarted node catches up. A watch whose consumer
+//!   lived on the killed node stalls until `async-nats` recreates it.
 
 mod client;
 mod config;

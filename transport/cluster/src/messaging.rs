@@ -15,6 +15,17 @@ use crate::error::{ClusterError, Result};
 use crate::ids::ShardId;
 use crate::interest::ShardInterest;
 
+pub(crate) fn check_shard(config: &ClusterConfig, shard: ShardId) -> Result<()> {
+    if shard.0 < config.shard_count {
+        Ok(())
+    } else {
+        Err(ClusterError::NoSuchShard {
+            shard,
+            shard_count: config.shard_count,
+        })
+    }
+}
+
 /// What an edge asks a shard's owner.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RequestKind {
@@ -71,9 +82,7 @@ impl ViewFeed {
     /// Call `Cluster::flush` after a batch of `watch` for the NATS server to
     /// have the interest.
     pub async fn watch(&mut self, shard: ShardId) -> Result<()> {
-        if shard.0 >= self.config.shard_count {
-            return Ok(());
-        }
+        check_shard(&self.config, shard)?;
         if self.interest.add(shard) {
             let subject = self.config.view_subject(shard);
             match self.client.subscribe(subject.clone()).await {
@@ -151,7 +160,8 @@ impl OwnerInbox {
     }
 
     pub async fn serve(&mut self, shard: ShardId) -> Result<()> {
-        if shard.0 >= self.config.shard_count || self.subscriptions.contains_key(&shard) {
+        check_shard(&self.config, shard)?;
+        if self.subscriptions.contains_key(&shard) {
             return Ok(());
         }
         let subject = format!("{}.req.{}.*", self.config.prefix, shard.0);

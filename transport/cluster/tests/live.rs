@@ -475,6 +475,10 @@ async fn a_published_view_reaches_each_interested_node_once() {
     }
     feed_b.watch(t).await.unwrap();
     feed_c.watch(t).await.unwrap();
+    assert!(matches!(
+        feed_c.watch(ShardId(64)).await,
+        Err(ClusterError::NoSuchShard { .. })
+    ));
     assert_eq!(feed_b.subscribed(), [s, t].into_iter().collect());
     assert_eq!(feed_b.watchers(s), 5);
     b.flush().await.unwrap();
