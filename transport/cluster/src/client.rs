@@ -1,0 +1,590 @@
+//! The NATS I/O: one connection per node, its four buckets, and thin async
+//! calls around the pure decisions of `tenure`, `membership`, `ownership`.
+
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, kv, stream::StorageType};
+use bytes::Bytes;
+use futures_util::StreamExt;
+
+use crate::config::ClusterConfig;
+use crate::error::{ClusterError, Result};
+use crate::ids::{user_key, NodeId, ShardId};
+use crate::kv::{put, read, write_if, KvEntry, KvOp, Write};
+use crate::membership::{MemberEvent, Membership};
+use crate::messaging::{check_shard, OwnerInbox, RequestKind, ViewFeed};
+use crate::ownership::{
+    decode_claim, encode_claim, epoch_key, shard_key, ClaimState, ClaimTable, HeldShard,
+};
+use crate::tenure::Tenure;
+
+/// This node's lease: while it may act, the node may serve clients.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeLease {
+    pub revision: u64,
+    pub tenure: Tenure,
+}
+
+impl NodeLease {
+    /// The node closes its client connections at this instant unless a
+    /// renewal succeeds first (its clients then move to live nodes before
+    /// the owners see the lease expire).
+    pub fn may_act_until(&self) -> Instant {
+        self.tenure.may_act_until()
+    }
+}
+
+/// One node's handle on the cluster. Cheap to clone.
+#[derive(Clone)]
+pub struct Cluster {
+    config: ClusterConfig,
+    client: async_nats::Client,
+    js: jetstream::Context,
+    leases: kv::Store,
+    claims: kv::Store,
+    prefs: kv::Store,
+    views: kv::Store,
+}
+
+impl Cluster {
+    /// Connects to NATS (`urls`: comma-separated `nats://host:port` of the
+    /// NATS cluster's nodes) and creates or opens the buckets.
+    pub async fn connect(urls: &str, config: ClusterConfig) -> Result<Cluster> {
+        config.validate()?;
+        let options = async_nats::ConnectOptions::new()
+            .name(format!("greendot-{}", config.node))
+            .request_timeout(Some(config.op_timeout))
+            .connection_timeout(config.op_timeout)
+            .subscription_capacity(config.channel_capacity);
+        let servers: Vec<&str> = urls
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .collect();
+        let client = async_nats::connect_with_options(servers, options)
+            .await
+            .map_err(|source| ClusterError::Connect {
+                urls: urls.to_owned(),
+                source,
+            })?;
+        let mut js = jetstream::new(client.clone());
+        js.set_timeout(config.op_timeout);
+        let marked = Some(config.marker_ttl);
+        let leases = bucket(&js, &config, "leases", marked).await?;
+        let claims = bucket(&js, &config, "claims", marked).await?;
+        let prefs = bucket(&js, &config, "prefs", None).await?;
+        let views = bucket(&js, &config, "views", None).await?;
+        Ok(Cluster {
+            config,
+            client,
+            js,
+            leases,
+            claims,
+            prefs,
+            views,
+        })
+    }
+
+    pub fn config(&self) -> &ClusterConfig {
+        &self.config
+    }
+
+    pub fn node(&self) -> &NodeId {
+        &self.config.node
+    }
+
+    pub fn client(&self) -> &async_nats::Client {
+        &self.client
+    }
+
+    fn timeout(&self) -> Duration {
+        self.config.op_timeout
+    }
+
+    /// The revision a compare-and-set creating `key` must expect: 0 if the key
+    /// never existed, the marker's if deleted or expired. `Err(entry)` if live.
+    async fn free_revision(&self, store: &kv::Store, key: &str) -> Result<Result<u64, KvEntry>> {
+        Ok(match read(store, key, self.timeout()).await? {
+            None => Ok(0),
+            Some(e) if e.op != KvOp::Put => Ok(e.revision),
+            Some(e) => Err(e),
+        })
+    }
+
+    // ---- node leases -------------------------------------------------------
+
+    /// Takes this node's lease (`value`: what others should know of it, e.g.
+    /// its advertised address). Fails with `LeaseHeld` while a lease of this
+    /// id is live.
+    pub async fn acquire_lease(&self, value: Bytes) -> Result<NodeLease> {
+        let key = self.config.node.as_str();
+        let expected = match self.free_revision(&self.leases, key).await? {
+            Ok(rev) => rev,
+            Err(_) => {
+                return Err(ClusterError::LeaseHeld {
+                    node: self.config.node.clone(),
+                })
+            }
+        };
+        let sent_at = Instant::now();
+        let ttl = Some(self.config.lease_ttl);
+        let revision = write_if(
+            &self.js,
+            &self.leases,
+            key,
+            expected,
+            Write::Put { value, ttl },
+            self.timeout(),
+        )
+        .await
+        .map_err(|e| match e {
+            ClusterError::Conflict { .. } => ClusterError::LeaseHeld {
+                node: self.config.node.clone(),
+            },
+            e => e,
+        })?;
+        Ok(NodeLease {
+            revision,
+            tenure: Tenure::granted(self.config.lease_timing(), sent_at),
+        })
+    }
+
+    /// Renews the lease with its TTL. `Conflict` means the lease expired (or
+    /// was taken): the node must stop serving and acquire a new one.
+    pub async fn renew_lease(&self, lease: &mut NodeLease, value: Bytes) -> Result<()> {
+        let sent_at = Instant::now();
+        let ttl = Some(self.config.lease_ttl);
+        let key = self.config.node.as_str();
+        lease.revision = write_if(
+            &self.js,
+            &self.leases,
+            key,
+            lease.revision,
+            Write::Put { value, ttl },
+            self.timeout(),
+        )
+        .await?;
+        lease.tenure.renewed(sent_at);
+        Ok(())
+    }
+
+    /// Leaves: deletes the lease so that others see the node gone now.
+    pub async fn release_lease(&self, lease: NodeLease) -> Result<()> {
+        let key = self.config.node.as_str();
+        write_if(
+            &self.js,
+            &self.leases,
+            key,
+            lease.revision,
+            Write::Delete,
+            self.timeout(),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// The latest entry of `node`'s lease (a `Put` while it is live).
+    pub async fn lease(&self, node: &NodeId) -> Result<Option<KvEntry>> {
+        read(&self.leases, node.as_str(), self.timeout()).await
+    }
+
+    /// Watches the node leases: first the current ones, then every change.
+    pub async fn watch_members(&self) -> Result<MemberWatch> {
+        let inner = self
+            .leases
+            .watch_all()
+            .await
+            .map_err(|source| ClusterError::Watch {
+                bucket: self.leases.name.clone(),
+                source,
+            })?;
+        Ok(MemberWatch {
+            bucket: self.leases.name.clone(),
+            inner,
+            membership: Membership::default(),
+        })
+    }
+
+    // ---- shard claims ------------------------------------------------------
+
+    pub async fn read_claim(&self, shard: ShardId) -> Result<ClaimState> {
+        check_shard(&self.config, shard)?;
+        Ok(
+            match read(&self.claims, &shard_key(shard), self.timeout()).await? {
+                None => ClaimState::Free { revision: 0 },
+                // A value that is no claim counts as held by nobody we trust:
+                // treat it as free at its revision (a CAS still guards the write).
+                Some(e) => decode_claim(&e).unwrap_or(ClaimState::Free {
+                    revision: e.revision,
+                }),
+            },
+        )
+    }
+
+    /// Claims `shard` by compare-and-set on `expected_revision` (from the
+    /// claim table or `read_claim`). Exactly one of racing claimers wins;
+    /// the others get `ShardHeld` (or `Conflict`). First bumps the shard's
+    /// epoch counter, so the winner's epoch is above every earlier owner's.
+    ///
+    /// If the claim is still free but at another revision than expected
+    /// (its expiry marker was removed after `marker_ttl`, or the caller's
+    /// table lagged), it retries once on the revision it read.
+    pub async fn claim_shard(&self, shard: ShardId, expected_revision: u64) -> Result<HeldShard> {
+        check_shard(&self.config, shard)?;
+        let epoch = self.bump_epoch(shard).await?;
+        let key = shard_key(shard);
+        let claim = |expected: u64| {
+            let value = encode_claim(&self.config.node, epoch);
+            let write = Write::Put {
+                value,
+                ttl: Some(self.config.claim_ttl),
+            };
+            let key = &key;
+            async move {
+                let sent_at = Instant::now();
+                let revision =
+                    write_if(&self.js, &self.claims, key, expected, write, self.timeout()).await?;
+                Ok::<_, ClusterError>(HeldShard {
+                    shard,
+                    epoch,
+                    revision,
+                    tenure: Tenure::granted(self.config.claim_timing(), sent_at),
+                })
+            }
+        };
+        match claim(expected_revision).await {
+            Err(ClusterError::Conflict { .. }) => match self.read_claim(shard).await? {
+                ClaimState::Free { revision } if revision != expected_revision => {
+                    claim(revision).await
+                }
+                ClaimState::Free { .. } => Err(ClusterError::Conflict {
+                    bucket: self.claims.name.clone(),
+                    key: key.clone(),
+                    expected: expected_revision,
+                }),
+                ClaimState::Held(r) => Err(ClusterError::ShardHeld {
+                    shard,
+                    owner: r.owner,
+                    epoch: r.epoch,
+                }),
+            },
+            other => other,
+        }
+    }
+
+    /// Raises `shard`'s epoch counter by one (compare-and-set, retried while
+    /// racing claimers bump it too) and returns the new epoch.
+    async fn bump_epoch(&self, shard: ShardId) -> Result<u64> {
+        let key = epoch_key(shard);
+        let mut attempts = 0;
+        loop {
+            let (current, revision) = match read(&self.claims, &key, self.timeout()).await? {
+                Some(e) if e.op == KvOp::Put => {
+                    let text = std::str::from_utf8(&e.value).unwrap_or("");
+                    let n: u64 = text.parse().map_err(|_| ClusterError::Corrupt {
+                        bucket: self.claims.name.clone(),
+                        key: key.clone(),
+                    })?;
+                    (n, e.revision)
+                }
+                Some(e) => (0, e.revision),
+                None => (0, 0),
+            };
+            let next = current + 1;
+            let value = Bytes::from(next.to_string());
+            let write = Write::Put { value, ttl: None };
+            match write_if(
+                &self.js,
+                &self.claims,
+                &key,
+                revision,
+                write,
+                self.timeout(),
+            )
+            .await
+            {
+                Ok(_) => return Ok(next),
+                Err(ClusterError::Conflict { .. }) if attempts < 8 => attempts += 1,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Renews a held claim (same epoch, new revision, fresh TTL). On any
+    /// error the holder keeps its old deadline, and on `Conflict` it has lost
+    /// the shard: it stops acting at once.
+    pub async fn renew_claim(&self, held: &mut HeldShard) -> Result<()> {
+        let sent_at = Instant::now();
+        let value = encode_claim(&self.config.node, held.epoch);
+        let ttl = Some(self.config.claim_ttl);
+        let key = shard_key(held.shard);
+        let put = || Write::Put {
+            value: value.clone(),
+            ttl,
+        };
+        match write_if(
+            &self.js,
+            &self.claims,
+            &key,
+            held.revision,
+            put(),
+            self.timeout(),
+        )
+        .await
+        {
+            Ok(revision) => held.revision = revision,
+            Err(ClusterError::Conflict { .. }) => {
+                // An earlier renewal that timed out may have landed later:
+                // the claim is still ours if it keeps our epoch (a new claim
+                // would have a new one). Adopt its revision without moving
+                // the deadline, and try once more.
+                match self.read_claim(held.shard).await? {
+                    ClaimState::Held(r) if r.owner == self.config.node && r.epoch == held.epoch => {
+                        held.revision = write_if(
+                            &self.js,
+                            &self.claims,
+                            &key,
+                            r.revision,
+                            put(),
+                            self.timeout(),
+                        )
+                        .await?;
+                    }
+                    _ => {
+                        let bucket = self.claims.name.clone();
+                        return Err(ClusterError::Conflict {
+                            bucket,
+                            key,
+                            expected: held.revision,
+                        });
+                    }
+                }
+            }
+            Err(e) => return Err(e),
+        }
+        held.tenure.renewed(sent_at);
+        Ok(())
+    }
+
+    /// Hands a shard back (the caller stopped acting for it first).
+    pub async fn release_claim(&self, held: HeldShard) -> Result<()> {
+        let key = shard_key(held.shard);
+        write_if(
+            &self.js,
+            &self.claims,
+            &key,
+            held.revision,
+            Write::Delete,
+            self.timeout(),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Watches all claims: first the current ones, then every change.
+    pub async fn watch_claims(&self) -> Result<ClaimWatch> {
+        let inner = self
+            .claims
+            .watch_all()
+            .await
+            .map_err(|source| ClusterError::Watch {
+                bucket: self.claims.name.clone(),
+                source,
+            })?;
+        Ok(ClaimWatch {
+            bucket: self.claims.name.clone(),
+            shard_count: self.config.shard_count,
+            inner,
+            table: ClaimTable::default(),
+        })
+    }
+
+    // ---- preferences and last published views ------------------------------
+
+    /// Stores a user's preferences; returns once the replicas have them, so
+    /// the caller may then acknowledge the request.
+    pub async fn put_preferences(&self, user: &str, value: Bytes) -> Result<u64> {
+        put(
+            &self.js,
+            &self.prefs,
+            &user_key(user)?,
+            value,
+            self.timeout(),
+        )
+        .await
+    }
+
+    pub async fn preferences(&self, user: &str) -> Result<Option<Bytes>> {
+        latest_value(&self.prefs, &user_key(user)?, self.timeout()).await
+    }
+
+    /// Stores the last view the owner published for a user.
+    pub async fn put_view(&self, user: &str, value: Bytes) -> Result<u64> {
+        put(
+            &self.js,
+            &self.views,
+            &user_key(user)?,
+            value,
+            self.timeout(),
+        )
+        .await
+    }
+
+    pub async fn view(&self, user: &str) -> Result<Option<Bytes>> {
+        latest_value(&self.views, &user_key(user)?, self.timeout()).await
+    }
+
+    // ---- messaging ---------------------------------------------------------
+
+    /// Publishes a view once, on its shard's subject; NATS delivers one copy
+    /// to each node subscribed to the shard.
+    pub async fn publish_view(&self, shard: ShardId, payload: Bytes) -> Result<()> {
+        check_shard(&self.config, shard)?;
+        let subject = self.config.view_subject(shard);
+        self.client
+            .publish(subject.clone(), payload)
+            .await
+            .map_err(|source| ClusterError::Publish { subject, source })
+    }
+
+    /// A feed of the published views of the shards this node watches.
+    pub fn view_feed(&self) -> ViewFeed {
+        ViewFeed::new(self.client.clone(), self.config.clone())
+    }
+
+    /// The requests to the shards this node owns.
+    pub fn owner_inbox(&self) -> OwnerInbox {
+        OwnerInbox::new(self.client.clone(), self.config.clone())
+    }
+
+    /// Sends a request to the owner of `shard` and waits for its answer.
+    /// `NoOwner` when nobody serves the shard now.
+    pub async fn request(
+        &self,
+        shard: ShardId,
+        kind: RequestKind,
+        payload: Bytes,
+    ) -> Result<Bytes> {
+        check_shard(&self.config, shard)?;
+        use async_nats::RequestErrorKind;
+        let subject = self.config.request_subject(shard, kind);
+        match self.client.request(subject.clone(), payload).await {
+            Ok(msg) => Ok(msg.payload),
+            Err(e) if e.kind() == RequestErrorKind::NoResponders => {
+                Err(ClusterError::NoOwner { shard })
+            }
+            Err(e) if e.kind() == RequestErrorKind::TimedOut => Err(ClusterError::TimedOut {
+                op: "request to a shard owner",
+                after: self.timeout(),
+            }),
+            Err(source) => Err(ClusterError::Request { subject, source }),
+        }
+    }
+
+    /// Waits until the NATS server has processed everything sent so far
+    /// (e.g. new subscriptions).
+    pub async fn flush(&self) -> Result<()> {
+        tokio::time::timeout(self.timeout(), self.client.flush())
+            .await
+            .map_err(|_| ClusterError::TimedOut {
+                op: "flush",
+                after: self.timeout(),
+            })?
+            .map_err(|source| ClusterError::Flush { source })
+    }
+}
+
+async fn latest_value(store: &kv::Store, key: &str, timeout: Duration) -> Result<Option<Bytes>> {
+    Ok(read(store, key, timeout)
+        .await?
+        .filter(|e| e.op == KvOp::Put)
+        .map(|e| e.value))
+}
+
+async fn bucket(
+    js: &jetstream::Context,
+    config: &ClusterConfig,
+    kind: &str,
+    limit_markers: Option<Duration>,
+) -> Result<kv::Store> {
+    let name = config.bucket(kind);
+    js.create_or_update_key_value(kv::Config {
+        bucket: name.clone(),
+        history: 1,
+        num_replicas: config.replicas,
+        storage: StorageType::File,
+        limit_markers,
+        ..Default::default()
+    })
+    .await
+    .map_err(|source| ClusterError::Bucket {
+        bucket: name,
+        source,
+    })
+}
+
+/// The live-node set, kept current from the lease bucket's watch.
+pub struct MemberWatch {
+    bucket: String,
+    inner: kv::Watch,
+    membership: Membership,
+}
+
+impl MemberWatch {
+    /// The next join or leave. `None` when the watch ended (connection
+    /// closed for good).
+    pub async fn next(&mut self) -> Option<Result<MemberEvent>> {
+        loop {
+            match self.inner.next().await? {
+                Err(source) => {
+                    return Some(Err(ClusterError::Watcher {
+                        bucket: self.bucket.clone(),
+                        source,
+                    }))
+                }
+                Ok(entry) => {
+                    if let Some(event) = self.membership.apply(&entry.into()) {
+                        return Some(Ok(event));
+                    }
+                }
+            }
+        }
+    }
+
+    pub fn membership(&self) -> &Membership {
+        &self.membership
+    }
+}
+
+/// Every shard's claim, kept current from the claims bucket's watch.
+pub struct ClaimWatch {
+    bucket: String,
+    shard_count: u32,
+    inner: kv::Watch,
+    table: ClaimTable,
+}
+
+impl ClaimWatch {
+    /// The next change of a shard's claim.
+    pub async fn next(&mut self) -> Option<Result<(ShardId, ClaimState)>> {
+        loop {
+            match self.inner.next().await? {
+                Err(source) => {
+                    return Some(Err(ClusterError::Watcher {
+                        bucket: self.bucket.clone(),
+                        source,
+                    }))
+                }
+                Ok(entry) => {
+                    if let Some(change) = self.table.apply(&entry.into(), self.shard_count) {
+                        return Some(Ok(change));
+                    }
+                }
+            }
+        }
+    }
+
+    pub fn table(&self) -> &ClaimTable {
+        &self.table
+    }
+}

