@@ -99,7 +99,12 @@ export type ClientEvent =
   | { type: "disconnected"; reason: string }
   /** A new connection; `resumed` false means a fresh session (the client subscribed again). */
   | { type: "reconnected"; session: bigint; resumed: boolean; binding: Binding }
-  /** The client is finished: closed by the application, logged out, or refused for good. */
+  /**
+   * The client is finished: closed by the application, logged out, or refused
+   * for good. `code` is the close code (the server's, or the one the client
+   * closed with), null when it gave up reconnecting; `reason` the server's
+   * error message or close reason.
+   */
   | { type: "closed"; code: number | null; reason: string };
 
 export interface Subscribed {
@@ -735,7 +740,7 @@ export class Client {
     const final = error instanceof RejectedError && (error.closeCode === null || !mayReconnect(error.closeCode));
     const policy = this.settings.reconnect;
     if (final || policy === null) {
-      this.finish(error instanceof RejectedError ? error.closeCode : null, error.message);
+      this.finish(error instanceof RejectedError ? error.closeCode : null, reasonOf(error));
       return;
     }
     this.emit({ type: "disconnected", reason: error.message });
@@ -775,7 +780,7 @@ export class Client {
       } catch (e) {
         if (this.finished) return;
         if (e instanceof RejectedError && (e.closeCode === null || !mayReconnect(e.closeCode))) {
-          this.finish(e.closeCode, e.message);
+          this.finish(e.closeCode, reasonOf(e));
           return;
         }
         hint = e instanceof RejectedError ? e.retryAfterMs : null;
@@ -786,6 +791,11 @@ export class Client {
       }
     }
   }
+}
+
+/** The server's words for a rejection (its error frame or close reason), else the error's message. */
+function reasonOf(error: Error): string {
+  return error instanceof RejectedError ? error.error.message : error.message;
 }
 
 function expect<T extends Answer["type"]>(answer: Answer, type: T): Extract<Answer, { type: T }> {

@@ -10,6 +10,7 @@ import {
   type ClientEvent,
   type ClientOptions,
   ClosedError,
+  ConfigError,
   ConnectError,
   RejectedError,
   ServerError,
@@ -110,6 +111,10 @@ test("hello, welcome, subscribe, pushes on both push streams through the View", 
   );
   // Request ids are distinct (the reply echoes them).
   assert.equal(new Set(conn.requests.map((r) => r.id)).size, conn.requests.length);
+  // A request over the welcome's max_frame is refused by the client, never sent.
+  await assert.rejects(client.subscribe(["x".repeat(70_000)], "batched"), ConfigError);
+  await client.ping();
+  assert.deepEqual(conn.requests.slice(-1).map((r) => r.request.type), ["ping"]);
 });
 
 test("4014 Draining with retry_ms: reconnect with resume after a wait in [0, retry_ms]", async () => {
@@ -157,7 +162,7 @@ test("a server's 4001 Logout ends the client: no reconnect", async () => {
   const conn = await server.connection(1);
   conn.close(1, "logout");
   await until(() => client.isClosed, 2000, "closed");
-  assert.deepEqual(events.at(-1), { type: "closed", code: 1, reason: "refused by the server (Logout): 0: logout" });
+  assert.deepEqual(events.at(-1), { type: "closed", code: 1, reason: "logout" });
   assert.ok(!events.some((e) => e.type === "disconnected"));
   // With random 0 a reconnect would come at once: none does.
   await new Promise((r) => setTimeout(r, 300));
@@ -221,15 +226,22 @@ test("a session that was not resumed: versions forgotten, subscriptions made aga
 });
 
 test("a refused hello: the error frame and the close code reach the caller", async () => {
-  server.refuse = { error: { code: 4, message: "BadToken: bad signature" }, code: 7 };
+  // The error frame is what the caller gets; the close reason's retry_ms is kept with it.
+  server.refuse = { error: { code: 24, message: "the server's session cap" }, code: 13, reason: "TooManySessions: cap retry_ms=250" };
   await assert.rejects(
     connect(),
-    (e) => e instanceof RejectedError && e.closeCode === 7 && e.error.code === 4 && e.error.message === "BadToken: bad signature",
+    (e) =>
+      e instanceof RejectedError &&
+      e.closeCode === 13 &&
+      e.error.code === 24 &&
+      e.error.message === "the server's session cap retry_ms=250" &&
+      e.retryAfterMs === 250,
   );
+  assert.equal(server.connections.length, 1, "13 Refused: Client.connect does not retry");
   // A refusal during a reconnect that allows none ends the client.
   server.refuse = null;
   const { client, events } = await connect({ random: () => 0 });
-  server.refuse = { error: { code: 5, message: "TokenExpired: expired" }, code: 8 };
+  server.refuse = { error: { code: 5, message: "expired" }, code: 8, reason: "TokenExpired: expired" };
   (await server.connection(2)).close(14, "draining retry_ms=0");
   await until(() => client.isClosed, 2000, "closed");
   const last = events.at(-1);

@@ -104,8 +104,8 @@ export class FakeServer {
   readonly presences = new Map<string, Presence>();
   /** Request types left unanswered. */
   readonly hold = new Set<string>();
-  /** Refuse every hello with this error frame and close code. */
-  refuse: { error: WireError; code: number } | null = null;
+  /** Refuse every hello with this error frame, close code and close reason. */
+  refuse: { error: WireError; code: number; reason: string } | null = null;
   private nextSession = 100n;
 
   private constructor(
@@ -169,7 +169,7 @@ export class FakeServer {
     if (this.refuse) {
       conn.hello = hello;
       conn.control({ type: "error", error: this.refuse.error });
-      conn.close(this.refuse.code, this.refuse.error.message);
+      conn.close(this.refuse.code, this.refuse.reason);
       return;
     }
     const old = hello.resume === null ? undefined : this.sessions.get(hello.resume);
