@@ -118,6 +118,8 @@ interface Pending {
   /** Requests the client sends itself (resubscribe, keep-alive) have no caller. */
   caller: { resolve(a: Answer): void; reject(e: Error): void } | null;
   timer?: ReturnType<typeof setTimeout>;
+  /** Where it was sent, to forget it there when its caller gives up. */
+  sent?: { conn: Connection; id: bigint };
   done: boolean;
 }
 
@@ -206,6 +208,9 @@ function errorCodeForClose(code: number): number {
   }
 }
 
+/** Push frames kept while the welcome is awaited (more is a protocol error). */
+const MAX_EARLY_PUSHES = 64;
+
 /** One connection: its carrier, its requests in flight, its push streams. */
 class Connection implements CarrierHandlers {
   carrier: Carrier | null = null;
@@ -276,6 +281,8 @@ class Connection implements CarrierHandlers {
     if (this.ended) return;
     this.heard();
     if (this.early !== null) {
+      // Before the welcome a server sends at most its two streams' first frames.
+      if (this.early.length >= MAX_EARLY_PUSHES) return this.fail(new ProtocolError("pushes flood in before the welcome"));
       this.early.push([stream, payload]);
       return;
     }
@@ -357,6 +364,7 @@ class Connection implements CarrierHandlers {
       return false;
     }
     this.pending.set(id, p);
+    p.sent = { conn: this, id };
     this.carrier?.send(payload);
     return true;
   }
@@ -618,6 +626,8 @@ export class Client {
       p.timer = setTimeout(() => {
         // A request still waiting to be sent is dropped: it never takes effect.
         this.queue = this.queue.filter((q) => q !== p);
+        // One sent is forgotten: its late answer, if any, finds nothing waiting.
+        p.sent?.conn.pending.delete(p.sent.id);
         this.settle(p, new TimeoutError(`no answer to ${request.type} within ${this.settings.requestTimeoutMs} ms`));
       }, this.settings.requestTimeoutMs);
       if (this.conn !== null) this.send(this.conn, p);

@@ -12,6 +12,7 @@ import {
   ClosedError,
   ConfigError,
   ConnectError,
+  ProtocolError,
   RejectedError,
   ServerError,
   TimeoutError,
@@ -361,6 +362,18 @@ test("keep-alive: a Ping after a quiet spell; a silent server is lost after the 
   assert.equal(second.hello!.resume, first.session!.id);
   server.hold.delete("ping");
   client.close();
+});
+
+test("pushes flooding in before the welcome are refused, not stored", async () => {
+  server.pushesBeforeWelcome = 65;
+  await assert.rejects(connect(), (e) => e instanceof ProtocolError && /before the welcome/.test(e.message));
+  const conn = await server.connection(1);
+  await until(() => conn.closeInfo, 2000, "close");
+  assert.equal(conn.closeInfo!.code, 4004);
+  // A few (a WebTransport push stream's first frame may overtake the welcome) are fine.
+  server.pushesBeforeWelcome = 2;
+  const { client } = await connect();
+  assert.ok(client.isConnected);
 });
 
 test("a text message from the server is a protocol error: the client closes with 4004 and reconnects", async () => {

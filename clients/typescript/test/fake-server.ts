@@ -106,6 +106,8 @@ export class FakeServer {
   readonly hold = new Set<string>();
   /** Refuse every hello with this error frame, close code and close reason. */
   refuse: { error: WireError; code: number; reason: string } | null = null;
+  /** Push frames sent before the welcome (a misbehaving server). */
+  pushesBeforeWelcome = 0;
   private nextSession = 100n;
 
   private constructor(
@@ -178,6 +180,7 @@ export class FakeServer {
     const session: Session = { id: this.nextSession++, subs: resumed ? old.subs : new Map(), live: true };
     this.sessions.set(session.id, session);
     conn.session = session;
+    for (let i = 0; i < this.pushesBeforeWelcome; i++) conn.send(1, encodePush({ type: "stream", tier: "batched" }));
     conn.control({
       type: "welcome",
       welcome: {
