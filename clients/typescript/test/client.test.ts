@@ -119,7 +119,7 @@ test("hello, welcome, subscribe, pushes on both push streams through the View", 
 });
 
 test("4014 Draining with retry_ms: reconnect with resume after a wait in [0, retry_ms]", async () => {
-  const retryMs = 400;
+  const retryMs = 1000;
   // The top of the random range: the wait is ~retry_ms, far above the 100 ms backoff ceiling.
   const { client, events } = await connect({ random: () => 0.999 });
   const first = await server.connection(1);
@@ -136,7 +136,7 @@ test("4014 Draining with retry_ms: reconnect with resume after a wait in [0, ret
   const second = await server.connection(2);
   const waited = second.helloAt - closedAt;
   assert.ok(waited >= retryMs * 0.9, `waited ${waited} ms: the retry_ms draw, not the backoff's`);
-  assert.ok(waited <= retryMs + 300, `waited ${waited} ms: within [0, retry_ms] plus slack`);
+  assert.ok(waited <= retryMs + 500, `waited ${waited} ms: within [0, retry_ms] plus slack`);
   assert.equal(second.hello!.resume, firstSession, "the hello resumes the previous session");
   await during;
   assert.equal((await second.waitRequest("ping")).request.type, "ping");
@@ -150,11 +150,11 @@ test("4014 Draining with retry_ms: reconnect with resume after a wait in [0, ret
   // Resumed: no subscribe sent again (the server carried the subscriptions over).
   assert.equal(second.requests.filter((r) => r.request.type === "subscribe").length, 0);
 
-  // The same client draws from the backoff when no retry_ms is given: ~100 ms at most.
+  // The same client draws from the backoff when no retry_ms is given: ~100 ms, not the old retry_ms.
   const again = Date.now();
   second.close(10, "server stopping");
   const third = await server.connection(3);
-  assert.ok(third.helloAt - again <= 100 + 300, `waited ${third.helloAt - again} ms`);
+  assert.ok(third.helloAt - again <= 100 + 600, `waited ${third.helloAt - again} ms`);
   assert.equal(third.hello!.resume, second.session!.id);
 });
 
@@ -349,7 +349,7 @@ test("WebTransport first; WebSocket when its handshake fails", async () => {
 });
 
 test("keep-alive: a Ping after a quiet spell; a silent server is lost after the idle timeout", async () => {
-  const { client, events } = await connect({ keepAliveMs: 100, idleTimeoutMs: 350, random: () => 0 });
+  const { client, events } = await connect({ keepAliveMs: 100, idleTimeoutMs: 600, random: () => 0 });
   const first = await server.connection(1);
   // Answered pings keep a quiet connection up.
   await until(() => first.requests.filter((r) => r.request.type === "ping").length >= 3, 2000, "three pings");
