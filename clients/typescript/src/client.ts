@@ -1,0 +1,814 @@
+// The client: the Rust client's API (transport/src/client.rs) over the
+// browser bindings. Snapshots and pushes go through a View, so stale or
+// duplicate versions never reach the application. When the connection is lost
+// (not closed by the application, not refused for good by the server) the
+// client reconnects after a full-jitter wait (or within the server's
+// retry_ms) and resumes its session; if the session could not be resumed it
+// forgets its versions and subscribes again to what it had.
+
+import { Backoff, retryHint } from "./backoff.js";
+import type { Binding, Carrier, CarrierHandlers, Dial } from "./carrier.js";
+import {
+  ClosedError,
+  ConfigError,
+  ConnectError,
+  GreendotError,
+  LostError,
+  ProtocolError,
+  RejectedError,
+  ServerError,
+  TimeoutError,
+} from "./errors.js";
+import { decodePush, decodeServerFrame, encodeHello, encodeRequestFrame } from "./frames.js";
+import {
+  type Answer,
+  CloseCode,
+  DEFAULT_MAX_FRAME,
+  ErrorCode,
+  mayReconnect,
+  type Presence,
+  PROTOCOL_VERSION,
+  type Refused,
+  type Request,
+  type Result,
+  type RouteEntry,
+  type ServerFrame,
+  type Snapshot,
+  type Status,
+  type Tier,
+  type Welcome,
+  type WireError,
+} from "./types.js";
+import { View } from "./view.js";
+import { dialWebSocket, type WebSocketConstructor } from "./websocket.js";
+import { type CertificateHash, dialWebTransport, type WebTransportConstructor } from "./webtransport.js";
+
+export interface ReconnectPolicy {
+  /** The ceiling of the first wait after a loss; it doubles per attempt. Default 100 ms. */
+  initialBackoffMs?: number;
+  /** The largest ceiling of a wait (a server's retry_ms may exceed it). Default 5000 ms. */
+  maxBackoffMs?: number;
+  /** Stop trying after this long without a connection (null: never). Default 300 000 ms. */
+  giveUpAfterMs?: number | null;
+}
+
+export interface ClientOptions {
+  /** The hello's token (a JWT, docs/protocol.md "Credentials"). */
+  token: string;
+  /** Server host; the URLs below are built from it unless given. */
+  host?: string;
+  /** Server port: the QUIC UDP port for WebTransport, the same number on TCP for WebSocket. Default 4433. */
+  port?: number;
+  /** Default `wss://HOST:PORT/greendot`. */
+  webSocketUrl?: string;
+  /** Default `https://HOST:PORT/greendot`. */
+  webTransportUrl?: string;
+  /** Try WebTransport first when it exists (default true). */
+  webTransport?: boolean;
+  /** For a dev server's self-signed certificate: the SHA-256 of its DER. */
+  serverCertificateHashes?: CertificateHash[];
+  /** The WebSocket class (default `globalThis.WebSocket`; in Node 20 pass the `ws` package's). */
+  WebSocket?: WebSocketConstructor;
+  /** The WebTransport class (default `globalThis.WebTransport`). */
+  WebTransport?: WebTransportConstructor;
+  /** How long WebTransport may take to open before the client tries WebSocket. Default 3000 ms. */
+  webTransportTimeoutMs?: number;
+  /** How long one attempt to connect and say hello may take. Default 5000 ms. */
+  connectTimeoutMs?: number;
+  /** How long a request may wait for its answer. Default 10 000 ms. */
+  requestTimeoutMs?: number;
+  /** WebSocket only: send a Ping request after this long without a message. Default 15 000 ms. */
+  keepAliveMs?: number;
+  /** WebSocket only: the connection counts as lost after this long without a message. Default 45 000 ms. */
+  idleTimeoutMs?: number;
+  /** null: a lost connection ends the client. */
+  reconnect?: ReconnectPolicy | null;
+  /** Uniform in [0, 1): the source of the backoff's jitter (default Math.random). */
+  random?: () => number;
+  /** The hello's protocol version (change it only to test a server). */
+  version?: number;
+}
+
+/** Where an update came from. */
+export type Source = "snapshot" | "realtime" | "batched";
+
+export type ClientEvent =
+  /** What the client knows of `target` changed (a newer version only). */
+  | { type: "presence"; target: string; presence: Presence; source: Source }
+  /** The connection was lost; the client is reconnecting. */
+  | { type: "disconnected"; reason: string }
+  /** A new connection; `resumed` false means a fresh session (the client subscribed again). */
+  | { type: "reconnected"; session: bigint; resumed: boolean; binding: Binding }
+  /**
+   * The client is finished: closed by the application, logged out, or refused
+   * for good. `code` is the close code (the server's, or the one the client
+   * closed with), null when it gave up reconnecting; `reason` the server's
+   * error message or close reason.
+   */
+  | { type: "closed"; code: number | null; reason: string };
+
+export interface Subscribed {
+  /** Granted targets with the tier granted. */
+  snapshots: Snapshot[];
+  refused: Refused[];
+}
+
+interface Pending {
+  request: Request;
+  /** Requests the client sends itself (resubscribe, keep-alive) have no caller. */
+  caller: { resolve(a: Answer): void; reject(e: Error): void } | null;
+  timer?: ReturnType<typeof setTimeout>;
+  /** Where it was sent, to forget it there when its caller gives up. */
+  sent?: { conn: Connection; id: bigint };
+  done: boolean;
+}
+
+interface Settings {
+  requestTimeoutMs: number;
+  connectTimeoutMs: number;
+  webTransportTimeoutMs: number;
+  keepAliveMs: number;
+  idleTimeoutMs: number;
+  reconnect: Required<ReconnectPolicy> | null;
+  random: () => number;
+  version: number;
+  token: string;
+  dials: { binding: Binding; dial: Dial; timeoutMs: number | null }[];
+}
+
+function settingsOf(o: ClientOptions): Settings {
+  const port = o.port ?? 4433;
+  const g = globalThis as { WebSocket?: unknown; WebTransport?: unknown };
+  const WS = o.WebSocket ?? (g.WebSocket as WebSocketConstructor | undefined);
+  const WT = o.WebTransport ?? (g.WebTransport as WebTransportConstructor | undefined);
+  const need = (url: string | undefined, scheme: string) => {
+    if (url !== undefined) return url;
+    if (o.host === undefined) throw new ConfigError("give host, or the URLs");
+    // An IPv6 literal needs brackets in a URL.
+    const host = o.host.includes(":") && !o.host.startsWith("[") ? `[${o.host}]` : o.host;
+    return `${scheme}://${host}:${port}/greendot`;
+  };
+  const s: Settings = {
+    requestTimeoutMs: o.requestTimeoutMs ?? 10_000,
+    connectTimeoutMs: o.connectTimeoutMs ?? 5_000,
+    webTransportTimeoutMs: o.webTransportTimeoutMs ?? 3_000,
+    keepAliveMs: o.keepAliveMs ?? 15_000,
+    idleTimeoutMs: o.idleTimeoutMs ?? 45_000,
+    reconnect:
+      o.reconnect === null
+        ? null
+        : {
+            initialBackoffMs: o.reconnect?.initialBackoffMs ?? 100,
+            maxBackoffMs: o.reconnect?.maxBackoffMs ?? 5_000,
+            giveUpAfterMs: o.reconnect?.giveUpAfterMs === undefined ? 300_000 : o.reconnect.giveUpAfterMs,
+          },
+    random: o.random ?? Math.random,
+    version: o.version ?? PROTOCOL_VERSION,
+    token: o.token,
+    dials: [],
+  };
+  if (s.idleTimeoutMs <= s.keepAliveMs) throw new ConfigError("idleTimeoutMs must exceed keepAliveMs");
+  if (WT !== undefined && o.webTransport !== false) {
+    s.dials.push({
+      binding: "webtransport",
+      dial: dialWebTransport(need(o.webTransportUrl, "https"), WT, o.serverCertificateHashes),
+      timeoutMs: s.webTransportTimeoutMs,
+    });
+  }
+  if (WS !== undefined) {
+    s.dials.push({ binding: "websocket", dial: dialWebSocket(need(o.webSocketUrl, "wss"), WS), timeoutMs: null });
+  }
+  if (s.dials.length === 0) throw new ConfigError("neither WebTransport nor WebSocket is available: pass options.WebSocket");
+  return s;
+}
+
+/** A close code's error code, for a close that came without an error frame (as the Rust client). */
+function errorCodeForClose(code: number): number {
+  switch (code) {
+    case CloseCode.Unauthorized:
+      return ErrorCode.BadToken;
+    case CloseCode.TokenExpired:
+      return ErrorCode.TokenExpired;
+    case CloseCode.UnsupportedVersion:
+      return ErrorCode.UnsupportedVersion;
+    case CloseCode.FrameTooLarge:
+      return ErrorCode.FrameTooLarge;
+    case CloseCode.ProtocolError:
+      return ErrorCode.BadFrame;
+    case CloseCode.TooManyConnections:
+      return ErrorCode.TooManyConnections;
+    case CloseCode.Shutdown:
+    case CloseCode.Draining:
+      return ErrorCode.ShuttingDown;
+    case CloseCode.Superseded:
+    case CloseCode.SessionExpired:
+      return ErrorCode.Stale;
+    default:
+      return 0;
+  }
+}
+
+/** Push frames kept while the welcome is awaited (more is a protocol error). */
+const MAX_EARLY_PUSHES = 64;
+
+/** One connection: its carrier, its requests in flight, its push streams. */
+class Connection implements CarrierHandlers {
+  carrier: Carrier | null = null;
+  welcome: Welcome | null = null;
+  maxFrame = DEFAULT_MAX_FRAME;
+  readonly pending = new Map<bigint, Pending>();
+  private readonly tiers = new Map<number, Tier>();
+  /** Pushes that came before the welcome was taken (WebTransport streams may overtake it). */
+  private early: [number, Uint8Array][] | null = [];
+  /** The server's error frame, told with the close that follows it. */
+  private errorFrame: WireError | null = null;
+  private ended = false;
+  /** Why it ended, if it did. */
+  endError: GreendotError | null = null;
+  private lastHeard = Date.now();
+  private pingSent = false;
+  private heartbeat: ReturnType<typeof setTimeout> | undefined;
+  /** Settles the hello: the welcome, or why there is none. */
+  private helloWaiter: { resolve(w: Welcome): void; reject(e: Error): void } | null = null;
+
+  constructor(private readonly client: Client) {}
+
+  /** Sends the hello and waits for the welcome. */
+  hello(carrier: Carrier, hello: Uint8Array): Promise<Welcome> {
+    this.carrier = carrier;
+    return new Promise<Welcome>((resolve, reject) => {
+      this.helloWaiter = { resolve, reject };
+      carrier.send(hello);
+    });
+  }
+
+  control(payload: Uint8Array): void {
+    if (this.ended) return;
+    this.heard();
+    let frame: ServerFrame;
+    try {
+      frame = decodeServerFrame(payload);
+    } catch (e) {
+      return this.fail(new ProtocolError(`undecodable control frame: ${(e as Error).message}`));
+    }
+    if (this.helloWaiter !== null) {
+      const waiter = this.helloWaiter;
+      if (frame.type === "welcome") {
+        this.helloWaiter = null;
+        this.welcome = frame.welcome;
+        this.maxFrame = Math.max(frame.welcome.maxFrame, 1024);
+        waiter.resolve(frame.welcome);
+      } else if (frame.type === "error") {
+        // The server closes next: the rejection is told with its close code.
+        this.errorFrame = frame.error;
+      } else {
+        this.fail(new ProtocolError("a reply before the welcome"));
+      }
+      return;
+    }
+    switch (frame.type) {
+      case "welcome":
+        return this.fail(new ProtocolError("a second welcome"));
+      case "error":
+        this.errorFrame = frame.error;
+        return;
+      case "reply":
+        return this.client.reply(this, frame.id, frame.result);
+    }
+  }
+
+  push(stream: number, payload: Uint8Array): void {
+    if (this.ended) return;
+    this.heard();
+    if (this.early !== null) {
+      // Before the welcome a server sends at most its two streams' first frames.
+      if (this.early.length >= MAX_EARLY_PUSHES) return this.fail(new ProtocolError("pushes flood in before the welcome"));
+      this.early.push([stream, payload]);
+      return;
+    }
+    let push;
+    try {
+      push = decodePush(payload);
+    } catch (e) {
+      return this.fail(new ProtocolError(`undecodable push frame: ${(e as Error).message}`));
+    }
+    if (push.type === "stream") {
+      this.tiers.set(stream, push.tier);
+    } else {
+      // An update before its stream's first frame has no tier: dropped (as the Rust client).
+      const tier = this.tiers.get(stream);
+      if (tier !== undefined) this.client.applyPresence(push.target, push.presence, tier);
+    }
+  }
+
+  /** The welcome was taken: pushes that waited for it go through now. */
+  start(): void {
+    const early = this.early ?? [];
+    this.early = null;
+    for (const [stream, payload] of early) this.push(stream, payload);
+    if (this.carrier?.needsHeartbeat) this.scheduleHeartbeat(this.client.settings.keepAliveMs);
+  }
+
+  closed(code: number | null, reason: string): void {
+    if (this.ended) return;
+    let error: GreendotError;
+    if (code === null || code === CloseCode.Normal) {
+      error = new LostError(reason === "" ? "connection lost" : reason);
+    } else {
+      let wire = this.errorFrame ?? { code: errorCodeForClose(code), message: reason };
+      // Keep the close reason's retry_ms with the error frame if only the reason has it.
+      const hint = retryHint(reason);
+      if (this.errorFrame !== null && retryHint(wire.message) === null && hint !== null) {
+        wire = { code: wire.code, message: `${wire.message} retry_ms=${hint}` };
+      }
+      error = new RejectedError(code, wire);
+    }
+    this.end(error);
+  }
+
+  /** Ends the connection on the client's side (a protocol error of the server's, a silent server). */
+  fail(error: GreendotError): void {
+    if (this.ended) return;
+    this.carrier?.close(error instanceof ProtocolError ? CloseCode.ProtocolError : CloseCode.Normal, error.message);
+    this.end(error);
+  }
+
+  /** Closed by the application: no reconnect follows. */
+  shut(code: number, reason: string): void {
+    if (this.ended) return;
+    this.ended = true;
+    this.stopHeartbeat();
+    this.carrier?.close(code, reason);
+  }
+
+  get isEnded(): boolean {
+    return this.ended;
+  }
+
+  private end(error: GreendotError): void {
+    this.ended = true;
+    this.endError = error;
+    this.stopHeartbeat();
+    if (this.helloWaiter !== null) {
+      this.helloWaiter.reject(error);
+      this.helloWaiter = null;
+      return;
+    }
+    this.client.connectionEnded(this, error);
+  }
+
+  sendRequest(p: Pending, id: bigint): boolean {
+    const payload = encodeRequestFrame({ id, request: p.request });
+    if (payload.length > this.maxFrame) {
+      this.client.settle(p, new ConfigError(`request of ${payload.length} bytes exceeds the server's frame cap of ${this.maxFrame}`));
+      return false;
+    }
+    this.pending.set(id, p);
+    p.sent = { conn: this, id };
+    this.carrier?.send(payload);
+    return true;
+  }
+
+  private heard(): void {
+    this.lastHeard = Date.now();
+    this.pingSent = false;
+  }
+
+  // WebSocket keep-alive: a browser cannot see the server's pings, so after a
+  // quiet spell the client asks a Ping itself; a server silent for the idle
+  // timeout is lost.
+  private scheduleHeartbeat(delay: number): void {
+    this.stopHeartbeat();
+    this.heartbeat = setTimeout(() => this.checkHeartbeat(), Math.max(delay, 1));
+  }
+
+  private checkHeartbeat(): void {
+    if (this.ended) return;
+    const { keepAliveMs, idleTimeoutMs } = this.client.settings;
+    const quiet = Date.now() - this.lastHeard;
+    if (quiet >= idleTimeoutMs) {
+      return this.fail(new LostError(`no message from the server for ${quiet} ms`));
+    }
+    if (quiet >= keepAliveMs && !this.pingSent) {
+      this.pingSent = true;
+      this.client.sendInternal(this, { type: "ping" });
+    }
+    const next = quiet < keepAliveMs ? keepAliveMs - quiet : idleTimeoutMs - quiet;
+    this.scheduleHeartbeat(next);
+  }
+
+  private stopHeartbeat(): void {
+    if (this.heartbeat !== undefined) clearTimeout(this.heartbeat);
+    this.heartbeat = undefined;
+  }
+}
+
+export class Client {
+  /** @internal */
+  readonly settings: Settings;
+  private sessionId: bigint = 0n;
+  private userName = "";
+  private deviceName = "";
+  private bindingName: Binding = "websocket";
+  private readonly view = new View();
+  /** What the application subscribed to, to subscribe again after a reconnect that did not resume. */
+  private readonly wanted = new Map<string, Tier>();
+  private conn: Connection | null = null;
+  /** Requests waiting for a connection (made while reconnecting). */
+  private queue: Pending[] = [];
+  private nextId = 0n;
+  private finished = false;
+  private readonly listeners = new Set<(e: ClientEvent) => void>();
+  private cancelWait: (() => void) | null = null;
+
+  private constructor(settings: Settings) {
+    this.settings = settings;
+  }
+
+  /** Connects (WebTransport first when available, else or on its failure WebSocket), says hello. */
+  static async connect(options: ClientOptions): Promise<Client> {
+    const client = new Client(settingsOf(options));
+    const [conn, welcome] = await client.establish(null);
+    client.take(conn, welcome, true);
+    return client;
+  }
+
+  /** The current session (it changes with every welcome). */
+  get session(): bigint {
+    return this.sessionId;
+  }
+  get user(): string {
+    return this.userName;
+  }
+  get device(): string {
+    return this.deviceName;
+  }
+  /** The binding of the current (or last) connection. */
+  get binding(): Binding {
+    return this.bindingName;
+  }
+  /** Whether the client is finished (see the `closed` event). */
+  get isClosed(): boolean {
+    return this.finished;
+  }
+  /** Whether a connection is up now (false while reconnecting). */
+  get isConnected(): boolean {
+    return this.conn !== null;
+  }
+
+  /** What the client knows of `target`. */
+  presence(target: string): Presence | undefined {
+    return this.view.get(target);
+  }
+
+  /** Everything the client knows. */
+  presences(): Map<string, Presence> {
+    return new Map(this.view.entries());
+  }
+
+  /** Calls `listener` with every event from now on; returns a function that stops it. */
+  on(listener: (event: ClientEvent) => void): () => void {
+    this.listeners.add(listener);
+    return () => this.listeners.delete(listener);
+  }
+
+  /** Every event from now on, until (and including) `closed`. */
+  updates(): AsyncIterableIterator<ClientEvent> {
+    const buffered: ClientEvent[] = [];
+    let wake: (() => void) | null = null;
+    let over = this.finished;
+    const off = this.on((event) => {
+      buffered.push(event);
+      if (event.type === "closed") off();
+      wake?.();
+    });
+    if (over) off();
+    const iterator: AsyncIterableIterator<ClientEvent> = {
+      next: async () => {
+        for (;;) {
+          const event = buffered.shift();
+          if (event !== undefined) {
+            if (event.type === "closed") over = true;
+            return { value: event, done: false };
+          }
+          if (over) return { value: undefined, done: true };
+          await new Promise<void>((r) => (wake = r));
+          wake = null;
+        }
+      },
+      return: async () => {
+        off();
+        over = true;
+        buffered.length = 0;
+        return { value: undefined, done: true };
+      },
+      [Symbol.asyncIterator]: () => iterator,
+    };
+    return iterator;
+  }
+
+  /** A round trip (renews the session's lease). */
+  async ping(): Promise<void> {
+    expect(await this.call({ type: "ping" }), "done");
+  }
+
+  /** Watches `targets` in `tier`: snapshots now (already applied), updates as events. */
+  async subscribe(targets: string[], tier: Tier): Promise<Subscribed> {
+    const answer = expect(await this.call({ type: "subscribe", targets, tier }), "subscribed");
+    return { snapshots: answer.snapshots, refused: answer.refused };
+  }
+
+  async unsubscribe(target: string): Promise<void> {
+    this.wanted.delete(target);
+    expect(await this.call({ type: "unsubscribe", target }), "done");
+    this.view.forget(target);
+  }
+
+  /** What this session may see of one user now. */
+  async query(target: string): Promise<Presence> {
+    const results = await this.queryMany([target]);
+    const last = results[results.length - 1];
+    if (last === undefined) throw new ProtocolError("empty query answer");
+    if (!last.result.ok) throw new ServerError(last.result.error);
+    return last.result.value;
+  }
+
+  /** Several users at once (service tokens only). */
+  async queryMany(targets: string[]): Promise<{ target: string; result: Result<Presence, WireError> }[]> {
+    return expect(await this.call({ type: "query", targets }), "presences").results;
+  }
+
+  /** The user's status and message. Idempotent: after a TimeoutError, call it again. */
+  async setStatus(status: Status, message: string | null = null): Promise<void> {
+    expect(await this.call({ type: "setStatus", status, message }), "done");
+  }
+
+  /** Appear offline to everybody else (or stop). Idempotent like setStatus. */
+  async setInvisible(invisible: boolean): Promise<void> {
+    expect(await this.call({ type: "setInvisible", invisible }), "done");
+  }
+
+  /** The Online devices of `user` (service tokens only). */
+  async route(user: string): Promise<RouteEntry[]> {
+    return expect(await this.call({ type: "route", user }), "route").entries;
+  }
+
+  /** Graceful logout: the device goes offline at once, and the client is finished. */
+  async logout(): Promise<void> {
+    let failure: unknown = null;
+    try {
+      expect(await this.call({ type: "logout" }), "done");
+    } catch (e) {
+      // The server may close with the logout code before the answer lands.
+      if (!(e instanceof RejectedError && e.closeCode === CloseCode.Logout)) failure = e;
+    }
+    this.closeWith(CloseCode.Logout, "logout");
+    if (failure !== null) throw failure;
+  }
+
+  /** Closes without logging out: the device lingers for its grace (a resume can follow elsewhere). */
+  close(): void {
+    this.closeWith(CloseCode.Normal, "closed by the application");
+  }
+
+  // ----- internals -----------------------------------------------------------
+
+  private closeWith(code: number, reason: string): void {
+    if (this.finished) return;
+    const conn = this.conn;
+    this.conn = null;
+    if (conn !== null) {
+      conn.shut(code, reason);
+      this.failAll(conn, new ClosedError("the client is closed"));
+    }
+    this.finish(code, "closed by the application");
+  }
+
+  private finish(code: number | null, reason: string): void {
+    if (this.finished) return;
+    this.finished = true;
+    this.cancelWait?.();
+    const queued = this.queue;
+    this.queue = [];
+    for (const p of queued) this.settle(p, new ClosedError(`the client is closed: ${reason}`));
+    this.emit({ type: "closed", code, reason });
+  }
+
+  private emit(event: ClientEvent): void {
+    for (const listener of [...this.listeners]) {
+      try {
+        listener(event);
+      } catch {
+        // A listener's failure is the application's; the client goes on.
+      }
+    }
+  }
+
+  /** @internal Applies a snapshot or a push; emits an event if it is news. */
+  applyPresence(target: string, presence: Presence, source: Source): void {
+    if (this.view.apply(target, presence) !== "dropped") this.emit({ type: "presence", target, presence, source });
+  }
+
+  /** @internal Settles a request once: an answer or an error. */
+  settle(p: Pending, outcome: Answer | Error): void {
+    if (p.done) return;
+    p.done = true;
+    if (p.timer !== undefined) clearTimeout(p.timer);
+    if (p.caller === null) return;
+    if (outcome instanceof Error) p.caller.reject(outcome);
+    else p.caller.resolve(outcome);
+  }
+
+  private call(request: Request): Promise<Answer> {
+    if (this.finished) return Promise.reject(new ClosedError("the client is closed"));
+    return new Promise<Answer>((resolve, reject) => {
+      const p: Pending = { request, caller: { resolve, reject }, done: false };
+      p.timer = setTimeout(() => {
+        // A request still waiting to be sent is dropped: it never takes effect.
+        this.queue = this.queue.filter((q) => q !== p);
+        // One sent is forgotten: its late answer, if any, finds nothing waiting.
+        p.sent?.conn.pending.delete(p.sent.id);
+        this.settle(p, new TimeoutError(`no answer to ${request.type} within ${this.settings.requestTimeoutMs} ms`));
+      }, this.settings.requestTimeoutMs);
+      if (this.conn !== null) this.send(this.conn, p);
+      else this.queue.push(p);
+    });
+  }
+
+  private send(conn: Connection, p: Pending): void {
+    this.nextId += 1n;
+    conn.sendRequest(p, this.nextId);
+  }
+
+  /** @internal A request the client makes itself (no caller waits for it). */
+  sendInternal(conn: Connection, request: Request): void {
+    this.send(conn, { request, caller: null, done: false });
+  }
+
+  /** @internal An answer from the server. */
+  reply(conn: Connection, id: bigint, result: Result<Answer, WireError>): void {
+    const p = conn.pending.get(id);
+    conn.pending.delete(id);
+    if (result.ok && result.value.type === "subscribed") {
+      for (const s of result.value.snapshots) this.wanted.set(s.target, s.tier);
+      for (const s of result.value.snapshots) this.applyPresence(s.target, s.presence, "snapshot");
+    }
+    // An answer to no request in flight: nothing waits for it.
+    if (p === undefined) return;
+    this.settle(p, result.ok ? result.value : new ServerError(result.error));
+  }
+
+  private failAll(conn: Connection, error: Error): void {
+    for (const p of conn.pending.values()) this.settle(p, error);
+    conn.pending.clear();
+  }
+
+  /** Opens a connection over the first binding that opens, says hello, waits for the welcome. */
+  private async establish(resume: bigint | null): Promise<[Connection, Welcome]> {
+    const controller = new AbortController();
+    const timer = setTimeout(
+      () => controller.abort(`no welcome within ${this.settings.connectTimeoutMs} ms`),
+      this.settings.connectTimeoutMs,
+    );
+    const conn = new Connection(this);
+    try {
+      let carrier: Carrier | null = null;
+      const failures: string[] = [];
+      for (const { dial, timeoutMs, binding } of this.settings.dials) {
+        const attempt = new AbortController();
+        const onAbort = () => attempt.abort(controller.signal.reason);
+        controller.signal.addEventListener("abort", onAbort, { once: true });
+        const attemptTimer =
+          timeoutMs === null ? undefined : setTimeout(() => attempt.abort(`${binding} did not open within ${timeoutMs} ms`), timeoutMs);
+        try {
+          carrier = await dial(conn, attempt.signal);
+          break;
+        } catch (e) {
+          failures.push(`${binding}: ${(e as Error).message}`);
+        } finally {
+          clearTimeout(attemptTimer);
+          controller.signal.removeEventListener("abort", onAbort);
+        }
+        if (controller.signal.aborted) break;
+      }
+      if (carrier === null) throw new ConnectError(failures.join("; "));
+      const hello = encodeHello({ version: this.settings.version, token: this.settings.token, resume });
+      const aborted = new Promise<never>((_, reject) =>
+        controller.signal.addEventListener("abort", () => reject(new ConnectError(String(controller.signal.reason))), {
+          once: true,
+        }),
+      );
+      try {
+        const welcome = await Promise.race([conn.hello(carrier, hello), aborted]);
+        return [conn, welcome];
+      } catch (e) {
+        conn.shut(CloseCode.Normal, "hello failed");
+        throw e;
+      }
+    } finally {
+      clearTimeout(timer);
+      controller.abort("done");
+    }
+  }
+
+  /** Makes a welcomed connection the current one. */
+  private take(conn: Connection, welcome: Welcome, first: boolean): void {
+    this.conn = conn;
+    this.sessionId = welcome.session;
+    this.userName = welcome.user;
+    this.deviceName = welcome.device;
+    this.bindingName = conn.carrier!.binding;
+    if (!welcome.resumed) {
+      // A fresh session, perhaps on a restarted server whose versions begin
+      // again: forget what the old one said, or its snapshots would be dropped.
+      this.view.clear();
+    }
+    if (!first) this.emit({ type: "reconnected", session: welcome.session, resumed: welcome.resumed, binding: this.bindingName });
+    for (const s of welcome.snapshots) this.applyPresence(s.target, s.presence, "snapshot");
+    conn.start();
+    if (!welcome.resumed) {
+      for (const tier of ["realtime", "batched"] as const) {
+        const targets = [...this.wanted].filter(([, t]) => t === tier).map(([name]) => name);
+        if (targets.length > 0) this.sendInternal(conn, { type: "subscribe", targets, tier });
+      }
+    }
+    if (conn.isEnded) {
+      // It ended between the welcome and now: handle that like any loss.
+      this.connectionEnded(conn, conn.endError ?? new LostError("connection lost"));
+      return;
+    }
+    const queued = this.queue;
+    this.queue = [];
+    for (const p of queued) if (!p.done) this.send(conn, p);
+  }
+
+  /** @internal The current connection ended without the application closing it. */
+  connectionEnded(conn: Connection, error: GreendotError): void {
+    if (conn !== this.conn) return;
+    this.conn = null;
+    this.failAll(conn, error);
+    const final = error instanceof RejectedError && (error.closeCode === null || !mayReconnect(error.closeCode));
+    const policy = this.settings.reconnect;
+    if (final || policy === null) {
+      this.finish(error instanceof RejectedError ? error.closeCode : null, reasonOf(error));
+      return;
+    }
+    this.emit({ type: "disconnected", reason: error.message });
+    void this.reconnect(policy, error instanceof RejectedError ? error.retryAfterMs : null);
+  }
+
+  private sleep(ms: number): Promise<void> {
+    return new Promise<void>((resolve) => {
+      const timer = setTimeout(() => {
+        this.cancelWait = null;
+        resolve();
+      }, ms);
+      this.cancelWait = () => {
+        clearTimeout(timer);
+        this.cancelWait = null;
+        resolve();
+      };
+    });
+  }
+
+  /** Tries again and again, resuming the session, until a welcome or a final refusal. */
+  private async reconnect(policy: Required<ReconnectPolicy>, hint: number | null): Promise<void> {
+    const started = Date.now();
+    const backoff = new Backoff({ initialMs: policy.initialBackoffMs, maxMs: policy.maxBackoffMs }, this.settings.random);
+    for (;;) {
+      await this.sleep(backoff.next(hint));
+      hint = null;
+      if (this.finished) return;
+      try {
+        const [conn, welcome] = await this.establish(this.sessionId);
+        if (this.finished) {
+          conn.shut(CloseCode.Normal, "closed by the application");
+          return;
+        }
+        this.take(conn, welcome, false);
+        return;
+      } catch (e) {
+        if (this.finished) return;
+        if (e instanceof RejectedError && (e.closeCode === null || !mayReconnect(e.closeCode))) {
+          this.finish(e.closeCode, reasonOf(e));
+          return;
+        }
+        hint = e instanceof RejectedError ? e.retryAfterMs : null;
+      }
+      if (policy.giveUpAfterMs !== null && Date.now() - started >= policy.giveUpAfterMs) {
+        this.finish(null, "gave up reconnecting");
+        return;
+      }
+    }
+  }
+}
+
+/** The server's words for a rejection (its error frame or close reason), else the error's message. */
+function reasonOf(error: Error): string {
+  return error instanceof RejectedError ? error.error.message : error.message;
+}
+
+function expect<T extends Answer["type"]>(answer: Answer, type: T): Extract<Answer, { type: T }> {
+  if (answer.type !== type) throw new ProtocolError(`unexpected answer ${answer.type} (wanted ${type})`);
+  return answer as Extract<Answer, { type: T }>;
+}

@@ -1,0 +1,316 @@
+// Encoders and decoders of every frame of docs/protocol.md, both directions
+// (a client needs half of them; tests and fake servers the other half).
+// Field order is the wire order: keep it as in transport/src/proto/frames.rs.
+
+import { DecodeError, Reader, Writer } from "./postcard.js";
+import {
+  type Answer,
+  type Hello,
+  KINDS,
+  type Kind,
+  type Presence,
+  type Push,
+  type QueryResult,
+  type Refused,
+  REQUEST_TYPES,
+  type Request,
+  type RequestFrame,
+  type Result,
+  type RouteEntry,
+  type ServerFrame,
+  type Snapshot,
+  STATUSES,
+  type Status,
+  TIERS,
+  type Tier,
+  type Welcome,
+  type WireError,
+} from "./types.js";
+
+function index<T extends string>(names: readonly T[], name: T, what: string): number {
+  const i = names.indexOf(name);
+  if (i < 0) throw new RangeError(`unknown ${what} ${String(name)}`);
+  return i;
+}
+
+function named<T>(names: readonly T[], i: number, what: string): T {
+  const name = names[i];
+  if (name === undefined) throw new DecodeError(`unknown ${what} variant ${i}`);
+  return name;
+}
+
+// ----- shared types ---------------------------------------------------------
+
+const writeTier = (w: Writer, tier: Tier) => w.variant(index(TIERS, tier, "tier"));
+const readTier = (r: Reader): Tier => named(TIERS, r.variant(), "Tier");
+const writeStatus = (w: Writer, s: Status) => w.variant(index(STATUSES, s, "status"));
+const readStatus = (r: Reader): Status => named(STATUSES, r.variant(), "Status");
+const writeKind = (w: Writer, k: Kind) => w.variant(index(KINDS, k, "kind"));
+const readKind = (r: Reader): Kind => named(KINDS, r.variant(), "Kind");
+const writeString = (w: Writer, s: string) => w.string(s);
+const readString = (r: Reader) => r.string();
+
+// (Field order: version, online, status, message, kinds, last_seen, invisible.)
+function writePresenceFields(w: Writer, p: Presence): void {
+  w.u64(p.version).bool(p.online);
+  writeStatus(w, p.status);
+  w.option(p.message, writeString).u8(p.kinds);
+  w.option(p.lastSeen, (w, v) => w.u64(v)).bool(p.invisible);
+}
+
+function readPresence(r: Reader): Presence {
+  return {
+    version: r.u64(),
+    online: r.bool(),
+    status: readStatus(r),
+    message: r.option(readString),
+    kinds: r.u8(),
+    lastSeen: r.option((r) => r.u64()),
+    invisible: r.bool(),
+  };
+}
+
+function writeWireError(w: Writer, e: WireError): void {
+  w.u16(e.code).string(e.message);
+}
+function readWireError(r: Reader): WireError {
+  return { code: r.u16(), message: r.string() };
+}
+
+function writeResult<T>(w: Writer, result: Result<T, WireError>, ok: (w: Writer, v: T) => void): void {
+  if (result.ok) {
+    w.variant(0);
+    ok(w, result.value);
+  } else {
+    w.variant(1);
+    writeWireError(w, result.error);
+  }
+}
+function readResult<T>(r: Reader, ok: (r: Reader) => T): Result<T, WireError> {
+  const v = r.variant();
+  if (v === 0) return { ok: true, value: ok(r) };
+  if (v === 1) return { ok: false, error: readWireError(r) };
+  throw new DecodeError(`unknown Result variant ${v}`);
+}
+
+function writeSnapshot(w: Writer, s: Snapshot): void {
+  w.string(s.target);
+  writeTier(w, s.tier);
+  writePresenceFields(w, s.presence);
+}
+function readSnapshot(r: Reader): Snapshot {
+  return { target: r.string(), tier: readTier(r), presence: readPresence(r) };
+}
+
+// ----- client → server ------------------------------------------------------
+
+export function encodeHello(hello: Hello): Uint8Array {
+  return new Writer()
+    .u32(hello.version)
+    .string(hello.token)
+    .option(hello.resume, (w, v) => w.u64(v))
+    .finish();
+}
+
+export function decodeHello(payload: Uint8Array): Hello {
+  const r = new Reader(payload);
+  const hello = { version: r.u32(), token: r.string(), resume: r.option((r) => r.u64()) };
+  r.end();
+  return hello;
+}
+
+function writeRequest(w: Writer, req: Request): void {
+  w.variant(index(REQUEST_TYPES, req.type, "request"));
+  switch (req.type) {
+    case "ping":
+    case "logout":
+      return;
+    case "subscribe":
+      w.seq(req.targets, writeString);
+      writeTier(w, req.tier);
+      return;
+    case "unsubscribe":
+      w.string(req.target);
+      return;
+    case "query":
+      w.seq(req.targets, writeString);
+      return;
+    case "setStatus":
+      writeStatus(w, req.status);
+      w.option(req.message, writeString);
+      return;
+    case "setInvisible":
+      w.bool(req.invisible);
+      return;
+    case "route":
+      w.string(req.user);
+      return;
+  }
+}
+
+function readRequest(r: Reader): Request {
+  const type = named(REQUEST_TYPES, r.variant(), "Request");
+  switch (type) {
+    case "ping":
+    case "logout":
+      return { type };
+    case "subscribe":
+      return { type, targets: r.seq(readString), tier: readTier(r) };
+    case "unsubscribe":
+      return { type, target: r.string() };
+    case "query":
+      return { type, targets: r.seq(readString) };
+    case "setStatus":
+      return { type, status: readStatus(r), message: r.option(readString) };
+    case "setInvisible":
+      return { type, invisible: r.bool() };
+    case "route":
+      return { type, user: r.string() };
+  }
+}
+
+export function encodeRequestFrame(frame: RequestFrame): Uint8Array {
+  const w = new Writer().u64(frame.id);
+  writeRequest(w, frame.request);
+  return w.finish();
+}
+
+export function decodeRequestFrame(payload: Uint8Array): RequestFrame {
+  const r = new Reader(payload);
+  const frame = { id: r.u64(), request: readRequest(r) };
+  r.end();
+  return frame;
+}
+
+// ----- server → client: control stream ---------------------------------------
+
+function writeAnswer(w: Writer, a: Answer): void {
+  switch (a.type) {
+    case "done":
+      w.variant(0);
+      return;
+    case "subscribed":
+      w.variant(1).seq(a.snapshots, writeSnapshot);
+      w.seq(a.refused, (w, x: Refused) => {
+        w.string(x.target);
+        writeWireError(w, x.error);
+      });
+      return;
+    case "presences":
+      w.variant(2).seq(a.results, (w, x: QueryResult) => {
+        w.string(x.target);
+        writeResult(w, x.result, writePresenceFields);
+      });
+      return;
+    case "route":
+      w.variant(3).seq(a.entries, (w, x: RouteEntry) => {
+        w.string(x.device);
+        writeKind(w, x.kind);
+        w.u64(x.session);
+      });
+      return;
+  }
+}
+
+function readAnswer(r: Reader): Answer {
+  const v = r.variant();
+  switch (v) {
+    case 0:
+      return { type: "done" };
+    case 1:
+      return {
+        type: "subscribed",
+        snapshots: r.seq(readSnapshot),
+        refused: r.seq((r) => ({ target: r.string(), error: readWireError(r) })),
+      };
+    case 2:
+      return {
+        type: "presences",
+        results: r.seq((r) => ({ target: r.string(), result: readResult(r, readPresence) })),
+      };
+    case 3:
+      return {
+        type: "route",
+        entries: r.seq((r) => ({ device: r.string(), kind: readKind(r), session: r.u64() })),
+      };
+    default:
+      throw new DecodeError(`unknown Answer variant ${v}`);
+  }
+}
+
+export function encodeServerFrame(frame: ServerFrame): Uint8Array {
+  const w = new Writer();
+  switch (frame.type) {
+    case "welcome": {
+      const x: Welcome = frame.welcome;
+      w.variant(0).u32(x.version).u64(x.session).bool(x.resumed).string(x.user).string(x.device);
+      w.seq(x.snapshots, writeSnapshot).u32(x.maxFrame);
+      break;
+    }
+    case "reply":
+      w.variant(1).u64(frame.id);
+      writeResult(w, frame.result, writeAnswer);
+      break;
+    case "error":
+      w.variant(2);
+      writeWireError(w, frame.error);
+      break;
+  }
+  return w.finish();
+}
+
+export function decodeServerFrame(payload: Uint8Array): ServerFrame {
+  const r = new Reader(payload);
+  let frame: ServerFrame;
+  const v = r.variant();
+  switch (v) {
+    case 0:
+      frame = {
+        type: "welcome",
+        welcome: {
+          version: r.u32(),
+          session: r.u64(),
+          resumed: r.bool(),
+          user: r.string(),
+          device: r.string(),
+          snapshots: r.seq(readSnapshot),
+          maxFrame: r.u32(),
+        },
+      };
+      break;
+    case 1:
+      frame = { type: "reply", id: r.u64(), result: readResult(r, readAnswer) };
+      break;
+    case 2:
+      frame = { type: "error", error: readWireError(r) };
+      break;
+    default:
+      throw new DecodeError(`unknown ServerFrame variant ${v}`);
+  }
+  r.end();
+  return frame;
+}
+
+// ----- server → client: push streams ------------------------------------------
+
+export function encodePush(push: Push): Uint8Array {
+  const w = new Writer();
+  if (push.type === "stream") {
+    writeTier(w.variant(0), push.tier);
+  } else {
+    w.variant(1).string(push.target);
+    writePresenceFields(w, push.presence);
+  }
+  return w.finish();
+}
+
+export function decodePush(payload: Uint8Array): Push {
+  const r = new Reader(payload);
+  let push: Push;
+  const v = r.variant();
+  if (v === 0) push = { type: "stream", tier: readTier(r) };
+  else if (v === 1) push = { type: "update", target: r.string(), presence: readPresence(r) };
+  else throw new DecodeError(`unknown Push variant ${v}`);
+  r.end();
+  return push;
+}
