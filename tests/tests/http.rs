@@ -91,7 +91,7 @@ async fn presence_goes_on(ts: &TestServer, user: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_port_serves_metrics_health_and_readiness_and_refuses_the_rest() {
     let ts = TestServer::start(|_| {});
-    let port = http(&ts, HttpConfig::default());
+    let port = http(&ts, HttpConfig::default().max_head_bytes(2048));
     let at = port.local_addr();
 
     let metrics = request(at, "GET", "/metrics").await;
@@ -129,18 +129,22 @@ async fn the_port_serves_metrics_health_and_readiness_and_refuses_the_rest() {
     // A body is refused before any route sees it.
     let body = exchange(
         at,
-        b"POST /metrics HTTP/1.1\r\nHost: g\r\nContent-Length: 5\r\n\r\nhello",
+        b"GET /metrics HTTP/1.1\r\nHost: g\r\nConnection: close\r\nContent-Length: 5\r\n\r\nhello",
     )
     .await
     .unwrap();
     assert_eq!(body.status, 413, "{body:?}");
-    // A head past the cap: 431.
-    let big = format!(
-        "GET /metrics HTTP/1.1\r\nHost: g\r\nX-Big: {}\r\n\r\n",
-        "a".repeat(9000)
-    );
-    let big = exchange(at, big.as_bytes()).await.unwrap();
+    // A head past the cap (2 KiB): 431; one within it is served.
+    let head_of = |filler: usize| {
+        format!(
+            "GET /healthz HTTP/1.1\r\nHost: g\r\nConnection: close\r\nX-Big: {}\r\n\r\n",
+            "a".repeat(filler)
+        )
+    };
+    let big = exchange(at, head_of(3000).as_bytes()).await.unwrap();
     assert_eq!(big.status, 431, "{big:?}");
+    let fits = exchange(at, head_of(1500).as_bytes()).await.unwrap();
+    assert_eq!(fits.status, 200, "{fits:?}");
 
     // A malformed request line: a 400, and nothing else breaks.
     let bad = exchange(at, b"NOT HTTP AT ALL\r\n\r\n").await.unwrap();
