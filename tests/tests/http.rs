@@ -336,3 +336,53 @@ async fn a_connection_past_the_cap_is_closed_at_once() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A client that sends requests but never reads the answers holds its
+/// connection only until a response has waited `send_timeout` for room:
+/// then the connection closes and its slot (the only one here) is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_is_closed_after_the_send_timeout() {
+    const SEND_TIMEOUT: Duration = Duration::from_secs(1);
+    let ts = TestServer::start(|_| {});
+    let port = http(
+        &ts,
+        HttpConfig::default()
+            .header_read_timeout(Duration::from_secs(60))
+            .send_timeout(SEND_TIMEOUT)
+            .max_connections(1),
+    );
+    let at = port.local_addr();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut deaf = socket.connect(at).await.expect("connects");
+    let started = Instant::now();
+    // Pipelined requests for small 404s, until the server stops taking
+    // them (its answers fill both buffers) or closes the connection.
+    let batch = b"GET /nope HTTP/1.1\r\nHost: g\r\n\r\n".repeat(1000);
+    let writer = tokio::spawn(async move { while deaf.write_all(&batch).await.is_ok() {} });
+    let deadline = started + SEND_TIMEOUT + SLACK;
+    let freed = loop {
+        if let Ok(reply) = exchange(
+            at,
+            b"GET /healthz HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n",
+        )
+        .await
+        {
+            if reply.status == 200 {
+                break started.elapsed();
+            }
+            assert_eq!(reply.status, 503, "{reply:?}");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the deaf client still holds its slot after {:?}",
+            started.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    println!("the slot was free {freed:?} after the deaf client began");
+    tokio::time::timeout(SLACK, writer)
+        .await
+        .expect("the deaf client's connection was closed")
+        .unwrap();
+}

@@ -7,6 +7,8 @@
 //! - the request head must arrive within [`HttpConfig::header_read_timeout`]
 //!   (also an idle keep-alive connection's wait for its next request), or the
 //!   connection is closed: a slowloris holds a connection for that long at most;
+//! - a response the client does not take (it stopped reading) fails its
+//!   connection after [`HttpConfig::send_timeout`];
 //! - the head is at most [`HttpConfig::max_head_bytes`] (431 beyond);
 //! - at most [`HttpConfig::max_connections`] connections at once: one more is
 //!   closed at once, and the ones held are freed by the timeout above;
@@ -30,9 +32,14 @@ use axum::routing::get;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use std::convert::Infallible;
+use std::future::Future;
+use std::io;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, Semaphore};
 use tower::ServiceExt;
@@ -54,17 +61,19 @@ const MIN_READ_BUFFER: usize = 8192;
 #[non_exhaustive]
 pub struct HttpConfig {
     header_read_timeout: Duration,
+    send_timeout: Duration,
     max_head_bytes: usize,
     max_connections: usize,
     loop_timeout: Duration,
 }
 
 impl Default for HttpConfig {
-    /// Head within 5 s, 8 KiB of head, 256 connections, the loop's answer
-    /// within 2 s.
+    /// Head within 5 s, responses taken within 10 s, 8 KiB of head, 256
+    /// connections, the loop's answer within 2 s.
     fn default() -> HttpConfig {
         HttpConfig {
             header_read_timeout: Duration::from_secs(5),
+            send_timeout: Duration::from_secs(10),
             max_head_bytes: 8 * 1024,
             max_connections: 256,
             loop_timeout: Duration::from_secs(2),
@@ -77,6 +86,14 @@ impl HttpConfig {
     /// and headers), counted from its accept or from its previous response.
     pub fn header_read_timeout(mut self, timeout: Duration) -> HttpConfig {
         self.header_read_timeout = timeout;
+        self
+    }
+
+    /// How long a write to a connection may wait for the client to take
+    /// something (its receive window full: it stopped reading) before the
+    /// connection is closed.
+    pub fn send_timeout(mut self, timeout: Duration) -> HttpConfig {
+        self.send_timeout = timeout;
         self
     }
 
@@ -187,6 +204,7 @@ impl HttpService {
                 continue;
             };
             let (router, http) = (router.clone(), http.clone());
+            let stream = SendTimeout::new(stream, self.config.send_timeout);
             tokio::spawn(async move {
                 let service =
                     hyper::service::service_fn(move |request| answer(router.clone(), request));
@@ -259,6 +277,96 @@ impl Drop for HttpThread {
     fn drop(&mut self) {
         // Dropping the sender ends the thread's serve loop.
         self.stop.take();
+    }
+}
+
+/// A connection whose writes fail once the client has taken nothing for
+/// `limit`, so that a client that stops reading frees its slot (the header
+/// read timeout does not run while a response waits to be sent).
+struct SendTimeout {
+    stream: TcpStream,
+    limit: Duration,
+    /// Armed when a write finds the socket full; disarmed by any progress.
+    blocked: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl SendTimeout {
+    fn new(stream: TcpStream, limit: Duration) -> SendTimeout {
+        SendTimeout {
+            stream,
+            limit,
+            blocked: None,
+        }
+    }
+
+    fn progress<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        polled: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        if polled.is_ready() {
+            self.blocked = None;
+            return polled;
+        }
+        let limit = self.limit;
+        let blocked = self
+            .blocked
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match blocked.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the client took nothing within the send timeout",
+            ))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl AsyncRead for SendTimeout {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for SendTimeout {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.stream).poll_write(cx, buf);
+        this.progress(cx, polled)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.stream).poll_write_vectored(cx, bufs);
+        this.progress(cx, polled)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.stream).poll_flush(cx);
+        this.progress(cx, polled)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.stream).poll_shutdown(cx);
+        this.progress(cx, polled)
     }
 }
 
