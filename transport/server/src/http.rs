@@ -45,7 +45,8 @@ use tokio::sync::{oneshot, Semaphore};
 use tower::ServiceExt;
 use tracing::{debug, warn};
 
-/// The router type the page is built with (see [`HttpService::merge`]).
+/// The page's routes are built with axum (see [`HttpService::merge`]):
+/// re-exported so that they use the same version.
 pub use axum;
 pub use axum::Router;
 
