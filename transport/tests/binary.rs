@@ -1,5 +1,6 @@
 //! The real `greendot` binary, end to end: `serve` in a temporary data
-//! directory, `token`, `connect`, `watch --json`, `query`, the metrics page;
+//! directory, `token`, `connect`, `watch --json`, `query`, the HTTP port
+//! (`/metrics`, `/healthz`, `/readyz`);
 //! `kill -9` of a client (the watcher sees it offline within the bound),
 //! `kill -9` of the server and a restart (an invisible user stays invisible,
 //! last seen survives), and a graceful drain (SIGTERM) and restart that no
@@ -208,6 +209,9 @@ fn serve(dir: &Path, listen: &str) -> Served {
         .trim_end_matches("/metrics")
         .parse()
         .unwrap_or_else(|_| panic!("no metrics address in {line:?}"));
+    proc.wait_for(SLACK, "health", |l| {
+        l == format!("health on http://{metrics}/healthz and /readyz")
+    });
     proc.wait_for(SLACK, "an example", |l| l.starts_with("try: "));
     Served {
         proc,
@@ -232,15 +236,28 @@ fn query(dir: &Path, served: &Served, token: &str, user: &str) -> serde_json::Va
     json(out.trim())
 }
 
-fn metrics(at: SocketAddr) -> String {
-    let mut stream = TcpStream::connect(at).expect("metrics port");
+/// `GET path` on the HTTP port: the whole response.
+fn http_get(at: SocketAddr, path: &str) -> String {
+    let mut stream = TcpStream::connect(at).expect("HTTP port");
     stream.set_read_timeout(Some(SLACK)).expect("read timeout");
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-        .expect("request");
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .expect("request");
     let mut text = String::new();
     stream.read_to_string(&mut text).expect("response");
+    text
+}
+
+fn metrics(at: SocketAddr) -> String {
+    let text = http_get(at, "/metrics");
     assert!(text.starts_with("HTTP/1.1 200 OK"), "{text}");
+    assert!(
+        text.to_ascii_lowercase()
+            .contains("content-type: text/plain; version=0.0.4"),
+        "{text}"
+    );
     text
 }
 
@@ -312,6 +329,14 @@ fn the_binary_serves_survives_kill_9_and_drains() {
     let own = query(&dir, &server, &carol_cli, "carol");
     assert_eq!(own["invisible"], true, "{own}");
     let page = metrics(server.metrics);
+    for (path, answer) in [
+        ("/healthz", "HTTP/1.1 200 OK"),
+        ("/readyz", "HTTP/1.1 200 OK"),
+        ("/nope", "HTTP/1.1 404 Not Found"),
+    ] {
+        let text = http_get(server.metrics, path);
+        assert!(text.starts_with(answer), "{path}: {text}");
+    }
     for name in [
         "greendot_users_online 2", // bob (watching) and carol
         "greendot_devices{state=\"online\"}",

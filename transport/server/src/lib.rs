@@ -77,6 +77,7 @@
 
 mod conn;
 mod driver;
+pub mod http;
 mod hub;
 pub mod metrics;
 mod quic;
@@ -116,7 +117,7 @@ use metrics::Histogram;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use store::{Store, StoreWriter};
@@ -359,6 +360,8 @@ struct StatsInner {
     /// Durations of the loop's passes, and how many left work to the next.
     loop_pass: Histogram,
     loop_carried: AtomicU64,
+    /// Set when a drain or shutdown begins (see [`Monitor::accepting`]).
+    stopping: AtomicBool,
 }
 
 impl StatsInner {
@@ -698,6 +701,7 @@ impl Server {
     }
 
     async fn stop(self, code: CloseCode, text: &'static [u8], save: bool) {
+        self.shared.stats.stopping.store(true, Ordering::Relaxed);
         let (done, finished) = oneshot::channel();
         let stop = Control::Stop {
             code,
@@ -729,6 +733,12 @@ impl std::fmt::Debug for Monitor {
 }
 
 impl Monitor {
+    /// Whether the server accepts new connections: bound, its loop running,
+    /// no drain or shutdown begun (`/readyz`).
+    pub fn accepting(&self) -> bool {
+        !self.shared.stats.stopping.load(Ordering::Relaxed) && !self.shared.control.is_closed()
+    }
+
     pub fn stats(&self) -> Stats {
         self.shared.stats.snapshot()
     }

@@ -1,7 +1,7 @@
 //! `greendot`: the presence server and its command-line tools.
 //!
 //! - `greendot serve`: runs the server (defaults: 127.0.0.1:4433/udp, data in
-//!   `./greendot-data/`, metrics on 127.0.0.1:9464);
+//!   `./greendot-data/`, metrics and health over HTTP on 127.0.0.1:9464);
 //! - `greendot token`: mints a token with the data directory's secret;
 //! - `greendot connect`, `watch`, `query`: a client on a terminal.
 
@@ -101,7 +101,8 @@ struct ServeArgs {
     /// [default: greendot-data].
     #[arg(long, env = "GREENDOT_DATA_DIR")]
     data_dir: Option<PathBuf>,
-    /// TCP address of the metrics page, or "off" [default: 127.0.0.1:9464].
+    /// TCP address of the HTTP port (/metrics, /healthz, /readyz), or "off"
+    /// [default: 127.0.0.1:9464].
     #[arg(long, env = "GREENDOT_METRICS")]
     metrics: Option<String>,
     /// PEM certificate chain (with --key) instead of the dev certificate.

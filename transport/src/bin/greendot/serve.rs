@@ -1,20 +1,19 @@
-//! `greendot serve`: the data directory, the server, the metrics page and a
-//! graceful drain on SIGTERM or Ctrl-C.
+//! `greendot serve`: the data directory, the server, the HTTP port
+//! (`/metrics`, `/healthz`, `/readyz`) and a graceful drain on SIGTERM or
+//! Ctrl-C.
 
 use crate::settings::Settings;
 use crate::{CERT_FILE, KEY_FILE};
 use greendot_client::rustls::pki_types::pem::PemObject;
 use greendot_client::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use greendot_core::{KindConfig, Millis};
+use greendot_server::http::HttpService;
 use greendot_server::tls::Identity;
-use greendot_server::Monitor;
 use greendot_server::{Server, ServerConfig};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
-use tracing::{debug, info};
+use tracing::info;
 
 /// Writes `bytes` to a new file readable by its owner only.
 fn write_private(path: &Path, bytes: &[u8]) -> Result<(), String> {
@@ -143,8 +142,9 @@ fn server_config(settings: &Settings, data: &DataDir) -> ServerConfig {
 }
 
 /// The server is one task (the driver), plus the store's own thread: one
-/// runtime thread serves it, its durable waits and the metrics page, with
-/// no second worker to wake and no work stealing.
+/// runtime thread serves it and its durable waits, with no second worker to
+/// wake and no work stealing. The HTTP port has a thread and runtime of its
+/// own (see `greendot_server::http`): HTTP load never takes the loop's turn.
 pub fn runtime() -> Result<tokio::runtime::Runtime, String> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -158,15 +158,16 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     let server = Server::bind(config).map_err(|e| e.to_string())?;
     let addr = server.local_addr();
 
-    let metrics = if settings.metrics.eq_ignore_ascii_case("off") {
+    // Kept until the process exits: it serves `/readyz` 503 while draining.
+    let http = if settings.metrics.eq_ignore_ascii_case("off") {
         None
     } else {
-        let listener = TcpListener::bind(&settings.metrics)
-            .await
-            .map_err(|e| format!("cannot listen for metrics on {}: {e}", settings.metrics))?;
-        let at = listener.local_addr().map_err(|e| e.to_string())?;
-        tokio::spawn(serve_metrics(listener, server.monitor()));
-        Some(at)
+        let listener = std::net::TcpListener::bind(&settings.metrics)
+            .map_err(|e| format!("cannot listen for HTTP on {}: {e}", settings.metrics))?;
+        let thread = HttpService::new(server.monitor())
+            .spawn(listener)
+            .map_err(|e| format!("cannot start the HTTP port: {e}"))?;
+        Some(thread)
     };
 
     let mut out = std::io::stdout().lock();
@@ -181,12 +182,14 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     }
     let _ = writeln!(out, "token secret: {}", data.secret_path.display());
     let _ = writeln!(out, "store: {}", settings.store_path().display());
-    match metrics {
-        Some(at) => {
+    match &http {
+        Some(http) => {
+            let at = http.local_addr();
             let _ = writeln!(out, "metrics on http://{at}/metrics");
+            let _ = writeln!(out, "health on http://{at}/healthz and /readyz");
         }
         None => {
-            let _ = writeln!(out, "metrics off");
+            let _ = writeln!(out, "HTTP off (no metrics, health or readiness)");
         }
     }
     // The program as it was run (e.g. target/release/greendot), so the
@@ -204,6 +207,7 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     wait_for_signal().await;
     info!("draining: closing connections and writing the store");
     server.drain().await;
+    drop(http);
     println!("greendot stopped");
     Ok(())
 }
@@ -229,75 +233,4 @@ pub async fn wait_for_signal() {
     {
         let _ = tokio::signal::ctrl_c().await;
     }
-}
-
-/// A minimal HTTP/1.1 responder: `GET /metrics`, anything else is a 404.
-async fn serve_metrics(listener: TcpListener, monitor: Monitor) {
-    loop {
-        let Ok((stream, peer)) = listener.accept().await else {
-            continue;
-        };
-        let monitor = monitor.clone();
-        tokio::spawn(async move {
-            if let Err(e) = answer_http(stream, &monitor).await {
-                debug!(%peer, error = %e, "metrics request failed");
-            }
-        });
-    }
-}
-
-async fn answer_http(mut stream: tokio::net::TcpStream, monitor: &Monitor) -> std::io::Result<()> {
-    let mut buf = Vec::with_capacity(1024);
-    let read = async {
-        let mut chunk = [0u8; 1024];
-        while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 8192 {
-            let n = stream.read(&mut chunk).await?;
-            if n == 0 {
-                break;
-            }
-            buf.extend_from_slice(&chunk[..n]);
-        }
-        Ok::<(), std::io::Error>(())
-    };
-    if tokio::time::timeout(Duration::from_secs(5), read)
-        .await
-        .is_err()
-    {
-        return Ok(());
-    }
-    let head = String::from_utf8_lossy(&buf);
-    let mut words = head.split_whitespace();
-    let (method, path) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
-    let (status, body, kind) = if path != "/metrics" && !path.starts_with("/metrics?") {
-        (
-            "404 Not Found",
-            "not found: try /metrics\n".to_string(),
-            "text/plain",
-        )
-    } else if method != "GET" && method != "HEAD" {
-        (
-            "405 Method Not Allowed",
-            "GET only\n".to_string(),
-            "text/plain",
-        )
-    } else {
-        match monitor.metrics().await {
-            Some(m) => ("200 OK", m.render(), "text/plain; version=0.0.4"),
-            None => (
-                "503 Service Unavailable",
-                "stopping\n".to_string(),
-                "text/plain",
-            ),
-        }
-    };
-    let mut response = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {kind}; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    )
-    .into_bytes();
-    if method != "HEAD" {
-        response.extend_from_slice(body.as_bytes());
-    }
-    stream.write_all(&response).await?;
-    stream.shutdown().await
 }

@@ -105,8 +105,8 @@ pub struct Settings {
     pub listen: SocketAddr,
     /// Holds the dev certificate, the token secret and the store.
     pub data_dir: PathBuf,
-    /// TCP address of the Prometheus metrics page (`GET /metrics`); "off"
-    /// disables it.
+    /// TCP address of the HTTP port (`/metrics` for Prometheus, `/healthz`,
+    /// `/readyz`); "off" disables it.
     pub metrics: String,
     /// A PEM certificate chain and its PEM private key; when unset, a
     /// self-signed certificate for `localhost` is made in the data directory.
