@@ -268,6 +268,11 @@ struct Device {
 struct UserTruth {
     /// `SetInvisible` requests sent and not answered.
     in_flight: u32,
+    /// Two were in flight at once: which the server applied last is unknown.
+    ambiguous: bool,
+    /// A request went unanswered with its connection; it may still be
+    /// applied (it may wait behind a stalled write) until then.
+    tainted_until: Duration,
     /// A `SetInvisible(true)` was acknowledged (saved) then, and nothing
     /// since asked for visibility.
     invisible_acked: Option<Duration>,
@@ -876,6 +881,9 @@ impl Sim {
                 push,
             } => {
                 self.updates += 1;
+                if push.is_some() {
+                    self.check_push_after_logout(i, &target, &presence)?;
+                }
                 self.note(format!(
                     "c{i} {} {target} v{} online {} {:?}",
                     if push.is_some() { "push" } else { "snapshot" },
@@ -931,7 +939,7 @@ impl Sim {
                         || self.devices[i]
                             .watch
                             .as_ref()
-                            .map_or(true, |list| list.contains(&t));
+                            .is_none_or(|list| list.contains(&t));
                     if !allowed {
                         return Err(format!(
                             "I11: c{i} (u{user}) granted {} outside its token's watch",
@@ -958,31 +966,33 @@ impl Sim {
                 truth.in_flight = truth.in_flight.saturating_sub(1);
                 // Only a saved change with nothing else in flight is known
                 // to hold (across a crash too).
-                if truth.in_flight == 0 && matches!(result, Ok(Answer::Done)) {
-                    if invisible {
-                        truth.invisible_acked = Some(now);
-                    } else {
-                        truth.visible_since = Some(now);
+                if truth.in_flight == 0 {
+                    if !truth.ambiguous
+                        && now >= truth.tainted_until
+                        && matches!(result, Ok(Answer::Done))
+                    {
+                        if invisible {
+                            truth.invisible_acked = Some(now);
+                        } else {
+                            truth.visible_since = Some(now);
+                        }
                     }
+                    truth.ambiguous = false;
                 }
             }
             (Request::Logout, Ok(Answer::Done)) => {
                 self.devices[i].absent_since = Some(now);
             }
-            (Request::Query { targets }, Ok(Answer::Presences(results))) => {
+            (Request::Query { .. }, Ok(Answer::Presences(results))) => {
                 for r in results {
-                    if let Ok(p) = r.result {
-                        if r.target != self.clients[i].user_name {
-                            if p.invisible {
-                                return Err(format!(
-                                    "I5: c{i} queried {} and was told it is invisible",
-                                    r.target
-                                ));
-                            }
-                        }
+                    let Ok(p) = r.result else { continue };
+                    if r.target != self.clients[i].user_name && p.invisible {
+                        return Err(format!(
+                            "I5: c{i} queried {} and was told it is invisible",
+                            r.target
+                        ));
                     }
                 }
-                let _ = targets;
             }
             (Request::Ping, Ok(Answer::Done)) | (Request::SetStatus { .. }, _) => {}
             (_, Err(e)) if e.code == proto::ErrorCode::Internal => {}
@@ -1138,6 +1148,7 @@ impl Sim {
                 let truth = &mut self.users[user];
                 truth.visible_since = None;
                 truth.invisible_acked = None;
+                truth.ambiguous |= truth.in_flight > 0;
                 truth.in_flight += 1;
                 Some(Request::SetInvisible { invisible })
             }
@@ -1195,6 +1206,8 @@ impl Sim {
                 if matches!(p.request, Request::SetInvisible { .. }) {
                     let truth = &mut self.users[user];
                     truth.in_flight = truth.in_flight.saturating_sub(1);
+                    truth.tainted_until =
+                        truth.tainted_until.max(self.now + Duration::from_secs(90));
                 }
             }
         }
@@ -1390,7 +1403,7 @@ impl Sim {
         let allowed = self.devices[i]
             .watch
             .as_ref()
-            .map_or(true, |list| list.contains(&t));
+            .is_none_or(|list| list.contains(&t));
         if !allowed {
             return Err(format!("I11: c{i} told of {target} outside its watch"));
         }
@@ -1425,12 +1438,40 @@ impl Sim {
         Ok(())
     }
 
-    fn healthy_since(&self, i: usize) -> Option<Duration> {
+    /// Since when client `i`'s connection has been welcomed by the current
+    /// server and its link undisturbed (`None`: it is not). A connection
+    /// that asked to log out counts only if `logout_too`.
+    /// I10: nothing published after a session's logout is pushed to it.
+    fn check_push_after_logout(
+        &self,
+        i: usize,
+        target: &str,
+        presence: &proto::Presence,
+    ) -> Result<(), String> {
+        let Some(live) = self.clients[i].live.as_ref() else {
+            return Ok(());
+        };
+        let (Some(logout), Some(t)) = (live.logout_answered, user_key(target)) else {
+            return Ok(());
+        };
+        let key = (live.epoch, t.0 as usize, presence.version);
+        match self.published.get(&key) {
+            Some((_, at)) if *at > logout => Err(format!(
+                "I10: c{i} logged out at {:.3}s and was pushed {target} v{} published at {:.3}s",
+                logout.as_secs_f64(),
+                presence.version,
+                at.as_secs_f64()
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    fn healthy_since(&self, i: usize, logout_too: bool) -> Option<Duration> {
         let device = &self.devices[i];
         let live = self.clients[i].live.as_ref()?;
         if live.lost
             || live.welcomed.is_none()
-            || live.logout_sent
+            || (live.logout_sent && !logout_too)
             || live.epoch != self.epoch
             || device.closing
             || self.draining.is_some()
@@ -1488,7 +1529,7 @@ impl Sim {
             let Some(live) = self.clients[i].live.as_ref() else {
                 continue;
             };
-            let Some(healthy) = self.healthy_since(i) else {
+            let Some(healthy) = self.healthy_since(i, true) else {
                 continue;
             };
             for (id, p) in &live.pending {
@@ -1508,6 +1549,22 @@ impl Sim {
                     ));
                 }
                 continue;
+            }
+            if live.logout_sent {
+                continue;
+            }
+            // I9: a device connected on a healthy link is routable.
+            if let Some(wire) = live.welcomed {
+                let session = server.wire(greendot_core::SessionId(wire));
+                let user = hub.user_id(&self.clients[i].user_name);
+                if now >= healthy + Duration::from_secs(1)
+                    && !user.is_some_and(|u| core.route(u).contains(&session))
+                {
+                    return Err(format!(
+                        "I9: c{i} is connected and healthy since {:.3}s, but its session is not in its user's route",
+                        healthy.as_secs_f64()
+                    ));
+                }
             }
             if now < healthy + converge || live.epoch != self.epoch {
                 continue;
@@ -1570,7 +1627,7 @@ impl Sim {
                 continue;
             };
             for &i in &mine {
-                let Some(healthy) = self.healthy_since(i) else {
+                let Some(healthy) = self.healthy_since(i, false) else {
                     continue;
                 };
                 let since = healthy.max(visible);

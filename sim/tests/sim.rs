@@ -57,3 +57,91 @@ fn same_seed_same_trace() {
         "the trace does not depend on the seed"
     );
 }
+
+/// The fixed seeds CI runs: every invariant holds through network, store
+/// and host faults.
+#[test]
+fn fixed_seeds_hold_every_invariant() {
+    let started = std::time::Instant::now();
+    let mut simulated = std::time::Duration::ZERO;
+    let mut faults = greendot_sim::Faults::default();
+    let mut failures = Vec::new();
+    for seed in 0..SEEDS {
+        match run(Options::new(seed, STEPS)) {
+            Ok(report) => {
+                simulated += report.simulated;
+                faults.add(&report.faults);
+            }
+            Err(failure) => failures.push(failure.to_string()),
+        }
+    }
+    println!(
+        "{SEEDS} seeds x {STEPS} steps in {:.1} s: {:.2} simulated hours, {} faults injected: {faults:?}",
+        started.elapsed().as_secs_f64(),
+        simulated.as_secs_f64() / 3600.0,
+        faults.total()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+    // The faults were really injected (a run without them proves little).
+    assert!(faults.crashes > 0 && faults.drains > 0 && faults.migrations > 0);
+    assert!(faults.store_failing > 0 && faults.store_stalls > 0 && faults.partitions > 0);
+}
+
+/// Runs the fixed seeds with `mutant` until one fails; the failure must be
+/// a finding of the checks (named by `expect`), not a crash of the harness.
+fn caught(mutant: ServerMutant, expect: &[&str]) -> String {
+    for seed in 0..SEEDS {
+        let mut options = Options::new(seed, STEPS);
+        options.mutant = Some(mutant);
+        if let Err(failure) = run(options) {
+            let text = failure.to_string();
+            assert!(
+                expect.iter().any(|e| failure.what.contains(e)),
+                "{mutant:?} caught by an unexpected check: {text}"
+            );
+            println!("{mutant:?} caught: {}", failure.what);
+            return text;
+        }
+    }
+    panic!("{mutant:?} survived {SEEDS} seeds x {STEPS} steps");
+}
+
+#[test]
+fn mutant_push_after_logout_is_caught() {
+    // The logout is answered but its connection stays open and subscribed.
+    caught(ServerMutant::PushAfterLogout, &["I4:", "I10:"]);
+}
+
+#[test]
+fn mutant_lease_not_renewed_on_traffic_is_caught() {
+    // Sessions with traffic are reaped as ghosts: out of the route, closed
+    // with SessionExpired, or shown offline.
+    caught(
+        ServerMutant::LeaseNotRenewedOnTraffic,
+        &["I9:", "code 3", "flap:"],
+    );
+}
+
+#[test]
+fn mutant_migration_as_disconnect_is_caught() {
+    caught(ServerMutant::MigrationAsDisconnect, &["code 0"]);
+}
+
+/// Real bug found by the simulator (regression seed): `ServerState` runs
+/// the core on the wall clock, so a step of the wall clock (an NTP step, a
+/// VM resumed) moves the core's time. Forward by more than a heartbeat
+/// timeout, every session is reaped at once (each healthy connection closed
+/// with SessionExpired, its user shown offline); backward, the core's time
+/// stands still for as long as the jump (no debounce, grace or batch
+/// deadline passes: ghosts and stale views). Seed 1 steps the clock
+/// forward by 38 minutes at 105 s. Ignored until the server keeps its own
+/// time monotonic; run with `--ignored` to see it fail.
+#[test]
+#[ignore = "real bug: a wall-clock step moves the core's time (see the comment)"]
+fn regression_wall_clock_step_keeps_sessions() {
+    let mut options = Options::new(1, STEPS);
+    options.large_clock_jumps = true;
+    if let Err(failure) = run(options) {
+        panic!("{failure}");
+    }
+}
