@@ -1,17 +1,46 @@
 //! The simulator's only source of randomness: SplitMix64, seeded, so that a
-//! run is a function of its seed.
+//! run is a function of its seed. A fuzzer may script it: the first values
+//! are then read from its input (so coverage guides the choices they make),
+//! and SplitMix takes over when the input is used up.
+
+use std::sync::Arc;
 
 #[derive(Clone, Debug)]
-pub struct Rng(u64);
+pub struct Rng {
+    state: u64,
+    script: Option<Arc<[u8]>>,
+    read: usize,
+}
 
 impl Rng {
     pub fn new(seed: u64) -> Rng {
-        Rng(seed)
+        Rng {
+            state: seed,
+            script: None,
+            read: 0,
+        }
+    }
+
+    /// Values from `script` (8 bytes each) first, then SplitMix from `seed`.
+    pub fn scripted(seed: u64, script: Arc<[u8]>) -> Rng {
+        Rng {
+            state: seed,
+            script: Some(script),
+            read: 0,
+        }
     }
 
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
+        if let Some(script) = &self.script {
+            if let Some(bytes) = script.get(self.read..self.read + 8) {
+                self.read += 8;
+                let mut value = [0u8; 8];
+                value.copy_from_slice(bytes);
+                return u64::from_le_bytes(value);
+            }
+        }
+        self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.state;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^ (z >> 31)
@@ -56,6 +85,14 @@ impl Rng {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_script_comes_first_then_splitmix() {
+        let script: Arc<[u8]> = Arc::from(&[1u8, 0, 0, 0, 0, 0, 0, 0, 9][..]);
+        let mut a = Rng::scripted(5, script);
+        assert_eq!(a.next_u64(), 1);
+        assert_eq!(a.next_u64(), Rng::new(5).next_u64());
+    }
 
     #[test]
     fn same_seed_same_stream_and_bounds_hold() {

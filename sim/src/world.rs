@@ -51,6 +51,8 @@ pub struct Options {
     /// Wall-clock steps of minutes, beyond the small corrections (a second
     /// or two) always injected with `faults`.
     pub large_clock_jumps: bool,
+    /// A fuzzer's input: the run's first random choices are read from it.
+    pub script: Option<Arc<[u8]>>,
 }
 
 impl Options {
@@ -62,11 +64,16 @@ impl Options {
             mutant: None,
             faults: true,
             large_clock_jumps: false,
+            script: None,
         }
     }
 
     /// The one-line command that replays this run.
     pub fn replay_line(&self) -> String {
+        if self.script.is_some() {
+            return "a fuzz input: RUSTC_BOOTSTRAP=1 cargo fuzz run sim <its artifact> (in fuzz/)"
+                .into();
+        }
         let mut line = format!(
             "GREENDOT_SIM_SEED={} GREENDOT_SIM_STEPS={}",
             self.seed, self.steps
@@ -366,7 +373,10 @@ fn code_of(reason: &ConnectionError) -> Option<u64> {
 
 impl Sim {
     fn new(opts: Options) -> Result<Sim, String> {
-        let mut rng = Rng::new(opts.seed);
+        let mut rng = match &opts.script {
+            Some(script) => Rng::scripted(opts.seed, script.clone()),
+            None => Rng::new(opts.seed),
+        };
         let identity = identity(&mut rng)?;
         let mut config = ServerConfig::new(SECRET.to_vec());
         config.identity = Some(identity.clone());
