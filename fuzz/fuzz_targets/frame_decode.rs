@@ -3,8 +3,8 @@
 //! a frame that decodes to the same value.
 #![no_main]
 
-use greendot_transport::proto::codec::{decode, encode_frame, peek_version, FrameReader};
-use greendot_transport::proto::{Hello, Push, RequestFrame, ServerFrame};
+use greendot_proto::codec::{decode, encode_frame, peek_version, FrameReader};
+use greendot_proto::{Hello, Push, RequestFrame, ServerFrame};
 use libfuzzer_sys::fuzz_target;
 use serde::de::DeserializeOwned;
 use serde::Serialize;

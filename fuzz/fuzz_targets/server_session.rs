@@ -6,10 +6,11 @@
 
 use arbitrary::Arbitrary;
 use greendot_core::Millis;
-use greendot_transport::proto::codec::encode_frame;
-use greendot_transport::proto::{self, Hello, Kind, Request, RequestFrame, ServerFrame, Status, Tier};
-use greendot_transport::server::{handle_frame, ConnState, Hub, HubLimits, RateLimit};
-use greendot_transport::token::{Claims, TokenKeys, WatchClaim};
+use greendot_proto::codec::encode_frame;
+use greendot_proto::{self as proto, Hello, Kind, Request, RequestFrame, ServerFrame, Status, Tier};
+use greendot_server::testing::{handle_frame, ConnState, Hub};
+use greendot_server::{HubLimits, RateLimit};
+use greendot_server::token::{Claims, TokenKeys, WatchClaim};
 use libfuzzer_sys::fuzz_target;
 use std::sync::Arc;
 use std::time::Duration;
@@ -83,9 +84,12 @@ fuzz_target!(|case: Case| {
     let keys = Arc::new(TokenKeys::new(b"fuzz secret", Duration::ZERO));
     let forger = TokenKeys::new(b"another secret", Duration::ZERO);
     let config = greendot_core::Config { debounce: Millis(50), batch_interval: Millis(200), ..Default::default() };
-    let limits = HubLimits { max_names: 16, max_targets: 4, max_watch: 8, ..HubLimits::default() };
+    let mut limits = HubLimits::default();
+    limits.max_names = 16;
+    limits.max_targets = 4;
+    limits.max_watch = 8;
     let mut hub = Hub::new(config, limits, 0).expect("valid config");
-    let rate = RateLimit { per_second: 100, burst: 20 };
+    let rate = RateLimit::new(100, 20);
     let mut conns: Vec<ConnState> = (0..4).map(|_| ConnState::new(keys.clone(), rate)).collect();
     // A connection that has seen no frame yet: its first frame must be a hello.
     let mut fresh = [true; 4];

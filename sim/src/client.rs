@@ -3,7 +3,7 @@
 //! with the real frame types and codec, and keeping what it is told in the
 //! core's real `View`.
 //!
-//! Departure: this is not `greendot_transport::client` (the async library,
+//! Departure: this is not `greendot_client` (the async library,
 //! which owns a socket and tasks); its protocol logic (hello with resume,
 //! requests and replies by id, the two push streams, a `View` that only takes
 //! newer versions, forgetting on a non-resumed welcome) is re-driven here
@@ -11,9 +11,9 @@
 
 use bytes::{Bytes, BytesMut};
 use greendot_core::{UserId, View};
-use greendot_transport::proto::{
-    self, decode, encode_frame, Answer, CloseCode, FrameReader, Hello, Push, Request, RequestFrame,
-    ServerFrame, Tier,
+use greendot_proto::{
+    self as proto, decode, encode_frame, Answer, CloseCode, FrameReader, Hello, Push, Request,
+    RequestFrame, ServerFrame, Tier,
 };
 use quinn_proto::{
     ClientConfig, ConnectionError, ConnectionHandle, DatagramEvent, Dir, Endpoint, EndpointConfig,

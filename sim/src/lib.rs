@@ -2,7 +2,7 @@
 //!
 //! A deterministic simulation of the whole greendot system, in the manner of
 //! FoundationDB's and TigerBeetle's simulators: the real sans-IO server
-//! ([`greendot_transport::server::ServerState`]) and many simulated devices,
+//! ([`greendot_server::ServerState`]) and many simulated devices,
 //! each a real quinn-proto client connection speaking the real wire
 //! protocol and keeping the core's real `View`, over a simulated network, on
 //! a simulated store and host, all on virtual time and all from one seed.
@@ -43,5 +43,5 @@ pub mod rng;
 pub mod store;
 pub mod world;
 
-pub use greendot_transport::server::ServerMutant;
+pub use greendot_server::ServerMutant;
 pub use world::{run, Failure, Faults, Options, Report};

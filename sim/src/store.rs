@@ -3,8 +3,8 @@
 //! until the stall ends or the process restarts, and keeps what a real store
 //! would hold durably, from which a restarted server is built.
 
-use greendot_transport::server::store::{Batch, Loaded, Record, StoreError};
-use greendot_transport::server::{LiveDevice, StoreRequest};
+use greendot_server::{Batch, Loaded, Record, StoreError};
+use greendot_server::{LiveDevice, StoreRequest};
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 

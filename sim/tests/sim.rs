@@ -127,17 +127,16 @@ fn mutant_migration_as_disconnect_is_caught() {
     caught(ServerMutant::MigrationAsDisconnect, &["code 0"]);
 }
 
-/// Real bug found by the simulator (regression seed): `ServerState` runs
-/// the core on the wall clock, so a step of the wall clock (an NTP step, a
-/// VM resumed) moves the core's time. Forward by more than a heartbeat
-/// timeout, every session is reaped at once (each healthy connection closed
-/// with SessionExpired, its user shown offline); backward, the core's time
-/// stands still for as long as the jump (no debounce, grace or batch
-/// deadline passes: ghosts and stale views). Seed 1 steps the clock
-/// forward by 38 minutes at 105 s. Ignored until the server keeps its own
-/// time monotonic; run with `--ignored` to see it fail.
+/// Found by the simulator (regression seed): the server's core runs on the
+/// wall clock, and `ServerState` takes a forward step of it as time that
+/// passed at once. A step forward by more than a heartbeat timeout (an NTP
+/// step, a VM resumed) reaps every session together: each healthy
+/// connection is closed with SessionExpired and its user shown offline
+/// (a flap for everyone). Seed 1 steps the clock forward by 38 minutes at
+/// 105 s. Ignored until the server keeps its core on monotonic time; run
+/// with `--ignored` to see it fail.
 #[test]
-#[ignore = "real bug: a wall-clock step moves the core's time (see the comment)"]
+#[ignore = "open bug: a forward wall-clock step reaps every session (see the comment)"]
 fn regression_wall_clock_step_keeps_sessions() {
     let mut options = Options::new(1, STEPS);
     options.large_clock_jumps = true;

@@ -2,18 +2,18 @@
 //! loopback port 0 with small, quick settings; clients; an event recorder that
 //! waits for events with deadlines (never a fixed sleep as synchronisation).
 
+use greendot_client::quinn;
+use greendot_client::{Client, ClientConfig, ClientError, Event, Reconnect, Updates};
 use greendot_core::{KindConfig, Millis, Presence};
-use greendot_transport::client::{Client, ClientConfig, ClientError, Event, Reconnect, Updates};
-use greendot_transport::proto::{self, CloseCode, Kind, ServerFrame};
-use greendot_transport::quinn;
-use greendot_transport::token::{Claims, WatchClaim};
-use greendot_transport::{Server, ServerConfig};
+use greendot_proto::{self as proto, CloseCode, Kind, ServerFrame};
+use greendot_server::token::{Claims, WatchClaim};
+use greendot_server::{Server, ServerConfig};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 
-pub use greendot_transport;
+pub use {greendot_client, greendot_proto, greendot_server};
 
 pub const SECRET: &[u8] = b"greendot end-to-end test secret";
 
@@ -89,11 +89,11 @@ impl TestServer {
         config.bind = SocketAddr::from(([127, 0, 0, 1], 0));
         config.keep_alive = self.config().keep_alive;
         config.idle_timeout = self.config().idle_timeout;
-        config.reconnect = Some(Reconnect {
-            initial_backoff: Duration::from_millis(50),
-            max_backoff: Duration::from_millis(400),
-            give_up_after: Some(Duration::from_secs(30)),
-        });
+        config.reconnect = Some(Reconnect::new(
+            Duration::from_millis(50),
+            Duration::from_millis(400),
+            Some(Duration::from_secs(30)),
+        ));
         config
     }
 
@@ -279,9 +279,8 @@ pub async fn raw_connect(
     server: &TestServer,
     alpn: &[u8],
 ) -> Result<(quinn::Endpoint, quinn::Connection), String> {
-    let crypto =
-        greendot_transport::tls::client_crypto(&[server.server.certificate().clone()], alpn)
-            .map_err(|e| e.to_string())?;
+    let crypto = greendot_client::tls::client_crypto(&[server.server.certificate().clone()], alpn)
+        .map_err(|e| e.to_string())?;
     let mut endpoint = quinn::Endpoint::client(SocketAddr::from(([127, 0, 0, 1], 0)))
         .map_err(|e| e.to_string())?;
     endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(crypto)));

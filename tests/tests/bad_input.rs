@@ -1,16 +1,17 @@
 //! Bad input of every kind gets a clear, typed error on that connection only,
 //! while a healthy client connected at the same time notices nothing.
 
+use greendot_client::quinn;
+use greendot_client::tls;
+use greendot_client::{Client, ClientError};
 use greendot_core::{Status, Tier};
-use greendot_tests::{raw_connect, raw_exchange, TestServer, SLACK};
-use greendot_transport::client::{Client, ClientError};
-use greendot_transport::proto::{
-    self, encode_frame, CloseCode, ErrorCode, Hello, Kind, Request, RequestFrame, ServerFrame,
+use greendot_proto::{
+    self as proto, encode_frame, CloseCode, ErrorCode, Hello, Kind, Request, RequestFrame,
+    ServerFrame,
 };
-use greendot_transport::quinn;
-use greendot_transport::server::RateLimit;
-use greendot_transport::tls;
-use greendot_transport::token::{unix_now, Claims, TokenKeys, WatchClaim};
+use greendot_server::token::{unix_now, Claims, TokenKeys, WatchClaim};
+use greendot_server::RateLimit;
+use greendot_tests::{raw_connect, raw_exchange, TestServer, SLACK};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -236,12 +237,7 @@ async fn a_client_that_never_reads_answers_is_held_back() {
     // No rate limit in the way: every request is a real query with a real
     // answer (and a flood past the rate limit may be closed, which is not
     // what this test is about).
-    let ts = TestServer::start(|c| {
-        c.rate = RateLimit {
-            per_second: 10_000_000,
-            burst: 10_000_000,
-        }
-    });
+    let ts = TestServer::start(|c| c.rate = RateLimit::new(10_000_000, 10_000_000));
     let (healthy, _events) = ts.connect("hank", "phone", Kind::Mobile).await;
 
     // A raw client whose receive window for the control stream is known.

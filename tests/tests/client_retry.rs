@@ -7,18 +7,18 @@
 //! The outage is a UDP relay between client and server that can drop every
 //! datagram, as a dead network would.
 
-use greendot_core::Status;
-use greendot_tests::{TestServer, SLACK};
-use greendot_transport::client::{ClientConfig, ClientError, Event};
-use greendot_transport::proto::Kind;
-use greendot_transport::rustls::{
+use greendot_client::rustls::{
     self,
     client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier},
     client::WebPkiServerVerifier,
     pki_types::{CertificateDer, ServerName, UnixTime},
     DigitallySignedStruct, SignatureScheme,
 };
-use greendot_transport::token::WatchClaim;
+use greendot_client::{ClientConfig, ClientError, Event};
+use greendot_core::Status;
+use greendot_proto::Kind;
+use greendot_server::token::WatchClaim;
+use greendot_tests::{TestServer, SLACK};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -142,7 +142,7 @@ fn via_relay(ts: &TestServer, relay: &Relay, user: &str) -> ClientConfig {
 
 /// What `client` is shown as to itself; a query that times out (the
 /// relay just healed, retransmissions pending) is simply asked again.
-async fn shown_to_self(client: &greendot_transport::client::Client) -> greendot_core::Presence {
+async fn shown_to_self(client: &greendot_client::Client) -> greendot_core::Presence {
     let deadline = tokio::time::Instant::now() + SLACK;
     loop {
         match client.query(&client.user()).await {
@@ -281,10 +281,10 @@ async fn a_timed_out_request_is_never_sent_late_and_retries_converge() {
 /// and times their returns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_spread_their_reconnects_over_the_servers_retry_ms() {
-    use greendot_transport::client::Client;
-    use greendot_transport::proto::{self, encode_frame, CloseCode, Hello, ServerFrame, Welcome};
-    use greendot_transport::quinn;
-    use greendot_transport::tls::{self, Identity};
+    use greendot_client::quinn;
+    use greendot_client::Client;
+    use greendot_proto::{self as proto, encode_frame, CloseCode, Hello, ServerFrame, Welcome};
+    use greendot_server::tls::{self, Identity};
     use tokio::time::Instant;
 
     const CLIENTS: usize = 20;
@@ -348,11 +348,11 @@ async fn clients_spread_their_reconnects_over_the_servers_retry_ms() {
         // One at a time: the fake server answers hellos one by one.
         let mut config = ClientConfig::new(addr, identity.certs.clone(), "token");
         config.bind = SocketAddr::from(([127, 0, 0, 1], 0));
-        config.reconnect = Some(greendot_transport::client::Reconnect {
-            initial_backoff: Duration::from_millis(50),
-            max_backoff: Duration::from_millis(400),
-            give_up_after: Some(Duration::from_secs(30)),
-        });
+        config.reconnect = Some(greendot_client::Reconnect::new(
+            Duration::from_millis(50),
+            Duration::from_millis(400),
+            Some(Duration::from_secs(30)),
+        ));
         clients.push(Client::connect(config).await.unwrap());
     }
     let mut closed = std::collections::HashMap::new();

@@ -3,11 +3,11 @@
 //! offline (and keeps its subscriptions); one that does not is published
 //! offline after grace.
 
+use greendot_client::Event;
 use greendot_core::{Status, Tier};
+use greendot_proto::Kind;
+use greendot_server::token::WatchClaim;
 use greendot_tests::{TestServer, SLACK};
-use greendot_transport::client::Event;
-use greendot_transport::proto::Kind;
-use greendot_transport::token::WatchClaim;
 use std::time::Duration;
 use tokio::time::Instant;
 

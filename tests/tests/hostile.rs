@@ -1,17 +1,17 @@
 //! Hostile clients: what a client with a valid token but bad intentions can
 //! make the server hold, and how it is stopped.
 
+use greendot_client::quinn;
+use greendot_client::{Client, ClientError};
 use greendot_core::{Status, Tier};
-use greendot_tests::{raw_connect, TestServer, SLACK};
-use greendot_transport::client::{Client, ClientError};
-use greendot_transport::proto::codec::read_frame;
-use greendot_transport::proto::{
-    self, decode, encode_frame, CloseCode, ErrorCode, FrameReader, Hello, Kind, Request,
+use greendot_proto::codec::read_frame;
+use greendot_proto::{
+    self as proto, decode, encode_frame, CloseCode, ErrorCode, FrameReader, Hello, Kind, Request,
     RequestFrame, ServerFrame, ALPN,
 };
-use greendot_transport::quinn;
-use greendot_transport::server::{RateLimit, RATE_LIMIT_PATIENCE};
-use greendot_transport::token::WatchClaim;
+use greendot_server::token::WatchClaim;
+use greendot_server::{RateLimit, RATE_LIMIT_PATIENCE};
+use greendot_tests::{raw_connect, TestServer, SLACK};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -33,12 +33,7 @@ fn random_names(seed: u64, n: usize) -> Vec<String> {
 /// else: every refused target is refused before its name is kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_targets_create_no_names_and_no_users() {
-    let ts = TestServer::start(|c| {
-        c.rate = RateLimit {
-            per_second: 10_000,
-            burst: 10_000,
-        }
-    });
+    let ts = TestServer::start(|c| c.rate = RateLimit::new(10_000, 10_000));
     let token = ts.token(
         "mallory",
         "laptop",
@@ -134,12 +129,7 @@ async fn names_with_control_characters_are_refused() {
 /// being answered one refusal at a time forever; a calm client is not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_never_slows_down_is_closed() {
-    let ts = TestServer::start(|c| {
-        c.rate = RateLimit {
-            per_second: 20,
-            burst: 20,
-        }
-    });
+    let ts = TestServer::start(|c| c.rate = RateLimit::new(20, 20));
     let (calm, _calm_events) = ts.connect("calm", "phone", Kind::Mobile).await;
     let (_endpoint, conn) = raw_connect(&ts, ALPN).await.unwrap();
     let (mut send, mut recv) = conn.open_bi().await.unwrap();
@@ -238,7 +228,7 @@ async fn stopping_a_push_stream_closes_the_connection() {
 /// not read soon wait in the server's queues.
 async fn stingy_connect(ts: &TestServer) -> (quinn::Endpoint, quinn::Connection) {
     let crypto =
-        greendot_transport::tls::client_crypto(&[ts.server.certificate().clone()], ALPN).unwrap();
+        greendot_client::tls::client_crypto(&[ts.server.certificate().clone()], ALPN).unwrap();
     let mut transport = quinn::TransportConfig::default();
     transport.stream_receive_window(4096u32.into());
     transport.receive_window(8192u32.into());
@@ -307,10 +297,7 @@ async fn stall_with_big_pushes(ts: &TestServer) -> Option<CloseCode> {
 async fn a_client_that_does_not_read_is_closed_by_bytes_queued() {
     let ts = TestServer::start(|c| {
         c.core.max_message_len = 1_000;
-        c.rate = RateLimit {
-            per_second: 10_000,
-            burst: 10_000,
-        };
+        c.rate = RateLimit::new(10_000, 10_000);
         c.push_queue_bytes = 16 * 1024;
     });
     assert_eq!(
@@ -326,10 +313,7 @@ async fn a_client_that_does_not_read_is_closed_by_bytes_queued() {
 async fn past_the_byte_budget_the_slowest_reader_is_closed() {
     let ts = TestServer::start(|c| {
         c.core.max_message_len = 1_000;
-        c.rate = RateLimit {
-            per_second: 10_000,
-            burst: 10_000,
-        };
+        c.rate = RateLimit::new(10_000, 10_000);
         c.push_queue_bytes = 1 << 30;
         c.push_budget_bytes = 32 * 1024;
     });

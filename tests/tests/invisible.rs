@@ -2,8 +2,8 @@
 //! the truth, and route still lists the devices.
 
 use greendot_core::{Status, Tier};
+use greendot_proto::{ErrorCode, Kind};
 use greendot_tests::{TestServer, SLACK};
-use greendot_transport::proto::{ErrorCode, Kind};
 use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,9 +3,9 @@
 //! grace (the device lingered, unseen).
 
 use greendot_core::Tier;
+use greendot_proto::Kind;
+use greendot_server::token::WatchClaim;
 use greendot_tests::{Doomed, TestServer, SLACK};
-use greendot_transport::proto::Kind;
-use greendot_transport::token::WatchClaim;
 use std::time::Duration;
 use tokio::time::Instant;
 

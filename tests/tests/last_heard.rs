@@ -3,8 +3,8 @@
 //! ran out, with a last seen at its last packet, not at the end of its grace.
 
 use greendot_core::Tier;
+use greendot_proto::Kind;
 use greendot_tests::{Doomed, TestServer, SLACK};
-use greendot_transport::proto::Kind;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 fn unix_ms() -> u64 {
@@ -24,7 +24,7 @@ async fn a_silent_client_is_last_seen_at_its_last_packet() {
         "ghost",
         "phone",
         Kind::Mobile,
-        greendot_transport::token::WatchClaim::all(),
+        greendot_server::token::WatchClaim::all(),
     );
     let ghost = Doomed::spawn(ts.client_config(token)).await.unwrap();
     watcher.subscribe(&["ghost"], Tier::Realtime).await.unwrap();

@@ -1,11 +1,11 @@
 //! Limits give typed errors to the peer that exceeds them and nobody else:
 //! subscriptions per session, request rate, connections, service-only calls.
 
+use greendot_client::{Client, ClientError, Event};
 use greendot_core::{Kinds, Presence, Tier};
+use greendot_proto::{CloseCode, ErrorCode, Kind};
+use greendot_server::RateLimit;
 use greendot_tests::{TestServer, SLACK};
-use greendot_transport::client::{Client, ClientError, Event};
-use greendot_transport::proto::{CloseCode, ErrorCode, Kind};
-use greendot_transport::server::RateLimit;
 use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -56,12 +56,7 @@ async fn subscription_cap_and_service_only_calls() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_rate_is_limited_per_session() {
-    let ts = TestServer::start(|c| {
-        c.rate = RateLimit {
-            per_second: 2,
-            burst: 5,
-        }
-    });
+    let ts = TestServer::start(|c| c.rate = RateLimit::new(2, 5));
     let (flood, mut flood_events) = ts.connect("fred", "phone", Kind::Mobile).await;
     let (calm, _) = ts.connect("carl", "phone", Kind::Mobile).await;
     let mut limited = 0;
@@ -164,11 +159,9 @@ async fn shutdown_closes_every_connection_with_the_shutdown_code() {
 /// from the length alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_frame_counts_the_payload_without_the_length() {
+    use greendot_proto::{self as proto, encode_frame, Hello, Request, RequestFrame, ServerFrame};
+    use greendot_server::token::WatchClaim;
     use greendot_tests::{raw_connect, raw_exchange};
-    use greendot_transport::proto::{
-        self, encode_frame, Hello, Request, RequestFrame, ServerFrame,
-    };
-    use greendot_transport::token::WatchClaim;
 
     // Room for the hello (its token), which is held to the same cap.
     let max_frame = 512;

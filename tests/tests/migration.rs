@@ -3,9 +3,9 @@
 //! arriving and watchers never see the user go offline.
 
 use greendot_core::{Status, Tier};
+use greendot_proto::Kind;
+use greendot_server::ServerEvent;
 use greendot_tests::{TestServer, SLACK};
-use greendot_transport::proto::Kind;
-use greendot_transport::ServerEvent;
 use std::time::Duration;
 use tokio::time::Instant;
 

@@ -2,8 +2,8 @@
 //! out both publishes offline once, after the debounce window.
 
 use greendot_core::{DeviceKind, Tier};
+use greendot_proto::Kind;
 use greendot_tests::{TestServer, SLACK};
-use greendot_transport::proto::Kind;
 use std::time::Duration;
 use tokio::time::Instant;
 

@@ -1,9 +1,9 @@
 //! Overload: what the server does to stay cheap and fair when more comes in
 //! than it can take (see issue 15 and the server's `PassBudget`).
 
+use greendot_client::{quinn, tls};
+use greendot_proto::ALPN;
 use greendot_tests::{TestServer, SLACK};
-use greendot_transport::proto::ALPN;
-use greendot_transport::{quinn, tls};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -87,7 +87,7 @@ async fn a_flood_of_initials_gets_retries_and_a_real_client_is_served() {
     // A real client connects while the rest of the flood arrives.
     let connecting = tokio::time::timeout(
         SLACK,
-        ts.connect("ann", "phone", greendot_transport::proto::Kind::Mobile),
+        ts.connect("ann", "phone", greendot_proto::Kind::Mobile),
     );
     let (connected, ()) = tokio::join!(connecting, async { send(rest) });
     let (ann, _events) = connected.expect("the real client connects during the flood");

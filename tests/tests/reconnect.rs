@@ -3,10 +3,10 @@
 //! session, the server closes the connection, and the client reconnects with a
 //! new session and subscribes again to what it had.
 
+use greendot_client::Event;
 use greendot_core::{Millis, Tier};
+use greendot_proto::Kind;
 use greendot_tests::{TestServer, SLACK};
-use greendot_transport::client::Event;
-use greendot_transport::proto::Kind;
 use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,9 +1,10 @@
 //! Users who hold nothing are forgotten: after 100,000 distinct users came
 //! and went, the server holds what it held before, names, records and heap.
 
-use greendot_transport::proto::{self, encode_frame, Hello, Kind, Request, RequestFrame};
-use greendot_transport::server::{handle_frame, ConnState, Hub, HubLimits, RateLimit};
-use greendot_transport::token::{Claims, TokenKeys, WatchClaim};
+use greendot_proto::{self as proto, encode_frame, Hello, Kind, Request, RequestFrame};
+use greendot_server::testing::{handle_frame, ConnState, Hub};
+use greendot_server::token::{Claims, TokenKeys, WatchClaim};
+use greendot_server::{HubLimits, RateLimit};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 use std::sync::Arc;

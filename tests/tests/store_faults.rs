@@ -3,9 +3,9 @@
 //! connection goes on, and what could not be written is written later.
 
 use greendot_core::{Status, Tier};
+use greendot_proto::{ErrorCode, Kind, Status as WireStatus};
+use greendot_server::testing::{Record, Store, StoreFaults};
 use greendot_tests::{TestServer, SLACK};
-use greendot_transport::proto::{ErrorCode, Kind, Status as WireStatus};
-use greendot_transport::server::store::{Record, Store, StoreFaults};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

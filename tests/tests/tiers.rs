@@ -1,10 +1,10 @@
 //! Realtime and batched tiers: a realtime change arrives before the batched
 //! flush, and the batched tier coalesces several changes of one target into one.
 
+use greendot_client::{Event, Source};
 use greendot_core::{Millis, Status, Tier};
+use greendot_proto::Kind;
 use greendot_tests::{TestServer, SLACK};
-use greendot_transport::client::{Event, Source};
-use greendot_transport::proto::Kind;
 use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

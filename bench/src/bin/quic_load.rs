@@ -1,5 +1,5 @@
 //! End-to-end QUIC load: a greendot server in a child process (so that its
-//! memory and CPU are its own), and `greendot_transport::loadgen::run` in this
+//! memory and CPU are its own), and `greendot_loadgen::run` in this
 //! one, for N = 1k, 10k, 100k connections (or `--n 1000,5000`), each
 //! subscribed to 20 contacts in the realtime tier, with 1% churn per second
 //! (half status changes, half reconnects that resume).
@@ -16,9 +16,9 @@
 
 use greendot_bench::plot;
 use greendot_bench::{arg, flag, raise_nofile};
-use greendot_transport::loadgen::{self, Herd, HerdOptions, LoadOptions, LoadReport};
-use greendot_transport::rustls::pki_types::CertificateDer;
-use greendot_transport::{Server, ServerConfig};
+use greendot_client::rustls::pki_types::CertificateDer;
+use greendot_loadgen::{self as loadgen, Herd, HerdOptions, LoadOptions, LoadReport};
+use greendot_server::{Server, ServerConfig};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -141,7 +141,7 @@ fn mass_reconnect(n: usize, k: usize) {
         opts.watchers = 0;
         opts.endpoints = endpoints;
         opts.connect_concurrency = concurrency;
-        opts.kind = greendot_transport::proto::Kind::Mobile;
+        opts.kind = greendot_proto::Kind::Mobile;
         let herd = Herd::start(opts, ramp_timeout).await?;
         let mut rows = Vec::new();
         for resumption in [true, false] {

@@ -18,10 +18,10 @@
 //! handshakes per second.
 
 use greendot_bench::{arg, raise_nofile};
-use greendot_transport::loadgen::{Herd, HerdCounts, HerdOptions};
-use greendot_transport::proto::Kind;
-use greendot_transport::tls::Identity;
-use greendot_transport::{Server, ServerConfig};
+use greendot_loadgen::{Herd, HerdCounts, HerdOptions};
+use greendot_proto::Kind;
+use greendot_server::tls::Identity;
+use greendot_server::{Server, ServerConfig};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::{Duration, Instant};

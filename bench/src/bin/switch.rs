@@ -31,14 +31,15 @@
 use futures_util::{SinkExt, StreamExt};
 use greendot_bench::plot::{self, Group};
 use greendot_bench::{arg, path, quantile, raise_nofile};
+use greendot_client::{Client, ClientConfig, Event};
 use greendot_core::{Config, Millis, SessionId};
-use greendot_transport::client::{Client, ClientConfig, Event};
-use greendot_transport::proto::{
-    self, Answer, Hello, Kind, Push, Request, RequestFrame, ServerFrame, Status, Tier,
+use greendot_proto::{
+    self as proto, Answer, Hello, Kind, Push, Request, RequestFrame, ServerFrame, Status, Tier,
 };
-use greendot_transport::server::{ConnState, Handled, Hub, HubLimits, HubOutput, RateLimit, Step};
-use greendot_transport::token::{Claims, TokenKeys, WatchClaim};
-use greendot_transport::{Server, ServerConfig};
+use greendot_server::testing::{ConnState, Handled, Hub, HubOutput, Step};
+use greendot_server::token::{Claims, TokenKeys, WatchClaim};
+use greendot_server::{HubLimits, RateLimit};
+use greendot_server::{Server, ServerConfig};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -555,7 +556,7 @@ async fn run_scenario(
                         _ = stop.notified() => break,
                         ev = updates.next() => match ev {
                             Some(Event::Presence { presence, source, .. }) => {
-                                if source != greendot_transport::client::Source::Snapshot {
+                                if source != greendot_client::Source::Snapshot {
                                     seen.record(presence.online, presence.message.as_deref());
                                 }
                             }

@@ -1,10 +1,10 @@
 //! `greendot connect`, `watch` and `query`: the client library on a terminal.
 
 use crate::ClientArgs;
+use greendot_client::rustls::pki_types::pem::PemObject;
+use greendot_client::rustls::pki_types::CertificateDer;
+use greendot_client::{Client, ClientConfig, Event, Reconnect, Updates};
 use greendot_core::{Presence, Status};
-use greendot_transport::client::{Client, ClientConfig, Event, Reconnect, Updates};
-use greendot_transport::rustls::pki_types::pem::PemObject;
-use greendot_transport::rustls::pki_types::CertificateDer;
 use std::collections::HashMap;
 use std::io::Write;
 use std::net::ToSocketAddrs;
@@ -23,11 +23,11 @@ pub async fn connect(args: &ClientArgs) -> Result<(Client, Updates), String> {
     let mut config = ClientConfig::new(server, roots, args.token.trim());
     config.server_name = args.server_name.clone();
     config.connect_timeout = Duration::from_secs(3);
-    config.reconnect = Some(Reconnect {
-        initial_backoff: Duration::from_millis(100),
-        max_backoff: Duration::from_secs(2),
-        give_up_after: None,
-    });
+    config.reconnect = Some(Reconnect::new(
+        Duration::from_millis(100),
+        Duration::from_secs(2),
+        None,
+    ));
     Client::connect(config).await.map_err(|e| e.to_string())
 }
 
@@ -301,7 +301,7 @@ pub async fn run_query(args: &ClientArgs, users: Vec<String>, json: bool) -> Res
 
 /// `greendot bench`: the load generator against a running server.
 pub async fn run_bench(args: crate::BenchArgs) -> Result<(), String> {
-    use greendot_transport::loadgen::{run, LoadOptions, LoadReport};
+    use greendot_loadgen::{run, LoadOptions, LoadReport};
     let roots = trusted_roots(args.ca.as_deref(), &args.data_dir)?;
     let secret = crate::read_secret(&args.data_dir.join(crate::SECRET_FILE))?;
     let mut opts = LoadOptions::new(args.server, roots, secret, args.connections);

@@ -10,8 +10,8 @@ mod serve;
 mod settings;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use greendot_transport::proto::Kind;
-use greendot_transport::token::{Claims, TokenKeys, WatchClaim};
+use greendot_proto::Kind;
+use greendot_server::token::{Claims, TokenKeys, WatchClaim};
 use settings::{Dur, PerKind, Settings};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

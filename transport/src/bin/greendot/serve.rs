@@ -3,12 +3,12 @@
 
 use crate::settings::Settings;
 use crate::{CERT_FILE, KEY_FILE};
+use greendot_client::rustls::pki_types::pem::PemObject;
+use greendot_client::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use greendot_core::{KindConfig, Millis};
-use greendot_transport::rustls::pki_types::pem::PemObject;
-use greendot_transport::rustls::pki_types::{CertificateDer, PrivateKeyDer};
-use greendot_transport::server::Monitor;
-use greendot_transport::tls::Identity;
-use greendot_transport::{Server, ServerConfig};
+use greendot_server::tls::Identity;
+use greendot_server::Monitor;
+use greendot_server::{Server, ServerConfig};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -143,7 +143,7 @@ pub struct Settings {
 impl Default for Settings {
     fn default() -> Settings {
         let core = greendot_core::Config::default();
-        let server = greendot_transport::ServerConfig::new(b"defaults".to_vec());
+        let server = greendot_server::ServerConfig::new(b"defaults".to_vec());
         let per = |f: fn(&greendot_core::KindConfig) -> greendot_core::Millis| PerKind {
             mobile: Dur(Duration::from_millis(f(&core.kinds[0]).0)),
             desktop: Dur(Duration::from_millis(f(&core.kinds[1]).0)),

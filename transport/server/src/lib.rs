@@ -1,12 +1,21 @@
 //! The greendot server: QUIC in front of one presence core.
 //!
 //! Design:
-//! - **One task.** A single task owns the UDP socket, quinn-proto's sans-IO
-//!   endpoint with every connection, and the [`Hub`] (the core plus name
-//!   interning); see [`driver`] for why. It sleeps until a datagram, a control
-//!   message or the earliest deadline (a connection's, the core's, the lease
-//!   renewal's, the store's), handles it, then drains every output. Nothing is
-//!   shared with another task but counters and the event channel.
+//! - **A sans-IO state machine in one task.** [`ServerState`] (in `state`)
+//!   is the whole server without IO: quinn-proto's endpoint with every
+//!   connection, the [`Hub`] (the core plus name interning), the timers,
+//!   shedding, push queues and leases; datagrams, time and control inputs go
+//!   in, transmits, store writes and events come out, and a seed drives all
+//!   its randomness, so a simulator runs it on virtual time. A single task
+//!   (`driver`) owns the UDP socket, the timer and the control channel around
+//!   it, and hands store writes to the store's thread; see `driver` for why
+//!   one task. It sleeps until a datagram, a control message or the state's
+//!   next deadline, then reads the socket, lets the state work, and sends.
+//!   Nothing is shared with another task but counters and the event channel.
+//! - **Sessions do not know QUIC.** A connection's session layer (`session`:
+//!   its `Phase`, frames, answers, push queues, closing) talks to its
+//!   transport through a small binding trait; QUIC (`quic`) is the one
+//!   binding today.
 //! - **A connection** is the client's control stream, cut into frames with a
 //!   hard size cap, run through [`ConnState::on_frame`] (decode, version,
 //!   token, rate limit) and [`Hub::apply`], answered on the same stream in
@@ -66,28 +75,43 @@
 //!   at the admission rate: clients spread their reconnect over [0, N] ms,
 //!   and restored devices linger for their grace plus that time.
 
-pub mod conn;
+mod conn;
 mod driver;
-pub mod hub;
+mod hub;
 pub mod metrics;
 mod quic;
 mod session;
 mod state;
-pub mod store;
+mod store;
+pub mod tls;
+pub mod token;
 mod udp;
 
-pub use conn::{handle_frame, ConnState, Handled, RateLimit, Step, RATE_LIMIT_PATIENCE};
-pub use hub::{Hub, HubLimits, HubOutput, Interner, LiveDevice};
+use conn::{Handled, Step};
+pub use conn::{RateLimit, RATE_LIMIT_PATIENCE};
+use hub::Hub;
+pub use hub::HubLimits;
+pub use hub::LiveDevice;
 pub use metrics::MetricsSnapshot;
 pub use state::{
     Census, Datagram, ServerInput, ServerMutant, ServerOutput, ServerState, StoreRequest, Transmit,
 };
+pub use store::{Batch, Loaded, Record, StoreError};
+pub use tls::{Identity, TlsError};
 
-use crate::proto::{self, CloseCode, ServerFrame};
-use crate::tls::{Identity, TlsError};
+/// Internals for this workspace's tests, benches and fuzz targets (a session
+/// without a network, the store with injected faults); not a stable API.
+#[doc(hidden)]
+pub mod testing {
+    pub use crate::conn::{handle_frame, ConnState, Handled, Step};
+    pub use crate::hub::{Hub, HubOutput, Interner, LiveDevice};
+    pub use crate::store::{Record, Store, StoreFaults};
+}
+
 use crate::token::TokenKeys;
 use driver::Control;
 use greendot_core::{Counters, SessionId, UserId};
+use greendot_proto::{self as proto, CloseCode, ServerFrame};
 use metrics::Histogram;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -95,13 +119,14 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-use store::{Record, Store, StoreWriter};
+use store::{Store, StoreWriter};
 use tokio::sync::{broadcast, mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tracing::{info, warn};
 
 /// Server settings. `ServerConfig::new(secret)` gives the documented defaults.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct ServerConfig {
     pub listen: SocketAddr,
     /// The presence core's settings (debounce, grace, caps...).
@@ -196,6 +221,7 @@ pub struct ServerConfig {
 /// backlog of timers or busy connections never stops datagrams being read
 /// (and the kernel dropping them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PassBudget {
     /// Datagrams read from the socket (it is read until empty or this many).
     pub datagrams: usize,
@@ -530,7 +556,7 @@ struct Built {
 
 impl Server {
     /// Binds the UDP socket, restores the store if any, and starts the
-    /// server's one task (see [`driver`]). Must be called inside a tokio
+    /// server's one task (see `driver`). Must be called inside a tokio
     /// runtime.
     pub fn bind(config: ServerConfig) -> Result<Server, ServerError> {
         let built = Server::build(config)?;
@@ -557,29 +583,34 @@ impl Server {
         let local_addr = io.socket.local_addr()?;
         let now = std::time::Instant::now();
         let unix_ms = unix_now_ms();
+        let seed = random_u64();
         // Everything saved is back in the core before the first connection.
-        let (loaded, writer) = match &config.store {
-            Some(path) => {
-                // Disk work: off the runtime's worker (the runtime moves
-                // its other tasks elsewhere meanwhile).
-                let open = || -> Result<(Store, store::Loaded), ServerError> {
+        // Disk work (and restoring many users): off the runtime's worker
+        // (the runtime moves its other tasks elsewhere meanwhile).
+        let start = || -> Result<(ServerState, Option<StoreWriter>), ServerError> {
+            let (loaded, store) = match &config.store {
+                Some(path) => {
                     let store = Store::open(path)?;
-                    let loaded = store.load_and_begin(unix_ms)?;
-                    Ok((store, loaded))
-                };
-                let (store, loaded) =
-                    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
-                        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => {
-                            tokio::task::block_in_place(open)?
-                        }
-                        _ => open()?,
-                    };
-                let writer = StoreWriter::spawn_with_faults(store, config.store_faults.clone())?;
-                (Some(loaded), Some(writer))
-            }
-            None => (None, None),
+                    (Some(store.load_and_begin(unix_ms)?), Some(store))
+                }
+                None => (None, None),
+            };
+            let state = ServerState::new(config.clone(), now, unix_ms, seed, loaded)?;
+            let writer = match store {
+                Some(store) => Some(StoreWriter::spawn_with_faults(
+                    store,
+                    config.store_faults.clone(),
+                )?),
+                None => None,
+            };
+            Ok((state, writer))
         };
-        let state = ServerState::new(config.clone(), now, unix_ms, random_u64(), loaded)?;
+        let (state, writer) = match tokio::runtime::Handle::try_current()
+            .map(|h| h.runtime_flavor())
+        {
+            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(start)?,
+            _ => start()?,
+        };
         let certificate = state.certificate().clone();
         let (control, control_rx) = mpsc::channel(1024);
         let (events, _) = broadcast::channel(4096);
@@ -639,7 +670,7 @@ impl Server {
     }
 
     /// Mints a token with the server's secret (for tools and tests).
-    pub fn mint(&self, claims: &crate::token::Claims) -> Result<String, proto::WireError> {
+    pub fn mint(&self, claims: &crate::token::Claims) -> Result<String, token::MintError> {
         self.shared.keys.mint(claims)
     }
 

@@ -156,7 +156,7 @@ pub enum ReadError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::{Hello, Request, RequestFrame, VERSION};
+    use crate::{Hello, Request, RequestFrame, VERSION};
 
     #[test]
     fn round_trip_in_pieces() {
@@ -169,7 +169,7 @@ mod tests {
             id: 3,
             request: Request::Subscribe {
                 targets: vec!["bob".into()],
-                tier: crate::proto::Tier::Batched,
+                tier: crate::Tier::Batched,
             },
         };
         let mut bytes = encode_frame(&hello).unwrap();
@@ -205,14 +205,14 @@ mod tests {
             id: 300,
             request: Request::Subscribe {
                 targets: vec!["bob".into()],
-                tier: crate::proto::Tier::Batched,
+                tier: crate::Tier::Batched,
             },
         };
         assert_eq!(
             encode_frame(&req).unwrap(),
             [0, 0, 0, 9, 0xac, 0x02, 0x01, 0x01, 0x03, b'b', b'o', b'b', 0x01]
         );
-        let error = crate::proto::WireError::new(ErrorCode::TooManyTargets, "");
+        let error = crate::WireError::new(ErrorCode::TooManyTargets, "");
         assert_eq!(postcard::to_stdvec(&error).unwrap(), [26, 0]);
     }
 

@@ -9,7 +9,7 @@
 //! checked). The HMAC key is the secret's bytes as given (the `greendot`
 //! binary reads its secret file with surrounding whitespace removed).
 
-use crate::proto::{ErrorCode, Kind, WireError};
+use greendot_proto::{ErrorCode, Kind, WireError};
 use jsonwebtoken::{errors::ErrorKind, Algorithm, DecodingKey, EncodingKey, Header, Validation};
 use serde::{Deserialize, Serialize};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -91,6 +91,11 @@ pub fn unix_now() -> u64 {
 
 /// Mints and verifies tokens with one shared secret.
 #[derive(Clone)]
+/// A token could not be signed.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot sign token: {0}")]
+pub struct MintError(#[source] jsonwebtoken::errors::Error);
+
 pub struct TokenKeys {
     encoding: EncodingKey,
     decoding: DecodingKey,
@@ -117,9 +122,9 @@ impl TokenKeys {
         }
     }
 
-    pub fn mint(&self, claims: &Claims) -> Result<String, WireError> {
+    pub fn mint(&self, claims: &Claims) -> Result<String, MintError> {
         jsonwebtoken::encode(&Header::new(Algorithm::HS256), claims, &self.encoding)
-            .map_err(|e| WireError::new(ErrorCode::Internal, format!("cannot sign token: {e}")))
+            .map_err(MintError)
     }
 
     /// Checks signature, algorithm, expiry and the shape of the claims.

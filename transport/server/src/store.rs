@@ -23,9 +23,9 @@
 //! flush. A batch that fails to commit is merged back under what came since
 //! and written with the next one: a failure loses no dirty user.
 
-use crate::proto::{Kind, Status};
-use crate::server::hub::LiveDevice;
+use crate::hub::LiveDevice;
 use greendot_core::{Millis, Saved};
+use greendot_proto::{Kind, Status};
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -369,13 +369,8 @@ impl std::fmt::Debug for StoreWriter {
 }
 
 impl StoreWriter {
-    /// Starts the writer thread (it ends when every `StoreWriter` is dropped).
-    pub fn spawn(store: Store) -> Result<StoreWriter, StoreError> {
-        StoreWriter::spawn_with_faults(store, None)
-    }
-
-    /// [`StoreWriter::spawn`] with injected faults (tests).
-    #[doc(hidden)]
+    /// Starts the writer thread (it ends when every `StoreWriter` is
+    /// dropped), with injected faults if any (tests).
     pub fn spawn_with_faults(
         store: Store,
         faults: Option<Arc<StoreFaults>>,

@@ -3,17 +3,18 @@
 //! [`Hub`] then applies. [`handle_frame`] chains the two: it is exactly what the
 //! server does with a frame, minus the network, so a fuzzer can drive it.
 
-use crate::proto::{
-    self, close_code_for, decode, peek_version, CloseCode, ErrorCode, FrameError, Hello,
-    RequestFrame, ServerFrame, WireError,
-};
-use crate::server::hub::Hub;
+use crate::hub::Hub;
 use crate::token::{Claims, TokenKeys};
 use greendot_core::{Millis, SessionId};
+use greendot_proto::{
+    self as proto, close_code_for, decode, peek_version, CloseCode, ErrorCode, FrameError, Hello,
+    RequestFrame, ServerFrame, WireError,
+};
 use std::sync::Arc;
 
 /// A request rate per session: a token bucket.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RateLimit {
     /// Sustained requests per second.
     pub per_second: u32,
@@ -27,6 +28,13 @@ impl Default for RateLimit {
             per_second: 50,
             burst: 100,
         }
+    }
+}
+
+impl RateLimit {
+    /// `per_second` sustained, bursts of `burst`.
+    pub fn new(per_second: u32, burst: u32) -> RateLimit {
+        RateLimit { per_second, burst }
     }
 }
 
@@ -272,9 +280,9 @@ pub fn handle_frame(hub: &mut Hub, conn: &mut ConnState, now: Millis, payload: &
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::{encode_frame, Answer, Kind, Request, Tier};
-    use crate::server::hub::HubLimits;
+    use crate::hub::HubLimits;
     use crate::token::WatchClaim;
+    use greendot_proto::{encode_frame, Answer, Kind, Request, Tier};
     use std::time::Duration;
 
     fn payload<T: serde::Serialize>(v: &T) -> Vec<u8> {

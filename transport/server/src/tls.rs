@@ -1,8 +1,10 @@
-//! TLS 1.3 on rustls' `ring` provider, always chosen explicitly so that a
-//! second provider elsewhere in a build can never make rustls panic.
+//! The server's TLS 1.3 on rustls' `ring` provider, always chosen explicitly
+//! so that a second provider elsewhere in a build can never make rustls
+//! panic: its certificate (or a generated development one), its config and
+//! its session tickets. A client's config is `greendot_client::tls`.
 
-use crate::proto::ALPN;
-use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use greendot_proto::ALPN;
+use quinn::crypto::rustls::{NoInitialCipherSuite, QuicServerConfig};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use std::sync::Arc;
 
@@ -26,8 +28,7 @@ impl Identity {
     /// A self-signed development certificate for these names.
     pub fn self_signed(names: &[&str]) -> Result<Identity, TlsError> {
         let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
-        let ck = rcgen::generate_simple_self_signed(names)
-            .map_err(|e| TlsError(format!("cannot generate a certificate: {e}")))?;
+        let ck = rcgen::generate_simple_self_signed(names)?;
         Ok(Identity {
             certs: vec![ck.cert.der().clone()],
             key: PrivatePkcs8KeyDer::from(ck.signing_key.serialize_der()).into(),
@@ -35,13 +36,21 @@ impl Identity {
     }
 }
 
-/// A TLS setup error.
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("tls: {0}")]
-pub struct TlsError(pub String);
-
-fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
+/// Why the server's TLS could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// A development certificate could not be generated.
+    #[error("tls: cannot generate a certificate: {0}")]
+    Certificate(#[from] rcgen::Error),
+    /// rustls refused the certificate, its key or the protocol versions.
+    #[error("tls: {0}")]
+    Rustls(#[from] rustls::Error),
+    /// The provider offers no cipher suite QUIC can start with.
+    #[error("tls: {0}")]
+    Quic(#[from] NoInitialCipherSuite),
+    /// Session tickets need a secret to derive their keys from.
+    #[error("tls: the ticket secret is empty")]
+    EmptyTicketSecret,
 }
 
 /// The server's provider: AES-128-GCM with SHA-256 first. Its key schedule
@@ -63,11 +72,9 @@ pub fn server_crypto(
     ticket_secret: &[u8],
 ) -> Result<QuicServerConfig, TlsError> {
     let mut tls = rustls::ServerConfig::builder_with_provider(server_provider())
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .map_err(|e| TlsError(e.to_string()))?
+        .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_no_client_auth()
-        .with_single_cert(identity.certs.clone(), identity.key.clone_key())
-        .map_err(|e| TlsError(e.to_string()))?;
+        .with_single_cert(identity.certs.clone(), identity.key.clone_key())?;
     tls.alpn_protocols = vec![ALPN.to_vec()];
     tls.ignore_client_order = true;
     // Stateless tickets: every client that was served may resume, not only
@@ -76,27 +83,7 @@ pub fn server_crypto(
     // ticket keys derive from `ticket_secret`, so tickets survive a restart
     // (the readmission herd after a drain resumes too).
     tls.ticketer = Arc::new(SecretTickets::new(ticket_secret)?);
-    QuicServerConfig::try_from(tls).map_err(|e| TlsError(e.to_string()))
-}
-
-/// A client's QUIC crypto trusting exactly `roots`, offering `alpn`.
-pub fn client_crypto(
-    roots: &[CertificateDer<'static>],
-    alpn: &[u8],
-) -> Result<QuicClientConfig, TlsError> {
-    let mut store = rustls::RootCertStore::empty();
-    for root in roots {
-        store
-            .add(root.clone())
-            .map_err(|e| TlsError(e.to_string()))?;
-    }
-    let mut tls = rustls::ClientConfig::builder_with_provider(provider())
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .map_err(|e| TlsError(e.to_string()))?
-        .with_root_certificates(store)
-        .with_no_client_auth();
-    tls.alpn_protocols = vec![alpn.to_vec()];
-    QuicClientConfig::try_from(tls).map_err(|e| TlsError(e.to_string()))
+    Ok(QuicServerConfig::try_from(tls)?)
 }
 
 /// Session tickets sealed (AES-256-GCM) with a key derived from a secret by
@@ -120,7 +107,7 @@ const TICKET_PERIOD_SECS: u64 = 12 * 3600;
 impl SecretTickets {
     pub(crate) fn new(secret: &[u8]) -> Result<SecretTickets, TlsError> {
         if secret.is_empty() {
-            return Err(TlsError("the ticket secret is empty".into()));
+            return Err(TlsError::EmptyTicketSecret);
         }
         let salt =
             ring::hkdf::Salt::new(ring::hkdf::HKDF_SHA256, b"greendot/1 tls session tickets");

@@ -41,12 +41,18 @@
 //! push, no new version), so after a timeout simply call again until it is
 //! answered. The client does not retry by itself.
 
-use crate::proto::{
-    self, codec::read_frame, encode_frame, Answer, CloseCode, ErrorCode, FrameReader, Hello, Push,
-    QueryResult, Refused, Request, RequestFrame, RouteEntry, ServerFrame, Welcome, WireError,
-};
-use crate::tls;
+pub mod tls;
+
+// Re-exported so users need no second copy of them (TLS settings, roots).
+pub use quinn;
+pub use rustls;
+
 use greendot_core::{Applied, Presence, SessionId, Status, Tier, UserId, View};
+use greendot_proto::{
+    self as proto, codec::read_frame, encode_frame, Answer, CloseCode, ErrorCode, FrameReader,
+    Hello, Push, QueryResult, Refused, Request, RequestFrame, RouteEntry, ServerFrame, Welcome,
+    WireError,
+};
 use quinn::crypto::rustls::QuicClientConfig;
 use rustls::pki_types::CertificateDer;
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -58,6 +64,7 @@ use tracing::debug;
 
 /// Reconnection policy (see the module docs: waits are drawn with full jitter).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Reconnect {
     /// The ceiling of the first wait after a loss; it doubles with every
     /// failed attempt up to `max_backoff`.
@@ -187,8 +194,25 @@ impl Default for Reconnect {
     }
 }
 
+impl Reconnect {
+    /// A policy with these waits (see the fields); a setting added later
+    /// gets its default.
+    pub fn new(
+        initial_backoff: Duration,
+        max_backoff: Duration,
+        give_up_after: Option<Duration>,
+    ) -> Reconnect {
+        Reconnect {
+            initial_backoff,
+            max_backoff,
+            give_up_after,
+        }
+    }
+}
+
 /// Client settings.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct ClientConfig {
     pub server: SocketAddr,
     /// The name in the server's certificate. Default `localhost`.
@@ -255,6 +279,9 @@ impl ClientConfig {
 pub enum ClientError {
     #[error("invalid client setting: {0}")]
     Config(String),
+    /// The TLS configuration could not be built (a bad root certificate).
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
     #[error("cannot connect: {0}")]
     Connect(String),
     /// The server refused the connection: an error frame and/or a close code.
@@ -562,10 +589,9 @@ impl Client {
                 if tls.alpn_protocols.is_empty() {
                     tls.alpn_protocols = vec![config.alpn.clone()];
                 }
-                QuicClientConfig::try_from(tls).map_err(|e| ClientError::Config(e.to_string()))?
+                QuicClientConfig::try_from(tls).map_err(tls::TlsError::from)?
             }
-            None => tls::client_crypto(&config.roots, &config.alpn)
-                .map_err(|e| ClientError::Config(e.to_string()))?,
+            None => tls::client_crypto(&config.roots, &config.alpn)?,
         };
         let mut transport = quinn::TransportConfig::default();
         transport.keep_alive_interval(Some(config.keep_alive));

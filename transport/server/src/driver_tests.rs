@@ -1,11 +1,10 @@
 //! The driver's pass structure, run by hand on a real socket.
 
 use super::*;
-use crate::proto::ALPN;
-use crate::server::state::Pacer;
-use crate::server::PassBudget;
-use crate::server::{Server, ServerConfig};
-use crate::tls;
+use crate::state::Pacer;
+use crate::{PassBudget, Server, ServerConfig};
+use greendot_client::tls;
+use greendot_proto::ALPN;
 use quinn_proto::Endpoint;
 use std::net::SocketAddr;
 
@@ -203,7 +202,7 @@ fn the_pacer_admits_its_rate_and_no_more() {
 /// The reconnect spread: connections over the admission rate, at least 1 s.
 #[test]
 fn the_retry_hint_is_the_time_to_readmit_everyone() {
-    use crate::server::{readmit_ms, with_retry_hint};
+    use crate::{readmit_ms, with_retry_hint};
     assert_eq!(readmit_ms(100_000, 3000), 33_333);
     assert_eq!(readmit_ms(10, 3000), 1000);
     assert_eq!(readmit_ms(0, 0), 1000);

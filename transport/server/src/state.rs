@@ -35,9 +35,9 @@
 //! ticket back (or, if it does not within `store_timeout`, answered "not
 //! saved"). The connection's later frames wait behind it.
 //!
-//! **Sessions** ([`super::session`]) do not know QUIC: they talk to their
+//! **Sessions** (`session`) do not know QUIC: they talk to their
 //! transport through a small binding trait; QUIC is the one binding today
-//! ([`super::quic`]).
+//! (`quic`).
 
 use super::conn::{ConnState, Handled, Step};
 use super::hub::{Hub, HubOutput};
@@ -51,11 +51,11 @@ use super::{
     validate, with_retry_hint, PassBudget, ServerConfig, ServerError, ServerEvent, Shed, Stats,
     StatsInner, KEEP_ALIVE_STEPS,
 };
-use crate::proto::{self, encode_frame, CloseCode, ServerFrame};
 use crate::tls::{self, Identity};
 use crate::token::TokenKeys;
 use bytes::BytesMut;
 use greendot_core::{Counters, EndReason, Millis, SessionId, UserId};
+use greendot_proto::{self as proto, encode_frame, CloseCode, ServerFrame};
 use quinn_proto::{ConnectionHandle, DatagramEvent, EcnCodepoint, Endpoint};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::BuildHasherDefault;
@@ -81,8 +81,10 @@ const CLOSE_LINGER: Duration = Duration::from_secs(1);
 const STOP_LINGER: Duration = Duration::from_secs(2);
 /// How long a stop waits for the final store write.
 const STOP_SAVE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Transmit buffers kept for reuse.
-const POOL_CAP: usize = 256;
+/// Transmit buffers kept for reuse: about what one call with the default
+/// budget hands out; a larger buffer (a big GSO batch) is not kept.
+const POOL_CAP: usize = 1024;
+const POOL_BUFFER_CAP: usize = 16 * 1024;
 
 /// Bytes read from a control stream per round: one maximal frame and its
 /// prefix, so what is buffered per connection stays bounded.
@@ -129,7 +131,7 @@ pub enum ServerInput {
         save: bool,
     },
     /// The wall clock now reads `unix_ms` (it jumped). The core's time
-    /// follows, except that it never goes backwards.
+    /// follows a jump forward; a jump back is ignored (it never goes back).
     SetWallClock { unix_ms: u64 },
 }
 
@@ -175,7 +177,9 @@ pub enum ServerMutant {
     /// its subscriptions and pushes are still routed to it after its logout.
     PushAfterLogout,
     /// Traffic does not count as a sign of life: a connection's datagrams
-    /// and frames neither refresh its last heard nor renew the lease.
+    /// do not refresh its last heard (so the periodic renewal renews
+    /// nothing) and its frames do not count as activity (only an explicit
+    /// `Ping`, which the core handles itself, still renews the lease).
     LeaseNotRenewedOnTraffic,
     /// A connection whose address changes is closed and its session ended
     /// as a disconnect (the device lingers), instead of migrating.
@@ -304,8 +308,6 @@ impl quinn_proto::ConnectionIdGenerator for SeededCids {
 struct Clock {
     start: Instant,
     unix_start_ms: u64,
-    /// Never less than this (after the wall clock jumped back).
-    floor: u64,
 }
 
 impl Clock {
@@ -313,7 +315,7 @@ impl Clock {
     fn at(&self, instant: Instant) -> Millis {
         let elapsed = instant.saturating_duration_since(self.start);
         let elapsed = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
-        Millis(self.unix_start_ms.saturating_add(elapsed).max(self.floor))
+        Millis(self.unix_start_ms.saturating_add(elapsed))
     }
 
     /// When a core deadline is due. `at()` truncates to the millisecond, so
@@ -326,11 +328,14 @@ impl Clock {
         ))
     }
 
-    /// The wall clock reads `unix_ms` at `now`.
+    /// The wall clock reads `unix_ms` at `now`: a jump forward is taken
+    /// (time passed at once: debounces, graces and leases expire as they
+    /// would), a jump back is not (the core's time never goes back; it goes
+    /// on from where it was).
     fn set(&mut self, now: Instant, unix_ms: u64) {
-        self.floor = self.at(now).0;
+        let current = self.at(now).0;
         self.start = now;
-        self.unix_start_ms = unix_ms;
+        self.unix_start_ms = unix_ms.max(current);
     }
 }
 
@@ -411,6 +416,8 @@ pub struct ServerState {
     next_flush: Instant,
     next_renewal: Instant,
     tickets: BTreeMap<u64, Ticket>,
+    /// The tickets by deadline.
+    ticket_deadlines: BTreeSet<(Instant, u64)>,
     next_ticket: u64,
     stopping: Option<Stopping>,
     /// The latest `now` seen: what `poll_timeout` answers while work is carried.
@@ -507,7 +514,6 @@ impl ServerState {
         let clock = Clock {
             start: now,
             unix_start_ms: unix_ms,
-            floor: 0,
         };
         let session_key = derive(seed, 1);
         // The core runs on Unix milliseconds: `last_seen` needs no offset.
@@ -546,6 +552,7 @@ impl ServerState {
             next_flush: now + config.flush_interval,
             next_renewal: now + config.renewal(),
             tickets: BTreeMap::new(),
+            ticket_deadlines: BTreeSet::new(),
             next_ticket: 0,
             stopping: None,
             last_now: now,
@@ -640,7 +647,7 @@ impl ServerState {
         if let Some(t) = self.hub.poll_timeout().and_then(|m| self.clock.instant(m)) {
             at = at.min(t);
         }
-        if let Some(t) = self.tickets.values().map(Ticket::deadline).min() {
+        if let Some(&(t, _)) = self.ticket_deadlines.first() {
             at = at.min(t);
         }
         if let Some(Stopping::Closing { until, .. }) = &self.stopping {
@@ -662,7 +669,7 @@ impl ServerState {
 
     /// Gives a transmit's buffer back for reuse.
     pub fn recycle(&mut self, mut contents: Vec<u8>) {
-        if self.pool.len() < POOL_CAP {
+        if self.pool.len() < POOL_CAP && contents.capacity() <= POOL_BUFFER_CAP {
             contents.clear();
             self.pool.push(contents);
         }
@@ -725,6 +732,115 @@ impl ServerState {
     /// Push bytes queued in the whole server.
     pub fn queued_push_bytes(&self) -> usize {
         self.queued
+    }
+
+    /// Checks the state's own bookkeeping against itself (for simulators
+    /// and tests; it walks every connection): the byte counts of the push
+    /// queues, the session and handshake tables, the open-connection count,
+    /// the timer and touched sets, the store tickets.
+    pub fn check(&self) -> Result<(), String> {
+        let mut queued = 0;
+        let (mut open, mut handshaking) = (0u64, 0usize);
+        let mut per_address: BTreeMap<IpAddr, usize> = BTreeMap::new();
+        let touched: BTreeSet<usize> = self.touched.iter().copied().collect();
+        for (ch, conn) in self.conns.iter().enumerate() {
+            let Some(conn) = conn.as_deref() else {
+                continue;
+            };
+            conn.session
+                .check()
+                .map_err(|e| format!("connection {ch}: {e}"))?;
+            queued += conn.session.queued;
+            match &conn.session.phase {
+                Phase::Handshaking { ip, .. } => {
+                    handshaking += 1;
+                    *per_address.entry(*ip).or_default() += 1;
+                }
+                Phase::WaitingStore { ticket } => {
+                    let waits_here = matches!(
+                        self.tickets.get(ticket),
+                        Some(Ticket::Answer { ch: c, serial, .. }) if *c == ch && *serial == conn.serial
+                    );
+                    if !waits_here {
+                        return Err(format!(
+                            "connection {ch} waits for ticket {ticket}, which is not its"
+                        ));
+                    }
+                }
+                _ => {}
+            }
+            if conn.session.phase.is_open() {
+                open += 1;
+            }
+            if let Some(at) = conn.timer {
+                if !self.timers.contains(&(at, ch)) {
+                    return Err(format!(
+                        "connection {ch}: its timer is not in the timer set"
+                    ));
+                }
+            }
+            if conn.touched != touched.contains(&ch) {
+                return Err(format!("connection {ch}: touched mark and list disagree"));
+            }
+        }
+        if queued != self.queued {
+            return Err(format!(
+                "{} push bytes counted, {queued} queued",
+                self.queued
+            ));
+        }
+        if self.queued > self.config.push_budget_bytes {
+            return Err(format!(
+                "{} push bytes queued, over the budget",
+                self.queued
+            ));
+        }
+        if handshaking != self.handshaking {
+            return Err(format!(
+                "{} handshakes counted, {handshaking} in flight",
+                self.handshaking
+            ));
+        }
+        let counted: BTreeMap<IpAddr, usize> =
+            self.per_address.iter().map(|(k, v)| (*k, *v)).collect();
+        if counted != per_address {
+            return Err("handshakes by address disagree with the connections".into());
+        }
+        let open_counted = self.stats.open.load(Ordering::Relaxed) as u64;
+        if open != open_counted {
+            return Err(format!(
+                "{open_counted} connections counted open, {open} are"
+            ));
+        }
+        for &(at, ch) in &self.timers {
+            let owned = self
+                .conns
+                .get(ch)
+                .and_then(|c| c.as_deref())
+                .is_some_and(|c| c.timer == Some(at));
+            if !owned {
+                return Err(format!(
+                    "a timer for connection {ch} that has no such timer"
+                ));
+            }
+        }
+        for (&session, &ch) in &self.sessions {
+            let conn = self.conns.get(ch).and_then(|c| c.as_deref());
+            if !conn.is_some_and(|c| c.session.id == Some(session) && !c.session.is_ended()) {
+                return Err(format!(
+                    "session {session:?} routed to connection {ch}, not its"
+                ));
+            }
+        }
+        if self.tickets.len() != self.ticket_deadlines.len()
+            || self
+                .ticket_deadlines
+                .iter()
+                .any(|(at, t)| self.tickets.get(t).map(Ticket::deadline) != Some(*at))
+        {
+            return Err("store tickets and their deadlines disagree".into());
+        }
+        Ok(())
     }
 
     pub(super) fn shared_stats(&self) -> Arc<StatsInner> {
@@ -917,6 +1033,7 @@ impl ServerState {
             // Timed out already (answered then), or unknown.
             return;
         };
+        self.ticket_deadlines.remove(&(waiting.deadline(), ticket));
         match waiting {
             Ticket::Answer {
                 ch,
@@ -1024,6 +1141,8 @@ impl ServerState {
 
     fn ticket(&mut self, ticket: Ticket) -> u64 {
         self.next_ticket += 1;
+        self.ticket_deadlines
+            .insert((ticket.deadline(), self.next_ticket));
         self.tickets.insert(self.next_ticket, ticket);
         self.next_ticket
     }
@@ -1068,11 +1187,14 @@ impl ServerState {
             self.hub.handle_timeout(self.clock.at(now));
         }
         // Durable writes that took too long: answered "not saved".
-        while let Some(entry) = self.tickets.first_entry() {
-            if entry.get().deadline() > now {
+        while let Some(&(deadline, ticket)) = self.ticket_deadlines.first() {
+            if deadline > now {
                 break;
             }
-            let (ticket, waiting) = entry.remove_entry();
+            self.ticket_deadlines.pop_first();
+            let Some(waiting) = self.tickets.remove(&ticket) else {
+                continue;
+            };
             let error = StoreError(format!(
                 "the store did not commit within {:?}",
                 self.config.store_timeout
@@ -1109,7 +1231,7 @@ impl ServerState {
         }
         if self.stored && now >= self.next_flush {
             self.next_flush = now + self.config.flush_interval;
-            self.flush_store(now);
+            self.flush_store();
         }
     }
 
@@ -1129,7 +1251,7 @@ impl ServerState {
         }
     }
 
-    fn flush_store(&mut self, _now: Instant) {
+    fn flush_store(&mut self) {
         let batch = self.changed_records();
         // Users are freed only once their records are taken: a freed user's
         // record can no longer be read.

@@ -10,7 +10,7 @@
 //! watcher's push can be matched to the moment it was asked for), or a
 //! reconnect (a plain close, so the device lingers, then a new handshake that
 //! resumes the session). It speaks the wire protocol directly (not
-//! [`crate::client`], which costs one UDP socket and several tasks per client).
+//! [`greendot_client`], which costs one UDP socket and several tasks per client).
 //!
 //! Measured: connections held, handshakes/s while ramping up, change-to-push
 //! latency (from the status request leaving the client to each watcher's
@@ -20,12 +20,12 @@
 //! stime` from `/proc/<pid>/stat`). All traffic goes to `server`; the run is
 //! bounded by `ramp_timeout + duration` plus a few seconds to close.
 
-use crate::proto::{
-    self, codec::read_frame, encode_frame, Answer, CloseCode, FrameReader, Hello, Push, Request,
-    RequestFrame, ServerFrame, Status, Tier,
+use greendot_client::tls;
+use greendot_proto::{
+    self as proto, codec::read_frame, encode_frame, Answer, CloseCode, FrameReader, Hello, Push,
+    Request, RequestFrame, ServerFrame, Status, Tier,
 };
-use crate::tls;
-use crate::token::{Claims, TokenKeys, WatchClaim};
+use greendot_server::token::{Claims, TokenKeys, WatchClaim};
 use rustls::pki_types::CertificateDer;
 use std::fmt;
 use std::net::SocketAddr;
@@ -36,6 +36,7 @@ use tokio::sync::{watch, Semaphore};
 
 /// What to run.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct LoadOptions {
     pub server: SocketAddr,
     /// The server's certificate (or its CA), trusted as a root.
@@ -759,6 +760,7 @@ pub async fn run(opts: LoadOptions) -> LoadReport {
 
 /// What a [`Herd`] holds and how its devices reconnect.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct HerdOptions {
     pub server: SocketAddr,
     pub roots: Vec<CertificateDer<'static>>,
@@ -778,7 +780,7 @@ pub struct HerdOptions {
     pub connect_concurrency: usize,
     /// Reconnect waits: full jitter, or within a `retry_ms` from the server
     /// (as the client library does).
-    pub reconnect: crate::client::Reconnect,
+    pub reconnect: greendot_client::Reconnect,
     /// Offer TLS session tickets when reconnecting (each device keeps its
     /// own); switch with [`Herd::set_resumption`].
     pub resumption: bool,
@@ -808,7 +810,7 @@ impl HerdOptions {
             watchers: 1,
             watched: 1000,
             connect_concurrency: 256,
-            reconnect: crate::client::Reconnect::default(),
+            reconnect: greendot_client::Reconnect::default(),
             resumption: true,
             kind: proto::Kind::Web,
             user_prefix: "herd".into(),
@@ -1095,7 +1097,7 @@ async fn herd_device(ctx: Arc<HerdCtx>, endpoint: quinn::Endpoint, i: usize, wat
     let mut stop = ctx.stop.subscribe();
     let mut kick = ctx.kick.subscribe();
     let mut kicked = kick.borrow().0;
-    let mut backoff = crate::client::Backoff::new(ctx.opts.reconnect);
+    let mut backoff = greendot_client::Backoff::new(ctx.opts.reconnect);
     let mut resume = None;
     let mut seen_mark = ctx.mark.load(Relaxed);
     let mut wait = None;
@@ -1127,7 +1129,7 @@ async fn herd_device(ctx: Arc<HerdCtx>, endpoint: quinn::Endpoint, i: usize, wat
             Ok(live) => live,
             Err(e) => {
                 ctx.failed_attempts.fetch_add(1, Relaxed);
-                wait = Some(backoff.next_delay(crate::client::retry_hint(&e)));
+                wait = Some(backoff.next_delay(greendot_client::retry_hint(&e)));
                 continue;
             }
         };
@@ -1143,7 +1145,7 @@ async fn herd_device(ctx: Arc<HerdCtx>, endpoint: quinn::Endpoint, i: usize, wat
                 error = live.conn.closed() => {
                     break match error {
                         quinn::ConnectionError::ApplicationClosed(c) => {
-                            crate::client::retry_hint(&String::from_utf8_lossy(&c.reason))
+                            greendot_client::retry_hint(&String::from_utf8_lossy(&c.reason))
                         }
                         _ => None,
                     };

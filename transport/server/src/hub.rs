@@ -3,16 +3,16 @@
 //! server's one task (`server::driver`) owns exactly one, next to every
 //! connection; a fuzzer can own one too and drive it without a network.
 
-use crate::proto::{
-    self, Answer, ErrorCode, QueryResult, Refused, Request, RouteEntry, ServerFrame, Snapshot,
-    Welcome, WireError,
-};
-use crate::server::conn::{Handled, Step};
+use crate::conn::{Handled, Step};
 use crate::token::{Claims, WatchClaim};
 use bytes::Bytes;
 use greendot_core::{
     Config, ConfigError, Connect, Core, DeviceId, DeviceKind, EndReason, Millis, Output, Saved,
     SessionId, Tier, UserId, Watch,
+};
+use greendot_proto::{
+    self as proto, Answer, ErrorCode, QueryResult, Refused, Request, RouteEntry, ServerFrame,
+    Snapshot, Welcome, WireError,
 };
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -160,6 +160,7 @@ impl Interner {
 
 /// Limits the hub enforces on requests (the core enforces its own).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct HubLimits {
     /// User and device names, in bytes.
     pub max_name_len: usize,
@@ -360,11 +361,14 @@ impl Hub {
         Ok(())
     }
 
-    /// Every live device (Online or Lingering).
+    /// Every live device (Online or Lingering), in session order (the same
+    /// in every run, whatever the map's hasher).
     pub fn live_devices(&self) -> Vec<LiveDevice> {
-        self.sessions
-            .values()
-            .filter_map(|m| {
+        let mut sessions: Vec<(&SessionId, &Meta)> = self.sessions.iter().collect();
+        sessions.sort_unstable_by_key(|(id, _)| **id);
+        sessions
+            .into_iter()
+            .filter_map(|(_, m)| {
                 Some(LiveDevice {
                     user: self.users.name(m.user.0)?.to_string(),
                     device: self.devices.name(m.device.0)?.to_string(),
@@ -429,7 +433,7 @@ impl Hub {
         };
     }
 
-    /// Runs one step of a connection (see [`crate::server::handle_frame`]).
+    /// Runs one step of a connection (see [`crate::handle_frame`]).
     pub fn apply(&mut self, now: Millis, step: Step) -> Handled {
         match step {
             Step::Hello { claims, resume } => match self.hello(now, &claims, resume) {
@@ -906,9 +910,9 @@ impl Hub {
 #[cfg(test)]
 mod tests {
     use super::{Hub, HubLimits, HubOutput, Interner};
-    use crate::proto::{Kind, Request, Tier};
     use crate::token::{Claims, WatchClaim};
     use greendot_core::Millis;
+    use greendot_proto::{Kind, Request, Tier};
     use std::time::Duration;
 
     /// A publish to many subscribers is encoded once: every push carries

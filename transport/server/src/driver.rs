@@ -26,8 +26,8 @@ use super::state::{Census, Datagram, ServerInput, ServerOutput, ServerState, Sto
 use super::store::{StoreError, StoreWriter};
 use super::udp::Io;
 use super::{ServerEvent, Shared};
-use crate::proto::CloseCode;
 use greendot_core::Counters;
+use greendot_proto::CloseCode;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

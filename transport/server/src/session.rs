@@ -4,13 +4,16 @@
 //! byte counts), and what it asks the server to do next. It never sees
 //! QUIC: it talks to its transport through the small [`Binding`] trait
 //! (a control channel of frames in and answers out, two push channels, a
-//! close with a code). QUIC is one binding ([`super::quic`]); WebTransport,
-//! WebSocket and a cluster bus would be others.
+//! close with a code). QUIC is one binding (`quic`); WebTransport,
+//! WebSocket and a cluster bus would be others. A new binding implements
+//! [`Binding`], turns its own events into [`Happened`]s, and takes its
+//! place beside `QuicLink` in the server's connection slot (an enum of
+//! links once there are two); nothing in this file changes.
 
 use super::conn::{ConnState, Step};
-use crate::proto::{CloseCode, FrameError, FrameReader};
 use bytes::{Buf, Bytes};
 use greendot_core::{Millis, SessionId, Tier};
+use greendot_proto::{CloseCode, FrameError, FrameReader};
 use std::collections::VecDeque;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Instant;
@@ -189,6 +192,10 @@ pub(crate) enum Next {
     Idle,
 }
 
+/// Pushes a push channel did not take yet, with the instant of the change
+/// behind each.
+type PushQueue = VecDeque<(Instant, Bytes)>;
+
 /// One connection's session layer.
 #[derive(Debug)]
 pub(crate) struct Session {
@@ -203,7 +210,7 @@ pub(crate) struct Session {
     unsent: Vec<u8>,
     /// Encoded pushes each push channel did not take yet (flow control),
     /// with the instant of the change behind each: realtime, batched.
-    pushes: Option<Box<[VecDeque<(Instant, Bytes)>; 2]>>,
+    pushes: Option<Box<[PushQueue; 2]>>,
     /// Bytes waiting in `pushes` (counted in the server's total too).
     pub queued: usize,
     /// The peer's address as last reported.
@@ -266,8 +273,9 @@ impl Session {
 
     /// Its deadline passed: what to do.
     pub fn overdue(&mut self, now: Instant) -> Option<Overdue> {
-        if !self.phase.deadline().is_some_and(|d| d <= now) {
-            return None;
+        match self.phase.deadline() {
+            Some(d) if d <= now => {}
+            _ => return None,
         }
         match std::mem::replace(&mut self.phase, Phase::Live) {
             Phase::Closing { code, text, .. } => Some(Overdue::Close(code, text)),
@@ -484,6 +492,25 @@ impl Session {
                 return Next::Idle;
             }
         }
+    }
+
+    /// The session's own bookkeeping: `queued` is what its push queues hold.
+    pub fn check(&self) -> Result<(), String> {
+        let held: usize = self
+            .pushes
+            .iter()
+            .flat_map(|p| p.iter())
+            .flat_map(|q| q.iter())
+            .map(|(_, b)| queued_cost(b))
+            .sum();
+        if held != self.queued {
+            return Err(format!("{} push bytes counted, {held} held", self.queued));
+        }
+        if self.is_ended() && (self.queued != 0 || self.pushes.is_some() || !self.unsent.is_empty())
+        {
+            return Err("an ended session still holds pushes or answers".into());
+        }
+        Ok(())
     }
 
     /// Whether the peer already finished its control channel (a second

@@ -4,8 +4,8 @@
 //! higher priority. quinn-proto's events become [`Happened`]s.
 
 use super::session::{Binding, Happened, ReadEnd, Write};
-use crate::proto::{CloseCode, FrameReader};
 use bytes::Bytes;
+use greendot_proto::{CloseCode, FrameReader};
 use quinn_proto::{ConnectionError, Dir, Event, StreamEvent, StreamId};
 use std::net::SocketAddr;
 use std::time::Instant;

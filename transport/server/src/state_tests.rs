@@ -1,0 +1,628 @@
+//! [`ServerState`] driven directly, on virtual time: quinn-proto clients
+//! and the server exchange datagrams in memory, with no socket, runtime or
+//! clock.
+
+use super::*;
+use crate::store::Loaded;
+use crate::token::{Claims, WatchClaim};
+use greendot_proto::{
+    decode, Hello, Kind, Push, Request, RequestFrame, Status, Tier, ALPN, VERSION,
+};
+use quinn_proto::{ClientConfig, ConnectionError, Dir, Event, StreamEvent, StreamId};
+
+const SERVER: SocketAddr = SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::new(10, 0, 0, 1)), 4433);
+/// Virtual time advances by this much per step.
+const TICK: Duration = Duration::from_millis(5);
+
+/// One in-memory client: a quinn-proto endpoint and connection, with the
+/// frames it got.
+struct Client {
+    endpoint: Endpoint,
+    ch: ConnectionHandle,
+    conn: quinn_proto::Connection,
+    /// Where it sends from (and gets its datagrams at).
+    addr: SocketAddr,
+    control: Option<StreamId>,
+    /// Sent on the control stream once the handshake is done.
+    hello: Vec<u8>,
+    answers: greendot_proto::FrameReader,
+    replies: Vec<ServerFrame>,
+    pushes: Vec<(StreamId, greendot_proto::FrameReader)>,
+    updates: Vec<Push>,
+    lost: Option<ConnectionError>,
+    next_id: u64,
+}
+
+struct Net {
+    server: ServerState,
+    now: Instant,
+    clients: Vec<Client>,
+    events: Vec<ServerEvent>,
+    store: Vec<StoreRequest>,
+}
+
+fn config() -> ServerConfig {
+    ServerConfig::new(b"secret".to_vec())
+}
+
+impl Net {
+    fn new(config: ServerConfig, restored: Option<Loaded>) -> Net {
+        Net::seeded(config, restored, 7)
+    }
+
+    fn seeded(config: ServerConfig, restored: Option<Loaded>, seed: u64) -> Net {
+        let now = Instant::now();
+        let server = ServerState::new(config, now, super::super::unix_now_ms(), seed, restored)
+            .expect("a server");
+        Net {
+            server,
+            now,
+            clients: Vec::new(),
+            events: Vec::new(),
+            store: Vec::new(),
+        }
+    }
+
+    /// A client that connects and says hello as `user`/`device`.
+    fn connect(&mut self, user: &str, device: &str) -> usize {
+        let i = self.clients.len();
+        let addr = SocketAddr::from(([10, 0, 1, i as u8 + 1], 5000));
+        let mut endpoint = Endpoint::new(
+            Arc::new(quinn_proto::EndpointConfig::default()),
+            None,
+            false,
+            None,
+        );
+        let crypto = greendot_client::tls::client_crypto(
+            std::slice::from_ref(self.server.certificate()),
+            ALPN,
+        )
+        .unwrap();
+        let (ch, conn) = endpoint
+            .connect(
+                self.now,
+                ClientConfig::new(Arc::new(crypto)),
+                SERVER,
+                "localhost",
+            )
+            .unwrap();
+        let claims = Claims::new(
+            user,
+            device,
+            Kind::Desktop,
+            WatchClaim::all(),
+            Duration::from_secs(3600),
+        );
+        let hello = Hello {
+            version: VERSION,
+            token: self.server.keys().mint(&claims).unwrap(),
+            resume: None,
+        };
+        self.clients.push(Client {
+            endpoint,
+            ch,
+            conn,
+            addr,
+            control: None,
+            hello: encode_frame(&hello).unwrap(),
+            answers: greendot_proto::FrameReader::new(1 << 20),
+            replies: Vec::new(),
+            pushes: Vec::new(),
+            updates: Vec::new(),
+            lost: None,
+            next_id: 1,
+        });
+        self.run_until(Duration::from_secs(5), |net| {
+            matches!(
+                net.clients[i].replies.first(),
+                Some(ServerFrame::Welcome(_))
+            )
+        });
+        i
+    }
+
+    /// Sends a request; its id.
+    fn request(&mut self, i: usize, request: Request) -> u64 {
+        let c = &mut self.clients[i];
+        let id = c.next_id;
+        c.next_id += 1;
+        let frame = encode_frame(&RequestFrame { id, request }).unwrap();
+        let control = c.control.unwrap();
+        c.conn.send_stream(control).write(&frame).unwrap();
+        id
+    }
+
+    /// The reply to request `id` of client `i`, waiting for it.
+    fn reply(&mut self, i: usize, id: u64) -> Option<ServerFrame> {
+        let find = |net: &Net| {
+            net.clients[i]
+                .replies
+                .iter()
+                .find(|f| matches!(f, ServerFrame::Reply { id: r, .. } if *r == id))
+                .cloned()
+        };
+        self.run_until(Duration::from_secs(10), |net| find(net).is_some());
+        find(self)
+    }
+
+    fn run_until(&mut self, limit: Duration, mut done: impl FnMut(&Net) -> bool) {
+        let end = self.now + limit;
+        while self.now < end && !done(self) {
+            self.step();
+        }
+    }
+
+    fn run_for(&mut self, d: Duration) {
+        let end = self.now + d;
+        while self.now < end {
+            self.step();
+        }
+    }
+
+    /// Everything due at `now`, then time moves on one tick.
+    fn step(&mut self) {
+        let now = self.now;
+        for _ in 0..1000 {
+            let mut moved = self.clients_send(now);
+            if self.server.poll_timeout().is_some_and(|t| t <= now) {
+                self.server.handle_timeout(now);
+                moved = true;
+            }
+            while let Some(out) = self.server.poll_output() {
+                match out {
+                    ServerOutput::Event(e) => self.events.push(e),
+                    ServerOutput::Store(r) => self.store.push(r),
+                    ServerOutput::Stopped => {}
+                }
+            }
+            while let Some(t) = self.server.poll_transmit() {
+                moved = true;
+                if let Some(c) = self.clients.iter_mut().find(|c| c.addr == t.destination) {
+                    let mut buf = Vec::new();
+                    let data = BytesMut::from(&t.contents[..]);
+                    if let Some(DatagramEvent::ConnectionEvent(_, e)) =
+                        c.endpoint.handle(now, SERVER, None, t.ecn, data, &mut buf)
+                    {
+                        c.conn.handle_event(e);
+                    }
+                }
+                self.server.recycle(t.contents);
+            }
+            if !moved {
+                break;
+            }
+        }
+        if let Err(e) = self.server.check() {
+            panic!("the state's bookkeeping broke: {e}");
+        }
+        self.now += TICK;
+    }
+
+    /// Lets every client handle its events, timers and transmits; whether
+    /// any sent something.
+    fn clients_send(&mut self, now: Instant) -> bool {
+        let mut sent = false;
+        for c in &mut self.clients {
+            if c.conn.poll_timeout().is_some_and(|t| t <= now) {
+                c.conn.handle_timeout(now);
+            }
+            while let Some(e) = c.conn.poll_endpoint_events() {
+                if let Some(back) = c.endpoint.handle_event(c.ch, e) {
+                    c.conn.handle_event(back);
+                }
+            }
+            while let Some(event) = c.conn.poll() {
+                match event {
+                    Event::ConnectionLost { reason } => c.lost = Some(reason),
+                    Event::Connected => {
+                        let id = c.conn.streams().open(Dir::Bi).expect("a control stream");
+                        c.conn.send_stream(id).write(&c.hello).unwrap();
+                        c.control = Some(id);
+                    }
+                    Event::Stream(StreamEvent::Opened { dir: Dir::Uni }) => {
+                        while let Some(id) = c.conn.streams().accept(Dir::Uni) {
+                            c.pushes
+                                .push((id, greendot_proto::FrameReader::new(1 << 20)));
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            c.read();
+            let mut buf = Vec::new();
+            while let Some(t) = c.conn.poll_transmit(now, 1, &mut buf) {
+                sent = true;
+                let datagram = Datagram {
+                    remote: c.addr,
+                    local_ip: None,
+                    ecn: t.ecn,
+                    data: BytesMut::from(&buf[..t.size]),
+                };
+                self.server.handle_datagram(now, datagram);
+                buf.clear();
+            }
+        }
+        sent
+    }
+}
+
+impl Client {
+    /// Reads the control stream's answers and the push streams' updates.
+    fn read(&mut self) {
+        if let Some(id) = self.control {
+            read_stream(&mut self.conn, id, &mut self.answers);
+            while let Ok(Some(payload)) = self.answers.next_frame() {
+                self.replies.push(decode(&payload).expect("a server frame"));
+            }
+        }
+        for (id, reader) in &mut self.pushes {
+            read_stream(&mut self.conn, *id, reader);
+            while let Ok(Some(payload)) = reader.next_frame() {
+                self.updates.push(decode(&payload).expect("a push"));
+            }
+        }
+    }
+
+    fn pushed_updates(&self) -> usize {
+        self.updates
+            .iter()
+            .filter(|p| matches!(p, Push::Update { .. }))
+            .count()
+    }
+}
+
+fn read_stream(
+    conn: &mut quinn_proto::Connection,
+    id: StreamId,
+    reader: &mut greendot_proto::FrameReader,
+) {
+    let mut recv = conn.recv_stream(id);
+    let Ok(mut chunks) = recv.read(true) else {
+        return;
+    };
+    while let Ok(Some(chunk)) = chunks.next(usize::MAX) {
+        reader.push(&chunk.bytes);
+    }
+    let _ = chunks.finalize();
+}
+
+fn application_close(lost: &Option<ConnectionError>) -> Option<CloseCode> {
+    match lost {
+        Some(ConnectionError::ApplicationClosed(close)) => {
+            CloseCode::from_code(close.error_code.into_inner())
+        }
+        _ => None,
+    }
+}
+
+#[test]
+fn a_session_runs_on_virtual_time_with_no_socket() {
+    let mut net = Net::new(config(), None);
+    let ann = net.connect("ann", "laptop");
+    let bob = net.connect("bob", "phone");
+    let sub = net.request(
+        bob,
+        Request::Subscribe {
+            targets: vec!["ann".into()],
+            tier: Tier::Realtime,
+        },
+    );
+    assert!(matches!(
+        net.reply(bob, sub),
+        Some(ServerFrame::Reply { result: Ok(_), .. })
+    ));
+    let set = net.request(
+        ann,
+        Request::SetStatus {
+            status: Status::Busy,
+            message: Some("deep work".into()),
+        },
+    );
+    assert!(net.reply(ann, set).is_some());
+    // Published after the debounce, pushed on bob's realtime stream.
+    net.run_until(Duration::from_secs(2), |net| {
+        net.clients[bob].updates.iter().any(|p| {
+            matches!(p, Push::Update { target, presence } if target == "ann" && presence.status == Status::Busy)
+        })
+    });
+    assert!(
+        net.clients[bob].updates.iter().any(|p| matches!(
+            p,
+            Push::Update { presence, .. } if presence.status == Status::Busy
+        )),
+        "bob never saw ann busy: {:?}",
+        net.clients[bob].updates
+    );
+    let connected = net
+        .events
+        .iter()
+        .filter(|e| matches!(e, ServerEvent::Connected { .. }))
+        .count();
+    assert_eq!(connected, 2);
+    assert_eq!(net.server.stats().connections_open, 2);
+}
+
+/// A durable change is answered only once the store's ticket comes back,
+/// and a later request of the same connection waits behind it; a ticket
+/// that never comes back is answered "not saved" after `store_timeout`.
+#[test]
+fn a_durable_change_waits_for_its_store_ticket() {
+    let mut c = config();
+    c.store_timeout = Duration::from_millis(500);
+    let mut net = Net::new(c, Some(Loaded::default()));
+    let ann = net.connect("ann", "laptop");
+    net.store.clear();
+    let set = net.request(ann, Request::SetInvisible { invisible: true });
+    let ping = net.request(ann, Request::Ping);
+    net.run_until(Duration::from_millis(300), |net| !net.store.is_empty());
+    let ticket = match net.store.pop() {
+        Some(StoreRequest::Durable { ticket, batch, .. }) => {
+            assert_eq!(batch.users.len(), 1);
+            ticket
+        }
+        other => panic!("no durable write asked: {other:?}"),
+    };
+    net.run_for(Duration::from_millis(200));
+    assert!(
+        net.clients[ann].replies.len() == 1,
+        "answered before the store committed: {:?}",
+        net.clients[ann].replies
+    );
+    net.server.handle_input(
+        net.now,
+        ServerInput::StoreDone {
+            ticket,
+            result: Ok(()),
+        },
+    );
+    let ok = |f: Option<ServerFrame>| matches!(f, Some(ServerFrame::Reply { result: Ok(_), .. }));
+    assert!(ok(net.reply(ann, set)));
+    assert!(ok(net.reply(ann, ping)));
+    // In order: the change, then the ping behind it.
+    let ids: Vec<u64> = net.clients[ann]
+        .replies
+        .iter()
+        .filter_map(|f| match f {
+            ServerFrame::Reply { id, .. } => Some(*id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ids, vec![set, ping]);
+
+    // No answer from the store: "not saved" after the timeout, not never.
+    let set = net.request(ann, Request::SetInvisible { invisible: false });
+    match net.reply(ann, set) {
+        Some(ServerFrame::Reply { result: Err(e), .. }) => {
+            assert!(e.message.contains("could not be saved"), "{e:?}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn migration_keeps_the_session_and_the_mutant_ends_it() {
+    for mutant in [None, Some(ServerMutant::MigrationAsDisconnect)] {
+        let mut c = config();
+        c.mutant = mutant;
+        let mut net = Net::new(c, None);
+        let ann = net.connect("ann", "laptop");
+        // A NAT rebinding: same client, new address.
+        net.clients[ann].addr = SocketAddr::from(([10, 0, 9, 9], 6000));
+        let ping = net.request(ann, Request::Ping);
+        net.run_until(Duration::from_secs(3), |net| {
+            net.clients[ann].lost.is_some()
+                || net.clients[ann]
+                    .replies
+                    .iter()
+                    .any(|f| matches!(f, ServerFrame::Reply { id, .. } if *id == ping))
+        });
+        net.run_for(Duration::from_millis(500));
+        assert!(net
+            .events
+            .iter()
+            .any(|e| matches!(e, ServerEvent::Migrated { .. })));
+        let closed = net
+            .events
+            .iter()
+            .any(|e| matches!(e, ServerEvent::Closed { logout: false, .. }));
+        match mutant {
+            None => {
+                assert!(!closed && net.clients[ann].lost.is_none());
+                assert_eq!(net.server.counters().sessions_online, 1);
+            }
+            Some(_) => {
+                assert!(closed, "the mutant did not end the session");
+                assert_eq!(net.server.counters().disconnects, 1);
+            }
+        }
+    }
+}
+
+#[test]
+fn traffic_renews_the_lease_and_the_mutant_does_not() {
+    for mutant in [None, Some(ServerMutant::LeaseNotRenewedOnTraffic)] {
+        let mut c = config();
+        for kind in c.core.kinds.iter_mut() {
+            kind.heartbeat_timeout = greendot_core::Millis(2_000);
+        }
+        // QUIC keep-alives (answered by the client) are the only traffic.
+        c.keep_alive = Duration::from_millis(400);
+        c.mutant = mutant;
+        let mut net = Net::new(c, None);
+        let ann = net.connect("ann", "laptop");
+        net.run_for(Duration::from_secs(6));
+        let code = application_close(&net.clients[ann].lost);
+        match mutant {
+            None => assert_eq!(code, None, "a live client was reaped"),
+            Some(_) => assert_eq!(code, Some(CloseCode::SessionExpired)),
+        }
+    }
+}
+
+#[test]
+fn no_push_after_logout_and_the_mutant_pushes() {
+    for mutant in [None, Some(ServerMutant::PushAfterLogout)] {
+        let mut c = config();
+        c.mutant = mutant;
+        let mut net = Net::new(c, None);
+        let ann = net.connect("ann", "laptop");
+        let bob = net.connect("bob", "phone");
+        let sub = net.request(
+            bob,
+            Request::Subscribe {
+                targets: vec!["ann".into()],
+                tier: Tier::Realtime,
+            },
+        );
+        net.reply(bob, sub);
+        net.run_for(Duration::from_secs(1));
+        let logout = net.request(bob, Request::Logout);
+        assert!(net.reply(bob, logout).is_some());
+        let before = net.clients[bob].pushed_updates();
+        let set = net.request(
+            ann,
+            Request::SetStatus {
+                status: Status::Away,
+                message: None,
+            },
+        );
+        net.reply(ann, set);
+        net.run_for(Duration::from_secs(2));
+        let after = net.clients[bob].pushed_updates() - before;
+        match mutant {
+            None => {
+                assert_eq!(after, 0, "a push reached a logged-out session");
+                assert_eq!(
+                    application_close(&net.clients[bob].lost),
+                    Some(CloseCode::Logout)
+                );
+            }
+            Some(_) => assert!(after > 0, "the mutant pushed nothing after the logout"),
+        }
+    }
+}
+
+/// The same scenario from the same seed gives the same events (sessions
+/// named the same, in the same order); another seed names them otherwise.
+#[test]
+fn the_same_seed_gives_the_same_run() {
+    let run = |seed| {
+        let mut net = Net::seeded(config(), None, seed);
+        let ann = net.connect("ann", "laptop");
+        let bob = net.connect("bob", "phone");
+        net.clients[ann].addr = SocketAddr::from(([10, 0, 9, 9], 6000));
+        net.request(ann, Request::Ping);
+        let logout = net.request(bob, Request::Logout);
+        net.reply(bob, logout);
+        net.run_for(Duration::from_secs(1));
+        net.events
+    };
+    let (a, b, c) = (run(3), run(3), run(4));
+    assert!(a.len() >= 4, "{a:?}");
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+}
+
+/// The seed decides the state's randomness: the same seed, the same
+/// session key and keep-alive picks.
+#[test]
+fn the_seed_decides_the_randomness() {
+    let now = Instant::now();
+    let state = |seed| ServerState::new(config(), now, 1_000, seed, None).unwrap();
+    let (mut a, mut b, mut c) = (state(1), state(1), state(2));
+    let s = SessionId(42);
+    assert_eq!(a.wire(s), b.wire(s));
+    assert_ne!(a.wire(s), c.wire(s));
+    let picks = |x: &mut ServerState| -> Vec<Duration> {
+        (0..32).map(|_| x.accept.pick().unwrap().0).collect()
+    };
+    assert_eq!(picks(&mut a), picks(&mut b));
+    assert_ne!(picks(&mut a), picks(&mut c));
+}
+
+/// The wall clock may jump either way; the core's time follows a jump
+/// forward and never goes back.
+#[test]
+fn a_wall_clock_jump_back_never_turns_the_core_time_back() {
+    let t0 = Instant::now();
+    let mut clock = Clock {
+        start: t0,
+        unix_start_ms: 1_000_000,
+    };
+    let t1 = t0 + Duration::from_secs(10);
+    assert_eq!(clock.at(t1), Millis(1_010_000));
+    clock.set(t1, 500_000);
+    assert_eq!(clock.at(t1), Millis(1_010_000));
+    assert_eq!(clock.at(t1 + Duration::from_secs(1)), Millis(1_011_000));
+    clock.set(t1, 2_000_000);
+    assert_eq!(clock.at(t1 + Duration::from_secs(1)), Millis(2_001_000));
+    // A core deadline maps back to the instant it falls due.
+    assert_eq!(
+        clock.instant(Millis(2_001_000)),
+        Some(t1 + Duration::from_millis(1_001))
+    );
+}
+
+/// A drain: every client is closed with `Draining` (and a reconnect
+/// spread), then the store is written with the live devices, and only once
+/// that write's ticket comes back is the state stopped.
+#[test]
+fn a_drain_closes_everyone_then_saves_the_live_devices_then_stops() {
+    let mut net = Net::new(config(), Some(Loaded::default()));
+    let ann = net.connect("ann", "laptop");
+    let bob = net.connect("bob", "phone");
+    net.store.clear();
+    net.server.handle_input(
+        net.now,
+        ServerInput::Stop {
+            code: CloseCode::Draining,
+            text: b"draining".to_vec(),
+            save: true,
+        },
+    );
+    assert!(net.server.is_stopping());
+    net.run_until(Duration::from_secs(5), |net| {
+        net.store
+            .iter()
+            .any(|r| matches!(r, StoreRequest::Durable { .. }))
+    });
+    for c in [ann, bob] {
+        match &net.clients[c].lost {
+            Some(ConnectionError::ApplicationClosed(close)) => {
+                assert_eq!(close.error_code, CloseCode::Draining.varint());
+                assert!(String::from_utf8_lossy(&close.reason).contains("retry_ms="));
+            }
+            other => panic!("not drained: {other:?}"),
+        }
+    }
+    let ticket = match net.store.pop() {
+        Some(StoreRequest::Durable { ticket, batch, .. }) => {
+            let mut drained: Vec<String> = batch
+                .drained
+                .expect("the live devices")
+                .into_iter()
+                .map(|d| d.user)
+                .collect();
+            drained.sort();
+            assert_eq!(drained, ["ann", "bob"]);
+            ticket
+        }
+        other => panic!("{other:?}"),
+    };
+    assert!(
+        net.server.poll_timeout().is_some(),
+        "stopped before the save"
+    );
+    net.server.handle_input(
+        net.now,
+        ServerInput::StoreDone {
+            ticket,
+            result: Ok(()),
+        },
+    );
+    assert!(matches!(
+        net.server.poll_output(),
+        Some(ServerOutput::Stopped)
+    ));
+    assert_eq!(net.server.poll_timeout(), None);
+}

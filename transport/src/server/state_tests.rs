@@ -1,3 +1,0 @@
-//! [`ServerState`] driven directly, on virtual time, with synthetic datagrams.
-
-use super::*;
