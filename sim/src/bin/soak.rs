@@ -1,0 +1,73 @@
+//! A longer random run of the simulator:
+//! `cargo run --release -p greendot-sim --bin soak -- [--seeds N] [--from S] [--steps N] [--large-clock-jumps] [--mutant NAME]`.
+//! Without `--from` the first seed is drawn from the time of day (printed),
+//! so each run explores new seeds; every failure prints its replay line.
+
+use greendot_sim::{run, Faults, Options, ServerMutant};
+use std::time::{Duration, Instant};
+
+fn main() {
+    let mut seeds = 64u64;
+    let mut steps = 20_000u64;
+    let mut from = None;
+    let mut large = false;
+    let mut mutant = None;
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        let mut value = || args.next().unwrap_or_default();
+        match arg.as_str() {
+            "--seeds" => seeds = value().parse().expect("--seeds N"),
+            "--steps" => steps = value().parse().expect("--steps N"),
+            "--from" => from = Some(value().parse().expect("--from SEED")),
+            "--large-clock-jumps" => large = true,
+            "--mutant" => {
+                let name = value();
+                mutant = Some(
+                    ServerMutant::ALL
+                        .into_iter()
+                        .find(|m| format!("{m:?}") == name)
+                        .expect("--mutant PushAfterLogout|LeaseNotRenewedOnTraffic|MigrationAsDisconnect"),
+                );
+            }
+            other => panic!("unknown argument {other}"),
+        }
+    }
+    let from = from.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1)
+    });
+    println!(
+        "soak: seeds {from}..{} x {steps} steps",
+        from.wrapping_add(seeds)
+    );
+    let started = Instant::now();
+    let mut simulated = Duration::ZERO;
+    let mut faults = Faults::default();
+    let mut failed = 0;
+    for seed in from..from.wrapping_add(seeds) {
+        let mut options = Options::new(seed, steps);
+        options.large_clock_jumps = large;
+        options.mutant = mutant;
+        match run(options) {
+            Ok(report) => {
+                simulated += report.simulated;
+                faults.add(&report.faults);
+            }
+            Err(failure) => {
+                failed += 1;
+                println!("{failure}");
+            }
+        }
+    }
+    println!(
+        "soak: {seeds} seeds x {steps} steps in {:.1} s: {:.2} simulated hours, {} faults injected ({faults:?}), {failed} failed",
+        started.elapsed().as_secs_f64(),
+        simulated.as_secs_f64() / 3600.0,
+        faults.total(),
+    );
+    if failed > 0 {
+        std::process::exit(1);
+    }
+}
