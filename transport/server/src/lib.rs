@@ -86,6 +86,8 @@ mod store;
 pub mod tls;
 pub mod token;
 mod udp;
+mod ws;
+mod ws_io;
 
 use conn::{Handled, Step};
 pub use conn::{RateLimit, RATE_LIMIT_PATIENCE};
@@ -98,6 +100,7 @@ pub use state::{
 };
 pub use store::{Batch, Loaded, Record, StoreError};
 pub use tls::{Identity, TlsError};
+pub use ws::{WsId, WsMessage};
 
 /// Internals for this workspace's tests, benches and fuzz targets (a session
 /// without a network, the store with injected faults); not a stable API.
@@ -129,6 +132,10 @@ use tracing::{info, warn};
 #[non_exhaustive]
 pub struct ServerConfig {
     pub listen: SocketAddr,
+    /// The WebSocket binding's TCP address (`wss://…/greendot`, see
+    /// docs/protocol.md); `None`: no WebSocket listener. Default `None`
+    /// (`greendot serve` listens on the QUIC port number over TCP).
+    pub websocket: Option<SocketAddr>,
     /// The presence core's settings (debounce, grace, caps...).
     pub core: greendot_core::Config,
     /// The HMAC secret tokens are signed with.
@@ -245,6 +252,7 @@ impl ServerConfig {
     pub fn new(token_secret: impl Into<Vec<u8>>) -> ServerConfig {
         ServerConfig {
             listen: SocketAddr::from(([0, 0, 0, 0], 4433)),
+            websocket: None,
             core: greendot_core::Config::default(),
             token_secret: token_secret.into(),
             token_leeway: Duration::from_secs(30),
@@ -333,7 +341,10 @@ pub enum ServerEvent {
 /// Transport counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
+    /// Open connections, every binding.
     pub connections_open: u64,
+    /// Of them, WebSocket connections.
+    pub connections_open_websocket: u64,
     pub connections_total: u64,
     pub migrations: u64,
     pub rejected: u64,
@@ -343,6 +354,8 @@ pub struct Stats {
 #[derive(Default)]
 struct StatsInner {
     open: AtomicUsize,
+    /// Of `open`, WebSocket connections.
+    open_websocket: AtomicUsize,
     total: AtomicU64,
     migrations: AtomicU64,
     rejected: AtomicU64,
@@ -365,6 +378,7 @@ impl StatsInner {
     fn snapshot(&self) -> Stats {
         Stats {
             connections_open: self.open.load(Ordering::Relaxed) as u64,
+            connections_open_websocket: self.open_websocket.load(Ordering::Relaxed) as u64,
             connections_total: self.total.load(Ordering::Relaxed),
             migrations: self.migrations.load(Ordering::Relaxed),
             rejected: self.rejected.load(Ordering::Relaxed),
@@ -539,6 +553,7 @@ struct Shared {
 /// (and the store's writer thread) running until the runtime stops.
 pub struct Server {
     local_addr: SocketAddr,
+    websocket_addr: Option<SocketAddr>,
     shared: Arc<Shared>,
     certificate: rustls::pki_types::CertificateDer<'static>,
     task: JoinHandle<()>,
@@ -548,6 +563,7 @@ pub struct Server {
 /// run the driver's passes by hand.
 struct Built {
     local_addr: SocketAddr,
+    websocket_addr: Option<SocketAddr>,
     shared: Arc<Shared>,
     certificate: rustls::pki_types::CertificateDer<'static>,
     driver: driver::Driver,
@@ -564,6 +580,7 @@ impl Server {
         info!(local_addr = %built.local_addr, "greendot server listening");
         Ok(Server {
             local_addr: built.local_addr,
+            websocket_addr: built.websocket_addr,
             shared: built.shared,
             certificate: built.certificate,
             task,
@@ -581,6 +598,14 @@ impl Server {
         let socket_inode = socket_inode(&socket);
         let io = udp::Io::new(socket)?;
         let local_addr = io.socket.local_addr()?;
+        let tcp = match config.websocket {
+            Some(addr) => {
+                let tcp = std::net::TcpListener::bind(addr)?;
+                tcp.set_nonblocking(true)?;
+                Some(tcp)
+            }
+            None => None,
+        };
         let now = std::time::Instant::now();
         let unix_ms = unix_now_ms();
         let seed = random_u64();
@@ -622,9 +647,28 @@ impl Server {
             events,
             socket_inode,
         });
-        let driver = driver::Driver::new(shared.clone(), io, state, writer);
+        let mut websocket_addr = None;
+        let ws = match tcp {
+            Some(tcp) => {
+                websocket_addr = Some(tcp.local_addr()?);
+                let settings = ws_io::WsSettings {
+                    tls: state.websocket_tls(),
+                    max_frame: shared.config.max_frame,
+                    handshake_timeout: shared.config.hello_timeout,
+                    max_connections: shared.config.max_connections,
+                };
+                Some(ws_io::WsIo::start(
+                    tokio::net::TcpListener::from_std(tcp)?,
+                    settings,
+                ))
+            }
+            None => None,
+        };
+        let mut driver = driver::Driver::new(shared.clone(), io, state, writer);
+        driver.ws = ws;
         Ok(Built {
             local_addr,
+            websocket_addr,
             shared,
             certificate,
             driver,
@@ -634,6 +678,11 @@ impl Server {
 
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// The WebSocket listener's address, if there is one.
+    pub fn websocket_addr(&self) -> Option<SocketAddr> {
+        self.websocket_addr
     }
 
     /// The server's certificate (the generated one when none was configured):
@@ -750,6 +799,7 @@ impl Monitor {
             users_known: census.users_known as u64,
             names: census.names as u64,
             connections_open: stats.connections_open,
+            connections_open_websocket: stats.connections_open_websocket,
             connections_total: stats.connections_total,
             migrations: stats.migrations,
             overloaded: stats.overloaded,
