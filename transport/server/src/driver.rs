@@ -25,6 +25,7 @@
 use super::state::{Census, Datagram, ServerInput, ServerOutput, ServerState, StoreRequest};
 use super::store::{StoreError, StoreWriter};
 use super::udp::Io;
+use super::ws_io::{WsEvent, WsIo};
 use super::{ServerEvent, Shared};
 use greendot_core::Counters;
 use greendot_proto::CloseCode;
@@ -60,6 +61,17 @@ pub(super) enum Control {
     },
 }
 
+/// WebSocket events handled per pass besides the one that woke it.
+const WS_BATCH: usize = 1024;
+
+/// The next WebSocket event (never, without a listener).
+async fn ws_event(ws: &mut Option<WsIo>) -> Option<WsEvent> {
+    match ws {
+        Some(ws) => ws.events.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
 pub(super) struct Driver {
     pub(super) state: ServerState,
     shared: Arc<Shared>,
@@ -69,6 +81,8 @@ pub(super) struct Driver {
     /// Answered once the state has stopped.
     done: Option<oneshot::Sender<()>>,
     stopped: bool,
+    /// The WebSocket listener and connections, if enabled.
+    pub(super) ws: Option<WsIo>,
 }
 
 impl Driver {
@@ -87,6 +101,7 @@ impl Driver {
             recv_batch: Vec::new(),
             done: None,
             stopped: false,
+            ws: None,
         }
     }
 
@@ -106,6 +121,10 @@ impl Driver {
                         Some(msg) => self.on_control(Instant::now(), msg),
                         None => return,
                     },
+                    event = ws_event(&mut self.ws) => match event {
+                        Some(event) => self.on_ws(Instant::now(), event),
+                        None => self.ws = None,
+                    },
                     _ = self.io.socket.readable() => {}
                     _ = self.io.socket.writable(), if !self.io.is_empty() => {}
                     _ = tokio::time::sleep_until(deadline.into()) => {}
@@ -117,6 +136,14 @@ impl Driver {
                     Ok(msg) => self.on_control(Instant::now(), msg),
                     Err(mpsc::error::TryRecvError::Empty) => break,
                     Err(mpsc::error::TryRecvError::Disconnected) => return,
+                }
+            }
+            // WebSocket events that came meanwhile (a bounded batch).
+            for _ in 0..WS_BATCH {
+                let Some(ws) = &mut self.ws else { break };
+                match ws.events.try_recv() {
+                    Ok(event) => self.on_ws(Instant::now(), event),
+                    Err(_) => break,
                 }
             }
             let now = Instant::now();
@@ -214,8 +241,50 @@ impl Driver {
                     });
                 }
                 ServerOutput::Stopped => self.stopped = true,
+                ServerOutput::WsSend { id, bytes } => {
+                    if let Some(ws) = &self.ws {
+                        ws.send(id, bytes);
+                    }
+                }
+                ServerOutput::WsPing { id } => {
+                    if let Some(ws) = &self.ws {
+                        ws.ping(id);
+                    }
+                }
+                ServerOutput::WsClose { id, code, reason } => {
+                    if let Some(ws) = &self.ws {
+                        ws.close(id, code, reason);
+                    }
+                }
+                ServerOutput::WsCredit { id, bytes } => {
+                    if let Some(ws) = &self.ws {
+                        ws.credit(id, bytes);
+                    }
+                }
             }
         }
+    }
+
+    /// A WebSocket connection's event, as the state's input.
+    fn on_ws(&mut self, now: Instant, event: WsEvent) {
+        let input = match event {
+            WsEvent::Opened { id, remote, handle } => {
+                if let Some(ws) = &mut self.ws {
+                    ws.opened(id, handle);
+                }
+                ServerInput::WsOpened { id, remote }
+            }
+            WsEvent::Message { id, message } => ServerInput::WsReceived { id, message },
+            WsEvent::Written { id, len } => ServerInput::WsWritten { id, len },
+            WsEvent::Closed { id, code } => {
+                if let Some(ws) = &mut self.ws {
+                    ws.closed(id);
+                }
+                ServerInput::WsClosed { id, code }
+            }
+        };
+        self.state.handle_input(now, input);
+        self.drain();
     }
 
     fn event(&self, event: ServerEvent) {

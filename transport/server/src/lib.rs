@@ -87,6 +87,8 @@ mod store;
 pub mod tls;
 pub mod token;
 mod udp;
+mod ws;
+mod ws_io;
 
 use conn::{Handled, Step};
 pub use conn::{RateLimit, RATE_LIMIT_PATIENCE};
@@ -99,6 +101,7 @@ pub use state::{
 };
 pub use store::{Batch, Loaded, Record, StoreError};
 pub use tls::{Identity, TlsError};
+pub use ws::{WsId, WsMessage};
 
 /// Internals for this workspace's tests, benches and fuzz targets (a session
 /// without a network, the store with injected faults); not a stable API.
@@ -130,6 +133,10 @@ use tracing::{info, warn};
 #[non_exhaustive]
 pub struct ServerConfig {
     pub listen: SocketAddr,
+    /// The WebSocket binding's TCP address (`wss://…/greendot`, see
+    /// docs/protocol.md); `None`: no WebSocket listener. Default `None`
+    /// (`greendot serve` listens on the QUIC port number over TCP).
+    pub websocket: Option<SocketAddr>,
     /// The presence core's settings (debounce, grace, caps...).
     pub core: greendot_core::Config,
     /// The HMAC secret tokens are signed with.
@@ -246,6 +253,7 @@ impl ServerConfig {
     pub fn new(token_secret: impl Into<Vec<u8>>) -> ServerConfig {
         ServerConfig {
             listen: SocketAddr::from(([0, 0, 0, 0], 4433)),
+            websocket: None,
             core: greendot_core::Config::default(),
             token_secret: token_secret.into(),
             token_leeway: Duration::from_secs(30),
@@ -334,7 +342,10 @@ pub enum ServerEvent {
 /// Transport counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
+    /// Open connections, every binding.
     pub connections_open: u64,
+    /// Of them, WebSocket connections.
+    pub connections_open_websocket: u64,
     pub connections_total: u64,
     pub migrations: u64,
     pub rejected: u64,
@@ -344,6 +355,8 @@ pub struct Stats {
 #[derive(Default)]
 struct StatsInner {
     open: AtomicUsize,
+    /// Of `open`, WebSocket connections.
+    open_websocket: AtomicUsize,
     total: AtomicU64,
     migrations: AtomicU64,
     rejected: AtomicU64,
@@ -368,6 +381,7 @@ impl StatsInner {
     fn snapshot(&self) -> Stats {
         Stats {
             connections_open: self.open.load(Ordering::Relaxed) as u64,
+            connections_open_websocket: self.open_websocket.load(Ordering::Relaxed) as u64,
             connections_total: self.total.load(Ordering::Relaxed),
             migrations: self.migrations.load(Ordering::Relaxed),
             rejected: self.rejected.load(Ordering::Relaxed),
@@ -542,6 +556,7 @@ struct Shared {
 /// (and the store's writer thread) running until the runtime stops.
 pub struct Server {
     local_addr: SocketAddr,
+    websocket_addr: Option<SocketAddr>,
     shared: Arc<Shared>,
     certificate: rustls::pki_types::CertificateDer<'static>,
     task: JoinHandle<()>,
@@ -551,6 +566,7 @@ pub struct Server {
 /// run the driver's passes by hand.
 struct Built {
     local_addr: SocketAddr,
+    websocket_addr: Option<SocketAddr>,
     shared: Arc<Shared>,
     certificate: rustls::pki_types::CertificateDer<'static>,
     driver: driver::Driver,
@@ -567,6 +583,7 @@ impl Server {
         info!(local_addr = %built.local_addr, "greendot server listening");
         Ok(Server {
             local_addr: built.local_addr,
+            websocket_addr: built.websocket_addr,
             shared: built.shared,
             certificate: built.certificate,
             task,
@@ -584,6 +601,14 @@ impl Server {
         let socket_inode = socket_inode(&socket);
         let io = udp::Io::new(socket)?;
         let local_addr = io.socket.local_addr()?;
+        let tcp = match config.websocket {
+            Some(addr) => {
+                let tcp = std::net::TcpListener::bind(addr)?;
+                tcp.set_nonblocking(true)?;
+                Some(tcp)
+            }
+            None => None,
+        };
         let now = std::time::Instant::now();
         let unix_ms = unix_now_ms();
         let seed = random_u64();
@@ -625,9 +650,28 @@ impl Server {
             events,
             socket_inode,
         });
-        let driver = driver::Driver::new(shared.clone(), io, state, writer);
+        let mut websocket_addr = None;
+        let ws = match tcp {
+            Some(tcp) => {
+                websocket_addr = Some(tcp.local_addr()?);
+                let settings = ws_io::WsSettings {
+                    tls: state.websocket_tls(),
+                    max_frame: shared.config.max_frame,
+                    handshake_timeout: shared.config.hello_timeout,
+                    max_connections: shared.config.max_connections,
+                };
+                Some(ws_io::WsIo::start(
+                    tokio::net::TcpListener::from_std(tcp)?,
+                    settings,
+                ))
+            }
+            None => None,
+        };
+        let mut driver = driver::Driver::new(shared.clone(), io, state, writer);
+        driver.ws = ws;
         Ok(Built {
             local_addr,
+            websocket_addr,
             shared,
             certificate,
             driver,
@@ -637,6 +681,11 @@ impl Server {
 
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// The WebSocket listener's address, if there is one.
+    pub fn websocket_addr(&self) -> Option<SocketAddr> {
+        self.websocket_addr
     }
 
     /// The server's certificate (the generated one when none was configured):
@@ -760,6 +809,7 @@ impl Monitor {
             users_known: census.users_known as u64,
             names: census.names as u64,
             connections_open: stats.connections_open,
+            connections_open_websocket: stats.connections_open_websocket,
             connections_total: stats.connections_total,
             migrations: stats.migrations,
             overloaded: stats.overloaded,

@@ -51,6 +51,8 @@ impl Histogram {
 pub struct MetricsSnapshot {
     pub counters: Counters,
     pub connections_open: u64,
+    /// Of them, WebSocket connections.
+    pub connections_open_websocket: u64,
     pub connections_total: u64,
     pub migrations: u64,
     pub overloaded: u64,
@@ -229,14 +231,21 @@ impl MetricsSnapshot {
             &mut out,
             "greendot_connections",
             "gauge",
-            "Open QUIC connections.",
-            &[("", self.connections_open)],
+            "Open connections by binding (raw QUIC, WebSocket).",
+            &[
+                (
+                    "binding=\"quic\"",
+                    self.connections_open
+                        .saturating_sub(self.connections_open_websocket),
+                ),
+                ("binding=\"websocket\"", self.connections_open_websocket),
+            ],
         );
         metric(
             &mut out,
             "greendot_connections_total",
             "counter",
-            "QUIC connections accepted.",
+            "Connections accepted (every binding).",
             &[("", self.connections_total)],
         );
         metric(

@@ -43,9 +43,10 @@ use super::conn::{ConnState, Handled, Step};
 use super::hub::{Hub, HubOutput};
 use super::quic::QuicLink;
 use super::session::{
-    tier_index, Binding, Flushed, Happened, Next, Overdue, Phase, Pushed, Session,
+    tier_index, Binding, Flushed, Happened, Next, Overdue, Phase, Pushed, ReadEnd, Session, Write,
 };
 use super::store::{Batch, Loaded, StoreError};
+use super::ws::{ws_code, WsId, WsLink, WsMessage, WsOut};
 use super::{
     durable_user, not_saved, readmit_ms, reason_label, reason_text, record, transport_config,
     validate, with_retry_hint, PassBudget, ServerConfig, ServerError, ServerEvent, Shed, Stats,
@@ -133,6 +134,17 @@ pub enum ServerInput {
     /// The wall clock now reads `unix_ms` (it jumped). The core's time
     /// follows a jump forward; a jump back is ignored (it never goes back).
     SetWallClock { unix_ms: u64 },
+    /// A WebSocket connection (TLS and upgrade done) from `remote`; `id`
+    /// is the driver's and never reused.
+    WsOpened { id: WsId, remote: SocketAddr },
+    /// A message from WebSocket `id`.
+    WsReceived { id: WsId, message: WsMessage },
+    /// The driver wrote a message of `len` bytes (a `WsSend`) to `id`'s
+    /// socket: room in its send window.
+    WsWritten { id: WsId, len: usize },
+    /// WebSocket `id` is gone: closed by the client with `code`, or lost
+    /// (`None`), or closed after the server asked.
+    WsClosed { id: WsId, code: Option<u16> },
 }
 
 /// A write the store is asked for.
@@ -156,6 +168,30 @@ pub enum ServerOutput {
     Event(ServerEvent),
     /// A [`ServerInput::Stop`] is complete: nothing more will happen.
     Stopped,
+    /// Send one binary message on WebSocket `id`; report it written with
+    /// [`ServerInput::WsWritten`].
+    WsSend {
+        id: WsId,
+        bytes: Vec<u8>,
+    },
+    /// Send a WebSocket ping on `id`.
+    WsPing {
+        id: WsId,
+    },
+    /// Close WebSocket `id` with this close code and reason (`None`: drop
+    /// the TCP connection without a close frame), then report
+    /// [`ServerInput::WsClosed`].
+    WsClose {
+        id: WsId,
+        code: Option<u16>,
+        reason: String,
+    },
+    /// The session read `bytes` of `id`'s messages: the driver may read
+    /// that many more.
+    WsCredit {
+        id: WsId,
+        bytes: usize,
+    },
 }
 
 /// What the metrics read of the hub.
@@ -339,9 +375,106 @@ impl Clock {
     }
 }
 
-/// One connection: its session layer over its QUIC binding.
+/// A connection's binding. The QUIC link stays inline (the `Conn` is
+/// boxed already; boxing it too would cost every QUIC connection an
+/// allocation); a WebSocket slot pays its size for now.
+#[allow(clippy::large_enum_variant)]
+enum Link {
+    Quic(QuicLink),
+    Ws(WsLink),
+}
+
+impl Link {
+    fn quic(&mut self) -> Option<&mut quinn_proto::Connection> {
+        match self {
+            Link::Quic(l) => Some(&mut l.quic),
+            Link::Ws(_) => None,
+        }
+    }
+
+    fn handle_timeout(&mut self, now: Instant) {
+        match self {
+            Link::Quic(l) => l.quic.handle_timeout(now),
+            Link::Ws(l) => l.handle_timeout(now),
+        }
+    }
+
+    fn poll_timeout(&mut self) -> Option<Instant> {
+        match self {
+            Link::Quic(l) => l.quic.poll_timeout(),
+            Link::Ws(l) => l.poll_timeout(),
+        }
+    }
+
+    fn is_ws(&self) -> bool {
+        matches!(self, Link::Ws(_))
+    }
+}
+
+impl Binding for Link {
+    fn remote(&self) -> SocketAddr {
+        match self {
+            Link::Quic(l) => l.remote(),
+            Link::Ws(l) => l.remote(),
+        }
+    }
+    fn has_control(&self) -> bool {
+        match self {
+            Link::Quic(l) => l.has_control(),
+            Link::Ws(l) => l.has_control(),
+        }
+    }
+    fn read_control(
+        &mut self,
+        budget: usize,
+        reader: &mut proto::FrameReader,
+    ) -> Option<(usize, ReadEnd)> {
+        match self {
+            Link::Quic(l) => l.read_control(budget, reader),
+            Link::Ws(l) => l.read_control(budget, reader),
+        }
+    }
+    fn write_control(&mut self, bytes: &[u8]) -> Write {
+        match self {
+            Link::Quic(l) => l.write_control(bytes),
+            Link::Ws(l) => l.write_control(bytes),
+        }
+    }
+    fn finish_control(&mut self) -> bool {
+        match self {
+            Link::Quic(l) => l.finish_control(),
+            Link::Ws(l) => l.finish_control(),
+        }
+    }
+    fn open_pushes(&mut self) -> bool {
+        match self {
+            Link::Quic(l) => l.open_pushes(),
+            Link::Ws(l) => l.open_pushes(),
+        }
+    }
+    fn write_push(&mut self, tier: usize, bytes: &[u8]) -> Write {
+        match self {
+            Link::Quic(l) => l.write_push(tier, bytes),
+            Link::Ws(l) => l.write_push(tier, bytes),
+        }
+    }
+    fn close(&mut self, now: Instant, code: CloseCode, text: &[u8]) {
+        match self {
+            Link::Quic(l) => l.close(now, code, text),
+            Link::Ws(l) => l.close(now, code, text),
+        }
+    }
+}
+
+/// Slots of QUIC connections are even (twice quinn's handle), those of
+/// WebSocket connections odd: both live in one table.
+fn quic_slot(ch: ConnectionHandle) -> usize {
+    ch.0 * 2
+}
+
+/// One connection: its session layer over its binding (QUIC or WebSocket).
 struct Conn {
-    link: QuicLink,
+    link: Link,
     session: Session,
     /// Tells a reused slot from the connection a store ticket answers.
     serial: u64,
@@ -422,6 +555,14 @@ pub struct ServerState {
     stopping: Option<Stopping>,
     /// The latest `now` seen: what `poll_timeout` answers while work is carried.
     last_now: Instant,
+    /// WebSocket connections by the driver's id: their slots.
+    ws: DetMap<WsId, usize>,
+    /// Odd slots free for WebSocket connections.
+    ws_free: Vec<usize>,
+    /// Which push stream byte is realtime, drawn per WebSocket connection.
+    ws_rng: SmallRng,
+    /// The WebSocket listener's TLS (the same identity as QUIC).
+    ws_tls: Arc<rustls::ServerConfig>,
 }
 
 impl std::fmt::Debug for ServerState {
@@ -462,6 +603,7 @@ impl ServerState {
             .first()
             .cloned()
             .ok_or_else(|| ServerError::Setting("the identity has no certificate".into()))?;
+        let ws_tls = tls::websocket_crypto(&identity, &config.token_secret)?;
         let mut server_config = quinn_proto::ServerConfig::with_crypto(Arc::new(
             tls::server_crypto(&identity, &config.token_secret)?,
         ));
@@ -556,6 +698,10 @@ impl ServerState {
             next_ticket: 0,
             stopping: None,
             last_now: now,
+            ws: DetMap::default(),
+            ws_free: Vec::new(),
+            ws_tls,
+            ws_rng: SmallRng::new(derive(seed, 5)),
             config,
         })
     }
@@ -569,6 +715,11 @@ impl ServerState {
 
     pub fn config(&self) -> &ServerConfig {
         &self.config
+    }
+
+    /// The TLS config for a WebSocket listener: the same certificate as QUIC.
+    pub fn websocket_tls(&self) -> Arc<rustls::ServerConfig> {
+        self.ws_tls.clone()
     }
 
     /// Mints a token with the server's secret (for tools and tests).
@@ -604,12 +755,15 @@ impl ServerState {
             Some(DatagramEvent::ConnectionEvent(ch, event)) => {
                 let heard = self.clock.at(now);
                 let renew = !self.mutant(ServerMutant::LeaseNotRenewedOnTraffic);
-                if let Some(conn) = self.conn(ch.0) {
+                let ch = quic_slot(ch);
+                if let Some(conn) = self.conn(ch) {
                     if renew {
                         conn.session.last_heard = heard;
                     }
-                    conn.link.quic.handle_event(event);
-                    self.touch(ch.0);
+                    if let Some(quic) = conn.link.quic() {
+                        quic.handle_event(event);
+                    }
+                    self.touch(ch);
                 }
                 self.recycle(buf);
             }
@@ -686,6 +840,28 @@ impl ServerState {
             ServerInput::StoreDone { ticket, result } => self.store_done(now, ticket, result),
             ServerInput::Stop { code, text, save } => self.stop(now, code, text, save),
             ServerInput::SetWallClock { unix_ms } => self.clock.set(now, unix_ms),
+            ServerInput::WsOpened { id, remote } => self.ws_opened(now, id, remote),
+            ServerInput::WsReceived { id, message } => {
+                let heard = self.clock.at(now);
+                let renew = !self.mutant(ServerMutant::LeaseNotRenewedOnTraffic);
+                let Some(ch) = self.ws.get(&id).copied() else {
+                    return;
+                };
+                let Some(conn) = self.conn(ch) else { return };
+                if let Link::Ws(link) = &mut conn.link {
+                    if renew {
+                        conn.session.last_heard = heard;
+                    }
+                    link.received(now, message);
+                }
+                self.touch(ch);
+            }
+            ServerInput::WsWritten { id, len } => {
+                self.with_ws(id, |link| link.written(len));
+            }
+            ServerInput::WsClosed { id, code } => {
+                self.with_ws(id, |link| link.lost(code));
+            }
         }
     }
 
@@ -974,23 +1150,24 @@ impl ServerState {
             self.clock.at(now),
             phase,
         );
+        let ch = quic_slot(ch);
         let conn = Conn {
-            link: QuicLink::new(quic),
+            link: Link::Quic(QuicLink::new(quic)),
             session,
             serial: self.next_serial,
             timer: None,
             touched: false,
         };
-        if self.conns.len() <= ch.0 {
-            self.conns.resize_with(ch.0 + 1, || None);
+        if self.conns.len() <= ch {
+            self.conns.resize_with(ch + 1, || None);
         }
-        self.conns[ch.0] = Some(Box::new(conn));
+        self.conns[ch] = Some(Box::new(conn));
         self.handshaking += 1;
         *self.per_address.entry(ip).or_default() += 1;
         self.stats
             .handshaking
             .store(self.handshaking, Ordering::Relaxed);
-        self.touch(ch.0);
+        self.touch(ch);
     }
 
     /// A handshake no longer in flight (it completed, or the connection
@@ -1165,7 +1342,7 @@ impl ServerState {
                 continue;
             };
             conn.timer = None;
-            conn.link.quic.handle_timeout(now);
+            conn.link.handle_timeout(now);
             match conn.session.overdue(now) {
                 Some(Overdue::Close(code, text)) => self.close(ch, now, code, &text),
                 Some(Overdue::NoHello { handshaking }) => {
@@ -1283,13 +1460,13 @@ impl ServerState {
     /// connection is drained (the endpoint has forgotten it: nothing more may
     /// be handed over for it).
     fn endpoint_events(&mut self, ch: usize) -> bool {
-        let Some(conn) = slot(&mut self.conns, ch) else {
+        let Some(quic) = slot(&mut self.conns, ch).and_then(|c| c.link.quic()) else {
             return false;
         };
-        while let Some(event) = conn.link.quic.poll_endpoint_events() {
+        while let Some(event) = quic.poll_endpoint_events() {
             let drained = event.is_drained();
-            if let Some(back) = self.endpoint.handle_event(ConnectionHandle(ch), event) {
-                conn.link.quic.handle_event(back);
+            if let Some(back) = self.endpoint.handle_event(ConnectionHandle(ch / 2), event) {
+                quic.handle_event(back);
             }
             if drained {
                 return true;
@@ -1313,15 +1490,28 @@ impl ServerState {
             let Some(conn) = slot(&mut self.conns, ch) else {
                 return;
             };
-            let Some(event) = conn.link.quic.poll() else {
-                break;
-            };
             let refuse = conn.session.control_done();
-            let aborted = match &event {
-                quinn_proto::Event::ConnectionLost { reason } => super::handshake_aborted(reason),
-                _ => false,
+            let (happened, aborted) = match &mut conn.link {
+                Link::Quic(link) => {
+                    let Some(event) = link.quic.poll() else {
+                        break;
+                    };
+                    let aborted = match &event {
+                        quinn_proto::Event::ConnectionLost { reason } => {
+                            super::handshake_aborted(reason)
+                        }
+                        _ => false,
+                    };
+                    (link.translate(event, refuse), aborted)
+                }
+                Link::Ws(link) => {
+                    let Some(happened) = link.poll() else {
+                        break;
+                    };
+                    (Some(happened), false)
+                }
             };
-            if let Some(happened) = conn.link.translate(event, refuse) {
+            if let Some(happened) = happened {
                 self.on_happened(ch, now, happened, aborted);
             }
         }
@@ -1331,15 +1521,31 @@ impl ServerState {
             self.remove(ch);
             return;
         }
+        if let Some(Link::Ws(link)) = slot(&mut self.conns, ch).map(|c| &mut c.link) {
+            let id = link.id;
+            let gone = link.gone;
+            while let Some(out) = link.poll_out() {
+                self.outputs.push_back(match out {
+                    WsOut::Send(bytes) => ServerOutput::WsSend { id, bytes },
+                    WsOut::Ping => ServerOutput::WsPing { id },
+                    WsOut::Close(code, reason) => ServerOutput::WsClose { id, code, reason },
+                    WsOut::Credit(bytes) => ServerOutput::WsCredit { id, bytes },
+                });
+            }
+            if gone {
+                self.remove(ch);
+                return;
+            }
+        }
         let segments = self.max_datagrams;
         loop {
             let mut buf = self.buffer();
-            let Some(conn) = slot(&mut self.conns, ch) else {
+            let Some(quic) = slot(&mut self.conns, ch).and_then(|c| c.link.quic()) else {
                 self.recycle(buf);
-                return;
+                break;
             };
             // quinn-proto writes each transmit from the start of `buf`.
-            match conn.link.quic.poll_transmit(now, segments, &mut buf) {
+            match quic.poll_transmit(now, segments, &mut buf) {
                 Some(t) => self.queue_transmit(t, buf),
                 None => {
                     self.recycle(buf);
@@ -1355,7 +1561,7 @@ impl ServerState {
         let Some(conn) = slot(&mut self.conns, ch) else {
             return;
         };
-        let next = match (conn.link.quic.poll_timeout(), conn.session.phase.deadline()) {
+        let next = match (conn.link.poll_timeout(), conn.session.phase.deadline()) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
@@ -1376,7 +1582,76 @@ impl ServerState {
             if let Some(at) = conn.timer {
                 self.timers.remove(&(at, ch));
             }
+            if let Link::Ws(link) = &conn.link {
+                self.ws.remove(&link.id);
+                self.ws_free.push(ch);
+            }
         }
+    }
+
+    // ---- WebSocket connections ----
+
+    /// A WebSocket connection is open (its TLS and upgrade are the
+    /// driver's): it counts as connected at once, with `hello_timeout` for
+    /// its hello, under the same connection cap as QUIC.
+    fn ws_opened(&mut self, now: Instant, id: WsId, remote: SocketAddr) {
+        if self.ws.contains_key(&id) {
+            return;
+        }
+        if self.stopping.is_some() {
+            self.outputs.push_back(ServerOutput::WsClose {
+                id,
+                code: Some(ws_code(CloseCode::Draining)),
+                reason: "server draining".into(),
+            });
+            return;
+        }
+        let ch = self.ws_free.pop().unwrap_or_else(|| {
+            // The next odd slot past the table.
+            let n = self.conns.len();
+            n | 1
+        });
+        if self.conns.len() <= ch {
+            self.conns.resize_with(ch + 1, || None);
+        }
+        self.next_serial += 1;
+        let hello_by = now + self.config.hello_timeout;
+        let session = Session::new(
+            ConnState::new(self.keys.clone(), self.config.rate),
+            self.config.max_frame,
+            remote,
+            self.clock.at(now),
+            Phase::AwaitingHello { hello_by },
+        );
+        let link = WsLink::new(
+            id,
+            remote,
+            now,
+            self.config.max_frame,
+            self.config.keep_alive,
+            self.config.idle_timeout,
+            self.ws_rng.next() & 1 == 0,
+        );
+        self.conns[ch] = Some(Box::new(Conn {
+            link: Link::Ws(link),
+            session,
+            serial: self.next_serial,
+            timer: None,
+            touched: false,
+        }));
+        self.ws.insert(id, ch);
+        self.on_connected(ch, now);
+        self.touch(ch);
+    }
+
+    fn with_ws(&mut self, id: WsId, f: impl FnOnce(&mut WsLink)) {
+        let Some(ch) = self.ws.get(&id).copied() else {
+            return;
+        };
+        if let Some(Link::Ws(link)) = self.conn(ch).map(|c| &mut c.link) {
+            f(link);
+        }
+        self.touch(ch);
     }
 
     fn check_address(&mut self, ch: usize, now: Instant) {
@@ -1491,6 +1766,9 @@ impl ServerState {
             return;
         }
         stats.open.fetch_add(1, Ordering::Relaxed);
+        if self.conn(ch).is_some_and(|c| c.link.is_ws()) {
+            stats.open_websocket.fetch_add(1, Ordering::Relaxed);
+        }
         // Frames that came with the end of the handshake.
         self.read_control(ch, now);
     }
@@ -1506,6 +1784,7 @@ impl ServerState {
         let was = conn.session.end();
         let session = conn.session.id;
         let last_heard = conn.session.last_heard;
+        let ws = conn.link.is_ws();
         self.queued -= std::mem::take(&mut conn.session.queued);
         if let Phase::Handshaking { ip, .. } = was {
             self.handshake_over(ip);
@@ -1513,6 +1792,9 @@ impl ServerState {
         let connected = was.is_open();
         if connected {
             self.stats.open.fetch_sub(1, Ordering::Relaxed);
+            if ws {
+                self.stats.open_websocket.fetch_sub(1, Ordering::Relaxed);
+            }
         }
         if let Some(session) = session {
             if self.sessions.get(&session) == Some(&ch) {

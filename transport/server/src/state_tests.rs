@@ -173,6 +173,11 @@ impl Net {
                     ServerOutput::Event(e) => self.events.push(e),
                     ServerOutput::Store(r) => self.store.push(r),
                     ServerOutput::Stopped => {}
+                    // No WebSocket connections in these tests.
+                    ServerOutput::WsSend { .. }
+                    | ServerOutput::WsPing { .. }
+                    | ServerOutput::WsClose { .. }
+                    | ServerOutput::WsCredit { .. } => {}
                 }
             }
             while let Some(t) = self.server.poll_transmit() {

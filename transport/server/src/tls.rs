@@ -86,6 +86,21 @@ pub fn server_crypto(
     Ok(QuicServerConfig::try_from(tls)?)
 }
 
+/// The TLS config of the WebSocket listener: the same certificate and
+/// tickets as QUIC, TLS 1.3, HTTP/1.1 for the upgrade.
+pub fn websocket_crypto(
+    identity: &Identity,
+    ticket_secret: &[u8],
+) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+    let mut tls = rustls::ServerConfig::builder_with_provider(server_provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])?
+        .with_no_client_auth()
+        .with_single_cert(identity.certs.clone(), identity.key.clone_key())?;
+    tls.alpn_protocols = vec![b"http/1.1".to_vec()];
+    tls.ticketer = Arc::new(SecretTickets::new(ticket_secret)?);
+    Ok(Arc::new(tls))
+}
+
 /// Session tickets sealed (AES-256-GCM) with a key derived from a secret by
 /// HKDF-SHA256 for each 12-hour period; a ticket of the current or the
 /// previous period opens. Every process given the same secret (a restarted

@@ -1,0 +1,346 @@
+//! The WebSocket binding's I/O (docs/protocol.md, "WebSocket over TLS"): a
+//! TCP listener, and one task per connection that does the TLS handshake,
+//! the upgrade (path `/greendot`, subprotocol `greendot.v1`) and the
+//! WebSocket framing, and otherwise only shuttles whole messages between
+//! its socket and the server's loop ([`WsEvent`]s in, commands out). The
+//! session layer is the state's (`ws`).
+//!
+//! Bounds: TCP connections held (handshaking or open) at most
+//! `max_connections` + headroom (past it a new one is dropped at once);
+//! TLS and upgrade within `hello_timeout`; a message over `max_frame` is
+//! refused by tungstenite from its header, before it is buffered; a task
+//! reads a message only with read credit (`ws::read_credit`), given back
+//! as the session reads; what the state hands a task to send is bounded
+//! by its send window (`ws::SEND_WINDOW`). The events channel to the loop
+//! is bounded: a task waits for room, and reads nothing meanwhile.
+
+use super::ws::{read_credit, WsId, WsMessage};
+use futures_util::{SinkExt, StreamExt};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, Notify, Semaphore};
+use tokio::task::JoinHandle;
+use tokio_tungstenite::tungstenite::handshake::server::{ErrorResponse, Request, Response};
+use tokio_tungstenite::tungstenite::http::{HeaderValue, StatusCode};
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode as WsCloseCode;
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
+use tokio_tungstenite::tungstenite::{Error as WsError, Message};
+use tracing::debug;
+
+/// The upgrade's path.
+pub const PATH: &str = "/greendot";
+/// The subprotocol a client must offer.
+pub const SUBPROTOCOL: &str = "greendot.v1";
+/// Connections past `max_connections` held while they handshake (those
+/// over the cap after it get the typed `TooManyConnections` close).
+const HEADROOM: usize = 1024;
+/// Events from every connection's task waiting for the loop.
+const EVENTS_CAP: usize = 4096;
+/// How long a close may take to go out before the connection is dropped.
+const CLOSE_LINGER: Duration = Duration::from_secs(1);
+/// The kernel's send buffer per WebSocket socket: presence messages are
+/// small, and a client that does not read must fill the server's own
+/// bounded queues (and be closed `Overloaded`), not gigabytes of kernel
+/// memory across many sockets.
+const SOCKET_SEND_BUFFER: usize = 64 * 1024;
+
+/// What a connection's task tells the loop.
+pub(super) enum WsEvent {
+    Opened {
+        id: WsId,
+        remote: SocketAddr,
+        handle: WsHandle,
+    },
+    Message {
+        id: WsId,
+        message: WsMessage,
+    },
+    Written {
+        id: WsId,
+        len: usize,
+    },
+    Closed {
+        id: WsId,
+        code: Option<u16>,
+    },
+}
+
+/// What the loop tells a connection's task.
+enum Command {
+    Send(Vec<u8>),
+    Ping,
+    Close(Option<u16>, String),
+}
+
+/// The loop's end of one connection.
+pub(super) struct WsHandle {
+    commands: mpsc::UnboundedSender<Command>,
+    credit: Arc<Semaphore>,
+    closing: Arc<Notify>,
+}
+
+/// The listener and the connections' handles, owned by the driver.
+pub(super) struct WsIo {
+    pub events: mpsc::Receiver<WsEvent>,
+    conns: HashMap<WsId, WsHandle>,
+    listener: JoinHandle<()>,
+}
+
+impl Drop for WsIo {
+    fn drop(&mut self) {
+        // The connections' tasks end once their command channels close.
+        self.listener.abort();
+    }
+}
+
+/// What a connection's task needs to know.
+#[derive(Clone)]
+pub(super) struct WsSettings {
+    pub tls: Arc<rustls::ServerConfig>,
+    pub max_frame: usize,
+    pub handshake_timeout: Duration,
+    pub max_connections: usize,
+}
+
+impl WsIo {
+    /// Starts accepting on `listener`. Call inside a tokio runtime.
+    pub(super) fn start(listener: TcpListener, settings: WsSettings) -> WsIo {
+        let (tx, events) = mpsc::channel(EVENTS_CAP);
+        let listener = tokio::spawn(accept_loop(listener, settings, tx));
+        WsIo {
+            events,
+            conns: HashMap::new(),
+            listener,
+        }
+    }
+
+    /// An event for the state: the handle of a new connection is kept.
+    pub(super) fn opened(&mut self, id: WsId, handle: WsHandle) {
+        self.conns.insert(id, handle);
+    }
+
+    pub(super) fn closed(&mut self, id: WsId) {
+        self.conns.remove(&id);
+    }
+
+    pub(super) fn send(&self, id: WsId, bytes: Vec<u8>) {
+        if let Some(h) = self.conns.get(&id) {
+            let _ = h.commands.send(Command::Send(bytes));
+        }
+    }
+
+    pub(super) fn ping(&self, id: WsId) {
+        if let Some(h) = self.conns.get(&id) {
+            let _ = h.commands.send(Command::Ping);
+        }
+    }
+
+    pub(super) fn close(&self, id: WsId, code: Option<u16>, reason: String) {
+        if let Some(h) = self.conns.get(&id) {
+            let _ = h.commands.send(Command::Close(code, reason));
+            h.closing.notify_one();
+        }
+    }
+
+    pub(super) fn credit(&self, id: WsId, bytes: usize) {
+        if let Some(h) = self.conns.get(&id) {
+            h.credit.add_permits(bytes);
+        }
+    }
+}
+
+async fn accept_loop(listener: TcpListener, settings: WsSettings, events: mpsc::Sender<WsEvent>) {
+    let held = Arc::new(Semaphore::new(
+        settings.max_connections.saturating_add(HEADROOM),
+    ));
+    let mut next_id: WsId = 0;
+    loop {
+        let (tcp, remote) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                // Out of file descriptors and the like: wait, go on.
+                debug!(error = %e, "WebSocket accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = held.clone().try_acquire_owned() else {
+            debug!(%remote, "WebSocket connection refused: at the cap");
+            continue;
+        };
+        next_id += 1;
+        let id = next_id;
+        let settings = settings.clone();
+        let events = events.clone();
+        tokio::spawn(async move {
+            connection(id, tcp, remote, settings, events).await;
+            drop(permit);
+        });
+    }
+}
+
+/// Accepts the upgrade only on [`PATH`] with [`SUBPROTOCOL`] offered.
+#[allow(clippy::result_large_err)]
+fn upgrade(request: &Request, mut response: Response) -> Result<Response, ErrorResponse> {
+    let refuse = |status: StatusCode, why: &str| {
+        let mut r = ErrorResponse::new(Some(why.to_owned()));
+        *r.status_mut() = status;
+        r
+    };
+    if request.uri().path() != PATH {
+        return Err(refuse(StatusCode::NOT_FOUND, "no such path"));
+    }
+    let offered = request
+        .headers()
+        .get_all("sec-websocket-protocol")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|p| p.trim() == SUBPROTOCOL);
+    if !offered {
+        return Err(refuse(
+            StatusCode::BAD_REQUEST,
+            "the subprotocol greendot.v1 is required",
+        ));
+    }
+    response.headers_mut().insert(
+        "sec-websocket-protocol",
+        HeaderValue::from_static(SUBPROTOCOL),
+    );
+    Ok(response)
+}
+
+/// One connection's task: handshake, then shuttle until either side ends.
+async fn connection(
+    id: WsId,
+    tcp: TcpStream,
+    remote: SocketAddr,
+    settings: WsSettings,
+    events: mpsc::Sender<WsEvent>,
+) {
+    let _ = tcp.set_nodelay(true);
+    let _ = socket2::SockRef::from(&tcp).set_send_buffer_size(SOCKET_SEND_BUFFER);
+    let config = WebSocketConfig::default()
+        .max_message_size(Some(settings.max_frame))
+        .max_frame_size(Some(settings.max_frame))
+        .write_buffer_size(0);
+    let acceptor = tokio_rustls::TlsAcceptor::from(settings.tls.clone());
+    let handshake = async {
+        let tls = acceptor.accept(tcp).await.ok()?;
+        tokio_tungstenite::accept_hdr_async_with_config(tls, upgrade, Some(config))
+            .await
+            .ok()
+    };
+    let ws = match tokio::time::timeout(settings.handshake_timeout, handshake).await {
+        Ok(Some(ws)) => ws,
+        _ => {
+            debug!(%remote, "WebSocket handshake failed or timed out");
+            return;
+        }
+    };
+    let (commands, mut command_rx) = mpsc::unbounded_channel();
+    let credit = Arc::new(Semaphore::new(read_credit(settings.max_frame)));
+    let closing = Arc::new(Notify::new());
+    let handle = WsHandle {
+        commands,
+        credit: credit.clone(),
+        closing: closing.clone(),
+    };
+    if events
+        .send(WsEvent::Opened { id, remote, handle })
+        .await
+        .is_err()
+    {
+        return;
+    }
+    let (mut sink, mut stream) = ws.split();
+    let reader = async {
+        loop {
+            let message = match stream.next().await {
+                Some(Ok(Message::Binary(bytes))) => {
+                    // Credit first: a client may not send past what the
+                    // session has read.
+                    let n = u32::try_from(bytes.len()).unwrap_or(u32::MAX);
+                    match credit.acquire_many(n).await {
+                        Ok(permit) => permit.forget(),
+                        Err(_) => return None,
+                    }
+                    WsMessage::Binary(bytes.to_vec())
+                }
+                Some(Ok(Message::Text(_))) => WsMessage::Text,
+                Some(Ok(Message::Pong(_))) => WsMessage::Pong,
+                // Answered by tungstenite itself; a sign of life all the same.
+                Some(Ok(Message::Ping(_))) => WsMessage::Pong,
+                Some(Ok(Message::Close(frame))) => return frame.map(|f| u16::from(f.code)),
+                Some(Ok(Message::Frame(_))) => continue,
+                Some(Err(WsError::Capacity(e))) => {
+                    let len = match e {
+                        tokio_tungstenite::tungstenite::error::CapacityError::MessageTooLong {
+                            size,
+                            ..
+                        } => size,
+                        _ => settings.max_frame + 1,
+                    };
+                    let _ = events
+                        .send(WsEvent::Message {
+                            id,
+                            message: WsMessage::TooLarge { len },
+                        })
+                        .await;
+                    // Nothing more is read; the server closes (4005).
+                    std::future::pending::<()>().await;
+                    return None;
+                }
+                Some(Err(_)) | None => return None,
+            };
+            if events.send(WsEvent::Message { id, message }).await.is_err() {
+                return None;
+            }
+        }
+    };
+    let writer = async {
+        while let Some(command) = command_rx.recv().await {
+            match command {
+                Command::Send(bytes) => {
+                    let len = bytes.len();
+                    if sink.send(Message::Binary(bytes.into())).await.is_err() {
+                        break;
+                    }
+                    if events.send(WsEvent::Written { id, len }).await.is_err() {
+                        break;
+                    }
+                }
+                Command::Ping => {
+                    if sink.send(Message::Ping(Default::default())).await.is_err() {
+                        break;
+                    }
+                }
+                Command::Close(code, reason) => {
+                    if let Some(code) = code {
+                        let frame = CloseFrame {
+                            code: WsCloseCode::from(code),
+                            reason: reason.into(),
+                        };
+                        let _ = sink.send(Message::Close(Some(frame))).await;
+                    }
+                    break;
+                }
+            }
+        }
+        None
+    };
+    let linger = async {
+        closing.notified().await;
+        tokio::time::sleep(CLOSE_LINGER).await;
+        None
+    };
+    let code = tokio::select! {
+        code = reader => code,
+        code = writer => code,
+        code = linger => code,
+    };
+    let _ = events.send(WsEvent::Closed { id, code }).await;
+}
