@@ -1165,7 +1165,7 @@ impl ServerState {
                 continue;
             };
             conn.timer = None;
-            conn.link.quic.handle_timeout(now);
+            conn.link.handle_timeout(now);
             match conn.session.overdue(now) {
                 Some(Overdue::Close(code, text)) => self.close(ch, now, code, &text),
                 Some(Overdue::NoHello { handshaking }) => {
@@ -1321,7 +1321,7 @@ impl ServerState {
                 quinn_proto::Event::ConnectionLost { reason } => super::handshake_aborted(reason),
                 _ => false,
             };
-            if let Some(happened) = conn.link.translate(event, refuse) {
+            if let Some(happened) = conn.link.translate(event, refuse, now) {
                 self.on_happened(ch, now, happened, aborted);
             }
         }
@@ -1355,7 +1355,7 @@ impl ServerState {
         let Some(conn) = slot(&mut self.conns, ch) else {
             return;
         };
-        let next = match (conn.link.quic.poll_timeout(), conn.session.phase.deadline()) {
+        let next = match (conn.link.poll_timeout(), conn.session.phase.deadline()) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };

@@ -25,15 +25,45 @@ impl Clone for Identity {
 }
 
 impl Identity {
-    /// A self-signed development certificate for these names.
+    /// A self-signed development certificate for these names, one that
+    /// browsers accept for WebTransport (see [`browser_certificate`]).
     pub fn self_signed(names: &[&str]) -> Result<Identity, TlsError> {
-        let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
-        let ck = rcgen::generate_simple_self_signed(names)?;
+        let (cert, key) = browser_certificate(names)?;
         Ok(Identity {
-            certs: vec![ck.cert.der().clone()],
-            key: PrivatePkcs8KeyDer::from(ck.signing_key.serialize_der()).into(),
+            certs: vec![cert.der().clone()],
+            key: PrivatePkcs8KeyDer::from(key.serialize_der()).into(),
         })
     }
+}
+
+/// How long a development certificate is valid: a browser accepts a
+/// self-signed certificate for WebTransport (`serverCertificateHashes`) only
+/// if it is valid for at most 14 days.
+pub const DEV_CERT_DAYS: i64 = 13;
+
+/// A self-signed certificate browsers accept through
+/// `serverCertificateHashes`: ECDSA P-256, valid from an hour ago for
+/// [`DEV_CERT_DAYS`] in all, with the names as subject alternative names
+/// (an IP address becomes an IP SAN). Renew it before it expires.
+pub fn browser_certificate(
+    names: &[&str],
+) -> Result<(rcgen::Certificate, rcgen::KeyPair), TlsError> {
+    let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+    let mut params = rcgen::CertificateParams::new(names)?;
+    let now = time::OffsetDateTime::now_utc();
+    // Clocks differ a little; the whole span stays within the 14 days.
+    params.not_before = now - time::Duration::hours(1);
+    params.not_after = now - time::Duration::hours(1) + time::Duration::days(DEV_CERT_DAYS);
+    let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
+    let cert = params.self_signed(&key)?;
+    Ok((cert, key))
+}
+
+/// The SHA-256 of a certificate's DER as 64 lowercase hex digits: the
+/// value browsers take in `serverCertificateHashes`.
+pub fn certificate_hash(der: &[u8]) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, der);
+    digest.as_ref().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Why the server's TLS could not be set up.
@@ -65,7 +95,7 @@ fn server_provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(provider)
 }
 
-/// The server's QUIC crypto: TLS 1.3 only, ALPN `greendot/1`, no client
+/// The server's QUIC crypto: TLS 1.3 only, ALPN `greendot/1` or `h3`, no client
 /// certs, its own cipher suite order, and stateless session tickets.
 pub fn server_crypto(
     identity: &Identity,
@@ -75,7 +105,8 @@ pub fn server_crypto(
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_no_client_auth()
         .with_single_cert(identity.certs.clone(), identity.key.clone_key())?;
-    tls.alpn_protocols = vec![ALPN.to_vec()];
+    // Raw QUIC, and WebTransport over HTTP/3 on the same port.
+    tls.alpn_protocols = vec![ALPN.to_vec(), crate::webtransport::H3_ALPN.to_vec()];
     tls.ignore_client_order = true;
     // Stateless tickets: every client that was served may resume, not only
     // the last 256 as with the default in-memory cache, and the server keeps
