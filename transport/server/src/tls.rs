@@ -252,3 +252,58 @@ mod ticket_tests {
         assert_eq!(restarted.open(100, &[1, 2, 3]), None);
     }
 }
+
+#[cfg(test)]
+mod dev_cert_tests {
+    use super::{browser_certificate, DEV_CERT_DAYS};
+    use rustls::client::danger::ServerCertVerifier;
+    use rustls::pki_types::{PrivatePkcs8KeyDer, ServerName, UnixTime};
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+    /// What WebTransport's `serverCertificateHashes` demands: ECDSA P-256,
+    /// valid now for these names, and at most 14 days in all.
+    #[test]
+    fn the_dev_certificate_qualifies_for_browsers() {
+        let (cert, key) = browser_certificate(&["localhost", "127.0.0.1"]).unwrap();
+        let der = cert.der().clone();
+        let key = PrivatePkcs8KeyDer::from(key.serialize_der());
+        let signer = rustls::crypto::ring::sign::any_ecdsa_type(&key.into()).unwrap();
+        assert_eq!(signer.algorithm(), rustls::SignatureAlgorithm::ECDSA);
+        assert!(key_is_p256(&der), "the key is not on P-256 (secp256r1)");
+
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(der.clone()).unwrap();
+        let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
+            std::sync::Arc::new(roots),
+            std::sync::Arc::new(rustls::crypto::ring::default_provider()),
+        )
+        .build()
+        .unwrap();
+        let at = |offset: Duration| {
+            let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+            UnixTime::since_unix_epoch(now + offset)
+        };
+        let day = Duration::from_secs(86_400);
+        for name in ["localhost", "127.0.0.1"] {
+            let name = ServerName::try_from(name).unwrap();
+            verifier
+                .verify_server_cert(&der, &[], &name, &[], at(Duration::ZERO))
+                .unwrap_or_else(|e| panic!("not valid now for {name:?}: {e}"));
+            let last = day * u32::try_from(DEV_CERT_DAYS - 1).unwrap();
+            verifier
+                .verify_server_cert(&der, &[], &name, &[], at(last))
+                .unwrap_or_else(|e| panic!("not valid for {DEV_CERT_DAYS} days: {e}"));
+            // Expired within 14 days of now (so its span is under 14 days,
+            // as it started at most an hour ago).
+            assert!(verifier
+                .verify_server_cert(&der, &[], &name, &[], at(day * 14))
+                .is_err());
+        }
+    }
+
+    /// The certificate's public key names the P-256 curve (its OID).
+    fn key_is_p256(der: &[u8]) -> bool {
+        const SECP256R1: [u8; 10] = [0x06, 0x08, 0x2a, 0x86, 0x48, 0xce, 0x3d, 0x03, 0x01, 0x07];
+        der.windows(SECP256R1.len()).any(|w| w == SECP256R1)
+    }
+}
