@@ -89,6 +89,7 @@ pub mod token;
 mod udp;
 mod ws;
 mod ws_io;
+mod webtransport;
 
 use conn::{Handled, Step};
 pub use conn::{RateLimit, RATE_LIMIT_PATIENCE};
@@ -515,9 +516,13 @@ fn transport_config(
             .try_into()
             .map_err(|_| ServerError::Setting("idle_timeout too large".into()))?,
     ));
-    // One control stream per connection; pushes come on server-opened streams.
-    transport.max_concurrent_bidi_streams(1u32.into());
-    transport.max_concurrent_uni_streams(0u32.into());
+    // One control stream per connection; pushes come on server-opened
+    // streams. WebTransport (ALPN h3) needs one more bidirectional stream
+    // (its CONNECT) and the client's three HTTP/3 unidirectional streams;
+    // browsers expect that room from the start, so it is granted to all and
+    // withdrawn from raw QUIC connections at the handshake (quic.rs).
+    transport.max_concurrent_bidi_streams(2u32.into());
+    transport.max_concurrent_uni_streams(3u32.into());
     // What a peer may make the server buffer, either way: a few frames,
     // not quinn's megabytes (a presence connection never needs more, and
     // 100,000 connections each at quinn's default would not fit).
@@ -525,9 +530,15 @@ fn transport_config(
     transport.stream_receive_window(window.into());
     transport.receive_window(window.into());
     transport.send_window(u64::from(window));
-    transport.datagram_receive_buffer_size(None);
+    // WebTransport requires HTTP datagrams, hence QUIC datagrams, to be
+    // on; none is used: each is dropped as it arrives (quic.rs).
+    transport.datagram_receive_buffer_size(Some(DATAGRAM_BUFFER));
     Ok(transport)
 }
+
+/// The most datagram bytes quinn holds for a connection before the link
+/// drops them: about one datagram.
+const DATAGRAM_BUFFER: usize = 1500;
 
 /// Keep-alive intervals a connection may get, evenly spaced over
 /// [0.75, 1] × [`ServerConfig::keep_alive`] (15 s: steps of 121 ms).

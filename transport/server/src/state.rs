@@ -394,14 +394,14 @@ impl Link {
 
     fn handle_timeout(&mut self, now: Instant) {
         match self {
-            Link::Quic(l) => l.quic.handle_timeout(now),
+            Link::Quic(l) => l.handle_timeout(now),
             Link::Ws(l) => l.handle_timeout(now),
         }
     }
 
     fn poll_timeout(&mut self) -> Option<Instant> {
         match self {
-            Link::Quic(l) => l.quic.poll_timeout(),
+            Link::Quic(l) => l.poll_timeout(),
             Link::Ws(l) => l.poll_timeout(),
         }
     }
@@ -1502,7 +1502,7 @@ impl ServerState {
                         }
                         _ => false,
                     };
-                    (link.translate(event, refuse), aborted)
+                    (link.translate(event, refuse, now), aborted)
                 }
                 Link::Ws(link) => {
                     let Some(happened) = link.poll() else {

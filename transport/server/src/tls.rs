@@ -25,15 +25,45 @@ impl Clone for Identity {
 }
 
 impl Identity {
-    /// A self-signed development certificate for these names.
+    /// A self-signed development certificate for these names, one that
+    /// browsers accept for WebTransport (see [`browser_certificate`]).
     pub fn self_signed(names: &[&str]) -> Result<Identity, TlsError> {
-        let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
-        let ck = rcgen::generate_simple_self_signed(names)?;
+        let (cert, key) = browser_certificate(names)?;
         Ok(Identity {
-            certs: vec![ck.cert.der().clone()],
-            key: PrivatePkcs8KeyDer::from(ck.signing_key.serialize_der()).into(),
+            certs: vec![cert.der().clone()],
+            key: PrivatePkcs8KeyDer::from(key.serialize_der()).into(),
         })
     }
+}
+
+/// How long a development certificate is valid: a browser accepts a
+/// self-signed certificate for WebTransport (`serverCertificateHashes`) only
+/// if it is valid for at most 14 days.
+pub const DEV_CERT_DAYS: i64 = 13;
+
+/// A self-signed certificate browsers accept through
+/// `serverCertificateHashes`: ECDSA P-256, valid from an hour ago for
+/// [`DEV_CERT_DAYS`] in all, with the names as subject alternative names
+/// (an IP address becomes an IP SAN). Renew it before it expires.
+pub fn browser_certificate(
+    names: &[&str],
+) -> Result<(rcgen::Certificate, rcgen::KeyPair), TlsError> {
+    let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+    let mut params = rcgen::CertificateParams::new(names)?;
+    let now = time::OffsetDateTime::now_utc();
+    // Clocks differ a little; the whole span stays within the 14 days.
+    params.not_before = now - time::Duration::hours(1);
+    params.not_after = now - time::Duration::hours(1) + time::Duration::days(DEV_CERT_DAYS);
+    let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)?;
+    let cert = params.self_signed(&key)?;
+    Ok((cert, key))
+}
+
+/// The SHA-256 of a certificate's DER as 64 lowercase hex digits: the
+/// value browsers take in `serverCertificateHashes`.
+pub fn certificate_hash(der: &[u8]) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, der);
+    digest.as_ref().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Why the server's TLS could not be set up.
@@ -65,7 +95,7 @@ fn server_provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(provider)
 }
 
-/// The server's QUIC crypto: TLS 1.3 only, ALPN `greendot/1`, no client
+/// The server's QUIC crypto: TLS 1.3 only, ALPN `greendot/1` or `h3`, no client
 /// certs, its own cipher suite order, and stateless session tickets.
 pub fn server_crypto(
     identity: &Identity,
@@ -75,7 +105,8 @@ pub fn server_crypto(
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_no_client_auth()
         .with_single_cert(identity.certs.clone(), identity.key.clone_key())?;
-    tls.alpn_protocols = vec![ALPN.to_vec()];
+    // Raw QUIC, and WebTransport over HTTP/3 on the same port.
+    tls.alpn_protocols = vec![ALPN.to_vec(), crate::webtransport::H3_ALPN.to_vec()];
     tls.ignore_client_order = true;
     // Stateless tickets: every client that was served may resume, not only
     // the last 256 as with the default in-memory cache, and the server keeps
@@ -234,5 +265,60 @@ mod ticket_tests {
         flipped[last] ^= 1;
         assert_eq!(restarted.open(100, &flipped), None);
         assert_eq!(restarted.open(100, &[1, 2, 3]), None);
+    }
+}
+
+#[cfg(test)]
+mod dev_cert_tests {
+    use super::{browser_certificate, DEV_CERT_DAYS};
+    use rustls::client::danger::ServerCertVerifier;
+    use rustls::pki_types::{PrivatePkcs8KeyDer, ServerName, UnixTime};
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+    /// What WebTransport's `serverCertificateHashes` demands: ECDSA P-256,
+    /// valid now for these names, and at most 14 days in all.
+    #[test]
+    fn the_dev_certificate_qualifies_for_browsers() {
+        let (cert, key) = browser_certificate(&["localhost", "127.0.0.1"]).unwrap();
+        let der = cert.der().clone();
+        let key = PrivatePkcs8KeyDer::from(key.serialize_der());
+        let signer = rustls::crypto::ring::sign::any_ecdsa_type(&key.into()).unwrap();
+        assert_eq!(signer.algorithm(), rustls::SignatureAlgorithm::ECDSA);
+        assert!(key_is_p256(&der), "the key is not on P-256 (secp256r1)");
+
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(der.clone()).unwrap();
+        let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
+            std::sync::Arc::new(roots),
+            std::sync::Arc::new(rustls::crypto::ring::default_provider()),
+        )
+        .build()
+        .unwrap();
+        let at = |offset: Duration| {
+            let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+            UnixTime::since_unix_epoch(now + offset)
+        };
+        let day = Duration::from_secs(86_400);
+        for name in ["localhost", "127.0.0.1"] {
+            let name = ServerName::try_from(name).unwrap();
+            verifier
+                .verify_server_cert(&der, &[], &name, &[], at(Duration::ZERO))
+                .unwrap_or_else(|e| panic!("not valid now for {name:?}: {e}"));
+            let last = day * u32::try_from(DEV_CERT_DAYS - 1).unwrap();
+            verifier
+                .verify_server_cert(&der, &[], &name, &[], at(last))
+                .unwrap_or_else(|e| panic!("not valid for {DEV_CERT_DAYS} days: {e}"));
+            // Expired within 14 days of now (so its span is under 14 days,
+            // as it started at most an hour ago).
+            assert!(verifier
+                .verify_server_cert(&der, &[], &name, &[], at(day * 14))
+                .is_err());
+        }
+    }
+
+    /// The certificate's public key names the P-256 curve (its OID).
+    fn key_is_p256(der: &[u8]) -> bool {
+        const SECP256R1: [u8; 10] = [0x06, 0x08, 0x2a, 0x86, 0x48, 0xce, 0x3d, 0x03, 0x01, 0x07];
+        der.windows(SECP256R1.len()).any(|w| w == SECP256R1)
     }
 }

@@ -52,6 +52,20 @@ pub fn fingerprint(der: &[u8]) -> String {
         .join(":")
 }
 
+/// Whether the generated dev certificate is due for renewal: written
+/// (by this code, which makes it valid for `DEV_CERT_DAYS`) more than
+/// `DEV_CERT_DAYS - 1` days ago, so that browsers never see it expired.
+fn dev_cert_due(cert: &Path) -> bool {
+    let renew_after = Duration::from_secs(
+        u64::try_from(greendot_server::tls::DEV_CERT_DAYS - 1).unwrap_or(0) * 86_400,
+    );
+    std::fs::metadata(cert)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|written| written.elapsed().ok())
+        .is_none_or(|age| age > renew_after)
+}
+
 /// What `serve` made or found in the data directory.
 struct DataDir {
     cert: PathBuf,
@@ -72,13 +86,16 @@ fn prepare(settings: &Settings) -> Result<DataDir, String> {
         (None, None) => {
             let cert = dir.join(CERT_FILE);
             let key = dir.join(KEY_FILE);
-            if !cert.exists() || !key.exists() {
-                let ck = rcgen::generate_simple_self_signed(vec!["localhost".to_string()])
-                    .map_err(|e| format!("cannot make a certificate: {e}"))?;
+            if !cert.exists() || !key.exists() || dev_cert_due(&cert) {
+                // One that browsers accept for WebTransport by its hash:
+                // ECDSA P-256, valid 13 days, renewed a day before it expires.
+                let (new_cert, new_key) =
+                    greendot_server::tls::browser_certificate(&["localhost", "127.0.0.1"])
+                        .map_err(|e| format!("cannot make a certificate: {e}"))?;
                 let _ = std::fs::remove_file(&cert);
                 let _ = std::fs::remove_file(&key);
-                write_private(&key, ck.signing_key.serialize_pem().as_bytes())?;
-                write_private(&cert, ck.cert.pem().as_bytes())?;
+                write_private(&key, new_key.serialize_pem().as_bytes())?;
+                write_private(&cert, new_cert.pem().as_bytes())?;
                 created.push(cert.clone());
                 created.push(key.clone());
             }
@@ -179,6 +196,12 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     let _ = writeln!(out, "certificate: {}", data.cert.display());
     if let Some(cert) = data.identity.certs.first() {
         let _ = writeln!(out, "certificate SHA-256: {}", fingerprint(cert.as_ref()));
+        // What a browser's WebTransport takes in `serverCertificateHashes`.
+        let _ = writeln!(
+            out,
+            "WebTransport serverCertificateHashes sha-256: {}",
+            greendot_server::tls::certificate_hash(cert.as_ref())
+        );
     }
     let _ = writeln!(out, "token secret: {}", data.secret_path.display());
     let _ = writeln!(out, "store: {}", settings.store_path().display());
