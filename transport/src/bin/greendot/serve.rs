@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 /// Writes `bytes` to a new file readable by its owner only.
 fn write_private(path: &Path, bytes: &[u8]) -> Result<(), String> {
@@ -158,6 +158,35 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     let server = Server::bind(config).map_err(|e| e.to_string())?;
     let addr = server.local_addr();
 
+    // Joined before the metrics page starts, so that it shows the node.
+    let mut node = match settings.cluster_config()? {
+        None => None,
+        Some((urls, config)) => {
+            let cluster = greendot_cluster::Cluster::connect(&urls, config)
+                .await
+                .map_err(|e| {
+                    format!(
+                        "cannot join the cluster at {urls}: {}",
+                        crate::cluster::chain(&e)
+                    )
+                })?;
+            let advertise = settings
+                .advertise
+                .clone()
+                .unwrap_or_else(|| addr.to_string());
+            let node = greendot_cluster::Node::start(cluster, advertise)
+                .await
+                .map_err(|e| {
+                    format!(
+                        "cannot join the cluster at {urls}: {}",
+                        crate::cluster::chain(&e)
+                    )
+                })?;
+            Some(node)
+        }
+    };
+    let cluster_status = node.as_ref().map(|n| n.status());
+
     let metrics = if settings.metrics.eq_ignore_ascii_case("off") {
         None
     } else {
@@ -165,7 +194,11 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
             .await
             .map_err(|e| format!("cannot listen for metrics on {}: {e}", settings.metrics))?;
         let at = listener.local_addr().map_err(|e| e.to_string())?;
-        tokio::spawn(serve_metrics(listener, server.monitor()));
+        tokio::spawn(serve_metrics(
+            listener,
+            server.monitor(),
+            cluster_status.clone(),
+        ));
         Some(at)
     };
 
@@ -181,6 +214,14 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     }
     let _ = writeln!(out, "token secret: {}", data.secret_path.display());
     let _ = writeln!(out, "store: {}", settings.store_path().display());
+    if let (Some(status), Some(urls)) = (&cluster_status, &settings.cluster) {
+        let s = status.borrow();
+        let _ = writeln!(
+            out,
+            "cluster node {} on NATS {urls} ({} live nodes)",
+            s.node, s.live_nodes
+        );
+    }
     match metrics {
         Some(at) => {
             let _ = writeln!(out, "metrics on http://{at}/metrics");
@@ -201,7 +242,33 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     );
     drop(out);
 
-    wait_for_signal().await;
+    let cut_off = match node.as_mut() {
+        None => {
+            wait_for_signal().await;
+            false
+        }
+        Some(n) => tokio::select! {
+            _ = wait_for_signal() => false,
+            exit = n.finished() => { let _ = exit; true }
+        },
+    };
+    if cut_off {
+        // The node stopped owning its shards; its lease expires a margin
+        // from now: its clients go to other nodes before that.
+        warn!("cut off from the cluster (NATS unreachable or the lease lost): draining");
+        server.drain().await;
+        return Err(
+            "cut off from the cluster: clients were told to reconnect elsewhere; restart this node"
+                .into(),
+        );
+    }
+    if let Some(n) = node {
+        // Shards and lease released at once: other nodes take over now.
+        match n.leave().await {
+            Ok(_) => info!("left the cluster"),
+            Err(e) => warn!(error = %e, "leaving the cluster failed; its keys expire on their TTL"),
+        }
+    }
     info!("draining: closing connections and writing the store");
     server.drain().await;
     println!("greendot stopped");
@@ -232,21 +299,28 @@ pub async fn wait_for_signal() {
 }
 
 /// A minimal HTTP/1.1 responder: `GET /metrics`, anything else is a 404.
-async fn serve_metrics(listener: TcpListener, monitor: Monitor) {
+type ClusterStatus = Option<tokio::sync::watch::Receiver<greendot_cluster::NodeStatus>>;
+
+async fn serve_metrics(listener: TcpListener, monitor: Monitor, cluster: ClusterStatus) {
     loop {
         let Ok((stream, peer)) = listener.accept().await else {
             continue;
         };
         let monitor = monitor.clone();
+        let cluster = cluster.clone();
         tokio::spawn(async move {
-            if let Err(e) = answer_http(stream, &monitor).await {
+            if let Err(e) = answer_http(stream, &monitor, &cluster).await {
                 debug!(%peer, error = %e, "metrics request failed");
             }
         });
     }
 }
 
-async fn answer_http(mut stream: tokio::net::TcpStream, monitor: &Monitor) -> std::io::Result<()> {
+async fn answer_http(
+    mut stream: tokio::net::TcpStream,
+    monitor: &Monitor,
+    cluster: &ClusterStatus,
+) -> std::io::Result<()> {
     let mut buf = Vec::with_capacity(1024);
     let read = async {
         let mut chunk = [0u8; 1024];
@@ -282,7 +356,13 @@ async fn answer_http(mut stream: tokio::net::TcpStream, monitor: &Monitor) -> st
         )
     } else {
         match monitor.metrics().await {
-            Some(m) => ("200 OK", m.render(), "text/plain; version=0.0.4"),
+            Some(m) => {
+                let mut body = m.render();
+                if let Some(status) = cluster {
+                    body.push_str(&status.borrow().render_metrics(std::time::Instant::now()));
+                }
+                ("200 OK", body, "text/plain; version=0.0.4")
+            }
             None => (
                 "503 Service Unavailable",
                 "stopping\n".to_string(),
