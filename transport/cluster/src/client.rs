@@ -201,6 +201,7 @@ impl Cluster {
         Ok(MemberWatch {
             bucket: self.leases.name.clone(),
             inner,
+            seen_at: Instant::now(),
             membership: Membership::default(),
         })
     }
@@ -395,6 +396,7 @@ impl Cluster {
             bucket: self.claims.name.clone(),
             shard_count: self.config.shard_count,
             inner,
+            seen_at: Instant::now(),
             table: ClaimTable::default(),
         })
     }
@@ -527,6 +529,7 @@ async fn bucket(
 pub struct MemberWatch {
     bucket: String,
     inner: kv::Watch,
+    seen_at: Instant,
     membership: Membership,
 }
 
@@ -543,6 +546,7 @@ impl MemberWatch {
                     }))
                 }
                 Ok(entry) => {
+                    self.seen_at = Instant::now();
                     if let Some(event) = self.membership.apply(&entry.into()) {
                         return Some(Ok(event));
                     }
@@ -554,6 +558,13 @@ impl MemberWatch {
     pub fn membership(&self) -> &Membership {
         &self.membership
     }
+
+    /// When the watch last delivered an entry (renewals included). Every
+    /// live node renews its lease, so a long silence means the watch's
+    /// consumer stalled (it lived on a NATS node that died).
+    pub fn seen_at(&self) -> Instant {
+        self.seen_at
+    }
 }
 
 /// Every shard's claim, kept current from the claims bucket's watch.
@@ -561,6 +572,7 @@ pub struct ClaimWatch {
     bucket: String,
     shard_count: u32,
     inner: kv::Watch,
+    seen_at: Instant,
     table: ClaimTable,
 }
 
@@ -576,6 +588,7 @@ impl ClaimWatch {
                     }))
                 }
                 Ok(entry) => {
+                    self.seen_at = Instant::now();
                     if let Some(change) = self.table.apply(&entry.into(), self.shard_count) {
                         return Some(Ok(change));
                     }
@@ -586,5 +599,10 @@ impl ClaimWatch {
 
     pub fn table(&self) -> &ClaimTable {
         &self.table
+    }
+
+    /// When the watch last delivered an entry (see [`MemberWatch::seen_at`]).
+    pub fn seen_at(&self) -> Instant {
+        self.seen_at
     }
 }

@@ -91,6 +91,18 @@ pub enum ClusterError {
     /// retry once the claims settle.
     #[error("no owner answers for shard {shard}")]
     NoOwner { shard: ShardId },
+    #[error("listing the keys of {bucket}")]
+    Keys {
+        bucket: String,
+        #[source]
+        source: async_nats::jetstream::kv::HistoryError,
+    },
+    #[error("no greendot cluster on this NATS: KV bucket {bucket} does not exist (no node ever ran with this prefix)")]
+    NoBuckets {
+        bucket: String,
+        #[source]
+        source: async_nats::jetstream::context::KeyValueError,
+    },
     #[error("request to {subject}")]
     Request {
         subject: String,

@@ -9,7 +9,11 @@
 //!   ([`ShardInterest`]);
 //! - **I/O**, thin around them: [`Cluster`] (leases, claims, preferences,
 //!   last views, watches), [`ViewFeed`] (per-shard published views) and
-//!   [`OwnerInbox`] (requests to a shard's owner).
+//!   [`OwnerInbox`] (requests to a shard's owner);
+//! - **a node's duties** ([`Node`]): the task that holds the node lease and
+//!   claims, renews and releases shards, publishing [`NodeStatus`] on a
+//!   watch channel; and [`observe`], the read-only look of `greendot cluster
+//!   status`.
 //!
 //! Buckets (history 1, `replicas` each): `<prefix>_leases` (key: node id,
 //! per-key TTL `lease_ttl`), `<prefix>_claims` (key: shard number, TTL
@@ -44,7 +48,9 @@ mod interest;
 mod kv;
 mod membership;
 mod messaging;
+mod node;
 mod ownership;
+mod status;
 mod tenure;
 
 #[doc(hidden)]
@@ -59,8 +65,12 @@ pub use interest::ShardInterest;
 pub use kv::{KvEntry, KvOp};
 pub use membership::{Member, MemberEvent, Membership};
 pub use messaging::{OwnerInbox, OwnerRequest, RequestKind, ShardMessage, ViewFeed};
+pub use node::{
+    unix_ms, Node, NodeExit, NodeInfo, NodePhase, NodeStatus, OwnedShard, MAX_ADVERTISE_LEN,
+};
 pub use ownership::{
     decode_claim, encode_claim, epoch_key, ClaimAction, ClaimRecord, ClaimState, ClaimTable,
     HeldShard, Ownership,
 };
+pub use status::{observe, ClusterView, NodeView};
 pub use tenure::{LeaseTiming, Tenure};

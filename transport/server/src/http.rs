@@ -125,13 +125,19 @@ struct Ctx {
     /// One question to the server's loop at a time.
     asking: Arc<Semaphore>,
     loop_timeout: Duration,
+    more_metrics: Option<MoreMetrics>,
 }
+
+/// Metrics the server does not hold (e.g. a cluster node's), appended to
+/// `/metrics` as Prometheus text.
+pub type MoreMetrics = Arc<dyn Fn() -> String + Send + Sync>;
 
 /// The HTTP port of one server: its routes and limits.
 pub struct HttpService {
     monitor: Monitor,
     config: HttpConfig,
     extra: Router,
+    more_metrics: Option<MoreMetrics>,
 }
 
 impl HttpService {
@@ -142,11 +148,18 @@ impl HttpService {
             monitor,
             config: HttpConfig::default(),
             extra: Router::new(),
+            more_metrics: None,
         }
     }
 
     pub fn config(mut self, config: HttpConfig) -> HttpService {
         self.config = config;
+        self
+    }
+
+    /// Appends what `render` gives to every `/metrics` answer.
+    pub fn more_metrics(mut self, render: MoreMetrics) -> HttpService {
+        self.more_metrics = Some(render);
         self
     }
 
@@ -165,6 +178,7 @@ impl HttpService {
             monitor: self.monitor.clone(),
             asking: Arc::new(Semaphore::new(1)),
             loop_timeout: self.config.loop_timeout,
+            more_metrics: self.more_metrics.clone(),
         };
         // `get` answers HEAD too (without the body), and 405 with an
         // `Allow` header to other methods.
@@ -419,11 +433,13 @@ async fn ask(ctx: &Ctx) -> Option<crate::MetricsSnapshot> {
 
 async fn metrics(State(ctx): State<Ctx>) -> Response<Body> {
     match ask(&ctx).await {
-        Some(snapshot) => (
-            [(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)],
-            snapshot.render(),
-        )
-            .into_response(),
+        Some(snapshot) => {
+            let mut body = snapshot.render();
+            if let Some(more) = &ctx.more_metrics {
+                body.push_str(&more());
+            }
+            ([(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)], body).into_response()
+        }
         None => loop_silent(&ctx),
     }
 }

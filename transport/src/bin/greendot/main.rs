@@ -3,9 +3,11 @@
 //! - `greendot serve`: runs the server (defaults: 127.0.0.1:4433/udp, data in
 //!   `./greendot-data/`, metrics and health over HTTP on 127.0.0.1:9464);
 //! - `greendot token`: mints a token with the data directory's secret;
-//! - `greendot connect`, `watch`, `query`: a client on a terminal.
+//! - `greendot connect`, `watch`, `query`: a client on a terminal;
+//! - `greendot cluster status`: the nodes and shard owners of a cluster.
 
 mod client;
+mod cluster;
 mod serve;
 mod settings;
 
@@ -75,6 +77,9 @@ enum Command {
     /// Load-test a running server: open N connections (users bench0…), each
     /// watching 20 others, with churn; print one table row.
     Bench(BenchArgs),
+    /// Operate a cluster (see docs/cluster-operations.md).
+    #[command(subcommand)]
+    Cluster(ClusterCommand),
     /// Print what is shown of these users now, once.
     Query {
         #[command(flatten)]
@@ -83,6 +88,22 @@ enum Command {
         users: Vec<String>,
         #[arg(long)]
         json: bool,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum ClusterCommand {
+    /// Nodes and their leases, shards owned per node with epochs, unowned shards.
+    Status {
+        /// NATS URLs, comma-separated.
+        #[arg(long, env = "GREENDOT_CLUSTER")]
+        cluster: String,
+        /// Details of one shard.
+        #[arg(long)]
+        shard: Option<u32>,
+        /// Each node's shards with their epochs.
+        #[arg(long)]
+        shards: bool,
     },
 }
 
@@ -154,6 +175,24 @@ struct ServeArgs {
     /// Push bytes all connections may have waiting [default: 268435456].
     #[arg(long, env = "GREENDOT_PUSH_BUDGET_BYTES")]
     push_budget_bytes: Option<usize>,
+    /// Join a cluster: NATS URLs, comma-separated (nats://host:4222,…).
+    #[arg(long, env = "GREENDOT_CLUSTER")]
+    cluster: Option<String>,
+    /// This node's id in the cluster ([A-Za-z0-9_-], unique per node).
+    #[arg(long, env = "GREENDOT_NODE_ID")]
+    node_id: Option<String>,
+    /// Address clients and operators reach this node at [default: --listen].
+    #[arg(long, env = "GREENDOT_ADVERTISE")]
+    advertise: Option<String>,
+    /// Shards of the cluster, the same on every node [default: 4096].
+    #[arg(long, env = "GREENDOT_CLUSTER_SHARDS")]
+    cluster_shards: Option<u32>,
+    /// Node lease and shard claim TTL, whole seconds, the same on every node [default: 15s].
+    #[arg(long, env = "GREENDOT_CLUSTER_LEASE_TTL")]
+    cluster_lease_ttl: Option<Dur>,
+    /// Replicas of the cluster's KV buckets [default: 3].
+    #[arg(long, env = "GREENDOT_CLUSTER_REPLICAS")]
+    cluster_replicas: Option<usize>,
 }
 
 impl ServeArgs {
@@ -195,6 +234,18 @@ impl ServeArgs {
         set(&mut s.store_timeout, &self.store_timeout);
         set(&mut s.push_queue_bytes, &self.push_queue_bytes);
         set(&mut s.push_budget_bytes, &self.push_budget_bytes);
+        for (slot, value) in [
+            (&mut s.cluster, &self.cluster),
+            (&mut s.node_id, &self.node_id),
+            (&mut s.advertise, &self.advertise),
+        ] {
+            if value.is_some() {
+                *slot = value.clone();
+            }
+        }
+        set(&mut s.cluster_shards, &self.cluster_shards);
+        set(&mut s.cluster_lease_ttl, &self.cluster_lease_ttl);
+        set(&mut s.cluster_replicas, &self.cluster_replicas);
         if let Some(g) = self.grace {
             s.grace = PerKind::all(g);
         }
@@ -382,6 +433,14 @@ fn main() -> ExitCode {
         } => {
             init_logs("warn");
             runtime().and_then(|rt| rt.block_on(client::run_watch(&client, users, json, batched)))
+        }
+        Command::Cluster(ClusterCommand::Status {
+            cluster,
+            shard,
+            shards,
+        }) => {
+            init_logs("warn");
+            runtime().and_then(|rt| rt.block_on(cluster::status(&cluster, shard, shards)))
         }
         Command::Bench(args) => {
             init_logs("warn");

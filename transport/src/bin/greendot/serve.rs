@@ -13,7 +13,7 @@ use greendot_server::{Server, ServerConfig};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-use tracing::info;
+use tracing::{info, warn};
 
 /// Writes `bytes` to a new file readable by its owner only.
 fn write_private(path: &Path, bytes: &[u8]) -> Result<(), String> {
@@ -175,13 +175,50 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     let server = Server::bind(config).map_err(|e| e.to_string())?;
     let addr = server.local_addr();
 
+    // Joined before the metrics page starts, so that it shows the node.
+    let mut node = match settings.cluster_config()? {
+        None => None,
+        Some((urls, config)) => {
+            let cluster = greendot_cluster::Cluster::connect(&urls, config)
+                .await
+                .map_err(|e| {
+                    format!(
+                        "cannot join the cluster at {urls}: {}",
+                        crate::cluster::chain(&e)
+                    )
+                })?;
+            let advertise = settings
+                .advertise
+                .clone()
+                .unwrap_or_else(|| addr.to_string());
+            let node = greendot_cluster::Node::start(cluster, advertise)
+                .await
+                .map_err(|e| {
+                    format!(
+                        "cannot join the cluster at {urls}: {}",
+                        crate::cluster::chain(&e)
+                    )
+                })?;
+            Some(node)
+        }
+    };
+    let cluster_status = node.as_ref().map(|n| n.status());
+
     // Kept until the process exits: it serves `/readyz` 503 while draining.
     let http = if settings.metrics.eq_ignore_ascii_case("off") {
         None
     } else {
         let listener = std::net::TcpListener::bind(&settings.metrics)
             .map_err(|e| format!("cannot listen for HTTP on {}: {e}", settings.metrics))?;
-        let thread = HttpService::new(server.monitor())
+        let mut service = HttpService::new(server.monitor());
+        if let Some(status) = cluster_status.clone() {
+            service = service.more_metrics(std::sync::Arc::new(move || {
+                status
+                    .borrow()
+                    .render_metrics(std::time::Instant::now())
+            }));
+        }
+        let thread = service
             .spawn(listener)
             .map_err(|e| format!("cannot start the HTTP port: {e}"))?;
         Some(thread)
@@ -205,6 +242,14 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     }
     let _ = writeln!(out, "token secret: {}", data.secret_path.display());
     let _ = writeln!(out, "store: {}", settings.store_path().display());
+    if let (Some(status), Some(urls)) = (&cluster_status, &settings.cluster) {
+        let s = status.borrow();
+        let _ = writeln!(
+            out,
+            "cluster node {} on NATS {urls} ({} live nodes)",
+            s.node, s.live_nodes
+        );
+    }
     match &http {
         Some(http) => {
             let at = http.local_addr();
@@ -227,7 +272,33 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     );
     drop(out);
 
-    wait_for_signal().await;
+    let cut_off = match node.as_mut() {
+        None => {
+            wait_for_signal().await;
+            false
+        }
+        Some(n) => tokio::select! {
+            _ = wait_for_signal() => false,
+            exit = n.finished() => { let _ = exit; true }
+        },
+    };
+    if cut_off {
+        // The node stopped owning its shards; its lease expires a margin
+        // from now: its clients go to other nodes before that.
+        warn!("cut off from the cluster (NATS unreachable or the lease lost): draining");
+        server.drain().await;
+        return Err(
+            "cut off from the cluster: clients were told to reconnect elsewhere; restart this node"
+                .into(),
+        );
+    }
+    if let Some(n) = node {
+        // Shards and lease released at once: other nodes take over now.
+        match n.leave().await {
+            Ok(_) => info!("left the cluster"),
+            Err(e) => warn!(error = %e, "leaving the cluster failed; its keys expire on their TTL"),
+        }
+    }
     info!("draining: closing connections and writing the store");
     server.drain().await;
     drop(http);

@@ -138,6 +138,20 @@ pub struct Settings {
     pub push_budget_bytes: usize,
     pub grace: PerKind,
     pub heartbeat_timeout: PerKind,
+    /// NATS URLs (comma-separated) of the cluster to join; unset: one
+    /// process, no NATS.
+    pub cluster: Option<String>,
+    /// This node's id in the cluster (`[A-Za-z0-9_-]`, unique per node).
+    pub node_id: Option<String>,
+    /// Where clients and operators reach this node [default: `listen`].
+    pub advertise: Option<String>,
+    /// Shards of the cluster (the same on every node).
+    pub cluster_shards: u32,
+    /// TTL of the node lease and the shard claims, whole seconds (the same
+    /// on every node); a node stops acting a fifth of it before expiry.
+    pub cluster_lease_ttl: Dur,
+    /// Replicas of the cluster's KV buckets (3 on a 3-node NATS cluster).
+    pub cluster_replicas: usize,
 }
 
 impl Default for Settings {
@@ -170,6 +184,12 @@ impl Default for Settings {
             push_budget_bytes: server.push_budget_bytes,
             grace: per(|k| k.grace),
             heartbeat_timeout: per(|k| k.heartbeat_timeout),
+            cluster: None,
+            node_id: None,
+            advertise: None,
+            cluster_shards: 4096,
+            cluster_lease_ttl: secs(15),
+            cluster_replicas: 3,
         }
     }
 }
@@ -187,6 +207,31 @@ impl Settings {
         self.secret_file
             .clone()
             .unwrap_or_else(|| self.data_dir.join(crate::SECRET_FILE))
+    }
+
+    /// The cluster layer's settings when `cluster` is set: the same TTL for
+    /// leases and claims, a margin of a fifth of it, operations bounded by
+    /// a third of the window a holder may act without a renewal.
+    pub fn cluster_config(
+        &self,
+    ) -> Result<Option<(String, greendot_cluster::ClusterConfig)>, String> {
+        let Some(urls) = &self.cluster else {
+            return Ok(None);
+        };
+        let id = self.node_id.as_deref().ok_or(
+            "--cluster needs --node-id (GREENDOT_NODE_ID, node_id): a name unique to this node",
+        )?;
+        let node = greendot_cluster::NodeId::new(id).map_err(|e| e.to_string())?;
+        let mut c = greendot_cluster::ClusterConfig::new(node);
+        c.shard_count = self.cluster_shards;
+        c.replicas = self.cluster_replicas;
+        c.lease_ttl = self.cluster_lease_ttl.0;
+        c.claim_ttl = self.cluster_lease_ttl.0;
+        c.marker_ttl = self.cluster_lease_ttl.0;
+        c.margin = self.cluster_lease_ttl.0 / 5;
+        c.op_timeout = (c.claim_timing().act_window() / 3).min(Duration::from_secs(2));
+        c.validate().map_err(|e| format!("cluster settings: {e}"))?;
+        Ok(Some((urls.clone(), c)))
     }
 
     pub fn store_path(&self) -> PathBuf {
@@ -211,5 +256,24 @@ mod tests {
         let partial = Settings::from_toml("debounce = \"1s\"\n[grace]\nmobile = \"5s\"\ndesktop = \"5s\"\nweb = \"5s\"\nother = \"5s\"\n").unwrap();
         assert_eq!(partial.debounce, secs(1));
         assert!(Settings::from_toml("nonsense = 1").is_err());
+        assert!(
+            matches!(s.cluster_config(), Ok(None)),
+            "no cluster unless asked"
+        );
+        let c = Settings::from_toml(
+            "cluster = \"nats://a:4222\"\nnode_id = \"n1\"\ncluster_lease_ttl = \"2s\"\n",
+        )
+        .unwrap();
+        let (urls, config) = c.cluster_config().unwrap().unwrap();
+        assert_eq!(urls, "nats://a:4222");
+        assert_eq!(config.lease_ttl, Duration::from_secs(2));
+        assert_eq!(config.margin, Duration::from_millis(400));
+        let no_id = Settings::from_toml("cluster = \"nats://a:4222\"\n").unwrap();
+        assert!(no_id.cluster_config().is_err());
+        let bad_ttl = Settings::from_toml(
+            "cluster = \"x\"\nnode_id = \"n\"\ncluster_lease_ttl = \"1500ms\"\n",
+        )
+        .unwrap();
+        assert!(bad_ttl.cluster_config().is_err());
     }
 }

@@ -1,0 +1,739 @@
+//! A node's duties in the cluster, as one task ([`Node::start`]): hold the
+//! node lease, follow the live nodes and the claims, claim, renew and
+//! release shards by rendezvous placement, stop acting before a claim or the
+//! lease can expire, and say so through a watch channel ([`NodeStatus`]).
+//!
+//! When the node is cut off from NATS, its renewals fail: each shard stops
+//! at its claim's deadline, and at the lease's deadline (`lease_ttl - margin`
+//! after the last renewal was sent) the status turns [`NodePhase::CutOff`]
+//! and the task ends: the server then closes its clients (Draining), `margin`
+//! before NATS can expire the lease. [`Node::leave`] (SIGTERM) releases every
+//! claim and the lease at once, so other nodes take the shards without
+//! waiting for a TTL.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
+use tracing::{debug, info, warn};
+
+use crate::client::{ClaimWatch, Cluster, MemberWatch, NodeLease};
+use crate::error::{ClusterError, Result};
+use crate::ids::{NodeId, ShardId};
+use crate::membership::MemberEvent;
+use crate::ownership::{ClaimAction, ClaimState, HeldShard, Ownership};
+
+/// Longest advertised address a lease value carries.
+pub const MAX_ADVERTISE_LEN: usize = 256;
+
+/// What a node's lease value tells the others (and `greendot cluster
+/// status`). Written as `key=value` lines; renewals rewrite `renewed_ms`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeInfo {
+    /// Where clients and operators reach the node (e.g. `host:4433`).
+    pub advertise: String,
+    /// Unix milliseconds when the node started.
+    pub started_ms: u64,
+    /// Unix milliseconds of the write (the writer's clock).
+    pub renewed_ms: u64,
+    pub shard_count: u32,
+    pub lease_ttl_ms: u64,
+}
+
+impl NodeInfo {
+    pub fn encode(&self) -> Bytes {
+        Bytes::from(format!(
+            "advertise={}\nstarted_ms={}\nrenewed_ms={}\nshards={}\nlease_ttl_ms={}\n",
+            self.advertise, self.started_ms, self.renewed_ms, self.shard_count, self.lease_ttl_ms
+        ))
+    }
+
+    /// `None` when the value is not one a node wrote.
+    pub fn decode(value: &[u8]) -> Option<NodeInfo> {
+        let text = std::str::from_utf8(value).ok()?;
+        let mut fields = HashMap::new();
+        for line in text.lines() {
+            let (k, v) = line.split_once('=')?;
+            fields.insert(k, v);
+        }
+        Some(NodeInfo {
+            advertise: fields.get("advertise")?.to_string(),
+            started_ms: fields.get("started_ms")?.parse().ok()?,
+            renewed_ms: fields.get("renewed_ms")?.parse().ok()?,
+            shard_count: fields.get("shards")?.parse().ok()?,
+            lease_ttl_ms: fields.get("lease_ttl_ms")?.parse().ok()?,
+        })
+    }
+}
+
+/// Unix time in milliseconds by this machine's clock.
+pub fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodePhase {
+    /// Holds its lease and acts for the shards it holds.
+    Active,
+    /// Its lease ran out without a renewal (cut off from NATS, or the lease
+    /// was lost): owns nothing; the server must close its clients now.
+    CutOff,
+    /// Left on purpose ([`Node::leave`]): claims and lease released.
+    Left,
+}
+
+/// A shard this node acts for, and until when at the latest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OwnedShard {
+    pub epoch: u64,
+    pub may_act_until: Instant,
+}
+
+/// The node's ownership as the server and the metrics read it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeStatus {
+    pub node: NodeId,
+    pub phase: NodePhase,
+    /// The node may serve clients strictly before this instant.
+    pub lease_until: Instant,
+    pub shards: BTreeMap<ShardId, OwnedShard>,
+    /// Live nodes as this node's watch sees them (itself included).
+    pub live_nodes: usize,
+    /// Shards won by a claim (each with a new epoch).
+    pub epoch_changes: u64,
+    pub lease_renewals: u64,
+}
+
+impl NodeStatus {
+    /// Whether the node may serve at `now`.
+    pub fn acting(&self, now: Instant) -> bool {
+        self.phase == NodePhase::Active && now < self.lease_until
+    }
+
+    /// The epoch under which the node may act for `shard` at `now`, if any:
+    /// a reader checks the deadlines itself, so a status it read a moment
+    /// ago never lets it act late.
+    pub fn acting_epoch(&self, shard: ShardId, now: Instant) -> Option<u64> {
+        let owned = self.shards.get(&shard)?;
+        (self.acting(now) && now < owned.may_act_until).then_some(owned.epoch)
+    }
+
+    /// Shards the node may act for at `now`.
+    pub fn shards_acting(&self, now: Instant) -> usize {
+        if !self.acting(now) {
+            return 0;
+        }
+        self.shards
+            .values()
+            .filter(|s| now < s.may_act_until)
+            .count()
+    }
+
+    /// The node's cluster metrics in the Prometheus text format.
+    pub fn render_metrics(&self, now: Instant) -> String {
+        let node = &self.node;
+        let mut out = String::new();
+        for (name, kind, help, value) in [
+            (
+                "greendot_cluster_shards_owned",
+                "gauge",
+                "Shards this node holds a live claim for and acts for.",
+                self.shards_acting(now) as u64,
+            ),
+            (
+                "greendot_cluster_epoch_changes_total",
+                "counter",
+                "Shards this node won by a claim (each a new epoch).",
+                self.epoch_changes,
+            ),
+            (
+                "greendot_cluster_lease_renewals_total",
+                "counter",
+                "Successful renewals of this node's lease.",
+                self.lease_renewals,
+            ),
+            (
+                "greendot_cluster_acting",
+                "gauge",
+                "1 while this node holds its lease and may serve, else 0.",
+                u64::from(self.acting(now)),
+            ),
+            (
+                "greendot_cluster_live_nodes",
+                "gauge",
+                "Live nodes as this node sees them.",
+                self.live_nodes as u64,
+            ),
+        ] {
+            out.push_str(&format!(
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{node=\"{node}\"}} {value}\n"
+            ));
+        }
+        out
+    }
+}
+
+/// How the duty task ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeExit {
+    CutOff,
+    Left,
+}
+
+/// A running node's duty task.
+pub struct Node {
+    status: watch::Receiver<NodeStatus>,
+    leave: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<NodeExit>>,
+}
+
+/// Claims and renewals in flight at once.
+const IN_FLIGHT: usize = 32;
+
+impl Node {
+    /// Takes the node lease (waiting up to two lease TTLs while a previous
+    /// run of this node id still holds it), then starts the duty task.
+    pub async fn start(cluster: Cluster, advertise: String) -> Result<Node> {
+        if advertise.len() > MAX_ADVERTISE_LEN || advertise.contains(['\n', '\r']) {
+            return Err(ClusterError::Corrupt {
+                bucket: cluster.config().bucket("leases"),
+                key: format!(
+                    "advertise address {advertise:?} (one line, at most {MAX_ADVERTISE_LEN} bytes)"
+                ),
+            });
+        }
+        let config = cluster.config().clone();
+        let mut info = NodeInfo {
+            advertise,
+            started_ms: unix_ms(),
+            renewed_ms: unix_ms(),
+            shard_count: config.shard_count,
+            lease_ttl_ms: config.lease_ttl.as_millis() as u64,
+        };
+        // Watches first: our lease write then comes after their initial
+        // snapshot, so seeing ourselves join means the snapshot is complete.
+        let mut members = cluster.watch_members().await?;
+        let claims = cluster.watch_claims().await?;
+        let give_up = Instant::now() + config.lease_ttl * 2 + config.op_timeout;
+        let lease = loop {
+            info.renewed_ms = unix_ms();
+            match cluster.acquire_lease(info.encode()).await {
+                Ok(lease) => break lease,
+                Err(ClusterError::LeaseHeld { .. }) if Instant::now() < give_up => {
+                    debug!("node lease still held by a previous run; waiting for its TTL");
+                    tokio::time::sleep(config.lease_timing().renew_every()).await;
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        let me = cluster.node().clone();
+        let caught_up = async {
+            while let Some(event) = members.next().await {
+                if matches!(&event, Ok(MemberEvent::Joined { node, .. }) if *node == me) {
+                    break;
+                }
+            }
+        };
+        if tokio::time::timeout_at(lease.may_act_until().into(), caught_up)
+            .await
+            .is_err()
+        {
+            warn!("own lease not seen on the watch in time; planning with what is known");
+        }
+        let (tx, status) = watch::channel(NodeStatus {
+            node: me,
+            phase: NodePhase::Active,
+            lease_until: lease.may_act_until(),
+            shards: BTreeMap::new(),
+            live_nodes: members.membership().len(),
+            epoch_changes: 0,
+            lease_renewals: 0,
+        });
+        let (leave, leave_rx) = oneshot::channel();
+        let duty = Duty {
+            ownership: Ownership::new(cluster.node().clone(), config.shard_count),
+            cluster,
+            info,
+            members: Some(members),
+            claims: Some(claims),
+            lease,
+            tx,
+            backoff: HashMap::new(),
+            lease_retry_at: None,
+            watch_retry_at: Instant::now(),
+            epoch_changes: 0,
+            lease_renewals: 0,
+        };
+        let task = tokio::spawn(duty.run(leave_rx));
+        Ok(Node {
+            status,
+            leave: Some(leave),
+            task,
+        })
+    }
+
+    /// The node's ownership, updated on every change.
+    pub fn status(&self) -> watch::Receiver<NodeStatus> {
+        self.status.clone()
+    }
+
+    /// Waits until the task ends by itself (cut off from NATS).
+    pub async fn finished(&mut self) -> Result<NodeExit> {
+        match (&mut self.task).await {
+            Ok(exit) => exit,
+            Err(e) => panic!("node duty task failed: {e}"),
+        }
+    }
+
+    /// Leaves the cluster: stops acting for every shard, deletes the claims
+    /// and then the lease, so other nodes take over at once.
+    pub async fn leave(mut self) -> Result<NodeExit> {
+        if let Some(leave) = self.leave.take() {
+            let _ = leave.send(());
+        }
+        self.finished().await
+    }
+
+    /// Stops the task as a crash would (`kill -9`): nothing is released;
+    /// claims and lease expire on their TTLs. For tests.
+    #[doc(hidden)]
+    pub fn crash(self) {
+        self.task.abort();
+    }
+}
+
+struct Duty {
+    cluster: Cluster,
+    info: NodeInfo,
+    members: Option<MemberWatch>,
+    claims: Option<ClaimWatch>,
+    lease: NodeLease,
+    ownership: Ownership,
+    tx: watch::Sender<NodeStatus>,
+    /// Shards not to claim again before this instant (a claim failed: the
+    /// claims watch has not caught up, or NATS is unreachable).
+    backoff: HashMap<ShardId, Instant>,
+    lease_retry_at: Option<Instant>,
+    /// No new watch attempt before this instant.
+    watch_retry_at: Instant,
+    epoch_changes: u64,
+    lease_renewals: u64,
+}
+
+/// The outcome of one claim action.
+enum Done {
+    Claimed(ShardId, Result<HeldShard>),
+    Renewed(HeldShard, Result<()>),
+    Released(ShardId, Result<()>),
+}
+
+impl Duty {
+    fn publish(&self, phase: NodePhase) {
+        let shards = self
+            .ownership
+            .held()
+            .map(|h| {
+                let owned = OwnedShard {
+                    epoch: h.epoch,
+                    may_act_until: h.may_act_until().min(self.lease.may_act_until()),
+                };
+                (h.shard, owned)
+            })
+            .collect();
+        let status = NodeStatus {
+            node: self.cluster.node().clone(),
+            phase,
+            lease_until: self.lease.may_act_until(),
+            shards,
+            live_nodes: self.members.as_ref().map_or(0, |m| m.membership().len()),
+            epoch_changes: self.epoch_changes,
+            lease_renewals: self.lease_renewals,
+        };
+        self.tx.send_if_modified(|old| {
+            let changed = *old != status;
+            *old = status;
+            changed
+        });
+    }
+
+    fn retry_delay(&self) -> Duration {
+        self.cluster.config().claim_timing().renew_every()
+    }
+
+    async fn run(mut self, mut leave: oneshot::Receiver<()>) -> Result<NodeExit> {
+        loop {
+            let now = Instant::now();
+            let lease_until = self.lease.may_act_until();
+            for stopped in self.ownership.stop_expired(now, lease_until) {
+                warn!(shard = %stopped.shard, epoch = stopped.epoch, "claim not renewed in time: stopped acting for the shard");
+            }
+            if now >= lease_until {
+                warn!("node lease not renewed in time: owning nothing, clients must move");
+                self.publish(NodePhase::CutOff);
+                return Ok(NodeExit::CutOff);
+            }
+            self.publish(NodePhase::Active);
+            self.backoff.retain(|_, until| *until > now);
+
+            if now >= self.lease.tenure.renew_at() && self.lease_retry_at.is_none_or(|t| now >= t) {
+                self.info.renewed_ms = unix_ms();
+                let value = self.info.encode();
+                let renew = self.cluster.renew_lease(&mut self.lease, value);
+                let result = tokio::select! {
+                    r = tokio::time::timeout_at(lease_until.into(), renew) => Some(r),
+                    _ = &mut leave => None,
+                };
+                let Some(result) = result else {
+                    return self.leave().await;
+                };
+                match result {
+                    Ok(Ok(())) => {
+                        self.lease_renewals += 1;
+                        self.lease_retry_at = None;
+                    }
+                    Ok(Err(ClusterError::Conflict { .. })) => {
+                        if !self.adopt_landed_renewal().await {
+                            warn!("node lease expired or taken: owning nothing, clients must move");
+                            let held: Vec<ShardId> =
+                                self.ownership.held().map(|h| h.shard).collect();
+                            for shard in held {
+                                self.ownership.remove(shard);
+                            }
+                            self.publish(NodePhase::CutOff);
+                            return Ok(NodeExit::CutOff);
+                        }
+                    }
+                    Ok(Err(e)) => {
+                        debug!(error = %e, "lease renewal failed; retrying");
+                        self.lease_retry_at = Some(Instant::now() + self.retry_delay() / 4);
+                    }
+                    Err(_) => {}
+                }
+                continue;
+            }
+
+            // Only with this node in the live set: over a set that lacks
+            // it (a watch made again, still replaying), placement would
+            // give its shards away. With it, a partial set only makes it
+            // try claims that fail.
+            let plan = match &self.members {
+                Some(members) if members.membership().is_live(self.cluster.node()) => {
+                    let table = self.claims.as_ref().map(|c| c.table());
+                    match table {
+                        Some(table) => self.ownership.plan(members.membership(), table, now),
+                        None => Vec::new(),
+                    }
+                }
+                _ => Vec::new(),
+            };
+            let actions: Vec<ClaimAction> = plan
+                .into_iter()
+                .filter(|a| match a {
+                    ClaimAction::Claim { shard, .. } | ClaimAction::Renew { shard } => {
+                        !self.backoff.contains_key(shard)
+                    }
+                    ClaimAction::Release { .. } => true,
+                })
+                .collect();
+            if !actions.is_empty() {
+                if let Some(exit) = self.act(actions, &mut leave).await? {
+                    return Ok(exit);
+                }
+                continue;
+            }
+            if let Some(exit) = self.wait(&mut leave).await? {
+                return Ok(exit);
+            }
+        }
+    }
+
+    /// After a renewal conflict: an earlier renewal that timed out may have
+    /// landed later. The lease is still ours if it carries this run's start
+    /// time; adopt its revision (the deadline stays where it was).
+    async fn adopt_landed_renewal(&mut self) -> bool {
+        match self.cluster.lease(self.cluster.node()).await {
+            Ok(Some(entry)) if entry.op == crate::kv::KvOp::Put => {
+                let ours = NodeInfo::decode(&entry.value).is_some_and(|i| {
+                    i.started_ms == self.info.started_ms && i.advertise == self.info.advertise
+                });
+                if ours {
+                    self.lease.revision = entry.revision;
+                }
+                ours
+            }
+            _ => false,
+        }
+    }
+
+    /// Runs a batch of claim actions, applying each outcome as it arrives;
+    /// gives up on the rest when a deadline comes (a hanging write never
+    /// delays a stop) or the node is told to leave.
+    async fn act(
+        &mut self,
+        actions: Vec<ClaimAction>,
+        leave: &mut oneshot::Receiver<()>,
+    ) -> Result<Option<NodeExit>> {
+        let mut work = Vec::new();
+        for action in actions {
+            let cluster = self.cluster.clone();
+            match action {
+                ClaimAction::Claim {
+                    shard,
+                    expected_revision,
+                } => work.push(futures_util::future::Either::Left(async move {
+                    Done::Claimed(shard, cluster.claim_shard(shard, expected_revision).await)
+                })),
+                ClaimAction::Renew { shard } => {
+                    let Some(mut held) = self.ownership.get(shard).cloned() else {
+                        continue;
+                    };
+                    work.push(futures_util::future::Either::Right(
+                        futures_util::future::Either::Left(async move {
+                            let r = cluster.renew_claim(&mut held).await;
+                            Done::Renewed(held, r)
+                        }),
+                    ));
+                }
+                ClaimAction::Release { shard } => {
+                    // Stop acting first, then hand the shard back.
+                    let Some(held) = self.ownership.remove(shard) else {
+                        continue;
+                    };
+                    info!(%shard, epoch = held.epoch, "another node should own this shard: releasing");
+                    work.push(futures_util::future::Either::Right(
+                        futures_util::future::Either::Right(async move {
+                            Done::Released(shard, cluster.release_claim(held).await)
+                        }),
+                    ));
+                }
+            }
+        }
+        self.publish(NodePhase::Active);
+        let mut batch = futures_util::stream::iter(work).buffer_unordered(IN_FLIGHT);
+        loop {
+            let lease_until = self.lease.may_act_until();
+            let stop_at = self
+                .ownership
+                .next_deadline(lease_until)
+                .unwrap_or(lease_until)
+                .min(self.lease.tenure.renew_at().max(Instant::now()));
+            let done = tokio::select! {
+                biased;
+                _ = &mut *leave => None,
+                _ = tokio::time::sleep_until(stop_at.into()) => return Ok(None),
+                done = batch.next() => Some(done),
+            };
+            let Some(done) = done else {
+                drop(batch);
+                return self.leave().await.map(Some);
+            };
+            let Some(done) = done else { return Ok(None) };
+            let now = Instant::now();
+            match done {
+                Done::Claimed(shard, Ok(held)) => {
+                    info!(%shard, epoch = held.epoch, "claimed shard");
+                    self.epoch_changes += 1;
+                    self.ownership.insert(held);
+                }
+                Done::Claimed(shard, Err(e)) => {
+                    debug!(%shard, error = %e, "claim failed");
+                    self.backoff.insert(shard, now + self.retry_delay());
+                }
+                Done::Renewed(held, Ok(())) => {
+                    // Only if still held under this epoch (not released meanwhile).
+                    if self
+                        .ownership
+                        .get(held.shard)
+                        .is_some_and(|h| h.epoch == held.epoch)
+                    {
+                        self.ownership.insert(held);
+                    }
+                }
+                Done::Renewed(held, Err(ClusterError::Conflict { .. })) => {
+                    warn!(shard = %held.shard, epoch = held.epoch, "claim lost: stopped acting for the shard");
+                    self.ownership.remove(held.shard);
+                }
+                Done::Renewed(held, Err(e)) => {
+                    debug!(shard = %held.shard, error = %e, "claim renewal failed; retrying");
+                    self.backoff
+                        .insert(held.shard, now + self.retry_delay() / 4);
+                }
+                Done::Released(shard, r) => {
+                    if let Err(e) = r {
+                        debug!(%shard, error = %e, "release failed; the claim expires on its TTL");
+                    }
+                }
+            }
+            self.publish(NodePhase::Active);
+        }
+    }
+
+    /// Sleeps until something is due, a member joins or leaves, or a claim
+    /// becomes free.
+    async fn wait(&mut self, leave: &mut oneshot::Receiver<()>) -> Result<Option<NodeExit>> {
+        let lease_until = self.lease.may_act_until();
+        let mut wake = self
+            .lease_retry_at
+            .unwrap_or(self.lease.tenure.renew_at())
+            .min(lease_until);
+        for h in self.ownership.held() {
+            wake = wake.min(h.may_act_until()).min(h.tenure.renew_at());
+        }
+        if let Some(b) = self.backoff.values().min() {
+            wake = wake.min(*b);
+        }
+        // A watch silent for three lease renewal periods has stalled (this
+        // node's own renewals alone would have shown): its consumer lived on
+        // a NATS node that died. Made again rather than waiting for
+        // `async-nats` to notice; so is a watch that ended.
+        let stall_after = self.cluster.config().lease_timing().renew_every() * 3;
+        let now = Instant::now();
+        if self
+            .members
+            .as_ref()
+            .is_some_and(|m| now >= m.seen_at() + stall_after)
+        {
+            warn!("member watch silent for {stall_after:?}: watching again");
+            self.members = None;
+        }
+        if self.claims.as_ref().is_some_and(|c| {
+            now >= c.seen_at() + stall_after && self.ownership.held().next().is_some()
+        }) {
+            warn!("claim watch silent for {stall_after:?}: watching again");
+            self.claims = None;
+        }
+        // Making a watch needs the JetStream meta leader, which may be in an
+        // election: only when nothing is due for a while, bounded so that
+        // renewals never wait for it, and not more often than retry_delay.
+        let budget = self.cluster.config().op_timeout;
+        let missing = self.members.is_none() || self.claims.is_none();
+        if missing && self.watch_retry_at <= now && now + budget * 2 <= wake {
+            let until = (wake - budget).into();
+            if self.members.is_none() {
+                match tokio::time::timeout_at(until, self.cluster.watch_members()).await {
+                    Ok(Ok(w)) => self.members = Some(w),
+                    Ok(Err(e)) => debug!(error = %e, "cannot watch the members yet"),
+                    Err(_) => debug!("watching the members timed out"),
+                }
+            }
+            if self.claims.is_none() {
+                match tokio::time::timeout_at(until, self.cluster.watch_claims()).await {
+                    Ok(Ok(w)) => self.claims = Some(w),
+                    Ok(Err(e)) => debug!(error = %e, "cannot watch the claims yet"),
+                    Err(_) => debug!("watching the claims timed out"),
+                }
+            }
+            if self.members.is_none() || self.claims.is_none() {
+                self.watch_retry_at = Instant::now() + self.retry_delay();
+            }
+        }
+        if self.members.is_none() || self.claims.is_none() {
+            wake = wake.min(self.watch_retry_at.max(Instant::now() + budget));
+        }
+        if let Some(m) = &self.members {
+            wake = wake.min(m.seen_at() + stall_after);
+        }
+        if let Some(c) = &self.claims {
+            if self.ownership.held().next().is_some() {
+                wake = wake.min(c.seen_at() + stall_after);
+            }
+        }
+        let me = self.cluster.node().clone();
+        loop {
+            enum Woke {
+                Leave,
+                Due,
+                Member(Option<Result<MemberEvent>>),
+                Claim(Option<Result<(ShardId, ClaimState)>>),
+            }
+            let woke = {
+                let members = async {
+                    match self.members.as_mut() {
+                        Some(m) => m.next().await,
+                        None => std::future::pending().await,
+                    }
+                };
+                let claims = async {
+                    match self.claims.as_mut() {
+                        Some(c) => c.next().await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    biased;
+                    _ = &mut *leave => Woke::Leave,
+                    _ = tokio::time::sleep_until(wake.into()) => Woke::Due,
+                    event = members => Woke::Member(event),
+                    change = claims => Woke::Claim(change),
+                }
+            };
+            match woke {
+                Woke::Leave => return self.leave().await.map(Some),
+                Woke::Due => return Ok(None),
+                Woke::Member(None) => {
+                    self.members = None;
+                    return Ok(None);
+                }
+                Woke::Member(Some(Err(e))) => debug!(error = %e, "member watch"),
+                Woke::Member(Some(Ok(event))) => {
+                    info!(?event, "membership changed");
+                    return Ok(None);
+                }
+                Woke::Claim(None) => {
+                    self.claims = None;
+                    return Ok(None);
+                }
+                Woke::Claim(Some(Err(e))) => debug!(error = %e, "claim watch"),
+                // Renewals by others change nothing here; a free shard may
+                // be ours to claim; a claim by us that we did not record (a
+                // write given up on) simply expires.
+                Woke::Claim(Some(Ok((_, ClaimState::Free { .. })))) => return Ok(None),
+                Woke::Claim(Some(Ok((shard, ClaimState::Held(r))))) => {
+                    if r.owner != me && self.ownership.get(shard).is_some() {
+                        return Ok(None);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Stops acting for every shard, deletes the claims, then the lease.
+    async fn leave(&mut self) -> Result<NodeExit> {
+        let held: Vec<HeldShard> = self
+            .ownership
+            .held()
+            .map(|h| h.shard)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .filter_map(|s| self.ownership.remove(s))
+            .collect();
+        self.publish(NodePhase::Active);
+        let count = held.len();
+        let cluster = self.cluster.clone();
+        let releases = futures_util::stream::iter(held.into_iter().map(|h| {
+            let cluster = cluster.clone();
+            async move { cluster.release_claim(h).await }
+        }))
+        .buffer_unordered(IN_FLIGHT)
+        .collect::<Vec<_>>();
+        let bound = self.cluster.config().op_timeout * 2;
+        match tokio::time::timeout(bound, releases).await {
+            Ok(results) => {
+                let failed = results.iter().filter(|r| r.is_err()).count();
+                info!(released = count - failed, failed, "released shards");
+            }
+            Err(_) => warn!("releasing shards timed out; the rest expire on their TTL"),
+        }
+        let lease = self.lease.clone();
+        if let Err(e) = self.cluster.release_lease(lease).await {
+            warn!(error = %e, "releasing the node lease failed; it expires on its TTL");
+        }
+        self.publish(NodePhase::Left);
+        Ok(NodeExit::Left)
+    }
+}

@@ -1,0 +1,190 @@
+//! Three `greendot serve --cluster` processes on a real 3-node NATS cluster:
+//! `greendot cluster status` shows the nodes and every shard owned once;
+//! the metrics page shows the node's cluster gauges; SIGTERM hands a node's
+//! shards over at once; `kill -9` within the lease TTL plus NATS's expiry
+//! slack. Status against no NATS is a clear error.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use greendot_cluster::testing::NatsCluster;
+
+const BIN: &str = env!("CARGO_BIN_EXE_greendot");
+const LEASE_TTL: Duration = Duration::from_secs(2);
+/// How late after a TTL NATS may expire a key, plus a loaded machine.
+const SLACK: Duration = Duration::from_secs(8);
+
+struct Node {
+    child: Child,
+    metrics: String,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve(dir: &Path, urls: &str, id: &str) -> Node {
+    let data = dir.join(id);
+    let mut child = Command::new(BIN)
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics",
+            "127.0.0.1:0",
+        ])
+        .arg("--data-dir")
+        .arg(&data)
+        .args(["--cluster", urls, "--node-id", id, "--cluster-shards", "64"])
+        .args(["--cluster-lease-ttl", "2s", "--advertise"])
+        .arg(format!("{id}.test:4433"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("greendot serve");
+    let (tx, rx) = mpsc::channel();
+    let out = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    // Killed and reaped on drop, also if no metrics line comes.
+    let mut node = Node {
+        child,
+        metrics: String::new(),
+    };
+    let deadline = Instant::now() + SLACK;
+    loop {
+        let line = rx
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .unwrap_or_else(|_| panic!("{id}: no metrics line"));
+        if let Some(at) = line.strip_prefix("metrics on http://") {
+            node.metrics = at.trim_end_matches("/metrics").to_owned();
+            return node;
+        }
+    }
+}
+
+fn status(urls: &str) -> (bool, String) {
+    let out = Command::new(BIN)
+        .args(["cluster", "status", "--cluster", urls, "--shard", "7"])
+        .output()
+        .expect("greendot cluster status");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+fn until_status(urls: &str, within: Duration, what: &str, done: impl Fn(&str) -> bool) -> String {
+    let t0 = Instant::now();
+    let mut last = String::new();
+    while t0.elapsed() < within {
+        let (ok, text) = status(urls);
+        if ok && done(&text) {
+            return text;
+        }
+        last = text;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("{what}: not within {within:?}; last status:\n{last}");
+}
+
+fn metrics(at: &str) -> String {
+    let mut stream = TcpStream::connect(at).expect("metrics port");
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).unwrap();
+    text
+}
+
+/// The SHARDS column of `node`'s row.
+fn shards_of(text: &str, node: &str) -> Option<usize> {
+    text.lines()
+        .find(|l| l.split_whitespace().next() == Some(node))
+        .and_then(|l| l.split_whitespace().last()?.parse().ok())
+}
+
+fn temp_dir() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("greendot-cluster-bin-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_greendot_nodes_status_drain_and_kill_9() {
+    let nats = NatsCluster::start(3).await;
+    let urls = nats.urls();
+    let dir = temp_dir();
+    let mut a = serve(&dir, &urls, "a");
+    let mut b = serve(&dir, &urls, "b");
+    let c = serve(&dir, &urls, "c");
+
+    let text = until_status(&urls, LEASE_TTL * 3 + SLACK, "three nodes own all", |t| {
+        t.contains("nodes: 3") && t.contains("owned 64, unowned 0")
+    });
+    println!("{text}");
+    assert!(text.contains("a.test:4433"), "{text}");
+    let counts: Vec<usize> = ["a", "b", "c"]
+        .iter()
+        .map(|n| shards_of(&text, n).unwrap_or(0))
+        .collect();
+    assert_eq!(counts.iter().sum::<usize>(), 64, "{text}");
+    assert!(counts.iter().all(|n| (10..=32).contains(n)), "{counts:?}");
+    assert!(text.contains("shard 7: owner "), "{text}");
+    let page = metrics(&a.metrics);
+    assert!(
+        page.contains("greendot_cluster_acting{node=\"a\"} 1"),
+        "{page}"
+    );
+    assert!(page.contains(&format!(
+        "greendot_cluster_shards_owned{{node=\"a\"}} {}",
+        counts[0]
+    )));
+
+    // SIGTERM of b: its shards are released at once.
+    let t0 = Instant::now();
+    Command::new("kill")
+        .args(["-TERM", &b.child.id().to_string()])
+        .status()
+        .unwrap();
+    let text = until_status(&urls, LEASE_TTL, "b's shards taken over", |t| {
+        t.contains("nodes: 2") && t.contains("owned 64, unowned 0")
+    });
+    println!(
+        "SIGTERM of b: all shards owned again after {:?}\n{text}",
+        t0.elapsed()
+    );
+    assert!(b.child.wait().unwrap().success());
+
+    // kill -9 of a: within its lease TTL plus NATS's slack.
+    let t0 = Instant::now();
+    a.child.kill().unwrap();
+    let _ = a.child.wait();
+    let text = until_status(&urls, LEASE_TTL + SLACK, "a's shards taken over", |t| {
+        t.contains("nodes: 1") && shards_of(t, "c") == Some(64)
+    });
+    println!(
+        "kill -9 of a: c owns all shards after {:?}\n{text}",
+        t0.elapsed()
+    );
+    drop(c);
+    drop(nats);
+
+    let (ok, text) = status("nats://127.0.0.1:1");
+    assert!(!ok);
+    assert!(
+        text.contains("cannot read the cluster at nats://127.0.0.1:1"),
+        "{text}"
+    );
+}
