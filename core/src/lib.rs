@@ -43,9 +43,11 @@
 //! I1–I11 are those of greendot's DESIGN.md; `check_invariants` (feature
 //! `check`) verifies the structural ones after any step.
 
+pub mod cluster;
 mod config;
 mod engine;
 mod error;
+mod fanout;
 mod index;
 mod output;
 mod types;
@@ -60,9 +62,11 @@ pub mod mutants;
 
 #[cfg(feature = "check")]
 pub use audit::Audit;
+pub use cluster::{Epoch, NodeId, Published, ShardId};
 pub use config::{Config, ConfigError, KindConfig, RealtimeOverflow};
 pub use engine::{Connect, Connected, Core, Counters, Input, Reply, Saved, SessionInfo, Snapshot};
 pub use error::{Error, Limit};
+pub use fanout::Fanout;
 pub use output::{EndReason, Output};
 pub use types::{
     DeviceId, DeviceKind, Kinds, Millis, Presence, SessionId, Status, Tier, UserId, Watch,

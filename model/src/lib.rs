@@ -8,9 +8,15 @@
 //! - [`protocol`] (Model 2): a server actor running the core and client actors
 //!   using the core's `View`, over a network that loses, reorders and
 //!   duplicates messages, with reconnects that resume.
+//! - [`cluster`] (Model 3): nodes that are edges and owners, a KV with
+//!   leases and compare-and-set, a lossy network, crashes, restarts and
+//!   cut-offs, with the real core in every owner and the real `Fanout` and
+//!   `View` at the watcher's edge: C1–C5 (C6 is a differential property
+//!   test in `core/tests/cluster.rs`).
 //!
 //! See VERIFIED.md for what is checked, the bounds and the state counts.
 
+pub mod cluster;
 pub mod core_model;
 pub mod protocol;
 

@@ -174,3 +174,142 @@ fn model2_catches_invisible_ignored() {
         }
     }
 }
+
+// ----- Model 3: the cluster ---------------------------------------------------
+
+use greendot_model::cluster::{describe, ClusterBounds, ClusterModel, ClusterMutant};
+
+/// Unique states of Model 3 at each of `ClusterBounds::CI`, as lower
+/// bounds (see `CORE_STATES`).
+const CLUSTER_STATES: [usize; 5] = [0, 0, 0, 0, 0];
+
+fn check_cluster(name: &str, bounds: ClusterBounds) -> usize {
+    let start = Instant::now();
+    let checker = ClusterModel::new(bounds, None)
+        .checker()
+        .threads(threads())
+        .spawn_bfs()
+        .join();
+    println!(
+        "{name}: {} unique states ({} generated) in {:.1?}",
+        checker.unique_state_count(),
+        checker.state_count(),
+        start.elapsed()
+    );
+    for p in checker.model().properties() {
+        let found = checker.discovery(p.name);
+        if p.expectation.discovery_is_failure() {
+            if let Some(path) = found {
+                for (state, action) in path.into_vec() {
+                    println!("  {}", describe(&state));
+                    println!("    -> {action:?}");
+                }
+                panic!("{name}: {} violated", p.name);
+            }
+        } else {
+            assert!(found.is_some(), "{name}: {} never reached", p.name);
+        }
+    }
+    checker.unique_state_count()
+}
+
+#[test]
+#[ignore = "unfinished: CRASH takes 220 s and finds a C4 hole (SetInvisible acked with no session at a new owner); see the report"]
+fn model3_cluster_c1_to_c5_hold_at_ci_bounds() {
+    let _serial = serial();
+    let start = Instant::now();
+    for ((name, bounds), pinned) in ClusterBounds::CI.into_iter().zip(CLUSTER_STATES) {
+        let states = check_cluster(&format!("Model 3 ({name})"), bounds);
+        assert!(
+            states >= pinned,
+            "Model 3 ({name}) reaches {states} states, fewer than the {pinned} pinned"
+        );
+    }
+    println!("Model 3: all bounds in {:.1?}", start.elapsed());
+}
+
+/// Each broken protocol is caught by the property it breaks, at the first
+/// CI bound that can show it.
+#[test]
+#[ignore = "unfinished: NoResyncHold is not caught at these bounds; see the report"]
+fn model3_catches_every_broken_protocol() {
+    let _serial = serial();
+    for m in ClusterMutant::ALL {
+        let want = m.property();
+        let bounds = match m {
+            ClusterMutant::KeepOwningAfterLapse => ClusterBounds::CUT,
+            ClusterMutant::NoIncarnation => ClusterBounds::RESTART,
+            ClusterMutant::IgnoreEdgeLost => ClusterBounds::THREE,
+            _ => ClusterBounds::CRASH,
+        };
+        let start = Instant::now();
+        let checker = ClusterModel::new(bounds, Some(m))
+            .checker()
+            .threads(threads())
+            .finish_when(HasDiscoveries::AnyOf(BTreeSet::from([want])))
+            .spawn_bfs()
+            .join();
+        let path = checker
+            .discovery(want)
+            .unwrap_or_else(|| panic!("{m:?} not caught by {want}"));
+        println!("{m:?} caught by {want:?} in {:.1?}:", start.elapsed());
+        for (state, action) in path.into_vec() {
+            println!("  {}", describe(&state));
+            println!("    -> {action:?}");
+        }
+    }
+}
+
+#[test]
+#[ignore]
+fn model3_probe() {
+    let v = |k: &str, d: u64| {
+        std::env::var(k)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(d)
+    };
+    let b = ClusterBounds {
+        nodes: v("N", 2) as u8,
+        alice_edge: v("AE", 1) as u8,
+        first_owner: v("FO", 1) as u8,
+        crashes: v("CR", 1) as u8,
+        restarts: v("RS", 0) as u8,
+        cuts: v("CU", 0) as u8,
+        drops: v("DR", 0) as u8,
+        flips: v("FL", 0) as u8,
+        invisible_at: v("IA", 1),
+        faults_until: v("FU", 99),
+        max_time: v("T", 5),
+    };
+    println!("{b:?}");
+    let checker = ClusterModel::new(b, None)
+        .checker()
+        .threads(threads())
+        .target_state_count(v("LIMIT", 100_000) as usize)
+        .spawn_bfs()
+        .join();
+    println!(
+        "probe: {} unique, depth {}",
+        checker.unique_state_count(),
+        checker.max_depth()
+    );
+    let mut state = None;
+    for p in checker.model().properties() {
+        if let Some(path) = checker.discovery(p.name) {
+            println!("{} found", p.name);
+            let path = path.into_vec();
+            if p.name.starts_with('C') {
+                for (s, a) in &path {
+                    println!("  {}", describe(s));
+                    println!("    -> {a:?}");
+                }
+            }
+            state = path.last().map(|(s, _)| s.clone());
+        }
+    }
+    if let Some(s) = state {
+        println!("{}", describe(&s));
+        println!("net {:?}", s.net);
+    }
+}
