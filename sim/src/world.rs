@@ -742,6 +742,14 @@ impl Sim {
                     self.last_restart = Some(now);
                     self.down_until = Some(now + Duration::from_millis(self.rng.range(100, 3_000)));
                 }
+                // The simulated clients speak raw QUIC only: a WebSocket
+                // output here would be the server inventing a connection.
+                other @ (ServerOutput::WsSend { .. }
+                | ServerOutput::WsPing { .. }
+                | ServerOutput::WsClose { .. }
+                | ServerOutput::WsCredit { .. }) => {
+                    return Err(format!("WebSocket output without a WebSocket client: {other:?}"));
+                }
             }
         }
         Ok(progress)
