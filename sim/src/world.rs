@@ -748,7 +748,9 @@ impl Sim {
                 | ServerOutput::WsPing { .. }
                 | ServerOutput::WsClose { .. }
                 | ServerOutput::WsCredit { .. }) => {
-                    return Err(format!("WebSocket output without a WebSocket client: {other:?}"));
+                    return Err(format!(
+                        "WebSocket output without a WebSocket client: {other:?}"
+                    ));
                 }
             }
         }

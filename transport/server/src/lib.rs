@@ -87,9 +87,9 @@ mod store;
 pub mod tls;
 pub mod token;
 mod udp;
+mod webtransport;
 mod ws;
 mod ws_io;
-mod webtransport;
 
 use conn::{Handled, Step};
 pub use conn::{RateLimit, RATE_LIMIT_PATIENCE};

@@ -213,9 +213,7 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
         let mut service = HttpService::new(server.monitor());
         if let Some(status) = cluster_status.clone() {
             service = service.more_metrics(std::sync::Arc::new(move || {
-                status
-                    .borrow()
-                    .render_metrics(std::time::Instant::now())
+                status.borrow().render_metrics(std::time::Instant::now())
             }));
         }
         let thread = service
