@@ -294,6 +294,21 @@ impl NatsCluster {
         &self.nodes[i].name
     }
 
+    /// Which node leads the JetStream stream of KV `bucket` (`KV_<bucket>`).
+    pub async fn stream_leader(&self, bucket: &str) -> usize {
+        let js = async_nats::jetstream::new(async_nats::connect(self.url(0)).await.unwrap());
+        let mut stream = js.get_stream(format!("KV_{bucket}")).await.unwrap();
+        let info = stream.info().await.unwrap();
+        let leader = info
+            .cluster
+            .as_ref()
+            .and_then(|c| c.leader.clone())
+            .expect("stream has a leader");
+        (0..self.size())
+            .find(|&i| self.name(i) == leader)
+            .expect("leader is one of ours")
+    }
+
     /// `kill -9` of node `i`; its store stays for a restart.
     pub fn kill(&mut self, i: usize) {
         if let Some(mut child) = self.nodes[i].child.take() {

@@ -323,21 +323,6 @@ async fn an_owner_that_stops_renewing_stops_acting_before_its_claim_expires() {
     );
 }
 
-/// Which NATS node leads the stream of `bucket` (`KV_<bucket>`).
-async fn stream_leader(nats: &NatsCluster, bucket: &str) -> usize {
-    let js = async_nats::jetstream::new(async_nats::connect(nats.url(0)).await.unwrap());
-    let mut stream = js.get_stream(format!("KV_{bucket}")).await.unwrap();
-    let info = stream.info().await.unwrap();
-    let leader = info
-        .cluster
-        .as_ref()
-        .and_then(|c| c.leader.clone())
-        .expect("stream has a leader");
-    (0..nats.size())
-        .find(|&i| nats.name(i) == leader)
-        .expect("leader is one of ours")
-}
-
 /// A node cut off from NATS stops owning, then closes its clients, each
 /// while its claim and its lease are still in the KV.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -347,8 +332,8 @@ async fn a_node_cut_off_from_nats_stops_owning_then_closes_clients_before_its_ke
     // Cut `a` off by killing the one NATS node it knows, chosen to lead
     // neither the leases nor the claims stream (so b's view needs no election).
     let leaders = [
-        stream_leader(&nats, "gd_leases").await,
-        stream_leader(&nats, "gd_claims").await,
+        nats.stream_leader("gd_leases").await,
+        nats.stream_leader("gd_claims").await,
     ];
     let k = (0..3).find(|i| !leaders.contains(i)).unwrap();
     // b stays on another NATS node, so its watches never move.
@@ -640,7 +625,7 @@ async fn kill_9_of_a_nats_node_and_kv_and_claims_keep_working() {
     let mut held = a.claim_shard(ShardId(1), 0).await.unwrap();
 
     // Worst case: kill the node leading the claims stream.
-    let victim = stream_leader(&nats, "gd_claims").await;
+    let victim = nats.stream_leader("gd_claims").await;
     let killed_at = Instant::now();
     nats.kill(victim);
 

@@ -202,21 +202,6 @@ async fn shards_spread_over_three_nodes_then_a_crash_and_a_drain_hand_them_over(
     assert!(view.owned_by().is_empty());
 }
 
-/// Which NATS node leads the stream of `bucket` (`KV_<bucket>`).
-async fn stream_leader(nats: &NatsCluster, bucket: &str) -> usize {
-    let js = async_nats::jetstream::new(async_nats::connect(nats.url(0)).await.unwrap());
-    let mut stream = js.get_stream(format!("KV_{bucket}")).await.unwrap();
-    let info = stream.info().await.unwrap();
-    let leader = info
-        .cluster
-        .as_ref()
-        .and_then(|c| c.leader.clone())
-        .expect("stream has a leader");
-    (0..nats.size())
-        .find(|&i| nats.name(i) == leader)
-        .expect("leader is one of ours")
-}
-
 /// A node cut off from NATS reports `CutOff` (the server then drains its
 /// clients) before NATS can expire its lease, having stopped acting for
 /// every shard first.
@@ -227,8 +212,8 @@ async fn a_node_cut_off_from_nats_stops_owning_then_tells_the_server_to_drain() 
         .await
         .unwrap();
     let leaders = [
-        stream_leader(&nats, "gd_leases").await,
-        stream_leader(&nats, "gd_claims").await,
+        nats.stream_leader("gd_leases").await,
+        nats.stream_leader("gd_claims").await,
     ];
     let k = (0..3).find(|i| !leaders.contains(i)).unwrap();
     let others: String = (0..3)
