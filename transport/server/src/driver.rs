@@ -83,7 +83,12 @@ pub(super) struct Driver {
     stopped: bool,
     /// The WebSocket listener and connections, if enabled.
     pub(super) ws: Option<WsIo>,
+    /// When the wall clock is read next (the state slews towards it).
+    next_wall_read: Instant,
 }
+
+/// How often the wall clock is read, so last seen follows NTP corrections.
+const WALL_READ_EVERY: Duration = Duration::from_secs(1);
 
 impl Driver {
     pub(super) fn new(
@@ -102,6 +107,7 @@ impl Driver {
             done: None,
             stopped: false,
             ws: None,
+            next_wall_read: Instant::now() + WALL_READ_EVERY,
         }
     }
 
@@ -147,6 +153,12 @@ impl Driver {
                 }
             }
             let now = Instant::now();
+            if now >= self.next_wall_read {
+                self.next_wall_read = now + WALL_READ_EVERY;
+                let unix_ms = super::unix_now_ms();
+                self.state
+                    .handle_input(now, ServerInput::SetWallClock { unix_ms });
+            }
             self.pass(now);
             let stats = &self.shared.stats;
             stats.loop_pass.observe(now.elapsed());

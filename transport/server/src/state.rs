@@ -49,8 +49,8 @@ use super::store::{Batch, Loaded, StoreError};
 use super::ws::{ws_code, WsId, WsLink, WsMessage, WsOut};
 use super::{
     durable_user, not_saved, readmit_ms, reason_label, reason_text, record, transport_config,
-    validate, with_retry_hint, PassBudget, ServerConfig, ServerError, ServerEvent, Shed, Stats,
-    StatsInner, KEEP_ALIVE_STEPS,
+    validate, with_retry_hint, PassBudget, ServerConfig, ServerError, ServerEvent, SettingError,
+    Shed, Stats, StatsInner, KEEP_ALIVE_STEPS,
 };
 use crate::tls::{self, Identity};
 use crate::token::TokenKeys;
@@ -131,8 +131,9 @@ pub enum ServerInput {
         text: Vec<u8>,
         save: bool,
     },
-    /// The wall clock now reads `unix_ms` (it jumped). The core's time
-    /// follows a jump forward; a jump back is ignored (it never goes back).
+    /// The wall clock now reads `unix_ms` (read it every second or so: an
+    /// NTP step, a resumed VM). The core's time is slewed towards it by at
+    /// most 1%, never stepped (see `Clock`).
     SetWallClock { unix_ms: u64 },
     /// A WebSocket connection (TLS and upgrade done) from `remote`; `id`
     /// is the driver's and never reused.
@@ -340,38 +341,84 @@ impl quinn_proto::ConnectionIdGenerator for SeededCids {
 /// The state's clock: Unix milliseconds, read as the wall clock at a base
 /// instant plus the monotonic time since, so it never goes backwards and
 /// saved wall-clock instants (last seen) mean the same after a restart.
+///
+/// A step of the wall clock (NTP, a resumed VM) is never taken at once: a
+/// step forward taken whole would expire every heartbeat, grace and lease
+/// together (every healthy session reaped, everyone shown offline), a step
+/// back would run time backwards. It is slewed in instead: the clock runs
+/// up to [`SLEW_PER_MS`] faster or slower until it has caught up, so every
+/// window the core measures lasts at least 99% of its length in real time,
+/// and last seen drifts back to the wall clock (a one-minute step in 100
+/// minutes).
 #[derive(Clone, Copy, Debug)]
 struct Clock {
     start: Instant,
-    unix_start_ms: u64,
+    start_ms: u64,
+    /// What is still to be slewed in (wall clock minus this clock), in ms.
+    pending: i64,
 }
 
+/// The slew rate: 1 ms per 100 ms.
+const SLEW_PER_MS: u64 = 100;
+
 impl Clock {
+    fn new(start: Instant, unix_ms: u64) -> Clock {
+        Clock {
+            start,
+            start_ms: unix_ms,
+            pending: 0,
+        }
+    }
+
     /// `instant` on this clock.
     fn at(&self, instant: Instant) -> Millis {
         let elapsed = instant.saturating_duration_since(self.start);
         let elapsed = u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX);
-        Millis(self.unix_start_ms.saturating_add(elapsed))
+        let slewed = (elapsed / SLEW_PER_MS).min(self.pending.unsigned_abs());
+        let run = if self.pending >= 0 {
+            elapsed.saturating_add(slewed)
+        } else {
+            elapsed - slewed
+        };
+        Millis(self.start_ms.saturating_add(run))
     }
 
     /// When a core deadline is due. `at()` truncates to the millisecond, so
     /// an input stamped `m` happened up to 1 ms after `m`: waking at `at + 1`
     /// ms keeps every window the core measures (debounce, grace) at least as
-    /// long in real time, never a fraction of a millisecond short.
+    /// long in real time, never a fraction of a millisecond short (less the
+    /// slew).
     fn instant(&self, at: Millis) -> Option<Instant> {
-        self.start.checked_add(Duration::from_millis(
-            at.0.saturating_sub(self.unix_start_ms).saturating_add(1),
-        ))
+        let run = at.0.saturating_sub(self.start_ms);
+        let p = self.pending.unsigned_abs();
+        // Invert `at()`: while slewing, `run = elapsed * (1 ± 1/SLEW_PER_MS)`;
+        // once `p` is slewed in (after `p * SLEW_PER_MS` ms), `run = elapsed ± p`.
+        let elapsed = if self.pending >= 0 {
+            let slewing = p.saturating_mul(SLEW_PER_MS + 1);
+            if run <= slewing {
+                run.saturating_mul(SLEW_PER_MS) / (SLEW_PER_MS + 1)
+            } else {
+                run - p
+            }
+        } else {
+            let slewing = p.saturating_mul(SLEW_PER_MS - 1);
+            if run <= slewing {
+                run.saturating_mul(SLEW_PER_MS).div_ceil(SLEW_PER_MS - 1)
+            } else {
+                run.saturating_add(p)
+            }
+        };
+        self.start
+            .checked_add(Duration::from_millis(elapsed.saturating_add(1)))
     }
 
-    /// The wall clock reads `unix_ms` at `now`: a jump forward is taken
-    /// (time passed at once: debounces, graces and leases expire as they
-    /// would), a jump back is not (the core's time never goes back; it goes
-    /// on from where it was).
+    /// The wall clock reads `unix_ms` at `now`: the difference is slewed in
+    /// from here on (replacing what was still pending).
     fn set(&mut self, now: Instant, unix_ms: u64) {
         let current = self.at(now).0;
         self.start = now;
-        self.unix_start_ms = unix_ms.max(current);
+        self.start_ms = current;
+        self.pending = i64::try_from(i128::from(unix_ms) - i128::from(current)).unwrap_or(0);
     }
 }
 
@@ -602,7 +649,7 @@ impl ServerState {
             .certs
             .first()
             .cloned()
-            .ok_or_else(|| ServerError::Setting("the identity has no certificate".into()))?;
+            .ok_or(SettingError::NoCertificate)?;
         let ws_tls = tls::websocket_crypto(&identity, &config.token_secret)?;
         let mut server_config = quinn_proto::ServerConfig::with_crypto(Arc::new(
             tls::server_crypto(&identity, &config.token_secret)?,
@@ -634,7 +681,7 @@ impl ServerState {
         )));
         endpoint_config
             .max_udp_payload_size(config.max_udp_payload)
-            .map_err(|_| ServerError::Setting("max_udp_payload must be 1200 to 65527".into()))?;
+            .map_err(|_| SettingError::MaxUdpPayload)?;
         let cids = Arc::new(AtomicU64::new(derive(seed, 2)));
         endpoint_config.cid_generator(move || {
             let n = cids.fetch_add(1, Ordering::Relaxed);
@@ -653,10 +700,7 @@ impl ServerState {
             Some(rng_seed),
         );
 
-        let clock = Clock {
-            start: now,
-            unix_start_ms: unix_ms,
-        };
+        let clock = Clock::new(now, unix_ms);
         let session_key = derive(seed, 1);
         // The core runs on Unix milliseconds: `last_seen` needs no offset.
         let mut hub = Hub::new(config.core.clone(), config.limits, 0)?
@@ -1372,10 +1416,7 @@ impl ServerState {
             let Some(waiting) = self.tickets.remove(&ticket) else {
                 continue;
             };
-            let error = StoreError(format!(
-                "the store did not commit within {:?}",
-                self.config.store_timeout
-            ));
+            let error = StoreError::Timeout(self.config.store_timeout);
             match waiting {
                 Ticket::Answer {
                     ch,
@@ -2134,11 +2175,12 @@ fn restore(
                     message: None,
                     ..saved
                 };
-                hub.restore(name, without).map_err(|e2| {
-                    ServerError::Setting(format!(
-                        "cannot restore the saved state of {name:?}: {e}; {e2}"
-                    ))
-                })?;
+                hub.restore(name, without)
+                    .map_err(|source| ServerError::Restore {
+                        user: name.clone(),
+                        source,
+                    })
+                    .inspect(|_| warn!(user = %name, error = %e, "restored without its message"))?;
                 restored += 1;
             }
         }
