@@ -171,7 +171,7 @@ impl SimStore {
                 let pending = std::mem::take(&mut self.pending);
                 self.pending = w.batch;
                 merge(&mut self.pending, pending);
-                Some((w.ticket, Err(StoreError("simulated commit failure".into()))))
+                Some((w.ticket, Err(StoreError::Injected)))
             }
             Mode::Healthy => {
                 let w = self.waiting.pop_front()?;

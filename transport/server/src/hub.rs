@@ -17,6 +17,16 @@ use greendot_proto::{
 use std::collections::HashMap;
 use std::sync::Arc;
 
+/// Why saved state could not be restored at start.
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    /// A saved name is not valid under the current limits, or past the cap.
+    #[error("saved name refused: {}", .0.message)]
+    Name(WireError),
+    #[error("the core refused the saved state")]
+    Core(#[from] greendot_core::Error),
+}
+
 /// Names to ids and back, with a cap on the names held at once. An id is a
 /// slot index in its low 32 bits and that slot's generation in the high 32:
 /// a freed slot is reused for another name under a new generation, so an id
@@ -306,8 +316,8 @@ impl Hub {
 
     /// Restores what was saved of the user `name` before a restart (see
     /// `Core::restore`): before the user connects.
-    pub fn restore(&mut self, name: &str, saved: Saved) -> Result<UserId, WireError> {
-        let user = self.intern_user(name)?;
+    pub fn restore(&mut self, name: &str, saved: Saved) -> Result<UserId, RestoreError> {
+        let user = self.intern_user(name).map_err(RestoreError::Name)?;
         self.idle.push(user);
         self.core.restore(user, saved)?;
         Ok(user)
@@ -324,10 +334,12 @@ impl Hub {
         device: &str,
         kind: proto::Kind,
         linger_until: Millis,
-    ) -> Result<(), WireError> {
-        self.name_ok(device, "device")?;
-        let user = self.intern_user(user)?;
-        let device = self.intern_device(device, user)?;
+    ) -> Result<(), RestoreError> {
+        self.name_ok(device, "device").map_err(RestoreError::Name)?;
+        let user = self.intern_user(user).map_err(RestoreError::Name)?;
+        let device = self
+            .intern_device(device, user)
+            .map_err(RestoreError::Name)?;
         let kind: DeviceKind = kind.into();
         let connected = self
             .core

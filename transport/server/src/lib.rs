@@ -95,7 +95,7 @@ use conn::{Handled, Step};
 pub use conn::{RateLimit, RATE_LIMIT_PATIENCE};
 use hub::Hub;
 pub use hub::HubLimits;
-pub use hub::LiveDevice;
+pub use hub::{LiveDevice, RestoreError};
 pub use metrics::MetricsSnapshot;
 pub use state::{
     Census, Datagram, ServerInput, ServerMutant, ServerOutput, ServerState, StoreRequest, Transmit,
@@ -306,11 +306,42 @@ pub enum ServerError {
     #[error(transparent)]
     Config(#[from] greendot_core::ConfigError),
     #[error("invalid setting: {0}")]
-    Setting(String),
+    Setting(#[from] SettingError),
+    /// What the store held of a user could not be restored.
+    #[error("cannot restore the saved state of {user:?}")]
+    Restore {
+        user: String,
+        #[source]
+        source: RestoreError,
+    },
     #[error("cannot bind: {0}")]
     Io(#[from] std::io::Error),
     #[error(transparent)]
     Store(#[from] store::StoreError),
+}
+
+/// A setting the server cannot run with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SettingError {
+    #[error("token_secret must not be empty")]
+    EmptyTokenSecret,
+    #[error("max_frame must be 64 to 2^32 - 1 bytes")]
+    MaxFrame,
+    #[error("push_queue_bytes and push_budget_bytes must be at least 1")]
+    PushBytes,
+    #[error("max_handshakes_per_sec and max_handshakes_per_address must be at least 1")]
+    HandshakeLimits,
+    #[error("every part of the pass budget must be at least 1")]
+    PassBudget,
+    #[error("flush_interval must be more than 0")]
+    FlushInterval,
+    #[error("idle_timeout too large")]
+    IdleTimeout,
+    #[error("the identity has no certificate")]
+    NoCertificate,
+    #[error("max_udp_payload must be 1200 to 65527")]
+    MaxUdpPayload,
 }
 
 /// Something that happened on the server, for logs and tests. Sessions are
@@ -471,33 +502,23 @@ fn reason_label(error: &proto::WireError) -> String {
 /// Refuses settings the server cannot run with.
 fn validate(config: &ServerConfig) -> Result<(), ServerError> {
     if config.token_secret.is_empty() {
-        return Err(ServerError::Setting(
-            "token_secret must not be empty".into(),
-        ));
+        return Err(SettingError::EmptyTokenSecret.into());
     }
     if config.max_frame < 64 || config.max_frame > u32::MAX as usize {
-        return Err(ServerError::Setting("max_frame must be at least 64".into()));
+        return Err(SettingError::MaxFrame.into());
     }
     if config.push_queue_bytes == 0 || config.push_budget_bytes == 0 {
-        return Err(ServerError::Setting(
-            "push_queue_bytes and push_budget_bytes must be at least 1".into(),
-        ));
+        return Err(SettingError::PushBytes.into());
     }
     if config.max_handshakes_per_sec == 0 || config.max_handshakes_per_address == 0 {
-        return Err(ServerError::Setting(
-            "max_handshakes_per_sec and max_handshakes_per_address must be at least 1".into(),
-        ));
+        return Err(SettingError::HandshakeLimits.into());
     }
     let pass = config.pass;
     if pass.datagrams == 0 || pass.timers == 0 || pass.connections == 0 {
-        return Err(ServerError::Setting(
-            "every part of the pass budget must be at least 1".into(),
-        ));
+        return Err(SettingError::PassBudget.into());
     }
     if config.flush_interval.is_zero() {
-        return Err(ServerError::Setting(
-            "flush_interval must be more than 0".into(),
-        ));
+        return Err(SettingError::FlushInterval.into());
     }
     transport_config(config, config.keep_alive)?;
     Ok(())
@@ -514,7 +535,7 @@ fn transport_config(
         config
             .idle_timeout
             .try_into()
-            .map_err(|_| ServerError::Setting("idle_timeout too large".into()))?,
+            .map_err(|_| SettingError::IdleTimeout)?,
     ));
     // One control stream per connection; pushes come on server-opened
     // streams. WebTransport (ALPN h3) needs one more bidirectional stream

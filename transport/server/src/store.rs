@@ -43,13 +43,40 @@ const USERS: TableDefinition<&str, &[u8]> = TableDefinition::new("users");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const DRAINED: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("drained");
 
-/// Why the store failed.
+/// Why the store failed. `Clone` because one commit answers every request
+/// that waited on it, so sources are shared.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("store: {0}")]
-pub struct StoreError(pub String);
+#[non_exhaustive]
+pub enum StoreError {
+    #[error("cannot open the store at {}: {source}", path.display())]
+    Open {
+        path: std::path::PathBuf,
+        #[source]
+        source: Arc<redb::Error>,
+    },
+    #[error("store database error: {0}")]
+    Database(#[source] Arc<redb::Error>),
+    /// Fail closed: a record that cannot be read may be an invisible
+    /// user's, who must not be shown.
+    #[error("unreadable record of user {user:?}")]
+    Unreadable {
+        user: String,
+        #[source]
+        source: postcard::Error,
+    },
+    #[error("cannot encode a record")]
+    Encode(#[source] postcard::Error),
+    #[error("the store writer has stopped")]
+    WriterStopped,
+    #[error("the store did not commit within {0:?}")]
+    Timeout(Duration),
+    /// A failure made on purpose (tests, the simulator).
+    #[error("injected store failure")]
+    Injected,
+}
 
-fn err(e: impl std::fmt::Display) -> StoreError {
-    StoreError(e.to_string())
+fn err(e: impl Into<redb::Error>) -> StoreError {
+    StoreError::Database(Arc::new(e.into()))
 }
 
 /// What is kept of one user (postcard; the enum tag is the format version).
@@ -154,8 +181,10 @@ impl std::fmt::Debug for Store {
 impl Store {
     /// Opens (or creates) the database file.
     pub fn open(path: &Path) -> Result<Store, StoreError> {
-        let db = Database::create(path)
-            .map_err(|e| StoreError(format!("cannot open {}: {e}", path.display())))?;
+        let db = Database::create(path).map_err(|e| StoreError::Open {
+            path: path.to_owned(),
+            source: Arc::new(e.into()),
+        })?;
         Ok(Store { db })
     }
 
@@ -171,9 +200,13 @@ impl Store {
                         let (k, v) = item.map_err(err)?;
                         // Fail closed: a record that cannot be read may
                         // be an invisible user's, who must not be shown.
-                        let record = postcard::from_bytes::<Record>(v.value()).map_err(|e| {
-                            StoreError(format!("unreadable record of {:?}: {e}", k.value()))
-                        })?;
+                        let record =
+                            postcard::from_bytes::<Record>(v.value()).map_err(|source| {
+                                StoreError::Unreadable {
+                                    user: k.value().to_owned(),
+                                    source,
+                                }
+                            })?;
                         loaded.users.push((k.value().to_owned(), record));
                     }
                 }
@@ -227,7 +260,7 @@ impl Store {
         {
             let mut users = write.open_table(USERS).map_err(err)?;
             for (name, record) in &batch.users {
-                let bytes = postcard::to_allocvec(record).map_err(err)?;
+                let bytes = postcard::to_allocvec(record).map_err(StoreError::Encode)?;
                 users.insert(name.as_str(), bytes.as_slice()).map_err(err)?;
             }
             let mut meta = write.open_table(META).map_err(err)?;
@@ -412,15 +445,12 @@ impl StoreWriter {
             self.tx
                 .send(Some(job))
                 .await
-                .map_err(|_| StoreError("the store writer has stopped".into()))?;
-            rx.await
-                .map_err(|_| StoreError("the store writer has stopped".into()))?
+                .map_err(|_| StoreError::WriterStopped)?;
+            rx.await.map_err(|_| StoreError::WriterStopped)?
         };
         match tokio::time::timeout(timeout, wait).await {
             Ok(result) => result,
-            Err(_) => Err(StoreError(format!(
-                "the store did not commit within {timeout:?}"
-            ))),
+            Err(_) => Err(StoreError::Timeout(timeout)),
         }
     }
 }
@@ -475,7 +505,7 @@ fn write_with_faults(
             std::thread::sleep(Duration::from_millis(5));
         }
         if faults.fail.load(Ordering::Relaxed) {
-            return Err(StoreError("injected failure".into()));
+            return Err(StoreError::Injected);
         }
         store.write(batch)?;
         faults
