@@ -14,8 +14,8 @@ fn unix_ms() -> u64 {
         .unwrap_or(0)
 }
 
-// Passes once the core takes `last_heard` in `handle_disconnect` (the core
-// branch); the driver already measures it and hands it to `Hub::closed`.
+// The server measures the last packet of each connection and hands it to
+// the core with the disconnect (`Hub::closed`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_client_is_last_seen_at_its_last_packet() {
     let ts = TestServer::start(|_| {});

@@ -551,7 +551,7 @@ async fn device(
         .close(CloseCode::Logout.varint(), b"load generator done");
 }
 
-fn client_endpoint(opts: &LoadOptions) -> Result<quinn::Endpoint, String> {
+fn client_endpoint(opts: &LoadOptions, index: usize) -> Result<quinn::Endpoint, String> {
     let crypto = tls::client_crypto(&opts.roots, proto::ALPN).map_err(|e| e.to_string())?;
     let mut transport = quinn::TransportConfig::default();
     // The server's keep-alive is the heartbeat; the client only answers it.
@@ -563,14 +563,33 @@ fn client_endpoint(opts: &LoadOptions) -> Result<quinn::Endpoint, String> {
     ));
     let mut config = quinn::ClientConfig::new(Arc::new(crypto));
     config.transport_config(Arc::new(transport));
-    let bind = if opts.server.is_ipv6() {
-        SocketAddr::from(([0u16, 0, 0, 0, 0, 0, 0, 1], 0))
-    } else {
-        SocketAddr::from(([127, 0, 0, 1], 0))
-    };
-    let mut endpoint = quinn::Endpoint::client(bind).map_err(|e| e.to_string())?;
+    let mut endpoint = endpoint_at(opts.server, index)?;
     endpoint.set_default_client_config(config);
     Ok(endpoint)
+}
+
+/// Client socket buffers: a server's burst of answers to thousands of
+/// devices on one socket must not be dropped by a 208 KiB default.
+const CLIENT_SOCKET_BUFFER: usize = 8 << 20;
+
+/// Client endpoint `index`. Against a server on IPv4 loopback each endpoint
+/// has a source address of its own (127.0.0.2, 127.0.0.3, ...: Linux routes
+/// all of 127/8 to the loopback device), as real devices come from many
+/// addresses: otherwise the server's limit of handshakes in flight per
+/// address, meant for one abusive host, would apply to the whole load.
+fn endpoint_at(server: SocketAddr, index: usize) -> Result<quinn::Endpoint, String> {
+    let bind = match server.ip() {
+        std::net::IpAddr::V6(_) => SocketAddr::from(([0u16, 0, 0, 0, 0, 0, 0, 1], 0)),
+        std::net::IpAddr::V4(ip) if ip.is_loopback() => {
+            SocketAddr::from(([127, 0, 0, 2 + (index % 250) as u8], 0))
+        }
+        std::net::IpAddr::V4(_) => SocketAddr::from(([0, 0, 0, 0], 0)),
+    };
+    let socket = std::net::UdpSocket::bind(bind).map_err(|e| format!("bind {bind}: {e}"))?;
+    greendot_server::testing::socket_buffers(&socket, CLIENT_SOCKET_BUFFER);
+    let runtime = quinn::default_runtime().ok_or("no async runtime")?;
+    quinn::Endpoint::new(quinn::EndpointConfig::default(), None, socket, runtime)
+        .map_err(|e| e.to_string())
 }
 
 /// Runs the load against `opts.server` and reports. Call inside a tokio
@@ -582,7 +601,7 @@ pub async fn run(opts: LoadOptions) -> LoadReport {
         ..LoadReport::default()
     };
     let endpoints: Vec<quinn::Endpoint> = match (0..opts.endpoints.max(1))
-        .map(|_| client_endpoint(&opts))
+        .map(|i| client_endpoint(&opts, i))
         .collect::<Result<_, _>>()
     {
         Ok(e) => e,
@@ -1208,13 +1227,8 @@ impl Herd {
                 .try_into()
                 .map_err(|_| "idle timeout".to_string())?,
         ));
-        let bind = if opts.server.is_ipv6() {
-            SocketAddr::from(([0u16, 0, 0, 0, 0, 0, 0, 1], 0))
-        } else {
-            SocketAddr::from(([127, 0, 0, 1], 0))
-        };
         let endpoints: Vec<quinn::Endpoint> = (0..opts.endpoints.max(1))
-            .map(|_| quinn::Endpoint::client(bind).map_err(|e| e.to_string()))
+            .map(|i| endpoint_at(opts.server, i))
             .collect::<Result<_, _>>()?;
         let ctx = Arc::new(HerdCtx {
             keys: TokenKeys::new(&opts.token_secret, Duration::from_secs(30)),

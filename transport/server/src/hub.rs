@@ -1,7 +1,7 @@
 //! `Hub`: the core plus what the wire needs around it (names ⇄ ids, which
 //! sessions hold service tokens, which names may be forgotten), sans IO. The
-//! server's one task (`server::driver`) owns exactly one, next to every
-//! connection; a fuzzer can own one too and drive it without a network.
+//! server's sans-IO state (`ServerState`, driven by the one task in
+//! `driver.rs`) owns exactly one, next to every connection; a fuzzer can own one too and drive it without a network.
 
 use crate::conn::{Handled, Step};
 use crate::token::{Claims, WatchClaim};

@@ -111,6 +111,12 @@ pub mod testing {
     pub use crate::conn::{handle_frame, ConnState, Handled, Step};
     pub use crate::hub::{Hub, HubOutput, Interner, LiveDevice};
     pub use crate::store::{Record, Store, StoreFaults};
+
+    /// Asks for `bytes` of socket buffers each way (as the server does for
+    /// its own socket), warning when the kernel caps them.
+    pub fn socket_buffers(socket: &std::net::UdpSocket, bytes: usize) {
+        crate::socket_buffers(socket, bytes)
+    }
 }
 
 use crate::token::TokenKeys;
@@ -665,11 +671,18 @@ impl Server {
             };
             Ok((state, writer))
         };
+        // On a multi-thread runtime its other tasks move to other workers
+        // meanwhile; on a current-thread one (greendot serve) the disk work
+        // runs on a plain thread, never on the runtime's, and `bind` waits.
         let (state, writer) = match tokio::runtime::Handle::try_current()
             .map(|h| h.runtime_flavor())
         {
             Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(start)?,
-            _ => start()?,
+            _ => std::thread::scope(|s| {
+                s.spawn(start)
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            })?,
         };
         let certificate = state.certificate().clone();
         let (control, control_rx) = mpsc::channel(1024);

@@ -359,7 +359,7 @@ impl MetricsSnapshot {
         histogram(
             &mut out,
             "greendot_push_latency_seconds",
-            "From the core task taking a change (an input or a due timer) \
+            "From the server's loop taking a change (an input or a due timer) \
              to its push being written to the connection (debounce and batch waits excluded).",
             &self.latency,
         );

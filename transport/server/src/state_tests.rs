@@ -31,6 +31,8 @@ struct Client {
     updates: Vec<Push>,
     lost: Option<ConnectionError>,
     next_id: u64,
+    /// Gets none of the server's datagrams (a spoofed source, a dead link).
+    deaf: bool,
 }
 
 struct Net {
@@ -65,8 +67,28 @@ impl Net {
 
     /// A client that connects and says hello as `user`/`device`.
     fn connect(&mut self, user: &str, device: &str) -> usize {
+        let addr = SocketAddr::from(([10, 0, 1, self.clients.len() as u8 + 1], 5000));
+        let i = self.start(user, device, addr);
+        self.run_until(Duration::from_secs(5), |net| {
+            matches!(
+                net.clients[i].replies.first(),
+                Some(ServerFrame::Welcome(_))
+            )
+        });
+        i
+    }
+
+    fn welcomed(&self, i: usize) -> bool {
+        matches!(
+            self.clients[i].replies.first(),
+            Some(ServerFrame::Welcome(_))
+        )
+    }
+
+    /// A client from `addr` that starts its handshake (and says hello once
+    /// connected), without waiting for anything.
+    fn start(&mut self, user: &str, device: &str, addr: SocketAddr) -> usize {
         let i = self.clients.len();
-        let addr = SocketAddr::from(([10, 0, 1, i as u8 + 1], 5000));
         let mut endpoint = Endpoint::new(
             Arc::new(quinn_proto::EndpointConfig::default()),
             None,
@@ -111,12 +133,7 @@ impl Net {
             updates: Vec::new(),
             lost: None,
             next_id: 1,
-        });
-        self.run_until(Duration::from_secs(5), |net| {
-            matches!(
-                net.clients[i].replies.first(),
-                Some(ServerFrame::Welcome(_))
-            )
+            deaf: false,
         });
         i
     }
@@ -182,7 +199,11 @@ impl Net {
             }
             while let Some(t) = self.server.poll_transmit() {
                 moved = true;
-                if let Some(c) = self.clients.iter_mut().find(|c| c.addr == t.destination) {
+                if let Some(c) = self
+                    .clients
+                    .iter_mut()
+                    .find(|c| c.addr == t.destination && !c.deaf)
+                {
                     let mut buf = Vec::new();
                     let data = BytesMut::from(&t.contents[..]);
                     if let Some(DatagramEvent::ConnectionEvent(_, e)) =
@@ -662,4 +683,61 @@ fn a_drain_closes_everyone_then_saves_the_live_devices_then_stops() {
         Some(ServerOutput::Stopped)
     ));
     assert_eq!(net.server.poll_timeout(), None);
+}
+
+/// Handshakes in flight are limited per source address (past the limit a
+/// new client is sent a Retry, then refused once validated), other
+/// addresses are unaffected, and a handshake that never completes is
+/// closed after `hello_timeout`, which frees its address's slot.
+#[test]
+fn handshakes_are_limited_per_address_and_time_out() {
+    let mut config = config();
+    config.max_handshakes_per_address = 2;
+    config.hello_timeout = Duration::from_secs(2);
+    let mut net = Net::new(config, None);
+    let ip = std::net::Ipv4Addr::new(10, 0, 9, 9);
+    // Two clients from one address that never hear the server: their
+    // handshakes stay in flight.
+    let stuck: Vec<usize> = (0..2)
+        .map(|port| {
+            let i = net.start(
+                "ann",
+                &format!("d{port}"),
+                SocketAddr::from((ip, 6000 + port)),
+            );
+            net.clients[i].deaf = true;
+            i
+        })
+        .collect();
+    net.run_for(Duration::from_millis(100));
+    assert_eq!(net.server.per_address.get(&IpAddr::V4(ip)), Some(&2));
+    // A third from the same address: a Retry, then refused.
+    let third = net.start("bob", "phone", SocketAddr::from((ip, 6100)));
+    net.run_until(Duration::from_secs(1), |net| {
+        net.clients[third].lost.is_some()
+    });
+    let shed = |net: &Net, r: Shed| net.server.stats.shed[r as usize].load(Ordering::Relaxed);
+    assert!(
+        matches!(
+            net.clients[third].lost,
+            Some(ConnectionError::ConnectionClosed(_))
+        ),
+        "{:?}",
+        net.clients[third].lost
+    );
+    assert_eq!(shed(&net, Shed::Retry), 1);
+    assert_eq!(shed(&net, Shed::PerAddress), 1);
+    // Another address is served meanwhile.
+    let other = net.start("cid", "laptop", SocketAddr::from(([10, 0, 8, 8], 6000)));
+    net.run_until(Duration::from_secs(1), |net| net.welcomed(other));
+    assert!(net.welcomed(other));
+    // The stuck handshakes end at their hello timeout, counted as shed...
+    net.run_for(Duration::from_secs(2));
+    assert_eq!(shed(&net, Shed::HandshakeTimeout), 2);
+    assert_eq!(net.server.per_address.get(&IpAddr::V4(ip)), None);
+    assert!(stuck.iter().all(|&i| !net.welcomed(i)));
+    // ... and the address may handshake again.
+    let again = net.start("dee", "phone", SocketAddr::from((ip, 6200)));
+    net.run_until(Duration::from_secs(1), |net| net.welcomed(again));
+    assert!(net.welcomed(again));
 }
