@@ -9,6 +9,7 @@ use greendot_proto::{self as proto, CloseCode, Kind, ServerFrame};
 use greendot_server::token::{Claims, WatchClaim};
 use greendot_server::{Server, ServerConfig};
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -87,6 +88,10 @@ impl TestServer {
         let mut config =
             ClientConfig::new(self.addr(), vec![self.server.certificate().clone()], token);
         config.bind = SocketAddr::from(([127, 0, 0, 1], 0));
+        // The fallback goes to this server's WebSocket listener, if it has
+        // one (the default, the QUIC port number over TCP, may be another
+        // test's listener).
+        config.websocket = self.server.websocket_addr();
         config.keep_alive = self.config().keep_alive;
         config.idle_timeout = self.config().idle_timeout;
         config.reconnect = Some(Reconnect::new(
@@ -347,5 +352,207 @@ pub async fn eventually(within: Duration, mut cond: impl FnMut() -> bool) -> boo
             return false;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Forwards datagrams between one client and the server; `cut` drops them
+/// all; `new_path` moves the relay's server side to a new socket, so that
+/// the server sees the client at a new address while the client's own
+/// socket stays the same (a NAT rebinding, a phone on a new network).
+pub struct Relay {
+    pub addr: SocketAddr,
+    server: SocketAddr,
+    cut: Arc<AtomicBool>,
+    front: Arc<tokio::net::UdpSocket>,
+    back: Arc<std::sync::Mutex<Arc<tokio::net::UdpSocket>>>,
+    client: Arc<std::sync::Mutex<Option<SocketAddr>>>,
+    up: tokio::task::JoinHandle<()>,
+    down: std::sync::Mutex<tokio::task::JoinHandle<()>>,
+}
+
+impl Relay {
+    pub async fn start(server: SocketAddr) -> Relay {
+        let front = Arc::new(tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap());
+        let back = Arc::new(tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap());
+        back.connect(server).await.unwrap();
+        let addr = front.local_addr().unwrap();
+        let cut = Arc::new(AtomicBool::new(false));
+        let client = Arc::new(std::sync::Mutex::new(None::<SocketAddr>));
+        let back_slot = Arc::new(std::sync::Mutex::new(back.clone()));
+        let up = {
+            let (front, back, cut, client) = (
+                front.clone(),
+                back_slot.clone(),
+                cut.clone(),
+                client.clone(),
+            );
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 65536];
+                while let Ok((n, from)) = front.recv_from(&mut buf).await {
+                    *client.lock().unwrap() = Some(from);
+                    if !cut.load(Ordering::Relaxed) {
+                        let back = back.lock().unwrap().clone();
+                        let _ = back.send(&buf[..n]).await;
+                    }
+                }
+            })
+        };
+        let down = Relay::spawn_down(front.clone(), back, cut.clone(), client.clone());
+        Relay {
+            addr,
+            server,
+            cut,
+            front,
+            back: back_slot,
+            client,
+            up,
+            down: std::sync::Mutex::new(down),
+        }
+    }
+
+    fn spawn_down(
+        front: Arc<tokio::net::UdpSocket>,
+        back: Arc<tokio::net::UdpSocket>,
+        cut: Arc<AtomicBool>,
+        client: Arc<std::sync::Mutex<Option<SocketAddr>>>,
+    ) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 65536];
+            while let Ok(n) = back.recv(&mut buf).await {
+                let to = *client.lock().unwrap();
+                if let (false, Some(to)) = (cut.load(Ordering::Relaxed), to) {
+                    let _ = front.send_to(&buf[..n], to).await;
+                }
+            }
+        })
+    }
+
+    pub fn cut(&self, cut: bool) {
+        self.cut.store(cut, Ordering::Relaxed);
+    }
+
+    /// The server side moves to a new socket (a new address for the
+    /// server); the old one is closed, so what the server sends to it is
+    /// lost. Returns the new address.
+    pub async fn new_path(&self) -> SocketAddr {
+        let back = Arc::new(tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap());
+        back.connect(self.server).await.unwrap();
+        let addr = back.local_addr().unwrap();
+        *self.back.lock().unwrap() = back.clone();
+        let down = Relay::spawn_down(
+            self.front.clone(),
+            back,
+            self.cut.clone(),
+            self.client.clone(),
+        );
+        std::mem::replace(&mut *self.down.lock().unwrap(), down).abort();
+        addr
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.up.abort();
+        self.down.lock().unwrap().abort();
+    }
+}
+
+/// A TCP proxy in front of a server's WebSocket listener: `cut` resets
+/// every connection it carries (as a dying network or a NAT would), `freeze`
+/// stops forwarding on them without closing anything (a link that went
+/// dark: neither side hears of it). New connections are forwarded normally.
+pub struct TcpProxy {
+    pub addr: SocketAddr,
+    conns: Arc<std::sync::Mutex<Vec<ProxiedConn>>>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+struct ProxiedConn {
+    frozen: Arc<AtomicBool>,
+    tasks: [tokio::task::JoinHandle<()>; 2],
+}
+
+impl TcpProxy {
+    pub async fn start(upstream: SocketAddr) -> TcpProxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let conns = Arc::new(std::sync::Mutex::new(Vec::<ProxiedConn>::new()));
+        let accept = {
+            let conns = conns.clone();
+            tokio::spawn(async move {
+                while let Ok((front, _)) = listener.accept().await {
+                    let Ok(back) = tokio::net::TcpStream::connect(upstream).await else {
+                        continue;
+                    };
+                    let _ = (front.set_nodelay(true), back.set_nodelay(true));
+                    let frozen = Arc::new(AtomicBool::new(false));
+                    let (front_r, front_w) = front.into_split();
+                    let (back_r, back_w) = back.into_split();
+                    let tasks = [
+                        tokio::spawn(pump(front_r, back_w, frozen.clone())),
+                        tokio::spawn(pump(back_r, front_w, frozen.clone())),
+                    ];
+                    conns.lock().unwrap().push(ProxiedConn { frozen, tasks });
+                }
+            })
+        };
+        TcpProxy {
+            addr,
+            conns,
+            accept,
+        }
+    }
+
+    /// Drops every connection carried so far (both sides see it end).
+    pub fn cut(&self) {
+        for conn in self.conns.lock().unwrap().drain(..) {
+            conn.tasks.iter().for_each(|t| t.abort());
+        }
+    }
+
+    /// Stops forwarding on every connection carried so far, silently.
+    pub fn freeze(&self) {
+        for conn in self.conns.lock().unwrap().iter() {
+            conn.frozen.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Connections carried so far and not cut.
+    pub fn connections(&self) -> usize {
+        self.conns.lock().unwrap().len()
+    }
+}
+
+impl Drop for TcpProxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.cut();
+    }
+}
+
+/// Copies one direction; once frozen it holds what it read and both
+/// sockets stay open.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    frozen: Arc<AtomicBool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = from.read(&mut buf).await.unwrap_or(0);
+        // Frozen, even the end of the other side is not passed on.
+        if n == 0 && !frozen.load(Ordering::SeqCst) {
+            return;
+        }
+        if frozen.load(Ordering::SeqCst) {
+            // Keep both halves (and so both sockets) open, silently.
+            let _keep = (from, to);
+            std::future::pending::<()>().await;
+            return;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
     }
 }

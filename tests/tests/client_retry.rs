@@ -18,72 +18,11 @@ use greendot_client::{ClientConfig, ClientError, Event};
 use greendot_core::Status;
 use greendot_proto::Kind;
 use greendot_server::token::WatchClaim;
-use greendot_tests::{TestServer, SLACK};
+use greendot_tests::{Relay, TestServer, SLACK};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::net::UdpSocket;
-
-/// Forwards datagrams between one client and the server; `cut` drops them all.
-struct Relay {
-    addr: SocketAddr,
-    cut: Arc<AtomicBool>,
-    tasks: Vec<tokio::task::JoinHandle<()>>,
-}
-
-impl Relay {
-    async fn start(server: SocketAddr) -> Relay {
-        let front = Arc::new(UdpSocket::bind("127.0.0.1:0").await.unwrap());
-        let back = Arc::new(UdpSocket::bind("127.0.0.1:0").await.unwrap());
-        back.connect(server).await.unwrap();
-        let addr = front.local_addr().unwrap();
-        let cut = Arc::new(AtomicBool::new(false));
-        let client = Arc::new(std::sync::Mutex::new(None::<SocketAddr>));
-        let up = {
-            let (front, back, cut, client) =
-                (front.clone(), back.clone(), cut.clone(), client.clone());
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 65536];
-                while let Ok((n, from)) = front.recv_from(&mut buf).await {
-                    *client.lock().unwrap() = Some(from);
-                    if !cut.load(Ordering::Relaxed) {
-                        let _ = back.send(&buf[..n]).await;
-                    }
-                }
-            })
-        };
-        let down = {
-            let cut = cut.clone();
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 65536];
-                while let Ok(n) = back.recv(&mut buf).await {
-                    let to = *client.lock().unwrap();
-                    if let (false, Some(to)) = (cut.load(Ordering::Relaxed), to) {
-                        let _ = front.send_to(&buf[..n], to).await;
-                    }
-                }
-            })
-        };
-        Relay {
-            addr,
-            cut,
-            tasks: vec![up, down],
-        }
-    }
-
-    fn cut(&self, cut: bool) {
-        self.cut.store(cut, Ordering::Relaxed);
-    }
-}
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        for t in &self.tasks {
-            t.abort();
-        }
-    }
-}
 
 /// The usual certificate check, counted: a resumed TLS 1.3 handshake sends
 /// no certificate, so nothing is checked.

@@ -4,8 +4,9 @@
 
 use greendot_core::{Status, Tier};
 use greendot_proto::Kind;
+use greendot_server::token::WatchClaim;
 use greendot_server::ServerEvent;
-use greendot_tests::{TestServer, SLACK};
+use greendot_tests::{Relay, TestServer, SLACK};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -88,4 +89,61 @@ async fn five_rebinds_keep_the_session_and_watchers_see_nothing() {
     let counters = ts.server.counters().await.unwrap();
     assert_eq!(counters.disconnects, 0);
     assert_eq!(counters.sessions_started, 2);
+}
+
+/// A silent client's address changes under it (its socket stays, the
+/// path to the server moves: a NAT rebinding, a phone on a new network).
+/// With `network_changed()` the server learns the new address at once (a
+/// Ping goes out on the new path) and a push reaches the client within a
+/// round trip plus slack; without it the push waits for the client's next
+/// keep-alive (10 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn network_changed_brings_pushes_to_a_silent_moved_client_at_once() {
+    // Long keep-alives on both sides: nothing but the call tells the
+    // server where the client went.
+    let ts = TestServer::start(|c| {
+        c.keep_alive = Duration::from_secs(10);
+        c.idle_timeout = Duration::from_secs(60);
+    });
+    let debounce = Duration::from_millis(ts.config().core.debounce.0);
+    let relay = Relay::start(ts.addr()).await;
+    let (watched, _) = ts.connect("walt", "laptop", Kind::Desktop).await;
+    let token = ts.token("mia", "phone", Kind::Mobile, WatchClaim::all());
+    let mut config = ts.client_config(token);
+    config.server = relay.addr;
+    config.keep_alive = Duration::from_secs(10);
+    config.idle_timeout = Duration::from_secs(60);
+    let (mover, mut seen) = ts.connect_with(config).await;
+    mover.subscribe(&["walt"], Tier::Realtime).await.unwrap();
+    // Let the last acknowledgements go out: from here on the client is
+    // silent (nothing to send before its keep-alive).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut server_events = ts.server.events();
+
+    let new_addr = relay.new_path().await;
+    mover.network_changed();
+    let changed = Instant::now();
+    // The server saw the new address within a round trip (plus slack).
+    let bound = Duration::from_millis(1500);
+    loop {
+        match tokio::time::timeout_at(changed + bound, server_events.recv()).await {
+            Ok(Ok(ServerEvent::Migrated { to, .. })) if to == new_addr => break,
+            Ok(Ok(_)) => continue,
+            Ok(Err(e)) => panic!("server events: {e}"),
+            Err(_) => panic!("the server did not learn {new_addr} within {bound:?}"),
+        }
+    }
+    let set = Instant::now();
+    watched
+        .set_status(Status::Busy, Some("where are you"))
+        .await
+        .unwrap();
+    let (at, _) = seen
+        .wait_presence("walt", debounce + bound, |p| {
+            p.message.as_deref() == Some("where are you")
+        })
+        .await
+        .expect("the push reaches the moved client within the bound");
+    assert!(at - set <= debounce + bound, "{:?}", at - set);
+    assert_eq!(ts.server.stats().migrations, 1);
 }

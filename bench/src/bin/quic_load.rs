@@ -48,8 +48,14 @@ fn serve() {
         let mut config = ServerConfig::new(SECRET.as_bytes().to_vec());
         config.listen = "127.0.0.1:0".parse().unwrap_or_else(|e| panic!("{e}"));
         config.max_connections = max;
+        if flag("--websocket") {
+            config.websocket = Some("127.0.0.1:0".parse().unwrap_or_else(|e| panic!("{e}")));
+        }
         let server = Server::bind(config).unwrap_or_else(|e| panic!("server: {e}"));
         println!("ADDR {}", server.local_addr());
+        if let Some(ws) = server.websocket_addr() {
+            println!("WS {ws}");
+        }
         println!("CERT {}", hex(server.certificate()));
         let _ = std::io::stdout().flush();
         // Until the parent closes our stdin (or dies).
@@ -83,13 +89,26 @@ impl Drop for Child_ {
 }
 
 fn start_server(n: usize) -> Result<(Child_, std::net::SocketAddr, Vec<u8>), String> {
+    start_server_with(n, false).map(|(child, addr, _, cert)| (child, addr, cert))
+}
+
+/// The server process, with a WebSocket listener if `websocket`.
+type Started = (
+    Child_,
+    std::net::SocketAddr,
+    Option<std::net::SocketAddr>,
+    Vec<u8>,
+);
+
+fn start_server_with(n: usize, websocket: bool) -> Result<Started, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let max = (n + n / 5 + 1000).to_string();
+    let mut args = vec!["--serve", "--max-connections", &max];
+    if websocket {
+        args.push("--websocket");
+    }
     let mut child = Command::new(exe)
-        .args([
-            "--serve",
-            "--max-connections",
-            &(n + n / 5 + 1000).to_string(),
-        ])
+        .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -99,20 +118,23 @@ fn start_server(n: usize) -> Result<(Child_, std::net::SocketAddr, Vec<u8>), Str
     let guard = Child_ { child };
     let mut lines = BufReader::new(stdout).lines();
     let mut addr = None;
+    let mut ws = None;
     let mut cert = None;
-    while addr.is_none() || cert.is_none() {
+    while addr.is_none() || cert.is_none() || (websocket && ws.is_none()) {
         let line = lines
             .next()
             .ok_or("the server process ended before saying its address")?
             .map_err(|e| e.to_string())?;
         if let Some(a) = line.strip_prefix("ADDR ") {
             addr = a.parse().ok();
+        } else if let Some(a) = line.strip_prefix("WS ") {
+            ws = a.parse().ok();
         } else if let Some(c) = line.strip_prefix("CERT ") {
             cert = unhex(c);
         }
     }
     match (addr, cert) {
-        (Some(a), Some(c)) => Ok((guard, a, c)),
+        (Some(a), Some(c)) => Ok((guard, a, ws, c)),
         _ => Err("bad address or certificate from the server process".into()),
     }
 }
@@ -205,6 +227,16 @@ fn main() {
             .unwrap_or(k);
         eprintln!("open-file limit {nofile}; mass reconnect of {k} of {n} sessions");
         mass_reconnect(n, k);
+        return;
+    }
+    if flag("--websocket") {
+        let n: usize = arg("--n", "10000".to_string())
+            .split(',')
+            .filter_map(|s| s.trim().parse().ok())
+            .next()
+            .unwrap_or(10_000);
+        eprintln!("open-file limit {nofile}; {n} QUIC sessions, then {n} WebSocket sessions");
+        quic_vs_websocket(n);
         return;
     }
     let ns: Vec<usize> = arg("--n", "1000,10000,100000".to_string())
@@ -335,5 +367,92 @@ fn main() {
     ) {
         Ok(()) => eprintln!("plot: {}", path.display()),
         Err(e) => eprintln!("plot failed: {e}"),
+    }
+}
+
+/// `--websocket`: N sessions over QUIC, then N over WebSocket, in one run,
+/// each against a fresh server process (with both listeners), with the same
+/// contacts, churn and duration; one table.
+fn quic_vs_websocket(n: usize) {
+    let duration = Duration::from_secs(arg("--duration", 30));
+    let churn: f64 = arg("--churn", 0.01);
+    let endpoints: usize = arg("--endpoints", 8);
+    let concurrency: usize = arg("--concurrency", 32);
+    let ramp_timeout = Duration::from_secs(arg("--ramp-timeout", 240));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| panic!("runtime: {e}"));
+    let mut rows = Vec::new();
+    for binding in ["QUIC", "WebSocket"] {
+        eprintln!("{binding}: starting a server process");
+        let (child, addr, ws, cert) = match start_server_with(n, true) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("quic_load: {e}");
+                std::process::exit(2);
+            }
+        };
+        let mut opts = LoadOptions::new(addr, vec![CertificateDer::from(cert)], SECRET, n);
+        opts.server_pid = Some(child.child.id());
+        opts.duration = duration;
+        opts.churn = churn;
+        opts.endpoints = endpoints;
+        opts.connect_concurrency = concurrency;
+        opts.ramp_timeout = ramp_timeout;
+        if binding == "WebSocket" {
+            opts.websocket = ws;
+        }
+        let report = runtime.block_on(loadgen::run(opts));
+        eprintln!("{}\n{report}", LoadReport::header());
+        drop(child);
+        rows.push((binding, report));
+    }
+    println!();
+    println!(
+        "QUIC against WebSocket: {n} sessions each, 20 realtime contacts per session, churn {:.1}%/s (half status changes, half reconnects with resume), {} s measured; a fresh server process per binding; debounce 300 ms subtracted from latency",
+        churn * 100.0,
+        duration.as_secs()
+    );
+    println!();
+    println!("| binding | N | held | handshakes/s | server KiB/session | p50 ms | p99 ms | p99.9 ms | notifications/s | server CPU window (cores) | load generator CPU (cores) |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let ms =
+        |d: Option<Duration>| d.map_or("-".into(), |d| format!("{:.1}", d.as_secs_f64() * 1e3));
+    for (binding, r) in &rows {
+        println!(
+            "| {binding} | {} | {} | {:.0} | {} | {} | {} | {} | {:.0} | {} | {} |",
+            r.target,
+            r.held,
+            r.handshakes_per_sec,
+            r.bytes_per_session()
+                .map_or("-".into(), |b| format!("{:.1}", b / 1024.0)),
+            ms(r.latency_p50),
+            ms(r.latency_p99),
+            ms(r.latency_p999),
+            r.notifications_per_sec(),
+            r.server_cpu_window
+                .map_or("-".into(), |c| format!("{c:.2}")),
+            r.client_cpu_window
+                .map_or("-".into(), |c| format!("{c:.2}")),
+        );
+    }
+    println!();
+    for (binding, r) in &rows {
+        println!(
+            "{binding}: connected {} of {} ({} failed) in {:.1} s, server RSS {} -> {} MiB, {} latency samples, {} changes, {} reconnects ({} failed), {} request errors",
+            r.connected,
+            r.target,
+            r.failed,
+            r.ramp.as_secs_f64(),
+            r.server_rss_before.unwrap_or(0) >> 20,
+            r.server_rss_after.unwrap_or(0) >> 20,
+            r.latency_samples,
+            r.status_changes,
+            r.reconnects,
+            r.reconnect_failures,
+            r.request_errors,
+        );
     }
 }

@@ -7,10 +7,32 @@
 //! (not closed by the application or refused by the server) the client
 //! reconnects with backoff and resumes its session; if the session could not be
 //! resumed it subscribes again to what it had. [`Client::rebind`] moves the
-//! client to a new UDP socket (a new network) without reconnecting.
+//! client to a new UDP socket (a new network) without reconnecting. Where
+//! UDP is blocked it runs over WebSocket instead (below).
 //!
 //! In the client's `Presence`, `last_seen` is in Unix milliseconds (the
 //! server's clock), not on the server's monotonic clock.
+//!
+//! # When UDP is blocked
+//!
+//! Every connection attempt (the first and every reconnect) starts QUIC; if
+//! no QUIC handshake completed within [`ClientConfig::fallback_delay`]
+//! (300 ms), or QUIC failed sooner, it also starts WebSocket over TLS to
+//! [`ClientConfig::websocket`] (default: the server's address over TCP), and
+//! the first transport up wins. The race ends before the hello, which only
+//! the winner sends (two hellos of one device would supersede each other).
+//! So a client that fell back is back on QUIC at its next reconnect once UDP
+//! works. Both carriers run the same session code; [`Client::stats`] says
+//! which one is in use.
+//!
+//! # When the network changes
+//!
+//! Call [`Client::network_changed`] (or [`Client::network_changed_with`] a
+//! new UDP socket) when the device changes networks: over QUIC the client
+//! sends at once on the new path, so the server learns the new address
+//! within one round trip instead of at the next keep-alive; over WebSocket
+//! it probes the TCP connection and reconnects (and resumes) if no answer
+//! comes within [`ClientConfig::probe_timeout`].
 //!
 //! # Reconnecting
 //!
@@ -42,6 +64,7 @@
 //! answered. The client does not retry by itself.
 
 pub mod tls;
+mod ws;
 
 // Re-exported so users need no second copy of them (TLS settings, roots).
 pub use quinn;
@@ -240,9 +263,25 @@ pub struct ClientConfig {
     pub version: u32,
     /// A TLS configuration to use instead of the one built from `roots` (a
     /// custom certificate check, a session cache shared by several clients).
-    /// It must allow TLS 1.3; if it offers no ALPN, `alpn` is offered.
-    /// Default `None`.
+    /// It must allow TLS 1.3; if it offers no ALPN, `alpn` is offered. The
+    /// WebSocket carrier uses a copy with ALPN `http/1.1` and a session
+    /// cache of its own. Default `None`.
     pub tls: Option<Arc<rustls::ClientConfig>>,
+    /// The WebSocket fallback's TCP address (`wss://server_name:PORT/…`),
+    /// tried when no QUIC handshake completes within `fallback_delay`
+    /// (see the module docs, "When UDP is blocked"); `None`: QUIC only.
+    /// Default: the server's address over TCP (`greendot serve` listens for
+    /// WebSocket on the QUIC port number).
+    pub websocket: Option<SocketAddr>,
+    /// The path of the WebSocket upgrade. Default `/greendot`.
+    pub websocket_path: String,
+    /// How long QUIC has alone before the WebSocket attempt starts beside
+    /// it. Default 300 ms.
+    pub fallback_delay: Duration,
+    /// After [`Client::network_changed`] over WebSocket: how long the probe
+    /// may go unanswered before the connection counts as dead and the
+    /// client reconnects (and resumes). Default 3 s.
+    pub probe_timeout: Duration,
 }
 
 impl ClientConfig {
@@ -270,6 +309,10 @@ impl ClientConfig {
             alpn: proto::ALPN.to_vec(),
             version: proto::VERSION,
             tls: None,
+            websocket: Some(server),
+            websocket_path: ws::PATH.into(),
+            fallback_delay: Duration::from_millis(300),
+            probe_timeout: Duration::from_secs(3),
         }
     }
 }
@@ -344,13 +387,38 @@ pub enum Event {
     /// The connection was lost; the client is reconnecting.
     Disconnected { reason: String },
     /// Connected again; `resumed` if the old session carried over unseen.
-    Reconnected { session: SessionId, resumed: bool },
+    Reconnected {
+        session: SessionId,
+        resumed: bool,
+        carrier: Carrier,
+    },
     /// The client is finished (closed, logged out, refused, superseded, or
     /// gave up reconnecting).
     Closed {
         code: Option<CloseCode>,
         reason: String,
     },
+}
+
+/// What a connection runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Carrier {
+    /// Raw QUIC (ALPN `greendot/1`).
+    Quic,
+    /// WebSocket over TLS over TCP: the fallback when UDP is blocked.
+    WebSocket,
+}
+
+/// How a client has been connected so far.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ClientStats {
+    /// What the current (or last) connection runs on.
+    pub carrier: Carrier,
+    /// Connections that said hello over QUIC, the first one included.
+    pub quic_connections: u64,
+    /// Connections that said hello over WebSocket (fallbacks).
+    pub websocket_connections: u64,
 }
 
 /// The stream of events of one client.
@@ -389,10 +457,11 @@ struct State {
     /// that could not resume.
     wanted: BTreeMap<String, Tier>,
     closed: bool,
+    stats: ClientStats,
 }
 
 struct Shared {
-    endpoint: quinn::Endpoint,
+    dialer: Dialer,
     state: Mutex<State>,
     events: mpsc::UnboundedSender<Event>,
 }
@@ -434,6 +503,8 @@ enum Cmd {
         code: CloseCode,
         done: oneshot::Sender<()>,
     },
+    /// The network changed: send at once (and over WebSocket, probe).
+    NetworkChanged,
 }
 
 /// A connected client. Cheap to clone; the connection closes (without logout:
@@ -453,11 +524,82 @@ impl std::fmt::Debug for Client {
     }
 }
 
+/// What a connection's readers tell the session loop, in arrival order.
+enum Inbound {
+    /// A frame of the control stream.
+    Frame(ServerFrame),
+    /// An update on a push stream whose tier is known.
+    Push {
+        target: String,
+        presence: proto::Presence,
+        source: Source,
+    },
+    /// The connection ended, and how (the last item).
+    Ended(ClientError),
+}
+
+/// The sending half of a connection: the one place the carriers differ for
+/// the session loop (`run`).
+enum Link {
+    Quic {
+        conn: quinn::Connection,
+        send: quinn::SendStream,
+    },
+    WebSocket(mpsc::Sender<ws::Out>),
+}
+
+impl Link {
+    fn carrier(&self) -> Carrier {
+        match self {
+            Link::Quic { .. } => Carrier::Quic,
+            Link::WebSocket(_) => Carrier::WebSocket,
+        }
+    }
+
+    /// Sends one frame (`bytes` is length-prefixed, as on a QUIC stream);
+    /// `false` if the connection is gone (its reader then says why).
+    async fn send(&mut self, bytes: Vec<u8>) -> bool {
+        match self {
+            Link::Quic { send, .. } => send.write_all(&bytes).await.is_ok(),
+            Link::WebSocket(tx) => {
+                let payload = bytes.get(4..).unwrap_or_default().to_vec();
+                tx.send(ws::Out::Frame(payload)).await.is_ok()
+            }
+        }
+    }
+
+    /// Closes with `code`; returns once the close is on its way.
+    async fn close(&mut self, code: CloseCode, reason: &'static str) {
+        match self {
+            Link::Quic { conn, .. } => conn.close(code.varint(), reason.as_bytes()),
+            Link::WebSocket(tx) => {
+                let (done, wait) = oneshot::channel();
+                if tx.send(ws::Out::Close { code, reason, done }).await.is_ok() {
+                    let _ = wait.await;
+                }
+            }
+        }
+    }
+}
+
+/// Tasks of one connection, stopped when it is dropped: nothing from an old
+/// connection is read after a reconnect.
+struct Tasks(Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for Tasks {
+    fn drop(&mut self) {
+        for task in &self.0 {
+            task.abort();
+        }
+    }
+}
+
 struct Established {
-    conn: quinn::Connection,
-    send: quinn::SendStream,
-    recv: quinn::RecvStream,
-    reader: FrameReader,
+    link: Link,
+    inbound: mpsc::UnboundedReceiver<Inbound>,
+    /// Pushes that came before the welcome, applied first.
+    early: Vec<Inbound>,
+    tasks: Tasks,
     welcome: Welcome,
 }
 
@@ -475,23 +617,36 @@ fn lost(error: &quinn::ConnectionError) -> ClientError {
     ClientError::Lost(error.to_string())
 }
 
-/// After an error frame: the server's close code, and the error with the
-/// close reason's `retry_ms` added to its message if only the reason has it.
-async fn rejected_after(conn: &quinn::Connection, mut error: WireError) -> ClientError {
-    let code = match conn.closed().await {
-        quinn::ConnectionError::ApplicationClosed(c) => {
-            let reason = String::from_utf8_lossy(&c.reason);
-            if let (None, Some(hint)) = (retry_hint(&error.message), retry_hint(&reason)) {
+/// After an error frame: waits for the close that follows, and gives the
+/// server's close code with the error, adding the close reason's
+/// `retry_ms` to its message if only the reason has it.
+async fn rejected_after(
+    inbound: &mut mpsc::UnboundedReceiver<Inbound>,
+    mut error: WireError,
+) -> ClientError {
+    let code = match ended(inbound).await {
+        ClientError::Rejected { code, error: close } => {
+            if let (None, Some(hint)) = (retry_hint(&error.message), retry_hint(&close.message)) {
                 error.message = format!("{} retry_ms={}", error.message, hint.as_millis());
             }
-            CloseCode::from_code(c.error_code.into_inner())
+            code
         }
         _ => None,
     };
     ClientError::Rejected { code, error }
 }
 
-fn error_code_for(code: Option<CloseCode>) -> ErrorCode {
+/// Why the connection ended (skipping what it still delivered).
+async fn ended(inbound: &mut mpsc::UnboundedReceiver<Inbound>) -> ClientError {
+    while let Some(item) = inbound.recv().await {
+        if let Inbound::Ended(e) = item {
+            return e;
+        }
+    }
+    ClientError::Lost("connection lost".into())
+}
+
+pub(crate) fn error_code_for(code: Option<CloseCode>) -> ErrorCode {
     match code {
         Some(CloseCode::Unauthorized) => ErrorCode::BadToken,
         Some(CloseCode::TokenExpired) => ErrorCode::TokenExpired,
@@ -505,18 +660,31 @@ fn error_code_for(code: Option<CloseCode>) -> ErrorCode {
     }
 }
 
+/// What one [`Client`] connects with, whatever the carrier.
+struct Dialer {
+    endpoint: quinn::Endpoint,
+    /// The WebSocket carrier's TLS (one session cache for all its connections).
+    ws_tls: Arc<rustls::ClientConfig>,
+}
+
+/// A transport that is up (QUIC handshake done, or TLS and WebSocket
+/// upgrade done) but has carried no greendot frame yet.
+enum Transport {
+    Quic(quinn::Connection),
+    WebSocket(Box<ws::Stream>),
+}
+
 /// Opens a connection and says hello, within the connect timeout.
 async fn establish(
-    endpoint: &quinn::Endpoint,
+    dialer: &Dialer,
     config: &ClientConfig,
     resume: Option<SessionId>,
 ) -> Result<Established, ClientError> {
-    match tokio::time::timeout(
-        config.connect_timeout,
-        establish_now(endpoint, config, resume),
-    )
-    .await
-    {
+    let attempt = async {
+        let transport = race(dialer, config).await?;
+        hello(transport, config, resume).await
+    };
+    match tokio::time::timeout(config.connect_timeout, attempt).await {
         Ok(result) => result,
         Err(_) => Err(ClientError::Connect(format!(
             "no answer from {} within {:?}",
@@ -525,57 +693,136 @@ async fn establish(
     }
 }
 
-async fn establish_now(
+async fn quic_handshake(
     endpoint: &quinn::Endpoint,
     config: &ClientConfig,
-    resume: Option<SessionId>,
-) -> Result<Established, ClientError> {
+) -> Result<quinn::Connection, ClientError> {
     let connecting = endpoint
         .connect(config.server, &config.server_name)
         .map_err(|e| ClientError::Connect(e.to_string()))?;
-    let conn = connecting.await.map_err(|e| match &e {
+    connecting.await.map_err(|e| match &e {
         quinn::ConnectionError::ApplicationClosed(_) => lost(&e),
         _ => ClientError::Connect(e.to_string()),
-    })?;
-    let result = async {
-        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| lost(&e))?;
-        let hello = Hello {
-            version: config.version,
-            token: config.token.clone(),
-            resume: resume.map(|s| s.0),
-        };
-        let bytes = encode_frame(&hello).map_err(|e| ClientError::Protocol(e.to_string()))?;
-        if send.write_all(&bytes).await.is_err() {
-            return Err(lost(&conn.closed().await));
+    })
+}
+
+/// Happy eyeballs: QUIC first; if no QUIC handshake completed within
+/// `fallback_delay` (or QUIC failed sooner) WebSocket too, and the first
+/// transport up wins. The race ends before the hello: two hellos of one
+/// device would supersede each other, so only the winner says hello.
+async fn race(dialer: &Dialer, config: &ClientConfig) -> Result<Transport, ClientError> {
+    let quic = quic_handshake(&dialer.endpoint, config);
+    if config.websocket.is_none() {
+        return quic.await.map(Transport::Quic);
+    }
+    let both =
+        |q: ClientError, w: ClientError| ClientError::Connect(format!("QUIC: {q}; WebSocket: {w}"));
+    tokio::pin!(quic);
+    let websocket = async {
+        ws::handshake(config, dialer.ws_tls.clone())
+            .await
+            .map(|s| Transport::WebSocket(Box::new(s)))
+    };
+    let quic_failed = tokio::select! {
+        result = &mut quic => match result {
+            Ok(conn) => return Ok(Transport::Quic(conn)),
+            // The server answered over QUIC: its word is final.
+            Err(e @ ClientError::Rejected { .. }) => return Err(e),
+            Err(e) => Some(e),
+        },
+        _ = tokio::time::sleep(config.fallback_delay) => None,
+    };
+    if let Some(q) = quic_failed {
+        return websocket.await.map_err(|w| both(q, w));
+    }
+    debug!(delay = ?config.fallback_delay, "no QUIC handshake yet: trying WebSocket too");
+    tokio::pin!(websocket);
+    tokio::select! {
+        result = &mut quic => match result {
+            Ok(conn) => Ok(Transport::Quic(conn)),
+            Err(e @ ClientError::Rejected { .. }) => Err(e),
+            Err(q) => websocket.await.map_err(|w| both(q, w)),
+        },
+        result = &mut websocket => match result {
+            Ok(transport) => Ok(transport),
+            Err(w) => quic.await.map(Transport::Quic).map_err(|q| both(q, w)),
+        },
+    }
+}
+
+/// Says hello on a transport that is up and waits for the welcome.
+async fn hello(
+    transport: Transport,
+    config: &ClientConfig,
+    resume: Option<SessionId>,
+) -> Result<Established, ClientError> {
+    let hello = Hello {
+        version: config.version,
+        token: config.token.clone(),
+        resume: resume.map(|s| s.0),
+    };
+    let bytes = encode_frame(&hello).map_err(|e| ClientError::Protocol(e.to_string()))?;
+    let (tx, mut inbound) = mpsc::unbounded_channel();
+    let (mut link, tasks) = match transport {
+        Transport::Quic(conn) => {
+            let (mut send, recv) = conn.open_bi().await.map_err(|e| lost(&e))?;
+            if send.write_all(&bytes).await.is_err() {
+                return Err(lost(&conn.closed().await));
+            }
+            let tasks = Tasks(vec![
+                tokio::spawn(read_control(conn.clone(), recv, tx.clone())),
+                tokio::spawn(accept_pushes(conn.clone(), tx)),
+            ]);
+            (Link::Quic { conn, send }, tasks)
         }
-        let mut reader = FrameReader::new(proto::MAX_SERVER_FRAME);
-        let frame = match read_frame(&mut recv, &mut reader).await {
-            Ok(Some(payload)) => proto::decode::<ServerFrame>(&payload)
-                .map_err(|e| ClientError::Protocol(e.to_string()))?,
-            Ok(None) | Err(_) => {
-                let error = conn.closed().await;
-                return Err(lost(&error));
+        Transport::WebSocket(mut stream) => {
+            use futures_util::SinkExt;
+            let payload = bytes[4..].to_vec();
+            stream
+                .send(tokio_tungstenite::tungstenite::Message::Binary(
+                    payload.into(),
+                ))
+                .await
+                .map_err(|e| ClientError::Lost(format!("WebSocket: {e}")))?;
+            let (out_tx, out_rx) = mpsc::channel(64);
+            let task = tokio::spawn(ws::drive(
+                *stream,
+                out_rx,
+                tx,
+                config.keep_alive,
+                config.idle_timeout,
+            ));
+            (Link::WebSocket(out_tx), Tasks(vec![task]))
+        }
+    };
+    let mut early = Vec::new();
+    let result = loop {
+        match inbound.recv().await {
+            Some(Inbound::Frame(ServerFrame::Welcome(welcome))) => break Ok(welcome),
+            Some(Inbound::Frame(ServerFrame::Error(error))) => {
+                break Err(rejected_after(&mut inbound, error).await)
             }
-        };
-        match frame {
-            ServerFrame::Welcome(welcome) => Ok(Established {
-                conn: conn.clone(),
-                send,
-                recv,
-                reader,
-                welcome,
-            }),
-            ServerFrame::Error(error) => Err(rejected_after(&conn, error).await),
-            ServerFrame::Reply { .. } => {
-                Err(ClientError::Protocol("a reply before the welcome".into()))
+            Some(Inbound::Frame(ServerFrame::Reply { .. })) => {
+                break Err(ClientError::Protocol("a reply before the welcome".into()))
             }
+            Some(push @ Inbound::Push { .. }) => early.push(push),
+            Some(Inbound::Ended(e)) => break Err(e),
+            None => break Err(ClientError::Lost("connection lost".into())),
+        }
+    };
+    match result {
+        Ok(welcome) => Ok(Established {
+            link,
+            inbound,
+            early,
+            tasks,
+            welcome,
+        }),
+        Err(e) => {
+            link.close(CloseCode::Normal, "hello failed").await;
+            Err(e)
         }
     }
-    .await;
-    if result.is_err() {
-        conn.close(CloseCode::Normal.varint(), b"hello failed");
-    }
-    result
 }
 
 impl Client {
@@ -606,12 +853,17 @@ impl Client {
         let mut endpoint = quinn::Endpoint::client(config.bind)
             .map_err(|e| ClientError::Connect(format!("cannot bind {}: {e}", config.bind)))?;
         endpoint.set_default_client_config(client_config);
+        let dialer = Dialer {
+            endpoint,
+            ws_tls: ws::tls_config(&config)?,
+        };
 
-        let established = establish(&endpoint, &config, None).await?;
+        let established = establish(&dialer, &config, None).await?;
         let (events, rx) = mpsc::unbounded_channel();
         let welcome = &established.welcome;
+        let carrier = established.link.carrier();
         let shared = Arc::new(Shared {
-            endpoint,
+            dialer,
             state: Mutex::new(State {
                 session: SessionId(welcome.session),
                 user: welcome.user.clone(),
@@ -620,6 +872,11 @@ impl Client {
                 ids: HashMap::new(),
                 wanted: BTreeMap::new(),
                 closed: false,
+                stats: ClientStats {
+                    carrier,
+                    quic_connections: u64::from(carrier == Carrier::Quic),
+                    websocket_connections: u64::from(carrier == Carrier::WebSocket),
+                },
             }),
             events,
         });
@@ -661,16 +918,57 @@ impl Client {
         self.shared.state().closed
     }
 
-    /// The local address of the client's socket.
+    /// What the client runs on now, and how often it connected over each.
+    pub fn stats(&self) -> ClientStats {
+        self.shared.state().stats
+    }
+
+    /// What the current (or last) connection runs on.
+    pub fn carrier(&self) -> Carrier {
+        self.stats().carrier
+    }
+
+    /// The local address of the client's UDP socket (QUIC's; also while
+    /// the connection runs over WebSocket).
     pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
-        self.shared.endpoint.local_addr()
+        self.shared.dialer.endpoint.local_addr()
     }
 
     /// Moves the client to a new UDP socket (a new network); the connection,
     /// its session and subscriptions carry over if the server allows
-    /// migration. Call inside the tokio runtime.
+    /// migration. Call inside the tokio runtime. (quinn sends a PING on
+    /// the new socket at once; an address change without a new socket needs
+    /// [`Client::network_changed`].)
     pub fn rebind(&self, socket: UdpSocket) -> std::io::Result<()> {
-        self.shared.endpoint.rebind(socket)
+        self.shared.dialer.endpoint.rebind(socket)
+    }
+
+    /// The device's network changed (a new Wi-Fi, 4G, a VPN, a NAT that
+    /// rebound): call it from the platform's network-change callback.
+    /// Without it a client with nothing to send stays unreachable until its
+    /// next keep-alive, since the server learns a QUIC client's new address
+    /// only from a packet.
+    ///
+    /// - Over QUIC it sends a `Ping` request at once, on the new path: the
+    ///   server migrates the connection within one round trip and pushes
+    ///   follow it.
+    /// - Over WebSocket (a TCP connection does not survive a new address)
+    ///   it sends the same `Ping`; if no answer comes within
+    ///   `probe_timeout` the connection counts as lost and the client
+    ///   reconnects at once (QUIC first) and resumes its session.
+    /// - While reconnecting it cuts the current backoff wait short.
+    ///
+    /// Returns at once; nothing to await.
+    pub fn network_changed(&self) {
+        // A full queue has requests waiting that will go out anyway.
+        let _ = self.cmd.try_send(Cmd::NetworkChanged);
+    }
+
+    /// [`Client::rebind`] to `socket`, then [`Client::network_changed`].
+    pub fn network_changed_with(&self, socket: UdpSocket) -> std::io::Result<()> {
+        self.rebind(socket)?;
+        self.network_changed();
+        Ok(())
     }
 
     async fn call(&self, request: Request) -> Result<Answer, ClientError> {
@@ -839,8 +1137,11 @@ impl Client {
             let _ = rx.await;
         }
         // Give the close frame a moment to leave.
-        let _ = tokio::time::timeout(Duration::from_millis(500), self.shared.endpoint.wait_idle())
-            .await;
+        let _ = tokio::time::timeout(
+            Duration::from_millis(500),
+            self.shared.dialer.endpoint.wait_idle(),
+        )
+        .await;
     }
 }
 
@@ -849,6 +1150,8 @@ enum Pending {
     User(oneshot::Sender<Result<Answer, ClientError>>),
     /// A subscribe sent by the client itself after a reconnect.
     Resubscribe,
+    /// The `Ping` of [`Client::network_changed`].
+    Probe,
 }
 
 enum Exit {
@@ -872,7 +1175,15 @@ async fn drive(
         for s in &welcome.snapshots {
             shared.apply(&s.target, &s.presence, Source::Snapshot);
         }
-        let exit = run(&shared, est, &mut cmd_rx, &mut deferred, &mut next_id).await;
+        let exit = run(
+            &shared,
+            &config,
+            est,
+            &mut cmd_rx,
+            &mut deferred,
+            &mut next_id,
+        )
+        .await;
         let error = match exit {
             Exit::Closed(code) => {
                 finish(&shared, Some(code), "closed by the application".into());
@@ -900,9 +1211,15 @@ async fn drive(
             Ok(new) => {
                 let resumed = new.welcome.resumed;
                 let session = SessionId(new.welcome.session);
+                let carrier = new.link.carrier();
                 {
                     let mut state = shared.state();
                     state.session = session;
+                    state.stats.carrier = carrier;
+                    match carrier {
+                        Carrier::Quic => state.stats.quic_connections += 1,
+                        Carrier::WebSocket => state.stats.websocket_connections += 1,
+                    }
                     if !resumed {
                         // A new session, perhaps on a restarted server whose
                         // versions began again: forget what the old one said,
@@ -910,7 +1227,11 @@ async fn drive(
                         state.view = View::new();
                     }
                 }
-                shared.emit(Event::Reconnected { session, resumed });
+                shared.emit(Event::Reconnected {
+                    session,
+                    resumed,
+                    carrier,
+                });
                 est = new;
             }
             Err(exit) => {
@@ -932,7 +1253,7 @@ fn finish(shared: &Shared, code: Option<CloseCode>, reason: String) {
 }
 
 /// Waits `delay` while taking commands: requests wait for the connection, a
-/// close ends the client.
+/// close ends the client, a network change ends the wait.
 async fn wait_taking_commands(
     delay: Duration,
     cmd_rx: &mut mpsc::Receiver<Cmd>,
@@ -943,22 +1264,25 @@ async fn wait_taking_commands(
     loop {
         tokio::select! {
             _ = &mut sleep => return Ok(()),
-            cmd = cmd_rx.recv() => take_command(cmd, deferred)?,
+            cmd = cmd_rx.recv() => if take_command(cmd, deferred)? {
+                return Ok(());
+            },
         }
     }
 }
 
-/// A command that came while reconnecting: a close ends the attempt, any
-/// other waits for the connection.
-fn take_command(cmd: Option<Cmd>, deferred: &mut VecDeque<Cmd>) -> Result<(), Exit> {
+/// A command that came while reconnecting: a close ends the attempt, a
+/// network change is `true` (try now), any other waits for the connection.
+fn take_command(cmd: Option<Cmd>, deferred: &mut VecDeque<Cmd>) -> Result<bool, Exit> {
     match cmd {
         Some(Cmd::Close { code, done }) => {
             let _ = done.send(());
             Err(Exit::Closed(code))
         }
+        Some(Cmd::NetworkChanged) => Ok(true),
         Some(cmd) => {
             deferred.push_back(cmd);
-            Ok(())
+            Ok(false)
         }
         None => Err(Exit::Closed(CloseCode::Normal)),
     }
@@ -966,6 +1290,8 @@ fn take_command(cmd: Option<Cmd>, deferred: &mut VecDeque<Cmd>) -> Result<(), Ex
 
 /// Tries to connect again, resuming the session: before each attempt a wait
 /// drawn with full jitter, or within the `retry_ms` the server last asked for.
+/// Every attempt tries QUIC first (a client that fell back to WebSocket goes
+/// back to QUIC as soon as UDP works again).
 async fn reconnect(
     shared: &Arc<Shared>,
     config: &ClientConfig,
@@ -979,13 +1305,15 @@ async fn reconnect(
     loop {
         wait_taking_commands(backoff.next_delay(hint.take()), cmd_rx, deferred).await?;
         let resume = Some(shared.state().session);
-        let attempt = establish(&shared.endpoint, config, resume);
+        let attempt = establish(&shared.dialer, config, resume);
         tokio::pin!(attempt);
         // Keep taking commands while connecting: requests wait, a close ends.
         let result = loop {
             tokio::select! {
                 result = &mut attempt => break result,
-                cmd = cmd_rx.recv() => take_command(cmd, deferred)?,
+                cmd = cmd_rx.recv() => {
+                    take_command(cmd, deferred)?;
+                }
             }
         };
         match result {
@@ -1009,38 +1337,45 @@ async fn reconnect(
     }
 }
 
-/// Reads control frames into a channel (so the driver's select stays simple).
+/// Reads QUIC control frames into the connection's inbound channel; the
+/// last item says how the connection ended.
 async fn read_control(
+    conn: quinn::Connection,
     mut recv: quinn::RecvStream,
-    mut reader: FrameReader,
-    tx: mpsc::UnboundedSender<Result<ServerFrame, ClientError>>,
+    tx: mpsc::UnboundedSender<Inbound>,
 ) {
-    loop {
-        let item = match read_frame(&mut recv, &mut reader).await {
-            Ok(Some(payload)) => proto::decode::<ServerFrame>(&payload)
-                .map_err(|e| ClientError::Protocol(e.to_string())),
-            Ok(None) => return,
-            Err(e) => Err(ClientError::Lost(e.to_string())),
-        };
-        let stop = item.is_err();
-        if tx.send(item).is_err() || stop {
-            return;
+    let mut reader = FrameReader::new(proto::MAX_SERVER_FRAME);
+    let ended = loop {
+        match read_frame(&mut recv, &mut reader).await {
+            Ok(Some(payload)) => match proto::decode::<ServerFrame>(&payload) {
+                Ok(frame) => {
+                    if tx.send(Inbound::Frame(frame)).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    conn.close(CloseCode::ProtocolError.varint(), b"bad control frame");
+                    break ClientError::Protocol(e.to_string());
+                }
+            },
+            // The server finished or reset the stream: it closes next.
+            Ok(None) | Err(_) => break lost(&conn.closed().await),
         }
-    }
+    };
+    let _ = tx.send(Inbound::Ended(ended));
 }
 
-/// Accepts the server's push streams and applies what they carry. Aborting
-/// this task stops its readers too, so nothing from an old connection is
-/// applied after a reconnect.
-async fn accept_pushes(conn: quinn::Connection, shared: Arc<Shared>) {
+/// Accepts the server's QUIC push streams and forwards what they carry.
+/// Aborting this task stops its readers too.
+async fn accept_pushes(conn: quinn::Connection, tx: mpsc::UnboundedSender<Inbound>) {
     let mut readers = tokio::task::JoinSet::new();
     while let Ok(recv) = conn.accept_uni().await {
-        readers.spawn(read_pushes(recv, shared.clone()));
+        readers.spawn(read_pushes(recv, tx.clone()));
     }
     while readers.join_next().await.is_some() {}
 }
 
-async fn read_pushes(mut recv: quinn::RecvStream, shared: Arc<Shared>) {
+async fn read_pushes(mut recv: quinn::RecvStream, tx: mpsc::UnboundedSender<Inbound>) {
     let mut reader = FrameReader::new(proto::MAX_SERVER_FRAME);
     let mut source = None;
     while let Ok(Some(payload)) = read_frame(&mut recv, &mut reader).await {
@@ -1053,7 +1388,14 @@ async fn read_pushes(mut recv: quinn::RecvStream, shared: Arc<Shared>) {
             }
             Ok(Push::Update { target, presence }) => {
                 if let Some(source) = source {
-                    shared.apply(&target, &presence, source);
+                    let push = Inbound::Push {
+                        target,
+                        presence,
+                        source,
+                    };
+                    if tx.send(push).is_err() {
+                        return;
+                    }
                 }
             }
             Err(e) => {
@@ -1064,27 +1406,36 @@ async fn read_pushes(mut recv: quinn::RecvStream, shared: Arc<Shared>) {
     }
 }
 
-/// One connection's life: requests out, answers in, until it ends.
+/// One connection's life, whatever its carrier: requests out, answers and
+/// pushes in, until it ends.
 async fn run(
     shared: &Arc<Shared>,
+    config: &ClientConfig,
     est: Established,
     cmd_rx: &mut mpsc::Receiver<Cmd>,
     deferred: &mut VecDeque<Cmd>,
     next_id: &mut u64,
 ) -> Exit {
     let Established {
-        conn,
-        mut send,
-        recv,
-        reader,
+        mut link,
+        mut inbound,
+        early,
+        tasks,
         welcome,
     } = est;
     // The cap on what the client sends; what it reads is capped by MAX_SERVER_FRAME.
     let max_frame = welcome.max_frame.max(1024) as usize;
-    let (ctl_tx, mut ctl_rx) = mpsc::unbounded_channel();
-    let control = tokio::spawn(read_control(recv, reader, ctl_tx));
-    let pushes = tokio::spawn(accept_pushes(conn.clone(), shared.clone()));
     let mut pending: HashMap<u64, Pending> = HashMap::new();
+    for item in early {
+        if let Inbound::Push {
+            target,
+            presence,
+            source,
+        } = item
+        {
+            shared.apply(&target, &presence, source);
+        }
+    }
 
     // After a reconnect that did not resume, subscribe again.
     let mut startup: VecDeque<(Request, Pending)> = VecDeque::new();
@@ -1110,16 +1461,18 @@ async fn run(
     while let Some(cmd) = deferred.pop_front() {
         match cmd {
             Cmd::Request { request, reply } => startup.push_back((request, Pending::User(reply))),
+            Cmd::NetworkChanged => {}
             Cmd::Close { code, done } => {
-                conn.close(code.varint(), b"closed by the application");
+                link.close(code, "closed by the application").await;
                 let _ = done.send(());
-                control.abort();
-                pushes.abort();
                 return Exit::Closed(code);
             }
         }
     }
 
+    // Over WebSocket, after a network change: when the connection counts
+    // as dead unless the probe is answered.
+    let mut probe_deadline: Option<tokio::time::Instant> = None;
     let exit = 'conn: loop {
         while let Some((request, waiter)) = startup.pop_front() {
             // The caller gave up waiting (a timeout): a request never sent
@@ -1148,28 +1501,45 @@ async fn run(
                 continue;
             }
             pending.insert(id, waiter);
-            if let Err(e) = send.write_all(&bytes).await {
-                debug!(error = %e, "control stream write failed");
-                break 'conn Exit::Lost(lost(&conn.closed().await));
+            if !link.send(bytes).await {
+                debug!("control write failed");
+                break 'conn Exit::Lost(ended(&mut inbound).await);
             }
         }
+        let probe = async {
+            match probe_deadline {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             cmd = cmd_rx.recv() => match cmd {
                 Some(Cmd::Request { request, reply }) => {
                     startup.push_back((request, Pending::User(reply)));
                 }
+                Some(Cmd::NetworkChanged) => {
+                    // Anything sent goes out on the new path; a Ping is the
+                    // smallest request (and renews the lease).
+                    startup.push_back((Request::Ping, Pending::Probe));
+                    if link.carrier() == Carrier::WebSocket && probe_deadline.is_none() {
+                        probe_deadline = Some(tokio::time::Instant::now() + config.probe_timeout);
+                    }
+                }
                 Some(Cmd::Close { code, done }) => {
-                    conn.close(code.varint(), b"closed by the application");
+                    link.close(code, "closed by the application").await;
                     let _ = done.send(());
                     break Exit::Closed(code);
                 }
                 None => {
-                    conn.close(CloseCode::Normal.varint(), b"client dropped");
+                    link.close(CloseCode::Normal, "client dropped").await;
                     break Exit::Closed(CloseCode::Normal);
                 }
             },
-            frame = ctl_rx.recv() => match frame {
-                Some(Ok(ServerFrame::Reply { id, result })) => {
+            item = inbound.recv() => match item {
+                Some(Inbound::Push { target, presence, source }) => {
+                    shared.apply(&target, &presence, source);
+                }
+                Some(Inbound::Frame(ServerFrame::Reply { id, result })) => {
                     if let Ok(Answer::Subscribed { snapshots, .. }) = &result {
                         let mut state = shared.state();
                         for s in snapshots {
@@ -1185,27 +1555,34 @@ async fn run(
                         Some(Pending::User(reply)) => {
                             let _ = reply.send(result.map_err(ClientError::Server));
                         }
+                        Some(Pending::Probe) => probe_deadline = None,
                         Some(Pending::Resubscribe) => {}
                         None => debug!(id, "reply to no request"),
                     }
                 }
-                Some(Ok(ServerFrame::Error(error))) => {
+                Some(Inbound::Frame(ServerFrame::Error(error))) => {
                     // The server closes next; report its error with the close code.
-                    break Exit::Lost(rejected_after(&conn, error).await);
+                    break Exit::Lost(rejected_after(&mut inbound, error).await);
                 }
-                Some(Ok(ServerFrame::Welcome(_))) => {
-                    conn.close(CloseCode::ProtocolError.varint(), b"a second welcome");
+                Some(Inbound::Frame(ServerFrame::Welcome(_))) => {
+                    link.close(CloseCode::ProtocolError, "a second welcome").await;
                     break Exit::Lost(ClientError::Protocol("a second welcome".into()));
                 }
-                Some(Err(_)) | None => {
-                    break Exit::Lost(lost(&conn.closed().await));
-                }
+                Some(Inbound::Ended(e)) => break Exit::Lost(e),
+                None => break Exit::Lost(ClientError::Lost("connection lost".into())),
             },
-            error = conn.closed() => break Exit::Lost(lost(&error)),
+            _ = probe => {
+                // The TCP connection did not survive the network change. A
+                // plain close: the device lingers and the reconnect resumes.
+                link.close(CloseCode::Normal, "no answer after a network change").await;
+                break Exit::Lost(ClientError::Lost(format!(
+                    "no answer within {:?} after a network change",
+                    config.probe_timeout
+                )));
+            }
         }
     };
-    control.abort();
-    pushes.abort();
+    drop(tasks);
     let failure = match &exit {
         Exit::Lost(e) => e.clone(),
         Exit::Closed(_) => ClientError::Closed,

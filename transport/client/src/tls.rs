@@ -23,15 +23,21 @@ pub fn client_crypto(
     roots: &[CertificateDer<'static>],
     alpn: &[u8],
 ) -> Result<QuicClientConfig, TlsError> {
+    let mut tls = client_tls(roots)?;
+    tls.alpn_protocols = vec![alpn.to_vec()];
+    Ok(QuicClientConfig::try_from(tls)?)
+}
+
+/// TLS 1.3 trusting exactly `roots`, no ALPN yet (the QUIC and the
+/// WebSocket carriers each set their own).
+pub fn client_tls(roots: &[CertificateDer<'static>]) -> Result<rustls::ClientConfig, TlsError> {
     let mut store = rustls::RootCertStore::empty();
     for root in roots {
         store.add(root.clone())?;
     }
     let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut tls = rustls::ClientConfig::builder_with_provider(provider)
+    Ok(rustls::ClientConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_root_certificates(store)
-        .with_no_client_auth();
-    tls.alpn_protocols = vec![alpn.to_vec()];
-    Ok(QuicClientConfig::try_from(tls)?)
+        .with_no_client_auth())
 }

@@ -20,6 +20,8 @@
 //! stime` from `/proc/<pid>/stat`). All traffic goes to `server`; the run is
 //! bounded by `ramp_timeout + duration` plus a few seconds to close.
 
+mod ws;
+
 use greendot_client::tls;
 use greendot_proto::{
     self as proto, codec::read_frame, encode_frame, Answer, CloseCode, FrameReader, Hello, Push,
@@ -71,6 +73,9 @@ pub struct LoadOptions {
     pub progress: bool,
     /// User names are `{prefix}{i}`.
     pub user_prefix: String,
+    /// Connect over WebSocket (`wss://…/greendot`) to this TCP address
+    /// instead of over QUIC to `server`. Default `None`.
+    pub websocket: Option<SocketAddr>,
 }
 
 impl LoadOptions {
@@ -100,6 +105,7 @@ impl LoadOptions {
             server_pid: None,
             progress: true,
             user_prefix: "lg".into(),
+            websocket: None,
         }
     }
 }
@@ -640,17 +646,35 @@ pub async fn run(opts: LoadOptions) -> LoadReport {
     report.server_rss_before = pid.and_then(rss_bytes);
     let cpu0 = pid.and_then(cpu_secs);
 
+    let ws_tls = match opts.websocket.map(|_| ws::tls(&ctx)).transpose() {
+        Ok(tls) => tls,
+        Err(e) => {
+            if opts.progress {
+                eprintln!("loadgen: WebSocket TLS: {e}");
+            }
+            return report;
+        }
+    };
     let (phase_tx, phase_rx) = watch::channel(PHASE_RAMP);
     let start = Instant::now();
     let mut tasks = Vec::with_capacity(n);
     for i in 0..n {
-        let endpoint = endpoints[i % endpoints.len()].clone();
-        tasks.push(tokio::spawn(device(
-            ctx.clone(),
-            endpoint,
-            i,
-            phase_rx.clone(),
-        )));
+        let task = match (opts.websocket, &ws_tls) {
+            (Some(addr), Some(tls)) => tokio::spawn(ws::device(
+                ctx.clone(),
+                addr,
+                tls.clone(),
+                i,
+                phase_rx.clone(),
+            )),
+            _ => tokio::spawn(device(
+                ctx.clone(),
+                endpoints[i % endpoints.len()].clone(),
+                i,
+                phase_rx.clone(),
+            )),
+        };
+        tasks.push(task);
     }
     // Ramp: until every device connected or failed, or the ramp timeout.
     let mut last_print = Instant::now();

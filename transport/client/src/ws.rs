@@ -1,0 +1,249 @@
+//! The WebSocket carrier (docs/protocol.md, "WebSocket over TLS"): TCP, TLS
+//! 1.3, the upgrade to `wss://HOST:PORT/greendot` with subprotocol
+//! `greendot.v1`, then one task per connection that owns the socket. The
+//! session logic is the same as over QUIC (`run` in the crate root): this
+//! task only turns messages into [`Inbound`] items and [`Out`] commands into
+//! messages, and keeps the connection alive (pings, idle timeout).
+
+use crate::{error_code_for, tls, ClientConfig, ClientError, Inbound, Source};
+use futures_util::{SinkExt, StreamExt};
+use greendot_proto::{self as proto, CloseCode, Push, ServerFrame, WireError};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot};
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::http::HeaderValue;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode as WsCloseCode;
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::WebSocketStream;
+use tracing::debug;
+
+/// The subprotocol offered (and required in the answer).
+pub const SUBPROTOCOL: &str = "greendot.v1";
+/// The path of the upgrade request unless configured otherwise.
+pub const PATH: &str = "/greendot";
+/// How long a close may take to go out (and its answer to come back).
+const CLOSE_LINGER: Duration = Duration::from_millis(500);
+
+pub(crate) type Stream = WebSocketStream<tokio_rustls::client::TlsStream<TcpStream>>;
+
+/// What the session loop asks of the connection's task.
+pub(crate) enum Out {
+    /// One frame's payload (without the length prefix), as one message.
+    Frame(Vec<u8>),
+    /// Close with this greendot close code, then end.
+    Close {
+        code: CloseCode,
+        reason: &'static str,
+        done: oneshot::Sender<()>,
+    },
+}
+
+/// The TLS configuration of the WebSocket carrier: TLS 1.3, ALPN
+/// `http/1.1` (what the server's TCP listener offers), and a session cache
+/// of its own (QUIC tickets carry QUIC transport parameters; keep the two
+/// apart).
+pub(crate) fn tls_config(config: &ClientConfig) -> Result<Arc<rustls::ClientConfig>, ClientError> {
+    let mut tls = match &config.tls {
+        Some(given) => {
+            let mut tls = (**given).clone();
+            tls.resumption = rustls::client::Resumption::default();
+            tls
+        }
+        None => tls::client_tls(&config.roots)?,
+    };
+    tls.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(tls))
+}
+
+/// TCP, TLS and the upgrade; no greendot frame is sent yet.
+pub(crate) async fn handshake(
+    config: &ClientConfig,
+    tls: Arc<rustls::ClientConfig>,
+) -> Result<Stream, ClientError> {
+    let Some(addr) = config.websocket else {
+        return Err(ClientError::Config("no WebSocket address".into()));
+    };
+    let connect = |e: String| ClientError::Connect(format!("WebSocket {addr}: {e}"));
+    let tcp = TcpStream::connect(addr)
+        .await
+        .map_err(|e| connect(e.to_string()))?;
+    // Requests are small and latency matters more than packet count.
+    let _ = tcp.set_nodelay(true);
+    let name = rustls::pki_types::ServerName::try_from(config.server_name.clone())
+        .map_err(|e| ClientError::Config(format!("server name: {e}")))?;
+    let tls = tokio_rustls::TlsConnector::from(tls)
+        .connect(name, tcp)
+        .await
+        .map_err(|e| connect(format!("TLS: {e}")))?;
+    let host = if config.server_name.contains(':') {
+        format!("[{}]", config.server_name)
+    } else {
+        config.server_name.clone()
+    };
+    let url = format!("wss://{host}:{}{}", addr.port(), config.websocket_path);
+    let mut request = url
+        .as_str()
+        .into_client_request()
+        .map_err(|e| ClientError::Config(format!("WebSocket URL {url}: {e}")))?;
+    request.headers_mut().insert(
+        "sec-websocket-protocol",
+        HeaderValue::from_static(SUBPROTOCOL),
+    );
+    // A server message is at most a server frame plus its stream byte.
+    let ws_config = WebSocketConfig::default()
+        .max_message_size(Some(proto::MAX_SERVER_FRAME + 1))
+        .max_frame_size(Some(proto::MAX_SERVER_FRAME + 1));
+    let (ws, response) = tokio_tungstenite::client_async_with_config(request, tls, Some(ws_config))
+        .await
+        .map_err(|e| connect(format!("upgrade: {e}")))?;
+    if response
+        .headers()
+        .get("sec-websocket-protocol")
+        .and_then(|v| v.to_str().ok())
+        != Some(SUBPROTOCOL)
+    {
+        return Err(connect(format!("the server did not select {SUBPROTOCOL}")));
+    }
+    Ok(ws)
+}
+
+/// What a close from the server means to the client (docs/protocol.md:
+/// 4000 + greendot code; anything else is a lost connection).
+fn closed_by_server(frame: Option<CloseFrame>) -> ClientError {
+    let Some(frame) = frame else {
+        return ClientError::Lost("WebSocket closed without a code".into());
+    };
+    let raw = u16::from(frame.code);
+    if !(4000..=4999).contains(&raw) {
+        return ClientError::Lost(format!("WebSocket closed: {raw} {}", frame.reason));
+    }
+    let code = CloseCode::from_code(u64::from(raw - 4000));
+    if code == Some(CloseCode::Normal) {
+        return ClientError::Lost(format!("closed by the server: {}", frame.reason));
+    }
+    ClientError::Rejected {
+        code,
+        error: WireError::new(error_code_for(code), frame.reason.to_string()),
+    }
+}
+
+/// The connection's task: messages in, commands out, pings, idle timeout.
+/// It ends after telling the session loop why (an [`Inbound::Ended`]),
+/// or after a close asked for by the session loop.
+pub(crate) async fn drive(
+    mut ws: Stream,
+    mut out: mpsc::Receiver<Out>,
+    inbound: mpsc::UnboundedSender<Inbound>,
+    keep_alive: Duration,
+    idle_timeout: Duration,
+) {
+    let mut ping = tokio::time::interval(keep_alive.max(Duration::from_millis(10)));
+    ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ping.tick().await;
+    let idle = tokio::time::sleep(idle_timeout);
+    tokio::pin!(idle);
+    // Which tier each push stream carries, from its first frame.
+    let mut sources: [Option<Source>; 2] = [None, None];
+    let ended = loop {
+        tokio::select! {
+            message = ws.next() => {
+                idle.as_mut().reset(tokio::time::Instant::now() + idle_timeout);
+                let bytes = match message {
+                    Some(Ok(Message::Binary(bytes))) => bytes,
+                    Some(Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_))) => continue,
+                    Some(Ok(Message::Text(_))) => break protocol_error(&mut ws, "a text message").await,
+                    Some(Ok(Message::Close(frame))) => {
+                        // Answer the close (tungstenite queued the reply).
+                        let _ = tokio::time::timeout(CLOSE_LINGER, ws.close(None)).await;
+                        break closed_by_server(frame);
+                    }
+                    Some(Err(e)) => break ClientError::Lost(format!("WebSocket: {e}")),
+                    None => break ClientError::Lost("WebSocket connection ended".into()),
+                };
+                let item = match bytes.split_first() {
+                    Some((0, payload)) if !payload.is_empty() => {
+                        match proto::decode::<ServerFrame>(payload) {
+                            Ok(frame) => Some(Inbound::Frame(frame)),
+                            Err(e) => break protocol_error(&mut ws, &e.to_string()).await,
+                        }
+                    }
+                    Some((s @ (1 | 2), payload)) if !payload.is_empty() => {
+                        let slot = &mut sources[usize::from(*s - 1)];
+                        match proto::decode::<Push>(payload) {
+                            Ok(Push::Stream { tier }) => {
+                                *slot = Some(match tier {
+                                    proto::Tier::Realtime => Source::Realtime,
+                                    proto::Tier::Batched => Source::Batched,
+                                });
+                                None
+                            }
+                            Ok(Push::Update { target, presence }) => slot.map(|source| {
+                                Inbound::Push { target, presence, source }
+                            }),
+                            Err(e) => break protocol_error(&mut ws, &e.to_string()).await,
+                        }
+                    }
+                    _ => break protocol_error(&mut ws, "a message without a stream byte and frame").await,
+                };
+                if let Some(item) = item {
+                    if inbound.send(item).is_err() {
+                        return;
+                    }
+                }
+            }
+            cmd = out.recv() => match cmd {
+                Some(Out::Frame(payload)) => {
+                    if let Err(e) = ws.send(Message::Binary(payload.into())).await {
+                        break ClientError::Lost(format!("WebSocket send: {e}"));
+                    }
+                }
+                Some(Out::Close { code, reason, done }) => {
+                    close(&mut ws, code.code() as u16 + 4000, reason).await;
+                    let _ = done.send(());
+                    return;
+                }
+                // The session loop is gone (aborted): drop the socket.
+                None => return,
+            },
+            _ = ping.tick() => {
+                if let Err(e) = ws.send(Message::Ping(Vec::new().into())).await {
+                    break ClientError::Lost(format!("WebSocket ping: {e}"));
+                }
+            }
+            _ = &mut idle => {
+                break ClientError::Lost(format!("nothing heard from the server for {idle_timeout:?}"));
+            }
+        }
+    };
+    debug!(error = %ended, "WebSocket connection ended");
+    let _ = inbound.send(Inbound::Ended(ended));
+}
+
+/// The server broke the binding's rules: close with 4004 (ProtocolError).
+async fn protocol_error(ws: &mut Stream, what: &str) -> ClientError {
+    close(
+        ws,
+        4000 + CloseCode::ProtocolError.code() as u16,
+        "protocol error",
+    )
+    .await;
+    ClientError::Protocol(format!("WebSocket: {what}"))
+}
+
+/// Sends a close and waits (briefly) for the server's answer, so the close
+/// reaches the server before the socket is dropped.
+async fn close(ws: &mut Stream, code: u16, reason: &'static str) {
+    let frame = CloseFrame {
+        code: WsCloseCode::from(code),
+        reason: reason.into(),
+    };
+    let _ = tokio::time::timeout(CLOSE_LINGER, async {
+        if ws.close(Some(frame)).await.is_ok() {
+            while let Some(Ok(_)) = ws.next().await {}
+        }
+    })
+    .await;
+}
