@@ -928,7 +928,8 @@ impl ServerState {
         self.stats.snapshot()
     }
 
-    /// The core behind the hub (for checks of what it says).
+    /// The core behind the hub (for checks of what it says; the simulator's).
+    #[doc(hidden)]
     pub fn hub(&self) -> &Hub {
         &self.hub
     }
