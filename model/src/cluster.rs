@@ -23,7 +23,10 @@
 //! edge died, or gives up; it may turn invisible once.
 //!
 //! Delay: a message sent at tick t is delivered (or lost) before the clock
-//! passes t + 1, in any order: delays shorter than two ticks.
+//! passes t + 1, in any order: delays shorter than two ticks. Faults and
+//! alice's reconnects happen at tick starts; a node's calls to itself are
+//! in process. docs/cluster.md ("The model") describes the protocol as
+//! checked, the bounds and the holes found.
 
 use greendot_core::cluster::{epoch_of, owner_of, DeviceRecord, OwnedRecord};
 use greendot_core::{
