@@ -1,4 +1,3 @@
-#![allow(clippy::collapsible_match, clippy::nonminimal_bool)] // unfinished model, kept readable
 //! Model 3: the cluster. Nodes that are each an edge and an owner, a
 //! linearizable KV with leases (TTL) and compare-and-set, and a network that
 //! loses, delays and reorders messages; nodes crash, restart, and get cut off
@@ -24,7 +23,10 @@
 //! edge died, or gives up; it may turn invisible once.
 //!
 //! Delay: a message sent at tick t is delivered (or lost) before the clock
-//! passes t + 1, in any order: delays shorter than two ticks.
+//! passes t + 1, in any order: delays shorter than two ticks. Faults and
+//! alice's reconnects happen at tick starts; a node's calls to itself are
+//! in process. docs/cluster.md ("The model") describes the protocol as
+//! checked, the bounds and the holes found.
 
 use greendot_core::cluster::{epoch_of, owner_of, DeviceRecord, OwnedRecord};
 use greendot_core::{
@@ -72,6 +74,13 @@ pub enum ClusterMutant {
     InvisibleInMemory,
     /// A new owner's versions restart from zero (C5).
     NoEpochInVersions,
+    /// An owner acknowledges `SetInvisible` for a device it has no live
+    /// session of (a new owner before the device's resync) without storing
+    /// anything (C4; a hole the model found, see docs/cluster.md).
+    AckWithoutSession,
+    /// An edge takes an owner's `Ended` by connection id alone, which
+    /// restarts with the process (C3; a hole the model found).
+    EndedWithoutIncarnation,
     /// A restarted node renews its lease under the same key, value and
     /// owners keep its old incarnation's devices (C3; the hole the model
     /// found, see docs/cluster.md).
@@ -79,22 +88,44 @@ pub enum ClusterMutant {
 }
 
 impl ClusterMutant {
-    pub const ALL: [ClusterMutant; 6] = [
+    pub const ALL: [ClusterMutant; 8] = [
         ClusterMutant::KeepOwningAfterLapse,
         ClusterMutant::NoResyncHold,
         ClusterMutant::IgnoreEdgeLost,
         ClusterMutant::InvisibleInMemory,
         ClusterMutant::NoEpochInVersions,
         ClusterMutant::NoIncarnation,
+        ClusterMutant::AckWithoutSession,
+        ClusterMutant::EndedWithoutIncarnation,
     ];
+
+    /// The CI bound it is checked at: the smallest that shows it.
+    pub fn bound(self) -> (&'static str, ClusterBounds) {
+        let name = match self {
+            ClusterMutant::KeepOwningAfterLapse => "cut",
+            ClusterMutant::NoIncarnation
+            | ClusterMutant::IgnoreEdgeLost
+            | ClusterMutant::EndedWithoutIncarnation => "edge",
+            ClusterMutant::NoResyncHold | ClusterMutant::AckWithoutSession => "three",
+            ClusterMutant::InvisibleInMemory | ClusterMutant::NoEpochInVersions => "crash",
+        };
+        *ClusterBounds::CI
+            .iter()
+            .find(|(n, _)| *n == name)
+            .expect("a CI bound")
+    }
 
     /// The property that must catch it.
     pub fn property(self) -> &'static str {
         match self {
             ClusterMutant::KeepOwningAfterLapse => "C1 one writer",
             ClusterMutant::NoResyncHold => "C2 no false offline on failover",
-            ClusterMutant::IgnoreEdgeLost | ClusterMutant::NoIncarnation => "C3 bounded ghosts",
-            ClusterMutant::InvisibleInMemory => "C4 invisible survives failover",
+            ClusterMutant::IgnoreEdgeLost
+            | ClusterMutant::NoIncarnation
+            | ClusterMutant::EndedWithoutIncarnation => "C3 bounded ghosts",
+            ClusterMutant::InvisibleInMemory | ClusterMutant::AckWithoutSession => {
+                "C4 invisible survives failover"
+            }
             ClusterMutant::NoEpochInVersions => "C5 convergence",
         }
     }
@@ -123,72 +154,88 @@ pub struct ClusterBounds {
     /// Faults (crash, restart, cut, loss) happen at ticks up to this one.
     pub faults_until: u64,
     pub max_time: u64,
+    /// Which of the "sometimes" properties this bound must reach.
+    pub reaches: &'static [&'static str],
 }
 
 impl ClusterBounds {
     /// Two nodes: bob on 0; alice's edge and her shard's owner on 1, which
-    /// crashes once (at any tick up to 3); alice may go invisible at tick 1;
-    /// failover to node 0.
+    /// crashes once and may restart (at ticks up to 3); alice may go
+    /// invisible at tick 1; failover to node 0, where she reconnects (or to
+    /// the restarted 1).
     pub const CRASH: ClusterBounds = ClusterBounds {
         nodes: 2,
         alice_edge: 1,
         first_owner: 1,
         crashes: 1,
-        restarts: 0,
+        restarts: 1,
         cuts: 0,
         drops: 0,
         flips: 1,
         invisible_at: 1,
-        faults_until: 2,
-        max_time: 6,
+        faults_until: 3,
+        max_time: 8,
+        reaches: &[FAILOVER, ONLINE, ONLINE_LATER, QUIET],
     };
     /// Two nodes: node 1 (alice's edge and owner) is cut off from the KV
     /// but still sends and receives: the zombie owner.
     pub const CUT: ClusterBounds = ClusterBounds {
         cuts: 1,
         crashes: 0,
-        flips: 0,
-        max_time: 6,
+        restarts: 0,
+        reaches: &[FAILOVER, ONLINE, QUIET],
         ..ClusterBounds::CRASH
     };
-    /// Two nodes: node 1 crashes and restarts (a new incarnation renews
-    /// the same lease key).
-    pub const RESTART: ClusterBounds = ClusterBounds {
-        restarts: 1,
+    /// Two nodes: alice's edge (1) crashes under a live owner (0), and may
+    /// restart (a new incarnation renews the same lease key) before its
+    /// lease expires; long enough for C3's bound to pass.
+    pub const EDGE: ClusterBounds = ClusterBounds {
+        first_owner: 0,
         flips: 0,
+        faults_until: 2,
+        max_time: 2 + GHOST_BOUND,
+        reaches: &[ONLINE, QUIET],
+        ..ClusterBounds::CRASH
+    };
+    /// Three nodes: alice's edge and bob on 0, the owner on 2; 2 (or the
+    /// bystander 1) crashes, and 1 takes the shard over from a distance:
+    /// it hears of alice's device only through the resync. Alice may go
+    /// invisible at tick 1.
+    pub const THREE: ClusterBounds = ClusterBounds {
+        nodes: 3,
+        alice_edge: 0,
+        first_owner: 2,
+        restarts: 0,
         faults_until: 2,
         max_time: 5,
         ..ClusterBounds::CRASH
     };
-    /// Three nodes: bob on 0, alice's edge on 1, the owner on 2; one of 1
-    /// and 2 crashes: an owner crash under a live edge, or an edge crash
-    /// under a live owner.
-    pub const THREE: ClusterBounds = ClusterBounds {
-        nodes: 3,
-        alice_edge: 1,
-        first_owner: 2,
-        flips: 0,
-        faults_until: 2,
-        max_time: 4,
-        ..ClusterBounds::CRASH
-    };
-    /// Two nodes, no crash: one message may be lost at tick 1 or 2.
+    /// Two nodes, no crash: two messages may be lost, at ticks up to 2.
     pub const LOSSY: ClusterBounds = ClusterBounds {
         crashes: 0,
-        drops: 1,
+        restarts: 0,
+        drops: 2,
         flips: 0,
         faults_until: 2,
-        max_time: 4,
+        max_time: 5,
+        reaches: &[ONLINE, QUIET],
         ..ClusterBounds::CRASH
     };
     pub const CI: [(&'static str, ClusterBounds); 5] = [
         ("crash", ClusterBounds::CRASH),
         ("cut", ClusterBounds::CUT),
-        ("restart", ClusterBounds::RESTART),
+        ("edge", ClusterBounds::EDGE),
         ("three", ClusterBounds::THREE),
         ("lossy", ClusterBounds::LOSSY),
     ];
 }
+
+/// The "sometimes" properties: situations a bound must reach, so a check
+/// that passes is not vacuous.
+pub const FAILOVER: &str = "failover happened";
+pub const ONLINE: &str = "bob saw alice online";
+pub const ONLINE_LATER: &str = "bob saw alice online at a later epoch";
+pub const QUIET: &str = "converged and quiet";
 
 /// What alice's edge asks her owner.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -203,10 +250,17 @@ pub enum Body {
     Req { edge: u8, inc: u8, rid: u8, op: Op },
     /// Owner → edge: done (after the KV write for preferences).
     Ack { epoch: Epoch, rid: u8 },
+    /// Owner → edge: no live session of the device here (a new owner that
+    /// has not heard of it yet): connect it again, then retry.
+    Unknown { rid: u8 },
     /// Owner → edge: this session of the device was superseded by a newer
     /// connection elsewhere (or a late request of a dead edge): the edge
     /// closes the connection, and the client reconnects, as on one node.
-    Ended { conn: u8 },
+    /// Names the connection with the edge's incarnation: connection ids
+    /// restart with a process (a hole the model found: a restarted edge
+    /// closed its new connection on the old one's end, and the owner kept
+    /// the new session online with nobody behind it).
+    Ended { inc: u8, conn: u8 },
     /// Edge → owner: a snapshot for a subscribe (or to repair a gap).
     SnapReq { edge: u8 },
     /// Owner → edge: the snapshot, as of the shard's sequence `seq`.
@@ -260,7 +314,8 @@ pub struct OwnerState {
     /// Nodes that answered the resync (bit set).
     pub resynced: u8,
     /// Device changes not yet written to the KV (written behind).
-    pub dirty: bool,
+    /// The tick of the oldest such change.
+    pub dirty: Option<u64>,
     /// The last tick the claim was renewed.
     pub renewed: u64,
 }
@@ -272,6 +327,8 @@ pub struct EdgeDevice {
     pub conn: u8,
     /// The op waiting for its ack (resent each tick).
     pub pending: Option<Op>,
+    /// The op to send once `pending` is acked (after an `Unknown`).
+    pub then: Option<Op>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -341,8 +398,34 @@ pub struct ClusterState {
     pub drops: u8,
     /// The tick of the last fault or input.
     pub quiet_since: u64,
+    /// No message was handled since the last tick: faults and alice's
+    /// reconnects happen only then. Since a message may arrive before or
+    /// after the next tick, this still puts a fault before or after each
+    /// handling, with far fewer interleavings.
+    pub fresh: bool,
     /// Violations seen as they happened, prefixed with the property id.
     pub bad: Vec<String>,
+    /// Messages a node sends itself (its edge calling its own owner, its
+    /// owner answering or publishing to its own edge): handled in process,
+    /// in order, within the step that sent them. Always empty between steps.
+    pub local: std::collections::VecDeque<Msg>,
+}
+
+impl ClusterState {
+    /// Sends `body` from node `from` to node `to`: over the network, or in
+    /// process when `to` is `from`.
+    fn send(&mut self, from: u8, to: u8, body: Body) {
+        let m = Msg {
+            sent: self.t,
+            to,
+            body,
+        };
+        if from == to {
+            self.local.push_back(m);
+        } else {
+            self.net.insert(m);
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -444,15 +527,13 @@ impl ClusterModel {
             seq: 0,
             resync_until: t + RESYNC,
             resynced: 0,
-            dirty: false,
+            dirty: None,
             renewed: t,
         };
         // This node's own edge resends at once, without a message.
         if let Some(conn) = s.nodes[n as usize].device.as_ref().map(|d| d.conn) {
             let inc = s.nodes[n as usize].inc;
-            if !owner.sessions.values().any(|&e| e == (n, inc, conn)) {
-                self.connect(s, &mut owner, n, inc, conn);
-            }
+            self.connect(s, &mut owner, n, inc, conn);
         }
         if let Some(w) = s.nodes[n as usize].watcher.as_deref_mut() {
             w.snap_pending = true;
@@ -463,11 +544,7 @@ impl ClusterModel {
         // Ask every other edge to resend (retried each tick of the window
         // where messages get lost); the first owner has nothing to recover.
         for m in (0..self.bounds.nodes).filter(|&m| m != n && epoch.0 > 1) {
-            s.net.insert(Msg {
-                sent: t,
-                to: m,
-                body: Body::Resync { epoch },
-            });
+            s.send(n, m, Body::Resync { epoch });
         }
     }
 
@@ -476,14 +553,10 @@ impl ClusterModel {
     fn drain(&self, s: &mut ClusterState, n: u8, o: &mut OwnerState) {
         while let Some(out) = o.core.poll_output() {
             if let Output::SessionEnded { session, reason } = out {
-                if let Some((edge, _, conn)) = o.sessions.remove(&session) {
-                    o.dirty = true;
+                if let Some((edge, inc, conn)) = o.sessions.remove(&session) {
+                    o.dirty = o.dirty.or(Some(s.t));
                     if reason == greendot_core::EndReason::Superseded {
-                        s.net.insert(Msg {
-                            sent: s.t,
-                            to: edge,
-                            body: Body::Ended { conn },
-                        });
+                        s.send(n, edge, Body::Ended { inc, conn });
                     }
                 }
             }
@@ -509,15 +582,15 @@ impl ClusterModel {
             }
             o.seq += 1;
             s.kv.view = Some(p.presence.clone());
-            s.net.insert(Msg {
-                sent: s.t,
-                to: WATCHER_NODE,
-                body: Body::View {
+            s.send(
+                n,
+                WATCHER_NODE,
+                Body::View {
                     epoch: o.epoch,
                     seq: o.seq,
                     presence: Shown(p.presence),
                 },
-            });
+            );
         }
     }
 
@@ -529,46 +602,57 @@ impl ClusterModel {
         match body {
             Body::Req { edge, inc, rid, op } => {
                 let done = o.last_rid.get(&(edge, inc)).is_some_and(|&r| rid <= r);
+                let mut reply = Body::Ack {
+                    epoch: o.epoch,
+                    rid,
+                };
                 if !done {
-                    o.last_rid.insert((edge, inc), rid);
                     match op {
-                        Op::Connect => self.connect(s, &mut o, edge, inc, rid),
+                        Op::Connect => {
+                            o.last_rid.insert((edge, inc), rid);
+                            self.connect(s, &mut o, edge, inc, rid);
+                        }
                         Op::SetInvisible(b) => {
                             let session = o
                                 .sessions
                                 .iter()
-                                .find(|(_, &(e, i, _))| (e, i) == (edge, inc))
-                                .map(|(&s, _)| s);
-                            if let Some(session) = session {
-                                if o.core.handle_set_invisible(Millis(t), session, b).is_ok()
-                                    && !self.is(ClusterMutant::InvisibleInMemory)
-                                {
-                                    s.kv.invisible = b; // before the ack
+                                .find(|&(&k, &(e, i, _))| (e, i) == (edge, inc) && live(&o.core, k))
+                                .map(|(&k, _)| k);
+                            // Hole found by the model: a new owner that has
+                            // not heard of the device yet (its resync or its
+                            // KV record still to come) acked without storing
+                            // anything. It answers Unknown instead, unrecorded,
+                            // and the edge connects the device again first.
+                            match session {
+                                Some(session) => {
+                                    o.last_rid.insert((edge, inc), rid);
+                                    if o.core.handle_set_invisible(Millis(t), session, b).is_ok()
+                                        && !self.is(ClusterMutant::InvisibleInMemory)
+                                    {
+                                        s.kv.invisible = b; // before the ack
+                                    }
                                 }
+                                None if self.is(ClusterMutant::AckWithoutSession) => {
+                                    o.last_rid.insert((edge, inc), rid);
+                                }
+                                None => reply = Body::Unknown { rid },
                             }
                         }
                     }
                 }
-                s.net.insert(Msg {
-                    sent: t,
-                    to: edge,
-                    body: Body::Ack {
-                        epoch: o.epoch,
-                        rid,
-                    },
-                });
+                s.send(n, edge, reply);
             }
             Body::SnapReq { edge } => {
                 if let Ok(p) = o.core.handle_snapshot(Millis(t), ALICE, false) {
-                    s.net.insert(Msg {
-                        sent: t,
-                        to: edge,
-                        body: Body::Snap {
+                    s.send(
+                        n,
+                        edge,
+                        Body::Snap {
                             epoch: o.epoch,
                             seq: o.seq,
                             presence: Shown(p),
                         },
-                    });
+                    );
                 }
             }
             Body::Resynced {
@@ -580,21 +664,19 @@ impl ClusterModel {
             } if epoch == o.epoch => {
                 o.resynced |= 1 << edge;
                 if let Some(conn) = device {
-                    if !o.sessions.values().any(|&e| e == (edge, inc, conn)) {
-                        self.connect(s, &mut o, edge, inc, conn);
-                    }
+                    self.connect(s, &mut o, edge, inc, conn);
                 }
                 if watches {
                     if let Ok(p) = o.core.handle_snapshot(Millis(t), ALICE, false) {
-                        s.net.insert(Msg {
-                            sent: t,
-                            to: edge,
-                            body: Body::Snap {
+                        s.send(
+                            n,
+                            edge,
+                            Body::Snap {
                                 epoch: o.epoch,
                                 seq: o.seq,
                                 presence: Shown(p),
                             },
-                        });
+                        );
                     }
                 }
             }
@@ -605,6 +687,20 @@ impl ClusterModel {
     }
 
     fn connect(&self, s: &mut ClusterState, o: &mut OwnerState, edge: u8, inc: u8, conn: u8) {
+        let known: Vec<SessionId> = o
+            .sessions
+            .iter()
+            .filter(|&(_, &e)| e == (edge, inc, conn))
+            .map(|(&session, _)| session)
+            .collect();
+        if known.iter().any(|&k| live(&o.core, k)) {
+            return; // this connection is live here already (a retry, a resync)
+        }
+        // Restored from the KV as Lingering: the new session supersedes it,
+        // and the edge must not be told to close the connection.
+        for k in known {
+            o.sessions.remove(&k);
+        }
         let c = Connect {
             user: ALICE,
             device: DeviceId(1),
@@ -614,7 +710,7 @@ impl ClusterModel {
         };
         if let Ok(c) = o.core.handle_connect(Millis(s.t), c) {
             o.sessions.insert(c.session, (edge, inc, conn));
-            o.dirty = true;
+            o.dirty = o.dirty.or(Some(s.t));
         }
     }
 
@@ -632,11 +728,7 @@ impl ClusterModel {
         self.edge_msg_inner(s, n, body);
         if !before && pending(s) {
             if let Some((holder, _, _)) = s.kv.claim {
-                s.net.insert(Msg {
-                    sent: s.t,
-                    to: holder,
-                    body: Body::SnapReq { edge: n },
-                });
+                s.send(n, holder, Body::SnapReq { edge: n });
             }
         }
     }
@@ -645,20 +737,51 @@ impl ClusterModel {
         let t = s.t;
         let node = &mut s.nodes[n as usize];
         match body {
-            Body::Ended { conn } => {
-                if node.device.as_ref().is_some_and(|d| d.conn == conn) {
+            Body::Ended { inc, conn } => {
+                let this_process =
+                    node.inc == inc || self.is(ClusterMutant::EndedWithoutIncarnation);
+                if this_process && node.device.as_ref().is_some_and(|d| d.conn == conn) {
                     node.device = None;
                     s.alice.at = None;
                     s.alice.away_since = Some(t);
                 }
             }
             Body::Ack { rid, .. } => {
-                if let Some(d) = node.device.as_mut() {
-                    if d.rid == rid {
-                        if let Some(Op::SetInvisible(true)) = d.pending {
-                            s.alice.invisible_acked = true;
+                if let Some(d) = node.device.as_mut().filter(|d| d.rid == rid) {
+                    if let Some(Op::SetInvisible(true)) = d.pending {
+                        s.alice.invisible_acked = true;
+                    }
+                    d.pending = d.then.take();
+                    if let Some(op) = d.pending {
+                        node.rids += 1;
+                        d.rid = node.rids;
+                        let req = Body::Req {
+                            edge: n,
+                            inc: node.inc,
+                            rid: d.rid,
+                            op,
+                        };
+                        if let Some((holder, _, _)) = s.kv.claim {
+                            s.send(n, holder, req);
                         }
-                        d.pending = None;
+                    }
+                }
+            }
+            Body::Unknown { rid } => {
+                if let Some(d) = node.device.as_mut().filter(|d| d.rid == rid) {
+                    d.then = d.pending.take();
+                    node.rids += 1;
+                    d.rid = node.rids;
+                    d.conn = d.rid; // a new connection to the owner
+                    d.pending = Some(Op::Connect);
+                    let req = Body::Req {
+                        edge: n,
+                        inc: node.inc,
+                        rid: d.rid,
+                        op: Op::Connect,
+                    };
+                    if let Some((holder, _, _)) = s.kv.claim {
+                        s.send(n, holder, req);
                     }
                 }
             }
@@ -676,11 +799,7 @@ impl ClusterModel {
                     watches,
                 };
                 if let Some((holder, _, _)) = s.kv.claim.filter(|c| c.1 == epoch) {
-                    s.net.insert(Msg {
-                        sent: t,
-                        to: holder,
-                        body,
-                    });
+                    s.send(n, holder, body);
                 }
             }
             Body::Snap {
@@ -784,12 +903,13 @@ impl ClusterModel {
                 }
             }
         }
-        // Device changes are written behind, at the tick after they happen
-        // (a crash before then loses them).
+        // Device changes are written behind, two ticks after they happen
+        // (so a crash at the tick in between loses them).
         for n in 0..nodes {
             let node = &mut s.nodes[n as usize];
-            if let Some(o) = node.owner.as_deref_mut().filter(|o| o.dirty && !node.cut) {
-                o.dirty = false;
+            let due = |o: &&mut OwnerState| o.dirty.is_some_and(|d| t >= d + 2);
+            if let Some(o) = node.owner.as_deref_mut().filter(due).filter(|_| !node.cut) {
+                o.dirty = None;
                 s.kv.devices = o.sessions.values().map(|&(e, i, c)| (e, i, c, t)).collect();
             }
         }
@@ -858,23 +978,19 @@ impl ClusterModel {
             // Beacons and resync retries only matter where messages get
             // lost; without losses they would only add interleavings.
             if self.bounds.drops > 0 {
-                s.net.insert(Msg {
-                    sent: t,
-                    to: WATCHER_NODE,
-                    body: Body::Beacon {
+                s.send(
+                    n,
+                    WATCHER_NODE,
+                    Body::Beacon {
                         epoch: o.epoch,
                         seq: o.seq,
                     },
-                });
+                );
             }
             if t < o.resync_until && self.bounds.drops > 0 {
                 for m in (0..nodes).filter(|&m| m != n) {
                     if o.resynced & (1 << m) == 0 && s.kv.leases[m as usize].is_some() {
-                        s.net.insert(Msg {
-                            sent: t,
-                            to: m,
-                            body: Body::Resync { epoch: o.epoch },
-                        });
+                        s.send(n, m, Body::Resync { epoch: o.epoch });
                     }
                 }
             }
@@ -887,26 +1003,20 @@ impl ClusterModel {
                 if !node.up {
                     continue;
                 }
-                if let Some(d) = node.device.as_ref() {
-                    if let Some(op) = d.pending {
-                        s.net.insert(Msg {
-                            sent: t,
-                            to: holder,
-                            body: Body::Req {
-                                edge: n,
-                                inc: node.inc,
-                                rid: d.rid,
-                                op,
-                            },
-                        });
-                    }
+                let req = node.device.as_ref().and_then(|d| {
+                    d.pending.map(|op| Body::Req {
+                        edge: n,
+                        inc: node.inc,
+                        rid: d.rid,
+                        op,
+                    })
+                });
+                let snap = node.watcher.as_ref().is_some_and(|w| w.snap_pending);
+                if let Some(req) = req {
+                    s.send(n, holder, req);
                 }
-                if node.watcher.as_ref().is_some_and(|w| w.snap_pending) {
-                    s.net.insert(Msg {
-                        sent: t,
-                        to: holder,
-                        body: Body::SnapReq { edge: n },
-                    });
+                if snap {
+                    s.send(n, holder, Body::SnapReq { edge: n });
                 }
             }
         }
@@ -917,7 +1027,23 @@ impl ClusterModel {
         }
     }
 
+    fn deliver(&self, s: &mut ClusterState, m: Msg) {
+        if !s.nodes[m.to as usize].up {
+            return;
+        }
+        match m.body {
+            Body::Req { .. } | Body::SnapReq { .. } | Body::Resynced { .. } => {
+                self.owner_msg(s, m.to, m.body)
+            }
+            body => self.edge_msg(s, m.to, body),
+        }
+    }
+
     fn crash(&self, s: &mut ClusterState, n: u8) {
+        // What was on its way to the process is lost with it (replies go to
+        // its connection's inboxes; a restarted process subscribes anew).
+        s.net.retain(|m| m.to != n);
+        s.local.retain(|m| m.to != n);
         let node = &mut s.nodes[n as usize];
         node.up = false;
         node.owner = None;
@@ -927,6 +1053,11 @@ impl ClusterModel {
             s.alice.away_since = Some(s.t);
         }
     }
+}
+
+/// Whether `session` is Online in `core` (not Lingering, not gone).
+fn live(core: &Core, session: SessionId) -> bool {
+    core.session_info(session).is_some_and(|i| i.online)
 }
 
 /// The pushes a `Fanout` produced for bob.
@@ -979,6 +1110,7 @@ impl Model for ClusterModel {
                     rid: 1,
                     conn: 1,
                     pending: Some(Op::Connect),
+                    then: None,
                 }),
                 watcher: (n == WATCHER_NODE).then(|| {
                     let mut fanout = Fanout::new(self.config.batch_interval);
@@ -1018,25 +1150,30 @@ impl Model for ClusterModel {
             cuts: b.cuts,
             drops: b.drops,
             quiet_since: 0,
+            fresh: true,
             bad: Vec::new(),
+            local: Default::default(),
         };
         self.claim_shard(&mut s, b.first_owner);
         // The first requests go out at once.
-        s.net.insert(Msg {
-            sent: 0,
-            to: b.first_owner,
-            body: Body::Req {
+        s.send(
+            b.alice_edge,
+            b.first_owner,
+            Body::Req {
                 edge: b.alice_edge,
                 inc: 0,
                 rid: 1,
                 op: Op::Connect,
             },
-        });
-        s.net.insert(Msg {
-            sent: 0,
-            to: b.first_owner,
-            body: Body::SnapReq { edge: WATCHER_NODE },
-        });
+        );
+        s.send(
+            WATCHER_NODE,
+            b.first_owner,
+            Body::SnapReq { edge: WATCHER_NODE },
+        );
+        while let Some(m) = s.local.pop_front() {
+            self.deliver(&mut s, m);
+        }
         vec![s]
     }
 
@@ -1045,7 +1182,7 @@ impl Model for ClusterModel {
         if s.t < b.max_time && s.net.iter().all(|m| m.sent == s.t) {
             actions.push(Action::Tick);
         }
-        let faults = s.t <= b.faults_until;
+        let faults = s.t <= b.faults_until && s.fresh;
         for m in &s.net {
             actions.push(Action::Deliver(m.clone()));
             if s.drops > 0 && faults {
@@ -1067,7 +1204,7 @@ impl Model for ClusterModel {
                 actions.push(Action::Cut(n));
             }
         }
-        if s.alice.at.is_none() && !s.alice.gone {
+        if s.alice.at.is_none() && !s.alice.gone && s.fresh {
             for n in 0..b.nodes {
                 let node = &s.nodes[n as usize];
                 if node.up && !node.cut {
@@ -1090,21 +1227,17 @@ impl Model for ClusterModel {
         let mut s = last.clone();
         let t = s.t;
         match action {
-            Action::Tick => self.tick(&mut s),
+            Action::Tick => {
+                s.fresh = true;
+                self.tick(&mut s)
+            }
             Action::Deliver(m) => {
+                s.fresh = false;
                 s.net.remove(&m);
-                let node = &s.nodes[m.to as usize];
-                if !node.up {
-                    return Some(s);
-                }
-                match m.body {
-                    Body::Req { .. } | Body::SnapReq { .. } | Body::Resynced { .. } => {
-                        self.owner_msg(&mut s, m.to, m.body)
-                    }
-                    body => self.edge_msg(&mut s, m.to, body),
-                }
+                self.deliver(&mut s, m);
             }
             Action::Drop(m) => {
+                s.fresh = false;
                 s.net.remove(&m);
                 s.drops -= 1;
                 s.quiet_since = t;
@@ -1142,18 +1275,16 @@ impl Model for ClusterModel {
                     rid,
                     conn: rid,
                     pending: Some(Op::Connect),
+                    then: None,
                 });
+                let req = Body::Req {
+                    edge: n,
+                    inc: node.inc,
+                    rid,
+                    op: Op::Connect,
+                };
                 if let Some((holder, _, _)) = s.kv.claim {
-                    s.net.insert(Msg {
-                        sent: t,
-                        to: holder,
-                        body: Body::Req {
-                            edge: n,
-                            inc: node.inc,
-                            rid,
-                            op: Op::Connect,
-                        },
-                    });
+                    s.send(n, holder, req);
                 }
             }
             Action::GoInvisible => {
@@ -1173,13 +1304,12 @@ impl Model for ClusterModel {
                     op: Op::SetInvisible(true),
                 };
                 if let Some((holder, _, _)) = s.kv.claim {
-                    s.net.insert(Msg {
-                        sent: t,
-                        to: holder,
-                        body,
-                    });
+                    s.send(n, holder, body);
                 }
             }
+        }
+        while let Some(m) = s.local.pop_front() {
+            self.deliver(&mut s, m);
         }
         Some(s)
     }
@@ -1194,35 +1324,33 @@ impl Model for ClusterModel {
             }),
             Property::always("C3 bounded ghosts", |_, s: &ClusterState| c3(s)),
             Property::always("C4 invisible survives failover", |_, s: &ClusterState| {
-                !has(s, "C4")
-                    && !(s.alice.invisible_acked
-                        && s.nodes
-                            .iter()
-                            .filter_map(|n| n.owner.as_deref())
-                            .any(|o| o.core.presence(ALICE).online))
+                let shown_online = s
+                    .nodes
+                    .iter()
+                    .filter_map(|n| n.owner.as_deref())
+                    .any(|o| o.core.presence(ALICE).online);
+                let acked = s.alice.invisible_acked;
+                !has(s, "C4") && (!acked || !shown_online)
             }),
             Property::always("C5 convergence", |_, s: &ClusterState| c5(s)),
-            Property::sometimes("failover happened", |_, s: &ClusterState| {
+            Property::sometimes(FAILOVER, |_, s: &ClusterState| {
                 s.kv.epoch.0 >= 2 && s.nodes.iter().any(|n| n.owner.is_some())
             }),
-            Property::sometimes("bob saw alice online", |_, s: &ClusterState| {
+            Property::sometimes(ONLINE, |_, s: &ClusterState| {
                 s.nodes[WATCHER_NODE as usize]
                     .watcher
                     .as_ref()
                     .and_then(|w| w.view.get(ALICE))
                     .is_some_and(|p| p.online)
             }),
-            Property::sometimes(
-                "bob saw alice online at a later epoch",
-                |_, s: &ClusterState| {
-                    s.nodes[WATCHER_NODE as usize]
-                        .watcher
-                        .as_ref()
-                        .and_then(|w| w.view.get(ALICE))
-                        .is_some_and(|p| p.online && epoch_of(p.version).0 >= 2)
-                },
-            ),
-            Property::sometimes("converged and quiet", |_, s: &ClusterState| {
+            Property::sometimes(ONLINE_LATER, |_, s: &ClusterState| {
+                s.nodes[WATCHER_NODE as usize]
+                    .watcher
+                    .as_ref()
+                    .and_then(|w| w.view.get(ALICE))
+                    .is_some_and(|p| p.online && epoch_of(p.version).0 >= 2)
+            }),
+            Property::sometimes(QUIET, |_, s: &ClusterState| {
                 quiet(s).is_some_and(|o| o.core.presence(ALICE).version > 0)
             }),
         ]
