@@ -6,13 +6,13 @@ import puppeteer, { type Browser, type Page } from "puppeteer-core";
 
 export const CHROMIUM = process.env.CHROMIUM ?? "/usr/bin/chromium";
 
-export async function launch(): Promise<Browser> {
+export async function launch(extraArgs: string[] = []): Promise<Browser> {
   return puppeteer.launch({
     executablePath: CHROMIUM,
     headless: true,
     // --no-sandbox: the tests run as root. No certificate flag: WebTransport
     // must be let in by serverCertificateHashes alone.
-    args: ["--no-sandbox", "--disable-gpu", "--window-size=1100,800"],
+    args: ["--no-sandbox", "--disable-gpu", "--window-size=1100,800", ...extraArgs],
     defaultViewport: { width: 1100, height: 800 },
   });
 }

@@ -136,3 +136,28 @@ test("Chromium over WebTransport: the page's copy of the client connects with se
     await browser.close();
   }
 });
+
+test("Chromium falls back to WebSocket when WebTransport fails (here: no certificate hash)", async () => {
+  // wss to the self-signed dev certificate needs the flag; WebTransport
+  // ignores it and, without serverCertificateHashes, refuses the certificate.
+  const browser = await launch(["--ignore-certificate-errors"]);
+  try {
+    const page = await open(browser, env("GREENDOT_PAGE_URL"));
+    const result = await page.evaluate(
+      async (token: string, wtUrl: string, wsUrl: string) => {
+        const m = await import("/greendot-client.js" as string);
+        const c = await m.Client.connect({ token, webTransportUrl: wtUrl, webSocketUrl: wsUrl, webTransportTimeoutMs: 3000 });
+        const { snapshots } = await c.subscribe(["bob"], "realtime");
+        const binding = c.binding;
+        await c.logout();
+        return { binding, target: snapshots[0]?.target, closed: c.isClosed };
+      },
+      env("GREENDOT_TOKEN_AL_BROWSER"),
+      env("GREENDOT_WT_URL"),
+      wsUrl,
+    );
+    assert.deepEqual(result, { binding: "websocket", target: "bob", closed: true });
+  } finally {
+    await browser.close();
+  }
+});
