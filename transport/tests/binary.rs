@@ -242,7 +242,7 @@ fn http_get(at: SocketAddr, path: &str) -> String {
     stream.set_read_timeout(Some(SLACK)).expect("read timeout");
     write!(
         stream,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {at}\r\nConnection: close\r\n\r\n"
     )
     .expect("request");
     let mut text = String::new();
@@ -421,5 +421,166 @@ fn the_binary_serves_survives_kill_9_and_drains() {
     drop(watch);
     drop(carol_proc);
     drop(server);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `serve` in `dir` with `args`; the lines it printed up to its example.
+fn serve_lines(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> (Proc, Vec<String>) {
+    let mut command_args = vec![
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics",
+        "127.0.0.1:0",
+    ];
+    command_args.extend(args);
+    let mut child = Command::new(BIN);
+    child.args(&command_args).current_dir(dir);
+    for (k, v) in env {
+        child.env(k, v);
+    }
+    let mut child = child
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("serve starts");
+    let (tx, lines) = mpsc::channel();
+    read_lines(child.stdout.take().expect("stdout"), tx.clone(), "");
+    read_lines(child.stderr.take().expect("stderr"), tx, "stderr: ");
+    let mut proc = Proc {
+        name: format!("serve {args:?}"),
+        child,
+        lines,
+        seen: Vec::new(),
+    };
+    proc.wait_for(SLACK, "an example", |l| l.starts_with("try: "));
+    let seen = proc.seen.clone();
+    (proc, seen)
+}
+
+fn line_after<'a>(lines: &'a [String], prefix: &str) -> &'a str {
+    lines
+        .iter()
+        .find_map(|l| l.strip_prefix(prefix))
+        .unwrap_or_else(|| panic!("no line {prefix:?} in {lines:#?}"))
+}
+
+#[test]
+fn the_websocket_port_is_a_setting_and_the_page_is_served() {
+    let dir = temp_dir();
+    // Default: the QUIC address over TCP (port 0 there: a free TCP port).
+    // One at a time: they share the data directory (and its store's lock).
+    let (default, lines) = serve_lines(&dir, &[], &[]);
+    let ws = line_after(&lines, "WebSocket on wss://");
+    let ws: SocketAddr = ws
+        .strip_suffix("/greendot (tcp)")
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("{ws}"));
+    assert!(ws.ip().is_loopback() && ws.port() != 0, "{ws}");
+    TcpStream::connect(ws).expect("the WebSocket port accepts TCP");
+    let http: SocketAddr = line_after(&lines, "page on http://")
+        .trim_end_matches('/')
+        .parse()
+        .expect("page address");
+    assert!(
+        line_after(&lines, "dev tokens on http://").contains("/dev/token/USER"),
+        "{lines:#?}"
+    );
+
+    // The page, its client, where to connect, and a dev token.
+    let page = http_get(http, "/");
+    assert!(page.starts_with("HTTP/1.1 200 OK"), "{page}");
+    assert!(
+        page.contains("<script type=\"module\" src=\"/app.js\">"),
+        "{page}"
+    );
+    let js = http_get(http, "/greendot-client.js");
+    assert!(
+        js.to_ascii_lowercase()
+            .contains("content-type: text/javascript"),
+        "{js}"
+    );
+    assert!(js.contains("export {"), "an ES module");
+    let config = http_get(http, "/page.json");
+    let body = json(config.split("\r\n\r\n").nth(1).unwrap_or(""));
+    assert_eq!(body["webSocket"]["port"], ws.port(), "{body}");
+    assert_eq!(body["devTokens"], true, "{body}");
+    let hash = line_after(&lines, "WebTransport serverCertificateHashes sha-256: ");
+    assert_eq!(body["certificateHash"], hash, "{body}");
+    let minted = http_get(http, "/dev/token/alice");
+    assert!(minted.starts_with("HTTP/1.1 200 OK"), "{minted}");
+    let minted = json(minted.split("\r\n\r\n").nth(1).unwrap_or(""));
+    assert_eq!(minted["user"], "alice", "{minted}");
+    let jwt = minted["token"].as_str().expect("a token").to_owned();
+    // The token is the server's own: it connects.
+    let quic = line_after(&lines, "greendot listening on ")
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_owned();
+    let out = Command::new(BIN)
+        .args([
+            "query", "--token", &jwt, "--server", &quic, "alice", "--json",
+        ])
+        .current_dir(&dir)
+        .output()
+        .expect("query runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Another site rebinding its name to 127.0.0.1 sends its own Host.
+    let mut stream = TcpStream::connect(http).expect("HTTP port");
+    write!(
+        stream,
+        "GET /dev/token/alice HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n"
+    )
+    .expect("request");
+    let mut text = String::new();
+    stream.read_to_string(&mut text).expect("response");
+    assert!(text.starts_with("HTTP/1.1 403"), "{text}");
+    assert!(http_get(http, "/dev/token/a%0Ab").starts_with("HTTP/1.1 400"));
+    drop(default);
+
+    // Off, by flag; dev tokens off by flag.
+    let (off, lines) = serve_lines(&dir, &["--websocket", "off", "--dev-tokens", "false"], &[]);
+    assert!(lines.iter().any(|l| l == "WebSocket off"), "{lines:#?}");
+    let http: SocketAddr = line_after(&lines, "page on http://")
+        .trim_end_matches('/')
+        .parse()
+        .expect("page address");
+    assert!(line_after(&lines, "dev tokens off (").starts_with("dev_tokens = false"));
+    assert!(http_get(http, "/dev/token/alice").starts_with("HTTP/1.1 404"));
+    let config = http_get(http, "/page.json");
+    let body = json(config.split("\r\n\r\n").nth(1).unwrap_or(""));
+    assert_eq!(body["webSocket"], serde_json::Value::Null, "{body}");
+    assert_eq!(body["devTokens"], false, "{body}");
+    drop(off);
+
+    // Off, by environment; an address, by the TOML file (a port just free).
+    let (env, lines) = serve_lines(&dir, &[], &[("GREENDOT_WEBSOCKET", "off")]);
+    assert!(lines.iter().any(|l| l == "WebSocket off"), "{lines:#?}");
+    drop(env);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    std::fs::write(
+        dir.join("ws.toml"),
+        format!("websocket = \"127.0.0.1:{port}\"\n"),
+    )
+    .expect("config");
+    let (_file, lines) = serve_lines(&dir, &["--config", "ws.toml"], &[]);
+    assert_eq!(
+        line_after(&lines, "WebSocket on "),
+        format!("wss://127.0.0.1:{port}/greendot (tcp)"),
+        "{lines:#?}"
+    );
+    // The default, as --print-config writes it.
+    let printed = run(&dir, &["serve", "--print-config"]);
+    assert!(printed.contains("websocket = \"listen\""), "{printed}");
+    assert!(printed.contains("dev_tokens = true"), "{printed}");
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -8,6 +8,7 @@
 
 mod client;
 mod cluster;
+mod page;
 mod serve;
 mod settings;
 
@@ -122,10 +123,18 @@ struct ServeArgs {
     /// [default: greendot-data].
     #[arg(long, env = "GREENDOT_DATA_DIR")]
     data_dir: Option<PathBuf>,
-    /// TCP address of the HTTP port (/metrics, /healthz, /readyz), or "off"
-    /// [default: 127.0.0.1:9464].
+    /// TCP address of the WebSocket binding (wss://ADDR/greendot), "listen"
+    /// for the --listen address over TCP, or "off" [default: listen].
+    #[arg(long, env = "GREENDOT_WEBSOCKET")]
+    websocket: Option<String>,
+    /// TCP address of the HTTP port (/metrics, /healthz, /readyz, the page),
+    /// or "off" [default: 127.0.0.1:9464].
     #[arg(long, env = "GREENDOT_METRICS")]
     metrics: Option<String>,
+    /// Serve /dev/token (tokens for the page) when the dev certificate and
+    /// secret are in use and the HTTP port is on loopback [default: true].
+    #[arg(long, env = "GREENDOT_DEV_TOKENS")]
+    dev_tokens: Option<bool>,
     /// PEM certificate chain (with --key) instead of the dev certificate.
     #[arg(long, env = "GREENDOT_CERT")]
     cert: Option<PathBuf>,
@@ -213,7 +222,9 @@ impl ServeArgs {
         }
         set(&mut s.listen, &self.listen);
         set(&mut s.data_dir, &self.data_dir);
+        set(&mut s.websocket, &self.websocket);
         set(&mut s.metrics, &self.metrics);
+        set(&mut s.dev_tokens, &self.dev_tokens);
         if self.cert.is_some() {
             s.cert = self.cert.clone();
         }

@@ -1,5 +1,5 @@
 //! `greendot serve`: the data directory, the server, the HTTP port
-//! (`/metrics`, `/healthz`, `/readyz`) and a graceful drain on SIGTERM or
+//! (`/metrics`, `/healthz`, `/readyz`, the page) and a graceful drain on SIGTERM or
 //! Ctrl-C.
 
 use crate::settings::Settings;
@@ -9,8 +9,10 @@ use greendot_client::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use greendot_core::{KindConfig, Millis};
 use greendot_server::http::HttpService;
 use greendot_server::tls::Identity;
+use greendot_server::token::TokenKeys;
 use greendot_server::{Server, ServerConfig};
 use std::io::Write;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tracing::{info, warn};
@@ -127,9 +129,10 @@ fn prepare(settings: &Settings) -> Result<DataDir, String> {
     })
 }
 
-fn server_config(settings: &Settings, data: &DataDir) -> ServerConfig {
+fn server_config(settings: &Settings, data: &DataDir) -> Result<ServerConfig, String> {
     let mut config = ServerConfig::new(data.secret.clone());
     config.listen = settings.listen;
+    config.websocket = settings.websocket_addr()?;
     config.identity = Some(data.identity.clone());
     config.keep_alive = settings.keep_alive.0;
     config.idle_timeout = settings.idle_timeout.0;
@@ -155,7 +158,25 @@ fn server_config(settings: &Settings, data: &DataDir) -> ServerConfig {
         grace: ms(grace.0),
         heartbeat_timeout: ms(heartbeat.0),
     });
-    config
+    Ok(config)
+}
+
+/// Why `/dev/token` is off, or `None` when it may run: only on a machine of
+/// one's own, where anybody who can reach the HTTP port could read the
+/// data directory's secret anyway (the generated dev certificate and
+/// secret, an HTTP port on loopback).
+fn dev_tokens_refused(settings: &Settings, http: SocketAddr) -> Option<&'static str> {
+    if !settings.dev_tokens {
+        Some("dev_tokens = false")
+    } else if settings.cert.is_some() {
+        Some("a certificate of its own is configured")
+    } else if settings.secret_file.is_some() {
+        Some("a token secret file of its own is configured")
+    } else if !http.ip().is_loopback() {
+        Some("the HTTP port is not on loopback")
+    } else {
+        None
+    }
 }
 
 /// The server is one task (the driver), plus the store's own thread: one
@@ -171,7 +192,7 @@ pub fn runtime() -> Result<tokio::runtime::Runtime, String> {
 
 pub async fn serve(settings: Settings) -> Result<(), String> {
     let data = prepare(&settings)?;
-    let config = server_config(&settings, &data);
+    let config = server_config(&settings, &data)?;
     let server = Server::bind(config).map_err(|e| e.to_string())?;
     let addr = server.local_addr();
 
@@ -210,7 +231,25 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     } else {
         let listener = std::net::TcpListener::bind(&settings.metrics)
             .map_err(|e| format!("cannot listen for HTTP on {}: {e}", settings.metrics))?;
-        let mut service = HttpService::new(server.monitor());
+        let http_addr = listener
+            .local_addr()
+            .map_err(|e| format!("cannot listen for HTTP on {}: {e}", settings.metrics))?;
+        let refused = dev_tokens_refused(&settings, http_addr);
+        let dev_cert = settings.cert.is_none();
+        let page = crate::page::PageConfig {
+            quic: addr,
+            websocket: server.websocket_addr(),
+            certificate_hash: data
+                .identity
+                .certs
+                .first()
+                .filter(|_| dev_cert)
+                .map(|c| greendot_server::tls::certificate_hash(c.as_ref())),
+            dev_tokens: refused
+                .is_none()
+                .then(|| TokenKeys::new(&data.secret, Duration::ZERO)),
+        };
+        let mut service = HttpService::new(server.monitor()).merge(crate::page::routes(page));
         if let Some(status) = cluster_status.clone() {
             service = service.more_metrics(std::sync::Arc::new(move || {
                 status.borrow().render_metrics(std::time::Instant::now())
@@ -219,11 +258,22 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
         let thread = service
             .spawn(listener)
             .map_err(|e| format!("cannot start the HTTP port: {e}"))?;
-        Some(thread)
+        Some((thread, refused))
     };
 
     let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "greendot listening on {addr} (QUIC, udp)");
+    let _ = writeln!(
+        out,
+        "greendot listening on {addr} (QUIC and WebTransport https://{addr}/greendot, udp)"
+    );
+    match server.websocket_addr() {
+        Some(ws) => {
+            let _ = writeln!(out, "WebSocket on wss://{ws}/greendot (tcp)");
+        }
+        None => {
+            let _ = writeln!(out, "WebSocket off");
+        }
+    }
     for path in &data.created {
         let _ = writeln!(out, "created {}", path.display());
     }
@@ -249,10 +299,22 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
         );
     }
     match &http {
-        Some(http) => {
+        Some((http, refused)) => {
             let at = http.local_addr();
             let _ = writeln!(out, "metrics on http://{at}/metrics");
             let _ = writeln!(out, "health on http://{at}/healthz and /readyz");
+            let _ = writeln!(out, "page on http://{at}/");
+            match refused {
+                None => {
+                    let _ = writeln!(
+                        out,
+                        "dev tokens on http://{at}/dev/token/USER (dev certificate and secret, loopback)"
+                    );
+                }
+                Some(why) => {
+                    let _ = writeln!(out, "dev tokens off ({why}): paste a token into the page");
+                }
+            }
         }
         None => {
             let _ = writeln!(out, "HTTP off (no metrics, health or readiness)");

@@ -97,6 +97,9 @@ impl PerKind {
     }
 }
 
+/// The `websocket` value meaning "the QUIC address, over TCP".
+pub const WEBSOCKET_LISTEN: &str = "listen";
+
 /// Everything `greendot serve` runs with. `--print-config` prints it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -105,9 +108,17 @@ pub struct Settings {
     pub listen: SocketAddr,
     /// Holds the dev certificate, the token secret and the store.
     pub data_dir: PathBuf,
+    /// TCP address of the WebSocket binding (`wss://ADDR/greendot`);
+    /// "listen" (the default): the QUIC address over TCP (TCP and UDP share
+    /// the port number; port 0 picks a free TCP port); "off" disables it.
+    pub websocket: String,
     /// TCP address of the HTTP port (`/metrics` for Prometheus, `/healthz`,
-    /// `/readyz`); "off" disables it.
+    /// `/readyz`, the page); "off" disables it.
     pub metrics: String,
+    /// `/dev/token` on the HTTP port mints tokens for the page; it only ever
+    /// runs with the generated dev certificate and token secret and a
+    /// loopback HTTP port (see README "The page"). `false` turns it off.
+    pub dev_tokens: bool,
     /// A PEM certificate chain and its PEM private key; when unset, a
     /// self-signed certificate for `localhost` is made in the data directory.
     pub cert: Option<PathBuf>,
@@ -167,7 +178,9 @@ impl Default for Settings {
         Settings {
             listen: SocketAddr::from(([127, 0, 0, 1], 4433)),
             data_dir: PathBuf::from("greendot-data"),
+            websocket: WEBSOCKET_LISTEN.into(),
             metrics: "127.0.0.1:9464".into(),
+            dev_tokens: true,
             cert: None,
             key: None,
             secret_file: None,
@@ -234,6 +247,20 @@ impl Settings {
         Ok(Some((urls.clone(), c)))
     }
 
+    /// The WebSocket binding's TCP address; `None`: off.
+    pub fn websocket_addr(&self) -> Result<Option<SocketAddr>, String> {
+        let text = self.websocket.trim();
+        if text.eq_ignore_ascii_case("off") {
+            Ok(None)
+        } else if text.eq_ignore_ascii_case(WEBSOCKET_LISTEN) {
+            Ok(Some(self.listen))
+        } else {
+            text.parse().map(Some).map_err(|_| {
+                format!("websocket = `{text}`: not an address (IP:PORT), `listen` or `off`")
+            })
+        }
+    }
+
     pub fn store_path(&self) -> PathBuf {
         self.data_dir.join("greendot.redb")
     }
@@ -275,5 +302,14 @@ mod tests {
         )
         .unwrap();
         assert!(bad_ttl.cluster_config().is_err());
+
+        // The WebSocket binding: the QUIC address by default, an address, off.
+        assert_eq!(s.websocket_addr(), Ok(Some(s.listen)));
+        let ws = Settings::from_toml("websocket = \"127.0.0.1:8443\"\n").unwrap();
+        assert_eq!(ws.websocket_addr(), Ok(Some(([127, 0, 0, 1], 8443).into())));
+        let off = Settings::from_toml("websocket = \"off\"\n").unwrap();
+        assert_eq!(off.websocket_addr(), Ok(None));
+        let bad = Settings::from_toml("websocket = \"nowhere\"\n").unwrap();
+        assert!(bad.websocket_addr().is_err());
     }
 }

@@ -1,0 +1,87 @@
+// Drives the page of a real `greendot serve` in headless Chromium for
+// transport/tests/browser.rs, one JSON line at a time:
+//   env GREENDOT_PAGE_URL (http://127.0.0.1:PORT/), GREENDOT_SCREENSHOTS (a folder),
+//       GREENDOT_PAGE_USER (who the page connects as, by /dev/token), GREENDOT_WATCH;
+//   stdout {"ready":…} once the page is connected and watching;
+//   stdin  {"name":N,"expect":{data-* of the watched user's row}} → stdout {"ok":N,…}
+//          once the row shows it (a screenshot N.png is saved), or {"fail":N,…};
+//   stdin  {"quit":true} → the browser is closed and the driver exits.
+
+import { createInterface } from "node:readline";
+import { join } from "node:path";
+import { launch, open } from "./browser.js";
+
+const url = process.env.GREENDOT_PAGE_URL!;
+const shots = process.env.GREENDOT_SCREENSHOTS!;
+const user = process.env.GREENDOT_PAGE_USER ?? "page";
+const target = process.env.GREENDOT_WATCH ?? "alice";
+const timeoutMs = Number(process.env.GREENDOT_STEP_TIMEOUT_MS ?? 15000);
+
+const say = (v: unknown) => process.stdout.write(JSON.stringify(v) + "\n");
+
+const browser = await launch();
+try {
+  const page = await open(browser, url);
+  await page.waitForSelector("body[data-ready=true]", { timeout: timeoutMs });
+  await page.waitForSelector("#dev-form:not([hidden])", { timeout: timeoutMs });
+  await page.$eval("#watch", (el, t) => ((el as HTMLInputElement).value = t), target);
+  await page.$eval("#dev-user", (el, u) => ((el as HTMLInputElement).value = u), user);
+  await page.click("#dev-connect");
+  await page.waitForSelector('#state[data-connected="true"]', { timeout: timeoutMs });
+  await page.waitForSelector(`li.user[data-user="${target}"][data-version]`, { timeout: timeoutMs });
+  const state = await page.$eval("#state", (el) => ({ text: el.textContent, binding: (el as HTMLElement).dataset.binding }));
+  say({ ready: true, state });
+
+  const row = () =>
+    page.$eval(`li.user[data-user="${target}"]`, (el) => ({
+      data: { ...(el as HTMLElement).dataset },
+      text: (el as HTMLElement).innerText.replace(/\s+/g, " ").trim(),
+    }));
+  const operator = () =>
+    page.evaluate(() =>
+      Object.fromEntries(
+        ["op-users", "op-devices", "op-quic", "op-websocket", "op-migrations", "op-pushes", "op-latency"].map((id) => [
+          id,
+          document.getElementById(id)!.textContent,
+        ]),
+      ),
+    );
+
+  for await (const line of createInterface({ input: process.stdin })) {
+    if (!line.trim()) continue;
+    const cmd = JSON.parse(line) as { name?: string; expect?: Record<string, string>; quit?: boolean; operator?: Record<string, string> };
+    if (cmd.quit) break;
+    const name = cmd.name ?? "step";
+    try {
+      if (cmd.expect) {
+        await page.waitForFunction(
+          (t: string, want: Record<string, string>) => {
+            const el = document.querySelector(`li.user[data-user="${t}"]`) as HTMLElement | null;
+            return el !== null && Object.entries(want).every(([k, v]) => el.dataset[k] === v);
+          },
+          { timeout: timeoutMs },
+          target,
+          cmd.expect,
+        );
+      }
+      if (cmd.operator) {
+        // The operator view refreshes every second.
+        await page.waitForFunction(
+          (want: Record<string, string>) =>
+            Object.entries(want).every(([id, v]) => document.getElementById(id)?.dataset.value === v),
+          { timeout: timeoutMs },
+          cmd.operator,
+        );
+      }
+      const path = join(shots, `${name}.png`);
+      await page.screenshot({ path, fullPage: true });
+      say({ ok: name, row: await row(), operator: await operator(), screenshot: path });
+    } catch (e) {
+      say({ fail: name, error: String(e), row: await row().catch(() => null), operator: await operator().catch(() => null) });
+    }
+  }
+} finally {
+  await browser.close();
+}
+// stdin would keep the process alive.
+process.exit(0);

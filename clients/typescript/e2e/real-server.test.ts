@@ -1,0 +1,163 @@
+// The client against a real `greendot serve` (started by
+// transport/tests/browser.rs, which passes its addresses and tokens in the
+// environment): in Node over WebSocket (the `ws` package, trusting the
+// server's dev certificate), and in headless Chromium over WebTransport
+// (the page's copy of the client, `serverCertificateHashes` from the dev
+// certificate's hash).
+
+import assert from "node:assert/strict";
+import { readFileSync } from "node:fs";
+import { after, test } from "node:test";
+import WebSocket from "ws";
+import { Client, type ClientOptions, type WebSocketConstructor } from "../src/index.js";
+import { launch, open } from "./browser.js";
+
+const env = (name: string): string => {
+  const v = process.env[name];
+  if (v === undefined) throw new Error(`${name} is not set: run this from transport/tests/browser.rs`);
+  return v;
+};
+const wsUrl = `${env("GREENDOT_WS_URL")}`;
+const ca = readFileSync(env("GREENDOT_CA"));
+
+/** `ws` with the server's certificate as the only trusted root. */
+class TrustingWebSocket extends WebSocket {
+  constructor(url: string, protocols: string | string[]) {
+    super(url, protocols, { ca });
+  }
+}
+
+const clients: Client[] = [];
+after(() => {
+  for (const c of clients) c.close();
+});
+
+async function node(token: string, options: Partial<ClientOptions> = {}): Promise<Client> {
+  const c = await Client.connect({
+    token,
+    webSocketUrl: wsUrl,
+    WebSocket: TrustingWebSocket as unknown as WebSocketConstructor,
+    requestTimeoutMs: 5000,
+    ...options,
+  });
+  clients.push(c);
+  return c;
+}
+
+async function until(what: string, ok: () => boolean, ms = 10_000): Promise<void> {
+  const deadline = Date.now() + ms;
+  while (!ok()) {
+    if (Date.now() > deadline) throw new Error(`not within ${ms} ms: ${what}`);
+    await new Promise((r) => setTimeout(r, 20));
+  }
+}
+
+test("Node over WebSocket: snapshots, pushes, status, invisible, query and logout of a real server", async () => {
+  const al = await node(env("GREENDOT_TOKEN_AL"));
+  assert.equal(al.binding, "websocket");
+  assert.equal(al.user, "al");
+  const { snapshots, refused } = await al.subscribe(["bob"], "realtime");
+  assert.deepEqual(refused, []);
+  assert.equal(snapshots[0]?.target, "bob");
+  assert.equal(snapshots[0]?.presence.online, false);
+  await al.ping();
+
+  const bob = await node(env("GREENDOT_TOKEN_BOB"));
+  await until("al sees bob online", () => al.presence("bob")?.online === true);
+  assert.equal(al.presence("bob")?.kinds, 1, "on mobile");
+  const online = al.presence("bob")!.version;
+
+  await bob.setStatus("away", "lunch");
+  await until("al sees bob away", () => al.presence("bob")?.status === "away" && al.presence("bob")?.message === "lunch");
+  assert.ok(al.presence("bob")!.version > online, "versions only grow");
+
+  await bob.setInvisible(true);
+  await until("al sees bob offline", () => al.presence("bob")?.online === false);
+  const own = await bob.query("bob");
+  assert.equal(own.invisible, true, "bob's own view says invisible");
+  assert.equal(own.online, true);
+  const shown = await al.query("bob");
+  assert.equal(shown.online, false, "others are shown offline");
+  assert.equal(shown.invisible, false);
+
+  await bob.setInvisible(false);
+  await until("al sees bob back", () => al.presence("bob")?.online === true);
+
+  await bob.logout();
+  assert.equal(bob.isClosed, true);
+  await until("al sees bob logged out", () => al.presence("bob")?.online === false && al.presence("bob")?.lastSeen !== null);
+  assert.ok(al.presence("bob")!.lastSeen! <= BigInt(Date.now()));
+  al.close();
+});
+
+test("Chromium over WebTransport: the page's copy of the client connects with serverCertificateHashes", async () => {
+  const browser = await launch();
+  try {
+    const page = await open(browser, env("GREENDOT_PAGE_URL"));
+    const binding = await page.evaluate(
+      async (token: string, url: string, hash: string) => {
+        const m = await import("/greendot-client.js" as string);
+        const value = new Uint8Array(hash.match(/../g)!.map((h) => parseInt(h, 16)));
+        const c = await m.Client.connect({
+          token,
+          webTransportUrl: url,
+          serverCertificateHashes: [{ algorithm: "sha-256", value }],
+          // No working fallback: this must be WebTransport.
+          webSocketUrl: "wss://127.0.0.1:9/greendot",
+        });
+        await c.subscribe(["bob"], "realtime");
+        (globalThis as any).al = c;
+        return c.binding;
+      },
+      env("GREENDOT_TOKEN_AL_BROWSER"),
+      env("GREENDOT_WT_URL"),
+      env("GREENDOT_CERT_HASH"),
+    );
+    assert.equal(binding, "webtransport");
+
+    const bob = await node(env("GREENDOT_TOKEN_BOB"));
+    await bob.setStatus("busy", "on a call");
+    await page.waitForFunction(
+      () => {
+        const p = (globalThis as any).al.presence("bob");
+        return p?.online === true && p.status === "busy" && p.message === "on a call";
+      },
+      { timeout: 10_000 },
+    );
+    await bob.logout();
+    await page.waitForFunction(() => (globalThis as any).al.presence("bob")?.online === false, { timeout: 10_000 });
+    const closed = await page.evaluate(async () => {
+      const c = (globalThis as any).al;
+      await c.logout();
+      return c.isClosed;
+    });
+    assert.equal(closed, true);
+  } finally {
+    await browser.close();
+  }
+});
+
+test("Chromium falls back to WebSocket when WebTransport fails (here: no certificate hash)", async () => {
+  // wss to the self-signed dev certificate needs the flag; WebTransport
+  // ignores it and, without serverCertificateHashes, refuses the certificate.
+  const browser = await launch(["--ignore-certificate-errors"]);
+  try {
+    const page = await open(browser, env("GREENDOT_PAGE_URL"));
+    const result = await page.evaluate(
+      async (token: string, wtUrl: string, wsUrl: string) => {
+        const m = await import("/greendot-client.js" as string);
+        const c = await m.Client.connect({ token, webTransportUrl: wtUrl, webSocketUrl: wsUrl, webTransportTimeoutMs: 3000 });
+        const { snapshots } = await c.subscribe(["bob"], "realtime");
+        const binding = c.binding;
+        await c.logout();
+        return { binding, target: snapshots[0]?.target, closed: c.isClosed };
+      },
+      env("GREENDOT_TOKEN_AL_BROWSER"),
+      env("GREENDOT_WT_URL"),
+      wsUrl,
+    );
+    assert.deepEqual(result, { binding: "websocket", target: "bob", closed: true });
+  } finally {
+    await browser.close();
+  }
+});

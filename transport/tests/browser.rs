@@ -1,0 +1,474 @@
+//! Browsers against the real `greendot serve`, in headless Chromium
+//! (Debian's `chromium`, installed here with apt-get when missing) driven by
+//! puppeteer-core from `clients/typescript` (`npm ci`, pinned; no browser
+//! download):
+//!
+//! - the page (`http://HTTP/`): it connects by WebTransport (the dev
+//!   certificate's hash from `/page.json`) as a dev-token user watching
+//!   alice; a native client (the Rust client library over QUIC) brings alice
+//!   online, changes her status, goes invisible, comes back and logs out, and
+//!   the page's row shows each change; screenshots are saved under
+//!   `CARGO_TARGET_TMPDIR/browser-page/`;
+//! - the TypeScript client's suite against the same kind of server
+//!   (`clients/typescript/e2e/real-server.test.ts`): in Node over WebSocket,
+//!   in Chromium over WebTransport, and Chromium's fallback to WebSocket.
+
+use greendot_client::rustls::pki_types::pem::PemObject;
+use greendot_client::rustls::pki_types::CertificateDer;
+use greendot_client::{Client, ClientConfig};
+use greendot_core::Status;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::{mpsc, Mutex};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_greendot");
+const CHROMIUM: &str = "/usr/bin/chromium";
+/// Room for a loaded 2-core machine (a browser start included).
+const SLACK: Duration = Duration::from_secs(30);
+
+fn ts_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../clients/typescript")
+}
+
+fn sh(what: &str, command: &mut Command) {
+    let out = command
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {what}: {e}"));
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Chromium, the pinned npm packages and the compiled TypeScript, once per
+/// test process (the tests here share them).
+fn prepare() {
+    static DONE: Mutex<bool> = Mutex::new(false);
+    let mut done = DONE.lock().unwrap_or_else(|p| p.into_inner());
+    if *done {
+        return;
+    }
+    if !Path::new(CHROMIUM).exists() {
+        sh(
+            "apt-get update",
+            Command::new("apt-get").args(["update", "-q"]),
+        );
+        sh(
+            "apt-get install chromium",
+            Command::new("apt-get")
+                .args(["install", "-y", "-q", "chromium"])
+                .env("DEBIAN_FRONTEND", "noninteractive"),
+        );
+    }
+    sh(
+        "npm ci",
+        Command::new("npm")
+            .args(["ci", "--no-audit", "--no-fund"])
+            .current_dir(ts_dir())
+            .env("PUPPETEER_SKIP_DOWNLOAD", "1"),
+    );
+    sh(
+        "tsc",
+        Command::new("npx")
+            .args(["tsc", "-p", "."])
+            .current_dir(ts_dir()),
+    );
+    *done = true;
+}
+
+/// A child killed when dropped; its output lines arrive on a channel.
+struct Proc {
+    name: String,
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+fn read_lines(pipe: impl Read + Send + 'static, tx: mpsc::Sender<String>, tag: &'static str) {
+    std::thread::spawn(move || {
+        for line in BufReader::new(pipe).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(format!("{tag}{line}")).is_err() {
+                break;
+            }
+        }
+    });
+}
+
+impl Proc {
+    fn spawn(name: &str, mut command: Command) -> Proc {
+        let mut child = command
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
+        let (tx, lines) = mpsc::channel();
+        read_lines(child.stdout.take().expect("stdout"), tx.clone(), "");
+        read_lines(child.stderr.take().expect("stderr"), tx, "stderr: ");
+        Proc {
+            name: name.to_owned(),
+            stdin: child.stdin.take(),
+            child,
+            lines,
+            seen: Vec::new(),
+        }
+    }
+
+    fn wait_for(&mut self, within: Duration, what: &str, pred: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    self.seen.push(line.clone());
+                    if pred(&line) {
+                        return line;
+                    }
+                }
+                Err(_) => panic!(
+                    "{}: no line {what} within {within:?}; it said:\n{}",
+                    self.name,
+                    self.seen.join("\n")
+                ),
+            }
+        }
+    }
+
+    fn send(&mut self, line: &str) {
+        let stdin = self.stdin.as_mut().expect("stdin");
+        writeln!(stdin, "{line}").expect("write to the driver");
+        stdin.flush().expect("flush");
+    }
+
+    fn wait_exit(&mut self, within: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + within;
+        loop {
+            while let Ok(line) = self.lines.try_recv() {
+                self.seen.push(line);
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                // The rest of its output.
+                std::thread::sleep(Duration::from_millis(100));
+                while let Ok(line) = self.lines.try_recv() {
+                    self.seen.push(line);
+                }
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} did not exit within {within:?}:\n{}",
+                self.name,
+                self.seen.join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Served {
+    _proc: Proc,
+    dir: PathBuf,
+    quic: SocketAddr,
+    websocket: String,
+    http: SocketAddr,
+    hash: String,
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let dir = std::env::temp_dir().join(format!("greendot-{name}-{}-{nanos}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+fn after<'a>(line: &'a str, prefix: &str) -> &'a str {
+    line.trim_start_matches(prefix)
+        .split_whitespace()
+        .next()
+        .unwrap_or_else(|| panic!("nothing after {prefix:?} in {line:?}"))
+}
+
+/// `greendot serve` on free ports (QUIC, WebSocket, HTTP) in a new data
+/// directory, with a short debounce.
+fn serve(name: &str) -> Served {
+    let dir = temp_dir(name);
+    let mut command = Command::new(BIN);
+    command
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics",
+            "127.0.0.1:0",
+            "--debounce",
+            "100ms",
+            "--grace",
+            "2s",
+        ])
+        .current_dir(&dir)
+        .env("RUST_LOG", "info");
+    let mut proc = Proc::spawn("serve", command);
+    let line = proc.wait_for(SLACK, "listening", |l| {
+        l.starts_with("greendot listening on ")
+    });
+    let quic = after(&line, "greendot listening on ")
+        .parse()
+        .expect("addr");
+    let line = proc.wait_for(SLACK, "WebSocket", |l| l.starts_with("WebSocket on wss://"));
+    let websocket = after(&line, "WebSocket on ").to_owned();
+    let line = proc.wait_for(SLACK, "hash", |l| {
+        l.starts_with("WebTransport serverCertificateHashes sha-256: ")
+    });
+    let hash = after(&line, "WebTransport serverCertificateHashes sha-256: ").to_owned();
+    let line = proc.wait_for(SLACK, "page", |l| l.starts_with("page on http://"));
+    let http = after(&line, "page on http://")
+        .trim_end_matches('/')
+        .parse()
+        .expect("http addr");
+    proc.wait_for(SLACK, "dev tokens", |l| l.starts_with("dev tokens on "));
+    Served {
+        _proc: proc,
+        dir,
+        quic,
+        websocket,
+        http,
+        hash,
+    }
+}
+
+fn token(served: &Served, user: &str, device: &str, kind: &str, watch: &str) -> String {
+    let out = Command::new(BIN)
+        .args([
+            "token", "--user", user, "--device", device, "--kind", kind, "--ttl", "1h", "--watch",
+            watch,
+        ])
+        .current_dir(&served.dir)
+        .output()
+        .expect("greendot token");
+    assert!(out.status.success());
+    String::from_utf8(out.stdout)
+        .expect("utf-8")
+        .trim()
+        .to_owned()
+}
+
+fn json(line: &str) -> serde_json::Value {
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"))
+}
+
+/// Tells the page driver what alice's row (and the operator view) must
+/// show next; returns its answer.
+fn expect(
+    page: &mut Proc,
+    name: &str,
+    row: serde_json::Value,
+    operator: Option<serde_json::Value>,
+) -> serde_json::Value {
+    let mut cmd = serde_json::json!({ "name": name, "expect": row });
+    if let Some(op) = operator {
+        cmd["operator"] = op;
+    }
+    page.send(&cmd.to_string());
+    let line = page.wait_for(SLACK, name, |l| {
+        l.starts_with('{') && (l.contains("\"ok\":") || l.contains("\"fail\":"))
+    });
+    let answer = json(&line);
+    assert_eq!(
+        answer["ok"],
+        name,
+        "the page did not show {name}: {answer:#}\n{}",
+        page.seen.join("\n")
+    );
+    answer
+}
+
+fn screenshots() -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("browser-page");
+    std::fs::create_dir_all(&dir).expect("screenshot dir");
+    dir
+}
+
+#[test]
+fn the_page_shows_a_native_clients_changes_live_in_chromium() {
+    prepare();
+    let served = serve("page");
+    let shots = screenshots();
+    let mut command = Command::new("node");
+    command
+        .arg("dist/e2e/page-driver.js")
+        .current_dir(ts_dir())
+        .env("GREENDOT_PAGE_URL", format!("http://{}/", served.http))
+        .env("GREENDOT_SCREENSHOTS", &shots)
+        .env("GREENDOT_PAGE_USER", "bob")
+        .env("GREENDOT_WATCH", "alice");
+    let mut page = Proc::spawn("page driver", command);
+    let ready = json(&page.wait_for(SLACK, "ready", |l| l.starts_with("{\"ready\"")));
+    assert_eq!(
+        ready["state"]["binding"], "webtransport",
+        "the page connects by WebTransport: {ready}"
+    );
+    expect(
+        &mut page,
+        "1-alice-never-seen",
+        serde_json::json!({ "online": "false", "lastSeen": "" }),
+        None,
+    );
+
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let roots: Vec<CertificateDer<'static>> =
+        CertificateDer::pem_file_iter(served.dir.join("greendot-data/cert.pem"))
+            .and_then(|i| i.collect())
+            .expect("cert.pem");
+    let alice_token = token(&served, "alice", "phone", "mobile", "alice");
+    let (alice, _updates) = rt
+        .block_on(Client::connect(ClientConfig::new(
+            served.quic,
+            roots,
+            alice_token,
+        )))
+        .expect("alice connects over QUIC");
+
+    // Online: bob (the page, over WebTransport) and alice (QUIC) are both
+    // counted as QUIC connections, and online.
+    expect(
+        &mut page,
+        "2-alice-online",
+        serde_json::json!({ "online": "true", "status": "available", "devices": "mobile" }),
+        Some(serde_json::json!({ "op-users": "2", "op-quic": "2", "op-websocket": "0" })),
+    );
+    rt.block_on(alice.set_status(Status::Busy, Some("in a meeting")))
+        .expect("status");
+    expect(
+        &mut page,
+        "3-alice-busy",
+        serde_json::json!({ "online": "true", "status": "busy", "message": "in a meeting" }),
+        None,
+    );
+    rt.block_on(alice.set_invisible(true)).expect("invisible");
+    let hidden = expect(
+        &mut page,
+        "4-alice-invisible",
+        serde_json::json!({ "online": "false", "devices": "", "invisible": "false" }),
+        None,
+    );
+    let frozen = hidden["row"]["data"]["lastSeen"]
+        .as_str()
+        .and_then(|s| s.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("an invisible user shows a last seen: {hidden}"));
+    rt.block_on(alice.set_invisible(false)).expect("visible");
+    expect(
+        &mut page,
+        "5-alice-visible-again",
+        serde_json::json!({ "online": "true", "status": "busy", "lastSeen": "" }),
+        None,
+    );
+    rt.block_on(alice.logout()).expect("logout");
+    let out = expect(
+        &mut page,
+        "6-alice-logged-out",
+        serde_json::json!({ "online": "false", "devices": "" }),
+        Some(serde_json::json!({ "op-users": "1", "op-quic": "1" })),
+    );
+    let seen = out["row"]["data"]["lastSeen"]
+        .as_str()
+        .and_then(|s| s.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("a logged-out user shows a last seen: {out}"));
+    assert!(seen >= frozen, "last seen {seen} before {frozen}");
+    let text = out["row"]["text"].as_str().unwrap_or("");
+    assert!(
+        text.contains("offline") && text.contains("last seen"),
+        "{text}"
+    );
+    let push_count: u64 = out["operator"]["op-pushes"]
+        .as_str()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    assert!(
+        push_count >= 4,
+        "the latency histogram counts pushes: {out}"
+    );
+
+    page.send("{\"quit\":true}");
+    let status = page.wait_exit(SLACK);
+    assert!(
+        status.success(),
+        "page driver: {status}\n{}",
+        page.seen.join("\n")
+    );
+    println!(
+        "screenshots of the page: {}/*.png (last: {})",
+        shots.display(),
+        out["screenshot"]
+    );
+    drop(rt);
+    std::fs::remove_dir_all(&served.dir).ok();
+}
+
+#[test]
+fn the_typescript_client_works_against_greendot_serve_in_node_and_chromium() {
+    prepare();
+    let served = serve("ts");
+    let mut command = Command::new("node");
+    command
+        .args(["--test", "dist/e2e/real-server.test.js"])
+        .current_dir(ts_dir())
+        .env("GREENDOT_PAGE_URL", format!("http://{}/", served.http))
+        .env("GREENDOT_WS_URL", &served.websocket)
+        .env(
+            "GREENDOT_WT_URL",
+            format!("https://{}/greendot", served.quic),
+        )
+        .env("GREENDOT_CERT_HASH", &served.hash)
+        .env("GREENDOT_CA", served.dir.join("greendot-data/cert.pem"))
+        .env(
+            "GREENDOT_TOKEN_AL",
+            token(&served, "al", "laptop", "desktop", "bob"),
+        )
+        .env(
+            "GREENDOT_TOKEN_AL_BROWSER",
+            token(&served, "al", "browser", "web", "bob"),
+        )
+        .env(
+            "GREENDOT_TOKEN_BOB",
+            token(&served, "bob", "phone", "mobile", "al"),
+        );
+    let mut node = Proc::spawn("node --test", command);
+    let status = node.wait_exit(Duration::from_secs(90));
+    let out = node.seen.join("\n");
+    assert!(status.success(), "the TypeScript e2e suite failed:\n{out}");
+    let passed = node
+        .seen
+        .iter()
+        .find_map(|l| l.trim().strip_prefix("# pass "))
+        .and_then(|n| n.trim().parse::<u32>().ok())
+        .unwrap_or(0);
+    // Node over WebSocket, Chromium over WebTransport, Chromium's fallback.
+    assert!(passed >= 3, "too few e2e tests ran:\n{out}");
+    assert!(out.contains("# fail 0"), "{out}");
+    for line in node
+        .seen
+        .iter()
+        .filter(|l| l.starts_with("ok ") || l.starts_with("# "))
+    {
+        println!("{line}");
+    }
+    std::fs::remove_dir_all(&served.dir).ok();
+}
