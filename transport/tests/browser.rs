@@ -346,13 +346,15 @@ fn the_page_shows_a_native_clients_changes_live_in_chromium() {
         )))
         .expect("alice connects over QUIC");
 
-    // Online: bob (the page, over WebTransport) and alice (QUIC) are both
-    // counted as QUIC connections, and online.
+    // Online: bob (the page, over WebTransport) and alice (raw QUIC), each
+    // counted under its binding.
     expect(
         &mut page,
         "2-alice-online",
         serde_json::json!({ "online": "true", "status": "available", "devices": "mobile" }),
-        Some(serde_json::json!({ "op-users": "2", "op-quic": "2", "op-websocket": "0" })),
+        Some(
+            serde_json::json!({ "op-users": "2", "op-quic": "1", "op-webtransport": "1", "op-websocket": "0" }),
+        ),
     );
     rt.block_on(alice.set_status(Status::Busy, Some("in a meeting")))
         .expect("status");
@@ -385,7 +387,7 @@ fn the_page_shows_a_native_clients_changes_live_in_chromium() {
         &mut page,
         "6-alice-logged-out",
         serde_json::json!({ "online": "false", "devices": "" }),
-        Some(serde_json::json!({ "op-users": "1", "op-quic": "1" })),
+        Some(serde_json::json!({ "op-users": "1", "op-quic": "0", "op-webtransport": "1" })),
     );
     let seen = out["row"]["data"]["lastSeen"]
         .as_str()

@@ -384,6 +384,8 @@ pub struct Stats {
     pub connections_open: u64,
     /// Of them, WebSocket connections.
     pub connections_open_websocket: u64,
+    /// Of them, WebTransport sessions (QUIC connections with ALPN h3).
+    pub connections_open_webtransport: u64,
     pub connections_total: u64,
     pub migrations: u64,
     pub rejected: u64,
@@ -395,6 +397,8 @@ struct StatsInner {
     open: AtomicUsize,
     /// Of `open`, WebSocket connections.
     open_websocket: AtomicUsize,
+    /// Of `open`, WebTransport sessions.
+    open_webtransport: AtomicUsize,
     total: AtomicU64,
     migrations: AtomicU64,
     rejected: AtomicU64,
@@ -420,6 +424,7 @@ impl StatsInner {
         Stats {
             connections_open: self.open.load(Ordering::Relaxed) as u64,
             connections_open_websocket: self.open_websocket.load(Ordering::Relaxed) as u64,
+            connections_open_webtransport: self.open_webtransport.load(Ordering::Relaxed) as u64,
             connections_total: self.total.load(Ordering::Relaxed),
             migrations: self.migrations.load(Ordering::Relaxed),
             rejected: self.rejected.load(Ordering::Relaxed),
@@ -855,6 +860,7 @@ impl Monitor {
             names: census.names as u64,
             connections_open: stats.connections_open,
             connections_open_websocket: stats.connections_open_websocket,
+            connections_open_webtransport: stats.connections_open_webtransport,
             connections_total: stats.connections_total,
             migrations: stats.migrations,
             overloaded: stats.overloaded,

@@ -53,6 +53,8 @@ pub struct MetricsSnapshot {
     pub connections_open: u64,
     /// Of them, WebSocket connections.
     pub connections_open_websocket: u64,
+    /// Of them, WebTransport sessions.
+    pub connections_open_webtransport: u64,
     pub connections_total: u64,
     pub migrations: u64,
     pub overloaded: u64,
@@ -231,12 +233,17 @@ impl MetricsSnapshot {
             &mut out,
             "greendot_connections",
             "gauge",
-            "Open connections by binding (raw QUIC, WebSocket).",
+            "Open connections by binding (raw QUIC, WebTransport, WebSocket).",
             &[
                 (
                     "binding=\"quic\"",
                     self.connections_open
-                        .saturating_sub(self.connections_open_websocket),
+                        .saturating_sub(self.connections_open_websocket)
+                        .saturating_sub(self.connections_open_webtransport),
+                ),
+                (
+                    "binding=\"webtransport\"",
+                    self.connections_open_webtransport,
                 ),
                 ("binding=\"websocket\"", self.connections_open_websocket),
             ],

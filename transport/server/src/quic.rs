@@ -57,6 +57,11 @@ impl QuicLink {
     /// quinn-proto's event in session terms (`None`: nothing for the
     /// session). `refuse_control`: a control stream was already opened (or
     /// finished) once; a new one is stopped.
+    /// Whether the connection is a WebTransport session (ALPN h3).
+    pub fn is_webtransport(&self) -> bool {
+        self.wt.is_some()
+    }
+
     pub fn translate(
         &mut self,
         event: Event,

@@ -456,6 +456,11 @@ impl Link {
     fn is_ws(&self) -> bool {
         matches!(self, Link::Ws(_))
     }
+
+    /// A QUIC connection that negotiated HTTP/3 (known once connected).
+    fn is_webtransport(&self) -> bool {
+        matches!(self, Link::Quic(l) if l.is_webtransport())
+    }
 }
 
 impl Binding for Link {
@@ -1811,6 +1816,9 @@ impl ServerState {
         if self.conn(ch).is_some_and(|c| c.link.is_ws()) {
             stats.open_websocket.fetch_add(1, Ordering::Relaxed);
         }
+        if self.conn(ch).is_some_and(|c| c.link.is_webtransport()) {
+            stats.open_webtransport.fetch_add(1, Ordering::Relaxed);
+        }
         // Frames that came with the end of the handshake.
         self.read_control(ch, now);
     }
@@ -1827,6 +1835,7 @@ impl ServerState {
         let session = conn.session.id;
         let last_heard = conn.session.last_heard;
         let ws = conn.link.is_ws();
+        let wt = conn.link.is_webtransport();
         self.queued -= std::mem::take(&mut conn.session.queued);
         if let Phase::Handshaking { ip, .. } = was {
             self.handshake_over(ip);
@@ -1836,6 +1845,9 @@ impl ServerState {
             self.stats.open.fetch_sub(1, Ordering::Relaxed);
             if ws {
                 self.stats.open_websocket.fetch_sub(1, Ordering::Relaxed);
+            }
+            if wt {
+                self.stats.open_webtransport.fetch_sub(1, Ordering::Relaxed);
             }
         }
         if let Some(session) = session {

@@ -37,6 +37,11 @@ fn token(server: &Server, user: &str, device: &str) -> String {
 }
 
 async fn h3_connection(server: &Server) -> quinn::Connection {
+    h3_connection_on(server).await.0
+}
+
+/// An HTTP/3 connection and the client endpoint it runs on (to move it).
+async fn h3_connection_on(server: &Server) -> (quinn::Connection, quinn::Endpoint) {
     let crypto =
         greendot_client::tls::client_crypto(std::slice::from_ref(server.certificate()), b"h3")
             .unwrap();
@@ -56,7 +61,7 @@ async fn h3_connection(server: &Server) -> quinn::Connection {
     control.write_all(&bytes).await.unwrap();
     // Kept open for the connection's life, as HTTP/3 requires.
     std::mem::forget(control);
-    conn
+    (conn, endpoint)
 }
 
 /// Sends raw CONNECT bytes; the response status, or why there is none.
@@ -129,11 +134,12 @@ struct Wt {
     session: u64,
     /// The server's HTTP/3 control stream (it stays open).
     _settings: Option<quinn::RecvStream>,
+    endpoint: quinn::Endpoint,
 }
 
 impl Wt {
     async fn open(server: &Server, token: String) -> Wt {
-        let conn = h3_connection(server).await;
+        let (conn, endpoint) = h3_connection_on(server).await;
         let (session_send, session_recv, status) =
             connect_raw(&conn, &connect_request("/greendot")).await;
         assert_eq!(status, Ok(200));
@@ -201,6 +207,7 @@ impl Wt {
             pushes: [realtime, batched],
             session,
             _settings: settings,
+            endpoint,
         }
     }
 
@@ -386,4 +393,63 @@ async fn client_unidirectional_streams_are_refused() {
     assert!(stopped.unwrap().is_some());
     // The session carries on.
     assert_eq!(wt.request(1, Request::Ping).await, Answer::Done);
+}
+
+/// Migration keeps working inside WebTransport: the browser's side moves to
+/// a new UDP socket (a new port, as after a network change), and its
+/// session, its push streams and what watchers see all carry on.
+#[tokio::test]
+async fn a_webtransport_session_survives_a_change_of_address() {
+    let server = server();
+    let (carol, mut carol_updates) = native(&server, "carol", "laptop").await;
+    carol
+        .subscribe(&["alice"], greendot_core::Tier::Realtime)
+        .await
+        .unwrap();
+    assert!(!next_presence(&mut carol_updates, "alice").await);
+    let mut alice = Wt::open(&server, token(&server, "alice", "browser")).await;
+    assert!(next_presence(&mut carol_updates, "alice").await);
+    let answer = alice
+        .request(
+            1,
+            Request::Subscribe {
+                targets: vec!["bob".into()],
+                tier: Tier::Realtime,
+            },
+        )
+        .await;
+    assert!(matches!(answer, Answer::Subscribed { .. }), "{answer:?}");
+    let before = server.stats().migrations;
+
+    let old = alice.endpoint.local_addr().unwrap();
+    let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    alice.endpoint.rebind(socket).unwrap();
+    assert_ne!(alice.endpoint.local_addr().unwrap(), old);
+    // Traffic on the new path: the server validates it and moves.
+    assert_eq!(alice.request(2, Request::Ping).await, Answer::Done);
+    let (_bob, _bob_updates) = native(&server, "bob", "phone").await;
+    assert_eq!(next_push(&mut alice, 0).await, ("bob".into(), true));
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while server.stats().migrations == before && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        server.stats().migrations,
+        before + 1,
+        "no migration counted"
+    );
+    // Nobody saw alice go offline (a debounce and more after the move).
+    let quiet = tokio::time::Instant::now() + std::time::Duration::from_millis(600);
+    while let Ok(Some(event)) = tokio::time::timeout_at(quiet, carol_updates.next()).await {
+        if let Event::Presence {
+            target, presence, ..
+        } = event
+        {
+            assert!(
+                !(target == "alice" && !presence.online),
+                "carol saw alice offline after the move"
+            );
+        }
+    }
+    assert_eq!(alice.request(3, Request::Ping).await, Answer::Done);
 }

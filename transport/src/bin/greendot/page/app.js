@@ -191,6 +191,7 @@ async function operator() {
     const lingering = get("greendot_devices", '{state="lingering"}');
     setValue("op-devices", online, `${online} / ${lingering}`);
     setValue("op-quic", get("greendot_connections", '{binding="quic"}'));
+    setValue("op-webtransport", get("greendot_connections", '{binding="webtransport"}'));
     setValue("op-websocket", get("greendot_connections", '{binding="websocket"}'));
     setValue("op-migrations", get("greendot_migrations_total"));
     const total = buckets.at(-1)?.count ?? 0;
