@@ -62,13 +62,27 @@
 //! setting the value the user already has changes nothing anybody sees (no
 //! push, no new version), so after a timeout simply call again until it is
 //! answered. The client does not retry by itself.
+//!
+//! # Errors
+//!
+//! [`ClientError`] says what kind of failure it was, and its variants carry
+//! typed reasons to match on: [`ConfigError`], [`ConnectError`] (which
+//! handshake failed, or both), [`LostReason`] and [`ProtocolError`]. Where
+//! a reason has a foreign cause (an I/O, QUIC, TLS or WebSocket error) it
+//! carries it, and [`std::error::Error::source`] returns it. The `Display`
+//! text is a whole sentence, cause included.
 
+mod error;
 pub mod tls;
 mod ws;
+
+pub use error::{ClientError, ConfigError, ConnectError, LostReason, ProtocolError};
 
 // Re-exported so users need no second copy of them (TLS settings, roots).
 pub use quinn;
 pub use rustls;
+// The WebSocket errors in ConnectError and LostReason are tungstenite's.
+pub use tokio_tungstenite::tungstenite;
 
 use greendot_core::{Applied, Presence, SessionId, Status, Tier, UserId, View};
 use greendot_proto::{
@@ -313,55 +327,6 @@ impl ClientConfig {
             websocket_path: ws::PATH.into(),
             fallback_delay: Duration::from_millis(300),
             probe_timeout: Duration::from_secs(3),
-        }
-    }
-}
-
-/// Why a client call failed.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum ClientError {
-    #[error("invalid client setting: {0}")]
-    Config(String),
-    /// The TLS configuration could not be built (a bad root certificate).
-    #[error(transparent)]
-    Tls(#[from] tls::TlsError),
-    #[error("cannot connect: {0}")]
-    Connect(String),
-    /// The server refused the connection: an error frame and/or a close code.
-    #[error("refused by the server ({code:?}): {error}")]
-    Rejected {
-        code: Option<CloseCode>,
-        error: WireError,
-    },
-    /// The connection was lost, or closed by the server.
-    #[error("connection lost: {0}")]
-    Lost(String),
-    /// The server answered the request with an error.
-    #[error("server error: {0}")]
-    Server(WireError),
-    #[error("protocol violation by the server: {0}")]
-    Protocol(String),
-    #[error("no answer in time")]
-    Timeout,
-    #[error("the client is closed")]
-    Closed,
-}
-
-impl ClientError {
-    /// The server's error code, if the server said one.
-    pub fn code(&self) -> Option<ErrorCode> {
-        match self {
-            ClientError::Rejected { error, .. } | ClientError::Server(error) => Some(error.code),
-            _ => None,
-        }
-    }
-
-    /// How long the server asked the client to wait at most before
-    /// reconnecting (`retry_ms` in its close reason), if it did.
-    pub fn retry_after(&self) -> Option<Duration> {
-        match self {
-            ClientError::Rejected { error, .. } => retry_hint(&error.message),
-            _ => None,
         }
     }
 }
@@ -614,7 +579,7 @@ fn lost(error: &quinn::ConnectionError) -> ClientError {
             };
         }
     }
-    ClientError::Lost(error.to_string())
+    ClientError::Lost(LostReason::Quic(error.clone()))
 }
 
 /// After an error frame: waits for the close that follows, and gives the
@@ -643,7 +608,7 @@ async fn ended(inbound: &mut mpsc::UnboundedReceiver<Inbound>) -> ClientError {
             return e;
         }
     }
-    ClientError::Lost("connection lost".into())
+    ClientError::Lost(LostReason::Ended)
 }
 
 pub(crate) fn error_code_for(code: Option<CloseCode>) -> ErrorCode {
@@ -686,10 +651,10 @@ async fn establish(
     };
     match tokio::time::timeout(config.connect_timeout, attempt).await {
         Ok(result) => result,
-        Err(_) => Err(ClientError::Connect(format!(
-            "no answer from {} within {:?}",
-            config.server, config.connect_timeout
-        ))),
+        Err(_) => Err(ClientError::Connect(ConnectError::TimedOut {
+            server: config.server,
+            after: config.connect_timeout,
+        })),
     }
 }
 
@@ -699,10 +664,10 @@ async fn quic_handshake(
 ) -> Result<quinn::Connection, ClientError> {
     let connecting = endpoint
         .connect(config.server, &config.server_name)
-        .map_err(|e| ClientError::Connect(e.to_string()))?;
+        .map_err(|e| ClientError::Connect(ConnectError::Quic(e)))?;
     connecting.await.map_err(|e| match &e {
         quinn::ConnectionError::ApplicationClosed(_) => lost(&e),
-        _ => ClientError::Connect(e.to_string()),
+        _ => ClientError::Connect(ConnectError::QuicHandshake(e)),
     })
 }
 
@@ -715,8 +680,12 @@ async fn race(dialer: &Dialer, config: &ClientConfig) -> Result<Transport, Clien
     if config.websocket.is_none() {
         return quic.await.map(Transport::Quic);
     }
-    let both =
-        |q: ClientError, w: ClientError| ClientError::Connect(format!("QUIC: {q}; WebSocket: {w}"));
+    let both = |q: ClientError, w: ClientError| {
+        ClientError::Connect(ConnectError::Both {
+            quic: Box::new(q),
+            websocket: Box::new(w),
+        })
+    };
     tokio::pin!(quic);
     let websocket = async {
         ws::handshake(config, dialer.ws_tls.clone())
@@ -761,7 +730,7 @@ async fn hello(
         token: config.token.clone(),
         resume: resume.map(|s| s.0),
     };
-    let bytes = encode_frame(&hello).map_err(|e| ClientError::Protocol(e.to_string()))?;
+    let bytes = encode_frame(&hello)?;
     let (tx, mut inbound) = mpsc::unbounded_channel();
     let (mut link, tasks) = match transport {
         Transport::Quic(conn) => {
@@ -783,7 +752,7 @@ async fn hello(
                     payload.into(),
                 ))
                 .await
-                .map_err(|e| ClientError::Lost(format!("WebSocket: {e}")))?;
+                .map_err(|e| ClientError::Lost(LostReason::WebSocketSend(Arc::new(e))))?;
             let (out_tx, out_rx) = mpsc::channel(64);
             let task = tokio::spawn(ws::drive(
                 *stream,
@@ -803,11 +772,11 @@ async fn hello(
                 break Err(rejected_after(&mut inbound, error).await)
             }
             Some(Inbound::Frame(ServerFrame::Reply { .. })) => {
-                break Err(ClientError::Protocol("a reply before the welcome".into()))
+                break Err(ProtocolError::ReplyBeforeWelcome.into())
             }
             Some(push @ Inbound::Push { .. }) => early.push(push),
             Some(Inbound::Ended(e)) => break Err(e),
-            None => break Err(ClientError::Lost("connection lost".into())),
+            None => break Err(LostReason::Ended.into()),
         }
     };
     match result {
@@ -846,12 +815,15 @@ impl Client {
             config
                 .idle_timeout
                 .try_into()
-                .map_err(|_| ClientError::Config("idle_timeout too large".into()))?,
+                .map_err(ConfigError::IdleTimeoutTooLarge)?,
         ));
         let mut client_config = quinn::ClientConfig::new(Arc::new(crypto));
         client_config.transport_config(Arc::new(transport));
-        let mut endpoint = quinn::Endpoint::client(config.bind)
-            .map_err(|e| ClientError::Connect(format!("cannot bind {}: {e}", config.bind)))?;
+        let mut endpoint =
+            quinn::Endpoint::client(config.bind).map_err(|e| ConnectError::Bind {
+                addr: config.bind,
+                source: Arc::new(e),
+            })?;
         endpoint.set_default_client_config(client_config);
         let dialer = Dialer {
             endpoint,
@@ -985,7 +957,9 @@ impl Client {
     }
 
     fn unexpected(answer: Answer) -> ClientError {
-        ClientError::Protocol(format!("unexpected answer {answer:?}"))
+        ClientError::Protocol(ProtocolError::UnexpectedAnswer {
+            answer: Box::new(answer),
+        })
     }
 
     /// Renews the lease and measures nothing: a round trip.
@@ -1046,7 +1020,7 @@ impl Client {
         let mut results = self.query_many(&[target]).await?;
         match results.pop() {
             Some((_, result)) => result.map_err(ClientError::Server),
-            None => Err(ClientError::Protocol("empty query answer".into())),
+            None => Err(ProtocolError::EmptyQueryAnswer.into()),
         }
     }
 
@@ -1332,7 +1306,7 @@ async fn reconnect(
             .give_up_after
             .is_some_and(|limit| started.elapsed() >= limit)
         {
-            return Err(Exit::Lost(ClientError::Lost("gave up reconnecting".into())));
+            return Err(Exit::Lost(LostReason::GaveUp.into()));
         }
     }
 }
@@ -1355,7 +1329,10 @@ async fn read_control(
                 }
                 Err(e) => {
                     conn.close(CloseCode::ProtocolError.varint(), b"bad control frame");
-                    break ClientError::Protocol(e.to_string());
+                    break ClientError::Protocol(ProtocolError::BadFrame {
+                        carrier: Carrier::Quic,
+                        error: e,
+                    });
                 }
             },
             // The server finished or reset the stream: it closes next.
@@ -1486,17 +1463,17 @@ async fn run(
                 Ok(b) => b,
                 Err(e) => {
                     if let Pending::User(reply) = waiter {
-                        let _ = reply.send(Err(ClientError::Protocol(e.to_string())));
+                        let _ = reply.send(Err(ClientError::Encode(e)));
                     }
                     continue;
                 }
             };
             if bytes.len() > max_frame + 4 {
                 if let Pending::User(reply) = waiter {
-                    let _ = reply.send(Err(ClientError::Config(format!(
-                        "request of {} bytes exceeds the server's frame cap",
-                        bytes.len()
-                    ))));
+                    let _ = reply.send(Err(ClientError::Config(ConfigError::RequestTooLarge {
+                        len: bytes.len() - 4,
+                        max: max_frame,
+                    })));
                 }
                 continue;
             }
@@ -1566,19 +1543,18 @@ async fn run(
                 }
                 Some(Inbound::Frame(ServerFrame::Welcome(_))) => {
                     link.close(CloseCode::ProtocolError, "a second welcome").await;
-                    break Exit::Lost(ClientError::Protocol("a second welcome".into()));
+                    break Exit::Lost(ProtocolError::SecondWelcome.into());
                 }
                 Some(Inbound::Ended(e)) => break Exit::Lost(e),
-                None => break Exit::Lost(ClientError::Lost("connection lost".into())),
+                None => break Exit::Lost(LostReason::Ended.into()),
             },
             _ = probe => {
                 // The TCP connection did not survive the network change. A
                 // plain close: the device lingers and the reconnect resumes.
                 link.close(CloseCode::Normal, "no answer after a network change").await;
-                break Exit::Lost(ClientError::Lost(format!(
-                    "no answer within {:?} after a network change",
-                    config.probe_timeout
-                )));
+                break Exit::Lost(ClientError::Lost(LostReason::NoProbeAnswer {
+                    after: config.probe_timeout,
+                }));
             }
         }
     };

@@ -5,7 +5,10 @@
 //! task only turns messages into [`Inbound`] items and [`Out`] commands into
 //! messages, and keeps the connection alive (pings, idle timeout).
 
-use crate::{error_code_for, tls, ClientConfig, ClientError, Inbound, Source};
+use crate::{
+    error_code_for, tls, Carrier, ClientConfig, ClientError, ConfigError, ConnectError, Inbound,
+    LostReason, ProtocolError, Source,
+};
 use futures_util::{SinkExt, StreamExt};
 use greendot_proto::{self as proto, CloseCode, Push, ServerFrame, WireError};
 use std::sync::Arc;
@@ -64,30 +67,43 @@ pub(crate) async fn handshake(
     tls: Arc<rustls::ClientConfig>,
 ) -> Result<Stream, ClientError> {
     let Some(addr) = config.websocket else {
-        return Err(ClientError::Config("no WebSocket address".into()));
+        return Err(ConfigError::NoWebSocketAddress.into());
     };
-    let connect = |e: String| ClientError::Connect(format!("WebSocket {addr}: {e}"));
     let tcp = TcpStream::connect(addr)
         .await
-        .map_err(|e| connect(e.to_string()))?;
+        .map_err(|e| ConnectError::WebSocketTcp {
+            addr,
+            source: Arc::new(e),
+        })?;
     // Requests are small and latency matters more than packet count.
     let _ = tcp.set_nodelay(true);
-    let name = rustls::pki_types::ServerName::try_from(config.server_name.clone())
-        .map_err(|e| ClientError::Config(format!("server name: {e}")))?;
+    let name =
+        rustls::pki_types::ServerName::try_from(config.server_name.clone()).map_err(|e| {
+            ConfigError::ServerName {
+                name: config.server_name.clone(),
+                source: Arc::new(e),
+            }
+        })?;
     let tls = tokio_rustls::TlsConnector::from(tls)
         .connect(name, tcp)
         .await
-        .map_err(|e| connect(format!("TLS: {e}")))?;
+        .map_err(|e| ConnectError::WebSocketTls {
+            addr,
+            source: Arc::new(e),
+        })?;
     let host = if config.server_name.contains(':') {
         format!("[{}]", config.server_name)
     } else {
         config.server_name.clone()
     };
     let url = format!("wss://{host}:{}{}", addr.port(), config.websocket_path);
-    let mut request = url
-        .as_str()
-        .into_client_request()
-        .map_err(|e| ClientError::Config(format!("WebSocket URL {url}: {e}")))?;
+    let mut request =
+        url.as_str()
+            .into_client_request()
+            .map_err(|e| ConfigError::WebSocketUrl {
+                url: url.clone(),
+                source: Arc::new(e),
+            })?;
     request.headers_mut().insert(
         "sec-websocket-protocol",
         HeaderValue::from_static(SUBPROTOCOL),
@@ -98,14 +114,17 @@ pub(crate) async fn handshake(
         .max_frame_size(Some(proto::MAX_SERVER_FRAME + 1));
     let (ws, response) = tokio_tungstenite::client_async_with_config(request, tls, Some(ws_config))
         .await
-        .map_err(|e| connect(format!("upgrade: {e}")))?;
+        .map_err(|e| ConnectError::WebSocketUpgrade {
+            addr,
+            source: Arc::new(e),
+        })?;
     if response
         .headers()
         .get("sec-websocket-protocol")
         .and_then(|v| v.to_str().ok())
         != Some(SUBPROTOCOL)
     {
-        return Err(connect(format!("the server did not select {SUBPROTOCOL}")));
+        return Err(ConnectError::NoSubprotocol { addr }.into());
     }
     Ok(ws)
 }
@@ -114,15 +133,22 @@ pub(crate) async fn handshake(
 /// 4000 + greendot code; anything else is a lost connection).
 fn closed_by_server(frame: Option<CloseFrame>) -> ClientError {
     let Some(frame) = frame else {
-        return ClientError::Lost("WebSocket closed without a code".into());
+        return LostReason::WebSocketClosedWithoutCode.into();
     };
     let raw = u16::from(frame.code);
     if !(4000..=4999).contains(&raw) {
-        return ClientError::Lost(format!("WebSocket closed: {raw} {}", frame.reason));
+        return LostReason::WebSocketClosed {
+            code: raw,
+            reason: frame.reason.to_string(),
+        }
+        .into();
     }
     let code = CloseCode::from_code(u64::from(raw - 4000));
     if code == Some(CloseCode::Normal) {
-        return ClientError::Lost(format!("closed by the server: {}", frame.reason));
+        return LostReason::ClosedByServer {
+            reason: frame.reason.to_string(),
+        }
+        .into();
     }
     ClientError::Rejected {
         code,
@@ -154,20 +180,20 @@ pub(crate) async fn drive(
                 let bytes = match message {
                     Some(Ok(Message::Binary(bytes))) => bytes,
                     Some(Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_))) => continue,
-                    Some(Ok(Message::Text(_))) => break protocol_error(&mut ws, "a text message").await,
+                    Some(Ok(Message::Text(_))) => break protocol_error(&mut ws, ProtocolError::WebSocketText).await,
                     Some(Ok(Message::Close(frame))) => {
                         // Answer the close (tungstenite queued the reply).
                         let _ = tokio::time::timeout(CLOSE_LINGER, ws.close(None)).await;
                         break closed_by_server(frame);
                     }
-                    Some(Err(e)) => break ClientError::Lost(format!("WebSocket: {e}")),
-                    None => break ClientError::Lost("WebSocket connection ended".into()),
+                    Some(Err(e)) => break LostReason::WebSocket(Arc::new(e)).into(),
+                    None => break LostReason::WebSocketEnded.into(),
                 };
                 let item = match bytes.split_first() {
                     Some((0, payload)) if !payload.is_empty() => {
                         match proto::decode::<ServerFrame>(payload) {
                             Ok(frame) => Some(Inbound::Frame(frame)),
-                            Err(e) => break protocol_error(&mut ws, &e.to_string()).await,
+                            Err(error) => break protocol_error(&mut ws, bad_frame(error)).await,
                         }
                     }
                     Some((s @ (1 | 2), payload)) if !payload.is_empty() => {
@@ -183,10 +209,10 @@ pub(crate) async fn drive(
                             Ok(Push::Update { target, presence }) => slot.map(|source| {
                                 Inbound::Push { target, presence, source }
                             }),
-                            Err(e) => break protocol_error(&mut ws, &e.to_string()).await,
+                            Err(error) => break protocol_error(&mut ws, bad_frame(error)).await,
                         }
                     }
-                    _ => break protocol_error(&mut ws, "a message without a stream byte and frame").await,
+                    _ => break protocol_error(&mut ws, ProtocolError::WebSocketNoFrame).await,
                 };
                 if let Some(item) = item {
                     if inbound.send(item).is_err() {
@@ -197,7 +223,7 @@ pub(crate) async fn drive(
             cmd = out.recv() => match cmd {
                 Some(Out::Frame(payload)) => {
                     if let Err(e) = ws.send(Message::Binary(payload.into())).await {
-                        break ClientError::Lost(format!("WebSocket send: {e}"));
+                        break LostReason::WebSocketSend(Arc::new(e)).into();
                     }
                 }
                 Some(Out::Close { code, reason, done }) => {
@@ -210,11 +236,11 @@ pub(crate) async fn drive(
             },
             _ = ping.tick() => {
                 if let Err(e) = ws.send(Message::Ping(Vec::new().into())).await {
-                    break ClientError::Lost(format!("WebSocket ping: {e}"));
+                    break LostReason::WebSocketPing(Arc::new(e)).into();
                 }
             }
             _ = &mut idle => {
-                break ClientError::Lost(format!("nothing heard from the server for {idle_timeout:?}"));
+                break LostReason::IdleTimeout { after: idle_timeout }.into();
             }
         }
     };
@@ -222,15 +248,22 @@ pub(crate) async fn drive(
     let _ = inbound.send(Inbound::Ended(ended));
 }
 
+fn bad_frame(error: WireError) -> ProtocolError {
+    ProtocolError::BadFrame {
+        carrier: Carrier::WebSocket,
+        error,
+    }
+}
+
 /// The server broke the binding's rules: close with 4004 (ProtocolError).
-async fn protocol_error(ws: &mut Stream, what: &str) -> ClientError {
+async fn protocol_error(ws: &mut Stream, what: ProtocolError) -> ClientError {
     close(
         ws,
         4000 + CloseCode::ProtocolError.code() as u16,
         "protocol error",
     )
     .await;
-    ClientError::Protocol(format!("WebSocket: {what}"))
+    ClientError::Protocol(what)
 }
 
 /// Sends a close and waits (briefly) for the server's answer, so the close

@@ -1,0 +1,415 @@
+//! Why a client call failed: [`ClientError`] and the typed reasons it
+//! carries, so that a caller can match on what happened.
+//!
+//! Display strings are whole sentences (the CLI prints just `{error}`), so
+//! each includes the text of its cause. [`std::error::Error::source`] gives
+//! that cause itself (an I/O, QUIC, TLS or WebSocket error) for
+//! downcasting; it skips the typed reason in between, which is matched on
+//! directly. Foreign errors that are not `Clone` are shared with [`Arc`]
+//! (one connection's end is reported to every waiting request);
+//! `ClientError::source` gives the error inside, not the `Arc`.
+
+use crate::{tls, ws, Carrier};
+use greendot_proto::{Answer, CloseCode, ErrorCode, WireError};
+use std::error::Error;
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_tungstenite::tungstenite;
+
+/// Why a client call failed.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum ClientError {
+    /// A client setting cannot be used (or a request is too large to send).
+    Config(ConfigError),
+    /// The TLS configuration could not be built (a bad root certificate).
+    Tls(tls::TlsError),
+    /// No connection could be opened.
+    Connect(ConnectError),
+    /// The server refused the connection: an error frame and/or a close code.
+    Rejected {
+        code: Option<CloseCode>,
+        error: WireError,
+    },
+    /// The connection was lost, or closed by the server without a refusal.
+    Lost(LostReason),
+    /// The server answered the request with an error.
+    Server(WireError),
+    /// The server broke the protocol.
+    Protocol(ProtocolError),
+    /// A frame could not be encoded (the client's own bug, or a request
+    /// beyond what the frame format can carry).
+    Encode(postcard::Error),
+    /// No answer in time (outcome unknown: see the crate docs).
+    Timeout,
+    /// The client is closed.
+    Closed,
+}
+
+impl ClientError {
+    /// The server's error code, if the server said one.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            ClientError::Rejected { error, .. } | ClientError::Server(error) => Some(error.code),
+            _ => None,
+        }
+    }
+
+    /// How long the server asked the client to wait at most before
+    /// reconnecting (`retry_ms` in its close reason), if it did.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            ClientError::Rejected { error, .. } => crate::retry_hint(&error.message),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for ClientError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ClientError::Config(e) => write!(f, "invalid client setting: {e}"),
+            ClientError::Tls(e) => e.fmt(f),
+            ClientError::Connect(e) => write!(f, "cannot connect: {e}"),
+            ClientError::Rejected { code, error } => {
+                write!(f, "refused by the server ({code:?}): {error}")
+            }
+            ClientError::Lost(e) => write!(f, "connection lost: {e}"),
+            ClientError::Server(e) => write!(f, "server error: {e}"),
+            ClientError::Protocol(e) => write!(f, "protocol violation by the server: {e}"),
+            ClientError::Encode(e) => write!(f, "cannot encode a frame: {e}"),
+            ClientError::Timeout => f.write_str("no answer in time"),
+            ClientError::Closed => f.write_str("the client is closed"),
+        }
+    }
+}
+
+impl Error for ClientError {
+    fn source(&self) -> Option<&(dyn Error + 'static)> {
+        match self {
+            // The foreign error itself, not the Arc that shares it, so that
+            // `downcast_ref::<std::io::Error>()` finds it.
+            ClientError::Config(ConfigError::ServerName { source, .. }) => Some(&**source),
+            ClientError::Config(ConfigError::WebSocketUrl { source, .. }) => Some(&**source),
+            ClientError::Connect(
+                ConnectError::Bind { source, .. }
+                | ConnectError::WebSocketTcp { source, .. }
+                | ConnectError::WebSocketTls { source, .. },
+            ) => Some(&**source),
+            ClientError::Connect(ConnectError::WebSocketUpgrade { source, .. }) => Some(&**source),
+            ClientError::Lost(
+                LostReason::WebSocket(e)
+                | LostReason::WebSocketSend(e)
+                | LostReason::WebSocketPing(e),
+            ) => Some(&**e),
+            ClientError::Config(e) => e.source(),
+            ClientError::Tls(e) => e.source(),
+            ClientError::Connect(e) => e.source(),
+            ClientError::Lost(e) => e.source(),
+            ClientError::Protocol(e) => e.source(),
+            ClientError::Encode(e) => Some(e),
+            ClientError::Rejected { .. }
+            | ClientError::Server(_)
+            | ClientError::Timeout
+            | ClientError::Closed => None,
+        }
+    }
+}
+
+impl From<ConfigError> for ClientError {
+    fn from(e: ConfigError) -> ClientError {
+        ClientError::Config(e)
+    }
+}
+
+impl From<tls::TlsError> for ClientError {
+    fn from(e: tls::TlsError) -> ClientError {
+        ClientError::Tls(e)
+    }
+}
+
+impl From<ConnectError> for ClientError {
+    fn from(e: ConnectError) -> ClientError {
+        ClientError::Connect(e)
+    }
+}
+
+impl From<LostReason> for ClientError {
+    fn from(e: LostReason) -> ClientError {
+        ClientError::Lost(e)
+    }
+}
+
+impl From<ProtocolError> for ClientError {
+    fn from(e: ProtocolError) -> ClientError {
+        ClientError::Protocol(e)
+    }
+}
+
+impl From<postcard::Error> for ClientError {
+    fn from(e: postcard::Error) -> ClientError {
+        ClientError::Encode(e)
+    }
+}
+
+/// A client setting that cannot be used.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// `idle_timeout` is beyond what QUIC can say.
+    #[error("idle_timeout too large")]
+    IdleTimeoutTooLarge(#[source] quinn::VarIntBoundsExceeded),
+    /// `server_name` is neither a DNS name nor an IP address.
+    #[error("server name {name:?}: {source}")]
+    ServerName {
+        name: String,
+        source: Arc<rustls::pki_types::InvalidDnsNameError>,
+    },
+    /// The WebSocket carrier was needed but `websocket` is `None`.
+    #[error("no WebSocket address")]
+    NoWebSocketAddress,
+    /// `server_name`, the port and `websocket_path` make no valid URL.
+    #[error("WebSocket URL {url}: {source}")]
+    WebSocketUrl {
+        url: String,
+        source: Arc<tungstenite::Error>,
+    },
+    /// A request's frame (`len` bytes) is over the server's cap (`max`,
+    /// from its welcome); it was not sent.
+    #[error("request of {len} bytes exceeds the server's frame cap of {max}")]
+    RequestTooLarge { len: usize, max: usize },
+}
+
+/// Why no connection could be opened.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConnectError {
+    /// The UDP socket could not be bound.
+    #[error("cannot bind {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: Arc<std::io::Error>,
+    },
+    /// QUIC refused to start the connection (before any I/O).
+    #[error("{0}")]
+    Quic(#[source] quinn::ConnectError),
+    /// The QUIC handshake failed.
+    #[error("{0}")]
+    QuicHandshake(#[source] quinn::ConnectionError),
+    /// No TCP connection to the WebSocket address.
+    #[error("WebSocket {addr}: {source}")]
+    WebSocketTcp {
+        addr: SocketAddr,
+        source: Arc<std::io::Error>,
+    },
+    /// The TLS handshake over TCP failed.
+    #[error("WebSocket {addr}: TLS: {source}")]
+    WebSocketTls {
+        addr: SocketAddr,
+        source: Arc<std::io::Error>,
+    },
+    /// The HTTP upgrade to WebSocket failed.
+    #[error("WebSocket {addr}: upgrade: {source}")]
+    WebSocketUpgrade {
+        addr: SocketAddr,
+        source: Arc<tungstenite::Error>,
+    },
+    /// The server upgraded without selecting the greendot subprotocol.
+    #[error("WebSocket {addr}: the server did not select {}", ws::SUBPROTOCOL)]
+    NoSubprotocol { addr: SocketAddr },
+    /// Both carriers failed (each error says how).
+    #[error("QUIC: {quic}; WebSocket: {websocket}")]
+    Both {
+        quic: Box<ClientError>,
+        websocket: Box<ClientError>,
+    },
+    /// No welcome within `connect_timeout`, whatever the carrier.
+    #[error("no answer from {server} within {after:?}")]
+    TimedOut { server: SocketAddr, after: Duration },
+}
+
+/// Why a connection ended, when the server did not refuse it.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum LostReason {
+    /// The QUIC connection ended (timed out, reset, or closed normally by
+    /// the server).
+    #[error("{0}")]
+    Quic(#[source] quinn::ConnectionError),
+    /// The connection's tasks ended without saying why.
+    #[error("the connection ended without a reason")]
+    Ended,
+    /// [`crate::Reconnect::give_up_after`] passed without a connection.
+    #[error("gave up reconnecting")]
+    GaveUp,
+    /// Over WebSocket, the probe after a network change went unanswered.
+    #[error("no answer within {after:?} after a network change")]
+    NoProbeAnswer { after: Duration },
+    /// Nothing (not even a pong) came over WebSocket for `idle_timeout`.
+    #[error("nothing heard from the server for {after:?}")]
+    IdleTimeout { after: Duration },
+    /// Reading from the WebSocket failed.
+    #[error("WebSocket: {0}")]
+    WebSocket(#[source] Arc<tungstenite::Error>),
+    /// Sending a message failed.
+    #[error("WebSocket send: {0}")]
+    WebSocketSend(#[source] Arc<tungstenite::Error>),
+    /// Sending a keep-alive ping failed.
+    #[error("WebSocket ping: {0}")]
+    WebSocketPing(#[source] Arc<tungstenite::Error>),
+    /// The TCP connection ended without a WebSocket close.
+    #[error("WebSocket connection ended")]
+    WebSocketEnded,
+    /// A WebSocket close without a status code.
+    #[error("WebSocket closed without a code")]
+    WebSocketClosedWithoutCode,
+    /// A WebSocket close with a code outside 4000..=4999 (not greendot's).
+    #[error("WebSocket closed: {code} {reason}")]
+    WebSocketClosed { code: u16, reason: String },
+    /// A WebSocket close with greendot's `Normal` code (over QUIC the same
+    /// close is a [`LostReason::Quic`] `ApplicationClosed`).
+    #[error("closed by the server: {reason}")]
+    ClosedByServer { reason: String },
+}
+
+/// How the server broke the protocol.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProtocolError {
+    /// A reply before the welcome.
+    #[error("a reply before the welcome")]
+    ReplyBeforeWelcome,
+    /// A welcome on a connection already welcomed.
+    #[error("a second welcome")]
+    SecondWelcome,
+    /// An answer of the wrong kind for the request.
+    #[error("unexpected answer {answer:?}")]
+    UnexpectedAnswer { answer: Box<Answer> },
+    /// A query answer without a result.
+    #[error("empty query answer")]
+    EmptyQueryAnswer,
+    /// A frame that does not decode.
+    #[error("{}{error}", carrier_prefix(*.carrier))]
+    BadFrame {
+        carrier: Carrier,
+        #[source]
+        error: WireError,
+    },
+    /// A text message (the binding is binary only).
+    #[error("WebSocket: a text message")]
+    WebSocketText,
+    /// A message without a stream byte and a frame after it.
+    #[error("WebSocket: a message without a stream byte and frame")]
+    WebSocketNoFrame,
+}
+
+fn carrier_prefix(carrier: Carrier) -> &'static str {
+    match carrier {
+        Carrier::Quic => "",
+        Carrier::WebSocket => "WebSocket: ",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn display_is_the_sentence_the_cli_prints() {
+        let server = SocketAddr::from(([127, 0, 0, 1], 9));
+        let cases: Vec<(ClientError, &str)> = vec![
+            (
+                ConnectError::TimedOut {
+                    server,
+                    after: Duration::from_secs(5),
+                }
+                .into(),
+                "cannot connect: no answer from 127.0.0.1:9 within 5s",
+            ),
+            (
+                LostReason::Quic(quinn::ConnectionError::TimedOut).into(),
+                "connection lost: timed out",
+            ),
+            (
+                LostReason::GaveUp.into(),
+                "connection lost: gave up reconnecting",
+            ),
+            (
+                LostReason::IdleTimeout {
+                    after: Duration::from_millis(1500),
+                }
+                .into(),
+                "connection lost: nothing heard from the server for 1.5s",
+            ),
+            (
+                ProtocolError::SecondWelcome.into(),
+                "protocol violation by the server: a second welcome",
+            ),
+            (
+                ProtocolError::BadFrame {
+                    carrier: Carrier::WebSocket,
+                    error: WireError::new(ErrorCode::BadFrame, "trailing bytes"),
+                }
+                .into(),
+                "protocol violation by the server: WebSocket: BadFrame (1): trailing bytes",
+            ),
+            (
+                ConfigError::NoWebSocketAddress.into(),
+                "invalid client setting: no WebSocket address",
+            ),
+            (
+                ConnectError::Both {
+                    quic: Box::new(
+                        ConnectError::Quic(quinn::ConnectError::EndpointStopping).into(),
+                    ),
+                    websocket: Box::new(ConnectError::NoSubprotocol { addr: server }.into()),
+                }
+                .into(),
+                "cannot connect: QUIC: cannot connect: endpoint stopping; WebSocket: cannot \
+                 connect: WebSocket 127.0.0.1:9: the server did not select greendot.v1",
+            ),
+        ];
+        for (error, text) in cases {
+            assert_eq!(error.to_string(), text, "{error:?}");
+        }
+    }
+
+    #[test]
+    fn the_source_is_the_foreign_cause_shared_by_clones() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let error = ClientError::from(ConnectError::WebSocketTcp {
+            addr: SocketAddr::from(([127, 0, 0, 1], 9)),
+            source: Arc::new(io),
+        });
+        let copy = error.clone();
+        for e in [&error, &copy] {
+            let source = e.source().expect("a source");
+            let io = source
+                .downcast_ref::<std::io::Error>()
+                .expect("an io::Error");
+            assert_eq!(io.kind(), std::io::ErrorKind::ConnectionRefused);
+        }
+        let (
+            ClientError::Connect(ConnectError::WebSocketTcp { source: a, .. }),
+            ClientError::Connect(ConnectError::WebSocketTcp { source: b, .. }),
+        ) = (&error, &copy)
+        else {
+            unreachable!()
+        };
+        assert!(Arc::ptr_eq(a, b));
+
+        let ws = ClientError::from(LostReason::WebSocketSend(Arc::new(
+            tungstenite::Error::ConnectionClosed,
+        )));
+        assert!(ws
+            .source()
+            .unwrap()
+            .downcast_ref::<tungstenite::Error>()
+            .is_some());
+        // Typed reasons without a foreign cause have no source.
+        assert!(ClientError::from(LostReason::GaveUp).source().is_none());
+        assert!(ClientError::Timeout.source().is_none());
+    }
+}
