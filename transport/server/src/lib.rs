@@ -471,16 +471,22 @@ pub enum Shed {
     HandshakeTimeout,
     /// Refused: the server is draining.
     Draining,
+    /// Dropped without an answer: past `2 × max_handshakes_per_sec` answers
+    /// of shedding per second (a Retry or a refusal costs a packet and
+    /// crypto, and a Retry brings the Initial straight back; silence lets
+    /// the client's own retransmission timer back off).
+    Ignored,
 }
 
 impl Shed {
-    pub const ALL: [Shed; 6] = [
+    pub const ALL: [Shed; 7] = [
         Shed::Retry,
         Shed::PerAddress,
         Shed::Capacity,
         Shed::Rate,
         Shed::HandshakeTimeout,
         Shed::Draining,
+        Shed::Ignored,
     ];
 
     /// The metrics label.
@@ -492,6 +498,7 @@ impl Shed {
             Shed::Rate => "rate",
             Shed::HandshakeTimeout => "handshake_timeout",
             Shed::Draining => "draining",
+            Shed::Ignored => "ignored",
         }
     }
 }

@@ -579,6 +579,8 @@ pub struct ServerState {
     handshaking: usize,
     per_address: DetMap<IpAddr, usize>,
     pacer: Pacer,
+    /// Answers to shed Initials (Retries, refusals) per second.
+    shed_answers: Pacer,
     hub: Hub,
     session_key: u64,
     conns: Vec<Option<Box<Conn>>>,
@@ -725,6 +727,7 @@ impl ServerState {
             handshaking: 0,
             per_address: DetMap::default(),
             pacer: Pacer::new(config.max_handshakes_per_sec, now),
+            shed_answers: Pacer::new(config.max_handshakes_per_sec.saturating_mul(2), now),
             hub,
             session_key,
             conns: Vec::new(),
@@ -1139,6 +1142,14 @@ impl ServerState {
             None
         };
         if let Some(reason) = shed {
+            if !self.shed_answers.admit(now) {
+                // A herd or a flood: answering each Initial would take the
+                // loop the admitted handshakes need.
+                self.stats.shed(Shed::Ignored);
+                self.endpoint.ignore(incoming);
+                self.recycle(buf);
+                return;
+            }
             self.stats.shed(reason);
             let t = match reason {
                 Shed::Retry => match self.endpoint.retry(incoming, &mut buf) {

@@ -741,3 +741,48 @@ fn handshakes_are_limited_per_address_and_time_out() {
     net.run_until(Duration::from_secs(1), |net| net.welcomed(again));
     assert!(net.welcomed(again));
 }
+
+/// A flood of Initials past what the server answers per second: the excess
+/// is dropped without an answer (no Retry, no refusal: each costs a packet
+/// and crypto, and a Retry brings the Initial straight back), counted as
+/// `Ignored`, and a real client is still served (its retransmission finds
+/// the budget refilled).
+#[test]
+fn shed_answers_are_bounded_and_the_rest_is_ignored() {
+    let mut config = config();
+    config.retry_threshold = 1;
+    config.max_handshakes_per_sec = 10;
+    let mut net = Net::new(config, None);
+    // One handshake in flight makes the server crowded.
+    let stuck = net.start("ann", "d0", SocketAddr::from(([10, 0, 7, 1], 7000)));
+    net.clients[stuck].deaf = true;
+    net.run_for(Duration::from_millis(20));
+    let flood: Vec<usize> = (0..200u16)
+        .map(|i| {
+            let c = net.start(
+                "bob",
+                &format!("f{i}"),
+                SocketAddr::from(([10, 0, 6, 1], 8000 + i)),
+            );
+            net.clients[c].deaf = true;
+            c
+        })
+        .collect();
+    net.run_for(Duration::from_millis(50));
+    let shed = |net: &Net, r: Shed| net.server.stats.shed[r as usize].load(Ordering::Relaxed);
+    let answered = shed(&net, Shed::Retry) + shed(&net, Shed::PerAddress);
+    // The bucket holds 2 × 10 answers: the first 20 (less the admission of
+    // the stuck client's own handshake) are answered, the rest dropped.
+    assert!(answered <= 20, "{answered} shed Initials answered");
+    assert!(
+        shed(&net, Shed::Ignored) >= 180,
+        "{} ignored",
+        shed(&net, Shed::Ignored)
+    );
+    assert_eq!(flood.len(), 200);
+    // A real client: its first Initials may be dropped while the bucket is
+    // empty; its retransmissions get a Retry, then it is served.
+    let real = net.start("cid", "laptop", SocketAddr::from(([10, 0, 5, 5], 9000)));
+    net.run_until(Duration::from_secs(10), |net| net.welcomed(real));
+    assert!(net.welcomed(real), "the real client was not served");
+}
