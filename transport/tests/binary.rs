@@ -9,11 +9,10 @@
 //! Every wait is for an observable line with a deadline; the only timed
 //! windows are the ones in which something must *not* happen.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_greendot");
@@ -38,112 +37,18 @@ const OFFLINE_BOUND: Duration = Duration::from_millis(1000 + 250 + 1000 + 100);
 /// Room for a loaded 2-core machine.
 const SLACK: Duration = Duration::from_secs(8);
 
-/// A child process killed when dropped, with its stdout (and optionally
-/// stderr) read line by line on threads.
-struct Proc {
-    name: String,
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    seen: Vec<String>,
-}
+mod support;
+use support::{temp_dir, Proc};
 
-fn read_lines(pipe: impl Read + Send + 'static, tx: mpsc::Sender<String>, tag: &'static str) {
-    std::thread::spawn(move || {
-        for line in BufReader::new(pipe).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(format!("{tag}{line}")).is_err() {
-                break;
-            }
-        }
-    });
-}
-
-impl Proc {
-    fn spawn(name: &str, dir: &Path, args: &[&str]) -> Proc {
-        let mut child = Command::new(BIN)
-            .args(args)
-            .current_dir(dir)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
-        let (tx, lines) = mpsc::channel();
-        read_lines(child.stdout.take().expect("stdout"), tx.clone(), "");
-        read_lines(child.stderr.take().expect("stderr"), tx, "stderr: ");
-        Proc {
-            name: name.to_owned(),
-            child,
-            lines,
-            seen: Vec::new(),
-        }
-    }
-
-    /// Waits for a line matching `pred` (stderr lines start with
-    /// `stderr: `); returns it.
-    fn wait_for(&mut self, within: Duration, what: &str, pred: impl Fn(&str) -> bool) -> String {
-        let deadline = Instant::now() + within;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(line) => {
-                    self.seen.push(line.clone());
-                    if pred(&line) {
-                        return line;
-                    }
-                }
-                Err(_) => panic!(
-                    "{}: no line {what} within {within:?}; it said:\n{}",
-                    self.name,
-                    self.seen.join("\n")
-                ),
-            }
-        }
-    }
-
-    /// Reads what arrived, without waiting.
-    fn drain(&mut self) {
-        while let Ok(line) = self.lines.try_recv() {
-            self.seen.push(line);
-        }
-    }
-
-    /// `kill -9`.
-    fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    fn signal(&self, sig: &str) {
-        let status = Command::new("kill")
-            .args([sig, &self.child.id().to_string()])
-            .status()
-            .expect("kill runs");
-        assert!(status.success());
-    }
-
-    fn wait_exit(&mut self, within: Duration) -> std::process::ExitStatus {
-        let deadline = Instant::now() + within;
-        loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{} did not exit within {within:?}",
-                self.name
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// `greendot ARGS` in `dir`, its output read line by line.
+fn greendot(name: &str, dir: &Path, args: &[&str]) -> Proc {
+    let mut command = Command::new(BIN);
+    command
+        .args(args)
+        .current_dir(dir)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null());
+    Proc::spawn(name, command)
 }
 
 fn run(dir: &Path, args: &[&str]) -> String {
@@ -193,7 +98,7 @@ struct Served {
 fn serve(dir: &Path, listen: &str) -> Served {
     let mut args = vec!["serve", "--listen", listen, "--metrics", "127.0.0.1:0"];
     args.extend(FLAGS);
-    let mut proc = Proc::spawn("serve", dir, &args);
+    let mut proc = greendot("serve", dir, &args);
     let line = proc.wait_for(SLACK, "listening", |l| {
         l.starts_with("greendot listening on ")
     });
@@ -224,7 +129,7 @@ fn client(dir: &Path, name: &str, served: &Served, args: &[&str]) -> Proc {
     let addr = served.addr.to_string();
     let mut all: Vec<&str> = args.to_vec();
     all.extend(["--server", &addr]);
-    Proc::spawn(name, dir, &all)
+    greendot(name, dir, &all)
 }
 
 fn query(dir: &Path, served: &Served, token: &str, user: &str) -> serde_json::Value {
@@ -261,19 +166,9 @@ fn metrics(at: SocketAddr) -> String {
     text
 }
 
-fn temp_dir() -> PathBuf {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    let dir = std::env::temp_dir().join(format!("greendot-bin-{}-{nanos}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
-}
-
 #[test]
 fn the_binary_serves_survives_kill_9_and_drains() {
-    let dir = temp_dir();
+    let dir = temp_dir("bin");
     let mut server = serve(&dir, "127.0.0.1:0");
     let first = server.proc.seen.join("\n");
     assert!(first.contains("created greendot-data/cert.pem"), "{first}");
@@ -434,26 +329,15 @@ fn serve_lines(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> (Proc, Vec<St
         "127.0.0.1:0",
     ];
     command_args.extend(args);
-    let mut child = Command::new(BIN);
-    child.args(&command_args).current_dir(dir);
+    let mut command = Command::new(BIN);
+    command
+        .args(&command_args)
+        .current_dir(dir)
+        .stdin(Stdio::null());
     for (k, v) in env {
-        child.env(k, v);
+        command.env(k, v);
     }
-    let mut child = child
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("serve starts");
-    let (tx, lines) = mpsc::channel();
-    read_lines(child.stdout.take().expect("stdout"), tx.clone(), "");
-    read_lines(child.stderr.take().expect("stderr"), tx, "stderr: ");
-    let mut proc = Proc {
-        name: format!("serve {args:?}"),
-        child,
-        lines,
-        seen: Vec::new(),
-    };
+    let mut proc = Proc::spawn(&format!("serve {args:?}"), command);
     proc.wait_for(SLACK, "an example", |l| l.starts_with("try: "));
     let seen = proc.seen.clone();
     (proc, seen)
@@ -468,7 +352,7 @@ fn line_after<'a>(lines: &'a [String], prefix: &str) -> &'a str {
 
 #[test]
 fn the_websocket_port_is_a_setting_and_the_page_is_served() {
-    let dir = temp_dir();
+    let dir = temp_dir("bin");
     // Default: the QUIC address over TCP (port 0 there: a free TCP port).
     // One at a time: they share the data directory (and its store's lock).
     let (default, lines) = serve_lines(&dir, &[], &[]);

@@ -17,12 +17,11 @@ use greendot_client::rustls::pki_types::pem::PemObject;
 use greendot_client::rustls::pki_types::CertificateDer;
 use greendot_client::{Client, ClientConfig};
 use greendot_core::Status;
-use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::{mpsc, Mutex};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
+use std::time::Duration;
 
 const BIN: &str = env!("CARGO_BIN_EXE_greendot");
 const CHROMIUM: &str = "/usr/bin/chromium";
@@ -82,103 +81,8 @@ fn prepare() {
     *done = true;
 }
 
-/// A child killed when dropped; its output lines arrive on a channel.
-struct Proc {
-    name: String,
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: mpsc::Receiver<String>,
-    seen: Vec<String>,
-}
-
-fn read_lines(pipe: impl Read + Send + 'static, tx: mpsc::Sender<String>, tag: &'static str) {
-    std::thread::spawn(move || {
-        for line in BufReader::new(pipe).lines() {
-            let Ok(line) = line else { break };
-            if tx.send(format!("{tag}{line}")).is_err() {
-                break;
-            }
-        }
-    });
-}
-
-impl Proc {
-    fn spawn(name: &str, mut command: Command) -> Proc {
-        let mut child = command
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
-        let (tx, lines) = mpsc::channel();
-        read_lines(child.stdout.take().expect("stdout"), tx.clone(), "");
-        read_lines(child.stderr.take().expect("stderr"), tx, "stderr: ");
-        Proc {
-            name: name.to_owned(),
-            stdin: child.stdin.take(),
-            child,
-            lines,
-            seen: Vec::new(),
-        }
-    }
-
-    fn wait_for(&mut self, within: Duration, what: &str, pred: impl Fn(&str) -> bool) -> String {
-        let deadline = Instant::now() + within;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(line) => {
-                    self.seen.push(line.clone());
-                    if pred(&line) {
-                        return line;
-                    }
-                }
-                Err(_) => panic!(
-                    "{}: no line {what} within {within:?}; it said:\n{}",
-                    self.name,
-                    self.seen.join("\n")
-                ),
-            }
-        }
-    }
-
-    fn send(&mut self, line: &str) {
-        let stdin = self.stdin.as_mut().expect("stdin");
-        writeln!(stdin, "{line}").expect("write to the driver");
-        stdin.flush().expect("flush");
-    }
-
-    fn wait_exit(&mut self, within: Duration) -> std::process::ExitStatus {
-        let deadline = Instant::now() + within;
-        loop {
-            while let Ok(line) = self.lines.try_recv() {
-                self.seen.push(line);
-            }
-            if let Ok(Some(status)) = self.child.try_wait() {
-                // The rest of its output.
-                std::thread::sleep(Duration::from_millis(100));
-                while let Ok(line) = self.lines.try_recv() {
-                    self.seen.push(line);
-                }
-                return status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{} did not exit within {within:?}:\n{}",
-                self.name,
-                self.seen.join("\n")
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
+mod support;
+use support::{temp_dir, Proc};
 
 struct Served {
     _proc: Proc,
@@ -187,16 +91,6 @@ struct Served {
     websocket: String,
     http: SocketAddr,
     hash: String,
-}
-
-fn temp_dir(name: &str) -> PathBuf {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    let dir = std::env::temp_dir().join(format!("greendot-{name}-{}-{nanos}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
 }
 
 fn after<'a>(line: &'a str, prefix: &str) -> &'a str {
@@ -225,7 +119,10 @@ fn serve(name: &str) -> Served {
         ])
         .current_dir(&dir)
         .env("RUST_LOG", "info");
-    let mut proc = Proc::spawn("serve", command);
+    let mut proc = Proc::spawn("serve", {
+        command.stdin(Stdio::piped());
+        command
+    });
     let line = proc.wait_for(SLACK, "listening", |l| {
         l.starts_with("greendot listening on ")
     });
@@ -319,7 +216,10 @@ fn the_page_shows_a_native_clients_changes_live_in_chromium() {
         .env("GREENDOT_SCREENSHOTS", &shots)
         .env("GREENDOT_PAGE_USER", "bob")
         .env("GREENDOT_WATCH", "alice");
-    let mut page = Proc::spawn("page driver", command);
+    let mut page = Proc::spawn("page driver", {
+        command.stdin(Stdio::piped());
+        command
+    });
     let ready = json(&page.wait_for(SLACK, "ready", |l| l.starts_with("{\"ready\"")));
     assert_eq!(
         ready["state"]["binding"], "webtransport",
@@ -452,7 +352,10 @@ fn the_typescript_client_works_against_greendot_serve_in_node_and_chromium() {
             "GREENDOT_TOKEN_BOB",
             token(&served, "bob", "phone", "mobile", "al"),
         );
-    let mut node = Proc::spawn("node --test", command);
+    let mut node = Proc::spawn("node --test", {
+        command.stdin(Stdio::piped());
+        command
+    });
     let status = node.wait_exit(Duration::from_secs(90));
     let out = node.seen.join("\n");
     assert!(status.success(), "the TypeScript e2e suite failed:\n{out}");

@@ -1,0 +1,146 @@
+//! What the tests of the `greendot` binary share: a child process whose
+//! output lines arrive on a channel, waited on with deadlines.
+
+#![allow(dead_code)] // each test file uses its own part
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// A child process killed when dropped; its stdout and stderr lines
+/// (prefixed `stderr: `) are read on threads.
+pub struct Proc {
+    pub name: String,
+    pub child: Child,
+    stdin: Option<ChildStdin>,
+    lines: mpsc::Receiver<String>,
+    pub seen: Vec<String>,
+}
+
+fn read_lines(pipe: impl Read + Send + 'static, tx: mpsc::Sender<String>, tag: &'static str) {
+    std::thread::spawn(move || {
+        for line in BufReader::new(pipe).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(format!("{tag}{line}")).is_err() {
+                break;
+            }
+        }
+    });
+}
+
+impl Proc {
+    /// Starts `command` with its output piped; its stdin is kept if the
+    /// caller piped it (see [`Proc::send`]).
+    pub fn spawn(name: &str, mut command: Command) -> Proc {
+        let mut child = command
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
+        let (tx, lines) = mpsc::channel();
+        read_lines(child.stdout.take().expect("stdout"), tx.clone(), "");
+        read_lines(child.stderr.take().expect("stderr"), tx, "stderr: ");
+        Proc {
+            name: name.to_owned(),
+            stdin: child.stdin.take(),
+            child,
+            lines,
+            seen: Vec::new(),
+        }
+    }
+
+    /// Waits for a line matching `pred`; returns it.
+    pub fn wait_for(
+        &mut self,
+        within: Duration,
+        what: &str,
+        pred: impl Fn(&str) -> bool,
+    ) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    self.seen.push(line.clone());
+                    if pred(&line) {
+                        return line;
+                    }
+                }
+                Err(_) => panic!(
+                    "{}: no line {what} within {within:?}; it said:\n{}",
+                    self.name,
+                    self.seen.join("\n")
+                ),
+            }
+        }
+    }
+
+    /// Reads what arrived, without waiting.
+    pub fn drain(&mut self) {
+        while let Ok(line) = self.lines.try_recv() {
+            self.seen.push(line);
+        }
+    }
+
+    /// A line to its stdin (it must have been piped).
+    pub fn send(&mut self, line: &str) {
+        let stdin = self.stdin.as_mut().expect("stdin");
+        writeln!(stdin, "{line}").expect("write to the child");
+        stdin.flush().expect("flush");
+    }
+
+    /// `kill -9`.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let status = Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(status.success());
+    }
+
+    /// Its exit, within `within`; what it said is kept in `seen`.
+    pub fn wait_exit(&mut self, within: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + within;
+        loop {
+            self.drain();
+            if let Ok(Some(status)) = self.child.try_wait() {
+                // The rest of its output.
+                std::thread::sleep(Duration::from_millis(100));
+                self.drain();
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} did not exit within {within:?}:\n{}",
+                self.name,
+                self.seen.join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A new directory under the system's temp dir.
+pub fn temp_dir(name: &str) -> PathBuf {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let dir = std::env::temp_dir().join(format!("greendot-{name}-{}-{nanos}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
