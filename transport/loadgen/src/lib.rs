@@ -258,6 +258,37 @@ impl Ctx {
         format!("{}{i}", self.opts.user_prefix)
     }
 
+    /// Device `i`'s token (mobile, watching its contacts); `None` counts
+    /// it as failed.
+    fn token(&self, i: usize) -> Option<String> {
+        let claims = Claims::new(
+            self.user(i),
+            "d",
+            proto::Kind::Mobile,
+            WatchClaim::only(self.contacts(i)),
+            Duration::from_secs(24 * 3600),
+        );
+        let token = self.keys.mint(&claims).ok();
+        if token.is_none() {
+            self.failed.fetch_add(1, Relaxed);
+        }
+        token
+    }
+
+    /// The next status change of the churn, its sending instant recorded
+    /// for the latency of the pushes it causes.
+    fn status_change(&self) -> Request {
+        let seq = self.next_seq.fetch_add(1, Relaxed);
+        let status = [Status::Away, Status::Busy, Status::Available][seq % 3];
+        if let Some(slot) = self.sent.get(seq) {
+            slot.store(self.nanos().max(1), Relaxed);
+        }
+        Request::SetStatus {
+            status,
+            message: Some(format!("c{seq}-{}", self.run)),
+        }
+    }
+
     /// The contacts of user `i`: a fixed stride through the users, so every
     /// user is also watched by exactly `contacts` others.
     fn contacts(&self, i: usize) -> Vec<String> {
@@ -445,15 +476,7 @@ async fn device(
     i: usize,
     mut phase: watch::Receiver<u8>,
 ) {
-    let claims = Claims::new(
-        ctx.user(i),
-        "d",
-        proto::Kind::Mobile,
-        WatchClaim::only(ctx.contacts(i)),
-        Duration::from_secs(24 * 3600),
-    );
-    let Ok(token) = ctx.keys.mint(&claims) else {
-        ctx.failed.fetch_add(1, Relaxed);
+    let Some(token) = ctx.token(i) else {
         return;
     };
     let first = {
@@ -480,13 +503,7 @@ async fn device(
     };
     ctx.connected.fetch_add(1, Relaxed);
     ctx.open.fetch_add(1, Relaxed);
-    let mut rng = (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    let mut rand = move || {
-        rng ^= rng >> 12;
-        rng ^= rng << 25;
-        rng ^= rng >> 27;
-        (rng.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 53) as f64
-    };
+    let mut rand = device_rng(i);
     // Wait for the measured window.
     while *phase.borrow() == PHASE_RAMP {
         if phase.changed().await.is_err() {
@@ -521,15 +538,7 @@ async fn device(
                 }
             }
         } else {
-            let seq = ctx.next_seq.fetch_add(1, Relaxed);
-            let status = [Status::Away, Status::Busy, Status::Available][seq % 3];
-            if let Some(slot) = ctx.sent.get(seq) {
-                slot.store(ctx.nanos().max(1), Relaxed);
-            }
-            let request = Request::SetStatus {
-                status,
-                message: Some(format!("c{seq}-{}", ctx.run)),
-            };
+            let request = ctx.status_change();
             let mut halves = (live.send, live.recv, live.reader);
             let result = call(&mut halves, next_id, request).await;
             (live.send, live.recv, live.reader) = halves;
@@ -555,6 +564,18 @@ async fn device(
     live.pushes.abort();
     live.conn
         .close(CloseCode::Logout.varint(), b"load generator done");
+}
+
+/// Device `i`'s own uniform draws in [0, 1) (xorshift64*, seeded by `i`),
+/// for when it acts.
+fn device_rng(i: usize) -> impl FnMut() -> f64 {
+    let mut rng = (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    move || {
+        rng ^= rng >> 12;
+        rng ^= rng << 25;
+        rng ^= rng >> 27;
+        (rng.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 53) as f64
+    }
 }
 
 fn client_endpoint(opts: &LoadOptions, index: usize) -> Result<quinn::Endpoint, String> {

@@ -8,9 +8,7 @@ use super::{Ctx, PHASE_MEASURE, PHASE_RAMP};
 use futures_util::{SinkExt, StreamExt};
 use greendot_proto::{
     self as proto, encode_frame, Answer, CloseCode, Hello, Request, RequestFrame, ServerFrame,
-    Status,
 };
-use greendot_server::token::{Claims, WatchClaim};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -182,15 +180,7 @@ pub(crate) async fn device(
     i: usize,
     mut phase: watch::Receiver<u8>,
 ) {
-    let claims = Claims::new(
-        ctx.user(i),
-        "d",
-        proto::Kind::Mobile,
-        WatchClaim::only(ctx.contacts(i)),
-        Duration::from_secs(24 * 3600),
-    );
-    let Ok(token) = ctx.keys.mint(&claims) else {
-        ctx.failed.fetch_add(1, Relaxed);
+    let Some(token) = ctx.token(i) else {
         return;
     };
     let first = {
@@ -213,13 +203,7 @@ pub(crate) async fn device(
     };
     ctx.connected.fetch_add(1, Relaxed);
     ctx.open.fetch_add(1, Relaxed);
-    let mut rng = (i as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    let mut rand = move || {
-        rng ^= rng >> 12;
-        rng ^= rng << 25;
-        rng ^= rng >> 27;
-        (rng.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 53) as f64
-    };
+    let mut rand = super::device_rng(i);
     let mut alive = hold(&ctx, &mut ws, &mut phase, &[PHASE_RAMP]).await;
     let mut next_id = 2u64;
     while alive && *phase.borrow() == PHASE_MEASURE && ctx.opts.churn > 0.0 {
@@ -257,15 +241,7 @@ pub(crate) async fn device(
                 }
             }
         } else {
-            let seq = ctx.next_seq.fetch_add(1, Relaxed);
-            let status = [Status::Away, Status::Busy, Status::Available][seq % 3];
-            if let Some(slot) = ctx.sent.get(seq) {
-                slot.store(ctx.nanos().max(1), Relaxed);
-            }
-            let request = Request::SetStatus {
-                status,
-                message: Some(format!("c{seq}-{}", ctx.run)),
-            };
+            let request = ctx.status_change();
             let result = call(&ctx, &mut ws, next_id, request).await;
             next_id += 1;
             match result {
