@@ -757,17 +757,14 @@ fn shed_answers_are_bounded_and_the_rest_is_ignored() {
     let stuck = net.start("ann", "d0", SocketAddr::from(([10, 0, 7, 1], 7000)));
     net.clients[stuck].deaf = true;
     net.run_for(Duration::from_millis(20));
-    let flood: Vec<usize> = (0..200u16)
-        .map(|i| {
-            let c = net.start(
-                "bob",
-                &format!("f{i}"),
-                SocketAddr::from(([10, 0, 6, 1], 8000 + i)),
-            );
-            net.clients[c].deaf = true;
-            c
-        })
-        .collect();
+    for i in 0..200u16 {
+        let c = net.start(
+            "bob",
+            &format!("f{i}"),
+            SocketAddr::from(([10, 0, 6, 1], 8000 + i)),
+        );
+        net.clients[c].deaf = true;
+    }
     net.run_for(Duration::from_millis(50));
     let shed = |net: &Net, r: Shed| net.server.stats.shed[r as usize].load(Ordering::Relaxed);
     let answered = shed(&net, Shed::Retry) + shed(&net, Shed::PerAddress);
@@ -779,7 +776,6 @@ fn shed_answers_are_bounded_and_the_rest_is_ignored() {
         "{} ignored",
         shed(&net, Shed::Ignored)
     );
-    assert_eq!(flood.len(), 200);
     // A real client: its first Initials may be dropped while the bucket is
     // empty; its retransmissions get a Retry, then it is served.
     let real = net.start("cid", "laptop", SocketAddr::from(([10, 0, 5, 5], 9000)));

@@ -274,6 +274,20 @@ async fn next_presence(updates: &mut greendot_client::Updates, target: &str) -> 
     }
 }
 
+/// carol (native, QUIC) watches alice in realtime; alice comes online over
+/// WebTransport and carol sees it.
+async fn alice_watched_by_carol(server: &Server) -> (Client, greendot_client::Updates, Wt) {
+    let (carol, mut carol_updates) = native(server, "carol", "laptop").await;
+    carol
+        .subscribe(&["alice"], greendot_core::Tier::Realtime)
+        .await
+        .unwrap();
+    assert!(!next_presence(&mut carol_updates, "alice").await);
+    let alice = Wt::open(server, token(server, "alice", "browser")).await;
+    assert!(next_presence(&mut carol_updates, "alice").await);
+    (carol, carol_updates, alice)
+}
+
 /// The next update pushed to a WebTransport client on `tier`.
 async fn next_push(wt: &mut Wt, tier: usize) -> (String, bool) {
     match read_frame::<Push>(&mut wt.pushes[tier]).await {
@@ -285,16 +299,8 @@ async fn next_push(wt: &mut Wt, tier: usize) -> (String, bool) {
 #[tokio::test]
 async fn a_webtransport_session_is_a_session_like_any_other() {
     let server = server();
-    let (carol, mut carol_updates) = native(&server, "carol", "laptop").await;
-    carol
-        .subscribe(&["alice"], greendot_core::Tier::Realtime)
-        .await
-        .unwrap();
-    assert!(!next_presence(&mut carol_updates, "alice").await);
-
     // alice comes online over WebTransport: the QUIC watcher sees her.
-    let mut alice = Wt::open(&server, token(&server, "alice", "browser")).await;
-    assert!(next_presence(&mut carol_updates, "alice").await);
+    let (_carol, mut carol_updates, mut alice) = alice_watched_by_carol(&server).await;
 
     // alice subscribes to bob (realtime) and dave (batched): the pushes come
     // on both WebTransport push streams.
@@ -401,14 +407,7 @@ async fn client_unidirectional_streams_are_refused() {
 #[tokio::test]
 async fn a_webtransport_session_survives_a_change_of_address() {
     let server = server();
-    let (carol, mut carol_updates) = native(&server, "carol", "laptop").await;
-    carol
-        .subscribe(&["alice"], greendot_core::Tier::Realtime)
-        .await
-        .unwrap();
-    assert!(!next_presence(&mut carol_updates, "alice").await);
-    let mut alice = Wt::open(&server, token(&server, "alice", "browser")).await;
-    assert!(next_presence(&mut carol_updates, "alice").await);
+    let (_carol, mut carol_updates, mut alice) = alice_watched_by_carol(&server).await;
     let answer = alice
         .request(
             1,
