@@ -37,18 +37,26 @@ test("full jitter: every wait in [0, ceiling], both ends reached, mean in the mi
   assert.equal(new Backoff({ initialMs: 100, maxMs: 5000 }, () => 0.9999999).next(), 100);
 });
 
-test("a server's retry_ms bounds the next wait only", () => {
+test("a server's retry_ms spreads every attempt until a success", () => {
   let longest = 0;
+  let longestAfterFailure = 0;
   for (let i = 0; i < 500; i++) {
     const b = new Backoff({ initialMs: 100, maxMs: 5000 });
     const wait = b.next(12_000);
     assert.ok(wait >= 0 && wait <= 12_000);
     longest = Math.max(longest, wait);
-    // The hint replaced the first ceiling; the doubling goes on.
-    assert.equal(b.ceiling(), 200);
-    assert.ok(b.next() <= 200);
+    // The attempt failed without a new hint: the server's spread still holds.
+    for (let k = 0; k < 3; k++) {
+      assert.equal(b.ceiling(), 12_000);
+      const again = b.next();
+      assert.ok(again <= 12_000);
+      longestAfterFailure = Math.max(longestAfterFailure, again);
+    }
+    b.reset();
+    assert.equal(b.ceiling(), 100, "a success forgets the hint");
   }
   assert.ok(longest > 5000, `a hint above maxMs is honoured (${longest})`);
+  assert.ok(longestAfterFailure > 5000, `and kept after a failure (${longestAfterFailure})`);
   assert.equal(new Backoff({ initialMs: 100, maxMs: 5000 }).next(0), 0, "a zero hint: at once");
 });
 

@@ -42,7 +42,10 @@
 //! not come back at the same moment. A close reason from the server may carry
 //! `retry_ms=<decimal>` (a draining server spreads its clients over the time
 //! it needs to admit them all): the next wait is then drawn uniformly in
-//! `[0, retry_ms]` instead. Every connection of one [`Client`] uses the same
+//! `[0, retry_ms]` instead, and so is every wait after a failed attempt
+//! until one succeeds (unless the doubling has grown past it): a device that
+//! fails inside a restart herd keeps to the spread the server asked for
+//! instead of coming back within seconds. Every connection of one [`Client`] uses the same
 //! TLS configuration, and so the same session cache: a reconnect resumes the
 //! TLS session (no certificate signature, no certificate check) when the
 //! server still knows it.
@@ -155,6 +158,11 @@ pub fn retry_hint(reason: &str) -> Option<Duration> {
 pub struct Backoff {
     policy: Reconnect,
     attempt: u32,
+    /// The server's last `retry_ms`, kept until a success: an attempt that
+    /// fails inside a herd must not come back sooner than the spread the
+    /// server asked for (with a 5 s ceiling, 100,000 failed devices would
+    /// come back at 20,000 attempts per second and never let it admit them).
+    floor: Duration,
     rng: u64,
 }
 
@@ -180,12 +188,15 @@ impl Backoff {
         Backoff {
             policy,
             attempt: 0,
+            floor: Duration::ZERO,
             // xorshift needs a state other than 0.
             rng: seed | 1,
         }
     }
 
-    /// The ceiling of the next wait: `min(max_backoff, initial_backoff * 2^n)`.
+    /// The ceiling of the next wait without a new hint:
+    /// `min(max_backoff, initial_backoff * 2^n)`, or the server's last
+    /// `retry_ms` since the last success if that is longer.
     pub fn ceiling(&self) -> Duration {
         let factor = 1u32.checked_shl(self.attempt).unwrap_or(u32::MAX);
         self.policy
@@ -193,19 +204,26 @@ impl Backoff {
             .checked_mul(factor)
             .unwrap_or(Duration::MAX)
             .min(self.policy.max_backoff)
+            .max(self.floor)
     }
 
-    /// The next wait: uniform in `[0, hint]` if the server suggested one,
+    /// The next wait: uniform in `[0, hint]` if the server suggested one
+    /// (which then stays the least ceiling until [`Backoff::reset`]),
     /// otherwise uniform in `[0, ceiling()]`; the ceiling then doubles.
     pub fn next_delay(&mut self, hint: Option<Duration>) -> Duration {
+        if let Some(hint) = hint {
+            self.floor = hint;
+        }
         let ceiling = hint.unwrap_or_else(|| self.ceiling());
         self.attempt = self.attempt.saturating_add(1);
         self.uniform(ceiling)
     }
 
-    /// Starts again from `initial_backoff` (after a success).
+    /// Starts again from `initial_backoff`, forgetting the server's hint
+    /// (after a success).
     pub fn reset(&mut self) {
         self.attempt = 0;
+        self.floor = Duration::ZERO;
     }
 
     /// Uniform in `[0, max]`, to the nanosecond.
@@ -1643,18 +1661,32 @@ mod tests {
     }
 
     #[test]
-    fn a_server_hint_bounds_the_next_wait_only() {
+    fn a_server_hint_spreads_every_attempt_until_a_success() {
         let hint = Duration::from_millis(12_000);
         let mut longest = Duration::ZERO;
+        let mut longest_after_failure = Duration::ZERO;
         for seed in 1..500u64 {
             let mut b = Backoff::with_seed(policy(100, 5000), seed);
             let d = b.next_delay(Some(hint));
             assert!(d <= hint);
             longest = longest.max(d);
-            // The hint replaced the first ceiling; the doubling goes on.
-            assert_eq!(b.ceiling(), Duration::from_millis(200));
-            assert!(b.next_delay(None) <= Duration::from_millis(200));
+            // The attempt failed without a new hint: the server's spread
+            // still holds (not the 200 ms of the doubling), as long as the
+            // doubling stays under it.
+            for _ in 0..3 {
+                assert_eq!(b.ceiling(), hint);
+                let d = b.next_delay(None);
+                assert!(d <= hint);
+                longest_after_failure = longest_after_failure.max(d);
+            }
+            // A success forgets it.
+            b.reset();
+            assert_eq!(b.ceiling(), Duration::from_millis(100));
         }
+        assert!(
+            longest_after_failure > Duration::from_millis(5000),
+            "{longest_after_failure:?}"
+        );
         // A hint above max_backoff is honoured.
         assert!(longest > Duration::from_millis(5000), "{longest:?}");
         // A zero hint: at once.

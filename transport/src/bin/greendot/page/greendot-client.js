@@ -632,19 +632,34 @@ var Backoff = class {
   policy;
   random;
   attempt = 0;
-  /** The ceiling of the next wait: min(maxMs, initialMs * 2^n). */
+  /**
+   * The server's last retry_ms, kept until a success: an attempt that fails
+   * inside a restart herd must not come back sooner than the spread the
+   * server asked for.
+   */
+  floor = 0;
+  /**
+   * The ceiling of the next wait without a new hint: min(maxMs, initialMs * 2^n),
+   * or the server's last retry_ms since the last success if that is longer.
+   */
   ceiling() {
-    return Math.min(this.policy.maxMs, this.policy.initialMs * 2 ** Math.min(this.attempt, 1024));
+    const doubling = Math.min(this.policy.maxMs, this.policy.initialMs * 2 ** Math.min(this.attempt, 1024));
+    return Math.max(doubling, this.floor);
   }
-  /** The next wait in ms: uniform in [0, hint] if the server gave one, else in [0, ceiling()]. */
+  /**
+   * The next wait in ms: uniform in [0, hint] if the server gave one (which then
+   * stays the least ceiling until reset()), else in [0, ceiling()].
+   */
   next(hintMs = null) {
+    if (hintMs !== null) this.floor = hintMs;
     const ceiling = hintMs ?? this.ceiling();
     this.attempt++;
     return Math.floor(this.random() * (ceiling + 1));
   }
-  /** Starts again from initialMs (after a success). */
+  /** Starts again from initialMs, forgetting the server's hint (after a success). */
   reset() {
     this.attempt = 0;
+    this.floor = 0;
   }
 };
 
