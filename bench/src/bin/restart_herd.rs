@@ -28,9 +28,16 @@ use std::time::{Duration, Instant};
 
 const SECRET: &str = "greendot-herd-secret";
 
-fn server_config(listen: SocketAddr, store: &Path, identity: &Identity, n: usize) -> ServerConfig {
+fn server_config(
+    listen: SocketAddr,
+    store: &Path,
+    identity: &Identity,
+    n: usize,
+    admissions: u32,
+) -> ServerConfig {
     let mut config = ServerConfig::new(SECRET.as_bytes().to_vec());
     config.listen = listen;
+    config.max_handshakes_per_sec = admissions;
     config.identity = Some(identity.clone());
     config.store = Some(store.to_path_buf());
     config.max_connections = n + n / 5 + 1000;
@@ -105,13 +112,16 @@ fn main() {
     let watched: usize = arg("--watched", 1000);
     let endpoints: usize = arg("--endpoints", 16);
     let concurrency: usize = arg("--concurrency", 256);
+    let reconnect_concurrency: usize = arg("--reconnect-concurrency", 4096);
+    // The server's admission rate (its default: 3,000/s).
+    let admissions: u32 = arg("--admissions", 3000);
     let kind = match arg("--kind", "web".to_string()).as_str() {
         "mobile" => Kind::Mobile,
         "desktop" => Kind::Desktop,
         "other" => Kind::Other,
         _ => Kind::Web,
     };
-    eprintln!("open-file limit {nofile}; N = {n}, {watchers} watcher(s) of {watched} users, {kind:?} devices");
+    eprintln!("open-file limit {nofile}; N = {n}, {watchers} watcher(s) of {watched} users, {kind:?} devices, server admits {admissions} handshakes/s");
 
     // The server on its own thread, so that the clients do not slow its loop.
     let server_rt = tokio::runtime::Builder::new_multi_thread()
@@ -133,13 +143,18 @@ fn main() {
 
     let result = clients.block_on(async {
         let any: SocketAddr = "127.0.0.1:0".parse().map_err(|e| format!("{e}"))?;
-        let first = bind(&handle, server_config(any, &store, &identity, n)).await?;
+        let first = bind(
+            &handle,
+            server_config(any, &store, &identity, n, admissions),
+        )
+        .await?;
         let addr = first.local_addr();
         let mut opts = HerdOptions::new(addr, identity.certs.clone(), SECRET, n);
         opts.watchers = watchers;
         opts.watched = watched;
         opts.endpoints = endpoints;
         opts.connect_concurrency = concurrency;
+        opts.reconnect_concurrency = reconnect_concurrency;
         opts.kind = kind;
         let started = Instant::now();
         let herd = Herd::start(opts, Duration::from_secs(900)).await?;
@@ -162,7 +177,11 @@ fn main() {
             .await
             .map_err(|e| e.to_string())?;
         let drained = drain_start.elapsed();
-        let second = bind(&handle, server_config(addr, &store, &identity, n)).await?;
+        let second = bind(
+            &handle,
+            server_config(addr, &store, &identity, n, admissions),
+        )
+        .await?;
         let restarted = drain_start.elapsed();
         eprintln!(
             "  drained in {:.2} s, listening again after {:.2} s",
@@ -196,6 +215,15 @@ fn main() {
         let grace = Duration::from_millis(second.config().core.kind(kind.into()).grace.0);
         tokio::time::sleep(grace + Duration::from_secs(3)).await;
         let offline = herd.offline_seen();
+        eprintln!(
+            "  herd: {} users seen offline, all back after {}, {} failed attempts",
+            offline.len(),
+            back.map_or("not all back".into(), |d| format!(
+                "{:.2} s",
+                d.as_secs_f64()
+            )),
+            herd_counts.failed_attempts
+        );
 
         let with = mass_reconnect(&herd, n, true).await;
         tokio::time::sleep(Duration::from_secs(2)).await;

@@ -839,9 +839,18 @@ pub struct HerdOptions {
     /// Users each watcher watches: the first `watched` users (at most 1,000
     /// per request; more are sent in several requests).
     pub watched: usize,
-    /// Handshakes in flight at once while ramping up (not while coming back:
-    /// a herd is not polite).
+    /// Handshakes in flight at once while ramping up.
     pub connect_concurrency: usize,
+    /// Attempts in flight at once when coming back (after a drain or a
+    /// kick). More than the server's `retry_threshold`, so a herd still
+    /// meets its shedding, but bounded: 100,000 simulated devices share the
+    /// machine's cores, and unbounded attempts (an X25519 key and a quinn
+    /// connection each) starved the load generator's own endpoint drivers:
+    /// its 16 sockets' receive queues sat full at 16 MB while the server
+    /// idled, and every answer was dropped. Not much less either: an attempt
+    /// at a server still draining or not yet listening holds its slot for
+    /// the whole connect timeout (1,024 slots let 280 devices a second back).
+    pub reconnect_concurrency: usize,
     /// Reconnect waits: full jitter, or within a `retry_ms` from the server
     /// (as the client library does).
     pub reconnect: greendot_client::Reconnect,
@@ -856,8 +865,8 @@ pub struct HerdOptions {
 
 impl HerdOptions {
     /// Defaults: 16 endpoints, 1 watcher of 1,000 users, web devices,
-    /// 256 handshakes in flight while ramping, the client library's backoff,
-    /// resumption on.
+    /// 256 handshakes in flight while ramping and 4,096 when coming back, the
+    /// client library's backoff, resumption on.
     pub fn new(
         server: SocketAddr,
         roots: Vec<CertificateDer<'static>>,
@@ -874,6 +883,7 @@ impl HerdOptions {
             watchers: 1,
             watched: 1000,
             connect_concurrency: 256,
+            reconnect_concurrency: 4096,
             reconnect: greendot_client::Reconnect::default(),
             resumption: true,
             kind: proto::Kind::Web,
@@ -966,6 +976,7 @@ struct HerdCtx {
     watching: AtomicBool,
     offline_seen: Mutex<std::collections::BTreeSet<String>>,
     connect_gate: Semaphore,
+    reconnect_gate: Semaphore,
     /// (generation, how many): devices below `how many` reconnect at once.
     kick: watch::Sender<(u64, usize)>,
     stop: watch::Sender<bool>,
@@ -1182,12 +1193,13 @@ async fn herd_device(ctx: Arc<HerdCtx>, endpoint: quinn::Endpoint, i: usize, wat
             &full
         };
         let attempt = async {
-            if ramping {
-                let _permit = ctx.connect_gate.acquire().await;
-                herd_establish(&ctx, &endpoint, config, &token, resume, watcher).await
+            let gate = if ramping {
+                &ctx.connect_gate
             } else {
-                herd_establish(&ctx, &endpoint, config, &token, resume, watcher).await
-            }
+                &ctx.reconnect_gate
+            };
+            let _permit = gate.acquire().await;
+            herd_establish(&ctx, &endpoint, config, &token, resume, watcher).await
         };
         let live = match attempt.await {
             Ok(live) => live,
@@ -1292,6 +1304,7 @@ impl Herd {
             watching: AtomicBool::new(false),
             offline_seen: Mutex::new(Default::default()),
             connect_gate: Semaphore::new(opts.connect_concurrency.max(1)),
+            reconnect_gate: Semaphore::new(opts.reconnect_concurrency.max(1)),
             kick: watch::channel((0, 0)).0,
             stop: watch::channel(false).0,
             opts,

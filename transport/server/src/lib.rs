@@ -450,8 +450,14 @@ pub(crate) fn handshake_aborted(error: &quinn_proto::ConnectionError) -> bool {
         E::TimedOut | E::Reset | E::LocallyClosed | E::CidsExhausted | E::ApplicationClosed(_) => {
             true
         }
-        // The peer's stack gave up without an error of its own.
-        E::ConnectionClosed(close) => close.error_code == TransportErrorCode::NO_ERROR,
+        // The peer's stack gave up without an error of its own, or its
+        // application did (an application close before the handshake is
+        // done travels as APPLICATION_ERROR: quinn sends it when a connect
+        // times out and its `Connecting` is dropped).
+        E::ConnectionClosed(close) => {
+            close.error_code == TransportErrorCode::NO_ERROR
+                || close.error_code == TransportErrorCode::APPLICATION_ERROR
+        }
         E::TransportError(_) | E::VersionMismatch => false,
     }
 }
@@ -1078,6 +1084,11 @@ mod tests {
             })
         };
         assert!(handshake_aborted(&close(TransportErrorCode::NO_ERROR)));
+        // A client whose connect timed out (seen 150 a second in a restart
+        // herd, all counted as bad input before).
+        assert!(handshake_aborted(&close(
+            TransportErrorCode::APPLICATION_ERROR
+        )));
         // A TLS alert (here: no application protocol) is bad input.
         assert!(!handshake_aborted(&close(TransportErrorCode::crypto(0x78))));
         assert!(!handshake_aborted(&close(
