@@ -36,6 +36,7 @@ struct Node {
     id: String,
     child: Child,
     addr: SocketAddr,
+    metrics: String,
     cert: CertificateDer<'static>,
 }
 
@@ -79,6 +80,7 @@ fn serve(dir: &Path, urls: &str, id: &str) -> Node {
         }
     });
     let mut addr = None;
+    let metrics;
     let deadline = Instant::now() + SLACK;
     loop {
         let line = rx
@@ -87,7 +89,8 @@ fn serve(dir: &Path, urls: &str, id: &str) -> Node {
         if let Some(rest) = line.strip_prefix("greendot listening on ") {
             addr = rest.split_whitespace().next().and_then(|a| a.parse().ok());
         }
-        if line.starts_with("metrics on http://") {
+        if let Some(at) = line.strip_prefix("metrics on http://") {
+            metrics = at.trim_end_matches("/metrics").to_owned();
             break;
         }
     }
@@ -97,8 +100,23 @@ fn serve(dir: &Path, urls: &str, id: &str) -> Node {
         id: id.to_owned(),
         child,
         addr: addr.unwrap_or_else(|| panic!("{id}: no address")),
+        metrics,
         cert,
     }
+}
+
+/// The value of the sample `name` (with its labels) on a node's metrics page.
+fn metric(node: &Node, name: &str) -> u64 {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(&node.metrics).expect("metrics port");
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} on {}'s metrics:\n{text}", node.id))
 }
 
 fn status(urls: &str, shard: Option<u32>) -> (bool, String) {
@@ -361,6 +379,18 @@ async fn cross_node_watching_status_invisible_logout() {
     println!("logout seen by bob after {took:?}");
     assert!(gone.last_seen.is_some(), "{gone:?}");
     assert!(gone.version > back.version);
+
+    // a forwarded alice's inputs to b; b took them and published; c's
+    // fanout took b's views.
+    let forwarded = metric(&a, "greendot_cluster_forwarded_inputs_total{to=\"remote\"}");
+    assert!(
+        forwarded >= 5,
+        "connect, status, 2 × invisible, logout: {forwarded}"
+    );
+    assert!(metric(&b, "greendot_cluster_owner_inputs_total") >= 5);
+    assert!(metric(&b, "greendot_cluster_views_published_total") >= 5);
+    assert!(metric(&c, "greendot_cluster_views_applied_total") >= 5);
+    assert_eq!(metric(&c, "greendot_cluster_malformed_total"), 0);
     drop(bob);
     drop(nats);
 }

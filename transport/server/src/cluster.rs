@@ -181,6 +181,8 @@ pub enum FromOwner {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShardView {
     pub epoch: u64,
+    /// When the owner published it (Unix milliseconds of its clock).
+    pub published_ms: u64,
     pub user: String,
     /// The truth, for the user's own sessions.
     pub own: bool,
@@ -333,6 +335,8 @@ pub struct ClusterLink {
     outputs: VecDeque<ClusterOutput>,
     finished: VecDeque<(u64, Finished)>,
     counters: ClusterCounters,
+    /// Publish-to-fanout delays of remote views taken, in milliseconds.
+    latencies: VecDeque<u64>,
     max_name_len: usize,
     max_subscriptions: usize,
 }
@@ -370,6 +374,7 @@ impl ClusterLink {
             outputs: VecDeque::new(),
             finished: VecDeque::new(),
             counters: ClusterCounters::default(),
+            latencies: VecDeque::new(),
             max_name_len,
         }
     }
@@ -385,6 +390,11 @@ impl ClusterLink {
     /// A client request the cluster is done with: its wait id and answer.
     pub fn poll_finished(&mut self) -> Option<(u64, Finished)> {
         self.finished.pop_front()
+    }
+
+    /// The delay of a remote view this edge took (milliseconds).
+    pub fn poll_latency(&mut self) -> Option<u64> {
+        self.latencies.pop_front()
     }
 
     /// A push for a local session: the fanout's outputs.
@@ -1134,6 +1144,10 @@ impl ClusterLink {
                 {
                     if self.apply_view(at, &v.user, v.own, v.presence.to_core()) {
                         self.counters.views_applied += 1;
+                        if self.latencies.len() < 1024 {
+                            self.latencies
+                                .push_back(at.0.saturating_sub(v.published_ms));
+                        }
                     }
                 }
                 _ => self.counters.malformed += 1,
@@ -1447,6 +1461,7 @@ impl ClusterLink {
             };
             views.push(ShardView {
                 epoch: o.epoch,
+                published_ms: base.saturating_add(at.0),
                 user: name.to_string(),
                 own: p.own,
                 presence: proto::Presence::from_core(&p.presence, base),
@@ -1848,6 +1863,7 @@ mod tests {
             shard,
             payload: encode(&ShardView {
                 epoch: 1,
+                published_ms: 0,
                 user: user.into(),
                 own: false,
                 presence: proto::Presence::default(),

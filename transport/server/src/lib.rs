@@ -425,6 +425,8 @@ struct StatsInner {
     stopping: AtomicBool,
     /// Outputs for the cluster's NATS I/O dropped at a full queue.
     cluster_dropped: AtomicU64,
+    /// From an owner's publish of a view to this edge's fanout taking it.
+    cluster_latency: Histogram,
 }
 
 impl StatsInner {
@@ -930,6 +932,11 @@ impl Monitor {
             handshakes_in_flight: s.handshaking.load(Ordering::Relaxed) as u64,
             loop_pass: s.loop_pass.snapshot(),
             loop_carried: s.loop_carried.load(Ordering::Relaxed),
+            cluster: census.cluster.map(|counters| metrics::ClusterMetrics {
+                counters,
+                dropped: s.cluster_dropped.load(Ordering::Relaxed),
+                latency: s.cluster_latency.snapshot(),
+            }),
             udp: self
                 .shared
                 .socket_inode

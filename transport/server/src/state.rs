@@ -208,6 +208,8 @@ pub struct Census {
     pub users_known: usize,
     /// User and device names held.
     pub names: usize,
+    /// The cluster link's counters (with a cluster only).
+    pub cluster: Option<super::cluster::ClusterCounters>,
 }
 
 /// Deliberately broken variants of the server (for the simulator: it must
@@ -967,6 +969,7 @@ impl ServerState {
             counters: self.counters(),
             users_known: self.hub.user_names(),
             names: self.hub.names(),
+            cluster: self.cluster.as_deref().map(ClusterLink::counters),
         }
     }
 
@@ -2266,6 +2269,12 @@ impl ServerState {
                     let frame = Bytes::from(encode_frame(&push).unwrap_or_default());
                     self.deliver(now, to, tier, frame);
                 }
+                continue;
+            }
+            if let Some(ms) = c.poll_latency() {
+                self.stats
+                    .cluster_latency
+                    .observe(Duration::from_millis(ms));
                 continue;
             }
             if let Some((wait, finished)) = c.poll_finished() {
