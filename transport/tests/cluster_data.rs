@@ -466,3 +466,122 @@ async fn multi_device_across_nodes_logout_of_one_keeps_online() {
     drop(bob);
     drop(nats);
 }
+
+/// Scenario 4: `kill -9` of the node that owns alice's shard while her
+/// phone stays connected to another: the next owner restores her
+/// preferences and last view from the KV, holds offlines until the edges
+/// resent their devices, and bob (on a third node) sees no offline and no
+/// change at all; when her phone goes later, the new owner (which heard of
+/// it only through the resync) gives her grace, and bob sees the offline
+/// under the new epoch, with a higher version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn owner_failover_keeps_a_connected_device_online() {
+    let nats = NatsCluster::start(3).await;
+    let urls = nats.urls();
+    let dir = temp_dir("failover");
+    let a = serve(&dir, &urls, "a");
+    let mut b = serve(&dir, &urls, "b");
+    let c = serve(&dir, &urls, "c");
+    wait_placed(&urls);
+    let nodes = [&a, &b, &c];
+    // Owned by b, and by c once b is gone: neither her edge (a, which
+    // would resend in process) nor bob's... but bob's node, so the new owner
+    // must hear of her phone through a resync request.
+    let next_owner = |user: &str| {
+        let live = [
+            greendot_cluster::NodeId::new("a").unwrap(),
+            greendot_cluster::NodeId::new("c").unwrap(),
+        ];
+        let shard = greendot_cluster::shard_of(user, SHARDS);
+        greendot_cluster::rendezvous_owner(shard, &live).map(|n| n.to_string())
+    };
+    let alice = (0..200)
+        .map(|i| format!("alice{i}"))
+        .find(|u| next_owner(u).as_deref() == Some("c") && owner_of(&urls, u) == "b")
+        .expect("a user of b whose next owner is c");
+    let shard = greendot_cluster::shard_of(&alice, SHARDS).0;
+
+    let (bob, mut bob_updates) = connect(
+        &nodes,
+        &c,
+        "bob",
+        "laptop",
+        Kind::Desktop,
+        WatchClaim::all(),
+    )
+    .await;
+    bob.subscribe(&[alice.as_str()], Tier::Realtime)
+        .await
+        .unwrap();
+    let (phone, _p) = connect(&nodes, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
+    phone
+        .set_status(Status::Busy, Some("in a meeting"))
+        .await
+        .unwrap();
+    let before = wait_presence(
+        &mut bob_updates,
+        &alice,
+        DEBOUNCE + SLACK,
+        "alice busy",
+        |p| p.online && p.status == Status::Busy,
+    )
+    .await;
+
+    // kill -9 of her owner.
+    let t0 = Instant::now();
+    b.child.kill().unwrap();
+    let _ = b.child.wait();
+    let (ok, text) = status(&urls, Some(shard));
+    assert!(ok, "{text}");
+    // The claim expires on its TTL, the next owner takes it, asks the edges
+    // to resend, holds offlines for its resync window (the request timeout,
+    // here the TTL), then lets the debounce run: watch for all of it.
+    let window = LEASE_TTL + SLACK / 2 + LEASE_TTL + DEBOUNCE * 2;
+    let seen = never(
+        &mut bob_updates,
+        &alice,
+        window,
+        "bob saw alice change while her phone stayed connected",
+        |p| !p.online || p.status != Status::Busy || p.message.as_deref() != Some("in a meeting"),
+    )
+    .await;
+    let owner = owner_of(&urls, &alice);
+    assert_eq!(owner, "c", "the shard moved to its next owner");
+    assert!(
+        metric(&a, "greendot_cluster_resyncs_total") >= 1,
+        "a resent alice's phone when asked"
+    );
+    println!(
+        "owner {owner} after {:?}; bob saw {} repeats of the same view",
+        t0.elapsed(),
+        seen.len()
+    );
+
+    // The new owner heard of her phone from her edge (the resync), not from
+    // any input of hers: when it goes, she lingers for her grace as on one
+    // node, then goes offline after the debounce, under the new epoch.
+    let t0 = Instant::now();
+    drop(phone);
+    drop(_p);
+    let gone = wait_presence(
+        &mut bob_updates,
+        &alice,
+        GRACE + DEBOUNCE + SLACK,
+        "alice offline after her phone went",
+        |p| !p.online,
+    )
+    .await;
+    let took = t0.elapsed();
+    println!("offline at bob {took:?} after the phone went (grace {GRACE:?})");
+    assert!(took >= GRACE, "offline before her grace ran out: {took:?}");
+    assert!(gone.version > before.version);
+    let epoch = |v: u64| greendot_core::cluster::epoch_of(v).0;
+    assert!(
+        epoch(gone.version) > epoch(before.version),
+        "{} then {}",
+        before.version,
+        gone.version
+    );
+    drop(bob);
+    drop(nats);
+}

@@ -449,6 +449,27 @@ impl Cluster {
             .map_err(|source| ClusterError::Publish { subject, source })
     }
 
+    /// Publishes on `<prefix>.resync`, which every node listens to
+    /// ([`Cluster::resync_feed`]): a new owner asks the edges to resend.
+    pub async fn publish_resync(&self, payload: Bytes) -> Result<()> {
+        let subject = self.config.resync_subject();
+        self.client
+            .publish(subject.clone(), payload)
+            .await
+            .map_err(|source| ClusterError::Publish { subject, source })
+    }
+
+    /// The messages on `<prefix>.resync` (one subscription per node).
+    pub async fn resync_feed(&self) -> Result<crate::messaging::ResyncFeed> {
+        let subject = self.config.resync_subject();
+        let sub = self
+            .client
+            .subscribe(subject.clone())
+            .await
+            .map_err(|source| ClusterError::Subscribe { subject, source })?;
+        Ok(crate::messaging::ResyncFeed { sub })
+    }
+
     /// A feed of the published views of the shards this node watches.
     pub fn view_feed(&self) -> ViewFeed {
         ViewFeed::new(self.client.clone(), self.config.clone())

@@ -91,6 +91,16 @@ pub enum ClusterInput {
     /// The KV write of [`ClusterOutput::PutPrefs`] `id` is done (`ok`) or
     /// failed.
     PrefsStored { id: u64, ok: bool },
+    /// What the KV holds of the user of [`ClusterOutput::LoadUser`] `id`
+    /// (`None`: nothing, or the read failed: the user starts fresh).
+    UserLoaded {
+        id: u64,
+        prefs: Option<Bytes>,
+        view: Option<Bytes>,
+    },
+    /// A message on the cluster's resync subject (a new owner asks every
+    /// edge to resend its devices of a shard).
+    Resync { payload: Bytes },
 }
 
 /// What the state asks the NATS I/O to do, in order.
@@ -110,6 +120,13 @@ pub enum ClusterOutput {
     /// Write a user's preferences to the KV; answer with
     /// [`ClusterInput::PrefsStored`].
     PutPrefs { id: u64, user: String, value: Bytes },
+    /// Read a user's preferences and last published view from the KV;
+    /// answer with [`ClusterInput::UserLoaded`].
+    LoadUser { id: u64, user: String },
+    /// Write the last published view of a user (behind: nobody waits).
+    PutView { user: String, value: Bytes },
+    /// Publish on the cluster's resync subject (every node listens).
+    Resync { payload: Bytes },
     /// Subscribe to a shard's subject (one more local watcher of it).
     Watch { shard: u32 },
     /// The last local watcher of the shard left.
@@ -189,6 +206,15 @@ pub struct ShardView {
     pub presence: proto::Presence,
 }
 
+/// On the resync subject: the new owner of `shard` asks every edge to
+/// resend its live devices of the shard.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResyncRequest {
+    pub shard: u32,
+    pub epoch: u64,
+    pub owner: String,
+}
+
 fn encode<T: Serialize>(value: &T) -> Bytes {
     // Our own small types always encode.
     Bytes::from(postcard::to_stdvec(value).unwrap_or_default())
@@ -219,6 +245,9 @@ pub struct ClusterCounters {
     pub malformed: u64,
     /// Requests refused with `NotOwner`, `Unknown`, or unanswered, and retried.
     pub retries: u64,
+    /// Resync requests of new owners this edge answered (resending its
+    /// devices of the shard).
+    pub resyncs: u64,
 }
 
 // ---- the owner ------------------------------------------------------------
@@ -238,6 +267,12 @@ struct Owner {
     /// late (after the edge gave up on it and sent the next) is not applied
     /// over a newer one.
     last_rid: HashMap<Holder, u64>,
+    /// Users whose KV record was read (or is being read): the first device
+    /// input of any other waits for it, so a new owner keeps the user's
+    /// preferences and last published view.
+    loaded: std::collections::HashSet<String>,
+    /// Inputs waiting for their user's KV record.
+    loading: HashMap<String, Vec<(ToOwner, ReplyTo)>>,
 }
 
 /// Where an owner's answer goes.
@@ -319,6 +354,8 @@ pub struct ClusterLink {
     acting: BTreeMap<u32, (u64, Instant)>,
     owners: BTreeMap<u32, Owner>,
     pending_prefs: HashMap<u64, PendingPrefs>,
+    /// KV reads in flight: shard, epoch, user.
+    pending_loads: HashMap<u64, (u32, u64, String)>,
     fanout: Fanout,
     names: Interner,
     /// The edge's devices by session, while their inputs are forwarded.
@@ -363,6 +400,7 @@ impl ClusterLink {
             acting: BTreeMap::new(),
             owners: BTreeMap::new(),
             pending_prefs: HashMap::new(),
+            pending_loads: HashMap::new(),
             names: Interner::new(config.max_users.saturating_mul(2)),
             devices: HashMap::new(),
             open: HashMap::new(),
@@ -462,7 +500,7 @@ impl ClusterLink {
             .collect();
         for shard in lapsed {
             self.acting.remove(&shard);
-            self.owners.remove(&shard);
+            self.drop_owner(shard, now, at);
         }
         let shards: Vec<u32> = self.owners.keys().copied().collect();
         for shard in shards {
@@ -538,7 +576,7 @@ impl ClusterLink {
             .map(|(s, _)| *s)
             .collect();
         for shard in gone {
-            self.owners.remove(&shard);
+            self.drop_owner(shard, now, at);
         }
         self.acting = shards;
         let won: Vec<(u32, u64)> = self
@@ -553,6 +591,11 @@ impl ClusterLink {
             };
             core.set_publish_views(true);
             core.enter_epoch(Epoch(u32::try_from(epoch).unwrap_or(u32::MAX)));
+            // Until the edges resent their devices, nobody restored from the
+            // KV goes offline (C2).
+            core.hold_offline_until(at.plus(Millis(
+                u64::try_from(self.settings.request_timeout.as_millis()).unwrap_or(u64::MAX),
+            )));
             let cap = self.owner_config.max_users;
             self.owners.insert(
                 shard,
@@ -564,8 +607,17 @@ impl ClusterLink {
                     sessions: HashMap::new(),
                     by_holder: HashMap::new(),
                     last_rid: HashMap::new(),
+                    loaded: Default::default(),
+                    loading: HashMap::new(),
                 },
             );
+            self.outputs.push_back(ClusterOutput::Resync {
+                payload: encode(&ResyncRequest {
+                    shard,
+                    epoch,
+                    owner: self.settings.node.clone(),
+                }),
+            });
             // This node's own edge resends its devices of the shard at once.
             let mine: Vec<SessionId> = self
                 .devices
@@ -1213,6 +1265,30 @@ impl ClusterLink {
                     },
                 }
             }
+            ClusterInput::UserLoaded { id, prefs, view } => {
+                self.user_loaded(now, at, id, prefs, view)
+            }
+            ClusterInput::Resync { payload } => match decode::<ResyncRequest>(&payload) {
+                Some(r)
+                    if r.owner.len() <= self.max_name_len
+                        && r.shard < self.settings.shard_count =>
+                {
+                    if r.owner == self.settings.node {
+                        return; // resent in process when the claim was won
+                    }
+                    let mine: Vec<SessionId> = self
+                        .devices
+                        .iter()
+                        .filter(|(_, d)| !d.closed && self.shard(&d.user) == r.shard)
+                        .map(|(s, _)| *s)
+                        .collect();
+                    self.counters.resyncs += 1;
+                    for session in mine {
+                        self.resend(session, now, at);
+                    }
+                }
+                _ => self.counters.malformed += 1,
+            },
             ClusterInput::PrefsStored { id, ok } => {
                 let Some(p) = self.pending_prefs.remove(&id) else {
                     return;
@@ -1228,6 +1304,69 @@ impl ClusterLink {
                     FromOwner::NotOwner
                 };
                 self.reply(p.reply, answer, now, at);
+            }
+        }
+    }
+
+    /// A user's KV record arrived: restore it, then take the inputs that
+    /// waited for it.
+    fn user_loaded(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        id: u64,
+        prefs: Option<Bytes>,
+        view: Option<Bytes>,
+    ) {
+        let Some((shard, epoch, user)) = self.pending_loads.remove(&id) else {
+            return;
+        };
+        let max_message = self.owner_config.max_message_len;
+        let prefs = prefs
+            .and_then(|b| decode::<WirePrefs>(&b))
+            .filter(|p| p.message.as_ref().is_none_or(|m| m.len() <= max_message));
+        let view = view
+            .and_then(|b| decode::<proto::Presence>(&b))
+            .filter(|p| p.message.as_ref().is_none_or(|m| m.len() <= max_message));
+        let Some(o) = self.owners.get_mut(&shard).filter(|o| o.epoch == epoch) else {
+            return; // the owner is gone; its waiting inputs were refused then
+        };
+        o.loaded.insert(user.clone());
+        if prefs.is_some() || view.is_some() {
+            if let Some(uid) = o.users.intern(&user) {
+                let record = greendot_core::cluster::OwnedRecord {
+                    status: prefs
+                        .as_ref()
+                        .map_or(Default::default(), |p| p.status.into()),
+                    message: prefs.as_ref().and_then(|p| p.message.clone()),
+                    invisible: prefs.as_ref().is_some_and(|p| p.invisible),
+                    last_seen: prefs.as_ref().and_then(|p| p.last_seen).map(Millis),
+                    published: view.map(|v| v.to_core()).unwrap_or_default(),
+                    devices: Vec::new(),
+                };
+                // Refused only for a user already online here (cannot be:
+                // their inputs waited for this).
+                let _ = o.core.restore_owned(at, UserId(uid), &record, at);
+            }
+        }
+        let waiting = o.loading.remove(&user).unwrap_or_default();
+        for (msg, reply) in waiting {
+            self.owner_input(shard, msg, reply, now, at);
+        }
+        self.drain_owner(shard, now, at);
+    }
+
+    /// The node stops acting for `shard`: its core goes, and this node's
+    /// own inputs that waited in it are refused (the edge looks again).
+    fn drop_owner(&mut self, shard: u32, now: Instant, at: Millis) {
+        let Some(o) = self.owners.remove(&shard) else {
+            return;
+        };
+        for (_, waiting) in o.loading {
+            for (_, reply) in waiting {
+                if let ReplyTo::Local(..) = reply {
+                    self.reply(reply, FromOwner::NotOwner, now, at);
+                }
             }
         }
     }
@@ -1341,10 +1480,40 @@ impl ClusterLink {
             return;
         }
         let from_unix = |unix: u64| Millis(unix.saturating_sub(self.unix_base_ms)).min(at);
+        let loads = self.pending_loads.len();
         let Some(o) = self.owners.get_mut(&shard) else {
             return self.reply(reply, FromOwner::NotOwner, now, at);
         };
         let epoch = o.epoch;
+        if !o.loaded.contains(&user) {
+            // The user's KV record first: a new owner keeps their choices,
+            // and a user last published online whose device it never hears
+            // of goes offline once the resync window closed (no ghost).
+            let msg = ToOwner::Device {
+                edge,
+                incarnation,
+                rid,
+                conn,
+                user: user.clone(),
+                device,
+                op,
+            };
+            if let Some(queue) = o.loading.get_mut(&user) {
+                if queue.len() < MAX_QUEUED_OPS * 4 {
+                    queue.push((msg, reply));
+                }
+                return;
+            }
+            if loads >= MAX_PENDING_PREFS {
+                return self.reply(reply, FromOwner::NotOwner, now, at);
+            }
+            o.loading.insert(user.clone(), vec![(msg, reply)]);
+            self.next_id += 1;
+            let id = self.next_id;
+            self.pending_loads.insert(id, (shard, epoch, user.clone()));
+            self.outputs.push_back(ClusterOutput::LoadUser { id, user });
+            return;
+        }
         let holder = (edge, incarnation, conn);
         if o.last_rid.get(&holder).is_some_and(|&r| rid <= r) {
             return self.reply(reply, FromOwner::Done { epoch }, now, at);
@@ -1469,6 +1638,13 @@ impl ClusterLink {
         }
         for v in views {
             self.counters.published += 1;
+            if !v.own {
+                // Written behind, for the next owner to restore.
+                self.outputs.push_back(ClusterOutput::PutView {
+                    user: v.user.clone(),
+                    value: encode(&v.presence),
+                });
+            }
             self.outputs.push_back(ClusterOutput::Publish {
                 shard,
                 payload: encode(&v),
@@ -1597,6 +1773,15 @@ mod tests {
                     ClusterOutput::PutPrefs { id, .. } => {
                         b.handle_input(now, at, ClusterInput::PrefsStored { id, ok: true })
                     }
+                    ClusterOutput::LoadUser { id, .. } => b.handle_input(
+                        now,
+                        at,
+                        ClusterInput::UserLoaded {
+                            id,
+                            prefs: None,
+                            view: None,
+                        },
+                    ),
                     ClusterOutput::Publish { shard, payload } => {
                         published += 1;
                         a.handle_input(now, at, ClusterInput::ShardMessage { shard, payload });
@@ -1738,6 +1923,15 @@ mod tests {
                     *found = true;
                     b.handle_input(now, at, ClusterInput::PrefsStored { id, ok: true });
                 }
+                ClusterOutput::LoadUser { id, .. } => b.handle_input(
+                    now,
+                    at,
+                    ClusterInput::UserLoaded {
+                        id,
+                        prefs: None,
+                        view: None,
+                    },
+                ),
                 other => replies.push(other),
             }
         }

@@ -422,6 +422,13 @@ impl MetricsSnapshot {
             );
             metric(
                 &mut out,
+                "greendot_cluster_resyncs_total",
+                "counter",
+                "New owners' resync requests this edge answered by resending its devices of the shard.",
+                &[("", c.resyncs)],
+            );
+            metric(
+                &mut out,
                 "greendot_cluster_malformed_total",
                 "counter",
                 "Messages from NATS dropped: undecodable, too large, bad names or the wrong shard.",

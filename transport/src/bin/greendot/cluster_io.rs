@@ -56,6 +56,14 @@ async fn serve_shards(
     }
 }
 
+/// The next resync request; never without the subscription.
+async fn next_resync(feed: &mut Option<greendot_cluster::ResyncFeed>) -> Option<bytes::Bytes> {
+    match feed {
+        Some(feed) => feed.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
 pub async fn run(
     cluster: Cluster,
     mut status: watch::Receiver<NodeStatus>,
@@ -64,6 +72,14 @@ pub async fn run(
 ) {
     let mut feed = cluster.view_feed();
     let mut inbox = cluster.owner_inbox();
+    // Every node hears every new owner's resync request (one subscription).
+    let mut resyncs = match cluster.resync_feed().await {
+        Ok(sub) => Some(sub),
+        Err(e) => {
+            warn!(error = %e, "cannot subscribe to resync requests: failovers will show devices offline");
+            None
+        }
+    };
     let timeout = cluster.config().op_timeout;
     let mut pending: HashMap<u64, (OwnerRequest, Instant)> = HashMap::new();
     let mut next_reply = 0u64;
@@ -87,6 +103,11 @@ pub async fn run(
                 if changed.is_err() {
                     // The duty task ended (cut off or left): own nothing.
                     let _ = inputs.send(ClusterInput::Status { shards: BTreeMap::new() }).await;
+                    return;
+                }
+            }
+            Some(payload) = next_resync(&mut resyncs) => {
+                if !inputs.send(ClusterInput::Resync { payload }).await {
                     return;
                 }
             }
@@ -159,6 +180,35 @@ pub async fn run(
                             };
                             inputs.send(ClusterInput::PrefsStored { id, ok }).await;
                         });
+                    }
+                    ClusterOutput::LoadUser { id, user } => {
+                        let (c, inputs) = (cluster.clone(), inputs.clone());
+                        tokio::spawn(async move {
+                            // A failed read starts the user fresh rather than
+                            // holding their inputs.
+                            let prefs = c.preferences(&user).await.unwrap_or_else(|e| {
+                                warn!(error = %e, "cannot read preferences");
+                                None
+                            });
+                            let view = c.view(&user).await.unwrap_or_else(|e| {
+                                warn!(error = %e, "cannot read the last view");
+                                None
+                            });
+                            inputs.send(ClusterInput::UserLoaded { id, prefs, view }).await;
+                        });
+                    }
+                    ClusterOutput::PutView { user, value } => {
+                        let c = cluster.clone();
+                        tokio::spawn(async move {
+                            if let Err(e) = c.put_view(&user, value).await {
+                                debug!(error = %e, "cannot store a view");
+                            }
+                        });
+                    }
+                    ClusterOutput::Resync { payload } => {
+                        if let Err(e) = cluster.publish_resync(payload).await {
+                            warn!(error = %e, "cannot ask the edges to resync");
+                        }
                     }
                     ClusterOutput::Watch { shard } => {
                         if let Err(e) = feed.watch(ShardId(shard)).await {
