@@ -585,3 +585,95 @@ async fn owner_failover_keeps_a_connected_device_online() {
     drop(bob);
     drop(nats);
 }
+
+/// Scenario 3: `kill -9` of the node holding alice's and carol's phones.
+/// Alice's phone connects again at once to another node: bob (on a third
+/// node) never sees her offline (C2). Carol's does not come back: once the
+/// dead node's lease expires, her owner moves her phone to lingering, and
+/// bob sees her offline within lease TTL + grace + debounce (C3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edge_kill_9_reconnect_elsewhere_and_bounded_ghost() {
+    let nats = NatsCluster::start(3).await;
+    let urls = nats.urls();
+    let dir = temp_dir("edge");
+    let mut a = serve(&dir, &urls, "a");
+    let b = serve(&dir, &urls, "b");
+    let c = serve(&dir, &urls, "c");
+    wait_placed(&urls);
+    let nodes = [&a, &b, &c];
+    // Owned by b: only their edge dies.
+    let alice = user_owned_by(&urls, "b", "alice");
+    let carol = user_owned_by(&urls, "b", "carol");
+
+    let (bob, mut bob_updates) = connect(
+        &nodes,
+        &c,
+        "bob",
+        "laptop",
+        Kind::Desktop,
+        WatchClaim::all(),
+    )
+    .await;
+    bob.subscribe(&[alice.as_str(), carol.as_str()], Tier::Realtime)
+        .await
+        .unwrap();
+    let (_alice_phone, _ap) =
+        connect(&nodes, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
+    let (_carol_phone, _cp) =
+        connect(&nodes, &a, &carol, "phone", Kind::Mobile, WatchClaim::all()).await;
+    for user in [&alice, &carol] {
+        wait_presence(&mut bob_updates, user, DEBOUNCE + SLACK, "online", |p| {
+            p.online
+        })
+        .await;
+    }
+
+    let t0 = Instant::now();
+    a.child.kill().unwrap();
+    let _ = a.child.wait();
+    // Alice's client reconnects to another node (as a client given several
+    // addresses would); carol's never does.
+    let (_again, _ag) = connect(
+        &[&b, &c],
+        &b,
+        &alice,
+        "phone",
+        Kind::Mobile,
+        WatchClaim::all(),
+    )
+    .await;
+
+    let bound = LEASE_TTL + GRACE + DEBOUNCE;
+    let deadline = tokio::time::Instant::now() + bound + SLACK;
+    let took = loop {
+        match tokio::time::timeout_at(deadline, bob_updates.next()).await {
+            Ok(Some(Event::Presence {
+                target, presence, ..
+            })) => {
+                assert!(
+                    target != alice || presence.online,
+                    "bob saw alice offline after her edge died: {presence:?}"
+                );
+                if target == carol && !presence.online {
+                    break t0.elapsed();
+                }
+            }
+            Ok(Some(_)) => {}
+            Ok(None) => panic!("bob's client ended"),
+            Err(_) => panic!("carol still online {:?} after her edge died", bound + SLACK),
+        }
+    };
+    println!("carol offline at bob {took:?} after kill -9 of her edge (bound {bound:?} + slack)");
+    assert!(took >= GRACE, "offline before her grace: {took:?}");
+    assert!(metric(&b, "greendot_cluster_edge_lost_devices_total") >= 1);
+    never(
+        &mut bob_updates,
+        &alice,
+        GRACE + DEBOUNCE * 2,
+        "alice shown offline while connected to b",
+        |p| !p.online,
+    )
+    .await;
+    drop(bob);
+    drop(nats);
+}

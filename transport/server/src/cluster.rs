@@ -101,6 +101,10 @@ pub enum ClusterInput {
     /// A message on the cluster's resync subject (a new owner asks every
     /// edge to resend its devices of a shard).
     Resync { payload: Bytes },
+    /// The lease of node `node` is gone (expired: the node died or was cut
+    /// off; or released: it left). `last_heard`: Unix milliseconds of its
+    /// last renewal, as near as known.
+    EdgeLost { node: String, last_heard: u64 },
 }
 
 /// What the state asks the NATS I/O to do, in order.
@@ -248,6 +252,8 @@ pub struct ClusterCounters {
     /// Resync requests of new owners this edge answered (resending its
     /// devices of the shard).
     pub resyncs: u64,
+    /// Devices this node's owners lost with their edge's lease.
+    pub edge_lost_devices: u64,
 }
 
 // ---- the owner ------------------------------------------------------------
@@ -1268,6 +1274,9 @@ impl ClusterLink {
             ClusterInput::UserLoaded { id, prefs, view } => {
                 self.user_loaded(now, at, id, prefs, view)
             }
+            ClusterInput::EdgeLost { node, last_heard } => {
+                self.edge_lost(now, at, &node, last_heard)
+            }
             ClusterInput::Resync { payload } => match decode::<ResyncRequest>(&payload) {
                 Some(r)
                     if r.owner.len() <= self.max_name_len
@@ -1354,6 +1363,35 @@ impl ClusterLink {
             self.owner_input(shard, msg, reply, now, at);
         }
         self.drain_owner(shard, now, at);
+    }
+
+    /// An edge's lease is gone: the devices it held, at every shard this
+    /// node owns, are lost as by a disconnect at its last renewal, so a
+    /// device that reconnects to another edge within grace resumes unseen,
+    /// and one that does not is shown offline after grace and debounce (C3).
+    fn edge_lost(&mut self, now: Instant, at: Millis, node: &str, last_heard: u64) {
+        if node == self.settings.node {
+            return; // its own lease: the node is being cut off, not lost
+        }
+        let last_heard = Millis(last_heard).min(at);
+        let shards: Vec<u32> = self.owners.keys().copied().collect();
+        for shard in shards {
+            let Some(o) = self.owners.get_mut(&shard) else {
+                continue;
+            };
+            let lost: Vec<SessionId> = o
+                .sessions
+                .iter()
+                .filter(|(_, holder)| holder.0 == node)
+                .map(|(s, _)| *s)
+                .collect();
+            if lost.is_empty() {
+                continue;
+            }
+            let n = o.core.handle_edge_lost(at, &lost, last_heard);
+            self.counters.edge_lost_devices += n as u64;
+            self.drain_owner(shard, now, at);
+        }
     }
 
     /// The node stops acting for `shard`: its core goes, and this node's

@@ -429,6 +429,13 @@ impl MetricsSnapshot {
             );
             metric(
                 &mut out,
+                "greendot_cluster_edge_lost_devices_total",
+                "counter",
+                "Devices this node's owners moved to lingering because their edge's lease went.",
+                &[("", c.edge_lost_devices)],
+            );
+            metric(
+                &mut out,
                 "greendot_cluster_malformed_total",
                 "counter",
                 "Messages from NATS dropped: undecodable, too large, bad names or the wrong shard.",

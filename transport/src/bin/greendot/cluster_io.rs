@@ -4,7 +4,7 @@
 //! greendot-cluster, and hands the state what NATS brings (`ClusterInput`).
 //! No presence logic lives here.
 
-use greendot_cluster::{Cluster, NodeStatus, OwnerRequest, RequestKind, ShardId};
+use greendot_cluster::{Cluster, MemberEvent, NodeStatus, OwnerRequest, RequestKind, ShardId};
 use greendot_server::cluster::{self as gc, ClusterInput, ClusterOutput};
 use greendot_server::ClusterInputs;
 use std::collections::{BTreeMap, HashMap};
@@ -56,6 +56,16 @@ async fn serve_shards(
     }
 }
 
+/// The next join or leave of a node; never without the watch.
+async fn next_member(
+    watch: &mut Option<greendot_cluster::MemberWatch>,
+) -> Option<greendot_cluster::Result<MemberEvent>> {
+    match watch {
+        Some(watch) => watch.next().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// The next resync request; never without the subscription.
 async fn next_resync(feed: &mut Option<greendot_cluster::ResyncFeed>) -> Option<bytes::Bytes> {
     match feed {
@@ -81,6 +91,15 @@ pub async fn run(
         }
     };
     let timeout = cluster.config().op_timeout;
+    // Owners treat the devices of a node whose lease went as lost.
+    let lease_ttl = cluster.config().lease_ttl;
+    let mut members = match cluster.watch_members().await {
+        Ok(watch) => Some(watch),
+        Err(e) => {
+            warn!(error = %e, "cannot watch the node leases: devices of dead nodes stay online");
+            None
+        }
+    };
     let mut pending: HashMap<u64, (OwnerRequest, Instant)> = HashMap::new();
     let mut next_reply = 0u64;
     let mut last: Option<BTreeMap<u32, (u64, Instant)>> = None;
@@ -106,6 +125,23 @@ pub async fn run(
                     return;
                 }
             }
+            event = next_member(&mut members) => match event {
+                Some(Ok(MemberEvent::Left { node, .. })) => {
+                    // The lease was last renewed at most a TTL ago.
+                    let ms = u64::try_from(lease_ttl.as_millis()).unwrap_or(u64::MAX);
+                    let last_heard = greendot_cluster::unix_ms().saturating_sub(ms);
+                    let input = ClusterInput::EdgeLost { node: node.to_string(), last_heard };
+                    if !inputs.send(input).await {
+                        return;
+                    }
+                }
+                Some(Ok(MemberEvent::Joined { .. })) => {}
+                Some(Err(e)) => debug!(error = %e, "node lease watch"),
+                None => {
+                    warn!("the node lease watch ended: devices of dead nodes stay online");
+                    members = None;
+                }
+            },
             Some(payload) = next_resync(&mut resyncs) => {
                 if !inputs.send(ClusterInput::Resync { payload }).await {
                     return;
