@@ -333,6 +333,10 @@ struct PendingSubscribe {
     deadline: Instant,
     /// Shards still to answer, and when to ask each again.
     asking: BTreeMap<u32, Option<Instant>>,
+    /// Views of the targets that arrived before their snapshot (the shard is
+    /// watched first, and a view may overtake the owner's answer, a hole
+    /// the model found): the newest is what the subscribe starts from.
+    early: HashMap<String, Presence>,
 }
 
 enum InFlight {
@@ -953,6 +957,7 @@ impl ClusterLink {
             refused,
             deadline: now + self.settings.request_timeout,
             asking: BTreeMap::new(),
+            early: HashMap::new(),
         };
         // What this edge knows already (another session watches the target),
         // or its own owner knows, is answered at once.
@@ -1099,6 +1104,10 @@ impl ClusterLink {
             .collect();
         for (target, snap) in p.targets {
             let shard = self.shard(&target);
+            let snap = match (snap, p.early.get(&target)) {
+                (Some(s), Some(e)) if e.version > s.version => Some(e.clone()),
+                (snap, _) => snap,
+            };
             let Some(id) = self.names.intern(&target) else {
                 self.unwatch_shard(shard);
                 refused.push(Refused {
@@ -1200,13 +1209,15 @@ impl ClusterLink {
                             .is_none_or(|m| m.len() <= self.owner_config.max_message_len)
                         && self.shard(&v.user) == shard =>
                 {
-                    if self.apply_view(at, &v.user, v.own, v.presence.to_core()) {
+                    let presence = v.presence.to_core();
+                    if self.apply_view(at, &v.user, v.own, presence.clone()) {
                         self.counters.views_applied += 1;
                         if self.latencies.len() < 1024 {
                             self.latencies
                                 .push_back(at.0.saturating_sub(v.published_ms));
                         }
                     }
+                    self.keep_early(&v.user, v.own, presence);
                 }
                 _ => self.counters.malformed += 1,
             },
@@ -1405,6 +1416,23 @@ impl ClusterLink {
                 if let ReplyTo::Local(..) = reply {
                     self.reply(reply, FromOwner::NotOwner, now, at);
                 }
+            }
+        }
+    }
+
+    /// A view of a target some subscribe here still waits the snapshot of.
+    fn keep_early(&mut self, user: &str, own: bool, presence: Presence) {
+        for p in self.subscribes.values_mut() {
+            let wanted = (p.viewer == user) == own && p.targets.iter().any(|(t, _)| t == user);
+            if !wanted {
+                continue;
+            }
+            let newer = p
+                .early
+                .get(user)
+                .is_none_or(|e| e.version < presence.version);
+            if newer {
+                p.early.insert(user.to_owned(), presence.clone());
             }
         }
     }
@@ -1986,6 +2014,51 @@ mod tests {
             }
         }
         exchange(a, b, now, at);
+    }
+
+    #[test]
+    fn a_view_that_overtakes_the_snapshot_is_not_lost() {
+        let (mut a, mut b, now) = two_nodes();
+        let answer = a.subscribe(
+            now,
+            Millis(1),
+            5,
+            SessionId(2),
+            "bob",
+            vec!["alice".into()],
+            vec![],
+            Tier::Realtime,
+        );
+        assert!(answer.is_none());
+        // A newer view arrives on the shard's subject before the answer.
+        let newer = proto::Presence {
+            version: epoch_base_of(1) + 1_000,
+            online: true,
+            kinds: 1,
+            ..Default::default()
+        };
+        let view = ShardView {
+            epoch: 1,
+            published_ms: 1,
+            user: "alice".into(),
+            own: false,
+            presence: newer.clone(),
+        };
+        a.handle_input(
+            now,
+            Millis(1),
+            ClusterInput::ShardMessage {
+                shard: 1,
+                payload: encode(&view),
+            },
+        );
+        exchange(&mut a, &mut b, now, Millis(1));
+        let Some((5, Finished::Answer(proto::Answer::Subscribed { snapshots, .. }))) =
+            a.poll_finished()
+        else {
+            panic!("no subscribe answer");
+        };
+        assert_eq!(snapshots[0].presence, newer, "the older snapshot won");
     }
 
     #[test]
