@@ -316,6 +316,11 @@ async fn cross_node_watching_status_invisible_logout() {
     assert!(took >= DEBOUNCE, "published before the debounce: {took:?}");
     assert_eq!(online.kinds, kinds(&[Kind::Mobile]));
     assert!(online.version > snapshot.version);
+    // A query on alice's node of bob, who is connected to another node: the
+    // answer is his owner's.
+    let q = phone.query("bob").await.unwrap();
+    assert!(q.online, "{q:?}");
+    assert_eq!(q.kinds, kinds(&[Kind::Desktop]));
 
     // Status and message: acknowledged once the owner took it (and stored it).
     let t0 = Instant::now();

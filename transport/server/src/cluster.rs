@@ -337,6 +337,8 @@ struct PendingSubscribe {
     /// watched first, and a view may overtake the owner's answer, a hole
     /// the model found): the newest is what the subscribe starts from.
     early: HashMap<String, Presence>,
+    /// A query: answered with the presences, nothing subscribed or watched.
+    query: bool,
 }
 
 enum InFlight {
@@ -925,11 +927,16 @@ impl ClusterLink {
         targets: Vec<String>,
         mut refused: Vec<Refused>,
         tier: Tier,
+        query: bool,
     ) -> Option<proto::Answer> {
         let held = self.fanout.subscriptions(session);
         let mut room = self.max_subscriptions.saturating_sub(held.len());
         let mut wanted = Vec::new();
         for target in targets {
+            if query {
+                wanted.push((target, None));
+                continue;
+            }
             let already = self
                 .names
                 .get(&target)
@@ -958,6 +965,7 @@ impl ClusterLink {
             deadline: now + self.settings.request_timeout,
             asking: BTreeMap::new(),
             early: HashMap::new(),
+            query,
         };
         // What this edge knows already (another session watches the target),
         // or its own owner knows, is answered at once.
@@ -980,9 +988,8 @@ impl ClusterLink {
         }
         // Watch the shards before asking (so no view published after the
         // snapshot is missed).
-        for (target, _) in &p.targets {
+        for (target, _) in p.targets.iter().filter(|_| !query) {
             let shard = self.shard(target);
-            let _ = target;
             self.watch_shard(shard);
         }
         self.subscribes.insert(wait, p);
@@ -1094,6 +1101,27 @@ impl ClusterLink {
             return None;
         }
         let p = self.subscribes.remove(&wait)?;
+        if p.query {
+            let mut results: Vec<proto::QueryResult> = p
+                .targets
+                .into_iter()
+                .map(|(target, snap)| {
+                    let presence = match (snap, p.early.get(&target)) {
+                        (Some(s), Some(e)) if e.version > s.version => e.clone(),
+                        (snap, _) => snap.unwrap_or_default(),
+                    };
+                    proto::QueryResult {
+                        target,
+                        result: Ok(proto::Presence::from_core(&presence, 0)),
+                    }
+                })
+                .collect();
+            results.extend(p.refused.into_iter().map(|r| proto::QueryResult {
+                target: r.target,
+                result: Err(r.error),
+            }));
+            return Some(proto::Answer::Presences(results));
+        }
         let mut snapshots = Vec::new();
         let mut refused = p.refused;
         let held: Vec<UserId> = self
@@ -1149,7 +1177,7 @@ impl ClusterLink {
     }
 
     fn fail_subscribe(&mut self, wait: u64, p: PendingSubscribe) {
-        for (target, _) in &p.targets {
+        for (target, _) in p.targets.iter().filter(|_| !p.query) {
             let shard = self.shard(target);
             self.unwatch_shard(shard);
         }
@@ -1900,6 +1928,7 @@ mod tests {
             vec!["alice".into()],
             vec![],
             Tier::Realtime,
+            false,
         );
         assert!(answer.is_none(), "the snapshot is the owner's");
         let out = a.poll_output();
@@ -2028,6 +2057,7 @@ mod tests {
             vec!["alice".into()],
             vec![],
             Tier::Realtime,
+            false,
         );
         assert!(answer.is_none());
         // A newer view arrives on the shard's subject before the answer.

@@ -308,6 +308,11 @@ impl Hub {
         self.sessions.get(&session).map(|m| m.user)
     }
 
+    /// Whether a live session holds a service token.
+    pub fn is_service(&self, session: SessionId) -> bool {
+        self.sessions.get(&session).is_some_and(|m| m.svc)
+    }
+
     /// The device kind of a live session.
     pub fn session_kind(&self, session: SessionId) -> Option<DeviceKind> {
         self.sessions.get(&session).map(|m| m.kind)

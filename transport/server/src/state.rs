@@ -2022,7 +2022,10 @@ impl ServerState {
         }
         if self.cluster.is_some() {
             if let Step::Request {
-                request: proto::Request::Subscribe { .. } | proto::Request::Unsubscribe { .. },
+                request:
+                    proto::Request::Subscribe { .. }
+                    | proto::Request::Unsubscribe { .. }
+                    | proto::Request::Query { .. },
                 ..
             } = &step
             {
@@ -2407,7 +2410,19 @@ impl ServerState {
             return self.answer(ch, now, reply(Err(stale)));
         };
         match request {
-            proto::Request::Subscribe { targets, tier } => {
+            request @ (proto::Request::Subscribe { .. } | proto::Request::Query { .. }) => {
+                let (targets, tier, query) = match request {
+                    proto::Request::Subscribe { targets, tier } => (targets, tier.into(), false),
+                    proto::Request::Query { targets } => (targets, Tier::Realtime, true),
+                    _ => return,
+                };
+                if query && targets.len() > 1 && !self.hub.is_service(session) {
+                    let error = proto::WireError::new(
+                        proto::ErrorCode::ServiceOnly,
+                        "querying several users at once needs a service token",
+                    );
+                    return self.answer(ch, now, reply(Err(error)));
+                }
                 if targets.len() > self.config.limits.max_targets {
                     let error = proto::WireError::new(
                         proto::ErrorCode::TooManyTargets,
@@ -2440,14 +2455,7 @@ impl ServerState {
                     return;
                 };
                 match c.subscribe(
-                    now,
-                    at,
-                    wait,
-                    session,
-                    &viewer,
-                    allowed,
-                    refused,
-                    tier.into(),
+                    now, at, wait, session, &viewer, allowed, refused, tier, query,
                 ) {
                     Some(answer) => {
                         self.tickets.remove(&wait);
