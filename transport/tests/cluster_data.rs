@@ -682,3 +682,59 @@ async fn edge_kill_9_reconnect_elsewhere_and_bounded_ghost() {
     drop(bob);
     drop(nats);
 }
+
+/// Scenario 7 (C4): alice goes invisible, then her owner is killed while
+/// her phone stays connected: the next owner restores her invisibility from
+/// the KV before it takes her phone back, and bob never sees her online.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invisible_survives_owner_failover() {
+    let nats = NatsCluster::start(3).await;
+    let urls = nats.urls();
+    let dir = temp_dir("invisible");
+    let a = serve(&dir, &urls, "a");
+    let mut b = serve(&dir, &urls, "b");
+    let c = serve(&dir, &urls, "c");
+    wait_placed(&urls);
+    let nodes = [&a, &b, &c];
+    let alice = user_owned_by(&urls, "b", "alice");
+
+    let (bob, mut bob_updates) = connect(
+        &nodes,
+        &c,
+        "bob",
+        "laptop",
+        Kind::Desktop,
+        WatchClaim::all(),
+    )
+    .await;
+    bob.subscribe(&[alice.as_str()], Tier::Realtime)
+        .await
+        .unwrap();
+    let (phone, _p) = connect(&nodes, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
+    wait_presence(&mut bob_updates, &alice, DEBOUNCE + SLACK, "online", |p| {
+        p.online
+    })
+    .await;
+    phone.set_invisible(true).await.unwrap();
+    wait_presence(&mut bob_updates, &alice, DEBOUNCE + SLACK, "hidden", |p| {
+        !p.online
+    })
+    .await;
+
+    b.child.kill().unwrap();
+    let _ = b.child.wait();
+    never(
+        &mut bob_updates,
+        &alice,
+        LEASE_TTL + SLACK / 2 + LEASE_TTL + DEBOUNCE * 2,
+        "bob saw invisible alice online after her owner died",
+        |p| p.online,
+    )
+    .await;
+    assert_ne!(owner_of(&urls, &alice), "b", "the shard moved");
+    // She is still invisible to herself too: her own view says so.
+    let own = phone.query(&alice).await.unwrap();
+    assert!(own.online && own.invisible, "{own:?}");
+    drop(bob);
+    drop(nats);
+}
