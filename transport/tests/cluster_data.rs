@@ -738,3 +738,75 @@ async fn invisible_survives_owner_failover() {
     drop(bob);
     drop(nats);
 }
+
+/// Scenario 6: SIGTERM (drain) of the node holding alice's phone: the node
+/// hands its shards over and closes its clients; her phone connects again to
+/// another node within grace, and bob never sees her offline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_of_the_edge_shows_nobody_offline() {
+    let nats = NatsCluster::start(3).await;
+    let urls = nats.urls();
+    let dir = temp_dir("drain");
+    let mut a = serve(&dir, &urls, "a");
+    let b = serve(&dir, &urls, "b");
+    let c = serve(&dir, &urls, "c");
+    wait_placed(&urls);
+    let alice = user_owned_by(&urls, "b", "alice");
+    let roots = [&a, &b, &c];
+
+    let (bob, mut bob_updates) = connect(
+        &roots,
+        &c,
+        "bob",
+        "laptop",
+        Kind::Desktop,
+        WatchClaim::all(),
+    )
+    .await;
+    bob.subscribe(&[alice.as_str()], Tier::Realtime)
+        .await
+        .unwrap();
+    let (_phone, mut phone_updates) =
+        connect(&roots, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
+    wait_presence(&mut bob_updates, &alice, DEBOUNCE + SLACK, "online", |p| {
+        p.online
+    })
+    .await;
+
+    Command::new("kill")
+        .args(["-TERM", &a.child.id().to_string()])
+        .status()
+        .unwrap();
+    // Her client is told to go (Draining) and connects elsewhere.
+    let deadline = tokio::time::Instant::now() + SLACK;
+    loop {
+        match tokio::time::timeout_at(deadline, phone_updates.next()).await {
+            Ok(Some(Event::Closed { .. })) | Ok(None) => break,
+            Ok(Some(_)) => {}
+            Err(_) => panic!("alice's phone was not closed by the drain"),
+        }
+    }
+    let (_again, _ag) = connect(
+        &[&b, &c],
+        &b,
+        &alice,
+        "phone",
+        Kind::Mobile,
+        WatchClaim::all(),
+    )
+    .await;
+    never(
+        &mut bob_updates,
+        &alice,
+        LEASE_TTL + GRACE + DEBOUNCE * 2,
+        "bob saw alice offline across the drain of her node",
+        |p| !p.online,
+    )
+    .await;
+    assert!(
+        a.child.wait().unwrap().success(),
+        "the drained node exits 0"
+    );
+    drop(bob);
+    drop(nats);
+}

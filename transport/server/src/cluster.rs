@@ -726,8 +726,9 @@ impl ClusterLink {
     }
 
     /// A device input of a session; `wait` is answered through
-    /// [`ClusterLink::poll_finished`] once the owner took it. `false`: the
-    /// session is unknown here (nothing is forwarded).
+    /// [`ClusterLink::poll_finished`] once the owner took it (or with an
+    /// error). `false`: the session is unknown here or already ended
+    /// (nothing is forwarded).
     pub fn input(
         &mut self,
         now: Instant,
@@ -741,7 +742,18 @@ impl ClusterLink {
             return false;
         };
         if d.queue.len() >= MAX_QUEUED_OPS {
-            return false;
+            // The owner has not taken the inputs before it: refuse this one
+            // (a client request is answered with the error).
+            if let Some(wait) = wait {
+                self.finished.push_back((
+                    wait,
+                    Finished::Failed(WireError::new(
+                        ErrorCode::Internal,
+                        "the owner of this user is not taking inputs",
+                    )),
+                ));
+            }
+            return true;
         }
         let ends = matches!(op, WireOp::Logout | WireOp::Disconnect { .. });
         d.queue.push_back(QueuedOp { op, wait, deadline });
