@@ -810,3 +810,60 @@ async fn drain_of_the_edge_shows_nobody_offline() {
     drop(bob);
     drop(nats);
 }
+
+/// C3 when a user's edge and owner are the same node and it is killed:
+/// the next owner restores her phone from the device record the old owner
+/// wrote behind (as lingering), nobody resends it, and bob sees her offline
+/// within lease TTL + max(grace, resync window) + debounce.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edge_and_owner_killed_together_leave_no_ghost() {
+    let nats = NatsCluster::start(3).await;
+    let urls = nats.urls();
+    let dir = temp_dir("both");
+    let mut a = serve(&dir, &urls, "a");
+    let b = serve(&dir, &urls, "b");
+    let c = serve(&dir, &urls, "c");
+    wait_placed(&urls);
+    let alice = user_owned_by(&urls, "a", "alice");
+    let roots = [&a, &b, &c];
+
+    let (bob, mut bob_updates) = connect(
+        &roots,
+        &c,
+        "bob",
+        "laptop",
+        Kind::Desktop,
+        WatchClaim::all(),
+    )
+    .await;
+    bob.subscribe(&[alice.as_str()], Tier::Realtime)
+        .await
+        .unwrap();
+    let (_phone, _p) = connect(&roots, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
+    wait_presence(&mut bob_updates, &alice, DEBOUNCE + SLACK, "online", |p| {
+        p.online
+    })
+    .await;
+    // The owner writes its devices behind half a second after a change.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let t0 = Instant::now();
+    a.child.kill().unwrap();
+    let _ = a.child.wait();
+    // The resync window is the request timeout: the TTL here.
+    let bound = LEASE_TTL + GRACE.max(LEASE_TTL) + DEBOUNCE;
+    let gone = wait_presence(
+        &mut bob_updates,
+        &alice,
+        bound + SLACK,
+        "alice offline after her edge and owner died",
+        |p| !p.online,
+    )
+    .await;
+    let took = t0.elapsed();
+    println!("alice offline at bob {took:?} after kill -9 (bound {bound:?} + slack)");
+    assert!(took >= GRACE, "{took:?}");
+    assert!(gone.last_seen.is_some(), "{gone:?}");
+    drop(bob);
+    drop(nats);
+}

@@ -432,6 +432,20 @@ impl Cluster {
         .await
     }
 
+    /// Stores the record of a shard's devices its owner writes behind (in
+    /// the views bucket, under `shard.<n>`, which no escaped user id is).
+    pub async fn put_shard_devices(&self, shard: ShardId, value: Bytes) -> Result<u64> {
+        check_shard(&self.config, shard)?;
+        let key = format!("shard.{}", shard.0);
+        put(&self.js, &self.views, &key, value, self.timeout()).await
+    }
+
+    pub async fn shard_devices(&self, shard: ShardId) -> Result<Option<Bytes>> {
+        check_shard(&self.config, shard)?;
+        let key = format!("shard.{}", shard.0);
+        latest_value(&self.views, &key, self.timeout()).await
+    }
+
     pub async fn view(&self, user: &str) -> Result<Option<Bytes>> {
         latest_value(&self.views, &user_key(user)?, self.timeout()).await
     }

@@ -41,6 +41,13 @@ const MAX_PENDING_PREFS: usize = 65_536;
 const MAX_HOLDERS_REMEMBERED: usize = 262_144;
 /// How long an edge waits before asking again after a refusal or a failure.
 const RETRY_AFTER: Duration = Duration::from_millis(100);
+/// How long after a change of its devices an owner writes a shard's device
+/// record behind (what a crash of the owner may lose).
+const WRITE_BEHIND: Millis = Millis(500);
+/// Devices one shard's record holds at most (the rest are not recorded: a
+/// crash of their owner together with their edge leaves them to the
+/// watchers' last view).
+const MAX_RECORDED_DEVICES: usize = 2_048;
 
 /// How a node takes part in a cluster.
 #[derive(Clone, Debug)]
@@ -101,6 +108,9 @@ pub enum ClusterInput {
     /// A message on the cluster's resync subject (a new owner asks every
     /// edge to resend its devices of a shard).
     Resync { payload: Bytes },
+    /// What the KV holds of the devices of the shard of
+    /// [`ClusterOutput::LoadShard`] `id` (`None`: nothing, or the read failed).
+    ShardLoaded { id: u64, record: Option<Bytes> },
     /// The lease of node `node` is gone (expired: the node died or was cut
     /// off; or released: it left). `last_heard`: Unix milliseconds of its
     /// last renewal, as near as known.
@@ -129,6 +139,10 @@ pub enum ClusterOutput {
     LoadUser { id: u64, user: String },
     /// Write the last published view of a user (behind: nobody waits).
     PutView { user: String, value: Bytes },
+    /// Write a shard's device record (behind).
+    PutShardDevices { shard: u32, value: Bytes },
+    /// Read a shard's device record; answer with [`ClusterInput::ShardLoaded`].
+    LoadShard { id: u64, shard: u32 },
     /// Publish on the cluster's resync subject (every node listens).
     Resync { payload: Bytes },
     /// Subscribe to a shard's subject (one more local watcher of it).
@@ -210,6 +224,19 @@ pub struct ShardView {
     pub presence: proto::Presence,
 }
 
+/// One device of a shard's record, as its owner last wrote it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordedDevice {
+    pub user: String,
+    pub device: String,
+    pub kind: proto::Kind,
+    pub edge: String,
+    pub incarnation: u64,
+    pub conn: u64,
+    /// Unix milliseconds of the write.
+    pub heard: u64,
+}
+
 /// On the resync subject: the new owner of `shard` asks every edge to
 /// resend its live devices of the shard.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -279,6 +306,11 @@ struct Owner {
     loaded: std::collections::HashSet<String>,
     /// Inputs waiting for their user's KV record.
     loading: HashMap<String, Vec<(ToOwner, ReplyTo)>>,
+    /// Devices of the shard's record (the previous owner's), by user, to be
+    /// restored as lingering with the user.
+    recorded: HashMap<String, Vec<RecordedDevice>>,
+    /// The device set changed since this instant and is not written yet.
+    dirty_since: Option<Millis>,
 }
 
 /// Where an owner's answer goes.
@@ -368,6 +400,8 @@ pub struct ClusterLink {
     pending_prefs: HashMap<u64, PendingPrefs>,
     /// KV reads in flight: shard, epoch, user.
     pending_loads: HashMap<u64, (u32, u64, String)>,
+    /// Shard record reads in flight: shard, epoch.
+    pending_shards: HashMap<u64, (u32, u64)>,
     fanout: Fanout,
     names: Interner,
     /// The edge's devices by session, while their inputs are forwarded.
@@ -413,6 +447,7 @@ impl ClusterLink {
             owners: BTreeMap::new(),
             pending_prefs: HashMap::new(),
             pending_loads: HashMap::new(),
+            pending_shards: HashMap::new(),
             names: Interner::new(config.max_users.saturating_mul(2)),
             devices: HashMap::new(),
             open: HashMap::new(),
@@ -496,7 +531,12 @@ impl ClusterLink {
     pub fn poll_timeout(&self) -> Option<Millis> {
         self.owners
             .values()
-            .filter_map(|o| o.core.poll_timeout())
+            .flat_map(|o| {
+                o.core
+                    .poll_timeout()
+                    .into_iter()
+                    .chain(o.dirty_since.map(|d| d.plus(WRITE_BEHIND)))
+            })
             .chain(self.fanout.poll_timeout())
             .min()
     }
@@ -520,6 +560,7 @@ impl ClusterLink {
                 o.core.handle_timeout(at);
             }
             self.drain_owner(shard, now, at);
+            self.write_devices(shard, at);
         }
         self.fanout.handle_timeout(at);
         // Client requests past their deadline.
@@ -621,8 +662,18 @@ impl ClusterLink {
                     last_rid: HashMap::new(),
                     loaded: Default::default(),
                     loading: HashMap::new(),
+                    recorded: HashMap::new(),
+                    dirty_since: None,
                 },
             );
+            // The previous owner's devices: restored as lingering, so that
+            // those nobody resends go offline (no ghost when the edge died
+            // with the owner, C3).
+            self.next_id += 1;
+            let id = self.next_id;
+            self.pending_shards.insert(id, (shard, epoch));
+            self.outputs
+                .push_back(ClusterOutput::LoadShard { id, shard });
             self.outputs.push_back(ClusterOutput::Resync {
                 payload: encode(&ResyncRequest {
                     shard,
@@ -1325,6 +1376,7 @@ impl ClusterLink {
             ClusterInput::UserLoaded { id, prefs, view } => {
                 self.user_loaded(now, at, id, prefs, view)
             }
+            ClusterInput::ShardLoaded { id, record } => self.shard_loaded(id, record),
             ClusterInput::EdgeLost { node, last_heard } => {
                 self.edge_lost(now, at, &node, last_heard)
             }
@@ -1392,7 +1444,25 @@ impl ClusterLink {
             return; // the owner is gone; its waiting inputs were refused then
         };
         o.loaded.insert(user.clone());
-        if prefs.is_some() || view.is_some() {
+        let recorded = o.recorded.remove(&user).unwrap_or_default();
+        if prefs.is_some() || view.is_some() || !recorded.is_empty() {
+            // Recorded devices linger at least to the end of the resync
+            // window, heard from at the record's time.
+            let window = u64::try_from(self.settings.request_timeout.as_millis()).unwrap_or(0);
+            let mut devices = Vec::new();
+            let mut holders = Vec::new();
+            for d in &recorded {
+                let Some(did) = o.devices.intern(&d.device) else {
+                    continue;
+                };
+                devices.push(greendot_core::cluster::DeviceRecord {
+                    device: DeviceId(did),
+                    kind: d.kind.into(),
+                    edge: greendot_core::NodeId(0),
+                    last_heard: Millis(d.heard).min(at),
+                });
+                holders.push((d.edge.clone(), d.incarnation, d.conn));
+            }
             if let Some(uid) = o.users.intern(&user) {
                 let record = greendot_core::cluster::OwnedRecord {
                     status: prefs
@@ -1402,11 +1472,19 @@ impl ClusterLink {
                     invisible: prefs.as_ref().is_some_and(|p| p.invisible),
                     last_seen: prefs.as_ref().and_then(|p| p.last_seen).map(Millis),
                     published: view.map(|v| v.to_core()).unwrap_or_default(),
-                    devices: Vec::new(),
+                    devices,
                 };
                 // Refused only for a user already online here (cannot be:
-                // their inputs waited for this).
-                let _ = o.core.restore_owned(at, UserId(uid), &record, at);
+                // their inputs waited for this), or past a limit.
+                if let Ok(sessions) =
+                    o.core
+                        .restore_owned(at, UserId(uid), &record, at.plus(Millis(window)))
+                {
+                    for (session, holder) in sessions.into_iter().zip(holders) {
+                        o.by_holder.insert(holder.clone(), session);
+                        o.sessions.insert(session, holder);
+                    }
+                }
             }
         }
         let waiting = o.loading.remove(&user).unwrap_or_default();
@@ -1442,6 +1520,90 @@ impl ClusterLink {
             let n = o.core.handle_edge_lost(at, &lost, last_heard);
             self.counters.edge_lost_devices += n as u64;
             self.drain_owner(shard, now, at);
+        }
+    }
+
+    /// Writes the shard's device record behind once `WRITE_BEHIND` passed
+    /// since the first change not written.
+    fn write_devices(&mut self, shard: u32, at: Millis) {
+        let base = self.unix_base_ms;
+        let Some(o) = self.owners.get_mut(&shard) else {
+            return;
+        };
+        if o.dirty_since.is_none_or(|d| at < d.plus(WRITE_BEHIND)) {
+            return;
+        }
+        o.dirty_since = None;
+        let mut devices: Vec<RecordedDevice> = o
+            .sessions
+            .iter()
+            .filter_map(|(s, (edge, incarnation, conn))| {
+                let info = o.core.session_info(*s)?;
+                Some(RecordedDevice {
+                    user: o.users.name(info.user.0)?.to_string(),
+                    device: o.devices.name(info.device.0)?.to_string(),
+                    kind: info.kind.into(),
+                    edge: edge.clone(),
+                    incarnation: *incarnation,
+                    conn: *conn,
+                    heard: base.saturating_add(at.0),
+                })
+            })
+            .collect();
+        devices.sort_by(|a, b| (&a.user, &a.device).cmp(&(&b.user, &b.device)));
+        devices.truncate(MAX_RECORDED_DEVICES);
+        self.outputs.push_back(ClusterOutput::PutShardDevices {
+            shard,
+            value: encode(&devices),
+        });
+    }
+
+    /// The previous owner's device record of a shard arrived: each user in
+    /// it is restored (preferences, view, devices as lingering) at once.
+    fn shard_loaded(&mut self, id: u64, record: Option<Bytes>) {
+        let Some((shard, epoch)) = self.pending_shards.remove(&id) else {
+            return;
+        };
+        let max_name = self.max_name_len;
+        let devices: Vec<RecordedDevice> = record
+            .and_then(|b| decode::<Vec<RecordedDevice>>(&b))
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|d| {
+                [&d.user, &d.device, &d.edge]
+                    .iter()
+                    .all(|n| !n.is_empty() && n.len() <= max_name)
+            })
+            .take(MAX_RECORDED_DEVICES)
+            .collect();
+        let shard_of = self.settings.shard_of;
+        let count = self.settings.shard_count;
+        let Some(o) = self.owners.get_mut(&shard).filter(|o| o.epoch == epoch) else {
+            return;
+        };
+        let mut users = Vec::new();
+        for d in devices {
+            if shard_of(&d.user, count) != shard || o.loaded.contains(&d.user) {
+                continue;
+            }
+            let list = o.recorded.entry(d.user.clone()).or_default();
+            if list.is_empty() {
+                users.push(d.user.clone());
+            }
+            list.push(d);
+        }
+        for user in users {
+            let Some(o) = self.owners.get_mut(&shard) else {
+                return;
+            };
+            if o.loading.contains_key(&user) {
+                continue; // its read is on the way; the devices go with it
+            }
+            o.loading.insert(user.clone(), Vec::new());
+            self.next_id += 1;
+            let id = self.next_id;
+            self.pending_loads.insert(id, (shard, epoch, user.clone()));
+            self.outputs.push_back(ClusterOutput::LoadUser { id, user });
         }
     }
 
@@ -1633,7 +1795,10 @@ impl ClusterLink {
                     FromOwner::Done { epoch }
                 } else {
                     match owner_connect(o, at, &user, &device, kind.into(), holder.clone()) {
-                        Ok(()) => FromOwner::Done { epoch },
+                        Ok(()) => {
+                            o.dirty_since.get_or_insert(at);
+                            FromOwner::Done { epoch }
+                        }
                         Err(e) => FromOwner::Refused(e),
                     }
                 }
@@ -1723,6 +1888,9 @@ impl ClusterLink {
             if let Output::SessionEnded { session, .. } = out {
                 ended.push(session);
             }
+        }
+        if !ended.is_empty() {
+            o.dirty_since.get_or_insert(at);
         }
         for session in ended {
             if let Some(holder) = o.sessions.remove(&session) {

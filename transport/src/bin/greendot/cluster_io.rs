@@ -241,6 +241,24 @@ pub async fn run(
                             }
                         });
                     }
+                    ClusterOutput::PutShardDevices { shard, value } => {
+                        let c = cluster.clone();
+                        tokio::spawn(async move {
+                            if let Err(e) = c.put_shard_devices(ShardId(shard), value).await {
+                                debug!(shard, error = %e, "cannot store the shard's devices");
+                            }
+                        });
+                    }
+                    ClusterOutput::LoadShard { id, shard } => {
+                        let (c, inputs) = (cluster.clone(), inputs.clone());
+                        tokio::spawn(async move {
+                            let record = c.shard_devices(ShardId(shard)).await.unwrap_or_else(|e| {
+                                warn!(shard, error = %e, "cannot read the shard's devices");
+                                None
+                            });
+                            inputs.send(ClusterInput::ShardLoaded { id, record }).await;
+                        });
+                    }
                     ClusterOutput::Resync { payload } => {
                         if let Err(e) = cluster.publish_resync(payload).await {
                             warn!(error = %e, "cannot ask the edges to resync");
