@@ -48,6 +48,10 @@ const WRITE_BEHIND: Millis = Millis(500);
 /// crash of their owner together with their edge leaves them to the
 /// watchers' last view).
 const MAX_RECORDED_DEVICES: usize = 2_048;
+/// How often retries, deadlines and lapsed claims are looked at while there
+/// is any (a claim's deadline is `margin` before NATS can expire it, so
+/// acting up to this late still ends before the claim can).
+const TICK: Duration = Duration::from_millis(50);
 
 /// How a node takes part in a cluster.
 #[derive(Clone, Debug)]
@@ -323,6 +327,7 @@ enum ReplyTo {
 
 struct PendingPrefs {
     reply: ReplyTo,
+    since: Instant,
     shard: u32,
     epoch: u64,
     holder: Holder,
@@ -398,10 +403,10 @@ pub struct ClusterLink {
     acting: BTreeMap<u32, (u64, Instant)>,
     owners: BTreeMap<u32, Owner>,
     pending_prefs: HashMap<u64, PendingPrefs>,
-    /// KV reads in flight: shard, epoch, user.
-    pending_loads: HashMap<u64, (u32, u64, String)>,
-    /// Shard record reads in flight: shard, epoch.
-    pending_shards: HashMap<u64, (u32, u64)>,
+    /// KV reads in flight: shard, epoch, user, since.
+    pending_loads: HashMap<u64, (u32, u64, String, Instant)>,
+    /// Shard record reads in flight: shard, epoch, since.
+    pending_shards: HashMap<u64, (u32, u64, Instant)>,
     fanout: Fanout,
     names: Interner,
     /// The edge's devices by session, while their inputs are forwarded.
@@ -412,7 +417,12 @@ pub struct ClusterLink {
     /// Shards some local subscription watches, with how many.
     shard_watchers: HashMap<u32, u32>,
     subscribes: HashMap<u64, PendingSubscribe>,
-    in_flight: HashMap<u64, InFlight>,
+    /// Requests out, with when they count as unanswered (an output the NATS
+    /// I/O dropped is never answered).
+    in_flight: HashMap<u64, (InFlight, Instant)>,
+    /// Devices with inputs queued or a retry pending: what the tick looks at.
+    busy: std::collections::HashSet<SessionId>,
+    next_tick: Option<Instant>,
     next_id: u64,
     next_conn: u64,
     outputs: VecDeque<ClusterOutput>,
@@ -454,6 +464,8 @@ impl ClusterLink {
             shard_watchers: HashMap::new(),
             subscribes: HashMap::new(),
             in_flight: HashMap::new(),
+            busy: Default::default(),
+            next_tick: None,
             next_id: 0,
             next_conn: 0,
             outputs: VecDeque::new(),
@@ -514,17 +526,16 @@ impl ClusterLink {
 
     /// The earliest instant something here is due, besides the cores'.
     pub fn poll_deadline(&self) -> Option<Instant> {
-        let acting = self.acting.values().map(|(_, until)| *until);
-        let devices = self.devices.values().flat_map(|d| {
-            d.not_before
-                .into_iter()
-                .chain(d.queue.iter().filter_map(|q| q.wait.map(|_| q.deadline)))
-        });
-        let subs = self
-            .subscribes
-            .values()
-            .flat_map(|p| std::iter::once(p.deadline).chain(p.asking.values().flatten().copied()));
-        acting.chain(devices).chain(subs).min()
+        let work = !self.acting.is_empty()
+            || !self.busy.is_empty()
+            || !self.subscribes.is_empty()
+            || !self.in_flight.is_empty()
+            || !self.pending_prefs.is_empty()
+            || !self.pending_loads.is_empty()
+            || !self.pending_shards.is_empty();
+        // A tick, not the exact instants: finding the earliest of them
+        // would walk every device at every pass of the server's loop.
+        work.then(|| self.next_tick.unwrap_or_else(Instant::now))
     }
 
     /// The earliest core timer (owners' and the fanout's).
@@ -563,8 +574,13 @@ impl ClusterLink {
             self.write_devices(shard, at);
         }
         self.fanout.handle_timeout(at);
-        // Client requests past their deadline.
-        let sessions: Vec<SessionId> = self.devices.keys().copied().collect();
+        if self.next_tick.is_some_and(|t| now < t) {
+            return;
+        }
+        self.next_tick = Some(now + TICK);
+        self.expire_pending(now, at);
+        // Client requests past their deadline, and retries due.
+        let sessions: Vec<SessionId> = self.busy.iter().copied().collect();
         for session in sessions {
             if let Some(d) = self.devices.get_mut(&session) {
                 for q in &mut d.queue {
@@ -599,11 +615,9 @@ impl ClusterLink {
                 continue;
             };
             if p.deadline <= now {
-                let p = self
-                    .subscribes
-                    .remove(&wait)
-                    .unwrap_or_else(|| unreachable!());
-                self.fail_subscribe(wait, p);
+                if let Some(p) = self.subscribes.remove(&wait) {
+                    self.fail_subscribe(wait, p);
+                }
                 continue;
             }
             let again: Vec<u32> = p
@@ -671,7 +685,7 @@ impl ClusterLink {
             // with the owner, C3).
             self.next_id += 1;
             let id = self.next_id;
-            self.pending_shards.insert(id, (shard, epoch));
+            self.pending_shards.insert(id, (shard, epoch, now));
             self.outputs
                 .push_back(ClusterOutput::LoadShard { id, shard });
             self.outputs.push_back(ClusterOutput::Resync {
@@ -831,6 +845,7 @@ impl ClusterLink {
             d.closed = true;
             if d.queue.is_empty() && d.sent.is_none() {
                 self.devices.remove(&session);
+                self.busy.remove(&session);
             }
         }
     }
@@ -877,17 +892,21 @@ impl ClusterLink {
     fn pump(&mut self, session: SessionId, now: Instant, at: Millis) {
         let rid = self.next_id + 1;
         let Some(d) = self.devices.get(&session) else {
+            self.busy.remove(&session);
             return;
         };
         if d.sent.is_some() || d.not_before.is_some() {
+            self.busy.insert(session);
             return;
         }
         let Some(head) = d.queue.front() else {
+            self.busy.remove(&session);
             if d.closed {
                 self.devices.remove(&session);
             }
             return;
         };
+        self.busy.insert(session);
         let msg = ToOwner::Device {
             edge: self.settings.node.clone(),
             incarnation: self.settings.incarnation,
@@ -908,7 +927,9 @@ impl ClusterLink {
         } else {
             self.counters.forwarded += 1;
             let id = self.id();
-            self.in_flight.insert(id, InFlight::Device { session, rid });
+            let deadline = now + self.settings.request_timeout;
+            self.in_flight
+                .insert(id, (InFlight::Device { session, rid }, deadline));
             self.outputs.push_back(ClusterOutput::Request {
                 id,
                 shard,
@@ -967,6 +988,7 @@ impl ClusterLink {
             Some(FromOwner::NotOwner) | Some(FromOwner::Snapshot { .. }) | None => {
                 self.counters.retries += 1;
                 d.not_before = Some(now + RETRY_AFTER);
+                self.busy.insert(session);
                 return;
             }
         }
@@ -1113,8 +1135,9 @@ impl ClusterLink {
             return;
         }
         let id = self.id();
+        let deadline = now + self.settings.request_timeout;
         self.in_flight
-            .insert(id, InFlight::Snapshot { wait, shard });
+            .insert(id, (InFlight::Snapshot { wait, shard }, deadline));
         self.outputs.push_back(ClusterOutput::Request {
             id,
             shard,
@@ -1333,7 +1356,7 @@ impl ClusterLink {
                 _ => self.counters.malformed += 1,
             },
             ClusterInput::Answered { id, payload } => {
-                let Some(what) = self.in_flight.remove(&id) else {
+                let Some((what, _)) = self.in_flight.remove(&id) else {
                     return;
                 };
                 let answer = payload.and_then(|p| {
@@ -1376,7 +1399,7 @@ impl ClusterLink {
             ClusterInput::UserLoaded { id, prefs, view } => {
                 self.user_loaded(now, at, id, prefs, view)
             }
-            ClusterInput::ShardLoaded { id, record } => self.shard_loaded(id, record),
+            ClusterInput::ShardLoaded { id, record } => self.shard_loaded(now, id, record),
             ClusterInput::EdgeLost { node, last_heard } => {
                 self.edge_lost(now, at, &node, last_heard)
             }
@@ -1430,7 +1453,7 @@ impl ClusterLink {
         prefs: Option<Bytes>,
         view: Option<Bytes>,
     ) {
-        let Some((shard, epoch, user)) = self.pending_loads.remove(&id) else {
+        let Some((shard, epoch, user, _)) = self.pending_loads.remove(&id) else {
             return;
         };
         let max_message = self.owner_config.max_message_len;
@@ -1560,8 +1583,8 @@ impl ClusterLink {
 
     /// The previous owner's device record of a shard arrived: each user in
     /// it is restored (preferences, view, devices as lingering) at once.
-    fn shard_loaded(&mut self, id: u64, record: Option<Bytes>) {
-        let Some((shard, epoch)) = self.pending_shards.remove(&id) else {
+    fn shard_loaded(&mut self, now: Instant, id: u64, record: Option<Bytes>) {
+        let Some((shard, epoch, _)) = self.pending_shards.remove(&id) else {
             return;
         };
         let max_name = self.max_name_len;
@@ -1602,8 +1625,64 @@ impl ClusterLink {
             o.loading.insert(user.clone(), Vec::new());
             self.next_id += 1;
             let id = self.next_id;
-            self.pending_loads.insert(id, (shard, epoch, user.clone()));
+            self.pending_loads
+                .insert(id, (shard, epoch, user.clone(), now));
             self.outputs.push_back(ClusterOutput::LoadUser { id, user });
+        }
+    }
+
+    /// What waited too long for the NATS I/O (its output dropped at a full
+    /// queue, or NATS silent): requests count as unanswered (retried),
+    /// preference writes as failed, KV reads are asked again.
+    fn expire_pending(&mut self, now: Instant, at: Millis) {
+        let late: Vec<u64> = self
+            .in_flight
+            .iter()
+            .filter(|(_, (_, deadline))| *deadline <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in late {
+            self.handle_input(now, at, ClusterInput::Answered { id, payload: None });
+        }
+        let timeout = self.settings.request_timeout;
+        let late: Vec<u64> = self
+            .pending_prefs
+            .iter()
+            .filter(|(_, p)| p.since + timeout <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in late {
+            self.handle_input(now, at, ClusterInput::PrefsStored { id, ok: false });
+        }
+        let late: Vec<u64> = self
+            .pending_loads
+            .iter()
+            .filter(|(_, (_, _, _, since))| *since + timeout <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in late {
+            if let Some((shard, epoch, user, _)) = self.pending_loads.remove(&id) {
+                self.next_id += 1;
+                let id = self.next_id;
+                self.pending_loads
+                    .insert(id, (shard, epoch, user.clone(), now));
+                self.outputs.push_back(ClusterOutput::LoadUser { id, user });
+            }
+        }
+        let late: Vec<u64> = self
+            .pending_shards
+            .iter()
+            .filter(|(_, (_, _, since))| *since + timeout <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in late {
+            if let Some((shard, epoch, _)) = self.pending_shards.remove(&id) {
+                self.next_id += 1;
+                let id = self.next_id;
+                self.pending_shards.insert(id, (shard, epoch, now));
+                self.outputs
+                    .push_back(ClusterOutput::LoadShard { id, shard });
+            }
         }
     }
 
@@ -1778,7 +1857,8 @@ impl ClusterLink {
             o.loading.insert(user.clone(), vec![(msg, reply)]);
             self.next_id += 1;
             let id = self.next_id;
-            self.pending_loads.insert(id, (shard, epoch, user.clone()));
+            self.pending_loads
+                .insert(id, (shard, epoch, user.clone(), now));
             self.outputs.push_back(ClusterOutput::LoadUser { id, user });
             return;
         }
@@ -1856,6 +1936,7 @@ impl ClusterLink {
                     id,
                     PendingPrefs {
                         reply,
+                        since: now,
                         shard,
                         epoch,
                         holder: key_rid,
@@ -2341,6 +2422,38 @@ mod tests {
             matches!(&reply, Some(ClusterOutput::Reply { reply: 77, payload }) if decode::<FromOwner>(payload) == Some(FromOwner::Done { epoch: 1 })),
             "{reply:?}"
         );
+    }
+
+    #[test]
+    fn a_request_the_io_never_answered_is_sent_again() {
+        let (mut a, mut b, now) = two_nodes();
+        assert!(a.input(now, Millis(5), SessionId(1), WireOp::Logout, Some(3)));
+        let lost = a.poll_output();
+        assert!(
+            matches!(lost, Some(ClusterOutput::Request { .. })),
+            "{lost:?}"
+        );
+        // Dropped on the way (a full queue): nothing comes back.
+        let later = now + Duration::from_secs(5);
+        a.handle_timeout(later, Millis(5_005));
+        let later = later + RETRY_AFTER;
+        a.handle_timeout(later, Millis(5_105));
+        assert!(a.counters().retries >= 1);
+        exchange(&mut a, &mut b, later, Millis(5_105));
+        let answers: Vec<_> = std::iter::from_fn(|| a.poll_finished()).collect();
+        assert!(
+            answers
+                .iter()
+                .any(|(w, f)| *w == 3 && matches!(f, Finished::Failed(_))),
+            "the client was told in time: {answers:?}"
+        );
+        let o = &b.owners[&1];
+        let alice = UserId(o.users.get("alice").unwrap());
+        assert!(
+            !o.core.truth(alice).online,
+            "the logout got through at last"
+        );
+        assert!(a.in_flight.is_empty() && a.busy.is_empty());
     }
 
     #[test]
