@@ -752,6 +752,11 @@ impl Sim {
                         "WebSocket output without a WebSocket client: {other:?}"
                     ));
                 }
+                // One node: a cluster output would be cluster code on the
+                // single-node path.
+                ServerOutput::Cluster(out) => {
+                    return Err(format!("cluster output on one node: {out:?}"));
+                }
             }
         }
         Ok(progress)

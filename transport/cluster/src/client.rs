@@ -432,6 +432,20 @@ impl Cluster {
         .await
     }
 
+    /// Stores the record of a shard's devices its owner writes behind (in
+    /// the views bucket, under `shard.<n>`, which no escaped user id is).
+    pub async fn put_shard_devices(&self, shard: ShardId, value: Bytes) -> Result<u64> {
+        check_shard(&self.config, shard)?;
+        let key = format!("shard.{}", shard.0);
+        put(&self.js, &self.views, &key, value, self.timeout()).await
+    }
+
+    pub async fn shard_devices(&self, shard: ShardId) -> Result<Option<Bytes>> {
+        check_shard(&self.config, shard)?;
+        let key = format!("shard.{}", shard.0);
+        latest_value(&self.views, &key, self.timeout()).await
+    }
+
     pub async fn view(&self, user: &str) -> Result<Option<Bytes>> {
         latest_value(&self.views, &user_key(user)?, self.timeout()).await
     }
@@ -447,6 +461,27 @@ impl Cluster {
             .publish(subject.clone(), payload)
             .await
             .map_err(|source| ClusterError::Publish { subject, source })
+    }
+
+    /// Publishes on `<prefix>.resync`, which every node listens to
+    /// ([`Cluster::resync_feed`]): a new owner asks the edges to resend.
+    pub async fn publish_resync(&self, payload: Bytes) -> Result<()> {
+        let subject = self.config.resync_subject();
+        self.client
+            .publish(subject.clone(), payload)
+            .await
+            .map_err(|source| ClusterError::Publish { subject, source })
+    }
+
+    /// The messages on `<prefix>.resync` (one subscription per node).
+    pub async fn resync_feed(&self) -> Result<crate::messaging::ResyncFeed> {
+        let subject = self.config.resync_subject();
+        let sub = self
+            .client
+            .subscribe(subject.clone())
+            .await
+            .map_err(|source| ClusterError::Subscribe { subject, source })?;
+        Ok(crate::messaging::ResyncFeed { sub })
     }
 
     /// A feed of the published views of the shards this node watches.

@@ -143,6 +143,11 @@ impl ClusterConfig {
         format!("{}_{kind}", self.prefix)
     }
 
+    /// Where new owners ask every edge to resend a shard's devices.
+    pub fn resync_subject(&self) -> String {
+        format!("{}.resync", self.prefix)
+    }
+
     pub fn view_subject(&self, shard: crate::ShardId) -> String {
         format!("{}.shard.{}", self.prefix, shard.0)
     }

@@ -133,6 +133,18 @@ impl ViewFeed {
     }
 }
 
+/// The resync requests of new owners, as every node hears them.
+pub struct ResyncFeed {
+    pub(crate) sub: Subscriber,
+}
+
+impl ResyncFeed {
+    /// The next message's payload; `None` once the subscription ended.
+    pub async fn recv(&mut self) -> Option<Bytes> {
+        self.sub.next().await.map(|m| m.payload)
+    }
+}
+
 /// A request received by a shard's owner.
 #[derive(Debug)]
 pub struct OwnerRequest {

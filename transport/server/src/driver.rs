@@ -52,6 +52,8 @@ pub(super) enum Control {
         ticket: u64,
         result: Result<(), StoreError>,
     },
+    /// From the cluster's NATS I/O.
+    Cluster(crate::cluster::ClusterInput),
     /// See [`ServerInput::Stop`]; `done` once stopped.
     Stop {
         code: CloseCode,
@@ -85,6 +87,8 @@ pub(super) struct Driver {
     pub(super) ws: Option<WsIo>,
     /// When the wall clock is read next (the state slews towards it).
     next_wall_read: Instant,
+    /// To the cluster's NATS I/O (with a cluster only).
+    pub(super) cluster: Option<mpsc::Sender<crate::cluster::ClusterOutput>>,
 }
 
 /// How often the wall clock is read, so last seen follows NTP corrections.
@@ -108,6 +112,7 @@ impl Driver {
             stopped: false,
             ws: None,
             next_wall_read: Instant::now() + WALL_READ_EVERY,
+            cluster: None,
         }
     }
 
@@ -273,6 +278,15 @@ impl Driver {
                         ws.credit(id, bytes);
                     }
                 }
+                ServerOutput::Cluster(out) => {
+                    let sent = self.cluster.as_ref().map(|tx| tx.try_send(out));
+                    if let Some(Err(_)) = sent {
+                        self.shared
+                            .stats
+                            .cluster_dropped
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                }
             }
         }
     }
@@ -314,6 +328,9 @@ impl Driver {
             Control::StoreDone { ticket, result } => {
                 self.state
                     .handle_input(now, ServerInput::StoreDone { ticket, result });
+            }
+            Control::Cluster(input) => {
+                self.state.handle_input(now, ServerInput::Cluster(input));
             }
             Control::Stop {
                 code,

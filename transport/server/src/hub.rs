@@ -308,6 +308,42 @@ impl Hub {
         self.sessions.get(&session).map(|m| m.user)
     }
 
+    /// Whether a live session holds a service token.
+    pub fn is_service(&self, session: SessionId) -> bool {
+        self.sessions.get(&session).is_some_and(|m| m.svc)
+    }
+
+    /// The device kind of a live session.
+    pub fn session_kind(&self, session: SessionId) -> Option<DeviceKind> {
+        self.sessions.get(&session).map(|m| m.kind)
+    }
+
+    /// Whether `session` may watch the user `target` (its token's `watch`;
+    /// a user may always watch themselves): the check a subscribe makes,
+    /// for a cluster edge that subscribes outside the core.
+    pub fn may_watch(&self, session: SessionId, target: &str) -> Result<(), WireError> {
+        self.name_ok(target, "user")?;
+        let meta = self
+            .sessions
+            .get(&session)
+            .ok_or_else(|| WireError::new(ErrorCode::Stale, "session is no longer current"))?;
+        let own = self.user_name(meta.user) == Some(target);
+        let listed = || {
+            let id = self.users.get(target).map(UserId);
+            meta.watch
+                .as_ref()
+                .is_some_and(|list| id.is_some_and(|id| list.contains(&id)))
+        };
+        if meta.watch_all || own || listed() {
+            Ok(())
+        } else {
+            Err(WireError::new(
+                ErrorCode::NotAllowed,
+                "not allowed to watch that user",
+            ))
+        }
+    }
+
     /// What a server keeps of `user` across restarts, and whether others are
     /// shown them online right now.
     pub fn saved(&self, user: UserId) -> (Saved, bool) {

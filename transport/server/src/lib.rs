@@ -75,6 +75,7 @@
 //!   at the admission rate: clients spread their reconnect over [0, N] ms,
 //!   and restored devices linger for their grace plus that time.
 
+pub mod cluster;
 mod conn;
 mod driver;
 pub mod http;
@@ -229,6 +230,10 @@ pub struct ServerConfig {
     /// catch (tests only; `None` by default).
     #[doc(hidden)]
     pub mutant: Option<ServerMutant>,
+    /// Takes part in a cluster (docs/cluster.md): device inputs go to the
+    /// owner of their user's shard, views come from it. `None` (the
+    /// default): one node, and no cluster code runs.
+    pub cluster: Option<cluster::ClusterSettings>,
 }
 
 /// What one pass of the server's loop does at most; what is left is carried
@@ -287,6 +292,7 @@ impl ServerConfig {
             pass: PassBudget::default(),
             max_udp_payload: 1200,
             mutant: None,
+            cluster: None,
         }
     }
 
@@ -417,6 +423,10 @@ struct StatsInner {
     loop_carried: AtomicU64,
     /// Set when a drain or shutdown begins (see [`Monitor::accepting`]).
     stopping: AtomicBool,
+    /// Outputs for the cluster's NATS I/O dropped at a full queue.
+    cluster_dropped: AtomicU64,
+    /// From an owner's publish of a view to this edge's fanout taking it.
+    cluster_latency: Histogram,
 }
 
 impl StatsInner {
@@ -608,11 +618,30 @@ struct Shared {
     socket_inode: Option<u64>,
 }
 
+/// Outputs for the cluster's NATS I/O queued at most; past it they are
+/// dropped and counted (edges retry what they wait for).
+const CLUSTER_QUEUE: usize = 65_536;
+
+/// Hands the server what the cluster's NATS I/O received.
+#[derive(Clone)]
+pub struct ClusterInputs {
+    control: mpsc::Sender<Control>,
+}
+
+impl ClusterInputs {
+    /// `false` once the server has stopped.
+    pub async fn send(&self, input: cluster::ClusterInput) -> bool {
+        self.control.send(Control::Cluster(input)).await.is_ok()
+    }
+}
+
 /// A running server. Dropping it without [`Server::shutdown`] leaves its task
 /// (and the store's writer thread) running until the runtime stops.
 pub struct Server {
     local_addr: SocketAddr,
     websocket_addr: Option<SocketAddr>,
+    /// What the state asks of the cluster's NATS I/O, until taken.
+    cluster: Mutex<Option<mpsc::Receiver<cluster::ClusterOutput>>>,
     shared: Arc<Shared>,
     certificate: rustls::pki_types::CertificateDer<'static>,
     task: JoinHandle<()>,
@@ -627,6 +656,7 @@ struct Built {
     certificate: rustls::pki_types::CertificateDer<'static>,
     driver: driver::Driver,
     control: mpsc::Receiver<Control>,
+    cluster: Option<mpsc::Receiver<cluster::ClusterOutput>>,
 }
 
 impl Server {
@@ -640,6 +670,7 @@ impl Server {
         Ok(Server {
             local_addr: built.local_addr,
             websocket_addr: built.websocket_addr,
+            cluster: Mutex::new(built.cluster),
             shared: built.shared,
             certificate: built.certificate,
             task,
@@ -732,6 +763,11 @@ impl Server {
         };
         let mut driver = driver::Driver::new(shared.clone(), io, state, writer);
         driver.ws = ws;
+        let cluster = shared.config.cluster.as_ref().map(|_| {
+            let (tx, rx) = mpsc::channel(CLUSTER_QUEUE);
+            driver.cluster = Some(tx);
+            rx
+        });
         Ok(Built {
             local_addr,
             websocket_addr,
@@ -739,6 +775,7 @@ impl Server {
             certificate,
             driver,
             control: control_rx,
+            cluster,
         })
     }
 
@@ -769,6 +806,19 @@ impl Server {
     pub fn monitor(&self) -> Monitor {
         Monitor {
             shared: self.shared.clone(),
+        }
+    }
+
+    /// What the state asks of the cluster's NATS I/O ([`ServerConfig::cluster`]);
+    /// `None` without a cluster, or once taken.
+    pub fn take_cluster_outputs(&self) -> Option<mpsc::Receiver<cluster::ClusterOutput>> {
+        self.cluster.lock().ok()?.take()
+    }
+
+    /// A handle to give the state what NATS delivered.
+    pub fn cluster_inputs(&self) -> ClusterInputs {
+        ClusterInputs {
+            control: self.shared.control.clone(),
         }
     }
 
@@ -888,6 +938,11 @@ impl Monitor {
             handshakes_in_flight: s.handshaking.load(Ordering::Relaxed) as u64,
             loop_pass: s.loop_pass.snapshot(),
             loop_carried: s.loop_carried.load(Ordering::Relaxed),
+            cluster: census.cluster.map(|counters| metrics::ClusterMetrics {
+                counters,
+                dropped: s.cluster_dropped.load(Ordering::Relaxed),
+                latency: s.cluster_latency.snapshot(),
+            }),
             udp: self
                 .shared
                 .socket_inode

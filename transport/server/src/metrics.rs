@@ -75,6 +75,19 @@ pub struct MetricsSnapshot {
     pub loop_carried: u64,
     /// The socket as the kernel sees it (Linux only).
     pub udp: Option<UdpSocketStats>,
+    /// The cluster data path (with a cluster only).
+    pub cluster: Option<ClusterMetrics>,
+}
+
+/// What the metrics page shows of the cluster data path.
+#[derive(Clone, Debug, Default)]
+pub struct ClusterMetrics {
+    pub counters: crate::cluster::ClusterCounters,
+    /// Outputs for the NATS I/O dropped at its full queue.
+    pub dropped: u64,
+    /// Owner's publish to this edge's fanout, in milliseconds of the two
+    /// nodes' wall clocks.
+    pub latency: (Vec<u64>, u64),
 }
 
 impl MetricsSnapshot {
@@ -370,6 +383,79 @@ impl MetricsSnapshot {
              to its push being written to the connection (debounce and batch waits excluded).",
             &self.latency,
         );
+        if let Some(cl) = &self.cluster {
+            let c = &cl.counters;
+            metric(
+                &mut out,
+                "greendot_cluster_forwarded_inputs_total",
+                "counter",
+                "Device inputs this edge sent to their owner: over NATS (remote) or in process (local), retries included.",
+                &[("to=\"remote\"", c.forwarded), ("to=\"local\"", c.forwarded_local)],
+            );
+            metric(
+                &mut out,
+                "greendot_cluster_owner_inputs_total",
+                "counter",
+                "Device inputs this node took as owner from other edges.",
+                &[("", c.owner_inputs)],
+            );
+            metric(
+                &mut out,
+                "greendot_cluster_views_published_total",
+                "counter",
+                "Views published on shard subjects (each once, whoever watches).",
+                &[("", c.published)],
+            );
+            metric(
+                &mut out,
+                "greendot_cluster_views_applied_total",
+                "counter",
+                "Views from other nodes taken by this edge's fanout (newer than what it knew).",
+                &[("", c.views_applied)],
+            );
+            metric(
+                &mut out,
+                "greendot_cluster_retries_total",
+                "counter",
+                "Requests to an owner asked again: refused (not the owner, device unknown) or unanswered.",
+                &[("", c.retries)],
+            );
+            metric(
+                &mut out,
+                "greendot_cluster_resyncs_total",
+                "counter",
+                "New owners' resync requests this edge answered by resending its devices of the shard.",
+                &[("", c.resyncs)],
+            );
+            metric(
+                &mut out,
+                "greendot_cluster_edge_lost_devices_total",
+                "counter",
+                "Devices this node's owners moved to lingering because their edge's lease went.",
+                &[("", c.edge_lost_devices)],
+            );
+            metric(
+                &mut out,
+                "greendot_cluster_malformed_total",
+                "counter",
+                "Messages from NATS dropped: undecodable, too large, bad names or the wrong shard.",
+                &[("", c.malformed)],
+            );
+            metric(
+                &mut out,
+                "greendot_cluster_dropped_total",
+                "counter",
+                "Outputs for the NATS I/O dropped at its full queue.",
+                &[("", cl.dropped)],
+            );
+            histogram(
+                &mut out,
+                "greendot_cluster_view_latency_seconds",
+                "From the owner publishing a view to this edge's fanout taking it (wall clocks of \
+                 both nodes, millisecond resolution).",
+                &cl.latency,
+            );
+        }
         histogram(
             &mut out,
             "greendot_loop_pass_seconds",

@@ -39,6 +39,7 @@
 //! transport through a small binding trait; QUIC is the one binding today
 //! (`quic`).
 
+use super::cluster::{ClusterInput, ClusterLink, ClusterOutput, Finished, WireOp};
 use super::conn::{ConnState, Handled, Step};
 use super::hub::{Hub, HubOutput};
 use super::quic::QuicLink;
@@ -54,8 +55,8 @@ use super::{
 };
 use crate::tls::{self, Identity};
 use crate::token::TokenKeys;
-use bytes::BytesMut;
-use greendot_core::{Counters, EndReason, Millis, SessionId, UserId};
+use bytes::{Bytes, BytesMut};
+use greendot_core::{Counters, EndReason, Millis, SessionId, Tier, UserId};
 use greendot_proto::{self as proto, encode_frame, CloseCode, ServerFrame};
 use quinn_proto::{ConnectionHandle, DatagramEvent, EcnCodepoint, Endpoint};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
@@ -146,6 +147,8 @@ pub enum ServerInput {
     /// WebSocket `id` is gone: closed by the client with `code`, or lost
     /// (`None`), or closed after the server asked.
     WsClosed { id: WsId, code: Option<u16> },
+    /// From the cluster's NATS I/O (only with [`ServerConfig::cluster`]).
+    Cluster(ClusterInput),
 }
 
 /// A write the store is asked for.
@@ -193,6 +196,8 @@ pub enum ServerOutput {
         id: WsId,
         bytes: usize,
     },
+    /// For the cluster's NATS I/O (only with [`ServerConfig::cluster`]).
+    Cluster(ClusterOutput),
 }
 
 /// What the metrics read of the hub.
@@ -203,6 +208,8 @@ pub struct Census {
     pub users_known: usize,
     /// User and device names held.
     pub names: usize,
+    /// The cluster link's counters (with a cluster only).
+    pub cluster: Option<super::cluster::ClusterCounters>,
 }
 
 /// Deliberately broken variants of the server (for the simulator: it must
@@ -547,12 +554,22 @@ enum Ticket {
     },
     /// The final write of a stop.
     Stop { deadline: Instant },
+    /// A request's answer waits for the owner of its user (in a cluster);
+    /// the cluster link answers before `deadline`, which is a backstop.
+    Cluster {
+        ch: usize,
+        serial: u64,
+        handled: Handled,
+        deadline: Instant,
+    },
 }
 
 impl Ticket {
     fn deadline(&self) -> Instant {
         match self {
-            Ticket::Answer { deadline, .. } | Ticket::Stop { deadline } => *deadline,
+            Ticket::Answer { deadline, .. }
+            | Ticket::Stop { deadline }
+            | Ticket::Cluster { deadline, .. } => *deadline,
         }
     }
 }
@@ -617,6 +634,8 @@ pub struct ServerState {
     ws_rng: SmallRng,
     /// The WebSocket listener's TLS (the same identity as QUIC).
     ws_tls: Arc<rustls::ServerConfig>,
+    /// The cluster data path (`None` on one node: nothing of it runs).
+    cluster: Option<Box<ClusterLink>>,
 }
 
 impl std::fmt::Debug for ServerState {
@@ -714,6 +733,14 @@ impl ServerState {
             .with_max_frame(u32::try_from(config.max_frame).unwrap_or(u32::MAX))
             .with_session_key(session_key);
         let stored = restored.is_some();
+        let cluster = config.cluster.clone().map(|settings| {
+            Box::new(ClusterLink::new(
+                settings,
+                &config.core,
+                0,
+                config.limits.max_name_len,
+            ))
+        });
         if let Some(loaded) = restored {
             restore(&mut hub, loaded, clock.at(now), &config)?;
         }
@@ -754,6 +781,7 @@ impl ServerState {
             ws_free: Vec::new(),
             ws_tls,
             ws_rng: SmallRng::new(derive(seed, 5)),
+            cluster,
             config,
         })
     }
@@ -856,6 +884,12 @@ impl ServerState {
         if let Some(&(t, _)) = self.ticket_deadlines.first() {
             at = at.min(t);
         }
+        if let Some(c) = self.cluster.as_deref() {
+            let core = c.poll_timeout().and_then(|m| self.clock.instant(m));
+            if let Some(t) = core.into_iter().chain(c.poll_deadline()).min() {
+                at = at.min(t);
+            }
+        }
         if let Some(Stopping::Closing { until, .. }) = &self.stopping {
             at = at.min(*until);
         }
@@ -914,6 +948,13 @@ impl ServerState {
             ServerInput::WsClosed { id, code } => {
                 self.with_ws(id, |link| link.lost(code));
             }
+            ServerInput::Cluster(input) => {
+                let at = self.clock.at(now);
+                if let Some(c) = self.cluster.as_deref_mut() {
+                    c.handle_input(now, at, input);
+                }
+                self.route(now);
+            }
         }
     }
 
@@ -928,6 +969,7 @@ impl ServerState {
             counters: self.counters(),
             users_known: self.hub.user_names(),
             names: self.hub.names(),
+            cluster: self.cluster.as_deref().map(ClusterLink::counters),
         }
     }
 
@@ -988,7 +1030,8 @@ impl ServerState {
                 Phase::WaitingStore { ticket } => {
                     let waits_here = matches!(
                         self.tickets.get(ticket),
-                        Some(Ticket::Answer { ch: c, serial, .. }) if *c == ch && *serial == conn.serial
+                        Some(Ticket::Answer { ch: c, serial, .. } | Ticket::Cluster { ch: c, serial, .. })
+                            if *c == ch && *serial == conn.serial
                     );
                     if !waits_here {
                         return Err(format!(
@@ -1279,6 +1322,7 @@ impl ServerState {
                 handled,
                 ..
             } => self.saved(now, ch, serial, ticket, handled, result.err()),
+            Ticket::Cluster { .. } => {}
             Ticket::Stop { .. } => {
                 if let Err(e) = result {
                     warn!(error = %e, "the store was not written at the stop");
@@ -1441,6 +1485,15 @@ impl ServerState {
                     handled,
                     ..
                 } => self.saved(now, ch, serial, ticket, handled, Some(error)),
+                Ticket::Cluster {
+                    ch,
+                    serial,
+                    handled,
+                    ..
+                } => {
+                    let handled = not_saved(handled, "the owner of this user did not answer");
+                    self.saved(now, ch, serial, ticket, handled, None);
+                }
                 Ticket::Stop { .. } => {
                     warn!("the store was not written at the stop: no commit in time");
                     self.stats.store_errors.fetch_add(1, Ordering::Relaxed);
@@ -1467,6 +1520,16 @@ impl ServerState {
         if self.stored && now >= self.next_flush {
             self.next_flush = now + self.config.flush_interval;
             self.flush_store();
+        }
+        if let Some(c) = self.cluster.as_deref_mut() {
+            let at = self.clock.at(now);
+            let core_due = c
+                .poll_timeout()
+                .and_then(|m| self.clock.instant(m))
+                .is_some_and(|t| t <= now);
+            if core_due || c.poll_deadline().is_some_and(|t| t <= now) {
+                c.handle_timeout(now, at);
+            }
         }
     }
 
@@ -1867,6 +1930,16 @@ impl ServerState {
             }
             let now = self.clock.at(self.last_now);
             self.hub.closed(now, session, logout, last_heard.min(now));
+            if let Some(c) = self.cluster.as_deref_mut() {
+                let op = if logout {
+                    WireOp::Logout
+                } else {
+                    WireOp::Disconnect {
+                        last_heard: last_heard.min(now).0,
+                    }
+                };
+                c.input(self.last_now, now, session, op, None);
+            }
         }
         if connected {
             let session = session.map(|s| self.wire(s));
@@ -1947,9 +2020,25 @@ impl ServerState {
                 return;
             }
         }
+        if self.cluster.is_some() {
+            if let Step::Request {
+                request:
+                    proto::Request::Subscribe { .. }
+                    | proto::Request::Unsubscribe { .. }
+                    | proto::Request::Query { .. },
+                ..
+            } = &step
+            {
+                return self.cluster_subscription(ch, now, step);
+            }
+        }
+        let forward = self.cluster.as_ref().and_then(|_| forwarded_op(&step));
         let durable = durable_user(&self.hub, &step);
-        let handled = self.hub.apply(at, step);
+        let mut handled = self.hub.apply(at, step);
         if let Some(s) = handled.welcomed {
+            if self.cluster.is_some() {
+                self.cluster_welcome(now, s, &mut handled);
+            }
             self.welcome(ch, now, s, &handled);
         } else if let Some(ServerFrame::Error(e)) = &handled.reply {
             self.stats.reject(&reason_label(e));
@@ -1962,6 +2051,10 @@ impl ServerState {
             &handled.reply,
             Some(ServerFrame::Reply { result: Ok(_), .. })
         );
+        if let Some((session, op)) = forward.filter(|_| answered_ok) {
+            // In a cluster the owner of the user takes it before the answer.
+            return self.cluster_wait(ch, now, session, op, handled);
+        }
         let pending = durable
             .filter(|_| answered_ok && self.stored)
             .and_then(|user| record(&self.hub, user));
@@ -2085,7 +2178,8 @@ impl ServerState {
         self.queued -= freed;
     }
 
-    /// Sends every output of the hub where it goes.
+    /// Sends every output of the hub (and, in a cluster, of the edge's
+    /// fanout and the cluster link) where it goes.
     fn route(&mut self, now: Instant) {
         while let Some(output) = self.hub.poll_output() {
             match output {
@@ -2093,34 +2187,11 @@ impl ServerState {
                     session,
                     tier,
                     frame,
-                } => {
-                    let Some(&ch) = self.sessions.get(&session) else {
-                        continue;
-                    };
-                    let limit = self.config.push_queue_bytes;
-                    let Some(conn) = slot(&mut self.conns, ch) else {
-                        continue;
-                    };
-                    match conn
-                        .session
-                        .push(&mut conn.link, tier_index(tier), now, frame, limit)
-                    {
-                        Pushed::Sent => {
-                            self.stats.latency.observe(Duration::ZERO);
-                            self.touch(ch);
-                        }
-                        Pushed::Queued(n) => {
-                            self.queued += n;
-                            self.touch(ch);
-                        }
-                        Pushed::Dropped => self.touch(ch),
-                        Pushed::Stalled => {
-                            warn!(%session, "push queue full: closing the stalled connection");
-                            self.overloaded(ch, now);
-                        }
-                    }
-                }
+                } => self.deliver(now, session, tier, frame),
                 HubOutput::End { session, reason } => {
+                    if let Some(c) = self.cluster.as_deref_mut() {
+                        c.session_ended(session);
+                    }
                     let Some(&ch) = self.sessions.get(&session) else {
                         continue;
                     };
@@ -2141,7 +2212,280 @@ impl ServerState {
                 }
             }
         }
+        if self.cluster.is_some() {
+            self.route_cluster(now);
+        }
         self.within_budget(now);
+    }
+
+    /// One push to a session's stream of `tier`.
+    fn deliver(&mut self, now: Instant, session: SessionId, tier: Tier, frame: Bytes) {
+        let Some(&ch) = self.sessions.get(&session) else {
+            return;
+        };
+        let limit = self.config.push_queue_bytes;
+        let Some(conn) = slot(&mut self.conns, ch) else {
+            return;
+        };
+        match conn
+            .session
+            .push(&mut conn.link, tier_index(tier), now, frame, limit)
+        {
+            Pushed::Sent => {
+                self.stats.latency.observe(Duration::ZERO);
+                self.touch(ch);
+            }
+            Pushed::Queued(n) => {
+                self.queued += n;
+                self.touch(ch);
+            }
+            Pushed::Dropped => self.touch(ch),
+            Pushed::Stalled => {
+                warn!(%session, "push queue full: closing the stalled connection");
+                self.overloaded(ch, now);
+            }
+        }
+    }
+
+    // ---- the cluster (only with `ServerConfig::cluster`) ----
+
+    /// The fanout's pushes, the answers the cluster finished, and what it
+    /// asks of the NATS I/O.
+    fn route_cluster(&mut self, now: Instant) {
+        loop {
+            let Some(c) = self.cluster.as_deref_mut() else {
+                return;
+            };
+            if let Some(out) = c.poll_fanout() {
+                if let greendot_core::Output::Push {
+                    to,
+                    target,
+                    tier,
+                    presence,
+                } = out
+                {
+                    let push = proto::Push::Update {
+                        target: c.user_name(target).unwrap_or_default().to_owned(),
+                        // Presences at the edge carry Unix milliseconds.
+                        presence: proto::Presence::from_core(&presence, 0),
+                    };
+                    let frame = Bytes::from(encode_frame(&push).unwrap_or_default());
+                    self.deliver(now, to, tier, frame);
+                }
+                continue;
+            }
+            if let Some(ms) = c.poll_latency() {
+                self.stats
+                    .cluster_latency
+                    .observe(Duration::from_millis(ms));
+                continue;
+            }
+            if let Some((wait, finished)) = c.poll_finished() {
+                self.cluster_finished(now, wait, finished);
+                continue;
+            }
+            match c.poll_output() {
+                Some(out) => self.outputs.push_back(ServerOutput::Cluster(out)),
+                None => return,
+            }
+        }
+    }
+
+    /// The cluster is done with the request behind `wait`.
+    fn cluster_finished(&mut self, now: Instant, wait: u64, finished: Finished) {
+        let Some(ticket) = self.tickets.remove(&wait) else {
+            return; // answered at the backstop already
+        };
+        self.ticket_deadlines.remove(&(ticket.deadline(), wait));
+        let Ticket::Cluster {
+            ch,
+            serial,
+            mut handled,
+            ..
+        } = ticket
+        else {
+            return;
+        };
+        let result = match finished {
+            Finished::Done => None,
+            Finished::Answer(answer) => Some(Ok(answer)),
+            Finished::Failed(error) => Some(Err(error)),
+        };
+        if let (Some(result), Some(ServerFrame::Reply { result: r, .. })) =
+            (result, handled.reply.as_mut())
+        {
+            *r = result;
+        }
+        self.saved(now, ch, serial, wait, handled, None);
+    }
+
+    /// Holds `handled` (the hub's answer) until the owner took `op`.
+    fn cluster_wait(
+        &mut self,
+        ch: usize,
+        now: Instant,
+        session: SessionId,
+        op: WireOp,
+        handled: Handled,
+    ) {
+        let Some(serial) = self.conn(ch).map(|c| c.serial) else {
+            return;
+        };
+        let backstop = self.cluster_backstop(now);
+        let wait = self.ticket(Ticket::Cluster {
+            ch,
+            serial,
+            handled,
+            deadline: backstop,
+        });
+        let at = self.clock.at(now);
+        let taken = self
+            .cluster
+            .as_deref_mut()
+            .is_some_and(|c| c.input(now, at, session, op, Some(wait)));
+        if taken {
+            if let Some(conn) = self.conn(ch) {
+                conn.session.phase = Phase::WaitingStore { ticket: wait };
+            }
+            return;
+        }
+        // Not a session the cluster knows (it never got through): answered
+        // as it is.
+        if let Some(Ticket::Cluster { handled, .. }) = self.tickets.remove(&wait) {
+            self.ticket_deadlines.remove(&(backstop, wait));
+            self.answer(ch, now, handled);
+        }
+    }
+
+    fn cluster_backstop(&self, now: Instant) -> Instant {
+        let timeout = self
+            .config
+            .cluster
+            .as_ref()
+            .map_or(Duration::ZERO, |c| c.request_timeout);
+        now + timeout + Duration::from_secs(1)
+    }
+
+    /// A welcome in a cluster: the device goes to its owner; a resumed
+    /// session's snapshots are the edge's (its subscriptions live in the
+    /// fanout, not the hub's core).
+    fn cluster_welcome(&mut self, now: Instant, session: SessionId, handled: &mut Handled) {
+        let at = self.clock.at(now);
+        let kind = self.hub.session_kind(session);
+        let (Some(c), Some(ServerFrame::Welcome(w)), Some(kind)) =
+            (self.cluster.as_deref_mut(), handled.reply.as_mut(), kind)
+        else {
+            return;
+        };
+        c.connected(now, at, session, &w.user, &w.device, kind.into());
+        if w.resumed {
+            w.snapshots = c.snapshots(session, &w.user);
+        }
+    }
+
+    /// Subscribe and unsubscribe in a cluster: through the fanout, with
+    /// snapshots from the targets' owners.
+    fn cluster_subscription(&mut self, ch: usize, now: Instant, step: Step) {
+        let Step::Request {
+            session,
+            id,
+            request,
+        } = step
+        else {
+            return;
+        };
+        let at = self.clock.at(now);
+        let reply = |result| Handled {
+            reply: Some(ServerFrame::Reply { id, result }),
+            ..Handled::default()
+        };
+        let viewer = self
+            .hub
+            .session_user(session)
+            .and_then(|u| self.hub.user_name(u))
+            .map(str::to_owned);
+        let Some(viewer) = viewer else {
+            let stale =
+                proto::WireError::new(proto::ErrorCode::Stale, "session is no longer current");
+            return self.answer(ch, now, reply(Err(stale)));
+        };
+        match request {
+            request @ (proto::Request::Subscribe { .. } | proto::Request::Query { .. }) => {
+                let (targets, tier, query) = match request {
+                    proto::Request::Subscribe { targets, tier } => (targets, tier.into(), false),
+                    proto::Request::Query { targets } => (targets, Tier::Realtime, true),
+                    _ => return,
+                };
+                if query && targets.len() > 1 && !self.hub.is_service(session) {
+                    let error = proto::WireError::new(
+                        proto::ErrorCode::ServiceOnly,
+                        "querying several users at once needs a service token",
+                    );
+                    return self.answer(ch, now, reply(Err(error)));
+                }
+                if targets.len() > self.config.limits.max_targets {
+                    let error = proto::WireError::new(
+                        proto::ErrorCode::TooManyTargets,
+                        format!(
+                            "at most {} targets per request",
+                            self.config.limits.max_targets
+                        ),
+                    );
+                    return self.answer(ch, now, reply(Err(error)));
+                }
+                let mut allowed = Vec::with_capacity(targets.len());
+                let mut refused = Vec::new();
+                for target in targets {
+                    match self.hub.may_watch(session, &target) {
+                        Ok(()) => allowed.push(target),
+                        Err(error) => refused.push(proto::Refused { target, error }),
+                    }
+                }
+                let Some(serial) = self.conn(ch).map(|c| c.serial) else {
+                    return;
+                };
+                let backstop = self.cluster_backstop(now);
+                let wait = self.ticket(Ticket::Cluster {
+                    ch,
+                    serial,
+                    handled: reply(Ok(proto::Answer::Done)),
+                    deadline: backstop,
+                });
+                let Some(c) = self.cluster.as_deref_mut() else {
+                    return;
+                };
+                match c.subscribe(
+                    now, at, wait, session, &viewer, allowed, refused, tier, query,
+                ) {
+                    Some(answer) => {
+                        self.tickets.remove(&wait);
+                        self.ticket_deadlines.remove(&(backstop, wait));
+                        self.answer(ch, now, reply(Ok(answer)));
+                    }
+                    None => {
+                        if let Some(conn) = self.conn(ch) {
+                            conn.session.phase = Phase::WaitingStore { ticket: wait };
+                        }
+                    }
+                }
+            }
+            proto::Request::Unsubscribe { target } => {
+                let done = self
+                    .cluster
+                    .as_deref_mut()
+                    .is_some_and(|c| c.unsubscribe(at, session, &target));
+                let result = if done {
+                    Ok(proto::Answer::Done)
+                } else {
+                    Err(proto::WireError::new(
+                        proto::ErrorCode::NotSubscribed,
+                        "not subscribed to that user",
+                    ))
+                };
+                self.answer(ch, now, reply(result));
+            }
+            _ => {}
+        }
     }
 
     fn overloaded(&mut self, ch: usize, now: Instant) {
@@ -2173,6 +2517,27 @@ impl ServerState {
             self.overloaded(ch, now);
         }
     }
+}
+
+/// The device input a request is in a cluster, forwarded to the owner of
+/// its user once the hub answered it.
+fn forwarded_op(step: &Step) -> Option<(SessionId, WireOp)> {
+    let Step::Request {
+        session, request, ..
+    } = step
+    else {
+        return None;
+    };
+    let op = match request {
+        proto::Request::SetStatus { status, message } => WireOp::SetStatus {
+            status: *status,
+            message: message.clone(),
+        },
+        proto::Request::SetInvisible { invisible } => WireOp::SetInvisible(*invisible),
+        proto::Request::Logout => WireOp::Logout,
+        _ => return None,
+    };
+    Some((*session, op))
 }
 
 fn slot(conns: &mut [Option<Box<Conn>>], ch: usize) -> Option<&mut Conn> {

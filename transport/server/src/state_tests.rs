@@ -195,6 +195,8 @@ impl Net {
                     | ServerOutput::WsPing { .. }
                     | ServerOutput::WsClose { .. }
                     | ServerOutput::WsCredit { .. } => {}
+                    // No cluster in these tests.
+                    ServerOutput::Cluster(out) => panic!("a cluster output on one node: {out:?}"),
                 }
             }
             while let Some(t) = self.server.poll_transmit() {

@@ -8,6 +8,7 @@
 
 mod client;
 mod cluster;
+mod cluster_io;
 mod page;
 mod serve;
 mod settings;

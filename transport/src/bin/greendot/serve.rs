@@ -190,14 +190,33 @@ pub fn runtime() -> Result<tokio::runtime::Runtime, String> {
         .map_err(|e| format!("cannot start the runtime: {e}"))
 }
 
+/// How this node takes part in the cluster's data path.
+fn cluster_settings(
+    config: &greendot_cluster::ClusterConfig,
+) -> Result<greendot_server::cluster::ClusterSettings, String> {
+    let incarnation = u64::from_str_radix(&random_hex(8)?, 16).map_err(|e| e.to_string())?;
+    Ok(greendot_server::cluster::ClusterSettings {
+        node: config.node.to_string(),
+        incarnation,
+        shard_count: config.shard_count,
+        shard_of: |user, shards| greendot_cluster::shard_of(user, shards).0,
+        // Long enough for a shard to change hands (its claim's TTL).
+        request_timeout: config.claim_ttl.max(Duration::from_secs(2)),
+    })
+}
+
 pub async fn serve(settings: Settings) -> Result<(), String> {
     let data = prepare(&settings)?;
-    let config = server_config(&settings, &data)?;
+    let mut config = server_config(&settings, &data)?;
+    let cluster_config = settings.cluster_config()?;
+    if let Some((_, c)) = &cluster_config {
+        config.cluster = Some(cluster_settings(c)?);
+    }
     let server = Server::bind(config).map_err(|e| e.to_string())?;
     let addr = server.local_addr();
 
     // Joined before the metrics page starts, so that it shows the node.
-    let mut node = match settings.cluster_config()? {
+    let mut node = match cluster_config {
         None => None,
         Some((urls, config)) => {
             let cluster = greendot_cluster::Cluster::connect(&urls, config)
@@ -212,7 +231,7 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
                 .advertise
                 .clone()
                 .unwrap_or_else(|| addr.to_string());
-            let node = greendot_cluster::Node::start(cluster, advertise)
+            let node = greendot_cluster::Node::start(cluster.clone(), advertise)
                 .await
                 .map_err(|e| {
                     format!(
@@ -220,6 +239,15 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
                         crate::cluster::chain(&e)
                     )
                 })?;
+            // The data path: presence crosses nodes through this task.
+            if let Some(outputs) = server.take_cluster_outputs() {
+                tokio::spawn(crate::cluster_io::run(
+                    cluster,
+                    node.status(),
+                    outputs,
+                    server.cluster_inputs(),
+                ));
+            }
             Some(node)
         }
     };

@@ -1,0 +1,2571 @@
+//! The cluster data path (docs/cluster.md "The protocol as checked"), sans
+//! IO: what `ServerState` does as an **edge** (forwards its sessions' device
+//! inputs to the owner of their user's shard, fans published views out to
+//! its sessions through a `Fanout`) and as an **owner** (one `Core` per shard
+//! it acts for, publishing each view once on the shard's subject).
+//!
+//! Everything that leaves a node is named by strings (user, device, edge
+//! node), never by the hub's interned ids, which are this process's own.
+//! Messages are postcard-encoded; a message from NATS is checked against
+//! [`MAX_MESSAGE`] and the name limits before anything of it is stored, and
+//! one that does not decode or does not fit is counted and dropped.
+//!
+//! The NATS I/O is a thin task outside (see `greendot serve`): it turns
+//! [`ClusterOutput`]s into publishes, requests, replies, KV writes and
+//! subscriptions, and what NATS delivers into [`ClusterInput`]s.
+
+use crate::hub::Interner;
+use bytes::Bytes;
+use greendot_core::{
+    Config, Connect, Core, DeviceId, DeviceKind, EndReason, Epoch, Fanout, Millis, Output,
+    Presence, SessionId, Tier, UserId, Watch,
+};
+use greendot_proto::{self as proto, ErrorCode, Refused, Snapshot, WireError};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+/// The largest message accepted from another node: a device input or a
+/// view is a few names and a status message; a snapshot answer carries at
+/// most [`MAX_SNAPSHOT_TARGETS`] presences.
+pub const MAX_MESSAGE: usize = 256 * 1024;
+/// Targets one snapshot request may name (a subscribe is split per shard).
+pub const MAX_SNAPSHOT_TARGETS: usize = 1_000;
+/// Device inputs an edge holds for one session at most: a session's
+/// requests wait for their answers, so more means a stuck owner.
+const MAX_QUEUED_OPS: usize = 16;
+/// Requests an owner has taken and not yet answered (waiting for a KV write).
+const MAX_PENDING_PREFS: usize = 65_536;
+/// Connections an owner remembers the last request id of (past it, it
+/// forgets them all at once: see `remember_rid`).
+const MAX_HOLDERS_REMEMBERED: usize = 262_144;
+/// How long an edge waits before asking again after a refusal or a failure.
+const RETRY_AFTER: Duration = Duration::from_millis(100);
+/// How long after a change of its devices an owner writes a shard's device
+/// record behind (what a crash of the owner may lose).
+const WRITE_BEHIND: Millis = Millis(500);
+/// Devices one shard's record holds at most (the rest are not recorded: a
+/// crash of their owner together with their edge leaves them to the
+/// watchers' last view).
+const MAX_RECORDED_DEVICES: usize = 2_048;
+/// How often retries, deadlines and lapsed claims are looked at while there
+/// is any (a claim's deadline is `margin` before NATS can expire it, so
+/// acting up to this late still ends before the claim can).
+const TICK: Duration = Duration::from_millis(50);
+
+/// How a node takes part in a cluster.
+#[derive(Clone, Debug)]
+pub struct ClusterSettings {
+    /// This node's id (`[A-Za-z0-9_-]`, as in its lease).
+    pub node: String,
+    /// Differs at every start of the process: names this edge's connections
+    /// to owners, so a late request of a previous process is never taken for
+    /// one of this process.
+    pub incarnation: u64,
+    pub shard_count: u32,
+    /// The user → shard map every node shares (greendot-cluster's).
+    pub shard_of: fn(&str, u32) -> u32,
+    /// A forwarded request unanswered this long is answered with an error to
+    /// the client (the edge still delivers device inputs that have no client
+    /// waiting, retrying until the owner takes them).
+    pub request_timeout: Duration,
+}
+
+/// Which of the owner's subjects a request goes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RequestKind {
+    Input,
+    Snapshot,
+}
+
+/// What the NATS I/O hands the state.
+#[derive(Debug)]
+pub enum ClusterInput {
+    /// The shards this node may act for now: epoch, and the instant it must
+    /// stop at the latest (from the node's duty task).
+    Status {
+        shards: BTreeMap<u32, (u64, Instant)>,
+    },
+    /// A message on the subject of a watched shard.
+    ShardMessage { shard: u32, payload: Bytes },
+    /// A request to a shard this node serves; answer with
+    /// [`ClusterOutput::Reply`] naming `reply`.
+    Request {
+        shard: u32,
+        kind: RequestKind,
+        payload: Bytes,
+        reply: u64,
+    },
+    /// The owner's answer to [`ClusterOutput::Request`] `id`, or `None`: no
+    /// owner, timed out, or NATS failed (the edge retries).
+    Answered { id: u64, payload: Option<Bytes> },
+    /// The KV write of [`ClusterOutput::PutPrefs`] `id` is done (`ok`) or
+    /// failed.
+    PrefsStored { id: u64, ok: bool },
+    /// What the KV holds of the user of [`ClusterOutput::LoadUser`] `id`
+    /// (`None`: nothing, or the read failed: the user starts fresh).
+    UserLoaded {
+        id: u64,
+        prefs: Option<Bytes>,
+        view: Option<Bytes>,
+    },
+    /// A message on the cluster's resync subject (a new owner asks every
+    /// edge to resend its devices of a shard).
+    Resync { payload: Bytes },
+    /// What the KV holds of the devices of the shard of
+    /// [`ClusterOutput::LoadShard`] `id` (`None`: nothing, or the read failed).
+    ShardLoaded { id: u64, record: Option<Bytes> },
+    /// The lease of node `node` is gone (expired: the node died or was cut
+    /// off; or released: it left). `last_heard`: Unix milliseconds of its
+    /// last renewal, as near as known.
+    EdgeLost { node: String, last_heard: u64 },
+}
+
+/// What the state asks the NATS I/O to do, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClusterOutput {
+    /// Publish once on the shard's subject.
+    Publish { shard: u32, payload: Bytes },
+    /// Ask the shard's owner; answer with [`ClusterInput::Answered`].
+    Request {
+        id: u64,
+        shard: u32,
+        kind: RequestKind,
+        payload: Bytes,
+    },
+    /// Answer a [`ClusterInput::Request`].
+    Reply { reply: u64, payload: Bytes },
+    /// Write a user's preferences to the KV; answer with
+    /// [`ClusterInput::PrefsStored`].
+    PutPrefs { id: u64, user: String, value: Bytes },
+    /// Read a user's preferences and last published view from the KV;
+    /// answer with [`ClusterInput::UserLoaded`].
+    LoadUser { id: u64, user: String },
+    /// Write the last published view of a user (behind: nobody waits).
+    PutView { user: String, value: Bytes },
+    /// Write a shard's device record (behind).
+    PutShardDevices { shard: u32, value: Bytes },
+    /// Read a shard's device record; answer with [`ClusterInput::ShardLoaded`].
+    LoadShard { id: u64, shard: u32 },
+    /// Publish on the cluster's resync subject (every node listens).
+    Resync { payload: Bytes },
+    /// Subscribe to a shard's subject (one more local watcher of it).
+    Watch { shard: u32 },
+    /// The last local watcher of the shard left.
+    Unwatch { shard: u32 },
+}
+
+// ---- the wire between nodes ---------------------------------------------
+
+/// A device input, as the edge forwards it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WireOp {
+    Connect {
+        kind: proto::Kind,
+    },
+    /// `last_heard`: Unix milliseconds (the nodes' clocks agree on Unix time,
+    /// not on their cores' milliseconds).
+    Disconnect {
+        last_heard: u64,
+    },
+    Logout,
+    SetStatus {
+        status: proto::Status,
+        message: Option<String>,
+    },
+    SetInvisible(bool),
+}
+
+/// Edge → owner, on `<prefix>.req.<shard>.<kind>`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ToOwner {
+    Device {
+        edge: String,
+        incarnation: u64,
+        /// Unique per (edge, incarnation), increasing: the owner's duplicate
+        /// filter.
+        rid: u64,
+        /// The edge's connection of the device (one per connect).
+        conn: u64,
+        user: String,
+        device: String,
+        op: WireOp,
+    },
+    /// The views of `targets` for a subscribe by `viewer` (a target equal to
+    /// the viewer gets the truth).
+    Snapshot {
+        viewer: String,
+        targets: Vec<String>,
+    },
+}
+
+/// Owner → edge (a reply).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FromOwner {
+    Done {
+        epoch: u64,
+    },
+    /// This node does not act for the shard: look again and retry.
+    NotOwner,
+    /// No live session of the device here: connect it again, then retry.
+    Unknown,
+    /// The owner refused the input (a limit): tell the client.
+    Refused(WireError),
+    Snapshot {
+        presences: Vec<proto::Presence>,
+    },
+}
+
+/// On `<prefix>.shard.<n>`: a view the owner published.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardView {
+    pub epoch: u64,
+    /// When the owner published it (Unix milliseconds of its clock).
+    pub published_ms: u64,
+    pub user: String,
+    /// The truth, for the user's own sessions.
+    pub own: bool,
+    pub presence: proto::Presence,
+}
+
+/// One device of a shard's record, as its owner last wrote it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordedDevice {
+    pub user: String,
+    pub device: String,
+    pub kind: proto::Kind,
+    pub edge: String,
+    pub incarnation: u64,
+    pub conn: u64,
+    /// Unix milliseconds of the write.
+    pub heard: u64,
+}
+
+/// On the resync subject: the new owner of `shard` asks every edge to
+/// resend its live devices of the shard.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResyncRequest {
+    pub shard: u32,
+    pub epoch: u64,
+    pub owner: String,
+}
+
+fn encode<T: Serialize>(value: &T) -> Bytes {
+    // Our own small types always encode.
+    Bytes::from(postcard::to_stdvec(value).unwrap_or_default())
+}
+
+fn decode<'a, T: Deserialize<'a>>(payload: &'a [u8]) -> Option<T> {
+    if payload.len() > MAX_MESSAGE {
+        return None;
+    }
+    postcard::from_bytes(payload).ok()
+}
+
+/// Counters the metrics read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ClusterCounters {
+    /// Device inputs sent to a remote owner (retries included).
+    pub forwarded: u64,
+    /// Device inputs handled by this node's own owner, in process.
+    pub forwarded_local: u64,
+    /// Device inputs this node handled as owner for other edges.
+    pub owner_inputs: u64,
+    /// Views published on shard subjects.
+    pub published: u64,
+    /// Views from other nodes applied to local sessions.
+    pub views_applied: u64,
+    /// Messages from NATS dropped: undecodable, too large, or naming too
+    /// long a name or the wrong shard.
+    pub malformed: u64,
+    /// Requests refused with `NotOwner`, `Unknown`, or unanswered, and retried.
+    pub retries: u64,
+    /// Resync requests of new owners this edge answered (resending its
+    /// devices of the shard).
+    pub resyncs: u64,
+    /// Devices this node's owners lost with their edge's lease.
+    pub edge_lost_devices: u64,
+}
+
+// ---- the owner ------------------------------------------------------------
+
+/// Who holds a device's connection: the edge, its incarnation, its
+/// connection.
+type Holder = (String, u64, u64);
+
+struct Owner {
+    epoch: u64,
+    core: Core,
+    users: Interner,
+    devices: Interner,
+    sessions: HashMap<SessionId, Holder>,
+    by_holder: HashMap<Holder, SessionId>,
+    /// The last request id taken per connection: a request that arrives
+    /// late (after the edge gave up on it and sent the next) is not applied
+    /// over a newer one.
+    last_rid: HashMap<Holder, u64>,
+    /// Users whose KV record was read (or is being read): the first device
+    /// input of any other waits for it, so a new owner keeps the user's
+    /// preferences and last published view.
+    loaded: std::collections::HashSet<String>,
+    /// Inputs waiting for their user's KV record.
+    loading: HashMap<String, Vec<(ToOwner, ReplyTo)>>,
+    /// Devices of the shard's record (the previous owner's), by user, to be
+    /// restored as lingering with the user.
+    recorded: HashMap<String, Vec<RecordedDevice>>,
+    /// The device set changed since this instant and is not written yet.
+    dirty_since: Option<Millis>,
+}
+
+/// Where an owner's answer goes.
+#[derive(Debug, Clone, Copy)]
+enum ReplyTo {
+    Remote(u64),
+    /// This node's own edge, in process: the op `rid` of a session.
+    Local(SessionId, u64),
+}
+
+struct PendingPrefs {
+    reply: ReplyTo,
+    since: Instant,
+    shard: u32,
+    epoch: u64,
+    holder: Holder,
+    rid: u64,
+}
+
+// ---- the edge -------------------------------------------------------------
+
+#[derive(Debug)]
+struct QueuedOp {
+    op: WireOp,
+    /// The client request waiting for it, if any.
+    wait: Option<u64>,
+    /// The client is answered with an error after this.
+    deadline: Instant,
+}
+
+#[derive(Debug)]
+struct EdgeDevice {
+    user: String,
+    device: String,
+    kind: proto::Kind,
+    conn: u64,
+    queue: VecDeque<QueuedOp>,
+    /// The request id of the op at the queue's head, once sent.
+    sent: Option<u64>,
+    /// Not before this instant (a retry's pause).
+    not_before: Option<Instant>,
+    /// The session is over here: forget the device once its queue is empty.
+    closed: bool,
+}
+
+struct PendingSubscribe {
+    session: SessionId,
+    viewer: String,
+    tier: Tier,
+    /// Targets in request order: their snapshot once known.
+    targets: Vec<(String, Option<Presence>)>,
+    refused: Vec<Refused>,
+    deadline: Instant,
+    /// Shards still to answer, and when to ask each again.
+    asking: BTreeMap<u32, Option<Instant>>,
+    /// Views of the targets that arrived before their snapshot (the shard is
+    /// watched first, and a view may overtake the owner's answer, a hole
+    /// the model found): the newest is what the subscribe starts from.
+    early: HashMap<String, Presence>,
+    /// A query: answered with the presences, nothing subscribed or watched.
+    query: bool,
+}
+
+enum InFlight {
+    Device { session: SessionId, rid: u64 },
+    Snapshot { wait: u64, shard: u32 },
+}
+
+/// A client request's answer, once the cluster is done with it.
+#[derive(Debug)]
+pub enum Finished {
+    /// Answer with what the hub answered (the owner took the input).
+    Done,
+    /// Answer with this instead.
+    Answer(proto::Answer),
+    /// Answer with this error.
+    Failed(WireError),
+}
+
+/// The cluster side of one node (see the module docs).
+pub struct ClusterLink {
+    settings: ClusterSettings,
+    owner_config: Config,
+    /// The Unix time of the core's `Millis(0)`.
+    unix_base_ms: u64,
+    acting: BTreeMap<u32, (u64, Instant)>,
+    owners: BTreeMap<u32, Owner>,
+    pending_prefs: HashMap<u64, PendingPrefs>,
+    /// KV reads in flight: shard, epoch, user, since.
+    pending_loads: HashMap<u64, (u32, u64, String, Instant)>,
+    /// Shard record reads in flight: shard, epoch, since.
+    pending_shards: HashMap<u64, (u32, u64, Instant)>,
+    fanout: Fanout,
+    names: Interner,
+    /// The edge's devices by session, while their inputs are forwarded.
+    devices: HashMap<SessionId, EdgeDevice>,
+    /// Sessions open in the fanout, with their user (whose name they hold a
+    /// reference on).
+    open: HashMap<SessionId, String>,
+    /// Shards some local subscription watches, with how many.
+    shard_watchers: HashMap<u32, u32>,
+    subscribes: HashMap<u64, PendingSubscribe>,
+    /// Requests out, with when they count as unanswered (an output the NATS
+    /// I/O dropped is never answered).
+    in_flight: HashMap<u64, (InFlight, Instant)>,
+    /// Devices with inputs queued or a retry pending: what the tick looks at.
+    busy: std::collections::HashSet<SessionId>,
+    next_tick: Option<Instant>,
+    next_id: u64,
+    next_conn: u64,
+    outputs: VecDeque<ClusterOutput>,
+    finished: VecDeque<(u64, Finished)>,
+    counters: ClusterCounters,
+    /// Publish-to-fanout delays of remote views taken, in milliseconds.
+    latencies: VecDeque<u64>,
+    max_name_len: usize,
+    max_subscriptions: usize,
+}
+
+impl ClusterLink {
+    /// `config`: the core's configuration; owners use it with heartbeats
+    /// off (the edge holding a connection says when it is lost).
+    pub fn new(
+        settings: ClusterSettings,
+        config: &Config,
+        unix_base_ms: u64,
+        max_name_len: usize,
+    ) -> ClusterLink {
+        let mut owner_config = config.clone();
+        for kind in &mut owner_config.kinds {
+            kind.heartbeat_timeout = Millis(u64::MAX / 4);
+        }
+        ClusterLink {
+            settings,
+            max_subscriptions: config.max_subscriptions_per_session,
+            fanout: Fanout::new(config.batch_interval),
+            owner_config,
+            unix_base_ms,
+            acting: BTreeMap::new(),
+            owners: BTreeMap::new(),
+            pending_prefs: HashMap::new(),
+            pending_loads: HashMap::new(),
+            pending_shards: HashMap::new(),
+            names: Interner::new(config.max_users.saturating_mul(2)),
+            devices: HashMap::new(),
+            open: HashMap::new(),
+            shard_watchers: HashMap::new(),
+            subscribes: HashMap::new(),
+            in_flight: HashMap::new(),
+            busy: Default::default(),
+            next_tick: None,
+            next_id: 0,
+            next_conn: 0,
+            outputs: VecDeque::new(),
+            finished: VecDeque::new(),
+            counters: ClusterCounters::default(),
+            latencies: VecDeque::new(),
+            max_name_len,
+        }
+    }
+
+    pub fn counters(&self) -> ClusterCounters {
+        self.counters
+    }
+
+    pub fn poll_output(&mut self) -> Option<ClusterOutput> {
+        self.outputs.pop_front()
+    }
+
+    /// A client request the cluster is done with: its wait id and answer.
+    pub fn poll_finished(&mut self) -> Option<(u64, Finished)> {
+        self.finished.pop_front()
+    }
+
+    /// The delay of a remote view this edge took (milliseconds).
+    pub fn poll_latency(&mut self) -> Option<u64> {
+        self.latencies.pop_front()
+    }
+
+    /// A push for a local session: the fanout's outputs.
+    pub fn poll_fanout(&mut self) -> Option<Output> {
+        self.fanout.poll_output()
+    }
+
+    /// The name behind a fanout user id.
+    pub fn user_name(&self, user: UserId) -> Option<&str> {
+        self.names.name(user.0).map(|n| &**n)
+    }
+
+    fn shard(&self, user: &str) -> u32 {
+        (self.settings.shard_of)(user, self.settings.shard_count)
+    }
+
+    fn id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    fn acting_epoch(&self, shard: u32, now: Instant) -> Option<u64> {
+        self.acting
+            .get(&shard)
+            .filter(|(_, until)| now < *until)
+            .map(|(epoch, _)| *epoch)
+    }
+
+    fn to_unix(&self, at: Millis) -> u64 {
+        self.unix_base_ms.saturating_add(at.0)
+    }
+
+    /// The earliest instant something here is due, besides the cores'.
+    pub fn poll_deadline(&self) -> Option<Instant> {
+        let work = !self.acting.is_empty()
+            || !self.busy.is_empty()
+            || !self.subscribes.is_empty()
+            || !self.in_flight.is_empty()
+            || !self.pending_prefs.is_empty()
+            || !self.pending_loads.is_empty()
+            || !self.pending_shards.is_empty();
+        // A tick, not the exact instants: finding the earliest of them
+        // would walk every device at every pass of the server's loop.
+        work.then(|| self.next_tick.unwrap_or_else(Instant::now))
+    }
+
+    /// The earliest core timer (owners' and the fanout's).
+    pub fn poll_timeout(&self) -> Option<Millis> {
+        self.owners
+            .values()
+            .flat_map(|o| {
+                o.core
+                    .poll_timeout()
+                    .into_iter()
+                    .chain(o.dirty_since.map(|d| d.plus(WRITE_BEHIND)))
+            })
+            .chain(self.fanout.poll_timeout())
+            .min()
+    }
+
+    /// Runs what is due: core timers at `at`, deadlines and retries at `now`.
+    pub fn handle_timeout(&mut self, now: Instant, at: Millis) {
+        // Stop acting at a claim's deadline, whatever the status says.
+        let lapsed: Vec<u32> = self
+            .acting
+            .iter()
+            .filter(|(_, (_, until))| now >= *until)
+            .map(|(s, _)| *s)
+            .collect();
+        for shard in lapsed {
+            self.acting.remove(&shard);
+            self.drop_owner(shard, now, at);
+        }
+        let shards: Vec<u32> = self.owners.keys().copied().collect();
+        for shard in shards {
+            if let Some(o) = self.owners.get_mut(&shard) {
+                o.core.handle_timeout(at);
+            }
+            self.drain_owner(shard, now, at);
+            self.write_devices(shard, at);
+        }
+        self.fanout.handle_timeout(at);
+        if self.next_tick.is_some_and(|t| now < t) {
+            return;
+        }
+        self.next_tick = Some(now + TICK);
+        self.expire_pending(now, at);
+        // Client requests past their deadline, and retries due.
+        let sessions: Vec<SessionId> = self.busy.iter().copied().collect();
+        for session in sessions {
+            if let Some(d) = self.devices.get_mut(&session) {
+                for q in &mut d.queue {
+                    if q.deadline <= now {
+                        if let Some(wait) = q.wait.take() {
+                            self.finished.push_back((
+                                wait,
+                                Finished::Failed(WireError::new(
+                                    ErrorCode::Internal,
+                                    "the owner of this user did not answer in time",
+                                )),
+                            ));
+                        }
+                    }
+                }
+            }
+            let due = self
+                .devices
+                .get(&session)
+                .is_some_and(|d| d.not_before.is_some_and(|t| t <= now));
+            if due {
+                if let Some(d) = self.devices.get_mut(&session) {
+                    d.not_before = None;
+                    d.sent = None;
+                }
+                self.pump(session, now, at);
+            }
+        }
+        let waits: Vec<u64> = self.subscribes.keys().copied().collect();
+        for wait in waits {
+            let Some(p) = self.subscribes.get_mut(&wait) else {
+                continue;
+            };
+            if p.deadline <= now {
+                if let Some(p) = self.subscribes.remove(&wait) {
+                    self.fail_subscribe(wait, p);
+                }
+                continue;
+            }
+            let again: Vec<u32> = p
+                .asking
+                .iter()
+                .filter(|(_, t)| t.is_some_and(|t| t <= now))
+                .map(|(s, _)| *s)
+                .collect();
+            for shard in again {
+                self.ask_snapshot(wait, shard, now, at);
+            }
+        }
+    }
+
+    // ---- status ----
+
+    pub fn set_status(&mut self, now: Instant, at: Millis, shards: BTreeMap<u32, (u64, Instant)>) {
+        // Shards lost, or won under a new epoch: their old cores go.
+        let gone: Vec<u32> = self
+            .owners
+            .iter()
+            .filter(|(s, o)| shards.get(s).is_none_or(|(e, _)| *e != o.epoch))
+            .map(|(s, _)| *s)
+            .collect();
+        for shard in gone {
+            self.drop_owner(shard, now, at);
+        }
+        self.acting = shards;
+        let won: Vec<(u32, u64)> = self
+            .acting
+            .iter()
+            .filter(|(s, (_, until))| now < *until && !self.owners.contains_key(s))
+            .map(|(s, (e, _))| (*s, *e))
+            .collect();
+        for (shard, epoch) in won {
+            let Ok(mut core) = Core::new(self.owner_config.clone()) else {
+                continue; // the same config the hub's core took
+            };
+            core.set_publish_views(true);
+            core.enter_epoch(Epoch(u32::try_from(epoch).unwrap_or(u32::MAX)));
+            // Until the edges resent their devices, nobody restored from the
+            // KV goes offline (C2).
+            core.hold_offline_until(at.plus(Millis(
+                u64::try_from(self.settings.request_timeout.as_millis()).unwrap_or(u64::MAX),
+            )));
+            let cap = self.owner_config.max_users;
+            self.owners.insert(
+                shard,
+                Owner {
+                    epoch,
+                    core,
+                    users: Interner::new(cap),
+                    devices: Interner::new(self.owner_config.max_sessions),
+                    sessions: HashMap::new(),
+                    by_holder: HashMap::new(),
+                    last_rid: HashMap::new(),
+                    loaded: Default::default(),
+                    loading: HashMap::new(),
+                    recorded: HashMap::new(),
+                    dirty_since: None,
+                },
+            );
+            // The previous owner's devices: restored as lingering, so that
+            // those nobody resends go offline (no ghost when the edge died
+            // with the owner, C3).
+            self.next_id += 1;
+            let id = self.next_id;
+            self.pending_shards.insert(id, (shard, epoch, now));
+            self.outputs
+                .push_back(ClusterOutput::LoadShard { id, shard });
+            self.outputs.push_back(ClusterOutput::Resync {
+                payload: encode(&ResyncRequest {
+                    shard,
+                    epoch,
+                    owner: self.settings.node.clone(),
+                }),
+            });
+            // This node's own edge resends its devices of the shard at once.
+            let mine: Vec<SessionId> = self
+                .devices
+                .iter()
+                .filter(|(_, d)| !d.closed && self.shard(&d.user) == shard)
+                .map(|(s, _)| *s)
+                .collect();
+            for session in mine {
+                self.resend(session, now, at);
+            }
+        }
+    }
+
+    /// Connects the session's device again to its (new) owner, ahead of
+    /// whatever waits.
+    fn resend(&mut self, session: SessionId, now: Instant, at: Millis) {
+        let conn = self.next_conn();
+        let Some(d) = self.devices.get_mut(&session) else {
+            return;
+        };
+        if matches!(d.queue.front().map(|q| &q.op), Some(WireOp::Connect { .. })) {
+            return;
+        }
+        d.conn = conn;
+        d.sent = None;
+        d.not_before = None;
+        let kind = d.kind;
+        d.queue.push_front(QueuedOp {
+            op: WireOp::Connect { kind },
+            wait: None,
+            deadline: now,
+        });
+        self.pump(session, now, at);
+    }
+
+    fn next_conn(&mut self) -> u64 {
+        self.next_conn += 1;
+        self.next_conn
+    }
+
+    // ---- the edge: sessions and device inputs ----
+
+    /// A session was welcomed here: its device is forwarded to its owner.
+    pub fn connected(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        session: SessionId,
+        user: &str,
+        device: &str,
+        kind: proto::Kind,
+    ) {
+        if !self.open.contains_key(&session) {
+            let Some(uid) = self.names.intern(user) else {
+                return; // at the cap: this session gets no cluster pushes
+            };
+            self.names.acquire(uid);
+            self.fanout.open(session, UserId(uid));
+            self.open.insert(session, user.to_owned());
+        }
+        let conn = self.next_conn();
+        if let Some(d) = self.devices.get_mut(&session) {
+            // Resumed here after a disconnect: connected again at the owner.
+            if d.closed {
+                d.closed = false;
+                d.conn = conn;
+                d.queue.push_back(QueuedOp {
+                    op: WireOp::Connect { kind },
+                    wait: None,
+                    deadline: now,
+                });
+                self.pump(session, now, at);
+            }
+            return;
+        }
+        self.devices.insert(
+            session,
+            EdgeDevice {
+                user: user.to_owned(),
+                device: device.to_owned(),
+                kind,
+                conn,
+                queue: VecDeque::from([QueuedOp {
+                    op: WireOp::Connect { kind },
+                    wait: None,
+                    deadline: now,
+                }]),
+                sent: None,
+                not_before: None,
+                closed: false,
+            },
+        );
+        self.pump(session, now, at);
+    }
+
+    /// A device input of a session; `wait` is answered through
+    /// [`ClusterLink::poll_finished`] once the owner took it (or with an
+    /// error). `false`: the session is unknown here or already ended
+    /// (nothing is forwarded).
+    pub fn input(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        session: SessionId,
+        op: WireOp,
+        wait: Option<u64>,
+    ) -> bool {
+        let deadline = now + self.settings.request_timeout;
+        let Some(d) = self.devices.get_mut(&session).filter(|d| !d.closed) else {
+            return false;
+        };
+        if d.queue.len() >= MAX_QUEUED_OPS {
+            // The owner has not taken the inputs before it: refuse this one
+            // (a client request is answered with the error).
+            if let Some(wait) = wait {
+                self.finished.push_back((
+                    wait,
+                    Finished::Failed(WireError::new(
+                        ErrorCode::Internal,
+                        "the owner of this user is not taking inputs",
+                    )),
+                ));
+            }
+            return true;
+        }
+        let ends = matches!(op, WireOp::Logout | WireOp::Disconnect { .. });
+        d.queue.push_back(QueuedOp { op, wait, deadline });
+        if ends {
+            d.closed = true;
+        }
+        self.pump(session, now, at);
+        true
+    }
+
+    /// The session is over here (ended by the local core, or its connection
+    /// is gone and its device already told): its subscriptions end.
+    pub fn session_ended(&mut self, session: SessionId) {
+        let subs = self.fanout.subscriptions(session);
+        // The fanout's own `SessionEnded` is skipped by the driver.
+        self.fanout.close(session, EndReason::LoggedOut);
+        for (target, _) in subs {
+            self.forget_target(target);
+        }
+        if let Some(user) = self.open.remove(&session) {
+            self.drop_name(&user);
+        }
+        if let Some(d) = self.devices.get_mut(&session) {
+            d.closed = true;
+            if d.queue.is_empty() && d.sent.is_none() {
+                self.devices.remove(&session);
+                self.busy.remove(&session);
+            }
+        }
+    }
+
+    fn drop_name(&mut self, user: &str) {
+        if let Some(id) = self.names.get(user) {
+            if self.names.drop_ref(id) == 0 {
+                self.names.remove(id);
+            }
+        }
+    }
+
+    /// Fanout user id `target` lost a subscription.
+    fn forget_target(&mut self, target: UserId) {
+        let Some(name) = self.names.name(target.0).cloned() else {
+            return;
+        };
+        let shard = self.shard(&name);
+        self.unwatch_shard(shard);
+        if self.names.drop_ref(target.0) == 0 {
+            self.names.remove(target.0);
+        }
+    }
+
+    fn watch_shard(&mut self, shard: u32) {
+        let n = self.shard_watchers.entry(shard).or_insert(0);
+        *n += 1;
+        if *n == 1 {
+            self.outputs.push_back(ClusterOutput::Watch { shard });
+        }
+    }
+
+    fn unwatch_shard(&mut self, shard: u32) {
+        if let Some(n) = self.shard_watchers.get_mut(&shard) {
+            *n -= 1;
+            if *n == 0 {
+                self.shard_watchers.remove(&shard);
+                self.outputs.push_back(ClusterOutput::Unwatch { shard });
+            }
+        }
+    }
+
+    /// Sends the op at the head of the session's queue, unless one is out.
+    fn pump(&mut self, session: SessionId, now: Instant, at: Millis) {
+        let rid = self.next_id + 1;
+        let Some(d) = self.devices.get(&session) else {
+            self.busy.remove(&session);
+            return;
+        };
+        if d.sent.is_some() || d.not_before.is_some() {
+            self.busy.insert(session);
+            return;
+        }
+        let Some(head) = d.queue.front() else {
+            self.busy.remove(&session);
+            if d.closed {
+                self.devices.remove(&session);
+            }
+            return;
+        };
+        self.busy.insert(session);
+        let msg = ToOwner::Device {
+            edge: self.settings.node.clone(),
+            incarnation: self.settings.incarnation,
+            rid,
+            conn: d.conn,
+            user: d.user.clone(),
+            device: d.device.clone(),
+            op: head.op.clone(),
+        };
+        let shard = self.shard(&d.user);
+        self.next_id = rid;
+        if let Some(d) = self.devices.get_mut(&session) {
+            d.sent = Some(rid);
+        }
+        if self.owners.contains_key(&shard) && self.acting_epoch(shard, now).is_some() {
+            self.counters.forwarded_local += 1;
+            self.owner_input(shard, msg, ReplyTo::Local(session, rid), now, at);
+        } else {
+            self.counters.forwarded += 1;
+            let id = self.id();
+            let deadline = now + self.settings.request_timeout;
+            self.in_flight
+                .insert(id, (InFlight::Device { session, rid }, deadline));
+            self.outputs.push_back(ClusterOutput::Request {
+                id,
+                shard,
+                kind: RequestKind::Input,
+                payload: encode(&msg),
+            });
+        }
+    }
+
+    /// The owner's answer to the session's op `rid`.
+    fn device_answer(
+        &mut self,
+        session: SessionId,
+        rid: u64,
+        answer: Option<FromOwner>,
+        now: Instant,
+        at: Millis,
+    ) {
+        let Some(d) = self.devices.get_mut(&session) else {
+            return;
+        };
+        if d.sent != Some(rid) {
+            return; // a stale answer (resent since)
+        }
+        d.sent = None;
+        match answer {
+            Some(FromOwner::Done { .. }) => {
+                if let Some(q) = d.queue.pop_front() {
+                    if let Some(wait) = q.wait {
+                        self.finished.push_back((wait, Finished::Done));
+                    }
+                }
+            }
+            Some(FromOwner::Refused(error)) => {
+                if let Some(q) = d.queue.pop_front() {
+                    if let Some(wait) = q.wait {
+                        self.finished.push_back((wait, Finished::Failed(error)));
+                    }
+                }
+            }
+            Some(FromOwner::Unknown) => {
+                // The owner has no live session of the device (a new owner):
+                // connect it again first.
+                self.counters.retries += 1;
+                let kind = d.kind;
+                d.queue.push_front(QueuedOp {
+                    op: WireOp::Connect { kind },
+                    wait: None,
+                    deadline: now,
+                });
+                self.next_conn += 1;
+                if let Some(d) = self.devices.get_mut(&session) {
+                    d.conn = self.next_conn;
+                }
+            }
+            Some(FromOwner::NotOwner) | Some(FromOwner::Snapshot { .. }) | None => {
+                self.counters.retries += 1;
+                d.not_before = Some(now + RETRY_AFTER);
+                self.busy.insert(session);
+                return;
+            }
+        }
+        self.pump(session, now, at);
+    }
+
+    // ---- the edge: subscriptions ----
+
+    /// A subscribe of a session in the cluster: `targets` already checked
+    /// against the session's credentials (refusals in `refused`). Answered
+    /// now (`Some`) when every snapshot is at hand, else through
+    /// [`ClusterLink::poll_finished`] under `wait`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn subscribe(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        wait: u64,
+        session: SessionId,
+        viewer: &str,
+        targets: Vec<String>,
+        mut refused: Vec<Refused>,
+        tier: Tier,
+        query: bool,
+    ) -> Option<proto::Answer> {
+        let held = self.fanout.subscriptions(session);
+        let mut room = self.max_subscriptions.saturating_sub(held.len());
+        let mut wanted = Vec::new();
+        for target in targets {
+            if query {
+                wanted.push((target, None));
+                continue;
+            }
+            let already = self
+                .names
+                .get(&target)
+                .is_some_and(|id| held.iter().any(|(t, _)| t.0 == id));
+            if !already {
+                if room == 0 {
+                    refused.push(Refused {
+                        target,
+                        error: WireError::new(
+                            ErrorCode::TooManySubscriptions,
+                            "too many subscriptions",
+                        ),
+                    });
+                    continue;
+                }
+                room -= 1;
+            }
+            wanted.push((target, None));
+        }
+        let mut p = PendingSubscribe {
+            session,
+            viewer: viewer.to_owned(),
+            tier,
+            targets: wanted,
+            refused,
+            deadline: now + self.settings.request_timeout,
+            asking: BTreeMap::new(),
+            early: HashMap::new(),
+            query,
+        };
+        // What this edge knows already (another session watches the target),
+        // or its own owner knows, is answered at once.
+        let viewer_id = self.names.get(viewer).map(UserId);
+        for (target, snap) in &mut p.targets {
+            if let (Some(v), Some(t)) = (viewer_id, self.names.get(target)) {
+                if let Some(known) = self.fanout.known(v, UserId(t)) {
+                    *snap = Some(known.clone());
+                    continue;
+                }
+            }
+            let shard = (self.settings.shard_of)(target, self.settings.shard_count);
+            if self.acting_epoch(shard, now).is_some() && self.owners.contains_key(&shard) {
+                if let Some(presence) = self.local_snapshot(shard, viewer, target, at) {
+                    *snap = Some(presence);
+                    continue;
+                }
+            }
+            p.asking.insert(shard, Some(now));
+        }
+        // Watch the shards before asking (so no view published after the
+        // snapshot is missed).
+        for (target, _) in p.targets.iter().filter(|_| !query) {
+            let shard = self.shard(target);
+            self.watch_shard(shard);
+        }
+        self.subscribes.insert(wait, p);
+        let shards: Vec<u32> = self.subscribes[&wait].asking.keys().copied().collect();
+        for shard in shards {
+            self.ask_snapshot(wait, shard, now, at);
+        }
+        self.try_finish_subscribe(wait, at)
+    }
+
+    fn local_snapshot(
+        &mut self,
+        shard: u32,
+        viewer: &str,
+        target: &str,
+        at: Millis,
+    ) -> Option<Presence> {
+        let base = self.unix_base_ms;
+        let o = self.owners.get_mut(&shard)?;
+        let uid = o.users.intern(target)?;
+        let p = o
+            .core
+            .handle_snapshot(at, UserId(uid), viewer == target)
+            .ok()?;
+        // Presences at the edge carry last seen in Unix milliseconds.
+        let p = proto::Presence::from_core(&p, base).to_core();
+        self.drain_owner(shard, Instant::now(), at);
+        Some(p)
+    }
+
+    fn ask_snapshot(&mut self, wait: u64, shard: u32, now: Instant, at: Millis) {
+        let Some(p) = self.subscribes.get_mut(&wait) else {
+            return;
+        };
+        let targets: Vec<String> = p
+            .targets
+            .iter()
+            .filter(|(t, snap)| {
+                snap.is_none() && (self.settings.shard_of)(t, self.settings.shard_count) == shard
+            })
+            .map(|(t, _)| t.clone())
+            .collect();
+        if targets.is_empty() {
+            p.asking.remove(&shard);
+            return;
+        }
+        p.asking.insert(shard, None);
+        let viewer = p.viewer.clone();
+        if self.acting_epoch(shard, now).is_some() && self.owners.contains_key(&shard) {
+            let mut presences = Vec::new();
+            for t in &targets {
+                match self.local_snapshot(shard, &viewer, t, at) {
+                    Some(presence) => presences.push(presence),
+                    None => return self.retry_snapshot(wait, shard, now),
+                }
+            }
+            self.snapshot_answer(wait, shard, &targets, presences, at);
+            return;
+        }
+        let id = self.id();
+        let deadline = now + self.settings.request_timeout;
+        self.in_flight
+            .insert(id, (InFlight::Snapshot { wait, shard }, deadline));
+        self.outputs.push_back(ClusterOutput::Request {
+            id,
+            shard,
+            kind: RequestKind::Snapshot,
+            payload: encode(&ToOwner::Snapshot { viewer, targets }),
+        });
+    }
+
+    fn retry_snapshot(&mut self, wait: u64, shard: u32, now: Instant) {
+        self.counters.retries += 1;
+        if let Some(p) = self.subscribes.get_mut(&wait) {
+            p.asking.insert(shard, Some(now + RETRY_AFTER));
+        }
+    }
+
+    fn snapshot_answer(
+        &mut self,
+        wait: u64,
+        shard: u32,
+        targets: &[String],
+        presences: Vec<Presence>,
+        at: Millis,
+    ) {
+        let Some(p) = self.subscribes.get_mut(&wait) else {
+            return;
+        };
+        if presences.len() != targets.len() {
+            return;
+        }
+        for (name, presence) in targets.iter().zip(presences) {
+            for (t, snap) in &mut p.targets {
+                if t == name && snap.is_none() {
+                    *snap = Some(presence.clone());
+                }
+            }
+        }
+        p.asking.remove(&shard);
+        if let Some(answer) = self.try_finish_subscribe(wait, at) {
+            self.finished.push_back((wait, Finished::Answer(answer)));
+        }
+    }
+
+    /// Subscribes in the fanout once every snapshot is in.
+    fn try_finish_subscribe(&mut self, wait: u64, at: Millis) -> Option<proto::Answer> {
+        let p = self.subscribes.get(&wait)?;
+        if p.targets.iter().any(|(_, s)| s.is_none()) {
+            return None;
+        }
+        let p = self.subscribes.remove(&wait)?;
+        if p.query {
+            let mut results: Vec<proto::QueryResult> = p
+                .targets
+                .into_iter()
+                .map(|(target, snap)| {
+                    let presence = match (snap, p.early.get(&target)) {
+                        (Some(s), Some(e)) if e.version > s.version => e.clone(),
+                        (snap, _) => snap.unwrap_or_default(),
+                    };
+                    proto::QueryResult {
+                        target,
+                        result: Ok(proto::Presence::from_core(&presence, 0)),
+                    }
+                })
+                .collect();
+            results.extend(p.refused.into_iter().map(|r| proto::QueryResult {
+                target: r.target,
+                result: Err(r.error),
+            }));
+            return Some(proto::Answer::Presences(results));
+        }
+        let mut snapshots = Vec::new();
+        let mut refused = p.refused;
+        let held: Vec<UserId> = self
+            .fanout
+            .subscriptions(p.session)
+            .into_iter()
+            .map(|(t, _)| t)
+            .collect();
+        for (target, snap) in p.targets {
+            let shard = self.shard(&target);
+            let snap = match (snap, p.early.get(&target)) {
+                (Some(s), Some(e)) if e.version > s.version => Some(e.clone()),
+                (snap, _) => snap,
+            };
+            let Some(id) = self.names.intern(&target) else {
+                self.unwatch_shard(shard);
+                refused.push(Refused {
+                    target,
+                    error: WireError::new(ErrorCode::TooManyUsers, "too many user names"),
+                });
+                continue;
+            };
+            let again = held.contains(&UserId(id));
+            match self
+                .fanout
+                .subscribe(at, p.session, UserId(id), p.tier, snap.unwrap_or_default())
+            {
+                Ok(presence) => {
+                    if again {
+                        self.unwatch_shard(shard); // counted once per subscription
+                    } else {
+                        self.names.acquire(id);
+                    }
+                    snapshots.push(Snapshot {
+                        target,
+                        tier: p.tier.into(),
+                        presence: proto::Presence::from_core(&presence, 0),
+                    });
+                }
+                Err(e) => {
+                    self.unwatch_shard(shard);
+                    if self.names.refs(id) == 0 {
+                        self.names.remove(id);
+                    }
+                    refused.push(Refused {
+                        target,
+                        error: e.into(),
+                    });
+                }
+            }
+        }
+        Some(proto::Answer::Subscribed { snapshots, refused })
+    }
+
+    fn fail_subscribe(&mut self, wait: u64, p: PendingSubscribe) {
+        for (target, _) in p.targets.iter().filter(|_| !p.query) {
+            let shard = self.shard(target);
+            self.unwatch_shard(shard);
+        }
+        self.finished.push_back((
+            wait,
+            Finished::Failed(WireError::new(
+                ErrorCode::Internal,
+                "the owner of a target did not answer in time",
+            )),
+        ));
+    }
+
+    /// Stops watching `target`. `false`: not subscribed.
+    pub fn unsubscribe(&mut self, at: Millis, session: SessionId, target: &str) -> bool {
+        let Some(id) = self.names.get(target) else {
+            return false;
+        };
+        if self.fanout.unsubscribe(at, session, UserId(id)).is_err() {
+            return false;
+        }
+        self.forget_target(UserId(id));
+        true
+    }
+
+    /// The session's subscriptions with what this edge knows of each (for a
+    /// resumed session's welcome).
+    pub fn snapshots(&self, session: SessionId, viewer: &str) -> Vec<Snapshot> {
+        let viewer = self.names.get(viewer).map(UserId);
+        self.fanout
+            .subscriptions(session)
+            .into_iter()
+            .filter_map(|(t, tier)| {
+                let presence = viewer
+                    .and_then(|v| self.fanout.known(v, t))
+                    .cloned()
+                    .unwrap_or_default();
+                Some(Snapshot {
+                    target: self.user_name(t)?.to_owned(),
+                    tier: tier.into(),
+                    presence: proto::Presence::from_core(&presence, 0),
+                })
+            })
+            .collect()
+    }
+
+    // ---- messages from NATS ----
+
+    pub fn handle_input(&mut self, now: Instant, at: Millis, input: ClusterInput) {
+        match input {
+            ClusterInput::Status { shards } => self.set_status(now, at, shards),
+            ClusterInput::ShardMessage { shard, payload } => match decode::<ShardView>(&payload) {
+                Some(v)
+                    if v.user.len() <= self.max_name_len
+                        && v.presence
+                            .message
+                            .as_ref()
+                            .is_none_or(|m| m.len() <= self.owner_config.max_message_len)
+                        && self.shard(&v.user) == shard =>
+                {
+                    let presence = v.presence.to_core();
+                    if self.apply_view(at, &v.user, v.own, presence.clone()) {
+                        self.counters.views_applied += 1;
+                        if self.latencies.len() < 1024 {
+                            self.latencies
+                                .push_back(at.0.saturating_sub(v.published_ms));
+                        }
+                    }
+                    self.keep_early(&v.user, v.own, presence);
+                }
+                _ => self.counters.malformed += 1,
+            },
+            ClusterInput::Request {
+                shard,
+                kind,
+                payload,
+                reply,
+            } => match decode::<ToOwner>(&payload) {
+                Some(msg) if self.well_formed(&msg) => {
+                    let matches_kind = matches!(
+                        (&msg, kind),
+                        (ToOwner::Device { .. }, RequestKind::Input)
+                            | (ToOwner::Snapshot { .. }, RequestKind::Snapshot)
+                    );
+                    if !matches_kind {
+                        self.counters.malformed += 1;
+                        return;
+                    }
+                    self.owner_request(shard, msg, reply, now, at);
+                }
+                _ => self.counters.malformed += 1,
+            },
+            ClusterInput::Answered { id, payload } => {
+                let Some((what, _)) = self.in_flight.remove(&id) else {
+                    return;
+                };
+                let answer = payload.and_then(|p| {
+                    let a = decode::<FromOwner>(&p);
+                    if a.is_none() {
+                        self.counters.malformed += 1;
+                    }
+                    a
+                });
+                match what {
+                    InFlight::Device { session, rid } => {
+                        self.device_answer(session, rid, answer, now, at)
+                    }
+                    InFlight::Snapshot { wait, shard } => match answer {
+                        Some(FromOwner::Snapshot { presences })
+                            if presences.iter().all(|p| {
+                                p.message
+                                    .as_ref()
+                                    .is_none_or(|m| m.len() <= self.owner_config.max_message_len)
+                            }) =>
+                        {
+                            let targets: Vec<String> = self
+                                .subscribes
+                                .get(&wait)
+                                .map(|p| {
+                                    p.targets
+                                        .iter()
+                                        .filter(|(t, s)| s.is_none() && self.shard(t) == shard)
+                                        .map(|(t, _)| t.clone())
+                                        .collect()
+                                })
+                                .unwrap_or_default();
+                            let presences = presences.iter().map(|p| p.to_core()).collect();
+                            self.snapshot_answer(wait, shard, &targets, presences, at);
+                        }
+                        _ => self.retry_snapshot(wait, shard, now),
+                    },
+                }
+            }
+            ClusterInput::UserLoaded { id, prefs, view } => {
+                self.user_loaded(now, at, id, prefs, view)
+            }
+            ClusterInput::ShardLoaded { id, record } => self.shard_loaded(now, id, record),
+            ClusterInput::EdgeLost { node, last_heard } => {
+                self.edge_lost(now, at, &node, last_heard)
+            }
+            ClusterInput::Resync { payload } => match decode::<ResyncRequest>(&payload) {
+                Some(r)
+                    if r.owner.len() <= self.max_name_len
+                        && r.shard < self.settings.shard_count =>
+                {
+                    if r.owner == self.settings.node {
+                        return; // resent in process when the claim was won
+                    }
+                    let mine: Vec<SessionId> = self
+                        .devices
+                        .iter()
+                        .filter(|(_, d)| !d.closed && self.shard(&d.user) == r.shard)
+                        .map(|(s, _)| *s)
+                        .collect();
+                    self.counters.resyncs += 1;
+                    for session in mine {
+                        self.resend(session, now, at);
+                    }
+                }
+                _ => self.counters.malformed += 1,
+            },
+            ClusterInput::PrefsStored { id, ok } => {
+                let Some(p) = self.pending_prefs.remove(&id) else {
+                    return;
+                };
+                let answer = if ok {
+                    let owner = self.owners.get_mut(&p.shard).filter(|o| o.epoch == p.epoch);
+                    if let Some(o) = owner {
+                        remember_rid(&mut o.last_rid, p.holder, p.rid);
+                    }
+                    FromOwner::Done { epoch: p.epoch }
+                } else {
+                    // Not stored: the edge asks again.
+                    FromOwner::NotOwner
+                };
+                self.reply(p.reply, answer, now, at);
+            }
+        }
+    }
+
+    /// A user's KV record arrived: restore it, then take the inputs that
+    /// waited for it.
+    fn user_loaded(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        id: u64,
+        prefs: Option<Bytes>,
+        view: Option<Bytes>,
+    ) {
+        let Some((shard, epoch, user, _)) = self.pending_loads.remove(&id) else {
+            return;
+        };
+        let max_message = self.owner_config.max_message_len;
+        let prefs = prefs
+            .and_then(|b| decode::<WirePrefs>(&b))
+            .filter(|p| p.message.as_ref().is_none_or(|m| m.len() <= max_message));
+        let view = view
+            .and_then(|b| decode::<proto::Presence>(&b))
+            .filter(|p| p.message.as_ref().is_none_or(|m| m.len() <= max_message));
+        let Some(o) = self.owners.get_mut(&shard).filter(|o| o.epoch == epoch) else {
+            return; // the owner is gone; its waiting inputs were refused then
+        };
+        o.loaded.insert(user.clone());
+        let recorded = o.recorded.remove(&user).unwrap_or_default();
+        if prefs.is_some() || view.is_some() || !recorded.is_empty() {
+            // Recorded devices linger at least to the end of the resync
+            // window, heard from at the record's time.
+            let window = u64::try_from(self.settings.request_timeout.as_millis()).unwrap_or(0);
+            let mut devices = Vec::new();
+            let mut holders = Vec::new();
+            for d in &recorded {
+                let Some(did) = o.devices.intern(&d.device) else {
+                    continue;
+                };
+                devices.push(greendot_core::cluster::DeviceRecord {
+                    device: DeviceId(did),
+                    kind: d.kind.into(),
+                    edge: greendot_core::NodeId(0),
+                    last_heard: Millis(d.heard).min(at),
+                });
+                holders.push((d.edge.clone(), d.incarnation, d.conn));
+            }
+            if let Some(uid) = o.users.intern(&user) {
+                let record = greendot_core::cluster::OwnedRecord {
+                    status: prefs
+                        .as_ref()
+                        .map_or(Default::default(), |p| p.status.into()),
+                    message: prefs.as_ref().and_then(|p| p.message.clone()),
+                    invisible: prefs.as_ref().is_some_and(|p| p.invisible),
+                    last_seen: prefs.as_ref().and_then(|p| p.last_seen).map(Millis),
+                    published: view.map(|v| v.to_core()).unwrap_or_default(),
+                    devices,
+                };
+                // Refused only for a user already online here (cannot be:
+                // their inputs waited for this), or past a limit.
+                if let Ok(sessions) =
+                    o.core
+                        .restore_owned(at, UserId(uid), &record, at.plus(Millis(window)))
+                {
+                    for (session, holder) in sessions.into_iter().zip(holders) {
+                        o.by_holder.insert(holder.clone(), session);
+                        o.sessions.insert(session, holder);
+                    }
+                }
+            }
+        }
+        let waiting = o.loading.remove(&user).unwrap_or_default();
+        for (msg, reply) in waiting {
+            self.owner_input(shard, msg, reply, now, at);
+        }
+        self.drain_owner(shard, now, at);
+    }
+
+    /// An edge's lease is gone: the devices it held, at every shard this
+    /// node owns, are lost as by a disconnect at its last renewal, so a
+    /// device that reconnects to another edge within grace resumes unseen,
+    /// and one that does not is shown offline after grace and debounce (C3).
+    fn edge_lost(&mut self, now: Instant, at: Millis, node: &str, last_heard: u64) {
+        if node == self.settings.node {
+            return; // its own lease: the node is being cut off, not lost
+        }
+        let last_heard = Millis(last_heard).min(at);
+        let shards: Vec<u32> = self.owners.keys().copied().collect();
+        for shard in shards {
+            let Some(o) = self.owners.get_mut(&shard) else {
+                continue;
+            };
+            let lost: Vec<SessionId> = o
+                .sessions
+                .iter()
+                .filter(|(_, holder)| holder.0 == node)
+                .map(|(s, _)| *s)
+                .collect();
+            if lost.is_empty() {
+                continue;
+            }
+            let n = o.core.handle_edge_lost(at, &lost, last_heard);
+            self.counters.edge_lost_devices += n as u64;
+            self.drain_owner(shard, now, at);
+        }
+    }
+
+    /// Writes the shard's device record behind once `WRITE_BEHIND` passed
+    /// since the first change not written.
+    fn write_devices(&mut self, shard: u32, at: Millis) {
+        let base = self.unix_base_ms;
+        let Some(o) = self.owners.get_mut(&shard) else {
+            return;
+        };
+        if o.dirty_since.is_none_or(|d| at < d.plus(WRITE_BEHIND)) {
+            return;
+        }
+        o.dirty_since = None;
+        let mut devices: Vec<RecordedDevice> = o
+            .sessions
+            .iter()
+            .filter_map(|(s, (edge, incarnation, conn))| {
+                let info = o.core.session_info(*s)?;
+                Some(RecordedDevice {
+                    user: o.users.name(info.user.0)?.to_string(),
+                    device: o.devices.name(info.device.0)?.to_string(),
+                    kind: info.kind.into(),
+                    edge: edge.clone(),
+                    incarnation: *incarnation,
+                    conn: *conn,
+                    heard: base.saturating_add(at.0),
+                })
+            })
+            .collect();
+        devices.sort_by(|a, b| (&a.user, &a.device).cmp(&(&b.user, &b.device)));
+        devices.truncate(MAX_RECORDED_DEVICES);
+        self.outputs.push_back(ClusterOutput::PutShardDevices {
+            shard,
+            value: encode(&devices),
+        });
+    }
+
+    /// The previous owner's device record of a shard arrived: each user in
+    /// it is restored (preferences, view, devices as lingering) at once.
+    fn shard_loaded(&mut self, now: Instant, id: u64, record: Option<Bytes>) {
+        let Some((shard, epoch, _)) = self.pending_shards.remove(&id) else {
+            return;
+        };
+        let max_name = self.max_name_len;
+        let devices: Vec<RecordedDevice> = record
+            .and_then(|b| decode::<Vec<RecordedDevice>>(&b))
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|d| {
+                [&d.user, &d.device, &d.edge]
+                    .iter()
+                    .all(|n| !n.is_empty() && n.len() <= max_name)
+            })
+            .take(MAX_RECORDED_DEVICES)
+            .collect();
+        let shard_of = self.settings.shard_of;
+        let count = self.settings.shard_count;
+        let Some(o) = self.owners.get_mut(&shard).filter(|o| o.epoch == epoch) else {
+            return;
+        };
+        let mut users = Vec::new();
+        for d in devices {
+            if shard_of(&d.user, count) != shard || o.loaded.contains(&d.user) {
+                continue;
+            }
+            let list = o.recorded.entry(d.user.clone()).or_default();
+            if list.is_empty() {
+                users.push(d.user.clone());
+            }
+            list.push(d);
+        }
+        for user in users {
+            let Some(o) = self.owners.get_mut(&shard) else {
+                return;
+            };
+            if o.loading.contains_key(&user) {
+                continue; // its read is on the way; the devices go with it
+            }
+            o.loading.insert(user.clone(), Vec::new());
+            self.next_id += 1;
+            let id = self.next_id;
+            self.pending_loads
+                .insert(id, (shard, epoch, user.clone(), now));
+            self.outputs.push_back(ClusterOutput::LoadUser { id, user });
+        }
+    }
+
+    /// What waited too long for the NATS I/O (its output dropped at a full
+    /// queue, or NATS silent): requests count as unanswered (retried),
+    /// preference writes as failed, KV reads are asked again.
+    fn expire_pending(&mut self, now: Instant, at: Millis) {
+        let late: Vec<u64> = self
+            .in_flight
+            .iter()
+            .filter(|(_, (_, deadline))| *deadline <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in late {
+            self.handle_input(now, at, ClusterInput::Answered { id, payload: None });
+        }
+        let timeout = self.settings.request_timeout;
+        let late: Vec<u64> = self
+            .pending_prefs
+            .iter()
+            .filter(|(_, p)| p.since + timeout <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in late {
+            self.handle_input(now, at, ClusterInput::PrefsStored { id, ok: false });
+        }
+        let late: Vec<u64> = self
+            .pending_loads
+            .iter()
+            .filter(|(_, (_, _, _, since))| *since + timeout <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in late {
+            if let Some((shard, epoch, user, _)) = self.pending_loads.remove(&id) {
+                self.next_id += 1;
+                let id = self.next_id;
+                self.pending_loads
+                    .insert(id, (shard, epoch, user.clone(), now));
+                self.outputs.push_back(ClusterOutput::LoadUser { id, user });
+            }
+        }
+        let late: Vec<u64> = self
+            .pending_shards
+            .iter()
+            .filter(|(_, (_, _, since))| *since + timeout <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in late {
+            if let Some((shard, epoch, _)) = self.pending_shards.remove(&id) {
+                self.next_id += 1;
+                let id = self.next_id;
+                self.pending_shards.insert(id, (shard, epoch, now));
+                self.outputs
+                    .push_back(ClusterOutput::LoadShard { id, shard });
+            }
+        }
+    }
+
+    /// The node stops acting for `shard`: its core goes, and this node's
+    /// own inputs that waited in it are refused (the edge looks again).
+    fn drop_owner(&mut self, shard: u32, now: Instant, at: Millis) {
+        let Some(o) = self.owners.remove(&shard) else {
+            return;
+        };
+        for (_, waiting) in o.loading {
+            for (_, reply) in waiting {
+                if let ReplyTo::Local(..) = reply {
+                    self.reply(reply, FromOwner::NotOwner, now, at);
+                }
+            }
+        }
+    }
+
+    /// A view of a target some subscribe here still waits the snapshot of.
+    fn keep_early(&mut self, user: &str, own: bool, presence: Presence) {
+        for p in self.subscribes.values_mut() {
+            let wanted = (p.viewer == user) == own && p.targets.iter().any(|(t, _)| t == user);
+            if !wanted {
+                continue;
+            }
+            let newer = p
+                .early
+                .get(user)
+                .is_none_or(|e| e.version < presence.version);
+            if newer {
+                p.early.insert(user.to_owned(), presence.clone());
+            }
+        }
+    }
+
+    /// Names within the limits (checked before anything is interned).
+    fn well_formed(&self, msg: &ToOwner) -> bool {
+        let ok = |s: &str| !s.is_empty() && s.len() <= self.max_name_len;
+        match msg {
+            ToOwner::Device {
+                edge,
+                user,
+                device,
+                op,
+                ..
+            } => {
+                ok(edge)
+                    && ok(user)
+                    && ok(device)
+                    && match op {
+                        WireOp::SetStatus {
+                            message: Some(m), ..
+                        } => m.len() <= self.owner_config.max_message_len,
+                        _ => true,
+                    }
+            }
+            ToOwner::Snapshot { viewer, targets } => {
+                ok(viewer) && targets.len() <= MAX_SNAPSHOT_TARGETS && targets.iter().all(|t| ok(t))
+            }
+        }
+    }
+
+    /// A view from an owner (remote, or this node's own in process) for the
+    /// local sessions that watch `user`.
+    fn apply_view(&mut self, at: Millis, user: &str, own: bool, presence: Presence) -> bool {
+        let Some(id) = self.names.get(user) else {
+            return false; // nobody here watches
+        };
+        self.fanout.apply(at, UserId(id), own, presence)
+    }
+
+    // ---- the owner ----
+
+    fn owner_request(&mut self, shard: u32, msg: ToOwner, reply: u64, now: Instant, at: Millis) {
+        if self.acting_epoch(shard, now).is_none() || !self.owners.contains_key(&shard) {
+            self.outputs.push_back(ClusterOutput::Reply {
+                reply,
+                payload: encode(&FromOwner::NotOwner),
+            });
+            return;
+        }
+        match msg {
+            ToOwner::Snapshot { viewer, targets } => {
+                if targets.iter().any(|t| self.shard(t) != shard) {
+                    self.counters.malformed += 1;
+                    return;
+                }
+                let mut presences = Vec::with_capacity(targets.len());
+                let base = self.unix_base_ms;
+                for t in &targets {
+                    let Some(o) = self.owners.get_mut(&shard) else {
+                        return;
+                    };
+                    let Some(uid) = o.users.intern(t) else {
+                        // At the cap: no answer, the edge times out.
+                        return;
+                    };
+                    match o.core.handle_snapshot(at, UserId(uid), viewer == *t) {
+                        Ok(p) => presences.push(proto::Presence::from_core(&p, base)),
+                        Err(_) => return,
+                    }
+                }
+                self.drain_owner(shard, now, at);
+                self.outputs.push_back(ClusterOutput::Reply {
+                    reply,
+                    payload: encode(&FromOwner::Snapshot { presences }),
+                });
+            }
+            device => {
+                self.counters.owner_inputs += 1;
+                self.owner_input(shard, device, ReplyTo::Remote(reply), now, at);
+            }
+        }
+    }
+
+    fn reply(&mut self, to: ReplyTo, answer: FromOwner, now: Instant, at: Millis) {
+        match to {
+            ReplyTo::Remote(reply) => self.outputs.push_back(ClusterOutput::Reply {
+                reply,
+                payload: encode(&answer),
+            }),
+            ReplyTo::Local(session, rid) => self.device_answer(session, rid, Some(answer), now, at),
+        }
+    }
+
+    /// A device input at the owner of `shard`.
+    fn owner_input(&mut self, shard: u32, msg: ToOwner, reply: ReplyTo, now: Instant, at: Millis) {
+        let ToOwner::Device {
+            edge,
+            incarnation,
+            rid,
+            conn,
+            user,
+            device,
+            op,
+        } = msg
+        else {
+            return;
+        };
+        if self.shard(&user) != shard {
+            self.counters.malformed += 1;
+            return;
+        }
+        let from_unix = |unix: u64| Millis(unix.saturating_sub(self.unix_base_ms)).min(at);
+        let loads = self.pending_loads.len();
+        let Some(o) = self.owners.get_mut(&shard) else {
+            return self.reply(reply, FromOwner::NotOwner, now, at);
+        };
+        let epoch = o.epoch;
+        if !o.loaded.contains(&user) {
+            // The user's KV record first: a new owner keeps their choices,
+            // and a user last published online whose device it never hears
+            // of goes offline once the resync window closed (no ghost).
+            let msg = ToOwner::Device {
+                edge,
+                incarnation,
+                rid,
+                conn,
+                user: user.clone(),
+                device,
+                op,
+            };
+            if let Some(queue) = o.loading.get_mut(&user) {
+                if queue.len() < MAX_QUEUED_OPS * 4 {
+                    queue.push((msg, reply));
+                }
+                return;
+            }
+            if loads >= MAX_PENDING_PREFS {
+                return self.reply(reply, FromOwner::NotOwner, now, at);
+            }
+            o.loading.insert(user.clone(), vec![(msg, reply)]);
+            self.next_id += 1;
+            let id = self.next_id;
+            self.pending_loads
+                .insert(id, (shard, epoch, user.clone(), now));
+            self.outputs.push_back(ClusterOutput::LoadUser { id, user });
+            return;
+        }
+        let holder = (edge, incarnation, conn);
+        if o.last_rid.get(&holder).is_some_and(|&r| rid <= r) {
+            return self.reply(reply, FromOwner::Done { epoch }, now, at);
+        }
+        let session = o.by_holder.get(&holder).copied();
+        let live = |o: &Owner, s: SessionId| o.core.session_info(s).is_some_and(|i| i.online);
+        let mut prefs = false;
+        let answer = match op {
+            WireOp::Connect { kind } => {
+                if session.is_some_and(|s| live(o, s)) {
+                    FromOwner::Done { epoch }
+                } else {
+                    match owner_connect(o, at, &user, &device, kind.into(), holder.clone()) {
+                        Ok(()) => {
+                            o.dirty_since.get_or_insert(at);
+                            FromOwner::Done { epoch }
+                        }
+                        Err(e) => FromOwner::Refused(e),
+                    }
+                }
+            }
+            WireOp::Disconnect { last_heard } => {
+                if let Some(s) = session {
+                    let _ = o.core.handle_disconnect(at, s, from_unix(last_heard));
+                }
+                FromOwner::Done { epoch }
+            }
+            WireOp::Logout => {
+                if let Some(s) = session {
+                    let _ = o.core.handle_logout(at, s);
+                }
+                FromOwner::Done { epoch }
+            }
+            WireOp::SetStatus { status, message } => match session.filter(|&s| live(o, s)) {
+                None => FromOwner::Unknown,
+                Some(s) => match o
+                    .core
+                    .handle_set_status(at, s, status.into(), message.as_deref())
+                {
+                    Ok(()) => {
+                        prefs = true;
+                        FromOwner::Done { epoch }
+                    }
+                    Err(e) => FromOwner::Refused(e.into()),
+                },
+            },
+            WireOp::SetInvisible(invisible) => match session.filter(|&s| live(o, s)) {
+                None => FromOwner::Unknown,
+                Some(s) => match o.core.handle_set_invisible(at, s, invisible) {
+                    Ok(()) => {
+                        prefs = true;
+                        FromOwner::Done { epoch }
+                    }
+                    Err(e) => FromOwner::Refused(e.into()),
+                },
+            },
+        };
+        let key_rid = holder.clone();
+        if prefs {
+            // Preferences are in the KV before the ack (C4).
+            let uid = o.users.get(&user).map(UserId);
+            let saved = uid.map(|u| o.core.saved(u)).unwrap_or_default();
+            let value = encode(&WirePrefs {
+                status: saved.status.into(),
+                message: saved.message.as_deref().map(str::to_owned),
+                invisible: saved.invisible,
+                last_seen: saved.last_seen.map(|m| self.to_unix(m)),
+            });
+            if self.pending_prefs.len() < MAX_PENDING_PREFS {
+                let id = self.id();
+                self.pending_prefs.insert(
+                    id,
+                    PendingPrefs {
+                        reply,
+                        since: now,
+                        shard,
+                        epoch,
+                        holder: key_rid,
+                        rid,
+                    },
+                );
+                self.outputs
+                    .push_back(ClusterOutput::PutPrefs { id, user, value });
+            }
+            self.drain_owner(shard, now, at);
+            return;
+        }
+        if matches!(answer, FromOwner::Done { .. }) {
+            if let Some(o) = self.owners.get_mut(&shard) {
+                remember_rid(&mut o.last_rid, key_rid, rid);
+            }
+        }
+        self.drain_owner(shard, now, at);
+        self.reply(reply, answer, now, at);
+    }
+
+    /// Publishes what the owner's core published, and forgets ended sessions.
+    fn drain_owner(&mut self, shard: u32, _now: Instant, at: Millis) {
+        let base = self.unix_base_ms;
+        let Some(o) = self.owners.get_mut(&shard) else {
+            return;
+        };
+        let mut ended = Vec::new();
+        while let Some(out) = o.core.poll_output() {
+            if let Output::SessionEnded { session, .. } = out {
+                ended.push(session);
+            }
+        }
+        if !ended.is_empty() {
+            o.dirty_since.get_or_insert(at);
+        }
+        for session in ended {
+            if let Some(holder) = o.sessions.remove(&session) {
+                o.by_holder.remove(&holder);
+            }
+        }
+        let mut views = Vec::new();
+        while let Some(p) = o.core.poll_published() {
+            let Some(name) = o.users.name(p.user.0) else {
+                continue;
+            };
+            views.push(ShardView {
+                epoch: o.epoch,
+                published_ms: base.saturating_add(at.0),
+                user: name.to_string(),
+                own: p.own,
+                presence: proto::Presence::from_core(&p.presence, base),
+            });
+        }
+        for v in views {
+            self.counters.published += 1;
+            if !v.own {
+                // Written behind, for the next owner to restore.
+                self.outputs.push_back(ClusterOutput::PutView {
+                    user: v.user.clone(),
+                    value: encode(&v.presence),
+                });
+            }
+            self.outputs.push_back(ClusterOutput::Publish {
+                shard,
+                payload: encode(&v),
+            });
+            // This node's own watchers, in process (the copy NATS brings
+            // back is dropped by version).
+            self.apply_view(at, &v.user, v.own, v.presence.to_core());
+        }
+    }
+}
+
+/// A user's preferences as the owner writes them to the KV.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WirePrefs {
+    pub status: proto::Status,
+    pub message: Option<String>,
+    pub invisible: bool,
+    /// Unix milliseconds.
+    pub last_seen: Option<u64>,
+}
+
+fn remember_rid(last: &mut HashMap<Holder, u64>, key: Holder, rid: u64) {
+    if last.len() >= MAX_HOLDERS_REMEMBERED && !last.contains_key(&key) {
+        // Bounded memory over a perfect filter: after this, a request that
+        // was in flight for a long-gone connection could be applied late.
+        last.clear();
+    }
+    let r = last.entry(key).or_insert(0);
+    *r = (*r).max(rid);
+}
+
+fn owner_connect(
+    o: &mut Owner,
+    at: Millis,
+    user: &str,
+    device: &str,
+    kind: DeviceKind,
+    holder: Holder,
+) -> Result<(), WireError> {
+    let too_many = || WireError::new(ErrorCode::TooManyUsers, "the owner holds too many users");
+    let uid = o.users.intern(user).ok_or_else(too_many)?;
+    let did = o.devices.intern(device).ok_or_else(too_many)?;
+    // A device connecting again (here or at another edge) supersedes its
+    // older session; a Lingering one is taken over unseen.
+    let connected = o
+        .core
+        .handle_connect(
+            at,
+            Connect {
+                user: UserId(uid),
+                device: DeviceId(did),
+                kind,
+                watch: Watch::All,
+                resume: None,
+            },
+        )
+        .map_err(WireError::from)?;
+    if let Some(old) = o.by_holder.insert(holder.clone(), connected.session) {
+        o.sessions.remove(&old);
+    }
+    o.sessions.insert(connected.session, holder);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SHARDS: u32 = 4;
+
+    /// Shard by name length: "alice" is shard 1, "bob" shard 3.
+    fn by_len(user: &str, shards: u32) -> u32 {
+        user.len() as u32 % shards
+    }
+
+    fn link(node: &str) -> ClusterLink {
+        let settings = ClusterSettings {
+            node: node.into(),
+            incarnation: 7,
+            shard_count: SHARDS,
+            shard_of: by_len,
+            request_timeout: Duration::from_secs(5),
+        };
+        ClusterLink::new(settings, &Config::default(), 0, 128)
+    }
+
+    fn all_shards(epoch: u64, until: Instant) -> BTreeMap<u32, (u64, Instant)> {
+        (0..SHARDS).map(|s| (s, (epoch, until))).collect()
+    }
+
+    /// Carries every output of the edge `a` to the owner `b` and back, as
+    /// NATS would, until both are quiet. Returns the views published.
+    fn exchange(a: &mut ClusterLink, b: &mut ClusterLink, now: Instant, at: Millis) -> usize {
+        let mut published = 0;
+        loop {
+            let mut moved = false;
+            while let Some(out) = a.poll_output() {
+                moved = true;
+                if let ClusterOutput::Request {
+                    id,
+                    shard,
+                    kind,
+                    payload,
+                } = out
+                {
+                    let request = ClusterInput::Request {
+                        shard,
+                        kind,
+                        payload,
+                        reply: id,
+                    };
+                    b.handle_input(now, at, request);
+                }
+            }
+            while let Some(out) = b.poll_output() {
+                moved = true;
+                match out {
+                    ClusterOutput::Reply { reply, payload } => a.handle_input(
+                        now,
+                        at,
+                        ClusterInput::Answered {
+                            id: reply,
+                            payload: Some(payload),
+                        },
+                    ),
+                    ClusterOutput::PutPrefs { id, .. } => {
+                        b.handle_input(now, at, ClusterInput::PrefsStored { id, ok: true })
+                    }
+                    ClusterOutput::LoadUser { id, .. } => b.handle_input(
+                        now,
+                        at,
+                        ClusterInput::UserLoaded {
+                            id,
+                            prefs: None,
+                            view: None,
+                        },
+                    ),
+                    ClusterOutput::Publish { shard, payload } => {
+                        published += 1;
+                        a.handle_input(now, at, ClusterInput::ShardMessage { shard, payload });
+                    }
+                    _ => {}
+                }
+            }
+            if !moved {
+                return published;
+            }
+        }
+    }
+
+    fn pushes(a: &mut ClusterLink) -> Vec<(SessionId, Presence)> {
+        let mut out = Vec::new();
+        while let Some(o) = a.poll_fanout() {
+            if let Output::Push { to, presence, .. } = o {
+                out.push((to, presence));
+            }
+        }
+        out
+    }
+
+    /// Edge `a` holds alice's phone and bob's session; `b` owns every shard.
+    fn two_nodes() -> (ClusterLink, ClusterLink, Instant) {
+        let now = Instant::now();
+        let (mut a, mut b) = (link("a"), link("b"));
+        b.set_status(
+            now,
+            Millis(0),
+            all_shards(1, now + Duration::from_secs(3600)),
+        );
+        let (alice, bob) = (SessionId(1), SessionId(2));
+        a.connected(now, Millis(0), alice, "alice", "phone", proto::Kind::Mobile);
+        a.connected(now, Millis(0), bob, "bob", "laptop", proto::Kind::Desktop);
+        exchange(&mut a, &mut b, now, Millis(0));
+        (a, b, now)
+    }
+
+    #[test]
+    fn a_device_on_one_node_is_seen_by_a_watcher_through_its_owner() {
+        let (mut a, mut b, now) = two_nodes();
+        let bob = SessionId(2);
+        let answer = a.subscribe(
+            now,
+            Millis(1),
+            100,
+            bob,
+            "bob",
+            vec!["alice".into()],
+            vec![],
+            Tier::Realtime,
+            false,
+        );
+        assert!(answer.is_none(), "the snapshot is the owner's");
+        let out = a.poll_output();
+        assert_eq!(
+            out,
+            Some(ClusterOutput::Watch { shard: 1 }),
+            "watched before asking"
+        );
+        exchange(&mut a, &mut b, now, Millis(1));
+        let Some((100, Finished::Answer(proto::Answer::Subscribed { snapshots, .. }))) =
+            a.poll_finished()
+        else {
+            panic!("no subscribe answer");
+        };
+        assert!(!snapshots[0].presence.online, "within the debounce");
+        // The owner publishes after the debounce; the edge pushes to bob.
+        b.handle_timeout(now, Millis(300));
+        assert!(exchange(&mut a, &mut b, now, Millis(300)) >= 1);
+        let seen = pushes(&mut a);
+        assert_eq!(seen.len(), 1, "{seen:?}");
+        assert_eq!(seen[0].0, bob);
+        assert!(seen[0].1.online);
+        assert!(seen[0].1.version >= epoch_base_of(1));
+
+        // A status change is answered once the owner stored it.
+        let alice = SessionId(1);
+        let op = WireOp::SetStatus {
+            status: proto::Status::Busy,
+            message: Some("out".into()),
+        };
+        assert!(a.input(now, Millis(400), alice, op, Some(200)));
+        let prefs = {
+            let mut found = false;
+            exchange_until_prefs(&mut a, &mut b, now, Millis(400), &mut found);
+            found
+        };
+        assert!(prefs, "preferences written before the ack");
+        assert!(matches!(a.poll_finished(), Some((200, Finished::Done))));
+        b.handle_timeout(now, Millis(700));
+        exchange(&mut a, &mut b, now, Millis(700));
+        let seen = pushes(&mut a);
+        assert_eq!(seen.len(), 1);
+        assert_eq!(seen[0].1.status, greendot_core::Status::Busy);
+    }
+
+    fn epoch_base_of(epoch: u32) -> u64 {
+        greendot_core::cluster::epoch_base(Epoch(epoch))
+    }
+
+    /// Like `exchange`, noting whether a `PutPrefs` went out.
+    fn exchange_until_prefs(
+        a: &mut ClusterLink,
+        b: &mut ClusterLink,
+        now: Instant,
+        at: Millis,
+        found: &mut bool,
+    ) {
+        while let Some(out) = a.poll_output() {
+            if let ClusterOutput::Request {
+                id,
+                shard,
+                kind,
+                payload,
+            } = out
+            {
+                b.handle_input(
+                    now,
+                    at,
+                    ClusterInput::Request {
+                        shard,
+                        kind,
+                        payload,
+                        reply: id,
+                    },
+                );
+            }
+        }
+        let mut replies = Vec::new();
+        while let Some(out) = b.poll_output() {
+            match out {
+                ClusterOutput::PutPrefs { id, user, .. } => {
+                    assert_eq!(user, "alice");
+                    assert!(
+                        replies.is_empty(),
+                        "no answer before the preferences are stored"
+                    );
+                    *found = true;
+                    b.handle_input(now, at, ClusterInput::PrefsStored { id, ok: true });
+                }
+                ClusterOutput::LoadUser { id, .. } => b.handle_input(
+                    now,
+                    at,
+                    ClusterInput::UserLoaded {
+                        id,
+                        prefs: None,
+                        view: None,
+                    },
+                ),
+                other => replies.push(other),
+            }
+        }
+        for out in replies {
+            if let ClusterOutput::Reply { reply, payload } = out {
+                a.handle_input(
+                    now,
+                    at,
+                    ClusterInput::Answered {
+                        id: reply,
+                        payload: Some(payload),
+                    },
+                );
+            }
+        }
+        exchange(a, b, now, at);
+    }
+
+    #[test]
+    fn a_view_that_overtakes_the_snapshot_is_not_lost() {
+        let (mut a, mut b, now) = two_nodes();
+        let answer = a.subscribe(
+            now,
+            Millis(1),
+            5,
+            SessionId(2),
+            "bob",
+            vec!["alice".into()],
+            vec![],
+            Tier::Realtime,
+            false,
+        );
+        assert!(answer.is_none());
+        // A newer view arrives on the shard's subject before the answer.
+        let newer = proto::Presence {
+            version: epoch_base_of(1) + 1_000,
+            online: true,
+            kinds: 1,
+            ..Default::default()
+        };
+        let view = ShardView {
+            epoch: 1,
+            published_ms: 1,
+            user: "alice".into(),
+            own: false,
+            presence: newer.clone(),
+        };
+        a.handle_input(
+            now,
+            Millis(1),
+            ClusterInput::ShardMessage {
+                shard: 1,
+                payload: encode(&view),
+            },
+        );
+        exchange(&mut a, &mut b, now, Millis(1));
+        let Some((5, Finished::Answer(proto::Answer::Subscribed { snapshots, .. }))) =
+            a.poll_finished()
+        else {
+            panic!("no subscribe answer");
+        };
+        assert_eq!(snapshots[0].presence, newer, "the older snapshot won");
+    }
+
+    #[test]
+    fn a_new_owner_that_never_heard_of_the_device_gets_it_connected_again() {
+        let (mut a, mut b, now) = two_nodes();
+        // b wins every shard again under a new epoch: a fresh core.
+        b.set_status(
+            now,
+            Millis(10),
+            all_shards(2, now + Duration::from_secs(3600)),
+        );
+        assert!(a.input(
+            now,
+            Millis(10),
+            SessionId(1),
+            WireOp::SetInvisible(true),
+            Some(9)
+        ));
+        exchange(&mut a, &mut b, now, Millis(10));
+        assert!(matches!(a.poll_finished(), Some((9, Finished::Done))));
+        assert!(a.counters().retries >= 1, "answered Unknown first");
+        let o = &b.owners[&1];
+        let alice = UserId(o.users.get("alice").unwrap());
+        assert!(o.core.saved(alice).invisible);
+        assert!(o.core.truth(alice).online, "her device was connected again");
+    }
+
+    #[test]
+    fn a_late_request_is_not_applied_over_a_newer_one() {
+        let (mut a, mut b, now) = two_nodes();
+        let alice = SessionId(1);
+        a.input(now, Millis(5), alice, WireOp::SetInvisible(true), Some(1));
+        let Some(ClusterOutput::Request {
+            shard,
+            kind,
+            payload,
+            id,
+        }) = a.poll_output()
+        else {
+            panic!("no request");
+        };
+        // Lost: the edge retries (a new request id), then turns visible.
+        a.handle_input(now, Millis(5), ClusterInput::Answered { id, payload: None });
+        a.handle_timeout(now + RETRY_AFTER, Millis(105));
+        exchange(&mut a, &mut b, now, Millis(105));
+        a.input(
+            now,
+            Millis(110),
+            alice,
+            WireOp::SetInvisible(false),
+            Some(2),
+        );
+        exchange(&mut a, &mut b, now, Millis(110));
+        // The first copy arrives at last.
+        b.handle_input(
+            now,
+            Millis(120),
+            ClusterInput::Request {
+                shard,
+                kind,
+                payload,
+                reply: 77,
+            },
+        );
+        let o = &b.owners[&1];
+        let uid = UserId(o.users.get("alice").unwrap());
+        assert!(!o.core.saved(uid).invisible, "the late copy was applied");
+        let reply = b.poll_output();
+        assert!(
+            matches!(&reply, Some(ClusterOutput::Reply { reply: 77, payload }) if decode::<FromOwner>(payload) == Some(FromOwner::Done { epoch: 1 })),
+            "{reply:?}"
+        );
+    }
+
+    #[test]
+    fn a_request_the_io_never_answered_is_sent_again() {
+        let (mut a, mut b, now) = two_nodes();
+        assert!(a.input(now, Millis(5), SessionId(1), WireOp::Logout, Some(3)));
+        let lost = a.poll_output();
+        assert!(
+            matches!(lost, Some(ClusterOutput::Request { .. })),
+            "{lost:?}"
+        );
+        // Dropped on the way (a full queue): nothing comes back.
+        let later = now + Duration::from_secs(5);
+        a.handle_timeout(later, Millis(5_005));
+        let later = later + RETRY_AFTER;
+        a.handle_timeout(later, Millis(5_105));
+        assert!(a.counters().retries >= 1);
+        exchange(&mut a, &mut b, later, Millis(5_105));
+        let answers: Vec<_> = std::iter::from_fn(|| a.poll_finished()).collect();
+        assert!(
+            answers
+                .iter()
+                .any(|(w, f)| *w == 3 && matches!(f, Finished::Failed(_))),
+            "the client was told in time: {answers:?}"
+        );
+        let o = &b.owners[&1];
+        let alice = UserId(o.users.get("alice").unwrap());
+        assert!(
+            !o.core.truth(alice).online,
+            "the logout got through at last"
+        );
+        assert!(a.in_flight.is_empty() && a.busy.is_empty());
+    }
+
+    #[test]
+    fn malformed_messages_are_counted_and_dropped() {
+        let (mut a, mut b, now) = two_nodes();
+        let users_before = b.owners[&1].users.len();
+        let garbage = [
+            Bytes::from_static(b"\xff\xff\xff\xff\xff\xff\xff\xff\xff"),
+            Bytes::from(vec![0u8; MAX_MESSAGE + 1]),
+            Bytes::new(),
+        ];
+        for payload in garbage.iter().cloned() {
+            a.handle_input(
+                now,
+                Millis(1),
+                ClusterInput::ShardMessage {
+                    shard: 1,
+                    payload: payload.clone(),
+                },
+            );
+            b.handle_input(
+                now,
+                Millis(1),
+                ClusterInput::Request {
+                    shard: 1,
+                    kind: RequestKind::Input,
+                    payload,
+                    reply: 1,
+                },
+            );
+        }
+        // A view named for another shard, a name past the limit, a snapshot
+        // naming too many targets, a device input on the snapshot subject.
+        let view = |user: &str, shard| ClusterInput::ShardMessage {
+            shard,
+            payload: encode(&ShardView {
+                epoch: 1,
+                published_ms: 0,
+                user: user.into(),
+                own: false,
+                presence: proto::Presence::default(),
+            }),
+        };
+        a.handle_input(now, Millis(1), view("alice", 2));
+        a.handle_input(now, Millis(1), view(&"x".repeat(129), 1));
+        let many = ToOwner::Snapshot {
+            viewer: "bob".into(),
+            targets: vec!["alice".into(); MAX_SNAPSHOT_TARGETS + 1],
+        };
+        let wrong_kind = ToOwner::Device {
+            edge: "a".into(),
+            incarnation: 1,
+            rid: 1_000,
+            conn: 1,
+            user: "alice".into(),
+            device: "tablet".into(),
+            op: WireOp::Connect {
+                kind: proto::Kind::Web,
+            },
+        };
+        for (msg, kind) in [
+            (many, RequestKind::Snapshot),
+            (wrong_kind, RequestKind::Snapshot),
+        ] {
+            b.handle_input(
+                now,
+                Millis(1),
+                ClusterInput::Request {
+                    shard: 1,
+                    kind,
+                    payload: encode(&msg),
+                    reply: 2,
+                },
+            );
+        }
+        assert_eq!(a.counters().malformed, 5);
+        assert_eq!(b.counters().malformed, 5);
+        assert_eq!(b.poll_output(), None, "nothing answered");
+        assert_eq!(b.owners[&1].users.len(), users_before, "nothing stored");
+        assert_eq!(b.owners[&1].core.session_count(), 1, "alice's phone only");
+    }
+
+    #[test]
+    fn an_owner_past_its_claim_deadline_stops_answering() {
+        let (mut a, mut b, now) = two_nodes();
+        let until = now + Duration::from_millis(50);
+        b.set_status(now, Millis(1), all_shards(1, until));
+        b.handle_timeout(until, Millis(50));
+        assert!(b.owners.is_empty(), "the cores are gone at the deadline");
+        a.input(until, Millis(50), SessionId(1), WireOp::Logout, None);
+        let Some(ClusterOutput::Request {
+            id,
+            shard,
+            kind,
+            payload,
+        }) = a.poll_output()
+        else {
+            panic!("no request");
+        };
+        b.handle_input(
+            until,
+            Millis(50),
+            ClusterInput::Request {
+                shard,
+                kind,
+                payload,
+                reply: id,
+            },
+        );
+        let Some(ClusterOutput::Reply { payload, .. }) = b.poll_output() else {
+            panic!("no answer");
+        };
+        assert_eq!(decode::<FromOwner>(&payload), Some(FromOwner::NotOwner));
+    }
+}

@@ -1,0 +1,277 @@
+//! The cluster's NATS I/O, a thin task next to the server's driver: it does
+//! what the sans-IO state asks (`ClusterOutput`: publish a view, ask an
+//! owner, answer a request, write preferences, watch a shard) with
+//! greendot-cluster, and hands the state what NATS brings (`ClusterInput`).
+//! No presence logic lives here.
+
+use greendot_cluster::{Cluster, MemberEvent, NodeStatus, OwnerRequest, RequestKind, ShardId};
+use greendot_server::cluster::{self as gc, ClusterInput, ClusterOutput};
+use greendot_server::ClusterInputs;
+use std::collections::{BTreeMap, HashMap};
+use std::time::Instant;
+use tokio::sync::{mpsc, watch};
+use tracing::{debug, warn};
+
+/// Requests to this node's shards waiting for the state's answer at most;
+/// past it new ones are dropped (their askers time out and retry).
+const MAX_PENDING_REPLIES: usize = 65_536;
+
+fn kind_of(kind: gc::RequestKind) -> RequestKind {
+    match kind {
+        gc::RequestKind::Input => RequestKind::Input,
+        gc::RequestKind::Snapshot => RequestKind::Snapshot,
+    }
+}
+
+/// The shards the node may act for now, each until the earlier of its
+/// claim's and the lease's deadline.
+fn acting(status: &NodeStatus) -> BTreeMap<u32, (u64, Instant)> {
+    if !status.acting(Instant::now()) {
+        return BTreeMap::new();
+    }
+    status
+        .shards
+        .iter()
+        .map(|(shard, owned)| {
+            let until = owned.may_act_until.min(status.lease_until);
+            (shard.0, (owned.epoch, until))
+        })
+        .collect()
+}
+
+/// Serves the requests of exactly the shards in `shards`.
+async fn serve_shards(
+    inbox: &mut greendot_cluster::OwnerInbox,
+    shards: &BTreeMap<u32, (u64, Instant)>,
+) {
+    for shard in inbox.serving() {
+        if !shards.contains_key(&shard.0) {
+            inbox.stop(shard);
+        }
+    }
+    for shard in shards.keys() {
+        if let Err(e) = inbox.serve(ShardId(*shard)).await {
+            warn!(shard, error = %e, "cannot serve the shard's requests");
+        }
+    }
+}
+
+/// The next join or leave of a node; never without the watch.
+async fn next_member(
+    watch: &mut Option<greendot_cluster::MemberWatch>,
+) -> Option<greendot_cluster::Result<MemberEvent>> {
+    match watch {
+        Some(watch) => watch.next().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The next resync request; never without the subscription.
+async fn next_resync(feed: &mut Option<greendot_cluster::ResyncFeed>) -> Option<bytes::Bytes> {
+    match feed {
+        Some(feed) => feed.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+pub async fn run(
+    cluster: Cluster,
+    mut status: watch::Receiver<NodeStatus>,
+    mut outputs: mpsc::Receiver<ClusterOutput>,
+    inputs: ClusterInputs,
+) {
+    let mut feed = cluster.view_feed();
+    let mut inbox = cluster.owner_inbox();
+    // Every node hears every new owner's resync request (one subscription).
+    let mut resyncs = match cluster.resync_feed().await {
+        Ok(sub) => Some(sub),
+        Err(e) => {
+            warn!(error = %e, "cannot subscribe to resync requests: failovers will show devices offline");
+            None
+        }
+    };
+    let timeout = cluster.config().op_timeout;
+    // Owners treat the devices of a node whose lease went as lost.
+    let lease_ttl = cluster.config().lease_ttl;
+    let mut members = match cluster.watch_members().await {
+        Ok(watch) => Some(watch),
+        Err(e) => {
+            warn!(error = %e, "cannot watch the node leases: devices of dead nodes stay online");
+            None
+        }
+    };
+    let mut pending: HashMap<u64, (OwnerRequest, Instant)> = HashMap::new();
+    let mut next_reply = 0u64;
+    let mut last: Option<BTreeMap<u32, (u64, Instant)>> = None;
+    loop {
+        let shards = acting(&status.borrow_and_update());
+        if last.as_ref() != Some(&shards) {
+            serve_shards(&mut inbox, &shards).await;
+            if !inputs
+                .send(ClusterInput::Status {
+                    shards: shards.clone(),
+                })
+                .await
+            {
+                return;
+            }
+            last = Some(shards);
+        }
+        tokio::select! {
+            changed = status.changed() => {
+                if changed.is_err() {
+                    // The duty task ended (cut off or left): own nothing.
+                    let _ = inputs.send(ClusterInput::Status { shards: BTreeMap::new() }).await;
+                    return;
+                }
+            }
+            event = next_member(&mut members) => match event {
+                Some(Ok(MemberEvent::Left { node, .. })) => {
+                    // The lease was last renewed at most a TTL ago.
+                    let ms = u64::try_from(lease_ttl.as_millis()).unwrap_or(u64::MAX);
+                    let last_heard = greendot_cluster::unix_ms().saturating_sub(ms);
+                    let input = ClusterInput::EdgeLost { node: node.to_string(), last_heard };
+                    if !inputs.send(input).await {
+                        return;
+                    }
+                }
+                Some(Ok(MemberEvent::Joined { .. })) => {}
+                Some(Err(e)) => debug!(error = %e, "node lease watch"),
+                None => {
+                    warn!("the node lease watch ended: devices of dead nodes stay online");
+                    members = None;
+                }
+            },
+            Some(payload) = next_resync(&mut resyncs) => {
+                if !inputs.send(ClusterInput::Resync { payload }).await {
+                    return;
+                }
+            }
+            msg = feed.recv() => {
+                let input = ClusterInput::ShardMessage { shard: msg.shard.0, payload: msg.payload };
+                if !inputs.send(input).await {
+                    return;
+                }
+            }
+            req = inbox.recv() => {
+                let now = Instant::now();
+                // An answer the state never gave is useless after the asker's timeout.
+                pending.retain(|_, (_, at)| now.duration_since(*at) < timeout * 2);
+                if pending.len() >= MAX_PENDING_REPLIES {
+                    debug!("too many requests waiting for answers: dropped one");
+                    continue;
+                }
+                next_reply += 1;
+                let kind = match req.kind {
+                    RequestKind::Input => gc::RequestKind::Input,
+                    RequestKind::Snapshot => gc::RequestKind::Snapshot,
+                };
+                let input = ClusterInput::Request {
+                    shard: req.shard.0,
+                    kind,
+                    payload: req.payload.clone(),
+                    reply: next_reply,
+                };
+                pending.insert(next_reply, (req, now));
+                if !inputs.send(input).await {
+                    return;
+                }
+            }
+            out = outputs.recv() => {
+                let Some(out) = out else { return };
+                match out {
+                    ClusterOutput::Publish { shard, payload } => {
+                        if let Err(e) = cluster.publish_view(ShardId(shard), payload).await {
+                            warn!(shard, error = %e, "cannot publish a view");
+                        }
+                    }
+                    ClusterOutput::Request { id, shard, kind, payload } => {
+                        let (c, inputs) = (cluster.clone(), inputs.clone());
+                        // Each request waits on its own task, never the loop.
+                        tokio::spawn(async move {
+                            let asked = c.request(ShardId(shard), kind_of(kind), payload);
+                            let payload = match tokio::time::timeout(timeout, asked).await {
+                                Ok(Ok(bytes)) => Some(bytes),
+                                _ => None,
+                            };
+                            inputs.send(ClusterInput::Answered { id, payload }).await;
+                        });
+                    }
+                    ClusterOutput::Reply { reply, payload } => {
+                        if let Some((req, _)) = pending.remove(&reply) {
+                            if let Err(e) = inbox.reply(&req, payload).await {
+                                debug!(error = %e, "cannot answer a request");
+                            }
+                        }
+                    }
+                    ClusterOutput::PutPrefs { id, user, value } => {
+                        let (c, inputs) = (cluster.clone(), inputs.clone());
+                        tokio::spawn(async move {
+                            let ok = match c.put_preferences(&user, value).await {
+                                Ok(_) => true,
+                                Err(e) => {
+                                    warn!(error = %e, "cannot store preferences");
+                                    false
+                                }
+                            };
+                            inputs.send(ClusterInput::PrefsStored { id, ok }).await;
+                        });
+                    }
+                    ClusterOutput::LoadUser { id, user } => {
+                        let (c, inputs) = (cluster.clone(), inputs.clone());
+                        tokio::spawn(async move {
+                            // A failed read starts the user fresh rather than
+                            // holding their inputs.
+                            let prefs = c.preferences(&user).await.unwrap_or_else(|e| {
+                                warn!(error = %e, "cannot read preferences");
+                                None
+                            });
+                            let view = c.view(&user).await.unwrap_or_else(|e| {
+                                warn!(error = %e, "cannot read the last view");
+                                None
+                            });
+                            inputs.send(ClusterInput::UserLoaded { id, prefs, view }).await;
+                        });
+                    }
+                    ClusterOutput::PutView { user, value } => {
+                        let c = cluster.clone();
+                        tokio::spawn(async move {
+                            if let Err(e) = c.put_view(&user, value).await {
+                                debug!(error = %e, "cannot store a view");
+                            }
+                        });
+                    }
+                    ClusterOutput::PutShardDevices { shard, value } => {
+                        let c = cluster.clone();
+                        tokio::spawn(async move {
+                            if let Err(e) = c.put_shard_devices(ShardId(shard), value).await {
+                                debug!(shard, error = %e, "cannot store the shard's devices");
+                            }
+                        });
+                    }
+                    ClusterOutput::LoadShard { id, shard } => {
+                        let (c, inputs) = (cluster.clone(), inputs.clone());
+                        tokio::spawn(async move {
+                            let record = c.shard_devices(ShardId(shard)).await.unwrap_or_else(|e| {
+                                warn!(shard, error = %e, "cannot read the shard's devices");
+                                None
+                            });
+                            inputs.send(ClusterInput::ShardLoaded { id, record }).await;
+                        });
+                    }
+                    ClusterOutput::Resync { payload } => {
+                        if let Err(e) = cluster.publish_resync(payload).await {
+                            warn!(error = %e, "cannot ask the edges to resync");
+                        }
+                    }
+                    ClusterOutput::Watch { shard } => {
+                        if let Err(e) = feed.watch(ShardId(shard)).await {
+                            warn!(shard, error = %e, "cannot watch the shard's views");
+                        }
+                    }
+                    ClusterOutput::Unwatch { shard } => feed.unwatch(ShardId(shard)),
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,869 @@
+//! Presence across nodes (issue 13's first scenarios): three `greendot serve
+//! --cluster` processes on a real 3-node NATS cluster, real QUIC clients.
+//! A user's device connects to one node, its owner is another, the watcher
+//! sits on a third: what the watcher sees must be what one node shows
+//! (debounce, versions, invisible, logout, several devices).
+//!
+//! Every deadline is derived from the configured timers (plus a fixed slack
+//! for a loaded machine); the only fixed windows are those in which
+//! something must *not* happen.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use greendot_client::rustls::pki_types::pem::PemObject;
+use greendot_client::rustls::pki_types::CertificateDer;
+use greendot_client::{Client, ClientConfig, Event, Updates};
+use greendot_cluster::testing::NatsCluster;
+use greendot_core::{Kinds, Presence, Status, Tier};
+use greendot_proto::Kind;
+use greendot_server::token::{Claims, TokenKeys, WatchClaim};
+
+const BIN: &str = env!("CARGO_BIN_EXE_greendot");
+const SHARDS: u32 = 64;
+const LEASE_TTL: Duration = Duration::from_secs(2);
+const DEBOUNCE: Duration = Duration::from_millis(300);
+const GRACE: Duration = Duration::from_secs(1);
+/// A loaded 2-core machine, NATS round trips, process start.
+const SLACK: Duration = Duration::from_secs(8);
+const SECRET: &str = "0123456789abcdef0123456789abcdef";
+
+struct Node {
+    id: String,
+    child: Child,
+    addr: SocketAddr,
+    metrics: String,
+    cert: CertificateDer<'static>,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn serve(dir: &Path, urls: &str, id: &str) -> Node {
+    let data = dir.join(id);
+    let mut child = Command::new(BIN)
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics",
+            "127.0.0.1:0",
+        ])
+        .arg("--data-dir")
+        .arg(&data)
+        .arg("--secret-file")
+        .arg(dir.join("secret"))
+        .args(["--cluster", urls, "--node-id", id])
+        .args(["--cluster-shards", &SHARDS.to_string()])
+        .args(["--cluster-lease-ttl", &format!("{}s", LEASE_TTL.as_secs())])
+        .args(["--debounce", &format!("{}ms", DEBOUNCE.as_millis())])
+        .args(["--grace", &format!("{}ms", GRACE.as_millis())])
+        .args(["--idle-timeout", "1s", "--keep-alive", "250ms"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("greendot serve");
+    let (tx, rx) = mpsc::channel();
+    let out = child.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let mut addr = None;
+    let metrics;
+    let deadline = Instant::now() + SLACK;
+    loop {
+        let line = rx
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .unwrap_or_else(|_| panic!("{id}: not started"));
+        if let Some(rest) = line.strip_prefix("greendot listening on ") {
+            addr = rest.split_whitespace().next().and_then(|a| a.parse().ok());
+        }
+        if let Some(at) = line.strip_prefix("metrics on http://") {
+            metrics = at.trim_end_matches("/metrics").to_owned();
+            break;
+        }
+    }
+    let pem = std::fs::read(data.join("cert.pem")).expect("the node's certificate");
+    let cert = CertificateDer::from_pem_slice(&pem).expect("a PEM certificate");
+    Node {
+        id: id.to_owned(),
+        child,
+        addr: addr.unwrap_or_else(|| panic!("{id}: no address")),
+        metrics,
+        cert,
+    }
+}
+
+/// The value of the sample `name` (with its labels) on a node's metrics page.
+fn metric(node: &Node, name: &str) -> u64 {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(&node.metrics).expect("metrics port");
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} on {}'s metrics:\n{text}", node.id))
+}
+
+fn status(urls: &str, shard: Option<u32>) -> (bool, String) {
+    let mut command = Command::new(BIN);
+    command.args(["cluster", "status", "--cluster", urls]);
+    if let Some(s) = shard {
+        command.args(["--shard", &s.to_string()]);
+    }
+    let out = command.output().expect("greendot cluster status");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+/// Three nodes up and every shard owned.
+fn wait_placed(urls: &str) {
+    let within = LEASE_TTL * 3 + SLACK;
+    let t0 = Instant::now();
+    let mut last = String::new();
+    while t0.elapsed() < within {
+        let (ok, text) = status(urls, None);
+        if ok && text.contains("nodes: 3") && text.contains(&format!("owned {SHARDS}, unowned 0")) {
+            return;
+        }
+        last = text;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("shards not placed within {within:?}:\n{last}");
+}
+
+fn owner_of(urls: &str, user: &str) -> String {
+    let shard = greendot_cluster::shard_of(user, SHARDS).0;
+    let (ok, text) = status(urls, Some(shard));
+    assert!(ok, "{text}");
+    let prefix = format!("shard {shard}: owner ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no owner of shard {shard}:\n{text}"))
+        .to_owned()
+}
+
+/// A user name whose owner is `owner`.
+fn user_owned_by(urls: &str, owner: &str, stem: &str) -> String {
+    (0..200)
+        .map(|i| format!("{stem}{i}"))
+        .find(|u| owner_of(urls, u) == owner)
+        .unwrap_or_else(|| panic!("no user of {owner}"))
+}
+
+fn temp_dir(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "greendot-cluster-data-{}-{test}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("secret"), SECRET).unwrap();
+    dir
+}
+
+async fn connect(
+    nodes: &[&Node],
+    at: &Node,
+    user: &str,
+    device: &str,
+    kind: Kind,
+    watch: WatchClaim,
+) -> (Client, Updates) {
+    let keys = TokenKeys::new(SECRET.as_bytes(), Duration::ZERO);
+    let token = keys
+        .mint(&Claims::new(
+            user,
+            device,
+            kind,
+            watch,
+            Duration::from_secs(3600),
+        ))
+        .unwrap();
+    let roots = nodes.iter().map(|n| n.cert.clone()).collect();
+    let mut config = ClientConfig::new(at.addr, roots, token);
+    config.reconnect = None;
+    config.websocket = None;
+    Client::connect(config)
+        .await
+        .unwrap_or_else(|e| panic!("{user}/{device} cannot connect to {}: {e}", at.id))
+}
+
+/// The next presence of `target` that satisfies `pred`, within `within`.
+async fn wait_presence(
+    updates: &mut Updates,
+    target: &str,
+    within: Duration,
+    what: &str,
+    pred: impl Fn(&Presence) -> bool,
+) -> Presence {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match tokio::time::timeout_at(deadline, updates.next()).await {
+            Ok(Some(Event::Presence {
+                target: t,
+                presence,
+                ..
+            })) if t == target => {
+                if pred(&presence) {
+                    return presence;
+                }
+            }
+            Ok(Some(_)) => {}
+            Ok(None) => panic!("{what}: the watcher's client ended"),
+            Err(_) => panic!("{what}: not within {within:?}"),
+        }
+    }
+}
+
+/// Nothing of `target` that satisfies `bad` arrives for `window`.
+async fn never(
+    updates: &mut Updates,
+    target: &str,
+    window: Duration,
+    what: &str,
+    bad: impl Fn(&Presence) -> bool,
+) -> Vec<Presence> {
+    let deadline = tokio::time::Instant::now() + window;
+    let mut seen = Vec::new();
+    while let Ok(event) = tokio::time::timeout_at(deadline, updates.next()).await {
+        match event {
+            Some(Event::Presence {
+                target: t,
+                presence,
+                ..
+            }) if t == target => {
+                assert!(!bad(&presence), "{what}: {presence:?}");
+                seen.push(presence);
+            }
+            Some(_) => {}
+            None => break,
+        }
+    }
+    seen
+}
+
+fn kinds(list: &[Kind]) -> Kinds {
+    let mut k = Kinds::default();
+    for kind in list {
+        k.insert((*kind).into());
+    }
+    k
+}
+
+/// Scenario 1: alice's device on node a, her owner node b, bob watching
+/// from node c: online after the debounce, status and message, invisible
+/// and back, logout: bob sees what one node would show, versions growing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cross_node_watching_status_invisible_logout() {
+    let nats = NatsCluster::start(3).await;
+    let urls = nats.urls();
+    let dir = temp_dir("watching");
+    let a = serve(&dir, &urls, "a");
+    let b = serve(&dir, &urls, "b");
+    let c = serve(&dir, &urls, "c");
+    wait_placed(&urls);
+    let nodes = [&a, &b, &c];
+    // Owned by b: edge a forwards, b publishes, c fans out.
+    let alice = user_owned_by(&urls, "b", "alice");
+
+    let (bob, mut bob_updates) = connect(
+        &nodes,
+        &c,
+        "bob",
+        "laptop",
+        Kind::Desktop,
+        WatchClaim::only([alice.as_str()]),
+    )
+    .await;
+    let subscribed = bob
+        .subscribe(&[alice.as_str()], Tier::Realtime)
+        .await
+        .unwrap();
+    assert!(subscribed.refused.is_empty(), "{subscribed:?}");
+    let (_, _, snapshot) = &subscribed.snapshots[0];
+    assert!(!snapshot.online, "{snapshot:?}");
+
+    let t0 = Instant::now();
+    let (phone, _phone_updates) =
+        connect(&nodes, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
+    let online = wait_presence(
+        &mut bob_updates,
+        &alice,
+        DEBOUNCE + SLACK,
+        "alice online",
+        |p| p.online,
+    )
+    .await;
+    let took = t0.elapsed();
+    println!("alice online at bob after {took:?} (debounce {DEBOUNCE:?})");
+    assert!(took >= DEBOUNCE, "published before the debounce: {took:?}");
+    assert_eq!(online.kinds, kinds(&[Kind::Mobile]));
+    assert!(online.version > snapshot.version);
+    // A query on alice's node of bob, who is connected to another node: the
+    // answer is his owner's.
+    let q = phone.query("bob").await.unwrap();
+    assert!(q.online, "{q:?}");
+    assert_eq!(q.kinds, kinds(&[Kind::Desktop]));
+
+    // Status and message: acknowledged once the owner took it (and stored it).
+    let t0 = Instant::now();
+    phone
+        .set_status(Status::Busy, Some("in a meeting"))
+        .await
+        .unwrap();
+    let busy = wait_presence(
+        &mut bob_updates,
+        &alice,
+        DEBOUNCE + SLACK,
+        "alice busy",
+        |p| p.status == Status::Busy,
+    )
+    .await;
+    println!("busy at bob after {:?}", t0.elapsed());
+    assert!(busy.online);
+    assert_eq!(busy.message.as_deref(), Some("in a meeting"));
+    assert!(busy.version > online.version);
+
+    // Invisible: offline to bob; visible again: online.
+    phone.set_invisible(true).await.unwrap();
+    let hidden = wait_presence(
+        &mut bob_updates,
+        &alice,
+        DEBOUNCE + SLACK,
+        "alice hidden",
+        |p| !p.online,
+    )
+    .await;
+    assert!(!hidden.invisible, "bob is never told of invisibility");
+    assert!(hidden.version > busy.version);
+    phone.set_invisible(false).await.unwrap();
+    let back = wait_presence(
+        &mut bob_updates,
+        &alice,
+        DEBOUNCE + SLACK,
+        "alice visible",
+        |p| p.online,
+    )
+    .await;
+    assert!(back.version > hidden.version);
+    assert_eq!(
+        back.status,
+        Status::Busy,
+        "her status survives invisibility"
+    );
+
+    // Logout: offline after the debounce, with a last seen.
+    let t0 = Instant::now();
+    phone.logout().await.unwrap();
+    let gone = wait_presence(
+        &mut bob_updates,
+        &alice,
+        DEBOUNCE + SLACK,
+        "alice logged out",
+        |p| !p.online,
+    )
+    .await;
+    let took = t0.elapsed();
+    println!("logout seen by bob after {took:?}");
+    assert!(gone.last_seen.is_some(), "{gone:?}");
+    assert!(gone.version > back.version);
+
+    // a forwarded alice's inputs to b; b took them and published; c's
+    // fanout took b's views.
+    let forwarded = metric(&a, "greendot_cluster_forwarded_inputs_total{to=\"remote\"}");
+    assert!(
+        forwarded >= 5,
+        "connect, status, 2 × invisible, logout: {forwarded}"
+    );
+    assert!(metric(&b, "greendot_cluster_owner_inputs_total") >= 5);
+    assert!(metric(&b, "greendot_cluster_views_published_total") >= 5);
+    assert!(metric(&c, "greendot_cluster_views_applied_total") >= 5);
+    assert_eq!(metric(&c, "greendot_cluster_malformed_total"), 0);
+    drop(bob);
+    drop(nats);
+}
+
+/// Scenario 2: alice's phone on node a, her laptop on node b, her owner
+/// and bob elsewhere where possible: bob sees both kinds; logging out of the
+/// laptop keeps her online (only the kinds change).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multi_device_across_nodes_logout_of_one_keeps_online() {
+    let nats = NatsCluster::start(3).await;
+    let urls = nats.urls();
+    let dir = temp_dir("devices");
+    let a = serve(&dir, &urls, "a");
+    let b = serve(&dir, &urls, "b");
+    let c = serve(&dir, &urls, "c");
+    wait_placed(&urls);
+    let nodes = [&a, &b, &c];
+    let alice = user_owned_by(&urls, "c", "alice");
+
+    let (bob, mut bob_updates) = connect(
+        &nodes,
+        &c,
+        "bob",
+        "laptop",
+        Kind::Desktop,
+        WatchClaim::all(),
+    )
+    .await;
+    bob.subscribe(&[alice.as_str()], Tier::Realtime)
+        .await
+        .unwrap();
+
+    let (_phone, _p) = connect(&nodes, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
+    let (laptop, _l) = connect(
+        &nodes,
+        &b,
+        &alice,
+        "laptop",
+        Kind::Desktop,
+        WatchClaim::all(),
+    )
+    .await;
+    let both = kinds(&[Kind::Mobile, Kind::Desktop]);
+    let seen = wait_presence(
+        &mut bob_updates,
+        &alice,
+        DEBOUNCE + SLACK,
+        "both devices",
+        |p| p.online && p.kinds == both,
+    )
+    .await;
+
+    laptop.logout().await.unwrap();
+    let phone_only = wait_presence(
+        &mut bob_updates,
+        &alice,
+        DEBOUNCE + SLACK,
+        "the phone alone",
+        |p| p.kinds == kinds(&[Kind::Mobile]),
+    )
+    .await;
+    assert!(phone_only.online, "{phone_only:?}");
+    assert!(phone_only.version > seen.version);
+    // And she never goes offline meanwhile.
+    never(
+        &mut bob_updates,
+        &alice,
+        DEBOUNCE * 3 + GRACE,
+        "alice shown offline with her phone connected",
+        |p| !p.online,
+    )
+    .await;
+    drop(bob);
+    drop(nats);
+}
+
+/// Scenario 4: `kill -9` of the node that owns alice's shard while her
+/// phone stays connected to another: the next owner restores her
+/// preferences and last view from the KV, holds offlines until the edges
+/// resent their devices, and bob (on a third node) sees no offline and no
+/// change at all; when her phone goes later, the new owner (which heard of
+/// it only through the resync) gives her grace, and bob sees the offline
+/// under the new epoch, with a higher version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn owner_failover_keeps_a_connected_device_online() {
+    let nats = NatsCluster::start(3).await;
+    let urls = nats.urls();
+    let dir = temp_dir("failover");
+    let a = serve(&dir, &urls, "a");
+    let mut b = serve(&dir, &urls, "b");
+    let c = serve(&dir, &urls, "c");
+    wait_placed(&urls);
+    let nodes = [&a, &b, &c];
+    // Owned by b, and by c once b is gone: neither her edge (a, which
+    // would resend in process) nor bob's... but bob's node, so the new owner
+    // must hear of her phone through a resync request.
+    let next_owner = |user: &str| {
+        let live = [
+            greendot_cluster::NodeId::new("a").unwrap(),
+            greendot_cluster::NodeId::new("c").unwrap(),
+        ];
+        let shard = greendot_cluster::shard_of(user, SHARDS);
+        greendot_cluster::rendezvous_owner(shard, &live).map(|n| n.to_string())
+    };
+    let alice = (0..200)
+        .map(|i| format!("alice{i}"))
+        .find(|u| next_owner(u).as_deref() == Some("c") && owner_of(&urls, u) == "b")
+        .expect("a user of b whose next owner is c");
+    let shard = greendot_cluster::shard_of(&alice, SHARDS).0;
+
+    let (bob, mut bob_updates) = connect(
+        &nodes,
+        &c,
+        "bob",
+        "laptop",
+        Kind::Desktop,
+        WatchClaim::all(),
+    )
+    .await;
+    bob.subscribe(&[alice.as_str()], Tier::Realtime)
+        .await
+        .unwrap();
+    let (phone, _p) = connect(&nodes, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
+    phone
+        .set_status(Status::Busy, Some("in a meeting"))
+        .await
+        .unwrap();
+    let before = wait_presence(
+        &mut bob_updates,
+        &alice,
+        DEBOUNCE + SLACK,
+        "alice busy",
+        |p| p.online && p.status == Status::Busy,
+    )
+    .await;
+
+    // kill -9 of her owner.
+    let t0 = Instant::now();
+    b.child.kill().unwrap();
+    let _ = b.child.wait();
+    let (ok, text) = status(&urls, Some(shard));
+    assert!(ok, "{text}");
+    // The claim expires on its TTL, the next owner takes it, asks the edges
+    // to resend, holds offlines for its resync window (the request timeout,
+    // here the TTL), then lets the debounce run: watch for all of it.
+    let window = LEASE_TTL + SLACK / 2 + LEASE_TTL + DEBOUNCE * 2;
+    let seen = never(
+        &mut bob_updates,
+        &alice,
+        window,
+        "bob saw alice change while her phone stayed connected",
+        |p| !p.online || p.status != Status::Busy || p.message.as_deref() != Some("in a meeting"),
+    )
+    .await;
+    let owner = owner_of(&urls, &alice);
+    assert_eq!(owner, "c", "the shard moved to its next owner");
+    assert!(
+        metric(&a, "greendot_cluster_resyncs_total") >= 1,
+        "a resent alice's phone when asked"
+    );
+    println!(
+        "owner {owner} after {:?}; bob saw {} repeats of the same view",
+        t0.elapsed(),
+        seen.len()
+    );
+
+    // The new owner heard of her phone from her edge (the resync), not from
+    // any input of hers: when it goes, she lingers for her grace as on one
+    // node, then goes offline after the debounce, under the new epoch.
+    let t0 = Instant::now();
+    drop(phone);
+    drop(_p);
+    let gone = wait_presence(
+        &mut bob_updates,
+        &alice,
+        GRACE + DEBOUNCE + SLACK,
+        "alice offline after her phone went",
+        |p| !p.online,
+    )
+    .await;
+    let took = t0.elapsed();
+    println!("offline at bob {took:?} after the phone went (grace {GRACE:?})");
+    assert!(took >= GRACE, "offline before her grace ran out: {took:?}");
+    assert!(gone.version > before.version);
+    let epoch = |v: u64| greendot_core::cluster::epoch_of(v).0;
+    assert!(
+        epoch(gone.version) > epoch(before.version),
+        "{} then {}",
+        before.version,
+        gone.version
+    );
+    drop(bob);
+    drop(nats);
+}
+
+/// Scenario 3: `kill -9` of the node holding alice's and carol's phones.
+/// Alice's phone connects again at once to another node: bob (on a third
+/// node) never sees her offline (C2). Carol's does not come back: once the
+/// dead node's lease expires, her owner moves her phone to lingering, and
+/// bob sees her offline within lease TTL + grace + debounce (C3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edge_kill_9_reconnect_elsewhere_and_bounded_ghost() {
+    let nats = NatsCluster::start(3).await;
+    let urls = nats.urls();
+    let dir = temp_dir("edge");
+    let mut a = serve(&dir, &urls, "a");
+    let b = serve(&dir, &urls, "b");
+    let c = serve(&dir, &urls, "c");
+    wait_placed(&urls);
+    let nodes = [&a, &b, &c];
+    // Owned by b: only their edge dies.
+    let alice = user_owned_by(&urls, "b", "alice");
+    let carol = user_owned_by(&urls, "b", "carol");
+
+    let (bob, mut bob_updates) = connect(
+        &nodes,
+        &c,
+        "bob",
+        "laptop",
+        Kind::Desktop,
+        WatchClaim::all(),
+    )
+    .await;
+    bob.subscribe(&[alice.as_str(), carol.as_str()], Tier::Realtime)
+        .await
+        .unwrap();
+    let (_alice_phone, _ap) =
+        connect(&nodes, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
+    let (_carol_phone, _cp) =
+        connect(&nodes, &a, &carol, "phone", Kind::Mobile, WatchClaim::all()).await;
+    for user in [&alice, &carol] {
+        wait_presence(&mut bob_updates, user, DEBOUNCE + SLACK, "online", |p| {
+            p.online
+        })
+        .await;
+    }
+
+    let t0 = Instant::now();
+    a.child.kill().unwrap();
+    let _ = a.child.wait();
+    // Alice's client reconnects to another node (as a client given several
+    // addresses would); carol's never does.
+    let (_again, _ag) = connect(
+        &[&b, &c],
+        &b,
+        &alice,
+        "phone",
+        Kind::Mobile,
+        WatchClaim::all(),
+    )
+    .await;
+
+    let bound = LEASE_TTL + GRACE + DEBOUNCE;
+    let deadline = tokio::time::Instant::now() + bound + SLACK;
+    let took = loop {
+        match tokio::time::timeout_at(deadline, bob_updates.next()).await {
+            Ok(Some(Event::Presence {
+                target, presence, ..
+            })) => {
+                assert!(
+                    target != alice || presence.online,
+                    "bob saw alice offline after her edge died: {presence:?}"
+                );
+                if target == carol && !presence.online {
+                    break t0.elapsed();
+                }
+            }
+            Ok(Some(_)) => {}
+            Ok(None) => panic!("bob's client ended"),
+            Err(_) => panic!("carol still online {:?} after her edge died", bound + SLACK),
+        }
+    };
+    println!("carol offline at bob {took:?} after kill -9 of her edge (bound {bound:?} + slack)");
+    assert!(took >= GRACE, "offline before her grace: {took:?}");
+    assert!(metric(&b, "greendot_cluster_edge_lost_devices_total") >= 1);
+    never(
+        &mut bob_updates,
+        &alice,
+        GRACE + DEBOUNCE * 2,
+        "alice shown offline while connected to b",
+        |p| !p.online,
+    )
+    .await;
+    drop(bob);
+    drop(nats);
+}
+
+/// Scenario 7 (C4): alice goes invisible, then her owner is killed while
+/// her phone stays connected: the next owner restores her invisibility from
+/// the KV before it takes her phone back, and bob never sees her online.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invisible_survives_owner_failover() {
+    let nats = NatsCluster::start(3).await;
+    let urls = nats.urls();
+    let dir = temp_dir("invisible");
+    let a = serve(&dir, &urls, "a");
+    let mut b = serve(&dir, &urls, "b");
+    let c = serve(&dir, &urls, "c");
+    wait_placed(&urls);
+    let nodes = [&a, &b, &c];
+    let alice = user_owned_by(&urls, "b", "alice");
+
+    let (bob, mut bob_updates) = connect(
+        &nodes,
+        &c,
+        "bob",
+        "laptop",
+        Kind::Desktop,
+        WatchClaim::all(),
+    )
+    .await;
+    bob.subscribe(&[alice.as_str()], Tier::Realtime)
+        .await
+        .unwrap();
+    let (phone, _p) = connect(&nodes, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
+    wait_presence(&mut bob_updates, &alice, DEBOUNCE + SLACK, "online", |p| {
+        p.online
+    })
+    .await;
+    phone.set_invisible(true).await.unwrap();
+    wait_presence(&mut bob_updates, &alice, DEBOUNCE + SLACK, "hidden", |p| {
+        !p.online
+    })
+    .await;
+
+    b.child.kill().unwrap();
+    let _ = b.child.wait();
+    never(
+        &mut bob_updates,
+        &alice,
+        LEASE_TTL + SLACK / 2 + LEASE_TTL + DEBOUNCE * 2,
+        "bob saw invisible alice online after her owner died",
+        |p| p.online,
+    )
+    .await;
+    assert_ne!(owner_of(&urls, &alice), "b", "the shard moved");
+    // She is still invisible to herself too: her own view says so.
+    let own = phone.query(&alice).await.unwrap();
+    assert!(own.online && own.invisible, "{own:?}");
+    drop(bob);
+    drop(nats);
+}
+
+/// Scenario 6: SIGTERM (drain) of the node holding alice's phone: the node
+/// hands its shards over and closes its clients; her phone connects again to
+/// another node within grace, and bob never sees her offline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_of_the_edge_shows_nobody_offline() {
+    let nats = NatsCluster::start(3).await;
+    let urls = nats.urls();
+    let dir = temp_dir("drain");
+    let mut a = serve(&dir, &urls, "a");
+    let b = serve(&dir, &urls, "b");
+    let c = serve(&dir, &urls, "c");
+    wait_placed(&urls);
+    let alice = user_owned_by(&urls, "b", "alice");
+    let roots = [&a, &b, &c];
+
+    let (bob, mut bob_updates) = connect(
+        &roots,
+        &c,
+        "bob",
+        "laptop",
+        Kind::Desktop,
+        WatchClaim::all(),
+    )
+    .await;
+    bob.subscribe(&[alice.as_str()], Tier::Realtime)
+        .await
+        .unwrap();
+    let (_phone, mut phone_updates) =
+        connect(&roots, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
+    wait_presence(&mut bob_updates, &alice, DEBOUNCE + SLACK, "online", |p| {
+        p.online
+    })
+    .await;
+
+    Command::new("kill")
+        .args(["-TERM", &a.child.id().to_string()])
+        .status()
+        .unwrap();
+    // Her client is told to go (Draining) and connects elsewhere.
+    let deadline = tokio::time::Instant::now() + SLACK;
+    loop {
+        match tokio::time::timeout_at(deadline, phone_updates.next()).await {
+            Ok(Some(Event::Closed { .. })) | Ok(None) => break,
+            Ok(Some(_)) => {}
+            Err(_) => panic!("alice's phone was not closed by the drain"),
+        }
+    }
+    let (_again, _ag) = connect(
+        &[&b, &c],
+        &b,
+        &alice,
+        "phone",
+        Kind::Mobile,
+        WatchClaim::all(),
+    )
+    .await;
+    never(
+        &mut bob_updates,
+        &alice,
+        LEASE_TTL + GRACE + DEBOUNCE * 2,
+        "bob saw alice offline across the drain of her node",
+        |p| !p.online,
+    )
+    .await;
+    assert!(
+        a.child.wait().unwrap().success(),
+        "the drained node exits 0"
+    );
+    drop(bob);
+    drop(nats);
+}
+
+/// C3 when a user's edge and owner are the same node and it is killed:
+/// the next owner restores her phone from the device record the old owner
+/// wrote behind (as lingering), nobody resends it, and bob sees her offline
+/// within lease TTL + max(grace, resync window) + debounce.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edge_and_owner_killed_together_leave_no_ghost() {
+    let nats = NatsCluster::start(3).await;
+    let urls = nats.urls();
+    let dir = temp_dir("both");
+    let mut a = serve(&dir, &urls, "a");
+    let b = serve(&dir, &urls, "b");
+    let c = serve(&dir, &urls, "c");
+    wait_placed(&urls);
+    let alice = user_owned_by(&urls, "a", "alice");
+    let roots = [&a, &b, &c];
+
+    let (bob, mut bob_updates) = connect(
+        &roots,
+        &c,
+        "bob",
+        "laptop",
+        Kind::Desktop,
+        WatchClaim::all(),
+    )
+    .await;
+    bob.subscribe(&[alice.as_str()], Tier::Realtime)
+        .await
+        .unwrap();
+    let (_phone, _p) = connect(&roots, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
+    wait_presence(&mut bob_updates, &alice, DEBOUNCE + SLACK, "online", |p| {
+        p.online
+    })
+    .await;
+    // The owner writes its devices behind half a second after a change.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let t0 = Instant::now();
+    a.child.kill().unwrap();
+    let _ = a.child.wait();
+    // The resync window is the request timeout: the TTL here.
+    let bound = LEASE_TTL + GRACE.max(LEASE_TTL) + DEBOUNCE;
+    let gone = wait_presence(
+        &mut bob_updates,
+        &alice,
+        bound + SLACK,
+        "alice offline after her edge and owner died",
+        |p| !p.online,
+    )
+    .await;
+    let took = t0.elapsed();
+    println!("alice offline at bob {took:?} after kill -9 (bound {bound:?} + slack)");
+    assert!(took >= GRACE, "{took:?}");
+    assert!(gone.last_seen.is_some(), "{gone:?}");
+    drop(bob);
+    drop(nats);
+}
