@@ -1010,3 +1010,186 @@ async fn kill_9_of_a_nats_node_changes_nothing_visible() {
     drop(bob);
     drop(nats);
 }
+
+/// What a watcher's client shows of a user, without the version (which
+/// carries the cluster's epoch) and the last-seen time (a clock reading):
+/// only whether there is one.
+#[derive(Debug, Clone, PartialEq)]
+struct View {
+    online: bool,
+    status: Status,
+    message: Option<String>,
+    kinds: Kinds,
+    last_seen: bool,
+    invisible: bool,
+}
+
+impl From<&Presence> for View {
+    fn from(p: &Presence) -> View {
+        View {
+            online: p.online,
+            status: p.status,
+            message: p.message.as_deref().map(str::to_owned),
+            kinds: p.kinds,
+            last_seen: p.last_seen.is_some(),
+            invisible: p.invisible,
+        }
+    }
+}
+
+/// Everything of `target` that reaches `updates` within `window`.
+async fn collect(updates: &mut Updates, target: &str, window: Duration, seen: &mut Vec<Presence>) {
+    let deadline = tokio::time::Instant::now() + window;
+    while let Ok(event) = tokio::time::timeout_at(deadline, updates.next()).await {
+        match event {
+            Some(Event::Presence {
+                target: t,
+                presence,
+                ..
+            }) if t == target => seen.push(presence),
+            Some(Event::Closed { .. }) | None => panic!("the watcher's client ended"),
+            Some(_) => {}
+        }
+    }
+}
+
+/// Scenario 8's script: bob (on `bob_at`) watches alice, whose phone is on
+/// `phone_at` and laptop on `laptop_at`; each step is given `settle` (its
+/// debounce and a margin) before the next. Returns what bob's client showed
+/// of alice, the subscription's snapshot first.
+async fn differential_script(
+    roots: &[&Node],
+    bob_at: &Node,
+    phone_at: &Node,
+    laptop_at: &Node,
+    alice: &str,
+    settle: Duration,
+) -> Vec<Presence> {
+    let (bob, mut updates) = connect(
+        roots,
+        bob_at,
+        "bob",
+        "laptop",
+        Kind::Desktop,
+        WatchClaim::all(),
+    )
+    .await;
+    let subscribed = bob.subscribe(&[alice], Tier::Realtime).await.unwrap();
+    assert!(subscribed.refused.is_empty(), "{subscribed:?}");
+    let mut seen = vec![subscribed.snapshots[0].2.clone()];
+    let step = |what: &str| println!("  {what}");
+
+    step("phone connects");
+    let (phone, phone_updates) = connect(
+        roots,
+        phone_at,
+        alice,
+        "phone",
+        Kind::Mobile,
+        WatchClaim::all(),
+    )
+    .await;
+    collect(&mut updates, alice, settle, &mut seen).await;
+    step("busy, with a message");
+    phone
+        .set_status(Status::Busy, Some("in a meeting"))
+        .await
+        .unwrap();
+    collect(&mut updates, alice, settle, &mut seen).await;
+    step("invisible");
+    phone.set_invisible(true).await.unwrap();
+    collect(&mut updates, alice, settle, &mut seen).await;
+    step("away while invisible");
+    phone.set_status(Status::Away, None).await.unwrap();
+    collect(&mut updates, alice, settle, &mut seen).await;
+    step("visible");
+    phone.set_invisible(false).await.unwrap();
+    collect(&mut updates, alice, settle, &mut seen).await;
+    step("laptop connects");
+    let (laptop, _laptop_updates) = connect(
+        roots,
+        laptop_at,
+        alice,
+        "laptop",
+        Kind::Desktop,
+        WatchClaim::all(),
+    )
+    .await;
+    collect(&mut updates, alice, settle, &mut seen).await;
+    step("laptop logs out");
+    laptop.logout().await.unwrap();
+    collect(&mut updates, alice, settle, &mut seen).await;
+    step("phone disconnects, connects again within grace");
+    drop(phone);
+    drop(phone_updates);
+    collect(&mut updates, alice, GRACE / 2, &mut seen).await;
+    let (phone, _phone_updates) = connect(
+        roots,
+        phone_at,
+        alice,
+        "phone",
+        Kind::Mobile,
+        WatchClaim::all(),
+    )
+    .await;
+    // Past the grace the old connection would have had, and a debounce.
+    collect(&mut updates, alice, GRACE + settle, &mut seen).await;
+    step("phone logs out");
+    phone.logout().await.unwrap();
+    collect(&mut updates, alice, settle, &mut seen).await;
+    drop(bob);
+    seen
+}
+
+/// Scenario 8 (C6): the same script of inputs gives bob the same sequence
+/// of views of alice on the 3-node cluster (her phone on a, her laptop on
+/// b, her owner b, bob on c) as on one `greendot serve` without `--cluster`,
+/// with the same core settings; versions grow in both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn differential_cluster_shows_what_one_node_shows() {
+    // Each step: its debounce, and a margin for NATS hops on a loaded machine.
+    let settle = DEBOUNCE + DEBOUNCE * 2;
+    let nats = NatsCluster::start(3).await;
+    let urls = nats.urls();
+    let dir = temp_dir("differential");
+    let a = serve(&dir, &urls, "a");
+    let b = serve(&dir, &urls, "b");
+    let c = serve(&dir, &urls, "c");
+    wait_placed(&urls);
+    let alice = user_owned_by(&urls, "b", "alice");
+    println!("cluster run:");
+    let cluster = differential_script(&[&a, &b, &c], &c, &a, &b, &alice, settle).await;
+    drop((a, b, c));
+    drop(nats);
+
+    let one = serve_with(&dir, None, "single");
+    println!("one-node run:");
+    let single = differential_script(&[&one], &one, &one, &one, &alice, settle).await;
+
+    for (name, run) in [("one node", &single), ("cluster", &cluster)] {
+        println!("{name}:");
+        for p in run.iter() {
+            println!("  {} {:?}", p.version, View::from(p));
+        }
+    }
+    for (name, run) in [("one node", &single), ("cluster", &cluster)] {
+        // A version again is only ever the same view again (the client
+        // shows the subscription's snapshot as an event too).
+        for pair in run.windows(2) {
+            let (was, now) = (&pair[0], &pair[1]);
+            assert!(
+                now.version > was.version || (now.version == was.version && now.same_view(was)),
+                "{name}: versions out of order: {was:?} then {now:?}"
+            );
+        }
+    }
+    let views = |run: &[Presence]| run.iter().map(View::from).collect::<Vec<_>>();
+    assert_eq!(
+        views(&cluster),
+        views(&single),
+        "the cluster showed bob another sequence"
+    );
+    // The script is not vacuous: online, busy, hidden, visible, two kinds,
+    // one kind, offline at least.
+    assert!(single.len() >= 7, "{single:?}");
+}
