@@ -136,6 +136,7 @@ struct NatsNode {
     name: String,
     client_port: u16,
     cluster_port: u16,
+    monitor_port: u16,
     store: PathBuf,
     child: Option<Child>,
 }
@@ -165,6 +166,7 @@ impl NatsCluster {
                 name: format!("n{i}"),
                 client_port: free_port(),
                 cluster_port: free_port(),
+                monitor_port: free_port(),
                 store: dir.join(format!("n{i}")),
                 child: None,
             })
@@ -201,6 +203,8 @@ impl NatsCluster {
                 "127.0.0.1",
                 "-p",
                 &node.client_port.to_string(),
+                "-m",
+                &node.monitor_port.to_string(),
                 "-js",
                 "-sd",
             ])
@@ -279,6 +283,11 @@ impl NatsCluster {
     /// The client URL of node `i`.
     pub fn url(&self, i: usize) -> String {
         format!("nats://127.0.0.1:{}", self.nodes[i].client_port)
+    }
+
+    /// The HTTP monitoring address of node `i` (`/varz`, `/connz`, …).
+    pub fn monitor_addr(&self, i: usize) -> String {
+        format!("127.0.0.1:{}", self.nodes[i].monitor_port)
     }
 
     /// All client URLs, comma-separated (what `Cluster::connect` takes).
