@@ -47,6 +47,12 @@ impl Drop for Node {
     }
 }
 
+/// The tests of this file run one at a time: each starts three NATS and
+/// three greendot processes, and their deadlines come from the configured
+/// timeouts, not from a machine that runs six clusters at once on 2 cores
+/// (seen: `cargo test` running them in parallel missed an 8.3 s deadline).
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn serve(dir: &Path, urls: &str, id: &str) -> Node {
     serve_with(dir, Some((urls, LEASE_TTL)), id)
 }
@@ -286,6 +292,7 @@ fn kinds(list: &[Kind]) -> Kinds {
 /// and back, logout: bob sees what one node would show, versions growing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cross_node_watching_status_invisible_logout() {
+    let _one_at_a_time = ONE_AT_A_TIME.lock().await;
     let nats = NatsCluster::start(3).await;
     let urls = nats.urls();
     let dir = temp_dir("watching");
@@ -419,6 +426,7 @@ async fn cross_node_watching_status_invisible_logout() {
 /// laptop keeps her online (only the kinds change).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn multi_device_across_nodes_logout_of_one_keeps_online() {
+    let _one_at_a_time = ONE_AT_A_TIME.lock().await;
     let nats = NatsCluster::start(3).await;
     let urls = nats.urls();
     let dir = temp_dir("devices");
@@ -495,6 +503,7 @@ async fn multi_device_across_nodes_logout_of_one_keeps_online() {
 /// under the new epoch, with a higher version.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn owner_failover_keeps_a_connected_device_online() {
+    let _one_at_a_time = ONE_AT_A_TIME.lock().await;
     let nats = NatsCluster::start(3).await;
     let urls = nats.urls();
     let dir = temp_dir("failover");
@@ -612,6 +621,7 @@ async fn owner_failover_keeps_a_connected_device_online() {
 /// bob sees her offline within lease TTL + grace + debounce (C3).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn edge_kill_9_reconnect_elsewhere_and_bounded_ghost() {
+    let _one_at_a_time = ONE_AT_A_TIME.lock().await;
     let nats = NatsCluster::start(3).await;
     let urls = nats.urls();
     let dir = temp_dir("edge");
@@ -702,6 +712,7 @@ async fn edge_kill_9_reconnect_elsewhere_and_bounded_ghost() {
 /// the KV before it takes her phone back, and bob never sees her online.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invisible_survives_owner_failover() {
+    let _one_at_a_time = ONE_AT_A_TIME.lock().await;
     let nats = NatsCluster::start(3).await;
     let urls = nats.urls();
     let dir = temp_dir("invisible");
@@ -758,6 +769,7 @@ async fn invisible_survives_owner_failover() {
 /// another node within grace, and bob never sees her offline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_of_the_edge_shows_nobody_offline() {
+    let _one_at_a_time = ONE_AT_A_TIME.lock().await;
     let nats = NatsCluster::start(3).await;
     let urls = nats.urls();
     let dir = temp_dir("drain");
@@ -831,6 +843,7 @@ async fn drain_of_the_edge_shows_nobody_offline() {
 /// within lease TTL + max(grace, resync window) + debounce.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn edge_and_owner_killed_together_leave_no_ghost() {
+    let _one_at_a_time = ONE_AT_A_TIME.lock().await;
     let nats = NatsCluster::start(3).await;
     let urls = nats.urls();
     let dir = temp_dir("both");
@@ -895,6 +908,7 @@ async fn edge_and_owner_killed_together_leave_no_ghost() {
 /// worst, room for the slowest election and a timed-out attempt (2 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_of_a_nats_node_changes_nothing_visible() {
+    let _one_at_a_time = ONE_AT_A_TIME.lock().await;
     const TTL: Duration = Duration::from_secs(24);
     let act_window = TTL - TTL / 5;
     let mut nats = NatsCluster::start(3).await;
@@ -1147,6 +1161,7 @@ async fn differential_script(
 /// with the same core settings; versions grow in both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn differential_cluster_shows_what_one_node_shows() {
+    let _one_at_a_time = ONE_AT_A_TIME.lock().await;
     // Each step: its debounce, and a margin for NATS hops on a loaded machine.
     let settle = DEBOUNCE + DEBOUNCE * 2;
     let nats = NatsCluster::start(3).await;
