@@ -53,6 +53,35 @@ impl Drop for Node {
 /// (seen: `cargo test` running them in parallel missed an 8.3 s deadline).
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// A 3-node NATS cluster and three greendot nodes a, b, c on it, with every
+/// shard placed.
+struct Three {
+    nats: NatsCluster,
+    urls: String,
+    dir: PathBuf,
+    a: Node,
+    b: Node,
+    c: Node,
+}
+
+async fn three_nodes(test: &str) -> Three {
+    let nats = NatsCluster::start(3).await;
+    let urls = nats.urls();
+    let dir = temp_dir(test);
+    let a = serve(&dir, &urls, "a");
+    let b = serve(&dir, &urls, "b");
+    let c = serve(&dir, &urls, "c");
+    wait_placed(&urls);
+    Three {
+        nats,
+        urls,
+        dir,
+        a,
+        b,
+        c,
+    }
+}
+
 fn serve(dir: &Path, urls: &str, id: &str) -> Node {
     serve_with(dir, Some((urls, LEASE_TTL)), id)
 }
@@ -225,6 +254,14 @@ async fn connect(
         .unwrap_or_else(|e| panic!("{user}/{device} cannot connect to {}: {e}", at.id))
 }
 
+/// Bob's laptop on `at`, subscribed to `target` in realtime.
+async fn bob_watching(nodes: &[&Node], at: &Node, target: &str) -> (Client, Updates) {
+    let (bob, updates) =
+        connect(nodes, at, "bob", "laptop", Kind::Desktop, WatchClaim::all()).await;
+    bob.subscribe(&[target], Tier::Realtime).await.unwrap();
+    (bob, updates)
+}
+
 /// The next presence of `target` that satisfies `pred`, within `within`.
 async fn wait_presence(
     updates: &mut Updates,
@@ -293,13 +330,14 @@ fn kinds(list: &[Kind]) -> Kinds {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cross_node_watching_status_invisible_logout() {
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
-    let nats = NatsCluster::start(3).await;
-    let urls = nats.urls();
-    let dir = temp_dir("watching");
-    let a = serve(&dir, &urls, "a");
-    let b = serve(&dir, &urls, "b");
-    let c = serve(&dir, &urls, "c");
-    wait_placed(&urls);
+    let Three {
+        nats,
+        urls,
+        a,
+        b,
+        c,
+        ..
+    } = three_nodes("watching").await;
     let nodes = [&a, &b, &c];
     // Owned by b: edge a forwards, b publishes, c fans out.
     let alice = user_owned_by(&urls, "b", "alice");
@@ -427,28 +465,18 @@ async fn cross_node_watching_status_invisible_logout() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn multi_device_across_nodes_logout_of_one_keeps_online() {
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
-    let nats = NatsCluster::start(3).await;
-    let urls = nats.urls();
-    let dir = temp_dir("devices");
-    let a = serve(&dir, &urls, "a");
-    let b = serve(&dir, &urls, "b");
-    let c = serve(&dir, &urls, "c");
-    wait_placed(&urls);
+    let Three {
+        nats,
+        urls,
+        a,
+        b,
+        c,
+        ..
+    } = three_nodes("devices").await;
     let nodes = [&a, &b, &c];
     let alice = user_owned_by(&urls, "c", "alice");
 
-    let (bob, mut bob_updates) = connect(
-        &nodes,
-        &c,
-        "bob",
-        "laptop",
-        Kind::Desktop,
-        WatchClaim::all(),
-    )
-    .await;
-    bob.subscribe(&[alice.as_str()], Tier::Realtime)
-        .await
-        .unwrap();
+    let (bob, mut bob_updates) = bob_watching(&nodes, &c, &alice).await;
 
     let (_phone, _p) = connect(&nodes, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
     let (laptop, _l) = connect(
@@ -504,13 +532,14 @@ async fn multi_device_across_nodes_logout_of_one_keeps_online() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn owner_failover_keeps_a_connected_device_online() {
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
-    let nats = NatsCluster::start(3).await;
-    let urls = nats.urls();
-    let dir = temp_dir("failover");
-    let a = serve(&dir, &urls, "a");
-    let mut b = serve(&dir, &urls, "b");
-    let c = serve(&dir, &urls, "c");
-    wait_placed(&urls);
+    let Three {
+        nats,
+        urls,
+        a,
+        mut b,
+        c,
+        ..
+    } = three_nodes("failover").await;
     let nodes = [&a, &b, &c];
     // Owned by b, and by c once b is gone: neither her edge (a, which
     // would resend in process) nor bob's... but bob's node, so the new owner
@@ -529,18 +558,7 @@ async fn owner_failover_keeps_a_connected_device_online() {
         .expect("a user of b whose next owner is c");
     let shard = greendot_cluster::shard_of(&alice, SHARDS).0;
 
-    let (bob, mut bob_updates) = connect(
-        &nodes,
-        &c,
-        "bob",
-        "laptop",
-        Kind::Desktop,
-        WatchClaim::all(),
-    )
-    .await;
-    bob.subscribe(&[alice.as_str()], Tier::Realtime)
-        .await
-        .unwrap();
+    let (bob, mut bob_updates) = bob_watching(&nodes, &c, &alice).await;
     let (phone, _p) = connect(&nodes, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
     phone
         .set_status(Status::Busy, Some("in a meeting"))
@@ -622,13 +640,14 @@ async fn owner_failover_keeps_a_connected_device_online() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn edge_kill_9_reconnect_elsewhere_and_bounded_ghost() {
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
-    let nats = NatsCluster::start(3).await;
-    let urls = nats.urls();
-    let dir = temp_dir("edge");
-    let mut a = serve(&dir, &urls, "a");
-    let b = serve(&dir, &urls, "b");
-    let c = serve(&dir, &urls, "c");
-    wait_placed(&urls);
+    let Three {
+        nats,
+        urls,
+        mut a,
+        b,
+        c,
+        ..
+    } = three_nodes("edge").await;
     let nodes = [&a, &b, &c];
     // Owned by b: only their edge dies.
     let alice = user_owned_by(&urls, "b", "alice");
@@ -713,28 +732,18 @@ async fn edge_kill_9_reconnect_elsewhere_and_bounded_ghost() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invisible_survives_owner_failover() {
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
-    let nats = NatsCluster::start(3).await;
-    let urls = nats.urls();
-    let dir = temp_dir("invisible");
-    let a = serve(&dir, &urls, "a");
-    let mut b = serve(&dir, &urls, "b");
-    let c = serve(&dir, &urls, "c");
-    wait_placed(&urls);
+    let Three {
+        nats,
+        urls,
+        a,
+        mut b,
+        c,
+        ..
+    } = three_nodes("invisible").await;
     let nodes = [&a, &b, &c];
     let alice = user_owned_by(&urls, "b", "alice");
 
-    let (bob, mut bob_updates) = connect(
-        &nodes,
-        &c,
-        "bob",
-        "laptop",
-        Kind::Desktop,
-        WatchClaim::all(),
-    )
-    .await;
-    bob.subscribe(&[alice.as_str()], Tier::Realtime)
-        .await
-        .unwrap();
+    let (bob, mut bob_updates) = bob_watching(&nodes, &c, &alice).await;
     let (phone, _p) = connect(&nodes, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
     wait_presence(&mut bob_updates, &alice, DEBOUNCE + SLACK, "online", |p| {
         p.online
@@ -770,28 +779,18 @@ async fn invisible_survives_owner_failover() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_of_the_edge_shows_nobody_offline() {
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
-    let nats = NatsCluster::start(3).await;
-    let urls = nats.urls();
-    let dir = temp_dir("drain");
-    let mut a = serve(&dir, &urls, "a");
-    let b = serve(&dir, &urls, "b");
-    let c = serve(&dir, &urls, "c");
-    wait_placed(&urls);
+    let Three {
+        nats,
+        urls,
+        mut a,
+        b,
+        c,
+        ..
+    } = three_nodes("drain").await;
     let alice = user_owned_by(&urls, "b", "alice");
     let roots = [&a, &b, &c];
 
-    let (bob, mut bob_updates) = connect(
-        &roots,
-        &c,
-        "bob",
-        "laptop",
-        Kind::Desktop,
-        WatchClaim::all(),
-    )
-    .await;
-    bob.subscribe(&[alice.as_str()], Tier::Realtime)
-        .await
-        .unwrap();
+    let (bob, mut bob_updates) = bob_watching(&roots, &c, &alice).await;
     let (_phone, mut phone_updates) =
         connect(&roots, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
     wait_presence(&mut bob_updates, &alice, DEBOUNCE + SLACK, "online", |p| {
@@ -844,28 +843,18 @@ async fn drain_of_the_edge_shows_nobody_offline() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn edge_and_owner_killed_together_leave_no_ghost() {
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
-    let nats = NatsCluster::start(3).await;
-    let urls = nats.urls();
-    let dir = temp_dir("both");
-    let mut a = serve(&dir, &urls, "a");
-    let b = serve(&dir, &urls, "b");
-    let c = serve(&dir, &urls, "c");
-    wait_placed(&urls);
+    let Three {
+        nats,
+        urls,
+        mut a,
+        b,
+        c,
+        ..
+    } = three_nodes("both").await;
     let alice = user_owned_by(&urls, "a", "alice");
     let roots = [&a, &b, &c];
 
-    let (bob, mut bob_updates) = connect(
-        &roots,
-        &c,
-        "bob",
-        "laptop",
-        Kind::Desktop,
-        WatchClaim::all(),
-    )
-    .await;
-    bob.subscribe(&[alice.as_str()], Tier::Realtime)
-        .await
-        .unwrap();
+    let (bob, mut bob_updates) = bob_watching(&roots, &c, &alice).await;
     let (_phone, _p) = connect(&roots, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
     wait_presence(&mut bob_updates, &alice, DEBOUNCE + SLACK, "online", |p| {
         p.online
@@ -921,18 +910,7 @@ async fn kill_9_of_a_nats_node_changes_nothing_visible() {
     let nodes = [&a, &b, &c];
     let alice = user_owned_by(&urls, "b", "alice");
 
-    let (bob, mut bob_updates) = connect(
-        &nodes,
-        &c,
-        "bob",
-        "laptop",
-        Kind::Desktop,
-        WatchClaim::all(),
-    )
-    .await;
-    bob.subscribe(&[alice.as_str()], Tier::Realtime)
-        .await
-        .unwrap();
+    let (bob, mut bob_updates) = bob_watching(&nodes, &c, &alice).await;
     let (phone, _p) = connect(&nodes, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
     phone
         .set_status(Status::Busy, Some("in a meeting"))
@@ -1164,13 +1142,14 @@ async fn differential_cluster_shows_what_one_node_shows() {
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
     // Each step: its debounce, and a margin for NATS hops on a loaded machine.
     let settle = DEBOUNCE + DEBOUNCE * 2;
-    let nats = NatsCluster::start(3).await;
-    let urls = nats.urls();
-    let dir = temp_dir("differential");
-    let a = serve(&dir, &urls, "a");
-    let b = serve(&dir, &urls, "b");
-    let c = serve(&dir, &urls, "c");
-    wait_placed(&urls);
+    let Three {
+        nats,
+        urls,
+        dir,
+        a,
+        b,
+        c,
+    } = three_nodes("differential").await;
     let alice = user_owned_by(&urls, "b", "alice");
     println!("cluster run:");
     let cluster = differential_script(&[&a, &b, &c], &c, &a, &b, &alice, settle).await;
