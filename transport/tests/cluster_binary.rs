@@ -4,12 +4,14 @@
 //! shards over at once; `kill -9` within the lease TTL plus NATS's expiry
 //! slack. Status against no NATS is a clear error.
 
-use std::io::{BufRead, BufReader, Read, Write};
+mod support;
+
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::{Duration, Instant};
+use support::Proc;
 
 use greendot_cluster::testing::NatsCluster;
 
@@ -19,20 +21,15 @@ const LEASE_TTL: Duration = Duration::from_secs(2);
 const SLACK: Duration = Duration::from_secs(8);
 
 struct Node {
-    child: Child,
+    /// Killed when dropped.
+    proc: Proc,
     metrics: String,
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 fn serve(dir: &Path, urls: &str, id: &str) -> Node {
     let data = dir.join(id);
-    let mut child = Command::new(BIN)
+    let mut command = Command::new(BIN);
+    command
         .args([
             "serve",
             "--listen",
@@ -44,33 +41,16 @@ fn serve(dir: &Path, urls: &str, id: &str) -> Node {
         .arg(&data)
         .args(["--cluster", urls, "--node-id", id, "--cluster-shards", "64"])
         .args(["--cluster-lease-ttl", "2s", "--advertise"])
-        .arg(format!("{id}.test:4433"))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("greendot serve");
-    let (tx, rx) = mpsc::channel();
-    let out = child.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    // Killed and reaped on drop, also if no metrics line comes.
-    let mut node = Node {
-        child,
-        metrics: String::new(),
-    };
-    let deadline = Instant::now() + SLACK;
-    loop {
-        let line = rx
-            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-            .unwrap_or_else(|_| panic!("{id}: no metrics line"));
-        if let Some(at) = line.strip_prefix("metrics on http://") {
-            node.metrics = at.trim_end_matches("/metrics").to_owned();
-            return node;
-        }
-    }
+        .arg(format!("{id}.test:4433"));
+    let mut proc = Proc::spawn(id, command);
+    let metrics = proc
+        .wait_for(SLACK, "with its metrics port", |l| {
+            l.starts_with("metrics on http://")
+        })
+        .trim_start_matches("metrics on http://")
+        .trim_end_matches("/metrics")
+        .to_owned();
+    Node { proc, metrics }
 }
 
 fn status(urls: &str) -> (bool, String) {
@@ -154,10 +134,7 @@ async fn three_greendot_nodes_status_drain_and_kill_9() {
 
     // SIGTERM of b: its shards are released at once.
     let t0 = Instant::now();
-    Command::new("kill")
-        .args(["-TERM", &b.child.id().to_string()])
-        .status()
-        .unwrap();
+    b.proc.signal("-TERM");
     let text = until_status(&urls, LEASE_TTL, "b's shards taken over", |t| {
         t.contains("nodes: 2") && t.contains("owned 64, unowned 0")
     });
@@ -165,12 +142,11 @@ async fn three_greendot_nodes_status_drain_and_kill_9() {
         "SIGTERM of b: all shards owned again after {:?}\n{text}",
         t0.elapsed()
     );
-    assert!(b.child.wait().unwrap().success());
+    assert!(b.proc.wait_exit(SLACK).success());
 
     // kill -9 of a: within its lease TTL plus NATS's slack.
     let t0 = Instant::now();
-    a.child.kill().unwrap();
-    let _ = a.child.wait();
+    a.proc.kill9();
     let text = until_status(&urls, LEASE_TTL + SLACK, "a's shards taken over", |t| {
         t.contains("nodes: 1") && shards_of(t, "c") == Some(64)
     });

@@ -8,12 +8,13 @@
 //! for a loaded machine); the only fixed windows are those in which
 //! something must *not* happen.
 
-use std::io::{BufRead, BufReader};
+mod support;
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::{Duration, Instant};
+use support::Proc;
 
 use greendot_client::rustls::pki_types::pem::PemObject;
 use greendot_client::rustls::pki_types::CertificateDer;
@@ -34,17 +35,11 @@ const SECRET: &str = "0123456789abcdef0123456789abcdef";
 
 struct Node {
     id: String,
-    child: Child,
+    /// Killed when dropped.
+    proc: Proc,
     addr: SocketAddr,
     metrics: String,
     cert: CertificateDer<'static>,
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// The tests of this file run one at a time: each starts three NATS and
@@ -109,43 +104,33 @@ fn serve_with(dir: &Path, cluster: Option<(&str, Duration)>, id: &str) -> Node {
             .args(["--cluster-shards", &SHARDS.to_string()])
             .args(["--cluster-lease-ttl", &format!("{}s", ttl.as_secs())]);
     }
-    let mut child = command
+    command
         .args(["--debounce", &format!("{}ms", DEBOUNCE.as_millis())])
         .args(["--grace", &format!("{}ms", GRACE.as_millis())])
         .args(["--idle-timeout", "1s", "--keep-alive", "250ms"])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("greendot serve");
-    let (tx, rx) = mpsc::channel();
-    let out = child.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(out).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
+        .env("RUST_LOG", "warn");
+    let mut proc = Proc::spawn(id, command);
+    let listening = proc.wait_for(SLACK, "with its address", |l| {
+        l.starts_with("greendot listening on ")
     });
-    let mut addr = None;
-    let metrics;
-    let deadline = Instant::now() + SLACK;
-    loop {
-        let line = rx
-            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-            .unwrap_or_else(|_| panic!("{id}: not started"));
-        if let Some(rest) = line.strip_prefix("greendot listening on ") {
-            addr = rest.split_whitespace().next().and_then(|a| a.parse().ok());
-        }
-        if let Some(at) = line.strip_prefix("metrics on http://") {
-            metrics = at.trim_end_matches("/metrics").to_owned();
-            break;
-        }
-    }
+    let addr = listening
+        .strip_prefix("greendot listening on ")
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("{id}: no address in {listening:?}"));
+    let metrics = proc
+        .wait_for(SLACK, "with its metrics port", |l| {
+            l.starts_with("metrics on http://")
+        })
+        .trim_start_matches("metrics on http://")
+        .trim_end_matches("/metrics")
+        .to_owned();
     let pem = std::fs::read(data.join("cert.pem")).expect("the node's certificate");
     let cert = CertificateDer::from_pem_slice(&pem).expect("a PEM certificate");
     Node {
         id: id.to_owned(),
-        child,
-        addr: addr.unwrap_or_else(|| panic!("{id}: no address")),
+        proc,
+        addr,
         metrics,
         cert,
     }
@@ -541,9 +526,9 @@ async fn owner_failover_keeps_a_connected_device_online() {
         ..
     } = three_nodes("failover").await;
     let nodes = [&a, &b, &c];
-    // Owned by b, and by c once b is gone: neither her edge (a, which
-    // would resend in process) nor bob's... but bob's node, so the new owner
-    // must hear of her phone through a resync request.
+    // Owned by b, and by c once b is gone: c is bob's node, not her edge
+    // (a, which would resend in process), so the new owner must hear of her
+    // phone through a resync request.
     let next_owner = |user: &str| {
         let live = [
             greendot_cluster::NodeId::new("a").unwrap(),
@@ -575,8 +560,7 @@ async fn owner_failover_keeps_a_connected_device_online() {
 
     // kill -9 of her owner.
     let t0 = Instant::now();
-    b.child.kill().unwrap();
-    let _ = b.child.wait();
+    b.proc.kill9();
     let (ok, text) = status(&urls, Some(shard));
     assert!(ok, "{text}");
     // The claim expires on its TTL, the next owner takes it, asks the edges
@@ -677,8 +661,7 @@ async fn edge_kill_9_reconnect_elsewhere_and_bounded_ghost() {
     }
 
     let t0 = Instant::now();
-    a.child.kill().unwrap();
-    let _ = a.child.wait();
+    a.proc.kill9();
     // Alice's client reconnects to another node (as a client given several
     // addresses would); carol's never does.
     let (_again, _ag) = connect(
@@ -755,8 +738,7 @@ async fn invisible_survives_owner_failover() {
     })
     .await;
 
-    b.child.kill().unwrap();
-    let _ = b.child.wait();
+    b.proc.kill9();
     never(
         &mut bob_updates,
         &alice,
@@ -798,10 +780,7 @@ async fn drain_of_the_edge_shows_nobody_offline() {
     })
     .await;
 
-    Command::new("kill")
-        .args(["-TERM", &a.child.id().to_string()])
-        .status()
-        .unwrap();
+    a.proc.signal("-TERM");
     // Her client is told to go (Draining) and connects elsewhere.
     let deadline = tokio::time::Instant::now() + SLACK;
     loop {
@@ -829,7 +808,7 @@ async fn drain_of_the_edge_shows_nobody_offline() {
     )
     .await;
     assert!(
-        a.child.wait().unwrap().success(),
+        a.proc.wait_exit(SLACK).success(),
         "the drained node exits 0"
     );
     drop(bob);
@@ -864,8 +843,7 @@ async fn edge_and_owner_killed_together_leave_no_ghost() {
     tokio::time::sleep(Duration::from_secs(1)).await;
 
     let t0 = Instant::now();
-    a.child.kill().unwrap();
-    let _ = a.child.wait();
+    a.proc.kill9();
     // The resync window is the request timeout: the TTL here.
     let bound = LEASE_TTL + GRACE.max(LEASE_TTL) + DEBOUNCE;
     let gone = wait_presence(

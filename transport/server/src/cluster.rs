@@ -513,6 +513,26 @@ impl ClusterLink {
         self.next_id
     }
 
+    /// A request to `shard`'s owner, waited for until the request timeout.
+    fn request(
+        &mut self,
+        now: Instant,
+        waiting: InFlight,
+        shard: u32,
+        kind: RequestKind,
+        payload: Bytes,
+    ) {
+        let id = self.id();
+        let deadline = now + self.settings.request_timeout;
+        self.in_flight.insert(id, (waiting, deadline));
+        self.outputs.push_back(ClusterOutput::Request {
+            id,
+            shard,
+            kind,
+            payload,
+        });
+    }
+
     fn acting_epoch(&self, shard: u32, now: Instant) -> Option<u64> {
         self.acting
             .get(&shard)
@@ -926,16 +946,14 @@ impl ClusterLink {
             self.owner_input(shard, msg, ReplyTo::Local(session, rid), now, at);
         } else {
             self.counters.forwarded += 1;
-            let id = self.id();
-            let deadline = now + self.settings.request_timeout;
-            self.in_flight
-                .insert(id, (InFlight::Device { session, rid }, deadline));
-            self.outputs.push_back(ClusterOutput::Request {
-                id,
+            let payload = encode(&msg);
+            self.request(
+                now,
+                InFlight::Device { session, rid },
                 shard,
-                kind: RequestKind::Input,
-                payload: encode(&msg),
-            });
+                RequestKind::Input,
+                payload,
+            );
         }
     }
 
@@ -1134,16 +1152,14 @@ impl ClusterLink {
             self.snapshot_answer(wait, shard, &targets, presences, at);
             return;
         }
-        let id = self.id();
-        let deadline = now + self.settings.request_timeout;
-        self.in_flight
-            .insert(id, (InFlight::Snapshot { wait, shard }, deadline));
-        self.outputs.push_back(ClusterOutput::Request {
-            id,
+        let payload = encode(&ToOwner::Snapshot { viewer, targets });
+        self.request(
+            now,
+            InFlight::Snapshot { wait, shard },
             shard,
-            kind: RequestKind::Snapshot,
-            payload: encode(&ToOwner::Snapshot { viewer, targets }),
-        });
+            RequestKind::Snapshot,
+            payload,
+        );
     }
 
     fn retry_snapshot(&mut self, wait: u64, shard: u32, now: Instant) {
