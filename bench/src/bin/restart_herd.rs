@@ -10,7 +10,9 @@
 //!
 //! `cargo run --release -p greendot-bench --bin restart_herd -- --n 100000`
 //! (`--watched 1000`, `--watchers 1`, `--endpoints 16`, `--kind web`,
-//! `--concurrency 256` handshakes in flight while ramping up).
+//! `--concurrency 256` handshakes in flight while ramping up,
+//! `--keep-alive 10` seconds for the devices as in the client library, 0
+//! for none).
 //!
 //! Printed: users a watcher saw go offline (goal 0), the time from the start
 //! of the drain until every session is back, the admission rate during the
@@ -115,13 +117,16 @@ fn main() {
     let reconnect_concurrency: usize = arg("--reconnect-concurrency", 4096);
     // The server's admission rate (its default: 3,000/s).
     let admissions: u32 = arg("--admissions", 3000);
+    // The devices' keep-alive in seconds (0: none, as before stateless
+    // resets: a device that missed the close waited for its idle timeout).
+    let keep_alive: u64 = arg("--keep-alive", 10);
     let kind = match arg("--kind", "web".to_string()).as_str() {
         "mobile" => Kind::Mobile,
         "desktop" => Kind::Desktop,
         "other" => Kind::Other,
         _ => Kind::Web,
     };
-    eprintln!("open-file limit {nofile}; N = {n}, {watchers} watcher(s) of {watched} users, {kind:?} devices, server admits {admissions} handshakes/s");
+    eprintln!("open-file limit {nofile}; N = {n}, {watchers} watcher(s) of {watched} users, {kind:?} devices (keep-alive {keep_alive} s), server admits {admissions} handshakes/s");
 
     // The server on its own thread, so that the clients do not slow its loop.
     let server_rt = tokio::runtime::Builder::new_multi_thread()
@@ -156,6 +161,7 @@ fn main() {
         opts.connect_concurrency = concurrency;
         opts.reconnect_concurrency = reconnect_concurrency;
         opts.kind = kind;
+        opts.keep_alive = (keep_alive > 0).then(|| Duration::from_secs(keep_alive));
         let started = Instant::now();
         let herd = Herd::start(opts, Duration::from_secs(900)).await?;
         let ramp = started.elapsed();

@@ -859,6 +859,12 @@ pub struct HerdOptions {
     pub resumption: bool,
     /// The devices' kind (web: the shortest grace).
     pub kind: proto::Kind,
+    /// The devices' QUIC keep-alive and idle timeout; default the client
+    /// library's (10 s, 30 s). A device that missed the Draining close
+    /// learns that its connection is gone from the next process's stateless
+    /// reset to its next keep-alive; with none it waits for the idle timeout.
+    pub keep_alive: Option<Duration>,
+    pub idle_timeout: Duration,
     pub user_prefix: String,
     pub progress: bool,
 }
@@ -887,6 +893,8 @@ impl HerdOptions {
             reconnect: greendot_client::Reconnect::default(),
             resumption: true,
             kind: proto::Kind::Web,
+            keep_alive: Some(Duration::from_secs(10)),
+            idle_timeout: Duration::from_secs(30),
             user_prefix: "herd".into(),
             progress: true,
         }
@@ -1277,10 +1285,9 @@ impl Herd {
             .with_no_client_auth();
         base_tls.alpn_protocols = vec![proto::ALPN.to_vec()];
         let mut transport = quinn::TransportConfig::default();
-        // The server's keep-alive is the heartbeat; the client only answers it.
-        transport.keep_alive_interval(None);
+        transport.keep_alive_interval(opts.keep_alive);
         transport.max_idle_timeout(Some(
-            Duration::from_secs(120)
+            opts.idle_timeout
                 .try_into()
                 .map_err(|_| "idle timeout".to_string())?,
         ));

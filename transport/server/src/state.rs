@@ -4,8 +4,9 @@
 //! no socket, no runtime, no clock and no thread: time comes in with every
 //! call (`now`, a `std::time::Instant`, and the wall clock given at
 //! [`ServerState::new`] or by [`ServerInput::SetWallClock`]), and all its
-//! randomness (QUIC connection ids and reset key, keep-alive jitter, the
-//! session key) comes from the `seed` given to `new`. The same inputs give
+//! randomness (QUIC connection ids, keep-alive jitter, the session key)
+//! comes from the `seed` given to `new` (the stateless reset key from the
+//! token secret, so that it outlives the process). The same inputs give
 //! the same outputs, so a simulator can run it on virtual time and replay a
 //! seed. (TLS keys are drawn by rustls itself: they change the bytes of a
 //! handshake, not what the server does.)
@@ -81,6 +82,13 @@ const SWEEP_BUDGET: usize = 4096;
 const CLOSE_LINGER: Duration = Duration::from_secs(1);
 /// How long a stop waits for the connections to go.
 const STOP_LINGER: Duration = Duration::from_secs(2);
+/// At most one stateless reset per this interval (quinn's default is 20 ms,
+/// 50 a second): after a restart under 100,000 sessions, thousands of
+/// clients that missed the Draining close (or a crashed process's clients)
+/// each need one to come back before their idle timeout. A reset is
+/// smaller than the packet that caused it, so this bounds work, not
+/// amplification.
+const MIN_RESET_INTERVAL: Duration = Duration::from_micros(100);
 /// How long a stop waits for the final store write.
 const STOP_SAVE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Transmit buffers kept for reuse: about what one call with the default
@@ -697,17 +705,13 @@ impl ServerState {
             .collect::<Result<_, ServerError>>()?;
         server_config.transport_config(Arc::new(transport_config(&config, config.keep_alive)?));
 
-        let mut reset_key = [0u8; 64];
-        for (i, chunk) in reset_key.chunks_mut(8).enumerate() {
-            chunk.copy_from_slice(&derive(seed, 100 + i as u64).to_le_bytes());
-        }
-        let mut endpoint_config = quinn_proto::EndpointConfig::new(Arc::new(ring::hmac::Key::new(
-            ring::hmac::HMAC_SHA256,
-            &reset_key,
-        )));
+        let mut endpoint_config = quinn_proto::EndpointConfig::new(Arc::new(
+            tls::stateless_reset_key(&config.token_secret)?,
+        ));
         endpoint_config
             .max_udp_payload_size(config.max_udp_payload)
-            .map_err(|_| SettingError::MaxUdpPayload)?;
+            .map_err(|_| SettingError::MaxUdpPayload)?
+            .min_reset_interval(MIN_RESET_INTERVAL);
         let cids = Arc::new(AtomicU64::new(derive(seed, 2)));
         endpoint_config.cid_generator(move || {
             let n = cids.fetch_add(1, Ordering::Relaxed);

@@ -687,6 +687,37 @@ fn a_drain_closes_everyone_then_saves_the_live_devices_then_stops() {
     assert_eq!(net.server.poll_timeout(), None);
 }
 
+/// A process that crashed (no close sent) and was started again with the
+/// same secret answers its predecessor's clients with a stateless reset they
+/// accept, so they reconnect at once rather than after their idle timeout;
+/// a server with another secret cannot (its reset token is not theirs).
+#[test]
+fn a_restarted_process_resets_its_predecessors_connections() {
+    for (secret, resets) in [(&b"secret"[..], true), (&b"another secret"[..], false)] {
+        let mut net = Net::seeded(config(), None, 7);
+        let ann = net.connect("ann", "laptop");
+        net.server = ServerState::new(
+            ServerConfig::new(secret.to_vec()),
+            net.now,
+            super::super::unix_now_ms(),
+            8,
+            None,
+        )
+        .expect("a server");
+        net.request(ann, Request::Ping);
+        net.run_until(Duration::from_secs(2), |net| net.clients[ann].lost.is_some());
+        let lost = &net.clients[ann].lost;
+        if resets {
+            assert!(
+                matches!(lost, Some(ConnectionError::Reset)),
+                "not reset by the restarted process: {lost:?}"
+            );
+        } else {
+            assert!(lost.is_none(), "reset by a server of another secret: {lost:?}");
+        }
+    }
+}
+
 /// Handshakes in flight are limited per source address (past the limit a
 /// new client is sent a Retry, then refused once validated), other
 /// addresses are unaffected, and a handshake that never completes is

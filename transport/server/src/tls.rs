@@ -132,6 +132,22 @@ pub fn websocket_crypto(
     Ok(Arc::new(tls))
 }
 
+/// The key of QUIC stateless resets (RFC 9000 §10.3), derived from the
+/// secret: a process restarted after a crash (or whose Draining close a
+/// client missed) answers a packet of its predecessor's connection with a
+/// reset the client accepts, so the client reconnects at once instead of
+/// after its idle timeout.
+pub(crate) fn stateless_reset_key(secret: &[u8]) -> Result<ring::hmac::Key, TlsError> {
+    if secret.is_empty() {
+        return Err(TlsError::EmptyTicketSecret);
+    }
+    let salt = ring::hkdf::Salt::new(ring::hkdf::HKDF_SHA256, b"greendot/1 quic stateless reset");
+    salt.extract(secret)
+        .expand(&[], ring::hmac::HMAC_SHA256)
+        .map(ring::hmac::Key::from)
+        .map_err(|_| TlsError::EmptyTicketSecret)
+}
+
 /// Session tickets sealed (AES-256-GCM) with a key derived from a secret by
 /// HKDF-SHA256 for each 12-hour period; a ticket of the current or the
 /// previous period opens. Every process given the same secret (a restarted
