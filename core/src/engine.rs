@@ -753,6 +753,25 @@ impl Core {
         Ok(())
     }
 
+    /// A lingering session's grace lasts until at least `until` (never
+    /// shorter). For devices restored after a restart that are still waiting
+    /// for their turn while the server sheds handshakes. Whether the session
+    /// is still lingering after `now`'s timers ran: `false` once it was
+    /// resumed, superseded or ended (the caller can forget it).
+    pub fn extend_linger(&mut self, now: Millis, id: SessionId, until: Millis) -> bool {
+        self.advance(now);
+        let Some(session) = self.session(id) else {
+            return false;
+        };
+        if !matches!(session.link, Link::Lingering { .. }) {
+            return false;
+        }
+        if until > session.lease_due {
+            self.set_lease(id, until);
+        }
+        true
+    }
+
     /// Graceful logout: the session ends now, with no grace. The device was
     /// heard from at `now`.
     pub fn handle_logout(&mut self, now: Millis, id: SessionId) -> Result<(), Error> {

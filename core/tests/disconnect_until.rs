@@ -1,5 +1,5 @@
-//! `Core::handle_disconnect_until`: a restored device lingers until a later
-//! instant than its grace, and no longer.
+//! `Core::handle_disconnect_until` and `Core::extend_linger`: a restored
+//! device lingers until a later instant than its grace, and no longer.
 
 use greendot_core::*;
 
@@ -48,4 +48,43 @@ fn a_disconnect_until_lingers_past_grace_until_then() {
     run_until(&mut core, 40_000, &mut ended);
     assert_eq!(ended, vec![(10_000, plain), (40_000, web)]);
     assert!(!core.is_online(UserId(1)));
+}
+
+#[test]
+fn extend_linger_holds_a_lingering_session_and_nothing_else() {
+    let mut config = Config::default();
+    config.kind_mut(DeviceKind::Web).grace = Millis(10_000);
+    let mut core = Core::new(config).unwrap();
+    let mut connect = |user| {
+        core.handle_connect(
+            Millis(0),
+            Connect {
+                user: UserId(user),
+                device: DeviceId(user),
+                kind: DeviceKind::Web,
+                watch: Watch::All,
+                resume: None,
+            },
+        )
+        .unwrap()
+        .session
+    };
+    let (held, online) = (connect(1), connect(2));
+    core.handle_disconnect(Millis(0), held, Millis(0)).unwrap();
+    // Extended twice, the second time earlier: the later deadline stands.
+    assert!(core.extend_linger(Millis(9_000), held, Millis(25_000)));
+    assert!(core.extend_linger(Millis(9_500), held, Millis(12_000)));
+    // An online session is not lingering: nothing to hold.
+    assert!(!core.extend_linger(Millis(9_500), online, Millis(30_000)));
+    core.check_invariants().unwrap();
+    core.handle_timeout(Millis(24_999));
+    assert!(
+        core.is_online(UserId(1)),
+        "shown offline before the extension ran out"
+    );
+    core.handle_timeout(Millis(25_000));
+    assert!(!core.is_online(UserId(1)));
+    // Gone: extending it says so and changes nothing.
+    assert!(!core.extend_linger(Millis(25_001), held, Millis(40_000)));
+    core.check_invariants().unwrap();
 }

@@ -260,6 +260,9 @@ pub struct Hub {
     /// Push frames encoded since the outputs were last drained, by target
     /// and view: a publish to many subscribers is encoded once.
     encoded: HashMap<(UserId, greendot_core::Presence), Bytes>,
+    /// Devices restored as lingering at start that may still be waiting for
+    /// their turn ([`Hub::hold_restored`]).
+    restored: Vec<SessionId>,
 }
 
 impl Hub {
@@ -280,6 +283,7 @@ impl Hub {
             retry: Vec::new(),
             sweep_at: 0,
             encoded: HashMap::new(),
+            restored: Vec::new(),
         })
     }
 
@@ -406,7 +410,30 @@ impl Hub {
         // time past the grace).
         self.core
             .handle_disconnect_until(now, connected.session, now, linger_until)?;
+        self.restored.push(connected.session);
         Ok(())
+    }
+
+    /// Every device restored at start that is still lingering (not back,
+    /// not ended) lingers until at least its grace past `from`; the others
+    /// are forgotten. How many are still held. A server calls it while it
+    /// sheds handshakes: those devices may be waiting for their turn.
+    pub fn hold_restored(&mut self, now: Millis, from: Millis) -> usize {
+        let core = &mut self.core;
+        let sessions = &self.sessions;
+        self.restored.retain(|&id| {
+            let Some(meta) = sessions.get(&id) else {
+                return false;
+            };
+            let until = from.plus(core.config().kind(meta.kind).grace);
+            core.extend_linger(now, id, until)
+        });
+        self.restored.len()
+    }
+
+    /// Whether devices restored at start may still be waiting.
+    pub fn holds_restored(&self) -> bool {
+        !self.restored.is_empty()
     }
 
     /// Every live device (Online or Lingering), in session order (the same

@@ -523,6 +523,11 @@ impl StatsInner {
     fn shed(&self, reason: Shed) {
         self.shed[reason as usize].fetch_add(1, Ordering::Relaxed);
     }
+
+    /// New connections shed so far, for every reason.
+    fn shed_total(&self) -> u64 {
+        self.shed.iter().map(|n| n.load(Ordering::Relaxed)).sum()
+    }
 }
 
 /// The metrics label of a rejection.

@@ -89,6 +89,10 @@ const STOP_LINGER: Duration = Duration::from_secs(2);
 /// smaller than the packet that caused it, so this bounds work, not
 /// amplification.
 const MIN_RESET_INTERVAL: Duration = Duration::from_micros(100);
+/// How often the server looks whether it still sheds while restored devices
+/// wait ([`ServerState::hold_restored`]), and the step their deadlines move by.
+const HOLD_TICK: Duration = Duration::from_secs(1);
+const HOLD_STEP: Duration = Duration::from_secs(5);
 /// How long a stop waits for the final store write.
 const STOP_SAVE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Transmit buffers kept for reuse: about what one call with the default
@@ -627,6 +631,11 @@ pub struct ServerState {
     queued: usize,
     next_flush: Instant,
     next_renewal: Instant,
+    /// While devices restored at start may still be waiting for their turn:
+    /// when to look at the shedding again ([`HOLD_TICK`]), and the shed
+    /// count seen then.
+    next_hold: Option<Instant>,
+    shed_seen: u64,
     tickets: BTreeMap<u64, Ticket>,
     /// The tickets by deadline.
     ticket_deadlines: BTreeSet<(Instant, u64)>,
@@ -748,6 +757,7 @@ impl ServerState {
         if let Some(loaded) = restored {
             restore(&mut hub, loaded, clock.at(now), &config)?;
         }
+        let next_hold = hub.holds_restored().then(|| now + HOLD_TICK);
         Ok(ServerState {
             keys: Arc::new(TokenKeys::new(&config.token_secret, config.token_leeway)),
             stats: Arc::new(StatsInner::default()),
@@ -776,6 +786,8 @@ impl ServerState {
             queued: 0,
             next_flush: now + config.flush_interval,
             next_renewal: now + config.renewal(),
+            next_hold,
+            shed_seen: 0,
             tickets: BTreeMap::new(),
             ticket_deadlines: BTreeSet::new(),
             next_ticket: 0,
@@ -896,6 +908,9 @@ impl ServerState {
         }
         if let Some(Stopping::Closing { until, .. }) = &self.stopping {
             at = at.min(*until);
+        }
+        if let Some(t) = self.next_hold {
+            at = at.min(t);
         }
         Some(at)
     }
@@ -1230,6 +1245,29 @@ impl ServerState {
         }
     }
 
+    /// Devices restored at start come back at the rate the server admits
+    /// handshakes, which under a herd can be well below the configured one
+    /// the first estimate used (`restore`). While the server still sheds,
+    /// each still waiting lingers until at least its grace past the shed
+    /// client's retry spread; once the shedding stops, their grace runs
+    /// out as usual. Deadlines go up in steps of [`HOLD_STEP`] so that a
+    /// device's timer moves once per step, not once per tick.
+    fn hold_restored(&mut self, now: Instant) {
+        self.next_hold = Some(now + HOLD_TICK);
+        let shed = self.stats.shed_total();
+        if shed == self.shed_seen {
+            return;
+        }
+        self.shed_seen = shed;
+        let at = self.clock.at(now);
+        let step = HOLD_STEP.as_millis() as u64;
+        let from = at.0.saturating_add(self.retry_ms()).div_ceil(step) * step;
+        let held = self.hub.hold_restored(at, Millis(from));
+        if held == 0 {
+            self.next_hold = None;
+        }
+    }
+
     /// The reconnect spread suggested in a close for shedding or draining:
     /// the time to readmit every open connection at the admission rate.
     fn retry_ms(&self) -> u64 {
@@ -1520,6 +1558,9 @@ impl ServerState {
             if !self.stored {
                 self.hub.sweep(SWEEP_BUDGET);
             }
+        }
+        if self.next_hold.is_some_and(|at| now >= at) {
+            self.hold_restored(now);
         }
         if self.stored && now >= self.next_flush {
             self.next_flush = now + self.config.flush_interval;

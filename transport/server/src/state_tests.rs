@@ -705,7 +705,9 @@ fn a_restarted_process_resets_its_predecessors_connections() {
         )
         .expect("a server");
         net.request(ann, Request::Ping);
-        net.run_until(Duration::from_secs(2), |net| net.clients[ann].lost.is_some());
+        net.run_until(Duration::from_secs(2), |net| {
+            net.clients[ann].lost.is_some()
+        });
         let lost = &net.clients[ann].lost;
         if resets {
             assert!(
@@ -713,8 +715,69 @@ fn a_restarted_process_resets_its_predecessors_connections() {
                 "not reset by the restarted process: {lost:?}"
             );
         } else {
-            assert!(lost.is_none(), "reset by a server of another secret: {lost:?}");
+            assert!(
+                lost.is_none(),
+                "reset by a server of another secret: {lost:?}"
+            );
         }
+    }
+}
+
+/// A device restored after a drain lingers for its grace plus the
+/// estimated readmission time; while the server still sheds handshakes it
+/// is held longer (it may be waiting for its turn), and once the shedding
+/// stops its grace runs out as usual.
+#[test]
+fn restored_devices_are_held_while_the_server_sheds() {
+    let ann_online = |net: &Net| {
+        let hub = net.server.hub();
+        hub.user_id("ann").is_some_and(|u| hub.core().is_online(u))
+    };
+    let drained = || Loaded {
+        clean: true,
+        drained: vec![crate::hub::LiveDevice {
+            user: "ann".into(),
+            device: "laptop".into(),
+            kind: Kind::Web,
+        }],
+        ..Loaded::default()
+    };
+    // Web grace 10 s, readmission of one device 1 s.
+    let first = Duration::from_secs(11);
+    for shedding in [false, true] {
+        let mut net = Net::new(config(), Some(drained()));
+        assert!(ann_online(&net));
+        let shed_for = first + Duration::from_secs(20);
+        let start = net.now;
+        while net.now < start + shed_for {
+            if shedding {
+                net.server.stats.shed(Shed::Rate);
+            }
+            net.run_for(Duration::from_millis(250));
+            if !shedding && net.now >= start + first + Duration::from_millis(500) {
+                break;
+            }
+        }
+        if !shedding {
+            assert!(
+                !ann_online(&net),
+                "no shedding: held past grace and readmission"
+            );
+            continue;
+        }
+        assert!(
+            ann_online(&net),
+            "shown offline while the server was still shedding"
+        );
+        // Shedding over: at most the retry spread, the step and her grace later.
+        let stopped = net.now;
+        net.run_until(Duration::from_secs(30), |net| !ann_online(net));
+        let held = net.now - stopped;
+        assert!(!ann_online(&net), "held after the shedding stopped");
+        assert!(
+            held >= Duration::from_secs(10) && held <= Duration::from_secs(17),
+            "offline {held:?} after the shedding stopped"
+        );
     }
 }
 
