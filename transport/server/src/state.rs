@@ -92,6 +92,10 @@ const MIN_RESET_INTERVAL: Duration = Duration::from_micros(100);
 /// How often the server looks whether it still sheds while restored devices
 /// wait ([`ServerState::hold_restored`]), and the step their deadlines move by.
 const HOLD_TICK: Duration = Duration::from_secs(1);
+/// A drain closes [`DRAIN_CHUNK`] connections every [`CLOSE_EVERY`]: 25,600
+/// a second, 100,000 in about 4 s (see [`Stopping::Closing`]).
+const DRAIN_CHUNK: usize = 256;
+const CLOSE_EVERY: Duration = Duration::from_millis(10);
 const HOLD_STEP: Duration = Duration::from_secs(5);
 /// How long a stop waits for the final store write.
 const STOP_SAVE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -587,8 +591,21 @@ impl Ticket {
 }
 
 enum Stopping {
-    /// Connections are closing, until `until`.
-    Closing { save: bool, until: Instant },
+    /// Connections are being closed, [`ServerState::drain_chunk`] every
+    /// [`CLOSE_EVERY`] from slot `next` on, the next chunk at `at`: 100,000
+    /// closes sent at once overflow the receive queues on their way (a load
+    /// generator's, a NAT's), and each lost close leaves a device to find
+    /// out from its next keep-alive or its idle timeout, without the
+    /// reconnect spread the close carries.
+    Closing {
+        save: bool,
+        code: CloseCode,
+        text: Vec<u8>,
+        next: usize,
+        at: Instant,
+    },
+    /// Every close sent; connections finish closing until `until`.
+    Lingering { save: bool, until: Instant },
     /// The final store write is in flight (its ticket answers it).
     Saving,
     /// [`ServerOutput::Stopped`] was emitted.
@@ -636,6 +653,8 @@ pub struct ServerState {
     /// count seen then.
     next_hold: Option<Instant>,
     shed_seen: u64,
+    /// Connections closed per chunk while draining ([`DRAIN_CHUNK`]).
+    drain_chunk: usize,
     tickets: BTreeMap<u64, Ticket>,
     /// The tickets by deadline.
     ticket_deadlines: BTreeSet<(Instant, u64)>,
@@ -788,6 +807,7 @@ impl ServerState {
             next_renewal: now + config.renewal(),
             next_hold,
             shed_seen: 0,
+            drain_chunk: DRAIN_CHUNK,
             tickets: BTreeMap::new(),
             ticket_deadlines: BTreeSet::new(),
             next_ticket: 0,
@@ -874,6 +894,7 @@ impl ServerState {
     pub fn handle_timeout(&mut self, now: Instant) {
         self.last_now = self.last_now.max(now);
         self.on_timers(now);
+        self.close_next(now);
         self.pump(now);
         self.check_stop(now);
     }
@@ -906,8 +927,11 @@ impl ServerState {
                 at = at.min(t);
             }
         }
-        if let Some(Stopping::Closing { until, .. }) = &self.stopping {
-            at = at.min(*until);
+        match &self.stopping {
+            Some(Stopping::Closing { at: t, .. }) | Some(Stopping::Lingering { until: t, .. }) => {
+                at = at.min(*t);
+            }
+            _ => {}
         }
         if let Some(t) = self.next_hold {
             at = at.min(t);
@@ -1418,21 +1442,61 @@ impl ServerState {
             CloseCode::Draining => with_retry_hint(&text, self.retry_ms()),
             _ => text,
         };
-        for ch in 0..self.conns.len() {
-            if self.conns[ch].is_some() {
-                self.close(ch, now, code, &text);
-            }
-        }
         self.stopping = Some(Stopping::Closing {
             save,
-            until: now + STOP_LINGER,
+            code,
+            text,
+            next: 0,
+            at: now,
+        });
+        self.close_next(now);
+    }
+
+    /// While draining: the next chunk of closes once it is due.
+    fn close_next(&mut self, now: Instant) {
+        let Some(Stopping::Closing {
+            save,
+            code,
+            ref text,
+            next,
+            at,
+        }) = self.stopping
+        else {
+            return;
+        };
+        if now < at {
+            return;
+        }
+        let text = text.clone();
+        let mut ch = next;
+        let mut closed = 0;
+        while ch < self.conns.len() && closed < self.drain_chunk {
+            if self.conns[ch].is_some() {
+                self.close(ch, now, code, &text);
+                closed += 1;
+            }
+            ch += 1;
+        }
+        self.stopping = Some(if ch >= self.conns.len() {
+            Stopping::Lingering {
+                save,
+                until: now + STOP_LINGER,
+            }
+        } else {
+            Stopping::Closing {
+                save,
+                code,
+                text,
+                next: ch,
+                at: now + CLOSE_EVERY,
+            }
         });
     }
 
     /// Once every connection is gone (or the linger is over): the final
     /// store write, then the end.
     fn check_stop(&mut self, now: Instant) {
-        let Some(Stopping::Closing { save, until }) = self.stopping else {
+        let Some(Stopping::Lingering { save, until }) = self.stopping else {
             return;
         };
         if self.conns.iter().any(Option::is_some) && now < until {
