@@ -496,6 +496,24 @@ impl Hub {
     /// `last_heard`: when the connection last received anything from the
     /// client (its last packet), what the user's `last_seen` is to show
     /// (DESIGN.md). A stale session changes nothing.
+    /// A connection closed by a drain: its device lingers until at least
+    /// `until`, so that it is still live when the drain saves it for the
+    /// next process (which restores it with its grace).
+    pub fn closed_until(
+        &mut self,
+        now: Millis,
+        session: SessionId,
+        last_heard: Millis,
+        until: Millis,
+    ) {
+        if let Some(user) = self.session_user(session) {
+            self.touched.push(user);
+        }
+        let _ = self
+            .core
+            .handle_disconnect_until(now, session, last_heard, until);
+    }
+
     pub fn closed(&mut self, now: Millis, session: SessionId, logout: bool, last_heard: Millis) {
         if let Some(user) = self.session_user(session) {
             self.touched.push(user);

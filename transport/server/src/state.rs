@@ -96,6 +96,9 @@ const HOLD_TICK: Duration = Duration::from_secs(1);
 /// a second, 100,000 in about 4 s (see [`Stopping::Closing`]).
 const DRAIN_CHUNK: usize = 256;
 const CLOSE_EVERY: Duration = Duration::from_millis(10);
+/// How long a device disconnected by a saving drain lingers in the old
+/// process: beyond any drain (the process ends first).
+const DRAIN_HOLD: Millis = Millis(3_600_000);
 const HOLD_STEP: Duration = Duration::from_secs(5);
 /// How long a stop waits for the final store write.
 const STOP_SAVE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -655,6 +658,9 @@ pub struct ServerState {
     shed_seen: u64,
     /// Connections closed per chunk while draining ([`DRAIN_CHUNK`]).
     drain_chunk: usize,
+    /// A drain that will save the live devices for the next process: the
+    /// devices it disconnects linger for [`DRAIN_HOLD`], not their grace.
+    drain_holds: bool,
     tickets: BTreeMap<u64, Ticket>,
     /// The tickets by deadline.
     ticket_deadlines: BTreeSet<(Instant, u64)>,
@@ -808,6 +814,7 @@ impl ServerState {
             next_hold,
             shed_seen: 0,
             drain_chunk: DRAIN_CHUNK,
+            drain_holds: false,
             tickets: BTreeMap::new(),
             ticket_deadlines: BTreeSet::new(),
             next_ticket: 0,
@@ -1442,6 +1449,11 @@ impl ServerState {
             CloseCode::Draining => with_retry_hint(&text, self.retry_ms()),
             _ => text,
         };
+        // A device whose grace ran out during the drain would be saved as
+        // gone and shown offline, though its client comes back to the next
+        // process: the saved ones get their grace there. (With a cluster
+        // the owners hold the devices, each with its grace.)
+        self.drain_holds = save && self.stored && self.cluster.is_none();
         self.stopping = Some(Stopping::Closing {
             save,
             code,
@@ -2038,7 +2050,12 @@ impl ServerState {
                 self.sessions.remove(&session);
             }
             let now = self.clock.at(self.last_now);
-            self.hub.closed(now, session, logout, last_heard.min(now));
+            if self.drain_holds && !logout {
+                self.hub
+                    .closed_until(now, session, last_heard.min(now), now.plus(DRAIN_HOLD));
+            } else {
+                self.hub.closed(now, session, logout, last_heard.min(now));
+            }
             if let Some(c) = self.cluster.as_deref_mut() {
                 let op = if logout {
                     WireOp::Logout

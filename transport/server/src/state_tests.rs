@@ -740,6 +740,53 @@ fn a_drain_paces_its_closes() {
     }
 }
 
+/// Devices a saving drain disconnects stay live until the save, even past
+/// their grace: the next process restores them (with their grace there).
+#[test]
+fn a_drain_saves_devices_whose_grace_ran_out_meanwhile() {
+    let mut config = config();
+    config
+        .core
+        .kind_mut(greendot_core::DeviceKind::Desktop)
+        .grace = greendot_core::Millis(1);
+    let mut net = Net::new(config, Some(Loaded::default()));
+    for u in ["ann", "bob", "cy"] {
+        net.connect(u, "laptop");
+    }
+    net.server.drain_chunk = 1;
+    net.store.clear();
+    net.server.handle_input(
+        net.now,
+        ServerInput::Stop {
+            code: CloseCode::Draining,
+            text: b"draining".to_vec(),
+            save: true,
+        },
+    );
+    net.run_until(Duration::from_secs(5), |net| {
+        net.store
+            .iter()
+            .any(|r| matches!(r, StoreRequest::Durable { .. }))
+    });
+    match net.store.pop() {
+        Some(StoreRequest::Durable { batch, .. }) => {
+            let mut users: Vec<String> = batch
+                .drained
+                .expect("the live devices")
+                .into_iter()
+                .map(|d| d.user)
+                .collect();
+            users.sort();
+            assert_eq!(
+                users,
+                ["ann", "bob", "cy"],
+                "a device expired during the drain"
+            );
+        }
+        other => panic!("no final save: {other:?}"),
+    }
+}
+
 /// A process that crashed (no close sent) and was started again with the
 /// same secret answers its predecessor's clients with a stateless reset they
 /// accept, so they reconnect at once rather than after their idle timeout;
