@@ -92,10 +92,6 @@ const MIN_RESET_INTERVAL: Duration = Duration::from_micros(100);
 /// How often the server looks whether it still sheds while restored devices
 /// wait ([`ServerState::hold_restored`]), and the step their deadlines move by.
 const HOLD_TICK: Duration = Duration::from_secs(1);
-/// A drain closes [`DRAIN_CHUNK`] connections every [`CLOSE_EVERY`]: 25,600
-/// a second, 100,000 in about 4 s (see [`Stopping::Closing`]).
-const DRAIN_CHUNK: usize = 256;
-const CLOSE_EVERY: Duration = Duration::from_millis(10);
 /// How long a device disconnected by a saving drain lingers in the old
 /// process: beyond any drain (the process ends first).
 const DRAIN_HOLD: Millis = Millis(3_600_000);
@@ -594,21 +590,8 @@ impl Ticket {
 }
 
 enum Stopping {
-    /// Connections are being closed, [`ServerState::drain_chunk`] every
-    /// [`CLOSE_EVERY`] from slot `next` on, the next chunk at `at`: 100,000
-    /// closes sent at once overflow the receive queues on their way (a load
-    /// generator's, a NAT's), and each lost close leaves a device to find
-    /// out from its next keep-alive or its idle timeout, without the
-    /// reconnect spread the close carries.
-    Closing {
-        save: bool,
-        code: CloseCode,
-        text: Vec<u8>,
-        next: usize,
-        at: Instant,
-    },
-    /// Every close sent; connections finish closing until `until`.
-    Lingering { save: bool, until: Instant },
+    /// Connections are closing, until `until`.
+    Closing { save: bool, until: Instant },
     /// The final store write is in flight (its ticket answers it).
     Saving,
     /// [`ServerOutput::Stopped`] was emitted.
@@ -656,8 +639,6 @@ pub struct ServerState {
     /// count seen then.
     next_hold: Option<Instant>,
     shed_seen: u64,
-    /// Connections closed per chunk while draining ([`DRAIN_CHUNK`]).
-    drain_chunk: usize,
     /// A drain that will save the live devices for the next process: the
     /// devices it disconnects linger for [`DRAIN_HOLD`], not their grace.
     drain_holds: bool,
@@ -813,7 +794,6 @@ impl ServerState {
             next_renewal: now + config.renewal(),
             next_hold,
             shed_seen: 0,
-            drain_chunk: DRAIN_CHUNK,
             drain_holds: false,
             tickets: BTreeMap::new(),
             ticket_deadlines: BTreeSet::new(),
@@ -901,7 +881,6 @@ impl ServerState {
     pub fn handle_timeout(&mut self, now: Instant) {
         self.last_now = self.last_now.max(now);
         self.on_timers(now);
-        self.close_next(now);
         self.pump(now);
         self.check_stop(now);
     }
@@ -934,11 +913,8 @@ impl ServerState {
                 at = at.min(t);
             }
         }
-        match &self.stopping {
-            Some(Stopping::Closing { at: t, .. }) | Some(Stopping::Lingering { until: t, .. }) => {
-                at = at.min(*t);
-            }
-            _ => {}
+        if let Some(Stopping::Closing { until, .. }) = &self.stopping {
+            at = at.min(*until);
         }
         if let Some(t) = self.next_hold {
             at = at.min(t);
@@ -1454,61 +1430,21 @@ impl ServerState {
         // process: the saved ones get their grace there. (With a cluster
         // the owners hold the devices, each with its grace.)
         self.drain_holds = save && self.stored && self.cluster.is_none();
-        self.stopping = Some(Stopping::Closing {
-            save,
-            code,
-            text,
-            next: 0,
-            at: now,
-        });
-        self.close_next(now);
-    }
-
-    /// While draining: the next chunk of closes once it is due.
-    fn close_next(&mut self, now: Instant) {
-        let Some(Stopping::Closing {
-            save,
-            code,
-            ref text,
-            next,
-            at,
-        }) = self.stopping
-        else {
-            return;
-        };
-        if now < at {
-            return;
-        }
-        let text = text.clone();
-        let mut ch = next;
-        let mut closed = 0;
-        while ch < self.conns.len() && closed < self.drain_chunk {
+        for ch in 0..self.conns.len() {
             if self.conns[ch].is_some() {
                 self.close(ch, now, code, &text);
-                closed += 1;
             }
-            ch += 1;
         }
-        self.stopping = Some(if ch >= self.conns.len() {
-            Stopping::Lingering {
-                save,
-                until: now + STOP_LINGER,
-            }
-        } else {
-            Stopping::Closing {
-                save,
-                code,
-                text,
-                next: ch,
-                at: now + CLOSE_EVERY,
-            }
+        self.stopping = Some(Stopping::Closing {
+            save,
+            until: now + STOP_LINGER,
         });
     }
 
     /// Once every connection is gone (or the linger is over): the final
     /// store write, then the end.
     fn check_stop(&mut self, now: Instant) {
-        let Some(Stopping::Lingering { save, until }) = self.stopping else {
+        let Some(Stopping::Closing { save, until }) = self.stopping else {
             return;
         };
         if self.conns.iter().any(Option::is_some) && now < until {

@@ -687,59 +687,6 @@ fn a_drain_closes_everyone_then_saves_the_live_devices_then_stops() {
     assert_eq!(net.server.poll_timeout(), None);
 }
 
-/// A drain sends its closes a chunk at a time, not all at once, and still
-/// closes everyone before it saves.
-#[test]
-fn a_drain_paces_its_closes() {
-    let mut net = Net::new(config(), Some(Loaded::default()));
-    let clients: Vec<usize> = ["ann", "bob", "cy"]
-        .iter()
-        .map(|u| net.connect(u, "laptop"))
-        .collect();
-    net.server.drain_chunk = 1;
-    net.store.clear();
-    net.server.handle_input(
-        net.now,
-        ServerInput::Stop {
-            code: CloseCode::Draining,
-            text: b"draining".to_vec(),
-            save: true,
-        },
-    );
-    let closed = |net: &Net| {
-        clients
-            .iter()
-            .filter(|&&c| net.clients[c].lost.is_some())
-            .count()
-    };
-    net.step();
-    assert_eq!(closed(&net), 1, "the first chunk is one close");
-    let start = net.now;
-    net.run_until(Duration::from_secs(1), |net| closed(net) == 3);
-    assert_eq!(closed(&net), 3);
-    assert!(
-        net.now - start >= CLOSE_EVERY,
-        "the last close went out with the first chunk"
-    );
-    assert!(
-        !net.store
-            .iter()
-            .any(|r| matches!(r, StoreRequest::Durable { .. })),
-        "saved before every close was sent"
-    );
-    net.run_until(Duration::from_secs(5), |net| {
-        net.store
-            .iter()
-            .any(|r| matches!(r, StoreRequest::Durable { .. }))
-    });
-    match net.store.pop() {
-        Some(StoreRequest::Durable { batch, .. }) => {
-            assert_eq!(batch.drained.map(|d| d.len()), Some(3));
-        }
-        other => panic!("no final save: {other:?}"),
-    }
-}
-
 /// Devices a saving drain disconnects stay live until the save, even past
 /// their grace: the next process restores them (with their grace there).
 #[test]
@@ -753,7 +700,6 @@ fn a_drain_saves_devices_whose_grace_ran_out_meanwhile() {
     for u in ["ann", "bob", "cy"] {
         net.connect(u, "laptop");
     }
-    net.server.drain_chunk = 1;
     net.store.clear();
     net.server.handle_input(
         net.now,
