@@ -21,7 +21,9 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 /// Unique states of Model 1 at `Bounds::CI`, as a lower bound: fewer means
 /// the model or the core stopped reaching situations it reached before
 /// (check why, then update); more is a change to look at, not a failure.
-const CORE_STATES: usize = 3_003_603;
+const CORE_STATES: usize = 833_879;
+/// The same at `Bounds::FIVE_SESSIONS` (the ignored test).
+const CORE_STATES_FIVE_SESSIONS: usize = 3_003_603;
 /// Unique states of Model 2 at `ProtocolBounds::CI` (reconnects) and
 /// `ProtocolBounds::CI_LOSSY`.
 const PROTOCOL_STATES: usize = 841_182;
@@ -38,9 +40,21 @@ fn threads() -> usize {
 
 #[test]
 fn model1_core_every_invariant_holds_at_ci_bounds() {
+    check_core(Bounds::CI, CORE_STATES);
+}
+
+/// A fifth session: longer supersede and resume chains, four times the
+/// states and most of the models' time, so out of CI.
+#[test]
+#[ignore]
+fn model1_core_every_invariant_holds_with_five_sessions() {
+    check_core(Bounds::FIVE_SESSIONS, CORE_STATES_FIVE_SESSIONS);
+}
+
+fn check_core(bounds: Bounds, pinned: usize) {
     let _serial = serial();
     let start = Instant::now();
-    let checker = CoreModel::new(Bounds::CI)
+    let checker = CoreModel::new(bounds)
         .checker()
         .threads(threads())
         .spawn_bfs()
@@ -63,8 +77,8 @@ fn model1_core_every_invariant_holds_at_ci_bounds() {
     }
     checker.assert_properties();
     assert!(
-        checker.unique_state_count() >= CORE_STATES,
-        "Model 1 reaches fewer states than the {CORE_STATES} pinned"
+        checker.unique_state_count() >= pinned,
+        "Model 1 reaches fewer states than the {pinned} pinned"
     );
 }
 
