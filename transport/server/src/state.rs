@@ -639,6 +639,8 @@ pub struct ServerState {
     /// count seen then.
     next_hold: Option<Instant>,
     shed_seen: u64,
+    /// The `from` of the last hold.
+    held_from: Millis,
     /// A drain that will save the live devices for the next process: the
     /// devices it disconnects linger for [`DRAIN_HOLD`], not their grace.
     drain_holds: bool,
@@ -794,6 +796,7 @@ impl ServerState {
             next_renewal: now + config.renewal(),
             next_hold,
             shed_seen: 0,
+            held_from: Millis(0),
             drain_holds: false,
             tickets: BTreeMap::new(),
             ticket_deadlines: BTreeSet::new(),
@@ -1268,9 +1271,13 @@ impl ServerState {
         self.shed_seen = shed;
         let at = self.clock.at(now);
         let step = HOLD_STEP.as_millis() as u64;
-        let from = at.0.saturating_add(self.retry_ms()).div_ceil(step) * step;
-        let held = self.hub.hold_restored(at, Millis(from));
-        if held == 0 {
+        let from = Millis(at.0.saturating_add(self.retry_ms()).div_ceil(step) * step);
+        // Within one step every deadline is already there.
+        if from <= self.held_from {
+            return;
+        }
+        self.held_from = from;
+        if self.hub.hold_restored(at, from) == 0 {
             self.next_hold = None;
         }
     }
