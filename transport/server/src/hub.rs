@@ -496,9 +496,9 @@ impl Hub {
     /// `last_heard`: when the connection last received anything from the
     /// client (its last packet), what the user's `last_seen` is to show
     /// (DESIGN.md). A stale session changes nothing.
-    /// A connection closed by a drain: its device lingers until at least
-    /// `until`, so that it is still live when the drain saves it for the
-    /// next process (which restores it with its grace).
+    /// A connection lost or closed (not a logout): its device lingers for
+    /// its grace, or until `until` if that is later (a drain keeps its
+    /// devices live until it has saved them for the next process).
     pub fn closed_until(
         &mut self,
         now: Millis,
@@ -515,15 +515,14 @@ impl Hub {
     }
 
     pub fn closed(&mut self, now: Millis, session: SessionId, logout: bool, last_heard: Millis) {
+        if !logout {
+            return self.closed_until(now, session, last_heard, Millis::ZERO);
+        }
         if let Some(user) = self.session_user(session) {
             self.touched.push(user);
         }
-        let _ = if logout {
-            self.note_targets(session);
-            self.core.handle_logout(now, session)
-        } else {
-            self.core.handle_disconnect(now, session, last_heard)
-        };
+        self.note_targets(session);
+        let _ = self.core.handle_logout(now, session);
     }
 
     /// Runs one step of a connection (see [`crate::handle_frame`]).

@@ -92,10 +92,10 @@ const MIN_RESET_INTERVAL: Duration = Duration::from_micros(100);
 /// How often the server looks whether it still sheds while restored devices
 /// wait ([`ServerState::hold_restored`]), and the step their deadlines move by.
 const HOLD_TICK: Duration = Duration::from_secs(1);
+const HOLD_STEP: Duration = Duration::from_secs(5);
 /// How long a device disconnected by a saving drain lingers in the old
 /// process: beyond any drain (the process ends first).
 const DRAIN_HOLD: Millis = Millis(3_600_000);
-const HOLD_STEP: Duration = Duration::from_secs(5);
 /// How long a stop waits for the final store write.
 const STOP_SAVE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Transmit buffers kept for reuse: about what one call with the default

@@ -145,6 +145,7 @@ pub(crate) fn stateless_reset_key(secret: &[u8]) -> Result<ring::hmac::Key, TlsE
     salt.extract(secret)
         .expand(&[], ring::hmac::HMAC_SHA256)
         .map(ring::hmac::Key::from)
+        // HKDF refuses only outputs over 255 hashes; this is one.
         .map_err(|_| TlsError::EmptyTicketSecret)
 }
 
