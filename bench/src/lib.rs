@@ -3,6 +3,7 @@
 //! benchmarks themselves are the binaries in `src/bin/` (`vs_redis`,
 //! `quic_load`, `switch`); nothing here runs under `cargo test`.
 
+pub mod cluster;
 pub mod path;
 pub mod plot;
 pub mod resp;

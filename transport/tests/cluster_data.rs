@@ -84,16 +84,21 @@ fn serve(dir: &Path, urls: &str, id: &str) -> Node {
 /// `greendot serve`, in the cluster at `cluster` (NATS URLs, lease TTL) or,
 /// with `None`, alone; every other setting the same.
 fn serve_with(dir: &Path, cluster: Option<(&str, Duration)>, id: &str) -> Node {
+    serve_on(dir, cluster, id, "127.0.0.1:0", "127.0.0.1:0")
+}
+
+/// `greendot serve` listening on `listen` (QUIC) and `metrics` (HTTP).
+fn serve_on(
+    dir: &Path,
+    cluster: Option<(&str, Duration)>,
+    id: &str,
+    listen: &str,
+    metrics: &str,
+) -> Node {
     let data = dir.join(id);
     let mut command = Command::new(BIN);
     command
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics",
-            "127.0.0.1:0",
-        ])
+        .args(["serve", "--listen", listen, "--metrics", metrics])
         .arg("--data-dir")
         .arg(&data)
         .arg("--secret-file")
@@ -702,6 +707,139 @@ async fn edge_kill_9_reconnect_elsewhere_and_bounded_ghost() {
         &alice,
         GRACE + DEBOUNCE * 2,
         "alice shown offline while connected to b",
+        |p| !p.online,
+    )
+    .await;
+    drop(bob);
+    drop(nats);
+}
+
+/// A node `kill -9`ed and restarted at once under the same id and address,
+/// well within its lease TTL (its old lease never expires: the new process
+/// takes it over): the owners learn the new incarnation and treat the old
+/// one's devices as lost then, so alice (owned by b) and dave (owned by c),
+/// whose phones were on the dead process and never come back, are shown
+/// offline after grace and debounce from the restart; erin, who connects to
+/// the new process at once, stays online.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edge_restarted_within_its_lease_ttl_leaves_no_ghost() {
+    let _one_at_a_time = ONE_AT_A_TIME.lock().await;
+    let Three {
+        nats,
+        urls,
+        dir,
+        mut a,
+        b,
+        c,
+    } = three_nodes("restart").await;
+    let nodes = [&a, &b, &c];
+    let alice = user_owned_by(&urls, "b", "alice");
+    let dave = user_owned_by(&urls, "c", "dave");
+    let erin = user_owned_by(&urls, "b", "erin");
+
+    let (bob, mut bob_updates) = connect(
+        &nodes,
+        &c,
+        "bob",
+        "laptop",
+        Kind::Desktop,
+        WatchClaim::all(),
+    )
+    .await;
+    bob.subscribe(
+        &[alice.as_str(), dave.as_str(), erin.as_str()],
+        Tier::Realtime,
+    )
+    .await
+    .unwrap();
+    let (_alice_phone, _ap) =
+        connect(&nodes, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
+    let (_dave_phone, _dp) =
+        connect(&nodes, &a, &dave, "phone", Kind::Mobile, WatchClaim::all()).await;
+    for user in [&alice, &dave] {
+        wait_presence(&mut bob_updates, user, DEBOUNCE + SLACK, "online", |p| {
+            p.online
+        })
+        .await;
+    }
+
+    // The timings the nodes derive from the TTL (docs/cluster-operations.md):
+    // margin TTL/5, act window TTL - margin, one NATS operation at most a
+    // third of the act window.
+    let act_window = LEASE_TTL - LEASE_TTL / 5;
+    let op_timeout = (act_window / 3).min(Duration::from_secs(2));
+    let (listen, metrics) = (a.addr.to_string(), a.metrics.clone());
+    let t0 = Instant::now();
+    a.proc.kill9();
+    let a2 = serve_on(&dir, Some((&urls, LEASE_TTL)), "a", &listen, &metrics);
+    let up = t0.elapsed();
+    // The old lease was renewed at most `renew_every` (act window / 3)
+    // before the kill, so it lives at least this long after it.
+    let old_lease_lives = LEASE_TTL - act_window / 3;
+    assert!(
+        up < old_lease_lives,
+        "a came back {up:?} after the kill, not within its old lease ({old_lease_lives:?}): \
+         it waited for the lease of its previous run to expire"
+    );
+    let nodes2 = [&a2, &b, &c];
+    let (_erin_phone, _ep) = connect(
+        &nodes2,
+        &a2,
+        &erin,
+        "phone",
+        Kind::Mobile,
+        WatchClaim::all(),
+    )
+    .await;
+
+    // Noticed when the new lease is written (before `up`): offline after
+    // grace and debounce, plus one NATS operation for the watch to bring it.
+    let bound = up + GRACE + DEBOUNCE + op_timeout;
+    let deadline = tokio::time::Instant::now() + (bound - t0.elapsed().min(bound));
+    let mut offline: Vec<(String, Duration)> = Vec::new();
+    let mut erin_online = false;
+    while offline.len() < 2 {
+        match tokio::time::timeout_at(deadline, bob_updates.next()).await {
+            Ok(Some(Event::Presence {
+                target, presence, ..
+            })) => {
+                if target == erin {
+                    assert!(presence.online, "erin, on the new process, shown offline: {presence:?}");
+                    erin_online = true;
+                } else if !presence.online && !offline.iter().any(|(u, _)| *u == target) {
+                    offline.push((target, t0.elapsed()));
+                }
+            }
+            Ok(Some(_)) => {}
+            Ok(None) => panic!("bob's client ended"),
+            Err(_) => panic!(
+                "a ghost: shown offline by {:?} after the kill only {offline:?} of [{alice}, {dave}] \
+                 (restarted in {up:?}; bound {bound:?} = restart + grace + debounce + one NATS operation)",
+                t0.elapsed()
+            ),
+        }
+    }
+    println!("restarted in {up:?}; offline at bob after the kill: {offline:?} (bound {bound:?})");
+    for (user, took) in &offline {
+        assert!(*took >= GRACE, "{user} offline before her grace: {took:?}");
+    }
+    assert!(metric(&b, "greendot_cluster_edge_lost_devices_total") >= 1);
+    assert!(metric(&c, "greendot_cluster_edge_lost_devices_total") >= 1);
+    if !erin_online {
+        wait_presence(
+            &mut bob_updates,
+            &erin,
+            DEBOUNCE + SLACK,
+            "erin online",
+            |p| p.online,
+        )
+        .await;
+    }
+    never(
+        &mut bob_updates,
+        &erin,
+        GRACE + DEBOUNCE * 2,
+        "erin, connected to the new process, shown offline",
         |p| !p.online,
     )
     .await;

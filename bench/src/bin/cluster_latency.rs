@@ -16,141 +16,26 @@
 //! clients' and its routes') over the cluster run, less the same servers'
 //! count over an idle period as long, divided by the changes.
 
+use greendot_bench::cluster::{bench_dir, http_get, nats_in_msgs, placed, Join, Node, SECRET};
 use greendot_bench::{arg, ms, quantile};
-use greendot_client::rustls::pki_types::pem::PemObject;
-use greendot_client::rustls::pki_types::CertificateDer;
 use greendot_client::{Client, ClientConfig, Event, Updates};
 use greendot_cluster::testing::NatsCluster;
 use greendot_core::{Status, Tier};
 use greendot_proto::Kind;
 use greendot_server::token::{Claims, TokenKeys, WatchClaim};
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-const SECRET: &str = "0123456789abcdef0123456789abcdef";
-
-struct Node {
-    child: Child,
-    addr: SocketAddr,
-    metrics: String,
-    cert: CertificateDer<'static>,
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn greendot() -> PathBuf {
-    let exe = std::env::current_exe().expect("this binary's path");
-    exe.parent().unwrap().join("greendot")
-}
-
+/// A node of the cluster (64 shards, 15 s TTL) or, with `None`, alone.
 fn serve(dir: &Path, cluster: Option<&str>, id: &str) -> Node {
-    let data = dir.join(id);
-    let mut command = Command::new(greendot());
-    command
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics",
-            "127.0.0.1:0",
-        ])
-        .arg("--data-dir")
-        .arg(&data)
-        .arg("--secret-file")
-        .arg(dir.join("secret"))
-        .args(["--debounce", "1ms"]);
-    if let Some(urls) = cluster {
-        command.args(["--cluster", urls, "--node-id", id]).args([
-            "--cluster-shards",
-            "64",
-            "--cluster-lease-ttl",
-            "15s",
-        ]);
-    }
-    let mut child = command
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect(
-            "greendot serve (build it: cargo build --release -p greendot-transport --bin greendot)",
-        );
-    let out = BufReader::new(child.stdout.take().unwrap());
-    let mut addr = None;
-    let mut metrics = None;
-    let mut lines = out.lines();
-    while metrics.is_none() {
-        let line = lines.next().expect("greendot serve ended").unwrap();
-        if let Some(rest) = line.strip_prefix("greendot listening on ") {
-            addr = rest.split_whitespace().next().and_then(|a| a.parse().ok());
-        }
-        if let Some(at) = line.strip_prefix("metrics on http://") {
-            metrics = Some(at.trim_end_matches("/metrics").to_owned());
-        }
-    }
-    std::thread::spawn(move || for _ in lines {});
-    let pem = std::fs::read(data.join("cert.pem")).expect("the node's certificate");
-    Node {
-        child,
-        addr: addr.expect("an address"),
-        metrics: metrics.unwrap(),
-        cert: CertificateDer::from_pem_slice(&pem).expect("PEM"),
-    }
-}
-
-fn http_get(addr: &str, path: &str) -> String {
-    let mut stream = std::net::TcpStream::connect(addr).expect("HTTP port");
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut text = String::new();
-    stream.read_to_string(&mut text).unwrap();
-    text
-}
-
-/// The sum of the NATS servers' `in_msgs`.
-fn nats_in_msgs(nats: &NatsCluster) -> u64 {
-    (0..nats.size())
-        .map(|i| {
-            let text = http_get(&nats.monitor_addr(i), "/varz");
-            text.split("\"in_msgs\":")
-                .nth(1)
-                .and_then(|r| {
-                    r.split(|c: char| !c.is_ascii_digit())
-                        .find(|s| !s.is_empty())
-                })
-                .and_then(|n| n.parse::<u64>().ok())
-                .expect("in_msgs in /varz")
-        })
-        .sum()
-}
-
-fn placed(urls: &str) {
-    let t0 = Instant::now();
-    while t0.elapsed() < Duration::from_secs(60) {
-        let out = Command::new(greendot())
-            .args(["cluster", "status", "--cluster", urls])
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout);
-        if text.contains("nodes: 3") && text.contains("owned 64, unowned 0") {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    panic!("shards not placed");
+    let join = cluster.map(|urls| Join {
+        urls,
+        shards: 64,
+        ttl: Duration::from_secs(15),
+    });
+    greendot_bench::cluster::serve(dir, join, id, &["--debounce", "1ms"])
 }
 
 async fn connect(roots: &[&Node], at: &Node, user: &str, device: &str) -> (Client, Updates) {
@@ -272,10 +157,7 @@ async fn main() {
     let users: usize = arg("--users", 20);
     let changes: usize = arg("--changes", 50);
     let gap = Duration::from_millis(arg("--gap-ms", 20));
-    let dir = std::env::temp_dir().join(format!("greendot-cluster-bench-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("secret"), SECRET).unwrap();
+    let dir = bench_dir("cluster-bench");
 
     let nats = NatsCluster::start(3).await;
     let urls = nats.urls();
@@ -284,7 +166,7 @@ async fn main() {
         serve(&dir, Some(&urls), "b"),
         serve(&dir, Some(&urls), "c"),
     );
-    placed(&urls);
+    placed(&urls, 3, 64);
     let roots = [&a, &b, &c];
     let t0 = Instant::now();
     let before = nats_in_msgs(&nats);

@@ -149,6 +149,29 @@ impl Cluster {
         })
     }
 
+    /// Takes over this node id's live lease at `revision` by compare-and-set
+    /// (a previous run of this node that died within its TTL: see
+    /// `Node::start`). That run's next renewal then fails. `LeaseHeld` if
+    /// the lease changed meanwhile.
+    pub async fn take_over_lease(&self, value: Bytes, revision: u64) -> Result<NodeLease> {
+        let sent_at = Instant::now();
+        let ttl = Some(self.config.lease_ttl);
+        let key = self.config.node.as_str();
+        let write = Write::Put { value, ttl };
+        let revision = write_if(&self.js, &self.leases, key, revision, write, self.timeout())
+            .await
+            .map_err(|e| match e {
+                ClusterError::Conflict { .. } => ClusterError::LeaseHeld {
+                    node: self.config.node.clone(),
+                },
+                e => e,
+            })?;
+        Ok(NodeLease {
+            revision,
+            tenure: Tenure::granted(self.config.lease_timing(), sent_at),
+        })
+    }
+
     /// Renews the lease with its TTL. `Conflict` means the lease expired (or
     /// was taken): the node must stop serving and acquire a new one.
     pub async fn renew_lease(&self, lease: &mut NodeLease, value: Bytes) -> Result<()> {

@@ -7,14 +7,21 @@ use bytes::Bytes;
 
 use crate::ids::NodeId;
 use crate::kv::{KvEntry, KvOp};
+use crate::node::NodeInfo;
 
-/// A live node: the revision of its lease's first write (its incarnation)
-/// and of its latest renewal, and the value it wrote (its advertised data).
+/// A live node: the revision of its lease's first write and of its latest
+/// renewal, the value it wrote (its advertised data), and the incarnation
+/// that value names (`None`: not a value a node wrote).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Member {
     pub since_revision: u64,
     pub revision: u64,
     pub value: Bytes,
+    pub incarnation: Option<u64>,
+}
+
+fn incarnation_of(value: &[u8]) -> Option<u64> {
+    NodeInfo::decode(value).map(|i| i.incarnation)
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,6 +36,14 @@ pub enum MemberEvent {
         node: NodeId,
         revision: u64,
         expired: bool,
+    },
+    /// The live lease now names another incarnation: the node restarted
+    /// within its TTL and took its lease over, so the previous run is gone
+    /// without its lease ever expiring.
+    Restarted {
+        node: NodeId,
+        incarnation: u64,
+        revision: u64,
     },
 }
 
@@ -45,11 +60,23 @@ impl Membership {
         match entry.op {
             KvOp::Put => match self.live.get_mut(&node) {
                 Some(member) => {
-                    if entry.revision > member.revision {
-                        member.revision = entry.revision;
-                        member.value = entry.value.clone();
+                    if entry.revision <= member.revision {
+                        return None;
                     }
-                    None
+                    member.revision = entry.revision;
+                    member.value = entry.value.clone();
+                    let incarnation = incarnation_of(&entry.value);
+                    match incarnation {
+                        Some(i) if member.incarnation != incarnation => {
+                            member.incarnation = incarnation;
+                            Some(MemberEvent::Restarted {
+                                node,
+                                incarnation: i,
+                                revision: entry.revision,
+                            })
+                        }
+                        _ => None,
+                    }
                 }
                 None => {
                     self.live.insert(
@@ -58,6 +85,7 @@ impl Membership {
                             since_revision: entry.revision,
                             revision: entry.revision,
                             value: entry.value.clone(),
+                            incarnation: incarnation_of(&entry.value),
                         },
                     );
                     Some(MemberEvent::Joined {
@@ -147,6 +175,49 @@ mod tests {
             None,
             "a gone node leaves once"
         );
+    }
+
+    fn lease(incarnation: u64, renewed_ms: u64, revision: u64) -> KvEntry {
+        let info = NodeInfo {
+            advertise: "n1.example:4433".into(),
+            started_ms: incarnation,
+            incarnation,
+            renewed_ms,
+            shard_count: 64,
+            lease_ttl_ms: 2000,
+        };
+        KvEntry {
+            key: "n1".into(),
+            op: KvOp::Put,
+            revision,
+            value: info.encode(),
+        }
+    }
+
+    #[test]
+    fn a_lease_taken_over_by_a_new_incarnation_is_a_restart() {
+        let mut m = Membership::default();
+        let n1 = NodeId::new("n1").unwrap();
+        assert!(matches!(
+            m.apply(&lease(100, 100, 3)),
+            Some(MemberEvent::Joined { .. })
+        ));
+        assert_eq!(m.member(&n1).unwrap().incarnation, Some(100));
+        assert_eq!(m.apply(&lease(100, 600, 4)), None, "a renewal");
+        assert_eq!(
+            m.apply(&lease(900, 900, 6)),
+            Some(MemberEvent::Restarted {
+                node: n1.clone(),
+                incarnation: 900,
+                revision: 6
+            })
+        );
+        assert_eq!(m.apply(&lease(900, 1400, 7)), None, "its renewal");
+        assert_eq!(m.apply(&lease(100, 700, 5)), None, "an older write");
+        assert_eq!(m.member(&n1).unwrap().incarnation, Some(900));
+        // A value that is no node's: renewed as before, no restart.
+        assert_eq!(m.apply(&entry("n1", KvOp::Put, 8)), None);
+        assert_eq!(m.member(&n1).unwrap().incarnation, Some(900));
     }
 
     #[test]

@@ -37,6 +37,9 @@ pub struct NodeInfo {
     pub advertise: String,
     /// Unix milliseconds when the node started.
     pub started_ms: u64,
+    /// This run of the node (see [`Node::start`]): owners treat the devices
+    /// of an older incarnation of a node as lost once they see a newer one.
+    pub incarnation: u64,
     /// Unix milliseconds of the write (the writer's clock).
     pub renewed_ms: u64,
     pub shard_count: u32,
@@ -46,8 +49,13 @@ pub struct NodeInfo {
 impl NodeInfo {
     pub fn encode(&self) -> Bytes {
         Bytes::from(format!(
-            "advertise={}\nstarted_ms={}\nrenewed_ms={}\nshards={}\nlease_ttl_ms={}\n",
-            self.advertise, self.started_ms, self.renewed_ms, self.shard_count, self.lease_ttl_ms
+            "advertise={}\nstarted_ms={}\nincarnation={}\nrenewed_ms={}\nshards={}\nlease_ttl_ms={}\n",
+            self.advertise,
+            self.started_ms,
+            self.incarnation,
+            self.renewed_ms,
+            self.shard_count,
+            self.lease_ttl_ms
         ))
     }
 
@@ -59,9 +67,15 @@ impl NodeInfo {
             let (k, v) = line.split_once('=')?;
             fields.insert(k, v);
         }
+        let started_ms = fields.get("started_ms")?.parse().ok()?;
         Some(NodeInfo {
             advertise: fields.get("advertise")?.to_string(),
-            started_ms: fields.get("started_ms")?.parse().ok()?,
+            started_ms,
+            // A lease written before incarnations: its start time.
+            incarnation: match fields.get("incarnation") {
+                Some(v) => v.parse().ok()?,
+                None => started_ms,
+            },
             renewed_ms: fields.get("renewed_ms")?.parse().ok()?,
             shard_count: fields.get("shards")?.parse().ok()?,
             lease_ttl_ms: fields.get("lease_ttl_ms")?.parse().ok()?,
@@ -196,9 +210,19 @@ pub struct Node {
 const IN_FLIGHT: usize = 32;
 
 impl Node {
-    /// Takes the node lease (waiting up to two lease TTLs while a previous
-    /// run of this node id still holds it), then starts the duty task.
-    pub async fn start(cluster: Cluster, advertise: String) -> Result<Node> {
+    /// Takes the node lease, then starts the duty task. `incarnation` names
+    /// this run (greendot uses its start time in Unix milliseconds): it must
+    /// be above every earlier run's of this node id.
+    ///
+    /// A live lease of this id that advertises the same address with an
+    /// older incarnation is a previous run of this node that died within its
+    /// TTL (a live one would still hold the address's port, which the caller
+    /// has bound): it is taken over at once (compare-and-set), and the
+    /// owners, seeing the new incarnation on the lease watch, treat the old
+    /// run's devices as lost. Any other live lease of this id (another
+    /// address: a second node misconfigured with this id; or an incarnation
+    /// not older, a clock set back) is waited out, up to two lease TTLs.
+    pub async fn start(cluster: Cluster, advertise: String, incarnation: u64) -> Result<Node> {
         if advertise.len() > MAX_ADVERTISE_LEN || advertise.contains(['\n', '\r']) {
             return Err(ClusterError::Corrupt {
                 bucket: cluster.config().bucket("leases"),
@@ -211,6 +235,7 @@ impl Node {
         let mut info = NodeInfo {
             advertise,
             started_ms: unix_ms(),
+            incarnation,
             renewed_ms: unix_ms(),
             shard_count: config.shard_count,
             lease_ttl_ms: config.lease_ttl.as_millis() as u64,
@@ -224,17 +249,31 @@ impl Node {
             info.renewed_ms = unix_ms();
             match cluster.acquire_lease(info.encode()).await {
                 Ok(lease) => break lease,
-                Err(ClusterError::LeaseHeld { .. }) if Instant::now() < give_up => {
-                    debug!("node lease still held by a previous run; waiting for its TTL");
+                Err(ClusterError::LeaseHeld { .. }) => {
+                    if let Some(lease) = take_over_previous_run(&cluster, &info).await? {
+                        break lease;
+                    }
+                    if Instant::now() >= give_up {
+                        return Err(ClusterError::LeaseHeld {
+                            node: cluster.node().clone(),
+                        });
+                    }
+                    debug!("node lease held by another process of this id; waiting for its TTL");
                     tokio::time::sleep(config.lease_timing().renew_every()).await;
                 }
                 Err(e) => return Err(e),
             }
         };
         let me = cluster.node().clone();
+        // Our own lease, of this incarnation: a previous run's lease in the
+        // watch's initial snapshot says nothing of where the snapshot ends.
         let caught_up = async {
             while let Some(event) = members.next().await {
-                if matches!(&event, Ok(MemberEvent::Joined { node, .. }) if *node == me) {
+                let ours = matches!(&event,
+                    Ok(MemberEvent::Joined { node, .. } | MemberEvent::Restarted { node, .. })
+                        if *node == me);
+                let member = members.membership().member(&me);
+                if ours && member.is_some_and(|m| m.incarnation == Some(incarnation)) {
                     break;
                 }
             }
@@ -304,6 +343,32 @@ impl Node {
     #[doc(hidden)]
     pub fn crash(self) {
         self.task.abort();
+    }
+}
+
+/// Takes over the live lease of this node id if it is a previous run's
+/// (same address, older incarnation; see [`Node::start`]); `None` if it is
+/// not, or another taker won.
+async fn take_over_previous_run(cluster: &Cluster, info: &NodeInfo) -> Result<Option<NodeLease>> {
+    let Some(entry) = cluster.lease(cluster.node()).await? else {
+        return Ok(None);
+    };
+    let previous_run = entry.op == crate::kv::KvOp::Put
+        && NodeInfo::decode(&entry.value)
+            .is_some_and(|i| i.advertise == info.advertise && i.incarnation < info.incarnation);
+    if !previous_run {
+        return Ok(None);
+    }
+    match cluster.take_over_lease(info.encode(), entry.revision).await {
+        Ok(lease) => {
+            info!(
+                incarnation = info.incarnation,
+                "took over the node lease of a previous run of this node"
+            );
+            Ok(Some(lease))
+        }
+        Err(ClusterError::LeaseHeld { .. }) => Ok(None),
+        Err(e) => Err(e),
     }
 }
 
@@ -459,7 +524,9 @@ impl Duty {
         match self.cluster.lease(self.cluster.node()).await {
             Ok(Some(entry)) if entry.op == crate::kv::KvOp::Put => {
                 let ours = NodeInfo::decode(&entry.value).is_some_and(|i| {
-                    i.started_ms == self.info.started_ms && i.advertise == self.info.advertise
+                    i.started_ms == self.info.started_ms
+                        && i.incarnation == self.info.incarnation
+                        && i.advertise == self.info.advertise
                 });
                 if ours {
                     self.lease.revision = entry.revision;

@@ -39,9 +39,13 @@ async fn start(urls: &str, node: &str) -> Node {
         .with_test_writer()
         .try_init();
     let cluster = Cluster::connect(urls, config(node)).await.unwrap();
-    Node::start(cluster, format!("{node}.example:4433"))
-        .await
-        .unwrap()
+    Node::start(
+        cluster,
+        format!("{node}.example:4433"),
+        greendot_cluster::unix_ms(),
+    )
+    .await
+    .unwrap()
 }
 
 fn ids(names: &[&str]) -> Vec<NodeId> {

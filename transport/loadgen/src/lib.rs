@@ -867,6 +867,16 @@ pub struct HerdOptions {
     pub idle_timeout: Duration,
     pub user_prefix: String,
     pub progress: bool,
+    /// Servers of a cluster (empty: `server` alone): the devices are placed
+    /// on them in contiguous blocks (the first `sessions / len` on the
+    /// first, …), and a device that lost its connection (not one still
+    /// ramping up) tries another of them, as a client given the cluster's
+    /// addresses would.
+    pub servers: Vec<SocketAddr>,
+    /// Where the watchers connect, round robin (empty: `server`).
+    pub watcher_servers: Vec<SocketAddr>,
+    /// The watchers' tier.
+    pub watch_tier: Tier,
 }
 
 impl HerdOptions {
@@ -897,6 +907,9 @@ impl HerdOptions {
             idle_timeout: Duration::from_secs(30),
             user_prefix: "herd".into(),
             progress: true,
+            servers: Vec::new(),
+            watcher_servers: Vec::new(),
+            watch_tier: Tier::Batched,
         }
     }
 }
@@ -980,9 +993,13 @@ struct HerdCtx {
     back: AtomicUsize,
     /// When the last device came back, in nanoseconds since `t0`.
     last_back: AtomicU64,
+    /// Each device that came back since the mark, and when (ns since `t0`).
+    back_at: Mutex<Vec<(usize, u64)>>,
     /// Count offline pushes and snapshots from now on.
     watching: AtomicBool,
     offline_seen: Mutex<std::collections::BTreeSet<String>>,
+    /// The last presence any watcher was shown of each user: online or not.
+    last_shown: Mutex<std::collections::HashMap<String, bool>>,
     connect_gate: Semaphore,
     reconnect_gate: Semaphore,
     /// (generation, how many): devices below `how many` reconnect at once.
@@ -1010,17 +1027,46 @@ impl HerdCtx {
         Ok(config)
     }
 
-    fn came_back(&self, seen_mark: &mut u64) {
+    fn came_back(&self, seen_mark: &mut u64, device: usize) {
         let mark = self.mark.load(Relaxed);
         if *seen_mark != mark {
             *seen_mark = mark;
             self.back.fetch_add(1, Relaxed);
             let now = u64::try_from(self.t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
             self.last_back.fetch_max(now, Relaxed);
+            let mut back_at = self.back_at.lock().unwrap_or_else(|p| p.into_inner());
+            back_at.push((device, now));
         }
     }
 
+    /// The servers device `i` (or watcher `i`) may use, its home first.
+    fn servers_of(&self, i: usize, watcher: bool) -> Vec<SocketAddr> {
+        let (list, home) = if watcher {
+            let list = &self.opts.watcher_servers;
+            (list, i % list.len().max(1))
+        } else {
+            let list = &self.opts.servers;
+            let per = self.opts.sessions.div_ceil(list.len().max(1)).max(1);
+            (list, i / per)
+        };
+        if list.is_empty() {
+            return vec![self.opts.server];
+        }
+        let home = home.min(list.len() - 1);
+        let mut out = vec![list[home]];
+        // The others in an order that spreads a lost node's devices.
+        let n = list.len();
+        for k in 0..n - 1 {
+            out.push(list[(home + 1 + (i + k) % (n - 1)) % n]);
+        }
+        out
+    }
+
     fn saw(&self, target: &str, presence: &proto::Presence) {
+        self.last_shown
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(target.to_owned(), presence.online);
         if !presence.online && self.watching.load(Relaxed) {
             let mut seen = self.offline_seen.lock().unwrap_or_else(|p| p.into_inner());
             seen.insert(target.to_owned());
@@ -1049,13 +1095,14 @@ struct HerdLive {
 async fn herd_establish(
     ctx: &Arc<HerdCtx>,
     endpoint: &quinn::Endpoint,
+    server: SocketAddr,
     config: &quinn::ClientConfig,
     token: &str,
     resume: Option<u64>,
     watcher: bool,
 ) -> Result<HerdLive, String> {
     let connecting = endpoint
-        .connect_with(config.clone(), ctx.opts.server, &ctx.opts.server_name)
+        .connect_with(config.clone(), server, &ctx.opts.server_name)
         .map_err(|e| e.to_string())?;
     let conn = tokio::time::timeout(CONNECT_TIMEOUT, connecting)
         .await
@@ -1096,7 +1143,7 @@ async fn herd_establish(
             for (k, chunk) in targets.chunks(1000).enumerate() {
                 let request = Request::Subscribe {
                     targets: chunk.to_vec(),
-                    tier: Tier::Batched,
+                    tier: ctx.opts.watch_tier,
                 };
                 match call(&mut live, k as u64 + 1, request).await? {
                     Answer::Subscribed { snapshots, .. } => {
@@ -1185,6 +1232,8 @@ async fn herd_device(ctx: Arc<HerdCtx>, endpoint: quinn::Endpoint, i: usize, wat
     let mut seen_mark = ctx.mark.load(Relaxed);
     let mut wait = None;
     let mut ramping = true;
+    let servers = ctx.servers_of(i, watcher);
+    let mut at = 0;
     loop {
         if let Some(delay) = wait.take() {
             tokio::select! {
@@ -1207,12 +1256,24 @@ async fn herd_device(ctx: Arc<HerdCtx>, endpoint: quinn::Endpoint, i: usize, wat
                 &ctx.reconnect_gate
             };
             let _permit = gate.acquire().await;
-            herd_establish(&ctx, &endpoint, config, &token, resume, watcher).await
+            herd_establish(
+                &ctx,
+                &endpoint,
+                servers[at],
+                config,
+                &token,
+                resume,
+                watcher,
+            )
+            .await
         };
         let live = match attempt.await {
             Ok(live) => live,
             Err(e) => {
                 ctx.failed_attempts.fetch_add(1, Relaxed);
+                if !ramping {
+                    at = (at + 1) % servers.len();
+                }
                 wait = Some(backoff.next_delay(greendot_client::retry_hint(&e)));
                 continue;
             }
@@ -1222,7 +1283,7 @@ async fn herd_device(ctx: Arc<HerdCtx>, endpoint: quinn::Endpoint, i: usize, wat
         resume = Some(live.session);
         ctx.connected.fetch_add(1, Relaxed);
         if !watcher {
-            ctx.came_back(&mut seen_mark);
+            ctx.came_back(&mut seen_mark, i);
         }
         let hint = loop {
             tokio::select! {
@@ -1254,6 +1315,10 @@ async fn herd_device(ctx: Arc<HerdCtx>, endpoint: quinn::Endpoint, i: usize, wat
         };
         live.pushes.abort();
         ctx.connected.fetch_sub(1, Relaxed);
+        // Lost (not kicked): try another server of the cluster.
+        if hint != Some(Duration::ZERO) {
+            at = (at + 1) % servers.len();
+        }
         wait = Some(backoff.next_delay(hint));
     }
 }
@@ -1308,8 +1373,10 @@ impl Herd {
             mark: AtomicU64::new(0),
             back: AtomicUsize::new(0),
             last_back: AtomicU64::new(0),
+            back_at: Mutex::new(Vec::new()),
             watching: AtomicBool::new(false),
             offline_seen: Mutex::new(Default::default()),
+            last_shown: Mutex::new(std::collections::HashMap::new()),
             connect_gate: Semaphore::new(opts.connect_concurrency.max(1)),
             reconnect_gate: Semaphore::new(opts.reconnect_concurrency.max(1)),
             kick: watch::channel((0, 0)).0,
@@ -1371,6 +1438,16 @@ impl Herd {
         self.ctx.watching.store(true, Relaxed);
     }
 
+    /// Users whose last presence shown to a watcher was online.
+    pub fn shown_online(&self) -> usize {
+        let shown = self
+            .ctx
+            .last_shown
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        shown.values().filter(|online| **online).count()
+    }
+
     /// Users a watcher was shown offline since [`Herd::watch_for_offline`].
     pub fn offline_seen(&self) -> Vec<String> {
         let seen = self
@@ -1386,6 +1463,11 @@ impl Herd {
     pub fn mark(&self) {
         self.ctx.back.store(0, Relaxed);
         self.ctx.last_back.store(0, Relaxed);
+        self.ctx
+            .back_at
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
         self.ctx.mark.fetch_add(1, Relaxed);
     }
 
@@ -1436,6 +1518,19 @@ impl Herd {
             *generation += 1;
             *below = k;
         });
+    }
+
+    /// Each device that came back since the last mark (its index) and how
+    /// long after `since`.
+    pub fn back_times(&self, since: Instant) -> Vec<(usize, Duration)> {
+        let back_at = self.ctx.back_at.lock().unwrap_or_else(|p| p.into_inner());
+        back_at
+            .iter()
+            .map(|&(d, ns)| {
+                let at = self.ctx.t0 + Duration::from_nanos(ns);
+                (d, at.saturating_duration_since(since))
+            })
+            .collect()
     }
 
     /// Devices that came back since the last mark.

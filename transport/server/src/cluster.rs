@@ -58,9 +58,12 @@ const TICK: Duration = Duration::from_millis(50);
 pub struct ClusterSettings {
     /// This node's id (`[A-Za-z0-9_-]`, as in its lease).
     pub node: String,
-    /// Differs at every start of the process: names this edge's connections
-    /// to owners, so a late request of a previous process is never taken for
-    /// one of this process.
+    /// Grows at every start of the process (greendot: the start time in Unix
+    /// milliseconds, the same value as in the node's lease): names this
+    /// edge's connections to owners, so a late request of a previous
+    /// process is never taken for one of this process, and owners that see
+    /// a newer incarnation in the lease treat the devices of older ones as
+    /// lost ([`ClusterInput::EdgeRestarted`]).
     pub incarnation: u64,
     pub shard_count: u32,
     /// The user → shard map every node shares (greendot-cluster's).
@@ -119,6 +122,16 @@ pub enum ClusterInput {
     /// off; or released: it left). `last_heard`: Unix milliseconds of its
     /// last renewal, as near as known.
     EdgeLost { node: String, last_heard: u64 },
+    /// Node `node`'s lease names incarnation `incarnation` (it restarted
+    /// within its TTL and took its lease over, or joined): the devices it
+    /// held under older incarnations are lost, as by a disconnect at
+    /// `last_heard` (Unix milliseconds); those of `incarnation` and newer
+    /// are not touched (the new process may have forwarded some already).
+    EdgeRestarted {
+        node: String,
+        incarnation: u64,
+        last_heard: u64,
+    },
 }
 
 /// What the state asks the NATS I/O to do, in order.
@@ -1417,8 +1430,13 @@ impl ClusterLink {
             }
             ClusterInput::ShardLoaded { id, record } => self.shard_loaded(now, id, record),
             ClusterInput::EdgeLost { node, last_heard } => {
-                self.edge_lost(now, at, &node, last_heard)
+                self.edge_lost(now, at, &node, None, last_heard)
             }
+            ClusterInput::EdgeRestarted {
+                node,
+                incarnation,
+                last_heard,
+            } => self.edge_lost(now, at, &node, Some(incarnation), last_heard),
             ClusterInput::Resync { payload } => match decode::<ResyncRequest>(&payload) {
                 Some(r)
                     if r.owner.len() <= self.max_name_len
@@ -1537,7 +1555,16 @@ impl ClusterLink {
     /// node owns, are lost as by a disconnect at its last renewal, so a
     /// device that reconnects to another edge within grace resumes unseen,
     /// and one that does not is shown offline after grace and debounce (C3).
-    fn edge_lost(&mut self, now: Instant, at: Millis, node: &str, last_heard: u64) {
+    /// With `older_than`, only the devices of the edge's incarnations below
+    /// it are lost (the edge restarted under that incarnation).
+    fn edge_lost(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        node: &str,
+        older_than: Option<u64>,
+        last_heard: u64,
+    ) {
         if node == self.settings.node {
             return; // its own lease: the node is being cut off, not lost
         }
@@ -1550,7 +1577,7 @@ impl ClusterLink {
             let lost: Vec<SessionId> = o
                 .sessions
                 .iter()
-                .filter(|(_, holder)| holder.0 == node)
+                .filter(|(_, holder)| holder.0 == node && older_than.is_none_or(|i| holder.1 < i))
                 .map(|(s, _)| *s)
                 .collect();
             if lost.is_empty() {
@@ -2092,9 +2119,13 @@ mod tests {
     }
 
     fn link(node: &str) -> ClusterLink {
+        link_as(node, 7)
+    }
+
+    fn link_as(node: &str, incarnation: u64) -> ClusterLink {
         let settings = ClusterSettings {
             node: node.into(),
-            incarnation: 7,
+            incarnation,
             shard_count: SHARDS,
             shard_of: by_len,
             request_timeout: Duration::from_secs(5),
@@ -2438,6 +2469,69 @@ mod tests {
             matches!(&reply, Some(ClusterOutput::Reply { reply: 77, payload }) if decode::<FromOwner>(payload) == Some(FromOwner::Done { epoch: 1 })),
             "{reply:?}"
         );
+    }
+
+    /// Whether each of the owner's sessions held by `edge` is online, by
+    /// the holder's incarnation.
+    fn held_by(b: &ClusterLink, shard: u32, edge: &str) -> Vec<(u64, bool)> {
+        let o = &b.owners[&shard];
+        let mut held: Vec<(u64, bool)> = o
+            .sessions
+            .iter()
+            .filter(|(_, h)| h.0 == edge)
+            .map(|(s, h)| (h.1, o.core.session_info(*s).unwrap().online))
+            .collect();
+        held.sort();
+        held
+    }
+
+    #[test]
+    fn a_restarted_edge_loses_only_the_devices_of_its_older_incarnations() {
+        // Edge a, incarnation 7, holds alice's phone (shard 1) and bob's
+        // laptop (shard 3); b owns every shard.
+        let (_old_a, mut b, now) = two_nodes();
+        // a is killed and restarts as incarnation 9; before b learns of it
+        // from the lease watch, the new process already forwards carol's
+        // phone (shard 1 too).
+        let mut a = link_as("a", 9);
+        a.connected(
+            now,
+            Millis(100),
+            SessionId(1),
+            "carol",
+            "phone",
+            proto::Kind::Mobile,
+        );
+        exchange(&mut a, &mut b, now, Millis(100));
+        assert_eq!(held_by(&b, 1, "a"), vec![(7, true), (9, true)]);
+        // The old incarnation's own lease (a watch made again, say) loses nothing.
+        let restarted = |incarnation| ClusterInput::EdgeRestarted {
+            node: "a".into(),
+            incarnation,
+            last_heard: 200,
+        };
+        b.handle_input(now, Millis(200), restarted(7));
+        assert_eq!(b.counters().edge_lost_devices, 0);
+        // The new lease: incarnation 7's devices are lost, carol's stays.
+        b.handle_input(now, Millis(200), restarted(9));
+        assert_eq!(
+            b.counters().edge_lost_devices,
+            2,
+            "alice's phone, bob's laptop"
+        );
+        assert_eq!(held_by(&b, 1, "a"), vec![(7, false), (9, true)]);
+        assert_eq!(held_by(&b, 3, "a"), vec![(7, false)]);
+        // Seen again (a renewal replayed): nothing more to lose.
+        b.handle_input(now, Millis(250), restarted(9));
+        assert_eq!(b.counters().edge_lost_devices, 2);
+        // After grace and debounce alice is offline, carol still online.
+        let grace = Config::default().kinds[proto::Kind::Mobile as usize].grace;
+        let later = Millis(200 + grace.0 + Config::default().debounce.0 + 100);
+        let later_instant = now + Duration::from_millis(later.0);
+        b.handle_timeout(later_instant, later);
+        let o = &b.owners[&1];
+        assert!(!o.core.truth(UserId(o.users.get("alice").unwrap())).online);
+        assert!(o.core.truth(UserId(o.users.get("carol").unwrap())).online);
     }
 
     #[test]

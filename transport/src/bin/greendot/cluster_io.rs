@@ -135,7 +135,37 @@ pub async fn run(
                         return;
                     }
                 }
-                Some(Ok(MemberEvent::Joined { .. })) => {}
+                Some(Ok(MemberEvent::Restarted { node, incarnation, .. })) => {
+                    // Restarted within its TTL: its previous run died at an
+                    // unknown moment before; its devices get their full
+                    // grace from now, when their loss is known.
+                    let input = ClusterInput::EdgeRestarted {
+                        node: node.to_string(),
+                        incarnation,
+                        last_heard: greendot_cluster::unix_ms(),
+                    };
+                    if !inputs.send(input).await {
+                        return;
+                    }
+                }
+                Some(Ok(MemberEvent::Joined { node, .. })) => {
+                    // Devices of an older run this owner still holds (its
+                    // leave was missed: the watch was made again) are lost.
+                    let incarnation = members
+                        .as_ref()
+                        .and_then(|w| w.membership().member(&node))
+                        .and_then(|m| m.incarnation);
+                    if let Some(incarnation) = incarnation {
+                        let input = ClusterInput::EdgeRestarted {
+                            node: node.to_string(),
+                            incarnation,
+                            last_heard: greendot_cluster::unix_ms(),
+                        };
+                        if !inputs.send(input).await {
+                            return;
+                        }
+                    }
+                }
                 Some(Err(e)) => debug!(error = %e, "node lease watch"),
                 None => {
                     warn!("the node lease watch ended: devices of dead nodes stay online");

@@ -191,10 +191,14 @@ pub fn runtime() -> Result<tokio::runtime::Runtime, String> {
 }
 
 /// How this node takes part in the cluster's data path.
+/// `incarnation`: this run's start time in Unix milliseconds, in the node's
+/// lease too; it grows from one run to the next (a restart takes longer
+/// than a millisecond), which is how owners tell a restart within the lease
+/// TTL from a renewal.
 fn cluster_settings(
     config: &greendot_cluster::ClusterConfig,
+    incarnation: u64,
 ) -> Result<greendot_server::cluster::ClusterSettings, String> {
-    let incarnation = u64::from_str_radix(&random_hex(8)?, 16).map_err(|e| e.to_string())?;
     Ok(greendot_server::cluster::ClusterSettings {
         node: config.node.to_string(),
         incarnation,
@@ -209,8 +213,9 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     let data = prepare(&settings)?;
     let mut config = server_config(&settings, &data)?;
     let cluster_config = settings.cluster_config()?;
+    let incarnation = greendot_cluster::unix_ms();
     if let Some((_, c)) = &cluster_config {
-        config.cluster = Some(cluster_settings(c)?);
+        config.cluster = Some(cluster_settings(c, incarnation)?);
     }
     let server = Server::bind(config).map_err(|e| e.to_string())?;
     let addr = server.local_addr();
@@ -231,7 +236,7 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
                 .advertise
                 .clone()
                 .unwrap_or_else(|| addr.to_string());
-            let node = greendot_cluster::Node::start(cluster.clone(), advertise)
+            let node = greendot_cluster::Node::start(cluster.clone(), advertise, incarnation)
                 .await
                 .map_err(|e| {
                     format!(
