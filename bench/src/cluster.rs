@@ -4,7 +4,10 @@
 
 use greendot_client::rustls::pki_types::pem::PemObject;
 use greendot_client::rustls::pki_types::CertificateDer;
+use greendot_client::ClientConfig;
 use greendot_cluster::testing::NatsCluster;
+use greendot_proto::Kind;
+use greendot_server::token::{Claims, TokenKeys, WatchClaim};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -12,6 +15,30 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 pub const SECRET: &str = "0123456789abcdef0123456789abcdef";
+
+/// A client of `at` as `user`/`device` (desktop, may watch anyone) that
+/// trusts every node's certificate, without reconnects or the WebSocket
+/// fallback (a bench measures one connection).
+pub fn client_config(roots: &[&Node], at: &Node, user: &str, device: &str) -> ClientConfig {
+    let keys = TokenKeys::new(SECRET.as_bytes(), Duration::ZERO);
+    let token = keys
+        .mint(&Claims::new(
+            user,
+            device,
+            Kind::Desktop,
+            WatchClaim::all(),
+            Duration::from_secs(3600),
+        ))
+        .expect("a token of the bench's secret");
+    let mut config = ClientConfig::new(
+        at.addr,
+        roots.iter().map(|n| n.cert.clone()).collect(),
+        token,
+    );
+    config.reconnect = None;
+    config.websocket = None;
+    config
+}
 
 /// A `greendot serve` process, killed (`kill -9`) when dropped.
 pub struct Node {

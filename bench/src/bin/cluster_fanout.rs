@@ -25,13 +25,12 @@
 
 use greendot_bench::arg;
 use greendot_bench::cluster::{
-    bench_dir, delivered_on, nats_msgs, owner_of, placed, serve, stream_seqs, Join, Node, SECRET,
+    bench_dir, client_config, delivered_on, nats_msgs, owner_of, placed, serve, stream_seqs, Join,
+    Node,
 };
-use greendot_client::{Client, ClientConfig, Event, Updates};
+use greendot_client::{Client, Event, Updates};
 use greendot_cluster::testing::NatsCluster;
 use greendot_core::{Status, Tier};
-use greendot_proto::Kind;
-use greendot_server::token::{Claims, TokenKeys, WatchClaim};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
@@ -40,23 +39,7 @@ use std::time::{Duration, Instant};
 const SHARDS: u32 = 64;
 
 async fn connect(roots: &[&Node], at: &Node, user: &str, device: &str) -> (Client, Updates) {
-    let keys = TokenKeys::new(SECRET.as_bytes(), Duration::ZERO);
-    let token = keys
-        .mint(&Claims::new(
-            user,
-            device,
-            Kind::Desktop,
-            WatchClaim::all(),
-            Duration::from_secs(3600),
-        ))
-        .unwrap();
-    let mut config = ClientConfig::new(
-        at.addr,
-        roots.iter().map(|n| n.cert.clone()).collect(),
-        token,
-    );
-    config.reconnect = None;
-    config.websocket = None;
+    let config = client_config(roots, at, user, device);
     // A loaded machine times a handshake out now and then: try again.
     let mut tries = 0;
     loop {

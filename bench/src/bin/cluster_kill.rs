@@ -19,14 +19,12 @@
 //! still online after TTL + grace + debounce would be a ghost of the dead
 //! node's sessions).
 
-use greendot_bench::cluster::{bench_dir, placed, serve, Join, Node, SECRET};
+use greendot_bench::cluster::{bench_dir, client_config, placed, serve, Join, Node, SECRET};
 use greendot_bench::{arg, quantile, raise_nofile};
-use greendot_client::{Client, ClientConfig, Event};
+use greendot_client::{Client, Event};
 use greendot_cluster::testing::NatsCluster;
 use greendot_core::Tier;
 use greendot_loadgen::{Herd, HerdOptions};
-use greendot_proto::Kind;
-use greendot_server::token::{Claims, TokenKeys, WatchClaim};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -41,23 +39,7 @@ fn online_of(shown: &Shown) -> usize {
 /// A client on `at` watching `users` (realtime); returns it and what it is
 /// shown, updated as pushes arrive.
 async fn checker(roots: &[&Node], at: &Node, users: &[String]) -> (Client, Shown) {
-    let keys = TokenKeys::new(SECRET.as_bytes(), Duration::ZERO);
-    let token = keys
-        .mint(&Claims::new(
-            "checker",
-            "laptop",
-            Kind::Desktop,
-            WatchClaim::all(),
-            Duration::from_secs(3600),
-        ))
-        .unwrap();
-    let mut config = ClientConfig::new(
-        at.addr,
-        roots.iter().map(|n| n.cert.clone()).collect(),
-        token,
-    );
-    config.reconnect = None;
-    config.websocket = None;
+    let config = client_config(roots, at, "checker", "laptop");
     let (client, mut updates) = Client::connect(config).await.expect("checker connects");
     let shown: Shown = Arc::default();
     for chunk in users.chunks(1000) {

@@ -16,13 +16,13 @@
 //! clients' and its routes') over the cluster run, less the same servers'
 //! count over an idle period as long, divided by the changes.
 
-use greendot_bench::cluster::{bench_dir, http_get, nats_in_msgs, placed, Join, Node, SECRET};
+use greendot_bench::cluster::{
+    bench_dir, client_config, http_get, nats_in_msgs, placed, Join, Node,
+};
 use greendot_bench::{arg, ms, quantile};
-use greendot_client::{Client, ClientConfig, Event, Updates};
+use greendot_client::{Client, Event, Updates};
 use greendot_cluster::testing::NatsCluster;
 use greendot_core::{Status, Tier};
-use greendot_proto::Kind;
-use greendot_server::token::{Claims, TokenKeys, WatchClaim};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -39,23 +39,7 @@ fn serve(dir: &Path, cluster: Option<&str>, id: &str) -> Node {
 }
 
 async fn connect(roots: &[&Node], at: &Node, user: &str, device: &str) -> (Client, Updates) {
-    let keys = TokenKeys::new(SECRET.as_bytes(), Duration::ZERO);
-    let token = keys
-        .mint(&Claims::new(
-            user,
-            device,
-            Kind::Desktop,
-            WatchClaim::all(),
-            Duration::from_secs(3600),
-        ))
-        .unwrap();
-    let mut config = ClientConfig::new(
-        at.addr,
-        roots.iter().map(|n| n.cert.clone()).collect(),
-        token,
-    );
-    config.reconnect = None;
-    config.websocket = None;
+    let config = client_config(roots, at, user, device);
     Client::connect(config).await.expect("connect")
 }
 

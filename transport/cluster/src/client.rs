@@ -126,39 +126,17 @@ impl Cluster {
                 })
             }
         };
-        let sent_at = Instant::now();
-        let ttl = Some(self.config.lease_ttl);
-        let revision = write_if(
-            &self.js,
-            &self.leases,
-            key,
-            expected,
-            Write::Put { value, ttl },
-            self.timeout(),
-        )
-        .await
-        .map_err(|e| match e {
-            ClusterError::Conflict { .. } => ClusterError::LeaseHeld {
-                node: self.config.node.clone(),
-            },
-            e => e,
-        })?;
-        Ok(NodeLease {
-            revision,
-            tenure: Tenure::granted(self.config.lease_timing(), sent_at),
-        })
+        self.put_lease(value, expected).await
     }
 
-    /// Takes over this node id's live lease at `revision` by compare-and-set
-    /// (a previous run of this node that died within its TTL: see
-    /// `Node::start`). That run's next renewal then fails. `LeaseHeld` if
-    /// the lease changed meanwhile.
-    pub async fn take_over_lease(&self, value: Bytes, revision: u64) -> Result<NodeLease> {
+    /// Writes this node's lease with its TTL if its revision is still
+    /// `expected`; `LeaseHeld` if it changed meanwhile.
+    async fn put_lease(&self, value: Bytes, expected: u64) -> Result<NodeLease> {
         let sent_at = Instant::now();
         let ttl = Some(self.config.lease_ttl);
         let key = self.config.node.as_str();
         let write = Write::Put { value, ttl };
-        let revision = write_if(&self.js, &self.leases, key, revision, write, self.timeout())
+        let revision = write_if(&self.js, &self.leases, key, expected, write, self.timeout())
             .await
             .map_err(|e| match e {
                 ClusterError::Conflict { .. } => ClusterError::LeaseHeld {
@@ -170,6 +148,14 @@ impl Cluster {
             revision,
             tenure: Tenure::granted(self.config.lease_timing(), sent_at),
         })
+    }
+
+    /// Takes over this node id's live lease at `revision` by compare-and-set
+    /// (a previous run of this node that died within its TTL: see
+    /// `Node::start`). That run's next renewal then fails. `LeaseHeld` if
+    /// the lease changed meanwhile.
+    pub async fn take_over_lease(&self, value: Bytes, revision: u64) -> Result<NodeLease> {
+        self.put_lease(value, revision).await
     }
 
     /// Renews the lease with its TTL. `Conflict` means the lease expired (or

@@ -138,6 +138,27 @@ impl Net {
         i
     }
 
+    /// A drain for a restart: Draining closes, then the save.
+    fn drain(&mut self) {
+        self.server.handle_input(
+            self.now,
+            ServerInput::Stop {
+                code: CloseCode::Draining,
+                text: b"draining".to_vec(),
+                save: true,
+            },
+        );
+    }
+
+    /// Runs until the final durable write is asked for (at most 5 s).
+    fn run_until_saved(&mut self) {
+        self.run_until(Duration::from_secs(5), |net| {
+            net.store
+                .iter()
+                .any(|r| matches!(r, StoreRequest::Durable { .. }))
+        });
+    }
+
     /// Sends a request; its id.
     fn request(&mut self, i: usize, request: Request) -> u64 {
         let c = &mut self.clients[i];
@@ -632,20 +653,9 @@ fn a_drain_closes_everyone_then_saves_the_live_devices_then_stops() {
     let ann = net.connect("ann", "laptop");
     let bob = net.connect("bob", "phone");
     net.store.clear();
-    net.server.handle_input(
-        net.now,
-        ServerInput::Stop {
-            code: CloseCode::Draining,
-            text: b"draining".to_vec(),
-            save: true,
-        },
-    );
+    net.drain();
     assert!(net.server.is_stopping());
-    net.run_until(Duration::from_secs(5), |net| {
-        net.store
-            .iter()
-            .any(|r| matches!(r, StoreRequest::Durable { .. }))
-    });
+    net.run_until_saved();
     for c in [ann, bob] {
         match &net.clients[c].lost {
             Some(ConnectionError::ApplicationClosed(close)) => {
@@ -701,19 +711,8 @@ fn a_drain_saves_devices_whose_grace_ran_out_meanwhile() {
         net.connect(u, "laptop");
     }
     net.store.clear();
-    net.server.handle_input(
-        net.now,
-        ServerInput::Stop {
-            code: CloseCode::Draining,
-            text: b"draining".to_vec(),
-            save: true,
-        },
-    );
-    net.run_until(Duration::from_secs(5), |net| {
-        net.store
-            .iter()
-            .any(|r| matches!(r, StoreRequest::Durable { .. }))
-    });
+    net.drain();
+    net.run_until_saved();
     match net.store.pop() {
         Some(StoreRequest::Durable { batch, .. }) => {
             let mut users: Vec<String> = batch
