@@ -279,6 +279,25 @@ async fn wait_presence(
     }
 }
 
+/// Waits until every one of `users` was shown online, in any order (users
+/// of different owners are published independently).
+async fn all_online(updates: &mut Updates, users: &[&str], within: Duration) {
+    let deadline = tokio::time::Instant::now() + within;
+    let mut waiting: std::collections::BTreeSet<&str> = users.iter().copied().collect();
+    while !waiting.is_empty() {
+        match tokio::time::timeout_at(deadline, updates.next()).await {
+            Ok(Some(Event::Presence {
+                target, presence, ..
+            })) if presence.online => {
+                waiting.remove(target.as_str());
+            }
+            Ok(Some(_)) => {}
+            Ok(None) => panic!("online: the watcher's client ended"),
+            Err(_) => panic!("online: {waiting:?} not within {within:?}"),
+        }
+    }
+}
+
 /// Nothing of `target` that satisfies `bad` arrives for `window`.
 async fn never(
     updates: &mut Updates,
@@ -658,12 +677,7 @@ async fn edge_kill_9_reconnect_elsewhere_and_bounded_ghost() {
         connect(&nodes, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
     let (_carol_phone, _cp) =
         connect(&nodes, &a, &carol, "phone", Kind::Mobile, WatchClaim::all()).await;
-    for user in [&alice, &carol] {
-        wait_presence(&mut bob_updates, user, DEBOUNCE + SLACK, "online", |p| {
-            p.online
-        })
-        .await;
-    }
+    all_online(&mut bob_updates, &[&alice, &carol], DEBOUNCE + SLACK).await;
 
     let t0 = Instant::now();
     a.proc.kill9();
@@ -756,12 +770,7 @@ async fn edge_restarted_within_its_lease_ttl_leaves_no_ghost() {
         connect(&nodes, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
     let (_dave_phone, _dp) =
         connect(&nodes, &a, &dave, "phone", Kind::Mobile, WatchClaim::all()).await;
-    for user in [&alice, &dave] {
-        wait_presence(&mut bob_updates, user, DEBOUNCE + SLACK, "online", |p| {
-            p.online
-        })
-        .await;
-    }
+    all_online(&mut bob_updates, &[&alice, &dave], DEBOUNCE + SLACK).await;
 
     // The timings the nodes derive from the TTL (docs/cluster-operations.md):
     // margin TTL/5, act window TTL - margin, one NATS operation at most a
