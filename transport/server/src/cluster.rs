@@ -1568,7 +1568,8 @@ impl ClusterLink {
         if node == self.settings.node {
             return; // its own lease: the node is being cut off, not lost
         }
-        let last_heard = Millis(last_heard).min(at);
+        // Unix ms (from the lease) on the core's clock.
+        let last_heard = Millis(last_heard.saturating_sub(self.unix_base_ms)).min(at);
         let shards: Vec<u32> = self.owners.keys().copied().collect();
         for shard in shards {
             let Some(o) = self.owners.get_mut(&shard) else {
