@@ -108,10 +108,8 @@ fn serve(dir: &Path, listen: &str) -> Served {
         .next()
         .and_then(|a| a.parse().ok())
         .unwrap_or_else(|| panic!("no address in {line:?}"));
-    let line = proc.wait_for(SLACK, "metrics", |l| l.starts_with("metrics on http://"));
-    let metrics = line
-        .trim_start_matches("metrics on http://")
-        .trim_end_matches("/metrics")
+    let line = proc.metrics_addr(SLACK);
+    let metrics: SocketAddr = line
         .parse()
         .unwrap_or_else(|_| panic!("no metrics address in {line:?}"));
     proc.wait_for(SLACK, "health", |l| {

@@ -43,13 +43,7 @@ fn serve(dir: &Path, urls: &str, id: &str) -> Node {
         .args(["--cluster-lease-ttl", "2s", "--advertise"])
         .arg(format!("{id}.test:4433"));
     let mut proc = Proc::spawn(id, command);
-    let metrics = proc
-        .wait_for(SLACK, "with its metrics port", |l| {
-            l.starts_with("metrics on http://")
-        })
-        .trim_start_matches("metrics on http://")
-        .trim_end_matches("/metrics")
-        .to_owned();
+    let metrics = proc.metrics_addr(SLACK);
     Node { proc, metrics }
 }
 

@@ -123,13 +123,7 @@ fn serve_on(
         .and_then(|rest| rest.split_whitespace().next())
         .and_then(|a| a.parse().ok())
         .unwrap_or_else(|| panic!("{id}: no address in {listening:?}"));
-    let metrics = proc
-        .wait_for(SLACK, "with its metrics port", |l| {
-            l.starts_with("metrics on http://")
-        })
-        .trim_start_matches("metrics on http://")
-        .trim_end_matches("/metrics")
-        .to_owned();
+    let metrics = proc.metrics_addr(SLACK);
     let pem = std::fs::read(data.join("cert.pem")).expect("the node's certificate");
     let cert = CertificateDer::from_pem_slice(&pem).expect("a PEM certificate");
     Node {

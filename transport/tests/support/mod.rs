@@ -77,6 +77,17 @@ impl Proc {
         }
     }
 
+    /// Waits for `greendot serve`'s "metrics on http://ADDR/metrics" line;
+    /// returns ADDR.
+    pub fn metrics_addr(&mut self, within: Duration) -> String {
+        self.wait_for(within, "with its metrics port", |l| {
+            l.starts_with("metrics on http://")
+        })
+        .trim_start_matches("metrics on http://")
+        .trim_end_matches("/metrics")
+        .to_owned()
+    }
+
     /// Reads what arrived, without waiting.
     pub fn drain(&mut self) {
         while let Ok(line) = self.lines.try_recv() {

@@ -74,6 +74,17 @@ async fn next_resync(feed: &mut Option<greendot_cluster::ResyncFeed>) -> Option<
     }
 }
 
+/// Tells the state that `node` runs as `incarnation`: its older runs'
+/// devices are lost as of now. `false` once the state is gone.
+async fn edge_restarted(inputs: &ClusterInputs, node: String, incarnation: u64) -> bool {
+    let input = ClusterInput::EdgeRestarted {
+        node,
+        incarnation,
+        last_heard: greendot_cluster::unix_ms(),
+    };
+    inputs.send(input).await
+}
+
 pub async fn run(
     cluster: Cluster,
     mut status: watch::Receiver<NodeStatus>,
@@ -139,12 +150,7 @@ pub async fn run(
                     // Restarted within its TTL: its previous run died at an
                     // unknown moment before; its devices get their full
                     // grace from now, when their loss is known.
-                    let input = ClusterInput::EdgeRestarted {
-                        node: node.to_string(),
-                        incarnation,
-                        last_heard: greendot_cluster::unix_ms(),
-                    };
-                    if !inputs.send(input).await {
+                    if !edge_restarted(&inputs, node.to_string(), incarnation).await {
                         return;
                     }
                 }
@@ -156,12 +162,7 @@ pub async fn run(
                         .and_then(|w| w.membership().member(&node))
                         .and_then(|m| m.incarnation);
                     if let Some(incarnation) = incarnation {
-                        let input = ClusterInput::EdgeRestarted {
-                            node: node.to_string(),
-                            incarnation,
-                            last_heard: greendot_cluster::unix_ms(),
-                        };
-                        if !inputs.send(input).await {
+                        if !edge_restarted(&inputs, node.to_string(), incarnation).await {
                             return;
                         }
                     }
