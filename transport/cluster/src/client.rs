@@ -12,7 +12,7 @@ use crate::error::{ClusterError, Result};
 use crate::ids::{user_key, NodeId, ShardId};
 use crate::kv::{put, read, write_if, KvEntry, KvOp, Write};
 use crate::membership::{MemberEvent, Membership};
-use crate::messaging::{check_shard, OwnerInbox, RequestKind, ViewFeed};
+use crate::messaging::{check_shard, OwnerInbox, RequestKind, SubjectFeed, ViewFeed};
 use crate::ownership::{
     decode_claim, encode_claim, epoch_key, shard_key, ClaimState, ClaimTable, HeldShard,
 };
@@ -483,14 +483,33 @@ impl Cluster {
     }
 
     /// The messages on `<prefix>.resync` (one subscription per node).
-    pub async fn resync_feed(&self) -> Result<crate::messaging::ResyncFeed> {
-        let subject = self.config.resync_subject();
+    pub async fn resync_feed(&self) -> Result<SubjectFeed> {
+        self.subject_feed(self.config.resync_subject()).await
+    }
+
+    /// Sends a user's truth to the edge of `node`, which holds devices of
+    /// that user ([`Cluster::edge_feed`]).
+    pub async fn publish_to_edge(&self, node: &NodeId, payload: Bytes) -> Result<()> {
+        let subject = self.config.edge_subject(node);
+        self.client
+            .publish(subject.clone(), payload)
+            .await
+            .map_err(|source| ClusterError::Publish { subject, source })
+    }
+
+    /// What owners send to this node's edge (one subscription per node).
+    pub async fn edge_feed(&self) -> Result<SubjectFeed> {
+        self.subject_feed(self.config.edge_subject(&self.config.node))
+            .await
+    }
+
+    async fn subject_feed(&self, subject: String) -> Result<SubjectFeed> {
         let sub = self
             .client
             .subscribe(subject.clone())
             .await
             .map_err(|source| ClusterError::Subscribe { subject, source })?;
-        Ok(crate::messaging::ResyncFeed { sub })
+        Ok(SubjectFeed { sub })
     }
 
     /// A feed of the published views of the shards this node watches.

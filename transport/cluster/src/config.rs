@@ -148,6 +148,12 @@ impl ClusterConfig {
         format!("{}.resync", self.prefix)
     }
 
+    /// Where owners send the truths of users with devices at `node`'s edge
+    /// (the view others see goes on the shard's subject).
+    pub fn edge_subject(&self, node: &crate::NodeId) -> String {
+        format!("{}.edge.{}", self.prefix, node.as_str())
+    }
+
     pub fn view_subject(&self, shard: crate::ShardId) -> String {
         format!("{}.shard.{}", self.prefix, shard.0)
     }

@@ -64,7 +64,7 @@ pub use ids::{user_key, IdError, NodeId, ShardId, MAX_NODE_ID_LEN, MAX_USER_ID_L
 pub use interest::ShardInterest;
 pub use kv::{KvEntry, KvOp};
 pub use membership::{Member, MemberEvent, Membership};
-pub use messaging::{OwnerInbox, OwnerRequest, RequestKind, ResyncFeed, ShardMessage, ViewFeed};
+pub use messaging::{OwnerInbox, OwnerRequest, RequestKind, ShardMessage, SubjectFeed, ViewFeed};
 pub use node::{
     unix_ms, Node, NodeExit, NodeInfo, NodePhase, NodeStatus, OwnedShard, MAX_ADVERTISE_LEN,
 };

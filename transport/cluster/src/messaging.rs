@@ -133,12 +133,14 @@ impl ViewFeed {
     }
 }
 
-/// The resync requests of new owners, as every node hears them.
-pub struct ResyncFeed {
+/// The messages on one subject this node listens to: the resync requests
+/// of new owners (every node hears them), or the truths owners send to this
+/// node's edge.
+pub struct SubjectFeed {
     pub(crate) sub: Subscriber,
 }
 
-impl ResyncFeed {
+impl SubjectFeed {
     /// The next message's payload; `None` once the subscription ended.
     pub async fn recv(&mut self) -> Option<Bytes> {
         self.sub.next().await.map(|m| m.payload)

@@ -557,6 +557,38 @@ async fn a_published_view_reaches_each_interested_node_once() {
         (t, &b"end"[..]),
         "got a view of an unwatched shard"
     );
+
+    // A truth goes to one node's edge subject: b hears it, c does not.
+    let mut edge_b = b.edge_feed().await.unwrap();
+    let mut edge_c = c.edge_feed().await.unwrap();
+    b.flush().await.unwrap();
+    c.flush().await.unwrap();
+    // Probe until each has the interest; the first message each hears must
+    // be its own.
+    for (feed, node, payload) in [
+        (&mut edge_b, b.node(), &b"for b"[..]),
+        (&mut edge_c, c.node(), &b"for c"[..]),
+    ] {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            owner
+                .publish_to_edge(node, Bytes::from_static(payload))
+                .await
+                .unwrap();
+            if let Ok(m) = tokio::time::timeout(Duration::from_millis(100), feed.recv()).await {
+                assert_eq!(
+                    m.as_deref(),
+                    Some(payload),
+                    "{node} got another node's truth"
+                );
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{node}'s edge subject never got interest"
+            );
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
