@@ -360,14 +360,20 @@ impl User {
     /// Nothing would be lost by forgetting this record: no session, no
     /// subscriber, no pending publish, and saved state that is the default.
     fn holds_nothing(&self) -> bool {
-        self.sessions.is_empty()
-            && self.subscribers == 0
-            && self.watchers.is_none()
-            && self.debounce_due.is_none()
+        self.holds_only_saved()
             && self.status == Status::Available
             && self.message.is_none()
             && !self.invisible
             && self.last_seen.is_none()
+    }
+
+    /// No session, no subscriber and no pending publish: what is left is
+    /// the saved state and the published view.
+    fn holds_only_saved(&self) -> bool {
+        self.sessions.is_empty()
+            && self.subscribers == 0
+            && self.watchers.is_none()
+            && self.debounce_due.is_none()
     }
 }
 
@@ -969,6 +975,26 @@ impl Core {
         if !self.users[u as usize].holds_nothing() {
             return false;
         }
+        self.free_user(user, u);
+        true
+    }
+
+    /// Frees `user` as [`Core::release`] does, whatever its saved state and
+    /// published view: for a cluster's owner, whose KV keeps both (restore
+    /// them with [`Core::restore_owned`] before the user's next input).
+    /// Refused while a session, a subscriber or a pending publish holds it.
+    pub fn release_saved(&mut self, user: UserId) -> bool {
+        let Some(u) = self.index.get(user) else {
+            return false;
+        };
+        if !self.users[u as usize].holds_only_saved() {
+            return false;
+        }
+        self.free_user(user, u);
+        true
+    }
+
+    fn free_user(&mut self, user: UserId, u: u32) {
         let record = std::mem::replace(&mut self.users[u as usize], User::vacant());
         self.version_floor = self.version_floor.max(record.version);
         self.index.remove(user);
@@ -976,7 +1002,6 @@ impl Core {
         #[cfg(feature = "mutants")]
         self.tombstones.retain(|_, (owner, _)| *owner != u);
         self.counters.users_released += 1;
-        true
     }
 
     /// Whether the core keeps a record of `user` (created by a connect, a
@@ -1043,6 +1068,15 @@ impl Core {
         self.index
             .get(user)
             .is_some_and(|u| !self.users[u as usize].sessions.is_empty())
+    }
+
+    /// Every session of `user`, Online or Lingering (a cluster's owner sends
+    /// the user's truth to the edges holding them).
+    pub fn sessions_of(&self, user: UserId) -> Vec<SessionId> {
+        self.index
+            .get(user)
+            .map(|u| self.users[u as usize].sessions.iter().copied().collect())
+            .unwrap_or_default()
     }
 
     /// Where to deliver a message to `user`: its Online sessions, whatever its

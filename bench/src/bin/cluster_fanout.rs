@@ -16,6 +16,9 @@
 //! Counted per change, over the changes (less the same counts over an idle
 //! period as long, with the watchers connected: leases and claims):
 //! - view publishes: the owner's `greendot_cluster_views_published_total`;
+//! - truths sent to other edges: the owner's
+//!   `greendot_cluster_truths_sent_total` (her device is on the owner, so
+//!   her truth stays in process: 0 expected);
 //! - view deliveries: what NATS delivered to the greendot nodes'
 //!   connections on their `gd.shard.*` subscriptions (`/connz?subs=detail`,
 //!   each subscription's `msgs`), per node;
@@ -58,6 +61,7 @@ async fn connect(roots: &[&Node], at: &Node, user: &str, device: &str) -> (Clien
 #[derive(Clone, Default)]
 struct Counts {
     published: u64,
+    truths: u64,
     delivered: BTreeMap<String, u64>,
     /// Each stream's last sequence: its KV writes.
     streams: BTreeMap<String, u64>,
@@ -69,6 +73,7 @@ fn counts(nats: &NatsCluster, owner: &Node) -> Counts {
     let (in_msgs, out_msgs) = nats_msgs(nats);
     Counts {
         published: owner.metric("greendot_cluster_views_published_total"),
+        truths: owner.metric("greendot_cluster_truths_sent_total"),
         delivered: delivered_on(nats, "gd.shard."),
         streams: stream_seqs(nats),
         in_msgs,
@@ -85,6 +90,7 @@ fn minus_map(a: &BTreeMap<String, u64>, b: &BTreeMap<String, u64>) -> BTreeMap<S
 fn minus(a: &Counts, b: &Counts) -> Counts {
     Counts {
         published: a.published - b.published,
+        truths: a.truths - b.truths,
         delivered: minus_map(&a.delivered, &b.delivered),
         streams: minus_map(&a.streams, &b.streams),
         in_msgs: a.in_msgs - b.in_msgs,
@@ -220,8 +226,8 @@ async fn main() {
         load.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
     );
     println!();
-    println!("| watchers | pushes to watchers | view + truth publishes (shard subjects) | view deliveries to nodes (by node) | KV writes (by bucket) | NATS in_msgs | NATS out_msgs | idle in / out (subtracted) |");
-    println!("|---:|---:|---:|---|---|---:|---:|---:|");
+    println!("| watchers | pushes to watchers | view publishes (shard subject) | truths to other edges | view deliveries to nodes (by node) | KV writes (by bucket) | NATS in_msgs | NATS out_msgs | idle in / out (subtracted) |");
+    println!("|---:|---:|---:|---:|---|---|---:|---:|---:|");
     let n = changes as f64;
     let per = |x: u64, idle: u64| (x as f64 - idle as f64) / n;
     for (w, pushes, during, idle, _took) in rows {
@@ -235,9 +241,10 @@ async fn main() {
         };
         let total = |m: &BTreeMap<String, u64>| m.values().sum::<u64>();
         println!(
-            "| {w} | {:.1} | {:.2} | {:.2} ({}) | {:.2} ({}) | {:.1} | {:.1} | {:.1} / {:.1} |",
+            "| {w} | {:.1} | {:.2} | {:.2} | {:.2} ({}) | {:.2} ({}) | {:.1} | {:.1} | {:.1} / {:.1} |",
             pushes as f64 / n,
             per(during.published, idle.published),
+            per(during.truths, idle.truths),
             per(total(&during.delivered), total(&idle.delivered)),
             by(&during.delivered, &idle.delivered, ""),
             per(total(&during.streams), total(&idle.streams)),

@@ -39,6 +39,9 @@ const MAX_PENDING_PREFS: usize = 65_536;
 /// Connections an owner remembers the last request id of (past it, it
 /// forgets them all at once: see `remember_rid`).
 const MAX_HOLDERS_REMEMBERED: usize = 262_144;
+/// Edges whose newest incarnation is remembered (the cluster's nodes; a
+/// node id past it is not tracked, and its late requests are not filtered).
+const MAX_EDGES_REMEMBERED: usize = 4_096;
 /// How long an edge waits before asking again after a refusal or a failure.
 const RETRY_AFTER: Duration = Duration::from_millis(100);
 /// How long after a change of its devices an owner writes a shard's device
@@ -48,6 +51,14 @@ const WRITE_BEHIND: Millis = Millis(500);
 /// crash of their owner together with their edge leaves them to the
 /// watchers' last view).
 const MAX_RECORDED_DEVICES: usize = 2_048;
+/// How long an owner keeps a user after their last device went (or after
+/// a snapshot of a user with none) before it frees the user's record and
+/// name: the KV holds their preferences and last view, read again at their
+/// next input. Long enough for the view written behind to have landed.
+const RELEASE_AFTER: Millis = Millis(60_000);
+/// Users one owner core waits to free at most (past it, the rest stay until
+/// the shard's owner changes).
+const MAX_IDLE_USERS: usize = 1 << 20;
 /// How often retries, deadlines and lapsed claims are looked at while there
 /// is any (a claim's deadline is `margin` before NATS can expire it, so
 /// acting up to this late still ends before the claim can).
@@ -91,6 +102,9 @@ pub enum ClusterInput {
     },
     /// A message on the subject of a watched shard.
     ShardMessage { shard: u32, payload: Bytes },
+    /// A message on this node's edge subject: the truth of a user with a
+    /// device here, from the user's owner.
+    EdgeMessage { payload: Bytes },
     /// A request to a shard this node serves; answer with
     /// [`ClusterOutput::Reply`] naming `reply`.
     Request {
@@ -139,6 +153,9 @@ pub enum ClusterInput {
 pub enum ClusterOutput {
     /// Publish once on the shard's subject.
     Publish { shard: u32, payload: Bytes },
+    /// Send on node `node`'s edge subject (a truth, to an edge holding a
+    /// device of the user).
+    PublishToEdge { node: String, payload: Bytes },
     /// Ask the shard's owner; answer with [`ClusterInput::Answered`].
     Request {
         id: u64,
@@ -227,6 +244,9 @@ pub enum FromOwner {
     Snapshot {
         presences: Vec<proto::Presence>,
     },
+    /// Some targets' KV records are being read (users the owner freed, or
+    /// has not met since it took the shard): ask again shortly.
+    Loading,
 }
 
 /// On `<prefix>.shard.<n>`: a view the owner published.
@@ -286,6 +306,9 @@ pub struct ClusterCounters {
     pub owner_inputs: u64,
     /// Views published on shard subjects.
     pub published: u64,
+    /// Truths sent to the edges holding the user's devices (other nodes
+    /// only: this node's own edge takes them in process).
+    pub truths_sent: u64,
     /// Views from other nodes applied to local sessions.
     pub views_applied: u64,
     /// Messages from NATS dropped: undecodable, too large, or naming too
@@ -298,6 +321,12 @@ pub struct ClusterCounters {
     pub resyncs: u64,
     /// Devices this node's owners lost with their edge's lease.
     pub edge_lost_devices: u64,
+    /// Users this node's owners freed (offline for a while: their KV record
+    /// is read again at their next input).
+    pub users_released: u64,
+    /// Device inputs of an edge's previous run, arrived after its newer run
+    /// was known: dropped unanswered (their sender is gone).
+    pub stale_incarnation: u64,
 }
 
 // ---- the owner ------------------------------------------------------------
@@ -311,7 +340,9 @@ struct Owner {
     core: Core,
     users: Interner,
     devices: Interner,
-    sessions: HashMap<SessionId, Holder>,
+    /// Each session's holder and device name id (the owner's `devices`
+    /// hold one reference per session: a name no session uses is freed).
+    sessions: HashMap<SessionId, (Holder, u64)>,
     by_holder: HashMap<Holder, SessionId>,
     /// The last request id taken per connection: a request that arrives
     /// late (after the edge gave up on it and sent the next) is not applied
@@ -328,6 +359,13 @@ struct Owner {
     recorded: HashMap<String, Vec<RecordedDevice>>,
     /// The device set changed since this instant and is not written yet.
     dirty_since: Option<Millis>,
+    /// Users that got a session at another node's edge in this step: that
+    /// edge is sent the user's truth even if it did not change (it may
+    /// have changed while the connect was on its way).
+    greet: Vec<(UserId, String)>,
+    /// Users that went offline (or were only looked at), by when to free
+    /// them if they still hold nothing.
+    idle: VecDeque<(Millis, UserId)>,
 }
 
 /// Where an owner's answer goes.
@@ -441,6 +479,10 @@ pub struct ClusterLink {
     outputs: VecDeque<ClusterOutput>,
     finished: VecDeque<(u64, Finished)>,
     counters: ClusterCounters,
+    /// The newest incarnation seen of each edge (from its requests and its
+    /// lease): requests of older ones are dropped. At most
+    /// `MAX_EDGES_REMEMBERED`: edges are the cluster's nodes.
+    incarnations: HashMap<String, u64>,
     /// Publish-to-fanout delays of remote views taken, in milliseconds.
     latencies: VecDeque<u64>,
     max_name_len: usize,
@@ -484,6 +526,7 @@ impl ClusterLink {
             outputs: VecDeque::new(),
             finished: VecDeque::new(),
             counters: ClusterCounters::default(),
+            incarnations: HashMap::new(),
             latencies: VecDeque::new(),
             max_name_len,
         }
@@ -557,8 +600,9 @@ impl ClusterLink {
         self.unix_base_ms.saturating_add(at.0)
     }
 
-    /// The earliest instant something here is due, besides the cores'.
-    pub fn poll_deadline(&self) -> Option<Instant> {
+    /// The earliest instant something here is due, besides the cores';
+    /// `now` (the caller's) when the first tick is still to come.
+    pub fn poll_deadline(&self, now: Instant) -> Option<Instant> {
         let work = !self.acting.is_empty()
             || !self.busy.is_empty()
             || !self.subscribes.is_empty()
@@ -568,7 +612,10 @@ impl ClusterLink {
             || !self.pending_shards.is_empty();
         // A tick, not the exact instants: finding the earliest of them
         // would walk every device at every pass of the server's loop.
-        work.then(|| self.next_tick.unwrap_or_else(Instant::now))
+        // Not `Instant::now()`: that is always after the caller's `now`,
+        // so a node whose cores had no timer due would never tick (its
+        // retries and deadlines never looked at) while its loop spun.
+        work.then(|| self.next_tick.unwrap_or(now))
     }
 
     /// The earliest core timer (owners' and the fanout's).
@@ -580,6 +627,7 @@ impl ClusterLink {
                     .poll_timeout()
                     .into_iter()
                     .chain(o.dirty_since.map(|d| d.plus(WRITE_BEHIND)))
+                    .chain(o.idle.front().map(|(due, _)| *due))
             })
             .chain(self.fanout.poll_timeout())
             .min()
@@ -605,6 +653,9 @@ impl ClusterLink {
             }
             self.drain_owner(shard, now, at);
             self.write_devices(shard, at);
+            if let Some(o) = self.owners.get_mut(&shard) {
+                self.counters.users_released += release_idle(o, at) as u64;
+            }
         }
         self.fanout.handle_timeout(at);
         if self.next_tick.is_some_and(|t| now < t) {
@@ -711,6 +762,8 @@ impl ClusterLink {
                     loading: HashMap::new(),
                     recorded: HashMap::new(),
                     dirty_since: None,
+                    greet: Vec::new(),
+                    idle: VecDeque::new(),
                 },
             );
             // The previous owner's devices: restored as lingering, so that
@@ -1016,7 +1069,10 @@ impl ClusterLink {
                     d.conn = self.next_conn;
                 }
             }
-            Some(FromOwner::NotOwner) | Some(FromOwner::Snapshot { .. }) | None => {
+            Some(FromOwner::NotOwner)
+            | Some(FromOwner::Snapshot { .. })
+            | Some(FromOwner::Loading)
+            | None => {
                 self.counters.retries += 1;
                 d.not_before = Some(now + RETRY_AFTER);
                 self.busy.insert(session);
@@ -1124,12 +1180,18 @@ impl ClusterLink {
         at: Millis,
     ) -> Option<Presence> {
         let base = self.unix_base_ms;
+        if !self.load_users(shard, std::iter::once(target), Instant::now()) {
+            return None; // asked again after the read
+        }
         let o = self.owners.get_mut(&shard)?;
         let uid = o.users.intern(target)?;
         let p = o
             .core
             .handle_snapshot(at, UserId(uid), viewer == target)
             .ok()?;
+        if !o.core.is_online(UserId(uid)) {
+            note_idle(o, UserId(uid), at);
+        }
         // Presences at the edge carry last seen in Unix milliseconds.
         let p = proto::Presence::from_core(&p, base).to_core();
         self.drain_owner(shard, Instant::now(), at);
@@ -1173,6 +1235,42 @@ impl ClusterLink {
             RequestKind::Snapshot,
             payload,
         );
+    }
+
+    /// Whether the owner of `shard` has the KV records of all `users`;
+    /// if not, reads those not asked for yet (a snapshot taken before
+    /// would miss a freed user's last seen, or a new owner's predecessor's
+    /// view).
+    fn load_users<'a>(
+        &mut self,
+        shard: u32,
+        users: impl Iterator<Item = &'a str>,
+        now: Instant,
+    ) -> bool {
+        let Some(o) = self.owners.get_mut(&shard) else {
+            return false;
+        };
+        let epoch = o.epoch;
+        let mut all = true;
+        for user in users {
+            if o.loaded.contains(user) {
+                continue;
+            }
+            all = false;
+            if o.loading.contains_key(user) || self.pending_loads.len() >= MAX_PENDING_PREFS {
+                continue;
+            }
+            o.loading.insert(user.to_owned(), Vec::new());
+            self.next_id += 1;
+            let id = self.next_id;
+            self.pending_loads
+                .insert(id, (shard, epoch, user.to_owned(), now));
+            self.outputs.push_back(ClusterOutput::LoadUser {
+                id,
+                user: user.to_owned(),
+            });
+        }
+        all
     }
 
     fn retry_snapshot(&mut self, wait: u64, shard: u32, now: Instant) {
@@ -1343,27 +1441,10 @@ impl ClusterLink {
     pub fn handle_input(&mut self, now: Instant, at: Millis, input: ClusterInput) {
         match input {
             ClusterInput::Status { shards } => self.set_status(now, at, shards),
-            ClusterInput::ShardMessage { shard, payload } => match decode::<ShardView>(&payload) {
-                Some(v)
-                    if v.user.len() <= self.max_name_len
-                        && v.presence
-                            .message
-                            .as_ref()
-                            .is_none_or(|m| m.len() <= self.owner_config.max_message_len)
-                        && self.shard(&v.user) == shard =>
-                {
-                    let presence = v.presence.to_core();
-                    if self.apply_view(at, &v.user, v.own, presence.clone()) {
-                        self.counters.views_applied += 1;
-                        if self.latencies.len() < 1024 {
-                            self.latencies
-                                .push_back(at.0.saturating_sub(v.published_ms));
-                        }
-                    }
-                    self.keep_early(&v.user, v.own, presence);
-                }
-                _ => self.counters.malformed += 1,
-            },
+            ClusterInput::ShardMessage { shard, payload } => {
+                self.view_message(at, &payload, Some(shard))
+            }
+            ClusterInput::EdgeMessage { payload } => self.view_message(at, &payload, None),
             ClusterInput::Request {
                 shard,
                 kind,
@@ -1436,7 +1517,10 @@ impl ClusterLink {
                 node,
                 incarnation,
                 last_heard,
-            } => self.edge_lost(now, at, &node, Some(incarnation), last_heard),
+            } => {
+                self.saw_incarnation(&node, incarnation);
+                self.edge_lost(now, at, &node, Some(incarnation), last_heard)
+            }
             ClusterInput::Resync { payload } => match decode::<ResyncRequest>(&payload) {
                 Some(r)
                     if r.owner.len() <= self.max_name_len
@@ -1518,7 +1602,7 @@ impl ClusterLink {
                     edge: greendot_core::NodeId(0),
                     last_heard: Millis(d.heard).min(at),
                 });
-                holders.push((d.edge.clone(), d.incarnation, d.conn));
+                holders.push(((d.edge.clone(), d.incarnation, d.conn), did));
             }
             if let Some(uid) = o.users.intern(&user) {
                 let record = greendot_core::cluster::OwnedRecord {
@@ -1527,7 +1611,14 @@ impl ClusterLink {
                         .map_or(Default::default(), |p| p.status.into()),
                     message: prefs.as_ref().and_then(|p| p.message.clone()),
                     invisible: prefs.as_ref().is_some_and(|p| p.invisible),
-                    last_seen: prefs.as_ref().and_then(|p| p.last_seen).map(Millis),
+                    // The preferences carry last seen as of their last write,
+                    // the view as of the last publish (later, when the user
+                    // went offline since).
+                    last_seen: prefs
+                        .as_ref()
+                        .and_then(|p| p.last_seen)
+                        .max(view.as_ref().and_then(|v| v.last_seen))
+                        .map(Millis),
                     published: view.map(|v| v.to_core()).unwrap_or_default(),
                     devices,
                 };
@@ -1537,9 +1628,10 @@ impl ClusterLink {
                     o.core
                         .restore_owned(at, UserId(uid), &record, at.plus(Millis(window)))
                 {
-                    for (session, holder) in sessions.into_iter().zip(holders) {
+                    for (session, (holder, did)) in sessions.into_iter().zip(holders) {
                         o.by_holder.insert(holder.clone(), session);
-                        o.sessions.insert(session, holder);
+                        o.devices.acquire(did);
+                        o.sessions.insert(session, (holder, did));
                     }
                 }
             }
@@ -1549,6 +1641,24 @@ impl ClusterLink {
             self.owner_input(shard, msg, reply, now, at);
         }
         self.drain_owner(shard, now, at);
+    }
+
+    /// Remembers `incarnation` as the edge's newest if it is; `false` if a
+    /// newer one of the edge is known (`incarnation` is a dead run's).
+    fn saw_incarnation(&mut self, edge: &str, incarnation: u64) -> bool {
+        match self.incarnations.get_mut(edge) {
+            Some(newest) if *newest > incarnation => false,
+            Some(newest) => {
+                *newest = incarnation;
+                true
+            }
+            None => {
+                if self.incarnations.len() < MAX_EDGES_REMEMBERED {
+                    self.incarnations.insert(edge.to_owned(), incarnation);
+                }
+                true
+            }
+        }
     }
 
     /// An edge's lease is gone: the devices it held, at every shard this
@@ -1578,7 +1688,9 @@ impl ClusterLink {
             let lost: Vec<SessionId> = o
                 .sessions
                 .iter()
-                .filter(|(_, holder)| holder.0 == node && older_than.is_none_or(|i| holder.1 < i))
+                .filter(|(_, (holder, _))| {
+                    holder.0 == node && older_than.is_none_or(|i| holder.1 < i)
+                })
                 .map(|(s, _)| *s)
                 .collect();
             if lost.is_empty() {
@@ -1604,7 +1716,7 @@ impl ClusterLink {
         let mut devices: Vec<RecordedDevice> = o
             .sessions
             .iter()
-            .filter_map(|(s, (edge, incarnation, conn))| {
+            .filter_map(|(s, ((edge, incarnation, conn), _))| {
                 let info = o.core.session_info(*s)?;
                 Some(RecordedDevice {
                     user: o.users.name(info.user.0)?.to_string(),
@@ -1745,6 +1857,32 @@ impl ClusterLink {
         }
     }
 
+    /// A view from NATS: on `shard`'s subject (views, and the truths older
+    /// owners sent there), or on this edge's subject (`None`: truths only).
+    fn view_message(&mut self, at: Millis, payload: &[u8], shard: Option<u32>) {
+        match decode::<ShardView>(payload) {
+            Some(v)
+                if v.user.len() <= self.max_name_len
+                    && v.presence
+                        .message
+                        .as_ref()
+                        .is_none_or(|m| m.len() <= self.owner_config.max_message_len)
+                    && shard.map_or(v.own, |s| self.shard(&v.user) == s) =>
+            {
+                let presence = v.presence.to_core();
+                if self.apply_view(at, &v.user, v.own, presence.clone()) {
+                    self.counters.views_applied += 1;
+                    if self.latencies.len() < 1024 {
+                        self.latencies
+                            .push_back(at.0.saturating_sub(v.published_ms));
+                    }
+                }
+                self.keep_early(&v.user, v.own, presence);
+            }
+            _ => self.counters.malformed += 1,
+        }
+    }
+
     /// A view of a target some subscribe here still waits the snapshot of.
     fn keep_early(&mut self, user: &str, own: bool, presence: Presence) {
         for p in self.subscribes.values_mut() {
@@ -1814,6 +1952,13 @@ impl ClusterLink {
                     self.counters.malformed += 1;
                     return;
                 }
+                if !self.load_users(shard, targets.iter().map(String::as_str), now) {
+                    self.outputs.push_back(ClusterOutput::Reply {
+                        reply,
+                        payload: encode(&FromOwner::Loading),
+                    });
+                    return;
+                }
                 let mut presences = Vec::with_capacity(targets.len());
                 let base = self.unix_base_ms;
                 for t in &targets {
@@ -1827,6 +1972,9 @@ impl ClusterLink {
                     match o.core.handle_snapshot(at, UserId(uid), viewer == *t) {
                         Ok(p) => presences.push(proto::Presence::from_core(&p, base)),
                         Err(_) => return,
+                    }
+                    if !o.core.is_online(UserId(uid)) {
+                        note_idle(o, UserId(uid), at);
                     }
                 }
                 self.drain_owner(shard, now, at);
@@ -1868,6 +2016,13 @@ impl ClusterLink {
         };
         if self.shard(&user) != shard {
             self.counters.malformed += 1;
+            return;
+        }
+        if !self.saw_incarnation(&edge, incarnation) {
+            // Sent by a run of the edge that is gone (a `kill -9` just
+            // after it sent): applied, it would connect a device nobody
+            // holds, a ghost until the next owner change.
+            self.counters.stale_incarnation += 1;
             return;
         }
         let from_unix = |unix: u64| Millis(unix.saturating_sub(self.unix_base_ms)).min(at);
@@ -1919,8 +2074,11 @@ impl ClusterLink {
                     FromOwner::Done { epoch }
                 } else {
                     match owner_connect(o, at, &user, &device, kind.into(), holder.clone()) {
-                        Ok(()) => {
+                        Ok(uid) => {
                             o.dirty_since.get_or_insert(at);
+                            if holder.0 != self.settings.node {
+                                o.greet.push((uid, holder.0.clone()));
+                            }
                             FromOwner::Done { epoch }
                         }
                         Err(e) => FromOwner::Refused(e),
@@ -2018,38 +2176,89 @@ impl ClusterLink {
             o.dirty_since.get_or_insert(at);
         }
         for session in ended {
-            if let Some(holder) = o.sessions.remove(&session) {
+            if let Some((holder, did)) = o.sessions.remove(&session) {
                 o.by_holder.remove(&holder);
+                forget_device(&mut o.devices, did);
             }
         }
+        // (user, own, presence, only to the greeted edges)
         let mut views = Vec::new();
         while let Some(p) = o.core.poll_published() {
-            let Some(name) = o.users.name(p.user.0) else {
+            if p.own && !p.presence.online {
+                note_idle(o, p.user, at);
+            }
+            views.push((p.user, p.own, p.presence, false));
+        }
+        // A greeted edge not sent a truth below gets the current one.
+        let mut greet = std::mem::take(&mut o.greet);
+        for &(user, _) in &greet {
+            let already = views.iter().any(|(u, own, ..)| *u == user && *own);
+            if !already {
+                views.push((user, true, o.core.truth(user), true));
+            }
+        }
+        let me = self.settings.node.as_str();
+        let mut out = Vec::new();
+        let mut local = Vec::new();
+        for (user, own, presence, greet_only) in views {
+            let Some(name) = o.users.name(user.0) else {
                 continue;
             };
-            views.push(ShardView {
+            let v = ShardView {
                 epoch: o.epoch,
                 published_ms: base.saturating_add(at.0),
                 user: name.to_string(),
-                own: p.own,
-                presence: proto::Presence::from_core(&p.presence, base),
-            });
-        }
-        for v in views {
-            self.counters.published += 1;
-            if !v.own {
+                own,
+                presence: proto::Presence::from_core(&presence, base),
+            };
+            let payload = encode(&v);
+            if own {
+                // Only the user's own sessions see the truth: it goes to
+                // the edges holding the user's devices, not to every
+                // watcher of the shard.
+                let holding = if greet_only {
+                    Vec::new()
+                } else {
+                    o.core.sessions_of(user)
+                };
+                let mut edges: Vec<&str> = holding
+                    .iter()
+                    .filter_map(|s| o.sessions.get(s))
+                    .map(|(h, _)| h.0.as_str())
+                    .chain(greet.iter().filter(|g| g.0 == user).map(|g| g.1.as_str()))
+                    .filter(|e| *e != me)
+                    .collect();
+                edges.sort_unstable();
+                edges.dedup();
+                for node in edges {
+                    out.push(ClusterOutput::PublishToEdge {
+                        node: node.to_owned(),
+                        payload: payload.clone(),
+                    });
+                }
+            } else {
                 // Written behind, for the next owner to restore.
-                self.outputs.push_back(ClusterOutput::PutView {
+                out.push(ClusterOutput::PutView {
                     user: v.user.clone(),
                     value: encode(&v.presence),
                 });
+                out.push(ClusterOutput::Publish { shard, payload });
             }
-            self.outputs.push_back(ClusterOutput::Publish {
-                shard,
-                payload: encode(&v),
-            });
-            // This node's own watchers, in process (the copy NATS brings
-            // back is dropped by version).
+            local.push(v);
+        }
+        greet.clear();
+        o.greet = greet;
+        for output in out {
+            match output {
+                ClusterOutput::Publish { .. } => self.counters.published += 1,
+                ClusterOutput::PublishToEdge { .. } => self.counters.truths_sent += 1,
+                _ => {}
+            }
+            self.outputs.push_back(output);
+        }
+        // This node's own sessions, in process (the copy NATS brings back
+        // on the shard's subject is dropped by version).
+        for v in local {
             self.apply_view(at, &v.user, v.own, v.presence.to_core());
         }
     }
@@ -2082,30 +2291,86 @@ fn owner_connect(
     device: &str,
     kind: DeviceKind,
     holder: Holder,
-) -> Result<(), WireError> {
+) -> Result<UserId, WireError> {
     let too_many = || WireError::new(ErrorCode::TooManyUsers, "the owner holds too many users");
     let uid = o.users.intern(user).ok_or_else(too_many)?;
-    let did = o.devices.intern(device).ok_or_else(too_many)?;
+    let Some(did) = o.devices.intern(device) else {
+        forget_user_if_unknown(o, uid);
+        return Err(too_many());
+    };
     // A device connecting again (here or at another edge) supersedes its
     // older session; a Lingering one is taken over unseen.
-    let connected = o
-        .core
-        .handle_connect(
-            at,
-            Connect {
-                user: UserId(uid),
-                device: DeviceId(did),
-                kind,
-                watch: Watch::All,
-                resume: None,
-            },
-        )
-        .map_err(WireError::from)?;
+    let connect = Connect {
+        user: UserId(uid),
+        device: DeviceId(did),
+        kind,
+        watch: Watch::All,
+        resume: None,
+    };
+    let connected = match o.core.handle_connect(at, connect) {
+        Ok(c) => c,
+        Err(e) => {
+            // Nothing refers to names interned for a refused connect.
+            if o.devices.refs(did) == 0 {
+                o.devices.remove(did);
+            }
+            forget_user_if_unknown(o, uid);
+            return Err(e.into());
+        }
+    };
     if let Some(old) = o.by_holder.insert(holder.clone(), connected.session) {
-        o.sessions.remove(&old);
+        if let Some((_, did)) = o.sessions.remove(&old) {
+            forget_device(&mut o.devices, did);
+        }
     }
-    o.sessions.insert(connected.session, holder);
-    Ok(())
+    o.devices.acquire(did);
+    o.sessions.insert(connected.session, (holder, did));
+    Ok(UserId(uid))
+}
+
+fn note_idle(o: &mut Owner, user: UserId, at: Millis) {
+    if o.idle.len() < MAX_IDLE_USERS {
+        o.idle.push_back((at.plus(RELEASE_AFTER), user));
+    }
+}
+
+/// Frees the users whose wait is over and who still hold nothing but what
+/// the KV keeps; how many.
+fn release_idle(o: &mut Owner, at: Millis) -> usize {
+    let mut freed = 0;
+    while let Some(&(due, user)) = o.idle.front() {
+        if due > at {
+            break;
+        }
+        o.idle.pop_front();
+        let Some(name) = o.users.name(user.0).cloned() else {
+            continue; // freed already (an id is never reused)
+        };
+        if o.loading.contains_key(&*name) || o.recorded.contains_key(&*name) {
+            continue;
+        }
+        if o.core.is_known(user) && !o.core.release_saved(user) {
+            continue; // back online, or a publish pending
+        }
+        o.loaded.remove(&*name);
+        o.users.remove(user.0);
+        freed += 1;
+    }
+    freed
+}
+
+/// A name interned for a user the core has no record of goes again.
+fn forget_user_if_unknown(o: &mut Owner, uid: u64) {
+    if !o.core.is_known(UserId(uid)) {
+        o.users.remove(uid);
+    }
+}
+
+/// A session of device name `did` is gone: the name goes with its last.
+fn forget_device(devices: &mut Interner, did: u64) {
+    if devices.drop_ref(did) == 0 {
+        devices.remove(did);
+    }
 }
 
 #[cfg(test)]
@@ -2141,7 +2406,32 @@ mod tests {
     /// Carries every output of the edge `a` to the owner `b` and back, as
     /// NATS would, until both are quiet. Returns the views published.
     fn exchange(a: &mut ClusterLink, b: &mut ClusterLink, now: Instant, at: Millis) -> usize {
-        let mut published = 0;
+        exchange_seen(a, b, now, at)
+            .iter()
+            .filter(|o| matches!(o, ClusterOutput::Publish { .. }))
+            .count()
+    }
+
+    /// [`exchange`], returning what `b` published and sent to edges.
+    fn exchange_seen(
+        a: &mut ClusterLink,
+        b: &mut ClusterLink,
+        now: Instant,
+        at: Millis,
+    ) -> Vec<ClusterOutput> {
+        exchange_kv(a, b, now, at, None)
+    }
+
+    /// [`exchange_seen`], with `views` as the KV's views bucket (without,
+    /// every user reads as never seen).
+    fn exchange_kv(
+        a: &mut ClusterLink,
+        b: &mut ClusterLink,
+        now: Instant,
+        at: Millis,
+        mut views: Option<&mut HashMap<String, Bytes>>,
+    ) -> Vec<ClusterOutput> {
+        let mut published = Vec::new();
         loop {
             let mut moved = false;
             while let Some(out) = a.poll_output() {
@@ -2176,18 +2466,35 @@ mod tests {
                     ClusterOutput::PutPrefs { id, .. } => {
                         b.handle_input(now, at, ClusterInput::PrefsStored { id, ok: true })
                     }
-                    ClusterOutput::LoadUser { id, .. } => b.handle_input(
-                        now,
-                        at,
-                        ClusterInput::UserLoaded {
+                    ClusterOutput::LoadUser { id, user } => {
+                        let view = views.as_deref().and_then(|v| v.get(&user).cloned());
+                        let loaded = ClusterInput::UserLoaded {
                             id,
                             prefs: None,
-                            view: None,
-                        },
-                    ),
-                    ClusterOutput::Publish { shard, payload } => {
-                        published += 1;
+                            view,
+                        };
+                        b.handle_input(now, at, loaded)
+                    }
+                    ClusterOutput::PutView { user, value } => {
+                        if let Some(v) = views.as_deref_mut() {
+                            v.insert(user, value);
+                        }
+                    }
+                    ClusterOutput::Publish { shard, ref payload } => {
+                        let payload = payload.clone();
+                        published.push(out);
                         a.handle_input(now, at, ClusterInput::ShardMessage { shard, payload });
+                    }
+                    ClusterOutput::PublishToEdge {
+                        ref node,
+                        ref payload,
+                    } => {
+                        let to_a = *node == a.settings.node;
+                        let payload = payload.clone();
+                        published.push(out);
+                        if to_a {
+                            a.handle_input(now, at, ClusterInput::EdgeMessage { payload });
+                        }
                     }
                     _ => {}
                 }
@@ -2281,6 +2588,221 @@ mod tests {
         let seen = pushes(&mut a);
         assert_eq!(seen.len(), 1);
         assert_eq!(seen[0].1.status, greendot_core::Status::Busy);
+    }
+
+    /// What `outs` carry: (on a shard subject?, to which edge, own, user).
+    fn carried(outs: &[ClusterOutput]) -> Vec<(Option<u32>, Option<String>, bool, String)> {
+        outs.iter()
+            .map(|o| match o {
+                ClusterOutput::Publish { shard, payload } => {
+                    let v: ShardView = decode(payload).unwrap();
+                    (Some(*shard), None, v.own, v.user)
+                }
+                ClusterOutput::PublishToEdge { node, payload } => {
+                    let v: ShardView = decode(payload).unwrap();
+                    (None, Some(node.clone()), v.own, v.user)
+                }
+                other => panic!("not a view: {other:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_truth_goes_only_to_the_edges_holding_the_users_devices() {
+        // a holds alice's phone; b owns every shard; c and d watch.
+        let (mut a, mut b, now) = two_nodes();
+        b.handle_timeout(now, Millis(300));
+        exchange(&mut a, &mut b, now, Millis(300));
+        // alice's tablet connects at c: her truth does not change (a
+        // second mobile), yet c is sent it: it may have changed while
+        // the connect was on its way.
+        let mut c = link("c");
+        c.connected(
+            now,
+            Millis(400),
+            SessionId(9),
+            "alice",
+            "tablet",
+            proto::Kind::Mobile,
+        );
+        let seen = carried(&exchange_seen(&mut c, &mut b, now, Millis(400)));
+        assert_eq!(seen, vec![(None, Some("c".into()), true, "alice".into())]);
+        // Her phone turns busy: the truth goes to a and c, nowhere else;
+        // the view, after the debounce, once on her shard's subject.
+        let op = WireOp::SetStatus {
+            status: proto::Status::Busy,
+            message: None,
+        };
+        let sent = b.counters().truths_sent;
+        assert!(a.input(now, Millis(500), SessionId(1), op, Some(1)));
+        let mut seen = carried(&exchange_seen(&mut a, &mut b, now, Millis(500)));
+        seen.sort();
+        assert_eq!(
+            seen,
+            vec![
+                (None, Some("a".into()), true, "alice".into()),
+                (None, Some("c".into()), true, "alice".into()),
+            ]
+        );
+        b.handle_timeout(now, Millis(800));
+        let seen = carried(&exchange_seen(&mut a, &mut b, now, Millis(800)));
+        assert_eq!(seen, vec![(Some(1), None, false, "alice".into())]);
+        assert_eq!(b.counters().truths_sent, sent + 2);
+        // An edge takes a truth only from its own subject, never a view.
+        let view = ShardView {
+            epoch: 1,
+            published_ms: 1,
+            user: "alice".into(),
+            own: false,
+            presence: proto::Presence::default(),
+        };
+        let malformed = c.counters().malformed;
+        c.handle_input(
+            now,
+            Millis(900),
+            ClusterInput::EdgeMessage {
+                payload: encode(&view),
+            },
+        );
+        assert_eq!(c.counters().malformed, malformed + 1);
+    }
+
+    #[test]
+    fn an_owner_frees_a_user_gone_a_while_and_reads_them_back_for_a_snapshot() {
+        let (mut a, mut b, now) = two_nodes();
+        let mut views = HashMap::new();
+        b.handle_timeout(now, Millis(300));
+        exchange_kv(&mut a, &mut b, now, Millis(300), Some(&mut views));
+        // alice logs out (after the new owner's resync window); after the
+        // debounce, watchers are shown her last seen.
+        assert!(a.input(now, Millis(6_000), SessionId(1), WireOp::Logout, Some(1)));
+        exchange_kv(&mut a, &mut b, now, Millis(6_000), Some(&mut views));
+        assert!(matches!(a.poll_finished(), Some((1, Finished::Done))));
+        b.handle_timeout(now, Millis(6_400));
+        exchange_kv(&mut a, &mut b, now, Millis(6_400), Some(&mut views));
+        let uid = UserId(b.owners[&1].users.get("alice").unwrap());
+        let shown = b.owners[&1].core.presence(uid);
+        assert!(
+            !shown.online && shown.last_seen == Some(Millis(6_000)),
+            "{shown:?}"
+        );
+        // Kept for RELEASE_AFTER, then freed: record and name.
+        b.handle_timeout(now, Millis(6_000 + RELEASE_AFTER.0 - 1));
+        assert_eq!(b.counters().users_released, 0);
+        b.handle_timeout(now, Millis(6_000 + RELEASE_AFTER.0));
+        assert_eq!(b.counters().users_released, 1);
+        assert!(!b.owners[&1].core.is_known(uid));
+        assert_eq!(b.owners[&1].users.get("alice"), None);
+        assert_eq!(
+            b.owners[&1].devices.get("phone"),
+            None,
+            "her device name too"
+        );
+        // bob subscribes to her: the owner reads her back before answering,
+        // so he sees her last seen, not a user never seen.
+        let at = Millis(70_000);
+        let answer = a.subscribe(
+            now,
+            at,
+            100,
+            SessionId(2),
+            "bob",
+            vec!["alice".into()],
+            vec![],
+            Tier::Realtime,
+            false,
+        );
+        assert!(answer.is_none());
+        exchange_kv(&mut a, &mut b, now, at, Some(&mut views));
+        assert!(
+            a.poll_finished().is_none(),
+            "answered before her record was read"
+        );
+        let later = now + RETRY_AFTER + TICK;
+        a.handle_timeout(later, at);
+        exchange_kv(&mut a, &mut b, later, at, Some(&mut views));
+        let Some((100, Finished::Answer(proto::Answer::Subscribed { snapshots, .. }))) =
+            a.poll_finished()
+        else {
+            panic!("no subscribe answer");
+        };
+        let seen = &snapshots[0].presence;
+        assert!(!seen.online);
+        assert_eq!(seen.last_seen, Some(6_000), "{seen:?}");
+        assert!(
+            seen.version >= shown.version,
+            "versions went back: {seen:?}"
+        );
+    }
+
+    #[test]
+    fn the_first_tick_is_due_at_the_callers_now() {
+        // An edge with a request out and no core timer: its first tick
+        // must be due at once, by the clock its caller compares with.
+        let (mut a, _b, now) = two_nodes();
+        assert!(a.input(now, Millis(5), SessionId(1), WireOp::Logout, Some(3)));
+        let later = now + Duration::from_millis(10);
+        assert_eq!(a.poll_deadline(later), Some(later));
+        a.handle_timeout(later, Millis(15));
+        assert_eq!(a.poll_deadline(later), Some(later + TICK));
+    }
+
+    #[test]
+    fn a_subscribe_at_the_owners_own_edge_waits_for_the_targets_record() {
+        let (_a, mut b, now) = two_nodes();
+        // dave on b, the owner of zed's shard, subscribes to zed (never seen).
+        b.connected(
+            now,
+            Millis(10),
+            SessionId(50),
+            "dave",
+            "phone",
+            proto::Kind::Mobile,
+        );
+        while b.poll_output().is_some() {}
+        let answer = b.subscribe(
+            now,
+            Millis(20),
+            7,
+            SessionId(50),
+            "dave",
+            vec!["zed".into()],
+            vec![],
+            Tier::Realtime,
+            false,
+        );
+        assert!(answer.is_none(), "answered before zed's record was read");
+        let mut loads = Vec::new();
+        while let Some(out) = b.poll_output() {
+            if let ClusterOutput::LoadUser { id, user } = out {
+                loads.push((id, user));
+            }
+        }
+        assert_eq!(loads.len(), 1, "{loads:?}");
+        let (id, user) = loads.pop().unwrap();
+        assert_eq!(user, "zed");
+        let seen = proto::Presence {
+            version: 5,
+            last_seen: Some(4_000),
+            ..Default::default()
+        };
+        b.handle_input(
+            now,
+            Millis(30),
+            ClusterInput::UserLoaded {
+                id,
+                prefs: None,
+                view: Some(encode(&seen)),
+            },
+        );
+        let later = now + RETRY_AFTER + TICK;
+        b.handle_timeout(later, Millis(200));
+        let Some((7, Finished::Answer(proto::Answer::Subscribed { snapshots, .. }))) =
+            b.poll_finished()
+        else {
+            panic!("no subscribe answer");
+        };
+        assert_eq!(snapshots[0].presence.last_seen, Some(4_000));
     }
 
     fn epoch_base_of(epoch: u32) -> u64 {
@@ -2479,8 +3001,8 @@ mod tests {
         let mut held: Vec<(u64, bool)> = o
             .sessions
             .iter()
-            .filter(|(_, h)| h.0 == edge)
-            .map(|(s, h)| (h.1, o.core.session_info(*s).unwrap().online))
+            .filter(|(_, (h, _))| h.0 == edge)
+            .map(|(s, (h, _))| (h.1, o.core.session_info(*s).unwrap().online))
             .collect();
         held.sort();
         held
@@ -2490,7 +3012,17 @@ mod tests {
     fn a_restarted_edge_loses_only_the_devices_of_its_older_incarnations() {
         // Edge a, incarnation 7, holds alice's phone (shard 1) and bob's
         // laptop (shard 3); b owns every shard.
-        let (_old_a, mut b, now) = two_nodes();
+        let (mut old_a, mut b, now) = two_nodes();
+        // Just before its `kill -9`, the old process sent dave's connect;
+        // it arrives after b learned of the restart (below).
+        old_a.connected(
+            now,
+            Millis(90),
+            SessionId(5),
+            "dave",
+            "phone",
+            proto::Kind::Mobile,
+        );
         // a is killed and restarts as incarnation 9; before b learns of it
         // from the lease watch, the new process already forwards carol's
         // phone (shard 1 too).
@@ -2522,6 +3054,10 @@ mod tests {
         );
         assert_eq!(held_by(&b, 1, "a"), vec![(7, false), (9, true)]);
         assert_eq!(held_by(&b, 3, "a"), vec![(7, false)]);
+        // The dead run's late connect is dropped: no ghost of dave.
+        exchange(&mut old_a, &mut b, now, Millis(210));
+        assert_eq!(held_by(&b, 0, "a"), vec![], "dave connected by a dead run");
+        assert_eq!(b.counters().stale_incarnation, 1);
         // Seen again (a renewal replayed): nothing more to lose.
         b.handle_input(now, Millis(250), restarted(9));
         assert_eq!(b.counters().edge_lost_devices, 2);

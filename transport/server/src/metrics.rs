@@ -408,6 +408,13 @@ impl MetricsSnapshot {
             );
             metric(
                 &mut out,
+                "greendot_cluster_truths_sent_total",
+                "counter",
+                "Users' truths sent to the other nodes holding their devices (for the users' own sessions).",
+                &[("", c.truths_sent)],
+            );
+            metric(
+                &mut out,
                 "greendot_cluster_views_applied_total",
                 "counter",
                 "Views from other nodes taken by this edge's fanout (newer than what it knew).",
@@ -433,6 +440,20 @@ impl MetricsSnapshot {
                 "counter",
                 "Devices this node's owners moved to lingering because their edge's lease went.",
                 &[("", c.edge_lost_devices)],
+            );
+            metric(
+                &mut out,
+                "greendot_cluster_stale_incarnation_total",
+                "counter",
+                "Device inputs of an edge's previous run, dropped because a newer run of it was known.",
+                &[("", c.stale_incarnation)],
+            );
+            metric(
+                &mut out,
+                "greendot_cluster_users_released_total",
+                "counter",
+                "Users this node's owners freed after a minute without a device (read back from the KV at their next input or snapshot).",
+                &[("", c.users_released)],
             );
             metric(
                 &mut out,

@@ -912,7 +912,7 @@ impl ServerState {
         }
         if let Some(c) = self.cluster.as_deref() {
             let core = c.poll_timeout().and_then(|m| self.clock.instant(m));
-            if let Some(t) = core.into_iter().chain(c.poll_deadline()).min() {
+            if let Some(t) = core.into_iter().chain(c.poll_deadline(self.last_now)).min() {
                 at = at.min(t);
             }
         }
@@ -1591,7 +1591,7 @@ impl ServerState {
                 .poll_timeout()
                 .and_then(|m| self.clock.instant(m))
                 .is_some_and(|t| t <= now);
-            if core_due || c.poll_deadline().is_some_and(|t| t <= now) {
+            if core_due || c.poll_deadline(now).is_some_and(|t| t <= now) {
                 c.handle_timeout(now, at);
             }
         }

@@ -66,8 +66,8 @@ async fn next_member(
     }
 }
 
-/// The next resync request; never without the subscription.
-async fn next_resync(feed: &mut Option<greendot_cluster::ResyncFeed>) -> Option<bytes::Bytes> {
+/// The next message of a subject feed; never without the subscription.
+async fn next_on(feed: &mut Option<greendot_cluster::SubjectFeed>) -> Option<bytes::Bytes> {
     match feed {
         Some(feed) => feed.recv().await,
         None => std::future::pending().await,
@@ -98,6 +98,14 @@ pub async fn run(
         Ok(sub) => Some(sub),
         Err(e) => {
             warn!(error = %e, "cannot subscribe to resync requests: failovers will show devices offline");
+            None
+        }
+    };
+    // Owners send the truths of users with devices here to this one subject.
+    let mut truths = match cluster.edge_feed().await {
+        Ok(sub) => Some(sub),
+        Err(e) => {
+            warn!(error = %e, "cannot subscribe to this edge's subject: users watching themselves miss changes made elsewhere");
             None
         }
     };
@@ -173,7 +181,12 @@ pub async fn run(
                     members = None;
                 }
             },
-            Some(payload) = next_resync(&mut resyncs) => {
+            Some(payload) = next_on(&mut truths) => {
+                if !inputs.send(ClusterInput::EdgeMessage { payload }).await {
+                    return;
+                }
+            }
+            Some(payload) = next_on(&mut resyncs) => {
                 if !inputs.send(ClusterInput::Resync { payload }).await {
                     return;
                 }
@@ -214,6 +227,15 @@ pub async fn run(
                     ClusterOutput::Publish { shard, payload } => {
                         if let Err(e) = cluster.publish_view(ShardId(shard), payload).await {
                             warn!(shard, error = %e, "cannot publish a view");
+                        }
+                    }
+                    ClusterOutput::PublishToEdge { node, payload } => {
+                        let sent = match greendot_cluster::NodeId::new(node) {
+                            Ok(node) => cluster.publish_to_edge(&node, payload).await,
+                            Err(e) => Err(e.into()),
+                        };
+                        if let Err(e) = sent {
+                            debug!(error = %e, "cannot send a truth to an edge");
                         }
                     }
                     ClusterOutput::Request { id, shard, kind, payload } => {
