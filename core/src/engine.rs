@@ -969,14 +969,7 @@ impl Core {
     /// from versions above every version any released user reached, so no
     /// watcher ever sees its versions go back.
     pub fn release(&mut self, user: UserId) -> bool {
-        let Some(u) = self.index.get(user) else {
-            return false;
-        };
-        if !self.users[u as usize].holds_nothing() {
-            return false;
-        }
-        self.free_user(user, u);
-        true
+        self.release_if(user, User::holds_nothing)
     }
 
     /// Frees `user` as [`Core::release`] does, whatever its saved state and
@@ -984,17 +977,16 @@ impl Core {
     /// them with [`Core::restore_owned`] before the user's next input).
     /// Refused while a session, a subscriber or a pending publish holds it.
     pub fn release_saved(&mut self, user: UserId) -> bool {
+        self.release_if(user, User::holds_only_saved)
+    }
+
+    fn release_if(&mut self, user: UserId, may_go: fn(&User) -> bool) -> bool {
         let Some(u) = self.index.get(user) else {
             return false;
         };
-        if !self.users[u as usize].holds_only_saved() {
+        if !may_go(&self.users[u as usize]) {
             return false;
         }
-        self.free_user(user, u);
-        true
-    }
-
-    fn free_user(&mut self, user: UserId, u: u32) {
         let record = std::mem::replace(&mut self.users[u as usize], User::vacant());
         self.version_floor = self.version_floor.max(record.version);
         self.index.remove(user);
@@ -1002,6 +994,7 @@ impl Core {
         #[cfg(feature = "mutants")]
         self.tombstones.retain(|_, (owner, _)| *owner != u);
         self.counters.users_released += 1;
+        true
     }
 
     /// Whether the core keeps a record of `user` (created by a connect, a
@@ -1075,7 +1068,7 @@ impl Core {
     pub fn sessions_of(&self, user: UserId) -> Vec<SessionId> {
         self.index
             .get(user)
-            .map(|u| self.users[u as usize].sessions.iter().copied().collect())
+            .map(|u| self.users[u as usize].sessions.to_vec())
             .unwrap_or_default()
     }
 

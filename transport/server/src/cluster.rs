@@ -2535,17 +2535,7 @@ mod tests {
     fn a_device_on_one_node_is_seen_by_a_watcher_through_its_owner() {
         let (mut a, mut b, now) = two_nodes();
         let bob = SessionId(2);
-        let answer = a.subscribe(
-            now,
-            Millis(1),
-            100,
-            bob,
-            "bob",
-            vec!["alice".into()],
-            vec![],
-            Tier::Realtime,
-            false,
-        );
+        let answer = bob_subscribes_to_alice(&mut a, now, Millis(1), 100);
         assert!(answer.is_none(), "the snapshot is the owner's");
         let out = a.poll_output();
         assert_eq!(
@@ -2701,17 +2691,7 @@ mod tests {
         // bob subscribes to her: the owner reads her back before answering,
         // so he sees her last seen, not a user never seen.
         let at = Millis(70_000);
-        let answer = a.subscribe(
-            now,
-            at,
-            100,
-            SessionId(2),
-            "bob",
-            vec!["alice".into()],
-            vec![],
-            Tier::Realtime,
-            false,
-        );
+        let answer = bob_subscribes_to_alice(&mut a, now, at, 100);
         assert!(answer.is_none());
         exchange_kv(&mut a, &mut b, now, at, Some(&mut views));
         assert!(
@@ -2805,6 +2785,27 @@ mod tests {
         assert_eq!(snapshots[0].presence.last_seen, Some(4_000));
     }
 
+    /// bob's laptop (session 2, on `a`) subscribes to alice in realtime.
+    fn bob_subscribes_to_alice(
+        a: &mut ClusterLink,
+        now: Instant,
+        at: Millis,
+        wait: u64,
+    ) -> Option<proto::Answer> {
+        let targets = vec!["alice".into()];
+        a.subscribe(
+            now,
+            at,
+            wait,
+            SessionId(2),
+            "bob",
+            targets,
+            vec![],
+            Tier::Realtime,
+            false,
+        )
+    }
+
     fn epoch_base_of(epoch: u32) -> u64 {
         greendot_core::cluster::epoch_base(Epoch(epoch))
     }
@@ -2879,17 +2880,7 @@ mod tests {
     #[test]
     fn a_view_that_overtakes_the_snapshot_is_not_lost() {
         let (mut a, mut b, now) = two_nodes();
-        let answer = a.subscribe(
-            now,
-            Millis(1),
-            5,
-            SessionId(2),
-            "bob",
-            vec!["alice".into()],
-            vec![],
-            Tier::Realtime,
-            false,
-        );
+        let answer = bob_subscribes_to_alice(&mut a, now, Millis(1), 5);
         assert!(answer.is_none());
         // A newer view arrives on the shard's subject before the answer.
         let newer = proto::Presence {
