@@ -238,12 +238,21 @@ async fn connect(
         .unwrap_or_else(|e| panic!("{user}/{device} cannot connect to {}: {e}", at.id))
 }
 
-/// Bob's laptop on `at`, subscribed to `target` in realtime.
-async fn bob_watching(nodes: &[&Node], at: &Node, target: &str) -> (Client, Updates) {
+/// Bob's laptop on `at`, subscribed to `targets` in realtime.
+async fn bob_watching(nodes: &[&Node], at: &Node, targets: &[&str]) -> (Client, Updates) {
     let (bob, updates) =
         connect(nodes, at, "bob", "laptop", Kind::Desktop, WatchClaim::all()).await;
-    bob.subscribe(&[target], Tier::Realtime).await.unwrap();
+    bob.subscribe(targets, Tier::Realtime).await.unwrap();
     (bob, updates)
+}
+
+/// A phone of each of `users` on `at` (kept open while the result lives).
+async fn phones_on(nodes: &[&Node], at: &Node, users: &[&str]) -> Vec<(Client, Updates)> {
+    let mut phones = Vec::new();
+    for user in users {
+        phones.push(connect(nodes, at, user, "phone", Kind::Mobile, WatchClaim::all()).await);
+    }
+    phones
 }
 
 /// The next presence of `target` that satisfies `pred`, within `within`.
@@ -479,7 +488,7 @@ async fn multi_device_across_nodes_logout_of_one_keeps_online() {
     let nodes = [&a, &b, &c];
     let alice = user_owned_by(&urls, "c", "alice");
 
-    let (bob, mut bob_updates) = bob_watching(&nodes, &c, &alice).await;
+    let (bob, mut bob_updates) = bob_watching(&nodes, &c, &[alice.as_str()]).await;
 
     let (_phone, _p) = connect(&nodes, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
     let (laptop, _l) = connect(
@@ -561,7 +570,7 @@ async fn owner_failover_keeps_a_connected_device_online() {
         .expect("a user of b whose next owner is c");
     let shard = greendot_cluster::shard_of(&alice, SHARDS).0;
 
-    let (bob, mut bob_updates) = bob_watching(&nodes, &c, &alice).await;
+    let (bob, mut bob_updates) = bob_watching(&nodes, &c, &[alice.as_str()]).await;
     let (phone, _p) = connect(&nodes, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
     phone
         .set_status(Status::Busy, Some("in a meeting"))
@@ -655,22 +664,8 @@ async fn edge_kill_9_reconnect_elsewhere_and_bounded_ghost() {
     let alice = user_owned_by(&urls, "b", "alice");
     let carol = user_owned_by(&urls, "b", "carol");
 
-    let (bob, mut bob_updates) = connect(
-        &nodes,
-        &c,
-        "bob",
-        "laptop",
-        Kind::Desktop,
-        WatchClaim::all(),
-    )
-    .await;
-    bob.subscribe(&[alice.as_str(), carol.as_str()], Tier::Realtime)
-        .await
-        .unwrap();
-    let (_alice_phone, _ap) =
-        connect(&nodes, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
-    let (_carol_phone, _cp) =
-        connect(&nodes, &a, &carol, "phone", Kind::Mobile, WatchClaim::all()).await;
+    let (bob, mut bob_updates) = bob_watching(&nodes, &c, &[alice.as_str(), carol.as_str()]).await;
+    let _phones = phones_on(&nodes, &a, &[alice.as_str(), carol.as_str()]).await;
     all_online(&mut bob_updates, &[&alice, &carol], DEBOUNCE + SLACK).await;
 
     let t0 = Instant::now();
@@ -745,25 +740,9 @@ async fn edge_restarted_within_its_lease_ttl_leaves_no_ghost() {
     let dave = user_owned_by(&urls, "c", "dave");
     let erin = user_owned_by(&urls, "b", "erin");
 
-    let (bob, mut bob_updates) = connect(
-        &nodes,
-        &c,
-        "bob",
-        "laptop",
-        Kind::Desktop,
-        WatchClaim::all(),
-    )
-    .await;
-    bob.subscribe(
-        &[alice.as_str(), dave.as_str(), erin.as_str()],
-        Tier::Realtime,
-    )
-    .await
-    .unwrap();
-    let (_alice_phone, _ap) =
-        connect(&nodes, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
-    let (_dave_phone, _dp) =
-        connect(&nodes, &a, &dave, "phone", Kind::Mobile, WatchClaim::all()).await;
+    let (bob, mut bob_updates) =
+        bob_watching(&nodes, &c, &[alice.as_str(), dave.as_str(), erin.as_str()]).await;
+    let _phones = phones_on(&nodes, &a, &[alice.as_str(), dave.as_str()]).await;
     all_online(&mut bob_updates, &[&alice, &dave], DEBOUNCE + SLACK).await;
 
     // The timings the nodes derive from the TTL (docs/cluster-operations.md):
@@ -867,7 +846,7 @@ async fn invisible_survives_owner_failover() {
     let nodes = [&a, &b, &c];
     let alice = user_owned_by(&urls, "b", "alice");
 
-    let (bob, mut bob_updates) = bob_watching(&nodes, &c, &alice).await;
+    let (bob, mut bob_updates) = bob_watching(&nodes, &c, &[alice.as_str()]).await;
     let (phone, _p) = connect(&nodes, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
     wait_presence(&mut bob_updates, &alice, DEBOUNCE + SLACK, "online", |p| {
         p.online
@@ -913,7 +892,7 @@ async fn drain_of_the_edge_shows_nobody_offline() {
     let alice = user_owned_by(&urls, "b", "alice");
     let roots = [&a, &b, &c];
 
-    let (bob, mut bob_updates) = bob_watching(&roots, &c, &alice).await;
+    let (bob, mut bob_updates) = bob_watching(&roots, &c, &[alice.as_str()]).await;
     let (_phone, mut phone_updates) =
         connect(&roots, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
     wait_presence(&mut bob_updates, &alice, DEBOUNCE + SLACK, "online", |p| {
@@ -974,7 +953,7 @@ async fn edge_and_owner_killed_together_leave_no_ghost() {
     let alice = user_owned_by(&urls, "a", "alice");
     let roots = [&a, &b, &c];
 
-    let (bob, mut bob_updates) = bob_watching(&roots, &c, &alice).await;
+    let (bob, mut bob_updates) = bob_watching(&roots, &c, &[alice.as_str()]).await;
     let (_phone, _p) = connect(&roots, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
     wait_presence(&mut bob_updates, &alice, DEBOUNCE + SLACK, "online", |p| {
         p.online
@@ -1029,7 +1008,7 @@ async fn kill_9_of_a_nats_node_changes_nothing_visible() {
     let nodes = [&a, &b, &c];
     let alice = user_owned_by(&urls, "b", "alice");
 
-    let (bob, mut bob_updates) = bob_watching(&nodes, &c, &alice).await;
+    let (bob, mut bob_updates) = bob_watching(&nodes, &c, &[alice.as_str()]).await;
     let (phone, _p) = connect(&nodes, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
     phone
         .set_status(Status::Busy, Some("in a meeting"))
