@@ -85,10 +85,13 @@ pub enum ClusterMutant {
     /// owners keep its old incarnation's devices (C3; the hole the model
     /// found, see docs/cluster.md).
     NoIncarnation,
+    /// Edges ignore the owner's beacons: a lost last view leaves the
+    /// watcher stale until the next change (C5).
+    NoBeacon,
 }
 
 impl ClusterMutant {
-    pub const ALL: [ClusterMutant; 8] = [
+    pub const ALL: [ClusterMutant; 9] = [
         ClusterMutant::KeepOwningAfterLapse,
         ClusterMutant::NoResyncHold,
         ClusterMutant::IgnoreEdgeLost,
@@ -97,6 +100,7 @@ impl ClusterMutant {
         ClusterMutant::NoIncarnation,
         ClusterMutant::AckWithoutSession,
         ClusterMutant::EndedWithoutIncarnation,
+        ClusterMutant::NoBeacon,
     ];
 
     /// The CI bound it is checked at: the smallest that shows it.
@@ -108,6 +112,7 @@ impl ClusterMutant {
             | ClusterMutant::EndedWithoutIncarnation => "edge",
             ClusterMutant::NoResyncHold | ClusterMutant::AckWithoutSession => "three",
             ClusterMutant::InvisibleInMemory | ClusterMutant::NoEpochInVersions => "crash",
+            ClusterMutant::NoBeacon => "lossy",
         };
         *ClusterBounds::CI
             .iter()
@@ -126,7 +131,7 @@ impl ClusterMutant {
             ClusterMutant::InvisibleInMemory | ClusterMutant::AckWithoutSession => {
                 "C4 invisible survives failover"
             }
-            ClusterMutant::NoEpochInVersions => "C5 convergence",
+            ClusterMutant::NoEpochInVersions | ClusterMutant::NoBeacon => "C5 convergence",
         }
     }
 }
@@ -854,6 +859,9 @@ impl ClusterModel {
                 }
             }
             Body::Beacon { epoch, seq } => {
+                if self.is(ClusterMutant::NoBeacon) {
+                    return;
+                }
                 let Some(w) = node.watcher.as_deref_mut() else {
                     return;
                 };

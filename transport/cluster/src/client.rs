@@ -465,21 +465,14 @@ impl Cluster {
     /// to each node subscribed to the shard.
     pub async fn publish_view(&self, shard: ShardId, payload: Bytes) -> Result<()> {
         check_shard(&self.config, shard)?;
-        let subject = self.config.view_subject(shard);
-        self.client
-            .publish(subject.clone(), payload)
+        self.publish_on(self.config.view_subject(shard), payload)
             .await
-            .map_err(|source| ClusterError::Publish { subject, source })
     }
 
     /// Publishes on `<prefix>.resync`, which every node listens to
     /// ([`Cluster::resync_feed`]): a new owner asks the edges to resend.
     pub async fn publish_resync(&self, payload: Bytes) -> Result<()> {
-        let subject = self.config.resync_subject();
-        self.client
-            .publish(subject.clone(), payload)
-            .await
-            .map_err(|source| ClusterError::Publish { subject, source })
+        self.publish_on(self.config.resync_subject(), payload).await
     }
 
     /// The messages on `<prefix>.resync` (one subscription per node).
@@ -487,10 +480,26 @@ impl Cluster {
         self.subject_feed(self.config.resync_subject()).await
     }
 
+    /// Publishes on `<prefix>.beacon`, which every node listens to
+    /// ([`Cluster::beacon_feed`]): an owner's latest view number of each
+    /// shard it acts for, so an edge notices a view it missed.
+    pub async fn publish_beacon(&self, payload: Bytes) -> Result<()> {
+        self.publish_on(self.config.beacon_subject(), payload).await
+    }
+
+    /// The messages on `<prefix>.beacon` (one subscription per node).
+    pub async fn beacon_feed(&self) -> Result<SubjectFeed> {
+        self.subject_feed(self.config.beacon_subject()).await
+    }
+
     /// Sends a user's truth to the edge of `node`, which holds devices of
     /// that user ([`Cluster::edge_feed`]).
     pub async fn publish_to_edge(&self, node: &NodeId, payload: Bytes) -> Result<()> {
-        let subject = self.config.edge_subject(node);
+        self.publish_on(self.config.edge_subject(node), payload)
+            .await
+    }
+
+    async fn publish_on(&self, subject: String, payload: Bytes) -> Result<()> {
         self.client
             .publish(subject.clone(), payload)
             .await

@@ -148,6 +148,11 @@ impl ClusterConfig {
         format!("{}.resync", self.prefix)
     }
 
+    /// Where owners announce the latest view number of their shards.
+    pub fn beacon_subject(&self) -> String {
+        format!("{}.beacon", self.prefix)
+    }
+
     /// Where owners send the truths of users with devices at `node`'s edge
     /// (the view others see goes on the shard's subject).
     pub fn edge_subject(&self, node: &crate::NodeId) -> String {

@@ -589,6 +589,45 @@ async fn a_published_view_reaches_each_interested_node_once() {
             );
         }
     }
+
+    // Beacons and resync requests reach every node, each on its own subject.
+    let mut beacons_b = b.beacon_feed().await.unwrap();
+    let mut beacons_c = c.beacon_feed().await.unwrap();
+    let mut resyncs_c = c.resync_feed().await.unwrap();
+    b.flush().await.unwrap();
+    c.flush().await.unwrap();
+    for (feed, what) in [
+        (&mut beacons_b, "b's beacons"),
+        (&mut beacons_c, "c's beacons"),
+        (&mut resyncs_c, "c's resyncs"),
+    ] {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            owner
+                .publish_beacon(Bytes::from_static(b"beacon"))
+                .await
+                .unwrap();
+            owner
+                .publish_resync(Bytes::from_static(b"resync"))
+                .await
+                .unwrap();
+            if let Ok(m) = tokio::time::timeout(Duration::from_millis(100), feed.recv()).await {
+                assert!(m.is_some(), "{what} ended");
+                break;
+            }
+            assert!(Instant::now() < deadline, "{what} never got interest");
+        }
+    }
+    for (feed, want, what) in [
+        (&mut beacons_b, &b"beacon"[..], "b's beacons"),
+        (&mut beacons_c, &b"beacon"[..], "c's beacons"),
+        (&mut resyncs_c, &b"resync"[..], "c's resyncs"),
+    ] {
+        while let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(200), feed.recv()).await
+        {
+            assert_eq!(&m[..], want, "{what} got another subject's message");
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -63,6 +63,14 @@ const MAX_IDLE_USERS: usize = 1 << 20;
 /// is any (a claim's deadline is `margin` before NATS can expire it, so
 /// acting up to this late still ends before the claim can).
 const TICK: Duration = Duration::from_millis(50);
+/// How often an owner announces the latest view number of each shard it
+/// acts for ([`Beacon`]): a view lost on the way is noticed within this.
+const BEACON_EVERY: Duration = Duration::from_secs(1);
+/// Shards one beacon names at most (more go in several).
+pub const MAX_BEACON_SHARDS: usize = 8_192;
+/// How often a new owner asks the edges again to resend its shard's
+/// devices while its resync window is open (the request may be lost).
+const RESYNC_EVERY: Duration = Duration::from_millis(500);
 
 /// How a node takes part in a cluster.
 #[derive(Clone, Debug)]
@@ -129,6 +137,8 @@ pub enum ClusterInput {
     /// A message on the cluster's resync subject (a new owner asks every
     /// edge to resend its devices of a shard).
     Resync { payload: Bytes },
+    /// A message on the cluster's beacon subject ([`Beacon`]).
+    Beacon { payload: Bytes },
     /// What the KV holds of the devices of the shard of
     /// [`ClusterOutput::LoadShard`] `id` (`None`: nothing, or the read failed).
     ShardLoaded { id: u64, record: Option<Bytes> },
@@ -179,6 +189,8 @@ pub enum ClusterOutput {
     LoadShard { id: u64, shard: u32 },
     /// Publish on the cluster's resync subject (every node listens).
     Resync { payload: Bytes },
+    /// Publish on the cluster's beacon subject (every node listens).
+    Beacon { payload: Bytes },
     /// Subscribe to a shard's subject (one more local watcher of it).
     Watch { shard: u32 },
     /// The last local watcher of the shard left.
@@ -227,6 +239,9 @@ pub enum ToOwner {
         viewer: String,
         targets: Vec<String>,
     },
+    /// The views of `targets` (what others see, for every target), for an
+    /// edge that missed a view of their shard.
+    Views { targets: Vec<String> },
 }
 
 /// Owner → edge (a reply).
@@ -241,8 +256,12 @@ pub enum FromOwner {
     Unknown,
     /// The owner refused the input (a limit): tell the client.
     Refused(WireError),
+    /// `epoch` and `seq`: the shard's last published view when answered
+    /// (the presences include every view up to it).
     Snapshot {
         presences: Vec<proto::Presence>,
+        epoch: u64,
+        seq: u64,
     },
     /// Some targets' KV records are being read (users the owner freed, or
     /// has not met since it took the shard): ask again shortly.
@@ -253,6 +272,9 @@ pub enum FromOwner {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShardView {
     pub epoch: u64,
+    /// On the shard's subject: the view's number in the epoch, from 1 with
+    /// no gaps, so an edge notices a lost one. 0 on an edge's subject.
+    pub seq: u64,
     /// When the owner published it (Unix milliseconds of its clock).
     pub published_ms: u64,
     pub user: String,
@@ -281,6 +303,17 @@ pub struct ResyncRequest {
     pub shard: u32,
     pub epoch: u64,
     pub owner: String,
+}
+
+/// On `<prefix>.beacon`, every [`BEACON_EVERY`]: the latest view number of
+/// each shard `owner` acts for and has published in (at most
+/// [`MAX_BEACON_SHARDS`]). An edge watching one of them that has seen an
+/// older number missed a view and asks the owner again (C5 under loss).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Beacon {
+    pub owner: String,
+    /// (shard, epoch, seq)
+    pub shards: Vec<(u32, u64, u64)>,
 }
 
 fn encode<T: Serialize>(value: &T) -> Bytes {
@@ -327,6 +360,10 @@ pub struct ClusterCounters {
     /// Device inputs of an edge's previous run, arrived after its newer run
     /// was known: dropped unanswered (their sender is gone).
     pub stale_incarnation: u64,
+    /// Views of a watched shard this edge missed (a gap in the numbers, or
+    /// a beacon ahead of the last one seen): each asks the owner for the
+    /// views of the shard's watched users again.
+    pub view_gaps: u64,
 }
 
 // ---- the owner ------------------------------------------------------------
@@ -366,6 +403,13 @@ struct Owner {
     /// Users that went offline (or were only looked at), by when to free
     /// them if they still hold nothing.
     idle: VecDeque<(Millis, UserId)>,
+    /// Views published on the shard's subject in this epoch: the last
+    /// one's number.
+    seq: u64,
+    /// The resync request is sent again until then (it may be lost), every
+    /// `RESYNC_EVERY`.
+    resync_until: Instant,
+    next_resync: Instant,
 }
 
 /// Where an owner's answer goes.
@@ -430,8 +474,34 @@ struct PendingSubscribe {
 }
 
 enum InFlight {
-    Device { session: SessionId, rid: u64 },
-    Snapshot { wait: u64, shard: u32 },
+    Device {
+        session: SessionId,
+        rid: u64,
+    },
+    Snapshot {
+        wait: u64,
+        shard: u32,
+    },
+    /// The views of `targets` again, after a view of `shard` was missed.
+    Repair {
+        shard: u32,
+        targets: Vec<String>,
+    },
+}
+
+/// What an edge knows of the views of a shard some local session watches.
+#[derive(Debug, Default)]
+struct ShardTrack {
+    /// (epoch, seq) of the newest view of the shard taken from its subject,
+    /// or announced by a beacon, or of the owner's answer that came first.
+    seen: Option<(u64, u64)>,
+    /// A view was missed: the views of every target watched here are asked
+    /// for again.
+    gap: bool,
+    /// Repair requests out.
+    asking: u32,
+    /// Not before this (after a failed repair).
+    not_before: Option<Instant>,
 }
 
 /// A client request's answer, once the cluster is done with it.
@@ -467,6 +537,12 @@ pub struct ClusterLink {
     open: HashMap<SessionId, String>,
     /// Shards some local subscription watches, with how many.
     shard_watchers: HashMap<u32, u32>,
+    /// The view numbers seen of each watched shard (the same keys).
+    tracks: HashMap<u32, ShardTrack>,
+    /// Per shard, the newest epoch whose resync request this edge answered
+    /// (a new owner sends it again while its window is open).
+    resynced: HashMap<u32, u64>,
+    next_beacon: Option<Instant>,
     subscribes: HashMap<u64, PendingSubscribe>,
     /// Requests out, with when they count as unanswered (an output the NATS
     /// I/O dropped is never answered).
@@ -517,6 +593,9 @@ impl ClusterLink {
             devices: HashMap::new(),
             open: HashMap::new(),
             shard_watchers: HashMap::new(),
+            tracks: HashMap::new(),
+            resynced: HashMap::new(),
+            next_beacon: None,
             subscribes: HashMap::new(),
             in_flight: HashMap::new(),
             busy: Default::default(),
@@ -663,6 +742,8 @@ impl ClusterLink {
         }
         self.next_tick = Some(now + TICK);
         self.expire_pending(now, at);
+        self.announce(now);
+        self.repair_gaps(now, at);
         // Client requests past their deadline, and retries due.
         let sessions: Vec<SessionId> = self.busy.iter().copied().collect();
         for session in sessions {
@@ -764,6 +845,9 @@ impl ClusterLink {
                     dirty_since: None,
                     greet: Vec::new(),
                     idle: VecDeque::new(),
+                    seq: 0,
+                    resync_until: now + self.settings.request_timeout,
+                    next_resync: now + RESYNC_EVERY,
                 },
             );
             // The previous owner's devices: restored as lingering, so that
@@ -774,13 +858,7 @@ impl ClusterLink {
             self.pending_shards.insert(id, (shard, epoch, now));
             self.outputs
                 .push_back(ClusterOutput::LoadShard { id, shard });
-            self.outputs.push_back(ClusterOutput::Resync {
-                payload: encode(&ResyncRequest {
-                    shard,
-                    epoch,
-                    owner: self.settings.node.clone(),
-                }),
-            });
+            self.ask_resync(shard, epoch);
             // This node's own edge resends its devices of the shard at once.
             let mine: Vec<SessionId> = self
                 .devices
@@ -791,6 +869,51 @@ impl ClusterLink {
             for session in mine {
                 self.resend(session, now, at);
             }
+        }
+    }
+
+    fn ask_resync(&mut self, shard: u32, epoch: u64) {
+        self.outputs.push_back(ClusterOutput::Resync {
+            payload: encode(&ResyncRequest {
+                shard,
+                epoch,
+                owner: self.settings.node.clone(),
+            }),
+        });
+    }
+
+    /// Owners' periodic messages: the resync request again while its window
+    /// is open, and the beacon.
+    fn announce(&mut self, now: Instant) {
+        let again: Vec<(u32, u64)> = self
+            .owners
+            .iter_mut()
+            .filter(|(_, o)| now < o.resync_until && now >= o.next_resync)
+            .map(|(s, o)| {
+                o.next_resync = now + RESYNC_EVERY;
+                (*s, o.epoch)
+            })
+            .collect();
+        for (shard, epoch) in again {
+            self.ask_resync(shard, epoch);
+        }
+        if self.next_beacon.is_some_and(|t| now < t) {
+            return;
+        }
+        self.next_beacon = Some(now + BEACON_EVERY);
+        let shards: Vec<(u32, u64, u64)> = self
+            .owners
+            .iter()
+            .filter(|(s, o)| o.seq > 0 && self.acting_epoch(**s, now) == Some(o.epoch))
+            .map(|(s, o)| (*s, o.epoch, o.seq))
+            .collect();
+        for chunk in shards.chunks(MAX_BEACON_SHARDS) {
+            self.outputs.push_back(ClusterOutput::Beacon {
+                payload: encode(&Beacon {
+                    owner: self.settings.node.clone(),
+                    shards: chunk.to_vec(),
+                }),
+            });
         }
     }
 
@@ -960,6 +1083,7 @@ impl ClusterLink {
         let n = self.shard_watchers.entry(shard).or_insert(0);
         *n += 1;
         if *n == 1 {
+            self.tracks.insert(shard, ShardTrack::default());
             self.outputs.push_back(ClusterOutput::Watch { shard });
         }
     }
@@ -969,8 +1093,165 @@ impl ClusterLink {
             *n -= 1;
             if *n == 0 {
                 self.shard_watchers.remove(&shard);
+                self.tracks.remove(&shard);
                 self.outputs.push_back(ClusterOutput::Unwatch { shard });
             }
+        }
+    }
+
+    // ---- the edge: views missed ----
+
+    /// View `seq` of `epoch` came on `shard`'s subject. Views of an epoch
+    /// come in order from its one owner; a new owner numbers from 1.
+    fn track_view(&mut self, shard: u32, epoch: u64, seq: u64) {
+        let Some(t) = self.tracks.get_mut(&shard) else {
+            return;
+        };
+        match t.seen {
+            None => t.seen = Some((epoch, seq)),
+            Some(seen) if (epoch, seq) <= seen => {}
+            Some((e, s)) => {
+                let next = (epoch == e && seq == s + 1) || (epoch > e && seq == 1);
+                if !next && !t.gap {
+                    t.gap = true;
+                    self.counters.view_gaps += 1;
+                }
+                t.seen = Some((epoch, seq));
+            }
+        }
+    }
+
+    /// The owner of `shard` answered with the views up to `(epoch, seq)`.
+    /// An answer older than a view seen since may miss what that view
+    /// carried, when it was about a target being subscribed and the view
+    /// was lost: the shard is asked again.
+    fn track_answer(&mut self, shard: u32, epoch: u64, seq: u64) {
+        let Some(t) = self.tracks.get_mut(&shard) else {
+            return;
+        };
+        match t.seen {
+            None => t.seen = Some((epoch, seq)),
+            Some(seen) if seen > (epoch, seq) && !t.gap => {
+                t.gap = true;
+                self.counters.view_gaps += 1;
+            }
+            _ => {}
+        }
+    }
+
+    fn beacon(&mut self, b: Beacon) {
+        for (shard, epoch, seq) in b.shards {
+            let Some(t) = self.tracks.get_mut(&shard) else {
+                continue;
+            };
+            // Not seen anything yet: the pending subscribe's answer will
+            // carry the owner's number.
+            let Some(seen) = t.seen else { continue };
+            if (epoch, seq) > seen {
+                if !t.gap {
+                    t.gap = true;
+                    self.counters.view_gaps += 1;
+                }
+                t.seen = Some((epoch, seq));
+            }
+        }
+    }
+
+    /// Asks the owners of shards with a view missed for the views of every
+    /// target watched here (and of those being subscribed).
+    fn repair_gaps(&mut self, now: Instant, at: Millis) {
+        let mut due: HashMap<u32, Vec<String>> = self
+            .tracks
+            .iter()
+            .filter(|(_, t)| t.gap && t.asking == 0 && t.not_before.is_none_or(|n| n <= now))
+            .map(|(s, _)| (*s, Vec::new()))
+            .collect();
+        if due.is_empty() {
+            return;
+        }
+        let watched = self
+            .fanout
+            .watched()
+            .filter_map(|u| self.names.name(u.0).map(|n| &**n));
+        let subscribing = self
+            .subscribes
+            .values()
+            .filter(|p| !p.query)
+            .flat_map(|p| p.targets.iter().map(|(t, _)| t.as_str()));
+        for name in watched.chain(subscribing) {
+            if let Some(targets) = due.get_mut(&self.shard(name)) {
+                targets.push(name.to_string());
+            }
+        }
+        for (shard, mut targets) in due {
+            targets.sort_unstable();
+            targets.dedup();
+            if let Some(t) = self.tracks.get_mut(&shard) {
+                t.gap = false;
+                t.not_before = None;
+            }
+            if self.acting_epoch(shard, now).is_some() && self.owners.contains_key(&shard) {
+                self.repair_locally(shard, targets, now, at);
+                continue;
+            }
+            for chunk in targets.chunks(MAX_SNAPSHOT_TARGETS) {
+                if let Some(t) = self.tracks.get_mut(&shard) {
+                    t.asking += 1;
+                }
+                let targets = chunk.to_vec();
+                let payload = encode(&ToOwner::Views {
+                    targets: targets.clone(),
+                });
+                self.request(
+                    now,
+                    InFlight::Repair { shard, targets },
+                    shard,
+                    RequestKind::Snapshot,
+                    payload,
+                );
+            }
+        }
+    }
+
+    /// A repair of a shard this node acts for (its NATS copy of a view was
+    /// lost; the in-process one was not, but what came from the previous
+    /// owner may have been).
+    fn repair_locally(&mut self, shard: u32, targets: Vec<String>, now: Instant, at: Millis) {
+        let mut presences = Vec::with_capacity(targets.len());
+        for t in &targets {
+            match self.local_snapshot(shard, None, t, at) {
+                Some(p) => presences.push(p),
+                None => return self.repair_failed(shard, now),
+            }
+        }
+        let (epoch, seq) = self.owners.get(&shard).map_or((0, 0), |o| (o.epoch, o.seq));
+        self.repaired(shard, &targets, presences, epoch, seq, at);
+    }
+
+    fn repair_failed(&mut self, shard: u32, now: Instant) {
+        self.counters.retries += 1;
+        if let Some(t) = self.tracks.get_mut(&shard) {
+            t.gap = true;
+            t.not_before = Some(now + RETRY_AFTER);
+        }
+    }
+
+    fn repaired(
+        &mut self,
+        shard: u32,
+        targets: &[String],
+        presences: Vec<Presence>,
+        epoch: u64,
+        seq: u64,
+        at: Millis,
+    ) {
+        for (target, presence) in targets.iter().zip(presences) {
+            self.apply_view(at, target, false, presence.clone());
+            self.keep_early(target, false, presence);
+        }
+        if let Some(t) = self.tracks.get_mut(&shard) {
+            // Views up to the answer's are in it.
+            t.seen = t.seen.max(Some((epoch, seq)));
         }
     }
 
@@ -1151,7 +1432,7 @@ impl ClusterLink {
             }
             let shard = (self.settings.shard_of)(target, self.settings.shard_count);
             if self.acting_epoch(shard, now).is_some() && self.owners.contains_key(&shard) {
-                if let Some(presence) = self.local_snapshot(shard, viewer, target, at) {
+                if let Some(presence) = self.local_snapshot(shard, Some(viewer), target, at) {
                     *snap = Some(presence);
                     continue;
                 }
@@ -1172,10 +1453,12 @@ impl ClusterLink {
         self.try_finish_subscribe(wait, at)
     }
 
+    /// What the owner core of `shard` here shows `viewer` (`None`: others)
+    /// of `target`.
     fn local_snapshot(
         &mut self,
         shard: u32,
-        viewer: &str,
+        viewer: Option<&str>,
         target: &str,
         at: Millis,
     ) -> Option<Presence> {
@@ -1187,7 +1470,7 @@ impl ClusterLink {
         let uid = o.users.intern(target)?;
         let p = o
             .core
-            .handle_snapshot(at, UserId(uid), viewer == target)
+            .handle_snapshot(at, UserId(uid), viewer == Some(target))
             .ok()?;
         if !o.core.is_online(UserId(uid)) {
             note_idle(o, UserId(uid), at);
@@ -1195,6 +1478,9 @@ impl ClusterLink {
         // Presences at the edge carry last seen in Unix milliseconds.
         let p = proto::Presence::from_core(&p, base).to_core();
         self.drain_owner(shard, Instant::now(), at);
+        if let Some((epoch, seq)) = self.owners.get(&shard).map(|o| (o.epoch, o.seq)) {
+            self.track_answer(shard, epoch, seq);
+        }
         Some(p)
     }
 
@@ -1219,7 +1505,7 @@ impl ClusterLink {
         if self.acting_epoch(shard, now).is_some() && self.owners.contains_key(&shard) {
             let mut presences = Vec::new();
             for t in &targets {
-                match self.local_snapshot(shard, &viewer, t, at) {
+                match self.local_snapshot(shard, Some(&viewer), t, at) {
                     Some(presence) => presences.push(presence),
                     None => return self.retry_snapshot(wait, shard, now),
                 }
@@ -1456,6 +1742,7 @@ impl ClusterLink {
                         (&msg, kind),
                         (ToOwner::Device { .. }, RequestKind::Input)
                             | (ToOwner::Snapshot { .. }, RequestKind::Snapshot)
+                            | (ToOwner::Views { .. }, RequestKind::Snapshot)
                     );
                     if !matches_kind {
                         self.counters.malformed += 1;
@@ -1481,13 +1768,12 @@ impl ClusterLink {
                         self.device_answer(session, rid, answer, now, at)
                     }
                     InFlight::Snapshot { wait, shard } => match answer {
-                        Some(FromOwner::Snapshot { presences })
-                            if presences.iter().all(|p| {
-                                p.message
-                                    .as_ref()
-                                    .is_none_or(|m| m.len() <= self.owner_config.max_message_len)
-                            }) =>
-                        {
+                        Some(FromOwner::Snapshot {
+                            presences,
+                            epoch,
+                            seq,
+                        }) if self.messages_fit(&presences) => {
+                            self.track_answer(shard, epoch, seq);
                             let targets: Vec<String> = self
                                 .subscribes
                                 .get(&wait)
@@ -1504,8 +1790,35 @@ impl ClusterLink {
                         }
                         _ => self.retry_snapshot(wait, shard, now),
                     },
+                    InFlight::Repair { shard, targets } => {
+                        if let Some(t) = self.tracks.get_mut(&shard) {
+                            t.asking = t.asking.saturating_sub(1);
+                        }
+                        match answer {
+                            Some(FromOwner::Snapshot {
+                                presences,
+                                epoch,
+                                seq,
+                            }) if presences.len() == targets.len()
+                                && self.messages_fit(&presences) =>
+                            {
+                                let presences = presences.iter().map(|p| p.to_core()).collect();
+                                self.repaired(shard, &targets, presences, epoch, seq, at);
+                            }
+                            _ => self.repair_failed(shard, now),
+                        }
+                    }
                 }
             }
+            ClusterInput::Beacon { payload } => match decode::<Beacon>(&payload) {
+                Some(b)
+                    if b.owner.len() <= self.max_name_len
+                        && b.shards.len() <= MAX_BEACON_SHARDS =>
+                {
+                    self.beacon(b)
+                }
+                _ => self.counters.malformed += 1,
+            },
             ClusterInput::UserLoaded { id, prefs, view } => {
                 self.user_loaded(now, at, id, prefs, view)
             }
@@ -1529,6 +1842,13 @@ impl ClusterLink {
                     if r.owner == self.settings.node {
                         return; // resent in process when the claim was won
                     }
+                    // Sent again while the owner's window is open: once is
+                    // enough (the resent connects are retried until taken).
+                    let answered = self.resynced.entry(r.shard).or_insert(0);
+                    if *answered >= r.epoch {
+                        return;
+                    }
+                    *answered = r.epoch;
                     let mine: Vec<SessionId> = self
                         .devices
                         .iter()
@@ -1869,6 +2189,9 @@ impl ClusterLink {
                         .is_none_or(|m| m.len() <= self.owner_config.max_message_len)
                     && shard.map_or(v.own, |s| self.shard(&v.user) == s) =>
             {
+                if let (Some(shard), false) = (shard, v.own) {
+                    self.track_view(shard, v.epoch, v.seq);
+                }
                 let presence = v.presence.to_core();
                 if self.apply_view(at, &v.user, v.own, presence.clone()) {
                     self.counters.views_applied += 1;
@@ -1924,7 +2247,19 @@ impl ClusterLink {
             ToOwner::Snapshot { viewer, targets } => {
                 ok(viewer) && targets.len() <= MAX_SNAPSHOT_TARGETS && targets.iter().all(|t| ok(t))
             }
+            ToOwner::Views { targets } => {
+                targets.len() <= MAX_SNAPSHOT_TARGETS && targets.iter().all(|t| ok(t))
+            }
         }
+    }
+
+    /// Status messages of an owner's answer within the limit.
+    fn messages_fit(&self, presences: &[proto::Presence]) -> bool {
+        presences.iter().all(|p| {
+            p.message
+                .as_ref()
+                .is_none_or(|m| m.len() <= self.owner_config.max_message_len)
+        })
     }
 
     /// A view from an owner (remote, or this node's own in process) for the
@@ -1946,48 +2281,56 @@ impl ClusterLink {
             });
             return;
         }
-        match msg {
-            ToOwner::Snapshot { viewer, targets } => {
-                if targets.iter().any(|t| self.shard(t) != shard) {
-                    self.counters.malformed += 1;
-                    return;
-                }
-                if !self.load_users(shard, targets.iter().map(String::as_str), now) {
-                    self.outputs.push_back(ClusterOutput::Reply {
-                        reply,
-                        payload: encode(&FromOwner::Loading),
-                    });
-                    return;
-                }
-                let mut presences = Vec::with_capacity(targets.len());
-                let base = self.unix_base_ms;
-                for t in &targets {
-                    let Some(o) = self.owners.get_mut(&shard) else {
-                        return;
-                    };
-                    let Some(uid) = o.users.intern(t) else {
-                        // At the cap: no answer, the edge times out.
-                        return;
-                    };
-                    match o.core.handle_snapshot(at, UserId(uid), viewer == *t) {
-                        Ok(p) => presences.push(proto::Presence::from_core(&p, base)),
-                        Err(_) => return,
-                    }
-                    if !o.core.is_online(UserId(uid)) {
-                        note_idle(o, UserId(uid), at);
-                    }
-                }
-                self.drain_owner(shard, now, at);
-                self.outputs.push_back(ClusterOutput::Reply {
-                    reply,
-                    payload: encode(&FromOwner::Snapshot { presences }),
-                });
-            }
+        let (viewer, targets) = match msg {
+            ToOwner::Snapshot { viewer, targets } => (Some(viewer), targets),
+            ToOwner::Views { targets } => (None, targets),
             device => {
                 self.counters.owner_inputs += 1;
-                self.owner_input(shard, device, ReplyTo::Remote(reply), now, at);
+                return self.owner_input(shard, device, ReplyTo::Remote(reply), now, at);
+            }
+        };
+        if targets.iter().any(|t| self.shard(t) != shard) {
+            self.counters.malformed += 1;
+            return;
+        }
+        if !self.load_users(shard, targets.iter().map(String::as_str), now) {
+            self.outputs.push_back(ClusterOutput::Reply {
+                reply,
+                payload: encode(&FromOwner::Loading),
+            });
+            return;
+        }
+        let mut presences = Vec::with_capacity(targets.len());
+        let base = self.unix_base_ms;
+        for t in &targets {
+            let Some(o) = self.owners.get_mut(&shard) else {
+                return;
+            };
+            let Some(uid) = o.users.intern(t) else {
+                // At the cap: no answer, the edge times out.
+                return;
+            };
+            match o
+                .core
+                .handle_snapshot(at, UserId(uid), viewer.as_ref() == Some(t))
+            {
+                Ok(p) => presences.push(proto::Presence::from_core(&p, base)),
+                Err(_) => return,
+            }
+            if !o.core.is_online(UserId(uid)) {
+                note_idle(o, UserId(uid), at);
             }
         }
+        self.drain_owner(shard, now, at);
+        let (epoch, seq) = self.owners.get(&shard).map_or((0, 0), |o| (o.epoch, o.seq));
+        self.outputs.push_back(ClusterOutput::Reply {
+            reply,
+            payload: encode(&FromOwner::Snapshot {
+                presences,
+                epoch,
+                seq,
+            }),
+        });
     }
 
     fn reply(&mut self, to: ReplyTo, answer: FromOwner, now: Instant, at: Millis) {
@@ -2204,8 +2547,12 @@ impl ClusterLink {
             let Some(name) = o.users.name(user.0) else {
                 continue;
             };
+            if !own {
+                o.seq += 1;
+            }
             let v = ShardView {
                 epoch: o.epoch,
+                seq: if own { 0 } else { o.seq },
                 published_ms: base.saturating_add(at.0),
                 user: name.to_string(),
                 own,
@@ -2429,7 +2776,19 @@ mod tests {
         b: &mut ClusterLink,
         now: Instant,
         at: Millis,
+        views: Option<&mut HashMap<String, Bytes>>,
+    ) -> Vec<ClusterOutput> {
+        exchange_lossy(a, b, now, at, views, |_| false)
+    }
+
+    /// [`exchange_kv`], losing what `b` sends that `lose` picks.
+    fn exchange_lossy(
+        a: &mut ClusterLink,
+        b: &mut ClusterLink,
+        now: Instant,
+        at: Millis,
         mut views: Option<&mut HashMap<String, Bytes>>,
+        lose: fn(&ClusterOutput) -> bool,
     ) -> Vec<ClusterOutput> {
         let mut published = Vec::new();
         loop {
@@ -2454,7 +2813,13 @@ mod tests {
             }
             while let Some(out) = b.poll_output() {
                 moved = true;
+                if lose(&out) {
+                    continue;
+                }
                 match out {
+                    ClusterOutput::Beacon { payload } => {
+                        a.handle_input(now, at, ClusterInput::Beacon { payload })
+                    }
                     ClusterOutput::Reply { reply, payload } => a.handle_input(
                         now,
                         at,
@@ -2641,6 +3006,7 @@ mod tests {
         // An edge takes a truth only from its own subject, never a view.
         let view = ShardView {
             epoch: 1,
+            seq: 1,
             published_ms: 1,
             user: "alice".into(),
             own: false,
@@ -2877,6 +3243,157 @@ mod tests {
         exchange(a, b, now, at);
     }
 
+    fn is_view(out: &ClusterOutput) -> bool {
+        matches!(out, ClusterOutput::Publish { .. })
+    }
+
+    /// bob (on `a`) watches alice and carol, both of shard 1, whose owner
+    /// `b` has published them online; alice then goes busy and that view
+    /// is lost on the way to `a`.
+    fn bob_misses_alices_busy() -> (ClusterLink, ClusterLink, Instant) {
+        let (mut a, mut b, now) = two_nodes();
+        a.connected(
+            now,
+            Millis(0),
+            SessionId(3),
+            "carol",
+            "phone",
+            proto::Kind::Mobile,
+        );
+        exchange(&mut a, &mut b, now, Millis(0));
+        let targets = vec!["alice".into(), "carol".into()];
+        let kind = Tier::Realtime;
+        let answer = a.subscribe(
+            now,
+            Millis(1),
+            9,
+            SessionId(2),
+            "bob",
+            targets,
+            vec![],
+            kind,
+            false,
+        );
+        assert!(answer.is_none());
+        exchange(&mut a, &mut b, now, Millis(1));
+        assert!(matches!(a.poll_finished(), Some((9, Finished::Answer(_)))));
+        b.handle_timeout(now, Millis(300));
+        exchange(&mut a, &mut b, now, Millis(300));
+        assert_eq!(pushes(&mut a).len(), 2, "alice and carol online");
+        set_status(
+            &mut a,
+            &mut b,
+            SessionId(1),
+            proto::Status::Busy,
+            now,
+            400,
+            is_view,
+        );
+        assert!(!busy_pushed_to_bob(&mut a), "the view was lost");
+        (a, b, now)
+    }
+
+    /// The session's device sets `status` at `at` ms; the owner publishes
+    /// what others see after its debounce (`lose` applies to all of it).
+    fn set_status(
+        a: &mut ClusterLink,
+        b: &mut ClusterLink,
+        session: SessionId,
+        status: proto::Status,
+        now: Instant,
+        at: u64,
+        lose: fn(&ClusterOutput) -> bool,
+    ) {
+        let op = WireOp::SetStatus {
+            status,
+            message: None,
+        };
+        assert!(a.input(now, Millis(at), session, op, None));
+        exchange_lossy(a, b, now, Millis(at), None, lose);
+        b.handle_timeout(now, Millis(at + 300));
+        exchange_lossy(a, b, now, Millis(at + 300), None, lose);
+    }
+
+    fn busy_pushed_to_bob(a: &mut ClusterLink) -> bool {
+        pushes(a)
+            .iter()
+            .any(|(to, p)| *to == SessionId(2) && p.status == greendot_core::Status::Busy)
+    }
+
+    #[test]
+    fn a_lost_view_is_noticed_at_the_next_one_and_asked_for_again() {
+        let (mut a, mut b, now) = bob_misses_alices_busy();
+        // carol's next view comes with a number two past the last one seen.
+        let away = proto::Status::Away;
+        set_status(&mut a, &mut b, SessionId(3), away, now, 800, |_| false);
+        assert_eq!(a.counters().view_gaps, 1);
+        assert!(!busy_pushed_to_bob(&mut a));
+        // The edge's next tick asks the owner for the shard's views again.
+        let later = now + TICK;
+        a.handle_timeout(later, Millis(1_150));
+        exchange(&mut a, &mut b, later, Millis(1_150));
+        assert!(busy_pushed_to_bob(&mut a), "bob still sees alice available");
+        assert_eq!(a.counters().view_gaps, 1);
+    }
+
+    #[test]
+    fn a_lost_last_view_is_noticed_by_the_owners_beacon() {
+        let (mut a, mut b, now) = bob_misses_alices_busy();
+        // Nothing else happens in the shard; the owner's next beacon
+        // names a view the edge has not seen.
+        let later = now + BEACON_EVERY;
+        b.handle_timeout(later, Millis(1_300));
+        exchange(&mut a, &mut b, later, Millis(1_300));
+        assert_eq!(a.counters().view_gaps, 1);
+        a.handle_timeout(later, Millis(1_300));
+        exchange(&mut a, &mut b, later, Millis(1_300));
+        assert!(busy_pushed_to_bob(&mut a), "bob still sees alice available");
+        // Beacons that name nothing new change nothing.
+        let again = later + BEACON_EVERY;
+        b.handle_timeout(again, Millis(2_300));
+        exchange(&mut a, &mut b, again, Millis(2_300));
+        a.handle_timeout(again, Millis(2_300));
+        assert_eq!(exchange(&mut a, &mut b, again, Millis(2_300)), 0);
+        assert_eq!(a.counters().view_gaps, 1);
+    }
+
+    #[test]
+    fn a_new_owner_asks_again_for_a_lost_resync_and_an_edge_answers_once() {
+        let (mut a, mut b, now) = two_nodes();
+        let until = now + Duration::from_secs(3600);
+        b.set_status(now, Millis(10), all_shards(2, until));
+        let resyncs = |b: &mut ClusterLink| {
+            let mut out = Vec::new();
+            while let Some(o) = b.poll_output() {
+                if let ClusterOutput::Resync { payload } = o {
+                    let r: ResyncRequest = decode(&payload).unwrap();
+                    if r.shard == 1 {
+                        out.push(payload);
+                    }
+                }
+            }
+            out
+        };
+        assert_eq!(resyncs(&mut b).len(), 1, "lost on the way");
+        b.handle_timeout(now + TICK, Millis(60));
+        assert!(resyncs(&mut b).is_empty(), "not yet");
+        let later = now + RESYNC_EVERY;
+        b.handle_timeout(later, Millis(510));
+        let again = resyncs(&mut b);
+        assert_eq!(again.len(), 1, "asked again");
+        let forwarded = a.counters().forwarded;
+        for _ in 0..2 {
+            let payload = again[0].clone();
+            a.handle_input(later, Millis(510), ClusterInput::Resync { payload });
+        }
+        assert_eq!(a.counters().forwarded, forwarded + 1, "alice's phone, once");
+        assert_eq!(a.counters().resyncs, 1);
+        // Not past the window.
+        let closed = now + Duration::from_secs(5);
+        b.handle_timeout(closed, Millis(5_010));
+        assert!(resyncs(&mut b).is_empty());
+    }
+
     #[test]
     fn a_view_that_overtakes_the_snapshot_is_not_lost() {
         let (mut a, mut b, now) = two_nodes();
@@ -2891,6 +3408,7 @@ mod tests {
         };
         let view = ShardView {
             epoch: 1,
+            seq: 2,
             published_ms: 1,
             user: "alice".into(),
             own: false,
@@ -3129,6 +3647,7 @@ mod tests {
             shard,
             payload: encode(&ShardView {
                 epoch: 1,
+                seq: 1,
                 published_ms: 0,
                 user: user.into(),
                 own: false,

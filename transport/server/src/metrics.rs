@@ -450,6 +450,13 @@ impl MetricsSnapshot {
             );
             metric(
                 &mut out,
+                "greendot_cluster_view_gaps_total",
+                "counter",
+                "Times this edge missed a view of a watched shard (a gap in its numbers, or a beacon ahead) and asked the owner for the shard's views again.",
+                &[("", c.view_gaps)],
+            );
+            metric(
+                &mut out,
                 "greendot_cluster_users_released_total",
                 "counter",
                 "Users this node's owners freed after a minute without a device (read back from the KV at their next input or snapshot).",

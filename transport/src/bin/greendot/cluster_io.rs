@@ -101,6 +101,14 @@ pub async fn run(
             None
         }
     };
+    // Every node hears every owner's beacon (one subscription).
+    let mut beacons = match cluster.beacon_feed().await {
+        Ok(sub) => Some(sub),
+        Err(e) => {
+            warn!(error = %e, "cannot subscribe to beacons: a lost view leaves watchers stale until the user's next change");
+            None
+        }
+    };
     // Owners send the truths of users with devices here to this one subject.
     let mut truths = match cluster.edge_feed().await {
         Ok(sub) => Some(sub),
@@ -188,6 +196,11 @@ pub async fn run(
             }
             Some(payload) = next_on(&mut resyncs) => {
                 if !inputs.send(ClusterInput::Resync { payload }).await {
+                    return;
+                }
+            }
+            Some(payload) = next_on(&mut beacons) => {
+                if !inputs.send(ClusterInput::Beacon { payload }).await {
                     return;
                 }
             }
@@ -315,6 +328,11 @@ pub async fn run(
                     ClusterOutput::Resync { payload } => {
                         if let Err(e) = cluster.publish_resync(payload).await {
                             warn!(error = %e, "cannot ask the edges to resync");
+                        }
+                    }
+                    ClusterOutput::Beacon { payload } => {
+                        if let Err(e) = cluster.publish_beacon(payload).await {
+                            debug!(error = %e, "cannot publish a beacon");
                         }
                     }
                     ClusterOutput::Watch { shard } => {
