@@ -219,16 +219,14 @@ async fn connect(
     kind: Kind,
     watch: WatchClaim,
 ) -> (Client, Updates) {
+    let claims = Claims::new(user, device, kind, watch, Duration::from_secs(3600));
+    connect_as(nodes, at, claims).await
+}
+
+async fn connect_as(nodes: &[&Node], at: &Node, claims: Claims) -> (Client, Updates) {
+    let (user, device) = (claims.sub.clone(), claims.dev.clone());
     let keys = TokenKeys::new(SECRET.as_bytes(), Duration::ZERO);
-    let token = keys
-        .mint(&Claims::new(
-            user,
-            device,
-            kind,
-            watch,
-            Duration::from_secs(3600),
-        ))
-        .unwrap();
+    let token = keys.mint(&claims).unwrap();
     let roots = nodes.iter().map(|n| n.cert.clone()).collect();
     let mut config = ClientConfig::new(at.addr, roots, token);
     config.reconnect = None;
@@ -473,7 +471,8 @@ async fn cross_node_watching_status_invisible_logout() {
 
 /// Scenario 2: alice's phone on node a, her laptop on node b, her owner
 /// and bob elsewhere where possible: bob sees both kinds; logging out of the
-/// laptop keeps her online (only the kinds change).
+/// laptop keeps her online (only the kinds change). A service's `Route` on
+/// node a lists the devices on every node.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn multi_device_across_nodes_logout_of_one_keeps_online() {
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
@@ -510,6 +509,26 @@ async fn multi_device_across_nodes_logout_of_one_keeps_online() {
     )
     .await;
 
+    // A service on a node that is neither her owner nor holds both devices
+    // is told of both: the owner answers `Route`.
+    let mut claims = Claims::new(
+        "pusher",
+        "svc-1",
+        Kind::Desktop,
+        WatchClaim::all(),
+        Duration::from_secs(3600),
+    );
+    claims.svc = true;
+    let (service, _s) = connect_as(&nodes, &a, claims).await;
+    let mut route = service.route(&alice).await.unwrap();
+    route.sort_by(|x, y| x.device.cmp(&y.device));
+    let devices: Vec<(&str, Kind)> = route.iter().map(|e| (e.device.as_str(), e.kind)).collect();
+    assert_eq!(
+        devices,
+        [("laptop", Kind::Desktop), ("phone", Kind::Mobile)]
+    );
+    assert!(route.iter().all(|e| e.session != 0), "{route:?}");
+
     laptop.logout().await.unwrap();
     let phone_only = wait_presence(
         &mut bob_updates,
@@ -521,6 +540,9 @@ async fn multi_device_across_nodes_logout_of_one_keeps_online() {
     .await;
     assert!(phone_only.online, "{phone_only:?}");
     assert!(phone_only.version > seen.version);
+    let route = service.route(&alice).await.unwrap();
+    let devices: Vec<&str> = route.iter().map(|e| e.device.as_str()).collect();
+    assert_eq!(devices, ["phone"]);
     // And she never goes offline meanwhile.
     never(
         &mut bob_updates,

@@ -202,8 +202,10 @@ pub enum ClusterOutput {
 /// A device input, as the edge forwards it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum WireOp {
+    /// `session`: the edge's wire id of the session (what `Route` lists).
     Connect {
         kind: proto::Kind,
+        session: u64,
     },
     /// `last_heard`: Unix milliseconds (the nodes' clocks agree on Unix time,
     /// not on their cores' milliseconds).
@@ -242,6 +244,8 @@ pub enum ToOwner {
     /// The views of `targets` (what others see, for every target), for an
     /// edge that missed a view of their shard.
     Views { targets: Vec<String> },
+    /// The user's Online devices, for a service's `Route`.
+    Route { user: String },
 }
 
 /// Owner → edge (a reply).
@@ -263,6 +267,8 @@ pub enum FromOwner {
         epoch: u64,
         seq: u64,
     },
+    /// The user's Online devices, wherever they are connected.
+    Route(Vec<proto::RouteEntry>),
     /// Some targets' KV records are being read (users the owner freed, or
     /// has not met since it took the shard): ask again shortly.
     Loading,
@@ -377,9 +383,10 @@ struct Owner {
     core: Core,
     users: Interner,
     devices: Interner,
-    /// Each session's holder and device name id (the owner's `devices`
-    /// hold one reference per session: a name no session uses is freed).
-    sessions: HashMap<SessionId, (Holder, u64)>,
+    /// Each session's holder, device name id (the owner's `devices` hold
+    /// one reference per session: a name no session uses is freed) and the
+    /// edge's wire id of it (0: restored, not connected again yet).
+    sessions: HashMap<SessionId, (Holder, u64, u64)>,
     by_holder: HashMap<Holder, SessionId>,
     /// The last request id taken per connection: a request that arrives
     /// late (after the edge gave up on it and sent the next) is not applied
@@ -445,6 +452,8 @@ struct EdgeDevice {
     user: String,
     device: String,
     kind: proto::Kind,
+    /// The session's wire id.
+    wire: u64,
     conn: u64,
     queue: VecDeque<QueuedOp>,
     /// The request id of the op at the queue's head, once sent.
@@ -453,6 +462,26 @@ struct EdgeDevice {
     not_before: Option<Instant>,
     /// The session is over here: forget the device once its queue is empty.
     closed: bool,
+}
+
+impl EdgeDevice {
+    fn connect(&self, now: Instant) -> QueuedOp {
+        QueuedOp {
+            op: WireOp::Connect {
+                kind: self.kind,
+                session: self.wire,
+            },
+            wait: None,
+            deadline: now,
+        }
+    }
+}
+
+struct PendingRoute {
+    user: String,
+    deadline: Instant,
+    /// Ask again then (after a refusal or a failure).
+    retry_at: Option<Instant>,
 }
 
 struct PendingSubscribe {
@@ -486,6 +515,9 @@ enum InFlight {
     Repair {
         shard: u32,
         targets: Vec<String>,
+    },
+    Route {
+        wait: u64,
     },
 }
 
@@ -544,6 +576,7 @@ pub struct ClusterLink {
     resynced: HashMap<u32, u64>,
     next_beacon: Option<Instant>,
     subscribes: HashMap<u64, PendingSubscribe>,
+    routes: HashMap<u64, PendingRoute>,
     /// Requests out, with when they count as unanswered (an output the NATS
     /// I/O dropped is never answered).
     in_flight: HashMap<u64, (InFlight, Instant)>,
@@ -597,6 +630,7 @@ impl ClusterLink {
             resynced: HashMap::new(),
             next_beacon: None,
             subscribes: HashMap::new(),
+            routes: HashMap::new(),
             in_flight: HashMap::new(),
             busy: Default::default(),
             next_tick: None,
@@ -685,6 +719,7 @@ impl ClusterLink {
         let work = !self.acting.is_empty()
             || !self.busy.is_empty()
             || !self.subscribes.is_empty()
+            || !self.routes.is_empty()
             || !self.in_flight.is_empty()
             || !self.pending_prefs.is_empty()
             || !self.pending_loads.is_empty()
@@ -751,13 +786,8 @@ impl ClusterLink {
                 for q in &mut d.queue {
                     if q.deadline <= now {
                         if let Some(wait) = q.wait.take() {
-                            self.finished.push_back((
-                                wait,
-                                Finished::Failed(WireError::new(
-                                    ErrorCode::Internal,
-                                    "the owner of this user did not answer in time",
-                                )),
-                            ));
+                            self.finished
+                                .push_back((wait, Finished::Failed(owner_late())));
                         }
                     }
                 }
@@ -774,6 +804,7 @@ impl ClusterLink {
                 self.pump(session, now, at);
             }
         }
+        self.retry_routes(now);
         let waits: Vec<u64> = self.subscribes.keys().copied().collect();
         for wait in waits {
             let Some(p) = self.subscribes.get_mut(&wait) else {
@@ -930,12 +961,7 @@ impl ClusterLink {
         d.conn = conn;
         d.sent = None;
         d.not_before = None;
-        let kind = d.kind;
-        d.queue.push_front(QueuedOp {
-            op: WireOp::Connect { kind },
-            wait: None,
-            deadline: now,
-        });
+        d.queue.push_front(d.connect(now));
         self.pump(session, now, at);
     }
 
@@ -947,11 +973,14 @@ impl ClusterLink {
     // ---- the edge: sessions and device inputs ----
 
     /// A session was welcomed here: its device is forwarded to its owner.
+    /// `wire`: the session's id on the wire (what `Route` lists).
+    #[allow(clippy::too_many_arguments)]
     pub fn connected(
         &mut self,
         now: Instant,
         at: Millis,
         session: SessionId,
+        wire: u64,
         user: &str,
         device: &str,
         kind: proto::Kind,
@@ -970,32 +999,24 @@ impl ClusterLink {
             if d.closed {
                 d.closed = false;
                 d.conn = conn;
-                d.queue.push_back(QueuedOp {
-                    op: WireOp::Connect { kind },
-                    wait: None,
-                    deadline: now,
-                });
+                d.queue.push_back(d.connect(now));
                 self.pump(session, now, at);
             }
             return;
         }
-        self.devices.insert(
-            session,
-            EdgeDevice {
-                user: user.to_owned(),
-                device: device.to_owned(),
-                kind,
-                conn,
-                queue: VecDeque::from([QueuedOp {
-                    op: WireOp::Connect { kind },
-                    wait: None,
-                    deadline: now,
-                }]),
-                sent: None,
-                not_before: None,
-                closed: false,
-            },
-        );
+        let mut d = EdgeDevice {
+            user: user.to_owned(),
+            device: device.to_owned(),
+            kind,
+            wire,
+            conn,
+            queue: VecDeque::new(),
+            sent: None,
+            not_before: None,
+            closed: false,
+        };
+        d.queue.push_back(d.connect(now));
+        self.devices.insert(session, d);
         self.pump(session, now, at);
     }
 
@@ -1339,12 +1360,7 @@ impl ClusterLink {
                 // The owner has no live session of the device (a new owner):
                 // connect it again first.
                 self.counters.retries += 1;
-                let kind = d.kind;
-                d.queue.push_front(QueuedOp {
-                    op: WireOp::Connect { kind },
-                    wait: None,
-                    deadline: now,
-                });
+                d.queue.push_front(d.connect(now));
                 self.next_conn += 1;
                 if let Some(d) = self.devices.get_mut(&session) {
                     d.conn = self.next_conn;
@@ -1352,6 +1368,7 @@ impl ClusterLink {
             }
             Some(FromOwner::NotOwner)
             | Some(FromOwner::Snapshot { .. })
+            | Some(FromOwner::Route(_))
             | Some(FromOwner::Loading)
             | None => {
                 self.counters.retries += 1;
@@ -1689,6 +1706,60 @@ impl ClusterLink {
         ));
     }
 
+    /// A service's `Route` of `user`: their owner lists their Online
+    /// devices on every node. Answered now (`Some`) when this node acts for
+    /// the user's shard, else through [`ClusterLink::poll_finished`] under
+    /// `wait`.
+    pub fn route(&mut self, now: Instant, wait: u64, user: &str) -> Option<proto::Answer> {
+        let shard = self.shard(user);
+        if self.acting_epoch(shard, now).is_some() {
+            if let Some(o) = self.owners.get(&shard) {
+                return Some(proto::Answer::Route(route_of(o, user)));
+            }
+        }
+        let p = PendingRoute {
+            user: user.to_owned(),
+            deadline: now + self.settings.request_timeout,
+            retry_at: None,
+        };
+        self.routes.insert(wait, p);
+        self.ask_route(wait, now);
+        None
+    }
+
+    fn ask_route(&mut self, wait: u64, now: Instant) {
+        let Some(p) = self.routes.get_mut(&wait) else {
+            return;
+        };
+        p.retry_at = None;
+        let shard = (self.settings.shard_of)(&p.user, self.settings.shard_count);
+        let payload = encode(&ToOwner::Route {
+            user: p.user.clone(),
+        });
+        let waiting = InFlight::Route { wait };
+        self.request(now, waiting, shard, RequestKind::Snapshot, payload);
+    }
+
+    fn retry_routes(&mut self, now: Instant) {
+        let mut again = Vec::new();
+        let mut late = Vec::new();
+        for (wait, p) in &self.routes {
+            if p.deadline <= now {
+                late.push(*wait);
+            } else if p.retry_at.is_some_and(|t| t <= now) {
+                again.push(*wait);
+            }
+        }
+        for wait in late {
+            self.routes.remove(&wait);
+            self.finished
+                .push_back((wait, Finished::Failed(owner_late())));
+        }
+        for wait in again {
+            self.ask_route(wait, now);
+        }
+    }
+
     /// Stops watching `target`. `false`: not subscribed.
     pub fn unsubscribe(&mut self, at: Millis, session: SessionId, target: &str) -> bool {
         let Some(id) = self.names.get(target) else {
@@ -1743,6 +1814,7 @@ impl ClusterLink {
                         (ToOwner::Device { .. }, RequestKind::Input)
                             | (ToOwner::Snapshot { .. }, RequestKind::Snapshot)
                             | (ToOwner::Views { .. }, RequestKind::Snapshot)
+                            | (ToOwner::Route { .. }, RequestKind::Snapshot)
                     );
                     if !matches_kind {
                         self.counters.malformed += 1;
@@ -1789,6 +1861,24 @@ impl ClusterLink {
                             self.snapshot_answer(wait, shard, &targets, presences, at);
                         }
                         _ => self.retry_snapshot(wait, shard, now),
+                    },
+                    InFlight::Route { wait } => match answer {
+                        Some(FromOwner::Route(entries))
+                            if entries.iter().all(|e| {
+                                !e.device.is_empty() && e.device.len() <= self.max_name_len
+                            }) =>
+                        {
+                            if self.routes.remove(&wait).is_some() {
+                                let answer = proto::Answer::Route(entries);
+                                self.finished.push_back((wait, Finished::Answer(answer)));
+                            }
+                        }
+                        _ => {
+                            self.counters.retries += 1;
+                            if let Some(p) = self.routes.get_mut(&wait) {
+                                p.retry_at = Some(now + RETRY_AFTER);
+                            }
+                        }
                     },
                     InFlight::Repair { shard, targets } => {
                         if let Some(t) = self.tracks.get_mut(&shard) {
@@ -1951,7 +2041,7 @@ impl ClusterLink {
                     for (session, (holder, did)) in sessions.into_iter().zip(holders) {
                         o.by_holder.insert(holder.clone(), session);
                         o.devices.acquire(did);
-                        o.sessions.insert(session, (holder, did));
+                        o.sessions.insert(session, (holder, did, 0));
                     }
                 }
             }
@@ -2008,7 +2098,7 @@ impl ClusterLink {
             let lost: Vec<SessionId> = o
                 .sessions
                 .iter()
-                .filter(|(_, (holder, _))| {
+                .filter(|(_, (holder, ..))| {
                     holder.0 == node && older_than.is_none_or(|i| holder.1 < i)
                 })
                 .map(|(s, _)| *s)
@@ -2036,7 +2126,7 @@ impl ClusterLink {
         let mut devices: Vec<RecordedDevice> = o
             .sessions
             .iter()
-            .filter_map(|(s, ((edge, incarnation, conn), _))| {
+            .filter_map(|(s, ((edge, incarnation, conn), ..))| {
                 let info = o.core.session_info(*s)?;
                 Some(RecordedDevice {
                     user: o.users.name(info.user.0)?.to_string(),
@@ -2250,6 +2340,7 @@ impl ClusterLink {
             ToOwner::Views { targets } => {
                 targets.len() <= MAX_SNAPSHOT_TARGETS && targets.iter().all(|t| ok(t))
             }
+            ToOwner::Route { user } => ok(user),
         }
     }
 
@@ -2284,6 +2375,18 @@ impl ClusterLink {
         let (viewer, targets) = match msg {
             ToOwner::Snapshot { viewer, targets } => (Some(viewer), targets),
             ToOwner::Views { targets } => (None, targets),
+            ToOwner::Route { user } => {
+                if self.shard(&user) != shard {
+                    self.counters.malformed += 1;
+                    return;
+                }
+                let entries = self.owners.get(&shard).map(|o| route_of(o, &user));
+                self.outputs.push_back(ClusterOutput::Reply {
+                    reply,
+                    payload: encode(&FromOwner::Route(entries.unwrap_or_default())),
+                });
+                return;
+            }
             device => {
                 self.counters.owner_inputs += 1;
                 return self.owner_input(shard, device, ReplyTo::Remote(reply), now, at);
@@ -2412,11 +2515,15 @@ impl ClusterLink {
         let live = |o: &Owner, s: SessionId| o.core.session_info(s).is_some_and(|i| i.online);
         let mut prefs = false;
         let answer = match op {
-            WireOp::Connect { kind } => {
+            WireOp::Connect {
+                kind,
+                session: wire,
+            } => {
                 if session.is_some_and(|s| live(o, s)) {
                     FromOwner::Done { epoch }
                 } else {
-                    match owner_connect(o, at, &user, &device, kind.into(), holder.clone()) {
+                    let named = (holder.clone(), wire);
+                    match owner_connect(o, at, &user, &device, kind.into(), named) {
                         Ok(uid) => {
                             o.dirty_since.get_or_insert(at);
                             if holder.0 != self.settings.node {
@@ -2519,7 +2626,7 @@ impl ClusterLink {
             o.dirty_since.get_or_insert(at);
         }
         for session in ended {
-            if let Some((holder, did)) = o.sessions.remove(&session) {
+            if let Some((holder, did, _)) = o.sessions.remove(&session) {
                 o.by_holder.remove(&holder);
                 forget_device(&mut o.devices, did);
             }
@@ -2571,7 +2678,7 @@ impl ClusterLink {
                 let mut edges: Vec<&str> = holding
                     .iter()
                     .filter_map(|s| o.sessions.get(s))
-                    .map(|(h, _)| h.0.as_str())
+                    .map(|(h, ..)| h.0.as_str())
                     .chain(greet.iter().filter(|g| g.0 == user).map(|g| g.1.as_str()))
                     .filter(|e| *e != me)
                     .collect();
@@ -2637,7 +2744,7 @@ fn owner_connect(
     user: &str,
     device: &str,
     kind: DeviceKind,
-    holder: Holder,
+    (holder, wire): (Holder, u64),
 ) -> Result<UserId, WireError> {
     let too_many = || WireError::new(ErrorCode::TooManyUsers, "the owner holds too many users");
     let uid = o.users.intern(user).ok_or_else(too_many)?;
@@ -2666,13 +2773,40 @@ fn owner_connect(
         }
     };
     if let Some(old) = o.by_holder.insert(holder.clone(), connected.session) {
-        if let Some((_, did)) = o.sessions.remove(&old) {
+        if let Some((_, did, _)) = o.sessions.remove(&old) {
             forget_device(&mut o.devices, did);
         }
     }
     o.devices.acquire(did);
-    o.sessions.insert(connected.session, (holder, did));
+    o.sessions.insert(connected.session, (holder, did, wire));
     Ok(UserId(uid))
+}
+
+fn owner_late() -> WireError {
+    WireError::new(
+        ErrorCode::Internal,
+        "the owner of this user did not answer in time",
+    )
+}
+
+/// The user's Online devices at this owner, with the edges' session ids.
+fn route_of(o: &Owner, user: &str) -> Vec<proto::RouteEntry> {
+    let Some(uid) = o.users.get(user) else {
+        return Vec::new();
+    };
+    o.core
+        .route(UserId(uid))
+        .into_iter()
+        .filter_map(|s| {
+            let info = o.core.session_info(s)?;
+            let (_, did, wire) = o.sessions.get(&s)?;
+            Some(proto::RouteEntry {
+                device: o.devices.name(*did)?.to_string(),
+                kind: info.kind.into(),
+                session: *wire,
+            })
+        })
+        .collect()
 }
 
 fn note_idle(o: &mut Owner, user: UserId, at: Millis) {
@@ -2890,8 +3024,24 @@ mod tests {
             all_shards(1, now + Duration::from_secs(3600)),
         );
         let (alice, bob) = (SessionId(1), SessionId(2));
-        a.connected(now, Millis(0), alice, "alice", "phone", proto::Kind::Mobile);
-        a.connected(now, Millis(0), bob, "bob", "laptop", proto::Kind::Desktop);
+        a.connected(
+            now,
+            Millis(0),
+            alice,
+            1001,
+            "alice",
+            "phone",
+            proto::Kind::Mobile,
+        );
+        a.connected(
+            now,
+            Millis(0),
+            bob,
+            1002,
+            "bob",
+            "laptop",
+            proto::Kind::Desktop,
+        );
         exchange(&mut a, &mut b, now, Millis(0));
         (a, b, now)
     }
@@ -2976,6 +3126,7 @@ mod tests {
             now,
             Millis(400),
             SessionId(9),
+            1009,
             "alice",
             "tablet",
             proto::Kind::Mobile,
@@ -3101,6 +3252,7 @@ mod tests {
             now,
             Millis(10),
             SessionId(50),
+            1050,
             "dave",
             "phone",
             proto::Kind::Mobile,
@@ -3256,6 +3408,7 @@ mod tests {
             now,
             Millis(0),
             SessionId(3),
+            1003,
             "carol",
             "phone",
             proto::Kind::Mobile,
@@ -3395,6 +3548,56 @@ mod tests {
     }
 
     #[test]
+    fn a_route_lists_the_devices_on_every_node() {
+        let (mut a, mut b, now) = two_nodes();
+        // b, the owner, is also an edge: alice's laptop connects there.
+        b.connected(
+            now,
+            Millis(5),
+            SessionId(7),
+            1007,
+            "alice",
+            "laptop",
+            proto::Kind::Desktop,
+        );
+        exchange(&mut a, &mut b, now, Millis(5));
+        let entry = |device: &str, kind, session| proto::RouteEntry {
+            device: device.into(),
+            kind,
+            session,
+        };
+        let both = vec![
+            entry("laptop", proto::Kind::Desktop, 1007),
+            entry("phone", proto::Kind::Mobile, 1001),
+        ];
+        let sorted = |mut r: Vec<proto::RouteEntry>| {
+            r.sort_by(|x, y| x.device.cmp(&y.device));
+            r
+        };
+        // At the owner's node: answered at once.
+        let Some(proto::Answer::Route(route)) = b.route(now, 1, "alice") else {
+            panic!("the owner answers at once");
+        };
+        assert_eq!(sorted(route), both);
+        // Elsewhere: asked of the owner.
+        assert!(a.route(now, 2, "alice").is_none());
+        exchange(&mut a, &mut b, now, Millis(6));
+        let Some((2, Finished::Answer(proto::Answer::Route(route)))) = a.poll_finished() else {
+            panic!("no route answer");
+        };
+        assert_eq!(sorted(route), both);
+        // An owner that does not answer: an error once the request times out.
+        assert!(a.route(now, 3, "alice").is_none());
+        while a.poll_output().is_some() {}
+        let late = now + Duration::from_secs(6);
+        a.handle_timeout(late, Millis(6_000));
+        let Some((3, Finished::Failed(e))) = a.poll_finished() else {
+            panic!("no failure");
+        };
+        assert_eq!(e.code, ErrorCode::Internal);
+    }
+
+    #[test]
     fn a_view_that_overtakes_the_snapshot_is_not_lost() {
         let (mut a, mut b, now) = two_nodes();
         let answer = bob_subscribes_to_alice(&mut a, now, Millis(1), 5);
@@ -3510,8 +3713,8 @@ mod tests {
         let mut held: Vec<(u64, bool)> = o
             .sessions
             .iter()
-            .filter(|(_, (h, _))| h.0 == edge)
-            .map(|(s, (h, _))| (h.1, o.core.session_info(*s).unwrap().online))
+            .filter(|(_, (h, ..))| h.0 == edge)
+            .map(|(s, (h, ..))| (h.1, o.core.session_info(*s).unwrap().online))
             .collect();
         held.sort();
         held
@@ -3528,6 +3731,7 @@ mod tests {
             now,
             Millis(90),
             SessionId(5),
+            1005,
             "dave",
             "phone",
             proto::Kind::Mobile,
@@ -3540,6 +3744,7 @@ mod tests {
             now,
             Millis(100),
             SessionId(1),
+            1001,
             "carol",
             "phone",
             proto::Kind::Mobile,
@@ -3669,6 +3874,7 @@ mod tests {
             device: "tablet".into(),
             op: WireOp::Connect {
                 kind: proto::Kind::Web,
+                session: 1,
             },
         };
         for (msg, kind) in [

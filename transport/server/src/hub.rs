@@ -563,7 +563,7 @@ impl Hub {
     /// DESIGN.md "Identifiers": 1 to `max_name_len` bytes of UTF-8 (the
     /// wire's strings are UTF-8 already) without control characters, which
     /// would be echoed into logs, events and other clients' screens.
-    fn name_ok(&self, name: &str, what: &str) -> Result<(), WireError> {
+    pub(crate) fn name_ok(&self, name: &str, what: &str) -> Result<(), WireError> {
         if name.is_empty() || name.len() > self.limits.max_name_len {
             return Err(WireError::new(
                 ErrorCode::BadRequest,

@@ -2094,7 +2094,8 @@ impl ServerState {
                 request:
                     proto::Request::Subscribe { .. }
                     | proto::Request::Unsubscribe { .. }
-                    | proto::Request::Query { .. },
+                    | proto::Request::Query { .. }
+                    | proto::Request::Route { .. },
                 ..
             } = &step
             {
@@ -2397,26 +2398,16 @@ impl ServerState {
         op: WireOp,
         handled: Handled,
     ) {
-        let Some(serial) = self.conn(ch).map(|c| c.serial) else {
+        let Some((wait, backstop)) = self.cluster_ticket(ch, now, handled) else {
             return;
         };
-        let backstop = self.cluster_backstop(now);
-        let wait = self.ticket(Ticket::Cluster {
-            ch,
-            serial,
-            handled,
-            deadline: backstop,
-        });
         let at = self.clock.at(now);
         let taken = self
             .cluster
             .as_deref_mut()
             .is_some_and(|c| c.input(now, at, session, op, Some(wait)));
         if taken {
-            if let Some(conn) = self.conn(ch) {
-                conn.session.phase = Phase::WaitingStore { ticket: wait };
-            }
-            return;
+            return self.hold_for(ch, wait);
         }
         // Not a session the cluster knows (it never got through): answered
         // as it is.
@@ -2446,7 +2437,7 @@ impl ServerState {
         else {
             return;
         };
-        c.connected(now, at, session, &w.user, &w.device, kind.into());
+        c.connected(now, at, session, w.session, &w.user, &w.device, kind.into());
         if w.resumed {
             w.snapshots = c.snapshots(session, &w.user);
         }
@@ -2510,33 +2501,25 @@ impl ServerState {
                         Err(error) => refused.push(proto::Refused { target, error }),
                     }
                 }
-                let Some(serial) = self.conn(ch).map(|c| c.serial) else {
-                    return;
-                };
-                let backstop = self.cluster_backstop(now);
-                let wait = self.ticket(Ticket::Cluster {
-                    ch,
-                    serial,
-                    handled: reply(Ok(proto::Answer::Done)),
-                    deadline: backstop,
+                self.cluster_ask(ch, now, id, |c, wait| {
+                    c.subscribe(
+                        now, at, wait, session, &viewer, allowed, refused, tier, query,
+                    )
                 });
-                let Some(c) = self.cluster.as_deref_mut() else {
-                    return;
+            }
+            proto::Request::Route { user } => {
+                let checked = if self.hub.is_service(session) {
+                    self.hub.name_ok(&user, "user")
+                } else {
+                    Err(proto::WireError::new(
+                        proto::ErrorCode::ServiceOnly,
+                        "route needs a service token",
+                    ))
                 };
-                match c.subscribe(
-                    now, at, wait, session, &viewer, allowed, refused, tier, query,
-                ) {
-                    Some(answer) => {
-                        self.tickets.remove(&wait);
-                        self.ticket_deadlines.remove(&(backstop, wait));
-                        self.answer(ch, now, reply(Ok(answer)));
-                    }
-                    None => {
-                        if let Some(conn) = self.conn(ch) {
-                            conn.session.phase = Phase::WaitingStore { ticket: wait };
-                        }
-                    }
+                if let Err(error) = checked {
+                    return self.answer(ch, now, reply(Err(error)));
                 }
+                self.cluster_ask(ch, now, id, |c, wait| c.route(now, wait, &user));
             }
             proto::Request::Unsubscribe { target } => {
                 let done = self
@@ -2554,6 +2537,64 @@ impl ServerState {
                 self.answer(ch, now, reply(result));
             }
             _ => {}
+        }
+    }
+
+    /// Runs a cluster request of connection `ch` (its request `id`): the
+    /// answer now, or the connection waits for it under a ticket.
+    fn cluster_ask(
+        &mut self,
+        ch: usize,
+        now: Instant,
+        id: u64,
+        ask: impl FnOnce(&mut ClusterLink, u64) -> Option<proto::Answer>,
+    ) {
+        let reply = |result| Handled {
+            reply: Some(ServerFrame::Reply { id, result }),
+            ..Handled::default()
+        };
+        let held = reply(Ok(proto::Answer::Done));
+        let Some((wait, backstop)) = self.cluster_ticket(ch, now, held) else {
+            return;
+        };
+        let Some(c) = self.cluster.as_deref_mut() else {
+            return;
+        };
+        match ask(c, wait) {
+            Some(answer) => {
+                self.tickets.remove(&wait);
+                self.ticket_deadlines.remove(&(backstop, wait));
+                self.answer(ch, now, reply(Ok(answer)));
+            }
+            None => self.hold_for(ch, wait),
+        }
+    }
+
+    /// A ticket for a request of connection `ch` the cluster answers
+    /// (`handled`: the answer when it has nothing else to say), with its
+    /// backstop deadline.
+    fn cluster_ticket(
+        &mut self,
+        ch: usize,
+        now: Instant,
+        handled: Handled,
+    ) -> Option<(u64, Instant)> {
+        let serial = self.conn(ch).map(|c| c.serial)?;
+        let deadline = self.cluster_backstop(now);
+        let wait = self.ticket(Ticket::Cluster {
+            ch,
+            serial,
+            handled,
+            deadline,
+        });
+        Some((wait, deadline))
+    }
+
+    /// Connection `ch` waits for ticket `wait`: its later frames wait too,
+    /// so that answers keep their order.
+    fn hold_for(&mut self, ch: usize, wait: u64) {
+        if let Some(conn) = self.conn(ch) {
+            conn.session.phase = Phase::WaitingStore { ticket: wait };
         }
     }
 
