@@ -575,6 +575,8 @@ pub struct ClusterLink {
     /// (a new owner sends it again while its window is open).
     resynced: HashMap<u32, u64>,
     next_beacon: Option<Instant>,
+    /// Some track has a gap to repair (what the tick looks at).
+    gaps: bool,
     subscribes: HashMap<u64, PendingSubscribe>,
     routes: HashMap<u64, PendingRoute>,
     /// Requests out, with when they count as unanswered (an output the NATS
@@ -629,6 +631,7 @@ impl ClusterLink {
             tracks: HashMap::new(),
             resynced: HashMap::new(),
             next_beacon: None,
+            gaps: false,
             subscribes: HashMap::new(),
             routes: HashMap::new(),
             in_flight: HashMap::new(),
@@ -720,6 +723,7 @@ impl ClusterLink {
             || !self.busy.is_empty()
             || !self.subscribes.is_empty()
             || !self.routes.is_empty()
+            || self.gaps
             || !self.in_flight.is_empty()
             || !self.pending_prefs.is_empty()
             || !self.pending_loads.is_empty()
@@ -1135,6 +1139,7 @@ impl ClusterLink {
                 let next = (epoch == e && seq == s + 1) || (epoch > e && seq == 1);
                 if !next && !t.gap {
                     t.gap = true;
+                    self.gaps = true;
                     self.counters.view_gaps += 1;
                 }
                 t.seen = Some((epoch, seq));
@@ -1154,6 +1159,7 @@ impl ClusterLink {
             None => t.seen = Some((epoch, seq)),
             Some(seen) if seen > (epoch, seq) && !t.gap => {
                 t.gap = true;
+                self.gaps = true;
                 self.counters.view_gaps += 1;
             }
             _ => {}
@@ -1171,6 +1177,7 @@ impl ClusterLink {
             if (epoch, seq) > seen {
                 if !t.gap {
                     t.gap = true;
+                    self.gaps = true;
                     self.counters.view_gaps += 1;
                 }
                 t.seen = Some((epoch, seq));
@@ -1181,6 +1188,14 @@ impl ClusterLink {
     /// Asks the owners of shards with a view missed for the views of every
     /// target watched here (and of those being subscribed).
     fn repair_gaps(&mut self, now: Instant, at: Millis) {
+        if !self.gaps {
+            return;
+        }
+        // Those not due yet (a pause after a failure) keep it set.
+        self.gaps = self
+            .tracks
+            .values()
+            .any(|t| t.gap && t.not_before.is_some_and(|n| n > now));
         let mut due: HashMap<u32, Vec<String>> = self
             .tracks
             .iter()
@@ -1253,6 +1268,7 @@ impl ClusterLink {
         self.counters.retries += 1;
         if let Some(t) = self.tracks.get_mut(&shard) {
             t.gap = true;
+            self.gaps = true;
             t.not_before = Some(now + RETRY_AFTER);
         }
     }
@@ -3481,6 +3497,8 @@ mod tests {
         set_status(&mut a, &mut b, SessionId(3), away, now, 800, |_| false);
         assert_eq!(a.counters().view_gaps, 1);
         assert!(!busy_pushed_to_bob(&mut a));
+        // a acts for no shard and has nothing else to do: the gap is work.
+        assert!(a.poll_deadline(now).is_some());
         // The edge's next tick asks the owner for the shard's views again.
         let later = now + TICK;
         a.handle_timeout(later, Millis(1_150));
