@@ -18,7 +18,7 @@ use support::Proc;
 
 use greendot_client::rustls::pki_types::pem::PemObject;
 use greendot_client::rustls::pki_types::CertificateDer;
-use greendot_client::{Client, ClientConfig, Event, Updates};
+use greendot_client::{Client, ClientConfig, Event, Source, Updates};
 use greendot_cluster::testing::NatsCluster;
 use greendot_core::{Kinds, Presence, Status, Tier};
 use greendot_proto::Kind;
@@ -29,6 +29,7 @@ const SHARDS: u32 = 64;
 const LEASE_TTL: Duration = Duration::from_secs(2);
 const DEBOUNCE: Duration = Duration::from_millis(300);
 const GRACE: Duration = Duration::from_secs(1);
+const BATCH: Duration = Duration::from_secs(1);
 /// A loaded 2-core machine, NATS round trips, process start.
 const SLACK: Duration = Duration::from_secs(8);
 const SECRET: &str = "0123456789abcdef0123456789abcdef";
@@ -112,6 +113,7 @@ fn serve_on(
     command
         .args(["--debounce", &format!("{}ms", DEBOUNCE.as_millis())])
         .args(["--grace", &format!("{}ms", GRACE.as_millis())])
+        .args(["--batch-interval", &format!("{}ms", BATCH.as_millis())])
         .args(["--idle-timeout", "1s", "--keep-alive", "250ms"])
         .env("RUST_LOG", "warn");
     let mut proc = Proc::spawn(id, command);
@@ -261,14 +263,30 @@ async fn wait_presence(
     what: &str,
     pred: impl Fn(&Presence) -> bool,
 ) -> Presence {
+    wait_presence_by(updates, target, within, what, None, pred).await
+}
+
+/// [`wait_presence`], checking that every update of `target` but the
+/// subscribe's snapshot came by `source` when given.
+async fn wait_presence_by(
+    updates: &mut Updates,
+    target: &str,
+    within: Duration,
+    what: &str,
+    source: Option<Source>,
+    pred: impl Fn(&Presence) -> bool,
+) -> Presence {
     let deadline = tokio::time::Instant::now() + within;
     loop {
         match tokio::time::timeout_at(deadline, updates.next()).await {
             Ok(Some(Event::Presence {
                 target: t,
                 presence,
-                ..
+                source: by,
             })) if t == target => {
+                if let Some(source) = source.filter(|_| by != Source::Snapshot) {
+                    assert_eq!(by, source, "{what}: {presence:?}");
+                }
                 if pred(&presence) {
                     return presence;
                 }
@@ -337,6 +355,8 @@ fn kinds(list: &[Kind]) -> Kinds {
 /// Scenario 1: alice's device on node a, her owner node b, bob watching
 /// from node c: online after the debounce, status and message, invisible
 /// and back, logout: bob sees what one node would show, versions growing.
+/// dan watches her in the batched tier from node a: her status reaches him
+/// in a batch.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cross_node_watching_status_invisible_logout() {
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
@@ -368,6 +388,18 @@ async fn cross_node_watching_status_invisible_logout() {
     assert!(subscribed.refused.is_empty(), "{subscribed:?}");
     let (_, _, snapshot) = &subscribed.snapshots[0];
     assert!(!snapshot.online, "{snapshot:?}");
+    let (dan, mut dan_updates) = connect(
+        &nodes,
+        &a,
+        "dan",
+        "laptop",
+        Kind::Desktop,
+        WatchClaim::all(),
+    )
+    .await;
+    dan.subscribe(&[alice.as_str()], Tier::Batched)
+        .await
+        .unwrap();
 
     let t0 = Instant::now();
     let (phone, _phone_updates) =
@@ -409,6 +441,22 @@ async fn cross_node_watching_status_invisible_logout() {
     assert!(busy.online);
     assert_eq!(busy.message.as_deref(), Some("in a meeting"));
     assert!(busy.version > online.version);
+    // dan, batched on another node: busy, by a batch (online and busy may
+    // come in one).
+    let batched = Some(Source::Batched);
+    let within = DEBOUNCE + BATCH + SLACK;
+    let dan_busy = wait_presence_by(
+        &mut dan_updates,
+        &alice,
+        within,
+        "batched busy",
+        batched,
+        |p| p.status == Status::Busy,
+    )
+    .await;
+    assert!(dan_busy.online);
+    assert_eq!(dan_busy.version, busy.version);
+    drop(dan);
 
     // Invisible: offline to bob; visible again: online.
     phone.set_invisible(true).await.unwrap();
