@@ -13,6 +13,12 @@
 //! new handshake that resumes the session, no wait), first offering TLS
 //! session tickets and then without: how long until all K are back, and
 //! handshakes per second, for the overload run.
+//!
+//! `-- --burst K` (`-- --burst-after 5` seconds into the window) keeps the
+//! churn and makes devices 0..K reconnect at once inside the measured
+//! window: the other sessions' change-to-push p99 before, during and after,
+//! and how long after the burst until it is back to normal. The server
+//! prints what it shed when it stops.
 
 use greendot_bench::plot;
 use greendot_bench::{arg, flag, raise_nofile};
@@ -66,6 +72,30 @@ fn serve() {
             }
         })
         .await;
+        if let Some(m) = server.monitor().metrics().await {
+            // Passes of the loop longer than a bound: whether the server
+            // itself fell behind.
+            let (passes, _) = &m.loop_pass;
+            let over = |us: u64| {
+                let within = greendot_server::metrics::BOUNDS_US
+                    .iter()
+                    .position(|&b| b == us)
+                    .and_then(|i| passes.get(i))
+                    .copied()
+                    .unwrap_or(0);
+                passes.last().copied().unwrap_or(0) - within
+            };
+            eprintln!(
+                "  server: shed {:?}, handshakes aborted {}, rejected {:?}; loop passes {}, over 100 ms {}, over 1 s {}; socket drops {:?}",
+                m.shed,
+                m.handshakes_aborted,
+                m.rejected,
+                passes.last().copied().unwrap_or(0),
+                over(100_000),
+                over(1_000_000),
+                m.udp.map(|u| u.drops)
+            );
+        }
         server.shutdown().await;
     });
 }
@@ -252,6 +282,13 @@ fn main() {
     let endpoints: usize = arg("--endpoints", 8);
     let concurrency: usize = arg("--concurrency", 32);
     let ramp_timeout = Duration::from_secs(arg("--ramp-timeout", 240));
+    let burst = match arg("--burst", 0usize) {
+        0 => None,
+        sessions => Some(loadgen::Burst {
+            after: Duration::from_secs(arg("--burst-after", 5)),
+            sessions,
+        }),
+    };
     eprintln!("open-file limit {nofile}; N = {ns:?}, {duration:?} of churn at {churn} per second");
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -276,6 +313,7 @@ fn main() {
         opts.endpoints = endpoints;
         opts.connect_concurrency = concurrency;
         opts.ramp_timeout = ramp_timeout;
+        opts.burst = burst;
         let report = runtime.block_on(loadgen::run(opts));
         eprintln!("{}\n{report}", LoadReport::header());
         eprintln!(
@@ -323,6 +361,38 @@ fn main() {
             r.request_errors,
             r.client_cpu_window.unwrap_or(0.0)
         );
+    }
+
+    let bursts: Vec<_> = reports
+        .iter()
+        .filter_map(|r| Some((r.target, r.burst.as_ref()?)))
+        .collect();
+    if !bursts.is_empty() {
+        println!();
+        println!("Burst: devices 0..K reconnect at once (resume), the rest keep churning; p99 of the others' change-to-push");
+        println!();
+        println!("| N | K | back | given up | all back (s) | p99 before ms | p99 during ms | p99 after ms | normal after the burst (s) |");
+        println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        let ms =
+            |d: Option<Duration>| d.map_or("-".into(), |d| format!("{:.1}", d.as_secs_f64() * 1e3));
+        let s = |d: Option<Duration>| {
+            d.map_or("not within the window".into(), |d| {
+                format!("{:.1}", d.as_secs_f64())
+            })
+        };
+        for (n, b) in bursts {
+            println!(
+                "| {n} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                b.sessions,
+                b.back,
+                b.failed,
+                s(b.all_back),
+                ms(b.p99_before),
+                ms(b.p99_during),
+                ms(b.p99_after),
+                s(b.normal_after)
+            );
+        }
     }
 
     let docs = greendot_bench::docs_dir();

@@ -76,6 +76,39 @@ pub struct LoadOptions {
     /// Connect over WebSocket (`wss://…/greendot`) to this TCP address
     /// instead of over QUIC to `server`. Default `None`.
     pub websocket: Option<SocketAddr>,
+    /// A mass reconnect inside the measured window (QUIC only). Default
+    /// `None`.
+    pub burst: Option<Burst>,
+}
+
+/// Devices `0..sessions` close their connection `after` into the measured
+/// window, all at once, and reconnect with resume (retrying with the client
+/// library's full-jitter backoff); the others keep their churn, whose
+/// latency is then reported before, during and after.
+#[derive(Clone, Copy, Debug)]
+pub struct Burst {
+    pub after: Duration,
+    pub sessions: usize,
+}
+
+/// What a [`Burst`] did.
+#[derive(Clone, Debug, Default)]
+pub struct BurstReport {
+    pub sessions: usize,
+    /// Of them, welcomed again, and given up.
+    pub back: usize,
+    pub failed: usize,
+    /// From the burst to the last of them back.
+    pub all_back: Option<Duration>,
+    /// Change-to-push p99 of the other sessions' changes: received in the
+    /// window before the burst, from the burst until all were back, after.
+    pub p99_before: Option<Duration>,
+    pub p99_during: Option<Duration>,
+    pub p99_after: Option<Duration>,
+    /// From the burst's end (all back) to the first second from which every
+    /// second's p99 stays within twice the one before the burst (at least
+    /// 50 ms): the server back to normal.
+    pub normal_after: Option<Duration>,
 }
 
 impl LoadOptions {
@@ -106,6 +139,7 @@ impl LoadOptions {
             progress: true,
             user_prefix: "lg".into(),
             websocket: None,
+            burst: None,
         }
     }
 }
@@ -147,6 +181,7 @@ pub struct LoadReport {
     pub latency_p999: Option<Duration>,
     /// Requests answered with an error, or not answered in time.
     pub request_errors: u64,
+    pub burst: Option<BurstReport>,
 }
 
 impl LoadReport {
@@ -195,6 +230,66 @@ impl fmt::Display for LoadReport {
     }
 }
 
+/// The p99 of latencies (µs).
+fn p99(mut lat: Vec<u32>) -> Option<Duration> {
+    lat.sort_unstable();
+    let i = ((lat.len() as f64 - 1.0) * 0.99).round() as usize;
+    lat.get(i.min(lat.len().saturating_sub(1)))
+        .map(|&us| Duration::from_micros(u64::from(us)))
+}
+
+/// `timed`: (received ms, latency µs); the burst from `start` to `end` ms.
+fn burst_report(
+    ctx: &Ctx,
+    b: Burst,
+    timed: &[(u32, u32)],
+    start: u32,
+    end: Option<u32>,
+) -> BurstReport {
+    BurstReport {
+        sessions: b.sessions,
+        back: ctx.burst_back.load(Relaxed),
+        failed: ctx.burst_failed.load(Relaxed),
+        all_back: end.map(|e| Duration::from_millis(u64::from(e.saturating_sub(start)))),
+        ..burst_latency(timed, start, end)
+    }
+}
+
+/// The latency figures of a [`BurstReport`].
+fn burst_latency(timed: &[(u32, u32)], start: u32, end: Option<u32>) -> BurstReport {
+    let end_ms = end.unwrap_or(u32::MAX);
+    let within = |from: u32, to: u32| -> Vec<u32> {
+        timed
+            .iter()
+            .filter(|(at, _)| (from..to).contains(at))
+            .map(|(_, l)| *l)
+            .collect()
+    };
+    let before = p99(within(0, start));
+    // Back to normal: seconds after the end whose p99 all stay under the bar.
+    let bar = before.map_or(Duration::from_millis(50), |p| {
+        (p * 2).max(Duration::from_millis(50))
+    });
+    let last = timed.iter().map(|(at, _)| *at).max().unwrap_or(0);
+    let normal_after = end.and_then(|end| {
+        let seconds: Vec<u32> = (end..=last).step_by(1000).collect();
+        let ok = |from: u32| p99(within(from, from + 1000)).is_none_or(|p| p <= bar);
+        let first_bad_from_end = seconds.iter().rposition(|&s| !ok(s));
+        let from = match first_bad_from_end {
+            None => end,
+            Some(k) => seconds.get(k + 1).copied()?,
+        };
+        Some(Duration::from_millis(u64::from(from - end)))
+    });
+    BurstReport {
+        p99_before: before,
+        p99_during: p99(within(start, end_ms)),
+        p99_after: end.and_then(|e| p99(within(e, u32::MAX))),
+        normal_after,
+        ..BurstReport::default()
+    }
+}
+
 /// `VmRSS` of a process, bytes.
 pub fn rss_bytes(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -237,7 +332,10 @@ struct Ctx {
     /// from an earlier run (a repeat publishes nothing).
     run: u64,
     measuring: AtomicBool,
-    latencies_us: Mutex<Vec<u32>>,
+    /// (received, ms since `t0`; change-to-push latency, µs)
+    latencies_us: Mutex<Vec<(u32, u32)>>,
+    burst_back: AtomicUsize,
+    burst_failed: AtomicUsize,
     connected: AtomicUsize,
     failed: AtomicUsize,
     open: AtomicUsize,
@@ -321,8 +419,9 @@ impl Ctx {
             if at != 0 {
                 let d = self.nanos().saturating_sub(at) / 1000;
                 let d = d.saturating_sub(self.opts.debounce.as_micros() as u64);
+                let received = u32::try_from(self.nanos() / 1_000_000).unwrap_or(u32::MAX);
                 let mut l = self.latencies_us.lock().unwrap_or_else(|p| p.into_inner());
-                l.push(u32::try_from(d).unwrap_or(u32::MAX));
+                l.push((received, u32::try_from(d).unwrap_or(u32::MAX)));
             }
         }
     }
@@ -512,31 +611,38 @@ async fn device(
     }
     let mut next_id = 2u64;
     let mut alive = true;
-    while alive && *phase.borrow() == PHASE_MEASURE && ctx.opts.churn > 0.0 {
-        let wait = -(1.0 - rand()).ln() / ctx.opts.churn;
+    let mut burst = ctx
+        .opts
+        .burst
+        .filter(|b| i < b.sessions)
+        .map(|b| tokio::time::Instant::now() + b.after);
+    while alive && *phase.borrow() == PHASE_MEASURE && (ctx.opts.churn > 0.0 || burst.is_some()) {
+        let wait = if ctx.opts.churn > 0.0 {
+            -(1.0 - rand()).ln() / ctx.opts.churn
+        } else {
+            3600.0
+        };
+        let burst_at = burst.unwrap_or_else(tokio::time::Instant::now);
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_secs_f64(wait.min(3600.0))) => {}
+            _ = tokio::time::sleep_until(burst_at), if burst.is_some() => {
+                burst = None;
+                alive = come_back(&ctx, &endpoint, &token, i, &mut live, &phase, &mut rand).await;
+                let count = if alive { &ctx.burst_back } else { &ctx.burst_failed };
+                count.fetch_add(1, Relaxed);
+                continue;
+            }
             _ = phase.changed() => continue,
             _ = live.conn.closed() => { alive = false; continue; }
         }
         if rand() < ctx.opts.reconnect_share {
-            live.pushes.abort();
-            live.conn.close(CloseCode::Normal.varint(), b"reconnect");
-            let resume = Some(live.session);
-            let mut result = attempt(&ctx, &endpoint, &token, i, resume).await;
-            if result.is_err() {
-                result = attempt(&ctx, &endpoint, &token, i, resume).await;
-            }
-            match result {
-                Ok(l) => {
-                    live = l;
-                    ctx.reconnects.fetch_add(1, Relaxed);
-                }
-                Err(_) => {
-                    ctx.reconnect_failures.fetch_add(1, Relaxed);
-                    alive = false;
-                }
-            }
+            alive = reconnect(&ctx, &endpoint, &token, i, &mut live).await;
+            let count = if alive {
+                &ctx.reconnects
+            } else {
+                &ctx.reconnect_failures
+            };
+            count.fetch_add(1, Relaxed);
         } else {
             let request = ctx.status_change();
             let mut halves = (live.send, live.recv, live.reader);
@@ -564,6 +670,58 @@ async fn device(
     live.pushes.abort();
     live.conn
         .close(CloseCode::Logout.varint(), b"load generator done");
+}
+
+/// Closes `live` and connects again with resume (a second attempt if the
+/// first fails). `false`: not back.
+async fn reconnect(
+    ctx: &Arc<Ctx>,
+    endpoint: &quinn::Endpoint,
+    token: &str,
+    i: usize,
+    live: &mut Live,
+) -> bool {
+    live.pushes.abort();
+    live.conn.close(CloseCode::Normal.varint(), b"reconnect");
+    let resume = Some(live.session);
+    let mut result = attempt(ctx, endpoint, token, i, resume).await;
+    if result.is_err() {
+        result = attempt(ctx, endpoint, token, i, resume).await;
+    }
+    match result {
+        Ok(l) => {
+            *live = l;
+            true
+        }
+        Err(_) => false,
+    }
+}
+
+/// A burst's reconnect: as the client library does, it tries again after a
+/// full-jitter backoff (its defaults: 100 ms doubling to 5 s) until it is
+/// back or the window ends. `false`: not back.
+async fn come_back(
+    ctx: &Arc<Ctx>,
+    endpoint: &quinn::Endpoint,
+    token: &str,
+    i: usize,
+    live: &mut Live,
+    phase: &watch::Receiver<u8>,
+    rand: &mut impl FnMut() -> f64,
+) -> bool {
+    live.pushes.abort();
+    live.conn.close(CloseCode::Normal.varint(), b"burst");
+    let resume = Some(live.session);
+    let mut cap = Duration::from_millis(100);
+    while *phase.borrow() == PHASE_MEASURE {
+        if let Ok(l) = attempt(ctx, endpoint, token, i, resume).await {
+            *live = l;
+            return true;
+        }
+        tokio::time::sleep(cap.mul_f64(rand())).await;
+        cap = (cap * 2).min(Duration::from_secs(5));
+    }
+    false
 }
 
 /// Device `i`'s own uniform draws in [0, 1) (xorshift64*, seeded by `i`),
@@ -651,6 +809,8 @@ pub async fn run(opts: LoadOptions) -> LoadReport {
             .unwrap_or(0),
         measuring: AtomicBool::new(false),
         latencies_us: Mutex::new(Vec::new()),
+        burst_back: AtomicUsize::new(0),
+        burst_failed: AtomicUsize::new(0),
         connected: AtomicUsize::new(0),
         failed: AtomicUsize::new(0),
         open: AtomicUsize::new(0),
@@ -752,8 +912,15 @@ pub async fn run(opts: LoadOptions) -> LoadReport {
     ctx.measuring.store(true, Relaxed);
     let _ = phase_tx.send(PHASE_MEASURE);
     let window_start = Instant::now();
+    let mut burst_done: Option<Instant> = None;
     while window_start.elapsed() < opts.duration {
         tokio::time::sleep(Duration::from_millis(250).min(opts.duration)).await;
+        if let Some(b) = opts.burst.filter(|_| burst_done.is_none()) {
+            let settled = ctx.burst_back.load(Relaxed) + ctx.burst_failed.load(Relaxed);
+            if settled >= b.sessions.min(report.connected) {
+                burst_done = Some(Instant::now());
+            }
+        }
         if opts.progress && last_print.elapsed() > Duration::from_secs(5) {
             last_print = Instant::now();
             eprintln!(
@@ -803,7 +970,14 @@ pub async fn run(opts: LoadOptions) -> LoadReport {
     report.reconnects = ctx.reconnects.load(Relaxed);
     report.reconnect_failures = ctx.reconnect_failures.load(Relaxed);
     report.request_errors = ctx.request_errors.load(Relaxed);
-    let mut lat = std::mem::take(&mut *ctx.latencies_us.lock().unwrap_or_else(|p| p.into_inner()));
+    let timed = std::mem::take(&mut *ctx.latencies_us.lock().unwrap_or_else(|p| p.into_inner()));
+    let since_t0 = |at: Instant| at.saturating_duration_since(ctx.t0).as_millis() as u32;
+    report.burst = opts.burst.map(|b| {
+        let start = since_t0(window_start + b.after);
+        let end = burst_done.map(since_t0);
+        burst_report(&ctx, b, &timed, start, end)
+    });
+    let mut lat: Vec<u32> = timed.into_iter().map(|(_, l)| l).collect();
     lat.sort_unstable();
     report.latency_samples = lat.len();
     let q = |q: f64| {
@@ -1550,5 +1724,43 @@ impl Herd {
         for e in &self.endpoints {
             let _ = tokio::time::timeout(Duration::from_secs(5), e.wait_idle()).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_burst_is_back_to_normal_from_the_first_second_that_stays_under_the_bar() {
+        let ms = Duration::from_millis;
+        // 5 ms before the burst (at 10 s), 900 ms during it (to 12 s), then
+        // two slow seconds, a fast one, a slow one, and fast ones.
+        let mut timed: Vec<(u32, u32)> = (0..10_000).step_by(10).map(|t| (t, 5_000)).collect();
+        timed.extend((10_000..12_000).step_by(10).map(|t| (t, 900_000)));
+        for (second, us) in [(12, 300_000), (13, 300_000), (14, 5_000), (15, 200_000)] {
+            timed.extend(
+                (second * 1000..second * 1000 + 1000)
+                    .step_by(10)
+                    .map(|t| (t, us)),
+            );
+        }
+        timed.extend((16_000..20_000).step_by(10).map(|t| (t, 5_000)));
+        let r = burst_latency(&timed, 10_000, Some(12_000));
+        assert_eq!(r.p99_before, Some(ms(5)));
+        assert_eq!(r.p99_during, Some(ms(900)));
+        assert_eq!(r.p99_after, Some(ms(300)));
+        // The bar is 50 ms (twice 5 ms is less); the slow second at 15 s
+        // counts, so normal from 16 s: 4 s after the burst.
+        assert_eq!(r.normal_after, Some(ms(4_000)));
+        // Never back within the samples.
+        timed.push((20_500, 400_000));
+        assert_eq!(
+            burst_latency(&timed, 10_000, Some(12_000)).normal_after,
+            None
+        );
+        // Not over within the window: nothing after it.
+        let r = burst_latency(&timed, 10_000, None);
+        assert_eq!((r.p99_after, r.normal_after), (None, None));
     }
 }

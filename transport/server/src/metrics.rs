@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 /// Upper bounds of the latency buckets, in microseconds.
-const BOUNDS_US: [u64; 14] = [
+pub const BOUNDS_US: [u64; 14] = [
     100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000,
     1_000_000, 2_500_000,
 ];
