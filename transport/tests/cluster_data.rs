@@ -21,7 +21,7 @@ use greendot_client::rustls::pki_types::CertificateDer;
 use greendot_client::{Client, ClientConfig, Event, Source, Updates};
 use greendot_cluster::testing::NatsCluster;
 use greendot_core::{Kinds, Presence, Status, Tier};
-use greendot_proto::Kind;
+use greendot_proto::{ErrorCode, Kind};
 use greendot_server::token::{Claims, TokenKeys, WatchClaim};
 
 const BIN: &str = env!("CARGO_BIN_EXE_greendot");
@@ -576,6 +576,9 @@ async fn multi_device_across_nodes_logout_of_one_keeps_online() {
         [("laptop", Kind::Desktop), ("phone", Kind::Mobile)]
     );
     assert!(route.iter().all(|e| e.session != 0), "{route:?}");
+    // Without a service token: refused, as on one node.
+    let refused = laptop.route(&alice).await.unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::ServiceOnly), "{refused}");
 
     laptop.logout().await.unwrap();
     let phone_only = wait_presence(

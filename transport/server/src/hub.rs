@@ -563,7 +563,19 @@ impl Hub {
     /// DESIGN.md "Identifiers": 1 to `max_name_len` bytes of UTF-8 (the
     /// wire's strings are UTF-8 already) without control characters, which
     /// would be echoed into logs, events and other clients' screens.
-    pub(crate) fn name_ok(&self, name: &str, what: &str) -> Result<(), WireError> {
+    /// Whether a session (`svc`: with a service token) may ask `Route` of
+    /// `user`.
+    pub(crate) fn may_route(&self, svc: bool, user: &str) -> Result<(), WireError> {
+        if !svc {
+            return Err(WireError::new(
+                ErrorCode::ServiceOnly,
+                "route needs a service token",
+            ));
+        }
+        self.name_ok(user, "user")
+    }
+
+    fn name_ok(&self, name: &str, what: &str) -> Result<(), WireError> {
         if name.is_empty() || name.len() > self.limits.max_name_len {
             return Err(WireError::new(
                 ErrorCode::BadRequest,
@@ -887,13 +899,7 @@ impl Hub {
                 Ok(Answer::Done)
             }
             Request::Route { user } => {
-                if !svc {
-                    return Err(WireError::new(
-                        ErrorCode::ServiceOnly,
-                        "route needs a service token",
-                    ));
-                }
-                self.name_ok(&user, "user")?;
+                self.may_route(svc, &user)?;
                 let Some(id) = self.users.get(&user) else {
                     return Ok(Answer::Route(Vec::new()));
                 };

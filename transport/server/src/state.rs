@@ -2508,15 +2508,8 @@ impl ServerState {
                 });
             }
             proto::Request::Route { user } => {
-                let checked = if self.hub.is_service(session) {
-                    self.hub.name_ok(&user, "user")
-                } else {
-                    Err(proto::WireError::new(
-                        proto::ErrorCode::ServiceOnly,
-                        "route needs a service token",
-                    ))
-                };
-                if let Err(error) = checked {
+                let svc = self.hub.is_service(session);
+                if let Err(error) = self.hub.may_route(svc, &user) {
                     return self.answer(ch, now, reply(Err(error)));
                 }
                 self.cluster_ask(ch, now, id, |c, wait| c.route(now, wait, &user));
