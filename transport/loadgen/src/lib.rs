@@ -627,7 +627,16 @@ async fn device(
             _ = tokio::time::sleep(Duration::from_secs_f64(wait.min(3600.0))) => {}
             _ = tokio::time::sleep_until(burst_at), if burst.is_some() => {
                 burst = None;
-                alive = come_back(&ctx, &endpoint, &token, i, &mut live, &phase, &mut rand).await;
+                // As the client library: full-jitter backoff (its defaults,
+                // 100 ms doubling to 5 s) until back or the window ends.
+                let mut cap = Duration::from_millis(100);
+                let phase = phase.clone();
+                let backoff = || {
+                    let wait = cap.mul_f64(rand());
+                    cap = (cap * 2).min(Duration::from_secs(5));
+                    (*phase.borrow() == PHASE_MEASURE).then_some(wait)
+                };
+                alive = reconnect(&ctx, &endpoint, &token, i, &mut live, backoff).await;
                 let count = if alive { &ctx.burst_back } else { &ctx.burst_failed };
                 count.fetch_add(1, Relaxed);
                 continue;
@@ -636,7 +645,9 @@ async fn device(
             _ = live.conn.closed() => { alive = false; continue; }
         }
         if rand() < ctx.opts.reconnect_share {
-            alive = reconnect(&ctx, &endpoint, &token, i, &mut live).await;
+            let mut second = true;
+            let once_more = || std::mem::take(&mut second).then_some(Duration::ZERO);
+            alive = reconnect(&ctx, &endpoint, &token, i, &mut live, once_more).await;
             let count = if alive {
                 &ctx.reconnects
             } else {
@@ -672,56 +683,30 @@ async fn device(
         .close(CloseCode::Logout.varint(), b"load generator done");
 }
 
-/// Closes `live` and connects again with resume (a second attempt if the
-/// first fails). `false`: not back.
+/// Closes `live` and connects again with resume; after a failed attempt,
+/// `again` says how long to wait before the next one (`None`: give up).
+/// `false`: not back.
 async fn reconnect(
     ctx: &Arc<Ctx>,
     endpoint: &quinn::Endpoint,
     token: &str,
     i: usize,
     live: &mut Live,
+    mut again: impl FnMut() -> Option<Duration>,
 ) -> bool {
     live.pushes.abort();
     live.conn.close(CloseCode::Normal.varint(), b"reconnect");
     let resume = Some(live.session);
-    let mut result = attempt(ctx, endpoint, token, i, resume).await;
-    if result.is_err() {
-        result = attempt(ctx, endpoint, token, i, resume).await;
-    }
-    match result {
-        Ok(l) => {
-            *live = l;
-            true
-        }
-        Err(_) => false,
-    }
-}
-
-/// A burst's reconnect: as the client library does, it tries again after a
-/// full-jitter backoff (its defaults: 100 ms doubling to 5 s) until it is
-/// back or the window ends. `false`: not back.
-async fn come_back(
-    ctx: &Arc<Ctx>,
-    endpoint: &quinn::Endpoint,
-    token: &str,
-    i: usize,
-    live: &mut Live,
-    phase: &watch::Receiver<u8>,
-    rand: &mut impl FnMut() -> f64,
-) -> bool {
-    live.pushes.abort();
-    live.conn.close(CloseCode::Normal.varint(), b"burst");
-    let resume = Some(live.session);
-    let mut cap = Duration::from_millis(100);
-    while *phase.borrow() == PHASE_MEASURE {
+    loop {
         if let Ok(l) = attempt(ctx, endpoint, token, i, resume).await {
             *live = l;
             return true;
         }
-        tokio::time::sleep(cap.mul_f64(rand())).await;
-        cap = (cap * 2).min(Duration::from_secs(5));
+        match again() {
+            Some(wait) => tokio::time::sleep(wait).await,
+            None => return false,
+        }
     }
-    false
 }
 
 /// Device `i`'s own uniform draws in [0, 1) (xorshift64*, seeded by `i`),

@@ -1136,14 +1136,21 @@ impl ClusterLink {
             None => t.seen = Some((epoch, seq)),
             Some(seen) if (epoch, seq) <= seen => {}
             Some((e, s)) => {
-                let next = (epoch == e && seq == s + 1) || (epoch > e && seq == 1);
-                if !next && !t.gap {
-                    t.gap = true;
-                    self.gaps = true;
-                    self.counters.view_gaps += 1;
-                }
                 t.seen = Some((epoch, seq));
+                let next = (epoch == e && seq == s + 1) || (epoch > e && seq == 1);
+                if !next {
+                    self.missed(shard);
+                }
             }
+        }
+    }
+
+    /// A view of `shard` may have been missed: repaired at the next tick.
+    fn missed(&mut self, shard: u32) {
+        if let Some(t) = self.tracks.get_mut(&shard).filter(|t| !t.gap) {
+            t.gap = true;
+            self.gaps = true;
+            self.counters.view_gaps += 1;
         }
     }
 
@@ -1157,11 +1164,7 @@ impl ClusterLink {
         };
         match t.seen {
             None => t.seen = Some((epoch, seq)),
-            Some(seen) if seen > (epoch, seq) && !t.gap => {
-                t.gap = true;
-                self.gaps = true;
-                self.counters.view_gaps += 1;
-            }
+            Some(seen) if seen > (epoch, seq) => self.missed(shard),
             _ => {}
         }
     }
@@ -1175,12 +1178,8 @@ impl ClusterLink {
             // carry the owner's number.
             let Some(seen) = t.seen else { continue };
             if (epoch, seq) > seen {
-                if !t.gap {
-                    t.gap = true;
-                    self.gaps = true;
-                    self.counters.view_gaps += 1;
-                }
                 t.seen = Some((epoch, seq));
+                self.missed(shard);
             }
         }
     }
@@ -1191,20 +1190,21 @@ impl ClusterLink {
         if !self.gaps {
             return;
         }
-        // Those not due yet (a pause after a failure) keep it set.
-        self.gaps = self
-            .tracks
-            .values()
-            .any(|t| t.gap && t.not_before.is_some_and(|n| n > now));
-        let mut due: HashMap<u32, Vec<String>> = self
+        let due: HashMap<u32, Vec<String>> = self
             .tracks
             .iter()
             .filter(|(_, t)| t.gap && t.asking == 0 && t.not_before.is_none_or(|n| n <= now))
             .map(|(s, _)| (*s, Vec::new()))
             .collect();
-        if due.is_empty() {
-            return;
+        if !due.is_empty() {
+            self.ask_repairs(due, now, at);
         }
+        // Those waiting (a repair out, or a pause after a failure) keep it.
+        self.gaps = self.tracks.values().any(|t| t.gap);
+    }
+
+    /// Asks for the views of every target of the `due` shards.
+    fn ask_repairs(&mut self, mut due: HashMap<u32, Vec<String>>, now: Instant, at: Millis) {
         let watched = self
             .fanout
             .watched()
@@ -1260,8 +1260,13 @@ impl ClusterLink {
                 None => return self.repair_failed(shard, now),
             }
         }
-        let (epoch, seq) = self.owners.get(&shard).map_or((0, 0), |o| (o.epoch, o.seq));
+        let (epoch, seq) = self.published_up_to(shard);
         self.repaired(shard, &targets, presences, epoch, seq, at);
+    }
+
+    /// This node's owner of `shard`: its epoch and last view's number.
+    fn published_up_to(&self, shard: u32) -> (u64, u64) {
+        self.owners.get(&shard).map_or((0, 0), |o| (o.epoch, o.seq))
     }
 
     fn repair_failed(&mut self, shard: u32, now: Instant) {
@@ -1511,9 +1516,8 @@ impl ClusterLink {
         // Presences at the edge carry last seen in Unix milliseconds.
         let p = proto::Presence::from_core(&p, base).to_core();
         self.drain_owner(shard, Instant::now(), at);
-        if let Some((epoch, seq)) = self.owners.get(&shard).map(|o| (o.epoch, o.seq)) {
-            self.track_answer(shard, epoch, seq);
-        }
+        let (epoch, seq) = self.published_up_to(shard);
+        self.track_answer(shard, epoch, seq);
         Some(p)
     }
 
@@ -2441,7 +2445,7 @@ impl ClusterLink {
             }
         }
         self.drain_owner(shard, now, at);
-        let (epoch, seq) = self.owners.get(&shard).map_or((0, 0), |o| (o.epoch, o.seq));
+        let (epoch, seq) = self.published_up_to(shard);
         self.outputs.push_back(ClusterOutput::Reply {
             reply,
             payload: encode(&FromOwner::Snapshot {
@@ -3526,6 +3530,53 @@ mod tests {
         a.handle_timeout(again, Millis(2_300));
         assert_eq!(exchange(&mut a, &mut b, again, Millis(2_300)), 0);
         assert_eq!(a.counters().view_gaps, 1);
+    }
+
+    #[test]
+    fn a_view_missed_while_a_repair_is_out_is_asked_for_after_it() {
+        let (mut a, mut b, now) = bob_misses_alices_busy();
+        let later = now + BEACON_EVERY;
+        b.handle_timeout(later, Millis(1_300));
+        exchange(&mut a, &mut b, later, Millis(1_300));
+        a.handle_timeout(later, Millis(1_300));
+        let requests = |a: &mut ClusterLink| {
+            let mut out = Vec::new();
+            while let Some(o) = a.poll_output() {
+                if let ClusterOutput::Request {
+                    id,
+                    shard,
+                    kind,
+                    payload,
+                } = o
+                {
+                    out.push(ClusterInput::Request {
+                        shard,
+                        kind,
+                        payload,
+                        reply: id,
+                    });
+                }
+            }
+            out
+        };
+        let repair = requests(&mut a);
+        assert_eq!(repair.len(), 1, "the repair is out");
+        // Meanwhile a beacon shows another view missed.
+        let ahead = Beacon {
+            owner: "b".into(),
+            shards: vec![(1, 1, 99)],
+        };
+        let payload = encode(&ahead);
+        a.handle_input(later, Millis(1_310), ClusterInput::Beacon { payload });
+        a.handle_timeout(later + TICK, Millis(1_350));
+        assert!(requests(&mut a).is_empty(), "one repair at a time");
+        // The first repair is answered; the next tick asks again.
+        for r in repair {
+            b.handle_input(later, Millis(1_360), r);
+        }
+        exchange(&mut a, &mut b, later, Millis(1_360));
+        a.handle_timeout(later + TICK * 2, Millis(1_400));
+        assert_eq!(requests(&mut a).len(), 1, "the second gap is repaired");
     }
 
     #[test]
