@@ -85,6 +85,49 @@ impl Fanout {
         });
     }
 
+    /// Session `old` of the same user resumed as `new` (open already): its
+    /// subscriptions and its pending batch carry over, as
+    /// `Core::handle_connect` carries them on one node, and `old` is gone
+    /// without a `SessionEnded`. Returns what carried over.
+    pub fn carry(&mut self, old: SessionId, new: SessionId) -> Vec<(UserId, Tier)> {
+        if old == new {
+            return self.subscriptions(new);
+        }
+        let Some(mut s) = self.sessions.remove(&old) else {
+            return Vec::new();
+        };
+        if let Some(due) = s.batch_due {
+            self.timers.remove(&(due, old));
+            self.timers.insert((due, new));
+        }
+        for target in s.subs.keys() {
+            if let Some(known) = self.known.get_mut(target) {
+                known.watchers.remove(&old);
+                known.watchers.insert(new);
+            }
+        }
+        if let Some(fresh) = self.sessions.remove(&new) {
+            // Whatever `new` subscribed to already stays as it is.
+            s.user = fresh.user;
+            s.subs.extend(fresh.subs);
+            for target in fresh.batch {
+                if !s.batch.contains(&target) {
+                    s.batch.push(target);
+                }
+            }
+            if let Some(due) = fresh.batch_due {
+                self.timers.remove(&(due, new));
+                let due = s.batch_due.map_or(due, |d| d.min(due));
+                self.timers.retain(|&(_, id)| id != new);
+                self.timers.insert((due, new));
+                s.batch_due = Some(due);
+            }
+        }
+        let carried = s.subs.iter().map(|(t, (tier, _))| (*t, *tier)).collect();
+        self.sessions.insert(new, s);
+        carried
+    }
+
     /// The session is over (logout, lost, superseded): its subscriptions end
     /// and nothing more is pushed to it.
     pub fn close(&mut self, session: SessionId, reason: EndReason) -> bool {

@@ -530,3 +530,58 @@ fn one_node_publishes_nothing_for_a_cluster() {
     assert_eq!(core.poll_published(), None);
     assert_eq!(core.epoch(), Epoch(0));
 }
+
+/// A session resumed on the same edge keeps its subscriptions and its
+/// pending batch under the new id, as on one node; the old id gets nothing.
+#[test]
+fn a_resumed_session_carries_its_subscriptions_on_the_edge() {
+    let (old, new) = (SessionId(1), SessionId(2));
+    let mut edge = Fanout::new(Millis(1_000));
+    edge.open(old, UserId(9));
+    edge.subscribe(
+        Millis(0),
+        old,
+        UserId(1),
+        Tier::Realtime,
+        Presence::default(),
+    )
+    .unwrap();
+    edge.subscribe(
+        Millis(0),
+        old,
+        UserId(2),
+        Tier::Batched,
+        Presence::default(),
+    )
+    .unwrap();
+    let changed = |version| Presence {
+        version,
+        online: true,
+        ..Presence::default()
+    };
+    edge.apply(Millis(10), UserId(2), false, changed(5)); // queued in old's batch
+    while edge.poll_output().is_some() {}
+    edge.open(new, UserId(9));
+    let carried = edge.carry(old, new);
+    assert_eq!(
+        carried,
+        vec![(UserId(1), Tier::Realtime), (UserId(2), Tier::Batched)]
+    );
+    assert!(edge.subscriptions(old).is_empty());
+    edge.apply(Millis(20), UserId(1), false, changed(7));
+    edge.handle_timeout(Millis(1_010));
+    let mut pushed = Vec::new();
+    while let Some(out) = edge.poll_output() {
+        assert!(!matches!(out, Output::SessionEnded { .. }));
+        if let Output::Push {
+            to,
+            target,
+            presence,
+            ..
+        } = out
+        {
+            pushed.push((to, target, presence.version));
+        }
+    }
+    assert_eq!(pushed, vec![(new, UserId(1), 7), (new, UserId(2), 5)]);
+}

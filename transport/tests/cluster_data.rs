@@ -20,7 +20,7 @@ use greendot_client::rustls::pki_types::pem::PemObject;
 use greendot_client::rustls::pki_types::CertificateDer;
 use greendot_client::{Client, ClientConfig, Event, Source, Updates};
 use greendot_cluster::testing::NatsCluster;
-use greendot_core::{Kinds, Presence, Status, Tier};
+use greendot_core::{Kinds, Presence, SessionId, Status, Tier};
 use greendot_proto::{ErrorCode, Kind};
 use greendot_server::token::{Claims, TokenKeys, WatchClaim};
 
@@ -226,6 +226,16 @@ async fn connect(
 }
 
 async fn connect_as(nodes: &[&Node], at: &Node, claims: Claims) -> (Client, Updates) {
+    connect_resuming(nodes, at, claims, None).await
+}
+
+/// [`connect_as`], resuming `resume` (an earlier client's session).
+async fn connect_resuming(
+    nodes: &[&Node],
+    at: &Node,
+    claims: Claims,
+    resume: Option<SessionId>,
+) -> (Client, Updates) {
     let (user, device) = (claims.sub.clone(), claims.dev.clone());
     let keys = TokenKeys::new(SECRET.as_bytes(), Duration::ZERO);
     let token = keys.mint(&claims).unwrap();
@@ -233,6 +243,7 @@ async fn connect_as(nodes: &[&Node], at: &Node, claims: Claims) -> (Client, Upda
     let mut config = ClientConfig::new(at.addr, roots, token);
     config.reconnect = None;
     config.websocket = None;
+    config.resume = resume;
     Client::connect(config)
         .await
         .unwrap_or_else(|e| panic!("{user}/{device} cannot connect to {}: {e}", at.id))
@@ -738,21 +749,39 @@ async fn edge_kill_9_reconnect_elsewhere_and_bounded_ghost() {
     let carol = user_owned_by(&urls, "b", "carol");
 
     let (bob, mut bob_updates) = bob_watching(&nodes, &c, &[alice.as_str(), carol.as_str()]).await;
-    let _phones = phones_on(&nodes, &a, &[alice.as_str(), carol.as_str()]).await;
+    let _phones = phones_on(&nodes, &a, &[carol.as_str()]).await;
+    let (phone, _) = connect(&nodes, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;
+    phone.subscribe(&["bob"], Tier::Batched).await.unwrap();
     all_online(&mut bob_updates, &[&alice, &carol], DEBOUNCE + SLACK).await;
+    let session = phone.session();
 
     let t0 = Instant::now();
     a.proc.kill9();
-    // Alice's client reconnects to another node (as a client given several
-    // addresses would); carol's never does.
-    let (_again, _ag) = connect(
-        &[&b, &c],
-        &b,
+    // Alice's client reconnects to another node, naming its session (as a
+    // client given several addresses would); carol's never does.
+    let claims = Claims::new(
         &alice,
         "phone",
         Kind::Mobile,
         WatchClaim::all(),
+        Duration::from_secs(3600),
+    );
+    let (_again, mut again_updates) = connect_resuming(&[&b, &c], &b, claims, Some(session)).await;
+    // It resumed on b: its subscription to bob carried over (the welcome's
+    // snapshot; this client never subscribed).
+    wait_presence(
+        &mut again_updates,
+        "bob",
+        SLACK,
+        "bob's carried snapshot",
+        |p| p.online,
     )
+    .await;
+    assert_eq!(metric(&b, "greendot_cluster_resumed_elsewhere_total"), 1);
+    bob.set_status(Status::Busy, None).await.unwrap();
+    wait_presence(&mut again_updates, "bob", BATCH + SLACK, "bob busy", |p| {
+        p.status == Status::Busy
+    })
     .await;
 
     let bound = LEASE_TTL + GRACE + DEBOUNCE;

@@ -314,6 +314,12 @@ pub struct ClientConfig {
     /// may go unanswered before the connection counts as dead and the
     /// client reconnects (and resumes). Default 3 s.
     pub probe_timeout: Duration,
+    /// A session to resume at the first connect: [`Client::session`] of an
+    /// earlier client of this device (an app restarted within its grace,
+    /// or a client moving to another node of a cluster). If it resumes, its
+    /// subscriptions carry over (the welcome's snapshots, in the view at
+    /// once); if not, the session is fresh. Default `None`.
+    pub resume: Option<SessionId>,
 }
 
 impl ClientConfig {
@@ -345,6 +351,7 @@ impl ClientConfig {
             websocket_path: ws::PATH.into(),
             fallback_delay: Duration::from_millis(300),
             probe_timeout: Duration::from_secs(3),
+            resume: None,
         }
     }
 }
@@ -848,7 +855,7 @@ impl Client {
             ws_tls: ws::tls_config(&config)?,
         };
 
-        let established = establish(&dialer, &config, None).await?;
+        let established = establish(&dialer, &config, config.resume).await?;
         let (events, rx) = mpsc::unbounded_channel();
         let welcome = &established.welcome;
         let carrier = established.link.carrier();
@@ -1166,6 +1173,15 @@ async fn drive(
         let welcome = est.welcome.clone();
         for s in &welcome.snapshots {
             shared.apply(&s.target, &s.presence, Source::Snapshot);
+        }
+        if welcome.resumed {
+            // What carried over (perhaps from another client of the device,
+            // `ClientConfig::resume`) is subscribed again after a reconnect
+            // that does not resume.
+            let mut state = shared.state();
+            for s in &welcome.snapshots {
+                state.wanted.insert(s.target.clone(), s.tier.into());
+            }
         }
         let exit = run(
             &shared,

@@ -1,4 +1,4 @@
-//! The NATS I/O: one connection per node, its four buckets, and thin async
+//! The NATS I/O: one connection per node, its five buckets, and thin async
 //! calls around the pure decisions of `tenure`, `membership`, `ownership`.
 
 use std::time::{Duration, Instant};
@@ -9,7 +9,12 @@ use futures_util::StreamExt;
 
 use crate::config::ClusterConfig;
 use crate::error::{ClusterError, Result};
-use crate::ids::{user_key, NodeId, ShardId};
+use crate::ids::{device_key, user_key, NodeId, ShardId};
+
+/// A session record nobody rewrote for this long is dropped by the bucket:
+/// a resume after it starts a fresh session (the client subscribes again),
+/// and records of devices that never came back do not pile up.
+pub const SESSION_RECORD_MAX_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
 use crate::kv::{put, read, write_if, KvEntry, KvOp, Write};
 use crate::membership::{MemberEvent, Membership};
 use crate::messaging::{check_shard, OwnerInbox, RequestKind, SubjectFeed, ViewFeed};
@@ -44,6 +49,7 @@ pub struct Cluster {
     claims: kv::Store,
     prefs: kv::Store,
     views: kv::Store,
+    sessions: kv::Store,
 }
 
 impl Cluster {
@@ -70,10 +76,12 @@ impl Cluster {
         let mut js = jetstream::new(client.clone());
         js.set_timeout(config.op_timeout);
         let marked = Some(config.marker_ttl);
-        let leases = bucket(&js, &config, "leases", marked).await?;
-        let claims = bucket(&js, &config, "claims", marked).await?;
-        let prefs = bucket(&js, &config, "prefs", None).await?;
-        let views = bucket(&js, &config, "views", None).await?;
+        let forever = Duration::ZERO;
+        let leases = bucket(&js, &config, "leases", marked, forever).await?;
+        let claims = bucket(&js, &config, "claims", marked, forever).await?;
+        let prefs = bucket(&js, &config, "prefs", None, forever).await?;
+        let views = bucket(&js, &config, "views", None, forever).await?;
+        let sessions = bucket(&js, &config, "sessions", None, SESSION_RECORD_MAX_AGE).await?;
         Ok(Cluster {
             config,
             client,
@@ -82,6 +90,7 @@ impl Cluster {
             claims,
             prefs,
             views,
+            sessions,
         })
     }
 
@@ -459,6 +468,38 @@ impl Cluster {
         latest_value(&self.views, &user_key(user)?, self.timeout()).await
     }
 
+    // ---- session records (resume on any node) ------------------------------
+
+    /// Stores the record of a device's current session; returns its
+    /// revision once the replicas have it.
+    pub async fn put_session(&self, user: &str, device: &str, value: Bytes) -> Result<u64> {
+        let key = device_key(user, device)?;
+        put(&self.js, &self.sessions, &key, value, self.timeout()).await
+    }
+
+    pub async fn session(&self, user: &str, device: &str) -> Result<Option<Bytes>> {
+        latest_value(&self.sessions, &device_key(user, device)?, self.timeout()).await
+    }
+
+    /// Deletes the record (the device ended: a resume naming it starts
+    /// fresh).
+    pub async fn delete_session(&self, user: &str, device: &str) -> Result<()> {
+        let key = device_key(user, device)?;
+        let after = self.timeout();
+        match tokio::time::timeout(after, self.sessions.delete(&key)).await {
+            Err(_) => Err(ClusterError::TimedOut {
+                op: "KV delete",
+                after,
+            }),
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(source)) => Err(ClusterError::Delete {
+                bucket: self.sessions.name.clone(),
+                key,
+                source,
+            }),
+        }
+    }
+
     // ---- messaging ---------------------------------------------------------
 
     /// Publishes a view once, on its shard's subject; NATS delivers one copy
@@ -580,6 +621,7 @@ async fn bucket(
     config: &ClusterConfig,
     kind: &str,
     limit_markers: Option<Duration>,
+    max_age: Duration,
 ) -> Result<kv::Store> {
     let name = config.bucket(kind);
     js.create_or_update_key_value(kv::Config {
@@ -588,6 +630,7 @@ async fn bucket(
         num_replicas: config.replicas,
         storage: StorageType::File,
         limit_markers,
+        max_age,
         ..Default::default()
     })
     .await

@@ -47,6 +47,13 @@ pub enum ClusterError {
         #[source]
         source: async_nats::jetstream::context::PublishError,
     },
+    #[error("deleting {bucket}/{key}")]
+    Delete {
+        bucket: String,
+        key: String,
+        #[source]
+        source: async_nats::jetstream::kv::DeleteError,
+    },
     #[error("reading {bucket}/{key}")]
     Read {
         bucket: String,

@@ -76,6 +76,12 @@ pub fn user_key(user: &str) -> Result<String, IdError> {
     Ok(key)
 }
 
+/// The KV key of a user's device: both escaped as [`user_key`], joined by
+/// a dot (which no escaped id holds, so the pair is unambiguous).
+pub fn device_key(user: &str, device: &str) -> Result<String, IdError> {
+    Ok(format!("{}.{}", user_key(user)?, user_key(device)?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -101,5 +107,13 @@ mod tests {
         assert_eq!(user_key("*>").unwrap(), "=2A=3E");
         assert!(user_key("").is_err());
         assert!(user_key(&"x".repeat(257)).is_err());
+    }
+
+    #[test]
+    fn device_keys_keep_user_and_device_apart() {
+        assert_eq!(device_key("alice", "phone").unwrap(), "alice.phone");
+        assert_eq!(device_key("a.b", "c").unwrap(), "a=2Eb.c");
+        assert_ne!(device_key("a.b", "c"), device_key("a", "b.c"));
+        assert!(device_key("alice", "").is_err());
     }
 }

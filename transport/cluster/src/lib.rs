@@ -19,7 +19,9 @@
 //! per-key TTL `lease_ttl`), `<prefix>_claims` (key: shard number, TTL
 //! `claim_ttl`; value `<owner>@<epoch>`; `epoch.<shard>` counts the shard's
 //! epochs),
-//! `<prefix>_prefs` and `<prefix>_views` (key: escaped user id).
+//! `<prefix>_prefs` and `<prefix>_views` (key: escaped user id),
+//! `<prefix>_sessions` (key: escaped user id `.` escaped device id; every
+//! record dropped [`SESSION_RECORD_MAX_AGE`] after its last write).
 //!
 //! What nats-server 2.15.1 with `async-nats` 0.51 does (checked live by
 //! `tests/live.rs` on a 3-node cluster, R3 buckets):
@@ -56,11 +58,11 @@ mod tenure;
 #[doc(hidden)]
 pub mod testing;
 
-pub use client::{ClaimWatch, Cluster, MemberWatch, NodeLease};
+pub use client::{ClaimWatch, Cluster, MemberWatch, NodeLease, SESSION_RECORD_MAX_AGE};
 pub use config::{ClusterConfig, ConfigError};
 pub use error::{ClusterError, Result};
 pub use hashing::{rendezvous_owner, shard_of};
-pub use ids::{user_key, IdError, NodeId, ShardId, MAX_NODE_ID_LEN, MAX_USER_ID_LEN};
+pub use ids::{device_key, user_key, IdError, NodeId, ShardId, MAX_NODE_ID_LEN, MAX_USER_ID_LEN};
 pub use interest::ShardInterest;
 pub use kv::{KvEntry, KvOp};
 pub use membership::{Member, MemberEvent, Membership};

@@ -134,6 +134,12 @@ pub enum ClusterInput {
         prefs: Option<Bytes>,
         view: Option<Bytes>,
     },
+    /// The put of [`ClusterOutput::PutSession`] `id` landed at `revision`
+    /// (`None`: it failed).
+    SessionStored { id: u64, revision: Option<u64> },
+    /// What the KV holds of the device of [`ClusterOutput::LoadSession`]
+    /// `id` (`None`: nothing, or the read failed: the session starts fresh).
+    SessionLoaded { id: u64, record: Option<Bytes> },
     /// A message on the cluster's resync subject (a new owner asks every
     /// edge to resend its devices of a shard).
     Resync { payload: Bytes },
@@ -187,6 +193,24 @@ pub enum ClusterOutput {
     PutShardDevices { shard: u32, value: Bytes },
     /// Read a shard's device record; answer with [`ClusterInput::ShardLoaded`].
     LoadShard { id: u64, shard: u32 },
+    /// Write a device's [`SessionRecord`]; answer with
+    /// [`ClusterInput::SessionStored`].
+    PutSession {
+        id: u64,
+        user: String,
+        device: String,
+        value: Bytes,
+    },
+    /// Read a device's [`SessionRecord`]; answer with
+    /// [`ClusterInput::SessionLoaded`].
+    LoadSession {
+        id: u64,
+        user: String,
+        device: String,
+    },
+    /// Delete a device's [`SessionRecord`] (its owner saw the device end:
+    /// a resume naming it must start fresh): behind.
+    DeleteSession { user: String, device: String },
     /// Publish on the cluster's resync subject (every node listens).
     Resync { payload: Bytes },
     /// Publish on the cluster's beacon subject (every node listens).
@@ -302,6 +326,16 @@ pub struct RecordedDevice {
     pub heard: u64,
 }
 
+/// In the sessions bucket, under the device's key: what its current
+/// session subscribed to, so that a resume on another node (or in the next
+/// process) carries it over. Written before a subscribe is answered.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionRecord {
+    /// The session's wire id (what the client names to resume it).
+    pub wire: u64,
+    pub subscriptions: Vec<(String, proto::Tier)>,
+}
+
 /// On the resync subject: the new owner of `shard` asks every edge to
 /// resend its live devices of the shard.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -370,6 +404,11 @@ pub struct ClusterCounters {
     /// a beacon ahead of the last one seen): each asks the owner for the
     /// views of the shard's watched users again.
     pub view_gaps: u64,
+    /// Sessions resumed here from another node's (or a previous process's)
+    /// record, their subscriptions carried over.
+    pub resumed_elsewhere: u64,
+    /// Session record puts that failed (tried again at the next tick).
+    pub session_writes_failed: u64,
 }
 
 // ---- the owner ------------------------------------------------------------
@@ -384,9 +423,10 @@ struct Owner {
     users: Interner,
     devices: Interner,
     /// Each session's holder, device name id (the owner's `devices` hold
-    /// one reference per session: a name no session uses is freed) and the
-    /// edge's wire id of it (0: restored, not connected again yet).
-    sessions: HashMap<SessionId, (Holder, u64, u64)>,
+    /// one reference per session: a name no session uses is freed), the
+    /// edge's wire id of it (0: restored, not connected again yet) and its
+    /// user.
+    sessions: HashMap<SessionId, (Holder, u64, u64, UserId)>,
     by_holder: HashMap<Holder, SessionId>,
     /// The last request id taken per connection: a request that arrives
     /// late (after the edge gave up on it and sent the next) is not applied
@@ -484,10 +524,22 @@ struct PendingRoute {
     retry_at: Option<Instant>,
 }
 
+/// What a subscribe (or a resume's carry-over) asks for.
+struct Wanted {
+    targets: Vec<String>,
+    refused: Vec<Refused>,
+    tier: Tier,
+    /// Targets with a tier of their own (carried over by a resume).
+    tiers: HashMap<String, Tier>,
+    query: bool,
+}
+
 struct PendingSubscribe {
     session: SessionId,
     viewer: String,
     tier: Tier,
+    /// Targets with a tier of their own (carried over by a resume).
+    tiers: HashMap<String, Tier>,
     /// Targets in request order: their snapshot once known.
     targets: Vec<(String, Option<Presence>)>,
     refused: Vec<Refused>,
@@ -500,6 +552,32 @@ struct PendingSubscribe {
     early: HashMap<String, Presence>,
     /// A query: answered with the presences, nothing subscribed or watched.
     query: bool,
+}
+
+/// The KV copy of a local session's subscriptions ([`SessionRecord`]): one
+/// put in flight at a time (so they land in order), subscribe answers held
+/// until a put that covers them landed.
+struct SessionSync {
+    user: String,
+    device: String,
+    wire: u64,
+    /// Changes made to the subscriptions, and how many the KV has.
+    changed: u64,
+    stored: u64,
+    /// The put in flight: its id and the changes it covers.
+    putting: Option<(u64, u64)>,
+    /// A failed put is tried again at the tick.
+    retry: bool,
+    /// Answers waiting for change `n` to be stored, with their deadline.
+    waiting: Vec<(u64, u64, proto::Answer, Instant)>,
+}
+
+/// A hello naming a session this node does not hold: its device's record is
+/// being read.
+struct PendingResume {
+    wait: u64,
+    session: SessionId,
+    wire: u64,
 }
 
 enum InFlight {
@@ -541,6 +619,13 @@ struct ShardTrack {
 pub enum Finished {
     /// Answer with what the hub answered (the owner took the input).
     Done,
+    /// The device's record names the session the hello resumes: these
+    /// subscriptions carry over once the caller checked them against the
+    /// new credentials ([`ClusterLink::carry_over`], under the same wait).
+    Carry {
+        session: SessionId,
+        subscriptions: Vec<(String, Tier)>,
+    },
     /// Answer with this instead.
     Answer(proto::Answer),
     /// Answer with this error.
@@ -579,6 +664,13 @@ pub struct ClusterLink {
     gaps: bool,
     subscribes: HashMap<u64, PendingSubscribe>,
     routes: HashMap<u64, PendingRoute>,
+    /// Local sessions' KV records, and the puts in flight by id.
+    records: HashMap<SessionId, SessionSync>,
+    record_puts: HashMap<u64, SessionId>,
+    /// Sessions whose put failed: tried again at the tick.
+    record_retries: std::collections::HashSet<SessionId>,
+    /// Record reads for resumes, by id.
+    resumes: HashMap<u64, PendingResume>,
     /// Requests out, with when they count as unanswered (an output the NATS
     /// I/O dropped is never answered).
     in_flight: HashMap<u64, (InFlight, Instant)>,
@@ -634,6 +726,10 @@ impl ClusterLink {
             gaps: false,
             subscribes: HashMap::new(),
             routes: HashMap::new(),
+            records: HashMap::new(),
+            record_puts: HashMap::new(),
+            record_retries: Default::default(),
+            resumes: HashMap::new(),
             in_flight: HashMap::new(),
             busy: Default::default(),
             next_tick: None,
@@ -723,6 +819,8 @@ impl ClusterLink {
             || !self.busy.is_empty()
             || !self.subscribes.is_empty()
             || !self.routes.is_empty()
+            || !self.record_retries.is_empty()
+            || !self.resumes.is_empty()
             || self.gaps
             || !self.in_flight.is_empty()
             || !self.pending_prefs.is_empty()
@@ -809,6 +907,7 @@ impl ClusterLink {
             }
         }
         self.retry_routes(now);
+        self.retry_records(now);
         let waits: Vec<u64> = self.subscribes.keys().copied().collect();
         for wait in waits {
             let Some(p) = self.subscribes.get_mut(&wait) else {
@@ -988,6 +1087,7 @@ impl ClusterLink {
         user: &str,
         device: &str,
         kind: proto::Kind,
+        carried_from: Option<SessionId>,
     ) {
         if !self.open.contains_key(&session) {
             let Some(uid) = self.names.intern(user) else {
@@ -996,6 +1096,40 @@ impl ClusterLink {
             self.names.acquire(uid);
             self.fanout.open(session, UserId(uid));
             self.open.insert(session, user.to_owned());
+        }
+        // A resume here: the subscriptions (in the fanout, not the hub's
+        // core) and the record carry over to the new session, whose wire
+        // id the record now names.
+        let old = carried_from.filter(|&old| old != session);
+        if let Some(old) = old {
+            self.fanout.carry(old, session);
+        }
+        match old.and_then(|old| self.records.remove(&old).map(|r| (old, r))) {
+            Some((old, mut r)) => {
+                for id in self.record_puts.values_mut() {
+                    if *id == old {
+                        *id = session;
+                    }
+                }
+                if self.record_retries.remove(&old) {
+                    self.record_retries.insert(session);
+                }
+                r.wire = wire;
+                self.records.insert(session, r);
+                self.record_changed(session);
+            }
+            None => {
+                self.records.entry(session).or_insert_with(|| SessionSync {
+                    user: user.to_owned(),
+                    device: device.to_owned(),
+                    wire,
+                    changed: 0,
+                    stored: 0,
+                    putting: None,
+                    retry: false,
+                    waiting: Vec::new(),
+                });
+            }
         }
         let conn = self.next_conn();
         if let Some(d) = self.devices.get_mut(&session) {
@@ -1074,6 +1208,14 @@ impl ClusterLink {
         }
         if let Some(user) = self.open.remove(&session) {
             self.drop_name(&user);
+        }
+        // Its record stays for a resume elsewhere until the owner sees the
+        // device end (and deletes it).
+        self.record_retries.remove(&session);
+        if let Some(r) = self.records.remove(&session) {
+            for (_, wait, answer, _) in r.waiting {
+                self.finished.push_back((wait, Finished::Answer(answer)));
+            }
         }
         if let Some(d) = self.devices.get_mut(&session) {
             d.closed = true;
@@ -1416,10 +1558,58 @@ impl ClusterLink {
         session: SessionId,
         viewer: &str,
         targets: Vec<String>,
-        mut refused: Vec<Refused>,
+        refused: Vec<Refused>,
         tier: Tier,
         query: bool,
     ) -> Option<proto::Answer> {
+        let wanted = Wanted {
+            targets,
+            refused,
+            tier,
+            tiers: HashMap::new(),
+            query,
+        };
+        self.start_subscribe(now, at, wait, session, viewer, wanted)
+    }
+
+    /// What a resume carries over (checked against the new credentials),
+    /// subscribed again here with snapshots from the targets' owners, each
+    /// in its tier; answered like a subscribe under `wait`.
+    pub fn carry_over(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        wait: u64,
+        session: SessionId,
+        viewer: &str,
+        subscriptions: Vec<(String, Tier)>,
+    ) -> Option<proto::Answer> {
+        let wanted = Wanted {
+            targets: subscriptions.iter().map(|(t, _)| t.clone()).collect(),
+            refused: Vec::new(),
+            tier: Tier::Realtime,
+            tiers: subscriptions.into_iter().collect(),
+            query: false,
+        };
+        self.start_subscribe(now, at, wait, session, viewer, wanted)
+    }
+
+    fn start_subscribe(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        wait: u64,
+        session: SessionId,
+        viewer: &str,
+        wanted: Wanted,
+    ) -> Option<proto::Answer> {
+        let Wanted {
+            targets,
+            mut refused,
+            tier,
+            tiers,
+            query,
+        } = wanted;
         let held = self.fanout.subscriptions(session);
         let mut room = self.max_subscriptions.saturating_sub(held.len());
         let mut wanted = Vec::new();
@@ -1452,6 +1642,7 @@ impl ClusterLink {
             viewer: viewer.to_owned(),
             tier,
             targets: wanted,
+            tiers,
             refused,
             deadline: now + self.settings.request_timeout,
             asking: BTreeMap::new(),
@@ -1681,9 +1872,10 @@ impl ClusterLink {
                 continue;
             };
             let again = held.contains(&UserId(id));
+            let tier = p.tiers.get(&target).copied().unwrap_or(p.tier);
             match self
                 .fanout
-                .subscribe(at, p.session, UserId(id), p.tier, snap.unwrap_or_default())
+                .subscribe(at, p.session, UserId(id), tier, snap.unwrap_or_default())
             {
                 Ok(presence) => {
                     if again {
@@ -1693,7 +1885,7 @@ impl ClusterLink {
                     }
                     snapshots.push(Snapshot {
                         target,
-                        tier: p.tier.into(),
+                        tier: tier.into(),
                         presence: proto::Presence::from_core(&presence, 0),
                     });
                 }
@@ -1709,7 +1901,8 @@ impl ClusterLink {
                 }
             }
         }
-        Some(proto::Answer::Subscribed { snapshots, refused })
+        let answer = proto::Answer::Subscribed { snapshots, refused };
+        self.when_recorded(p.session, wait, answer, p.deadline)
     }
 
     fn fail_subscribe(&mut self, wait: u64, p: PendingSubscribe) {
@@ -1789,7 +1982,177 @@ impl ClusterLink {
             return false;
         }
         self.forget_target(UserId(id));
+        // Behind: a record that still lists it carries one target too many,
+        // never one too few.
+        self.record_changed(session);
         true
+    }
+
+    // ---- session records (resume on any node) ----
+
+    /// The session's subscriptions changed: its record is written again.
+    fn record_changed(&mut self, session: SessionId) {
+        if let Some(r) = self.records.get_mut(&session) {
+            r.changed += 1;
+            self.store_record(session);
+        }
+    }
+
+    /// `answer` (to a subscribe of `session`) once the record that has it
+    /// landed, so that a resume anywhere after the answer carries it over.
+    fn when_recorded(
+        &mut self,
+        session: SessionId,
+        wait: u64,
+        answer: proto::Answer,
+        deadline: Instant,
+    ) -> Option<proto::Answer> {
+        let Some(r) = self.records.get_mut(&session) else {
+            return Some(answer);
+        };
+        r.changed += 1;
+        r.waiting.push((r.changed, wait, answer, deadline));
+        self.store_record(session);
+        None
+    }
+
+    fn store_record(&mut self, session: SessionId) {
+        let Some(r) = self.records.get(&session) else {
+            return;
+        };
+        if r.putting.is_some() || r.retry || r.changed == r.stored {
+            return;
+        }
+        let subscriptions = self
+            .fanout
+            .subscriptions(session)
+            .into_iter()
+            .filter_map(|(t, tier)| Some((self.names.name(t.0)?.to_string(), tier.into())))
+            .collect();
+        let value = encode(&SessionRecord {
+            wire: r.wire,
+            subscriptions,
+        });
+        let (user, device, changed) = (r.user.clone(), r.device.clone(), r.changed);
+        let id = self.id();
+        if let Some(r) = self.records.get_mut(&session) {
+            r.putting = Some((id, changed));
+        }
+        self.record_puts.insert(id, session);
+        self.outputs.push_back(ClusterOutput::PutSession {
+            id,
+            user,
+            device,
+            value,
+        });
+    }
+
+    fn session_stored(&mut self, now: Instant, id: u64, revision: Option<u64>) {
+        let Some(session) = self.record_puts.remove(&id) else {
+            return;
+        };
+        let Some(r) = self.records.get_mut(&session) else {
+            return;
+        };
+        let Some((_, covers)) = r.putting.take() else {
+            return;
+        };
+        match revision {
+            Some(_) => r.stored = r.stored.max(covers),
+            None => {
+                self.counters.session_writes_failed += 1;
+                r.retry = true;
+                self.record_retries.insert(session);
+            }
+        }
+        // Answered once stored; past their deadline, answered anyway (the
+        // subscription holds here; a resume elsewhere would miss it).
+        let stored = r.stored;
+        let mut kept = Vec::new();
+        for (n, wait, answer, deadline) in r.waiting.drain(..) {
+            if n <= stored || deadline <= now {
+                self.finished.push_back((wait, Finished::Answer(answer)));
+            } else {
+                kept.push((n, wait, answer, deadline));
+            }
+        }
+        r.waiting = kept;
+        self.store_record(session);
+    }
+
+    fn retry_records(&mut self, now: Instant) {
+        let due: Vec<SessionId> = self.record_retries.drain().collect();
+        for session in due {
+            if let Some(r) = self.records.get_mut(&session) {
+                r.retry = false;
+                if r.waiting.iter().any(|w| w.3 <= now) {
+                    let (late, kept) = r.waiting.drain(..).partition(|w| w.3 <= now);
+                    r.waiting = kept;
+                    let late: Vec<_> = late;
+                    for (_, wait, answer, _) in late {
+                        self.finished.push_back((wait, Finished::Answer(answer)));
+                    }
+                }
+                self.store_record(session);
+            }
+        }
+    }
+
+    /// A hello named `wire`, which is no session of this node (another
+    /// node's, or a previous process's): the device's record is read, and
+    /// if it names `wire` its subscriptions come back as
+    /// [`Finished::Carry`] under `wait`; if not, [`Finished::Done`] (the
+    /// session is fresh).
+    pub fn resume_elsewhere(
+        &mut self,
+        wait: u64,
+        session: SessionId,
+        user: &str,
+        device: &str,
+        wire: u64,
+    ) {
+        let id = self.id();
+        self.resumes.insert(
+            id,
+            PendingResume {
+                wait,
+                session,
+                wire,
+            },
+        );
+        self.outputs.push_back(ClusterOutput::LoadSession {
+            id,
+            user: user.to_owned(),
+            device: device.to_owned(),
+        });
+    }
+
+    fn session_loaded(&mut self, id: u64, record: Option<Bytes>) {
+        let Some(p) = self.resumes.remove(&id) else {
+            return;
+        };
+        let record = record
+            .as_deref()
+            .and_then(decode::<SessionRecord>)
+            .filter(|r| r.wire == p.wire)
+            .filter(|r| r.subscriptions.len() <= self.max_subscriptions)
+            .filter(|_| self.open.contains_key(&p.session));
+        let finished = match record {
+            Some(r) => {
+                self.counters.resumed_elsewhere += 1;
+                let subscriptions = r
+                    .subscriptions
+                    .into_iter()
+                    .map(|(t, tier)| (t, tier.into()))
+                    .collect();
+                Finished::Carry {
+                    session: p.session,
+                    subscriptions,
+                }
+            }
+            None => Finished::Done,
+        };
+        self.finished.push_back((p.wait, finished));
     }
 
     /// The session's subscriptions with what this edge knows of each (for a
@@ -1844,6 +2207,8 @@ impl ClusterLink {
                 }
                 _ => self.counters.malformed += 1,
             },
+            ClusterInput::SessionStored { id, revision } => self.session_stored(now, id, revision),
+            ClusterInput::SessionLoaded { id, record } => self.session_loaded(id, record),
             ClusterInput::Answered { id, payload } => {
                 let Some((what, _)) = self.in_flight.remove(&id) else {
                     return;
@@ -2061,7 +2426,7 @@ impl ClusterLink {
                     for (session, (holder, did)) in sessions.into_iter().zip(holders) {
                         o.by_holder.insert(holder.clone(), session);
                         o.devices.acquire(did);
-                        o.sessions.insert(session, (holder, did, 0));
+                        o.sessions.insert(session, (holder, did, 0, UserId(uid)));
                     }
                 }
             }
@@ -2638,15 +3003,26 @@ impl ClusterLink {
         };
         let mut ended = Vec::new();
         while let Some(out) = o.core.poll_output() {
-            if let Output::SessionEnded { session, .. } = out {
-                ended.push(session);
+            if let Output::SessionEnded { session, reason } = out {
+                ended.push((session, reason));
             }
         }
         if !ended.is_empty() {
             o.dirty_since.get_or_insert(at);
         }
-        for session in ended {
-            if let Some((holder, did, _)) = o.sessions.remove(&session) {
+        for (session, reason) in ended {
+            if let Some((holder, did, _, uid)) = o.sessions.remove(&session) {
+                // The device is gone (not connected again): a resume naming
+                // its session anywhere starts fresh.
+                let names = (o.users.name(uid.0), o.devices.name(did));
+                if let (false, (Some(user), Some(device))) =
+                    (reason == EndReason::Superseded, names)
+                {
+                    self.outputs.push_back(ClusterOutput::DeleteSession {
+                        user: user.to_string(),
+                        device: device.to_string(),
+                    });
+                }
                 o.by_holder.remove(&holder);
                 forget_device(&mut o.devices, did);
             }
@@ -2793,12 +3169,13 @@ fn owner_connect(
         }
     };
     if let Some(old) = o.by_holder.insert(holder.clone(), connected.session) {
-        if let Some((_, did, _)) = o.sessions.remove(&old) {
+        if let Some((_, did, ..)) = o.sessions.remove(&old) {
             forget_device(&mut o.devices, did);
         }
     }
     o.devices.acquire(did);
-    o.sessions.insert(connected.session, (holder, did, wire));
+    o.sessions
+        .insert(connected.session, (holder, did, wire, UserId(uid)));
     Ok(UserId(uid))
 }
 
@@ -2819,7 +3196,7 @@ fn route_of(o: &Owner, user: &str) -> Vec<proto::RouteEntry> {
         .into_iter()
         .filter_map(|s| {
             let info = o.core.session_info(s)?;
-            let (_, did, wire) = o.sessions.get(&s)?;
+            let (_, did, wire, _) = o.sessions.get(&s)?;
             Some(proto::RouteEntry {
                 device: o.devices.name(*did)?.to_string(),
                 kind: info.kind.into(),
@@ -2949,20 +3326,35 @@ mod tests {
             let mut moved = false;
             while let Some(out) = a.poll_output() {
                 moved = true;
-                if let ClusterOutput::Request {
-                    id,
-                    shard,
-                    kind,
-                    payload,
-                } = out
-                {
-                    let request = ClusterInput::Request {
+                match out {
+                    ClusterOutput::Request {
+                        id,
                         shard,
                         kind,
                         payload,
-                        reply: id,
-                    };
-                    b.handle_input(now, at, request);
+                    } => {
+                        let request = ClusterInput::Request {
+                            shard,
+                            kind,
+                            payload,
+                            reply: id,
+                        };
+                        b.handle_input(now, at, request);
+                    }
+                    ClusterOutput::PutSession {
+                        id,
+                        user,
+                        device,
+                        value,
+                    } => {
+                        LANDED.with(|l| l.borrow_mut().insert((user, device), value));
+                        let stored = ClusterInput::SessionStored {
+                            id,
+                            revision: Some(id),
+                        };
+                        a.handle_input(now, at, stored);
+                    }
+                    _ => {}
                 }
             }
             while let Some(out) = b.poll_output() {
@@ -2999,6 +3391,9 @@ mod tests {
                             v.insert(user, value);
                         }
                     }
+                    ClusterOutput::DeleteSession { user, device } => {
+                        LANDED.with(|l| l.borrow_mut().remove(&(user, device)));
+                    }
                     ClusterOutput::Publish { shard, ref payload } => {
                         let payload = payload.clone();
                         published.push(out);
@@ -3022,6 +3417,45 @@ mod tests {
                 return published;
             }
         }
+    }
+
+    thread_local! {
+        /// The session records the exchanges landed, by (user, device).
+        static LANDED: std::cell::RefCell<HashMap<(String, String), Bytes>> =
+            std::cell::RefCell::default();
+    }
+
+    fn landed(user: &str, device: &str) -> Option<Bytes> {
+        LANDED.with(|l| l.borrow().get(&(user.into(), device.into())).cloned())
+    }
+
+    /// Lands every session record `l` puts (as the KV would, at revision =
+    /// id); returns them by (user, device), and the other outputs.
+    fn store_records(
+        l: &mut ClusterLink,
+        now: Instant,
+        at: Millis,
+    ) -> (Vec<(String, String, SessionRecord)>, Vec<ClusterOutput>) {
+        let (mut records, mut others) = (Vec::new(), Vec::new());
+        while let Some(out) = l.poll_output() {
+            match out {
+                ClusterOutput::PutSession {
+                    id,
+                    user,
+                    device,
+                    value,
+                } => {
+                    records.push((user, device, decode(&value).unwrap()));
+                    let stored = ClusterInput::SessionStored {
+                        id,
+                        revision: Some(id),
+                    };
+                    l.handle_input(now, at, stored);
+                }
+                out => others.push(out),
+            }
+        }
+        (records, others)
     }
 
     fn pushes(a: &mut ClusterLink) -> Vec<(SessionId, Presence)> {
@@ -3052,6 +3486,7 @@ mod tests {
             "alice",
             "phone",
             proto::Kind::Mobile,
+            None,
         );
         a.connected(
             now,
@@ -3061,6 +3496,7 @@ mod tests {
             "bob",
             "laptop",
             proto::Kind::Desktop,
+            None,
         );
         exchange(&mut a, &mut b, now, Millis(0));
         (a, b, now)
@@ -3150,6 +3586,7 @@ mod tests {
             "alice",
             "tablet",
             proto::Kind::Mobile,
+            None,
         );
         let seen = carried(&exchange_seen(&mut c, &mut b, now, Millis(400)));
         assert_eq!(seen, vec![(None, Some("c".into()), true, "alice".into())]);
@@ -3276,6 +3713,7 @@ mod tests {
             "dave",
             "phone",
             proto::Kind::Mobile,
+            None,
         );
         while b.poll_output().is_some() {}
         let answer = b.subscribe(
@@ -3315,6 +3753,11 @@ mod tests {
         );
         let later = now + RETRY_AFTER + TICK;
         b.handle_timeout(later, Millis(200));
+        assert!(
+            b.poll_finished().is_none(),
+            "answered before its record landed"
+        );
+        store_records(&mut b, later, Millis(200));
         let Some((7, Finished::Answer(proto::Answer::Subscribed { snapshots, .. }))) =
             b.poll_finished()
         else {
@@ -3432,6 +3875,7 @@ mod tests {
             "carol",
             "phone",
             proto::Kind::Mobile,
+            None,
         );
         exchange(&mut a, &mut b, now, Millis(0));
         let targets = vec!["alice".into(), "carol".into()];
@@ -3628,6 +4072,7 @@ mod tests {
             "alice",
             "laptop",
             proto::Kind::Desktop,
+            None,
         );
         exchange(&mut a, &mut b, now, Millis(5));
         let entry = |device: &str, kind, session| proto::RouteEntry {
@@ -3804,6 +4249,7 @@ mod tests {
             "dave",
             "phone",
             proto::Kind::Mobile,
+            None,
         );
         // a is killed and restarts as incarnation 9; before b learns of it
         // from the lease watch, the new process already forwards carol's
@@ -3817,6 +4263,7 @@ mod tests {
             "carol",
             "phone",
             proto::Kind::Mobile,
+            None,
         );
         exchange(&mut a, &mut b, now, Millis(100));
         assert_eq!(held_by(&b, 1, "a"), vec![(7, true), (9, true)]);
@@ -3999,5 +4446,219 @@ mod tests {
             panic!("no answer");
         };
         assert_eq!(decode::<FromOwner>(&payload), Some(FromOwner::NotOwner));
+    }
+
+    /// Carries `a`'s requests to `b` and `b`'s replies back, holding `a`'s
+    /// session record puts (returned: id, record).
+    fn exchange_holding_records(
+        a: &mut ClusterLink,
+        b: &mut ClusterLink,
+        now: Instant,
+        at: Millis,
+    ) -> Vec<(u64, SessionRecord)> {
+        let mut held = Vec::new();
+        loop {
+            let mut moved = false;
+            while let Some(out) = a.poll_output() {
+                moved = true;
+                match out {
+                    ClusterOutput::Request {
+                        id,
+                        shard,
+                        kind,
+                        payload,
+                    } => {
+                        let reply = id;
+                        let request = ClusterInput::Request {
+                            shard,
+                            kind,
+                            payload,
+                            reply,
+                        };
+                        b.handle_input(now, at, request);
+                    }
+                    ClusterOutput::PutSession { id, value, .. } => {
+                        held.push((id, decode(&value).unwrap()));
+                    }
+                    _ => {}
+                }
+            }
+            while let Some(out) = b.poll_output() {
+                moved = true;
+                if let ClusterOutput::Reply { reply, payload } = out {
+                    let answered = ClusterInput::Answered {
+                        id: reply,
+                        payload: Some(payload),
+                    };
+                    a.handle_input(now, at, answered);
+                }
+            }
+            if !moved {
+                return held;
+            }
+        }
+    }
+
+    #[test]
+    fn a_subscribe_is_answered_once_its_session_record_landed() {
+        let (mut a, mut b, now) = two_nodes();
+        assert!(bob_subscribes_to_alice(&mut a, now, Millis(10), 9).is_none());
+        let mut puts = exchange_holding_records(&mut a, &mut b, now, Millis(10));
+        assert!(
+            a.poll_finished().is_none(),
+            "answered before its record landed"
+        );
+        let (id, record) = puts.pop().unwrap();
+        assert_eq!(record.wire, 1002, "bob's session's wire id");
+        assert_eq!(
+            record.subscriptions,
+            vec![("alice".to_string(), proto::Tier::Realtime)]
+        );
+        // A failed put is tried again at the tick; the answer still waits.
+        let failed = ClusterInput::SessionStored { id, revision: None };
+        a.handle_input(now, Millis(20), failed);
+        assert!(a.poll_finished().is_none());
+        assert_eq!(a.counters().session_writes_failed, 1);
+        let later = now + TICK;
+        a.handle_timeout(later, Millis(70));
+        let (records, _) = store_records(&mut a, later, Millis(70));
+        assert_eq!(records.len(), 1, "put again");
+        let Some((9, Finished::Answer(proto::Answer::Subscribed { snapshots, .. }))) =
+            a.poll_finished()
+        else {
+            panic!("no subscribe answer after the record landed");
+        };
+        assert_eq!(snapshots[0].target, "alice");
+        // The record lands in the KV; the connection is lost: it stays (a
+        // resume elsewhere may come within grace).
+        let kv = |a: &mut ClusterLink, b: &mut ClusterLink, at| {
+            exchange(a, b, now, Millis(at));
+        };
+        kv(&mut a, &mut b, 80);
+        assert!(bob_subscribes_to_alice(&mut a, now, Millis(90), 10).is_none());
+        kv(&mut a, &mut b, 90);
+        assert!(landed("bob", "laptop").is_some());
+        let lost = WireOp::Disconnect { last_heard: 0 };
+        assert!(a.input(now, Millis(100), SessionId(2), lost, None));
+        a.session_ended(SessionId(2));
+        kv(&mut a, &mut b, 100);
+        assert!(
+            landed("bob", "laptop").is_some(),
+            "gone while bob may resume"
+        );
+        // The owner sees the device end (grace): the record goes.
+        b.handle_timeout(now, Millis(100 + 60_000));
+        kv(&mut a, &mut b, 100 + 60_000);
+        assert!(
+            landed("bob", "laptop").is_none(),
+            "kept after bob's device ended"
+        );
+    }
+
+    #[test]
+    fn a_session_resumed_on_another_node_carries_its_subscriptions() {
+        let (mut a, mut b, now) = two_nodes();
+        b.handle_timeout(now, Millis(300)); // alice shown online
+        exchange(&mut a, &mut b, now, Millis(300));
+        let at = Millis(310);
+        assert!(bob_subscribes_to_alice(&mut a, now, at, 9).is_none());
+        exchange(&mut a, &mut b, now, at);
+        assert!(matches!(a.poll_finished(), Some((9, Finished::Answer(_)))));
+        let record = landed("bob", "laptop").expect("bob's record");
+        // Node a dies; bob's laptop comes back on c, naming its session.
+        let mut c = link("c");
+        let laptop = SessionId(1);
+        let kind = proto::Kind::Desktop;
+        c.connected(now, at, laptop, 5001, "bob", "laptop", kind, None);
+        exchange(&mut c, &mut b, now, at);
+        let load = |c: &mut ClusterLink, wait, wire| {
+            c.resume_elsewhere(wait, laptop, "bob", "laptop", wire);
+            let ids: Vec<u64> = std::iter::from_fn(|| c.poll_output())
+                .filter_map(|o| match o {
+                    ClusterOutput::LoadSession { id, .. } => Some(id),
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(ids.len(), 1);
+            ids[0]
+        };
+        // A record of another session of the device: a fresh session.
+        let id = load(&mut c, 3, 777);
+        let loaded = ClusterInput::SessionLoaded {
+            id,
+            record: Some(record.clone()),
+        };
+        c.handle_input(now, at, loaded);
+        assert!(matches!(c.poll_finished(), Some((3, Finished::Done))));
+        // The session the record names: its subscriptions come back.
+        let id = load(&mut c, 4, 1002);
+        let loaded = ClusterInput::SessionLoaded {
+            id,
+            record: Some(record),
+        };
+        c.handle_input(now, at, loaded);
+        let Some((
+            4,
+            Finished::Carry {
+                session,
+                subscriptions,
+            },
+        )) = c.poll_finished()
+        else {
+            panic!("nothing carried over");
+        };
+        assert_eq!(session, laptop);
+        assert_eq!(subscriptions, vec![("alice".to_string(), Tier::Realtime)]);
+        assert!(c
+            .carry_over(now, at, 4, laptop, "bob", subscriptions)
+            .is_none());
+        exchange(&mut c, &mut b, now, at);
+        let Some((4, Finished::Answer(proto::Answer::Subscribed { snapshots, refused }))) =
+            c.poll_finished()
+        else {
+            panic!("no snapshots for what carried over");
+        };
+        assert!(refused.is_empty());
+        assert_eq!(snapshots.len(), 1);
+        assert!(snapshots[0].presence.online, "alice is online");
+        assert_eq!(c.counters().resumed_elsewhere, 1);
+        let record: SessionRecord = decode(&landed("bob", "laptop").unwrap()).unwrap();
+        assert_eq!(record.wire, 5001, "the record names the session on c now");
+    }
+
+    #[test]
+    fn a_session_resumed_on_the_same_node_keeps_its_subscriptions() {
+        let (mut a, mut b, now) = two_nodes();
+        let at = Millis(10);
+        assert!(bob_subscribes_to_alice(&mut a, now, at, 9).is_none());
+        exchange(&mut a, &mut b, now, at);
+        assert!(matches!(a.poll_finished(), Some((9, Finished::Answer(_)))));
+        // bob's laptop resumes on a: new session 20 (wire 1020) from 2.
+        let (old, new) = (SessionId(2), SessionId(20));
+        let kind = proto::Kind::Desktop;
+        a.connected(now, at, new, 1020, "bob", "laptop", kind, Some(old));
+        a.session_ended(old); // what the hub's core says of the old one
+        exchange(&mut a, &mut b, now, at);
+        let kept: Vec<String> = a
+            .snapshots(new, "bob")
+            .into_iter()
+            .map(|s| s.target)
+            .collect();
+        assert_eq!(kept, vec!["alice".to_string()]);
+        let record: SessionRecord = decode(&landed("bob", "laptop").unwrap()).unwrap();
+        assert_eq!(record.wire, 1020);
+        // alice's next change reaches the new session.
+        set_status(
+            &mut a,
+            &mut b,
+            SessionId(1),
+            proto::Status::Busy,
+            now,
+            400,
+            |_| false,
+        );
+        let to: Vec<SessionId> = pushes(&mut a).into_iter().map(|(to, _)| to).collect();
+        assert!(to.contains(&new), "{to:?}");
+        assert!(!to.contains(&old), "{to:?}");
     }
 }

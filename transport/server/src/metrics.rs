@@ -457,6 +457,20 @@ impl MetricsSnapshot {
             );
             metric(
                 &mut out,
+                "greendot_cluster_resumed_elsewhere_total",
+                "counter",
+                "Sessions resumed here from another node's (or a previous process's) session record, their subscriptions carried over.",
+                &[("", c.resumed_elsewhere)],
+            );
+            metric(
+                &mut out,
+                "greendot_cluster_session_writes_failed_total",
+                "counter",
+                "Session record writes the KV refused or did not answer (tried again; a subscribe waits for its record at most a request timeout).",
+                &[("", c.session_writes_failed)],
+            );
+            metric(
+                &mut out,
                 "greendot_cluster_users_released_total",
                 "counter",
                 "Users this node's owners freed after a minute without a device (read back from the KV at their next input or snapshot).",

@@ -2104,12 +2104,20 @@ impl ServerState {
         }
         let forward = self.cluster.as_ref().and_then(|_| forwarded_op(&step));
         let durable = durable_user(&self.hub, &step);
+        let resume = match &step {
+            Step::Hello { resume, .. } => *resume,
+            _ => None,
+        };
         let mut handled = self.hub.apply(at, step);
         if let Some(s) = handled.welcomed {
-            if self.cluster.is_some() {
-                self.cluster_welcome(now, s, &mut handled);
-            }
+            let elsewhere = match self.cluster {
+                Some(_) => self.cluster_welcome(now, s, resume, &mut handled),
+                None => None,
+            };
             self.welcome(ch, now, s, &handled);
+            if let Some(wire) = elsewhere {
+                return self.resume_elsewhere(ch, now, s, wire, handled);
+            }
         } else if let Some(ServerFrame::Error(e)) = &handled.reply {
             self.stats.reject(&reason_label(e));
             self.event(ServerEvent::Rejected {
@@ -2363,6 +2371,16 @@ impl ServerState {
 
     /// The cluster is done with the request behind `wait`.
     fn cluster_finished(&mut self, now: Instant, wait: u64, finished: Finished) {
+        if let Finished::Carry {
+            session,
+            subscriptions,
+        } = finished
+        {
+            if self.tickets.contains_key(&wait) {
+                self.carry_over(now, wait, session, subscriptions);
+            }
+            return;
+        }
         let Some(ticket) = self.tickets.remove(&wait) else {
             return; // answered at the backstop already
         };
@@ -2377,14 +2395,21 @@ impl ServerState {
             return;
         };
         let result = match finished {
-            Finished::Done => None,
+            Finished::Done | Finished::Carry { .. } => None,
             Finished::Answer(answer) => Some(Ok(answer)),
             Finished::Failed(error) => Some(Err(error)),
         };
-        if let (Some(result), Some(ServerFrame::Reply { result: r, .. })) =
-            (result, handled.reply.as_mut())
-        {
-            *r = result;
+        match (result, handled.reply.as_mut()) {
+            (Some(result), Some(ServerFrame::Reply { result: r, .. })) => *r = result,
+            // A resume from another node's record: what carried over.
+            (
+                Some(Ok(proto::Answer::Subscribed { snapshots, .. })),
+                Some(ServerFrame::Welcome(w)),
+            ) => {
+                w.resumed = true;
+                w.snapshots = snapshots;
+            }
+            _ => {}
         }
         self.saved(now, ch, serial, wait, handled, None);
     }
@@ -2426,20 +2451,101 @@ impl ServerState {
         now + timeout + Duration::from_secs(1)
     }
 
-    /// A welcome in a cluster: the device goes to its owner; a resumed
-    /// session's snapshots are the edge's (its subscriptions live in the
-    /// fanout, not the hub's core).
-    fn cluster_welcome(&mut self, now: Instant, session: SessionId, handled: &mut Handled) {
+    /// A welcome in a cluster: the device goes to its owner. A session
+    /// resumed here keeps its subscriptions (they live in the fanout, not
+    /// the hub's core) except what the new credentials no longer allow.
+    /// Returns the wire id the hello named if it is no session here (so
+    /// perhaps another node's: its record is read before the welcome).
+    fn cluster_welcome(
+        &mut self,
+        now: Instant,
+        session: SessionId,
+        resume: Option<u64>,
+        handled: &mut Handled,
+    ) -> Option<u64> {
         let at = self.clock.at(now);
         let kind = self.hub.session_kind(session);
+        let carried_from = resume.map(|wire| self.wire(SessionId(wire)));
         let (Some(c), Some(ServerFrame::Welcome(w)), Some(kind)) =
             (self.cluster.as_deref_mut(), handled.reply.as_mut(), kind)
         else {
+            return None;
+        };
+        let carried_from = carried_from.filter(|_| w.resumed);
+        c.connected(
+            now,
+            at,
+            session,
+            w.session,
+            &w.user,
+            &w.device,
+            kind.into(),
+            carried_from,
+        );
+        if !w.resumed {
+            return resume;
+        }
+        let refused: Vec<String> = c
+            .snapshots(session, &w.user)
+            .into_iter()
+            .map(|s| s.target)
+            .filter(|t| self.hub.may_watch(session, t).is_err())
+            .collect();
+        for target in refused {
+            c.unsubscribe(at, session, &target);
+        }
+        w.snapshots = c.snapshots(session, &w.user);
+        None
+    }
+
+    /// The hello named `wire`, no session of this node: the welcome waits
+    /// while the device's record is read; if it names `wire`, its
+    /// subscriptions carry over and the welcome says resumed.
+    fn resume_elsewhere(
+        &mut self,
+        ch: usize,
+        now: Instant,
+        session: SessionId,
+        wire: u64,
+        handled: Handled,
+    ) {
+        let (user, device) = match &handled.reply {
+            Some(ServerFrame::Welcome(w)) => (w.user.clone(), w.device.clone()),
+            _ => return self.answer(ch, now, handled),
+        };
+        let Some((wait, _)) = self.cluster_ticket(ch, now, handled) else {
             return;
         };
-        c.connected(now, at, session, w.session, &w.user, &w.device, kind.into());
-        if w.resumed {
-            w.snapshots = c.snapshots(session, &w.user);
+        if let Some(c) = self.cluster.as_deref_mut() {
+            c.resume_elsewhere(wait, session, &user, &device, wire);
+        }
+        self.hold_for(ch, wait);
+    }
+
+    /// A resume's record named the session: what the new credentials still
+    /// allow is subscribed again, under the same wait.
+    fn carry_over(
+        &mut self,
+        now: Instant,
+        wait: u64,
+        session: SessionId,
+        subscriptions: Vec<(String, Tier)>,
+    ) {
+        let at = self.clock.at(now);
+        let allowed: Vec<(String, Tier)> = subscriptions
+            .into_iter()
+            .filter(|(t, _)| self.hub.may_watch(session, t).is_ok())
+            .collect();
+        let viewer = self
+            .hub
+            .session_user(session)
+            .and_then(|u| self.hub.user_name(u))
+            .map(str::to_owned);
+        let (Some(c), Some(viewer)) = (self.cluster.as_deref_mut(), viewer) else {
+            return self.cluster_finished(now, wait, Finished::Done);
+        };
+        if let Some(answer) = c.carry_over(now, at, wait, session, &viewer, allowed) {
+            self.cluster_finished(now, wait, Finished::Answer(answer));
         }
     }
 

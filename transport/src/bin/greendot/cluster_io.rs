@@ -325,6 +325,39 @@ pub async fn run(
                             inputs.send(ClusterInput::ShardLoaded { id, record }).await;
                         });
                     }
+                    ClusterOutput::PutSession { id, user, device, value } => {
+                        let (c, inputs) = (cluster.clone(), inputs.clone());
+                        tokio::spawn(async move {
+                            let revision = match c.put_session(&user, &device, value).await {
+                                Ok(revision) => Some(revision),
+                                Err(e) => {
+                                    warn!(error = %e, "cannot store a session record");
+                                    None
+                                }
+                            };
+                            inputs.send(ClusterInput::SessionStored { id, revision }).await;
+                        });
+                    }
+                    ClusterOutput::LoadSession { id, user, device } => {
+                        let (c, inputs) = (cluster.clone(), inputs.clone());
+                        tokio::spawn(async move {
+                            // A failed read starts the session fresh (the
+                            // client subscribes again) rather than holding it.
+                            let record = c.session(&user, &device).await.unwrap_or_else(|e| {
+                                warn!(error = %e, "cannot read a session record");
+                                None
+                            });
+                            inputs.send(ClusterInput::SessionLoaded { id, record }).await;
+                        });
+                    }
+                    ClusterOutput::DeleteSession { user, device } => {
+                        let c = cluster.clone();
+                        tokio::spawn(async move {
+                            if let Err(e) = c.delete_session(&user, &device).await {
+                                debug!(error = %e, "cannot delete a session record");
+                            }
+                        });
+                    }
                     ClusterOutput::Resync { payload } => {
                         if let Err(e) = cluster.publish_resync(payload).await {
                             warn!(error = %e, "cannot ask the edges to resync");
