@@ -32,6 +32,8 @@ const GRACE: Duration = Duration::from_secs(1);
 const BATCH: Duration = Duration::from_secs(1);
 /// A loaded 2-core machine, NATS round trips, process start.
 const SLACK: Duration = Duration::from_secs(8);
+/// Tokens' lifetime.
+const HOUR: Duration = Duration::from_secs(3600);
 const SECRET: &str = "0123456789abcdef0123456789abcdef";
 
 struct Node {
@@ -759,14 +761,8 @@ async fn edge_kill_9_reconnect_elsewhere_and_bounded_ghost() {
     a.proc.kill9();
     // Alice's client reconnects to another node, naming its session (as a
     // client given several addresses would); carol's never does.
-    let claims = Claims::new(
-        &alice,
-        "phone",
-        Kind::Mobile,
-        WatchClaim::all(),
-        Duration::from_secs(3600),
-    );
-    let (_again, mut again_updates) = connect_resuming(&[&b, &c], &b, claims, Some(session)).await;
+    let claims = Claims::new(&alice, "phone", Kind::Mobile, WatchClaim::all(), HOUR);
+    let (again, mut again_updates) = connect_resuming(&[&b, &c], &b, claims, Some(session)).await;
     // It resumed on b: its subscription to bob carried over (the welcome's
     // snapshot; this client never subscribed).
     wait_presence(
@@ -814,6 +810,24 @@ async fn edge_kill_9_reconnect_elsewhere_and_bounded_ghost() {
         "alice shown offline while connected to b",
         |p| !p.online,
     )
+    .await;
+    // bob's laptop resumes on its own node (c): its subscriptions stay, in
+    // the welcome and for the next change.
+    let claims = Claims::new("bob", "laptop", Kind::Desktop, WatchClaim::all(), HOUR);
+    let (_laptop, mut laptop_updates) =
+        connect_resuming(&[&b, &c], &c, claims, Some(bob.session())).await;
+    wait_presence(
+        &mut laptop_updates,
+        &alice,
+        SLACK,
+        "alice's carried snapshot",
+        |p| p.online,
+    )
+    .await;
+    again.set_status(Status::Away, None).await.unwrap();
+    wait_presence(&mut laptop_updates, &alice, SLACK, "alice away", |p| {
+        p.status == Status::Away
+    })
     .await;
     drop(bob);
     drop(nats);
