@@ -261,7 +261,7 @@ pub struct Hub {
     /// and view: a publish to many subscribers is encoded once.
     encoded: HashMap<(UserId, greendot_core::Presence), Bytes>,
     /// Devices restored as lingering at start that may still be waiting for
-    /// their turn ([`Hub::hold_restored`]).
+    /// their turn ([`Hub::hold_restored`]), and devices lost while they do.
     restored: Vec<SessionId>,
 }
 
@@ -414,9 +414,9 @@ impl Hub {
         Ok(())
     }
 
-    /// Every device restored at start that is still lingering (not back,
-    /// not ended) lingers until at least its grace past `from`; the others
-    /// are forgotten. How many are still held. A server calls it while it
+    /// Every device restored at start (or lost again while they were held)
+    /// that is still lingering (not back, not ended) lingers until at least
+    /// its grace past `from`; the others are forgotten. How many are still held. A server calls it while it
     /// sheds handshakes: those devices may be waiting for their turn.
     pub fn hold_restored(&mut self, now: Millis, from: Millis) -> usize {
         let core = &mut self.core;
@@ -509,9 +509,17 @@ impl Hub {
         if let Some(user) = self.session_user(session) {
             self.touched.push(user);
         }
-        let _ = self
+        let lingers = self
             .core
-            .handle_disconnect_until(now, session, last_heard, until);
+            .handle_disconnect_until(now, session, last_heard, until)
+            .is_ok();
+        // While the devices restored at start still wait for their turn, a
+        // device lost again (it got back, then its connection went in the
+        // overload) waits for its turn with them. (A session is lost once:
+        // no duplicates.)
+        if lingers && !self.restored.is_empty() {
+            self.restored.push(session);
+        }
     }
 
     pub fn closed(&mut self, now: Millis, session: SessionId, logout: bool, last_heard: Millis) {

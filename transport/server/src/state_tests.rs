@@ -33,6 +33,8 @@ struct Client {
     next_id: u64,
     /// Gets none of the server's datagrams (a spoofed source, a dead link).
     deaf: bool,
+    /// Sends nothing either (a phone whose network went).
+    dead: bool,
 }
 
 struct Net {
@@ -134,6 +136,7 @@ impl Net {
             lost: None,
             next_id: 1,
             deaf: false,
+            dead: false,
         });
         i
     }
@@ -225,7 +228,7 @@ impl Net {
                 if let Some(c) = self
                     .clients
                     .iter_mut()
-                    .find(|c| c.addr == t.destination && !c.deaf)
+                    .find(|c| c.addr == t.destination && !c.deaf && !c.dead)
                 {
                     let mut buf = Vec::new();
                     let data = BytesMut::from(&t.contents[..]);
@@ -251,7 +254,7 @@ impl Net {
     /// any sent something.
     fn clients_send(&mut self, now: Instant) -> bool {
         let mut sent = false;
-        for c in &mut self.clients {
+        for c in self.clients.iter_mut().filter(|c| !c.dead) {
             if c.conn.poll_timeout().is_some_and(|t| t <= now) {
                 c.conn.handle_timeout(now);
             }
@@ -824,6 +827,58 @@ fn restored_devices_are_held_while_the_server_sheds() {
             "offline {held:?} after the shedding stopped"
         );
     }
+}
+
+/// A device that got back in a restart's herd and is lost again while the
+/// server still sheds handshakes waits its turn like the restored ones: held
+/// while the shedding lasts, its grace runs out after it.
+#[test]
+fn a_device_lost_again_while_the_server_sheds_is_held_too() {
+    let online = |net: &Net, user: &str| {
+        let hub = net.server.hub();
+        hub.user_id(user).is_some_and(|u| hub.core().is_online(u))
+    };
+    let drained = Loaded {
+        clean: true,
+        drained: vec![crate::hub::LiveDevice {
+            user: "ann".into(),
+            device: "laptop".into(),
+            kind: Kind::Web,
+        }],
+        ..Loaded::default()
+    };
+    let mut net = Net::new(config(), Some(drained));
+    let bob = net.connect("bob", "phone");
+    net.run_until(Duration::from_secs(2), |net| net.welcomed(bob));
+    assert!(net.welcomed(bob) && online(&net, "bob"));
+    net.clients[bob].dead = true;
+    // Shedding for longer than the idle timeout and bob's grace together.
+    let start = net.now;
+    let mut lost = None;
+    while net.now < start + Duration::from_secs(120) {
+        net.server.stats.shed(Shed::Rate);
+        net.run_for(Duration::from_millis(250));
+        let lingering = net
+            .events
+            .iter()
+            .any(|e| matches!(e, ServerEvent::Closed { .. }));
+        if lingering && lost.is_none() {
+            lost = Some(net.now);
+        }
+    }
+    let lost = lost.expect("bob's connection was never found lost");
+    assert!(
+        net.now - lost > Duration::from_secs(60),
+        "bob lost too late for the test"
+    );
+    assert!(
+        online(&net, "bob"),
+        "bob shown offline while the server was still shedding"
+    );
+    let stopped = net.now;
+    net.run_until(Duration::from_secs(40), |net| !online(net, "bob"));
+    assert!(!online(&net, "bob"), "held after the shedding stopped");
+    assert!(net.now - stopped >= Duration::from_secs(5));
 }
 
 /// Handshakes in flight are limited per source address (past the limit a
