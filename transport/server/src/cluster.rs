@@ -66,6 +66,10 @@ const TICK: Duration = Duration::from_millis(50);
 /// How often an owner announces the latest view number of each shard it
 /// acts for ([`Beacon`]): a view lost on the way is noticed within this.
 const BEACON_EVERY: Duration = Duration::from_secs(1);
+/// Beacons name the last truth sent to an edge for this long after it went
+/// (an edge that missed it, and every beacon since, is then stale until the
+/// user's next change).
+pub const TRUTH_BEACON_FOR: Duration = Duration::from_secs(10);
 /// Shards one beacon names at most (more go in several).
 pub const MAX_BEACON_SHARDS: usize = 8_192;
 /// How often a new owner asks the edges again to resend its shard's
@@ -265,9 +269,10 @@ pub enum ToOwner {
         viewer: String,
         targets: Vec<String>,
     },
-    /// The views of `targets` (what others see, for every target), for an
-    /// edge that missed a view of their shard.
-    Views { targets: Vec<String> },
+    /// The views of `targets` (what others see, for every target; `own`:
+    /// each target's truth), for an edge that missed a view (a truth) of
+    /// their shard.
+    Views { targets: Vec<String>, own: bool },
     /// The user's Online devices, for a service's `Route`.
     Route { user: String },
 }
@@ -298,12 +303,15 @@ pub enum FromOwner {
     Loading,
 }
 
-/// On `<prefix>.shard.<n>`: a view the owner published.
+/// On `<prefix>.shard.<n>`: a view the owner published (on an edge's
+/// subject: a truth).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ShardView {
     pub epoch: u64,
     /// On the shard's subject: the view's number in the epoch, from 1 with
-    /// no gaps, so an edge notices a lost one. 0 on an edge's subject.
+    /// no gaps, so an edge notices a lost one. On an edge's subject: the
+    /// truth's number among those the shard's owner sent that edge in the
+    /// epoch, the same way.
     pub seq: u64,
     /// When the owner published it (Unix milliseconds of its clock).
     pub published_ms: u64,
@@ -354,6 +362,9 @@ pub struct Beacon {
     pub owner: String,
     /// (shard, epoch, seq)
     pub shards: Vec<(u32, u64, u64)>,
+    /// (edge, shard, epoch, seq) of the last truth sent to another edge,
+    /// for those sent in the last [`TRUTH_BEACON_FOR`].
+    pub truths: Vec<(String, u32, u64, u64)>,
 }
 
 fn encode<T: Serialize>(value: &T) -> Bytes {
@@ -404,6 +415,10 @@ pub struct ClusterCounters {
     /// a beacon ahead of the last one seen): each asks the owner for the
     /// views of the shard's watched users again.
     pub view_gaps: u64,
+    /// Truths this edge missed (a gap in the numbers an owner gives the
+    /// truths it sends here, or a beacon ahead): each asks for the truths
+    /// of the shard's users with a session here again.
+    pub truth_gaps: u64,
     /// Sessions resumed here from another node's (or a previous process's)
     /// record, their subscriptions carried over.
     pub resumed_elsewhere: u64,
@@ -453,6 +468,9 @@ struct Owner {
     /// Views published on the shard's subject in this epoch: the last
     /// one's number.
     seq: u64,
+    /// Truths sent to each other edge in this epoch: the last one's number,
+    /// and when it went (beacons name the recent ones).
+    truth_seq: HashMap<String, (u64, Instant)>,
     /// The resync request is sent again until then (it may be lost), every
     /// `RESYNC_EVERY`.
     resync_until: Instant,
@@ -589,10 +607,12 @@ enum InFlight {
         wait: u64,
         shard: u32,
     },
-    /// The views of `targets` again, after a view of `shard` was missed.
+    /// The views (`own`: truths) of `targets` again, after one of `shard`
+    /// was missed.
     Repair {
         shard: u32,
         targets: Vec<String>,
+        own: bool,
     },
     Route {
         wait: u64,
@@ -656,6 +676,9 @@ pub struct ClusterLink {
     shard_watchers: HashMap<u32, u32>,
     /// The view numbers seen of each watched shard (the same keys).
     tracks: HashMap<u32, ShardTrack>,
+    /// The numbers of the truths this edge was sent, per shard (at most
+    /// one entry per shard).
+    truth_tracks: HashMap<u32, ShardTrack>,
     /// Per shard, the newest epoch whose resync request this edge answered
     /// (a new owner sends it again while its window is open).
     resynced: HashMap<u32, u64>,
@@ -721,6 +744,7 @@ impl ClusterLink {
             open: HashMap::new(),
             shard_watchers: HashMap::new(),
             tracks: HashMap::new(),
+            truth_tracks: HashMap::new(),
             resynced: HashMap::new(),
             next_beacon: None,
             gaps: false,
@@ -980,6 +1004,7 @@ impl ClusterLink {
                     greet: Vec::new(),
                     idle: VecDeque::new(),
                     seq: 0,
+                    truth_seq: HashMap::new(),
                     resync_until: now + self.settings.request_timeout,
                     next_resync: now + RESYNC_EVERY,
                 },
@@ -1035,17 +1060,36 @@ impl ClusterLink {
             return;
         }
         self.next_beacon = Some(now + BEACON_EVERY);
-        let shards: Vec<(u32, u64, u64)> = self
+        let acting: Vec<(&u32, &Owner)> = self
             .owners
             .iter()
-            .filter(|(s, o)| o.seq > 0 && self.acting_epoch(**s, now) == Some(o.epoch))
-            .map(|(s, o)| (*s, o.epoch, o.seq))
+            .filter(|(s, o)| self.acting_epoch(**s, now) == Some(o.epoch))
             .collect();
-        for chunk in shards.chunks(MAX_BEACON_SHARDS) {
+        let shards: Vec<(u32, u64, u64)> = acting
+            .iter()
+            .filter(|(_, o)| o.seq > 0)
+            .map(|(s, o)| (**s, o.epoch, o.seq))
+            .collect();
+        let recent = |sent: Instant| now.saturating_duration_since(sent) <= TRUTH_BEACON_FOR;
+        let truths: Vec<(String, u32, u64, u64)> = acting
+            .iter()
+            .flat_map(|(s, o)| {
+                o.truth_seq
+                    .iter()
+                    .filter(move |(_, (_, sent))| recent(*sent))
+                    .map(move |(edge, (seq, _))| (edge.clone(), **s, o.epoch, *seq))
+            })
+            .collect();
+        let chunks = shards.len().max(truths.len()).div_ceil(MAX_BEACON_SHARDS);
+        for i in 0..chunks {
+            let part = |len: usize| {
+                (i * MAX_BEACON_SHARDS).min(len)..((i + 1) * MAX_BEACON_SHARDS).min(len)
+            };
             self.outputs.push_back(ClusterOutput::Beacon {
                 payload: encode(&Beacon {
                     owner: self.settings.node.clone(),
-                    shards: chunk.to_vec(),
+                    shards: shards[part(shards.len())].to_vec(),
+                    truths: truths[part(truths.len())].to_vec(),
                 }),
             });
         }
@@ -1296,6 +1340,26 @@ impl ClusterLink {
         }
     }
 
+    /// A truth of a user of `shard` numbered `(epoch, seq)` came (or a
+    /// beacon names it, `announced`): one skipped, or one announced that
+    /// never came, means this edge missed a truth, and the truths of its
+    /// users of the shard are asked for again.
+    fn track_truth(&mut self, shard: u32, epoch: u64, seq: u64, announced: bool) {
+        let t = self.truth_tracks.entry(shard).or_default();
+        let missed = match t.seen {
+            // The first heard of: only a beacon says one was missed.
+            None => announced,
+            Some(seen) if (epoch, seq) <= seen => false,
+            Some((e, s)) => announced || !((epoch == e && seq == s + 1) || (epoch > e && seq == 1)),
+        };
+        t.seen = t.seen.max(Some((epoch, seq)));
+        if missed && !t.gap {
+            t.gap = true;
+            self.gaps = true;
+            self.counters.truth_gaps += 1;
+        }
+    }
+
     /// The owner of `shard` answered with the views up to `(epoch, seq)`.
     /// An answer older than a view seen since may miss what that view
     /// carried, when it was about a target being subscribed and the view
@@ -1312,6 +1376,11 @@ impl ClusterLink {
     }
 
     fn beacon(&mut self, b: Beacon) {
+        for (edge, shard, epoch, seq) in b.truths {
+            if edge == self.settings.node && shard < self.settings.shard_count {
+                self.track_truth(shard, epoch, seq, true);
+            }
+        }
         for (shard, epoch, seq) in b.shards {
             let Some(t) = self.tracks.get_mut(&shard) else {
                 continue;
@@ -1332,57 +1401,90 @@ impl ClusterLink {
         if !self.gaps {
             return;
         }
-        let due: HashMap<u32, Vec<String>> = self
-            .tracks
-            .iter()
-            .filter(|(_, t)| t.gap && t.asking == 0 && t.not_before.is_none_or(|n| n <= now))
-            .map(|(s, _)| (*s, Vec::new()))
-            .collect();
-        if !due.is_empty() {
-            self.ask_repairs(due, now, at);
+        for own in [false, true] {
+            let due: HashMap<u32, Vec<String>> = self
+                .shard_tracks(own)
+                .iter()
+                .filter(|(_, t)| t.gap && t.asking == 0 && t.not_before.is_none_or(|n| n <= now))
+                .map(|(s, _)| (*s, Vec::new()))
+                .collect();
+            if !due.is_empty() {
+                self.ask_repairs(due, own, now, at);
+            }
         }
         // Those waiting (a repair out, or a pause after a failure) keep it.
-        self.gaps = self.tracks.values().any(|t| t.gap);
+        self.gaps = self
+            .tracks
+            .values()
+            .chain(self.truth_tracks.values())
+            .any(|t| t.gap);
     }
 
-    /// Asks for the views of every target of the `due` shards.
-    fn ask_repairs(&mut self, mut due: HashMap<u32, Vec<String>>, now: Instant, at: Millis) {
-        let watched = self
-            .fanout
-            .watched()
-            .filter_map(|u| self.names.name(u.0).map(|n| &**n));
-        let subscribing = self
-            .subscribes
-            .values()
-            .filter(|p| !p.query)
-            .flat_map(|p| p.targets.iter().map(|(t, _)| t.as_str()));
-        for name in watched.chain(subscribing) {
-            if let Some(targets) = due.get_mut(&self.shard(name)) {
-                targets.push(name.to_string());
+    /// What this edge knows of the views (`own`: of the truths) of shards.
+    fn shard_tracks(&mut self, own: bool) -> &mut HashMap<u32, ShardTrack> {
+        if own {
+            &mut self.truth_tracks
+        } else {
+            &mut self.tracks
+        }
+    }
+
+    /// Asks for the views of every target of the `due` shards (`own`: the
+    /// truths of every user of them with a session here).
+    fn ask_repairs(
+        &mut self,
+        mut due: HashMap<u32, Vec<String>>,
+        own: bool,
+        now: Instant,
+        at: Millis,
+    ) {
+        let names: Vec<String> = if own {
+            self.open.values().cloned().collect()
+        } else {
+            let watched = self
+                .fanout
+                .watched()
+                .filter_map(|u| self.names.name(u.0).map(|n| n.to_string()));
+            let subscribing = self
+                .subscribes
+                .values()
+                .filter(|p| !p.query)
+                .flat_map(|p| p.targets.iter().map(|(t, _)| t.clone()));
+            watched.chain(subscribing).collect()
+        };
+        let (shard_of, count) = (self.settings.shard_of, self.settings.shard_count);
+        for name in names {
+            if let Some(targets) = due.get_mut(&shard_of(&name, count)) {
+                targets.push(name);
             }
         }
         for (shard, mut targets) in due {
             targets.sort_unstable();
             targets.dedup();
-            if let Some(t) = self.tracks.get_mut(&shard) {
+            if let Some(t) = self.shard_tracks(own).get_mut(&shard) {
                 t.gap = false;
                 t.not_before = None;
             }
             if self.acting_epoch(shard, now).is_some() && self.owners.contains_key(&shard) {
-                self.repair_locally(shard, targets, now, at);
+                self.repair_locally(shard, targets, own, now, at);
                 continue;
             }
             for chunk in targets.chunks(MAX_SNAPSHOT_TARGETS) {
-                if let Some(t) = self.tracks.get_mut(&shard) {
+                if let Some(t) = self.shard_tracks(own).get_mut(&shard) {
                     t.asking += 1;
                 }
                 let targets = chunk.to_vec();
                 let payload = encode(&ToOwner::Views {
                     targets: targets.clone(),
+                    own,
                 });
                 self.request(
                     now,
-                    InFlight::Repair { shard, targets },
+                    InFlight::Repair {
+                        shard,
+                        targets,
+                        own,
+                    },
                     shard,
                     RequestKind::Snapshot,
                     payload,
@@ -1394,16 +1496,24 @@ impl ClusterLink {
     /// A repair of a shard this node acts for (its NATS copy of a view was
     /// lost; the in-process one was not, but what came from the previous
     /// owner may have been).
-    fn repair_locally(&mut self, shard: u32, targets: Vec<String>, now: Instant, at: Millis) {
+    fn repair_locally(
+        &mut self,
+        shard: u32,
+        targets: Vec<String>,
+        own: bool,
+        now: Instant,
+        at: Millis,
+    ) {
         let mut presences = Vec::with_capacity(targets.len());
         for t in &targets {
-            match self.local_snapshot(shard, None, t, at) {
+            let viewer = own.then_some(t.as_str());
+            match self.local_snapshot(shard, viewer, t, at) {
                 Some(p) => presences.push(p),
-                None => return self.repair_failed(shard, now),
+                None => return self.repair_failed(shard, own, now),
             }
         }
         let (epoch, seq) = self.published_up_to(shard);
-        self.repaired(shard, &targets, presences, epoch, seq, at);
+        self.repaired(shard, &targets, presences, (epoch, seq), own, at);
     }
 
     /// This node's owner of `shard`: its epoch and last view's number.
@@ -1411,31 +1521,32 @@ impl ClusterLink {
         self.owners.get(&shard).map_or((0, 0), |o| (o.epoch, o.seq))
     }
 
-    fn repair_failed(&mut self, shard: u32, now: Instant) {
+    fn repair_failed(&mut self, shard: u32, own: bool, now: Instant) {
         self.counters.retries += 1;
-        if let Some(t) = self.tracks.get_mut(&shard) {
+        if let Some(t) = self.shard_tracks(own).get_mut(&shard) {
             t.gap = true;
-            self.gaps = true;
             t.not_before = Some(now + RETRY_AFTER);
+            self.gaps = true;
         }
     }
 
+    /// `published`: the shard's last view when the owner answered.
     fn repaired(
         &mut self,
         shard: u32,
         targets: &[String],
         presences: Vec<Presence>,
-        epoch: u64,
-        seq: u64,
+        published: (u64, u64),
+        own: bool,
         at: Millis,
     ) {
         for (target, presence) in targets.iter().zip(presences) {
-            self.apply_view(at, target, false, presence.clone());
-            self.keep_early(target, false, presence);
+            self.apply_view(at, target, own, presence.clone());
+            self.keep_early(target, own, presence);
         }
-        if let Some(t) = self.tracks.get_mut(&shard) {
+        if let Some(t) = self.tracks.get_mut(&shard).filter(|_| !own) {
             // Views up to the answer's are in it.
-            t.seen = t.seen.max(Some((epoch, seq)));
+            t.seen = t.seen.max(Some(published));
         }
     }
 
@@ -2265,8 +2376,12 @@ impl ClusterLink {
                             }
                         }
                     },
-                    InFlight::Repair { shard, targets } => {
-                        if let Some(t) = self.tracks.get_mut(&shard) {
+                    InFlight::Repair {
+                        shard,
+                        targets,
+                        own,
+                    } => {
+                        if let Some(t) = self.shard_tracks(own).get_mut(&shard) {
                             t.asking = t.asking.saturating_sub(1);
                         }
                         match answer {
@@ -2278,9 +2393,9 @@ impl ClusterLink {
                                 && self.messages_fit(&presences) =>
                             {
                                 let presences = presences.iter().map(|p| p.to_core()).collect();
-                                self.repaired(shard, &targets, presences, epoch, seq, at);
+                                self.repaired(shard, &targets, presences, (epoch, seq), own, at);
                             }
-                            _ => self.repair_failed(shard, now),
+                            _ => self.repair_failed(shard, own, now),
                         }
                     }
                 }
@@ -2288,7 +2403,9 @@ impl ClusterLink {
             ClusterInput::Beacon { payload } => match decode::<Beacon>(&payload) {
                 Some(b)
                     if b.owner.len() <= self.max_name_len
-                        && b.shards.len() <= MAX_BEACON_SHARDS =>
+                        && b.shards.len() <= MAX_BEACON_SHARDS
+                        && b.truths.len() <= MAX_BEACON_SHARDS
+                        && b.truths.iter().all(|t| t.0.len() <= self.max_name_len) =>
                 {
                     self.beacon(b)
                 }
@@ -2664,8 +2781,13 @@ impl ClusterLink {
                         .is_none_or(|m| m.len() <= self.owner_config.max_message_len)
                     && shard.map_or(v.own, |s| self.shard(&v.user) == s) =>
             {
-                if let (Some(shard), false) = (shard, v.own) {
-                    self.track_view(shard, v.epoch, v.seq);
+                match (shard, v.own) {
+                    (Some(shard), false) => self.track_view(shard, v.epoch, v.seq),
+                    (None, true) if v.seq > 0 => {
+                        let shard = self.shard(&v.user);
+                        self.track_truth(shard, v.epoch, v.seq, false);
+                    }
+                    _ => {}
                 }
                 let presence = v.presence.to_core();
                 if self.apply_view(at, &v.user, v.own, presence.clone()) {
@@ -2722,7 +2844,7 @@ impl ClusterLink {
             ToOwner::Snapshot { viewer, targets } => {
                 ok(viewer) && targets.len() <= MAX_SNAPSHOT_TARGETS && targets.iter().all(|t| ok(t))
             }
-            ToOwner::Views { targets } => {
+            ToOwner::Views { targets, .. } => {
                 targets.len() <= MAX_SNAPSHOT_TARGETS && targets.iter().all(|t| ok(t))
             }
             ToOwner::Route { user } => ok(user),
@@ -2757,9 +2879,10 @@ impl ClusterLink {
             });
             return;
         }
-        let (viewer, targets) = match msg {
-            ToOwner::Snapshot { viewer, targets } => (Some(viewer), targets),
-            ToOwner::Views { targets } => (None, targets),
+        // Whether each target gets its truth: the viewer's own, or all.
+        let (viewer, all_own, targets) = match msg {
+            ToOwner::Snapshot { viewer, targets } => (Some(viewer), false, targets),
+            ToOwner::Views { targets, own } => (None, own, targets),
             ToOwner::Route { user } => {
                 if self.shard(&user) != shard {
                     self.counters.malformed += 1;
@@ -2800,7 +2923,7 @@ impl ClusterLink {
             };
             match o
                 .core
-                .handle_snapshot(at, UserId(uid), viewer.as_ref() == Some(t))
+                .handle_snapshot(at, UserId(uid), all_own || viewer.as_ref() == Some(t))
             {
                 Ok(p) => presences.push(proto::Presence::from_core(&p, base)),
                 Err(_) => return,
@@ -2996,7 +3119,7 @@ impl ClusterLink {
     }
 
     /// Publishes what the owner's core published, and forgets ended sessions.
-    fn drain_owner(&mut self, shard: u32, _now: Instant, at: Millis) {
+    fn drain_owner(&mut self, shard: u32, now: Instant, at: Millis) {
         let base = self.unix_base_ms;
         let Some(o) = self.owners.get_mut(&shard) else {
             return;
@@ -3065,7 +3188,8 @@ impl ClusterLink {
             if own {
                 // Only the user's own sessions see the truth: it goes to
                 // the edges holding the user's devices, not to every
-                // watcher of the shard.
+                // watcher of the shard, numbered per edge so that an edge
+                // notices one it missed.
                 let holding = if greet_only {
                     Vec::new()
                 } else {
@@ -3081,9 +3205,15 @@ impl ClusterLink {
                 edges.sort_unstable();
                 edges.dedup();
                 for node in edges {
+                    let n = o.truth_seq.entry(node.to_owned()).or_insert((0, now));
+                    *n = (n.0 + 1, now);
+                    let numbered = ShardView {
+                        seq: n.0,
+                        ..v.clone()
+                    };
                     out.push(ClusterOutput::PublishToEdge {
                         node: node.to_owned(),
-                        payload: payload.clone(),
+                        payload: encode(&numbered),
                     });
                 }
             } else {
@@ -4009,6 +4139,7 @@ mod tests {
         let ahead = Beacon {
             owner: "b".into(),
             shards: vec![(1, 1, 99)],
+            truths: Vec::new(),
         };
         let payload = encode(&ahead);
         a.handle_input(later, Millis(1_310), ClusterInput::Beacon { payload });
@@ -4660,5 +4791,46 @@ mod tests {
         let to: Vec<SessionId> = pushes(&mut a).into_iter().map(|(to, _)| to).collect();
         assert!(to.contains(&new), "{to:?}");
         assert!(!to.contains(&old), "{to:?}");
+    }
+
+    #[test]
+    fn a_lost_truth_is_noticed_by_the_owners_beacon_and_asked_for_again() {
+        let (mut a, mut b, now) = two_nodes();
+        b.handle_timeout(now, Millis(300));
+        exchange(&mut a, &mut b, now, Millis(300));
+        // alice's phone (on a) watches herself: it is sent her truth.
+        let me = vec!["alice".to_string()];
+        let kind = Tier::Realtime;
+        let alice = SessionId(1);
+        let asked = a.subscribe(now, Millis(310), 5, alice, "alice", me, vec![], kind, false);
+        assert!(asked.is_none());
+        exchange(&mut a, &mut b, now, Millis(310));
+        assert!(matches!(a.poll_finished(), Some((5, Finished::Answer(_)))));
+        pushes(&mut a);
+        let lose_truths = |o: &ClusterOutput| matches!(o, ClusterOutput::PublishToEdge { .. });
+        set_status(
+            &mut a,
+            &mut b,
+            alice,
+            proto::Status::Busy,
+            now,
+            400,
+            lose_truths,
+        );
+        let busy = |a: &mut ClusterLink| {
+            pushes(a)
+                .iter()
+                .any(|(to, p)| *to == alice && p.status == greendot_core::Status::Busy)
+        };
+        assert!(!busy(&mut a), "the truth was lost");
+        // The owner's next beacon names the truth it sent a: a asks again.
+        let later = now + BEACON_EVERY + TICK;
+        b.handle_timeout(later, Millis(1_500));
+        exchange(&mut a, &mut b, later, Millis(1_500));
+        assert_eq!(a.counters().truth_gaps, 1);
+        let later = later + TICK;
+        a.handle_timeout(later, Millis(1_600));
+        exchange(&mut a, &mut b, later, Millis(1_600));
+        assert!(busy(&mut a), "alice's phone never saw herself busy");
     }
 }

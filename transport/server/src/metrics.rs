@@ -457,6 +457,13 @@ impl MetricsSnapshot {
             );
             metric(
                 &mut out,
+                "greendot_cluster_truth_gaps_total",
+                "counter",
+                "Times this edge missed a truth an owner sent it (a gap in their numbers, or a beacon ahead) and asked for the truths of the shard's users with a session here again.",
+                &[("", c.truth_gaps)],
+            );
+            metric(
+                &mut out,
                 "greendot_cluster_resumed_elsewhere_total",
                 "counter",
                 "Sessions resumed here from another node's (or a previous process's) session record, their subscriptions carried over.",
