@@ -72,6 +72,10 @@ const BEACON_EVERY: Duration = Duration::from_secs(1);
 pub const TRUTH_BEACON_FOR: Duration = Duration::from_secs(10);
 /// Shards one beacon names at most (more go in several).
 pub const MAX_BEACON_SHARDS: usize = 8_192;
+/// Truths one beacon names at most: each carries an edge's name (up to 64
+/// bytes), and 8,192 shards (25 bytes each at worst) with 512 truths (90)
+/// stay under [`MAX_MESSAGE`].
+pub const MAX_BEACON_TRUTHS: usize = 512;
 /// How often a new owner asks the edges again to resend its shard's
 /// devices while its resync window is open (the request may be lost).
 const RESYNC_EVERY: Duration = Duration::from_millis(500);
@@ -1080,16 +1084,17 @@ impl ClusterLink {
                     .map(move |(edge, (seq, _))| (edge.clone(), **s, o.epoch, *seq))
             })
             .collect();
-        let chunks = shards.len().max(truths.len()).div_ceil(MAX_BEACON_SHARDS);
+        let chunks = shards
+            .len()
+            .div_ceil(MAX_BEACON_SHARDS)
+            .max(truths.len().div_ceil(MAX_BEACON_TRUTHS));
         for i in 0..chunks {
-            let part = |len: usize| {
-                (i * MAX_BEACON_SHARDS).min(len)..((i + 1) * MAX_BEACON_SHARDS).min(len)
-            };
+            let part = |len: usize, max: usize| (i * max).min(len)..((i + 1) * max).min(len);
             self.outputs.push_back(ClusterOutput::Beacon {
                 payload: encode(&Beacon {
                     owner: self.settings.node.clone(),
-                    shards: shards[part(shards.len())].to_vec(),
-                    truths: truths[part(truths.len())].to_vec(),
+                    shards: shards[part(shards.len(), MAX_BEACON_SHARDS)].to_vec(),
+                    truths: truths[part(truths.len(), MAX_BEACON_TRUTHS)].to_vec(),
                 }),
             });
         }
@@ -2404,7 +2409,7 @@ impl ClusterLink {
                 Some(b)
                     if b.owner.len() <= self.max_name_len
                         && b.shards.len() <= MAX_BEACON_SHARDS
-                        && b.truths.len() <= MAX_BEACON_SHARDS
+                        && b.truths.len() <= MAX_BEACON_TRUTHS
                         && b.truths.iter().all(|t| t.0.len() <= self.max_name_len) =>
                 {
                     self.beacon(b)
@@ -4832,5 +4837,17 @@ mod tests {
         a.handle_timeout(later, Millis(1_600));
         exchange(&mut a, &mut b, later, Millis(1_600));
         assert!(busy(&mut a), "alice's phone never saw herself busy");
+    }
+
+    #[test]
+    fn the_largest_beacon_fits_in_a_message() {
+        let beacon = Beacon {
+            owner: "n".repeat(64),
+            shards: vec![(u32::MAX, u64::MAX, u64::MAX); MAX_BEACON_SHARDS],
+            truths: vec![("e".repeat(64), u32::MAX, u64::MAX, u64::MAX); MAX_BEACON_TRUTHS],
+        };
+        let len = encode(&beacon).len();
+        assert!(len <= MAX_MESSAGE, "{len} bytes");
+        assert!(decode::<Beacon>(&encode(&beacon)).is_some());
     }
 }

@@ -416,8 +416,9 @@ impl Hub {
 
     /// Every device restored at start (or lost again while they were held)
     /// that is still lingering (not back, not ended) lingers until at least
-    /// its grace past `from`; the others are forgotten. How many are still held. A server calls it while it
-    /// sheds handshakes: those devices may be waiting for their turn.
+    /// its grace past `from`; the others are forgotten. How many are still
+    /// held. A server calls it while it sheds handshakes: those devices may
+    /// be waiting for their turn.
     pub fn hold_restored(&mut self, now: Millis, from: Millis) -> usize {
         let core = &mut self.core;
         let sessions = &self.sessions;
