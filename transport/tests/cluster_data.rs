@@ -184,16 +184,26 @@ fn wait_placed_within(urls: &str, within: Duration) {
     panic!("shards not placed within {within:?}:\n{last}");
 }
 
+/// The node that owns `user`'s shard. Right after the nodes joined a shard
+/// may be between owners (released by one, not claimed yet by the next):
+/// asked again until it has one.
 fn owner_of(urls: &str, user: &str) -> String {
     let shard = greendot_cluster::shard_of(user, SHARDS).0;
-    let (ok, text) = status(urls, Some(shard));
-    assert!(ok, "{text}");
     let prefix = format!("shard {shard}: owner ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .and_then(|rest| rest.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no owner of shard {shard}:\n{text}"))
-        .to_owned()
+    let t0 = Instant::now();
+    loop {
+        let (ok, text) = status(urls, Some(shard));
+        assert!(ok, "{text}");
+        let owner = text
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .and_then(|rest| rest.split_whitespace().next());
+        match owner {
+            Some(owner) => return owner.to_owned(),
+            None if t0.elapsed() < SLACK => std::thread::sleep(Duration::from_millis(100)),
+            None => panic!("no owner of shard {shard} within {SLACK:?}:\n{text}"),
+        }
+    }
 }
 
 /// A user name whose owner is `owner`.
