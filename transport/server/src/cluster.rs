@@ -3476,6 +3476,10 @@ mod tests {
                         };
                         b.handle_input(now, at, request);
                     }
+                    ClusterOutput::PutSession { id, value, .. } if holding() => {
+                        let record = decode(&value).unwrap();
+                        HELD.with(|h| h.borrow_mut().as_mut().map(|h| h.push((id, record))));
+                    }
                     ClusterOutput::PutSession {
                         id,
                         user,
@@ -3558,6 +3562,16 @@ mod tests {
         /// The session records the exchanges landed, by (user, device).
         static LANDED: std::cell::RefCell<HashMap<(String, String), Bytes>> =
             std::cell::RefCell::default();
+    }
+
+    thread_local! {
+        /// While set, the exchanges hold `a`'s record puts here unanswered.
+        static HELD: std::cell::RefCell<Option<Vec<(u64, SessionRecord)>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+
+    fn holding() -> bool {
+        HELD.with(|h| h.borrow().is_some())
     }
 
     fn landed(user: &str, device: &str) -> Option<Bytes> {
@@ -4584,55 +4598,17 @@ mod tests {
         assert_eq!(decode::<FromOwner>(&payload), Some(FromOwner::NotOwner));
     }
 
-    /// Carries `a`'s requests to `b` and `b`'s replies back, holding `a`'s
-    /// session record puts (returned: id, record).
+    /// [`exchange`], holding `a`'s session record puts instead of landing
+    /// them (returned: id, record).
     fn exchange_holding_records(
         a: &mut ClusterLink,
         b: &mut ClusterLink,
         now: Instant,
         at: Millis,
     ) -> Vec<(u64, SessionRecord)> {
-        let mut held = Vec::new();
-        loop {
-            let mut moved = false;
-            while let Some(out) = a.poll_output() {
-                moved = true;
-                match out {
-                    ClusterOutput::Request {
-                        id,
-                        shard,
-                        kind,
-                        payload,
-                    } => {
-                        let reply = id;
-                        let request = ClusterInput::Request {
-                            shard,
-                            kind,
-                            payload,
-                            reply,
-                        };
-                        b.handle_input(now, at, request);
-                    }
-                    ClusterOutput::PutSession { id, value, .. } => {
-                        held.push((id, decode(&value).unwrap()));
-                    }
-                    _ => {}
-                }
-            }
-            while let Some(out) = b.poll_output() {
-                moved = true;
-                if let ClusterOutput::Reply { reply, payload } = out {
-                    let answered = ClusterInput::Answered {
-                        id: reply,
-                        payload: Some(payload),
-                    };
-                    a.handle_input(now, at, answered);
-                }
-            }
-            if !moved {
-                return held;
-            }
-        }
+        HELD.with(|h| *h.borrow_mut() = Some(Vec::new()));
+        exchange(a, b, now, at);
+        HELD.with(|h| h.borrow_mut().take()).unwrap_or_default()
     }
 
     #[test]

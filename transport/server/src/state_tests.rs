@@ -771,17 +771,15 @@ fn a_restarted_process_resets_its_predecessors_connections() {
     }
 }
 
-/// A device restored after a drain lingers for its grace plus the
-/// estimated readmission time; while the server still sheds handshakes it
-/// is held longer (it may be waiting for its turn), and once the shedding
-/// stops its grace runs out as usual.
-#[test]
-fn restored_devices_are_held_while_the_server_sheds() {
-    let ann_online = |net: &Net| {
-        let hub = net.server.hub();
-        hub.user_id("ann").is_some_and(|u| hub.core().is_online(u))
-    };
-    let drained = || Loaded {
+/// Whether others are shown `user` online.
+fn online(net: &Net, user: &str) -> bool {
+    let hub = net.server.hub();
+    hub.user_id(user).is_some_and(|u| hub.core().is_online(u))
+}
+
+/// What a drain saved: ann's web laptop was live.
+fn ann_drained() -> Loaded {
+    Loaded {
         clean: true,
         drained: vec![crate::hub::LiveDevice {
             user: "ann".into(),
@@ -789,7 +787,17 @@ fn restored_devices_are_held_while_the_server_sheds() {
             kind: Kind::Web,
         }],
         ..Loaded::default()
-    };
+    }
+}
+
+/// A device restored after a drain lingers for its grace plus the
+/// estimated readmission time; while the server still sheds handshakes it
+/// is held longer (it may be waiting for its turn), and once the shedding
+/// stops its grace runs out as usual.
+#[test]
+fn restored_devices_are_held_while_the_server_sheds() {
+    let ann_online = |net: &Net| online(net, "ann");
+    let drained = ann_drained;
     // Web grace 10 s, readmission of one device 1 s.
     let first = Duration::from_secs(11);
     for shedding in [false, true] {
@@ -834,20 +842,7 @@ fn restored_devices_are_held_while_the_server_sheds() {
 /// while the shedding lasts, its grace runs out after it.
 #[test]
 fn a_device_lost_again_while_the_server_sheds_is_held_too() {
-    let online = |net: &Net, user: &str| {
-        let hub = net.server.hub();
-        hub.user_id(user).is_some_and(|u| hub.core().is_online(u))
-    };
-    let drained = Loaded {
-        clean: true,
-        drained: vec![crate::hub::LiveDevice {
-            user: "ann".into(),
-            device: "laptop".into(),
-            kind: Kind::Web,
-        }],
-        ..Loaded::default()
-    };
-    let mut net = Net::new(config(), Some(drained));
+    let mut net = Net::new(config(), Some(ann_drained()));
     let bob = net.connect("bob", "phone");
     net.run_until(Duration::from_secs(2), |net| net.welcomed(bob));
     assert!(net.welcomed(bob) && online(&net, "bob"));
