@@ -761,3 +761,25 @@ async fn renew_or_reclaim(
         Err(e) => Err(e),
     }
 }
+
+/// A device's session record: stored, read back by another node, kept apart
+/// from the user's other devices, and gone once deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_record_is_read_by_another_node_and_deleted() {
+    let nats = NatsCluster::start(3).await;
+    let a = connect(&nats.urls(), "a").await;
+    let b = connect(&nats.urls(), "b").await;
+    a.put_session("alice.ü", "phone", Bytes::from_static(b"subs 1"))
+        .await
+        .unwrap();
+    a.put_session("alice.ü", "laptop", Bytes::from_static(b"subs 2"))
+        .await
+        .unwrap();
+    let read = b.session("alice.ü", "phone").await.unwrap();
+    assert_eq!(read.as_deref(), Some(&b"subs 1"[..]));
+    b.delete_session("alice.ü", "phone").await.unwrap();
+    assert_eq!(a.session("alice.ü", "phone").await.unwrap(), None);
+    let other = a.session("alice.ü", "laptop").await.unwrap();
+    assert_eq!(other.as_deref(), Some(&b"subs 2"[..]));
+    assert_eq!(a.session("bob", "phone").await.unwrap(), None);
+}

@@ -142,9 +142,9 @@ pub enum ClusterInput {
         prefs: Option<Bytes>,
         view: Option<Bytes>,
     },
-    /// The put of [`ClusterOutput::PutSession`] `id` landed at `revision`
-    /// (`None`: it failed).
-    SessionStored { id: u64, revision: Option<u64> },
+    /// The put of [`ClusterOutput::PutSession`] `id` landed (`ok`) or
+    /// failed.
+    SessionStored { id: u64, ok: bool },
     /// What the KV holds of the device of [`ClusterOutput::LoadSession`]
     /// `id` (`None`: nothing, or the read failed: the session starts fresh).
     SessionLoaded { id: u64, record: Option<Bytes> },
@@ -2163,7 +2163,7 @@ impl ClusterLink {
         });
     }
 
-    fn session_stored(&mut self, now: Instant, id: u64, revision: Option<u64>) {
+    fn session_stored(&mut self, now: Instant, id: u64, ok: bool) {
         let Some(session) = self.record_puts.remove(&id) else {
             return;
         };
@@ -2173,26 +2173,14 @@ impl ClusterLink {
         let Some((_, covers)) = r.putting.take() else {
             return;
         };
-        match revision {
-            Some(_) => r.stored = r.stored.max(covers),
-            None => {
-                self.counters.session_writes_failed += 1;
-                r.retry = true;
-                self.record_retries.insert(session);
-            }
+        if ok {
+            r.stored = r.stored.max(covers);
+        } else {
+            self.counters.session_writes_failed += 1;
+            r.retry = true;
+            self.record_retries.insert(session);
         }
-        // Answered once stored; past their deadline, answered anyway (the
-        // subscription holds here; a resume elsewhere would miss it).
-        let stored = r.stored;
-        let mut kept = Vec::new();
-        for (n, wait, answer, deadline) in r.waiting.drain(..) {
-            if n <= stored || deadline <= now {
-                self.finished.push_back((wait, Finished::Answer(answer)));
-            } else {
-                kept.push((n, wait, answer, deadline));
-            }
-        }
-        r.waiting = kept;
+        self.release_answers(session, now);
         self.store_record(session);
     }
 
@@ -2201,16 +2189,26 @@ impl ClusterLink {
         for session in due {
             if let Some(r) = self.records.get_mut(&session) {
                 r.retry = false;
-                if r.waiting.iter().any(|w| w.3 <= now) {
-                    let (late, kept) = r.waiting.drain(..).partition(|w| w.3 <= now);
-                    r.waiting = kept;
-                    let late: Vec<_> = late;
-                    for (_, wait, answer, _) in late {
-                        self.finished.push_back((wait, Finished::Answer(answer)));
-                    }
-                }
+                self.release_answers(session, now);
                 self.store_record(session);
             }
+        }
+    }
+
+    /// Subscribe answers go once their record is stored; past their
+    /// deadline, anyway (the subscription holds here; a resume elsewhere
+    /// would miss it).
+    fn release_answers(&mut self, session: SessionId, now: Instant) {
+        let Some(r) = self.records.get_mut(&session) else {
+            return;
+        };
+        let stored = r.stored;
+        let (done, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut r.waiting)
+            .into_iter()
+            .partition(|&(n, _, _, deadline)| n <= stored || deadline <= now);
+        r.waiting = kept;
+        for (_, wait, answer, _) in done {
+            self.finished.push_back((wait, Finished::Answer(answer)));
         }
     }
 
@@ -2323,7 +2321,7 @@ impl ClusterLink {
                 }
                 _ => self.counters.malformed += 1,
             },
-            ClusterInput::SessionStored { id, revision } => self.session_stored(now, id, revision),
+            ClusterInput::SessionStored { id, ok } => self.session_stored(now, id, ok),
             ClusterInput::SessionLoaded { id, record } => self.session_loaded(id, record),
             ClusterInput::Answered { id, payload } => {
                 let Some((what, _)) = self.in_flight.remove(&id) else {
@@ -3487,10 +3485,7 @@ mod tests {
                         value,
                     } => {
                         LANDED.with(|l| l.borrow_mut().insert((user, device), value));
-                        let stored = ClusterInput::SessionStored {
-                            id,
-                            revision: Some(id),
-                        };
+                        let stored = ClusterInput::SessionStored { id, ok: true };
                         a.handle_input(now, at, stored);
                     }
                     _ => {}
@@ -3578,8 +3573,8 @@ mod tests {
         LANDED.with(|l| l.borrow().get(&(user.into(), device.into())).cloned())
     }
 
-    /// Lands every session record `l` puts (as the KV would, at revision =
-    /// id); returns them by (user, device), and the other outputs.
+    /// Lands every session record `l` puts (as the KV would); returns them
+    /// by (user, device), and the other outputs.
     fn store_records(
         l: &mut ClusterLink,
         now: Instant,
@@ -3595,10 +3590,7 @@ mod tests {
                     value,
                 } => {
                     records.push((user, device, decode(&value).unwrap()));
-                    let stored = ClusterInput::SessionStored {
-                        id,
-                        revision: Some(id),
-                    };
+                    let stored = ClusterInput::SessionStored { id, ok: true };
                     l.handle_input(now, at, stored);
                 }
                 out => others.push(out),
@@ -4627,7 +4619,7 @@ mod tests {
             vec![("alice".to_string(), proto::Tier::Realtime)]
         );
         // A failed put is tried again at the tick; the answer still waits.
-        let failed = ClusterInput::SessionStored { id, revision: None };
+        let failed = ClusterInput::SessionStored { id, ok: false };
         a.handle_input(now, Millis(20), failed);
         assert!(a.poll_finished().is_none());
         assert_eq!(a.counters().session_writes_failed, 1);

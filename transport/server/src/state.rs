@@ -2485,16 +2485,14 @@ impl ServerState {
         if !w.resumed {
             return resume;
         }
-        let refused: Vec<String> = c
+        let (kept, refused): (Vec<_>, Vec<_>) = c
             .snapshots(session, &w.user)
             .into_iter()
-            .map(|s| s.target)
-            .filter(|t| self.hub.may_watch(session, t).is_err())
-            .collect();
-        for target in refused {
-            c.unsubscribe(at, session, &target);
+            .partition(|s| self.hub.may_watch(session, &s.target).is_ok());
+        for s in refused {
+            c.unsubscribe(at, session, &s.target);
         }
-        w.snapshots = c.snapshots(session, &w.user);
+        w.snapshots = kept;
         None
     }
 

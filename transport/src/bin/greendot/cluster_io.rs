@@ -328,14 +328,14 @@ pub async fn run(
                     ClusterOutput::PutSession { id, user, device, value } => {
                         let (c, inputs) = (cluster.clone(), inputs.clone());
                         tokio::spawn(async move {
-                            let revision = match c.put_session(&user, &device, value).await {
-                                Ok(revision) => Some(revision),
+                            let ok = match c.put_session(&user, &device, value).await {
+                                Ok(_) => true,
                                 Err(e) => {
                                     warn!(error = %e, "cannot store a session record");
-                                    None
+                                    false
                                 }
                             };
-                            inputs.send(ClusterInput::SessionStored { id, revision }).await;
+                            inputs.send(ClusterInput::SessionStored { id, ok }).await;
                         });
                     }
                     ClusterOutput::LoadSession { id, user, device } => {
