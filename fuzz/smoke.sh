@@ -15,14 +15,17 @@ export RUSTC_BOOTSTRAP=1
 targets=$(cargo fuzz list)
 # No sanitizer: the targets are safe Rust, what they look for is a panic
 # or a limit not held, and without ASan the build and every run are faster
-# (CI's time is bounded).
-cargo fuzz build --sanitizer none
+# (CI's time is bounded). -O builds fuzz/Cargo.toml's release profile, which
+# keeps debug assertions and overflow checks on (see there).
+cargo fuzz build -O --sanitizer none
 for target in $targets; do
   work=$(mktemp -d)
   echo "== fuzz $target for ${secs}s"
   # New inputs go to a scratch corpus; the checked-in seeds are only read.
-  if ! cargo fuzz run --sanitizer none "$target" "$work" "corpus/$target" -- \
+  if ! cargo fuzz run -O --sanitizer none "$target" "$work" "corpus/$target" -- \
       -max_total_time="$secs" -print_final_stats=1 2>"$work.log"; then
+    # The panic's message comes before its backtrace and the stats.
+    grep -A 3 -m 1 'panicked at' "$work.log" || true
     tail -n 40 "$work.log"
     echo "fuzz target $target failed: see fuzz/artifacts/$target" >&2
     exit 1
