@@ -14,7 +14,7 @@ use greendot_server::Identity;
 use greendot_server::{
     Datagram, ServerConfig, ServerInput, ServerMutant, ServerOutput, ServerState,
 };
-use quinn_proto::ConnectionError;
+use quinn_proto::{ConnectionError, TransportErrorCode};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::net::{Ipv4Addr, SocketAddr};
@@ -1089,10 +1089,17 @@ impl Sim {
                     || self.server.is_none()
             }
             // Closed during the handshake (the hello timeout, a refusal).
-            ConnectionError::ConnectionClosed(_) => {
+            // An application close of a connection still in its QUIC
+            // handshake goes out as APPLICATION_ERROR without its code; past
+            // the hello timeout that is the hello timeout (code 12 above),
+            // reached on a lossy link once QUIC's retransmission timer has
+            // backed off for seconds.
+            ConnectionError::ConnectionClosed(c) => {
                 restarted(idle)
                     || self.server.is_none()
                     || disrupted(now.saturating_sub(opened) + Duration::from_secs(15))
+                    || (c.error_code == TransportErrorCode::APPLICATION_ERROR
+                        && now >= opened + self.config.hello_timeout)
             }
             _ => false,
         };
