@@ -54,6 +54,8 @@ fn serve() {
         let mut config = ServerConfig::new(SECRET.as_bytes().to_vec());
         config.listen = "127.0.0.1:0".parse().unwrap_or_else(|e| panic!("{e}"));
         config.max_connections = max;
+        config.max_handshakes_per_sec =
+            arg("--max-handshakes-per-sec", config.max_handshakes_per_sec);
         if flag("--websocket") {
             config.websocket = Some("127.0.0.1:0".parse().unwrap_or_else(|e| panic!("{e}")));
         }
@@ -86,10 +88,12 @@ fn serve() {
                 passes.last().copied().unwrap_or(0) - within
             };
             eprintln!(
-                "  server: shed {:?}, handshakes aborted {}, rejected {:?}; loop passes {}, over 100 ms {}, over 1 s {}; socket drops {:?}",
+                "  server: shed {:?}, handshakes aborted {}, rejected {:?}; admission rate cut {} times (now {}/s); loop passes {}, over 100 ms {}, over 1 s {}; socket drops {:?}",
                 m.shed,
                 m.handshakes_aborted,
                 m.rejected,
+                m.admission_cuts,
+                m.admission_rate,
                 passes.last().copied().unwrap_or(0),
                 over(100_000),
                 over(1_000_000),
@@ -134,6 +138,13 @@ fn start_server_with(n: usize, websocket: bool) -> Result<Started, String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let max = (n + n / 5 + 1000).to_string();
     let mut args = vec!["--serve", "--max-connections", &max];
+    // Passed on to the server process as given.
+    let rate = std::env::args()
+        .skip_while(|a| a != "--max-handshakes-per-sec")
+        .nth(1);
+    if let Some(rate) = &rate {
+        args.extend(["--max-handshakes-per-sec", rate]);
+    }
     if websocket {
         args.push("--websocket");
     }

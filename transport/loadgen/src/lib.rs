@@ -505,8 +505,10 @@ async fn establish(
 }
 
 /// Attempts to connect per device while ramping up (a lost handshake packet
-/// can cost seconds of backoff; a fresh attempt is quicker).
-const CONNECT_ATTEMPTS: usize = 3;
+/// can cost seconds of backoff; a fresh attempt is quicker), with the
+/// client library's backoff between them (a server that sheds refuses at
+/// once).
+const CONNECT_ATTEMPTS: usize = 8;
 /// How long one attempt (handshake, hello, subscribe) may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -578,6 +580,7 @@ async fn device(
     let Some(token) = ctx.token(i) else {
         return;
     };
+    let mut rand = device_rng(i);
     let first = {
         let _permit = ctx.connect_gate.acquire().await;
         if *phase.borrow() != PHASE_RAMP {
@@ -585,10 +588,15 @@ async fn device(
             return;
         }
         let mut result = Err(String::new());
+        let mut backoff = client_backoff(&mut rand, phase.clone(), PHASE_RAMP);
         for _ in 0..CONNECT_ATTEMPTS {
             result = attempt(&ctx, &endpoint, &token, i, None).await;
-            if result.is_ok() || *phase.borrow() != PHASE_RAMP {
+            if result.is_ok() {
                 break;
+            }
+            match backoff() {
+                Some(wait) => tokio::time::sleep(wait).await,
+                None => break,
             }
         }
         result
@@ -602,7 +610,6 @@ async fn device(
     };
     ctx.connected.fetch_add(1, Relaxed);
     ctx.open.fetch_add(1, Relaxed);
-    let mut rand = device_rng(i);
     // Wait for the measured window.
     while *phase.borrow() == PHASE_RAMP {
         if phase.changed().await.is_err() {
@@ -627,15 +634,7 @@ async fn device(
             _ = tokio::time::sleep(Duration::from_secs_f64(wait.min(3600.0))) => {}
             _ = tokio::time::sleep_until(burst_at), if burst.is_some() => {
                 burst = None;
-                // As the client library: full-jitter backoff (its defaults,
-                // 100 ms doubling to 5 s) until back or the window ends.
-                let mut cap = Duration::from_millis(100);
-                let phase = phase.clone();
-                let backoff = || {
-                    let wait = cap.mul_f64(rand());
-                    cap = (cap * 2).min(Duration::from_secs(5));
-                    (*phase.borrow() == PHASE_MEASURE).then_some(wait)
-                };
+                let backoff = client_backoff(&mut rand, phase.clone(), PHASE_MEASURE);
                 alive = reconnect(&ctx, &endpoint, &token, i, &mut live, backoff).await;
                 let count = if alive { &ctx.burst_back } else { &ctx.burst_failed };
                 count.fetch_add(1, Relaxed);
@@ -645,9 +644,8 @@ async fn device(
             _ = live.conn.closed() => { alive = false; continue; }
         }
         if rand() < ctx.opts.reconnect_share {
-            let mut second = true;
-            let once_more = || std::mem::take(&mut second).then_some(Duration::ZERO);
-            alive = reconnect(&ctx, &endpoint, &token, i, &mut live, once_more).await;
+            let backoff = client_backoff(&mut rand, phase.clone(), PHASE_MEASURE);
+            alive = reconnect(&ctx, &endpoint, &token, i, &mut live, backoff).await;
             let count = if alive {
                 &ctx.reconnects
             } else {
@@ -681,6 +679,23 @@ async fn device(
     live.pushes.abort();
     live.conn
         .close(CloseCode::Logout.varint(), b"load generator done");
+}
+
+/// As the client library retries a connect: full-jitter backoff (its
+/// defaults, 100 ms doubling to 5 s), while the run is in `during`. A
+/// server that sheds refuses the attempt at once; retrying at once would
+/// only add to its load.
+fn client_backoff(
+    rand: &mut impl FnMut() -> f64,
+    phase: watch::Receiver<u8>,
+    during: u8,
+) -> impl FnMut() -> Option<Duration> + '_ {
+    let mut cap = Duration::from_millis(100);
+    move || {
+        let wait = cap.mul_f64(rand());
+        cap = (cap * 2).min(Duration::from_secs(5));
+        (*phase.borrow() == during).then_some(wait)
+    }
 }
 
 /// Closes `live` and connects again with resume; after a failed attempt,

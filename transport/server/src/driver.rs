@@ -22,7 +22,9 @@
 //!
 //! [`PassBudget`]: super::PassBudget
 
-use super::state::{Census, Datagram, ServerInput, ServerOutput, ServerState, StoreRequest};
+use super::state::{
+    Census, Datagram, ServerInput, ServerOutput, ServerState, StoreRequest, LOAD_REPORT_EVERY,
+};
 use super::store::{StoreError, StoreWriter};
 use super::udp::Io;
 use super::ws_io::{WsEvent, WsIo};
@@ -89,6 +91,18 @@ pub(super) struct Driver {
     next_wall_read: Instant,
     /// To the cluster's NATS I/O (with a cluster only).
     pub(super) cluster: Option<mpsc::Sender<crate::cluster::ClusterOutput>>,
+    load: LoadWindow,
+}
+
+/// The loop's load since the last report to the state
+/// ([`ServerInput::Load`]).
+struct LoadWindow {
+    since: Instant,
+    busy: Duration,
+    /// The socket's drop counter at the last report.
+    drops: Option<u64>,
+    /// Passes that read their whole datagram budget.
+    backlogged: u32,
 }
 
 /// How often the wall clock is read, so last seen follows NTP corrections.
@@ -113,6 +127,12 @@ impl Driver {
             ws: None,
             next_wall_read: Instant::now() + WALL_READ_EVERY,
             cluster: None,
+            load: LoadWindow {
+                since: Instant::now(),
+                busy: Duration::ZERO,
+                drops: None,
+                backlogged: 0,
+            },
         }
     }
 
@@ -164,9 +184,17 @@ impl Driver {
                 self.state
                     .handle_input(now, ServerInput::SetWallClock { unix_ms });
             }
-            self.pass(now);
+            let read = self.pass(now);
+            let took = now.elapsed();
+            self.load.busy += took;
+            if read >= self.state.config().pass.datagrams {
+                self.load.backlogged += 1;
+            }
+            if now >= self.load.since + LOAD_REPORT_EVERY {
+                self.report_load(now);
+            }
             let stats = &self.shared.stats;
-            stats.loop_pass.observe(now.elapsed());
+            stats.loop_pass.observe(took);
             if self.state.has_carried_work(Instant::now()) {
                 stats.loop_carried.fetch_add(1, Ordering::Relaxed);
             }
@@ -175,6 +203,42 @@ impl Driver {
                 return;
             }
         }
+    }
+
+    /// Tells the state how busy the loop was and what the socket dropped
+    /// since the last report (the admission rate follows).
+    fn report_load(&mut self, now: Instant) {
+        let window = now.saturating_duration_since(self.load.since);
+        let busy_permille = (self.load.busy.as_secs_f64() / window.as_secs_f64().max(1e-9) * 1000.0)
+            .min(1000.0) as u32;
+        let drops = self
+            .shared
+            .socket_inode
+            .and_then(super::metrics::UdpSocketStats::read)
+            .map(|u| u.drops);
+        let socket_drops = match (self.load.drops, drops) {
+            (Some(before), Some(now)) => now.saturating_sub(before),
+            _ => 0,
+        };
+        let backlogged_passes = self.load.backlogged;
+        self.load = LoadWindow {
+            since: now,
+            busy: Duration::ZERO,
+            drops: drops.or(self.load.drops),
+            backlogged: 0,
+        };
+        self.shared
+            .stats
+            .loop_busy_permille
+            .store(u64::from(busy_permille), Ordering::Relaxed);
+        self.state.handle_input(
+            now,
+            ServerInput::Load {
+                busy_permille,
+                socket_drops,
+                backlogged_passes,
+            },
+        );
     }
 
     /// One pass, bounded by [`super::PassBudget`]: read the socket (until

@@ -65,7 +65,8 @@
 //!   bounded ([`PassBudget`]); new handshakes are shed early and cheaply
 //!   when the server is past what it can take ([`Shed`]: a QUIC Retry for
 //!   unvalidated clients past [`ServerConfig::retry_threshold`], a limit per
-//!   address, an admission rate, the connection cap), so established
+//!   address, an admission rate that follows the loop's load
+//!   ([`ServerInput::Load`]), the connection cap), so established
 //!   sessions keep being served; keep-alives are jittered per connection.
 //! - **Draining** ([`Server::drain`]): stop accepting, close every connection
 //!   with [`CloseCode::Draining`] (clients reconnect and resume), write the
@@ -175,9 +176,11 @@ pub struct ServerConfig {
     /// 10 s (well under the idle timeout: a handshake that stalls holds its
     /// state no longer than this).
     pub hello_timeout: Duration,
-    /// Admission rate: new handshakes accepted per second (bursts of one
-    /// second's worth); beyond it new connections are refused at once,
-    /// cheaply, and established ones keep being served. Also sets the
+    /// Admission rate: at most this many new handshakes accepted per second
+    /// (bursts of one second's worth); beyond it new connections are
+    /// refused at once, cheaply, and established ones keep being served.
+    /// The rate in force follows the loop's load, between 5% of this and
+    /// this ([`ServerInput::Load`]). Also sets the
     /// reconnect spread the server suggests when it drains, and how long
     /// restored devices may take to come back. Default 3000.
     pub max_handshakes_per_sec: u32,
@@ -416,6 +419,12 @@ struct StatsInner {
     handshakes_aborted: AtomicU64,
     /// Handshakes in flight now.
     handshaking: AtomicUsize,
+    /// The admission rate now (handshakes per second), and how often the
+    /// loop's load cut it.
+    admission_rate: AtomicU64,
+    admission_cuts: AtomicU64,
+    /// The loop's busy share in the last load report, in thousandths.
+    loop_busy_permille: AtomicU64,
     rejected_by: Mutex<BTreeMap<String, u64>>,
     latency: Histogram,
     /// Durations of the loop's passes, and how many left work to the next.
@@ -941,6 +950,9 @@ impl Monitor {
                 .collect(),
             handshakes_aborted: s.handshakes_aborted.load(Ordering::Relaxed),
             handshakes_in_flight: s.handshaking.load(Ordering::Relaxed) as u64,
+            admission_rate: s.admission_rate.load(Ordering::Relaxed),
+            admission_cuts: s.admission_cuts.load(Ordering::Relaxed),
+            loop_busy: s.loop_busy_permille.load(Ordering::Relaxed) as f64 / 1000.0,
             loop_pass: s.loop_pass.snapshot(),
             loop_carried: s.loop_carried.load(Ordering::Relaxed),
             cluster: census.cluster.map(|counters| metrics::ClusterMetrics {

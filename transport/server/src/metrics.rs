@@ -70,6 +70,13 @@ pub struct MetricsSnapshot {
     /// Handshakes that ended before completing, not for bad input.
     pub handshakes_aborted: u64,
     pub handshakes_in_flight: u64,
+    /// The admission rate now, handshakes per second: the configured one,
+    /// lowered while the loop is overloaded.
+    pub admission_rate: u64,
+    /// Load reports that cut the admission rate.
+    pub admission_cuts: u64,
+    /// The loop's busy share of wall time in the last load report (0-1).
+    pub loop_busy: f64,
     /// Durations of the loop's passes.
     pub loop_pass: (Vec<u64>, u64),
     pub loop_carried: u64,
@@ -375,6 +382,27 @@ impl MetricsSnapshot {
             "gauge",
             "Handshakes (and hellos) in progress.",
             &[("", self.handshakes_in_flight)],
+        );
+        metric(
+            &mut out,
+            "greendot_admission_rate",
+            "gauge",
+            "New handshakes admitted per second at most now: max_handshakes_per_sec, cut while \
+             the loop is overloaded (busy 90% of the time, or the socket dropping datagrams).",
+            &[("", self.admission_rate)],
+        );
+        metric(
+            &mut out,
+            "greendot_admission_cuts_total",
+            "counter",
+            "Load reports (every 250 ms) that cut the admission rate.",
+            &[("", self.admission_cuts)],
+        );
+        let _ = writeln!(
+            out,
+            "# HELP greendot_loop_busy_ratio Share of the last 250 ms the server's loop spent working rather than waiting.\n\
+             # TYPE greendot_loop_busy_ratio gauge\ngreendot_loop_busy_ratio {}",
+            self.loop_busy
         );
         histogram(
             &mut out,

@@ -164,7 +164,23 @@ pub enum ServerInput {
     WsClosed { id: WsId, code: Option<u16> },
     /// From the cluster's NATS I/O (only with [`ServerConfig::cluster`]).
     Cluster(ClusterInput),
+    /// How loaded the loop was since the last report (send one every
+    /// [`LOAD_REPORT_EVERY`]): `busy_permille`, the share of wall time it
+    /// spent in passes rather than waiting; `socket_drops`, datagrams the
+    /// kernel dropped on a full receive buffer meanwhile;
+    /// `backlogged_passes`, passes that read their whole datagram budget
+    /// ([`PassBudget::datagrams`]) and left more waiting. The admission
+    /// rate follows it (see `Admission`); without reports it stays at
+    /// [`ServerConfig::max_handshakes_per_sec`].
+    Load {
+        busy_permille: u32,
+        socket_drops: u64,
+        backlogged_passes: u32,
+    },
 }
+
+/// How often the driver reports the loop's load ([`ServerInput::Load`]).
+pub const LOAD_REPORT_EVERY: Duration = Duration::from_millis(250);
 
 /// A write the store is asked for.
 #[derive(Debug)]
@@ -283,12 +299,76 @@ impl Accept {
     }
 }
 
-/// The admission rate: a token bucket of handshakes, refilled at the
-/// configured rate, holding at most one second's worth.
+/// The admission rate: a token bucket of handshakes, refilled at `rate`,
+/// holding at most one second's worth.
 pub(super) struct Pacer {
     rate: f64,
     tokens: f64,
     at: Instant,
+}
+
+/// How the admission rate follows the loop's load (see
+/// [`ServerInput::Load`]): cut by [`Admission::CUT`] in every report of an
+/// overloaded loop (the socket dropped datagrams, or a pass left datagrams
+/// unread past its budget: a backlog), raised by [`Admission::STEP`] of the
+/// configured rate in every report of a loop with room (neither, and busy
+/// less than [`Admission::ROOM`] of the time), never below
+/// [`Admission::FLOOR`] of it. A loop that is busy but keeps up is at
+/// capacity, not overloaded: the rate is kept.
+/// A static rate is either above what a loaded machine can complete (then
+/// handshakes pile up, time out and are retried, and the retries take the
+/// CPU established sessions need) or wastes an idle one.
+pub(super) struct Admission {
+    pacer: Pacer,
+    max: f64,
+}
+
+impl Admission {
+    /// Busy share of the loop's wall time below which the rate goes back
+    /// up (a CPU-starved loop counts as busy: its passes take longer).
+    pub(super) const ROOM: f64 = 0.75;
+    pub(super) const CUT: f64 = 0.7;
+    pub(super) const STEP: f64 = 0.05;
+    pub(super) const FLOOR: f64 = 0.05;
+
+    fn new(per_sec: u32, now: Instant) -> Admission {
+        let pacer = Pacer::new(per_sec, now);
+        Admission {
+            max: pacer.rate,
+            pacer,
+        }
+    }
+
+    fn admit(&mut self, now: Instant) -> bool {
+        self.pacer.admit(now)
+    }
+
+    /// Whether [`Admission::admit`] would admit now (takes nothing).
+    fn has_room(&mut self, now: Instant) -> bool {
+        self.pacer.refill(now);
+        self.pacer.tokens >= 1.0
+    }
+
+    /// The current rate, handshakes per second.
+    pub(super) fn rate(&self) -> f64 {
+        self.pacer.rate
+    }
+
+    /// One load report; `true` if the rate was cut.
+    fn on_load(&mut self, busy: f64, socket_drops: u64, backlogged_passes: u32) -> bool {
+        let floor = (self.max * Self::FLOOR).max(1.0);
+        let rate = self.pacer.rate;
+        let (next, cut) = if socket_drops > 0 || backlogged_passes > 0 {
+            ((rate * Self::CUT).max(floor), true)
+        } else if busy < Self::ROOM {
+            ((rate + self.max * Self::STEP).min(self.max), false)
+        } else {
+            (rate, false)
+        };
+        self.pacer.rate = next;
+        self.pacer.tokens = self.pacer.tokens.min(next);
+        cut
+    }
 }
 
 impl Pacer {
@@ -301,11 +381,15 @@ impl Pacer {
         }
     }
 
-    /// Takes a token if there is one.
-    pub(super) fn admit(&mut self, now: Instant) -> bool {
+    fn refill(&mut self, now: Instant) {
         let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
         self.at = self.at.max(now);
         self.tokens = (self.tokens + elapsed * self.rate).min(self.rate);
+    }
+
+    /// Takes a token if there is one.
+    pub(super) fn admit(&mut self, now: Instant) -> bool {
+        self.refill(now);
         if self.tokens >= 1.0 {
             self.tokens -= 1.0;
             true
@@ -610,7 +694,7 @@ pub struct ServerState {
     /// Handshakes in flight, in all and by address.
     handshaking: usize,
     per_address: DetMap<IpAddr, usize>,
-    pacer: Pacer,
+    admission: Admission,
     /// Answers to shed Initials (Retries, refusals) per second.
     shed_answers: Pacer,
     hub: Hub,
@@ -766,16 +850,20 @@ impl ServerState {
             restore(&mut hub, loaded, clock.at(now), &config)?;
         }
         let next_hold = hub.holds_restored().then(|| now + HOLD_TICK);
+        let stats = StatsInner::default();
+        stats
+            .admission_rate
+            .store(u64::from(config.max_handshakes_per_sec), Ordering::Relaxed);
         Ok(ServerState {
             keys: Arc::new(TokenKeys::new(&config.token_secret, config.token_leeway)),
-            stats: Arc::new(StatsInner::default()),
+            stats: Arc::new(stats),
             clock,
             certificate,
             endpoint,
             accept: Accept::new(variants, derive(seed, 4)),
             handshaking: 0,
             per_address: DetMap::default(),
-            pacer: Pacer::new(config.max_handshakes_per_sec, now),
+            admission: Admission::new(config.max_handshakes_per_sec, now),
             shed_answers: Pacer::new(config.max_handshakes_per_sec.saturating_mul(2), now),
             hub,
             session_key,
@@ -976,6 +1064,22 @@ impl ServerState {
             }
             ServerInput::WsClosed { id, code } => {
                 self.with_ws(id, |link| link.lost(code));
+            }
+            ServerInput::Load {
+                busy_permille,
+                socket_drops,
+                backlogged_passes,
+            } => {
+                let busy = f64::from(busy_permille) / 1000.0;
+                if self
+                    .admission
+                    .on_load(busy, socket_drops, backlogged_passes)
+                {
+                    self.stats.admission_cuts.fetch_add(1, Ordering::Relaxed);
+                }
+                self.stats
+                    .admission_rate
+                    .store(self.admission.rate() as u64, Ordering::Relaxed);
             }
             ServerInput::Cluster(input) => {
                 let at = self.clock.at(now);
@@ -1202,13 +1306,17 @@ impl ServerState {
         let cap = config.max_connections.saturating_add(HANDSHAKE_HEADROOM);
         let shed = if self.stopping.is_some() {
             Some(Shed::Draining)
+        } else if !self.admission.has_room(now) {
+            // Refused now rather than after a Retry's round trip: a Retry
+            // brings the Initial straight back, to be refused then.
+            Some(Shed::Rate)
         } else if crowded && !incoming.remote_address_validated() && incoming.may_retry() {
             Some(Shed::Retry)
         } else if from_ip >= config.max_handshakes_per_address {
             Some(Shed::PerAddress)
         } else if self.endpoint.open_connections() >= cap {
             Some(Shed::Capacity)
-        } else if !self.pacer.admit(now) {
+        } else if !self.admission.admit(now) {
             Some(Shed::Rate)
         } else {
             None

@@ -973,3 +973,66 @@ fn shed_answers_are_bounded_and_the_rest_is_ignored() {
     net.run_until(Duration::from_secs(10), |net| net.welcomed(real));
     assert!(net.welcomed(real), "the real client was not served");
 }
+
+/// The admission rate follows the loop's load: every report of a backlog
+/// (a pass that left datagrams unread) or of socket drops cuts it by 30%,
+/// down to 5% of the configured rate, and new handshakes past it are shed
+/// (`Rate`); a loop busy all the time that keeps up keeps its rate; reports
+/// of a loop with room raise it by 5% of the configured rate each, back to
+/// the configured rate and never above.
+#[test]
+fn the_admission_rate_follows_the_loops_load() {
+    let mut config = config();
+    config.max_handshakes_per_sec = 100;
+    let mut net = Net::new(config, None);
+    let load = |net: &mut Net, busy_permille: u32, socket_drops: u64, backlogged_passes: u32| {
+        let now = net.now;
+        net.server.handle_input(
+            now,
+            ServerInput::Load {
+                busy_permille,
+                socket_drops,
+                backlogged_passes,
+            },
+        );
+        net.server.admission.rate()
+    };
+    let cuts = |net: &Net| net.server.stats.admission_cuts.load(Ordering::Relaxed);
+    assert_eq!(
+        load(&mut net, 1000, 0, 0),
+        100.0,
+        "busy but keeping up: kept"
+    );
+    assert_eq!(load(&mut net, 1000, 0, 1), 70.0);
+    for _ in 0..9 {
+        load(&mut net, 1000, 0, 2);
+    }
+    assert_eq!(net.server.admission.rate(), 5.0, "the floor");
+    assert_eq!(cuts(&net), 10);
+    assert_eq!(net.server.stats.admission_rate.load(Ordering::Relaxed), 5);
+    // A second for the bucket to hold the lowered rate's worth, then 20 new
+    // clients at once: 5 are admitted, the rest shed.
+    net.run_for(Duration::from_secs(1));
+    for i in 0..20u16 {
+        let c = net.start(
+            "bob",
+            &format!("d{i}"),
+            SocketAddr::from(([10, 0, 4, 1], 7000 + i)),
+        );
+        net.clients[c].deaf = true;
+    }
+    net.run_for(Duration::from_millis(20));
+    let shed = net.server.stats.shed[Shed::Rate as usize].load(Ordering::Relaxed);
+    assert_eq!(shed, 15, "shed past the lowered rate");
+    assert_eq!(net.server.handshaking, 5);
+    // Room again: back up in steps of 5, to the configured rate and no more.
+    assert_eq!(load(&mut net, 800, 0, 0), 5.0, "no room yet: kept");
+    assert_eq!(load(&mut net, 500, 0, 0), 10.0);
+    for _ in 0..30 {
+        load(&mut net, 100, 0, 0);
+    }
+    assert_eq!(net.server.admission.rate(), 100.0);
+    // Datagrams dropped by the socket cut it however idle the loop looks.
+    assert_eq!(load(&mut net, 0, 3, 0), 70.0);
+    assert_eq!(cuts(&net), 11);
+}
