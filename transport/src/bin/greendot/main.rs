@@ -22,6 +22,12 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
+// The server's packets allocate and free small buffers all the time:
+// mimalloc takes about 12% less CPU and handshakes 15% faster than glibc's
+// malloc (docs/benchmarks.md, section 5), for about 8% more memory.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 pub const CERT_FILE: &str = "cert.pem";
 pub const KEY_FILE: &str = "key.pem";
 pub const SECRET_FILE: &str = "token-secret";
