@@ -587,19 +587,15 @@ async fn device(
             ctx.failed.fetch_add(1, Relaxed);
             return;
         }
-        let mut result = Err(String::new());
-        let mut backoff = client_backoff(&mut rand, phase.clone(), PHASE_RAMP);
-        for _ in 0..CONNECT_ATTEMPTS {
-            result = attempt(&ctx, &endpoint, &token, i, None).await;
-            if result.is_ok() {
-                break;
+        let mut backoff = Backoff::new(&mut rand, phase.clone(), PHASE_RAMP);
+        let mut tries = 1;
+        loop {
+            let result = attempt(&ctx, &endpoint, &token, i, None).await;
+            if result.is_ok() || tries == CONNECT_ATTEMPTS || !backoff.wait().await {
+                break result;
             }
-            match backoff() {
-                Some(wait) => tokio::time::sleep(wait).await,
-                None => break,
-            }
+            tries += 1;
         }
-        result
     };
     let mut live = match first {
         Ok(live) => live,
@@ -618,6 +614,10 @@ async fn device(
     }
     let mut next_id = 2u64;
     let mut alive = true;
+    // Whether this device is in `ctx.open`: a reconnect takes it out until
+    // it is back, so a device still retrying when the window ends is not
+    // counted as held.
+    let mut counted = true;
     let mut burst = ctx
         .opts
         .burst
@@ -634,8 +634,9 @@ async fn device(
             _ = tokio::time::sleep(Duration::from_secs_f64(wait.min(3600.0))) => {}
             _ = tokio::time::sleep_until(burst_at), if burst.is_some() => {
                 burst = None;
-                let backoff = client_backoff(&mut rand, phase.clone(), PHASE_MEASURE);
+                let backoff = Backoff::new(&mut rand, phase.clone(), PHASE_MEASURE);
                 alive = reconnect(&ctx, &endpoint, &token, i, &mut live, backoff).await;
+                counted = alive;
                 let count = if alive { &ctx.burst_back } else { &ctx.burst_failed };
                 count.fetch_add(1, Relaxed);
                 continue;
@@ -644,8 +645,9 @@ async fn device(
             _ = live.conn.closed() => { alive = false; continue; }
         }
         if rand() < ctx.opts.reconnect_share {
-            let backoff = client_backoff(&mut rand, phase.clone(), PHASE_MEASURE);
+            let backoff = Backoff::new(&mut rand, phase.clone(), PHASE_MEASURE);
             alive = reconnect(&ctx, &endpoint, &token, i, &mut live, backoff).await;
+            counted = alive;
             let count = if alive {
                 &ctx.reconnects
             } else {
@@ -675,7 +677,9 @@ async fn device(
             _ = live.conn.closed() => alive = false,
         }
     }
-    ctx.open.fetch_sub(1, Relaxed);
+    if counted {
+        ctx.open.fetch_sub(1, Relaxed);
+    }
     live.pushes.abort();
     live.conn
         .close(CloseCode::Logout.varint(), b"load generator done");
@@ -685,41 +689,59 @@ async fn device(
 /// defaults, 100 ms doubling to 5 s), while the run is in `during`. A
 /// server that sheds refuses the attempt at once; retrying at once would
 /// only add to its load.
-fn client_backoff(
-    rand: &mut impl FnMut() -> f64,
+struct Backoff<'a, R> {
+    rand: &'a mut R,
+    cap: Duration,
     phase: watch::Receiver<u8>,
     during: u8,
-) -> impl FnMut() -> Option<Duration> + '_ {
-    let mut cap = Duration::from_millis(100);
-    move || {
-        let wait = cap.mul_f64(rand());
-        cap = (cap * 2).min(Duration::from_secs(5));
-        (*phase.borrow() == during).then_some(wait)
+}
+
+impl<'a, R: FnMut() -> f64> Backoff<'a, R> {
+    fn new(rand: &'a mut R, phase: watch::Receiver<u8>, during: u8) -> Self {
+        Backoff {
+            rand,
+            cap: Duration::from_millis(100),
+            phase,
+            during,
+        }
+    }
+
+    /// Waits before the next attempt; `false`: the phase ended (before or
+    /// during the wait), make no more.
+    async fn wait(&mut self) -> bool {
+        if *self.phase.borrow() != self.during {
+            return false;
+        }
+        let wait = self.cap.mul_f64((self.rand)());
+        self.cap = (self.cap * 2).min(Duration::from_secs(5));
+        tokio::time::sleep(wait).await;
+        *self.phase.borrow() == self.during
     }
 }
 
-/// Closes `live` and connects again with resume; after a failed attempt,
-/// `again` says how long to wait before the next one (`None`: give up).
-/// `false`: not back.
+/// Closes `live` and connects again with resume, retrying after `backoff`
+/// until its phase ends. `false`: not back. The device is out of
+/// `ctx.open` until it is back.
 async fn reconnect(
     ctx: &Arc<Ctx>,
     endpoint: &quinn::Endpoint,
     token: &str,
     i: usize,
     live: &mut Live,
-    mut again: impl FnMut() -> Option<Duration>,
+    mut backoff: Backoff<'_, impl FnMut() -> f64>,
 ) -> bool {
     live.pushes.abort();
     live.conn.close(CloseCode::Normal.varint(), b"reconnect");
+    ctx.open.fetch_sub(1, Relaxed);
     let resume = Some(live.session);
     loop {
         if let Ok(l) = attempt(ctx, endpoint, token, i, resume).await {
             *live = l;
+            ctx.open.fetch_add(1, Relaxed);
             return true;
         }
-        match again() {
-            Some(wait) => tokio::time::sleep(wait).await,
-            None => return false,
+        if !backoff.wait().await {
+            return false;
         }
     }
 }

@@ -101,6 +101,7 @@ pub use hub::{LiveDevice, RestoreError};
 pub use metrics::MetricsSnapshot;
 pub use state::{
     Census, Datagram, ServerInput, ServerMutant, ServerOutput, ServerState, StoreRequest, Transmit,
+    LOAD_REPORT_EVERY,
 };
 pub use store::{Batch, Loaded, Record, StoreError};
 pub use tls::{Identity, TlsError};

@@ -388,7 +388,7 @@ impl MetricsSnapshot {
             "greendot_admission_rate",
             "gauge",
             "New handshakes admitted per second at most now: max_handshakes_per_sec, cut while \
-             the loop is overloaded (busy 90% of the time, or the socket dropping datagrams).",
+             the socket drops datagrams or passes of the loop read their whole datagram budget.",
             &[("", self.admission_rate)],
         );
         metric(
@@ -400,7 +400,7 @@ impl MetricsSnapshot {
         );
         let _ = writeln!(
             out,
-            "# HELP greendot_loop_busy_ratio Share of the last 250 ms the server's loop spent working rather than waiting.\n\
+            "# HELP greendot_loop_busy_ratio Share of the time since the previous load report (every 250 ms or more) the server's loop spent working rather than waiting.\n\
              # TYPE greendot_loop_busy_ratio gauge\ngreendot_loop_busy_ratio {}",
             self.loop_busy
         );

@@ -169,7 +169,7 @@ pub enum ServerInput {
     /// spent in passes rather than waiting; `socket_drops`, datagrams the
     /// kernel dropped on a full receive buffer meanwhile;
     /// `backlogged_passes`, passes that read their whole datagram budget
-    /// ([`PassBudget::datagrams`]) and left more waiting. The admission
+    /// ([`PassBudget::datagrams`]), so more may be waiting. The admission
     /// rate follows it (see `Admission`); without reports it stays at
     /// [`ServerConfig::max_handshakes_per_sec`].
     Load {

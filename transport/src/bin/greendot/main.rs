@@ -23,7 +23,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 // The server's packets allocate and free small buffers all the time:
-// mimalloc takes about 12% less CPU and handshakes 17% faster than glibc's
+// mimalloc takes about 13% less CPU and handshakes 17% faster than glibc's
 // malloc (docs/benchmarks.md, section 5), for about 8% more memory.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
