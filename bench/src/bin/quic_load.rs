@@ -161,15 +161,12 @@ fn start_server_with(n: usize, websocket: bool) -> Result<Started, String> {
     let max = (n + n / 5 + 1000).to_string();
     let mut args = vec!["--serve", "--max-connections", &max];
     // Passed on to the server process as given.
-    let passed: Vec<(&str, String)> = ["--max-handshakes-per-sec", "--server-nice"]
-        .into_iter()
-        .filter_map(|name| {
-            let value = std::env::args().skip_while(|a| a != name).nth(1)?;
-            Some((name, value))
-        })
-        .collect();
+    let passed =
+        ["--max-handshakes-per-sec", "--server-nice"].map(|name| (name, arg(name, String::new())));
     for (name, value) in &passed {
-        args.extend([*name, value.as_str()]);
+        if !value.is_empty() {
+            args.extend([*name, value.as_str()]);
+        }
     }
     if websocket {
         args.push("--websocket");

@@ -614,10 +614,6 @@ async fn device(
     }
     let mut next_id = 2u64;
     let mut alive = true;
-    // Whether this device is in `ctx.open`: a reconnect takes it out until
-    // it is back, so a device still retrying when the window ends is not
-    // counted as held.
-    let mut counted = true;
     let mut burst = ctx
         .opts
         .burst
@@ -636,7 +632,6 @@ async fn device(
                 burst = None;
                 let backoff = Backoff::new(&mut rand, phase.clone(), PHASE_MEASURE);
                 alive = reconnect(&ctx, &endpoint, &token, i, &mut live, backoff).await;
-                counted = alive;
                 let count = if alive { &ctx.burst_back } else { &ctx.burst_failed };
                 count.fetch_add(1, Relaxed);
                 continue;
@@ -647,7 +642,6 @@ async fn device(
         if rand() < ctx.opts.reconnect_share {
             let backoff = Backoff::new(&mut rand, phase.clone(), PHASE_MEASURE);
             alive = reconnect(&ctx, &endpoint, &token, i, &mut live, backoff).await;
-            counted = alive;
             let count = if alive {
                 &ctx.reconnects
             } else {
@@ -677,9 +671,7 @@ async fn device(
             _ = live.conn.closed() => alive = false,
         }
     }
-    if counted {
-        ctx.open.fetch_sub(1, Relaxed);
-    }
+    ctx.open.fetch_sub(1, Relaxed);
     live.pushes.abort();
     live.conn
         .close(CloseCode::Logout.varint(), b"load generator done");
@@ -721,7 +713,8 @@ impl<'a, R: FnMut() -> f64> Backoff<'a, R> {
 
 /// Closes `live` and connects again with resume, retrying after `backoff`
 /// until its phase ends. `false`: not back. The device is out of
-/// `ctx.open` until it is back.
+/// `ctx.open` while it retries, so one still retrying when the window ends
+/// is not counted as held (one that gives up does so after the count).
 async fn reconnect(
     ctx: &Arc<Ctx>,
     endpoint: &quinn::Endpoint,
@@ -734,16 +727,17 @@ async fn reconnect(
     live.conn.close(CloseCode::Normal.varint(), b"reconnect");
     ctx.open.fetch_sub(1, Relaxed);
     let resume = Some(live.session);
-    loop {
+    let back = loop {
         if let Ok(l) = attempt(ctx, endpoint, token, i, resume).await {
             *live = l;
-            ctx.open.fetch_add(1, Relaxed);
-            return true;
+            break true;
         }
         if !backoff.wait().await {
-            return false;
+            break false;
         }
-    }
+    };
+    ctx.open.fetch_add(1, Relaxed);
+    back
 }
 
 /// Device `i`'s own uniform draws in [0, 1) (xorshift64*, seeded by `i`),

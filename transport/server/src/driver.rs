@@ -227,10 +227,6 @@ impl Driver {
             drops: drops.or(self.load.drops),
             backlogged: 0,
         };
-        self.shared
-            .stats
-            .loop_busy_permille
-            .store(u64::from(busy_permille), Ordering::Relaxed);
         self.state.handle_input(
             now,
             ServerInput::Load {

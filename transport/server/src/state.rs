@@ -339,14 +339,17 @@ impl Admission {
         }
     }
 
-    fn admit(&mut self, now: Instant) -> bool {
-        self.pacer.admit(now)
-    }
-
-    /// Whether [`Admission::admit`] would admit now (takes nothing).
+    /// Whether a handshake may be admitted now (takes nothing: the other
+    /// sheds come between this and [`Admission::take`]).
     fn has_room(&mut self, now: Instant) -> bool {
         self.pacer.refill(now);
         self.pacer.tokens >= 1.0
+    }
+
+    /// Takes the token [`Admission::has_room`] found.
+    fn take(&mut self) {
+        debug_assert!(self.pacer.tokens >= 1.0, "take without room");
+        self.pacer.tokens -= 1.0;
     }
 
     /// The current rate, handshakes per second.
@@ -1070,6 +1073,9 @@ impl ServerState {
                 socket_drops,
                 backlogged_passes,
             } => {
+                self.stats
+                    .loop_busy_permille
+                    .store(u64::from(busy_permille), Ordering::Relaxed);
                 let busy = f64::from(busy_permille) / 1000.0;
                 if self
                     .admission
@@ -1316,8 +1322,6 @@ impl ServerState {
             Some(Shed::PerAddress)
         } else if self.endpoint.open_connections() >= cap {
             Some(Shed::Capacity)
-        } else if !self.admission.admit(now) {
-            Some(Shed::Rate)
         } else {
             None
         };
@@ -1341,6 +1345,7 @@ impl ServerState {
             self.queue_transmit(t, buf);
             return;
         }
+        self.admission.take();
         let remote = incoming.remote_address();
         let server_config = self.accept.pick().map(|(_, c)| c.clone());
         match self.endpoint.accept(incoming, now, &mut buf, server_config) {

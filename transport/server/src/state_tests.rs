@@ -89,6 +89,13 @@ impl Net {
 
     /// A client from `addr` that starts its handshake (and says hello once
     /// connected), without waiting for anything.
+    /// A client that never hears the server: its handshake stays in flight.
+    fn start_deaf(&mut self, user: &str, device: &str, addr: SocketAddr) -> usize {
+        let i = self.start(user, device, addr);
+        self.clients[i].deaf = true;
+        i
+    }
+
     fn start(&mut self, user: &str, device: &str, addr: SocketAddr) -> usize {
         let i = self.clients.len();
         let mut endpoint = Endpoint::new(
@@ -891,13 +898,11 @@ fn handshakes_are_limited_per_address_and_time_out() {
     // handshakes stay in flight.
     let stuck: Vec<usize> = (0..2)
         .map(|port| {
-            let i = net.start(
+            net.start_deaf(
                 "ann",
                 &format!("d{port}"),
                 SocketAddr::from((ip, 6000 + port)),
-            );
-            net.clients[i].deaf = true;
-            i
+            )
         })
         .collect();
     net.run_for(Duration::from_millis(100));
@@ -945,16 +950,14 @@ fn shed_answers_are_bounded_and_the_rest_is_ignored() {
     config.max_handshakes_per_sec = 10;
     let mut net = Net::new(config, None);
     // One handshake in flight makes the server crowded.
-    let stuck = net.start("ann", "d0", SocketAddr::from(([10, 0, 7, 1], 7000)));
-    net.clients[stuck].deaf = true;
+    net.start_deaf("ann", "d0", SocketAddr::from(([10, 0, 7, 1], 7000)));
     net.run_for(Duration::from_millis(20));
     for i in 0..200u16 {
-        let c = net.start(
+        net.start_deaf(
             "bob",
             &format!("f{i}"),
             SocketAddr::from(([10, 0, 6, 1], 8000 + i)),
         );
-        net.clients[c].deaf = true;
     }
     net.run_for(Duration::from_millis(50));
     let shed = |net: &Net, r: Shed| net.server.stats.shed[r as usize].load(Ordering::Relaxed);
@@ -1013,12 +1016,11 @@ fn the_admission_rate_follows_the_loops_load() {
     // clients at once: 5 are admitted, the rest shed.
     net.run_for(Duration::from_secs(1));
     for i in 0..20u16 {
-        let c = net.start(
+        net.start_deaf(
             "bob",
             &format!("d{i}"),
             SocketAddr::from(([10, 0, 4, 1], 7000 + i)),
         );
-        net.clients[c].deaf = true;
     }
     net.run_for(Duration::from_millis(20));
     let shed = net.server.stats.shed[Shed::Rate as usize].load(Ordering::Relaxed);
