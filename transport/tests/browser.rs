@@ -85,7 +85,9 @@ mod support;
 use support::{temp_dir, Proc};
 
 struct Served {
-    _proc: Proc,
+    /// `greendot serve`, logging every connection's start and end (its
+    /// lines are shown when a test fails).
+    proc: Proc,
     dir: PathBuf,
     quic: SocketAddr,
     websocket: String,
@@ -118,7 +120,7 @@ fn serve(name: &str) -> Served {
             "2s",
         ])
         .current_dir(&dir)
-        .env("RUST_LOG", "info");
+        .env("RUST_LOG", "info,greendot::connections=debug");
     let mut proc = Proc::spawn("serve", {
         command.stdin(Stdio::piped());
         command
@@ -142,7 +144,7 @@ fn serve(name: &str) -> Served {
         .expect("http addr");
     proc.wait_for(SLACK, "dev tokens", |l| l.starts_with("dev tokens on "));
     Served {
-        _proc: proc,
+        proc,
         dir,
         quic,
         websocket,
@@ -339,6 +341,9 @@ fn the_typescript_client_works_against_greendot_serve_in_node_and_chromium() {
             format!("https://{}/greendot", served.quic),
         )
         .env("GREENDOT_CERT_HASH", &served.hash)
+        // Chromium's network log, summed up by the suite when a browser
+        // test fails (how a QUIC or WebTransport session ended).
+        .env("GREENDOT_NETLOG_DIR", &served.dir)
         .env("GREENDOT_CA", served.dir.join("greendot-data/cert.pem"))
         .env(
             "GREENDOT_TOKEN_AL",
@@ -358,7 +363,13 @@ fn the_typescript_client_works_against_greendot_serve_in_node_and_chromium() {
     });
     let status = node.wait_exit(Duration::from_secs(90));
     let out = node.seen.join("\n");
-    assert!(status.success(), "the TypeScript e2e suite failed:\n{out}");
+    let mut served = served;
+    served.proc.drain();
+    assert!(
+        status.success(),
+        "the TypeScript e2e suite failed:\n{out}\n\nthe server said:\n{}",
+        served.proc.seen.join("\n")
+    );
     let passed = node
         .seen
         .iter()

@@ -2,19 +2,73 @@
 // (installed by the tests' own command), driven by puppeteer-core (which
 // downloads no browser).
 
+import { readFileSync } from "node:fs";
+import { join } from "node:path";
 import puppeteer, { type Browser, type Page } from "puppeteer-core";
 
 export const CHROMIUM = process.env.CHROMIUM ?? "/usr/bin/chromium";
 
-export async function launch(extraArgs: string[] = []): Promise<Browser> {
-  return puppeteer.launch({
+/**
+ * Headless Chromium. With `netLog` and GREENDOT_NETLOG_DIR set, it writes
+ * its network log to GREENDOT_NETLOG_DIR/`netLog`.netlog.json (see
+ * {@link netLogSummary}); the path is returned with the browser.
+ */
+export async function launch(extraArgs: string[] = [], netLog?: string): Promise<Browser & { netLogPath?: string }> {
+  const dir = process.env.GREENDOT_NETLOG_DIR;
+  const netLogPath = netLog !== undefined && dir !== undefined ? join(dir, `${netLog}.netlog.json`) : undefined;
+  const browser: Browser & { netLogPath?: string } = await puppeteer.launch({
     executablePath: CHROMIUM,
     headless: true,
     // --no-sandbox: the tests run as root. No certificate flag: WebTransport
     // must be let in by serverCertificateHashes alone.
-    args: ["--no-sandbox", "--disable-gpu", "--window-size=1100,800", ...extraArgs],
+    args: [
+      "--no-sandbox",
+      "--disable-gpu",
+      "--window-size=1100,800",
+      ...(netLogPath === undefined ? [] : [`--log-net-log=${netLogPath}`]),
+      ...extraArgs,
+    ],
     defaultViewport: { width: 1100, height: 800 },
   });
+  browser.netLogPath = netLogPath;
+  return browser;
+}
+
+/**
+ * How Chromium's QUIC and WebTransport sessions changed state and ended,
+ * and any network change it saw, one line per event, from a network log
+ * (read line by line: a browser that did not exit cleanly leaves it
+ * unterminated).
+ */
+export function netLogSummary(path: string): string[] {
+  let text: string;
+  try {
+    text = readFileSync(path, "utf8");
+  } catch (e) {
+    return [`no network log at ${path}: ${String(e)}`];
+  }
+  const lines = text.split("\n");
+  let names = new Map<number, string>();
+  try {
+    const constants = JSON.parse(lines[0]!.replace(/,\s*$/, "") + "}").constants as { logEventTypes: Record<string, number> };
+    names = new Map(Object.entries(constants.logEventTypes).map(([name, id]) => [id, name]));
+  } catch {
+    return ["the network log has no constants line"];
+  }
+  const wanted = /^(QUIC_|HTTP3_|WEB_TRANSPORT|NETWORK_|CERT_VERIFIER)|WEBTRANSPORT|NETWORK_CHANGED|IP_ADDRESS/;
+  const detail = /CLOSE|GOAWAY|RESET|STATE|ERROR|MIGRAT|CHANGED|CERT/;
+  const out: string[] = [];
+  for (const line of lines.slice(2)) {
+    let event: { type: number; time: string; params?: unknown };
+    try {
+      event = JSON.parse(line.replace(/,\s*$/, ""));
+    } catch {
+      continue;
+    }
+    const name = names.get(event.type) ?? String(event.type);
+    if (wanted.test(name) && detail.test(name)) out.push(`${event.time} ${name} ${JSON.stringify(event.params ?? {}).slice(0, 400)}`);
+  }
+  return out;
 }
 
 /** A page whose console errors and exceptions go to stderr. */

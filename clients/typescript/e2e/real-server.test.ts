@@ -10,7 +10,7 @@ import { readFileSync } from "node:fs";
 import { after, test } from "node:test";
 import WebSocket from "ws";
 import { Client, type ClientOptions, type WebSocketConstructor } from "../src/index.js";
-import { launch, open } from "./browser.js";
+import { launch, netLogSummary, open } from "./browser.js";
 
 const env = (name: string): string => {
   const v = process.env[name];
@@ -42,6 +42,13 @@ async function node(token: string, options: Partial<ClientOptions> = {}): Promis
   });
   clients.push(c);
   return c;
+}
+
+/** The browser's network log summed up (it is complete once the browser has closed). */
+async function closedNetLog(browser: Awaited<ReturnType<typeof launch>>): Promise<string[]> {
+  if (browser.netLogPath === undefined) return ["no network log (GREENDOT_NETLOG_DIR is not set)"];
+  await browser.close();
+  return netLogSummary(browser.netLogPath);
 }
 
 async function until(what: string, ok: () => boolean, ms = 10_000): Promise<void> {
@@ -91,28 +98,47 @@ test("Node over WebSocket: snapshots, pushes, status, invisible, query and logou
 });
 
 test("Chromium over WebTransport: the page's copy of the client connects with serverCertificateHashes", async () => {
-  const browser = await launch();
+  const browser = await launch([], "webtransport");
   try {
     const page = await open(browser, env("GREENDOT_PAGE_URL"));
-    const binding = await page.evaluate(
+    const { binding, lost } = await page.evaluate(
       async (token: string, url: string, hash: string) => {
         const m = await import("/greendot-client.js" as string);
         const value = new Uint8Array(hash.match(/../g)!.map((h) => parseInt(h, 16)));
-        const c = await m.Client.connect({
-          token,
-          webTransportUrl: url,
-          serverCertificateHashes: [{ algorithm: "sha-256", value }],
-          // No working fallback: this must be WebTransport.
-          webSocketUrl: "wss://127.0.0.1:9/greendot",
-        });
-        await c.subscribe(["bob"], "realtime");
+        // A connection lost under the request fails it with LostError; an
+        // application retries (the client reconnects and resumes by
+        // itself). Once here: a second loss fails the test.
+        const lost: string[] = [];
+        const once = async <T>(what: string, f: () => Promise<T>): Promise<T> => {
+          try {
+            return await f();
+          } catch (e) {
+            if ((e as Error).name !== "LostError") throw e;
+            lost.push(`${what}: ${String(e)}`);
+            return await f();
+          }
+        };
+        const c: any = await once("connect", () =>
+          m.Client.connect({
+            token,
+            webTransportUrl: url,
+            serverCertificateHashes: [{ algorithm: "sha-256", value }],
+            // No working fallback: this must be WebTransport.
+            webSocketUrl: "wss://127.0.0.1:9/greendot",
+          }),
+        );
+        await once("subscribe", () => c.subscribe(["bob"], "realtime"));
         (globalThis as any).al = c;
-        return c.binding;
+        return { binding: c.binding, lost };
       },
       env("GREENDOT_TOKEN_AL_BROWSER"),
       env("GREENDOT_WT_URL"),
       env("GREENDOT_CERT_HASH"),
     );
+    if (lost.length > 0) {
+      console.error(`the WebTransport session was lost and the request retried: ${lost.join("; ")}`);
+      for (const line of await closedNetLog(browser)) console.error(`[netlog] ${line}`);
+    }
     assert.equal(binding, "webtransport");
 
     const bob = await node(env("GREENDOT_TOKEN_BOB"));
@@ -132,6 +158,9 @@ test("Chromium over WebTransport: the page's copy of the client connects with se
       return c.isClosed;
     });
     assert.equal(closed, true);
+  } catch (e) {
+    for (const line of await closedNetLog(browser)) console.error(`[netlog] ${line}`);
+    throw e;
   } finally {
     await browser.close();
   }

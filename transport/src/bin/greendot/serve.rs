@@ -68,6 +68,51 @@ fn dev_cert_due(cert: &Path) -> bool {
         .is_none_or(|age| age > renew_after)
 }
 
+/// With `RUST_LOG=greendot::connections=debug`, every connection's start,
+/// migration and end (with why it ended: the client's close, an idle
+/// timeout, a reset…) as a log line: what an operator needs to tell why a
+/// client was dropped. Nothing is subscribed otherwise.
+fn log_connections(server: &Server) {
+    use greendot_server::ServerEvent;
+    const TARGET: &str = "greendot::connections";
+    if !tracing::enabled!(target: TARGET, tracing::Level::DEBUG) {
+        return;
+    }
+    let mut events = server.events();
+    tokio::spawn(async move {
+        loop {
+            match events.recv().await {
+                Ok(ServerEvent::Connected {
+                    session,
+                    user,
+                    device,
+                    resumed,
+                    remote,
+                }) => {
+                    tracing::debug!(target: TARGET, ?session, %user, %device, resumed, %remote, "connected");
+                }
+                Ok(ServerEvent::Migrated { session, from, to }) => {
+                    tracing::debug!(target: TARGET, ?session, %from, %to, "migrated");
+                }
+                Ok(ServerEvent::Closed {
+                    session,
+                    logout,
+                    reason,
+                }) => {
+                    tracing::debug!(target: TARGET, ?session, logout, %reason, "closed");
+                }
+                Ok(ServerEvent::Rejected { remote, reason }) => {
+                    tracing::debug!(target: TARGET, %remote, %reason, "rejected");
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                    tracing::debug!(target: TARGET, missed = n, "connection events dropped (the log fell behind)");
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+            }
+        }
+    });
+}
+
 /// What `serve` made or found in the data directory.
 struct DataDir {
     cert: PathBuf,
@@ -364,6 +409,7 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
         "try: {program} token --user alice --device phone --watch bob"
     );
     drop(out);
+    log_connections(&server);
 
     let cut_off = match node.as_mut() {
         None => {
