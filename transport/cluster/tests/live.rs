@@ -725,7 +725,13 @@ async fn kill_9_of_a_nats_node_and_kv_and_claims_keep_working() {
     // The killed node comes back and catches up.
     nats.restart(victim);
     nats.wait_ready(ELECTION_BOUND).await;
-    let late = connect(&nats.url(victim), "late").await;
+    // A node that rejoins answers JetStream requests only once it has caught
+    // up: opening the buckets through it may time out until then.
+    let late_url = nats.url(victim);
+    let late = retry(ELECTION_BOUND, || {
+        Cluster::connect(&late_url, config("late"))
+    })
+    .await;
     let deadline = Instant::now() + ELECTION_BOUND;
     loop {
         if let Ok(Some(v)) = late.preferences("bob").await {
