@@ -55,7 +55,8 @@ export function netLogSummary(path: string): string[] {
   } catch {
     return ["the network log has no constants line"];
   }
-  const wanted = /^(QUIC_|HTTP3_|WEB_TRANSPORT|NETWORK_|CERT_VERIFIER)|WEBTRANSPORT|NETWORK_CHANGED|IP_ADDRESS/;
+  // Of the QUIC, HTTP/3, WebTransport and network events, how things changed and ended.
+  const wanted = /^(QUIC_|HTTP3_|WEB_TRANSPORT|NETWORK_|CERT_VERIFIER)/;
   const detail = /CLOSE|GOAWAY|RESET|STATE|ERROR|MIGRAT|CHANGED|CERT/;
   const out: string[] = [];
   for (const line of lines.slice(2)) {

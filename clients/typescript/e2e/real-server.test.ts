@@ -44,10 +44,10 @@ async function node(token: string, options: Partial<ClientOptions> = {}): Promis
   return c;
 }
 
-/** The browser's network log summed up (it is complete once the browser has closed). */
-async function closedNetLog(browser: Awaited<ReturnType<typeof launch>>): Promise<string[]> {
-  if (browser.netLogPath === undefined) return ["no network log (GREENDOT_NETLOG_DIR is not set)"];
+/** Closes the browser and sums up its network log (complete only once the browser has closed). */
+async function closeWithNetLog(browser: Awaited<ReturnType<typeof launch>>): Promise<string[]> {
   await browser.close();
+  if (browser.netLogPath === undefined) return ["no network log (GREENDOT_NETLOG_DIR is not set)"];
   return netLogSummary(browser.netLogPath);
 }
 
@@ -164,8 +164,8 @@ test("Chromium over WebTransport: the page's copy of the client connects with se
     showNetLog = true;
     throw e;
   } finally {
-    if (showNetLog) for (const line of await closedNetLog(browser)) console.error(`[netlog] ${line}`);
-    await browser.close();
+    if (showNetLog) for (const line of await closeWithNetLog(browser)) console.error(`[netlog] ${line}`);
+    else await browser.close();
   }
 });
 

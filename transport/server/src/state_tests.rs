@@ -87,8 +87,6 @@ impl Net {
         )
     }
 
-    /// A client from `addr` that starts its handshake (and says hello once
-    /// connected), without waiting for anything.
     /// A client that never hears the server: its handshake stays in flight.
     fn start_deaf(&mut self, user: &str, device: &str, addr: SocketAddr) -> usize {
         let i = self.start(user, device, addr);
@@ -96,6 +94,8 @@ impl Net {
         i
     }
 
+    /// A client from `addr` that starts its handshake (and says hello once
+    /// connected), without waiting for anything.
     fn start(&mut self, user: &str, device: &str, addr: SocketAddr) -> usize {
         let i = self.clients.len();
         let mut endpoint = Endpoint::new(
