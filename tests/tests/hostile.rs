@@ -380,3 +380,36 @@ async fn users_who_logged_out_are_forgotten_by_the_server() {
         (start.names, start.users_known)
     );
 }
+
+/// Over QUIC too, a hello larger than `max_hello` is refused before it is
+/// held (`FrameTooLarge`), while the same bytes after a welcome are read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hello_over_max_hello_is_refused_on_quic_too() {
+    let ts = TestServer::start(|c| c.max_hello = 1024);
+    let (_endpoint, conn) = raw_connect(&ts, ALPN).await.unwrap();
+    let hello = encode_frame(&Hello {
+        version: proto::VERSION,
+        token: "t".repeat(2000),
+        resume: None,
+    })
+    .unwrap();
+    let outcome = greendot_tests::raw_exchange(&conn, &hello, SLACK).await;
+    assert_eq!(
+        outcome.close,
+        Some(CloseCode::FrameTooLarge),
+        "{}",
+        outcome.reason
+    );
+    assert!(outcome.frames.iter().any(|f| matches!(
+        f,
+        ServerFrame::Error(e) if e.code == ErrorCode::FrameTooLarge
+    )));
+
+    let (client, _events) = ts.connect("alice", "phone", Kind::Mobile).await;
+    let names = random_names(7, 150);
+    let granted = client
+        .subscribe(&names, Tier::Batched)
+        .await
+        .expect("a frame over the hello cap after the welcome");
+    assert_eq!(granted.snapshots.len(), names.len());
+}

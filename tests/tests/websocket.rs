@@ -391,3 +391,56 @@ async fn the_upgrade_needs_the_path_and_the_subprotocol() {
     );
     assert_eq!(ts.server.stats().connections_total, 0);
 }
+
+/// The hello is held to `max_hello` (later frames to `max_frame`): a larger
+/// first message gets `FrameTooLarge` and close 4005, counted at the door;
+/// after the welcome, a frame larger than the hello cap is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hello_is_held_to_max_hello_and_later_frames_to_max_frame() {
+    let ts = server(|c| c.max_hello = 1024);
+    let mut big = WsClient {
+        ws: open(&ts, "/greendot", Some("greendot.v1"), None)
+            .await
+            .expect("upgrade"),
+    };
+    big.ws
+        .send(Message::Binary(vec![0u8; 2000].into()))
+        .await
+        .unwrap();
+    let (got, code) = big.until_closed().await;
+    assert_eq!(code, Some(4005));
+    assert!(got.iter().any(|g| matches!(
+        g,
+        Got::Control(ServerFrame::Error(e)) if e.code == greendot_proto::ErrorCode::FrameTooLarge
+    )));
+    let metrics = ts.server.monitor().metrics().await.unwrap();
+    assert_eq!(
+        metrics
+            .websocket_shed
+            .iter()
+            .find(|(reason, _)| *reason == "hello_too_large")
+            .map(|(_, n)| *n),
+        Some(1)
+    );
+
+    // Welcomed: a status message longer than the hello cap is a frame.
+    let mut alice = WsClient::connect(&ts, "alice", "web").await;
+    let long = "x".repeat(1000);
+    let answer = alice
+        .request(
+            1,
+            Request::SetStatus {
+                status: Status::Busy,
+                message: Some(long.repeat(2)),
+            },
+        )
+        .await;
+    assert!(
+        !matches!(answer, ServerFrame::Error(ref e) if e.code == greendot_proto::ErrorCode::FrameTooLarge),
+        "{answer:?}"
+    );
+    assert!(
+        matches!(answer, ServerFrame::Reply { id: 1, .. }),
+        "{answer:?}"
+    );
+}

@@ -209,12 +209,19 @@ impl NatsCluster {
                 "-sd",
             ])
             .arg(&node.store)
-            .args(["-n", &node.name, "--cluster_name", &self.cluster_name])
-            .args([
-                "--cluster",
-                &format!("nats://127.0.0.1:{}", node.cluster_port),
-            ])
-            .args(["--routes", &routes.join(",")])
+            .args(["-n", &node.name]);
+        // A node alone is no cluster: with routes to itself only it would
+        // wait for routing forever.
+        if self.nodes.len() > 1 {
+            command
+                .args(["--cluster_name", &self.cluster_name])
+                .args([
+                    "--cluster",
+                    &format!("nats://127.0.0.1:{}", node.cluster_port),
+                ])
+                .args(["--routes", &routes.join(",")]);
+        }
+        command
             // Clients get only the URLs they are given, so a test can cut a
             // client off by killing its one server.
             .arg("--no_advertise")

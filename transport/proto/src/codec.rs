@@ -75,6 +75,12 @@ impl FrameReader {
         }
     }
 
+    /// Changes the largest frame accepted from now on (a connection's
+    /// first frame, its hello, is held to less than the later ones).
+    pub fn set_max(&mut self, max: usize) {
+        self.max = max;
+    }
+
     pub fn push(&mut self, bytes: &[u8]) {
         self.buf.extend_from_slice(bytes);
     }

@@ -206,6 +206,13 @@ fn the_retry_hint_is_the_time_to_readmit_everyone() {
     assert_eq!(readmit_ms(100_000, 3000), 33_333);
     assert_eq!(readmit_ms(10, 3000), 1000);
     assert_eq!(readmit_ms(0, 0), 1000);
+    // A count gone wrong never becomes a hint of ages (a wrapped count once
+    // sent retry_ms=6148914691236517).
+    assert_eq!(readmit_ms(usize::MAX, 3000), crate::MAX_RETRY_MS);
+    assert_eq!(
+        with_retry_hint(b"full", u64::MAX),
+        b"full retry_ms=300000".to_vec()
+    );
     assert_eq!(
         with_retry_hint(b"server draining", 33_333),
         b"server draining retry_ms=33333".to_vec()

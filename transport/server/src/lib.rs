@@ -91,6 +91,7 @@ pub mod token;
 mod udp;
 mod webtransport;
 mod ws;
+mod ws_gate;
 mod ws_io;
 
 use conn::{Handled, Step};
@@ -106,6 +107,7 @@ pub use state::{
 pub use store::{Batch, Loaded, Record, StoreError};
 pub use tls::{Identity, TlsError};
 pub use ws::{WsId, WsMessage};
+pub use ws_gate::WsShed;
 
 /// Internals for this workspace's tests, benches and fuzz targets (a session
 /// without a network, the store with injected faults); not a stable API.
@@ -177,6 +179,16 @@ pub struct ServerConfig {
     /// 10 s (well under the idle timeout: a handshake that stalls holds its
     /// state no longer than this).
     pub hello_timeout: Duration,
+    /// The largest hello (a connection's first frame) on every binding, and
+    /// what a WebSocket connection may send before it besides its upgrade
+    /// request. Default 8 KiB: a token whose watch list names a few hundred
+    /// users. A larger hello gets `FrameTooLarge`.
+    pub max_hello: usize,
+    /// WebSocket connections that may wait for their hello at once (each
+    /// holds its TLS state and at most `max_hello` + 16 KiB of input); of
+    /// them at most `max_handshakes_per_address` from one IP address.
+    /// Default 1024. They take no connection slot until their hello.
+    pub max_websocket_pending: usize,
     /// Admission rate: at most this many new handshakes accepted per second
     /// (bursts of one second's worth); beyond it new connections are
     /// refused at once, cheaply, and established ones keep being served.
@@ -281,6 +293,8 @@ impl ServerConfig {
             max_frame: proto::DEFAULT_MAX_FRAME,
             rate: RateLimit::default(),
             hello_timeout: Duration::from_secs(10),
+            max_hello: 8 * 1024,
+            max_websocket_pending: 1024,
             max_handshakes_per_sec: 3000,
             retry_threshold: 512,
             max_handshakes_per_address: 512,
@@ -344,6 +358,8 @@ pub enum SettingError {
     EmptyTokenSecret,
     #[error("max_frame must be 64 to 2^32 - 1 bytes")]
     MaxFrame,
+    #[error("max_hello must be at least 256 bytes and max_websocket_pending at least 1")]
+    HelloLimits,
     #[error("push_queue_bytes and push_budget_bytes must be at least 1")]
     PushBytes,
     #[error("max_handshakes_per_sec and max_handshakes_per_address must be at least 1")]
@@ -437,6 +453,8 @@ struct StatsInner {
     cluster_dropped: AtomicU64,
     /// From an owner's publish of a view to this edge's fanout taking it.
     cluster_latency: Histogram,
+    /// The WebSocket door before the hello.
+    websocket: ws_gate::WsGateStats,
 }
 
 impl StatsInner {
@@ -555,6 +573,9 @@ fn validate(config: &ServerConfig) -> Result<(), ServerError> {
     }
     if config.max_frame < 64 || config.max_frame > u32::MAX as usize {
         return Err(SettingError::MaxFrame.into());
+    }
+    if config.max_hello < 256 || config.max_websocket_pending == 0 {
+        return Err(SettingError::HelloLimits.into());
     }
     if config.push_queue_bytes == 0 || config.push_budget_bytes == 0 {
         return Err(SettingError::PushBytes.into());
@@ -763,16 +784,21 @@ impl Server {
         let ws = match tcp {
             Some(tcp) => {
                 websocket_addr = Some(tcp.local_addr()?);
+                let config = &shared.config;
+                let limits = ws_gate::WsLimits {
+                    max_pending: config.max_websocket_pending,
+                    per_address: config.max_handshakes_per_address,
+                };
                 let settings = ws_io::WsSettings {
                     tls: state.websocket_tls(),
-                    max_frame: shared.config.max_frame,
-                    handshake_timeout: shared.config.hello_timeout,
-                    max_connections: shared.config.max_connections,
+                    max_frame: config.max_frame,
+                    max_hello: config.max_hello.min(config.max_frame),
+                    hello_timeout: config.hello_timeout,
+                    max_connections: config.max_connections,
+                    max_pending: config.max_websocket_pending,
+                    gate: Arc::new(ws_gate::WsGate::new(limits, shared.stats.clone())),
                 };
-                Some(ws_io::WsIo::start(
-                    tokio::net::TcpListener::from_std(tcp)?,
-                    settings,
-                ))
+                Some(ws_io::WsIo::start(tcp, settings)?)
             }
             None => None,
         };
@@ -949,6 +975,8 @@ impl Monitor {
                 .iter()
                 .map(|&r| (r.label(), s.shed[r as usize].load(Ordering::Relaxed)))
                 .collect(),
+            websocket_shed: s.websocket.shed_counts(),
+            websocket_pending: s.websocket.pending() as u64,
             handshakes_aborted: s.handshakes_aborted.load(Ordering::Relaxed),
             handshakes_in_flight: s.handshaking.load(Ordering::Relaxed) as u64,
             admission_rate: s.admission_rate.load(Ordering::Relaxed),
@@ -1070,12 +1098,18 @@ fn random_u64() -> u64 {
 /// the close reason), and the extra grace of devices restored after it.
 pub(crate) fn readmit_ms(connections: usize, per_sec: u32) -> u64 {
     let connections = u64::try_from(connections).unwrap_or(u64::MAX);
-    (connections.saturating_mul(1000) / u64::from(per_sec.max(1))).max(1000)
+    (connections.saturating_mul(1000) / u64::from(per_sec.max(1))).clamp(1000, MAX_RETRY_MS)
 }
 
-/// A close reason carrying the reconnect hint: clients spread their
-/// reconnect uniformly over [0, retry_ms].
+/// The largest reconnect spread the server suggests: clients cut a larger
+/// hint to the same 300 s, and a spread longer than that only leaves
+/// devices away for no gain.
+pub const MAX_RETRY_MS: u64 = 300_000;
+
+/// A close reason carrying the reconnect hint (at most [`MAX_RETRY_MS`]):
+/// clients spread their reconnect uniformly over [0, retry_ms].
 pub(crate) fn with_retry_hint(text: &[u8], retry_ms: u64) -> Vec<u8> {
+    let retry_ms = retry_ms.min(MAX_RETRY_MS);
     let mut text = text.to_vec();
     text.extend_from_slice(format!(" retry_ms={retry_ms}").as_bytes());
     text

@@ -67,6 +67,11 @@ pub struct MetricsSnapshot {
     pub names: u64,
     /// New connections shed, by reason (see [`super::Shed`]).
     pub shed: Vec<(&'static str, u64)>,
+    /// WebSocket connections dropped before their hello, by reason (see
+    /// [`crate::WsShed`]).
+    pub websocket_shed: Vec<(&'static str, u64)>,
+    /// WebSocket connections admitted that have not said hello yet.
+    pub websocket_pending: u64,
     /// Handshakes that ended before completing, not for bad input.
     pub handshakes_aborted: u64,
     pub handshakes_in_flight: u64,
@@ -375,6 +380,29 @@ impl MetricsSnapshot {
             "New connections shed instead of served, by reason: retry (sent a QUIC Retry), \
              per_address, capacity, rate (admission rate), handshake_timeout, draining.",
             &shed,
+        );
+        let ws_shed: Vec<(String, u64)> = self
+            .websocket_shed
+            .iter()
+            .map(|(reason, n)| (format!("reason=\"{reason}\""), *n))
+            .collect();
+        let ws_shed: Vec<(&str, u64)> = ws_shed.iter().map(|(l, n)| (l.as_str(), *n)).collect();
+        metric(
+            &mut out,
+            "greendot_websocket_shed_total",
+            "counter",
+            "WebSocket connections dropped before their hello, by reason: rate (admission \
+             rate), per_address, capacity (too many waiting for their hello), hello_timeout \
+             (no TLS, upgrade and hello in time), hello_too_large.",
+            &ws_shed,
+        );
+        metric(
+            &mut out,
+            "greendot_websocket_pending",
+            "gauge",
+            "WebSocket connections admitted that have not said hello yet (they hold no \
+             connection slot).",
+            &[("", self.websocket_pending)],
         );
         metric(
             &mut out,

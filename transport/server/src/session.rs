@@ -221,9 +221,11 @@ pub(crate) struct Session {
 }
 
 impl Session {
+    /// `max_hello`: the largest first frame (the hello); [`Session::welcome`]
+    /// raises it to the largest frame.
     pub fn new(
         state: ConnState,
-        max_frame: usize,
+        max_hello: usize,
         address: SocketAddr,
         heard: Millis,
         phase: Phase,
@@ -232,7 +234,7 @@ impl Session {
             phase,
             id: None,
             state,
-            reader: FrameReader::new(max_frame),
+            reader: FrameReader::new(max_hello),
             control_done: false,
             unsent: Vec::new(),
             pushes: None,
@@ -294,10 +296,25 @@ impl Session {
         }
     }
 
-    /// The hub welcomed it.
-    pub fn welcome(&mut self, session: SessionId, link: &mut impl Binding) -> bool {
+    /// Its later frames wait for `ticket` (a store write or the owner of its
+    /// user). Only a connection that reads frames waits: one whose end was
+    /// reported, or that closes, stays so (a wait would make it open again).
+    pub fn wait_for(&mut self, ticket: u64) {
+        if matches!(self.phase, Phase::AwaitingHello { .. } | Phase::Live) {
+            self.phase = Phase::WaitingStore { ticket };
+        }
+    }
+
+    /// The hub welcomed it: frames up to `max_frame` from now on.
+    pub fn welcome(
+        &mut self,
+        session: SessionId,
+        link: &mut impl Binding,
+        max_frame: usize,
+    ) -> bool {
         self.state.on_welcome(session);
         self.id = Some(session);
+        self.reader.set_max(max_frame);
         if matches!(self.phase, Phase::AwaitingHello { .. }) {
             self.phase = Phase::Live;
         }

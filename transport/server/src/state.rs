@@ -63,7 +63,7 @@ use quinn_proto::{ConnectionHandle, DatagramEvent, EcnCodepoint, Endpoint};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::BuildHasherDefault;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
@@ -643,6 +643,10 @@ struct Conn {
     timer: Option<Instant>,
     /// In the state's `touched` list.
     touched: bool,
+    /// Counted among the open connections (and its binding's): set once
+    /// when the handshake ends and the connection is admitted, cleared once
+    /// when its end is reported, so the counts never go below zero.
+    counted: bool,
 }
 
 /// What a durable write in flight is for.
@@ -1150,7 +1154,8 @@ impl ServerState {
     /// the timer and touched sets, the store tickets.
     pub fn check(&self) -> Result<(), String> {
         let mut queued = 0;
-        let (mut open, mut handshaking) = (0u64, 0usize);
+        let (mut open, mut open_ws, mut open_wt, mut handshaking) =
+            (0usize, 0usize, 0usize, 0usize);
         let mut per_address: BTreeMap<IpAddr, usize> = BTreeMap::new();
         let touched: BTreeSet<usize> = self.touched.iter().copied().collect();
         for (ch, conn) in self.conns.iter().enumerate() {
@@ -1180,8 +1185,16 @@ impl ServerState {
                 }
                 _ => {}
             }
-            if conn.session.phase.is_open() {
+            if conn.session.phase.is_open() != conn.counted {
+                return Err(format!(
+                    "connection {ch}: phase {:?} but counted open: {}",
+                    conn.session.phase, conn.counted
+                ));
+            }
+            if conn.counted {
                 open += 1;
+                open_ws += usize::from(conn.link.is_ws());
+                open_wt += usize::from(conn.link.is_webtransport());
             }
             if let Some(at) = conn.timer {
                 if !self.timers.contains(&(at, ch)) {
@@ -1217,11 +1230,18 @@ impl ServerState {
         if counted != per_address {
             return Err("handshakes by address disagree with the connections".into());
         }
-        let open_counted = self.stats.open.load(Ordering::Relaxed) as u64;
-        if open != open_counted {
-            return Err(format!(
-                "{open_counted} connections counted open, {open} are"
-            ));
+        let counts = [
+            ("", &self.stats.open, open),
+            (" WebSocket", &self.stats.open_websocket, open_ws),
+            (" WebTransport", &self.stats.open_webtransport, open_wt),
+        ];
+        for (binding, count, are) in counts {
+            let counted = count.load(Ordering::Relaxed);
+            if counted != are {
+                return Err(format!(
+                    "{counted}{binding} connections counted open, {are} are"
+                ));
+            }
         }
         for &(at, ch) in &self.timers {
             let owned = self
@@ -1418,7 +1438,7 @@ impl ServerState {
         };
         let session = Session::new(
             ConnState::new(self.keys.clone(), self.config.rate),
-            self.config.max_frame,
+            self.config.max_hello.min(self.config.max_frame),
             quic.remote_address(),
             self.clock.at(now),
             phase,
@@ -1430,6 +1450,7 @@ impl ServerState {
             serial: self.next_serial,
             timer: None,
             touched: false,
+            counted: false,
         };
         if self.conns.len() <= ch {
             self.conns.resize_with(ch + 1, || None);
@@ -1916,7 +1937,7 @@ impl ServerState {
         let hello_by = now + self.config.hello_timeout;
         let session = Session::new(
             ConnState::new(self.keys.clone(), self.config.rate),
-            self.config.max_frame,
+            self.config.max_hello.min(self.config.max_frame),
             remote,
             self.clock.at(now),
             Phase::AwaitingHello { hello_by },
@@ -1936,6 +1957,7 @@ impl ServerState {
             serial: self.next_serial,
             timer: None,
             touched: false,
+            counted: false,
         }));
         self.ws.insert(id, ch);
         self.on_connected(ch, now);
@@ -2035,6 +2057,11 @@ impl ServerState {
     fn on_connected(&mut self, ch: usize, now: Instant) {
         let hello = now + self.config.hello_timeout;
         let Some(conn) = self.conn(ch) else { return };
+        // Counted once, and never after its end was reported (a late
+        // report must not count a connection nothing will uncount).
+        if conn.counted || conn.session.is_ended() {
+            return;
+        }
         // The hello is due `hello_timeout` after the first packet (set when
         // accepted), not after a slow handshake.
         let hello_by = conn.session.phase.deadline().unwrap_or(hello);
@@ -2063,11 +2090,14 @@ impl ServerState {
             });
             return;
         }
+        let Some(conn) = self.conn(ch) else { return };
+        conn.counted = true;
+        let (ws, wt) = (conn.link.is_ws(), conn.link.is_webtransport());
         stats.open.fetch_add(1, Ordering::Relaxed);
-        if self.conn(ch).is_some_and(|c| c.link.is_ws()) {
+        if ws {
             stats.open_websocket.fetch_add(1, Ordering::Relaxed);
         }
-        if self.conn(ch).is_some_and(|c| c.link.is_webtransport()) {
+        if wt {
             stats.open_webtransport.fetch_add(1, Ordering::Relaxed);
         }
         // Frames that came with the end of the handshake.
@@ -2083,6 +2113,7 @@ impl ServerState {
             return;
         }
         let was = conn.session.end();
+        let connected = std::mem::take(&mut conn.counted);
         let session = conn.session.id;
         let last_heard = conn.session.last_heard;
         let ws = conn.link.is_ws();
@@ -2091,14 +2122,13 @@ impl ServerState {
         if let Phase::Handshaking { ip, .. } = was {
             self.handshake_over(ip);
         }
-        let connected = was.is_open();
         if connected {
-            self.stats.open.fetch_sub(1, Ordering::Relaxed);
+            uncount(&self.stats.open);
             if ws {
-                self.stats.open_websocket.fetch_sub(1, Ordering::Relaxed);
+                uncount(&self.stats.open_websocket);
             }
             if wt {
-                self.stats.open_webtransport.fetch_sub(1, Ordering::Relaxed);
+                uncount(&self.stats.open_webtransport);
             }
         }
         if let Some(session) = session {
@@ -2228,6 +2258,11 @@ impl ServerState {
                 None => None,
             };
             self.welcome(ch, now, s, &handled);
+            // The welcome may have closed the connection (no push streams):
+            // nothing more is done for it.
+            if self.conn(ch).is_none_or(|c| c.session.is_ended()) {
+                return;
+            }
             if let Some(wire) = elsewhere {
                 return self.resume_elsewhere(ch, now, s, wire, handled);
             }
@@ -2262,7 +2297,7 @@ impl ServerState {
                     deadline: now + timeout,
                 });
                 if let Some(conn) = self.conn(ch) {
-                    conn.session.phase = Phase::WaitingStore { ticket };
+                    conn.session.wait_for(ticket);
                 }
                 let batch = Batch {
                     users: vec![user],
@@ -2285,7 +2320,9 @@ impl ServerState {
         let Some(conn) = slot(&mut self.conns, ch) else {
             return;
         };
-        let opened = conn.session.welcome(session, &mut conn.link);
+        let opened = conn
+            .session
+            .welcome(session, &mut conn.link, self.config.max_frame);
         let remote = conn.session.address;
         if opened {
             // Each push stream starts with its tier.
@@ -2804,7 +2841,7 @@ impl ServerState {
     /// so that answers keep their order.
     fn hold_for(&mut self, ch: usize, wait: u64) {
         if let Some(conn) = self.conn(ch) {
-            conn.session.phase = Phase::WaitingStore { ticket: wait };
+            conn.session.wait_for(wait);
         }
     }
 
@@ -2858,6 +2895,14 @@ fn forwarded_op(step: &Step) -> Option<(SessionId, WireOp)> {
         _ => return None,
     };
     Some((*session, op))
+}
+
+/// One connection less on `count`. A count taken below zero is a bug in
+/// the bookkeeping (a debug build stops there); a release build keeps it at
+/// zero rather than wrap to a count that refuses everyone.
+fn uncount(count: &AtomicUsize) {
+    let was = count.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+    debug_assert!(was.is_ok(), "an open-connection count went below zero");
 }
 
 fn slot(conns: &mut [Option<Box<Conn>>], ch: usize) -> Option<&mut Conn> {

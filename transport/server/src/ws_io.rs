@@ -5,40 +5,53 @@
 //! its socket and the server's loop ([`WsEvent`]s in, commands out). The
 //! session layer is the state's (`ws`).
 //!
-//! Bounds: TCP connections held (handshaking or open) at most
-//! `max_connections` + headroom (past it a new one is dropped at once);
-//! TLS and upgrade within `hello_timeout`; a message over `max_frame` is
-//! refused by tungstenite from its header, before it is buffered; a task
-//! reads a message only with read credit (`ws::read_credit`), given back
-//! as the session reads; what the state hands a task to send is bounded
-//! by its send window (`ws::SEND_WINDOW`). The events channel to the loop
-//! is bounded: a task waits for room, and reads nothing meanwhile.
+//! It runs on a thread of its own with its own runtime: TLS handshakes and
+//! upgrades never take the server loop's turn.
+//!
+//! Before its hello a connection is the door's ([`WsGate`]): admitted
+//! within the admission rate, the cap on connections waiting for their
+//! hello and the cap per address (past them it is dropped at once); TLS,
+//! upgrade and its first message within one `hello_timeout` from the
+//! accept; at most `max_hello` bytes of that message and
+//! [`UPGRADE_ALLOWANCE`] more for the upgrade read. It takes no slot of the
+//! server's: the state hears of it (`Opened`) with its first message.
+//!
+//! After it: TCP connections held at most `max_connections` + the pending
+//! cap; a message over `max_frame` is refused by tungstenite from its
+//! header, before it is buffered; a task reads a message only with read
+//! credit (`ws::read_credit`), given back as the session reads; what the
+//! state hands a task to send is bounded by its send window
+//! (`ws::SEND_WINDOW`). The events channel to the loop is bounded: a task
+//! waits for room, and reads nothing meanwhile.
 
 use super::ws::{read_credit, WsId, WsMessage};
+use super::ws_gate::{over_budget, Budgeted, Pending, WsGate, WsShed, UNLIMITED};
 use futures_util::{SinkExt, StreamExt};
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, Notify, Semaphore};
-use tokio::task::JoinHandle;
+use tokio::sync::{mpsc, oneshot, Notify, Semaphore};
+use tokio_rustls::server::TlsStream;
 use tokio_tungstenite::tungstenite::handshake::server::{ErrorResponse, Request, Response};
 use tokio_tungstenite::tungstenite::http::{HeaderValue, StatusCode};
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode as WsCloseCode;
 use tokio_tungstenite::tungstenite::protocol::{CloseFrame, WebSocketConfig};
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
+use tokio_tungstenite::WebSocketStream;
 use tracing::debug;
 
 /// The upgrade's path.
 pub const PATH: &str = "/greendot";
 /// The subprotocol a client must offer.
 pub const SUBPROTOCOL: &str = "greendot.v1";
-/// Connections past `max_connections` held while they handshake (those
-/// over the cap after it get the typed `TooManyConnections` close).
 /// tungstenite's read buffer per connection.
 const WS_READ_BUFFER: usize = 4 * 1024;
-const HEADROOM: usize = 1024;
+/// Bytes a connection may send for its upgrade request, besides its hello
+/// (a browser's request with its cookies fits).
+pub const UPGRADE_ALLOWANCE: usize = 16 * 1024;
 /// Events from every connection's task waiting for the loop.
 const EVENTS_CAP: usize = 4096;
 /// How long a close may take to go out before the connection is dropped.
@@ -88,14 +101,10 @@ pub(super) struct WsHandle {
 pub(super) struct WsIo {
     pub events: mpsc::Receiver<WsEvent>,
     conns: HashMap<WsId, WsHandle>,
-    listener: JoinHandle<()>,
-}
-
-impl Drop for WsIo {
-    fn drop(&mut self) {
-        // The connections' tasks end once their command channels close.
-        self.listener.abort();
-    }
+    /// Dropped with this: the listener stops, and the thread ends once the
+    /// connections' tasks did (their command channels close with `conns`)
+    /// or after a linger.
+    _stop: oneshot::Sender<()>,
 }
 
 /// What a connection's task needs to know.
@@ -103,20 +112,36 @@ impl Drop for WsIo {
 pub(super) struct WsSettings {
     pub tls: Arc<rustls::ServerConfig>,
     pub max_frame: usize,
-    pub handshake_timeout: Duration,
+    /// The largest first message (the hello).
+    pub max_hello: usize,
+    /// From the accept to the first message.
+    pub hello_timeout: Duration,
     pub max_connections: usize,
+    /// Connections waiting for their hello at most (see [`WsGate`]).
+    pub max_pending: usize,
+    pub gate: Arc<WsGate>,
 }
 
 impl WsIo {
-    /// Starts accepting on `listener`. Call inside a tokio runtime.
-    pub(super) fn start(listener: TcpListener, settings: WsSettings) -> WsIo {
+    /// Starts accepting on `listener` from a thread of its own.
+    pub(super) fn start(
+        listener: std::net::TcpListener,
+        settings: WsSettings,
+    ) -> std::io::Result<WsIo> {
         let (tx, events) = mpsc::channel(EVENTS_CAP);
-        let listener = tokio::spawn(accept_loop(listener, settings, tx));
-        WsIo {
+        let (stop, stopped) = oneshot::channel();
+        listener.set_nonblocking(true)?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        std::thread::Builder::new()
+            .name("greendot-websocket".into())
+            .spawn(move || runtime.block_on(serve(listener, settings, tx, stopped)))?;
+        Ok(WsIo {
             events,
             conns: HashMap::new(),
-            listener,
-        }
+            _stop: stop,
+        })
     }
 
     /// An event for the state: the handle of a new connection is kept.
@@ -154,10 +179,39 @@ impl WsIo {
     }
 }
 
-async fn accept_loop(listener: TcpListener, settings: WsSettings, events: mpsc::Sender<WsEvent>) {
-    let held = Arc::new(Semaphore::new(
-        settings.max_connections.saturating_add(HEADROOM),
-    ));
+/// The thread's work: accept until stopped, then give the connections'
+/// tasks a moment to send their closes.
+async fn serve(
+    listener: std::net::TcpListener,
+    settings: WsSettings,
+    events: mpsc::Sender<WsEvent>,
+    stopped: oneshot::Receiver<()>,
+) {
+    let listener = match TcpListener::from_std(listener) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::warn!(error = %e, "the WebSocket listener cannot start");
+            return;
+        }
+    };
+    let total = settings
+        .max_connections
+        .saturating_add(settings.max_pending);
+    let held = Arc::new(Semaphore::new(total));
+    tokio::select! {
+        () = accept_loop(listener, settings, events, held.clone()) => {}
+        _ = stopped => {}
+    }
+    let all = u32::try_from(total).unwrap_or(u32::MAX);
+    let _ = tokio::time::timeout(CLOSE_LINGER * 2, held.acquire_many(all)).await;
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    settings: WsSettings,
+    events: mpsc::Sender<WsEvent>,
+    held: Arc<Semaphore>,
+) {
     let mut next_id: WsId = 0;
     loop {
         let (tcp, remote) = match listener.accept().await {
@@ -169,7 +223,16 @@ async fn accept_loop(listener: TcpListener, settings: WsSettings, events: mpsc::
                 continue;
             }
         };
+        let accepted = Instant::now();
+        let pending = match settings.gate.admit(remote.ip(), accepted) {
+            Ok(p) => p,
+            Err(why) => {
+                debug!(%remote, ?why, "WebSocket connection shed before its hello");
+                continue;
+            }
+        };
         let Ok(permit) = held.clone().try_acquire_owned() else {
+            settings.gate.stats().shed(WsShed::Capacity);
             debug!(%remote, "WebSocket connection refused: at the cap");
             continue;
         };
@@ -178,7 +241,7 @@ async fn accept_loop(listener: TcpListener, settings: WsSettings, events: mpsc::
         let settings = settings.clone();
         let events = events.clone();
         tokio::spawn(async move {
-            connection(id, tcp, remote, settings, events).await;
+            connection(id, tcp, remote, accepted, pending, settings, events).await;
             drop(permit);
         });
     }
@@ -215,11 +278,80 @@ fn upgrade(request: &Request, mut response: Response) -> Result<Response, ErrorR
     Ok(response)
 }
 
-/// One connection's task: handshake, then shuttle until either side ends.
+/// What came before the hello.
+enum First {
+    /// The first message, and the connection it came on.
+    Message(
+        WsMessage,
+        Box<WebSocketStream<Budgeted<TlsStream<TcpStream>>>>,
+    ),
+    /// Dropped, counted under this reason (none: the client went away).
+    Shed(Option<WsShed>),
+}
+
+/// TLS, the upgrade and the first message, within the budget of bytes the
+/// connection's `budget` allows.
+async fn first_message(
+    tcp: TcpStream,
+    remote: SocketAddr,
+    settings: &WsSettings,
+    config: WebSocketConfig,
+    budget: Arc<AtomicUsize>,
+    credit: &Semaphore,
+) -> First {
+    let acceptor = tokio_rustls::TlsAcceptor::from(settings.tls.clone());
+    let Ok(tls) = acceptor.accept(tcp).await else {
+        return First::Shed(None);
+    };
+    let stream = Budgeted::new(tls, budget);
+    let mut ws = match tokio_tungstenite::accept_hdr_async_with_config(
+        stream,
+        upgrade,
+        Some(config),
+    )
+    .await
+    {
+        Ok(ws) => ws,
+        Err(WsError::Io(e)) if over_budget(&e) => return First::Shed(Some(WsShed::HelloTooLarge)),
+        Err(_) => return First::Shed(None),
+    };
+    let too_large = loop {
+        match ws.next().await {
+            Some(Ok(Message::Binary(bytes))) => {
+                if bytes.len() > settings.max_hello {
+                    break bytes.len();
+                }
+                // The hello takes read credit like every message.
+                let n = u32::try_from(bytes.len()).unwrap_or(u32::MAX);
+                match credit.acquire_many(n).await {
+                    Ok(permit) => permit.forget(),
+                    Err(_) => return First::Shed(None),
+                }
+                return First::Message(WsMessage::Binary(bytes.to_vec()), Box::new(ws));
+            }
+            Some(Ok(Message::Text(_))) => return First::Message(WsMessage::Text, Box::new(ws)),
+            // Signs of life carry no hello: wait on.
+            Some(Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_))) => continue,
+            Some(Err(WsError::Io(e))) if over_budget(&e) => break settings.max_hello + 1,
+            Some(Err(WsError::Capacity(_))) => break settings.max_hello + 1,
+            Some(Ok(Message::Close(_))) | Some(Err(_)) | None => return First::Shed(None),
+        }
+    };
+    debug!(%remote, too_large, "WebSocket hello too large");
+    settings.gate.stats().shed(WsShed::HelloTooLarge);
+    // The session answers it as any frame too large (an error, then close
+    // 4005); nothing more is read.
+    First::Message(WsMessage::TooLarge { len: too_large }, Box::new(ws))
+}
+
+/// One connection's task: handshake and hello, then shuttle until either
+/// side ends.
 async fn connection(
     id: WsId,
     tcp: TcpStream,
     remote: SocketAddr,
+    accepted: Instant,
+    pending: Pending,
     settings: WsSettings,
     events: mpsc::Sender<WsEvent>,
 ) {
@@ -234,22 +366,31 @@ async fn connection(
         .max_frame_size(Some(settings.max_frame))
         .read_buffer_size(WS_READ_BUFFER)
         .write_buffer_size(0);
-    let acceptor = tokio_rustls::TlsAcceptor::from(settings.tls.clone());
-    let handshake = async {
-        let tls = acceptor.accept(tcp).await.ok()?;
-        tokio_tungstenite::accept_hdr_async_with_config(tls, upgrade, Some(config))
-            .await
-            .ok()
-    };
-    let ws = match tokio::time::timeout(settings.handshake_timeout, handshake).await {
-        Ok(Some(ws)) => ws,
-        _ => {
-            debug!(%remote, "WebSocket handshake failed or timed out");
+    let budget = Arc::new(AtomicUsize::new(
+        settings.max_hello.saturating_add(UPGRADE_ALLOWANCE),
+    ));
+    let credit = Arc::new(Semaphore::new(read_credit(settings.max_frame)));
+    let deadline = tokio::time::Instant::from_std(accepted + settings.hello_timeout);
+    let first = first_message(tcp, remote, &settings, config, budget.clone(), &credit);
+    let (hello, ws) = match tokio::time::timeout_at(deadline, first).await {
+        Ok(First::Message(hello, ws)) => (hello, *ws),
+        Ok(First::Shed(why)) => {
+            if let Some(why) = why {
+                settings.gate.stats().shed(why);
+            }
+            return;
+        }
+        Err(_) => {
+            settings.gate.stats().shed(WsShed::HelloTimeout);
+            debug!(%remote, "WebSocket connection: no hello in time");
             return;
         }
     };
+    // Past the door: the session's own bounds apply from here.
+    let refused = matches!(hello, WsMessage::TooLarge { .. });
+    budget.store(UNLIMITED, Ordering::Relaxed);
+    drop(pending);
     let (commands, mut command_rx) = mpsc::unbounded_channel();
-    let credit = Arc::new(Semaphore::new(read_credit(settings.max_frame)));
     let closing = Arc::new(Notify::new());
     let handle = WsHandle {
         commands,
@@ -260,11 +401,19 @@ async fn connection(
         .send(WsEvent::Opened { id, remote, handle })
         .await
         .is_err()
+        || events
+            .send(WsEvent::Message { id, message: hello })
+            .await
+            .is_err()
     {
         return;
     }
     let (mut sink, mut stream) = ws.split();
     let reader = async {
+        if refused {
+            // Nothing more is read; the server closes (4005).
+            std::future::pending::<()>().await;
+        }
         loop {
             let message = match stream.next().await {
                 Some(Ok(Message::Binary(bytes))) => {

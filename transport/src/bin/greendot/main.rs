@@ -182,6 +182,14 @@ struct ServeArgs {
     /// Admission rate, new handshakes per second [default: 3000].
     #[arg(long, env = "GREENDOT_MAX_HANDSHAKES_PER_SEC")]
     max_handshakes_per_sec: Option<u32>,
+    /// Largest hello, and what a WebSocket client may send before it, in
+    /// bytes [default: 8192].
+    #[arg(long, env = "GREENDOT_MAX_HELLO")]
+    max_hello: Option<usize>,
+    /// WebSocket connections that may wait for their hello at once
+    /// [default: 1024].
+    #[arg(long, env = "GREENDOT_MAX_WEBSOCKET_PENDING")]
+    max_websocket_pending: Option<usize>,
     /// Longest wait for a status or invisibility change's commit [default: 5s].
     #[arg(long, env = "GREENDOT_STORE_TIMEOUT")]
     store_timeout: Option<Dur>,
@@ -249,6 +257,8 @@ impl ServeArgs {
         set(&mut s.token_leeway, &self.token_leeway);
         set(&mut s.max_connections, &self.max_connections);
         set(&mut s.max_handshakes_per_sec, &self.max_handshakes_per_sec);
+        set(&mut s.max_hello, &self.max_hello);
+        set(&mut s.max_websocket_pending, &self.max_websocket_pending);
         set(&mut s.store_timeout, &self.store_timeout);
         set(&mut s.push_queue_bytes, &self.push_queue_bytes);
         set(&mut s.push_budget_bytes, &self.push_budget_bytes);

@@ -184,6 +184,8 @@ fn server_config(settings: &Settings, data: &DataDir) -> Result<ServerConfig, St
     config.token_leeway = settings.token_leeway.0;
     config.max_connections = settings.max_connections;
     config.max_handshakes_per_sec = settings.max_handshakes_per_sec;
+    config.max_hello = settings.max_hello;
+    config.max_websocket_pending = settings.max_websocket_pending;
     config.store_timeout = settings.store_timeout.0;
     config.push_queue_bytes = settings.push_queue_bytes;
     config.push_budget_bytes = settings.push_budget_bytes;

@@ -138,6 +138,11 @@ pub struct Settings {
     /// Admission rate: new handshakes per second beyond which new
     /// connections are refused (established ones are served).
     pub max_handshakes_per_sec: u32,
+    /// The largest hello, and what a WebSocket client may send before it
+    /// (besides its upgrade request), in bytes.
+    pub max_hello: usize,
+    /// WebSocket connections that may wait for their hello at once.
+    pub max_websocket_pending: usize,
     /// How long a status or invisibility change waits for its commit before
     /// it is answered "in effect but could not be saved".
     pub store_timeout: Dur,
@@ -192,6 +197,8 @@ impl Default for Settings {
             token_leeway: secs(30),
             max_connections: 100_000,
             max_handshakes_per_sec: 3000,
+            max_hello: server.max_hello,
+            max_websocket_pending: server.max_websocket_pending,
             store_timeout: Dur(server.store_timeout),
             push_queue_bytes: server.push_queue_bytes,
             push_budget_bytes: server.push_budget_bytes,

@@ -1,0 +1,311 @@
+//! The WebSocket door under a flood from one address (issue 26): thousands
+//! of TCP connections that never start TLS, finish TLS and never upgrade,
+//! or upgrade and never say hello. The door admits at most
+//! `max_handshakes_per_address` of them from one address (512) and drops
+//! the rest at once; none of them takes a connection slot; meanwhile a QUIC
+//! client and a WebSocket client from another address are served in their
+//! usual time, and the server's memory grows by less than [`MEMORY_BOUND`].
+
+mod support;
+
+use futures_util::{SinkExt, StreamExt};
+use greendot_client::rustls::pki_types::pem::PemObject;
+use greendot_client::rustls::pki_types::CertificateDer;
+use greendot_client::{Client, ClientConfig};
+use greendot_proto::{decode, encode_frame, Hello, Kind, ServerFrame, VERSION};
+use greendot_server::token::{Claims, TokenKeys, WatchClaim};
+use std::net::SocketAddr;
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use support::Proc;
+use tokio::net::{TcpSocket, TcpStream};
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::http::HeaderValue;
+use tokio_tungstenite::tungstenite::Message;
+
+const BIN: &str = env!("CARGO_BIN_EXE_greendot");
+const SECRET: &str = "0123456789abcdef0123456789abcdef";
+/// Flood connections, a third of each kind.
+const FLOOD: usize = 3000;
+/// The server's per-address limit at the defaults.
+const PER_ADDRESS: u64 = 512;
+/// What the flood may add to the server's resident memory: 512 waiting
+/// connections of at most ~40 KiB each (TLS state, tungstenite's buffer,
+/// the task), with room for the allocator's slack.
+const MEMORY_BOUND: u64 = 48 << 20;
+/// A served client's connect and welcome on a loaded 2-core machine
+/// (usually tens of milliseconds on loopback).
+const SERVED_WITHIN: Duration = Duration::from_secs(3);
+const SLACK: Duration = Duration::from_secs(30);
+
+fn metric(addr: &str, name: &str) -> Option<u64> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).ok()?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .ok()?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// The server's resident memory, bytes.
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .expect("VmRSS");
+    kib * 1024
+}
+
+fn token(user: &str, device: &str) -> String {
+    let claims = Claims::new(user, device, Kind::Web, WatchClaim::default(), SLACK * 100);
+    TokenKeys::new(SECRET.as_bytes(), Duration::ZERO)
+        .mint(&claims)
+        .unwrap()
+}
+
+fn tls_connector(cert: &CertificateDer<'static>) -> tokio_rustls::TlsConnector {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(cert.clone()).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let tls = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    tokio_rustls::TlsConnector::from(Arc::new(tls))
+}
+
+async fn tcp_from(local: [u8; 4], to: SocketAddr) -> std::io::Result<TcpStream> {
+    let socket = TcpSocket::new_v4()?;
+    socket.bind(SocketAddr::from((local, 0)))?;
+    socket.connect(to).await
+}
+
+type Ws = tokio_tungstenite::WebSocketStream<tokio_rustls::client::TlsStream<TcpStream>>;
+
+/// TLS and the upgrade from `local`.
+async fn upgraded(
+    local: [u8; 4],
+    to: SocketAddr,
+    tls: &tokio_rustls::TlsConnector,
+) -> Result<Ws, String> {
+    let tcp = tcp_from(local, to).await.map_err(|e| e.to_string())?;
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    let tls = tls.connect(name, tcp).await.map_err(|e| e.to_string())?;
+    let mut request = format!("wss://localhost:{}/greendot", to.port())
+        .into_client_request()
+        .unwrap();
+    request.headers_mut().insert(
+        "sec-websocket-protocol",
+        HeaderValue::from_static("greendot.v1"),
+    );
+    let (ws, _) = tokio_tungstenite::client_async(request, tls)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(ws)
+}
+
+/// A WebSocket client from `local` says hello and is welcomed.
+async fn welcomed_over_websocket(
+    local: [u8; 4],
+    to: SocketAddr,
+    tls: &tokio_rustls::TlsConnector,
+) -> Ws {
+    let mut ws = upgraded(local, to, tls).await.expect("upgrade");
+    let hello = encode_frame(&Hello {
+        version: VERSION,
+        token: token("wendy", "web"),
+        resume: None,
+    })
+    .unwrap();
+    ws.send(Message::Binary(hello[4..].to_vec().into()))
+        .await
+        .unwrap();
+    loop {
+        match ws.next().await {
+            Some(Ok(Message::Binary(bytes))) => {
+                let (stream, payload) = bytes.split_first().expect("a stream byte");
+                assert_eq!(*stream, 0, "the welcome comes first");
+                match decode::<ServerFrame>(payload) {
+                    Ok(ServerFrame::Welcome(w)) => {
+                        assert_eq!(w.user, "wendy");
+                        return ws;
+                    }
+                    other => panic!("no welcome: {other:?}"),
+                }
+            }
+            Some(Ok(Message::Ping(_) | Message::Pong(_))) => continue,
+            other => panic!("no welcome: {other:?}"),
+        }
+    }
+}
+
+async fn quic_client(addr: SocketAddr, cert: &CertificateDer<'static>, user: &str) -> Client {
+    let mut config = ClientConfig::new(addr, vec![cert.clone()], token(user, "laptop"));
+    config.reconnect = None;
+    config.websocket = None;
+    let (client, _updates) = Client::connect(config).await.expect("QUIC client served");
+    client
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_websocket_flood_from_one_address_is_held_at_the_door() {
+    let dir = support::temp_dir("websocket-flood");
+    std::fs::write(dir.join("secret"), SECRET).unwrap();
+    let mut command = Command::new(BIN);
+    command
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics",
+            "127.0.0.1:0",
+        ])
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .arg("--secret-file")
+        .arg(dir.join("secret"))
+        .env("RUST_LOG", "warn");
+    let mut server = Proc::spawn("serve", command);
+    let line = server.wait_for(SLACK, "with its address", |l| {
+        l.starts_with("greendot listening on ")
+    });
+    let quic: SocketAddr = line
+        .strip_prefix("greendot listening on ")
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    let line = server.wait_for(SLACK, "with its WebSocket address", |l| {
+        l.starts_with("WebSocket on wss://")
+    });
+    let ws_addr: SocketAddr = line
+        .trim_start_matches("WebSocket on wss://")
+        .split('/')
+        .next()
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    let metrics = server.metrics_addr(SLACK);
+    let cert = CertificateDer::from_pem_file(dir.join("data").join("cert.pem")).unwrap();
+    let tls = tls_connector(&cert);
+    let pid = server.child.id();
+
+    // The usual: both bindings served before the flood.
+    let before = quic_client(quic, &cert, "quinn").await;
+    before.close().await;
+    let ws = welcomed_over_websocket([127, 0, 0, 2], ws_addr, &tls).await;
+    drop(ws);
+    let rss_before = rss(pid);
+
+    // The flood, from 127.0.0.1: every connection is kept open.
+    let held: Arc<tokio::sync::Mutex<Vec<Box<dyn Send>>>> = Arc::default();
+    let reached_tls = Arc::new(AtomicUsize::new(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..FLOOD {
+        let (held, tls, reached_tls) = (held.clone(), tls.clone(), reached_tls.clone());
+        tasks.spawn(async move {
+            match i % 3 {
+                // TCP only: never starts TLS.
+                0 => {
+                    if let Ok(tcp) = tcp_from([127, 0, 0, 1], ws_addr).await {
+                        held.lock().await.push(Box::new(tcp));
+                    }
+                }
+                // TLS, then nothing.
+                1 => {
+                    let Ok(tcp) = tcp_from([127, 0, 0, 1], ws_addr).await else {
+                        return;
+                    };
+                    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+                    if let Ok(tls) = tls.connect(name, tcp).await {
+                        reached_tls.fetch_add(1, Ordering::Relaxed);
+                        held.lock().await.push(Box::new(tls));
+                    }
+                }
+                // Upgraded, and no hello.
+                _ => {
+                    if let Ok(ws) = upgraded([127, 0, 0, 1], ws_addr, &tls).await {
+                        reached_tls.fetch_add(1, Ordering::Relaxed);
+                        held.lock().await.push(Box::new(ws));
+                    }
+                }
+            }
+        });
+        if tasks.len() >= 256 {
+            tasks.join_next().await;
+        }
+    }
+    while tasks.join_next().await.is_some() {}
+
+    // The door held one address to its limit and dropped the rest.
+    let pending = metric(&metrics, "greendot_websocket_pending").unwrap();
+    assert!(
+        pending > 0 && pending <= PER_ADDRESS,
+        "{pending} waiting for their hello"
+    );
+    let per_address = metric(
+        &metrics,
+        "greendot_websocket_shed_total{reason=\"per_address\"}",
+    )
+    .unwrap()
+        + metric(&metrics, "greendot_websocket_shed_total{reason=\"rate\"}").unwrap();
+    assert!(
+        per_address >= FLOOD as u64 - PER_ADDRESS,
+        "shed {per_address} of {FLOOD}"
+    );
+    assert!(reached_tls.load(Ordering::Relaxed) <= PER_ADDRESS as usize);
+    // None of them holds a connection slot.
+    assert_eq!(
+        metric(&metrics, "greendot_connections{binding=\"websocket\"}"),
+        Some(0)
+    );
+    let rss_flood = rss(pid);
+    eprintln!(
+        "flood: {pending} held at the door, {per_address} shed, server RSS {} -> {} MiB",
+        rss_before >> 20,
+        rss_flood >> 20
+    );
+    assert!(
+        rss_flood.saturating_sub(rss_before) < MEMORY_BOUND,
+        "the flood took {} MiB (bound {} MiB)",
+        (rss_flood - rss_before) >> 20,
+        MEMORY_BOUND >> 20
+    );
+
+    // Meanwhile both bindings serve as usual.
+    let t0 = Instant::now();
+    let during = quic_client(quic, &cert, "quentin").await;
+    let quic_took = t0.elapsed();
+    let t0 = Instant::now();
+    let mut ws = welcomed_over_websocket([127, 0, 0, 2], ws_addr, &tls).await;
+    let ws_took = t0.elapsed();
+    eprintln!("during the flood: QUIC welcomed in {quic_took:?}, WebSocket in {ws_took:?}");
+    assert!(quic_took < SERVED_WITHIN, "QUIC took {quic_took:?}");
+    assert!(ws_took < SERVED_WITHIN, "WebSocket took {ws_took:?}");
+    assert_eq!(
+        metric(&metrics, "greendot_connections{binding=\"websocket\"}"),
+        Some(1)
+    );
+
+    // No hello within hello_timeout (10 s): the door lets them go.
+    let t0 = Instant::now();
+    while metric(&metrics, "greendot_websocket_pending") != Some(0) {
+        assert!(t0.elapsed() < SLACK, "still waiting for their hello");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let timed_out = metric(
+        &metrics,
+        "greendot_websocket_shed_total{reason=\"hello_timeout\"}",
+    );
+    assert_eq!(timed_out, Some(pending));
+    // The served ones are still served.
+    during.ping().await.expect("the QUIC client is served on");
+    ws.send(Message::Ping(Default::default())).await.unwrap();
+    drop(held);
+}
