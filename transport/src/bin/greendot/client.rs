@@ -149,6 +149,11 @@ fn connection_event(event: &Event) -> Option<String> {
             "reconnected with a new session".into()
         }),
         Event::Closed { reason, .. } => Some(format!("closed: {reason}")),
+        Event::TokenRefreshed { ended } if ended.is_empty() => Some("token refreshed".into()),
+        Event::TokenRefreshed { ended } => Some(format!(
+            "token refreshed; no longer allowed to watch {}",
+            ended.join(", ")
+        )),
         Event::Presence { .. } => None,
     }
 }
