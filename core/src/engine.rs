@@ -919,6 +919,44 @@ impl Core {
         }
     }
 
+    /// The session's credentials were renewed: `watch` replaces what it may
+    /// watch, and each subscription it no longer allows ends (I11). Returns
+    /// the targets whose subscriptions ended, in target order.
+    pub fn handle_set_watch(
+        &mut self,
+        now: Millis,
+        id: SessionId,
+        watch: Watch,
+    ) -> Result<Vec<UserId>, Error> {
+        self.advance(now);
+        let id = self.online(id)?;
+        let Some(session) = self.session_mut(id) else {
+            return Err(Error::Stale);
+        };
+        session.watch = watch;
+        let viewer = session.user;
+        let disallowed: Vec<u32> = session
+            .subs
+            .as_deref()
+            .map(|subs| {
+                subs.list
+                    .iter()
+                    .map(|sub| sub.target)
+                    .filter(|&t| t != viewer)
+                    .collect()
+            })
+            .unwrap_or_default();
+        let mut ended = Vec::new();
+        for target in disallowed {
+            let user = self.users[target as usize].id;
+            let allowed = self.session(id).is_some_and(|s| s.watch.allows(user));
+            if !allowed && self.detach(id, target) {
+                ended.push(user);
+            }
+        }
+        Ok(ended)
+    }
+
     /// What this session may see of `target` now, without subscribing.
     pub fn handle_query(
         &mut self,

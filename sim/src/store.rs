@@ -208,6 +208,8 @@ impl SimStore {
                 .collect(),
             alive_at: self.disk.alive_at,
             clean: self.disk.clean,
+            // The simulated clients revoke nothing.
+            revocations: Vec::new(),
             drained: if self.disk.clean {
                 self.disk.drained.clone()
             } else {

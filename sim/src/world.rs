@@ -421,6 +421,7 @@ impl Sim {
                     watch: claim.clone(),
                     svc: false,
                     exp: TOKEN_EXP,
+                    iat: None,
                 };
                 let token = keys.mint(&claims).map_err(|e| e.to_string())?;
                 let mut client_config = quinn_proto::ClientConfig::new(crypto.clone());

@@ -87,6 +87,37 @@ export interface ClientOptions {
   random?: () => number;
   /** The hello's protocol version (change it only to test a server). */
   version?: number;
+  /**
+   * Fetches a new token for the same user and device (from the application's
+   * backend). Called ahead of the token's `exp` (the new token is sent on the
+   * live connection: docs/protocol.md "Tokens on live sessions"), and before
+   * reconnecting once the token has run out. A rejection is retried a second
+   * later. Without it the connection ends with `TokenExpired` at expiry.
+   */
+  refreshToken?: () => Promise<string>;
+  /** How long before `exp` to refresh (at most 1/5 of the remaining life earlier). Default 60 000 ms. */
+  refreshAheadMs?: number;
+}
+
+/** A JWT's `exp` (Unix seconds), unchecked (the server checks); null if unreadable. */
+export function tokenExpiry(token: string): number | null {
+  try {
+    const part = token.split(".")[1];
+    if (part === undefined) return null;
+    const b64 = part.replace(/-/g, "+").replace(/_/g, "/");
+    const json = JSON.parse(atob(b64 + "=".repeat((4 - (b64.length % 4)) % 4))) as { exp?: unknown };
+    return typeof json.exp === "number" ? json.exp : null;
+  } catch {
+    return null;
+  }
+}
+
+/** Milliseconds until `token` is due for refresh, or null without an `exp`. */
+function refreshDelay(token: string, aheadMs: number): number | null {
+  const exp = tokenExpiry(token);
+  if (exp === null) return null;
+  const left = Math.max(0, exp * 1000 - Date.now());
+  return left - Math.min(aheadMs, left / 5);
 }
 
 /** Where an update came from. */
@@ -99,6 +130,8 @@ export type ClientEvent =
   | { type: "disconnected"; reason: string }
   /** A new connection; `resumed` false means a fresh session (the client subscribed again). */
   | { type: "reconnected"; session: bigint; resumed: boolean; binding: Binding }
+  /** A new token took over on the live connection; `ended`: subscriptions its `watch` no longer allows. */
+  | { type: "tokenRefreshed"; ended: string[] }
   /**
    * The client is finished: closed by the application, logged out, or refused
    * for good. `code` is the close code (the server's, or the one the client
@@ -133,6 +166,8 @@ interface Settings {
   random: () => number;
   version: number;
   token: string;
+  refreshToken: (() => Promise<string>) | null;
+  refreshAheadMs: number;
   dials: { binding: Binding; dial: Dial; timeoutMs: number | null }[];
 }
 
@@ -165,6 +200,8 @@ function settingsOf(o: ClientOptions): Settings {
     random: o.random ?? Math.random,
     version: o.version ?? PROTOCOL_VERSION,
     token: o.token,
+    refreshToken: o.refreshToken ?? null,
+    refreshAheadMs: o.refreshAheadMs ?? 60_000,
     dials: [],
   };
   if (s.idleTimeoutMs <= s.keepAliveMs) throw new ConfigError("idleTimeoutMs must exceed keepAliveMs");
@@ -420,6 +457,7 @@ export class Client {
   private finished = false;
   private readonly listeners = new Set<(e: ClientEvent) => void>();
   private cancelWait: (() => void) | null = null;
+  private refreshTimer: ReturnType<typeof setTimeout> | undefined;
 
   private constructor(settings: Settings) {
     this.settings = settings;
@@ -553,6 +591,25 @@ export class Client {
     return expect(await this.call({ type: "route", user }), "route").entries;
   }
 
+  /**
+   * Sends a new token for this user and device on the live connection (and
+   * uses it for later hellos); resolves to the subscriptions its `watch` no
+   * longer allows, which ended. Refused, the connection goes on as it was.
+   */
+  async refresh(token: string): Promise<string[]> {
+    const { ended } = expect(await this.call({ type: "refresh", token }), "refreshed");
+    this.settings.token = token;
+    for (const target of ended) this.wanted.delete(target);
+    this.scheduleRefresh();
+    this.emit({ type: "tokenRefreshed", ended });
+    return ended;
+  }
+
+  /** Service tokens only: revokes the tokens of `user` (of `device` only, if given) issued before `before` (Unix seconds). */
+  async revoke(user: string, device: string | null, before: number): Promise<number> {
+    return expect(await this.call({ type: "revoke", user, device, before: BigInt(before) }), "revoked").closed;
+  }
+
   /** Graceful logout: the device goes offline at once, and the client is finished. */
   async logout(): Promise<void> {
     let failure: unknown = null;
@@ -573,6 +630,26 @@ export class Client {
 
   // ----- internals -----------------------------------------------------------
 
+  /** Arms the refresh timer for the current token (with a refresh callback). */
+  private scheduleRefresh(delayMs?: number): void {
+    clearTimeout(this.refreshTimer);
+    if (this.finished || this.settings.refreshToken === null) return;
+    const delay = delayMs ?? refreshDelay(this.settings.token, this.settings.refreshAheadMs);
+    if (delay === null) return;
+    this.refreshTimer = setTimeout(() => void this.refreshNow(), Math.max(delay, 0));
+  }
+
+  private async refreshNow(): Promise<void> {
+    const fetch = this.settings.refreshToken;
+    if (fetch === null || this.finished) return;
+    try {
+      await this.refresh(await fetch());
+    } catch {
+      // The token is still good until `exp`: try again shortly.
+      this.scheduleRefresh(1_000);
+    }
+  }
+
   private closeWith(code: number, reason: string): void {
     if (this.finished) return;
     const conn = this.conn;
@@ -587,6 +664,7 @@ export class Client {
   private finish(code: number | null, reason: string): void {
     if (this.finished) return;
     this.finished = true;
+    clearTimeout(this.refreshTimer);
     this.cancelWait?.();
     const queued = this.queue;
     this.queue = [];
@@ -726,6 +804,7 @@ export class Client {
     if (!first) this.emit({ type: "reconnected", session: welcome.session, resumed: welcome.resumed, binding: this.bindingName });
     for (const s of welcome.snapshots) this.applyPresence(s.target, s.presence, "snapshot");
     conn.start();
+    this.scheduleRefresh();
     if (!welcome.resumed) {
       for (const tier of ["realtime", "batched"] as const) {
         const targets = [...this.wanted].filter(([, t]) => t === tier).map(([name]) => name);
@@ -747,7 +826,7 @@ export class Client {
     if (conn !== this.conn) return;
     this.conn = null;
     this.failAll(conn, error);
-    const final = error instanceof RejectedError && (error.closeCode === null || !mayReconnect(error.closeCode));
+    const final = error instanceof RejectedError && !this.mayReconnect(error.closeCode);
     const policy = this.settings.reconnect;
     if (final || policy === null) {
       this.finish(error instanceof RejectedError ? error.closeCode : null, reasonOf(error));
@@ -771,6 +850,25 @@ export class Client {
     });
   }
 
+  /** An expired token is no end when the application gives new ones. */
+  private mayReconnect(code: number | null): boolean {
+    if (code === CloseCode.TokenExpired) return this.settings.refreshToken !== null;
+    return code !== null && mayReconnect(code);
+  }
+
+  /** Before a reconnect: a new token if the current one is due (a failure keeps it: the server will say). */
+  private async freshToken(): Promise<void> {
+    const fetch = this.settings.refreshToken;
+    if (fetch === null) return;
+    const delay = refreshDelay(this.settings.token, this.settings.refreshAheadMs);
+    if (delay !== null && delay > 0) return;
+    try {
+      this.settings.token = await fetch();
+    } catch {
+      // Kept: the hello's refusal says what is wrong.
+    }
+  }
+
   /** Tries again and again, resuming the session, until a welcome or a final refusal. */
   private async reconnect(policy: Required<ReconnectPolicy>, hint: number | null): Promise<void> {
     const started = Date.now();
@@ -778,6 +876,8 @@ export class Client {
     for (;;) {
       await this.sleep(backoff.next(hint));
       hint = null;
+      if (this.finished) return;
+      await this.freshToken();
       if (this.finished) return;
       try {
         const [conn, welcome] = await this.establish(this.sessionId);
@@ -789,7 +889,7 @@ export class Client {
         return;
       } catch (e) {
         if (this.finished) return;
-        if (e instanceof RejectedError && (e.closeCode === null || !mayReconnect(e.closeCode))) {
+        if (e instanceof RejectedError && !this.mayReconnect(e.closeCode)) {
           this.finish(e.closeCode, reasonOf(e));
           return;
         }

@@ -145,6 +145,14 @@ function writeRequest(w: Writer, req: Request): void {
     case "route":
       w.string(req.user);
       return;
+    case "refresh":
+      w.string(req.token);
+      return;
+    case "revoke":
+      w.string(req.user);
+      w.option(req.device, writeString);
+      w.u64(req.before);
+      return;
   }
 }
 
@@ -166,6 +174,10 @@ function readRequest(r: Reader): Request {
       return { type, invisible: r.bool() };
     case "route":
       return { type, user: r.string() };
+    case "refresh":
+      return { type, token: r.string() };
+    case "revoke":
+      return { type, user: r.string(), device: r.option(readString), before: r.u64() };
   }
 }
 
@@ -209,6 +221,13 @@ function writeAnswer(w: Writer, a: Answer): void {
         w.u64(x.session);
       });
       return;
+    case "refreshed":
+      w.variant(4).u64(a.expires);
+      w.seq(a.ended, writeString);
+      return;
+    case "revoked":
+      w.variant(5).u32(a.closed);
+      return;
   }
 }
 
@@ -233,6 +252,10 @@ function readAnswer(r: Reader): Answer {
         type: "route",
         entries: r.seq((r) => ({ device: r.string(), kind: readKind(r), session: r.u64() })),
       };
+    case 4:
+      return { type: "refreshed", expires: r.u64(), ended: r.seq(readString) };
+    case 5:
+      return { type: "revoked", closed: r.u32() };
     default:
       throw new DecodeError(`unknown Answer variant ${v}`);
   }

@@ -37,4 +37,4 @@ export {
   type WebSocketLike,
 } from "./websocket.js";
 export { type CertificateHash, dialWebTransport, type WebTransportConstructor, type WebTransportLike } from "./webtransport.js";
-export { Client, type ClientEvent, type ClientOptions, type ReconnectPolicy, type Source, type Subscribed } from "./client.js";
+export { Client, type ClientEvent, type ClientOptions, type ReconnectPolicy, type Source, type Subscribed, tokenExpiry } from "./client.js";

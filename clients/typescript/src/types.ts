@@ -56,7 +56,9 @@ export type Request =
   | { type: "setStatus"; status: Status; message: string | null }
   | { type: "setInvisible"; invisible: boolean }
   | { type: "route"; user: string }
-  | { type: "logout" };
+  | { type: "logout" }
+  | { type: "refresh"; token: string }
+  | { type: "revoke"; user: string; device: string | null; before: bigint };
 
 /** Variant order of `Request` on the wire. */
 export const REQUEST_TYPES = [
@@ -68,6 +70,8 @@ export const REQUEST_TYPES = [
   "setInvisible",
   "route",
   "logout",
+  "refresh",
+  "revoke",
 ] as const satisfies readonly Request["type"][];
 
 export interface RequestFrame {
@@ -112,7 +116,9 @@ export type Answer =
   | { type: "done" }
   | { type: "subscribed"; snapshots: Snapshot[]; refused: Refused[] }
   | { type: "presences"; results: QueryResult[] }
-  | { type: "route"; entries: RouteEntry[] };
+  | { type: "route"; entries: RouteEntry[] }
+  | { type: "refreshed"; expires: bigint; ended: string[] }
+  | { type: "revoked"; closed: number };
 
 export type ServerFrame =
   | { type: "welcome"; welcome: Welcome }
@@ -146,6 +152,8 @@ export const ErrorCode = {
   TooManySessions: 24,
   TooManyUsers: 25,
   TooManyTargets: 26,
+  TokenRevoked: 27,
+  TooManyRevocations: 28,
 } as const;
 
 /** Close codes (docs/protocol.md, "Close codes"). */
@@ -167,6 +175,7 @@ export const CloseCode = {
   Draining: 14,
   RateLimited: 15,
   StreamStopped: 16,
+  Revoked: 17,
 } as const;
 
 /**

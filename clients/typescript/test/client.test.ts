@@ -7,6 +7,7 @@ import assert from "node:assert/strict";
 import { afterEach, beforeEach, test } from "node:test";
 import {
   Client,
+  CloseCode,
   type ClientEvent,
   type ClientOptions,
   ClosedError,
@@ -379,4 +380,48 @@ test("a text message from the server is a protocol error: the client closes with
   assert.equal(first.closeInfo?.code, 4004);
   assert.equal(second.hello!.resume, first.session!.id);
   assert.ok(events.some((e) => e.type === "disconnected" && /text message/.test(e.reason)));
+});
+
+/** A JWT-shaped token (unsigned: the fake server does not check) expiring `inMs` from now. */
+function tokenExpiringIn(inMs: number, n: number): string {
+  const b64 = (o: object) => btoa(JSON.stringify(o)).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
+  return `${b64({ alg: "HS256" })}.${b64({ sub: "al", dev: "phone", n, exp: Math.floor((Date.now() + inMs) / 1000) })}.sig`;
+}
+
+test("refreshToken: called ahead of exp, the new token sent on the live connection; ended subscriptions are not resubscribed", async () => {
+  const fresh: string[] = [];
+  const { client, events } = await connect({
+    token: tokenExpiringIn(2_000, 0),
+    refreshAheadMs: 60_000,
+    refreshToken: async () => {
+      fresh.push(tokenExpiringIn(600_000, fresh.length + 1));
+      return fresh[fresh.length - 1]!;
+    },
+  });
+  const conn = await server.connection(1);
+  await client.subscribe(["bob", "carol"], "realtime");
+  server.refreshEnds = ["carol"];
+  // exp - min(60 s, 1/5 of ~2 s): within about 1.6 s.
+  const refresh = await conn.waitRequest("refresh", 3_000);
+  assert.deepEqual(refresh.request, { type: "refresh", token: fresh[0] });
+  const refreshed = await until(() => events.find((e) => e.type === "tokenRefreshed"), 2_000, "tokenRefreshed");
+  assert.deepEqual(refreshed, { type: "tokenRefreshed", ended: ["carol"] });
+  assert.equal(fresh.length, 1, "the new token is good for 10 minutes: no second fetch");
+  // A reconnect that does not resume: the new token, and bob only subscribed again.
+  server.sessions.clear();
+  conn.drop();
+  const next = await server.connection(2);
+  assert.equal(next.hello?.token, fresh[0]);
+  assert.deepEqual((await next.waitRequest("subscribe")).request, { type: "subscribe", targets: ["bob"], tier: "realtime" });
+});
+
+test("without refreshToken a server's TokenExpired ends the client; with it the client reconnects with a new token", async () => {
+  const plain = await connect();
+  (await server.connection(1)).close(CloseCode.TokenExpired, "TokenExpired: the session's token expired");
+  await until(() => plain.events.find((e) => e.type === "closed"), 2_000, "closed");
+  const { events } = await connect({ token: tokenExpiringIn(0, 0), refreshToken: async () => "fresh" });
+  (await server.connection(2)).close(CloseCode.TokenExpired, "TokenExpired");
+  const again = await server.connection(3);
+  assert.equal(again.hello?.token, "fresh");
+  assert.ok(!events.some((e) => e.type === "closed"));
 });

@@ -258,7 +258,7 @@ test("decoding is as strict as postcard", () => {
   bad([0x01, 0x01, 0x74, 0x02], decodeHello, /option/);
   bad([0x05, 0x05, 0x02], decodeRequestFrame, /bool/);
   // Unknown variants.
-  bad([0x01, 0x08], decodeRequestFrame, /Request variant 8/);
+  bad([0x01, 0x0a], decodeRequestFrame, /Request variant 10/);
   bad([0x03, 0x00], decodeServerFrame, /ServerFrame variant 3/);
   bad([0x00, 0x02], decodePush, /Tier variant 2/);
   bad([0x01, 0x01, 0x02, 0x00, 0x00], decodeServerFrame, /Result variant 2/);

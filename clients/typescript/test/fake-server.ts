@@ -102,6 +102,8 @@ export class FakeServer {
   readonly sessions = new Map<bigint, Session>();
   /** What a subscribe or a resume answers for each user (default version 1, online). */
   readonly presences = new Map<string, Presence>();
+  /** Targets a refresh ends (a narrower watch). */
+  refreshEnds: string[] = [];
   /** Request types left unanswered. */
   readonly hold = new Set<string>();
   /** Refuse every hello with this error frame, close code and close reason. */
@@ -221,6 +223,15 @@ export class FakeServer {
         break;
       case "route":
         answer = { type: "route", entries: [{ device: "phone", kind: "web", session: session.id }] };
+        break;
+      case "refresh": {
+        // The ended subscriptions: those `refreshEnds` names.
+        const ended = this.refreshEnds.filter((t) => session.subs.delete(t));
+        answer = { type: "refreshed", expires: 0n, ended };
+        break;
+      }
+      case "revoke":
+        answer = { type: "revoked", closed: 1 };
         break;
       default:
         answer = { type: "done" };

@@ -74,12 +74,25 @@
 //! a reason has a foreign cause (an I/O, QUIC, TLS or WebSocket error) it
 //! carries it, and [`std::error::Error::source`] returns it. The `Display`
 //! text is a whole sentence, cause included.
+//!
+//! # Tokens
+//!
+//! A token expires (its `exp`); the server closes a connection whose token
+//! has run out (`exp` plus its leeway) with `TokenExpired`. Give the client
+//! a [`TokenRefresh`] ([`ClientConfig::refresh`]) and it fetches a new
+//! token ahead of expiry and sends it on the live connection (nothing
+//! else changes), and fetches one before reconnecting when the old one has
+//! run out. [`Client::refresh`] sends a token the application got by
+//! itself. A refreshed token's `watch` replaces the old one: subscriptions
+//! it no longer allows end ([`Event::TokenRefreshed`]).
 
 mod error;
+mod refresh;
 pub mod tls;
 mod ws;
 
 pub use error::{ClientError, ConfigError, ConnectError, LostReason, ProtocolError};
+pub use refresh::{token_expiry, TokenRefresh};
 
 // Re-exported so users need no second copy of them (TLS settings, roots).
 pub use quinn;
@@ -320,6 +333,13 @@ pub struct ClientConfig {
     /// subscriptions carry over (the welcome's snapshots, in the view at
     /// once); if not, the session is fresh. Default `None`.
     pub resume: Option<SessionId>,
+    /// Fetches a new token before this one expires (see the module docs,
+    /// "Tokens"). Default `None`: the connection ends with `TokenExpired`
+    /// once the token runs out.
+    pub refresh: Option<TokenRefresh>,
+    /// How long before the token's `exp` it is refreshed (at most 1/5 of
+    /// the token's remaining life earlier). Default 60 s.
+    pub refresh_ahead: Duration,
 }
 
 impl ClientConfig {
@@ -352,6 +372,8 @@ impl ClientConfig {
             fallback_delay: Duration::from_millis(300),
             probe_timeout: Duration::from_secs(3),
             resume: None,
+            refresh: None,
+            refresh_ahead: Duration::from_secs(60),
         }
     }
 }
@@ -382,6 +404,9 @@ pub enum Event {
         resumed: bool,
         carrier: Carrier,
     },
+    /// A new token took over on the live connection; `ended`: the
+    /// subscriptions its `watch` no longer allows, which ended.
+    TokenRefreshed { ended: Vec<String> },
     /// The client is finished (closed, logged out, refused, superseded, or
     /// gave up reconnecting).
     Closed {
@@ -439,6 +464,8 @@ pub struct Subscribed {
 
 struct State {
     session: SessionId,
+    /// The token of the next hello (the latest refreshed one).
+    token: String,
     user: String,
     device: String,
     view: View,
@@ -640,6 +667,7 @@ pub(crate) fn error_code_for(code: Option<CloseCode>) -> ErrorCode {
     match code {
         Some(CloseCode::Unauthorized) => ErrorCode::BadToken,
         Some(CloseCode::TokenExpired) => ErrorCode::TokenExpired,
+        Some(CloseCode::Revoked) => ErrorCode::TokenRevoked,
         Some(CloseCode::UnsupportedVersion) => ErrorCode::UnsupportedVersion,
         Some(CloseCode::FrameTooLarge) => ErrorCode::FrameTooLarge,
         Some(CloseCode::ProtocolError) => ErrorCode::BadFrame,
@@ -668,11 +696,12 @@ enum Transport {
 async fn establish(
     dialer: &Dialer,
     config: &ClientConfig,
+    token: &str,
     resume: Option<SessionId>,
 ) -> Result<Established, ClientError> {
     let attempt = async {
         let transport = race(dialer, config).await?;
-        hello(transport, config, resume).await
+        hello(transport, config, token, resume).await
     };
     match tokio::time::timeout(config.connect_timeout, attempt).await {
         Ok(result) => result,
@@ -748,11 +777,12 @@ async fn race(dialer: &Dialer, config: &ClientConfig) -> Result<Transport, Clien
 async fn hello(
     transport: Transport,
     config: &ClientConfig,
+    token: &str,
     resume: Option<SessionId>,
 ) -> Result<Established, ClientError> {
     let hello = Hello {
         version: config.version,
-        token: config.token.clone(),
+        token: token.to_owned(),
         resume: resume.map(|s| s.0),
     };
     let bytes = encode_frame(&hello)?;
@@ -855,7 +885,7 @@ impl Client {
             ws_tls: ws::tls_config(&config)?,
         };
 
-        let established = establish(&dialer, &config, config.resume).await?;
+        let established = establish(&dialer, &config, &config.token, config.resume).await?;
         let (events, rx) = mpsc::unbounded_channel();
         let welcome = &established.welcome;
         let carrier = established.link.carrier();
@@ -863,6 +893,7 @@ impl Client {
             dialer,
             state: Mutex::new(State {
                 session: SessionId(welcome.session),
+                token: config.token.clone(),
                 user: welcome.user.clone(),
                 device: welcome.device.clone(),
                 view: View::new(),
@@ -1107,6 +1138,40 @@ impl Client {
         }
     }
 
+    /// Sends a new token for this user and device on the live connection
+    /// (and uses it for later hellos); returns the subscriptions its
+    /// `watch` no longer allows, which ended. Refused, the connection goes
+    /// on under the current token.
+    pub async fn refresh(&self, token: &str) -> Result<Vec<String>, ClientError> {
+        let request = Request::Refresh {
+            token: token.to_owned(),
+        };
+        match self.call(request).await? {
+            Answer::Refreshed { ended, .. } => Ok(ended),
+            other => Err(Self::unexpected(other)),
+        }
+    }
+
+    /// Service tokens only: revokes every token of `user` (only of
+    /// `device`, if given) issued before `before` (Unix seconds). Returns
+    /// how many live sessions of the server it closed.
+    pub async fn revoke(
+        &self,
+        user: &str,
+        device: Option<&str>,
+        before: u64,
+    ) -> Result<u32, ClientError> {
+        let request = Request::Revoke {
+            user: user.to_owned(),
+            device: device.map(str::to_owned),
+            before,
+        };
+        match self.call(request).await? {
+            Answer::Revoked { closed } => Ok(closed),
+            other => Err(Self::unexpected(other)),
+        }
+    }
+
     /// Graceful logout: the device goes offline at once (no grace), and the
     /// client is finished.
     pub async fn logout(&self) -> Result<(), ClientError> {
@@ -1151,6 +1216,8 @@ enum Pending {
     Resubscribe,
     /// The `Ping` of [`Client::network_changed`].
     Probe,
+    /// A refresh with a token from [`ClientConfig::refresh`].
+    Refresh,
 }
 
 enum Exit {
@@ -1200,7 +1267,7 @@ async fn drive(
             Exit::Lost(error) => error,
         };
         let final_code = match &error {
-            ClientError::Rejected { code, .. } => !code.is_some_and(|c| c.may_reconnect()),
+            ClientError::Rejected { code, .. } => !may_reconnect(&config, *code),
             _ => false,
         };
         let Some(policy) = config.reconnect.filter(|_| !final_code) else {
@@ -1313,7 +1380,9 @@ async fn reconnect(
     loop {
         wait_taking_commands(backoff.next_delay(hint.take()), cmd_rx, deferred).await?;
         let resume = Some(shared.state().session);
-        let attempt = establish(&shared.dialer, config, resume);
+        fresh_token(shared, config).await;
+        let token = shared.state().token.clone();
+        let attempt = establish(&shared.dialer, config, &token, resume);
         tokio::pin!(attempt);
         // Keep taking commands while connecting: requests wait, a close ends.
         let result = loop {
@@ -1326,9 +1395,7 @@ async fn reconnect(
         };
         match result {
             Ok(est) => return Ok(est),
-            Err(ClientError::Rejected { code, error })
-                if !code.is_some_and(|c| c.may_reconnect()) =>
-            {
+            Err(ClientError::Rejected { code, error }) if !may_reconnect(config, code) => {
                 return Err(Exit::Lost(ClientError::Rejected { code, error }));
             }
             Err(e) => {
@@ -1342,6 +1409,33 @@ async fn reconnect(
         {
             return Err(Exit::Lost(LostReason::GaveUp.into()));
         }
+    }
+}
+
+/// Whether to reconnect after the server closed with `code`: a token that
+/// expired is no end when the application gives new ones.
+fn may_reconnect(config: &ClientConfig, code: Option<CloseCode>) -> bool {
+    match code {
+        Some(CloseCode::TokenExpired) => config.refresh.is_some(),
+        code => code.is_some_and(|c| c.may_reconnect()),
+    }
+}
+
+/// Before a reconnect: a new token from the application if the current
+/// one is due for refresh (or past it). A failure keeps the old token (the
+/// server's answer then says what is wrong with it).
+async fn fresh_token(shared: &Shared, config: &ClientConfig) {
+    let Some(refresh) = &config.refresh else {
+        return;
+    };
+    let token = shared.state().token.clone();
+    if refresh::refresh_in(&token, config.refresh_ahead).is_some_and(|d| !d.is_zero()) {
+        return;
+    }
+    match tokio::time::timeout(config.connect_timeout, refresh.fetch()).await {
+        Ok(Ok(token)) => shared.state().token = token,
+        Ok(Err(e)) => debug!(error = %e, "token refresh failed before a reconnect"),
+        Err(_) => debug!("token refresh took too long before a reconnect"),
     }
 }
 
@@ -1484,6 +1578,15 @@ async fn run(
     // Over WebSocket, after a network change: when the connection counts
     // as dead unless the probe is answered.
     let mut probe_deadline: Option<tokio::time::Instant> = None;
+    // When to fetch a new token (with a refresh callback), the fetch in
+    // flight, and the tokens of refreshes sent, by request id.
+    let refresh_at = |token: &str| {
+        config.refresh.as_ref()?;
+        refresh::refresh_in(token, config.refresh_ahead).map(|d| tokio::time::Instant::now() + d)
+    };
+    let mut refresh_due = refresh_at(&shared.state().token);
+    let mut fetching: Option<tokio::task::JoinHandle<Result<String, String>>> = None;
+    let mut refreshes: HashMap<u64, String> = HashMap::new();
     let exit = 'conn: loop {
         while let Some((request, waiter)) = startup.pop_front() {
             // The caller gave up waiting (a timeout): a request never sent
@@ -1493,6 +1596,10 @@ async fn run(
             }
             *next_id = next_id.wrapping_add(1);
             let id = *next_id;
+            let refreshing_token = match &request {
+                Request::Refresh { token } => Some(token.clone()),
+                _ => None,
+            };
             let bytes = match encode_frame(&RequestFrame { id, request }) {
                 Ok(b) => b,
                 Err(e) => {
@@ -1511,6 +1618,9 @@ async fn run(
                 }
                 continue;
             }
+            if let Some(token) = refreshing_token {
+                refreshes.insert(id, token);
+            }
             pending.insert(id, waiter);
             if !link.send(bytes).await {
                 debug!("control write failed");
@@ -1523,7 +1633,38 @@ async fn run(
                 None => std::future::pending().await,
             }
         };
+        let timer_due = refresh_due.filter(|_| fetching.is_none());
+        let refresh_timer = async {
+            match timer_due {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        let fetched = async {
+            match fetching.as_mut() {
+                Some(task) => task.await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
+            _ = refresh_timer => {
+                if let Some(refresh) = &config.refresh {
+                    fetching = Some(tokio::spawn(refresh.fetch()));
+                }
+            }
+            result = fetched => {
+                fetching = None;
+                match result {
+                    Ok(Ok(token)) => {
+                        refresh_due = None;
+                        startup.push_back((Request::Refresh { token }, Pending::Refresh));
+                    }
+                    failed => {
+                        debug!(?failed, "token refresh failed; trying again in a second");
+                        refresh_due = Some(tokio::time::Instant::now() + Duration::from_secs(1));
+                    }
+                }
+            }
             cmd = cmd_rx.recv() => match cmd {
                 Some(Cmd::Request { request, reply }) => {
                     startup.push_back((request, Pending::User(reply)));
@@ -1551,6 +1692,17 @@ async fn run(
                     shared.apply(&target, &presence, source);
                 }
                 Some(Inbound::Frame(ServerFrame::Reply { id, result })) => {
+                    let token = refreshes.remove(&id);
+                    if let (Some(token), Ok(Answer::Refreshed { ended, .. })) = (token, &result) {
+                        refresh_due = refresh_at(&token);
+                        let mut state = shared.state();
+                        state.token = token;
+                        for target in ended {
+                            state.wanted.remove(target);
+                        }
+                        drop(state);
+                        shared.emit(Event::TokenRefreshed { ended: ended.clone() });
+                    }
                     if let Ok(Answer::Subscribed { snapshots, .. }) = &result {
                         let mut state = shared.state();
                         for s in snapshots {
@@ -1567,6 +1719,12 @@ async fn run(
                             let _ = reply.send(result.map_err(ClientError::Server));
                         }
                         Some(Pending::Probe) => probe_deadline = None,
+                        Some(Pending::Refresh) => {
+                            if let Err(e) = &result {
+                                debug!(error = %e, "refreshed token refused; trying again in a second");
+                                refresh_due = Some(tokio::time::Instant::now() + Duration::from_secs(1));
+                            }
+                        }
                         Some(Pending::Resubscribe) => {}
                         None => debug!(id, "reply to no request"),
                     }
@@ -1593,6 +1751,9 @@ async fn run(
         }
     };
     drop(tasks);
+    if let Some(task) = fetching {
+        task.abort();
+    }
     let failure = match &exit {
         Exit::Lost(e) => e.clone(),
         Exit::Closed(_) => ClientError::Closed,

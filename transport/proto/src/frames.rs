@@ -47,6 +47,21 @@ pub enum Request {
     /// Graceful logout: answered `Done`, then the server closes the connection
     /// with `CloseCode::Logout`.
     Logout,
+    /// A new token for this connection, for the same user and device (before
+    /// the current one expires); answered `Refreshed`. Its `watch` replaces
+    /// the old one: subscriptions it no longer allows end, and the answer
+    /// names them. Refused (`BadToken`, `TokenExpired`, `TokenRevoked`) the
+    /// connection goes on under its current token.
+    Refresh { token: String },
+    /// Service tokens only: every token of `user` (only of `device`, if
+    /// given) issued before `before` (Unix seconds, the token's `iat`) is
+    /// refused from now on, and live sessions holding one are closed with
+    /// `CloseCode::Revoked`. Answered `Revoked` once stored durably.
+    Revoke {
+        user: String,
+        device: Option<String>,
+        before: u64,
+    },
 }
 
 /// Frames on the control stream, from the server.
@@ -90,6 +105,17 @@ pub enum Answer {
     },
     Presences(Vec<QueryResult>),
     Route(Vec<RouteEntry>),
+    /// The answer to `Refresh`: the new token's `exp` (Unix seconds) and
+    /// the targets whose subscriptions ended because its `watch` no longer
+    /// allows them.
+    Refreshed {
+        expires: u64,
+        ended: Vec<String>,
+    },
+    /// The answer to `Revoke`: how many live sessions of this server it closed.
+    Revoked {
+        closed: u32,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -243,6 +269,10 @@ pub enum ErrorCode {
     TooManyUsers,
     /// More targets in one request than allowed.
     TooManyTargets,
+    /// The token was revoked (issued before a revocation of its user or device).
+    TokenRevoked,
+    /// The revocation list is full.
+    TooManyRevocations,
     Other(u16),
 }
 
@@ -272,6 +302,8 @@ impl ErrorCode {
             ErrorCode::TooManySessions => 24,
             ErrorCode::TooManyUsers => 25,
             ErrorCode::TooManyTargets => 26,
+            ErrorCode::TokenRevoked => 27,
+            ErrorCode::TooManyRevocations => 28,
             ErrorCode::Other(code) => code,
         }
     }
@@ -303,6 +335,8 @@ impl From<u16> for ErrorCode {
             24 => ErrorCode::TooManySessions,
             25 => ErrorCode::TooManyUsers,
             26 => ErrorCode::TooManyTargets,
+            27 => ErrorCode::TokenRevoked,
+            28 => ErrorCode::TooManyRevocations,
             other => ErrorCode::Other(other),
         }
     }

@@ -78,10 +78,13 @@ pub enum CloseCode {
     /// The client stopped (STOP_SENDING) one of its push streams: it would
     /// stay online while missing every update.
     StreamStopped = 16,
+    /// The session's token was revoked (`Request::Revoke`): reconnect only
+    /// with a token issued after the revocation.
+    Revoked = 17,
 }
 
 impl CloseCode {
-    pub const ALL: [CloseCode; 17] = [
+    pub const ALL: [CloseCode; 18] = [
         CloseCode::Normal,
         CloseCode::Logout,
         CloseCode::Superseded,
@@ -99,6 +102,7 @@ impl CloseCode {
         CloseCode::Draining,
         CloseCode::RateLimited,
         CloseCode::StreamStopped,
+        CloseCode::Revoked,
     ];
 
     pub const fn code(self) -> u32 {
@@ -140,6 +144,7 @@ pub fn close_code_for(code: ErrorCode) -> CloseCode {
         ErrorCode::UnsupportedVersion => CloseCode::UnsupportedVersion,
         ErrorCode::BadToken => CloseCode::Unauthorized,
         ErrorCode::TokenExpired => CloseCode::TokenExpired,
+        ErrorCode::TokenRevoked => CloseCode::Revoked,
         ErrorCode::TooManyConnections => CloseCode::TooManyConnections,
         ErrorCode::ShuttingDown => CloseCode::Shutdown,
         ErrorCode::BadFrame | ErrorCode::UnexpectedFrame => CloseCode::ProtocolError,

@@ -108,6 +108,12 @@ pub enum Step {
         id: u64,
         request: proto::Request,
     },
+    /// A verified `Refresh` of the established session (request `id`).
+    Refresh {
+        session: SessionId,
+        id: u64,
+        claims: Claims,
+    },
     /// Answer with this frame; the hub is not involved.
     Reply(ServerFrame),
     /// Send this error, then close the connection with the matching code.
@@ -119,7 +125,10 @@ pub enum Step {
 impl Step {
     /// Whether the hub must see this step.
     pub fn needs_hub(&self) -> bool {
-        matches!(self, Step::Hello { .. } | Step::Request { .. })
+        matches!(
+            self,
+            Step::Hello { .. } | Step::Request { .. } | Step::Refresh { .. }
+        )
     }
 }
 
@@ -254,10 +263,25 @@ impl ConnState {
                         )),
                     });
                 }
-                Step::Request {
-                    session,
-                    id: frame.id,
-                    request: frame.request,
+                match frame.request {
+                    // Verified here, with the hello's keys; a bad token is
+                    // refused and the connection goes on under its current one.
+                    proto::Request::Refresh { token } => match self.keys.verify(&token) {
+                        Ok(claims) => Step::Refresh {
+                            session,
+                            id: frame.id,
+                            claims,
+                        },
+                        Err(e) => Step::Reply(ServerFrame::Reply {
+                            id: frame.id,
+                            result: Err(e),
+                        }),
+                    },
+                    request => Step::Request {
+                        session,
+                        id: frame.id,
+                        request,
+                    },
                 }
             }
         }

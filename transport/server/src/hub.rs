@@ -5,6 +5,7 @@
 
 use crate::conn::{Handled, Step};
 use crate::token::{Claims, WatchClaim};
+use crate::tokens::{Credentials, Revocation};
 use bytes::Bytes;
 use greendot_core::{
     Config, ConfigError, Connect, Core, DeviceId, DeviceKind, EndReason, Millis, Output, Saved,
@@ -180,6 +181,8 @@ pub struct HubLimits {
     pub max_targets: usize,
     /// Users in a token's `watch` list.
     pub max_watch: usize,
+    /// Entries in the revocation list (one per user, or user and device).
+    pub max_revocations: usize,
 }
 
 impl Default for HubLimits {
@@ -189,6 +192,7 @@ impl Default for HubLimits {
             max_names: 10_000_000,
             max_targets: 1_000,
             max_watch: 10_000,
+            max_revocations: 100_000,
         }
     }
 }
@@ -263,6 +267,8 @@ pub struct Hub {
     /// Devices restored as lingering at start that may still be waiting for
     /// their turn ([`Hub::hold_restored`]), and devices lost while they do.
     restored: Vec<SessionId>,
+    /// Each session's token expiry, and the revocation list.
+    credentials: Credentials,
 }
 
 impl Hub {
@@ -284,6 +290,7 @@ impl Hub {
             sweep_at: 0,
             encoded: HashMap::new(),
             restored: Vec::new(),
+            credentials: Credentials::new(unix_base_ms, 0, limits.max_revocations),
         })
     }
 
@@ -293,6 +300,46 @@ impl Hub {
     pub fn with_session_key(mut self, key: u64) -> Hub {
         self.session_key = key;
         self
+    }
+
+    /// A live session is closed once its token's `exp` plus `leeway` has
+    /// passed without a refresh (default: at `exp`).
+    pub fn with_token_leeway(mut self, leeway: std::time::Duration) -> Hub {
+        let ms = u64::try_from(leeway.as_millis()).unwrap_or(u64::MAX);
+        self.credentials = Credentials::new(self.unix_base_ms, ms, self.limits.max_revocations);
+        self
+    }
+
+    /// When the next live session's token runs out.
+    pub fn token_timeout(&self) -> Option<Millis> {
+        self.credentials.poll_timeout()
+    }
+
+    /// Notes the sessions whose token ran out by `now` for closing
+    /// ([`Hub::take_token_closes`]).
+    pub fn expire_tokens(&mut self, now: Millis) {
+        self.credentials.handle_timeout(now);
+    }
+
+    /// Sessions to close because of their token (expired, revoked), with
+    /// the close code. A revoked session is already logged out.
+    pub fn take_token_closes(&mut self) -> Vec<(SessionId, proto::CloseCode)> {
+        self.credentials.take_closes()
+    }
+
+    /// Revocations made since the last call, for a driver that stores them.
+    pub fn take_revocations(&mut self) -> Vec<Revocation> {
+        self.credentials.take_changed()
+    }
+
+    /// Revocations stored by a previous process: before connections.
+    pub fn restore_revocations(&mut self, revocations: impl IntoIterator<Item = Revocation>) {
+        self.credentials.restore(revocations);
+    }
+
+    /// Entries in the revocation list.
+    pub fn revocation_count(&self) -> usize {
+        self.credentials.revocations()
     }
 
     /// The session id a client is told for a core session.
@@ -559,6 +606,18 @@ impl Hub {
                     close,
                 }
             }
+            Step::Refresh {
+                session,
+                id,
+                claims,
+            } => Handled {
+                welcomed: None,
+                reply: Some(ServerFrame::Reply {
+                    id,
+                    result: self.refresh_token(now, session, &claims),
+                }),
+                close: None,
+            },
             Step::Reply(frame) => Handled {
                 welcomed: None,
                 reply: Some(frame),
@@ -705,6 +764,7 @@ impl Hub {
         claims: &Claims,
         resume: Option<u64>,
     ) -> Result<Welcome, WireError> {
+        self.credentials.check(claims)?;
         // Every name is checked before any is interned: a refused hello
         // leaves nothing behind.
         self.name_ok(&claims.dev, "device")?;
@@ -773,6 +833,8 @@ impl Hub {
         for id in watched.iter().flat_map(|ids| ids.iter()) {
             self.users.acquire(id.0);
         }
+        self.credentials
+            .hold(connected.session, user, device, claims);
         self.touched.push(user);
         self.sessions.insert(
             connected.session,
@@ -799,6 +861,98 @@ impl Hub {
             snapshots,
             max_frame: self.max_frame,
         })
+    }
+
+    /// A verified refresh of a live session's token: the same user and
+    /// device, whose `watch` and `svc` replace the old ones. Subscriptions
+    /// the new `watch` no longer allows end; returns their targets' names.
+    pub fn refresh(
+        &mut self,
+        now: Millis,
+        session: SessionId,
+        claims: &Claims,
+    ) -> Result<Vec<String>, WireError> {
+        let stale = || WireError::new(ErrorCode::Stale, "session is no longer current");
+        let meta = self.sessions.get(&session).ok_or_else(stale)?;
+        if self.user_name(meta.user) != Some(claims.sub.as_str())
+            || self.devices.name(meta.device.0).map(|n| &**n) != Some(claims.dev.as_str())
+        {
+            return Err(WireError::new(
+                ErrorCode::BadToken,
+                "the token names another user or device than this session's",
+            ));
+        }
+        // Checked before anything is interned, as at hello.
+        if let WatchClaim::List(list) = &claims.watch {
+            if list.len() > self.limits.max_watch {
+                return Err(WireError::new(
+                    ErrorCode::BadToken,
+                    format!("watch lists more than {} users", self.limits.max_watch),
+                ));
+            }
+            for name in list {
+                self.name_ok(name, "watched user")?;
+            }
+        }
+        let watch = match &claims.watch {
+            WatchClaim::Star(_) => Watch::All,
+            WatchClaim::List(list) => {
+                let mut ids = Vec::with_capacity(list.len());
+                for name in list {
+                    match self.intern_user(name) {
+                        Ok(id) => ids.push(id),
+                        Err(e) => {
+                            self.idle.extend(ids);
+                            return Err(e);
+                        }
+                    }
+                }
+                Watch::only(ids)
+            }
+        };
+        let watched = match &watch {
+            Watch::Only(ids) => Some(ids.clone()),
+            Watch::All => None,
+        };
+        let ended = match self.core.handle_set_watch(now, session, watch) {
+            Ok(ended) => ended,
+            Err(e) => {
+                self.idle
+                    .extend(watched.iter().flat_map(|ids| ids.iter().copied()));
+                return Err(e.into());
+            }
+        };
+        for id in watched.iter().flat_map(|ids| ids.iter()) {
+            self.users.acquire(id.0);
+        }
+        let Some(meta) = self.sessions.get_mut(&session) else {
+            return Err(stale());
+        };
+        let old = std::mem::replace(&mut meta.watch, watched);
+        meta.watch_all = matches!(claims.watch, WatchClaim::Star(_));
+        meta.svc = claims.svc;
+        for id in old.iter().flat_map(|ids| ids.iter()) {
+            if self.users.drop_ref(id.0) == 0 {
+                self.idle.push(*id);
+            }
+        }
+        let names = ended
+            .into_iter()
+            .map(|id| {
+                self.idle.push(id);
+                self.user_name(id).unwrap_or_default().to_owned()
+            })
+            .collect();
+        Ok(names)
+    }
+
+    /// The user and device names of a live session.
+    pub fn session_names(&self, session: SessionId) -> Option<(&str, &str)> {
+        let meta = self.sessions.get(&session)?;
+        Some((
+            self.users.name(meta.user.0)?,
+            self.devices.name(meta.device.0)?,
+        ))
     }
 
     fn snapshot(&self, s: &greendot_core::Snapshot) -> Snapshot {
@@ -932,7 +1086,81 @@ impl Hub {
                 self.core.handle_logout(now, session)?;
                 Ok(Answer::Done)
             }
+            // The connection verifies the token first (`Step::Refresh`).
+            Request::Refresh { .. } => Err(WireError::new(
+                ErrorCode::Internal,
+                "a refresh must come through the connection's token check",
+            )),
+            Request::Revoke {
+                user,
+                device,
+                before,
+            } => self.revoke(now, svc, user, device, before),
         }
+    }
+
+    /// A verified refresh: not revoked, then the new watch (see
+    /// [`Hub::refresh`]), then the new expiry.
+    fn refresh_token(
+        &mut self,
+        now: Millis,
+        session: SessionId,
+        claims: &Claims,
+    ) -> Result<Answer, WireError> {
+        self.core.handle_activity(now, session)?;
+        self.credentials.check(claims)?;
+        let ended = self.refresh(now, session, claims)?;
+        if let Some(meta) = self.sessions.get(&session) {
+            self.credentials
+                .hold(session, meta.user, meta.device, claims);
+        }
+        Ok(Answer::Refreshed {
+            expires: claims.exp,
+            ended,
+        })
+    }
+
+    /// A service's revocation: stored in the list (within its cap), and
+    /// every session holding a revoked token is logged out and closed.
+    fn revoke(
+        &mut self,
+        now: Millis,
+        svc: bool,
+        user: String,
+        device: Option<String>,
+        before: u64,
+    ) -> Result<Answer, WireError> {
+        if !svc {
+            return Err(WireError::new(
+                ErrorCode::ServiceOnly,
+                "revoking tokens needs a service token",
+            ));
+        }
+        self.name_ok(&user, "user")?;
+        if let Some(d) = &device {
+            self.name_ok(d, "device")?;
+        }
+        let user_id = self.users.get(&user).map(UserId);
+        let device_id = device
+            .as_deref()
+            .and_then(|d| self.devices.get(d))
+            .map(DeviceId);
+        let revocation = Revocation {
+            user,
+            device,
+            before,
+        };
+        let hit = self.credentials.revoke(revocation, user_id, device_id)?;
+        for &s in &hit {
+            if let Some(u) = self.session_user(s) {
+                self.touched.push(u);
+            }
+            self.note_targets(s);
+            let _ = self.core.handle_logout(now, s);
+        }
+        Ok(Answer::Revoked {
+            closed: u32::try_from(hit.len()).unwrap_or(u32::MAX),
+        })
     }
 
     fn check_targets(&self, n: usize) -> Result<(), WireError> {
@@ -996,6 +1224,7 @@ impl Hub {
                 }
             }
             Output::SessionEnded { session, reason } => {
+                self.credentials.release(session);
                 if let Some(meta) = self.sessions.remove(&session) {
                     self.touched.push(meta.user);
                     self.idle.push(meta.user);

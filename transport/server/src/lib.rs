@@ -88,6 +88,7 @@ mod state;
 mod store;
 pub mod tls;
 pub mod token;
+mod tokens;
 mod udp;
 mod webtransport;
 mod ws;
@@ -106,6 +107,7 @@ pub use state::{
 };
 pub use store::{Batch, Loaded, Record, StoreError};
 pub use tls::{Identity, TlsError};
+pub use tokens::Revocation;
 pub use ws::{WsId, WsMessage};
 pub use ws_gate::WsShed;
 
@@ -153,7 +155,9 @@ pub struct ServerConfig {
     pub core: greendot_core::Config,
     /// The HMAC secret tokens are signed with.
     pub token_secret: Vec<u8>,
-    /// Clock skew tolerated on a token's `exp`. Default 30 s.
+    /// Clock skew tolerated on a token's `exp`: at the hello, and on a live
+    /// session, which is closed with `TokenExpired` once `exp` plus this has
+    /// passed without a refresh. Default 30 s.
     pub token_leeway: Duration,
     /// The TLS certificate; `None` generates a self-signed one for `localhost`.
     pub identity: Option<Identity>,

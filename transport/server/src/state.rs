@@ -843,7 +843,8 @@ impl ServerState {
         // The core runs on Unix milliseconds: `last_seen` needs no offset.
         let mut hub = Hub::new(config.core.clone(), config.limits, 0)?
             .with_max_frame(u32::try_from(config.max_frame).unwrap_or(u32::MAX))
-            .with_session_key(session_key);
+            .with_session_key(session_key)
+            .with_token_leeway(config.token_leeway);
         let stored = restored.is_some();
         let cluster = config.cluster.clone().map(|settings| {
             Box::new(ClusterLink::new(
@@ -853,7 +854,8 @@ impl ServerState {
                 config.limits.max_name_len,
             ))
         });
-        if let Some(loaded) = restored {
+        if let Some(mut loaded) = restored {
+            hub.restore_revocations(std::mem::take(&mut loaded.revocations));
             restore(&mut hub, loaded, clock.at(now), &config)?;
         }
         let next_hold = hub.holds_restored().then(|| now + HOLD_TICK);
@@ -1000,6 +1002,9 @@ impl ServerState {
             at = at.min(*t);
         }
         if let Some(t) = self.hub.poll_timeout().and_then(|m| self.clock.instant(m)) {
+            at = at.min(t);
+        }
+        if let Some(t) = self.hub.token_timeout().and_then(|m| self.clock.instant(m)) {
             at = at.min(t);
         }
         if let Some(&(t, _)) = self.ticket_deadlines.first() {
@@ -1663,6 +1668,7 @@ impl ServerState {
         {
             self.hub.handle_timeout(self.clock.at(now));
         }
+        self.expire_tokens(now);
         // Durable writes that took too long: answered "not saved".
         while let Some(&(deadline, ticket)) = self.ticket_deadlines.first() {
             if deadline > now {
@@ -1743,7 +1749,7 @@ impl ServerState {
         Batch {
             users,
             alive_at: Some(self.clock.at(self.last_now).0),
-            drained: None,
+            ..Batch::default()
         }
     }
 
@@ -2251,7 +2257,15 @@ impl ServerState {
             Step::Hello { resume, .. } => *resume,
             _ => None,
         };
+        let refreshed = match &step {
+            Step::Refresh { session, .. } => Some(*session),
+            _ => None,
+        };
         let mut handled = self.hub.apply(at, step);
+        if let Some(s) = refreshed {
+            self.after_refresh(at, s, &mut handled);
+        }
+        let revocations = self.hub.take_revocations();
         if let Some(s) = handled.welcomed {
             let elsewhere = match self.cluster {
                 Some(_) => self.cluster_welcome(now, s, resume, &mut handled),
@@ -2284,9 +2298,14 @@ impl ServerState {
         let pending = durable
             .filter(|_| answered_ok && self.stored)
             .and_then(|user| record(&self.hub, user));
-        match pending {
+        let revocations = match answered_ok && self.stored {
+            true => revocations,
+            false => Vec::new(),
+        };
+        match (pending, revocations.is_empty()) {
+            (None, true) => self.answer(ch, now, handled),
             // On disk before it is acknowledged; later frames wait.
-            Some(user) => {
+            (user, _) => {
                 let timeout = self.config.store_timeout;
                 let Some(conn) = self.conn(ch) else { return };
                 let serial = conn.serial;
@@ -2300,9 +2319,9 @@ impl ServerState {
                     conn.session.wait_for(ticket);
                 }
                 let batch = Batch {
-                    users: vec![user],
-                    alive_at: None,
-                    drained: None,
+                    users: user.into_iter().collect(),
+                    revocations,
+                    ..Batch::default()
                 };
                 self.outputs
                     .push_back(ServerOutput::Store(StoreRequest::Durable {
@@ -2311,7 +2330,6 @@ impl ServerState {
                         timeout,
                     }));
             }
-            None => self.answer(ch, now, handled),
         }
         // What the step made the core emit is routed by `drive` or `pump`.
     }
@@ -2440,6 +2458,7 @@ impl ServerState {
                 }
             }
         }
+        self.close_for_tokens(now);
         if self.cluster.is_some() {
             self.route_cluster(now);
         }
@@ -2976,3 +2995,6 @@ fn restore(
 #[cfg(test)]
 #[path = "state_tests.rs"]
 mod tests;
+
+#[path = "state_tokens.rs"]
+mod tokens;

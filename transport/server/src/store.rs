@@ -11,6 +11,10 @@
 //! - `drained`: the devices live at a drained shutdown, which the next
 //!   process brings back as lingering (lost connections within grace), so a
 //!   restart shows nobody offline who reconnects in time.
+//! - `revoked`: the token revocations, by user and device (`""` for every
+//!   device of the user): tokens issued before the stored Unix second are
+//!   refused. Committed before a revocation is answered; bounded by the
+//!   list's cap, checked before storing.
 //!
 //! Every commit is redb's default `Durability::Immediate`: on disk when
 //! `commit` returns. One writer thread groups whatever is queued into one
@@ -24,6 +28,7 @@
 //! and written with the next one: a failure loses no dirty user.
 
 use crate::hub::LiveDevice;
+use crate::tokens::Revocation;
 use greendot_core::{Millis, Saved};
 use greendot_proto::{Kind, Status};
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
@@ -42,6 +47,7 @@ pub const DURABLE_QUEUE: usize = 1024;
 const USERS: TableDefinition<&str, &[u8]> = TableDefinition::new("users");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const DRAINED: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("drained");
+const REVOKED: TableDefinition<(&str, &str), u64> = TableDefinition::new("revoked");
 
 /// Why the store failed. `Clone` because one commit answers every request
 /// that waited on it, so sources are shared.
@@ -138,6 +144,8 @@ pub struct Loaded {
     pub clean: bool,
     /// Devices live at that drained shutdown (empty after a crash).
     pub drained: Vec<LiveDevice>,
+    /// The token revocations.
+    pub revocations: Vec<Revocation>,
 }
 
 /// One transaction's worth of writes.
@@ -147,6 +155,8 @@ pub struct Batch {
     pub alive_at: Option<u64>,
     /// A drained shutdown: these devices were live; marks the store clean.
     pub drained: Option<Vec<LiveDevice>>,
+    /// Token revocations (for one user and device, the latest `before` wins).
+    pub revocations: Vec<Revocation>,
 }
 
 fn kind_code(kind: Kind) -> u8 {
@@ -224,6 +234,21 @@ impl Store {
                 Err(redb::TableError::TableDoesNotExist(_)) => {}
                 Err(e) => return Err(err(e)),
             }
+            match read.open_table(REVOKED) {
+                Ok(table) => {
+                    for item in table.iter().map_err(err)? {
+                        let (k, v) = item.map_err(err)?;
+                        let (user, device) = k.value();
+                        loaded.revocations.push(Revocation {
+                            user: user.to_owned(),
+                            device: (!device.is_empty()).then(|| device.to_owned()),
+                            before: v.value(),
+                        });
+                    }
+                }
+                Err(redb::TableError::TableDoesNotExist(_)) => {}
+                Err(e) => return Err(err(e)),
+            }
             if loaded.clean {
                 match read.open_table(DRAINED) {
                     Ok(table) => {
@@ -262,6 +287,15 @@ impl Store {
             for (name, record) in &batch.users {
                 let bytes = postcard::to_allocvec(record).map_err(StoreError::Encode)?;
                 users.insert(name.as_str(), bytes.as_slice()).map_err(err)?;
+            }
+            if !batch.revocations.is_empty() {
+                let mut revoked = write.open_table(REVOKED).map_err(err)?;
+                for r in &batch.revocations {
+                    let key = (r.user.as_str(), r.device.as_deref().unwrap_or(""));
+                    let stored = revoked.get(key).map_err(err)?.map(|v| v.value());
+                    let before = stored.unwrap_or(0).max(r.before);
+                    revoked.insert(key, &before).map_err(err)?;
+                }
             }
             let mut meta = write.open_table(META).map_err(err)?;
             if let Some(at) = batch.alive_at {
@@ -313,6 +347,8 @@ struct Pending {
     /// With the sequence number of the batch that set it.
     alive_at: Option<(u64, u64)>,
     drained: Option<(u64, Vec<LiveDevice>)>,
+    /// By user and device: the latest `before` (order does not matter).
+    revocations: HashMap<(String, Option<String>), u64>,
 }
 
 impl Pending {
@@ -334,6 +370,10 @@ impl Pending {
             if self.drained.as_ref().is_none_or(|(newer, _)| *newer <= seq) {
                 self.drained = Some((seq, devices));
             }
+        }
+        for r in batch.revocations {
+            let before = self.revocations.entry((r.user, r.device)).or_insert(0);
+            *before = (*before).max(r.before);
         }
     }
 
@@ -367,10 +407,17 @@ impl Pending {
                 seq,
             );
         }
+        for ((user, device), before) in other.revocations {
+            let slot = self.revocations.entry((user, device)).or_insert(0);
+            *slot = (*slot).max(before);
+        }
     }
 
     fn is_empty(&self) -> bool {
-        self.users.is_empty() && self.alive_at.is_none() && self.drained.is_none()
+        self.users.is_empty()
+            && self.alive_at.is_none()
+            && self.drained.is_none()
+            && self.revocations.is_empty()
     }
 
     fn batch(&self) -> Batch {
@@ -382,6 +429,15 @@ impl Pending {
                 .collect(),
             alive_at: self.alive_at.map(|(_, at)| at),
             drained: self.drained.as_ref().map(|(_, d)| d.clone()),
+            revocations: self
+                .revocations
+                .iter()
+                .map(|((user, device), &before)| Revocation {
+                    user: user.clone(),
+                    device: device.clone(),
+                    before,
+                })
+                .collect(),
         }
     }
 }
@@ -550,6 +606,18 @@ mod tests {
                         device: "phone".into(),
                         kind: Kind::Mobile,
                     }]),
+                    revocations: vec![
+                        Revocation {
+                            user: "ann".into(),
+                            device: None,
+                            before: 7,
+                        },
+                        Revocation {
+                            user: "ann".into(),
+                            device: Some("phone".into()),
+                            before: 9,
+                        },
+                    ],
                 })
                 .unwrap();
         }
@@ -558,6 +626,14 @@ mod tests {
         assert!(loaded.clean);
         assert_eq!(loaded.alive_at, Some(2_000));
         assert_eq!(loaded.drained.len(), 1);
+        let mut revoked = loaded.revocations.clone();
+        revoked.sort_by(|a, b| a.device.cmp(&b.device));
+        assert_eq!(revoked.len(), 2);
+        assert_eq!((revoked[0].device.as_deref(), revoked[0].before), (None, 7));
+        assert_eq!(
+            (revoked[1].device.as_deref(), revoked[1].before),
+            (Some("phone"), 9)
+        );
         let ann = &loaded.users.iter().find(|(n, _)| n == "ann").unwrap().1;
         let saved = ann.to_saved(loaded.alive_at);
         assert!(saved.invisible);

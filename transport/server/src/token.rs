@@ -4,7 +4,9 @@
 //! `other`; default `other`), `watch` (a list of user names, or `"*"` for
 //! anybody; default: nobody but the user; `["*"]` is the user named `*`, not
 //! a wildcard), `svc` (a service token: may call route and query many users
-//! at once; default false), `exp` (Unix seconds). `sub`, `dev` and `exp` are
+//! at once; default false), `exp` (Unix seconds), `iat` (Unix seconds, when
+//! issued: what a revocation compares; a token without it counts as issued
+//! at 0, so any revocation of its user refuses it). `sub`, `dev` and `exp` are
 //! required; the header needs `alg: HS256` and nothing else (`typ` is not
 //! checked). The HMAC key is the secret's bytes as given (the `greendot`
 //! binary reads its secret file with surrounding whitespace removed).
@@ -26,6 +28,8 @@ pub struct Claims {
     #[serde(default)]
     pub svc: bool,
     pub exp: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iat: Option<u64>,
 }
 
 /// `watch`: `"*"` or a list of user names.
@@ -57,7 +61,7 @@ impl WatchClaim {
 }
 
 impl Claims {
-    /// Claims valid for `ttl` from now.
+    /// Claims issued now, valid for `ttl` from now.
     pub fn new(
         user: impl Into<String>,
         device: impl Into<String>,
@@ -72,6 +76,7 @@ impl Claims {
             watch,
             svc: false,
             exp: unix_now().saturating_add(ttl.as_secs()),
+            iat: Some(unix_now()),
         }
     }
 

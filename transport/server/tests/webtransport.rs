@@ -32,6 +32,7 @@ fn token(server: &Server, user: &str, device: &str) -> String {
             watch: WatchClaim::Star("*".into()),
             svc: false,
             exp: u64::MAX / 2,
+            iat: None,
         })
         .unwrap()
 }

@@ -149,6 +149,11 @@ fn connection_event(event: &Event) -> Option<String> {
             "reconnected with a new session".into()
         }),
         Event::Closed { reason, .. } => Some(format!("closed: {reason}")),
+        Event::TokenRefreshed { ended } if ended.is_empty() => Some("token refreshed".into()),
+        Event::TokenRefreshed { ended } => Some(format!(
+            "token refreshed; no longer allowed to watch {}",
+            ended.join(", ")
+        )),
         Event::Presence { .. } => None,
     }
 }
@@ -297,6 +302,31 @@ pub async fn run_query(args: &ClientArgs, users: Vec<String>, json: bool) -> Res
     } else {
         Ok(())
     }
+}
+
+/// `greendot revoke`: one revocation with a service token; says how many
+/// live sessions it closed.
+pub async fn run_revoke(
+    args: &ClientArgs,
+    user: &str,
+    device: Option<&str>,
+    before: Option<u64>,
+) -> Result<(), String> {
+    let before = before.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0)
+    });
+    let (client, _updates) = connect(args).await?;
+    let result = client.revoke(user, device, before).await;
+    client.close().await;
+    let closed = result.map_err(|e| format!("revoke: {e}"))?;
+    say(&format!(
+        "revoked the tokens of {user}{} issued before {before}; {closed} live session(s) closed",
+        device.map(|d| format!(" on {d}")).unwrap_or_default()
+    ));
+    Ok(())
 }
 
 /// `greendot bench`: the load generator against a running server.

@@ -97,6 +97,21 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Revoke a user's tokens (of one device with --device) issued before
+    /// now (or --before): live sessions holding one are closed; needs a
+    /// service token. In a cluster, run it against every node.
+    Revoke {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// The user whose tokens are revoked.
+        user: String,
+        /// Only this device's tokens.
+        #[arg(long)]
+        device: Option<String>,
+        /// Unix seconds: tokens issued before it are revoked. Default: now.
+        #[arg(long)]
+        before: Option<u64>,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -473,6 +488,22 @@ fn main() -> ExitCode {
         Command::Bench(args) => {
             init_logs("warn");
             runtime().and_then(|rt| rt.block_on(client::run_bench(args)))
+        }
+        Command::Revoke {
+            client,
+            user,
+            device,
+            before,
+        } => {
+            init_logs("warn");
+            runtime().and_then(|rt| {
+                rt.block_on(client::run_revoke(
+                    &client,
+                    &user,
+                    device.as_deref(),
+                    before,
+                ))
+            })
         }
         Command::Query {
             client,

@@ -16,7 +16,9 @@ var REQUEST_TYPES = [
   "setStatus",
   "setInvisible",
   "route",
-  "logout"
+  "logout",
+  "refresh",
+  "revoke"
 ];
 var ErrorCode = {
   BadFrame: 1,
@@ -41,7 +43,9 @@ var ErrorCode = {
   TooManyDevices: 23,
   TooManySessions: 24,
   TooManyUsers: 25,
-  TooManyTargets: 26
+  TooManyTargets: 26,
+  TokenRevoked: 27,
+  TooManyRevocations: 28
 };
 var CloseCode = {
   Normal: 0,
@@ -60,7 +64,8 @@ var CloseCode = {
   Refused: 13,
   Draining: 14,
   RateLimited: 15,
-  StreamStopped: 16
+  StreamStopped: 16,
+  Revoked: 17
 };
 function mayReconnect(code) {
   switch (code) {
@@ -352,6 +357,14 @@ function writeRequest(w, req) {
     case "route":
       w.string(req.user);
       return;
+    case "refresh":
+      w.string(req.token);
+      return;
+    case "revoke":
+      w.string(req.user);
+      w.option(req.device, writeString);
+      w.u64(req.before);
+      return;
   }
 }
 function readRequest(r) {
@@ -372,6 +385,10 @@ function readRequest(r) {
       return { type, invisible: r.bool() };
     case "route":
       return { type, user: r.string() };
+    case "refresh":
+      return { type, token: r.string() };
+    case "revoke":
+      return { type, user: r.string(), device: r.option(readString), before: r.u64() };
   }
 }
 function encodeRequestFrame(frame) {
@@ -410,6 +427,13 @@ function writeAnswer(w, a) {
         w2.u64(x.session);
       });
       return;
+    case "refreshed":
+      w.variant(4).u64(a.expires);
+      w.seq(a.ended, writeString);
+      return;
+    case "revoked":
+      w.variant(5).u32(a.closed);
+      return;
   }
 }
 function readAnswer(r) {
@@ -433,6 +457,10 @@ function readAnswer(r) {
         type: "route",
         entries: r.seq((r2) => ({ device: r2.string(), kind: readKind(r2), session: r2.u64() }))
       };
+    case 4:
+      return { type: "refreshed", expires: r.u64(), ended: r.seq(readString) };
+    case 5:
+      return { type: "revoked", closed: r.u32() };
     default:
       throw new DecodeError(`unknown Answer variant ${v}`);
   }
@@ -925,6 +953,23 @@ function dialWebTransport(url, ctor, serverCertificateHashes) {
 }
 
 // src/client.ts
+function tokenExpiry(token) {
+  try {
+    const part = token.split(".")[1];
+    if (part === void 0) return null;
+    const b64 = part.replace(/-/g, "+").replace(/_/g, "/");
+    const json = JSON.parse(atob(b64 + "=".repeat((4 - b64.length % 4) % 4)));
+    return typeof json.exp === "number" ? json.exp : null;
+  } catch {
+    return null;
+  }
+}
+function refreshDelay(token, aheadMs) {
+  const exp = tokenExpiry(token);
+  if (exp === null) return null;
+  const left = Math.max(0, exp * 1e3 - Date.now());
+  return left - Math.min(aheadMs, left / 5);
+}
 function settingsOf(o) {
   const port = o.port ?? 4433;
   const g = globalThis;
@@ -950,6 +995,8 @@ function settingsOf(o) {
     random: o.random ?? Math.random,
     version: o.version ?? PROTOCOL_VERSION,
     token: o.token,
+    refreshToken: o.refreshToken ?? null,
+    refreshAheadMs: o.refreshAheadMs ?? 6e4,
     dials: []
   };
   if (s.idleTimeoutMs <= s.keepAliveMs) throw new ConfigError("idleTimeoutMs must exceed keepAliveMs");
@@ -1182,6 +1229,7 @@ var Client = class _Client {
   finished = false;
   listeners = /* @__PURE__ */ new Set();
   cancelWait = null;
+  refreshTimer;
   constructor(settings) {
     this.settings = settings;
   }
@@ -1299,6 +1347,23 @@ var Client = class _Client {
   async route(user) {
     return expect(await this.call({ type: "route", user }), "route").entries;
   }
+  /**
+   * Sends a new token for this user and device on the live connection (and
+   * uses it for later hellos); resolves to the subscriptions its `watch` no
+   * longer allows, which ended. Refused, the connection goes on as it was.
+   */
+  async refresh(token) {
+    const { ended } = expect(await this.call({ type: "refresh", token }), "refreshed");
+    this.settings.token = token;
+    for (const target of ended) this.wanted.delete(target);
+    this.scheduleRefresh();
+    this.emit({ type: "tokenRefreshed", ended });
+    return ended;
+  }
+  /** Service tokens only: revokes the tokens of `user` (of `device` only, if given) issued before `before` (Unix seconds). */
+  async revoke(user, device, before) {
+    return expect(await this.call({ type: "revoke", user, device, before: BigInt(before) }), "revoked").closed;
+  }
   /** Graceful logout: the device goes offline at once, and the client is finished. */
   async logout() {
     let failure = null;
@@ -1315,6 +1380,23 @@ var Client = class _Client {
     this.closeWith(CloseCode.Normal, "closed by the application");
   }
   // ----- internals -----------------------------------------------------------
+  /** Arms the refresh timer for the current token (with a refresh callback). */
+  scheduleRefresh(delayMs) {
+    clearTimeout(this.refreshTimer);
+    if (this.finished || this.settings.refreshToken === null) return;
+    const delay = delayMs ?? refreshDelay(this.settings.token, this.settings.refreshAheadMs);
+    if (delay === null) return;
+    this.refreshTimer = setTimeout(() => void this.refreshNow(), Math.max(delay, 0));
+  }
+  async refreshNow() {
+    const fetch = this.settings.refreshToken;
+    if (fetch === null || this.finished) return;
+    try {
+      await this.refresh(await fetch());
+    } catch {
+      this.scheduleRefresh(1e3);
+    }
+  }
   closeWith(code, reason) {
     if (this.finished) return;
     const conn = this.conn;
@@ -1328,6 +1410,7 @@ var Client = class _Client {
   finish(code, reason) {
     if (this.finished) return;
     this.finished = true;
+    clearTimeout(this.refreshTimer);
     this.cancelWait?.();
     const queued = this.queue;
     this.queue = [];
@@ -1450,6 +1533,7 @@ var Client = class _Client {
     if (!first) this.emit({ type: "reconnected", session: welcome.session, resumed: welcome.resumed, binding: this.bindingName });
     for (const s of welcome.snapshots) this.applyPresence(s.target, s.presence, "snapshot");
     conn.start();
+    this.scheduleRefresh();
     if (!welcome.resumed) {
       for (const tier of ["realtime", "batched"]) {
         const targets = [...this.wanted].filter(([, t]) => t === tier).map(([name]) => name);
@@ -1469,7 +1553,7 @@ var Client = class _Client {
     if (conn !== this.conn) return;
     this.conn = null;
     this.failAll(conn, error);
-    const final = error instanceof RejectedError && (error.closeCode === null || !mayReconnect(error.closeCode));
+    const final = error instanceof RejectedError && !this.mayReconnect(error.closeCode);
     const policy = this.settings.reconnect;
     if (final || policy === null) {
       this.finish(error instanceof RejectedError ? error.closeCode : null, reasonOf(error));
@@ -1491,6 +1575,22 @@ var Client = class _Client {
       };
     });
   }
+  /** An expired token is no end when the application gives new ones. */
+  mayReconnect(code) {
+    if (code === CloseCode.TokenExpired) return this.settings.refreshToken !== null;
+    return code !== null && mayReconnect(code);
+  }
+  /** Before a reconnect: a new token if the current one is due (a failure keeps it: the server will say). */
+  async freshToken() {
+    const fetch = this.settings.refreshToken;
+    if (fetch === null) return;
+    const delay = refreshDelay(this.settings.token, this.settings.refreshAheadMs);
+    if (delay !== null && delay > 0) return;
+    try {
+      this.settings.token = await fetch();
+    } catch {
+    }
+  }
   /** Tries again and again, resuming the session, until a welcome or a final refusal. */
   async reconnect(policy, hint) {
     const started = Date.now();
@@ -1498,6 +1598,8 @@ var Client = class _Client {
     for (; ; ) {
       await this.sleep(backoff.next(hint));
       hint = null;
+      if (this.finished) return;
+      await this.freshToken();
       if (this.finished) return;
       try {
         const [conn, welcome] = await this.establish(this.sessionId);
@@ -1509,7 +1611,7 @@ var Client = class _Client {
         return;
       } catch (e) {
         if (this.finished) return;
-        if (e instanceof RejectedError && (e.closeCode === null || !mayReconnect(e.closeCode))) {
+        if (e instanceof RejectedError && !this.mayReconnect(e.closeCode)) {
           this.finish(e.closeCode, reasonOf(e));
           return;
         }
@@ -1577,5 +1679,6 @@ export {
   mayReconnect,
   prefixFrame,
   retryHint,
+  tokenExpiry,
   webSocketCloseCode
 };
