@@ -1,7 +1,8 @@
 //! `Core::check_invariants()` (feature `check`): a full structural check of
 //! the state, run after every step by property tests, fuzzers and the model.
 
-use crate::engine::{tier_index, Core, Link, Timer, User};
+use crate::engine::{tier_index, Core, Link, User};
+use crate::timers::Timer;
 use crate::types::{Millis, SessionId, Tier};
 use std::collections::BTreeSet;
 
@@ -192,10 +193,14 @@ impl Core {
             }
         }
 
-        ensure(self.timers == expected_timers, || {
-            let extra: Vec<_> = self.timers.difference(&expected_timers).collect();
-            let missing: Vec<_> = expected_timers.difference(&self.timers).collect();
+        let timers = self.timers.set();
+        ensure(*timers == expected_timers, || {
+            let extra: Vec<_> = timers.difference(&expected_timers).collect();
+            let missing: Vec<_> = expected_timers.difference(timers).collect();
             format!("timers disagree with state: extra {extra:?}, missing {missing:?}")
+        })?;
+        ensure(self.timers.first_is_cached(), || {
+            "the earliest deadline kept at hand is not the set's first".to_string()
         })?;
         Ok(())
     }

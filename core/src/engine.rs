@@ -20,10 +20,11 @@ use crate::config::{Config, ConfigError, RealtimeOverflow};
 use crate::error::{Error, Limit};
 use crate::index::UserIndex;
 use crate::output::{EndReason, Output};
+use crate::timers::{Timer, Timers};
 use crate::types::{
     DeviceId, DeviceKind, Kinds, Millis, Presence, SessionId, Status, Tier, UserId, Watch,
 };
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::VecDeque;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
@@ -193,16 +194,6 @@ impl std::ops::DerefMut for Metrics {
     fn deref_mut(&mut self) -> &mut Counters {
         &mut self.0
     }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub(crate) enum Timer {
-    /// Heartbeat deadline of an Online session, or grace end of a Lingering one.
-    Lease(SessionId),
-    /// End of a user's debounce window.
-    Debounce(UserId),
-    /// Batch flush of a session.
-    Batch(SessionId),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -410,7 +401,7 @@ pub struct Core {
     pub(crate) slots: Vec<Slot>,
     pub(crate) free: Vec<u32>,
     pub(crate) live_sessions: usize,
-    pub(crate) timers: BTreeSet<(Millis, Timer)>,
+    pub(crate) timers: Timers,
     pub(crate) outputs: VecDeque<Output>,
     pub(crate) counters: Metrics,
     /// Only on a cluster's owner (`set_publish_views`): `None` on one node,
@@ -436,7 +427,7 @@ impl Core {
             slots: Vec::new(),
             free: Vec::new(),
             live_sessions: 0,
-            timers: BTreeSet::new(),
+            timers: Timers::default(),
             outputs: VecDeque::new(),
             counters: Metrics::default(),
             cluster: None,
@@ -488,7 +479,9 @@ impl Core {
     /// `handle_timeout` leaves the same state as a timely one.
     fn advance(&mut self, now: Millis) {
         let now = now.max(self.clock);
-        self.run_timers_until(now);
+        if self.timers.any_due(now) {
+            self.run_timers_until(now);
+        }
         self.clock = now;
     }
 
@@ -693,8 +686,19 @@ impl Core {
     /// from at `now`.
     pub fn handle_activity(&mut self, now: Millis, id: SessionId) -> Result<(), Error> {
         self.advance(now);
-        let id = self.online(id)?;
         let clock = self.clock;
+        // The usual case, a live Online session, in one lookup.
+        if let Some(Session {
+            link: link @ Link::Online { .. },
+            ..
+        }) = self.session_mut(id)
+        {
+            *link = Link::Online {
+                last_activity: clock,
+            };
+            return Ok(());
+        }
+        let id = self.online(id)?;
         if let Some(session) = self.session_mut(id) {
             session.link = Link::Online {
                 last_activity: clock,
