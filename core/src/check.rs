@@ -21,11 +21,7 @@ impl Core {
         for (index, slot) in self.slots.iter().enumerate() {
             let Some(s) = &slot.session else { continue };
             live += 1;
-            let id = s.id;
-            ensure(
-                id.index() == index && id.generation() == slot.generation,
-                || format!("session {id} sits in slot {index} gen {}", slot.generation),
-            )?;
+            let id = SessionId::new(index as u32, slot.generation);
             let user = self
                 .users
                 .get(s.user as usize)
@@ -35,10 +31,10 @@ impl Core {
                 format!("I1: session {id} missing from its user's sessions")
             })?;
             expected_timers.insert((s.lease_due, Timer::Lease(id)));
-            ensure(s.link.last_heard() <= self.clock, || {
+            ensure(s.link().last_heard() <= self.clock, || {
                 format!("{id} was last heard after now")
             })?;
-            match s.link {
+            match s.link() {
                 Link::Online { last_activity } => {
                     let deadline = last_activity.plus(self.config.kind(s.kind).heartbeat_timeout);
                     ensure(s.lease_due <= deadline, || {
@@ -72,7 +68,7 @@ impl Core {
                 subs.list.windows(2).all(|w| w[0].target < w[1].target),
                 || format!("{id} subscriptions not sorted"),
             )?;
-            let online = matches!(s.link, Link::Online { .. });
+            let online = matches!(s.link(), Link::Online { .. });
             for sub in &subs.list {
                 let target = self
                     .users
@@ -215,7 +211,7 @@ impl Core {
         let s = self
             .session(sid)
             .ok_or_else(|| format!("I10: dead session {sid} still watches user slot {target}"))?;
-        ensure(matches!(s.link, Link::Online { .. }), || {
+        ensure(matches!(s.link(), Link::Online { .. }), || {
             format!("I10: lingering {sid} listed as a watcher")
         })?;
         ensure((s.user == target) == own, || {

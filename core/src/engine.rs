@@ -232,13 +232,20 @@ pub(crate) struct Subs {
     pub(crate) batch_due: Option<Millis>,
 }
 
+/// 56 bytes, so that a `Slot` fills one cache line: an `Activity` on a random
+/// session of millions then costs one line from memory, not two. Hence the
+/// link stored flat (an enum `Link` field takes 16 bytes) and no id (a
+/// session's id is its slot's index and generation).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Session {
-    pub(crate) id: SessionId,
     pub(crate) user: u32,
     pub(crate) device: DeviceId,
     pub(crate) kind: DeviceKind,
-    pub(crate) link: Link,
+    /// The link is `Lingering` (else `Online`); see [`Session::link`].
+    lingering: bool,
+    /// The link's time: `last_activity` while Online, `last_heard` while
+    /// Lingering.
+    link_at: Millis,
     /// The deadline of this session's `Timer::Lease` (heartbeat deadlines are
     /// armed at or before the real one).
     pub(crate) lease_due: Millis,
@@ -249,11 +256,37 @@ pub(crate) struct Session {
     pub(crate) subs: Option<Box<Subs>>,
 }
 
+impl Session {
+    pub(crate) fn link(&self) -> Link {
+        if self.lingering {
+            Link::Lingering {
+                last_heard: self.link_at,
+            }
+        } else {
+            Link::Online {
+                last_activity: self.link_at,
+            }
+        }
+    }
+
+    fn set_link(&mut self, link: Link) {
+        (self.lingering, self.link_at) = match link {
+            Link::Online { last_activity } => (false, last_activity),
+            Link::Lingering { last_heard } => (true, last_heard),
+        };
+    }
+}
+
+/// One cache line (see `Session`).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[repr(align(64))]
 pub(crate) struct Slot {
     pub(crate) generation: u32,
     pub(crate) session: Option<Session>,
 }
+
+#[cfg(target_pointer_width = "64")]
+const _: () = assert!(std::mem::size_of::<Slot>() == 64);
 
 /// Subscriber lists of one target, indexed by `tier_index`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
@@ -510,7 +543,7 @@ impl Core {
             return;
         };
         let (user, kind) = (session.user, session.kind);
-        match session.link {
+        match session.link() {
             Link::Online { last_activity } => {
                 let deadline = last_activity.plus(self.config.kind(kind).heartbeat_timeout);
                 if deadline <= self.clock {
@@ -648,7 +681,7 @@ impl Core {
         if let Some(old) = old {
             let was_online = self
                 .session(old)
-                .is_some_and(|s| matches!(s.link, Link::Online { .. }));
+                .is_some_and(|s| matches!(s.link(), Link::Online { .. }));
             if c.resume == Some(old) {
                 resumed = true;
                 self.counters.resumed += 1;
@@ -688,21 +721,15 @@ impl Core {
         self.advance(now);
         let clock = self.clock;
         // The usual case, a live Online session, in one lookup.
-        if let Some(Session {
-            link: link @ Link::Online { .. },
-            ..
-        }) = self.session_mut(id)
-        {
-            *link = Link::Online {
-                last_activity: clock,
-            };
+        if let Some(session) = self.session_mut(id).filter(|s| !s.lingering) {
+            session.link_at = clock;
             return Ok(());
         }
         let id = self.online(id)?;
         if let Some(session) = self.session_mut(id) {
-            session.link = Link::Online {
+            session.set_link(Link::Online {
                 last_activity: clock,
-            };
+            });
         }
         Ok(())
     }
@@ -717,8 +744,10 @@ impl Core {
         let id = self.online(id)?;
         let heard = heard.min(self.clock);
         if let Some(session) = self.session_mut(id) {
-            if let Link::Online { last_activity } = &mut session.link {
-                *last_activity = (*last_activity).max(heard);
+            if let Link::Online { last_activity } = session.link() {
+                session.set_link(Link::Online {
+                    last_activity: last_activity.max(heard),
+                });
             }
         }
         Ok(())
@@ -754,7 +783,9 @@ impl Core {
     ) -> Result<(), Error> {
         self.advance(now);
         let id = self.online(id)?;
-        let last_activity = self.session(id).map_or(self.clock, |s| s.link.last_heard());
+        let last_activity = self
+            .session(id)
+            .map_or(self.clock, |s| s.link().last_heard());
         self.linger(id, last_heard.clamp(last_activity, self.clock));
         if self.session(id).is_some_and(|s| until > s.lease_due) {
             self.set_lease(id, until);
@@ -773,7 +804,7 @@ impl Core {
         let Some(session) = self.session(id) else {
             return false;
         };
-        if !matches!(session.link, Link::Lingering { .. }) {
+        if !matches!(session.link(), Link::Lingering { .. }) {
             return false;
         }
         if until > session.lease_due {
@@ -790,7 +821,7 @@ impl Core {
         if mutant!(self, LogoutAsDisconnect) {
             if self
                 .session(id)
-                .is_some_and(|s| matches!(s.link, Link::Online { .. }))
+                .is_some_and(|s| matches!(s.link(), Link::Online { .. }))
             {
                 self.linger(id, self.clock);
             }
@@ -1088,7 +1119,7 @@ impl Core {
             .copied()
             .filter(|&s| {
                 self.session(s)
-                    .is_some_and(|s| matches!(s.link, Link::Online { .. }))
+                    .is_some_and(|s| matches!(s.link(), Link::Online { .. }))
             })
             .collect()
     }
@@ -1113,7 +1144,7 @@ impl Core {
             user: self.users[s.user as usize].id,
             device: s.device,
             kind: s.kind,
-            online: matches!(s.link, Link::Online { .. }),
+            online: matches!(s.link(), Link::Online { .. }),
         })
     }
 
@@ -1192,7 +1223,7 @@ impl Core {
     /// An Online session, or why not (a Lingering session is `Stale` here).
     fn online(&mut self, id: SessionId) -> Result<SessionId, Error> {
         let id = self.current(id)?;
-        match self.session(id).map(|s| s.link) {
+        match self.session(id).map(|s| s.link()) {
             Some(Link::Online { .. }) => Ok(id),
             _ => {
                 self.counters.stale_inputs += 1;
@@ -1239,13 +1270,11 @@ impl Core {
         let id = SessionId::new(index, slot.generation);
         let lease_due = self.clock.plus(self.config.kind(c.kind).heartbeat_timeout);
         slot.session = Some(Session {
-            id,
             user,
             device: c.device,
             kind: c.kind,
-            link: Link::Online {
-                last_activity: self.clock,
-            },
+            lingering: false,
+            link_at: self.clock,
             lease_due,
             watch: c.watch.clone(),
             subs: None,
@@ -1281,7 +1310,7 @@ impl Core {
         let until = self.clock.plus(self.config.kind(session.kind).grace);
         self.park(id);
         if let Some(session) = self.session_mut(id) {
-            session.link = Link::Lingering { last_heard };
+            session.set_link(Link::Lingering { last_heard });
         }
         self.set_lease(id, until);
         self.counters.disconnects += 1;
@@ -1317,7 +1346,7 @@ impl Core {
     fn detach_subs(&mut self, id: SessionId) -> Vec<Sub> {
         let online = self
             .session(id)
-            .is_some_and(|s| matches!(s.link, Link::Online { .. }));
+            .is_some_and(|s| matches!(s.link(), Link::Online { .. }));
         if online {
             self.park(id);
         }
@@ -1337,7 +1366,7 @@ impl Core {
         let keep_listed = reason == EndReason::LoggedOut && mutant!(self, KeepSubsAfterLogout);
         let online = self
             .session(id)
-            .is_some_and(|s| matches!(s.link, Link::Online { .. }));
+            .is_some_and(|s| matches!(s.link(), Link::Online { .. }));
         if online && !keep_listed {
             self.park(id);
         }
@@ -1367,9 +1396,9 @@ impl Core {
         }
         let u = &mut self.users[session.user as usize];
         u.sessions.retain(|&s| s != id);
-        u.heard = u.heard.max(session.link.last_heard());
+        u.heard = u.heard.max(session.link().last_heard());
         self.live_sessions -= 1;
-        match session.link {
+        match session.link() {
             Link::Online { .. } => self.counters.sessions_online -= 1,
             Link::Lingering { .. } => self.counters.sessions_lingering -= 1,
         }
@@ -1603,7 +1632,7 @@ impl Core {
             .sessions
             .iter()
             .filter_map(|&s| self.session(s))
-            .map(|s| s.link.last_heard())
+            .map(|s| s.link().last_heard())
             .max();
         let u = &mut self.users[user as usize];
         if before.shown.online && !now_shown_online && u.published.online {
@@ -1871,9 +1900,8 @@ impl Core {
             let id = connected.session;
             self.handle_disconnect_until(now, id, now, linger_until)?;
             let clock = self.clock;
-            if let Some(Link::Lingering { last_heard }) = self.session_mut(id).map(|s| &mut s.link)
-            {
-                *last_heard = d.last_heard.min(clock);
+            if let Some(session) = self.session_mut(id).filter(|s| s.lingering) {
+                session.link_at = d.last_heard.min(clock);
             }
             sessions.push(id);
         }
