@@ -78,3 +78,33 @@ impl Timers {
         self.set.first().map_or(Millis(u64::MAX), |&(due, _)| due)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lease(n: u64) -> Timer {
+        Timer::Lease(SessionId(n))
+    }
+
+    #[test]
+    fn the_earliest_deadline_follows_inserts_and_removals() {
+        let mut timers = Timers::default();
+        assert!(!timers.any_due(Millis(u64::MAX - 1)));
+        timers.insert((Millis(5), lease(1)));
+        timers.insert((Millis(3), lease(2)));
+        timers.insert((Millis(3), lease(3)));
+        assert!(timers.any_due(Millis(3)) && !timers.any_due(Millis(2)));
+        // Another timer still holds the earliest deadline.
+        timers.remove(&(Millis(3), lease(2)));
+        assert!(timers.any_due(Millis(3)));
+        timers.remove(&(Millis(3), lease(3)));
+        assert!(!timers.any_due(Millis(4)) && timers.any_due(Millis(5)));
+        // Removing what is not there changes nothing.
+        timers.remove(&(Millis(5), lease(9)));
+        assert!(timers.any_due(Millis(5)));
+        assert_eq!(timers.pop_first(), Some((Millis(5), lease(1))));
+        assert!(!timers.any_due(Millis(u64::MAX - 1)));
+        assert_eq!(timers.pop_first(), None);
+    }
+}
