@@ -7,8 +7,7 @@
 //! physical floor of any input that touches one session.
 //!
 //! Each rate is given twice: per second of wall clock, and per second this
-//! thread was on a CPU (the scheduler's account in
-//! `/proc/thread-self/schedstat`, Linux only). On a shared machine the wall
+//! thread was on a CPU (`CLOCK_THREAD_CPUTIME_ID`, 64-bit Linux only). On a shared machine the wall
 //! clock also counts the time other processes had the CPU, unevenly between
 //! the baseline and the measurement, so only the on-CPU ratios compare
 //! across runs there. The load average at the start is printed with the
@@ -78,12 +77,32 @@ impl Row {
     }
 }
 
-/// Seconds this thread has spent on a CPU (Linux: nanoseconds, the first
-/// field of its schedstat).
+/// Seconds this thread has spent on a CPU: `CLOCK_THREAD_CPUTIME_ID`, which
+/// counts to the nanosecond (the thread's schedstat in `/proc` lags by up to
+/// a scheduler tick, too coarse for the phases of a few milliseconds).
+#[cfg(all(target_os = "linux", target_pointer_width = "64"))]
 fn cpu_secs() -> Option<f64> {
-    let stat = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
-    let ns: u64 = stat.split_whitespace().next()?.parse().ok()?;
-    Some(ns as f64 / 1e9)
+    #[repr(C)]
+    struct Timespec {
+        tv_sec: i64,
+        tv_nsec: i64,
+    }
+    extern "C" {
+        fn clock_gettime(clock: i32, ts: *mut Timespec) -> i32;
+    }
+    const CLOCK_THREAD_CPUTIME_ID: i32 = 3;
+    let mut ts = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec of the platform's layout.
+    let ok = unsafe { clock_gettime(CLOCK_THREAD_CPUTIME_ID, &mut ts) } == 0;
+    ok.then(|| ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9)
+}
+
+#[cfg(not(all(target_os = "linux", target_pointer_width = "64")))]
+fn cpu_secs() -> Option<f64> {
+    None
 }
 
 fn timed(what: impl Into<String>, unit: &'static str, f: impl FnOnce() -> u64) -> Row {
