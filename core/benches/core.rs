@@ -5,6 +5,13 @@
 //! smaller run). Every rate is also given as a ratio to a baseline measured in
 //! the same run: the cost of one random read in a 2,000,000-entry array, the
 //! physical floor of any input that touches one session.
+//!
+//! Each rate is given twice: per second of wall clock, and per second this
+//! thread was on a CPU (`CLOCK_THREAD_CPUTIME_ID`, 64-bit Linux only). On a shared machine the wall
+//! clock also counts the time other processes had the CPU, unevenly between
+//! the baseline and the measurement, so only the on-CPU ratios compare
+//! across runs there. The load average at the start is printed with the
+//! table.
 
 use greendot_core::*;
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -56,23 +63,60 @@ struct Row {
     count: u64,
     unit: &'static str,
     secs: f64,
+    /// On-CPU seconds, where the system tells.
+    cpu_secs: Option<f64>,
 }
 
 impl Row {
     fn rate(&self) -> f64 {
         self.count as f64 / self.secs
     }
+
+    fn cpu_rate(&self) -> Option<f64> {
+        self.cpu_secs.map(|cpu| self.count as f64 / cpu)
+    }
+}
+
+/// Seconds this thread has spent on a CPU: `CLOCK_THREAD_CPUTIME_ID`, which
+/// counts to the nanosecond (the thread's schedstat in `/proc` lags by up to
+/// a scheduler tick, too coarse for the phases of a few milliseconds).
+#[cfg(all(target_os = "linux", target_pointer_width = "64"))]
+fn cpu_secs() -> Option<f64> {
+    #[repr(C)]
+    struct Timespec {
+        tv_sec: i64,
+        tv_nsec: i64,
+    }
+    extern "C" {
+        fn clock_gettime(clock: i32, ts: *mut Timespec) -> i32;
+    }
+    const CLOCK_THREAD_CPUTIME_ID: i32 = 3;
+    let mut ts = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec of the platform's layout.
+    let ok = unsafe { clock_gettime(CLOCK_THREAD_CPUTIME_ID, &mut ts) } == 0;
+    ok.then(|| ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9)
+}
+
+#[cfg(not(all(target_os = "linux", target_pointer_width = "64")))]
+fn cpu_secs() -> Option<f64> {
+    None
 }
 
 fn timed(what: impl Into<String>, unit: &'static str, f: impl FnOnce() -> u64) -> Row {
+    let cpu_start = cpu_secs();
     let start = Instant::now();
     let count = f();
     let secs = start.elapsed().as_secs_f64();
+    let cpu_secs = cpu_start.zip(cpu_secs()).map(|(a, b)| b - a);
     Row {
         what: what.into(),
         count,
         unit,
         secs,
+        cpu_secs,
     }
 }
 
@@ -108,6 +152,10 @@ fn main() {
         .and_then(|n| n.parse().ok())
         .unwrap_or(1_000_000);
     let devices = users * 2;
+    let load = std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| l.split_whitespace().next().map(str::to_string))
+        .unwrap_or_else(|| "unknown".to_string());
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let mut rows = Vec::new();
 
@@ -255,6 +303,7 @@ fn main() {
         inputs
     });
     let logins_per_sec = logins as f64 / storm.secs;
+    let logins_per_cpu_sec = storm.cpu_secs.map(|cpu| logins as f64 / cpu);
     let bytes_per_login = (LIVE.load(Relaxed) - heap_before_storm) as f64 / logins as f64;
     rows.push(storm);
     // Let the storm's debounces and batches run out, so that the expiry
@@ -287,14 +336,22 @@ fn main() {
     rows.push(idle);
 
     println!();
-    println!("greendot-core, {users} users, {devices} devices resident");
+    println!("greendot-core, {users} users, {devices} devices resident; load average {load} at the start");
     println!();
-    println!("| measurement | count | unit | rate (/s) | vs. baseline |");
-    println!("|---|---:|---|---:|---:|");
+    println!("| measurement | count | unit | rate (/s) | vs. baseline | rate per CPU second | vs. baseline, on-CPU |");
+    println!("|---|---:|---|---:|---:|---:|---:|");
     let base = baseline.rate();
+    let cpu_base = baseline.cpu_rate();
     for row in std::iter::once(&baseline).chain(&rows) {
+        let (cpu_rate, cpu_ratio) = match (row.cpu_rate(), cpu_base) {
+            (Some(rate), Some(base)) => (
+                format!("{:.2} M", rate / 1e6),
+                format!("{:.2}", rate / base),
+            ),
+            _ => ("-".to_string(), "-".to_string()),
+        };
         println!(
-            "| {} | {} | {} | {:.2} M | {:.2} |",
+            "| {} | {} | {} | {:.2} M | {:.2} | {cpu_rate} | {cpu_ratio} |",
             row.what,
             row.count,
             row.unit,
@@ -308,7 +365,8 @@ fn main() {
         heap as f64 / (1 << 20) as f64
     );
     println!(
-        "login storm: {logins_per_sec:.0} logins/s (21 inputs each); heap per login (one session, 20 subscriptions): {bytes_per_login:.0} bytes"
+        "login storm: {logins_per_sec:.0} logins/s ({} per CPU second; 21 inputs each); heap per login (one session, 20 subscriptions): {bytes_per_login:.0} bytes",
+        logins_per_cpu_sec.map_or("-".to_string(), |r| format!("{r:.0}"))
     );
     println!(
         "set status: {status_changes} changes -> {} notifications in {:.3} s",

@@ -1,7 +1,8 @@
 //! `Core::check_invariants()` (feature `check`): a full structural check of
 //! the state, run after every step by property tests, fuzzers and the model.
 
-use crate::engine::{tier_index, Core, Link, Timer, User};
+use crate::engine::{tier_index, Core, Link, User};
+use crate::timers::Timer;
 use crate::types::{Millis, SessionId, Tier};
 use std::collections::BTreeSet;
 
@@ -20,11 +21,7 @@ impl Core {
         for (index, slot) in self.slots.iter().enumerate() {
             let Some(s) = &slot.session else { continue };
             live += 1;
-            let id = s.id;
-            ensure(
-                id.index() == index && id.generation() == slot.generation,
-                || format!("session {id} sits in slot {index} gen {}", slot.generation),
-            )?;
+            let id = SessionId::new(index as u32, slot.generation);
             let user = self
                 .users
                 .get(s.user as usize)
@@ -34,10 +31,10 @@ impl Core {
                 format!("I1: session {id} missing from its user's sessions")
             })?;
             expected_timers.insert((s.lease_due, Timer::Lease(id)));
-            ensure(s.link.last_heard() <= self.clock, || {
+            ensure(s.link().last_heard() <= self.clock, || {
                 format!("{id} was last heard after now")
             })?;
-            match s.link {
+            match s.link() {
                 Link::Online { last_activity } => {
                     let deadline = last_activity.plus(self.config.kind(s.kind).heartbeat_timeout);
                     ensure(s.lease_due <= deadline, || {
@@ -71,7 +68,7 @@ impl Core {
                 subs.list.windows(2).all(|w| w[0].target < w[1].target),
                 || format!("{id} subscriptions not sorted"),
             )?;
-            let online = matches!(s.link, Link::Online { .. });
+            let online = matches!(s.link(), Link::Online { .. });
             for sub in &subs.list {
                 let target = self
                     .users
@@ -192,10 +189,14 @@ impl Core {
             }
         }
 
-        ensure(self.timers == expected_timers, || {
-            let extra: Vec<_> = self.timers.difference(&expected_timers).collect();
-            let missing: Vec<_> = expected_timers.difference(&self.timers).collect();
+        let timers = self.timers.set();
+        ensure(*timers == expected_timers, || {
+            let extra: Vec<_> = timers.difference(&expected_timers).collect();
+            let missing: Vec<_> = expected_timers.difference(timers).collect();
             format!("timers disagree with state: extra {extra:?}, missing {missing:?}")
+        })?;
+        ensure(self.timers.first_is_cached(), || {
+            "the earliest deadline kept at hand is not the set's first".to_string()
         })?;
         Ok(())
     }
@@ -210,7 +211,7 @@ impl Core {
         let s = self
             .session(sid)
             .ok_or_else(|| format!("I10: dead session {sid} still watches user slot {target}"))?;
-        ensure(matches!(s.link, Link::Online { .. }), || {
+        ensure(matches!(s.link(), Link::Online { .. }), || {
             format!("I10: lingering {sid} listed as a watcher")
         })?;
         ensure((s.user == target) == own, || {

@@ -20,10 +20,11 @@ use crate::config::{Config, ConfigError, RealtimeOverflow};
 use crate::error::{Error, Limit};
 use crate::index::UserIndex;
 use crate::output::{EndReason, Output};
+use crate::timers::{Timer, Timers};
 use crate::types::{
     DeviceId, DeviceKind, Kinds, Millis, Presence, SessionId, Status, Tier, UserId, Watch,
 };
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::VecDeque;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
@@ -195,16 +196,6 @@ impl std::ops::DerefMut for Metrics {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub(crate) enum Timer {
-    /// Heartbeat deadline of an Online session, or grace end of a Lingering one.
-    Lease(SessionId),
-    /// End of a user's debounce window.
-    Debounce(UserId),
-    /// Batch flush of a session.
-    Batch(SessionId),
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Link {
     /// `last_activity` is also when the device was last heard from.
@@ -241,13 +232,20 @@ pub(crate) struct Subs {
     pub(crate) batch_due: Option<Millis>,
 }
 
+/// 56 bytes, so that a `Slot` fills one cache line: an `Activity` on a random
+/// session of millions then costs one line from memory, not two. Hence the
+/// link stored flat (an enum `Link` field takes 16 bytes) and no id (a
+/// session's id is its slot's index and generation).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Session {
-    pub(crate) id: SessionId,
     pub(crate) user: u32,
     pub(crate) device: DeviceId,
     pub(crate) kind: DeviceKind,
-    pub(crate) link: Link,
+    /// The link is `Lingering` (else `Online`); see [`Session::link`].
+    lingering: bool,
+    /// The link's time: `last_activity` while Online, `last_heard` while
+    /// Lingering.
+    link_at: Millis,
     /// The deadline of this session's `Timer::Lease` (heartbeat deadlines are
     /// armed at or before the real one).
     pub(crate) lease_due: Millis,
@@ -258,11 +256,37 @@ pub(crate) struct Session {
     pub(crate) subs: Option<Box<Subs>>,
 }
 
+impl Session {
+    pub(crate) fn link(&self) -> Link {
+        if self.lingering {
+            Link::Lingering {
+                last_heard: self.link_at,
+            }
+        } else {
+            Link::Online {
+                last_activity: self.link_at,
+            }
+        }
+    }
+
+    fn set_link(&mut self, link: Link) {
+        (self.lingering, self.link_at) = match link {
+            Link::Online { last_activity } => (false, last_activity),
+            Link::Lingering { last_heard } => (true, last_heard),
+        };
+    }
+}
+
+/// One cache line (see `Session`).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[repr(align(64))]
 pub(crate) struct Slot {
     pub(crate) generation: u32,
     pub(crate) session: Option<Session>,
 }
+
+#[cfg(target_pointer_width = "64")]
+const _: () = assert!(std::mem::size_of::<Slot>() == 64);
 
 /// Subscriber lists of one target, indexed by `tier_index`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
@@ -410,7 +434,7 @@ pub struct Core {
     pub(crate) slots: Vec<Slot>,
     pub(crate) free: Vec<u32>,
     pub(crate) live_sessions: usize,
-    pub(crate) timers: BTreeSet<(Millis, Timer)>,
+    pub(crate) timers: Timers,
     pub(crate) outputs: VecDeque<Output>,
     pub(crate) counters: Metrics,
     /// Only on a cluster's owner (`set_publish_views`): `None` on one node,
@@ -436,7 +460,7 @@ impl Core {
             slots: Vec::new(),
             free: Vec::new(),
             live_sessions: 0,
-            timers: BTreeSet::new(),
+            timers: Timers::default(),
             outputs: VecDeque::new(),
             counters: Metrics::default(),
             cluster: None,
@@ -488,7 +512,9 @@ impl Core {
     /// `handle_timeout` leaves the same state as a timely one.
     fn advance(&mut self, now: Millis) {
         let now = now.max(self.clock);
-        self.run_timers_until(now);
+        if self.timers.any_due(now) {
+            self.run_timers_until(now);
+        }
         self.clock = now;
     }
 
@@ -517,7 +543,7 @@ impl Core {
             return;
         };
         let (user, kind) = (session.user, session.kind);
-        match session.link {
+        match session.link() {
             Link::Online { last_activity } => {
                 let deadline = last_activity.plus(self.config.kind(kind).heartbeat_timeout);
                 if deadline <= self.clock {
@@ -655,7 +681,7 @@ impl Core {
         if let Some(old) = old {
             let was_online = self
                 .session(old)
-                .is_some_and(|s| matches!(s.link, Link::Online { .. }));
+                .is_some_and(|s| matches!(s.link(), Link::Online { .. }));
             if c.resume == Some(old) {
                 resumed = true;
                 self.counters.resumed += 1;
@@ -693,12 +719,17 @@ impl Core {
     /// from at `now`.
     pub fn handle_activity(&mut self, now: Millis, id: SessionId) -> Result<(), Error> {
         self.advance(now);
-        let id = self.online(id)?;
         let clock = self.clock;
+        // The usual case, a live Online session, in one lookup.
+        if let Some(session) = self.session_mut(id).filter(|s| !s.lingering) {
+            session.link_at = clock;
+            return Ok(());
+        }
+        let id = self.online(id)?;
         if let Some(session) = self.session_mut(id) {
-            session.link = Link::Online {
+            session.set_link(Link::Online {
                 last_activity: clock,
-            };
+            });
         }
         Ok(())
     }
@@ -713,8 +744,10 @@ impl Core {
         let id = self.online(id)?;
         let heard = heard.min(self.clock);
         if let Some(session) = self.session_mut(id) {
-            if let Link::Online { last_activity } = &mut session.link {
-                *last_activity = (*last_activity).max(heard);
+            if let Link::Online { last_activity } = session.link() {
+                session.set_link(Link::Online {
+                    last_activity: last_activity.max(heard),
+                });
             }
         }
         Ok(())
@@ -750,7 +783,9 @@ impl Core {
     ) -> Result<(), Error> {
         self.advance(now);
         let id = self.online(id)?;
-        let last_activity = self.session(id).map_or(self.clock, |s| s.link.last_heard());
+        let last_activity = self
+            .session(id)
+            .map_or(self.clock, |s| s.link().last_heard());
         self.linger(id, last_heard.clamp(last_activity, self.clock));
         if self.session(id).is_some_and(|s| until > s.lease_due) {
             self.set_lease(id, until);
@@ -769,7 +804,7 @@ impl Core {
         let Some(session) = self.session(id) else {
             return false;
         };
-        if !matches!(session.link, Link::Lingering { .. }) {
+        if !matches!(session.link(), Link::Lingering { .. }) {
             return false;
         }
         if until > session.lease_due {
@@ -786,7 +821,7 @@ impl Core {
         if mutant!(self, LogoutAsDisconnect) {
             if self
                 .session(id)
-                .is_some_and(|s| matches!(s.link, Link::Online { .. }))
+                .is_some_and(|s| matches!(s.link(), Link::Online { .. }))
             {
                 self.linger(id, self.clock);
             }
@@ -1122,7 +1157,7 @@ impl Core {
             .copied()
             .filter(|&s| {
                 self.session(s)
-                    .is_some_and(|s| matches!(s.link, Link::Online { .. }))
+                    .is_some_and(|s| matches!(s.link(), Link::Online { .. }))
             })
             .collect()
     }
@@ -1147,7 +1182,7 @@ impl Core {
             user: self.users[s.user as usize].id,
             device: s.device,
             kind: s.kind,
-            online: matches!(s.link, Link::Online { .. }),
+            online: matches!(s.link(), Link::Online { .. }),
         })
     }
 
@@ -1226,7 +1261,7 @@ impl Core {
     /// An Online session, or why not (a Lingering session is `Stale` here).
     fn online(&mut self, id: SessionId) -> Result<SessionId, Error> {
         let id = self.current(id)?;
-        match self.session(id).map(|s| s.link) {
+        match self.session(id).map(|s| s.link()) {
             Some(Link::Online { .. }) => Ok(id),
             _ => {
                 self.counters.stale_inputs += 1;
@@ -1273,13 +1308,11 @@ impl Core {
         let id = SessionId::new(index, slot.generation);
         let lease_due = self.clock.plus(self.config.kind(c.kind).heartbeat_timeout);
         slot.session = Some(Session {
-            id,
             user,
             device: c.device,
             kind: c.kind,
-            link: Link::Online {
-                last_activity: self.clock,
-            },
+            lingering: false,
+            link_at: self.clock,
             lease_due,
             watch: c.watch.clone(),
             subs: None,
@@ -1315,7 +1348,7 @@ impl Core {
         let until = self.clock.plus(self.config.kind(session.kind).grace);
         self.park(id);
         if let Some(session) = self.session_mut(id) {
-            session.link = Link::Lingering { last_heard };
+            session.set_link(Link::Lingering { last_heard });
         }
         self.set_lease(id, until);
         self.counters.disconnects += 1;
@@ -1351,7 +1384,7 @@ impl Core {
     fn detach_subs(&mut self, id: SessionId) -> Vec<Sub> {
         let online = self
             .session(id)
-            .is_some_and(|s| matches!(s.link, Link::Online { .. }));
+            .is_some_and(|s| matches!(s.link(), Link::Online { .. }));
         if online {
             self.park(id);
         }
@@ -1371,7 +1404,7 @@ impl Core {
         let keep_listed = reason == EndReason::LoggedOut && mutant!(self, KeepSubsAfterLogout);
         let online = self
             .session(id)
-            .is_some_and(|s| matches!(s.link, Link::Online { .. }));
+            .is_some_and(|s| matches!(s.link(), Link::Online { .. }));
         if online && !keep_listed {
             self.park(id);
         }
@@ -1401,9 +1434,9 @@ impl Core {
         }
         let u = &mut self.users[session.user as usize];
         u.sessions.retain(|&s| s != id);
-        u.heard = u.heard.max(session.link.last_heard());
+        u.heard = u.heard.max(session.link().last_heard());
         self.live_sessions -= 1;
-        match session.link {
+        match session.link() {
             Link::Online { .. } => self.counters.sessions_online -= 1,
             Link::Lingering { .. } => self.counters.sessions_lingering -= 1,
         }
@@ -1637,7 +1670,7 @@ impl Core {
             .sessions
             .iter()
             .filter_map(|&s| self.session(s))
-            .map(|s| s.link.last_heard())
+            .map(|s| s.link().last_heard())
             .max();
         let u = &mut self.users[user as usize];
         if before.shown.online && !now_shown_online && u.published.online {
@@ -1905,9 +1938,8 @@ impl Core {
             let id = connected.session;
             self.handle_disconnect_until(now, id, now, linger_until)?;
             let clock = self.clock;
-            if let Some(Link::Lingering { last_heard }) = self.session_mut(id).map(|s| &mut s.link)
-            {
-                *last_heard = d.last_heard.min(clock);
+            if let Some(session) = self.session_mut(id).filter(|s| s.lingering) {
+                session.link_at = d.last_heard.min(clock);
             }
             sessions.push(id);
         }

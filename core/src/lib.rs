@@ -50,6 +50,7 @@ mod error;
 mod fanout;
 mod index;
 mod output;
+mod timers;
 mod types;
 mod view;
 
