@@ -252,6 +252,34 @@ pub enum WireOp {
     SetInvisible(bool),
 }
 
+/// Keeps, of a device's queued ops, every `Connect` and the last status
+/// and the last invisibility change (in their order): what the owner must
+/// still take before an ending op. Returns the waits of the ops dropped.
+fn compact_queue(queue: &mut VecDeque<QueuedOp>) -> Vec<u64> {
+    let last_status = queue
+        .iter()
+        .rposition(|q| matches!(q.op, WireOp::SetStatus { .. }));
+    let last_invisible = queue
+        .iter()
+        .rposition(|q| matches!(q.op, WireOp::SetInvisible(_)));
+    let mut dropped = Vec::new();
+    let kept = std::mem::take(queue)
+        .into_iter()
+        .enumerate()
+        .filter_map(|(i, q)| {
+            let keep = matches!(q.op, WireOp::Connect { .. })
+                || Some(i) == last_status
+                || Some(i) == last_invisible;
+            if !keep {
+                dropped.extend(q.wait);
+            }
+            keep.then_some(q)
+        })
+        .collect();
+    *queue = kept;
+    dropped
+}
+
 /// Edge → owner, on `<prefix>.req.<shard>.<kind>`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ToOwner {
@@ -1223,6 +1251,22 @@ impl ClusterLink {
         let Some(d) = self.devices.get_mut(&session).filter(|d| !d.closed) else {
             return false;
         };
+        let ends = matches!(op, WireOp::Logout | WireOp::Disconnect { .. });
+        if d.queue.len() >= MAX_QUEUED_OPS && ends {
+            // An ending op is never refused: dropped, the device would stay
+            // online at its owner until the shard moved (a ghost past C3's
+            // bound). It takes the place of the changes queued before it
+            // that a later one of the same kind overwrites anyway.
+            for wait in compact_queue(&mut d.queue) {
+                self.finished.push_back((
+                    wait,
+                    Finished::Failed(WireError::new(
+                        ErrorCode::Internal,
+                        "a later change took its place before the owner took it",
+                    )),
+                ));
+            }
+        }
         if d.queue.len() >= MAX_QUEUED_OPS {
             // The owner has not taken the inputs before it: refuse this one
             // (a client request is answered with the error).
@@ -1237,7 +1281,6 @@ impl ClusterLink {
             }
             return true;
         }
-        let ends = matches!(op, WireOp::Logout | WireOp::Disconnect { .. });
         d.queue.push_back(QueuedOp { op, wait, deadline });
         if ends {
             d.closed = true;
@@ -3690,6 +3733,67 @@ mod tests {
         let seen = pushes(&mut a);
         assert_eq!(seen.len(), 1);
         assert_eq!(seen[0].1.status, greendot_core::Status::Busy);
+    }
+
+    /// A logout behind a full queue (an owner that takes nothing) is still
+    /// queued: it takes the place of changes a later one overwrites, whose
+    /// requests are answered that they failed; the last status and the last
+    /// invisibility change stay before it.
+    #[test]
+    fn an_ending_op_is_never_refused_behind_a_full_queue() {
+        let (mut a, _owner, now) = two_nodes();
+        let alice = SessionId(1);
+        let status = || WireOp::SetStatus {
+            status: proto::Status::Busy,
+            message: None,
+        };
+        for i in 0..40u64 {
+            let op = match i % 3 {
+                0 => status(),
+                1 => WireOp::SetInvisible(true),
+                _ => WireOp::SetInvisible(false),
+            };
+            assert!(a.input(now, Millis(400), alice, op, Some(100 + i)));
+        }
+        let queued = &a.devices[&alice].queue;
+        assert_eq!(queued.len(), MAX_QUEUED_OPS, "full");
+        let last_invisible = queued
+            .iter()
+            .rev()
+            .find_map(|q| match q.op {
+                WireOp::SetInvisible(v) => Some((v, q.wait)),
+                _ => None,
+            })
+            .unwrap();
+        while a.poll_finished().is_some() {}
+
+        assert!(a.input(now, Millis(401), alice, WireOp::Logout, Some(600)));
+        let d = &a.devices[&alice];
+        assert!(d.closed, "the device ends at its owner");
+        let ops: Vec<&WireOp> = d.queue.iter().map(|q| &q.op).collect();
+        assert_eq!(ops.last(), Some(&&WireOp::Logout), "{ops:?}");
+        assert_eq!(ops.len(), 3, "{ops:?}");
+        assert!(matches!(
+            ops[..2],
+            [WireOp::SetStatus { .. }, WireOp::SetInvisible(_)]
+                | [WireOp::SetInvisible(_), WireOp::SetStatus { .. }]
+        ));
+        let kept = d
+            .queue
+            .iter()
+            .find_map(|q| match q.op {
+                WireOp::SetInvisible(v) => Some((v, q.wait)),
+                _ => None,
+            })
+            .unwrap();
+        assert_eq!(kept, last_invisible, "the latest invisibility stays");
+        let mut failed = Vec::new();
+        while let Some((wait, finished)) = a.poll_finished() {
+            assert!(matches!(finished, Finished::Failed(_)), "{finished:?}");
+            failed.push(wait);
+        }
+        assert!(!failed.contains(&600), "the logout is not refused");
+        assert_eq!(failed.len(), MAX_QUEUED_OPS - 2);
     }
 
     /// What `outs` carry: (on a shard subject?, to which edge, own, user).
