@@ -208,7 +208,7 @@ fn server_config(settings: &Settings, data: &DataDir) -> Result<ServerConfig, St
 
 /// Why `/dev/token` is off, or `None` when it may run: only on a machine of
 /// one's own (the generated dev certificate and secret, the HTTP port and
-/// the QUIC port on loopback, so the tokens work nowhere else). Loopback is
+/// the QUIC port on loopback: the tokens connect from this machine only). Loopback is
 /// still shared with the machine's other users and with containers in the
 /// same network namespace: each request must also carry the code printed
 /// at start (see `page::DevTokens`).
