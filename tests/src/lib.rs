@@ -524,8 +524,9 @@ impl Relay {
                 self.traffic()
             )
         });
-        let seen = *seen.expect("the relay lives");
-        seen
+        // Copied out before `watch` goes: the borrow it holds ends here.
+        let traffic: Traffic = *seen.expect("the relay lives");
+        traffic
     }
 }
 
