@@ -355,6 +355,33 @@ pub async fn eventually(within: Duration, mut cond: impl FnMut() -> bool) -> boo
     }
 }
 
+/// What a [`Relay`] forwarded: datagrams are numbered in the order they
+/// went through, either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Traffic {
+    /// Datagrams forwarded so far, both ways.
+    pub forwarded: u64,
+    /// The number of the last one from the client (0: none yet).
+    pub last_from_client: u64,
+    /// The number of the last one from the server (0: none yet).
+    pub last_from_server: u64,
+    /// Datagrams from the client forwarded on the current path (since the
+    /// last [`Relay::new_path`]).
+    pub from_client_on_path: u64,
+}
+
+impl Traffic {
+    fn forward(&mut self, from_client: bool) {
+        self.forwarded += 1;
+        if from_client {
+            self.last_from_client = self.forwarded;
+            self.from_client_on_path += 1;
+        } else {
+            self.last_from_server = self.forwarded;
+        }
+    }
+}
+
 /// Forwards datagrams between one client and the server; `cut` drops them
 /// all; `new_path` moves the relay's server side to a new socket, so that
 /// the server sees the client at a new address while the client's own
@@ -363,6 +390,7 @@ pub struct Relay {
     pub addr: SocketAddr,
     server: SocketAddr,
     cut: Arc<AtomicBool>,
+    traffic: Arc<tokio::sync::watch::Sender<Traffic>>,
     front: Arc<tokio::net::UdpSocket>,
     back: Arc<std::sync::Mutex<Arc<tokio::net::UdpSocket>>>,
     client: Arc<std::sync::Mutex<Option<SocketAddr>>>,
@@ -379,29 +407,44 @@ impl Relay {
         let cut = Arc::new(AtomicBool::new(false));
         let client = Arc::new(std::sync::Mutex::new(None::<SocketAddr>));
         let back_slot = Arc::new(std::sync::Mutex::new(back.clone()));
+        let traffic = Arc::new(tokio::sync::watch::Sender::new(Traffic::default()));
         let up = {
-            let (front, back, cut, client) = (
+            let (front, back, cut, client, traffic) = (
                 front.clone(),
                 back_slot.clone(),
                 cut.clone(),
                 client.clone(),
+                traffic.clone(),
             );
             tokio::spawn(async move {
                 let mut buf = vec![0u8; 65536];
                 while let Ok((n, from)) = front.recv_from(&mut buf).await {
                     *client.lock().unwrap() = Some(from);
                     if !cut.load(Ordering::Relaxed) {
-                        let back = back.lock().unwrap().clone();
+                        // Counted under the path's lock, so that a datagram
+                        // is counted on the path it is sent on.
+                        let back = {
+                            let back = back.lock().unwrap();
+                            traffic.send_modify(|t| t.forward(true));
+                            back.clone()
+                        };
                         let _ = back.send(&buf[..n]).await;
                     }
                 }
             })
         };
-        let down = Relay::spawn_down(front.clone(), back, cut.clone(), client.clone());
+        let down = Relay::spawn_down(
+            front.clone(),
+            back,
+            cut.clone(),
+            client.clone(),
+            traffic.clone(),
+        );
         Relay {
             addr,
             server,
             cut,
+            traffic,
             front,
             back: back_slot,
             client,
@@ -415,12 +458,14 @@ impl Relay {
         back: Arc<tokio::net::UdpSocket>,
         cut: Arc<AtomicBool>,
         client: Arc<std::sync::Mutex<Option<SocketAddr>>>,
+        traffic: Arc<tokio::sync::watch::Sender<Traffic>>,
     ) -> tokio::task::JoinHandle<()> {
         tokio::spawn(async move {
             let mut buf = vec![0u8; 65536];
             while let Ok(n) = back.recv(&mut buf).await {
                 let to = *client.lock().unwrap();
                 if let (false, Some(to)) = (cut.load(Ordering::Relaxed), to) {
+                    traffic.send_modify(|t| t.forward(false));
                     let _ = front.send_to(&buf[..n], to).await;
                 }
             }
@@ -438,15 +483,50 @@ impl Relay {
         let back = Arc::new(tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap());
         back.connect(self.server).await.unwrap();
         let addr = back.local_addr().unwrap();
-        *self.back.lock().unwrap() = back.clone();
+        // The old path stops carrying anything to the client before the
+        // new one starts: what the server still sends there is lost.
+        self.down.lock().unwrap().abort();
+        {
+            let mut path = self.back.lock().unwrap();
+            *path = back.clone();
+            self.traffic.send_modify(|t| t.from_client_on_path = 0);
+        }
         let down = Relay::spawn_down(
             self.front.clone(),
             back,
             self.cut.clone(),
             self.client.clone(),
+            self.traffic.clone(),
         );
-        std::mem::replace(&mut *self.down.lock().unwrap(), down).abort();
+        *self.down.lock().unwrap() = down;
         addr
+    }
+
+    /// What has been forwarded so far.
+    pub fn traffic(&self) -> Traffic {
+        *self.traffic.borrow()
+    }
+
+    /// Waits (up to `within`) until the client has answered everything the
+    /// server sent: the last datagram through the relay came from the
+    /// client (its acknowledgement of the server's last one). Returns what
+    /// had been forwarded then; panics past `within`.
+    pub async fn client_answered_last(&self, within: Duration) -> Traffic {
+        let mut watch = self.traffic.subscribe();
+        let seen = tokio::time::timeout(
+            within,
+            watch.wait_for(|t| t.last_from_client > t.last_from_server),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "the client did not answer the server's last datagram within {within:?}: {:?}",
+                self.traffic()
+            )
+        });
+        // Copied out before `watch` goes: the borrow it holds ends here.
+        let traffic: Traffic = *seen.expect("the relay lives");
+        traffic
     }
 }
 

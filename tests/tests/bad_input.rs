@@ -382,3 +382,68 @@ async fn garbage_datagrams_are_dropped_and_disturb_nobody() {
     // And a new client still gets in.
     let (_late, _) = ts.connect("late", "phone", Kind::Mobile).await;
 }
+
+/// docs/protocol.md, "Streams": a raw QUIC client that opens streams of its
+/// own beyond the control stream (the transport parameters grant 2
+/// bidirectional and 3 unidirectional, WebTransport's room) gets each one
+/// stopped with STOP_SENDING code 0, and its connection goes on: a request
+/// on the control stream is still answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_beyond_the_control_stream_are_stopped_and_the_connection_goes_on() {
+    let ts = TestServer::start(|_| {});
+    let (_endpoint, conn) = raw_connect(&ts, proto::ALPN).await.unwrap();
+    let (mut send, mut recv) = conn.open_bi().await.unwrap();
+    let token = ts.token("stan", "raw", Kind::Other, WatchClaim::all());
+    send.write_all(&hello(token, proto::VERSION)).await.unwrap();
+    let mut reader = proto::FrameReader::new(1 << 20);
+    let mut next_frame = async || {
+        let payload = tokio::time::timeout(SLACK, proto::codec::read_frame(&mut recv, &mut reader))
+            .await
+            .expect("a frame in time")
+            .expect("a frame")
+            .expect("the stream goes on");
+        proto::decode::<ServerFrame>(&payload).expect("a server frame")
+    };
+    assert!(
+        matches!(next_frame().await, ServerFrame::Welcome(_)),
+        "welcomed"
+    );
+
+    let mut extra = Vec::new();
+    for _ in 0..3 {
+        extra.push(
+            tokio::time::timeout(SLACK, conn.open_uni())
+                .await
+                .unwrap()
+                .unwrap(),
+        );
+    }
+    let (second_bi, _) = tokio::time::timeout(SLACK, conn.open_bi())
+        .await
+        .unwrap()
+        .unwrap();
+    extra.push(second_bi);
+    for (i, stream) in extra.iter_mut().enumerate() {
+        // Something to send: a stream is opened on the wire by its first frame.
+        stream.write_all(b"\0\0\0\x01\0").await.ok();
+        let stopped = tokio::time::timeout(SLACK, stream.stopped())
+            .await
+            .unwrap_or_else(|_| panic!("stream {i} not stopped within {SLACK:?}"));
+        assert_eq!(stopped.ok().flatten(), Some(0u32.into()), "stream {i}");
+    }
+
+    let ping = encode_frame(&RequestFrame {
+        id: 7,
+        request: Request::Ping,
+    })
+    .unwrap();
+    send.write_all(&ping).await.unwrap();
+    match next_frame().await {
+        ServerFrame::Reply { id, result } => {
+            assert_eq!(id, 7);
+            assert!(result.is_ok(), "{result:?}");
+        }
+        other => panic!("not a reply: {other:?}"),
+    }
+    assert!(conn.close_reason().is_none(), "{:?}", conn.close_reason());
+}

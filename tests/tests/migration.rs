@@ -115,12 +115,20 @@ async fn network_changed_brings_pushes_to_a_silent_moved_client_at_once() {
     config.idle_timeout = Duration::from_secs(60);
     let (mover, mut seen) = ts.connect_with(config).await;
     mover.subscribe(&["walt"], Tier::Realtime).await.unwrap();
-    // Let the last acknowledgements go out: from here on the client is
-    // silent (nothing to send before its keep-alive).
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // A round trip: its answer acknowledges everything the client sent, so
+    // the client has nothing to send again.
+    mover.ping().await.unwrap();
+    // Then the client acknowledges the server's last datagram: from here
+    // on it is silent (nothing to send before its keep-alive), and the old
+    // path, closed by `new_path`, takes whatever the server still sends.
+    relay.client_answered_last(SLACK).await;
     let mut server_events = ts.server.events();
 
     let new_addr = relay.new_path().await;
+    // Nothing of the client's has gone out on the new path before the
+    // call: what moves the connection is the call's Ping.
+    let before = relay.traffic();
+    assert_eq!(before.from_client_on_path, 0, "{before:?}");
     mover.network_changed();
     let changed = Instant::now();
     // The server saw the new address within a round trip (plus slack).

@@ -16,23 +16,42 @@ fn client_endpoint(ts: &TestServer) -> quinn::Endpoint {
     endpoint
 }
 
-/// The server advertises the smallest maximum UDP payload, so a client sends
-/// no path-MTU probes (padded datagrams the server would parse byte by byte).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn clients_send_the_server_no_mtu_probes() {
-    let ts = TestServer::start(|_| {});
+/// A plain client's connection statistics once its handshake is confirmed
+/// (HANDSHAKE_DONE received), against a server advertising
+/// `max_udp_payload`. quinn starts path-MTU discovery as soon as the
+/// handshake completes on its side (the first time it has nothing else to
+/// send), a round trip before the confirmation arrives: a client that
+/// probes at all has probed by then.
+async fn stats_once_confirmed(max_udp_payload: u16) -> quinn::ConnectionStats {
+    let ts = TestServer::start(|c| c.max_udp_payload = max_udp_payload);
     let endpoint = client_endpoint(&ts);
     let conn = tokio::time::timeout(SLACK, endpoint.connect(ts.addr(), "localhost").unwrap())
         .await
         .expect("handshake in time")
         .expect("handshake");
-    // A client probes as soon as the handshake is confirmed: a few round
-    // trips on loopback.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let confirmed =
+        greendot_tests::eventually(SLACK, || conn.stats().frame_rx.handshake_done > 0).await;
+    assert!(confirmed, "no HANDSHAKE_DONE within {SLACK:?}");
     let stats = conn.stats();
+    conn.close(0u32.into(), b"");
+    stats
+}
+
+/// The server advertises the smallest maximum UDP payload, so a client sends
+/// no path-MTU probes (padded datagrams the server would parse byte by byte).
+/// The same wait against a server that advertises more sees probes: the
+/// wait is long enough for a probe to show.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_send_the_server_no_mtu_probes() {
+    let probed = stats_once_confirmed(1452).await;
+    assert!(
+        probed.path.sent_plpmtud_probes > 0,
+        "a server advertising 1452 bytes was not probed: {:?}",
+        probed.path
+    );
+    let stats = stats_once_confirmed(1200).await;
     assert_eq!(stats.path.sent_plpmtud_probes, 0, "{:?}", stats.path);
     assert_eq!(stats.path.current_mtu, 1200);
-    conn.close(0u32.into(), b"");
 }
 
 /// Initials of clients that will never answer, each a new connection, as

@@ -54,8 +54,14 @@ async fn a_failed_commit_is_in_effect_and_written_once_the_disk_recovers() {
         .wait_presence("ann", SLACK, |p| p.status == Status::Busy)
         .await
         .expect("the change is in effect");
-    // Flushes fail meanwhile, too.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Flushes fail meanwhile, too: the next commit (a flush, carrying the
+    // record the failed one kept) is refused as well.
+    let refused = faults.refused.load(Ordering::Relaxed);
+    assert!(refused >= 1, "the failed commit was not counted");
+    let flush_failed =
+        greendot_tests::eventually(SLACK, || faults.refused.load(Ordering::Relaxed) > refused)
+            .await;
+    assert!(flush_failed, "no flush was tried while the disk failed");
     faults.committed.lock().unwrap().clear();
     faults.fail.store(false, Ordering::Relaxed);
     // Nothing touches ann again: only a retry writes her record.

@@ -141,11 +141,16 @@ fn query(dir: &Path, served: &Served, token: &str, user: &str) -> serde_json::Va
 
 /// `GET path` on the HTTP port: the whole response.
 fn http_get(at: SocketAddr, path: &str) -> String {
+    http_get_with(at, path, "")
+}
+
+/// A GET with `headers` (each line ending in CRLF) added.
+fn http_get_with(at: SocketAddr, path: &str, headers: &str) -> String {
     let mut stream = TcpStream::connect(at).expect("HTTP port");
     stream.set_read_timeout(Some(SLACK)).expect("read timeout");
     write!(
         stream,
-        "GET {path} HTTP/1.1\r\nHost: {at}\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {at}\r\n{headers}Connection: close\r\n\r\n"
     )
     .expect("request");
     let mut text = String::new();
@@ -319,13 +324,13 @@ fn the_binary_serves_survives_kill_9_and_drains() {
 
 /// `serve` in `dir` with `args`; the lines it printed up to its example.
 fn serve_lines(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> (Proc, Vec<String>) {
-    let mut command_args = vec![
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--metrics",
-        "127.0.0.1:0",
-    ];
+    let mut command_args = vec!["serve"];
+    // Free loopback ports unless `args` say otherwise.
+    for (flag, default) in [("--listen", "127.0.0.1:0"), ("--metrics", "127.0.0.1:0")] {
+        if !args.contains(&flag) {
+            command_args.extend([flag, default]);
+        }
+    }
     command_args.extend(args);
     let mut command = Command::new(BIN);
     command
@@ -361,10 +366,13 @@ fn the_websocket_port_is_a_setting_and_the_page_is_served() {
         .unwrap_or_else(|| panic!("{ws}"));
     assert!(ws.ip().is_loopback() && ws.port() != 0, "{ws}");
     TcpStream::connect(ws).expect("the WebSocket port accepts TCP");
-    let http: SocketAddr = line_after(&lines, "page on http://")
-        .trim_end_matches('/')
-        .parse()
-        .expect("page address");
+    // The page's address carries this run's dev code after `#dev=`.
+    let (http, code) = line_after(&lines, "page on http://")
+        .split_once("/#dev=")
+        .unwrap_or_else(|| panic!("no dev code in {lines:#?}"));
+    let http: SocketAddr = http.parse().expect("page address");
+    assert_eq!(code.len(), 32, "{code}");
+    let with_code = format!("greendot-dev-code: {code}\r\n");
     assert!(
         line_after(&lines, "dev tokens on http://").contains("/dev/token/USER"),
         "{lines:#?}"
@@ -390,7 +398,16 @@ fn the_websocket_port_is_a_setting_and_the_page_is_served() {
     assert_eq!(body["devTokens"], true, "{body}");
     let hash = line_after(&lines, "WebTransport serverCertificateHashes sha-256: ");
     assert_eq!(body["certificateHash"], hash, "{body}");
-    let minted = http_get(http, "/dev/token/alice");
+    // Without the code, or with another, nothing is minted.
+    let no_code = http_get(http, "/dev/token/alice");
+    assert!(no_code.starts_with("HTTP/1.1 403"), "{no_code}");
+    assert!(
+        no_code.contains("#dev="),
+        "says where the code is: {no_code}"
+    );
+    let wrong = format!("greendot-dev-code: {}\r\n", "0".repeat(32));
+    assert!(http_get_with(http, "/dev/token/alice", &wrong).starts_with("HTTP/1.1 403"));
+    let minted = http_get_with(http, "/dev/token/alice", &with_code);
     assert!(minted.starts_with("HTTP/1.1 200 OK"), "{minted}");
     let minted = json(minted.split("\r\n\r\n").nth(1).unwrap_or(""));
     assert_eq!(minted["user"], "alice", "{minted}");
@@ -417,14 +434,28 @@ fn the_websocket_port_is_a_setting_and_the_page_is_served() {
     let mut stream = TcpStream::connect(http).expect("HTTP port");
     write!(
         stream,
-        "GET /dev/token/alice HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n"
+        "GET /dev/token/alice HTTP/1.1\r\nHost: evil.example\r\n{with_code}Connection: close\r\n\r\n"
     )
     .expect("request");
     let mut text = String::new();
     stream.read_to_string(&mut text).expect("response");
     assert!(text.starts_with("HTTP/1.1 403"), "{text}");
-    assert!(http_get(http, "/dev/token/a%0Ab").starts_with("HTTP/1.1 400"));
+    assert!(http_get_with(http, "/dev/token/a%0Ab", &with_code).starts_with("HTTP/1.1 400"));
     drop(default);
+
+    // QUIC on every address: the tokens would work from elsewhere, so
+    // there are none (the HTTP port is still on loopback).
+    let (open, lines) = serve_lines(&dir, &["--listen", "0.0.0.0:0", "--websocket", "off"], &[]);
+    assert!(
+        line_after(&lines, "dev tokens off (").starts_with("the QUIC port is not on loopback"),
+        "{lines:#?}"
+    );
+    let http: SocketAddr = line_after(&lines, "page on http://")
+        .trim_end_matches('/')
+        .parse()
+        .expect("page address, without a code");
+    assert!(http_get_with(http, "/dev/token/alice", &with_code).starts_with("HTTP/1.1 404"));
+    drop(open);
 
     // Off, by flag; dev tokens off by flag.
     let (off, lines) = serve_lines(&dir, &["--websocket", "off", "--dev-tokens", "false"], &[]);

@@ -91,7 +91,8 @@ struct Served {
     dir: PathBuf,
     quic: SocketAddr,
     websocket: String,
-    http: SocketAddr,
+    /// The page's address as `serve` printed it, with the dev code.
+    page_url: String,
     hash: String,
 }
 
@@ -138,17 +139,15 @@ fn serve(name: &str) -> Served {
     });
     let hash = after(&line, "WebTransport serverCertificateHashes sha-256: ").to_owned();
     let line = proc.wait_for(SLACK, "page", |l| l.starts_with("page on http://"));
-    let http = after(&line, "page on http://")
-        .trim_end_matches('/')
-        .parse()
-        .expect("http addr");
+    let page_url = after(&line, "page on ").to_owned();
+    assert!(page_url.contains("/#dev="), "no dev code in {page_url}");
     proc.wait_for(SLACK, "dev tokens", |l| l.starts_with("dev tokens on "));
     Served {
         proc,
         dir,
         quic,
         websocket,
-        http,
+        page_url,
         hash,
     }
 }
@@ -214,7 +213,7 @@ fn the_page_shows_a_native_clients_changes_live_in_chromium() {
     command
         .arg("dist/e2e/page-driver.js")
         .current_dir(ts_dir())
-        .env("GREENDOT_PAGE_URL", format!("http://{}/", served.http))
+        .env("GREENDOT_PAGE_URL", &served.page_url)
         .env("GREENDOT_SCREENSHOTS", &shots)
         .env("GREENDOT_PAGE_USER", "bob")
         .env("GREENDOT_WATCH", "alice");
@@ -334,7 +333,7 @@ fn the_typescript_client_works_against_greendot_serve_in_node_and_chromium() {
     command
         .args(["--test", "dist/e2e/real-server.test.js"])
         .current_dir(ts_dir())
-        .env("GREENDOT_PAGE_URL", format!("http://{}/", served.http))
+        .env("GREENDOT_PAGE_URL", &served.page_url)
         .env("GREENDOT_WS_URL", &served.websocket)
         .env(
             "GREENDOT_WT_URL",

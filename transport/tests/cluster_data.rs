@@ -22,6 +22,7 @@ use greendot_client::{Client, ClientConfig, Event, Source, Updates};
 use greendot_cluster::testing::NatsCluster;
 use greendot_core::{Kinds, Presence, SessionId, Status, Tier};
 use greendot_proto::{ErrorCode, Kind};
+use greendot_server::cluster::RecordedDevice;
 use greendot_server::token::{Claims, TokenKeys, WatchClaim};
 
 const BIN: &str = env!("CARGO_BIN_EXE_greendot");
@@ -204,6 +205,39 @@ fn owner_of(urls: &str, user: &str) -> String {
             None => panic!("no owner of shard {shard} within {SLACK:?}:\n{text}"),
         }
     }
+}
+
+/// Waits until the owner of `user`'s shard has written the shard's device
+/// record behind to the KV (the views bucket, key `shard.N`) with `device`
+/// of `user` in it: what a next owner restores after a crash.
+async fn wait_recorded(urls: &str, user: &str, device: &str, within: Duration) {
+    use futures_util::StreamExt;
+    let url = urls.split(',').next().expect("a NATS URL");
+    let client = async_nats::connect(url).await.expect("NATS");
+    let views = async_nats::jetstream::new(client)
+        .get_key_value("gd_views")
+        .await
+        .expect("the views bucket");
+    let key = format!("shard.{}", greendot_cluster::shard_of(user, SHARDS).0);
+    // The latest record, then every new one.
+    let mut records = views.watch_with_history(&key).await.expect("a watch");
+    let recorded = tokio::time::timeout(within, async {
+        while let Some(entry) = records.next().await {
+            let entry = entry.expect("a record");
+            let devices: Vec<RecordedDevice> =
+                postcard::from_bytes(&entry.value).unwrap_or_default();
+            if devices.iter().any(|d| d.user == user && d.device == device) {
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+    assert_eq!(
+        recorded,
+        Ok(true),
+        "{user}'s {device} not in {key}'s device record within {within:?}"
+    );
 }
 
 /// A user name whose owner is `owner`.
@@ -1085,8 +1119,9 @@ async fn edge_and_owner_killed_together_leave_no_ghost() {
         p.online
     })
     .await;
-    // The owner writes its devices behind half a second after a change.
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // The owner writes its devices behind half a second after a change:
+    // what the next owner restores once a is gone.
+    wait_recorded(&urls, &alice, "phone", SLACK).await;
 
     let t0 = Instant::now();
     a.proc.kill9();

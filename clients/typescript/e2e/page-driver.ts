@@ -1,6 +1,6 @@
 // Drives the page of a real `greendot serve` in headless Chromium for
 // transport/tests/browser.rs, one JSON line at a time:
-//   env GREENDOT_PAGE_URL (http://127.0.0.1:PORT/), GREENDOT_SCREENSHOTS (a folder),
+//   env GREENDOT_PAGE_URL (the page's address as `serve` printed it, http://127.0.0.1:PORT/#dev=CODE), GREENDOT_SCREENSHOTS (a folder),
 //       GREENDOT_PAGE_USER (who the page connects as, by /dev/token), GREENDOT_WATCH;
 //   stdout {"ready":…} once the page is connected and watching;
 //   stdin  {"name":N,"expect":{data-* of the watched user's row}} → stdout {"ok":N,…}

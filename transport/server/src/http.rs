@@ -6,12 +6,18 @@
 //! malformed or slow client cannot get around:
 //! - the request head must arrive within [`HttpConfig::header_read_timeout`]
 //!   (also an idle keep-alive connection's wait for its next request), or the
-//!   connection is closed: a slowloris holds a connection for that long at most;
+//!   connection is closed: a slowloris holds a connection for that long at
+//!   most, however it trickles its bytes (hyper sets the deadline when it
+//!   starts reading a head and clears it only once a whole head is parsed);
 //! - a response the client does not take (it stopped reading) fails its
 //!   connection after [`HttpConfig::send_timeout`];
 //! - the head is at most [`HttpConfig::max_head_bytes`] (431 beyond);
-//! - at most [`HttpConfig::max_connections`] connections at once: one more is
-//!   closed at once, and the ones held are freed by the timeout above;
+//! - at most [`HttpConfig::max_connections`] connections at once, and at most
+//!   [`HttpConfig::max_connections_per_address`] from one client address (an
+//!   IPv6 client counts by its /64, which one host usually holds whole): one
+//!   more is closed at once, and the ones held are freed by the timeouts
+//!   above. One address alone cannot fill the port, so a probe from another
+//!   one (a load balancer's, a kubelet's) still gets its answer;
 //! - no request bodies (413 and the connection closed);
 //! - a malformed request gets a 400 from hyper and its connection is closed.
 //!
@@ -31,12 +37,13 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioIo, TokioTimer};
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -65,18 +72,21 @@ pub struct HttpConfig {
     send_timeout: Duration,
     max_head_bytes: usize,
     max_connections: usize,
+    max_connections_per_address: usize,
     loop_timeout: Duration,
 }
 
 impl Default for HttpConfig {
     /// Head within 5 s, responses taken within 10 s, 8 KiB of head, 256
-    /// connections, the loop's answer within 2 s.
+    /// connections of which 16 from one address (a browser opens at most 6
+    /// to one host), the loop's answer within 2 s.
     fn default() -> HttpConfig {
         HttpConfig {
             header_read_timeout: Duration::from_secs(5),
             send_timeout: Duration::from_secs(10),
             max_head_bytes: 8 * 1024,
             max_connections: 256,
+            max_connections_per_address: 16,
             loop_timeout: Duration::from_secs(2),
         }
     }
@@ -107,6 +117,13 @@ impl HttpConfig {
     /// Connections served at once; one more is closed at once.
     pub fn max_connections(mut self, connections: usize) -> HttpConfig {
         self.max_connections = connections.max(1);
+        self
+    }
+
+    /// Connections served at once from one client address (an IPv4
+    /// address, or an IPv6 /64); one more from it is closed at once.
+    pub fn max_connections_per_address(mut self, connections: usize) -> HttpConfig {
+        self.max_connections_per_address = connections.max(1);
         self
     }
 
@@ -202,6 +219,7 @@ impl HttpService {
             .max_buf_size(self.config.max_head_bytes.max(MIN_READ_BUFFER));
         let http = Arc::new(http);
         let slots = Arc::new(Semaphore::new(self.config.max_connections));
+        let per_address = PerAddress::new(self.config.max_connections_per_address);
         loop {
             let (stream, peer) = match listener.accept().await {
                 Ok(accepted) => accepted,
@@ -213,9 +231,14 @@ impl HttpService {
                     continue;
                 }
             };
+            let Some(held) = per_address.take(peer.ip()) else {
+                debug!(%peer, "HTTP connection refused: too many from its address");
+                refuse(stream, BUSY_ADDRESS);
+                continue;
+            };
             let Ok(slot) = slots.clone().try_acquire_owned() else {
                 debug!(%peer, "HTTP connection refused: too many at once");
-                refuse(stream);
+                refuse(stream, BUSY);
                 continue;
             };
             let (router, http) = (router.clone(), http.clone());
@@ -226,7 +249,7 @@ impl HttpService {
                 if let Err(e) = http.serve_connection(TokioIo::new(stream), service).await {
                     debug!(%peer, error = %e, "HTTP connection ended");
                 }
-                drop(slot);
+                drop((slot, held));
             });
         }
     }
@@ -385,11 +408,77 @@ impl AsyncWrite for SendTimeout {
     }
 }
 
-/// Closes a connection beyond the cap: a 503 if its send buffer takes it
-/// at once (it always has room on a new connection), never a wait.
-fn refuse(stream: TcpStream) {
-    const BUSY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: 21\r\nConnection: close\r\n\r\ntoo many connections\n";
-    let _ = stream.try_write(BUSY);
+const BUSY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: 21\r\nConnection: close\r\n\r\ntoo many connections\n";
+const BUSY_ADDRESS: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: 39\r\nConnection: close\r\n\r\ntoo many connections from your address\n";
+
+/// Closes a connection beyond a cap: a 503 if its send buffer takes it at
+/// once (it always has room on a new connection), never a wait.
+fn refuse(stream: TcpStream, answer: &[u8]) {
+    let _ = stream.try_write(answer);
+}
+
+/// Connections held per client address. Only addresses with a connection
+/// are kept, so it holds at most `max_connections` entries.
+#[derive(Clone)]
+struct PerAddress {
+    limit: usize,
+    held: Arc<Mutex<HashMap<IpAddr, usize>>>,
+}
+
+impl PerAddress {
+    fn new(limit: usize) -> PerAddress {
+        PerAddress {
+            limit,
+            held: Arc::default(),
+        }
+    }
+
+    /// A connection's share of its address, or `None` past the limit.
+    fn take(&self, peer: IpAddr) -> Option<AddressSlot> {
+        let address = address_key(peer);
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let count = held.entry(address).or_insert(0);
+        if *count >= self.limit {
+            return None;
+        }
+        *count += 1;
+        Some(AddressSlot {
+            owner: self.clone(),
+            address,
+        })
+    }
+}
+
+/// One connection's share of its address, given back when dropped.
+struct AddressSlot {
+    owner: PerAddress,
+    address: IpAddr,
+}
+
+impl Drop for AddressSlot {
+    fn drop(&mut self) {
+        let mut held = self.owner.held.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(count) = held.get_mut(&self.address) {
+            *count -= 1;
+            if *count == 0 {
+                held.remove(&self.address);
+            }
+        }
+    }
+}
+
+/// What the per-address cap counts by: an IPv4 address (also when mapped
+/// into IPv6), or an IPv6 address's /64 (a host or a home network is
+/// usually given a whole /64, so counting single addresses would not
+/// limit it).
+fn address_key(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(v4) => IpAddr::V4(v4),
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6((u128::from(v6) & !u128::from(u64::MAX)).into()),
+        },
+    }
 }
 
 /// One request: refused if it has a body, else routed.
@@ -482,4 +571,43 @@ async fn not_found() -> Response<Body> {
         "not found: this port serves /metrics (Prometheus), /healthz and /readyz\n",
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_count_by_ipv4_address_and_ipv6_64() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert_eq!(address_key(ip("10.1.2.3")), ip("10.1.2.3"));
+        assert_eq!(address_key(ip("::ffff:10.1.2.3")), ip("10.1.2.3"));
+        assert_eq!(
+            address_key(ip("2001:db8:1:2:aaaa::1")),
+            ip("2001:db8:1:2::")
+        );
+        assert_eq!(
+            address_key(ip("2001:db8:1:2:ffff:ffff:ffff:ffff")),
+            ip("2001:db8:1:2::")
+        );
+        assert_ne!(address_key(ip("2001:db8:1:3::1")), ip("2001:db8:1:2::"));
+    }
+
+    #[test]
+    fn an_address_holds_at_most_its_limit_and_gets_it_back() {
+        let caps = PerAddress::new(2);
+        let a = "127.0.0.1".parse().unwrap();
+        let b = "127.0.0.2".parse().unwrap();
+        let first = caps.take(a).expect("first");
+        let second = caps.take(a).expect("second");
+        assert!(caps.take(a).is_none(), "a third from the same address");
+        let other = caps.take(b).expect("another address has its own");
+        drop(second);
+        let again = caps.take(a).expect("a freed share is taken again");
+        drop((first, again, other));
+        assert!(
+            caps.held.lock().unwrap().is_empty(),
+            "nothing kept once closed"
+        );
+    }
 }

@@ -329,6 +329,8 @@ pub struct StoreFaults {
     pub stall: AtomicBool,
     /// The user records of every successful commit, in order.
     pub committed: Mutex<Vec<(String, Record)>>,
+    /// Commits refused by `fail` so far (a test waits for one).
+    pub refused: AtomicU64,
 }
 
 struct Job {
@@ -561,6 +563,7 @@ fn write_with_faults(
             std::thread::sleep(Duration::from_millis(5));
         }
         if faults.fail.load(Ordering::Relaxed) {
+            faults.refused.fetch_add(1, Ordering::Relaxed);
             return Err(StoreError::Injected);
         }
         store.write(batch)?;

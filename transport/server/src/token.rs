@@ -94,13 +94,13 @@ pub fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-/// Mints and verifies tokens with one shared secret.
-#[derive(Clone)]
 /// A token could not be signed.
 #[derive(Debug, thiserror::Error)]
 #[error("cannot sign token: {0}")]
 pub struct MintError(#[source] jsonwebtoken::errors::Error);
 
+/// Mints and verifies tokens with one shared secret.
+#[derive(Clone)]
 pub struct TokenKeys {
     encoding: EncodingKey,
     decoding: DecodingKey,

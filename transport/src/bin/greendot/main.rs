@@ -153,8 +153,9 @@ struct ServeArgs {
     /// or "off" [default: 127.0.0.1:9464].
     #[arg(long, env = "GREENDOT_METRICS")]
     metrics: Option<String>,
-    /// Serve /dev/token (tokens for the page) when the dev certificate and
-    /// secret are in use and the HTTP port is on loopback [default: true].
+    /// Serve /dev/token (tokens for the page, with the code printed at
+    /// start) when the dev certificate and secret are in use and the HTTP
+    /// and QUIC ports are on loopback [default: true].
     #[arg(long, env = "GREENDOT_DEV_TOKENS")]
     dev_tokens: Option<bool>,
     /// PEM certificate chain (with --key) instead of the dev certificate.

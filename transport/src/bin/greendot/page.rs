@@ -2,7 +2,8 @@
 //! `/greendot-client.js` (the TypeScript client compiled to one ES module,
 //! checked in; `clients/typescript/test.sh` fails when it is out of date),
 //! `/page.json` (where the page connects to, and the dev certificate's hash
-//! for WebTransport) and, in dev mode only, `/dev/token/{user}`.
+//! for WebTransport) and, in dev mode only, `/dev/token/{user}`, which asks
+//! for the code `serve` printed in the page's address (see [`DevTokens`]).
 //!
 //! Nothing is built at run time: the files are compiled into the binary.
 
@@ -32,8 +33,55 @@ pub struct PageConfig {
     /// `serverCertificateHashes` value (hex SHA-256) of the generated dev
     /// certificate; `None` with a real certificate (browsers check it).
     pub certificate_hash: Option<String>,
-    /// Signs `/dev/token` tokens; `None`: no dev tokens.
-    pub dev_tokens: Option<TokenKeys>,
+    /// Mints `/dev/token` tokens; `None`: no dev tokens.
+    pub dev_tokens: Option<DevTokens>,
+}
+
+/// The request header that carries the dev code.
+pub const DEV_CODE_HEADER: &str = "greendot-dev-code";
+
+/// Dev mode's minting: the token keys and a random code made at start,
+/// printed by `serve` only (in the page's address, after `#dev=`), which
+/// every `/dev/token` request must present. Anyone else who can reach the
+/// loopback port (another user of the machine, a container in the same
+/// network namespace) cannot mint without it. The code is good for the
+/// whole run (a reload, a second tab, the page's reconnects all ask again);
+/// a restart makes a new one.
+pub struct DevTokens {
+    keys: TokenKeys,
+    code: String,
+    /// The code checked in constant time: an HMAC of it under a random key.
+    check: ring::hmac::Key,
+    tag: ring::hmac::Tag,
+}
+
+impl DevTokens {
+    pub fn new(keys: TokenKeys) -> Result<DevTokens, String> {
+        use ring::rand::SecureRandom;
+        let rng = ring::rand::SystemRandom::new();
+        let mut bytes = [0u8; 16];
+        rng.fill(&mut bytes)
+            .map_err(|_| "no randomness for the dev code".to_string())?;
+        let code: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        let check = ring::hmac::Key::generate(ring::hmac::HMAC_SHA256, &rng)
+            .map_err(|_| "no randomness for the dev code".to_string())?;
+        let tag = ring::hmac::sign(&check, code.as_bytes());
+        Ok(DevTokens {
+            keys,
+            code,
+            check,
+            tag,
+        })
+    }
+
+    /// What the page's address carries after `#dev=`.
+    pub fn code(&self) -> &str {
+        &self.code
+    }
+
+    fn accepts(&self, presented: &[u8]) -> bool {
+        ring::hmac::verify(&self.check, presented, self.tag.as_ref()).is_ok()
+    }
 }
 
 pub fn routes(config: PageConfig) -> Router {
@@ -135,7 +183,7 @@ async fn dev_token(
     Path(user): Path<String>,
     headers: HeaderMap,
 ) -> Response {
-    let Some(keys) = &config.dev_tokens else {
+    let Some(dev) = &config.dev_tokens else {
         return json(
             StatusCode::NOT_FOUND,
             serde_json::json!({ "error": "dev tokens are off: paste a token (see README, \"The page\")" }),
@@ -145,6 +193,15 @@ async fn dev_token(
         return json(
             StatusCode::FORBIDDEN,
             serde_json::json!({ "error": "dev tokens are only given to http://127.0.0.1 or http://localhost" }),
+        );
+    }
+    let presented = headers
+        .get(DEV_CODE_HEADER)
+        .map_or(&b""[..], |v| v.as_bytes());
+    if !dev.accepts(presented) {
+        return json(
+            StatusCode::FORBIDDEN,
+            serde_json::json!({ "error": "no dev code, or not this run's: open the page at the address `greendot serve` printed (it ends in #dev=…)" }),
         );
     }
     if !valid_name(&user) {
@@ -161,7 +218,7 @@ async fn dev_token(
         WatchClaim::all(),
         DEV_TOKEN_TTL,
     );
-    match keys.mint(&claims) {
+    match dev.keys.mint(&claims) {
         Ok(token) => json(
             StatusCode::OK,
             serde_json::json!({ "token": token, "user": user, "device": device }),
@@ -191,6 +248,20 @@ mod tests {
         let mut m = HeaderMap::new();
         m.insert(header::HOST, HeaderValue::from_str(h).unwrap());
         m
+    }
+
+    #[test]
+    fn the_dev_code_is_random_and_checked_whole() {
+        let keys = || TokenKeys::new(b"0123456789abcdef0123456789abcdef", Duration::ZERO);
+        let dev = DevTokens::new(keys()).unwrap();
+        let other = DevTokens::new(keys()).unwrap();
+        assert_eq!(dev.code().len(), 32);
+        assert_ne!(dev.code(), other.code(), "a new code each run");
+        assert!(dev.accepts(dev.code().as_bytes()));
+        assert!(!dev.accepts(other.code().as_bytes()));
+        assert!(!dev.accepts(b""));
+        assert!(!dev.accepts(&dev.code().as_bytes()[..31]));
+        assert!(!dev.accepts(format!("{}0", dev.code()).as_bytes()));
     }
 
     #[test]

@@ -209,10 +209,16 @@ fn server_config(settings: &Settings, data: &DataDir) -> Result<ServerConfig, St
 }
 
 /// Why `/dev/token` is off, or `None` when it may run: only on a machine of
-/// one's own, where anybody who can reach the HTTP port could read the
-/// data directory's secret anyway (the generated dev certificate and
-/// secret, an HTTP port on loopback).
-fn dev_tokens_refused(settings: &Settings, http: SocketAddr) -> Option<&'static str> {
+/// one's own (the generated dev certificate and secret, the HTTP port and
+/// the QUIC port on loopback: the tokens connect from this machine only). Loopback is
+/// still shared with the machine's other users and with containers in the
+/// same network namespace: each request must also carry the code printed
+/// at start (see `page::DevTokens`).
+fn dev_tokens_refused(
+    settings: &Settings,
+    http: SocketAddr,
+    quic: SocketAddr,
+) -> Option<&'static str> {
     if !settings.dev_tokens {
         Some("dev_tokens = false")
     } else if settings.cert.is_some() {
@@ -221,6 +227,8 @@ fn dev_tokens_refused(settings: &Settings, http: SocketAddr) -> Option<&'static 
         Some("a token secret file of its own is configured")
     } else if !http.ip().is_loopback() {
         Some("the HTTP port is not on loopback")
+    } else if !quic.ip().is_loopback() {
+        Some("the QUIC port is not on loopback")
     } else {
         None
     }
@@ -314,7 +322,15 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
         let http_addr = listener
             .local_addr()
             .map_err(|e| format!("cannot listen for HTTP on {}: {e}", settings.metrics))?;
-        let refused = dev_tokens_refused(&settings, http_addr);
+        let refused = dev_tokens_refused(&settings, http_addr, addr);
+        let dev_tokens = match refused {
+            Some(_) => None,
+            None => Some(crate::page::DevTokens::new(TokenKeys::new(
+                &data.secret,
+                Duration::ZERO,
+            ))?),
+        };
+        let dev_code = dev_tokens.as_ref().map(|d| d.code().to_owned());
         let dev_cert = settings.cert.is_none();
         let page = crate::page::PageConfig {
             quic: addr,
@@ -325,9 +341,7 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
                 .first()
                 .filter(|_| dev_cert)
                 .map(|c| greendot_server::tls::certificate_hash(c.as_ref())),
-            dev_tokens: refused
-                .is_none()
-                .then(|| TokenKeys::new(&data.secret, Duration::ZERO)),
+            dev_tokens,
         };
         let mut service = HttpService::new(server.monitor()).merge(crate::page::routes(page));
         if let Some(status) = cluster_status.clone() {
@@ -338,7 +352,7 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
         let thread = service
             .spawn(listener)
             .map_err(|e| format!("cannot start the HTTP port: {e}"))?;
-        Some((thread, refused))
+        Some((thread, refused, dev_code))
     };
 
     let mut out = std::io::stdout().lock();
@@ -379,19 +393,24 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
         );
     }
     match &http {
-        Some((http, refused)) => {
+        Some((http, refused, dev_code)) => {
             let at = http.local_addr();
             let _ = writeln!(out, "metrics on http://{at}/metrics");
             let _ = writeln!(out, "health on http://{at}/healthz and /readyz");
-            let _ = writeln!(out, "page on http://{at}/");
-            match refused {
-                None => {
+            match (refused, dev_code) {
+                (None, Some(code)) => {
+                    // The code is in the fragment: the browser keeps it
+                    // (the page reads it), and never sends it in a request
+                    // line, a log or a Referer.
+                    let _ = writeln!(out, "page on http://{at}/#dev={code}");
                     let _ = writeln!(
                         out,
-                        "dev tokens on http://{at}/dev/token/USER (dev certificate and secret, loopback)"
+                        "dev tokens on http://{at}/dev/token/USER for the page opened at that address (dev certificate and secret, loopback, the code after #dev=)"
                     );
                 }
-                Some(why) => {
+                (why, _) => {
+                    let _ = writeln!(out, "page on http://{at}/");
+                    let why = why.unwrap_or("no dev code");
                     let _ = writeln!(out, "dev tokens off ({why}): paste a token into the page");
                 }
             }

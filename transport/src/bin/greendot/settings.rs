@@ -116,8 +116,9 @@ pub struct Settings {
     /// `/readyz`, the page); "off" disables it.
     pub metrics: String,
     /// `/dev/token` on the HTTP port mints tokens for the page; it only ever
-    /// runs with the generated dev certificate and token secret and a
-    /// loopback HTTP port (see README "The page"). `false` turns it off.
+    /// runs with the generated dev certificate and token secret, loopback
+    /// HTTP and QUIC ports, and for requests with the code printed at start
+    /// (see README "The page"). `false` turns it off.
     pub dev_tokens: bool,
     /// A PEM certificate chain and its PEM private key; when unset, a
     /// self-signed certificate for `localhost` is made in the data directory.

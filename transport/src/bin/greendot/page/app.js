@@ -225,7 +225,13 @@ async function start() {
   $("dev-form").addEventListener("submit", async (e) => {
     e.preventDefault();
     const user = $("dev-user").value.trim();
-    const response = await fetch(`/dev/token/${encodeURIComponent(user)}`, { cache: "no-store" });
+    // The code `greendot serve` printed in this page's address (#dev=…):
+    // without it the server mints nothing.
+    const code = new URLSearchParams(location.hash.slice(1)).get("dev") ?? "";
+    const response = await fetch(`/dev/token/${encodeURIComponent(user)}`, {
+      cache: "no-store",
+      headers: { "greendot-dev-code": code },
+    });
     const body = await response.json();
     if (!response.ok) {
       $("login-error").textContent = body.error ?? `HTTP ${response.status}`;
