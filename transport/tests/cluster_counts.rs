@@ -107,8 +107,7 @@ async fn a_connection_closed_at_its_welcome_is_uncounted_once() {
     let quic = "greendot_connections{binding=\"quic\"}";
 
     // A client that allows no push streams, resuming a session no node has.
-    let crypto =
-        greendot_client::tls::client_crypto(std::slice::from_ref(&cert), proto::ALPN).unwrap();
+    let crypto = greendot_client::tls::client_crypto(std::slice::from_ref(&cert), proto::ALPN).unwrap();
     let mut transport = quinn::TransportConfig::default();
     transport.max_concurrent_uni_streams(0u32.into());
     let mut client = quinn::ClientConfig::new(Arc::new(crypto));
