@@ -1,15 +1,25 @@
-//! `kill -9` of a cluster node under load: a 3-node NATS cluster, three
-//! `greendot serve --cluster` nodes a, b, c (the release binary next to this
-//! one), and `--n` devices (one user each, web) spread over them in thirds
-//! (the first third on a). Watchers on b and c (realtime) watch the first
-//! `--watched` users: all of them on a. Then a is `kill -9`ed; its devices
-//! notice when their connection times out (the nodes' idle timeout) and
-//! reconnect to b or c, as a client given the cluster's addresses would.
+//! `kill -9` (or SIGSTOP) of a cluster node under load: a 3-node NATS
+//! cluster, three `greendot serve --cluster` nodes a, b, c (the release
+//! binary next to this one), and `--n` devices (one user each, web: the
+//! smallest grace) spread over them in thirds (the first third on a).
+//! Watchers on b and c (realtime) watch the first `--watched` users: all of
+//! them on a. Then a is `kill -9`ed; its devices notice when their
+//! connection times out (the nodes' idle timeout) and reconnect to b or c,
+//! as a client given the cluster's addresses would.
 //!
 //! `cargo build --release -p greendot-transport --bin greendot && cargo
 //! build --release -p greendot-bench --bin cluster_kill &&
 //! target/release/cluster_kill` (`--n 10000 --watched 1000 --watchers 2
-//! --ttl-s 10 --grace-s 30 --idle-s 5 --shards 64 --concurrency 32`).
+//! --ttl-s 10 --grace-s 30 --idle-s 5 --keep-alive-s 1 --debounce-ms 300
+//! --shards 64 --concurrency 32`).
+//!
+//! `--defaults`: the nodes get no grace, idle timeout, keep-alive or
+//! debounce flags (and a 15 s TTL unless `--ttl-s`): what `greendot serve
+//! --cluster` picks by itself, read back with `--print-config` and printed.
+//! `--pause`: SIGSTOP instead of `kill -9` (a node frozen past its lease:
+//! its sockets stay open, it answers nothing); after the watch window a is
+//! sent SIGCONT and watched 5 s more (it finds its lease gone and drains;
+//! nothing it says then may show anybody offline).
 //!
 //! Printed: per device of a, the time from the kill to its welcome on
 //! another node (p50, p99, max: when the last one was back); the users any
@@ -20,7 +30,7 @@
 //! node's sessions).
 
 use greendot_bench::cluster::{bench_dir, client_config, placed, serve, Join, Node, SECRET};
-use greendot_bench::{arg, quantile, raise_nofile};
+use greendot_bench::{arg, flag, quantile, raise_nofile};
 use greendot_client::{Client, Event};
 use greendot_cluster::testing::NatsCluster;
 use greendot_core::Tier;
@@ -71,6 +81,59 @@ async fn checker(roots: &[&Node], at: &Node, users: &[String]) -> (Client, Shown
     (client, shown)
 }
 
+/// A duration as `greendot serve --print-config` writes it (`300ms`, `3s`,
+/// `1m`, `1500ms`).
+fn parse_dur(text: &str) -> Option<Duration> {
+    let text = text.trim().trim_matches('"');
+    let split = text.find(|c: char| !c.is_ascii_digit())?;
+    let n: u64 = text[..split].parse().ok()?;
+    let ms = match &text[split..] {
+        "ms" => n,
+        "s" => n * 1000,
+        "m" => n * 60_000,
+        "h" => n * 3_600_000,
+        _ => return None,
+    };
+    Some(Duration::from_millis(ms))
+}
+
+/// The timings a node started with `args` runs with: grace of web devices,
+/// idle timeout, keep-alive, debounce (`greendot serve --print-config`).
+fn effective(args: &[String]) -> (Duration, Duration, Duration, Duration) {
+    let out = std::process::Command::new(greendot_bench::cluster::greendot())
+        .args(["serve", "--print-config"])
+        .args(args)
+        .output()
+        .expect("greendot serve --print-config");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let (mut section, mut found) = (String::new(), HashMap::new());
+    for line in text.lines() {
+        if let Some(name) = line.strip_prefix('[') {
+            section = name.trim_end_matches(']').to_owned();
+        } else if let Some((key, value)) = line.split_once(" = ") {
+            if let Some(d) = parse_dur(value) {
+                found.insert(format!("{section}.{key}"), d);
+            }
+        }
+    }
+    let get = |key: &str| *found.get(key).unwrap_or_else(|| panic!("{key} in {text}"));
+    (
+        get("grace.web"),
+        get(".idle_timeout"),
+        get(".keep_alive"),
+        get(".debounce"),
+    )
+}
+
+/// Sends `signal` (`-STOP`, `-CONT`) to process `pid`.
+fn signal(pid: u32, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success(), "kill {signal} {pid}");
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let nofile = raise_nofile();
@@ -78,11 +141,9 @@ async fn main() {
     let watched: usize = arg("--watched", 1000);
     let watchers: usize = arg("--watchers", 2);
     let shards: u32 = arg("--shards", 64);
-    let ttl = Duration::from_secs(arg("--ttl-s", 10));
-    let grace = Duration::from_secs(arg("--grace-s", 30));
-    let idle = Duration::from_secs(arg("--idle-s", 5));
-    let keep_alive = Duration::from_secs(arg("--keep-alive-s", 1));
-    let debounce = Duration::from_millis(arg("--debounce-ms", 300));
+    let defaults = flag("--defaults");
+    let pause = flag("--pause");
+    let ttl = Duration::from_secs(arg("--ttl-s", if defaults { 15 } else { 10 }));
     // Handshakes in flight while ramping up: each new user costs its owner
     // two KV reads, and at 256 at once the NATS servers fell behind far
     // enough here that a node missed its lease renewals and was cut off.
@@ -97,22 +158,33 @@ async fn main() {
         shards,
         ttl,
     };
-    let (grace_s, idle_s, keep_s, debounce_s) = (
-        format!("{}ms", grace.as_millis()),
-        format!("{}ms", idle.as_millis()),
-        format!("{}ms", keep_alive.as_millis()),
-        format!("{}ms", debounce.as_millis()),
-    );
-    let extra = [
-        "--grace",
-        &grace_s,
-        "--idle-timeout",
-        &idle_s,
-        "--keep-alive",
-        &keep_s,
-        "--debounce",
-        &debounce_s,
-    ];
+    let extra: Vec<String> = if defaults {
+        Vec::new()
+    } else {
+        [
+            ("--grace", format!("{}s", arg("--grace-s", 30u64))),
+            ("--idle-timeout", format!("{}s", arg("--idle-s", 5u64))),
+            ("--keep-alive", format!("{}s", arg("--keep-alive-s", 1u64))),
+            ("--debounce", format!("{}ms", arg("--debounce-ms", 300u64))),
+        ]
+        .into_iter()
+        .flat_map(|(flag, value)| [flag.to_owned(), value])
+        .collect()
+    };
+    let node_args: Vec<String> = [
+        "--cluster",
+        urls.as_str(),
+        "--node-id",
+        "a",
+        "--cluster-lease-ttl",
+        &format!("{}s", ttl.as_secs()),
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .chain(extra.iter().cloned())
+    .collect();
+    let (grace, idle, keep_alive, debounce) = effective(&node_args);
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     let mut a = serve(&dir, Some(join), "a", &extra);
     let b = serve(&dir, Some(join), "b", &extra);
     let c = serve(&dir, Some(join), "c", &extra);
@@ -151,7 +223,11 @@ async fn main() {
     herd.mark();
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     let t0 = Instant::now();
-    a.kill9();
+    if pause {
+        signal(a_pid, "-STOP");
+    } else {
+        a.kill9();
+    }
     let all_back = herd.wait_back(on_a, t0, Duration::from_secs(300)).await;
     let back = herd.back_times(t0);
     // An owner could show one of a's users offline at the latest after the
@@ -165,6 +241,18 @@ async fn main() {
         back.len()
     );
     tokio::time::sleep(left).await;
+    // A frozen node woken up: it finds its lease gone and drains; whatever
+    // it still says must not show anybody offline.
+    let woken = if pause {
+        signal(a_pid, "-CONT");
+        tokio::time::sleep(Duration::from_secs(5) + debounce).await;
+        Some(match a.child.try_wait() {
+            Ok(Some(status)) => format!("exited ({status})"),
+            _ => "still running".to_owned(),
+        })
+    } else {
+        None
+    };
     let offline = herd.offline_seen();
     let online_after = herd.shown_online();
 
@@ -203,8 +291,10 @@ async fn main() {
         "{n} web devices over a, b, c ({on_a} on a); {watchers} watchers on b and c, realtime, of {watched} users on a"
     );
     println!(
-        "settings: {shards} shards, lease TTL {ttl:?} (resync window the same), grace {grace:?}, debounce {debounce:?}, \
-         idle timeout {idle:?}, keep-alive {keep_alive:?}; load average at the kill: {}",
+        "{}: {shards} shards, lease TTL {ttl:?} (resync window the same), web grace {grace:?}, debounce {debounce:?}, \
+         idle timeout {idle:?}, keep-alive {keep_alive:?}; load average at the {}: {}",
+        if defaults { "greendot serve --cluster defaults" } else { "settings" },
+        if pause { "SIGSTOP" } else { "kill" },
         load.split_whitespace().take(3).collect::<Vec<_>>().join(" ")
     );
     println!();
@@ -229,9 +319,14 @@ async fn main() {
     );
     println!("| watched users shown online before the kill | {online_before} of {watched} |");
     println!(
-        "| watched users any watcher was shown offline, kill + {watch_until:?} | {} (goal 0) |",
+        "| watched users any watcher was shown offline, {} + {watch_until:.1?}{} | {} (goal 0) |",
+        if pause { "SIGSTOP" } else { "kill" },
+        if pause { " + SIGCONT + 5 s" } else { "" },
         offline.len()
     );
+    if let Some(woken) = &woken {
+        println!("| a after SIGCONT at the end of that, 5 s later | {woken} |");
+    }
     println!("| watched users shown online at the end of that | {online_after} of {watched} |");
     println!(
         "| watched users online at a new watcher on b before the logout | {online_at_check} of {watched} ({checked} answered) |"

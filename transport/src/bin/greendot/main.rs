@@ -16,7 +16,7 @@ mod settings;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use greendot_proto::Kind;
 use greendot_server::token::{Claims, TokenKeys, WatchClaim};
-use settings::{Dur, PerKind, Settings};
+use settings::{Chosen, Dur, PerKind, Settings};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -167,10 +167,13 @@ struct ServeArgs {
     /// File holding the token secret [default: <data-dir>/token-secret].
     #[arg(long, env = "GREENDOT_SECRET_FILE")]
     secret_file: Option<PathBuf>,
-    /// QUIC keep-alive interval [default: 15s].
+    /// QUIC keep-alive interval [default: 15s; with --cluster: a third of
+    /// the idle timeout, 1s with the default graces].
     #[arg(long, env = "GREENDOT_KEEP_ALIVE")]
     keep_alive: Option<Dur>,
-    /// QUIC idle timeout: silence this long is a lost connection [default: 45s].
+    /// QUIC idle timeout: silence this long is a lost connection [default:
+    /// 45s; with --cluster: from the smallest grace, 3s with the default
+    /// graces (docs/cluster-operations.md, "Failover timing")].
     #[arg(long, env = "GREENDOT_IDLE_TIMEOUT")]
     idle_timeout: Option<Dur>,
     /// Debounce window of visible changes [default: 300ms].
@@ -238,13 +241,13 @@ struct ServeArgs {
 impl ServeArgs {
     /// Defaults, then the file, then environment and flags.
     fn settings(&self) -> Result<Settings, String> {
-        let mut s = match &self.config {
+        let (mut s, mut chosen) = match &self.config {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
                     .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-                Settings::from_toml(&text).map_err(|e| format!("{}: {e}", path.display()))?
+                Settings::from_toml_chosen(&text).map_err(|e| format!("{}: {e}", path.display()))?
             }
-            None => Settings::default(),
+            None => (Settings::default(), Chosen::default()),
         };
         fn set<T: Clone>(slot: &mut T, value: &Option<T>) {
             if let Some(v) = value {
@@ -296,6 +299,9 @@ impl ServeArgs {
         if let Some(h) = self.heartbeat_timeout {
             s.heartbeat_timeout = PerKind::all(h);
         }
+        chosen.keep_alive |= self.keep_alive.is_some();
+        chosen.idle_timeout |= self.idle_timeout.is_some();
+        s.apply_cluster_defaults(chosen);
         Ok(s)
     }
 }
@@ -529,4 +535,43 @@ fn runtime() -> Result<tokio::runtime::Runtime, String> {
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start the runtime: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn serve_settings(args: &[&str]) -> Settings {
+        let argv = ["greendot", "serve"].iter().chain(args).copied();
+        match Cli::try_parse_from(argv).expect("arguments").command {
+            Command::Serve(a) => a.settings().expect("settings"),
+            _ => unreachable!(),
+        }
+    }
+
+    fn timings(s: &Settings) -> (String, String) {
+        (s.idle_timeout.to_string(), s.keep_alive.to_string())
+    }
+
+    #[test]
+    fn cluster_timings_unless_the_operator_set_them() {
+        let cluster = ["--cluster", "nats://a:4222", "--node-id", "n1"];
+        let with = |more: &[&str]| serve_settings(&[&cluster[..], more].concat());
+        let t = |a: &str, b: &str| (a.to_string(), b.to_string());
+        assert_eq!(timings(&serve_settings(&[])), t("45s", "15s"));
+        assert_eq!(timings(&with(&[])), t("3s", "1s"));
+        assert_eq!(timings(&with(&["--idle-timeout", "6s"])), t("6s", "2s"));
+        assert_eq!(timings(&with(&["--keep-alive", "500ms"])), t("3s", "500ms"));
+        assert_eq!(timings(&with(&["--grace", "30s"])), t("13s", "4300ms"));
+
+        // Set in the file: kept, with or without the flag.
+        let file =
+            std::env::temp_dir().join(format!("greendot-timings-{}.toml", std::process::id()));
+        std::fs::write(&file, "idle_timeout = \"20s\"\n").unwrap();
+        let path = file.to_str().unwrap();
+        assert_eq!(timings(&with(&["--config", path])), t("20s", "6600ms"));
+        let one = serve_settings(&["--config", path]);
+        assert_eq!(timings(&one), t("20s", "15s"));
+        std::fs::remove_file(&file).ok();
+    }
 }

@@ -2,7 +2,7 @@
 //! (`/metrics`, `/healthz`, `/readyz`, the page) and a graceful drain on SIGTERM or
 //! Ctrl-C.
 
-use crate::settings::Settings;
+use crate::settings::{Dur, Settings};
 use crate::{CERT_FILE, KEY_FILE};
 use greendot_client::rustls::pki_types::pem::PemObject;
 use greendot_client::rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -264,7 +264,29 @@ fn cluster_settings(
     })
 }
 
+/// In a cluster: the failover timing on one line, and a warning for each
+/// part of the rule the settings break (they are the operator's to keep).
+fn log_failover_timing(settings: &Settings) {
+    if settings.cluster.is_none() {
+        return;
+    }
+    let (kind, grace) = settings.grace.smallest();
+    info!(
+        idle_timeout = %settings.idle_timeout,
+        keep_alive = %settings.keep_alive,
+        "cluster failover: a client of a node that dies notices within {} and needs about {} more \
+         to reconnect elsewhere; the smallest grace is {kind} {}",
+        Dur(settings.worst_notice()),
+        Dur(crate::settings::RECONNECT_ALLOWANCE),
+        Dur(grace),
+    );
+    for problem in settings.failover_problems() {
+        warn!("{problem}");
+    }
+}
+
 pub async fn serve(settings: Settings) -> Result<(), String> {
+    log_failover_timing(&settings);
     let data = prepare(&settings)?;
     let mut config = server_config(&settings, &data)?;
     let cluster_config = settings.cluster_config()?;

@@ -97,6 +97,56 @@ impl PerKind {
     }
 }
 
+impl PerKind {
+    /// The smallest of the four, and its kind's name (web's on a tie: the
+    /// smallest by default).
+    pub fn smallest(&self) -> (&'static str, Duration) {
+        [
+            ("web", self.web),
+            ("desktop", self.desktop),
+            ("other", self.other),
+            ("mobile", self.mobile),
+        ]
+        .into_iter()
+        .map(|(kind, d)| (kind, d.0))
+        .min_by_key(|(_, d)| *d)
+        .unwrap_or(("web", Duration::ZERO))
+    }
+}
+
+/// The timings an operator set (in the file, the environment or a flag):
+/// the cluster defaults replace only the others. A grace is never changed:
+/// the cluster defaults follow from the graces in effect, set or not.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Chosen {
+    pub keep_alive: bool,
+    pub idle_timeout: bool,
+}
+
+// The failover rule (docs/cluster-operations.md, "Failover timing"). A
+// device's grace counts from the moment its owner learns that the device's
+// node is gone: its lease expired (up to a TTL after the death), or the node
+// came back under a new incarnation (a supervisor restarting it at once: no
+// head start at all). So a device must be back within its grace of the death
+// itself: notice + reconnect <= smallest grace, without counting on the lease.
+
+/// What a client needs after it noticed that its node is gone: its first
+/// backoff wait (at most 100 ms with the client library's defaults), then a
+/// handshake and a welcome at another node while that node takes over the
+/// dead one's devices (1.5 s at most for 3,334 devices at once on this
+/// project's loaded 2-core machine: docs/benchmarks.md section 7).
+pub const RECONNECT_ALLOWANCE: Duration = Duration::from_secs(2);
+/// What the cluster defaults keep to spare beyond the rule: late timers,
+/// slow handshakes and slow NATS operations on a loaded machine.
+pub const FAILOVER_MARGIN: Duration = Duration::from_secs(2);
+/// The cluster default idle timeout never goes below this (a connection to
+/// a live node must survive a lost packet or two).
+const MIN_CLUSTER_IDLE: Duration = Duration::from_secs(1);
+
+fn floor_100ms(d: Duration) -> Duration {
+    Duration::from_millis(u64::try_from(d.as_millis() / 100 * 100).unwrap_or(u64::MAX))
+}
+
 /// The `websocket` value meaning "the QUIC address, over TCP".
 pub const WEBSOCKET_LISTEN: &str = "listen";
 
@@ -127,7 +177,11 @@ pub struct Settings {
     /// The file holding the HS256 token secret; default `<data_dir>/token-secret`
     /// (made on first start).
     pub secret_file: Option<PathBuf>,
+    /// QUIC keep-alive; with `cluster`, when not set: a third of the idle
+    /// timeout.
     pub keep_alive: Dur,
+    /// QUIC idle timeout; with `cluster`, when not set: from the smallest
+    /// grace, so that the failover rule holds (3 s with the default graces).
     pub idle_timeout: Dur,
     pub debounce: Dur,
     pub batch_interval: Dur,
@@ -220,6 +274,17 @@ impl Settings {
         toml::from_str(text).map_err(|e| e.to_string())
     }
 
+    /// [`Settings::from_toml`], and which timings the file sets.
+    pub fn from_toml_chosen(text: &str) -> Result<(Settings, Chosen), String> {
+        let settings = Settings::from_toml(text)?;
+        let table: toml::Table = text.parse().map_err(|e: toml::de::Error| e.to_string())?;
+        let chosen = Chosen {
+            keep_alive: table.contains_key("keep_alive"),
+            idle_timeout: table.contains_key("idle_timeout"),
+        };
+        Ok((settings, chosen))
+    }
+
     pub fn to_toml(&self) -> Result<String, String> {
         toml::to_string(self).map_err(|e| e.to_string())
     }
@@ -253,6 +318,86 @@ impl Settings {
         c.op_timeout = (c.claim_timing().act_window() / 3).min(Duration::from_secs(2));
         c.validate().map_err(|e| format!("cluster settings: {e}"))?;
         Ok(Some((urls.clone(), c)))
+    }
+
+    /// The longest a QUIC client may take to notice that its node died or
+    /// stopped: its idle timer runs from the last packet it got and restarts
+    /// once, at the first ack-eliciting packet it sends after that (its own
+    /// keep-alive or a request), which it sends within the idle timeout or
+    /// not at all. The lower of the client's and the server's idle timeouts
+    /// applies, so the server's bounds it: at most twice the idle timeout
+    /// (once, for a quiet client whose keep-alive is longer than it).
+    pub fn worst_notice(&self) -> Duration {
+        self.idle_timeout.0.saturating_mul(2)
+    }
+
+    /// With `cluster` set, what breaks the failover rule, one sentence each
+    /// (empty: it holds). Without `cluster`, nothing.
+    pub fn failover_problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        if self.cluster.is_none() {
+            return problems;
+        }
+        let (kind, grace) = self.grace.smallest();
+        let notice = self.worst_notice();
+        let needed = notice.saturating_add(RECONNECT_ALLOWANCE);
+        if needed > grace {
+            let idle_max = floor_100ms(grace.saturating_sub(RECONNECT_ALLOWANCE) / 2);
+            let fix = if idle_max.is_zero() {
+                format!("use a grace of at least {}", Dur(needed))
+            } else {
+                format!(
+                    "use an idle timeout of at most {} or a grace of at least {}",
+                    Dur(idle_max),
+                    Dur(needed)
+                )
+            };
+            problems.push(format!(
+                "idle_timeout {} breaks the cluster failover rule: a client of a node that died or \
+                 stopped may notice only after up to {} (twice the idle timeout) and needs about {} \
+                 more to reconnect to another node, past the {kind} grace ({}): its user would be \
+                 shown offline (DESIGN.md C2); {fix} (docs/cluster-operations.md, \"Failover timing\")",
+                self.idle_timeout,
+                Dur(notice),
+                Dur(RECONNECT_ALLOWANCE),
+                Dur(grace),
+            ));
+        }
+        if self.keep_alive.0.saturating_mul(2) > self.idle_timeout.0 {
+            problems.push(format!(
+                "keep_alive {} is more than half the idle timeout ({}): a quiet connection to a live \
+                 node may time out after one lost keep-alive; use at most {}",
+                self.keep_alive,
+                self.idle_timeout,
+                Dur(floor_100ms(self.idle_timeout.0 / 3).max(Duration::from_millis(100)))
+            ));
+        }
+        problems
+    }
+
+    /// With `cluster` set: an idle timeout and a keep-alive the operator did
+    /// not set follow from the smallest grace (theirs or the default), so
+    /// that the failover rule holds with [`FAILOVER_MARGIN`] to spare: the
+    /// idle timeout is (smallest grace - reconnect allowance - margin) / 2,
+    /// 1 s at least and the one-process default (45 s) at most (3 s with
+    /// the default graces, the web's 10 s being the smallest); the
+    /// keep-alive a third of the idle timeout. Without `cluster`, nothing
+    /// changes.
+    pub fn apply_cluster_defaults(&mut self, chosen: Chosen) {
+        if self.cluster.is_none() {
+            return;
+        }
+        let single = Settings::default();
+        if !chosen.idle_timeout {
+            let (_, grace) = self.grace.smallest();
+            let room = grace.saturating_sub(RECONNECT_ALLOWANCE + FAILOVER_MARGIN) / 2;
+            self.idle_timeout =
+                Dur(floor_100ms(room).clamp(MIN_CLUSTER_IDLE, single.idle_timeout.0));
+        }
+        if !chosen.keep_alive {
+            let third = floor_100ms(self.idle_timeout.0 / 3).max(Duration::from_millis(100));
+            self.keep_alive = Dur(third.min(single.keep_alive.0));
+        }
     }
 
     /// The WebSocket binding's TCP address; `None`: off.
@@ -319,5 +464,113 @@ mod tests {
         assert_eq!(off.websocket_addr(), Ok(None));
         let bad = Settings::from_toml("websocket = \"nowhere\"\n").unwrap();
         assert!(bad.websocket_addr().is_err());
+    }
+
+    fn cluster(extra: &str) -> Settings {
+        Settings::from_toml(&format!(
+            "cluster = \"nats://a:4222\"\nnode_id = \"n1\"\n{extra}"
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn cluster_defaults_keep_the_failover_rule() {
+        // One process: the defaults stay, and there is no rule to break.
+        let mut one = Settings::default();
+        one.apply_cluster_defaults(Chosen::default());
+        assert_eq!((one.idle_timeout, one.keep_alive), (secs(45), secs(15)));
+        assert!(one.failover_problems().is_empty());
+
+        // A cluster at the one-process timings breaks it: 2 x 45 s + 2 s is
+        // past the web grace (10 s), the smallest.
+        let old = cluster("");
+        assert_eq!(old.grace.smallest(), ("web", Duration::from_secs(10)));
+        let problems = old.failover_problems();
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(
+            problems[0].contains("web grace (10s)")
+                && problems[0].contains("at most 4s or a grace of at least 92s"),
+            "{problems:?}"
+        );
+
+        // The cluster defaults: (10 s - 2 s - 2 s) / 2 and a third of it,
+        // within the rule with the margin to spare.
+        let mut s = cluster("");
+        s.apply_cluster_defaults(Chosen::default());
+        assert_eq!((s.idle_timeout, s.keep_alive), (secs(3), secs(1)));
+        assert!(
+            s.failover_problems().is_empty(),
+            "{:?}",
+            s.failover_problems()
+        );
+        let (_, grace) = s.grace.smallest();
+        assert!(s.worst_notice() + RECONNECT_ALLOWANCE + FAILOVER_MARGIN <= grace);
+
+        // What the operator set stays, and is checked.
+        let mut set = cluster("idle_timeout = \"10s\"\n");
+        set.apply_cluster_defaults(Chosen {
+            idle_timeout: true,
+            keep_alive: false,
+        });
+        assert_eq!(set.idle_timeout, secs(10));
+        assert_eq!(set.keep_alive, Dur(Duration::from_millis(3300)));
+        assert_eq!(set.failover_problems().len(), 1);
+        let mut both = cluster("");
+        both.keep_alive = secs(2);
+        both.apply_cluster_defaults(Chosen {
+            idle_timeout: false,
+            keep_alive: true,
+        });
+        assert_eq!((both.idle_timeout, both.keep_alive), (secs(3), secs(2)));
+        let problems = both.failover_problems();
+        assert!(
+            problems.len() == 1 && problems[0].contains("keep_alive 2s is more than half"),
+            "{problems:?}"
+        );
+
+        // The defaults follow the graces in effect, the operator's included.
+        let mut long = cluster(
+            "[grace]\nmobile = \"60s\"\ndesktop = \"60s\"\nweb = \"30s\"\nother = \"60s\"\n",
+        );
+        long.apply_cluster_defaults(Chosen::default());
+        assert_eq!(
+            (long.idle_timeout, long.keep_alive),
+            (secs(13), Dur(Duration::from_millis(4300)))
+        );
+        assert!(long.failover_problems().is_empty());
+        let mut huge =
+            cluster("[grace]\nmobile = \"5m\"\ndesktop = \"5m\"\nweb = \"5m\"\nother = \"5m\"\n");
+        huge.apply_cluster_defaults(Chosen::default());
+        assert_eq!((huge.idle_timeout, huge.keep_alive), (secs(45), secs(15)));
+        // A grace too short for any idle timeout: the floor, and a warning.
+        let mut short =
+            cluster("[grace]\nmobile = \"1s\"\ndesktop = \"1s\"\nweb = \"1s\"\nother = \"1s\"\n");
+        short.apply_cluster_defaults(Chosen::default());
+        assert_eq!(
+            (short.idle_timeout, short.keep_alive),
+            (secs(1), Dur(Duration::from_millis(300)))
+        );
+        let problems = short.failover_problems();
+        assert!(
+            problems.len() == 1 && problems[0].contains("use a grace of at least 4s"),
+            "{problems:?}"
+        );
+    }
+
+    #[test]
+    fn a_file_says_which_timings_it_sets() {
+        let (_, none) = Settings::from_toml_chosen("debounce = \"1s\"\n").unwrap();
+        assert_eq!(none, Chosen::default());
+        let (s, both) =
+            Settings::from_toml_chosen("idle_timeout = \"8s\"\nkeep_alive = \"2s\"\n").unwrap();
+        assert_eq!((s.idle_timeout, s.keep_alive), (secs(8), secs(2)));
+        assert_eq!(
+            both,
+            Chosen {
+                keep_alive: true,
+                idle_timeout: true
+            }
+        );
+        assert!(Settings::from_toml_chosen("nonsense = 1").is_err());
     }
 }
