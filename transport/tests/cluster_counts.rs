@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use support::Proc;
+use support::{metric, Proc};
 
 use greendot_client::rustls::pki_types::pem::PemObject;
 use greendot_client::rustls::pki_types::CertificateDer;
@@ -29,18 +29,6 @@ const BIN: &str = env!("CARGO_BIN_EXE_greendot");
 const SECRET: &str = "0123456789abcdef0123456789abcdef";
 /// A loaded 2-core machine, NATS round trips, process start.
 const SLACK: Duration = Duration::from_secs(30);
-
-fn metric(addr: &str, name: &str) -> Option<u64> {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(addr).ok()?;
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .ok()?;
-    let mut text = String::new();
-    stream.read_to_string(&mut text).ok()?;
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-}
 
 /// Polls the node's metric `name` until `want` holds; its last value.
 async fn wait_metric(addr: &str, name: &str, want: impl Fn(u64) -> bool) -> u64 {
@@ -94,14 +82,7 @@ async fn a_connection_closed_at_its_welcome_is_uncounted_once() {
         .args(["--websocket", "off"])
         .env("RUST_LOG", "warn");
     let mut node = Proc::spawn("a", command);
-    let line = node.wait_for(SLACK, "with its address", |l| {
-        l.starts_with("greendot listening on ")
-    });
-    let addr: std::net::SocketAddr = line
-        .strip_prefix("greendot listening on ")
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|a| a.parse().ok())
-        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    let addr = node.listening_addr(SLACK);
     let metrics = node.metrics_addr(SLACK);
     let cert = CertificateDer::from_pem_file(dir.join("a").join("cert.pem")).unwrap();
     let quic = "greendot_connections{binding=\"quic\"}";

@@ -120,14 +120,7 @@ fn serve_on(
         .args(["--idle-timeout", "1s", "--keep-alive", "250ms"])
         .env("RUST_LOG", "warn");
     let mut proc = Proc::spawn(id, command);
-    let listening = proc.wait_for(SLACK, "with its address", |l| {
-        l.starts_with("greendot listening on ")
-    });
-    let addr = listening
-        .strip_prefix("greendot listening on ")
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|a| a.parse().ok())
-        .unwrap_or_else(|| panic!("{id}: no address in {listening:?}"));
+    let addr = proc.listening_addr(SLACK);
     let metrics = proc.metrics_addr(SLACK);
     let pem = std::fs::read(data.join("cert.pem")).expect("the node's certificate");
     let cert = CertificateDer::from_pem_slice(&pem).expect("a PEM certificate");

@@ -19,7 +19,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use support::Proc;
+use support::{metric, Proc};
 use tokio::net::{TcpSocket, TcpStream};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::http::HeaderValue;
@@ -39,18 +39,6 @@ const MEMORY_BOUND: u64 = 48 << 20;
 /// (usually tens of milliseconds on loopback).
 const SERVED_WITHIN: Duration = Duration::from_secs(3);
 const SLACK: Duration = Duration::from_secs(30);
-
-fn metric(addr: &str, name: &str) -> Option<u64> {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(addr).ok()?;
-    stream
-        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .ok()?;
-    let mut text = String::new();
-    stream.read_to_string(&mut text).ok()?;
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-}
 
 /// The server's resident memory, bytes.
 fn rss(pid: u32) -> u64 {
@@ -174,14 +162,7 @@ async fn a_websocket_flood_from_one_address_is_held_at_the_door() {
         .arg(dir.join("secret"))
         .env("RUST_LOG", "warn");
     let mut server = Proc::spawn("serve", command);
-    let line = server.wait_for(SLACK, "with its address", |l| {
-        l.starts_with("greendot listening on ")
-    });
-    let quic: SocketAddr = line
-        .strip_prefix("greendot listening on ")
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|a| a.parse().ok())
-        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    let quic = server.listening_addr(SLACK);
     let line = server.wait_for(SLACK, "with its WebSocket address", |l| {
         l.starts_with("WebSocket on wss://")
     });

@@ -77,6 +77,18 @@ impl Proc {
         }
     }
 
+    /// Waits for `greendot serve`'s "greendot listening on ADDR" line;
+    /// returns ADDR (QUIC).
+    pub fn listening_addr(&mut self, within: Duration) -> std::net::SocketAddr {
+        let line = self.wait_for(within, "with its address", |l| {
+            l.starts_with("greendot listening on ")
+        });
+        line.strip_prefix("greendot listening on ")
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|a| a.parse().ok())
+            .unwrap_or_else(|| panic!("{}: no address in {line:?}", self.name))
+    }
+
     /// Waits for `greendot serve`'s "metrics on http://ADDR/metrics" line;
     /// returns ADDR.
     pub fn metrics_addr(&mut self, within: Duration) -> String {
@@ -143,6 +155,19 @@ impl Drop for Proc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The value of the sample `name` (with its labels) on the metrics page at
+/// `addr`, if the page answers and has it.
+pub fn metric(addr: &str, name: &str) -> Option<u64> {
+    let mut stream = std::net::TcpStream::connect(addr).ok()?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .ok()?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
 }
 
 /// A new directory under the system's temp dir.
