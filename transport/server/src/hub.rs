@@ -21,6 +21,9 @@ use std::sync::Arc;
 #[path = "hub_tokens.rs"]
 mod tokens;
 
+/// The users a session's token lets it watch (`None`: anybody).
+type Watched = Option<Arc<[UserId]>>;
+
 /// Why saved state could not be restored at start.
 #[derive(Debug, thiserror::Error)]
 pub enum RestoreError {
@@ -720,6 +723,50 @@ impl Hub {
         self.users.len() + self.devices.len()
     }
 
+    /// A token's watch list within its cap and of valid names: checked
+    /// before any name is interned, so a refused token leaves nothing behind.
+    fn check_watch(&self, watch: &WatchClaim) -> Result<(), WireError> {
+        if let WatchClaim::List(list) = watch {
+            if list.len() > self.limits.max_watch {
+                return Err(WireError::new(
+                    ErrorCode::BadToken,
+                    format!("watch lists more than {} users", self.limits.max_watch),
+                ));
+            }
+            for name in list {
+                self.name_ok(name, "watched user")?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A checked watch claim for the core, and the users it names (`None`:
+    /// anybody). On an error nothing of it stays interned.
+    fn intern_watch(
+        &mut self,
+        watch: &WatchClaim,
+    ) -> Result<(Watch, Watched), WireError> {
+        let WatchClaim::List(list) = watch else {
+            return Ok((Watch::All, None));
+        };
+        let mut ids = Vec::with_capacity(list.len());
+        for name in list {
+            match self.intern_user(name) {
+                Ok(id) => ids.push(id),
+                Err(e) => {
+                    self.idle.extend(ids);
+                    return Err(e);
+                }
+            }
+        }
+        let watch = Watch::only(ids);
+        let watched = match &watch {
+            Watch::Only(ids) => Some(ids.clone()),
+            Watch::All => None,
+        };
+        Ok((watch, watched))
+    }
+
     /// A verified hello: connect (or resume) the device.
     pub fn hello(
         &mut self,
@@ -732,38 +779,14 @@ impl Hub {
         // leaves nothing behind.
         self.name_ok(&claims.dev, "device")?;
         self.name_ok(&claims.sub, "user")?;
-        if let WatchClaim::List(list) = &claims.watch {
-            if list.len() > self.limits.max_watch {
-                return Err(WireError::new(
-                    ErrorCode::BadToken,
-                    format!("watch lists more than {} users", self.limits.max_watch),
-                ));
-            }
-            for name in list {
-                self.name_ok(name, "watched user")?;
-            }
-        }
+        self.check_watch(&claims.watch)?;
         let user = self.intern_user(&claims.sub)?;
-        let watch = match &claims.watch {
-            WatchClaim::Star(_) => Watch::All,
-            WatchClaim::List(list) => {
-                let mut ids = Vec::with_capacity(list.len());
-                for name in list {
-                    match self.intern_user(name) {
-                        Ok(id) => ids.push(id),
-                        Err(e) => {
-                            self.idle.push(user);
-                            self.idle.extend(ids);
-                            return Err(e);
-                        }
-                    }
-                }
-                Watch::only(ids)
+        let (watch, watched) = match self.intern_watch(&claims.watch) {
+            Ok(w) => w,
+            Err(e) => {
+                self.idle.push(user);
+                return Err(e);
             }
-        };
-        let watched = match &watch {
-            Watch::Only(ids) => Some(ids.clone()),
-            Watch::All => None,
         };
         let device = match self.intern_device(&claims.dev, user) {
             Ok(device) => device,

@@ -64,38 +64,8 @@ impl Hub {
                 "the token names another user or device than this session's",
             ));
         }
-        // Checked before anything is interned, as at hello.
-        if let WatchClaim::List(list) = &claims.watch {
-            if list.len() > self.limits.max_watch {
-                return Err(WireError::new(
-                    ErrorCode::BadToken,
-                    format!("watch lists more than {} users", self.limits.max_watch),
-                ));
-            }
-            for name in list {
-                self.name_ok(name, "watched user")?;
-            }
-        }
-        let watch = match &claims.watch {
-            WatchClaim::Star(_) => Watch::All,
-            WatchClaim::List(list) => {
-                let mut ids = Vec::with_capacity(list.len());
-                for name in list {
-                    match self.intern_user(name) {
-                        Ok(id) => ids.push(id),
-                        Err(e) => {
-                            self.idle.extend(ids);
-                            return Err(e);
-                        }
-                    }
-                }
-                Watch::only(ids)
-            }
-        };
-        let watched = match &watch {
-            Watch::Only(ids) => Some(ids.clone()),
-            Watch::All => None,
-        };
+        self.check_watch(&claims.watch)?;
+        let (watch, watched) = self.intern_watch(&claims.watch)?;
         let ended = match self.core.handle_set_watch(now, session, watch) {
             Ok(ended) => ended,
             Err(e) => {

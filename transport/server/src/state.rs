@@ -1903,6 +1903,7 @@ impl ServerState {
 
     fn remove(&mut self, ch: usize) {
         self.end(ch, false, "drained".into());
+        debug!(slot = ch, "connection forgotten");
         if let Some(conn) = self.conns.get_mut(ch).and_then(Option::take) {
             if let Some(at) = conn.timer {
                 self.timers.remove(&(at, ch));

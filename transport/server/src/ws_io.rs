@@ -381,7 +381,9 @@ async fn connection(
             return;
         }
         Err(_) => {
+            // Counted and its place given back before the line that says so.
             settings.gate.stats().shed(WsShed::HelloTimeout);
+            drop(pending);
             debug!(%remote, "WebSocket connection: no hello in time");
             return;
         }
