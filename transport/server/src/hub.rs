@@ -742,10 +742,7 @@ impl Hub {
 
     /// A checked watch claim for the core, and the users it names (`None`:
     /// anybody). On an error nothing of it stays interned.
-    fn intern_watch(
-        &mut self,
-        watch: &WatchClaim,
-    ) -> Result<(Watch, Watched), WireError> {
+    fn intern_watch(&mut self, watch: &WatchClaim) -> Result<(Watch, Watched), WireError> {
         let WatchClaim::List(list) = watch else {
             return Ok((Watch::All, None));
         };
