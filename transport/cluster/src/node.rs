@@ -142,9 +142,21 @@ pub struct NodeStatus {
     /// The other live nodes as last seen, with their HTTP addresses (from
     /// their lease values; `None` when a node advertises none).
     pub peers: Vec<(NodeId, Option<String>)>,
+    /// How long a renewal lets the node act (`lease_ttl - margin`).
+    pub act_window: Duration,
 }
 
 impl NodeStatus {
+    /// Whether the node renewed its lease within the last half of its act
+    /// window. A node whose NATS works renews every third of the window, so
+    /// it always has; when a node is cut off (a full window without a
+    /// renewal), a peer that shares its outage renewed at the latest when
+    /// the outage began, two thirds of a window or more before: it has not.
+    /// This tells a cut-off node whether only it lost NATS.
+    pub fn renewed_recently(&self, now: Instant) -> bool {
+        self.acting(now) && self.lease_until.saturating_duration_since(now) > self.act_window / 2
+    }
+
     /// Whether the node may serve at `now`.
     pub fn acting(&self, now: Instant) -> bool {
         self.phase == NodePhase::Active && now < self.lease_until
@@ -342,6 +354,7 @@ impl Node {
             cut_offs: 0,
             rejoins: 0,
             peers: Vec::new(),
+            act_window: config.lease_ttl.saturating_sub(config.margin),
         });
         let (leave, leave_rx) = oneshot::channel();
         let duty = Duty {
@@ -490,6 +503,10 @@ impl Duty {
             cut_offs: self.cut_offs,
             rejoins: self.rejoins,
             peers: self.peers.clone(),
+            act_window: {
+                let c = self.cluster.config();
+                c.lease_ttl.saturating_sub(c.margin)
+            },
         };
         self.tx.send_if_modified(|old| {
             let changed = *old != status;
