@@ -147,3 +147,113 @@ pub fn lease_route(status: watch::Receiver<NodeStatus>) -> greendot_server::http
         }),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    fn status(
+        phase: NodePhase,
+        lease_left: Duration,
+        peers: Vec<(NodeId, Option<String>)>,
+    ) -> NodeStatus {
+        NodeStatus {
+            node: NodeId::new("me").unwrap(),
+            phase,
+            lease_until: Instant::now() + lease_left,
+            shards: BTreeMap::new(),
+            live_nodes: 1 + peers.len(),
+            epoch_changes: 0,
+            lease_renewals: 0,
+            cut_offs: 0,
+            rejoins: 0,
+            peers,
+            act_window: Duration::from_secs(12),
+        }
+    }
+
+    /// A peer's HTTP port serving `/cluster/lease` from its status.
+    async fn peer(node: &str, lease_left: Duration) -> (NodeId, Option<String>) {
+        let (_tx, rx) = watch::channel(status(NodePhase::Active, lease_left, Vec::new()));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let _keep = _tx;
+            greendot_server::http::axum::serve(listener, lease_route(rx))
+                .await
+                .unwrap();
+        });
+        (NodeId::new(node).unwrap(), Some(addr.to_string()))
+    }
+
+    #[test]
+    fn a_lease_renewed_within_half_its_window_is_recent() {
+        let s = |left| status(NodePhase::Active, left, Vec::new());
+        let now = Instant::now();
+        assert!(s(Duration::from_secs(11)).renewed_recently(now));
+        assert!(
+            !s(Duration::from_secs(5)).renewed_recently(now),
+            "shares the outage"
+        );
+        let cut = status(NodePhase::CutOff, Duration::from_secs(11), Vec::new());
+        assert!(!cut.renewed_recently(now));
+    }
+
+    /// Only this node lost NATS: a peer renewed recently, so it drains.
+    #[tokio::test]
+    async fn a_node_alone_cut_off_drains() {
+        let peers = vec![
+            peer("sharing", Duration::from_secs(2)).await,
+            peer("healthy", Duration::from_secs(11)).await,
+        ];
+        let (_tx, rx) = watch::channel(status(NodePhase::CutOff, Duration::ZERO, peers));
+        let why = tokio::time::timeout(
+            Duration::from_secs(5),
+            supervise(rx, Duration::from_secs(600)),
+        )
+        .await
+        .expect("decides at once");
+        assert!(why.contains("node healthy holds its lease"), "{why}");
+    }
+
+    /// The whole cluster lost NATS: no peer renewed recently, so it holds
+    /// its clients through the cut-off and the rejoin, and drains only
+    /// after a hold longer than the limit.
+    #[tokio::test]
+    async fn a_cluster_wide_outage_holds_until_the_rejoin_or_the_limit() {
+        let peers = vec![
+            peer("sharing", Duration::from_secs(2)).await,
+            (NodeId::new("silent").unwrap(), None),
+        ];
+        let (tx, rx) = watch::channel(status(NodePhase::CutOff, Duration::ZERO, peers.clone()));
+        let mut supervised = Box::pin(supervise(rx, Duration::from_secs(600)));
+        // Held: asked, answered no, and waiting.
+        assert!(
+            tokio::time::timeout(Duration::from_millis(1500), &mut supervised)
+                .await
+                .is_err()
+        );
+        tx.send(status(
+            NodePhase::Active,
+            Duration::from_secs(11),
+            peers.clone(),
+        ))
+        .unwrap();
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), &mut supervised)
+                .await
+                .is_err()
+        );
+
+        // Cut off again, with a short limit: drains when the hold is over.
+        let (_tx, rx) = watch::channel(status(NodePhase::CutOff, Duration::ZERO, peers));
+        let why = tokio::time::timeout(
+            Duration::from_secs(5),
+            supervise(rx, Duration::from_millis(200)),
+        )
+        .await
+        .expect("drains after the limit");
+        assert!(why.contains("past the longest grace"), "{why}");
+    }
+}
