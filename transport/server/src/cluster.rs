@@ -189,9 +189,15 @@ pub enum ClusterOutput {
     },
     /// Answer a [`ClusterInput::Request`].
     Reply { reply: u64, payload: Bytes },
-    /// Write a user's preferences to the KV; answer with
+    /// Write a user's preferences to the KV, fenced by the owner's `epoch`
+    /// (refused once a newer owner wrote them); answer with
     /// [`ClusterInput::PrefsStored`].
-    PutPrefs { id: u64, user: String, value: Bytes },
+    PutPrefs {
+        id: u64,
+        user: String,
+        epoch: u64,
+        value: Bytes,
+    },
     /// Read a user's preferences and last published view from the KV;
     /// answer with [`ClusterInput::UserLoaded`].
     LoadUser { id: u64, user: String },
@@ -2504,15 +2510,25 @@ impl ClusterLink {
                 let Some(p) = self.pending_prefs.remove(&id) else {
                     return;
                 };
-                let answer = if ok {
-                    let owner = self.owners.get_mut(&p.shard).filter(|o| o.epoch == p.epoch);
-                    if let Some(o) = owner {
+                // Done only while this node still acts for the epoch it
+                // wrote under (C4): after the shard moved, the new owner may
+                // show otherwise, so the edge asks it again.
+                let acting = self
+                    .acting
+                    .get(&p.shard)
+                    .is_some_and(|(epoch, until)| *epoch == p.epoch && now < *until);
+                let owner = self
+                    .owners
+                    .get_mut(&p.shard)
+                    .filter(|o| acting && o.epoch == p.epoch);
+                let answer = match owner {
+                    Some(o) if ok => {
                         remember_rid(&mut o.last_rid, p.holder, p.rid);
+                        FromOwner::Done { epoch: p.epoch }
                     }
-                    FromOwner::Done { epoch: p.epoch }
-                } else {
-                    // Not stored: the edge asks again.
-                    FromOwner::NotOwner
+                    // Not stored (or fenced by a newer owner's write), or
+                    // the shard moved: the edge asks again.
+                    _ => FromOwner::NotOwner,
                 };
                 self.reply(p.reply, answer, now, at);
             }
@@ -3149,8 +3165,12 @@ impl ClusterLink {
                         rid,
                     },
                 );
-                self.outputs
-                    .push_back(ClusterOutput::PutPrefs { id, user, value });
+                self.outputs.push_back(ClusterOutput::PutPrefs {
+                    id,
+                    user,
+                    epoch,
+                    value,
+                });
             }
             self.drain_owner(shard, now, at);
             return;
@@ -3733,6 +3753,74 @@ mod tests {
         let seen = pushes(&mut a);
         assert_eq!(seen.len(), 1);
         assert_eq!(seen[0].1.status, greendot_core::Status::Busy);
+    }
+
+    /// C4: the owner's preference write is acknowledged by the KV after the
+    /// shard moved to another owner. The edge must not be told `Done`: the
+    /// new owner may show otherwise, so the edge asks again.
+    #[test]
+    fn a_preference_write_that_lands_after_the_shard_moved_is_not_acknowledged() {
+        let (mut a, mut b, now) = two_nodes();
+        let op = WireOp::SetStatus {
+            status: proto::Status::Busy,
+            message: None,
+        };
+        assert!(a.input(now, Millis(400), SessionId(1), op, Some(200)));
+        while let Some(out) = a.poll_output() {
+            if let ClusterOutput::Request {
+                id,
+                shard,
+                kind,
+                payload,
+            } = out
+            {
+                let reply = id;
+                b.handle_input(
+                    now,
+                    Millis(400),
+                    ClusterInput::Request {
+                        shard,
+                        kind,
+                        payload,
+                        reply,
+                    },
+                );
+            }
+        }
+        let mut write = None;
+        while let Some(out) = b.poll_output() {
+            match out {
+                ClusterOutput::LoadUser { id, .. } => {
+                    let loaded = ClusterInput::UserLoaded {
+                        id,
+                        prefs: None,
+                        view: None,
+                    };
+                    b.handle_input(now, Millis(400), loaded);
+                }
+                ClusterOutput::PutPrefs { id, epoch, .. } => write = Some((id, epoch)),
+                ClusterOutput::Reply { payload, .. } => {
+                    panic!(
+                        "answered before the write: {:?}",
+                        decode::<FromOwner>(&payload)
+                    )
+                }
+                _ => {}
+            }
+        }
+        let (id, epoch) = write.expect("the owner writes the preferences");
+        // The shard moves to another owner (a new epoch) ...
+        let moved = BTreeMap::from([(1, (epoch + 1, now + Duration::from_secs(10)))]);
+        b.handle_input(now, Millis(401), ClusterInput::Status { shards: moved });
+        // ... then the old write's acknowledgement arrives.
+        b.handle_input(now, Millis(402), ClusterInput::PrefsStored { id, ok: true });
+        let answers: Vec<FromOwner> = std::iter::from_fn(|| b.poll_output())
+            .filter_map(|out| match out {
+                ClusterOutput::Reply { payload, .. } => decode(&payload),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(answers, vec![FromOwner::NotOwner]);
     }
 
     /// A logout behind a full queue (an owner that takes nothing) is still
