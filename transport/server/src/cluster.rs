@@ -241,9 +241,14 @@ pub enum ClusterOutput {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum WireOp {
     /// `session`: the edge's wire id of the session (what `Route` lists).
+    /// `since`: the order in which this edge run welcomed the session: of
+    /// two sessions of one device at one edge run, the later welcomed is
+    /// the one its client kept (it gives up on an attempt before making
+    /// another), whatever order their connects reach the owner in.
     Connect {
         kind: proto::Kind,
         session: u64,
+        since: u64,
     },
     /// `last_heard`: Unix milliseconds (the nodes' clocks agree on Unix time,
     /// not on their cores' milliseconds).
@@ -449,6 +454,9 @@ pub struct ClusterCounters {
     /// Device inputs of an edge's previous run, arrived after its newer run
     /// was known: dropped unanswered (their sender is gone).
     pub stale_incarnation: u64,
+    /// Connects of a session the device's client gave up on, arrived at the
+    /// owner after a session the same edge welcomed later: not taken.
+    pub stale_connects: u64,
     /// Views of a watched shard this edge missed (a gap in the numbers, or
     /// a beacon ahead of the last one seen): each asks the owner for the
     /// views of the shard's watched users again.
@@ -479,7 +487,9 @@ struct Owner {
     /// one reference per session: a name no session uses is freed), the
     /// edge's wire id of it (0: restored, not connected again yet) and its
     /// user.
-    sessions: HashMap<SessionId, (Holder, u64, u64, UserId)>,
+    /// Each session's holder, device, wire id, user, and `since` (its
+    /// edge's welcome order; 0 when restored from the device record).
+    sessions: HashMap<SessionId, (Holder, u64, u64, UserId, u64)>,
     by_holder: HashMap<Holder, SessionId>,
     /// The last request id taken per connection: a request that arrives
     /// late (after the edge gave up on it and sent the next) is not applied
@@ -551,6 +561,8 @@ struct EdgeDevice {
     /// The session's wire id.
     wire: u64,
     conn: u64,
+    /// When this edge run welcomed the session (its first `conn`).
+    since: u64,
     queue: VecDeque<QueuedOp>,
     /// The request id of the op at the queue's head, once sent.
     sent: Option<u64>,
@@ -566,6 +578,7 @@ impl EdgeDevice {
             op: WireOp::Connect {
                 kind: self.kind,
                 session: self.wire,
+                since: self.since,
             },
             wait: None,
             deadline: now,
@@ -1231,6 +1244,7 @@ impl ClusterLink {
             kind,
             wire,
             conn,
+            since: conn,
             queue: VecDeque::new(),
             sent: None,
             not_before: None,
@@ -2605,7 +2619,7 @@ impl ClusterLink {
                     for (session, (holder, did)) in sessions.into_iter().zip(holders) {
                         o.by_holder.insert(holder.clone(), session);
                         o.devices.acquire(did);
-                        o.sessions.insert(session, (holder, did, 0, UserId(uid)));
+                        o.sessions.insert(session, (holder, did, 0, UserId(uid), 0));
                     }
                 }
             }
@@ -3088,11 +3102,19 @@ impl ClusterLink {
             WireOp::Connect {
                 kind,
                 session: wire,
+                since,
             } => {
                 if session.is_some_and(|s| live(o, s)) {
                     FromOwner::Done { epoch }
+                } else if welcomed_later(o, &user, &device, &holder, since) {
+                    // A session this edge run welcomed after this one holds
+                    // the device: this one was given up by its client and
+                    // must not take the device over (its end would show
+                    // the device offline while it is connected).
+                    self.counters.stale_connects += 1;
+                    FromOwner::Done { epoch }
                 } else {
-                    let named = (holder.clone(), wire);
+                    let named = (holder.clone(), wire, since);
                     match owner_connect(o, at, &user, &device, kind.into(), named) {
                         Ok(uid) => {
                             o.dirty_since.get_or_insert(at);
@@ -3200,7 +3222,7 @@ impl ClusterLink {
             o.dirty_since.get_or_insert(at);
         }
         for (session, reason) in ended {
-            if let Some((holder, did, _, uid)) = o.sessions.remove(&session) {
+            if let Some((holder, did, _, uid, _)) = o.sessions.remove(&session) {
                 // The device is gone (not connected again): a resume naming
                 // its session anywhere starts fresh.
                 let names = (o.users.name(uid.0), o.devices.name(did));
@@ -3336,7 +3358,7 @@ fn owner_connect(
     user: &str,
     device: &str,
     kind: DeviceKind,
-    (holder, wire): (Holder, u64),
+    (holder, wire, since): (Holder, u64, u64),
 ) -> Result<UserId, WireError> {
     let too_many = || WireError::new(ErrorCode::TooManyUsers, "the owner holds too many users");
     let uid = o.users.intern(user).ok_or_else(too_many)?;
@@ -3371,8 +3393,26 @@ fn owner_connect(
     }
     o.devices.acquire(did);
     o.sessions
-        .insert(connected.session, (holder, did, wire, UserId(uid)));
+        .insert(connected.session, (holder, did, wire, UserId(uid), since));
     Ok(UserId(uid))
+}
+
+/// Whether `device` of `user` is online under a session that the same edge
+/// run as `holder` welcomed after `since`.
+fn welcomed_later(o: &Owner, user: &str, device: &str, holder: &Holder, since: u64) -> bool {
+    let (Some(uid), Some(did)) = (o.users.get(user), o.devices.get(device)) else {
+        return false;
+    };
+    o.core.sessions_of(UserId(uid)).into_iter().any(|s| {
+        let online = o
+            .core
+            .session_info(s)
+            .is_some_and(|i| i.online && i.device == DeviceId(did));
+        online
+            && o.sessions.get(&s).is_some_and(|(h, _, _, _, later)| {
+                h.0 == holder.0 && h.1 == holder.1 && *later > since
+            })
+    })
 }
 
 fn owner_late() -> WireError {
@@ -3392,7 +3432,7 @@ fn route_of(o: &Owner, user: &str) -> Vec<proto::RouteEntry> {
         .into_iter()
         .filter_map(|s| {
             let info = o.core.session_info(s)?;
-            let (_, did, wire, _) = o.sessions.get(&s)?;
+            let (_, did, wire, ..) = o.sessions.get(&s)?;
             Some(proto::RouteEntry {
                 device: o.devices.name(*did)?.to_string(),
                 kind: info.kind.into(),
@@ -3753,6 +3793,66 @@ mod tests {
         let seen = pushes(&mut a);
         assert_eq!(seen.len(), 1);
         assert_eq!(seen[0].1.status, greendot_core::Status::Busy);
+    }
+
+    /// alice's phone has two sessions at edge `a`: one its client gave up
+    /// on (a connect timeout) and the one it kept, welcomed later. Their
+    /// connects reach the owner in the wrong order (the first was held up).
+    /// The given-up session must not take the device over: when it ends,
+    /// alice stays online, since her kept session is connected.
+    #[test]
+    fn a_connect_given_up_on_arriving_late_does_not_take_the_device_over() {
+        let now = Instant::now();
+        let (mut a, mut b) = (link("a"), link("b"));
+        b.set_status(
+            now,
+            Millis(0),
+            all_shards(1, now + Duration::from_secs(3600)),
+        );
+        let (given_up, kept) = (SessionId(1), SessionId(2));
+        for (session, wire) in [(given_up, 1001), (kept, 1002)] {
+            let kind = proto::Kind::Mobile;
+            a.connected(now, Millis(0), session, wire, "alice", "phone", kind, None);
+        }
+        let mut requests: Vec<ClusterInput> = std::iter::from_fn(|| a.poll_output())
+            .filter_map(|out| match out {
+                ClusterOutput::Request {
+                    id,
+                    shard,
+                    kind,
+                    payload,
+                } => Some(ClusterInput::Request {
+                    shard,
+                    kind,
+                    payload,
+                    reply: id,
+                }),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(requests.len(), 2, "one connect per session");
+        requests.reverse();
+        for request in requests {
+            b.handle_input(now, Millis(1), request);
+            exchange(&mut a, &mut b, now, Millis(1));
+        }
+        let ended = WireOp::Disconnect { last_heard: 0 };
+        assert!(a.input(now, Millis(2), given_up, ended, None));
+        exchange(&mut a, &mut b, now, Millis(2));
+        // Far past grace and debounce.
+        b.handle_timeout(now, Millis(600_000));
+        exchange(&mut a, &mut b, now, Millis(600_000));
+        let o = &b.owners[&1];
+        let uid = UserId(o.users.get("alice").unwrap());
+        let online = o
+            .core
+            .sessions_of(uid)
+            .into_iter()
+            .any(|s| o.core.session_info(s).is_some_and(|i| i.online));
+        assert!(
+            online,
+            "alice shown offline while her kept session is connected"
+        );
     }
 
     /// C4: the owner's preference write is acknowledged by the KV after the
@@ -4725,6 +4825,7 @@ mod tests {
             op: WireOp::Connect {
                 kind: proto::Kind::Web,
                 session: 1,
+                since: 1,
             },
         };
         for (msg, kind) in [
