@@ -963,8 +963,15 @@ impl ClusterLink {
                 for q in &mut d.queue {
                     if q.deadline <= now {
                         if let Some(wait) = q.wait.take() {
-                            self.finished
-                                .push_back((wait, Finished::Failed(owner_late())));
+                            // An ending op is never dropped: it lands at this
+                            // owner or the next, or, if this node dies first,
+                            // the owner ends the session by its grace. The
+                            // client is told it will land, not that it failed.
+                            let answer = match q.op {
+                                WireOp::Logout => Finished::Done,
+                                _ => Finished::Failed(owner_late()),
+                            };
+                            self.finished.push_back((wait, answer));
                         }
                     }
                 }
@@ -3852,6 +3859,99 @@ mod tests {
         assert!(
             online,
             "alice shown offline while her kept session is connected"
+        );
+    }
+
+    /// alice logs out while the owner of her shard is dead: nobody answers.
+    /// The next owner restores her phone from the shard's device record and
+    /// the edge's logout reaches it: she is offline within the new owner's
+    /// resync window and the debounce, not after her grace.
+    #[test]
+    fn a_logout_during_an_owner_failover_reaches_the_next_owner() {
+        let (mut a, mut b, now) = two_nodes();
+        b.handle_timeout(now, Millis(600));
+        exchange(&mut a, &mut b, now, Millis(600));
+        let alice = SessionId(1);
+        let record = vec![RecordedDevice {
+            user: "alice".into(),
+            device: "phone".into(),
+            kind: proto::Kind::Mobile,
+            edge: "a".into(),
+            incarnation: 7,
+            conn: a.devices[&alice].conn,
+            heard: 600,
+        }];
+        drop(b); // the owner dies
+
+        assert!(a.input(now, Millis(1_000), alice, WireOp::Logout, Some(100)));
+        a.session_ended(alice);
+        let unanswered: Vec<u64> = std::iter::from_fn(|| a.poll_output())
+            .filter_map(|out| match out {
+                ClusterOutput::Request { id, .. } => Some(id),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(unanswered.len(), 1);
+        for id in unanswered {
+            a.handle_input(
+                now,
+                Millis(1_000),
+                ClusterInput::Answered { id, payload: None },
+            );
+        }
+
+        // The next owner claims the shard, restores the record, asks for a resync.
+        let mut c = link("c");
+        let t = |ms: u64| (now + Duration::from_millis(ms), Millis(ms));
+        // After the logout's request timeout (5 s): it is still queued.
+        let (claimed_at, at) = t(8_000);
+        c.set_status(
+            claimed_at,
+            at,
+            all_shards(2, now + Duration::from_secs(3600)),
+        );
+        while let Some(out) = c.poll_output() {
+            match out {
+                ClusterOutput::LoadShard { id, .. } => {
+                    let loaded = ClusterInput::ShardLoaded {
+                        id,
+                        record: Some(encode(&record)),
+                    };
+                    c.handle_input(claimed_at, at, loaded);
+                }
+                ClusterOutput::Resync { payload } => {
+                    a.handle_input(claimed_at, at, ClusterInput::Resync { payload })
+                }
+                _ => {}
+            }
+        }
+        let mut offline_at = None;
+        for ms in (8_000..60_000).step_by(100) {
+            let (now, at) = t(ms);
+            a.handle_timeout(now, at);
+            c.handle_timeout(now, at);
+            exchange(&mut a, &mut c, now, at);
+            let o = &c.owners[&1];
+            let uid = o.users.get("alice").map(UserId);
+            let gone = uid.is_some_and(|u| o.core.is_known(u) && !o.core.is_online(u));
+            if gone {
+                offline_at = Some(ms);
+                break;
+            }
+        }
+        let offline_at = offline_at.expect("alice's session ended at the new owner");
+        // Resync window (the request timeout, 5 s) and the debounce, far
+        // below the mobile grace.
+        assert!(
+            offline_at <= 8_000 + 5_000 + 1_000,
+            "ended at {offline_at} ms"
+        );
+        let answers: Vec<(u64, Finished)> = std::iter::from_fn(|| a.poll_finished()).collect();
+        assert!(
+            answers
+                .iter()
+                .any(|(w, f)| *w == 100 && matches!(f, Finished::Done)),
+            "the client is told its logout lands: {answers:?} (ended at {offline_at} ms)"
         );
     }
 
