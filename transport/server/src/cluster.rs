@@ -3064,9 +3064,17 @@ impl ClusterLink {
         }
         let from_unix = |unix: u64| Millis(unix.saturating_sub(self.unix_base_ms)).min(at);
         let loads = self.pending_loads.len();
+        // `max_users` is the node's, over all the shards it owns: a user
+        // new to every owner core here is refused at it.
+        let node_users: usize = self.owners.values().map(|o| o.users.len()).sum();
         let Some(o) = self.owners.get_mut(&shard) else {
             return self.reply(reply, FromOwner::NotOwner, now, at);
         };
+        let connects = matches!(op, WireOp::Connect { .. });
+        if connects && node_users >= self.owner_config.max_users && o.users.get(&user).is_none() {
+            let full = WireError::new(ErrorCode::TooManyUsers, "this node holds too many users");
+            return self.reply(reply, FromOwner::Refused(full), now, at);
+        }
         let epoch = o.epoch;
         if !o.loaded.contains(&user) {
             // The user's KV record first: a new owner keeps their choices,
@@ -3953,6 +3961,50 @@ mod tests {
                 .any(|(w, f)| *w == 100 && matches!(f, Finished::Done)),
             "the client is told its logout lands: {answers:?} (ended at {offline_at} ms)"
         );
+    }
+
+    /// `max_users` bounds the users of all the shards a node owns, not of
+    /// each shard's core.
+    #[test]
+    fn max_users_is_the_nodes_over_all_its_shards() {
+        let now = Instant::now();
+        let settings = |node: &str| ClusterSettings {
+            node: node.into(),
+            incarnation: 7,
+            shard_count: SHARDS,
+            shard_of: by_len,
+            request_timeout: Duration::from_secs(5),
+        };
+        let config = Config {
+            max_users: 2,
+            ..Config::default()
+        };
+        let mut a = ClusterLink::new(settings("a"), &Config::default(), 0, 128);
+        let mut b = ClusterLink::new(settings("b"), &config, 0, 128);
+        b.set_status(
+            now,
+            Millis(0),
+            all_shards(1, now + Duration::from_secs(3600)),
+        );
+        // One user per shard (shards by name length).
+        for (i, user) in ["al", "bob", "carl"].into_iter().enumerate() {
+            let session = SessionId(i as u64 + 1);
+            a.connected(
+                now,
+                Millis(0),
+                session,
+                1000 + i as u64,
+                user,
+                "phone",
+                proto::Kind::Mobile,
+                None,
+            );
+            exchange(&mut a, &mut b, now, Millis(0));
+        }
+        let owned: usize = b.owners.values().map(|o| o.users.len()).sum();
+        assert_eq!(owned, 2, "the third user is refused");
+        let carl = b.owners.values().any(|o| o.users.get("carl").is_some());
+        assert!(!carl);
     }
 
     /// C4: the owner's preference write is acknowledged by the KV after the
