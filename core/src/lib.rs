@@ -15,14 +15,14 @@
 //! let alice = core
 //!     .handle_connect(Millis(0), Connect {
 //!         user: UserId(1), device: DeviceId(1), kind: DeviceKind::Mobile,
-//!         watch: Watch::All, resume: None,
+//!         watch: Watch::All, resume: None, foreground: true,
 //!     })
 //!     .unwrap()
 //!     .session;
 //! let bob = core
 //!     .handle_connect(Millis(0), Connect {
 //!         user: UserId(2), device: DeviceId(1), kind: DeviceKind::Desktop,
-//!         watch: Watch::All, resume: None,
+//!         watch: Watch::All, resume: None, foreground: true,
 //!     })
 //!     .unwrap()
 //!     .session;
@@ -48,6 +48,7 @@ mod config;
 mod engine;
 mod error;
 mod fanout;
+mod foreground;
 mod index;
 mod output;
 mod timers;
@@ -64,7 +65,7 @@ pub mod mutants;
 #[cfg(feature = "check")]
 pub use audit::Audit;
 pub use cluster::{Epoch, NodeId, Published, ShardId};
-pub use config::{Config, ConfigError, KindConfig, RealtimeOverflow};
+pub use config::{Backgrounded, Config, ConfigError, KindConfig, RealtimeOverflow};
 pub use engine::{Connect, Connected, Core, Counters, Input, Reply, Saved, SessionInfo, Snapshot};
 pub use error::{Error, Limit};
 pub use fanout::Fanout;
