@@ -10,8 +10,8 @@
 
 use greendot_core::Core;
 use greendot_core::{
-    Backgrounded, Config, Connect, DeviceId, DeviceKind, EndReason, Error, Input, KindConfig, Millis, Output,
-    Presence, RealtimeOverflow, Reply, SessionId, Status, Tier, UserId, Watch,
+    Backgrounded, Config, Connect, DeviceId, DeviceKind, EndReason, Error, Input, KindConfig,
+    Millis, Output, Presence, RealtimeOverflow, Reply, SessionId, Status, Tier, UserId, Watch,
 };
 use stateright::{Model, Property};
 use std::collections::{BTreeMap, BTreeSet};
@@ -824,9 +824,8 @@ impl CoreModel {
         // I5 beats I6: a user who goes invisible is hidden at once, also
         // when the offline they are hidden with was already being debounced
         // (a backgrounded device going invisible, I12).
-        let hidden_at_once = !published.online
-            && n.core.truth(user).invisible
-            && !s.core.truth(user).invisible;
+        let hidden_at_once =
+            !published.online && n.core.truth(user).invisible && !s.core.truth(user).invisible;
         if published.same_view(&was_shown) && !hidden_at_once {
             if let Some(since) = s.users[t].shown_since {
                 if now.0 < since.0 + debounce {

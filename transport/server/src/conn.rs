@@ -7,8 +7,8 @@ use crate::hub::Hub;
 use crate::token::{Claims, TokenKeys};
 use greendot_core::{Millis, SessionId};
 use greendot_proto::{
-    self as proto, close_code_for, decode, decode_hello, peek_version, CloseCode, ErrorCode, FrameError, Hello,
-    RequestFrame, ServerFrame, WireError,
+    self as proto, close_code_for, decode, decode_hello, peek_version, CloseCode, ErrorCode,
+    FrameError, Hello, RequestFrame, ServerFrame, WireError,
 };
 use std::sync::Arc;
 
