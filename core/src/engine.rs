@@ -1182,7 +1182,7 @@ impl Core {
             .filter(|&s| {
                 self.session(s).is_some_and(|s| {
                     matches!(s.link(), Link::Online { .. })
-                        && !(s.background && !mutant!(self, BackgroundCounted))
+                        && (!s.background || mutant!(self, BackgroundCounted))
                 })
             })
             .collect()

@@ -82,9 +82,8 @@ async fn backgrounded_is_offline_after_debounce_last_seen_when_it_went_and_route
     // The session is kept: it answers, its keep-alives go on, and last
     // seen does not move with them.
     phone.ping().await.unwrap();
-    assert_eq!(
-        phone.query("bea").await.unwrap().online,
-        false,
+    assert!(
+        !phone.query("bea").await.unwrap().online,
         "her own view: not present"
     );
     let queried = svc.query("bea").await.unwrap();
