@@ -40,7 +40,8 @@
 //! ```
 //!
 //! Defaults are in [`Config::default`]. The semantics and the invariants
-//! I1–I11 are those of greendot's DESIGN.md; `check_invariants` (feature
+//! I1–I12 are those of greendot's DESIGN.md (I12, foreground and background,
+//! is stated in the `foreground` module); `check_invariants` (feature
 //! `check`) verifies the structural ones after any step.
 
 pub mod cluster;

@@ -616,7 +616,7 @@ proptest! {
         run(config, &steps)?;
     }
 
-    /// Releases among everything else: I1–I11 hold, versions per (session,
+    /// Releases among everything else: I1–I12 hold, versions per (session,
     /// target) still increase, and a user that comes back is a new record
     /// whose versions start above every released one.
     #[test]
