@@ -34,6 +34,18 @@
 //! it probes the TCP connection and reconnects (and resumes) if no answer
 //! comes within [`ClientConfig::probe_timeout`].
 //!
+//! # The app's lifecycle
+//!
+//! [`Client::app_backgrounded`] and [`Client::app_foregrounded`], with
+//! `network_changed`, are the calls a phone's callbacks make. In the
+//! background the user is shown offline (last seen when the app went) and
+//! `route` no longer names the device, so a backend pushes instead; the
+//! session and its subscriptions go on, every hello carries the state, and
+//! the client redials nothing until the app is back in the foreground (or
+//! the network changes). Back in the foreground it tells the server, checks
+//! the connection within `probe_timeout`, and a reconnect in progress tries
+//! at once with its backoff reset.
+//!
 //! # Reconnecting
 //!
 //! Every wait before an attempt is drawn with full jitter: uniformly in
