@@ -261,11 +261,14 @@ pub enum WireOp {
         message: Option<String>,
     },
     SetInvisible(bool),
+    /// The app went to the foreground (`true`) or the background (I12).
+    SetForeground(bool),
 }
 
-/// Keeps, of a device's queued ops, every `Connect` and the last status
-/// and the last invisibility change (in their order): what the owner must
-/// still take before an ending op. Returns the waits of the ops dropped.
+/// Keeps, of a device's queued ops, every `Connect` and the last status,
+/// the last invisibility change and the last foreground change (in their
+/// order): what the owner must still take before an ending op. Returns the
+/// waits of the ops dropped.
 fn compact_queue(queue: &mut VecDeque<QueuedOp>) -> Vec<u64> {
     let last_status = queue
         .iter()
@@ -273,6 +276,9 @@ fn compact_queue(queue: &mut VecDeque<QueuedOp>) -> Vec<u64> {
     let last_invisible = queue
         .iter()
         .rposition(|q| matches!(q.op, WireOp::SetInvisible(_)));
+    let last_foreground = queue
+        .iter()
+        .rposition(|q| matches!(q.op, WireOp::SetForeground(_)));
     let mut dropped = Vec::new();
     let kept = std::mem::take(queue)
         .into_iter()
@@ -280,7 +286,8 @@ fn compact_queue(queue: &mut VecDeque<QueuedOp>) -> Vec<u64> {
         .filter_map(|(i, q)| {
             let keep = matches!(q.op, WireOp::Connect { .. })
                 || Some(i) == last_status
-                || Some(i) == last_invisible;
+                || Some(i) == last_invisible
+                || Some(i) == last_foreground;
             if !keep {
                 dropped.extend(q.wait);
             }
@@ -570,9 +577,25 @@ struct EdgeDevice {
     not_before: Option<Instant>,
     /// The session is over here: forget the device once its queue is empty.
     closed: bool,
+    /// The app is in the background (I12): a connect sent again (to a new
+    /// owner) is followed by a `SetForeground(false)`.
+    background: bool,
 }
 
 impl EdgeDevice {
+    /// Puts a connect at the head of the queue, then the app's state if it
+    /// is in the background.
+    fn connect_first(&mut self, now: Instant) {
+        if self.background {
+            self.queue.push_front(QueuedOp {
+                op: WireOp::SetForeground(false),
+                wait: None,
+                deadline: now,
+            });
+        }
+        self.queue.push_front(self.connect(now));
+    }
+
     fn connect(&self, now: Instant) -> QueuedOp {
         QueuedOp {
             op: WireOp::Connect {
@@ -1167,7 +1190,7 @@ impl ClusterLink {
         d.conn = conn;
         d.sent = None;
         d.not_before = None;
-        d.queue.push_front(d.connect(now));
+        d.connect_first(now);
         self.pump(session, now, at);
     }
 
@@ -1239,6 +1262,7 @@ impl ClusterLink {
             // Resumed here after a disconnect: connected again at the owner.
             if d.closed {
                 d.closed = false;
+                d.background = false; // the new hello's state follows
                 d.conn = conn;
                 d.queue.push_back(d.connect(now));
                 self.pump(session, now, at);
@@ -1256,6 +1280,7 @@ impl ClusterLink {
             sent: None,
             not_before: None,
             closed: false,
+            background: false,
         };
         d.queue.push_back(d.connect(now));
         self.devices.insert(session, d);
@@ -1279,6 +1304,9 @@ impl ClusterLink {
             return false;
         };
         let ends = matches!(op, WireOp::Logout | WireOp::Disconnect { .. });
+        if let WireOp::SetForeground(foreground) = op {
+            d.background = !foreground;
+        }
         if d.queue.len() >= MAX_QUEUED_OPS && ends {
             // An ending op is never refused: dropped, the device would stay
             // online at its owner until the shard moved (a ghost past C3's
@@ -1709,7 +1737,7 @@ impl ClusterLink {
                 // The owner has no live session of the device (a new owner):
                 // connect it again first.
                 self.counters.retries += 1;
-                d.queue.push_front(d.connect(now));
+                d.connect_first(now);
                 self.next_conn += 1;
                 if let Some(d) = self.devices.get_mut(&session) {
                     d.conn = self.next_conn;
@@ -3177,6 +3205,17 @@ impl ClusterLink {
                     Err(e) => FromOwner::Refused(e.into()),
                 },
             },
+            WireOp::SetForeground(foreground) => match session.filter(|&s| live(o, s)) {
+                None => FromOwner::Unknown,
+                Some(s) => match o.core.handle_set_foreground(at, s, foreground) {
+                    Ok(()) => {
+                        // Last seen may move: written behind, like a connect.
+                        o.dirty_since.get_or_insert(at);
+                        FromOwner::Done { epoch }
+                    }
+                    Err(e) => FromOwner::Refused(e.into()),
+                },
+            },
         };
         let key_rid = holder.clone();
         if prefs {
@@ -3389,6 +3428,7 @@ fn owner_connect(
         kind,
         watch: Watch::All,
         resume: None,
+        foreground: true,
     };
     let connected = match o.core.handle_connect(at, connect) {
         Ok(c) => c,
