@@ -144,17 +144,24 @@ pub struct NodeStatus {
     pub peers: Vec<(NodeId, Option<String>)>,
     /// How long a renewal lets the node act (`lease_ttl - margin`).
     pub act_window: Duration,
+    /// When the node took the lease it holds (at its start, or its last
+    /// rejoin).
+    pub held_since: Instant,
 }
 
 impl NodeStatus {
-    /// Whether the node renewed its lease within the last half of its act
-    /// window. A node whose NATS works renews every third of the window, so
-    /// it always has; when a node is cut off (a full window without a
-    /// renewal), a peer that shares its outage renewed at the latest when
-    /// the outage began, two thirds of a window or more before: it has not.
-    /// This tells a cut-off node whether only it lost NATS.
-    pub fn renewed_recently(&self, now: Instant) -> bool {
-        self.acting(now) && self.lease_until.saturating_duration_since(now) > self.act_window / 2
+    /// Whether the node has held its lease steadily: for at least one act
+    /// window, and renewed within the last half of it. This tells a
+    /// cut-off node whether only it lost NATS. A node whose NATS works
+    /// renews every third of the window, so it has; a peer that shares the
+    /// outage renewed at the latest when the outage began, two thirds of a
+    /// window or more before the asker's cut-off; and a peer that rejoined
+    /// after the outage has held its new lease for less than a window, the
+    /// time the asker has to rejoin as well.
+    pub fn steadily_holding(&self, now: Instant) -> bool {
+        self.acting(now)
+            && self.lease_until.saturating_duration_since(now) > self.act_window / 2
+            && now.saturating_duration_since(self.held_since) >= self.act_window
     }
 
     /// Whether the node may serve at `now`.
@@ -355,6 +362,7 @@ impl Node {
             rejoins: 0,
             peers: Vec::new(),
             act_window: config.lease_ttl.saturating_sub(config.margin),
+            held_since: Instant::now(),
         });
         let (leave, leave_rx) = oneshot::channel();
         let duty = Duty {
@@ -373,6 +381,7 @@ impl Node {
             cut_offs: 0,
             rejoins: 0,
             peers: Vec::new(),
+            held_since: Instant::now(),
         };
         let task = tokio::spawn(duty.run(leave_rx));
         Ok(Node {
@@ -458,6 +467,8 @@ struct Duty {
     rejoins: u64,
     /// The other live nodes as last seen (kept while a watch is made again).
     peers: Vec<(NodeId, Option<String>)>,
+    /// When the lease held now was taken.
+    held_since: Instant,
 }
 
 /// The outcome of one claim action.
@@ -507,6 +518,7 @@ impl Duty {
                 let c = self.cluster.config();
                 c.lease_ttl.saturating_sub(c.margin)
             },
+            held_since: self.held_since,
         };
         self.tx.send_if_modified(|old| {
             let changed = *old != status;
@@ -618,7 +630,10 @@ impl Duty {
         self.publish(NodePhase::CutOff);
         let since = Instant::now();
         let bound = self.cluster.config().op_timeout * 2;
-        let longest = self.cluster.config().lease_ttl;
+        // At most a renewal period apart: each try is one KV read and
+        // write, and a node back late after NATS is would be sent away by
+        // peers that rejoined (see `NodeStatus::steadily_holding`).
+        let longest = self.retry_delay();
         let mut delay = self.retry_delay() / 4;
         let mut attempts = 0u32;
         loop {
@@ -635,6 +650,7 @@ impl Duty {
             let why = match result {
                 Ok(Ok(lease)) => {
                     self.lease = lease;
+                    self.held_since = Instant::now();
                     // Fresh watches: the old ones may have stalled with the
                     // NATS node that went. One that cannot be made now is
                     // made again by `wait`; planning waits for both.
@@ -660,7 +676,7 @@ impl Duty {
                 Err(_) => format!("no answer from NATS within {bound:?}"),
             };
             // Loud at first, then once in ten: an outage is long to read.
-            if attempts == 1 || attempts % 10 == 0 {
+            if attempts == 1 || attempts.is_multiple_of(10) {
                 warn!(attempts, after = ?since.elapsed(), error = %why, "cannot take a node lease yet; retrying");
             } else {
                 debug!(attempts, error = %why, "cannot take a node lease yet; retrying");

@@ -10,10 +10,13 @@
 //!   node within their grace.
 //!
 //! The node tells the two apart by asking its peers, at the HTTP addresses
-//! their leases advertised, whether they hold their leases and renewed them
-//! recently (`GET /cluster/lease`): a peer that shares the outage still
-//! holds a lease for a moment, but renewed it at the latest when the outage
-//! began. A peer that says yes means the cluster works without this node:
+//! their leases advertised, whether they hold their leases steadily
+//! (`GET /cluster/lease`: held for an act window, and renewed within the
+//! last half of it). A peer that shares the outage still holds a lease for
+//! a moment, but renewed it at the latest when the outage began; one that
+//! rejoined after it holds a lease younger than a window, the time this
+//! node has to rejoin too. A peer that says yes means the cluster works
+//! without this node:
 //! it drains, and its clients reconnect to the others. While none does, it
 //! holds, asking again every second, until it rejoins or the hold has
 //! lasted the longest grace (past it, every device it holds would be
@@ -108,8 +111,8 @@ async fn peer_holding_its_lease(peers: &[(NodeId, Option<String>)]) -> Option<No
     None
 }
 
-/// `GET /cluster/lease` at `addr`: 200 means the node holds its lease and
-/// renewed it recently.
+/// `GET /cluster/lease` at `addr`: 200 means the node holds its lease
+/// steadily.
 /// No answer within `ASK_TIMEOUT` is a no.
 pub async fn holds_its_lease(addr: &str) -> bool {
     let ask = async {
@@ -127,16 +130,17 @@ pub async fn holds_its_lease(addr: &str) -> bool {
     matches!(tokio::time::timeout(ASK_TIMEOUT, ask).await, Ok(Some(true)))
 }
 
-/// The route peers ask: 200 while this node holds its lease and renewed it
-/// recently ([`NodeStatus::renewed_recently`]), else 503. A peer whose
-/// lease is still valid but not renewed for a while shares the asker's
-/// outage; it must not send the asker's clients away.
+/// The route peers ask: 200 while this node holds its lease steadily
+/// ([`NodeStatus::steadily_holding`]), else 503. A peer whose lease is still
+/// valid but not renewed for a while shares the asker's outage, and one
+/// that just rejoined after it may be followed by the asker: neither must
+/// send the asker's clients away.
 pub fn lease_route(status: watch::Receiver<NodeStatus>) -> greendot_server::http::axum::Router {
     use greendot_server::http::axum::{http::StatusCode, routing::get, Router};
     Router::new().route(
         "/cluster/lease",
         get(move || {
-            let holds = status.borrow().renewed_recently(Instant::now());
+            let holds = status.borrow().steadily_holding(Instant::now());
             async move {
                 if holds {
                     (StatusCode::OK, "held\n")
@@ -170,6 +174,7 @@ mod tests {
             rejoins: 0,
             peers,
             act_window: Duration::from_secs(12),
+            held_since: Instant::now() - Duration::from_secs(60),
         }
     }
 
@@ -188,16 +193,21 @@ mod tests {
     }
 
     #[test]
-    fn a_lease_renewed_within_half_its_window_is_recent() {
+    fn a_lease_held_a_window_and_renewed_within_half_of_it_is_steady() {
         let s = |left| status(NodePhase::Active, left, Vec::new());
         let now = Instant::now();
-        assert!(s(Duration::from_secs(11)).renewed_recently(now));
+        assert!(s(Duration::from_secs(11)).steadily_holding(now));
+        let rejoined = NodeStatus {
+            held_since: now - Duration::from_secs(3),
+            ..s(Duration::from_secs(11))
+        };
+        assert!(!rejoined.steadily_holding(now), "rejoined after the outage");
         assert!(
-            !s(Duration::from_secs(5)).renewed_recently(now),
+            !s(Duration::from_secs(5)).steadily_holding(now),
             "shares the outage"
         );
         let cut = status(NodePhase::CutOff, Duration::from_secs(11), Vec::new());
-        assert!(!cut.renewed_recently(now));
+        assert!(!cut.steadily_holding(now));
     }
 
     /// Only this node lost NATS: a peer renewed recently, so it drains.
