@@ -19,6 +19,18 @@ pub enum ClusterError {
         #[source]
         source: async_nats::ConnectError,
     },
+    #[error("NATS credentials")]
+    Credentials {
+        #[source]
+        source: std::io::Error,
+    },
+    /// An owner's answer that is not a sealed message of this cluster
+    /// (counted in `greendot_cluster_dropped_total`).
+    #[error("the answer to {subject} was dropped: {reason}")]
+    Dropped {
+        subject: String,
+        reason: &'static str,
+    },
     #[error("creating or opening KV bucket {bucket}")]
     Bucket {
         bucket: String,

@@ -147,6 +147,8 @@ pub struct NatsCluster {
     dir: PathBuf,
     cluster_name: String,
     nodes: Vec<NatsNode>,
+    /// The user and password every client must give (`None`: no auth).
+    auth: Option<(String, String)>,
 }
 
 impl NatsCluster {
@@ -154,6 +156,16 @@ impl NatsCluster {
     /// metadata leader and every node answers. Panics on failure (a test
     /// harness: the panic message says what went wrong).
     pub async fn start(size: usize) -> NatsCluster {
+        NatsCluster::start_with(size, None).await
+    }
+
+    /// [`NatsCluster::start`] with NATS requiring `user` and `password` of
+    /// every client (`--user`, `--pass`).
+    pub async fn start_with_user(size: usize, user: &str, password: &str) -> NatsCluster {
+        NatsCluster::start_with(size, Some((user.to_owned(), password.to_owned()))).await
+    }
+
+    async fn start_with(size: usize, auth: Option<(String, String)>) -> NatsCluster {
         let binary = nats_server_binary().unwrap_or_else(|e| panic!("no nats-server: {e}"));
         static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -176,6 +188,7 @@ impl NatsCluster {
             dir,
             cluster_name,
             nodes,
+            auth,
         };
         for i in 0..size {
             cluster.spawn(i);
@@ -210,6 +223,9 @@ impl NatsCluster {
             ])
             .arg(&node.store)
             .args(["-n", &node.name]);
+        if let Some((user, password)) = &self.auth {
+            command.args(["--user", user, "--pass", password]);
+        }
         // A node alone is no cluster: with routes to itself only it would
         // wait for routing forever.
         if self.nodes.len() > 1 {
@@ -269,11 +285,12 @@ impl NatsCluster {
     }
 
     async fn jetstream_answers(&self, i: usize) -> bool {
-        let Ok(client) = async_nats::ConnectOptions::new()
-            .connection_timeout(Duration::from_secs(1))
-            .connect(self.url(i))
-            .await
-        else {
+        let mut options =
+            async_nats::ConnectOptions::new().connection_timeout(Duration::from_secs(1));
+        if let Some((user, password)) = &self.auth {
+            options = options.user_and_password(user.clone(), password.clone());
+        }
+        let Ok(client) = options.connect(self.url(i)).await else {
             return false;
         };
         let js = async_nats::jetstream::new(client);
@@ -354,4 +371,10 @@ impl Drop for NatsCluster {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
+}
+
+/// The envelope of test nodes: every node of a test cluster shares it, as
+/// every node of a real one shares the token secret.
+pub fn envelope() -> crate::Envelope {
+    crate::Envelope::new(crate::MessageKey::derive(b"greendot test secret"))
 }

@@ -298,10 +298,14 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     let addr = server.local_addr();
 
     // Joined before the metrics page starts, so that it shows the node.
+    let mut dropped = None;
     let mut node = match cluster_config {
         None => None,
         Some((urls, config)) => {
-            let cluster = greendot_cluster::Cluster::connect(&urls, config)
+            // Every inter-node message is sealed with a key derived from the
+            // token secret, which every node of the cluster shares.
+            let envelope = settings.envelope(&data.secret)?;
+            let cluster = greendot_cluster::Cluster::connect(&urls, config, envelope)
                 .await
                 .map_err(|e| {
                     format!(
@@ -321,6 +325,7 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
                         crate::cluster::chain(&e)
                     )
                 })?;
+            dropped = Some(cluster.dropped());
             // The data path: presence crosses nodes through this task.
             if let Some(outputs) = server.take_cluster_outputs() {
                 tokio::spawn(crate::cluster_io::run(
@@ -366,9 +371,11 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
             dev_tokens,
         };
         let mut service = HttpService::new(server.monitor()).merge(crate::page::routes(page));
-        if let Some(status) = cluster_status.clone() {
+        if let (Some(status), Some(dropped)) = (cluster_status.clone(), dropped.clone()) {
             service = service.more_metrics(std::sync::Arc::new(move || {
-                status.borrow().render_metrics(std::time::Instant::now())
+                let mut text = status.borrow().render_metrics(std::time::Instant::now());
+                text.push_str(&dropped.render_metrics());
+                text
             }));
         }
         let thread = service

@@ -1,0 +1,289 @@
+//! Forged publishes (issue 30 §5): two `greendot serve --cluster` nodes on
+//! NATS, alice's phone on node a, watchers of alice on both nodes. A plain
+//! NATS client with publish rights on the subjects but without the token
+//! secret forges a view (a huge epoch and version: the attack that used to
+//! make watchers drop every real view after it), copies a genuine view onto
+//! an edge's subject, and forges device inputs (a logout and an
+//! invisibility change under a made-up edge incarnation), signed with
+//! another key and unsigned (the format before the envelope). No watcher
+//! sees any change, every forgery is counted in
+//! `greendot_cluster_dropped_total`, and alice's next real change reaches
+//! both watchers.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+use support::Proc;
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use greendot_client::rustls::pki_types::pem::PemObject;
+use greendot_client::rustls::pki_types::CertificateDer;
+use greendot_client::{Client, ClientConfig, Event, Updates};
+use greendot_cluster::testing::NatsCluster;
+use greendot_cluster::{Envelope, MessageKey, RequestKind};
+use greendot_core::{Presence, Status, Tier};
+use greendot_proto::Kind;
+use greendot_server::cluster::{ShardView, ToOwner, WireOp};
+use greendot_server::token::{Claims, TokenKeys, WatchClaim};
+
+const BIN: &str = env!("CARGO_BIN_EXE_greendot");
+const SHARDS: u32 = 64;
+const DEBOUNCE: Duration = Duration::from_millis(300);
+/// A loaded 2-core machine, NATS round trips, process start.
+const SLACK: Duration = Duration::from_secs(8);
+const SECRET: &str = "0123456789abcdef0123456789abcdef";
+
+struct Node {
+    id: String,
+    /// Killed when dropped.
+    _proc: Proc,
+    addr: SocketAddr,
+    metrics: String,
+    cert: CertificateDer<'static>,
+}
+
+fn serve(dir: &Path, urls: &str, id: &str) -> Node {
+    let data = dir.join(id);
+    let mut command = Command::new(BIN);
+    command
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics",
+            "127.0.0.1:0",
+        ])
+        .arg("--data-dir")
+        .arg(&data)
+        .arg("--secret-file")
+        .arg(dir.join("secret"))
+        .args(["--cluster", urls, "--node-id", id])
+        .args(["--cluster-shards", &SHARDS.to_string()])
+        .args(["--cluster-lease-ttl", "2s", "--cluster-replicas", "1"])
+        .args(["--debounce", &format!("{}ms", DEBOUNCE.as_millis())])
+        .env("RUST_LOG", "warn");
+    let mut proc = Proc::spawn(id, command);
+    let addr = proc.listening_addr(SLACK);
+    let metrics = proc.metrics_addr(SLACK);
+    let pem = std::fs::read(data.join("cert.pem")).expect("the node's certificate");
+    let cert = CertificateDer::from_pem_slice(&pem).expect("a PEM certificate");
+    Node {
+        id: id.to_owned(),
+        _proc: proc,
+        addr,
+        metrics,
+        cert,
+    }
+}
+
+fn dropped(node: &Node, reason: &str) -> u64 {
+    let name = format!("greendot_cluster_dropped_total{{reason=\"{reason}\"}}");
+    support::metric(&node.metrics, &name)
+        .unwrap_or_else(|| panic!("no {name} on {}'s metrics", node.id))
+}
+
+async fn connect(nodes: &[&Node], at: &Node, user: &str, device: &str) -> (Client, Updates) {
+    let claims = Claims::new(
+        user,
+        device,
+        Kind::Mobile,
+        WatchClaim::all(),
+        Duration::from_secs(3600),
+    );
+    let token = TokenKeys::new(SECRET.as_bytes(), Duration::ZERO)
+        .mint(&claims)
+        .unwrap();
+    let roots = nodes.iter().map(|n| n.cert.clone()).collect();
+    let mut config = ClientConfig::new(at.addr, roots, token);
+    config.reconnect = None;
+    config.websocket = None;
+    Client::connect(config)
+        .await
+        .unwrap_or_else(|e| panic!("{user}/{device} cannot connect to {}: {e}", at.id))
+}
+
+/// The next presence of alice that satisfies `pred`, within `within`.
+async fn wait_alice(
+    updates: &mut Updates,
+    within: Duration,
+    what: &str,
+    pred: impl Fn(&Presence) -> bool,
+) -> Presence {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match tokio::time::timeout_at(deadline, updates.next()).await {
+            Ok(Some(Event::Presence {
+                target, presence, ..
+            })) if target == "alice" => {
+                if pred(&presence) {
+                    return presence;
+                }
+            }
+            Ok(Some(_)) => {}
+            Ok(None) => panic!("{what}: the watcher's client ended"),
+            Err(_) => panic!("{what}: not within {within:?}"),
+        }
+    }
+}
+
+/// No presence of alice at all arrives for `after`.
+async fn alice_unchanged(updates: &mut Updates, what: &str, after: Duration) {
+    let deadline = tokio::time::Instant::now() + after;
+    while let Ok(event) = tokio::time::timeout_at(deadline, updates.next()).await {
+        if let Some(Event::Presence {
+            target, presence, ..
+        }) = event
+        {
+            assert!(target != "alice", "{what}: alice changed: {presence:?}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_views_and_inputs_change_nothing_and_are_counted() {
+    let nats = NatsCluster::start(1).await;
+    let urls = nats.urls();
+    let dir = support::temp_dir("cluster-trust");
+    std::fs::write(dir.join("secret"), SECRET).unwrap();
+    let a = serve(&dir, &urls, "a");
+    let b = serve(&dir, &urls, "b");
+    let nodes = [&a, &b];
+
+    // A client of the same NATS without the token secret; it listens on
+    // alice's shard to copy a genuine view.
+    let raw = async_nats::connect(urls.clone()).await.unwrap();
+    let shard = greendot_cluster::shard_of("alice", SHARDS);
+    let view_subject = format!("gd.shard.{}", shard.0);
+    let mut genuine_views = raw.subscribe(view_subject.clone()).await.unwrap();
+    raw.flush().await.unwrap();
+
+    // Alice online on a, watched from a and from b.
+    let (alice, _alice_updates) = connect(&nodes, &a, "alice", "phone").await;
+    let mut watchers = Vec::new();
+    for (at, user) in [(&a, "carol"), (&b, "bob")] {
+        let (client, mut updates) = connect(&nodes, at, user, "laptop").await;
+        client.subscribe(&["alice"], Tier::Realtime).await.unwrap();
+        let seen = wait_alice(&mut updates, SLACK, "alice online", |p| p.online).await;
+        watchers.push((client, updates, seen.version));
+    }
+    let genuine = tokio::time::timeout(SLACK, genuine_views.next())
+        .await
+        .expect("a genuine view of alice's shard")
+        .unwrap()
+        .payload;
+    let before: Vec<(u64, u64, u64)> = nodes
+        .iter()
+        .map(|n| {
+            (
+                dropped(n, "forged"),
+                dropped(n, "version"),
+                dropped(n, "malformed"),
+            )
+        })
+        .collect();
+
+    let stranger = Envelope::new(MessageKey::derive(b"not the cluster's secret"));
+    let forged_view = postcard::to_stdvec(&ShardView {
+        epoch: u64::MAX / 2,
+        seq: 1,
+        published_ms: greendot_cluster::unix_ms(),
+        user: "alice".into(),
+        own: false,
+        presence: greendot_proto::Presence {
+            version: u64::MAX / 2,
+            online: false,
+            status: Default::default(),
+            message: None,
+            kinds: 0,
+            last_seen: Some(1),
+            invisible: false,
+        },
+    })
+    .unwrap();
+    let input_subject = format!("gd.req.{}.{}", shard.0, RequestKind::Input.token());
+    let input = |rid: u64, op: WireOp| {
+        postcard::to_stdvec(&ToOwner::Device {
+            edge: "a".into(),
+            incarnation: u64::MAX / 2,
+            rid,
+            conn: 1,
+            user: "alice".into(),
+            device: "phone".into(),
+            op,
+        })
+        .unwrap()
+    };
+    let (logout, invisible) = (
+        input(1, WireOp::Logout),
+        input(2, WireOp::SetInvisible(true)),
+    );
+    let b_edge = "gd.edge.b".to_string();
+    // Forged (another key): a view to both nodes' watchers of the shard, a
+    // logout to the owner, a genuine view copied onto b's edge subject.
+    let forgeries = [
+        (&view_subject, stranger.seal(&view_subject, &forged_view)),
+        (&input_subject, stranger.seal(&input_subject, &logout)),
+        (&b_edge, genuine.clone()),
+        // Unsigned, as before the envelope (dropped for their version).
+        (&view_subject, Bytes::from(forged_view.clone())),
+        (&input_subject, Bytes::from(invisible.clone())),
+    ];
+    for (subject, payload) in forgeries {
+        raw.publish(subject.clone(), payload).await.unwrap();
+    }
+    raw.flush().await.unwrap();
+
+    // Nothing changed for either watcher: a forged view arrives within
+    // milliseconds, a forged input that got through would be published
+    // after the debounce.
+    for (_, updates, _) in watchers.iter_mut() {
+        alice_unchanged(updates, "after the forgeries", DEBOUNCE + SLACK / 4).await;
+    }
+
+    // Every forgery is counted where it arrived: the view by both nodes
+    // (each has a watcher of the shard), the input by the shard's owner,
+    // the copy by b. The unsigned ones start with a byte that is no
+    // version this build reads (postcard's first varint byte).
+    let expected_forged = 2 + 1 + 1;
+    let expected_other = 2 + 1;
+    let t0 = std::time::Instant::now();
+    let totals = loop {
+        let now: Vec<(u64, u64, u64)> = nodes
+            .iter()
+            .map(|n| {
+                (
+                    dropped(n, "forged"),
+                    dropped(n, "version"),
+                    dropped(n, "malformed"),
+                )
+            })
+            .collect();
+        let forged: u64 = now.iter().zip(&before).map(|(n, b)| n.0 - b.0).sum();
+        let other: u64 = now
+            .iter()
+            .zip(&before)
+            .map(|(n, b)| n.1 + n.2 - b.1 - b.2)
+            .sum();
+        if (forged, other) == (expected_forged, expected_other) || t0.elapsed() > SLACK {
+            break (forged, other);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(totals, (expected_forged, expected_other), "dropped counts");
+
+    // Alice's next real change reaches both, above the versions they had:
+    // the forged huge version poisoned nothing.
+    alice.set_status(Status::Busy, None).await.unwrap();
+    for (_, updates, version) in watchers.iter_mut() {
+        let busy = wait_alice(updates, SLACK, "alice busy", |p| {
+            p.online && p.status == Status::Busy
+        })
+        .await;
+        assert!(busy.version > *version && busy.version < u64::MAX / 2);
+    }
+    drop(nats);
+}
