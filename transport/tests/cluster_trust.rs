@@ -287,3 +287,99 @@ async fn forged_views_and_inputs_change_nothing_and_are_counted() {
     }
     drop(nats);
 }
+
+/// `greendot cluster status` against `urls` with these extra arguments and
+/// environment: (success, stdout and stderr).
+fn status(urls: &str, env: &[(&str, &str)]) -> (bool, String) {
+    let mut command = Command::new(BIN);
+    command.args(["cluster", "status", "--cluster", urls]);
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    let out = command.output().expect("greendot cluster status");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+/// NATS requiring a user and password: a node given them (in the
+/// environment) joins and owns every shard; `cluster status` without them
+/// fails with NATS's reason, with them shows the node; `--print-config`
+/// and the node's output never show the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_joins_a_nats_that_requires_a_password_given_it() {
+    const PASSWORD: &str = "pa55-for-nats";
+    let nats = NatsCluster::start_with_user(1, "greendot", PASSWORD).await;
+    let urls = nats.urls();
+    let dir = support::temp_dir("cluster-trust-auth");
+    std::fs::write(dir.join("secret"), SECRET).unwrap();
+    let creds = [
+        ("GREENDOT_NATS_USER", "greendot"),
+        ("GREENDOT_NATS_PASSWORD", PASSWORD),
+    ];
+
+    let printed = Command::new(BIN)
+        .args([
+            "serve",
+            "--print-config",
+            "--cluster",
+            &urls,
+            "--node-id",
+            "a",
+        ])
+        .envs(creds)
+        .output()
+        .unwrap();
+    let printed = String::from_utf8_lossy(&printed.stdout).into_owned();
+    assert!(
+        printed.contains("nats_user = \"greendot\"")
+            && printed.contains("# nats_password is set (not printed)")
+            && !printed.contains(PASSWORD),
+        "{printed}"
+    );
+
+    let (ok, text) = status(&urls, &[]);
+    assert!(!ok, "status without credentials: {text}");
+    assert!(
+        text.contains("cannot read the cluster at")
+            && text.to_lowercase().contains("authorization violation"),
+        "{text}"
+    );
+
+    let data = dir.join("a");
+    let mut command = Command::new(BIN);
+    command
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics",
+            "127.0.0.1:0",
+        ])
+        .arg("--data-dir")
+        .arg(&data)
+        .arg("--secret-file")
+        .arg(dir.join("secret"))
+        .args(["--cluster", &urls, "--node-id", "a"])
+        .args(["--cluster-shards", &SHARDS.to_string()])
+        .args(["--cluster-lease-ttl", "2s", "--cluster-replicas", "1"])
+        .envs(creds)
+        .env("RUST_LOG", "info");
+    let mut node = Proc::spawn("a", command);
+    node.wait_for(SLACK, "joined", |l| l.starts_with("cluster node a on NATS"));
+    let t0 = std::time::Instant::now();
+    loop {
+        let (ok, text) = status(&urls, &creds);
+        if ok && text.contains("shards: 64, owned 64, unowned 0") {
+            break;
+        }
+        assert!(t0.elapsed() < SLACK, "not every shard owned: {text}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    node.drain();
+    assert!(
+        node.seen.iter().all(|l| !l.contains(PASSWORD)),
+        "{:?}",
+        node.seen
+    );
+}

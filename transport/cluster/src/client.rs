@@ -332,7 +332,21 @@ impl Cluster {
                 Some(e) => (0, e.revision),
                 None => (0, 0),
             };
-            let next = current + 1;
+            let Some(next) = crate::ownership::next_epoch(current) else {
+                // Refused before anything is written: claiming would wrap
+                // every version of the shard (see `MAX_EPOCH`).
+                tracing::error!(
+                    %shard,
+                    epoch = current,
+                    "not claiming the shard: its epoch counter is at the last epoch whose \
+                     versions fit; a claim would wrap every version of its users \
+                     (docs/cluster.md \"Epochs\")"
+                );
+                return Err(ClusterError::EpochExhausted {
+                    shard,
+                    epoch: current,
+                });
+            };
             let value = Bytes::from(next.to_string());
             let write = Write::Put { value, ttl: None };
             match write_if(

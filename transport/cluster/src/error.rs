@@ -19,6 +19,8 @@ pub enum ClusterError {
         #[source]
         source: async_nats::ConnectError,
     },
+    #[error("shard {shard}'s epoch is {epoch}, the last whose versions fit (2^24 - 1): claiming it again would wrap versions")]
+    EpochExhausted { shard: ShardId, epoch: u64 },
     #[error("NATS credentials")]
     Credentials {
         #[source]

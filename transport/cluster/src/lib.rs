@@ -75,8 +75,8 @@ pub use node::{
     unix_ms, Node, NodeExit, NodeInfo, NodePhase, NodeStatus, OwnedShard, MAX_ADVERTISE_LEN,
 };
 pub use ownership::{
-    decode_claim, encode_claim, epoch_key, ClaimAction, ClaimRecord, ClaimState, ClaimTable,
-    HeldShard, Ownership,
+    decode_claim, encode_claim, epoch_key, next_epoch, ClaimAction, ClaimRecord, ClaimState,
+    ClaimTable, HeldShard, Ownership, MAX_EPOCH,
 };
 pub use status::{observe, ClusterView, NodeView};
 pub use tenure::{LeaseTiming, Tenure};

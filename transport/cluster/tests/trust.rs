@@ -218,3 +218,36 @@ async fn forged_copied_and_unsigned_messages_are_dropped_and_counted() {
         "{text}"
     );
 }
+
+/// A shard whose epoch counter is at the last epoch whose versions fit is
+/// not claimed again (it would wrap every version of its users), and the
+/// counter is left as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_would_wrap_versions_is_refused() {
+    let nats = NatsCluster::start(1).await;
+    let node = Cluster::connect(&nats.urls(), config("a"), envelope())
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(node.client().clone());
+    let claims = js.get_key_value("gd_claims").await.unwrap();
+    let last = greendot_cluster::MAX_EPOCH;
+    claims
+        .put("epoch.5", Bytes::from((last - 1).to_string()))
+        .await
+        .unwrap();
+    let held = node.claim_shard(ShardId(5), 0).await.unwrap();
+    assert_eq!(held.epoch, last, "the last epoch that fits is claimed");
+    node.release_claim(held).await.unwrap();
+    let free = match node.read_claim(ShardId(5)).await.unwrap() {
+        greendot_cluster::ClaimState::Free { revision } => revision,
+        other => panic!("{other:?}"),
+    };
+    match node.claim_shard(ShardId(5), free).await {
+        Err(ClusterError::EpochExhausted { shard, epoch }) => {
+            assert_eq!((shard, epoch), (ShardId(5), last));
+        }
+        other => panic!("claimed past the last epoch: {other:?}"),
+    }
+    let counter = claims.get("epoch.5").await.unwrap().unwrap();
+    assert_eq!(counter, last.to_string().as_bytes());
+}
