@@ -7,7 +7,7 @@
 //! invisibility change under a made-up edge incarnation), signed with
 //! another key and unsigned (the format before the envelope). No watcher
 //! sees any change, every forgery is counted in
-//! `greendot_cluster_dropped_total`, and alice's next real change reaches
+//! `greendot_cluster_rejected_total`, and alice's next real change reaches
 //! both watchers.
 
 mod support;
@@ -81,7 +81,7 @@ fn serve(dir: &Path, urls: &str, id: &str) -> Node {
 }
 
 fn dropped(node: &Node, reason: &str) -> u64 {
-    let name = format!("greendot_cluster_dropped_total{{reason=\"{reason}\"}}");
+    let name = format!("greendot_cluster_rejected_total{{reason=\"{reason}\"}}");
     support::metric(&node.metrics, &name)
         .unwrap_or_else(|| panic!("no {name} on {}'s metrics", node.id))
 }

@@ -109,13 +109,13 @@ impl DropCounts {
         .load(Ordering::Relaxed)
     }
 
-    /// `greendot_cluster_dropped_total{reason=…}` in Prometheus's text format.
+    /// `greendot_cluster_rejected_total{reason=…}` in Prometheus's text format.
     pub fn render_metrics(&self) -> String {
         let mut out = String::from(
-            "# HELP greendot_cluster_dropped_total Messages from other nodes dropped before \
+            "# HELP greendot_cluster_rejected_total Messages from other nodes dropped before \
              reading: forged (the tag does not verify), version (a protocol version this node \
              does not read), malformed (shorter than the envelope).\n\
-             # TYPE greendot_cluster_dropped_total counter\n",
+             # TYPE greendot_cluster_rejected_total counter\n",
         );
         for reason in [
             DropReason::Forged,
@@ -123,7 +123,7 @@ impl DropCounts {
             DropReason::Malformed,
         ] {
             out.push_str(&format!(
-                "greendot_cluster_dropped_total{{reason=\"{}\"}} {}\n",
+                "greendot_cluster_rejected_total{{reason=\"{}\"}} {}\n",
                 reason.label(),
                 self.get(reason)
             ));
@@ -313,11 +313,11 @@ mod tests {
         );
         let text = d.render_metrics();
         assert!(
-            text.contains("greendot_cluster_dropped_total{reason=\"forged\"} 2\n"),
+            text.contains("greendot_cluster_rejected_total{reason=\"forged\"} 2\n"),
             "{text}"
         );
         assert!(
-            text.contains("greendot_cluster_dropped_total{reason=\"malformed\"} 2\n"),
+            text.contains("greendot_cluster_rejected_total{reason=\"malformed\"} 2\n"),
             "{text}"
         );
         // The key is never printed.

@@ -27,7 +27,7 @@ pub enum ClusterError {
         source: std::io::Error,
     },
     /// An owner's answer that is not a sealed message of this cluster
-    /// (counted in `greendot_cluster_dropped_total`).
+    /// (counted in `greendot_cluster_rejected_total`).
     #[error("the answer to {subject} was dropped: {reason}")]
     Dropped {
         subject: String,

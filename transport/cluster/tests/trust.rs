@@ -214,7 +214,7 @@ async fn forged_copied_and_unsigned_messages_are_dropped_and_counted() {
     assert_eq!(o.get(DropReason::Forged), 1, "owner drops");
     let text = e.render_metrics();
     assert!(
-        text.contains("greendot_cluster_dropped_total{reason=\"forged\"} 4\n"),
+        text.contains("greendot_cluster_rejected_total{reason=\"forged\"} 4\n"),
         "{text}"
     );
 }
