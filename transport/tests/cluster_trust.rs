@@ -47,6 +47,11 @@ struct Node {
 }
 
 fn serve(dir: &Path, urls: &str, id: &str) -> Node {
+    serve_as(dir, urls, id, &[])
+}
+
+/// [`serve`] with these environment variables (NATS credentials).
+fn serve_as(dir: &Path, urls: &str, id: &str, env: &[(&str, &str)]) -> Node {
     let data = dir.join(id);
     let mut command = Command::new(BIN);
     command
@@ -65,6 +70,7 @@ fn serve(dir: &Path, urls: &str, id: &str) -> Node {
         .args(["--cluster-shards", &SHARDS.to_string()])
         .args(["--cluster-lease-ttl", "2s", "--cluster-replicas", "1"])
         .args(["--debounce", &format!("{}ms", DEBOUNCE.as_millis())])
+        .envs(env.iter().copied())
         .env("RUST_LOG", "warn");
     let mut proc = Proc::spawn(id, command);
     let addr = proc.listening_addr(SLACK);
@@ -382,4 +388,122 @@ async fn a_node_joins_a_nats_that_requires_a_password_given_it() {
         "{:?}",
         node.seen
     );
+}
+
+/// The NATS account of docs/cluster.md ("Trust boundary"), read from the
+/// document itself with these passwords: two nodes as user `node` join,
+/// own every shard and carry alice's presence from one to the other;
+/// `greendot cluster status` runs as the read-only `status`; NATS refuses
+/// `app` a publish on greendot's subjects; and NATS logs no permission
+/// violation of `node` or `status`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_documented_nats_permissions_suffice_and_keep_others_out() {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/cluster.md"))
+        .expect("docs/cluster.md");
+    let after = doc
+        .split("A NATS account for greendot alone")
+        .nth(1)
+        .expect("the account in docs/cluster.md");
+    let config = after
+        .split("```")
+        .nth(1)
+        .expect("its configuration block")
+        .replace(
+            "{ user: node, password: \"…\"",
+            "{ user: node, password: \"node-pw\"",
+        )
+        .replace(
+            "{ user: status, password: \"…\"",
+            "{ user: status, password: \"status-pw\"",
+        )
+        .replace(
+            "{ user: app, password: \"…\"",
+            "{ user: app, password: \"app-pw\"",
+        );
+    assert!(
+        !config.contains('…'),
+        "a user of the document not given a password:\n{config}"
+    );
+    let nats = NatsCluster::start_with_config(1, &config, "node", "node-pw").await;
+    let urls = nats.urls();
+    let dir = support::temp_dir("cluster-trust-permissions");
+    std::fs::write(dir.join("secret"), SECRET).unwrap();
+    let as_node = [
+        ("GREENDOT_NATS_USER", "node"),
+        ("GREENDOT_NATS_PASSWORD", "node-pw"),
+    ];
+    let a = serve_as(&dir, &urls, "a", &as_node);
+    let b = serve_as(&dir, &urls, "b", &as_node);
+    let nodes = [&a, &b];
+
+    let as_status = [
+        ("GREENDOT_NATS_USER", "status"),
+        ("GREENDOT_NATS_PASSWORD", "status-pw"),
+    ];
+    let t0 = std::time::Instant::now();
+    loop {
+        let (ok, text) = status(&urls, &as_status);
+        if ok && text.contains("nodes: 2") && text.contains("owned 64, unowned 0") {
+            break;
+        }
+        assert!(t0.elapsed() < SLACK, "status as `status`: {text}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // alice on a, watched from b and from a: her presence crosses nodes.
+    let (_alice, _alice_updates) = connect(&nodes, &a, "alice", "phone").await;
+    let mut watchers = Vec::new();
+    for (at, user) in [(&b, "bob"), (&a, "carol")] {
+        let (client, mut updates) = connect(&nodes, at, user, "laptop").await;
+        client.subscribe(&["alice"], Tier::Realtime).await.unwrap();
+        wait_alice(&mut updates, SLACK, "alice online", |p| p.online).await;
+        watchers.push((client, updates));
+    }
+
+    // `app`, in the same account, may not publish on greendot's subjects.
+    let app = async_nats::ConnectOptions::new()
+        .user_and_password("app".into(), "app-pw".into())
+        .connect(urls.clone())
+        .await
+        .unwrap();
+    let shard = greendot_cluster::shard_of("alice", SHARDS);
+    app.publish(
+        format!("gd.shard.{}", shard.0),
+        Bytes::from_static(b"forged"),
+    )
+    .await
+    .unwrap();
+    app.flush().await.unwrap();
+    let log = nats.dir().join("n0.log");
+    let refused = format!(
+        "\"GREENDOT/user:app\" - Publish Violation - Subject \"gd.shard.{}\"",
+        shard.0
+    );
+    let t0 = std::time::Instant::now();
+    let text = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains(&refused) {
+            break text;
+        }
+        assert!(
+            t0.elapsed() < SLACK,
+            "NATS did not refuse app's publish:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    for user in ["node", "status"] {
+        let denied = format!("\"GREENDOT/user:{user}\" - ");
+        assert!(
+            !text
+                .lines()
+                .any(|l| l.contains(&denied) && l.contains("Violation")),
+            "a permission {user} needs is missing:\n{text}"
+        );
+    }
+    // Refused by NATS: no node ever saw it.
+    for node in nodes {
+        for reason in ["forged", "version", "malformed"] {
+            assert_eq!(dropped(node, reason), 0, "{} {reason}", node.id);
+        }
+    }
 }

@@ -147,8 +147,11 @@ pub struct NatsCluster {
     dir: PathBuf,
     cluster_name: String,
     nodes: Vec<NatsNode>,
-    /// The user and password every client must give (`None`: no auth).
+    /// The user and password of the harness's own readiness checks
+    /// (`None`: NATS requires none).
     auth: Option<(String, String)>,
+    /// Arguments of every node beyond the harness's own.
+    extra: Vec<String>,
 }
 
 impl NatsCluster {
@@ -156,16 +159,36 @@ impl NatsCluster {
     /// metadata leader and every node answers. Panics on failure (a test
     /// harness: the panic message says what went wrong).
     pub async fn start(size: usize) -> NatsCluster {
-        NatsCluster::start_with(size, None).await
+        NatsCluster::start_with(size, None, Vec::new(), None).await
     }
 
     /// [`NatsCluster::start`] with NATS requiring `user` and `password` of
     /// every client (`--user`, `--pass`).
     pub async fn start_with_user(size: usize, user: &str, password: &str) -> NatsCluster {
-        NatsCluster::start_with(size, Some((user.to_owned(), password.to_owned()))).await
+        let auth = Some((user.to_owned(), password.to_owned()));
+        let extra = ["--user", user, "--pass", password].map(String::from);
+        NatsCluster::start_with(size, auth, extra.to_vec(), None).await
     }
 
-    async fn start_with(size: usize, auth: Option<(String, String)>) -> NatsCluster {
+    /// [`NatsCluster::start`] with a NATS configuration file of this text
+    /// (accounts, users and permissions), read by every node; the harness
+    /// checks readiness as `user` with `password`.
+    pub async fn start_with_config(
+        size: usize,
+        config: &str,
+        user: &str,
+        password: &str,
+    ) -> NatsCluster {
+        let auth = Some((user.to_owned(), password.to_owned()));
+        NatsCluster::start_with(size, auth, Vec::new(), Some(config)).await
+    }
+
+    async fn start_with(
+        size: usize,
+        auth: Option<(String, String)>,
+        mut extra: Vec<String>,
+        config: Option<&str>,
+    ) -> NatsCluster {
         let binary = nats_server_binary().unwrap_or_else(|e| panic!("no nats-server: {e}"));
         static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -173,6 +196,11 @@ impl NatsCluster {
         let dir = std::env::temp_dir().join(format!("greendot-nats-{cluster_name}"));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("creating the NATS test directory");
+        if let Some(text) = config {
+            let path = dir.join("nats.conf");
+            std::fs::write(&path, text).expect("writing the NATS configuration");
+            extra.extend(["-c".to_owned(), path.display().to_string()]);
+        }
         let nodes = (0..size)
             .map(|i| NatsNode {
                 name: format!("n{i}"),
@@ -189,6 +217,7 @@ impl NatsCluster {
             cluster_name,
             nodes,
             auth,
+            extra,
         };
         for i in 0..size {
             cluster.spawn(i);
@@ -223,9 +252,7 @@ impl NatsCluster {
             ])
             .arg(&node.store)
             .args(["-n", &node.name]);
-        if let Some((user, password)) = &self.auth {
-            command.args(["--user", user, "--pass", password]);
-        }
+        command.args(&self.extra);
         // A node alone is no cluster: with routes to itself only it would
         // wait for routing forever.
         if self.nodes.len() > 1 {
