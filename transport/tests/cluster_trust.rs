@@ -165,7 +165,10 @@ async fn forged_views_and_inputs_change_nothing_and_are_counted() {
     let shard = greendot_cluster::shard_of("alice", SHARDS);
     let view_subject = format!("gd.shard.{}", shard.0);
     let mut genuine_views = raw.subscribe(view_subject.clone()).await.unwrap();
-    raw.flush().await.unwrap();
+    // Subscribed at the server once it answers a request after it (flush
+    // only writes the client's buffer out).
+    let barrier = raw.request("barrier.none", Bytes::new()).await;
+    assert!(barrier.is_err(), "nobody serves barrier.none");
 
     // Alice online on a, watched from a and from b.
     let (alice, _alice_updates) = connect(&nodes, &a, "alice", "phone").await;

@@ -33,6 +33,17 @@ fn with_user(node: &str, user: &str, password: &str) -> ClusterConfig {
     c
 }
 
+/// Returns once the NATS server has processed everything `client` sent
+/// before: a request nobody serves is answered "no responders" by the
+/// server, in order. (`flush` only writes the client's buffer out.)
+async fn barrier(client: &async_nats::Client) {
+    let answer = client.request("barrier.none", Bytes::new()).await;
+    assert!(
+        matches!(&answer, Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders),
+        "{answer:?}"
+    );
+}
+
 /// An error and its sources, on one line.
 fn chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
@@ -113,8 +124,8 @@ async fn forged_copied_and_unsigned_messages_are_dropped_and_counted() {
     let mut resyncs = edge.resync_feed().await.unwrap();
     let mut inbox = owner.owner_inbox();
     inbox.serve(seven).await.unwrap();
-    edge.flush().await.unwrap();
-    owner.flush().await.unwrap();
+    barrier(edge.client()).await;
+    barrier(owner.client()).await;
 
     let subject = |s: ShardId| owner.config().view_subject(s);
     // Unsigned (the old format), signed with another key, and a genuine
@@ -139,7 +150,7 @@ async fn forged_copied_and_unsigned_messages_are_dropped_and_counted() {
     raw.publish(input.clone(), stranger.seal(&input, b"logout alice"))
         .await
         .unwrap();
-    raw.flush().await.unwrap();
+    barrier(&raw).await;
 
     // Then the real ones, through the node: each feed yields its real
     // message first, so the forgeries before it were dropped.
@@ -183,7 +194,7 @@ async fn forged_copied_and_unsigned_messages_are_dropped_and_counted() {
     // An answer not sealed with the cluster's key is dropped: the
     // request fails as `Dropped` (the edge retries), and it is counted.
     let mut fake_owner = raw.subscribe(input.clone()).await.unwrap();
-    raw.flush().await.unwrap();
+    barrier(&raw).await;
     let raw2 = raw.clone();
     let liar = tokio::spawn(async move {
         use futures_util::StreamExt;
