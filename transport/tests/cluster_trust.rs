@@ -510,3 +510,109 @@ async fn the_documented_nats_permissions_suffice_and_keep_others_out() {
         }
     }
 }
+
+/// A CA, and certificates it signed for `names` (PEM certificate, PEM key).
+struct TestCa {
+    issuer: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+}
+
+impl TestCa {
+    fn new() -> TestCa {
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "greendot test CA");
+        let key = rcgen::KeyPair::generate().unwrap();
+        TestCa {
+            issuer: rcgen::CertifiedIssuer::self_signed(params, key).unwrap(),
+        }
+    }
+
+    fn sign(&self, names: &[&str]) -> (String, String) {
+        let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+        let params = rcgen::CertificateParams::new(names).unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = params.signed_by(&key, &self.issuer).unwrap();
+        (cert.pem(), key.serialize_pem())
+    }
+}
+
+/// NATS over TLS that verifies its clients' certificates: a node given the
+/// CA, a client certificate and `--nats-require-tls` joins and owns every
+/// shard; without the CA, or without the client certificate, `cluster
+/// status` fails with the TLS reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_joins_a_nats_over_tls_with_a_client_certificate() {
+    let dir = support::temp_dir("cluster-trust-tls");
+    std::fs::write(dir.join("secret"), SECRET).unwrap();
+    let ca = TestCa::new();
+    let write = |name: &str, text: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path.display().to_string()
+    };
+    let ca_pem = write("ca.pem", &ca.issuer.pem());
+    let (server_cert, server_key) = ca.sign(&["127.0.0.1", "localhost"]);
+    let (client_cert, client_key) = ca.sign(&["greendot-node"]);
+    let (server_cert, server_key) = (
+        write("server.pem", &server_cert),
+        write("server.key", &server_key),
+    );
+    let (client_cert, client_key) = (
+        write("client.pem", &client_cert),
+        write("client.key", &client_key),
+    );
+    let config = write(
+        "nats.conf",
+        &format!(
+            "tls {{\n  cert_file: \"{server_cert}\"\n  key_file: \"{server_key}\"\n  \
+             ca_file: \"{ca_pem}\"\n  verify: true\n}}\n"
+        ),
+    );
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let binary = greendot_cluster::testing::nats_server_binary().unwrap();
+    let mut command = Command::new(binary);
+    command
+        .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+        .arg(dir.join("js"))
+        .args(["-c", &config]);
+    let mut nats = Proc::spawn("nats", command);
+    nats.wait_for(SLACK, "ready", |l| l.contains("Server is ready"));
+    let urls = format!("nats://127.0.0.1:{port}");
+
+    let tls = [
+        ("GREENDOT_NATS_TLS_CA", ca_pem.as_str()),
+        ("GREENDOT_NATS_TLS_CERT", client_cert.as_str()),
+        ("GREENDOT_NATS_TLS_KEY", client_key.as_str()),
+        ("GREENDOT_NATS_REQUIRE_TLS", "true"),
+    ];
+    let (ok, text) = status(&urls, &[]);
+    assert!(!ok && text.contains("UnknownIssuer"), "no CA: {text}");
+    let (ok, text) = status(&urls, &tls[..1]);
+    assert!(
+        !ok && text.contains("connecting to NATS at"),
+        "no client certificate: {text}"
+    );
+    // Connected, and no node ran yet.
+    let (ok, text) = status(&urls, &tls);
+    assert!(
+        !ok && text.contains("no greendot cluster on this NATS"),
+        "{text}"
+    );
+
+    let _a = serve_as(&dir, &urls, "a", &tls);
+    let t0 = std::time::Instant::now();
+    loop {
+        let (ok, text) = status(&urls, &tls);
+        if ok && text.contains("shards: 64, owned 64, unowned 0") {
+            break;
+        }
+        assert!(t0.elapsed() < SLACK, "not every shard owned: {text}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
