@@ -136,6 +136,7 @@ fn connect(core: &mut Core, now: u64, user: u64, device: u64, kind: DeviceKind) 
         kind,
         watch: Watch::All,
         resume: None,
+        foreground: true,
     };
     match core.handle_connect(Millis(now), c) {
         Ok(c) => c.session,

@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 
 impl Core {
     /// Checks every structural invariant; the first violation found is
-    /// returned with the invariant's id (I1…I11) where it maps to one.
+    /// returned with the invariant's id (I1…I12) where it maps to one.
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut expected_timers = BTreeSet::new();
         let mut live = 0;
@@ -121,6 +121,7 @@ impl Core {
             "live session count is off".to_string()
         })?;
 
+        let mut present = 0;
         for (u, user) in self.users.iter().enumerate() {
             if free.contains(&(u as u32)) {
                 ensure(*user == User::vacant(), || {
@@ -157,6 +158,28 @@ impl Core {
                     format!("{:?} has two sessions on device {:?}", user.id, s.device)
                 })?;
             }
+            // I12: presence counts foreground devices only (any device
+            // under `Backgrounded::Away`), in the gauge as in the views.
+            let is_present = self.is_present(u as u32);
+            present += usize::from(is_present);
+            ensure(self.own_view(u as u32).online == is_present, || {
+                format!(
+                    "I12: {:?} own view online disagrees with its devices",
+                    user.id
+                )
+            })?;
+            // I6/I12: without a debounce running, others are shown exactly
+            // what was last published (a foreground/background change that
+            // skipped the debounce would show here).
+            ensure(
+                user.debounce_due.is_some() || user.published.same_view(&self.shown_view(u as u32)),
+                || {
+                    format!(
+                        "I12: {:?} shown differs from published with no debounce",
+                        user.id
+                    )
+                },
+            )?;
             ensure(user.published.version <= user.version, || {
                 format!("I7: {:?} published a version above its counter", user.id)
             })?;
@@ -188,6 +211,13 @@ impl Core {
                 ensure(any, || format!("{:?} keeps an empty watcher box", user.id))?;
             }
         }
+
+        ensure(present as u64 == self.counters.users_online, || {
+            format!(
+                "I12: {present} users present, the gauge says {}",
+                self.counters.users_online
+            )
+        })?;
 
         let timers = self.timers.set();
         ensure(*timers == expected_timers, || {

@@ -25,6 +25,20 @@ pub enum RealtimeOverflow {
     Reject,
 }
 
+/// What a backgrounded device means for its user (I12).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Backgrounded {
+    /// Not present: it does not make its user shown online, and once no
+    /// device of the user is in the foreground the user is shown offline
+    /// (after debounce), last seen when the last one went to the background.
+    #[default]
+    Offline,
+    /// Present but away: the user stays shown online, with status `Away`
+    /// while every device is in the background and the chosen status is
+    /// `Available` (an explicit busy or do-not-disturb is kept).
+    Away,
+}
+
 /// The core's settings. `Config::default()` is what the server runs with.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Config {
@@ -43,6 +57,9 @@ pub struct Config {
     pub max_sessions: usize,
     /// Users the core keeps a record of (online or not: last seen is remembered).
     pub max_users: usize,
+    /// What a device whose app is in the background means (I12). Routing
+    /// ignores it: a backgrounded device is never routable.
+    pub backgrounded: Backgrounded,
 }
 
 impl Default for Config {
@@ -54,7 +71,8 @@ impl Default for Config {
     ///   heartbeat timeout (mobile OSes delay keep-alives of backgrounded apps);
     /// - desktop: 15 s grace (sleep, Wi-Fi roaming), 60 s heartbeat timeout;
     /// - web: 10 s grace (a page reload reconnects within a few seconds), 60 s;
-    /// - other: 15 s grace, 60 s.
+    /// - other: 15 s grace, 60 s;
+    /// - a backgrounded device is not present (`Backgrounded::Offline`).
     fn default() -> Config {
         let kind = |grace, heartbeat| KindConfig {
             heartbeat_timeout: Millis::from_secs(heartbeat),
@@ -71,6 +89,7 @@ impl Default for Config {
             max_devices_per_user: 16,
             max_sessions: 4_000_000,
             max_users: 10_000_000,
+            backgrounded: Backgrounded::Offline,
         }
     }
 }

@@ -52,6 +52,10 @@ pub struct Connect {
     /// The session this device had before, to resume it and keep its
     /// subscriptions. Ignored unless it is the device's current session.
     pub resume: Option<SessionId>,
+    /// The app is in the foreground (`false`: the OS put it in the
+    /// background, and the device is not present, I12). A resumed session
+    /// takes this state, not the lingering one's.
+    pub foreground: bool,
 }
 
 /// The answer to a `Connect`.
@@ -97,6 +101,11 @@ pub enum Input {
     SetInvisible {
         session: SessionId,
         invisible: bool,
+    },
+    /// The app went to the foreground (`true`) or the background (I12).
+    SetForeground {
+        session: SessionId,
+        foreground: bool,
     },
     Subscribe {
         session: SessionId,
@@ -243,6 +252,8 @@ pub(crate) struct Session {
     pub(crate) kind: DeviceKind,
     /// The link is `Lingering` (else `Online`); see [`Session::link`].
     lingering: bool,
+    /// The app is in the background: the device is not present (I12).
+    pub(crate) background: bool,
     /// The link's time: `last_activity` while Online, `last_heard` while
     /// Lingering.
     link_at: Millis,
@@ -269,7 +280,7 @@ impl Session {
         }
     }
 
-    fn set_link(&mut self, link: Link) {
+    pub(crate) fn set_link(&mut self, link: Link) {
         (self.lingering, self.link_at) = match link {
             Link::Online { last_activity } => (false, last_activity),
             Link::Lingering { last_heard } => (true, last_heard),
@@ -402,7 +413,7 @@ impl User {
 }
 
 /// Both views of a user, taken before a change to see what it changed.
-struct Views {
+pub(crate) struct Views {
     shown: Presence,
     own: Presence,
 }
@@ -510,7 +521,7 @@ impl Core {
 
     /// Runs what is due up to `now`, each at its own deadline, so that a late
     /// `handle_timeout` leaves the same state as a timely one.
-    fn advance(&mut self, now: Millis) {
+    pub(crate) fn advance(&mut self, now: Millis) {
         let now = now.max(self.clock);
         if self.timers.any_due(now) {
             self.run_timers_until(now);
@@ -635,6 +646,12 @@ impl Core {
                 .map(|()| Reply::Done),
             Input::SetInvisible { session, invisible } => self
                 .handle_set_invisible(now, session, invisible)
+                .map(|()| Reply::Done),
+            Input::SetForeground {
+                session,
+                foreground,
+            } => self
+                .handle_set_foreground(now, session, foreground)
                 .map(|()| Reply::Done),
             Input::Subscribe {
                 session,
@@ -814,7 +831,8 @@ impl Core {
     }
 
     /// Graceful logout: the session ends now, with no grace. The device was
-    /// heard from at `now`.
+    /// heard from at `now` (if it was present: a backgrounded device's
+    /// logout does not move last seen, I12).
     pub fn handle_logout(&mut self, now: Millis, id: SessionId) -> Result<(), Error> {
         self.advance(now);
         let id = self.current(id)?;
@@ -827,13 +845,15 @@ impl Core {
             }
             return Ok(());
         }
-        let Some(user) = self.session(id).map(|s| s.user) else {
+        let Some((user, present)) = self.session(id).map(|s| (s.user, self.present(s))) else {
             return Err(Error::Stale);
         };
         let before = self.views(user);
         self.counters.logouts += 1;
         self.end_session(id, EndReason::LoggedOut);
-        self.heard(user);
+        if present {
+            self.heard(user);
+        }
         self.after_change(user, before);
         Ok(())
     }
@@ -1129,7 +1149,9 @@ impl Core {
             .unwrap_or_default()
     }
 
-    /// Really online: some device is Online or Lingering (I1).
+    /// Holds a live session: some device is Online or Lingering, in the
+    /// foreground or not. Whether the user is present (what their own
+    /// sessions see as online, I1 and I12) is [`Core::truth`]`.online`.
     pub fn is_online(&self, user: UserId) -> bool {
         self.index
             .get(user)
@@ -1145,8 +1167,10 @@ impl Core {
             .unwrap_or_default()
     }
 
-    /// Where to deliver a message to `user`: its Online sessions, whatever its
-    /// invisibility or status. Lingering devices are not routable.
+    /// Where to deliver a message to `user`: its Online sessions in the
+    /// foreground, whatever its invisibility or status (I9, I12). Lingering
+    /// and backgrounded devices are not routable: an application sends a
+    /// push notification exactly when this is empty.
     pub fn route(&self, user: UserId) -> Vec<SessionId> {
         let Some(u) = self.index.get(user) else {
             return Vec::new();
@@ -1156,8 +1180,10 @@ impl Core {
             .iter()
             .copied()
             .filter(|&s| {
-                self.session(s)
-                    .is_some_and(|s| matches!(s.link(), Link::Online { .. }))
+                self.session(s).is_some_and(|s| {
+                    matches!(s.link(), Link::Online { .. })
+                        && (!s.background || mutant!(self, BackgroundCounted))
+                })
             })
             .collect()
     }
@@ -1183,6 +1209,7 @@ impl Core {
             device: s.device,
             kind: s.kind,
             online: matches!(s.link(), Link::Online { .. }),
+            foreground: !s.background,
         })
     }
 
@@ -1224,7 +1251,7 @@ impl Core {
             .and_then(|slot| slot.session.as_ref())
     }
 
-    fn session_mut(&mut self, id: SessionId) -> Option<&mut Session> {
+    pub(crate) fn session_mut(&mut self, id: SessionId) -> Option<&mut Session> {
         self.slots
             .get_mut(id.index())
             .filter(|slot| slot.generation == id.generation())
@@ -1259,7 +1286,7 @@ impl Core {
     }
 
     /// An Online session, or why not (a Lingering session is `Stale` here).
-    fn online(&mut self, id: SessionId) -> Result<SessionId, Error> {
+    pub(crate) fn online(&mut self, id: SessionId) -> Result<SessionId, Error> {
         let id = self.current(id)?;
         match self.session(id).map(|s| s.link()) {
             Some(Link::Online { .. }) => Ok(id),
@@ -1312,6 +1339,7 @@ impl Core {
             device: c.device,
             kind: c.kind,
             lingering: false,
+            background: !c.foreground,
             link_at: self.clock,
             lease_due,
             watch: c.watch.clone(),
@@ -1432,9 +1460,15 @@ impl Core {
         {
             self.tombstones.insert(id, (session.user, session.device));
         }
+        // A backgrounded device was last present when it went to the
+        // background, which `heard` took then (I12): its later keep-alives
+        // do not count.
+        let present = self.present(&session);
         let u = &mut self.users[session.user as usize];
         u.sessions.retain(|&s| s != id);
-        u.heard = u.heard.max(session.link().last_heard());
+        if present {
+            u.heard = u.heard.max(session.link().last_heard());
+        }
         self.live_sessions -= 1;
         match session.link() {
             Link::Online { .. } => self.counters.sessions_online -= 1,
@@ -1591,24 +1625,20 @@ impl Core {
         Error::LimitExceeded(limit)
     }
 
+    /// Kinds of the user's present devices.
     fn kinds(&self, user: u32) -> Kinds {
-        self.users[user as usize]
-            .sessions
-            .iter()
-            .filter_map(|&s| self.session(s))
-            .map(|s| s.kind)
-            .collect()
+        self.present_sessions(user).map(|s| s.kind).collect()
     }
 
     /// What others would be shown now (version 0: not yet published).
-    fn shown_view(&self, user: u32) -> Presence {
+    pub(crate) fn shown_view(&self, user: u32) -> Presence {
         let u = &self.users[user as usize];
         let hidden = u.invisible && !mutant!(self, InvisibleIgnored);
-        if !u.sessions.is_empty() && !hidden {
+        if self.is_present(user) && !hidden {
             Presence {
                 version: 0,
                 online: true,
-                status: u.status,
+                status: self.shown_status(user),
                 message: u.message.clone(),
                 kinds: self.kinds(user),
                 last_seen: None,
@@ -1623,13 +1653,13 @@ impl Core {
     }
 
     /// The truth, as the user's own sessions see it.
-    fn own_view(&self, user: u32) -> Presence {
+    pub(crate) fn own_view(&self, user: u32) -> Presence {
         let u = &self.users[user as usize];
-        let online = !u.sessions.is_empty();
+        let online = self.is_present(user);
         Presence {
             version: u.version,
             online,
-            status: u.status,
+            status: self.shown_status(user),
             message: u.message.clone(),
             kinds: self.kinds(user),
             last_seen: if online { None } else { u.last_seen },
@@ -1646,7 +1676,7 @@ impl Core {
         }
     }
 
-    fn views(&self, user: u32) -> Views {
+    pub(crate) fn views(&self, user: u32) -> Views {
         Views {
             shown: self.shown_view(user),
             own: self.own_view(user),
@@ -1656,31 +1686,27 @@ impl Core {
     /// After a change to `user`: last seen, the own view (pushed at once) and
     /// the shown view (debounced, except that going invisible is published
     /// at once so that no snapshot can show an invisible user online, I5).
-    fn after_change(&mut self, user: u32, before: Views) {
+    pub(crate) fn after_change(&mut self, user: u32, before: Views) {
         let clock = self.clock;
-        let now_shown_online = {
+        let now_shown_online = self.is_present(user) && {
             let u = &self.users[user as usize];
-            !u.sessions.is_empty() && (!u.invisible || mutant!(self, InvisibleIgnored))
+            !u.invisible || mutant!(self, InvisibleIgnored)
         };
+        let present = self.is_present(user);
         // Last seen is the last moment a device was heard from while others
         // saw the user online: a change nobody was shown (connect then
         // invisible inside one debounce window) must not move it, or it would
         // reveal the connection.
-        let live_heard = self.users[user as usize]
-            .sessions
-            .iter()
-            .filter_map(|&s| self.session(s))
+        let live_heard = self
+            .present_sessions(user)
             .map(|s| s.link().last_heard())
             .max();
         let u = &mut self.users[user as usize];
         if before.shown.online && !now_shown_online && u.published.online {
-            // Every device gone: their sessions' last heard are in `heard`.
-            // Still connected: the user went invisible, which freezes it now.
-            let heard = if u.sessions.is_empty() {
-                u.heard
-            } else {
-                clock
-            };
+            // No device present (gone, or in the background): their last
+            // heard are in `heard`. Still present: the user went invisible,
+            // which freezes it now.
+            let heard = if present { clock } else { u.heard };
             u.last_seen = Some(if mutant!(self, LastSeenAtExpiry) {
                 clock
             } else {
@@ -1693,7 +1719,7 @@ impl Core {
         if !now_shown_online || live_heard.is_some_and(|live| u.heard <= live) {
             u.heard = Millis::ZERO;
         }
-        let own_online = !self.users[user as usize].sessions.is_empty();
+        let own_online = present;
         if before.own.online != own_online {
             if own_online {
                 self.counters.users_online += 1;
@@ -1719,11 +1745,14 @@ impl Core {
         }
 
         let shown = self.shown_view(user);
-        if shown.same_view(&before.shown) {
+        let u = &self.users[user as usize];
+        // Invisible while still published online: published at once even
+        // if what is shown did not change with this input (a backgrounded
+        // device went invisible inside the debounce of its going offline).
+        let leak = u.invisible && u.published.online;
+        if shown.same_view(&before.shown) && !leak {
             return;
         }
-        let u = &self.users[user as usize];
-        let leak = u.invisible && u.published.online;
         if leak || mutant!(self, NoDebounce) {
             self.cancel_debounce(user);
             if !shown.same_view(&self.users[user as usize].published) {
@@ -1742,7 +1771,7 @@ impl Core {
     }
 
     /// The user's device was heard from now (a logout, `SetInvisible`).
-    fn heard(&mut self, user: u32) {
+    pub(crate) fn heard(&mut self, user: u32) {
         let u = &mut self.users[user as usize];
         u.heard = u.heard.max(self.clock);
     }
@@ -1933,6 +1962,7 @@ impl Core {
                     kind: d.kind,
                     watch: Watch::All,
                     resume: None,
+                    foreground: true,
                 },
             )?;
             let id = connected.session;
@@ -1997,6 +2027,8 @@ pub struct SessionInfo {
     pub kind: DeviceKind,
     /// Online (true) or Lingering (false).
     pub online: bool,
+    /// The app is in the foreground (I12).
+    pub foreground: bool,
 }
 
 fn find_sub(subs: &Subs, target: u32) -> Option<&Sub> {

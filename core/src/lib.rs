@@ -15,14 +15,14 @@
 //! let alice = core
 //!     .handle_connect(Millis(0), Connect {
 //!         user: UserId(1), device: DeviceId(1), kind: DeviceKind::Mobile,
-//!         watch: Watch::All, resume: None,
+//!         watch: Watch::All, resume: None, foreground: true,
 //!     })
 //!     .unwrap()
 //!     .session;
 //! let bob = core
 //!     .handle_connect(Millis(0), Connect {
 //!         user: UserId(2), device: DeviceId(1), kind: DeviceKind::Desktop,
-//!         watch: Watch::All, resume: None,
+//!         watch: Watch::All, resume: None, foreground: true,
 //!     })
 //!     .unwrap()
 //!     .session;
@@ -40,7 +40,8 @@
 //! ```
 //!
 //! Defaults are in [`Config::default`]. The semantics and the invariants
-//! I1–I11 are those of greendot's DESIGN.md; `check_invariants` (feature
+//! I1–I12 are those of greendot's DESIGN.md (I12, foreground and background,
+//! is stated in the `foreground` module); `check_invariants` (feature
 //! `check`) verifies the structural ones after any step.
 
 pub mod cluster;
@@ -48,6 +49,7 @@ mod config;
 mod engine;
 mod error;
 mod fanout;
+mod foreground;
 mod index;
 mod output;
 mod timers;
@@ -64,7 +66,7 @@ pub mod mutants;
 #[cfg(feature = "check")]
 pub use audit::Audit;
 pub use cluster::{Epoch, NodeId, Published, ShardId};
-pub use config::{Config, ConfigError, KindConfig, RealtimeOverflow};
+pub use config::{Backgrounded, Config, ConfigError, KindConfig, RealtimeOverflow};
 pub use engine::{Connect, Connected, Core, Counters, Input, Reply, Saved, SessionInfo, Snapshot};
 pub use error::{Error, Limit};
 pub use fanout::Fanout;

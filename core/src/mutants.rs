@@ -19,10 +19,13 @@ pub enum Mutant {
     /// Last seen reads the moment the user stopped being shown (the end of
     /// grace, the heartbeat timeout) instead of when a device was last heard.
     LastSeenAtExpiry,
+    /// A backgrounded device still counts as present: its user stays shown
+    /// online and it stays routable (I12).
+    BackgroundCounted,
 }
 
 impl Mutant {
-    pub const ALL: [Mutant; 7] = [
+    pub const ALL: [Mutant; 8] = [
         Mutant::IgnoreStale,
         Mutant::NoDebounce,
         Mutant::InvisibleIgnored,
@@ -30,5 +33,6 @@ impl Mutant {
         Mutant::VersionNotBumped,
         Mutant::KeepSubsAfterLogout,
         Mutant::LastSeenAtExpiry,
+        Mutant::BackgroundCounted,
     ];
 }

@@ -188,6 +188,7 @@ impl Differential {
                     kind: DeviceKind::Desktop,
                     watch: Watch::All,
                     resume: None,
+                    foreground: true,
                 };
                 let a = self.one.handle_connect(now, c.clone());
                 let b = self.owner.handle_connect(now, c);
@@ -330,6 +331,7 @@ proptest! {
                 let _ = new.handle_connect(now, Connect {
                     user: UserId(1), device: DeviceId((*device).into()), kind: DeviceKind::Web,
                     watch: Watch::All, resume: None,
+                    foreground: true,
                 });
             }
             new.handle_timeout(now.plus(Millis(300)));
@@ -415,6 +417,7 @@ proptest! {
                 owner.handle_connect(t, Connect {
                     user: UserId(1), device: DeviceId(1), kind: DeviceKind::Mobile,
                     watch: Watch::All, resume: None,
+                    foreground: true,
                 }).unwrap();
             }
             owner.handle_timeout(t);
@@ -461,6 +464,7 @@ proptest! {
             let s = owner.handle_connect(Millis(0), Connect {
                 user: UserId(1), device: DeviceId(d as u64), kind: DeviceKind::Desktop,
                 watch: Watch::All, resume: None,
+                foreground: true,
             }).unwrap().session;
             if on { lost.push(s); }
         }
@@ -477,6 +481,7 @@ proptest! {
                 let _ = owner.handle_connect(now.plus(Millis(b)), Connect {
                     user: UserId(1), device: DeviceId(d as u64), kind: DeviceKind::Desktop,
                     watch: Watch::All, resume: None,
+                    foreground: true,
                 });
             }
         }
@@ -523,6 +528,7 @@ fn one_node_publishes_nothing_for_a_cluster() {
             kind: DeviceKind::Web,
             watch: Watch::All,
             resume: None,
+            foreground: true,
         },
     )
     .unwrap();

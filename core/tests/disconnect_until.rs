@@ -17,6 +17,7 @@ fn a_disconnect_until_lingers_past_grace_until_then() {
                 kind: DeviceKind::Web,
                 watch: Watch::All,
                 resume: None,
+                foreground: true,
             },
         )
         .unwrap()
@@ -64,6 +65,7 @@ fn extend_linger_holds_a_lingering_session_and_nothing_else() {
                 kind: DeviceKind::Web,
                 watch: Watch::All,
                 resume: None,
+                foreground: true,
             },
         )
         .unwrap()

@@ -1,6 +1,6 @@
 //! Property tests: random sequences of at least 200 inputs over a few users,
 //! devices and sessions, with random time steps. After every step the driver
-//! checks `check_invariants()`, every invariant I1–I11 against the outputs and
+//! checks `check_invariants()`, every invariant I1–I12 against the outputs and
 //! getters, and compares every output and answer with the reference
 //! implementation in `reference/`. Each test's input mix aims at the
 //! invariants in its name.
@@ -23,8 +23,11 @@ enum Op {
         watch: Option<Vec<u8>>,
         /// Resume a session picked from those issued.
         resume: Option<u8>,
+        foreground: bool,
     },
     Activity(u8),
+    /// The app went to the foreground (`true`) or the background (I12).
+    SetForeground(u8, bool),
     /// The driver last heard from the connection this many ms before now
     /// (negative: a driver's instant after `now`, which the core clamps).
     Disconnect(u8, i16),
@@ -54,6 +57,7 @@ struct Mix {
     logout: u32,
     status: u32,
     invisible: u32,
+    foreground: u32,
     subscribe: u32,
     unsubscribe: u32,
     query: u32,
@@ -68,6 +72,7 @@ const BALANCED: Mix = Mix {
     logout: 1,
     status: 3,
     invisible: 2,
+    foreground: 3,
     subscribe: 10,
     unsubscribe: 1,
     query: 1,
@@ -111,14 +116,17 @@ fn op(mix: Mix) -> impl Strategy<Value = Op> {
             kind(),
             prop::option::weighted(0.3, prop::collection::vec(user(), 0..3)),
             prop::option::weighted(0.5, pick()),
+            prop::bool::weighted(0.8),
         )
-            .prop_map(|(user, device, kind, watch, resume)| Op::Connect {
+            .prop_map(|(user, device, kind, watch, resume, foreground)| Op::Connect {
                 user,
                 device,
                 kind,
                 watch,
                 resume,
+                foreground,
             }),
+        mix.foreground => (pick(), any::<bool>()).prop_map(|(s, f)| Op::SetForeground(s, f)),
         mix.activity => pick().prop_map(Op::Activity),
         mix.disconnect => (pick(), prop_oneof![
             2 => Just(0i16),
@@ -154,7 +162,7 @@ fn steps(mix: Mix) -> impl Strategy<Value = Vec<Step>> {
 }
 
 fn config() -> impl Strategy<Value = Config> {
-    any::<bool>().prop_map(|reject| {
+    (any::<bool>(), prop::bool::weighted(0.25)).prop_map(|(reject, away)| {
         let mut c = Config {
             debounce: Millis(300),
             batch_interval: Millis(1000),
@@ -169,6 +177,11 @@ fn config() -> impl Strategy<Value = Config> {
             max_devices_per_user: 2,
             max_sessions: 7,
             max_users: 4,
+            backgrounded: if away {
+                Backgrounded::Away
+            } else {
+                Backgrounded::Offline
+            },
             ..Config::default()
         };
         let timeouts = [(2000, 9000), (1000, 7000), (0, 5000), (500, 6000)];
@@ -274,6 +287,7 @@ impl Driver {
                 kind,
                 watch,
                 resume,
+                foreground,
             } => {
                 let watch = match watch {
                     None => Watch::All,
@@ -297,6 +311,7 @@ impl Driver {
                     kind,
                     watch: watch.clone(),
                     resume,
+                    foreground,
                 };
                 let got = self.core.handle_connect(at, c.clone());
                 let issued = got.as_ref().ok().map(|c| c.session);
@@ -319,6 +334,15 @@ impl Driver {
                 let s = pick(s);
                 let got = self.core.handle_activity(at, s);
                 prop_assert_eq!(got, self.reference.activity(now, s));
+                if got.is_ok() {
+                    self.audit.heard(s, at);
+                }
+                got
+            }
+            Op::SetForeground(s, foreground) => {
+                let s = pick(s);
+                let got = self.core.handle_set_foreground(at, s, foreground);
+                prop_assert_eq!(got, self.reference.set_foreground(now, s, foreground));
                 if got.is_ok() {
                     self.audit.heard(s, at);
                 }
@@ -464,21 +488,23 @@ impl Driver {
                 "I1 {:?}",
                 user
             );
+            // I1, I12: present only through a foreground device (or any
+            // device under `Backgrounded::Away`).
             prop_assert_eq!(
                 self.core.truth(user).online,
-                self.core.is_online(user),
-                "I1 {:?}",
+                self.reference.present(user),
+                "I1/I12 {:?}",
                 user
             );
-            // I9: route is exactly the Online sessions.
+            // I9, I12: route is exactly the Online sessions in the foreground.
             let route: BTreeSet<_> = self.core.route(user).into_iter().collect();
-            prop_assert_eq!(&route, &self.reference.route(user), "I9 {:?}", user);
+            prop_assert_eq!(&route, &self.reference.route(user), "I9/I12 {:?}", user);
             for s in &route {
                 prop_assert!(
                     self.core
                         .session_info(*s)
-                        .is_some_and(|i| i.online && i.user == user),
-                    "I9"
+                        .is_some_and(|i| i.online && i.foreground && i.user == user),
+                    "I9/I12"
                 );
             }
             prop_assert_eq!(self.core.presence(user), self.reference.published(user));
@@ -590,11 +616,18 @@ proptest! {
         run(config, &steps)?;
     }
 
-    /// Releases among everything else: I1–I11 hold, versions per (session,
+    /// Releases among everything else: I1–I12 hold, versions per (session,
     /// target) still increase, and a user that comes back is a new record
     /// whose versions start above every released one.
     #[test]
     fn releases_keep_every_invariant_and_versions_above_the_floor(config in config(), steps in steps(RELEASES)) {
+        run(config, &steps)?;
+    }
+
+    #[test]
+    fn i12_background_is_not_present(config in config(), steps in steps(Mix {
+        foreground: 10, connect: 8, activity: 6, disconnect: 3, logout: 2, subscribe: 8, ..BALANCED
+    })) {
         run(config, &steps)?;
     }
 

@@ -61,6 +61,7 @@ impl Harness {
             kind,
             watch,
             resume,
+            foreground: true,
         };
         let connected = self.core.handle_connect(self.now(), c).expect("connect");
         self.check();
@@ -700,6 +701,7 @@ fn other_caps_are_clear_errors() {
         kind: DeviceKind::Desktop,
         watch: Watch::All,
         resume: None,
+        foreground: true,
     };
     assert_eq!(
         h.core.handle_connect(Millis(0), laptop),
@@ -713,6 +715,7 @@ fn other_caps_are_clear_errors() {
         kind: DeviceKind::Mobile,
         watch: Watch::All,
         resume: None,
+        foreground: true,
     };
     assert_eq!(
         h.core.handle_connect(Millis(0), carol),
@@ -1046,6 +1049,7 @@ fn churned_users_are_released_and_their_slots_reused() {
                         kind: DeviceKind::Web,
                         watch: Watch::All,
                         resume: None,
+                        foreground: true,
                     },
                 )
                 .unwrap()
@@ -1180,6 +1184,7 @@ fn a_renewal_as_of_the_last_packet_keeps_the_real_last_heard() {
         kind: DeviceKind::Desktop,
         watch: Watch::All,
         resume: None,
+        foreground: true,
     };
     let phone = core.handle_connect(Millis(0), connect(1)).unwrap().session;
     let watcher = core.handle_connect(Millis(0), connect(2)).unwrap().session;

@@ -13,6 +13,7 @@ fn connect(core: &mut Core, user: u64, watch: Watch) -> SessionId {
             kind: DeviceKind::Desktop,
             watch,
             resume: None,
+            foreground: true,
         },
     )
     .unwrap()

@@ -27,13 +27,14 @@ struct Step {
 
 #[derive(Arbitrary, Debug)]
 enum Op {
-    Connect { user: u8, device: u8, kind: u8, watch: Option<Vec<u8>>, resume: Option<u8> },
+    Connect { user: u8, device: u8, kind: u8, watch: Option<Vec<u8>>, resume: Option<u8>, background: bool },
     Activity(u8),
     /// Last heard this many ms before now (negative: after now, clamped).
     Disconnect(u8, i16),
     Logout(u8),
     SetStatus(u8, u8, Option<String>),
     SetInvisible(u8, bool),
+    SetForeground(u8, bool),
     Subscribe(u8, u8, bool),
     Unsubscribe(u8, u8),
     Query(u8, u8),
@@ -86,7 +87,7 @@ fuzz_target!(|case: Case| {
         drain(&mut core, &mut audit);
         let before = core.clone();
         let result = match &step.op {
-            Op::Connect { user: u, device, kind, watch, resume } => {
+            Op::Connect { user: u, device, kind, watch, resume, background } => {
                 let c = Connect {
                     user: user(*u),
                     device: DeviceId(u64::from(device % 3)),
@@ -96,6 +97,7 @@ fuzz_target!(|case: Case| {
                         Some(list) => Watch::only(list.iter().map(|u| user(*u))),
                     },
                     resume: resume.map(|i| pick(&issued, i)),
+                    foreground: !background,
                 };
                 let got = core.handle_connect(at, c.clone());
                 if let Ok(connected) = &got {
@@ -145,6 +147,14 @@ fuzz_target!(|case: Case| {
                 if got.is_ok() {
                     let owner = audit.owner(s).expect("an accepted session was audited");
                     audit.invisible(owner, *invisible, at);
+                    audit.heard(s, at);
+                }
+                got
+            }
+            Op::SetForeground(s, foreground) => {
+                let s = pick(&issued, *s);
+                let got = core.handle_set_foreground(at, s, *foreground);
+                if got.is_ok() {
                     audit.heard(s, at);
                 }
                 got

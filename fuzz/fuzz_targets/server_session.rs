@@ -32,7 +32,7 @@ struct Step {
 #[derive(Arbitrary, Debug)]
 enum What {
     /// A hello with a valid token (or a bad one).
-    Hello { user: u8, device: u8, kind: u8, watch_all: bool, service: bool, forged: bool, version: u8, resume: Option<u64> },
+    Hello { user: u8, device: u8, kind: u8, watch_all: bool, service: bool, forged: bool, version: u8, resume: Option<u64>, foreground: bool },
     Request { id: u64, request: Req },
     Raw(Vec<u8>),
     /// The connection is gone: logout or disconnect.
@@ -48,6 +48,7 @@ enum Req {
     Query(Vec<u8>),
     SetStatus(u8, Option<String>),
     SetInvisible(bool),
+    SetForeground(bool),
     Route(u8),
     Logout,
 }
@@ -75,6 +76,7 @@ fn request(r: Req) -> Request {
             message,
         },
         Req::SetInvisible(b) => Request::SetInvisible { invisible: b },
+        Req::SetForeground(b) => Request::SetForeground { foreground: b },
         Req::Route(u) => Request::Route { user: name(u) },
         Req::Logout => Request::Logout,
     }
@@ -99,7 +101,7 @@ fuzz_target!(|case: Case| {
         let at = Millis(now);
         let c = usize::from(step.conn) % conns.len();
         match step.what {
-            What::Hello { user, device, kind, watch_all, service, forged, version, resume } => {
+            What::Hello { user, device, kind, watch_all, service, forged, version, resume, foreground } => {
                 let kind = [Kind::Mobile, Kind::Desktop, Kind::Web, Kind::Other][usize::from(kind % 4)];
                 let watch = if watch_all { WatchClaim::all() } else { WatchClaim::only([name(user.wrapping_add(1))]) };
                 let mut claims = Claims::new(name(user), name(device), kind, watch, Duration::from_secs(600));
@@ -109,7 +111,7 @@ fuzz_target!(|case: Case| {
                 let signer = if forged { &forger } else { &*keys };
                 let token = signer.mint(&claims).expect("claims encode");
                 let version = if version < 250 { proto::VERSION } else { u32::from(version) };
-                let hello = Hello { version, token, resume };
+                let hello = Hello { version, token, resume, foreground };
                 let handled = handle_frame(&mut hub, &mut conns[c], at, &payload(&hello));
                 if std::mem::take(&mut fresh[c]) && (forged || version != proto::VERSION) {
                     assert!(handled.close.is_some(), "a bad hello must close: {handled:?}");

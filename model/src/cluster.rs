@@ -469,6 +469,7 @@ pub fn cluster_config() -> Config {
         max_devices_per_user: 2,
         max_sessions: 64,
         max_users: 16,
+        backgrounded: greendot_core::Backgrounded::Offline,
     }
 }
 
@@ -712,6 +713,7 @@ impl ClusterModel {
             kind: DeviceKind::Mobile,
             watch: Watch::All,
             resume: None,
+            foreground: true,
         };
         if let Ok(c) = o.core.handle_connect(Millis(s.t), c) {
             o.sessions.insert(c.session, (edge, inc, conn));

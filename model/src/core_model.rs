@@ -10,8 +10,8 @@
 
 use greendot_core::Core;
 use greendot_core::{
-    Config, Connect, DeviceId, DeviceKind, EndReason, Error, Input, KindConfig, Millis, Output,
-    Presence, RealtimeOverflow, Reply, SessionId, Status, Tier, UserId, Watch,
+    Backgrounded, Config, Connect, DeviceId, DeviceKind, EndReason, Error, Input, KindConfig,
+    Millis, Output, Presence, RealtimeOverflow, Reply, SessionId, Status, Tier, UserId, Watch,
 };
 use stateright::{Model, Property};
 use std::collections::{BTreeMap, BTreeSet};
@@ -54,6 +54,9 @@ pub mod cap {
     /// noticed: the driver last heard from it before `now` (at time 0, which
     /// the core clamps up to its last activity).
     pub const SILENT_LOSS: u16 = 1 << 10;
+    /// `SetForeground`: the app goes to the background and back (I12); a
+    /// reconnect's `Connect` carries the app's state.
+    pub const BACKGROUND: u16 = 1 << 11;
     pub const ALL: u16 = u16::MAX;
 }
 
@@ -83,6 +86,8 @@ pub struct Bounds {
     pub max_sessions: u8,
     /// `SetStatus` and `SetInvisible` inputs over the whole run.
     pub max_toggles: u8,
+    /// `SetForeground` inputs over the whole run (I12).
+    pub max_backgrounds: u8,
     /// States where the watched user's version passes this are not explored
     /// (the version grows with every change of what anyone sees of a user).
     pub max_version: u64,
@@ -101,6 +106,7 @@ impl Bounds {
         max_time: 3,
         max_sessions: 4,
         max_toggles: 2,
+        max_backgrounds: 0,
         max_version: 4,
         max_watcher_version: 2,
     };
@@ -109,6 +115,18 @@ impl Bounds {
     /// greendot-model -- --ignored` (or `greendot-model check --sessions 5`).
     pub const FIVE_SESSIONS: Bounds = Bounds {
         max_sessions: 5,
+        ..Bounds::CI
+    };
+
+    /// I12 (foreground and background): CI's bounds with the watched
+    /// user's phone going to the background and back, connecting in
+    /// either state, within 3 sessions and one status or invisibility
+    /// change (the toggles and sessions multiply the states; I12 needs a
+    /// background, a second device and a reconnect to show).
+    pub const BACKGROUND: Bounds = Bounds {
+        max_sessions: 3,
+        max_toggles: 1,
+        max_backgrounds: 2,
         ..Bounds::CI
     };
 }
@@ -145,6 +163,7 @@ pub fn small_config(devices: usize) -> Config {
         max_devices_per_user: devices.max(1),
         max_sessions: 64,
         max_users: 16,
+        backgrounded: Backgrounded::Offline,
     }
 }
 
@@ -161,6 +180,7 @@ pub enum Op {
     Logout,
     SetStatus(Status),
     SetInvisible(bool),
+    SetForeground(bool),
     Subscribe(u8, Tier),
     Unsubscribe(u8),
     Query(u8),
@@ -188,6 +208,9 @@ pub struct Dev {
     pub active_at: Option<Millis>,
     /// While `cur` is Lingering: when it was lost.
     pub lost_at: Option<Millis>,
+    /// The app is in the background (I12); kept across reconnects, whose
+    /// `Connect` carries it.
+    pub background: bool,
 }
 
 /// Per user: since when the views have held (for I6 and I8).
@@ -222,6 +245,9 @@ pub mod event {
     /// Last seen was set to a moment before the transition's `now` (a silent
     /// device, a reaped ghost, a grace that ran out).
     pub const LAST_SEEN_BEFORE_NOW: u16 = 1 << 10;
+    /// A user was published offline while a session of theirs lives on in
+    /// the background (I12).
+    pub const BACKGROUND_OFFLINE: u16 = 1 << 11;
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -239,6 +265,8 @@ pub struct CoreState {
     pub issued: u8,
     /// `SetStatus` and `SetInvisible` inputs accepted so far.
     pub toggles: u8,
+    /// `SetForeground` inputs accepted so far.
+    pub backgrounds: u8,
     /// `event::*` bits of the transition that led here.
     pub events: u16,
     /// Invariant violations found on the transition that led here, each
@@ -346,6 +374,7 @@ impl CoreModel {
                         } else {
                             None
                         },
+                        foreground: !s.devs[dev as usize].background,
                     }),
                 ))
             }
@@ -366,6 +395,10 @@ impl CoreModel {
                         message: None,
                     },
                     Op::SetInvisible(invisible) => Input::SetInvisible { session, invisible },
+                    Op::SetForeground(foreground) => Input::SetForeground {
+                        session,
+                        foreground,
+                    },
                     Op::Subscribe(t, tier) => Input::Subscribe {
                         session,
                         target: user(t),
@@ -590,18 +623,30 @@ impl CoreModel {
         ) = (*action, &reply)
         {
             let d = &mut n.devs[dev as usize];
+            // A backgrounded device is not present: nothing it sends counts
+            // as heard for last seen (I12).
+            let present = !d.background;
             match op {
                 Op::Activity => {
                     d.active_at = Some(now);
-                    heard = Some((dev, now));
+                    heard = present.then_some((dev, now));
                 }
                 Op::Disconnect { silent } => {
                     d.lost_at = Some(now);
                     // Clamped up to the last activity, as the core must.
                     let last_heard = if silent { d.active_at } else { Some(now) };
-                    heard = last_heard.map(|at| (dev, at));
+                    heard = last_heard.filter(|_| present).map(|at| (dev, at));
                 }
-                Op::Logout => heard = Some((dev, now)),
+                Op::Logout => heard = present.then_some((dev, now)),
+                Op::SetForeground(foreground) => {
+                    n.backgrounds += 1;
+                    d.active_at = Some(now);
+                    // Going to the background is heard at that moment.
+                    if present || foreground {
+                        heard = Some((dev, now));
+                    }
+                    d.background = !foreground;
+                }
                 Op::SetInvisible(_) => {
                     n.toggles += 1;
                     heard = Some((dev, now));
@@ -615,7 +660,7 @@ impl CoreModel {
                 let d = &mut n.devs[dev as usize];
                 d.active_at = Some(now);
                 d.lost_at = None;
-                heard = Some((dev, now));
+                heard = (!d.background).then_some((dev, now));
             }
         }
         if let Some((dev, at)) = heard {
@@ -652,6 +697,9 @@ impl CoreModel {
                 }
                 if !after.online && n.core.truth(user).invisible && s.core.shown(user).online {
                     ev |= event::INVISIBLE_AT_ONCE;
+                }
+                if !after.online && n.core.is_online(user) && !n.core.truth(user).invisible {
+                    ev |= event::BACKGROUND_OFFLINE;
                 }
                 // Changes waiting in batches.
                 for (key, count) in n.pending.iter_mut() {
@@ -773,7 +821,12 @@ impl CoreModel {
     ) {
         let debounce = self.config().debounce.0;
         let was_shown = s.core.shown(user);
-        if published.same_view(&was_shown) {
+        // I5 beats I6: a user who goes invisible is hidden at once, also
+        // when the offline they are hidden with was already being debounced
+        // (a backgrounded device going invisible, I12).
+        let hidden_at_once =
+            !published.online && n.core.truth(user).invisible && !s.core.truth(user).invisible;
+        if published.same_view(&was_shown) && !hidden_at_once {
             if let Some(since) = s.users[t].shown_since {
                 if now.0 < since.0 + debounce {
                     bad.push(format!(
@@ -820,8 +873,11 @@ impl CoreModel {
         for (t, &user) in self.users.iter().enumerate() {
             // I1 and I9, from the devices' sessions.
             let mut live = false;
+            // I12: only foreground devices are present and routable.
+            let mut present = false;
             let mut kinds = greendot_core::Kinds::EMPTY;
             let mut online_sessions = Vec::new();
+            let mut backgrounded_online = Vec::new();
             for (d, spec) in self.devices.iter().enumerate() {
                 if spec.user != user {
                     continue;
@@ -836,9 +892,25 @@ impl CoreModel {
                     continue;
                 };
                 live = true;
-                kinds.insert(info.kind);
-                if info.online {
+                if info.foreground == dev.background {
+                    bad.push(format!(
+                        "I12: {} is foreground={} but the app reported background={}",
+                        dev.cur.unwrap(),
+                        info.foreground,
+                        dev.background
+                    ));
+                }
+                if !dev.background {
+                    present = true;
+                    kinds.insert(info.kind);
+                }
+                if info.online && dev.background {
+                    backgrounded_online.push(dev.cur.unwrap());
+                }
+                if info.online && !dev.background {
                     online_sessions.push(dev.cur.unwrap());
+                }
+                if info.online {
                     // I2, from the model's own record of activity.
                     let hb = cfg.kind(spec.kind).heartbeat_timeout.0;
                     match dev.active_at {
@@ -859,24 +931,26 @@ impl CoreModel {
                     }
                 }
             }
+            // A disagreement only a backgrounded device explains is I12's.
+            let id = if live == present { "I1" } else { "I12" };
             let truth = core.truth(user);
-            if core.is_online(user) != live || truth.online != live {
+            if core.is_online(user) != live || truth.online != present {
                 bad.push(format!(
-                    "I1: {user:?} is_online={} truth.online={} but a device is live: {live}",
+                    "{id}: {user:?} is_online={} truth.online={} but a device is live: {live}, present: {present}",
                     core.is_online(user),
                     truth.online
                 ));
             }
-            if live && truth.kinds != kinds {
+            if present && truth.kinds != kinds {
                 bad.push(format!(
-                    "I1: {user:?} shows kinds {:?}, devices are {kinds:?}",
+                    "{id}: {user:?} shows kinds {:?}, present devices are {kinds:?}",
                     truth.kinds
                 ));
             }
             let shown = core.shown(user);
-            if shown.online != (live && !truth.invisible) {
+            if shown.online != (present && !truth.invisible) {
                 bad.push(format!(
-                    "I1: {user:?} shown online={} (live {live}, invisible {})",
+                    "{id}: {user:?} shown online={} (live {live}, present {present}, invisible {})",
                     shown.online, truth.invisible
                 ));
             }
@@ -884,8 +958,13 @@ impl CoreModel {
             route.sort();
             online_sessions.sort();
             if route != online_sessions {
+                let id = if route.iter().any(|r| backgrounded_online.contains(r)) {
+                    "I12"
+                } else {
+                    "I9"
+                };
                 bad.push(format!(
-                    "I9: route({user:?}) = {route:?}, Online sessions are {online_sessions:?}"
+                    "{id}: route({user:?}) = {route:?}, Online foreground sessions are {online_sessions:?}"
                 ));
             }
             // I5 on what others are shown and would be told.
@@ -1032,6 +1111,7 @@ fn named_session(input: &Input) -> Option<SessionId> {
         Input::Disconnect { session, .. } => Some(*session),
         Input::SetStatus { session, .. }
         | Input::SetInvisible { session, .. }
+        | Input::SetForeground { session, .. }
         | Input::Subscribe { session, .. }
         | Input::Unsubscribe { session, .. }
         | Input::Query { session, .. } => Some(*session),
@@ -1061,6 +1141,7 @@ impl Model for CoreModel {
             pending: BTreeMap::new(),
             issued: 0,
             toggles: 0,
+            backgrounds: 0,
             events: 0,
             bad: Vec::new(),
         }]
@@ -1136,6 +1217,9 @@ impl Model for CoreModel {
                     }
                     if can(cap::INVISIBLE) && toggle {
                         input(Op::SetInvisible(!truth.invisible));
+                    }
+                    if can(cap::BACKGROUND) && s.backgrounds < self.bounds.max_backgrounds {
+                        input(Op::SetForeground(state.background));
                     }
                     let subs = s.core.subscriptions(state.cur.unwrap());
                     let mut sub = |t: usize, tiers: &[Tier], unsub: bool| {
@@ -1216,7 +1300,7 @@ impl Model for CoreModel {
     }
 
     fn properties(&self) -> Vec<Property<Self>> {
-        vec![
+        let mut properties = vec![
             Property::<Self>::always("I1 aggregation", |_, s| !has(s, "I1")),
             Property::<Self>::always("I2 no ghosts", |_, s| !has(s, "I2")),
             Property::<Self>::always("I3 stale inputs", |_, s| !has(s, "I3")),
@@ -1228,6 +1312,7 @@ impl Model for CoreModel {
             Property::<Self>::always("I9 routing", |_, s| !has(s, "I9")),
             Property::<Self>::always("I10 no stray output", |_, s| !has(s, "I10")),
             Property::<Self>::always("I11 authorization", |_, s| !has(s, "I11")),
+            Property::<Self>::always("I12 background", |_, s| !has(s, "I12")),
             Property::<Self>::always("core structure", |_, s| !has(s, "S")),
             Property::<Self>::always("last seen is last heard", |_, s| !has(s, "LS")),
             Property::<Self>::sometimes("flap suppressed by debounce", |_, s| {
@@ -1254,7 +1339,14 @@ impl Model for CoreModel {
             Property::<Self>::sometimes("last seen set to an earlier moment", |_, s| {
                 s.events & event::LAST_SEEN_BEFORE_NOW != 0
             }),
-        ]
+        ];
+        if self.bounds.max_backgrounds > 0 {
+            properties.push(Property::<Self>::sometimes(
+                "backgrounded user published offline",
+                |_, s| s.events & event::BACKGROUND_OFFLINE != 0,
+            ));
+        }
+        properties
     }
 }
 
@@ -1316,6 +1408,10 @@ pub fn describe_input(input: &Input) -> String {
             session, status, ..
         } => format!("SetStatus {session} {}", status.name()),
         Input::SetInvisible { session, invisible } => format!("SetInvisible {session} {invisible}"),
+        Input::SetForeground {
+            session,
+            foreground,
+        } => format!("SetForeground {session} {foreground}"),
         Input::Subscribe {
             session,
             target,

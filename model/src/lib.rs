@@ -1,7 +1,7 @@
 //! # greendot-model
 //!
 //! stateright models that drive the real `greendot-core` (never a
-//! re-implementation) and check the invariants I1–I11 of DESIGN.md:
+//! re-implementation) and check the invariants I1–I12 of DESIGN.md:
 //!
 //! - [`core_model`] (Model 1): the core under every input, stale ones
 //!   included, with time advancing in small steps across every threshold;

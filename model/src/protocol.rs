@@ -252,6 +252,7 @@ pub fn protocol_config() -> Config {
         max_devices_per_user: 1,
         max_sessions: 64,
         max_users: 16,
+        backgrounded: greendot_core::Backgrounded::Offline,
     }
 }
 
@@ -815,6 +816,7 @@ fn server_msg(spec: &ServerSpec, state: &mut Cow<NodeState>, src: Id, msg: Msg, 
                 kind,
                 watch: Watch::All,
                 resume,
+                foreground: true,
             });
             let users_before = server.shown_and_invisible(users);
             // The connection exists before the core's outputs are sent.

@@ -22,6 +22,8 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 /// the model or the core stopped reaching situations it reached before
 /// (check why, then update); more is a change to look at, not a failure.
 const CORE_STATES: usize = 833_879;
+/// The same at `Bounds::BACKGROUND` (I12).
+const CORE_STATES_BACKGROUND: usize = 165_127;
 /// The same at `Bounds::FIVE_SESSIONS` (the ignored test).
 const CORE_STATES_FIVE_SESSIONS: usize = 3_003_603;
 /// Unique states of Model 2 at `ProtocolBounds::CI` (reconnects) and
@@ -41,6 +43,47 @@ fn threads() -> usize {
 #[test]
 fn model1_core_every_invariant_holds_at_ci_bounds() {
     check_core(Bounds::CI, CORE_STATES);
+}
+
+/// I12: the phone goes to the background and back, and reconnects in
+/// either state. Every invariant holds (the `sometimes` properties are CI's
+/// business) and a backgrounded user is published offline.
+#[test]
+fn model1_core_i12_background_holds() {
+    let _serial = serial();
+    let start = Instant::now();
+    let checker = CoreModel::new(Bounds::BACKGROUND)
+        .checker()
+        .threads(threads())
+        .spawn_bfs()
+        .join();
+    println!(
+        "Model 1 (background): {} unique states ({} generated) in {:.1?}",
+        checker.unique_state_count(),
+        checker.state_count(),
+        start.elapsed()
+    );
+    for p in checker.model().properties() {
+        let found = checker.discovery(p.name);
+        if p.expectation.discovery_is_failure() {
+            if let Some(path) = found {
+                for line in describe_path(checker.model(), &path.into_vec()) {
+                    println!("  {line}");
+                }
+                panic!("{} violated", p.name);
+            }
+        }
+    }
+    assert!(
+        checker
+            .discovery("backgrounded user published offline")
+            .is_some(),
+        "I12 never reached"
+    );
+    assert!(
+        checker.unique_state_count() >= CORE_STATES_BACKGROUND,
+        "Model 1 (background) reaches fewer states than the {CORE_STATES_BACKGROUND} pinned"
+    );
 }
 
 /// A fifth session: longer supersede and resume chains, four times the
@@ -132,12 +175,17 @@ fn expected(m: Mutant) -> &'static str {
         Mutant::VersionNotBumped => "I7 versions",
         Mutant::KeepSubsAfterLogout => "I4 logout is final",
         Mutant::LastSeenAtExpiry => "last seen is last heard",
+        Mutant::BackgroundCounted => "I12 background",
     }
 }
 
 /// Runs Model 1 with a mutant until the invariant it breaks fails.
 fn catch(m: Mutant) {
-    let model = CoreModel::new(Bounds::CI);
+    let bounds = match m {
+        Mutant::BackgroundCounted => Bounds::BACKGROUND,
+        _ => Bounds::CI,
+    };
+    let model = CoreModel::new(bounds);
     let mut core = model.init.clone();
     core.set_mutant(Some(m));
     let want = expected(m);

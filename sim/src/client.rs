@@ -299,6 +299,7 @@ impl Client {
                         version: proto::VERSION,
                         token: self.token.clone(),
                         resume: self.resume,
+                        foreground: true,
                     };
                     match (live.conn.streams().open(Dir::Bi), encode_frame(&hello)) {
                         (Some(id), Ok(frame)) => {

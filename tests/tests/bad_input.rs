@@ -22,6 +22,7 @@ fn hello(token: String, version: u32) -> Vec<u8> {
         version,
         token,
         resume: None,
+        foreground: true,
     })
     .unwrap()
 }

@@ -137,6 +137,7 @@ async fn a_client_that_never_slows_down_is_closed() {
         version: proto::VERSION,
         token: ts.token("flood", "phone", Kind::Mobile, WatchClaim::all()),
         resume: None,
+        foreground: true,
     };
     send.write_all(&encode_frame(&hello).unwrap())
         .await
@@ -199,6 +200,7 @@ async fn stopping_a_push_stream_closes_the_connection() {
         version: proto::VERSION,
         token: ts.token("stopper", "phone", Kind::Mobile, WatchClaim::all()),
         resume: None,
+        foreground: true,
     };
     send.write_all(&encode_frame(&hello).unwrap())
         .await
@@ -255,6 +257,7 @@ async fn stall_with_big_pushes(ts: &TestServer) -> Option<CloseCode> {
         version: proto::VERSION,
         token: ts.token("sink", "tablet", Kind::Mobile, WatchClaim::all()),
         resume: None,
+        foreground: true,
     };
     let subscribe = RequestFrame {
         id: 1,
@@ -391,6 +394,7 @@ async fn a_hello_over_max_hello_is_refused_on_quic_too() {
         version: proto::VERSION,
         token: "t".repeat(2000),
         resume: None,
+        foreground: true,
     })
     .unwrap();
     let outcome = greendot_tests::raw_exchange(&conn, &hello, SLACK).await;

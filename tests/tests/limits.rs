@@ -185,6 +185,7 @@ async fn max_frame_counts_the_payload_without_the_length() {
             version: proto::VERSION,
             token,
             resume: None,
+            foreground: true,
         })
         .unwrap()
     };

@@ -55,6 +55,7 @@ fn come_and_go(hub: &mut Hub, keys: &Arc<TokenKeys>, i: usize, now: greendot_cor
         version: proto::VERSION,
         token: keys.mint(&claims).unwrap(),
         resume: None,
+        foreground: true,
     };
     let mut conn = ConnState::new(keys.clone(), RateLimit::default());
     let welcome = handle_frame(hub, &mut conn, now, &payload(encode_frame(&hello).unwrap()));
@@ -105,7 +106,8 @@ fn hundred_thousand_users_come_and_go_and_leave_nothing() {
             WatchClaim::all(),
             Duration::from_secs(600),
         );
-        hub.hello(greendot_core::Millis(1), &claims, None).unwrap();
+        hub.hello(greendot_core::Millis(1), &claims, None, true)
+            .unwrap();
     }
     // A driver sweeps now and then; debounce windows end meanwhile.
     let mut clock = 0u64;

@@ -114,6 +114,7 @@ impl WsClient {
                 version: VERSION,
                 token,
                 resume: None,
+                foreground: true,
             })
             .await;
         match client.next().await {

@@ -91,6 +91,7 @@ async fn a_connection_closed_at_its_welcome_is_uncounted_once() {
         version: proto::VERSION,
         token: token("ann", "laptop"),
         resume: Some(0x00ab_cdef_0000_0042),
+        foreground: true,
     };
     let (mut send, _recv) = conn.open_bi().await.unwrap();
     send.write_all(&proto::encode_frame(&hello).unwrap())

@@ -111,6 +111,7 @@ async fn welcomed_over_websocket(
         version: VERSION,
         token: token("wendy", "web"),
         resume: None,
+        foreground: true,
     })
     .unwrap();
     ws.send(Message::Binary(hello[4..].to_vec().into()))

@@ -241,6 +241,7 @@ impl WsClient {
             version: proto::VERSION,
             token: token.to_owned(),
             resume,
+            foreground: true,
         })
         .map_err(|e| e.to_string())?;
         ws.send(Message::Binary(hello.into()))

@@ -204,6 +204,7 @@ fn run_greendot(users: u32, ops: &[Op]) -> Measured {
                 },
                 watch: Watch::All,
                 resume: None,
+                foreground: true,
             },
         )
         .map(|c| c.session)

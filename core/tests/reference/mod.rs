@@ -22,6 +22,8 @@ struct RSession {
     device: DeviceId,
     kind: DeviceKind,
     online: bool,
+    /// The app is in the foreground (I12).
+    foreground: bool,
     last_activity: u64,
     until: u64,
     /// While Lingering: when the connection was last heard from.
@@ -184,12 +186,41 @@ impl Reference {
         self.sessions.iter().filter(move |(_, s)| s.user == user)
     }
 
-    fn kinds(&self, user: UserId) -> Kinds {
-        self.live_sessions_of(user).map(|(_, s)| s.kind).collect()
+    /// A device counts as present in the foreground, or under
+    /// `Backgrounded::Away` whatever its app does (I12).
+    fn counts(&self, s: &RSession) -> bool {
+        s.foreground || self.cfg.backgrounded == Backgrounded::Away
     }
 
+    fn present_of(&self, user: UserId) -> impl Iterator<Item = &RSession> {
+        self.live_sessions_of(user)
+            .map(|(_, s)| s)
+            .filter(|s| self.counts(s))
+    }
+
+    fn kinds(&self, user: UserId) -> Kinds {
+        self.present_of(user).map(|s| s.kind).collect()
+    }
+
+    /// Some device present (I1, I12).
     fn really_online(&self, user: UserId) -> bool {
-        self.live_sessions_of(user).next().is_some()
+        self.present_of(user).next().is_some()
+    }
+
+    /// `Away` under `Backgrounded::Away` while every device is in the
+    /// background and the choice is `Available`.
+    fn status(&self, user: UserId) -> Status {
+        let chosen = self.users[&user].status;
+        let mut live = self.live_sessions_of(user).peekable();
+        let all_background = live.peek().is_some() && live.all(|(_, s)| !s.foreground);
+        if self.cfg.backgrounded == Backgrounded::Away
+            && all_background
+            && chosen == Status::Available
+        {
+            Status::Away
+        } else {
+            chosen
+        }
     }
 
     fn shown(&self, user: UserId) -> Presence {
@@ -198,7 +229,7 @@ impl Reference {
             Presence {
                 version: 0,
                 online: true,
-                status: u.status,
+                status: self.status(user),
                 message: u.message.clone(),
                 kinds: self.kinds(user),
                 last_seen: None,
@@ -218,7 +249,7 @@ impl Reference {
         Presence {
             version: u.version,
             online,
-            status: u.status,
+            status: self.status(user),
             message: u.message.clone(),
             kinds: self.kinds(user),
             last_seen: if online {
@@ -270,7 +301,9 @@ impl Reference {
             self.fan_out(user, true);
         }
         let shown = self.shown(user);
-        if shown.same_view(&before.shown) {
+        let u = &self.users[&user];
+        let leak = u.invisible && u.published.online;
+        if shown.same_view(&before.shown) && !leak {
             return;
         }
         let u = self.users.get_mut(&user).unwrap();
@@ -474,6 +507,7 @@ impl Reference {
                 device: c.device,
                 kind: c.kind,
                 online: true,
+                foreground: c.foreground,
                 last_activity: self.now,
                 until: 0,
                 last_heard: 0,
@@ -483,7 +517,9 @@ impl Reference {
                 batch_due: None,
             },
         );
-        self.heard(c.user, self.now);
+        if self.counts(&self.sessions[&id]) {
+            self.heard(c.user, self.now);
+        }
         let mut snapshots = Vec::new();
         for (target, tier) in carried {
             if target != c.user && !c.watch.allows(target) {
@@ -502,10 +538,37 @@ impl Reference {
 
     pub fn activity(&mut self, now: u64, id: SessionId) -> Result<(), Error> {
         self.advance(now);
-        let user = self.lookup(id, true)?.user;
+        let s = self.lookup(id, true)?;
+        let (user, counts) = (s.user, self.counts(s));
         let now = self.now;
         self.sessions.get_mut(&id).unwrap().last_activity = now;
-        self.heard(user, now);
+        // A backgrounded device's keep-alives do not count (I12).
+        if counts {
+            self.heard(user, now);
+        }
+        Ok(())
+    }
+
+    pub fn set_foreground(
+        &mut self,
+        now: u64,
+        id: SessionId,
+        foreground: bool,
+    ) -> Result<(), Error> {
+        self.advance(now);
+        let s = self.lookup(id, true)?;
+        let (user, counted) = (s.user, self.counts(s));
+        let before = self.before(user);
+        let now = self.now;
+        let s = self.sessions.get_mut(&id).unwrap();
+        s.foreground = foreground;
+        s.last_activity = now;
+        let counts = self.counts(&self.sessions[&id]);
+        // Present until now, or from now on: heard now (I12 c).
+        if counted || counts {
+            self.heard(user, now);
+        }
+        self.after(user, before);
         Ok(())
     }
 
@@ -517,6 +580,7 @@ impl Reference {
         // Heard from no earlier than its last activity, no later than now.
         let last_heard = last_heard.clamp(s.last_activity, now);
         let user = s.user;
+        let foreground = s.foreground;
         s.online = false;
         s.until = now + grace;
         s.last_heard = last_heard;
@@ -525,17 +589,22 @@ impl Reference {
         for sub in s.subs.values_mut() {
             sub.queued = false;
         }
-        self.heard(user, last_heard);
+        if foreground || self.cfg.backgrounded == Backgrounded::Away {
+            self.heard(user, last_heard);
+        }
         self.advance(now);
         Ok(())
     }
 
     pub fn logout(&mut self, now: u64, id: SessionId) -> Result<(), Error> {
         self.advance(now);
-        let user = self.lookup(id, false)?.user;
+        let s = self.lookup(id, false)?;
+        let (user, counts) = (s.user, self.counts(s));
         let before = self.before(user);
         self.end(id, EndReason::LoggedOut);
-        self.heard(user, self.now);
+        if counts {
+            self.heard(user, self.now);
+        }
         self.after(user, before);
         Ok(())
     }
@@ -638,7 +707,8 @@ impl Reference {
             && u.message.is_none()
             && !u.invisible
             && u.last_seen.is_none();
-        if self.really_online(user) || watched || u.debounce_due.is_some() || !saved_default {
+        let live = self.live_sessions_of(user).next().is_some();
+        if live || watched || u.debounce_due.is_some() || !saved_default {
             return false;
         }
         self.version_floor = self.version_floor.max(u.version);
@@ -657,13 +727,20 @@ impl Reference {
 
     // ----- what tests compare -----------------------------------------------
 
+    /// Holds a live session, in the foreground or not.
     pub fn is_online(&self, user: UserId) -> bool {
+        self.live_sessions_of(user).next().is_some()
+    }
+
+    /// Some device present: what the user's own sessions see (I1, I12).
+    pub fn present(&self, user: UserId) -> bool {
         self.really_online(user)
     }
 
+    /// The Online sessions in the foreground (I9, I12).
     pub fn route(&self, user: UserId) -> BTreeSet<SessionId> {
         self.live_sessions_of(user)
-            .filter(|(_, s)| s.online)
+            .filter(|(_, s)| s.online && s.foreground)
             .map(|(id, _)| *id)
             .collect()
     }

@@ -34,6 +34,18 @@
 //! it probes the TCP connection and reconnects (and resumes) if no answer
 //! comes within [`ClientConfig::probe_timeout`].
 //!
+//! # The app's lifecycle
+//!
+//! [`Client::app_backgrounded`] and [`Client::app_foregrounded`], with
+//! `network_changed`, are the calls a phone's callbacks make. In the
+//! background the user is shown offline (last seen when the app went) and
+//! `route` no longer names the device, so a backend pushes instead; the
+//! session and its subscriptions go on, every hello carries the state, and
+//! the client redials nothing until the app is back in the foreground (or
+//! the network changes). Back in the foreground it tells the server, checks
+//! the connection within `probe_timeout`, and a reconnect in progress tries
+//! at once with its backoff reset.
+//!
 //! # Reconnecting
 //!
 //! Every wait before an attempt is drawn with full jitter: uniformly in
@@ -87,6 +99,7 @@
 //! it no longer allows end ([`Event::TokenRefreshed`]).
 
 mod error;
+mod lifecycle;
 mod refresh;
 pub mod tls;
 mod ws;
@@ -340,6 +353,11 @@ pub struct ClientConfig {
     /// How long before the token's `exp` it is refreshed (at most 1/5 of
     /// the token's remaining life earlier). Default 60 s.
     pub refresh_ahead: Duration,
+    /// The app is in the foreground at the first connect (`false`: started
+    /// in the background, e.g. by a push). Later changes go through
+    /// [`Client::app_backgrounded`] and [`Client::app_foregrounded`].
+    /// Default `true`.
+    pub foreground: bool,
 }
 
 impl ClientConfig {
@@ -374,6 +392,7 @@ impl ClientConfig {
             resume: None,
             refresh: None,
             refresh_ahead: Duration::from_secs(60),
+            foreground: true,
         }
     }
 }
@@ -481,6 +500,8 @@ struct Shared {
     dialer: Dialer,
     state: Mutex<State>,
     events: mpsc::UnboundedSender<Event>,
+    /// The app is in the foreground (see `lifecycle`).
+    foreground: tokio::sync::watch::Sender<bool>,
 }
 
 impl Shared {
@@ -618,6 +639,8 @@ struct Established {
     early: Vec<Inbound>,
     tasks: Tasks,
     welcome: Welcome,
+    /// The app's state the hello carried.
+    foreground: bool,
 }
 
 fn lost(error: &quinn::ConnectionError) -> ClientError {
@@ -698,10 +721,11 @@ async fn establish(
     config: &ClientConfig,
     token: &str,
     resume: Option<SessionId>,
+    foreground: bool,
 ) -> Result<Established, ClientError> {
     let attempt = async {
         let transport = race(dialer, config).await?;
-        hello(transport, config, token, resume).await
+        hello(transport, config, token, resume, foreground).await
     };
     match tokio::time::timeout(config.connect_timeout, attempt).await {
         Ok(result) => result,
@@ -779,11 +803,13 @@ async fn hello(
     config: &ClientConfig,
     token: &str,
     resume: Option<SessionId>,
+    foreground: bool,
 ) -> Result<Established, ClientError> {
     let hello = Hello {
         version: config.version,
         token: token.to_owned(),
         resume: resume.map(|s| s.0),
+        foreground,
     };
     let bytes = encode_frame(&hello)?;
     let (tx, mut inbound) = mpsc::unbounded_channel();
@@ -841,6 +867,7 @@ async fn hello(
             early,
             tasks,
             welcome,
+            foreground,
         }),
         Err(e) => {
             link.close(CloseCode::Normal, "hello failed").await;
@@ -885,7 +912,14 @@ impl Client {
             ws_tls: ws::tls_config(&config)?,
         };
 
-        let established = establish(&dialer, &config, &config.token, config.resume).await?;
+        let established = establish(
+            &dialer,
+            &config,
+            &config.token,
+            config.resume,
+            config.foreground,
+        )
+        .await?;
         let (events, rx) = mpsc::unbounded_channel();
         let welcome = &established.welcome;
         let carrier = established.link.carrier();
@@ -907,6 +941,7 @@ impl Client {
                 },
             }),
             events,
+            foreground: tokio::sync::watch::Sender::new(config.foreground),
         });
         let (cmd_tx, cmd_rx) = mpsc::channel(256);
         let request_timeout = config.request_timeout;
@@ -1218,6 +1253,8 @@ enum Pending {
     Probe,
     /// A refresh with a token from [`ClientConfig::refresh`].
     Refresh,
+    /// A `SetForeground` of the app's lifecycle.
+    Lifecycle,
 }
 
 enum Exit {
@@ -1236,6 +1273,8 @@ async fn drive(
 ) {
     let mut deferred: VecDeque<Cmd> = VecDeque::new();
     let mut next_id: u64 = 0;
+    // The app's state, as the connections and the reconnects saw it last.
+    let mut app = shared.foreground.subscribe();
     loop {
         let welcome = est.welcome.clone();
         for s in &welcome.snapshots {
@@ -1257,6 +1296,7 @@ async fn drive(
             &mut cmd_rx,
             &mut deferred,
             &mut next_id,
+            &mut app,
         )
         .await;
         let error = match exit {
@@ -1282,7 +1322,15 @@ async fn drive(
             reason: error.to_string(),
         });
         let hint = error.retry_after();
-        match reconnect(&shared, &config, policy, hint, &mut cmd_rx, &mut deferred).await {
+        let again = reconnect(
+            &shared,
+            &config,
+            policy,
+            hint,
+            (&mut cmd_rx, &mut deferred),
+            &mut app,
+        );
+        match again.await {
             Ok(new) => {
                 let resumed = new.welcome.resumed;
                 let session = SessionId(new.welcome.session);
@@ -1327,25 +1375,6 @@ fn finish(shared: &Shared, code: Option<CloseCode>, reason: String) {
     shared.emit(Event::Closed { code, reason });
 }
 
-/// Waits `delay` while taking commands: requests wait for the connection, a
-/// close ends the client, a network change ends the wait.
-async fn wait_taking_commands(
-    delay: Duration,
-    cmd_rx: &mut mpsc::Receiver<Cmd>,
-    deferred: &mut VecDeque<Cmd>,
-) -> Result<(), Exit> {
-    let sleep = tokio::time::sleep(delay);
-    tokio::pin!(sleep);
-    loop {
-        tokio::select! {
-            _ = &mut sleep => return Ok(()),
-            cmd = cmd_rx.recv() => if take_command(cmd, deferred)? {
-                return Ok(());
-            },
-        }
-    }
-}
-
 /// A command that came while reconnecting: a close ends the attempt, a
 /// network change is `true` (try now), any other waits for the connection.
 fn take_command(cmd: Option<Cmd>, deferred: &mut VecDeque<Cmd>) -> Result<bool, Exit> {
@@ -1372,17 +1401,20 @@ async fn reconnect(
     config: &ClientConfig,
     policy: Reconnect,
     mut hint: Option<Duration>,
-    cmd_rx: &mut mpsc::Receiver<Cmd>,
-    deferred: &mut VecDeque<Cmd>,
+    (cmd_rx, deferred): (&mut mpsc::Receiver<Cmd>, &mut VecDeque<Cmd>),
+    app: &mut tokio::sync::watch::Receiver<bool>,
 ) -> Result<Established, Exit> {
     let started = tokio::time::Instant::now();
     let mut backoff = Backoff::new(policy);
     loop {
-        wait_taking_commands(backoff.next_delay(hint.take()), cmd_rx, deferred).await?;
+        let delay = backoff.next_delay(hint.take());
+        let woke = lifecycle::wait_to_reconnect(delay, app, cmd_rx, deferred).await?;
+        lifecycle::after_wake(woke, &mut backoff);
         let resume = Some(shared.state().session);
         fresh_token(shared, config).await;
         let token = shared.state().token.clone();
-        let attempt = establish(&shared.dialer, config, &token, resume);
+        let foreground = *app.borrow();
+        let attempt = establish(&shared.dialer, config, &token, resume, foreground);
         tokio::pin!(attempt);
         // Keep taking commands while connecting: requests wait, a close ends.
         let result = loop {
@@ -1520,6 +1552,7 @@ async fn run(
     cmd_rx: &mut mpsc::Receiver<Cmd>,
     deferred: &mut VecDeque<Cmd>,
     next_id: &mut u64,
+    app: &mut tokio::sync::watch::Receiver<bool>,
 ) -> Exit {
     let Established {
         mut link,
@@ -1527,7 +1560,10 @@ async fn run(
         early,
         tasks,
         welcome,
+        foreground: said,
     } = est;
+    // The app's state as the server knows it; a change since is sent.
+    let mut told = said;
     // The cap on what the client sends; what it reads is capped by MAX_SERVER_FRAME.
     let max_frame = welcome.max_frame.max(1024) as usize;
     let mut pending: HashMap<u64, Pending> = HashMap::new();
@@ -1588,6 +1624,23 @@ async fn run(
     let mut fetching: Option<tokio::task::JoinHandle<Result<String, String>>> = None;
     let mut refreshes: HashMap<u64, String> = HashMap::new();
     let exit = 'conn: loop {
+        // A lifecycle change goes out before the requests that follow it.
+        let foreground = *app.borrow_and_update();
+        if foreground != told {
+            told = foreground;
+            let waiter = if foreground {
+                // Back from the background: the connection may have died
+                // meanwhile; an unanswered check replaces it at once.
+                if probe_deadline.is_none() {
+                    probe_deadline = Some(tokio::time::Instant::now() + config.probe_timeout);
+                }
+                Pending::Probe
+            } else {
+                Pending::Lifecycle
+            };
+            // Before any request the application made after the change.
+            startup.push_front((Request::SetForeground { foreground }, waiter));
+        }
         while let Some((request, waiter)) = startup.pop_front() {
             // The caller gave up waiting (a timeout): a request never sent
             // must never take effect later, so it is not sent at all.
@@ -1647,6 +1700,7 @@ async fn run(
             }
         };
         tokio::select! {
+            _ = app.changed() => {}
             _ = refresh_timer => {
                 if let Some(refresh) = &config.refresh {
                     fetching = Some(tokio::spawn(refresh.fetch()));
@@ -1725,7 +1779,7 @@ async fn run(
                                 refresh_due = Some(tokio::time::Instant::now() + Duration::from_secs(1));
                             }
                         }
-                        Some(Pending::Resubscribe) => {}
+                        Some(Pending::Resubscribe | Pending::Lifecycle) => {}
                         None => debug!(id, "reply to no request"),
                     }
                 }

@@ -299,6 +299,13 @@ impl Cluster {
                 ClaimState::Free { revision } if revision != expected_revision => {
                     claim(revision).await
                 }
+                // In this node's own name (a renewal that landed late, or a
+                // claim it stopped acting for): taken back on its revision.
+                ClaimState::Held(r)
+                    if r.owner == self.config.node && r.revision != expected_revision =>
+                {
+                    claim(r.revision).await
+                }
                 ClaimState::Free { .. } => Err(ClusterError::Conflict {
                     bucket: self.claims.name.clone(),
                     key: key.clone(),
@@ -460,19 +467,62 @@ impl Cluster {
 
     /// Stores a user's preferences; returns once the replicas have them, so
     /// the caller may then acknowledge the request.
-    pub async fn put_preferences(&self, user: &str, value: Bytes) -> Result<u64> {
-        put(
-            &self.js,
-            &self.prefs,
-            &user_key(user)?,
-            value,
-            self.timeout(),
-        )
-        .await
+    /// Stores a user's preferences as written by the owner of their shard
+    /// under `epoch`, fenced (C4): by compare-and-set on the record's
+    /// revision, and only if the record was not written under a newer
+    /// epoch (`Fenced`: a new owner wrote since; this one must not answer
+    /// that its write landed). Records keep the epoch in front of the value
+    /// ([`FENCED_MAGIC`], 8 bytes big-endian); a record without it (written
+    /// before fencing) counts as epoch 0.
+    pub async fn put_preferences(&self, user: &str, epoch: u64, value: Bytes) -> Result<u64> {
+        let key = user_key(user)?;
+        let mut framed = Vec::with_capacity(FENCED_MAGIC.len() + 8 + value.len());
+        framed.extend_from_slice(FENCED_MAGIC);
+        framed.extend_from_slice(&epoch.to_be_bytes());
+        framed.extend_from_slice(&value);
+        let framed = Bytes::from(framed);
+        // A racing writer of the same epoch (the same owner, two changes in
+        // flight) makes the compare-and-set fail: read and try again.
+        for _ in 0..3 {
+            let latest = read(&self.prefs, &key, self.timeout()).await?;
+            let expected = match &latest {
+                Some(e) => {
+                    let written = fenced_epoch(&e.value).0;
+                    if e.op == KvOp::Put && written > epoch {
+                        return Err(ClusterError::Fenced {
+                            bucket: self.prefs.name.clone(),
+                            key,
+                            epoch,
+                            newer: written,
+                        });
+                    }
+                    e.revision
+                }
+                None => 0,
+            };
+            let write = Write::Put {
+                value: framed.clone(),
+                ttl: None,
+            };
+            match write_if(&self.js, &self.prefs, &key, expected, write, self.timeout()).await {
+                Err(ClusterError::Conflict { .. }) => continue,
+                other => return other,
+            }
+        }
+        Err(ClusterError::Conflict {
+            bucket: self.prefs.name.clone(),
+            key,
+            expected: 0,
+        })
     }
 
+    /// A user's preferences (without the epoch they were written under).
     pub async fn preferences(&self, user: &str) -> Result<Option<Bytes>> {
-        latest_value(&self.prefs, &user_key(user)?, self.timeout()).await
+        let value = latest_value(&self.prefs, &user_key(user)?, self.timeout()).await?;
+        Ok(value.map(|v| {
+            let (_, at) = fenced_epoch(&v);
+            v.slice(at..)
+        }))
     }
 
     /// Stores the last view the owner published for a user.
@@ -668,6 +718,23 @@ impl Cluster {
                 after: self.timeout(),
             })?
             .map_err(|source| ClusterError::Flush { source })
+    }
+}
+
+/// What starts a fenced record: the epoch follows.
+pub const FENCED_MAGIC: &[u8] = b"gdE1";
+
+/// The epoch a record was written under and where its value starts (epoch
+/// 0 and the whole record when it is not fenced).
+fn fenced_epoch(record: &[u8]) -> (u64, usize) {
+    let head = FENCED_MAGIC.len();
+    match record.get(head..head + 8) {
+        Some(epoch) if record.starts_with(FENCED_MAGIC) => {
+            let mut bytes = [0u8; 8];
+            bytes.copy_from_slice(epoch);
+            (u64::from_be_bytes(bytes), head + 8)
+        }
+        _ => (0, 0),
     }
 }
 

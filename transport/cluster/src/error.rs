@@ -46,6 +46,15 @@ pub enum ClusterError {
         key: String,
         expected: u64,
     },
+    /// A fenced write found a record of a newer owner's epoch: the writer
+    /// no longer owns the key's shard.
+    #[error("{bucket}/{key} was written under epoch {newer}, newer than the writer's {epoch}")]
+    Fenced {
+        bucket: String,
+        key: String,
+        epoch: u64,
+        newer: u64,
+    },
     #[error("node {node} already holds a live lease (another process with this id, or this node's previous run whose lease has not expired yet)")]
     LeaseHeld { node: NodeId },
     #[error("shard {shard} is held by {owner} (epoch {epoch})")]

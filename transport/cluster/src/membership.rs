@@ -117,6 +117,11 @@ impl Membership {
         self.live.contains_key(node)
     }
 
+    /// Every live node with what its lease says.
+    pub fn members(&self) -> impl Iterator<Item = (&NodeId, &Member)> {
+        self.live.iter()
+    }
+
     pub fn member(&self, node: &NodeId) -> Option<&Member> {
         self.live.get(node)
     }
@@ -185,6 +190,7 @@ mod tests {
             renewed_ms,
             shard_count: 64,
             lease_ttl_ms: 2000,
+            http: None,
         };
         KvEntry {
             key: "n1".into(),

@@ -1,15 +1,20 @@
-//! A node's duties in the cluster, as one task ([`Node::start`]): hold the
+//! A node's duty in the cluster, as one task ([`Node::start`]): hold the
 //! node lease, follow the live nodes and the claims, claim, renew and
 //! release shards by rendezvous placement, stop acting before a claim or the
 //! lease can expire, and say so through a watch channel ([`NodeStatus`]).
 //!
 //! When the node is cut off from NATS, its renewals fail: each shard stops
 //! at its claim's deadline, and at the lease's deadline (`lease_ttl - margin`
-//! after the last renewal was sent) the status turns [`NodePhase::CutOff`]
-//! and the task ends: the server then closes its clients (Draining), `margin`
-//! before NATS can expire the lease. [`Node::leave`] (SIGTERM) releases every
-//! claim and the lease at once, so other nodes take the shards without
-//! waiting for a TTL.
+//! after the last renewal was sent) the status turns [`NodePhase::CutOff`]:
+//! the node owns nothing, `margin` before NATS can expire the lease. The
+//! task does not end there: it takes a lease again with backoff (its own
+//! lease back by compare-and-set if NATS still has it, else a new one under
+//! the same incarnation) and turns `Active` once it has one. What the server
+//! does with its clients meanwhile is the server's choice (greendot holds
+//! them through an outage of the whole cluster and moves them when only
+//! this node is cut off). [`Node::leave`] (SIGTERM) releases every claim
+//! and the lease at once, so other nodes take the shards without waiting
+//! for a TTL.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -44,11 +49,15 @@ pub struct NodeInfo {
     pub renewed_ms: u64,
     pub shard_count: u32,
     pub lease_ttl_ms: u64,
+    /// Where the node's HTTP port answers (`host:port`), if it has one: a
+    /// node cut off from NATS asks its peers there whether they still hold
+    /// their leases (`GET /cluster/lease`).
+    pub http: Option<String>,
 }
 
 impl NodeInfo {
     pub fn encode(&self) -> Bytes {
-        Bytes::from(format!(
+        let mut text = format!(
             "advertise={}\nstarted_ms={}\nincarnation={}\nrenewed_ms={}\nshards={}\nlease_ttl_ms={}\n",
             self.advertise,
             self.started_ms,
@@ -56,7 +65,11 @@ impl NodeInfo {
             self.renewed_ms,
             self.shard_count,
             self.lease_ttl_ms
-        ))
+        );
+        if let Some(http) = &self.http {
+            text.push_str(&format!("http={http}\n"));
+        }
+        Bytes::from(text)
     }
 
     /// `None` when the value is not one a node wrote.
@@ -79,6 +92,7 @@ impl NodeInfo {
             renewed_ms: fields.get("renewed_ms")?.parse().ok()?,
             shard_count: fields.get("shards")?.parse().ok()?,
             lease_ttl_ms: fields.get("lease_ttl_ms")?.parse().ok()?,
+            http: fields.get("http").map(|v| v.to_string()),
         })
     }
 }
@@ -95,7 +109,7 @@ pub enum NodePhase {
     /// Holds its lease and acts for the shards it holds.
     Active,
     /// Its lease ran out without a renewal (cut off from NATS, or the lease
-    /// was lost): owns nothing; the server must close its clients now.
+    /// was lost): owns nothing, and tries to take a lease again.
     CutOff,
     /// Left on purpose ([`Node::leave`]): claims and lease released.
     Left,
@@ -121,9 +135,28 @@ pub struct NodeStatus {
     /// Shards won by a claim (each with a new epoch).
     pub epoch_changes: u64,
     pub lease_renewals: u64,
+    /// Times the node was cut off (its lease ran out or was lost).
+    pub cut_offs: u64,
+    /// Times it took a lease again after a cut-off.
+    pub rejoins: u64,
+    /// The other live nodes as last seen, with their HTTP addresses (from
+    /// their lease values; `None` when a node advertises none).
+    pub peers: Vec<(NodeId, Option<String>)>,
+    /// How long a renewal lets the node act (`lease_ttl - margin`).
+    pub act_window: Duration,
 }
 
 impl NodeStatus {
+    /// Whether the node renewed its lease within the last half of its act
+    /// window. A node whose NATS works renews every third of the window, so
+    /// it always has; when a node is cut off (a full window without a
+    /// renewal), a peer that shares its outage renewed at the latest when
+    /// the outage began, two thirds of a window or more before: it has not.
+    /// This tells a cut-off node whether only it lost NATS.
+    pub fn renewed_recently(&self, now: Instant) -> bool {
+        self.acting(now) && self.lease_until.saturating_duration_since(now) > self.act_window / 2
+    }
+
     /// Whether the node may serve at `now`.
     pub fn acting(&self, now: Instant) -> bool {
         self.phase == NodePhase::Active && now < self.lease_until
@@ -183,6 +216,18 @@ impl NodeStatus {
                 "Live nodes as this node sees them.",
                 self.live_nodes as u64,
             ),
+            (
+                "greendot_cluster_cut_offs_total",
+                "counter",
+                "Times this node's lease ran out or was lost (it owned nothing until it rejoined).",
+                self.cut_offs,
+            ),
+            (
+                "greendot_cluster_rejoins_total",
+                "counter",
+                "Times this node took a lease again after a cut-off.",
+                self.rejoins,
+            ),
         ] {
             out.push_str(&format!(
                 "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{node=\"{node}\"}} {value}\n"
@@ -195,7 +240,7 @@ impl NodeStatus {
 /// How the duty task ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NodeExit {
-    CutOff,
+    /// Claims and lease released ([`Node::leave`]).
     Left,
 }
 
@@ -223,13 +268,26 @@ impl Node {
     /// address: a second node misconfigured with this id; or an incarnation
     /// not older, a clock set back) is waited out, up to two lease TTLs.
     pub async fn start(cluster: Cluster, advertise: String, incarnation: u64) -> Result<Node> {
-        if advertise.len() > MAX_ADVERTISE_LEN || advertise.contains(['\n', '\r']) {
-            return Err(ClusterError::Corrupt {
-                bucket: cluster.config().bucket("leases"),
-                key: format!(
-                    "advertise address {advertise:?} (one line, at most {MAX_ADVERTISE_LEN} bytes)"
-                ),
-            });
+        Node::start_with_http(cluster, advertise, None, incarnation).await
+    }
+
+    /// [`Node::start`], advertising the node's HTTP port as well, where
+    /// peers cut off from NATS ask whether it holds its lease.
+    pub async fn start_with_http(
+        cluster: Cluster,
+        advertise: String,
+        http: Option<String>,
+        incarnation: u64,
+    ) -> Result<Node> {
+        for address in std::iter::once(&advertise).chain(http.as_ref()) {
+            if address.len() > MAX_ADVERTISE_LEN || address.contains(['\n', '\r']) {
+                return Err(ClusterError::Corrupt {
+                    bucket: cluster.config().bucket("leases"),
+                    key: format!(
+                        "advertised address {address:?} (one line, at most {MAX_ADVERTISE_LEN} bytes)"
+                    ),
+                });
+            }
         }
         let config = cluster.config().clone();
         let mut info = NodeInfo {
@@ -239,6 +297,7 @@ impl Node {
             renewed_ms: unix_ms(),
             shard_count: config.shard_count,
             lease_ttl_ms: config.lease_ttl.as_millis() as u64,
+            http,
         };
         // Watches first: our lease write then comes after their initial
         // snapshot, so seeing ourselves join means the snapshot is complete.
@@ -292,6 +351,10 @@ impl Node {
             live_nodes: members.membership().len(),
             epoch_changes: 0,
             lease_renewals: 0,
+            cut_offs: 0,
+            rejoins: 0,
+            peers: Vec::new(),
+            act_window: config.lease_ttl.saturating_sub(config.margin),
         });
         let (leave, leave_rx) = oneshot::channel();
         let duty = Duty {
@@ -307,6 +370,9 @@ impl Node {
             watch_retry_at: Instant::now(),
             epoch_changes: 0,
             lease_renewals: 0,
+            cut_offs: 0,
+            rejoins: 0,
+            peers: Vec::new(),
         };
         let task = tokio::spawn(duty.run(leave_rx));
         Ok(Node {
@@ -321,7 +387,7 @@ impl Node {
         self.status.clone()
     }
 
-    /// Waits until the task ends by itself (cut off from NATS).
+    /// Waits until the task ends (after [`Node::leave`]).
     pub async fn finished(&mut self) -> Result<NodeExit> {
         match (&mut self.task).await {
             Ok(exit) => exit,
@@ -388,6 +454,10 @@ struct Duty {
     watch_retry_at: Instant,
     epoch_changes: u64,
     lease_renewals: u64,
+    cut_offs: u64,
+    rejoins: u64,
+    /// The other live nodes as last seen (kept while a watch is made again).
+    peers: Vec<(NodeId, Option<String>)>,
 }
 
 /// The outcome of one claim action.
@@ -398,7 +468,19 @@ enum Done {
 }
 
 impl Duty {
-    fn publish(&self, phase: NodePhase) {
+    fn publish(&mut self, phase: NodePhase) {
+        if let Some(members) = &self.members {
+            let me = self.cluster.node();
+            self.peers = members
+                .membership()
+                .members()
+                .filter(|(node, _)| *node != me)
+                .map(|(node, m)| {
+                    let http = NodeInfo::decode(&m.value).and_then(|i| i.http);
+                    (node.clone(), http)
+                })
+                .collect();
+        }
         let shards = self
             .ownership
             .held()
@@ -418,6 +500,13 @@ impl Duty {
             live_nodes: self.members.as_ref().map_or(0, |m| m.membership().len()),
             epoch_changes: self.epoch_changes,
             lease_renewals: self.lease_renewals,
+            cut_offs: self.cut_offs,
+            rejoins: self.rejoins,
+            peers: self.peers.clone(),
+            act_window: {
+                let c = self.cluster.config();
+                c.lease_ttl.saturating_sub(c.margin)
+            },
         };
         self.tx.send_if_modified(|old| {
             let changed = *old != status;
@@ -438,9 +527,11 @@ impl Duty {
                 warn!(shard = %stopped.shard, epoch = stopped.epoch, "claim not renewed in time: stopped acting for the shard");
             }
             if now >= lease_until {
-                warn!("node lease not renewed in time: owning nothing, clients must move");
-                self.publish(NodePhase::CutOff);
-                return Ok(NodeExit::CutOff);
+                warn!("node lease not renewed in time: owning nothing until the node rejoins");
+                if let Some(exit) = self.rejoin(&mut leave).await {
+                    return Ok(exit);
+                }
+                continue;
             }
             self.publish(NodePhase::Active);
             self.backoff.retain(|_, until| *until > now);
@@ -463,14 +554,10 @@ impl Duty {
                     }
                     Ok(Err(ClusterError::Conflict { .. })) => {
                         if !self.adopt_landed_renewal().await {
-                            warn!("node lease expired or taken: owning nothing, clients must move");
-                            let held: Vec<ShardId> =
-                                self.ownership.held().map(|h| h.shard).collect();
-                            for shard in held {
-                                self.ownership.remove(shard);
+                            warn!("node lease expired or taken: owning nothing until the node rejoins");
+                            if let Some(exit) = self.rejoin(&mut leave).await {
+                                return Ok(exit);
                             }
-                            self.publish(NodePhase::CutOff);
-                            return Ok(NodeExit::CutOff);
                         }
                     }
                     Ok(Err(e)) => {
@@ -514,6 +601,103 @@ impl Duty {
             if let Some(exit) = self.wait(&mut leave).await? {
                 return Ok(exit);
             }
+        }
+    }
+
+    /// Cut off: owns nothing (every claim dropped, none acted for), says
+    /// `CutOff`, and takes a lease again with backoff until it has one
+    /// (`None`: back to `Active`) or is told to leave.
+    async fn rejoin(&mut self, leave: &mut oneshot::Receiver<()>) -> Option<NodeExit> {
+        let held: Vec<ShardId> = self.ownership.held().map(|h| h.shard).collect();
+        for shard in held {
+            self.ownership.remove(shard);
+        }
+        self.backoff.clear();
+        self.lease_retry_at = None;
+        self.cut_offs += 1;
+        self.publish(NodePhase::CutOff);
+        let since = Instant::now();
+        let bound = self.cluster.config().op_timeout * 2;
+        let longest = self.cluster.config().lease_ttl;
+        let mut delay = self.retry_delay() / 4;
+        let mut attempts = 0u32;
+        loop {
+            attempts += 1;
+            let attempt = tokio::select! {
+                biased;
+                _ = &mut *leave => None,
+                r = tokio::time::timeout(bound, self.retake_lease()) => Some(r),
+            };
+            let Some(result) = attempt else {
+                self.publish(NodePhase::Left);
+                return Some(NodeExit::Left);
+            };
+            let why = match result {
+                Ok(Ok(lease)) => {
+                    self.lease = lease;
+                    // Fresh watches: the old ones may have stalled with the
+                    // NATS node that went. One that cannot be made now is
+                    // made again by `wait`; planning waits for both.
+                    self.members = None;
+                    self.claims = None;
+                    if let Ok(Ok(w)) =
+                        tokio::time::timeout(bound, self.cluster.watch_members()).await
+                    {
+                        self.members = Some(w);
+                    }
+                    if let Ok(Ok(w)) =
+                        tokio::time::timeout(bound, self.cluster.watch_claims()).await
+                    {
+                        self.claims = Some(w);
+                    }
+                    self.watch_retry_at = Instant::now();
+                    self.rejoins += 1;
+                    info!(after = ?since.elapsed(), attempts, "rejoined the cluster: node lease taken again");
+                    self.publish(NodePhase::Active);
+                    return None;
+                }
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => format!("no answer from NATS within {bound:?}"),
+            };
+            // Loud at first, then once in ten: an outage is long to read.
+            if attempts == 1 || attempts % 10 == 0 {
+                warn!(attempts, after = ?since.elapsed(), error = %why, "cannot take a node lease yet; retrying");
+            } else {
+                debug!(attempts, error = %why, "cannot take a node lease yet; retrying");
+            }
+            tokio::select! {
+                biased;
+                _ = &mut *leave => {
+                    self.publish(NodePhase::Left);
+                    return Some(NodeExit::Left);
+                }
+                _ = tokio::time::sleep(delay) => {}
+            }
+            delay = (delay * 2).min(longest);
+        }
+    }
+
+    /// A new lease, or this run's own lease back by compare-and-set when
+    /// NATS still has it (the outage was shorter than its TTL).
+    async fn retake_lease(&mut self) -> Result<NodeLease> {
+        self.info.renewed_ms = unix_ms();
+        let value = self.info.encode();
+        match self.cluster.acquire_lease(value.clone()).await {
+            Err(ClusterError::LeaseHeld { node }) => {
+                let entry = self.cluster.lease(self.cluster.node()).await?;
+                let ours = entry.as_ref().is_some_and(|e| {
+                    e.op == crate::kv::KvOp::Put
+                        && NodeInfo::decode(&e.value).is_some_and(|i| {
+                            i.incarnation == self.info.incarnation
+                                && i.advertise == self.info.advertise
+                        })
+                });
+                match entry {
+                    Some(e) if ours => self.cluster.take_over_lease(value, e.revision).await,
+                    _ => Err(ClusterError::LeaseHeld { node }),
+                }
+            }
+            other => other,
         }
     }
 
@@ -668,8 +852,12 @@ impl Duty {
             warn!("member watch silent for {stall_after:?}: watching again");
             self.members = None;
         }
+        // Silent claims are a stall only while someone renews a claim: ours,
+        // or another node's in the table. A node that owns nothing still
+        // needs the watch to see claims expire.
         if self.claims.as_ref().is_some_and(|c| {
-            now >= c.seen_at() + stall_after && self.ownership.held().next().is_some()
+            now >= c.seen_at() + stall_after
+                && (self.ownership.held().next().is_some() || c.table().any_held())
         }) {
             warn!("claim watch silent for {stall_after:?}: watching again");
             self.claims = None;
@@ -706,7 +894,7 @@ impl Duty {
             wake = wake.min(m.seen_at() + stall_after);
         }
         if let Some(c) = &self.claims {
-            if self.ownership.held().next().is_some() {
+            if self.ownership.held().next().is_some() || c.table().any_held() {
                 wake = wake.min(c.seen_at() + stall_after);
             }
         }

@@ -114,6 +114,13 @@ impl ClaimTable {
         Some((shard, state))
     }
 
+    /// Whether some node holds a claim (so renewals keep the watch busy).
+    pub fn any_held(&self) -> bool {
+        self.shards
+            .values()
+            .any(|s| matches!(s, ClaimState::Held(_)))
+    }
+
     pub fn get(&self, shard: ShardId) -> ClaimState {
         self.shards
             .get(&shard)
@@ -220,8 +227,14 @@ impl Ownership {
     }
 
     /// What to do about every shard, given the live nodes and the claim
-    /// table. Claims only free shards that rendezvous hashing gives to this
-    /// node; never takes a claim another node holds (its TTL frees it).
+    /// table. Claims the shards that rendezvous hashing gives to this node
+    /// when they are free, or held in this node's own name: a claim it
+    /// stopped acting for (renewals failed past its deadline) or a claim
+    /// write it gave up on that landed. Those are taken back at once by
+    /// compare-and-set on their revision, under a new epoch, instead of
+    /// waiting for NATS to expire them: an expiry marker a stalled watch
+    /// never delivers would leave the shard unowned for good. Never takes a
+    /// claim another node holds (its TTL frees it).
     pub fn plan(
         &self,
         members: &Membership,
@@ -243,7 +256,12 @@ impl Ownership {
                 }
                 None => {
                     if desired == Some(&self.me) {
-                        if let ClaimState::Free { revision } = claims.get(shard) {
+                        let revision = match claims.get(shard) {
+                            ClaimState::Free { revision } => Some(revision),
+                            ClaimState::Held(r) if r.owner == self.me => Some(r.revision),
+                            ClaimState::Held(_) => None,
+                        };
+                        if let Some(revision) = revision {
                             actions.push(ClaimAction::Claim {
                                 shard,
                                 expected_revision: revision,
@@ -395,6 +413,30 @@ mod tests {
             shard: mine[0],
             expected_revision: 120
         }));
+    }
+
+    /// A claim in this node's own name that it does not hold (it stopped
+    /// acting when renewals failed) is claimed again at once, on its
+    /// revision: waiting for its expiry marker left shards unowned for good
+    /// when the claim watch had stalled with the NATS node that died.
+    #[test]
+    fn plan_takes_back_a_claim_in_its_own_name_that_it_stopped_acting_for() {
+        let m = members(&["n1", "n2"]);
+        let me = Ownership::new(node("n1"), 64);
+        let mine = (0..64)
+            .map(ShardId)
+            .find(|s| rendezvous_owner(*s, m.live()) == Some(&node("n1")))
+            .unwrap();
+        let mut claims = ClaimTable::default();
+        claims.apply(&put(&mine.0.to_string(), "n1@7", 300), 64);
+        let plan = me.plan(&m, &claims, Instant::now());
+        assert!(
+            plan.contains(&ClaimAction::Claim {
+                shard: mine,
+                expected_revision: 300
+            }),
+            "{plan:?}"
+        );
     }
 
     #[test]

@@ -377,6 +377,30 @@ impl NatsCluster {
         }
     }
 
+    /// Stops node `i` as a stalled process would be (`SIGSTOP`): its
+    /// sockets stay open and nothing answers. [`NatsCluster::resume`] goes
+    /// on.
+    pub fn pause(&self, i: usize) {
+        self.signal(i, "-STOP");
+    }
+
+    /// `SIGCONT` of a node [`NatsCluster::pause`]d.
+    pub fn resume(&self, i: usize) {
+        self.signal(i, "-CONT");
+    }
+
+    fn signal(&self, i: usize, signal: &str) {
+        let Some(child) = &self.nodes[i].child else {
+            panic!("NATS node {i} is not running");
+        };
+        let status = std::process::Command::new("kill")
+            .arg(signal)
+            .arg(child.id().to_string())
+            .status()
+            .expect("kill(1)");
+        assert!(status.success(), "kill {signal} of NATS node {i}");
+    }
+
     /// Starts node `i` again on the same ports and store.
     pub fn restart(&mut self, i: usize) {
         self.kill(i);

@@ -685,11 +685,46 @@ async fn requests_reach_the_shard_owner_and_fail_fast_without_one() {
     }
 }
 
+/// Preferences are fenced by the writer's epoch (C4): once a newer owner
+/// wrote a user's preferences, an older owner's write is refused and
+/// changes nothing; the same or a newer epoch writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_owners_preference_write_is_fenced_off() {
+    let nats = NatsCluster::start(3).await;
+    let a = connect(&nats.urls(), "a").await;
+    a.put_preferences("carol", 5, Bytes::from_static(b"away"))
+        .await
+        .unwrap();
+    a.put_preferences("carol", 5, Bytes::from_static(b"busy"))
+        .await
+        .unwrap();
+    match a
+        .put_preferences("carol", 4, Bytes::from_static(b"stale"))
+        .await
+    {
+        Err(ClusterError::Fenced {
+            epoch: 4, newer: 5, ..
+        }) => {}
+        other => panic!("an older owner's write was not fenced off: {other:?}"),
+    }
+    assert_eq!(
+        a.preferences("carol").await.unwrap().as_deref(),
+        Some(&b"busy"[..])
+    );
+    a.put_preferences("carol", 6, Bytes::from_static(b"online"))
+        .await
+        .unwrap();
+    assert_eq!(
+        a.preferences("carol").await.unwrap().as_deref(),
+        Some(&b"online"[..])
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_of_a_nats_node_and_kv_and_claims_keep_working() {
     let mut nats = NatsCluster::start(3).await;
     let a = connect(&nats.urls(), "a").await;
-    a.put_preferences("alice.ü", Bytes::from_static(b"away"))
+    a.put_preferences("alice.ü", 1, Bytes::from_static(b"away"))
         .await
         .unwrap();
     a.put_view("alice.ü", Bytes::from_static(b"view 1"))
@@ -718,7 +753,7 @@ async fn kill_9_of_a_nats_node_and_kv_and_claims_keep_working() {
     let prefs = retry(ELECTION_BOUND, || a.preferences("alice.ü")).await;
     assert_eq!(prefs.as_deref(), Some(&b"away"[..]));
     retry(ELECTION_BOUND, || {
-        a.put_preferences("bob", Bytes::from_static(b"busy"))
+        a.put_preferences("bob", 1, Bytes::from_static(b"busy"))
     })
     .await;
     let view = retry(ELECTION_BOUND, || a.view("alice.ü")).await;

@@ -64,7 +64,7 @@ async fn a_node_joins_with_the_right_nats_credentials_only() {
     let node = Cluster::connect(&urls, with_user("a", "greendot", "s3cret-pass"), envelope())
         .await
         .expect("the right user and password join");
-    node.put_preferences("alice", Bytes::from_static(b"busy"))
+    node.put_preferences("alice", 1, Bytes::from_static(b"busy"))
         .await
         .unwrap();
 

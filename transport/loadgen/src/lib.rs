@@ -459,6 +459,7 @@ async fn establish(
             version: proto::VERSION,
             token: token.to_owned(),
             resume,
+            foreground: true,
         };
         let bytes = encode_frame(&hello).map_err(|e| e.to_string())?;
         send.write_all(&bytes).await.map_err(|e| e.to_string())?;
@@ -1306,6 +1307,7 @@ async fn herd_establish(
             version: proto::VERSION,
             token: token.to_owned(),
             resume,
+            foreground: true,
         };
         send.write_all(&encode_frame(&hello).map_err(|e| e.to_string())?)
             .await

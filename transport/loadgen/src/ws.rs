@@ -120,6 +120,7 @@ async fn establish(
             version: proto::VERSION,
             token: token.to_owned(),
             resume,
+            foreground: true,
         };
         send(&mut ws, &hello).await?;
         let welcome = loop {

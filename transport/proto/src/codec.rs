@@ -1,6 +1,6 @@
 //! Length-prefixed postcard frames, sans IO: bytes in, frames out.
 
-use super::frames::{ErrorCode, WireError};
+use super::frames::{ErrorCode, Hello, WireError};
 use bytes::{Buf, BytesMut};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -48,6 +48,27 @@ pub fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, WireError> {
             format!("undecodable frame: {e}"),
         )),
     }
+}
+
+/// A `Hello`, also from a client that sends none of its optional trailing
+/// fields (`foreground`, absent: in the foreground).
+pub fn decode_hello(payload: &[u8]) -> Result<Hello, WireError> {
+    /// The hello before `foreground` was added.
+    #[derive(serde::Deserialize)]
+    struct HelloV1 {
+        version: u32,
+        token: String,
+        resume: Option<u64>,
+    }
+    decode::<Hello>(payload).or_else(|full| match decode::<HelloV1>(payload) {
+        Ok(v1) => Ok(Hello {
+            version: v1.version,
+            token: v1.token,
+            resume: v1.resume,
+            foreground: true,
+        }),
+        Err(_) => Err(full),
+    })
 }
 
 /// The protocol version at the start of a `Hello` payload, whatever follows.
@@ -164,12 +185,45 @@ mod tests {
     use super::*;
     use crate::{Hello, Request, RequestFrame, VERSION};
 
+    /// A hello without `foreground` (a client older than the field) is in
+    /// the foreground; one with it says so; a bad trailing byte is refused.
+    #[test]
+    fn hello_foreground_is_optional_on_the_wire() {
+        #[derive(serde::Serialize)]
+        struct OldHello {
+            version: u32,
+            token: String,
+            resume: Option<u64>,
+        }
+        let old = OldHello {
+            version: VERSION,
+            token: "t".into(),
+            resume: Some(9),
+        };
+        let bytes = postcard::to_allocvec(&old).unwrap();
+        let hello = decode_hello(&bytes).unwrap();
+        assert!(hello.foreground && hello.resume == Some(9) && hello.token == "t");
+        let new = Hello {
+            version: VERSION,
+            token: "t".into(),
+            resume: None,
+            foreground: false,
+        };
+        let mut bytes = postcard::to_allocvec(&new).unwrap();
+        assert_eq!(decode_hello(&bytes).unwrap(), new);
+        *bytes.last_mut().unwrap() = 2;
+        assert!(decode_hello(&bytes).is_err());
+        bytes.push(0);
+        assert!(decode_hello(&bytes).is_err());
+    }
+
     #[test]
     fn round_trip_in_pieces() {
         let hello = Hello {
             version: VERSION,
             token: "t".into(),
             resume: Some(7),
+            foreground: true,
         };
         let req = RequestFrame {
             id: 3,
@@ -202,11 +256,21 @@ mod tests {
             version: 1,
             token: "ab".into(),
             resume: Some(5),
+            foreground: true,
         };
         assert_eq!(
             encode_frame(&hello).unwrap(),
-            [0, 0, 0, 6, 0x01, 0x02, b'a', b'b', 0x01, 0x05]
+            [0, 0, 0, 7, 0x01, 0x02, b'a', b'b', 0x01, 0x05, 0x01]
         );
+        assert_eq!(
+            decode_hello(&[0x01, 0x02, b'a', b'b', 0x01, 0x05]).unwrap(),
+            hello
+        );
+        let req = RequestFrame {
+            id: 7,
+            request: Request::SetForeground { foreground: false },
+        };
+        assert_eq!(encode_frame(&req).unwrap(), [0, 0, 0, 3, 0x07, 0x0a, 0x00]);
         let req = RequestFrame {
             id: 300,
             request: Request::Subscribe {

@@ -13,6 +13,12 @@ pub struct Hello {
     pub token: String,
     /// The session this device had, to resume it (from a previous `Welcome`).
     pub resume: Option<u64>,
+    /// The app is in the foreground (`false`: in the background, so the
+    /// device is not present and not routable; see `Request::SetForeground`).
+    /// Optional on the wire: a hello that ends after `resume` (a client
+    /// older than this field) is in the foreground. Decode with
+    /// [`crate::decode_hello`].
+    pub foreground: bool,
 }
 
 /// Every later frame on the control stream, from the client.
@@ -62,6 +68,14 @@ pub enum Request {
         device: Option<String>,
         before: u64,
     },
+    /// The app went to the foreground (`true`) or the background; answered
+    /// `Done`. A backgrounded device is not present: once no device of the
+    /// user is in the foreground, others see the user offline after the
+    /// debounce, last seen at the moment the last one went to the
+    /// background; `Route` no longer lists it. Its session, subscriptions
+    /// and pushes go on. Idempotent; a reconnect's `Hello::foreground`
+    /// carries the state.
+    SetForeground { foreground: bool },
 }
 
 /// Frames on the control stream, from the server.

@@ -20,7 +20,7 @@
 pub mod codec;
 mod frames;
 
-pub use codec::{decode, encode_frame, peek_version, FrameError, FrameReader};
+pub use codec::{decode, decode_hello, encode_frame, peek_version, FrameError, FrameReader};
 pub use frames::*;
 
 /// The ALPN of this protocol.

@@ -193,9 +193,15 @@ pub enum ClusterOutput {
     },
     /// Answer a [`ClusterInput::Request`].
     Reply { reply: u64, payload: Bytes },
-    /// Write a user's preferences to the KV; answer with
+    /// Write a user's preferences to the KV, fenced by the owner's `epoch`
+    /// (refused once a newer owner wrote them); answer with
     /// [`ClusterInput::PrefsStored`].
-    PutPrefs { id: u64, user: String, value: Bytes },
+    PutPrefs {
+        id: u64,
+        user: String,
+        epoch: u64,
+        value: Bytes,
+    },
     /// Read a user's preferences and last published view from the KV;
     /// answer with [`ClusterInput::UserLoaded`].
     LoadUser { id: u64, user: String },
@@ -239,9 +245,14 @@ pub enum ClusterOutput {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum WireOp {
     /// `session`: the edge's wire id of the session (what `Route` lists).
+    /// `since`: the order in which this edge run welcomed the session: of
+    /// two sessions of one device at one edge run, the later welcomed is
+    /// the one its client kept (it gives up on an attempt before making
+    /// another), whatever order their connects reach the owner in.
     Connect {
         kind: proto::Kind,
         session: u64,
+        since: u64,
     },
     /// `last_heard`: Unix milliseconds (the nodes' clocks agree on Unix time,
     /// not on their cores' milliseconds).
@@ -254,11 +265,14 @@ pub enum WireOp {
         message: Option<String>,
     },
     SetInvisible(bool),
+    /// The app went to the foreground (`true`) or the background (I12).
+    SetForeground(bool),
 }
 
-/// Keeps, of a device's queued ops, every `Connect` and the last status
-/// and the last invisibility change (in their order): what the owner must
-/// still take before an ending op. Returns the waits of the ops dropped.
+/// Keeps, of a device's queued ops, every `Connect` and the last status,
+/// the last invisibility change and the last foreground change (in their
+/// order): what the owner must still take before an ending op. Returns the
+/// waits of the ops dropped.
 fn compact_queue(queue: &mut VecDeque<QueuedOp>) -> Vec<u64> {
     let last_status = queue
         .iter()
@@ -266,6 +280,9 @@ fn compact_queue(queue: &mut VecDeque<QueuedOp>) -> Vec<u64> {
     let last_invisible = queue
         .iter()
         .rposition(|q| matches!(q.op, WireOp::SetInvisible(_)));
+    let last_foreground = queue
+        .iter()
+        .rposition(|q| matches!(q.op, WireOp::SetForeground(_)));
     let mut dropped = Vec::new();
     let kept = std::mem::take(queue)
         .into_iter()
@@ -273,7 +290,8 @@ fn compact_queue(queue: &mut VecDeque<QueuedOp>) -> Vec<u64> {
         .filter_map(|(i, q)| {
             let keep = matches!(q.op, WireOp::Connect { .. })
                 || Some(i) == last_status
-                || Some(i) == last_invisible;
+                || Some(i) == last_invisible
+                || Some(i) == last_foreground;
             if !keep {
                 dropped.extend(q.wait);
             }
@@ -447,6 +465,9 @@ pub struct ClusterCounters {
     /// Device inputs of an edge's previous run, arrived after its newer run
     /// was known: dropped unanswered (their sender is gone).
     pub stale_incarnation: u64,
+    /// Connects of a session the device's client gave up on, arrived at the
+    /// owner after a session the same edge welcomed later: not taken.
+    pub stale_connects: u64,
     /// Views of a watched shard this edge missed (a gap in the numbers, or
     /// a beacon ahead of the last one seen): each asks the owner for the
     /// views of the shard's watched users again.
@@ -477,7 +498,9 @@ struct Owner {
     /// one reference per session: a name no session uses is freed), the
     /// edge's wire id of it (0: restored, not connected again yet) and its
     /// user.
-    sessions: HashMap<SessionId, (Holder, u64, u64, UserId)>,
+    /// Each session's holder, device, wire id, user, and `since` (its
+    /// edge's welcome order; 0 when restored from the device record).
+    sessions: HashMap<SessionId, (Holder, u64, u64, UserId, u64)>,
     by_holder: HashMap<Holder, SessionId>,
     /// The last request id taken per connection: a request that arrives
     /// late (after the edge gave up on it and sent the next) is not applied
@@ -549,6 +572,8 @@ struct EdgeDevice {
     /// The session's wire id.
     wire: u64,
     conn: u64,
+    /// When this edge run welcomed the session (its first `conn`).
+    since: u64,
     queue: VecDeque<QueuedOp>,
     /// The request id of the op at the queue's head, once sent.
     sent: Option<u64>,
@@ -556,14 +581,31 @@ struct EdgeDevice {
     not_before: Option<Instant>,
     /// The session is over here: forget the device once its queue is empty.
     closed: bool,
+    /// The app is in the background (I12): a connect sent again (to a new
+    /// owner) is followed by a `SetForeground(false)`.
+    background: bool,
 }
 
 impl EdgeDevice {
+    /// Puts a connect at the head of the queue, then the app's state if it
+    /// is in the background.
+    fn connect_first(&mut self, now: Instant) {
+        if self.background {
+            self.queue.push_front(QueuedOp {
+                op: WireOp::SetForeground(false),
+                wait: None,
+                deadline: now,
+            });
+        }
+        self.queue.push_front(self.connect(now));
+    }
+
     fn connect(&self, now: Instant) -> QueuedOp {
         QueuedOp {
             op: WireOp::Connect {
                 kind: self.kind,
                 session: self.wire,
+                since: self.since,
             },
             wait: None,
             deadline: now,
@@ -948,8 +990,15 @@ impl ClusterLink {
                 for q in &mut d.queue {
                     if q.deadline <= now {
                         if let Some(wait) = q.wait.take() {
-                            self.finished
-                                .push_back((wait, Finished::Failed(owner_late())));
+                            // An ending op is never dropped: it lands at this
+                            // owner or the next, or, if this node dies first,
+                            // the owner ends the session by its grace. The
+                            // client is told it will land, not that it failed.
+                            let answer = match q.op {
+                                WireOp::Logout => Finished::Done,
+                                _ => Finished::Failed(owner_late()),
+                            };
+                            self.finished.push_back((wait, answer));
                         }
                     }
                 }
@@ -1158,7 +1207,7 @@ impl ClusterLink {
         d.conn = conn;
         d.sent = None;
         d.not_before = None;
-        d.queue.push_front(d.connect(now));
+        d.connect_first(now);
         self.pump(session, now, at);
     }
 
@@ -1230,6 +1279,7 @@ impl ClusterLink {
             // Resumed here after a disconnect: connected again at the owner.
             if d.closed {
                 d.closed = false;
+                d.background = false; // the new hello's state follows
                 d.conn = conn;
                 d.queue.push_back(d.connect(now));
                 self.pump(session, now, at);
@@ -1242,10 +1292,12 @@ impl ClusterLink {
             kind,
             wire,
             conn,
+            since: conn,
             queue: VecDeque::new(),
             sent: None,
             not_before: None,
             closed: false,
+            background: false,
         };
         d.queue.push_back(d.connect(now));
         self.devices.insert(session, d);
@@ -1269,6 +1321,9 @@ impl ClusterLink {
             return false;
         };
         let ends = matches!(op, WireOp::Logout | WireOp::Disconnect { .. });
+        if let WireOp::SetForeground(foreground) = op {
+            d.background = !foreground;
+        }
         if d.queue.len() >= MAX_QUEUED_OPS && ends {
             // An ending op is never refused: dropped, the device would stay
             // online at its owner until the shard moved (a ghost past C3's
@@ -1699,7 +1754,7 @@ impl ClusterLink {
                 // The owner has no live session of the device (a new owner):
                 // connect it again first.
                 self.counters.retries += 1;
-                d.queue.push_front(d.connect(now));
+                d.connect_first(now);
                 self.next_conn += 1;
                 if let Some(d) = self.devices.get_mut(&session) {
                     d.conn = self.next_conn;
@@ -2521,15 +2576,25 @@ impl ClusterLink {
                 let Some(p) = self.pending_prefs.remove(&id) else {
                     return;
                 };
-                let answer = if ok {
-                    let owner = self.owners.get_mut(&p.shard).filter(|o| o.epoch == p.epoch);
-                    if let Some(o) = owner {
+                // Done only while this node still acts for the epoch it
+                // wrote under (C4): after the shard moved, the new owner may
+                // show otherwise, so the edge asks it again.
+                let acting = self
+                    .acting
+                    .get(&p.shard)
+                    .is_some_and(|(epoch, until)| *epoch == p.epoch && now < *until);
+                let owner = self
+                    .owners
+                    .get_mut(&p.shard)
+                    .filter(|o| acting && o.epoch == p.epoch);
+                let answer = match owner {
+                    Some(o) if ok => {
                         remember_rid(&mut o.last_rid, p.holder, p.rid);
+                        FromOwner::Done { epoch: p.epoch }
                     }
-                    FromOwner::Done { epoch: p.epoch }
-                } else {
-                    // Not stored: the edge asks again.
-                    FromOwner::NotOwner
+                    // Not stored (or fenced by a newer owner's write), or
+                    // the shard moved: the edge asks again.
+                    _ => FromOwner::NotOwner,
                 };
                 self.reply(p.reply, answer, now, at);
             }
@@ -2606,7 +2671,7 @@ impl ClusterLink {
                     for (session, (holder, did)) in sessions.into_iter().zip(holders) {
                         o.by_holder.insert(holder.clone(), session);
                         o.devices.acquire(did);
-                        o.sessions.insert(session, (holder, did, 0, UserId(uid)));
+                        o.sessions.insert(session, (holder, did, 0, UserId(uid), 0));
                     }
                 }
             }
@@ -3044,9 +3109,17 @@ impl ClusterLink {
         }
         let from_unix = |unix: u64| Millis(unix.saturating_sub(self.unix_base_ms)).min(at);
         let loads = self.pending_loads.len();
+        // `max_users` is the node's, over all the shards it owns: a user
+        // new to every owner core here is refused at it.
+        let node_users: usize = self.owners.values().map(|o| o.users.len()).sum();
         let Some(o) = self.owners.get_mut(&shard) else {
             return self.reply(reply, FromOwner::NotOwner, now, at);
         };
+        let connects = matches!(op, WireOp::Connect { .. });
+        if connects && node_users >= self.owner_config.max_users && o.users.get(&user).is_none() {
+            let full = WireError::new(ErrorCode::TooManyUsers, "this node holds too many users");
+            return self.reply(reply, FromOwner::Refused(full), now, at);
+        }
         let epoch = o.epoch;
         if !o.loaded.contains(&user) {
             // The user's KV record first: a new owner keeps their choices,
@@ -3089,11 +3162,19 @@ impl ClusterLink {
             WireOp::Connect {
                 kind,
                 session: wire,
+                since,
             } => {
                 if session.is_some_and(|s| live(o, s)) {
                     FromOwner::Done { epoch }
+                } else if welcomed_later(o, &user, &device, &holder, since) {
+                    // A session this edge run welcomed after this one holds
+                    // the device: this one was given up by its client and
+                    // must not take the device over (its end would show
+                    // the device offline while it is connected).
+                    self.counters.stale_connects += 1;
+                    FromOwner::Done { epoch }
                 } else {
-                    let named = (holder.clone(), wire);
+                    let named = (holder.clone(), wire, since);
                     match owner_connect(o, at, &user, &device, kind.into(), named) {
                         Ok(uid) => {
                             o.dirty_since.get_or_insert(at);
@@ -3141,6 +3222,17 @@ impl ClusterLink {
                     Err(e) => FromOwner::Refused(e.into()),
                 },
             },
+            WireOp::SetForeground(foreground) => match session.filter(|&s| live(o, s)) {
+                None => FromOwner::Unknown,
+                Some(s) => match o.core.handle_set_foreground(at, s, foreground) {
+                    Ok(()) => {
+                        // Last seen may move: written behind, like a connect.
+                        o.dirty_since.get_or_insert(at);
+                        FromOwner::Done { epoch }
+                    }
+                    Err(e) => FromOwner::Refused(e.into()),
+                },
+            },
         };
         let key_rid = holder.clone();
         if prefs {
@@ -3166,8 +3258,12 @@ impl ClusterLink {
                         rid,
                     },
                 );
-                self.outputs
-                    .push_back(ClusterOutput::PutPrefs { id, user, value });
+                self.outputs.push_back(ClusterOutput::PutPrefs {
+                    id,
+                    user,
+                    epoch,
+                    value,
+                });
             }
             self.drain_owner(shard, now, at);
             return;
@@ -3197,7 +3293,7 @@ impl ClusterLink {
             o.dirty_since.get_or_insert(at);
         }
         for (session, reason) in ended {
-            if let Some((holder, did, _, uid)) = o.sessions.remove(&session) {
+            if let Some((holder, did, _, uid, _)) = o.sessions.remove(&session) {
                 // The device is gone (not connected again): a resume naming
                 // its session anywhere starts fresh.
                 let names = (o.users.name(uid.0), o.devices.name(did));
@@ -3333,7 +3429,7 @@ fn owner_connect(
     user: &str,
     device: &str,
     kind: DeviceKind,
-    (holder, wire): (Holder, u64),
+    (holder, wire, since): (Holder, u64, u64),
 ) -> Result<UserId, WireError> {
     let too_many = || WireError::new(ErrorCode::TooManyUsers, "the owner holds too many users");
     let uid = o.users.intern(user).ok_or_else(too_many)?;
@@ -3349,6 +3445,7 @@ fn owner_connect(
         kind,
         watch: Watch::All,
         resume: None,
+        foreground: true,
     };
     let connected = match o.core.handle_connect(at, connect) {
         Ok(c) => c,
@@ -3368,8 +3465,26 @@ fn owner_connect(
     }
     o.devices.acquire(did);
     o.sessions
-        .insert(connected.session, (holder, did, wire, UserId(uid)));
+        .insert(connected.session, (holder, did, wire, UserId(uid), since));
     Ok(UserId(uid))
+}
+
+/// Whether `device` of `user` is online under a session that the same edge
+/// run as `holder` welcomed after `since`.
+fn welcomed_later(o: &Owner, user: &str, device: &str, holder: &Holder, since: u64) -> bool {
+    let (Some(uid), Some(did)) = (o.users.get(user), o.devices.get(device)) else {
+        return false;
+    };
+    o.core.sessions_of(UserId(uid)).into_iter().any(|s| {
+        let online = o
+            .core
+            .session_info(s)
+            .is_some_and(|i| i.online && i.device == DeviceId(did));
+        online
+            && o.sessions.get(&s).is_some_and(|(h, _, _, _, later)| {
+                h.0 == holder.0 && h.1 == holder.1 && *later > since
+            })
+    })
 }
 
 fn owner_late() -> WireError {
@@ -3389,7 +3504,7 @@ fn route_of(o: &Owner, user: &str) -> Vec<proto::RouteEntry> {
         .into_iter()
         .filter_map(|s| {
             let info = o.core.session_info(s)?;
-            let (_, did, wire, _) = o.sessions.get(&s)?;
+            let (_, did, wire, ..) = o.sessions.get(&s)?;
             Some(proto::RouteEntry {
                 device: o.devices.name(*did)?.to_string(),
                 kind: info.kind.into(),
@@ -3775,6 +3890,271 @@ mod tests {
         let seen = pushes(&mut a);
         assert_eq!(seen.len(), 1);
         assert_eq!(seen[0].1.status, greendot_core::Status::Busy);
+    }
+
+    /// alice's phone has two sessions at edge `a`: one its client gave up
+    /// on (a connect timeout) and the one it kept, welcomed later. Their
+    /// connects reach the owner in the wrong order (the first was held up).
+    /// The given-up session must not take the device over: when it ends,
+    /// alice stays online, since her kept session is connected.
+    #[test]
+    fn a_connect_given_up_on_arriving_late_does_not_take_the_device_over() {
+        let now = Instant::now();
+        let (mut a, mut b) = (link("a"), link("b"));
+        b.set_status(
+            now,
+            Millis(0),
+            all_shards(1, now + Duration::from_secs(3600)),
+        );
+        let (given_up, kept) = (SessionId(1), SessionId(2));
+        for (session, wire) in [(given_up, 1001), (kept, 1002)] {
+            let kind = proto::Kind::Mobile;
+            a.connected(now, Millis(0), session, wire, "alice", "phone", kind, None);
+        }
+        let mut requests: Vec<ClusterInput> = std::iter::from_fn(|| a.poll_output())
+            .filter_map(|out| match out {
+                ClusterOutput::Request {
+                    id,
+                    shard,
+                    kind,
+                    payload,
+                } => Some(ClusterInput::Request {
+                    shard,
+                    kind,
+                    payload,
+                    reply: id,
+                }),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(requests.len(), 2, "one connect per session");
+        requests.reverse();
+        for request in requests {
+            b.handle_input(now, Millis(1), request);
+            exchange(&mut a, &mut b, now, Millis(1));
+        }
+        let ended = WireOp::Disconnect { last_heard: 0 };
+        assert!(a.input(now, Millis(2), given_up, ended, None));
+        exchange(&mut a, &mut b, now, Millis(2));
+        // Far past grace and debounce.
+        b.handle_timeout(now, Millis(600_000));
+        exchange(&mut a, &mut b, now, Millis(600_000));
+        let o = &b.owners[&1];
+        let uid = UserId(o.users.get("alice").unwrap());
+        let online = o
+            .core
+            .sessions_of(uid)
+            .into_iter()
+            .any(|s| o.core.session_info(s).is_some_and(|i| i.online));
+        assert!(
+            online,
+            "alice shown offline while her kept session is connected"
+        );
+    }
+
+    /// alice logs out while the owner of her shard is dead: nobody answers.
+    /// The next owner restores her phone from the shard's device record and
+    /// the edge's logout reaches it: she is offline within the new owner's
+    /// resync window and the debounce, not after her grace.
+    #[test]
+    fn a_logout_during_an_owner_failover_reaches_the_next_owner() {
+        let (mut a, mut b, now) = two_nodes();
+        b.handle_timeout(now, Millis(600));
+        exchange(&mut a, &mut b, now, Millis(600));
+        let alice = SessionId(1);
+        let record = vec![RecordedDevice {
+            user: "alice".into(),
+            device: "phone".into(),
+            kind: proto::Kind::Mobile,
+            edge: "a".into(),
+            incarnation: 7,
+            conn: a.devices[&alice].conn,
+            heard: 600,
+        }];
+        drop(b); // the owner dies
+
+        assert!(a.input(now, Millis(1_000), alice, WireOp::Logout, Some(100)));
+        a.session_ended(alice);
+        let unanswered: Vec<u64> = std::iter::from_fn(|| a.poll_output())
+            .filter_map(|out| match out {
+                ClusterOutput::Request { id, .. } => Some(id),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(unanswered.len(), 1);
+        for id in unanswered {
+            a.handle_input(
+                now,
+                Millis(1_000),
+                ClusterInput::Answered { id, payload: None },
+            );
+        }
+
+        // The next owner claims the shard, restores the record, asks for a resync.
+        let mut c = link("c");
+        let t = |ms: u64| (now + Duration::from_millis(ms), Millis(ms));
+        // After the logout's request timeout (5 s): it is still queued.
+        let (claimed_at, at) = t(8_000);
+        c.set_status(
+            claimed_at,
+            at,
+            all_shards(2, now + Duration::from_secs(3600)),
+        );
+        while let Some(out) = c.poll_output() {
+            match out {
+                ClusterOutput::LoadShard { id, .. } => {
+                    let loaded = ClusterInput::ShardLoaded {
+                        id,
+                        record: Some(encode(&record)),
+                    };
+                    c.handle_input(claimed_at, at, loaded);
+                }
+                ClusterOutput::Resync { payload } => {
+                    a.handle_input(claimed_at, at, ClusterInput::Resync { payload })
+                }
+                _ => {}
+            }
+        }
+        let mut offline_at = None;
+        for ms in (8_000..60_000).step_by(100) {
+            let (now, at) = t(ms);
+            a.handle_timeout(now, at);
+            c.handle_timeout(now, at);
+            exchange(&mut a, &mut c, now, at);
+            let o = &c.owners[&1];
+            let uid = o.users.get("alice").map(UserId);
+            let gone = uid.is_some_and(|u| o.core.is_known(u) && !o.core.is_online(u));
+            if gone {
+                offline_at = Some(ms);
+                break;
+            }
+        }
+        let offline_at = offline_at.expect("alice's session ended at the new owner");
+        // Resync window (the request timeout, 5 s) and the debounce, far
+        // below the mobile grace.
+        assert!(
+            offline_at <= 8_000 + 5_000 + 1_000,
+            "ended at {offline_at} ms"
+        );
+        let answers: Vec<(u64, Finished)> = std::iter::from_fn(|| a.poll_finished()).collect();
+        assert!(
+            answers
+                .iter()
+                .any(|(w, f)| *w == 100 && matches!(f, Finished::Done)),
+            "the client is told its logout lands: {answers:?} (ended at {offline_at} ms)"
+        );
+    }
+
+    /// `max_users` bounds the users of all the shards a node owns, not of
+    /// each shard's core.
+    #[test]
+    fn max_users_is_the_nodes_over_all_its_shards() {
+        let now = Instant::now();
+        let settings = |node: &str| ClusterSettings {
+            node: node.into(),
+            incarnation: 7,
+            shard_count: SHARDS,
+            shard_of: by_len,
+            request_timeout: Duration::from_secs(5),
+        };
+        let config = Config {
+            max_users: 2,
+            ..Config::default()
+        };
+        let mut a = ClusterLink::new(settings("a"), &Config::default(), 0, 128);
+        let mut b = ClusterLink::new(settings("b"), &config, 0, 128);
+        b.set_status(
+            now,
+            Millis(0),
+            all_shards(1, now + Duration::from_secs(3600)),
+        );
+        // One user per shard (shards by name length).
+        for (i, user) in ["al", "bob", "carl"].into_iter().enumerate() {
+            let session = SessionId(i as u64 + 1);
+            a.connected(
+                now,
+                Millis(0),
+                session,
+                1000 + i as u64,
+                user,
+                "phone",
+                proto::Kind::Mobile,
+                None,
+            );
+            exchange(&mut a, &mut b, now, Millis(0));
+        }
+        let owned: usize = b.owners.values().map(|o| o.users.len()).sum();
+        assert_eq!(owned, 2, "the third user is refused");
+        let carl = b.owners.values().any(|o| o.users.get("carl").is_some());
+        assert!(!carl);
+    }
+
+    /// C4: the owner's preference write is acknowledged by the KV after the
+    /// shard moved to another owner. The edge must not be told `Done`: the
+    /// new owner may show otherwise, so the edge asks again.
+    #[test]
+    fn a_preference_write_that_lands_after_the_shard_moved_is_not_acknowledged() {
+        let (mut a, mut b, now) = two_nodes();
+        let op = WireOp::SetStatus {
+            status: proto::Status::Busy,
+            message: None,
+        };
+        assert!(a.input(now, Millis(400), SessionId(1), op, Some(200)));
+        while let Some(out) = a.poll_output() {
+            if let ClusterOutput::Request {
+                id,
+                shard,
+                kind,
+                payload,
+            } = out
+            {
+                let reply = id;
+                b.handle_input(
+                    now,
+                    Millis(400),
+                    ClusterInput::Request {
+                        shard,
+                        kind,
+                        payload,
+                        reply,
+                    },
+                );
+            }
+        }
+        let mut write = None;
+        while let Some(out) = b.poll_output() {
+            match out {
+                ClusterOutput::LoadUser { id, .. } => {
+                    let loaded = ClusterInput::UserLoaded {
+                        id,
+                        prefs: None,
+                        view: None,
+                    };
+                    b.handle_input(now, Millis(400), loaded);
+                }
+                ClusterOutput::PutPrefs { id, epoch, .. } => write = Some((id, epoch)),
+                ClusterOutput::Reply { payload, .. } => {
+                    panic!(
+                        "answered before the write: {:?}",
+                        decode::<FromOwner>(&payload)
+                    )
+                }
+                _ => {}
+            }
+        }
+        let (id, epoch) = write.expect("the owner writes the preferences");
+        // The shard moves to another owner (a new epoch) ...
+        let moved = BTreeMap::from([(1, (epoch + 1, now + Duration::from_secs(10)))]);
+        b.handle_input(now, Millis(401), ClusterInput::Status { shards: moved });
+        // ... then the old write's acknowledgement arrives.
+        b.handle_input(now, Millis(402), ClusterInput::PrefsStored { id, ok: true });
+        let answers: Vec<FromOwner> = std::iter::from_fn(|| b.poll_output())
+            .filter_map(|out| match out {
+                ClusterOutput::Reply { payload, .. } => decode(&payload),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(answers, vec![FromOwner::NotOwner]);
     }
 
     /// A logout behind a full queue (an owner that takes nothing) is still
@@ -4679,6 +5059,7 @@ mod tests {
             op: WireOp::Connect {
                 kind: proto::Kind::Web,
                 session: 1,
+                since: 1,
             },
         };
         for (msg, kind) in [

@@ -7,8 +7,8 @@ use crate::hub::Hub;
 use crate::token::{Claims, TokenKeys};
 use greendot_core::{Millis, SessionId};
 use greendot_proto::{
-    self as proto, close_code_for, decode, peek_version, CloseCode, ErrorCode, FrameError, Hello,
-    RequestFrame, ServerFrame, WireError,
+    self as proto, close_code_for, decode, decode_hello, peek_version, CloseCode, ErrorCode,
+    FrameError, Hello, RequestFrame, ServerFrame, WireError,
 };
 use std::sync::Arc;
 
@@ -101,7 +101,12 @@ enum Phase {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Step {
     /// A verified hello: connect (or resume) this device.
-    Hello { claims: Claims, resume: Option<u64> },
+    /// `foreground`: the app's state (I12), `true` for an older client.
+    Hello {
+        claims: Claims,
+        resume: Option<u64>,
+        foreground: bool,
+    },
     /// A request of the established session.
     Request {
         session: SessionId,
@@ -214,7 +219,7 @@ impl ConnState {
                         ),
                     ));
                 }
-                let hello: Hello = match decode(payload) {
+                let hello: Hello = match decode_hello(payload) {
                     Ok(h) => h,
                     Err(e) => return self.condemn(e),
                 };
@@ -224,6 +229,7 @@ impl ConnState {
                         Step::Hello {
                             claims,
                             resume: hello.resume,
+                            foreground: hello.foreground,
                         }
                     }
                     Err(e) => self.condemn(e),
@@ -335,6 +341,7 @@ mod tests {
             version: proto::VERSION,
             token: keys.mint(&claims).unwrap(),
             resume: None,
+            foreground: true,
         };
         let h = handle_frame(&mut hub, &mut conn, Millis(1), &payload(&hello));
         assert!(matches!(h.reply, Some(ServerFrame::Welcome(_))));
@@ -387,6 +394,7 @@ mod tests {
             version: proto::VERSION,
             token: keys.mint(&claims).unwrap(),
             resume: None,
+            foreground: true,
         };
         handle_frame(&mut hub, &mut conn, Millis(0), &payload(&hello));
         let ping = payload(&RequestFrame {

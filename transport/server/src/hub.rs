@@ -335,6 +335,11 @@ impl Hub {
         self.sessions.get(&session).map(|m| m.kind)
     }
 
+    /// Whether `session`'s app is in the foreground (I12).
+    pub fn session_foreground(&self, session: SessionId) -> Option<bool> {
+        self.core.session_info(session).map(|i| i.foreground)
+    }
+
     /// Whether `session` may watch the user `target` (its token's `watch`;
     /// a user may always watch themselves): the check a subscribe makes,
     /// for a cluster edge that subscribes outside the core.
@@ -404,6 +409,7 @@ impl Hub {
                     kind,
                     watch: Watch::only([]),
                     resume: None,
+                    foreground: true,
                 },
             )
             .inspect_err(|_| self.forget_unused(user, device))?;
@@ -550,7 +556,11 @@ impl Hub {
     /// Runs one step of a connection (see [`crate::handle_frame`]).
     pub fn apply(&mut self, now: Millis, step: Step) -> Handled {
         match step {
-            Step::Hello { claims, resume } => match self.hello(now, &claims, resume) {
+            Step::Hello {
+                claims,
+                resume,
+                foreground,
+            } => match self.hello(now, &claims, resume, foreground) {
                 Ok(welcome) => Handled {
                     welcomed: Some(SessionId(welcome.session ^ self.session_key)),
                     reply: Some(ServerFrame::Welcome(welcome)),
@@ -770,6 +780,7 @@ impl Hub {
         now: Millis,
         claims: &Claims,
         resume: Option<u64>,
+        foreground: bool,
     ) -> Result<Welcome, WireError> {
         self.credentials.check(claims)?;
         // Every name is checked before any is interned: a refused hello
@@ -801,6 +812,7 @@ impl Hub {
                 kind: claims.kind.into(),
                 watch,
                 resume: resume.map(|s| SessionId(s ^ self.session_key)),
+                foreground,
             },
         );
         let connected = match connected {
@@ -874,7 +886,10 @@ impl Hub {
         let svc = self.sessions.get(&session).is_some_and(|m| m.svc);
         if matches!(
             request,
-            Request::SetStatus { .. } | Request::SetInvisible { .. } | Request::Logout
+            Request::SetStatus { .. }
+                | Request::SetInvisible { .. }
+                | Request::SetForeground { .. }
+                | Request::Logout
         ) {
             if let Some(user) = self.session_user(session) {
                 self.touched.push(user);
@@ -959,6 +974,10 @@ impl Hub {
             }
             Request::SetInvisible { invisible } => {
                 self.core.handle_set_invisible(now, session, invisible)?;
+                Ok(Answer::Done)
+            }
+            Request::SetForeground { foreground } => {
+                self.core.handle_set_foreground(now, session, foreground)?;
                 Ok(Answer::Done)
             }
             Request::Route { user } => {
@@ -1103,7 +1122,7 @@ mod tests {
         };
         let mut watchers = Vec::new();
         for name in ["w1", "w2", "w3"] {
-            let welcome = hub.hello(Millis(1), &claims(name), None).unwrap();
+            let welcome = hub.hello(Millis(1), &claims(name), None, true).unwrap();
             let session = greendot_core::SessionId(welcome.session);
             let subscribe = Request::Subscribe {
                 targets: vec!["star".into()],
@@ -1113,7 +1132,7 @@ mod tests {
             watchers.push(session);
         }
         while hub.poll_output().is_some() {}
-        hub.hello(Millis(2), &claims("star"), None).unwrap();
+        hub.hello(Millis(2), &claims("star"), None, true).unwrap();
         hub.handle_timeout(Millis(60_000));
         let mut frames = Vec::new();
         while let Some(out) = hub.poll_output() {

@@ -506,6 +506,13 @@ impl MetricsSnapshot {
             );
             metric(
                 &mut out,
+                "greendot_cluster_stale_connects_total",
+                "counter",
+                "Connects of a session its client gave up on that reached the owner after a session of the same device welcomed later at the same node: not taken.",
+                &[("", c.stale_connects)],
+            );
+            metric(
+                &mut out,
                 "greendot_cluster_view_gaps_total",
                 "counter",
                 "Times this edge missed a view of a watched shard (a gap in its numbers, or a beacon ahead) and asked the owner for the shard's views again.",

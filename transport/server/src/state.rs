@@ -2635,6 +2635,7 @@ impl ServerState {
     ) -> Option<u64> {
         let at = self.clock.at(now);
         let kind = self.hub.session_kind(session);
+        let foreground = self.hub.session_foreground(session).unwrap_or(true);
         let carried_from = resume.map(|wire| self.wire(SessionId(wire)));
         let (Some(c), Some(ServerFrame::Welcome(w)), Some(kind)) =
             (self.cluster.as_deref_mut(), handled.reply.as_mut(), kind)
@@ -2652,6 +2653,11 @@ impl ServerState {
             kind.into(),
             carried_from,
         );
+        if !foreground {
+            // A hello in the background: the owner hears it right after
+            // the connect (I12).
+            c.input(now, at, session, WireOp::SetForeground(false), None);
+        }
         if !w.resumed {
             return resume;
         }
@@ -2911,6 +2917,7 @@ fn forwarded_op(step: &Step) -> Option<(SessionId, WireOp)> {
             message: message.clone(),
         },
         proto::Request::SetInvisible { invisible } => WireOp::SetInvisible(*invisible),
+        proto::Request::SetForeground { foreground } => WireOp::SetForeground(*foreground),
         proto::Request::Logout => WireOp::Logout,
         _ => return None,
     };

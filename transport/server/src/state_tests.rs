@@ -128,6 +128,7 @@ impl Net {
             version: VERSION,
             token: self.server.keys().mint(&claims).unwrap(),
             resume: None,
+            foreground: true,
         };
         self.clients.push(Client {
             endpoint,

@@ -152,6 +152,7 @@ impl Wt {
             version: VERSION,
             token,
             resume: None,
+            foreground: true,
         };
         bytes.extend(encode_frame(&hello).unwrap());
         control_send.write_all(&bytes).await.unwrap();

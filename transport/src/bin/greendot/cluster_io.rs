@@ -270,10 +270,10 @@ pub async fn run(
                             }
                         }
                     }
-                    ClusterOutput::PutPrefs { id, user, value } => {
+                    ClusterOutput::PutPrefs { id, user, epoch, value } => {
                         let (c, inputs) = (cluster.clone(), inputs.clone());
                         tokio::spawn(async move {
-                            let ok = match c.put_preferences(&user, value).await {
+                            let ok = match c.put_preferences(&user, epoch, value).await {
                                 Ok(_) => true,
                                 Err(e) => {
                                     warn!(error = %e, "cannot store preferences");

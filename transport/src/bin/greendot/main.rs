@@ -9,6 +9,7 @@
 mod client;
 mod cluster;
 mod cluster_io;
+mod cut_off;
 mod page;
 mod serve;
 mod settings;

@@ -297,34 +297,41 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     let server = Server::bind(config).map_err(|e| e.to_string())?;
     let addr = server.local_addr();
 
+    // Bound before joining: the node's lease advertises it (peers cut off
+    // from NATS ask it whether this node holds its lease).
+    let listener = if settings.metrics.eq_ignore_ascii_case("off") {
+        None
+    } else {
+        let listener = std::net::TcpListener::bind(&settings.metrics)
+            .map_err(|e| format!("cannot listen for HTTP on {}: {e}", settings.metrics))?;
+        let http_addr = listener
+            .local_addr()
+            .map_err(|e| format!("cannot listen for HTTP on {}: {e}", settings.metrics))?;
+        Some((listener, http_addr))
+    };
+
     // Joined before the metrics page starts, so that it shows the node.
     let mut dropped = None;
-    let mut node = match cluster_config {
+    let node = match cluster_config {
         None => None,
         Some((urls, config)) => {
             // Every inter-node message is sealed with a key derived from the
             // token secret, which every node of the cluster shares.
             let envelope = settings.envelope(&data.secret)?;
-            let cluster = greendot_cluster::Cluster::connect(&urls, config, envelope)
-                .await
-                .map_err(|e| {
-                    format!(
-                        "cannot join the cluster at {urls}: {}",
-                        crate::cluster::chain(&e)
-                    )
-                })?;
             let advertise = settings
                 .advertise
                 .clone()
                 .unwrap_or_else(|| addr.to_string());
-            let node = greendot_cluster::Node::start(cluster.clone(), advertise, incarnation)
-                .await
-                .map_err(|e| {
-                    format!(
-                        "cannot join the cluster at {urls}: {}",
-                        crate::cluster::chain(&e)
-                    )
-                })?;
+            let http = listener
+                .as_ref()
+                .map(|(_, at)| advertised_http(&advertise, *at));
+            let Some((cluster, node)) =
+                join(&urls, config, envelope, advertise, http, incarnation).await
+            else {
+                info!("stopped before joining the cluster");
+                server.shutdown().await;
+                return Ok(());
+            };
             dropped = Some(cluster.dropped());
             // The data path: presence crosses nodes through this task.
             if let Some(outputs) = server.take_cluster_outputs() {
@@ -341,14 +348,7 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     let cluster_status = node.as_ref().map(|n| n.status());
 
     // Kept until the process exits: it serves `/readyz` 503 while draining.
-    let http = if settings.metrics.eq_ignore_ascii_case("off") {
-        None
-    } else {
-        let listener = std::net::TcpListener::bind(&settings.metrics)
-            .map_err(|e| format!("cannot listen for HTTP on {}: {e}", settings.metrics))?;
-        let http_addr = listener
-            .local_addr()
-            .map_err(|e| format!("cannot listen for HTTP on {}: {e}", settings.metrics))?;
+    let http = if let Some((listener, http_addr)) = listener {
         let refused = dev_tokens_refused(&settings, http_addr, addr);
         let dev_tokens = match refused {
             Some(_) => None,
@@ -372,6 +372,7 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
         };
         let mut service = HttpService::new(server.monitor()).merge(crate::page::routes(page));
         if let (Some(status), Some(dropped)) = (cluster_status.clone(), dropped.clone()) {
+            service = service.merge(crate::cut_off::lease_route(status.clone()));
             service = service.more_metrics(std::sync::Arc::new(move || {
                 let mut text = status.borrow().render_metrics(std::time::Instant::now());
                 text.push_str(&dropped.render_metrics());
@@ -382,6 +383,8 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
             .spawn(listener)
             .map_err(|e| format!("cannot start the HTTP port: {e}"))?;
         Some((thread, refused, dev_code))
+    } else {
+        None
     };
 
     let mut out = std::io::stdout().lock();
@@ -461,25 +464,23 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     drop(out);
     log_connections(&server);
 
-    let cut_off = match node.as_mut() {
+    let must_drain = match &cluster_status {
         None => {
             wait_for_signal().await;
-            false
+            None
         }
-        Some(n) => tokio::select! {
-            _ = wait_for_signal() => false,
-            exit = n.finished() => { let _ = exit; true }
+        Some(status) => tokio::select! {
+            _ = wait_for_signal() => None,
+            why = crate::cut_off::supervise(status.clone(), settings.grace.largest()) => Some(why),
         },
     };
-    if cut_off {
-        // The node stopped owning its shards; its lease expires a margin
-        // from now: its clients go to other nodes before that.
-        warn!("cut off from the cluster (NATS unreachable or the lease lost): draining");
+    if let Some(why) = must_drain {
+        // Its clients go to other nodes; a supervisor starts it again.
+        warn!("{why}: draining");
         server.drain().await;
-        return Err(
-            "cut off from the cluster: clients were told to reconnect elsewhere; restart this node"
-                .into(),
-        );
+        return Err(format!(
+            "{why}: clients were told to reconnect elsewhere; restart this node"
+        ));
     }
     if let Some(n) = node {
         // Shards and lease released at once: other nodes take over now.
@@ -493,6 +494,73 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     drop(http);
     println!("greendot stopped");
     Ok(())
+}
+
+/// Where peers reach this node's HTTP port: the port it is bound to, at
+/// its own address when it is bound to one, else at the host the node
+/// advertises for QUIC.
+fn advertised_http(advertise: &str, bound: SocketAddr) -> String {
+    if !bound.ip().is_unspecified() {
+        return bound.to_string();
+    }
+    let host = advertise
+        .rsplit_once(':')
+        .map_or(advertise, |(host, _)| host);
+    format!("{host}:{}", bound.port())
+}
+
+/// Joins the cluster: connects to NATS and takes the node lease, retrying
+/// with backoff (NATS not up yet, JetStream still electing, the previous
+/// run's lease not yet expired) and saying why. `None` on Ctrl-C or
+/// SIGTERM first.
+async fn join(
+    urls: &str,
+    config: greendot_cluster::ClusterConfig,
+    envelope: greendot_cluster::Envelope,
+    advertise: String,
+    http: Option<String>,
+    incarnation: u64,
+) -> Option<(greendot_cluster::Cluster, greendot_cluster::Node)> {
+    let mut delay = Duration::from_millis(500);
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        let attempt = async {
+            let cluster =
+                greendot_cluster::Cluster::connect(urls, config.clone(), envelope.clone()).await?;
+            let node = greendot_cluster::Node::start_with_http(
+                cluster.clone(),
+                advertise.clone(),
+                http.clone(),
+                incarnation,
+            )
+            .await?;
+            Ok::<_, greendot_cluster::ClusterError>((cluster, node))
+        };
+        let result = tokio::select! {
+            _ = wait_for_signal() => return None,
+            r = attempt => r,
+        };
+        match result {
+            Ok(joined) => {
+                if attempts > 1 {
+                    info!(attempts, "joined the cluster at {urls}");
+                }
+                return Some(joined);
+            }
+            Err(e) => warn!(
+                attempts,
+                retry_in = ?delay,
+                "cannot join the cluster at {urls} yet: {}",
+                crate::cluster::chain(&e)
+            ),
+        }
+        tokio::select! {
+            _ = wait_for_signal() => return None,
+            _ = tokio::time::sleep(delay) => {}
+        }
+        delay = (delay * 2).min(Duration::from_secs(10));
+    }
 }
 
 /// Ctrl-C or SIGTERM.

@@ -87,6 +87,15 @@ pub struct PerKind {
 }
 
 impl PerKind {
+    /// The largest of the four.
+    pub fn largest(&self) -> Duration {
+        [self.web, self.desktop, self.other, self.mobile]
+            .into_iter()
+            .map(|d| d.0)
+            .max()
+            .unwrap_or(Duration::ZERO)
+    }
+
     pub fn all(d: Dur) -> PerKind {
         PerKind {
             mobile: d,
