@@ -40,6 +40,8 @@ fn serve(dir: &Path, urls: &str, id: &str) -> Node {
         ])
         .arg("--data-dir")
         .arg(&data)
+        .arg("--secret-file")
+        .arg(dir.join("secret"))
         .args(["--cluster", urls, "--node-id", id, "--cluster-shards", "64"])
         .args(["--cluster-lease-ttl", "2s", "--advertise"])
         .arg(format!("{id}.test:4433"));
@@ -93,6 +95,9 @@ fn temp_dir() -> PathBuf {
     let dir = std::env::temp_dir().join(format!("greendot-cluster-bin-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
+    // One token secret for every node, as in a real cluster: it also keys
+    // the tags of their messages to each other.
+    std::fs::write(dir.join("secret"), "0123456789abcdef0123456789abcdef").unwrap();
     dir
 }
 
@@ -148,6 +153,12 @@ async fn three_greendot_nodes_status_drain_and_kill_9() {
         "greendot_cluster_shards_owned{{node=\"a\"}} {}",
         expected[0]
     )));
+    // The nodes hear each other (the beacons of their owners, every
+    // second): nothing of theirs is taken for a forgery.
+    for reason in ["forged", "version", "malformed"] {
+        let sample = format!("greendot_cluster_rejected_total{{reason=\"{reason}\"}} 0");
+        assert!(page.contains(&sample), "{sample}: {page}");
+    }
 
     // SIGTERM of b: its shards are released at once.
     let t0 = Instant::now();

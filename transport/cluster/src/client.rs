@@ -8,6 +8,7 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 
 use crate::config::ClusterConfig;
+use crate::envelope::{DropCounts, Envelope};
 use crate::error::{ClusterError, Result};
 use crate::ids::{device_key, user_key, NodeId, ShardId};
 
@@ -44,6 +45,9 @@ impl NodeLease {
 pub struct Cluster {
     config: ClusterConfig,
     client: async_nats::Client,
+    /// Seals every message this node publishes and opens every one it
+    /// receives (views, truths, requests, replies, resyncs, beacons).
+    envelope: Envelope,
     js: jetstream::Context,
     leases: kv::Store,
     claims: kv::Store,
@@ -54,14 +58,22 @@ pub struct Cluster {
 
 impl Cluster {
     /// Connects to NATS (`urls`: comma-separated `nats://host:port` of the
-    /// NATS cluster's nodes) and creates or opens the buckets.
-    pub async fn connect(urls: &str, config: ClusterConfig) -> Result<Cluster> {
+    /// NATS cluster's nodes) with the credentials and TLS of
+    /// `config.nats`, and creates or opens the buckets. `envelope`: the
+    /// cluster's message key and protocol version (every node's messages
+    /// are sealed with it).
+    pub async fn connect(urls: &str, config: ClusterConfig, envelope: Envelope) -> Result<Cluster> {
         config.validate()?;
         let options = async_nats::ConnectOptions::new()
             .name(format!("greendot-{}", config.node))
             .request_timeout(Some(config.op_timeout))
             .connection_timeout(config.op_timeout)
             .subscription_capacity(config.channel_capacity);
+        let options = config
+            .nats
+            .apply(options)
+            .await
+            .map_err(|source| ClusterError::Credentials { source })?;
         let servers: Vec<&str> = urls
             .split(',')
             .map(str::trim)
@@ -85,6 +97,7 @@ impl Cluster {
         Ok(Cluster {
             config,
             client,
+            envelope,
             js,
             leases,
             claims,
@@ -104,6 +117,16 @@ impl Cluster {
 
     pub fn client(&self) -> &async_nats::Client {
         &self.client
+    }
+
+    /// Messages from NATS dropped by the envelope (forged, of a version not
+    /// read, malformed), for the metrics.
+    pub fn dropped(&self) -> std::sync::Arc<DropCounts> {
+        self.envelope.drops().clone()
+    }
+
+    pub fn envelope(&self) -> &Envelope {
+        &self.envelope
     }
 
     fn timeout(&self) -> Duration {
@@ -316,7 +339,21 @@ impl Cluster {
                 Some(e) => (0, e.revision),
                 None => (0, 0),
             };
-            let next = current + 1;
+            let Some(next) = crate::ownership::next_epoch(current) else {
+                // Refused before anything is written: claiming would wrap
+                // every version of the shard (see `MAX_EPOCH`).
+                tracing::error!(
+                    %shard,
+                    epoch = current,
+                    "not claiming the shard: its epoch counter is at the last epoch whose \
+                     versions fit; a claim would wrap every version of its users \
+                     (docs/cluster.md \"Epochs\")"
+                );
+                return Err(ClusterError::EpochExhausted {
+                    shard,
+                    epoch: current,
+                });
+            };
             let value = Bytes::from(next.to_string());
             let write = Write::Put { value, ttl: None };
             match write_if(
@@ -591,8 +628,9 @@ impl Cluster {
     }
 
     async fn publish_on(&self, subject: String, payload: Bytes) -> Result<()> {
+        let sealed = self.envelope.seal(&subject, &payload);
         self.client
-            .publish(subject.clone(), payload)
+            .publish(subject.clone(), sealed)
             .await
             .map_err(|source| ClusterError::Publish { subject, source })
     }
@@ -609,21 +647,33 @@ impl Cluster {
             .subscribe(subject.clone())
             .await
             .map_err(|source| ClusterError::Subscribe { subject, source })?;
-        Ok(SubjectFeed { sub })
+        Ok(SubjectFeed {
+            sub,
+            envelope: self.envelope.clone(),
+        })
     }
 
     /// A feed of the published views of the shards this node watches.
     pub fn view_feed(&self) -> ViewFeed {
-        ViewFeed::new(self.client.clone(), self.config.clone())
+        ViewFeed::new(
+            self.client.clone(),
+            self.config.clone(),
+            self.envelope.clone(),
+        )
     }
 
     /// The requests to the shards this node owns.
     pub fn owner_inbox(&self) -> OwnerInbox {
-        OwnerInbox::new(self.client.clone(), self.config.clone())
+        OwnerInbox::new(
+            self.client.clone(),
+            self.config.clone(),
+            self.envelope.clone(),
+        )
     }
 
     /// Sends a request to the owner of `shard` and waits for its answer.
-    /// `NoOwner` when nobody serves the shard now.
+    /// `NoOwner` when nobody serves the shard now; `Dropped` when the answer
+    /// is not a sealed message of this cluster (counted).
     pub async fn request(
         &self,
         shard: ShardId,
@@ -633,8 +683,20 @@ impl Cluster {
         check_shard(&self.config, shard)?;
         use async_nats::RequestErrorKind;
         let subject = self.config.request_subject(shard, kind);
-        match self.client.request(subject.clone(), payload).await {
-            Ok(msg) => Ok(msg.payload),
+        let sealed = self.envelope.seal(&subject, &payload);
+        match self.client.request(subject.clone(), sealed).await {
+            // The owner sealed its answer for this request's own inbox.
+            Ok(msg) => match self.envelope.check(msg.subject.as_str(), &msg.payload) {
+                Ok((_, payload)) => Ok(payload),
+                Err(reason) => {
+                    // Counted like every other drop.
+                    let _ = self.envelope.open(msg.subject.as_str(), &msg.payload);
+                    Err(ClusterError::Dropped {
+                        subject,
+                        reason: reason.label(),
+                    })
+                }
+            },
             Err(e) if e.kind() == RequestErrorKind::NoResponders => {
                 Err(ClusterError::NoOwner { shard })
             }

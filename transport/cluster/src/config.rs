@@ -30,6 +30,8 @@ pub struct ClusterConfig {
     pub op_timeout: Duration,
     /// Capacity of the channels from NATS subscriptions to the node.
     pub channel_capacity: usize,
+    /// Credentials and TLS of the connection to NATS.
+    pub nats: crate::access::NatsAccess,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -72,6 +74,7 @@ impl ClusterConfig {
             marker_ttl: Duration::from_secs(15),
             op_timeout: Duration::from_secs(2),
             channel_capacity: 4096,
+            nats: crate::access::NatsAccess::default(),
         }
     }
 

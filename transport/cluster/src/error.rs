@@ -19,6 +19,20 @@ pub enum ClusterError {
         #[source]
         source: async_nats::ConnectError,
     },
+    #[error("shard {shard}'s epoch is {epoch}, the last whose versions fit (2^24 - 1): claiming it again would wrap versions")]
+    EpochExhausted { shard: ShardId, epoch: u64 },
+    #[error("NATS credentials")]
+    Credentials {
+        #[source]
+        source: std::io::Error,
+    },
+    /// An owner's answer that is not a sealed message of this cluster
+    /// (counted in `greendot_cluster_rejected_total`).
+    #[error("the answer to {subject} was dropped: {reason}")]
+    Dropped {
+        subject: String,
+        reason: &'static str,
+    },
     #[error("creating or opening KV bucket {bucket}")]
     Bucket {
         bucket: String,

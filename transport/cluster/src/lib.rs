@@ -41,8 +41,10 @@
 //!   stays (R3), and the restarted node catches up. A watch whose consumer
 //!   lived on the killed node stalls until `async-nats` recreates it.
 
+mod access;
 mod client;
 mod config;
+mod envelope;
 mod error;
 mod hashing;
 mod ids;
@@ -58,8 +60,10 @@ mod tenure;
 #[doc(hidden)]
 pub mod testing;
 
+pub use access::{NatsAccess, NatsCredentials, Secret};
 pub use client::{ClaimWatch, Cluster, MemberWatch, NodeLease, SESSION_RECORD_MAX_AGE};
 pub use config::{ClusterConfig, ConfigError};
+pub use envelope::{DropCounts, DropReason, Envelope, MessageKey, PROTOCOL_VERSION};
 pub use error::{ClusterError, Result};
 pub use hashing::{rendezvous_owner, shard_of};
 pub use ids::{device_key, user_key, IdError, NodeId, ShardId, MAX_NODE_ID_LEN, MAX_USER_ID_LEN};
@@ -71,8 +75,8 @@ pub use node::{
     unix_ms, Node, NodeExit, NodeInfo, NodePhase, NodeStatus, OwnedShard, MAX_ADVERTISE_LEN,
 };
 pub use ownership::{
-    decode_claim, encode_claim, epoch_key, ClaimAction, ClaimRecord, ClaimState, ClaimTable,
-    HeldShard, Ownership,
+    decode_claim, encode_claim, epoch_key, next_epoch, ClaimAction, ClaimRecord, ClaimState,
+    ClaimTable, HeldShard, Ownership, MAX_EPOCH,
 };
 pub use status::{observe, ClusterView, NodeView};
 pub use tenure::{LeaseTiming, Tenure};

@@ -11,6 +11,7 @@ use bytes::Bytes;
 use tokio_stream::{StreamExt, StreamMap};
 
 use crate::config::ClusterConfig;
+use crate::envelope::Envelope;
 use crate::error::{ClusterError, Result};
 use crate::ids::ShardId;
 use crate::interest::ShardInterest;
@@ -64,15 +65,17 @@ pub struct ShardMessage {
 pub struct ViewFeed {
     client: Client,
     config: ClusterConfig,
+    envelope: Envelope,
     interest: ShardInterest,
     subscriptions: StreamMap<ShardId, Subscriber>,
 }
 
 impl ViewFeed {
-    pub(crate) fn new(client: Client, config: ClusterConfig) -> ViewFeed {
+    pub(crate) fn new(client: Client, config: ClusterConfig, envelope: Envelope) -> ViewFeed {
         ViewFeed {
             client,
             config,
+            envelope,
             interest: ShardInterest::default(),
             subscriptions: StreamMap::new(),
         }
@@ -116,18 +119,18 @@ impl ViewFeed {
         self.interest.watchers(shard)
     }
 
-    /// The next view of a watched shard. Pending forever while nothing is
-    /// watched (use it in a `select!`).
+    /// The next view of a watched shard (one that does not open is dropped
+    /// and counted). Pending forever while nothing is watched (use it in a
+    /// `select!`).
     pub async fn recv(&mut self) -> ShardMessage {
         loop {
             if self.subscriptions.is_empty() {
                 std::future::pending::<()>().await;
             }
             if let Some((shard, msg)) = self.subscriptions.next().await {
-                return ShardMessage {
-                    shard,
-                    payload: msg.payload,
-                };
+                if let Some(payload) = self.envelope.open(msg.subject.as_str(), &msg.payload) {
+                    return ShardMessage { shard, payload };
+                }
             }
         }
     }
@@ -138,12 +141,19 @@ impl ViewFeed {
 /// node's edge.
 pub struct SubjectFeed {
     pub(crate) sub: Subscriber,
+    pub(crate) envelope: Envelope,
 }
 
 impl SubjectFeed {
-    /// The next message's payload; `None` once the subscription ended.
+    /// The next message's payload (one that does not open is dropped and
+    /// counted); `None` once the subscription ended.
     pub async fn recv(&mut self) -> Option<Bytes> {
-        self.sub.next().await.map(|m| m.payload)
+        loop {
+            let msg = self.sub.next().await?;
+            if let Some(payload) = self.envelope.open(msg.subject.as_str(), &msg.payload) {
+                return Some(payload);
+            }
+        }
     }
 }
 
@@ -161,14 +171,16 @@ pub struct OwnerRequest {
 pub struct OwnerInbox {
     client: Client,
     config: ClusterConfig,
+    envelope: Envelope,
     subscriptions: StreamMap<ShardId, Subscriber>,
 }
 
 impl OwnerInbox {
-    pub(crate) fn new(client: Client, config: ClusterConfig) -> OwnerInbox {
+    pub(crate) fn new(client: Client, config: ClusterConfig, envelope: Envelope) -> OwnerInbox {
         OwnerInbox {
             client,
             config,
+            envelope,
             subscriptions: StreamMap::new(),
         }
     }
@@ -198,8 +210,8 @@ impl OwnerInbox {
         self.subscriptions.keys().copied().collect()
     }
 
-    /// The next request for a served shard (requests of an unknown kind are
-    /// dropped: the asker times out).
+    /// The next request for a served shard (requests of an unknown kind, and
+    /// those that do not open, counted, are dropped: the asker times out).
     pub async fn recv(&mut self) -> OwnerRequest {
         loop {
             if self.subscriptions.is_empty() {
@@ -216,22 +228,28 @@ impl OwnerInbox {
             else {
                 continue;
             };
+            let Some(payload) = self.envelope.open(msg.subject.as_str(), &msg.payload) else {
+                continue;
+            };
             return OwnerRequest {
                 shard,
                 kind,
-                payload: msg.payload,
+                payload,
                 reply: msg.reply,
             };
         }
     }
 
-    /// Answers a request (nothing to do if the asker wanted no answer).
+    /// Answers a request (nothing to do if the asker wanted no answer),
+    /// sealed for the asker's inbox subject: an answer copied onto another
+    /// request's inbox does not open.
     pub async fn reply(&self, request: &OwnerRequest, payload: Bytes) -> Result<()> {
         let Some(reply) = request.reply.clone() else {
             return Ok(());
         };
+        let sealed = self.envelope.seal(reply.as_str(), &payload);
         self.client
-            .publish(reply.clone(), payload)
+            .publish(reply.clone(), sealed)
             .await
             .map_err(|source| ClusterError::Publish {
                 subject: reply.to_string(),

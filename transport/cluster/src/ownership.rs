@@ -70,6 +70,19 @@ pub fn epoch_key(shard: ShardId) -> String {
     format!("epoch.{}", shard.0)
 }
 
+/// The highest epoch a shard may have: owners' versions carry the epoch
+/// above their 40 low bits (greendot-core's `EPOCH_SHIFT`), so an epoch of
+/// 2^24 or more would wrap a version to below the first owner's, and
+/// watchers would drop every view after it. 16,777,215 claims of one shard:
+/// 32 years at one ownership change a minute.
+pub const MAX_EPOCH: u64 = (1 << 24) - 1;
+
+/// The epoch after `current`, or `None` when it would pass [`MAX_EPOCH`]
+/// (the shard must not be claimed again: see docs/cluster.md "Epochs").
+pub fn next_epoch(current: u64) -> Option<u64> {
+    current.checked_add(1).filter(|e| *e <= MAX_EPOCH)
+}
+
 pub fn shard_key(shard: ShardId) -> String {
     shard.0.to_string()
 }
@@ -264,6 +277,20 @@ impl Ownership {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn epochs_stop_before_versions_would_wrap() {
+        assert_eq!(super::next_epoch(0), Some(1));
+        assert_eq!(
+            super::next_epoch(super::MAX_EPOCH - 1),
+            Some(super::MAX_EPOCH)
+        );
+        assert_eq!(super::next_epoch(super::MAX_EPOCH), None);
+        assert_eq!(super::next_epoch(u64::MAX), None);
+        // The last epoch's versions still fit above 40 bits.
+        assert_eq!((super::MAX_EPOCH << 40) >> 40, super::MAX_EPOCH);
+        assert_ne!(((super::MAX_EPOCH + 1) << 40) >> 40, super::MAX_EPOCH + 1);
+    }
+
     use super::*;
     use crate::tenure::LeaseTiming;
     use std::time::Duration;

@@ -95,8 +95,14 @@ async fn entries(store: &kv::Store, timeout: Duration) -> Result<Vec<KvEntry>> {
 
 /// Connects to NATS (`urls` comma-separated) and reads the cluster under
 /// `prefix`. Fails with `Connect` when no NATS node answers and `NoBuckets`
-/// when no greendot node ever ran there.
-pub async fn observe(urls: &str, prefix: &str, timeout: Duration) -> Result<ClusterView> {
+/// when no greendot node ever ran there. `access`: the credentials and TLS
+/// of the connection, as the nodes'.
+pub async fn observe(
+    urls: &str,
+    access: &crate::access::NatsAccess,
+    prefix: &str,
+    timeout: Duration,
+) -> Result<ClusterView> {
     let servers: Vec<&str> = urls
         .split(',')
         .map(str::trim)
@@ -106,6 +112,10 @@ pub async fn observe(urls: &str, prefix: &str, timeout: Duration) -> Result<Clus
         .name("greendot-cluster-status")
         .connection_timeout(timeout)
         .request_timeout(Some(timeout));
+    let options = access
+        .apply(options)
+        .await
+        .map_err(|source| ClusterError::Credentials { source })?;
     let client = async_nats::connect_with_options(servers, options)
         .await
         .map_err(|source| ClusterError::Connect {

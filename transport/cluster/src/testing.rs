@@ -147,6 +147,11 @@ pub struct NatsCluster {
     dir: PathBuf,
     cluster_name: String,
     nodes: Vec<NatsNode>,
+    /// The user and password of the harness's own readiness checks
+    /// (`None`: NATS requires none).
+    auth: Option<(String, String)>,
+    /// Arguments of every node beyond the harness's own.
+    extra: Vec<String>,
 }
 
 impl NatsCluster {
@@ -154,6 +159,36 @@ impl NatsCluster {
     /// metadata leader and every node answers. Panics on failure (a test
     /// harness: the panic message says what went wrong).
     pub async fn start(size: usize) -> NatsCluster {
+        NatsCluster::start_with(size, None, Vec::new(), None).await
+    }
+
+    /// [`NatsCluster::start`] with NATS requiring `user` and `password` of
+    /// every client (`--user`, `--pass`).
+    pub async fn start_with_user(size: usize, user: &str, password: &str) -> NatsCluster {
+        let auth = Some((user.to_owned(), password.to_owned()));
+        let extra = ["--user", user, "--pass", password].map(String::from);
+        NatsCluster::start_with(size, auth, extra.to_vec(), None).await
+    }
+
+    /// [`NatsCluster::start`] with a NATS configuration file of this text
+    /// (accounts, users and permissions), read by every node; the harness
+    /// checks readiness as `user` with `password`.
+    pub async fn start_with_config(
+        size: usize,
+        config: &str,
+        user: &str,
+        password: &str,
+    ) -> NatsCluster {
+        let auth = Some((user.to_owned(), password.to_owned()));
+        NatsCluster::start_with(size, auth, Vec::new(), Some(config)).await
+    }
+
+    async fn start_with(
+        size: usize,
+        auth: Option<(String, String)>,
+        mut extra: Vec<String>,
+        config: Option<&str>,
+    ) -> NatsCluster {
         let binary = nats_server_binary().unwrap_or_else(|e| panic!("no nats-server: {e}"));
         static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -161,6 +196,11 @@ impl NatsCluster {
         let dir = std::env::temp_dir().join(format!("greendot-nats-{cluster_name}"));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("creating the NATS test directory");
+        if let Some(text) = config {
+            let path = dir.join("nats.conf");
+            std::fs::write(&path, text).expect("writing the NATS configuration");
+            extra.extend(["-c".to_owned(), path.display().to_string()]);
+        }
         let nodes = (0..size)
             .map(|i| NatsNode {
                 name: format!("n{i}"),
@@ -176,6 +216,8 @@ impl NatsCluster {
             dir,
             cluster_name,
             nodes,
+            auth,
+            extra,
         };
         for i in 0..size {
             cluster.spawn(i);
@@ -210,6 +252,7 @@ impl NatsCluster {
             ])
             .arg(&node.store)
             .args(["-n", &node.name]);
+        command.args(&self.extra);
         // A node alone is no cluster: with routes to itself only it would
         // wait for routing forever.
         if self.nodes.len() > 1 {
@@ -269,11 +312,12 @@ impl NatsCluster {
     }
 
     async fn jetstream_answers(&self, i: usize) -> bool {
-        let Ok(client) = async_nats::ConnectOptions::new()
-            .connection_timeout(Duration::from_secs(1))
-            .connect(self.url(i))
-            .await
-        else {
+        let mut options =
+            async_nats::ConnectOptions::new().connection_timeout(Duration::from_secs(1));
+        if let Some((user, password)) = &self.auth {
+            options = options.user_and_password(user.clone(), password.clone());
+        }
+        let Ok(client) = options.connect(self.url(i)).await else {
             return false;
         };
         let js = async_nats::jetstream::new(client);
@@ -378,4 +422,10 @@ impl Drop for NatsCluster {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
+}
+
+/// The envelope of test nodes: every node of a test cluster shares it, as
+/// every node of a real one shares the token secret.
+pub fn envelope() -> crate::Envelope {
+    crate::Envelope::new(crate::MessageKey::derive(b"greendot test secret"))
 }

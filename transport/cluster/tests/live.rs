@@ -35,7 +35,9 @@ fn config(node: &str) -> ClusterConfig {
 }
 
 async fn connect(urls: &str, node: &str) -> Cluster {
-    Cluster::connect(urls, config(node)).await.unwrap()
+    Cluster::connect(urls, config(node), greendot_cluster::testing::envelope())
+        .await
+        .unwrap()
 }
 
 /// Retries `f` until it succeeds or `within` passes (for the first
@@ -764,7 +766,11 @@ async fn kill_9_of_a_nats_node_and_kv_and_claims_keep_working() {
     // up: opening the buckets through it may time out until then.
     let late_url = nats.url(victim);
     let late = retry(ELECTION_BOUND, || {
-        Cluster::connect(&late_url, config("late"))
+        Cluster::connect(
+            &late_url,
+            config("late"),
+            greendot_cluster::testing::envelope(),
+        )
     })
     .await;
     let deadline = Instant::now() + ELECTION_BOUND;

@@ -38,7 +38,9 @@ async fn start(urls: &str, node: &str) -> Node {
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
         .try_init();
-    let cluster = Cluster::connect(urls, config(node)).await.unwrap();
+    let cluster = Cluster::connect(urls, config(node), greendot_cluster::testing::envelope())
+        .await
+        .unwrap();
     Node::start(
         cluster,
         format!("{node}.example:4433"),
@@ -62,7 +64,7 @@ async fn until(
     let t0 = Instant::now();
     let mut last = None;
     while t0.elapsed() < within {
-        if let Ok(view) = observe(urls, "gd", OP_TIMEOUT).await {
+        if let Ok(view) = observe(urls, &Default::default(), "gd", OP_TIMEOUT).await {
             if done(&view) {
                 return (view, t0.elapsed());
             }
@@ -230,9 +232,13 @@ async fn shards_spread_over_three_nodes_then_a_crash_and_a_drain_hand_them_over(
 async fn a_node_cut_off_from_nats_stops_owning_then_rejoins_when_nats_is_back() {
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
     let mut nats = NatsCluster::start(3).await;
-    let _buckets = Cluster::connect(&nats.url(0), config("setup"))
-        .await
-        .unwrap();
+    let _buckets = Cluster::connect(
+        &nats.url(0),
+        config("setup"),
+        greendot_cluster::testing::envelope(),
+    )
+    .await
+    .unwrap();
     let leaders = [
         nats.stream_leader("gd_leases").await,
         nats.stream_leader("gd_claims").await,

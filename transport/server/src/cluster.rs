@@ -80,6 +80,10 @@ pub const MAX_BEACON_TRUTHS: usize = 512;
 /// devices while its resync window is open (the request may be lost).
 const RESYNC_EVERY: Duration = Duration::from_millis(500);
 
+/// The last epoch whose versions fit: versions carry the epoch above
+/// `EPOCH_SHIFT` bits, so a larger one would wrap them.
+pub const MAX_EPOCH: u64 = (1 << (64 - greendot_core::cluster::EPOCH_SHIFT)) - 1;
+
 /// How a node takes part in a cluster.
 #[derive(Clone, Debug)]
 pub struct ClusterSettings {
@@ -1054,6 +1058,19 @@ impl ClusterLink {
             .acting
             .iter()
             .filter(|(s, (_, until))| now < *until && !self.owners.contains_key(s))
+            .filter(|(s, (e, _))| {
+                // An epoch past the last whose versions fit would wrap them:
+                // not acted for (the claim side refuses it first).
+                let fits = *e <= MAX_EPOCH;
+                if !fits {
+                    tracing::error!(
+                        shard = s,
+                        epoch = e,
+                        "not acting for the shard: its epoch would wrap versions"
+                    );
+                }
+                fits
+            })
             .map(|(s, (e, _))| (*s, *e))
             .collect();
         for (shard, epoch) in won {
@@ -3799,6 +3816,31 @@ mod tests {
         );
         exchange(&mut a, &mut b, now, Millis(0));
         (a, b, now)
+    }
+
+    #[test]
+    fn an_epoch_that_would_wrap_versions_is_not_acted_for() {
+        let now = Instant::now();
+        let until = now + Duration::from_secs(3600);
+        let won = |epoch: u64| {
+            let mut b = link("b");
+            b.set_status(now, Millis(0), [(1, (epoch, until))].into());
+            std::iter::from_fn(|| b.poll_output())
+                .filter(|o| {
+                    matches!(
+                        o,
+                        ClusterOutput::Resync { .. } | ClusterOutput::LoadShard { .. }
+                    )
+                })
+                .count()
+        };
+        // The last epoch that fits: a new owner loads and asks for a resync.
+        assert_eq!(won(MAX_EPOCH), 2);
+        assert_eq!(epoch_base_of(MAX_EPOCH as u32) >> 40, MAX_EPOCH);
+        // One more would wrap every version to below the first owner's.
+        assert_eq!(epoch_base_of((MAX_EPOCH + 1) as u32), 0);
+        assert_eq!(won(MAX_EPOCH + 1), 0);
+        assert_eq!(won(u64::from(u32::MAX) + 1), 0);
     }
 
     #[test]

@@ -104,8 +104,13 @@ pub fn render(view: &ClusterView, shard: Option<u32>, each: bool, now_ms: u64) -
     out
 }
 
-pub async fn status(urls: &str, shard: Option<u32>, each: bool) -> Result<(), String> {
-    let view = observe(urls, "gd", TIMEOUT)
+pub async fn status(
+    urls: &str,
+    access: &greendot_cluster::NatsAccess,
+    shard: Option<u32>,
+    each: bool,
+) -> Result<(), String> {
+    let view = observe(urls, access, "gd", TIMEOUT)
         .await
         .map_err(|e| format!("cannot read the cluster at {urls}: {}", chain(&e)))?;
     print!("{}", render(&view, shard, each, unix_ms()));

@@ -128,7 +128,65 @@ enum ClusterCommand {
         /// Each node's shards with their epochs.
         #[arg(long)]
         shards: bool,
+        #[command(flatten)]
+        nats: NatsArgs,
     },
+}
+
+/// How a node (or `greendot cluster status`) logs in to NATS and checks it.
+/// Passwords and tokens in flags show in the process list: prefer the
+/// environment or the settings file.
+#[derive(Args, Debug)]
+struct NatsArgs {
+    /// NATS user (with --nats-password).
+    #[arg(long, env = "GREENDOT_NATS_USER")]
+    nats_user: Option<String>,
+    /// NATS password of --nats-user.
+    #[arg(long, env = "GREENDOT_NATS_PASSWORD", hide_env_values = true)]
+    nats_password: Option<settings::SecretText>,
+    /// NATS token.
+    #[arg(long, env = "GREENDOT_NATS_TOKEN", hide_env_values = true)]
+    nats_token: Option<settings::SecretText>,
+    /// File holding the node's NATS nkey seed.
+    #[arg(long, env = "GREENDOT_NATS_NKEY_FILE")]
+    nats_nkey_file: Option<PathBuf>,
+    /// NATS .creds file (user JWT and nkey seed).
+    #[arg(long, env = "GREENDOT_NATS_CREDS")]
+    nats_creds: Option<PathBuf>,
+    /// PEM CA file the NATS servers' certificates are checked against.
+    #[arg(long, env = "GREENDOT_NATS_TLS_CA")]
+    nats_tls_ca: Option<PathBuf>,
+    /// PEM client certificate for NATS (with --nats-tls-key).
+    #[arg(long, env = "GREENDOT_NATS_TLS_CERT")]
+    nats_tls_cert: Option<PathBuf>,
+    /// PEM private key of --nats-tls-cert.
+    #[arg(long, env = "GREENDOT_NATS_TLS_KEY")]
+    nats_tls_key: Option<PathBuf>,
+    /// Refuse a NATS connection without TLS [default: false].
+    #[arg(long, env = "GREENDOT_NATS_REQUIRE_TLS")]
+    nats_require_tls: Option<bool>,
+}
+
+impl NatsArgs {
+    /// Over what the settings say (the file's, or the defaults).
+    fn apply(&self, s: &mut Settings) {
+        fn over<T: Clone>(slot: &mut Option<T>, value: &Option<T>) {
+            if value.is_some() {
+                *slot = value.clone();
+            }
+        }
+        over(&mut s.nats_user, &self.nats_user);
+        over(&mut s.nats_password, &self.nats_password);
+        over(&mut s.nats_token, &self.nats_token);
+        over(&mut s.nats_nkey_file, &self.nats_nkey_file);
+        over(&mut s.nats_creds, &self.nats_creds);
+        over(&mut s.nats_tls_ca, &self.nats_tls_ca);
+        over(&mut s.nats_tls_cert, &self.nats_tls_cert);
+        over(&mut s.nats_tls_key, &self.nats_tls_key);
+        if let Some(v) = self.nats_require_tls {
+            s.nats_require_tls = v;
+        }
+    }
 }
 
 #[derive(Args, Debug)]
@@ -237,6 +295,12 @@ struct ServeArgs {
     /// Replicas of the cluster's KV buckets [default: 3].
     #[arg(long, env = "GREENDOT_CLUSTER_REPLICAS")]
     cluster_replicas: Option<usize>,
+    /// The inter-node protocol version to send [default: this build's];
+    /// the previous one while a rolling upgrade raises it (docs/cluster.md).
+    #[arg(long, env = "GREENDOT_CLUSTER_PROTOCOL")]
+    cluster_protocol: Option<u8>,
+    #[command(flatten)]
+    nats: NatsArgs,
 }
 
 impl ServeArgs {
@@ -294,6 +358,10 @@ impl ServeArgs {
         set(&mut s.cluster_shards, &self.cluster_shards);
         set(&mut s.cluster_lease_ttl, &self.cluster_lease_ttl);
         set(&mut s.cluster_replicas, &self.cluster_replicas);
+        if self.cluster_protocol.is_some() {
+            s.cluster_protocol = self.cluster_protocol;
+        }
+        self.nats.apply(&mut s);
         if let Some(g) = self.grace {
             s.grace = PerKind::all(g);
         }
@@ -489,9 +557,15 @@ fn main() -> ExitCode {
             cluster,
             shard,
             shards,
+            nats,
         }) => {
             init_logs("warn");
-            runtime().and_then(|rt| rt.block_on(cluster::status(&cluster, shard, shards)))
+            let mut s = Settings::default();
+            nats.apply(&mut s);
+            s.nats_access().and_then(|access| {
+                runtime()
+                    .and_then(|rt| rt.block_on(cluster::status(&cluster, &access, shard, shards)))
+            })
         }
         Command::Bench(args) => {
             init_logs("warn");
@@ -574,5 +648,43 @@ mod tests {
         let one = serve_settings(&["--config", path]);
         assert_eq!(timings(&one), t("20s", "15s"));
         std::fs::remove_file(&file).ok();
+    }
+
+    #[test]
+    fn nats_credentials_from_flags_over_the_file() {
+        let file = std::env::temp_dir().join(format!("greendot-nats-{}.toml", std::process::id()));
+        std::fs::write(
+            &file,
+            "nats_user = \"from-file\"\nnats_password = \"file-pass\"\nnats_tls_ca = \"/ca.pem\"\n",
+        )
+        .unwrap();
+        let path = file.to_str().unwrap();
+        let s = serve_settings(&[
+            "--config",
+            path,
+            "--cluster",
+            "nats://a:4222",
+            "--node-id",
+            "n1",
+            "--nats-user",
+            "greendot",
+            "--nats-password",
+            "flag-pass",
+            "--nats-require-tls",
+            "true",
+            "--cluster-protocol",
+            "1",
+        ]);
+        std::fs::remove_file(&file).ok();
+        let access = s.nats_access().unwrap();
+        assert!(matches!(
+            &access.credentials,
+            greendot_cluster::NatsCredentials::UserPassword { user, password }
+                if user == "greendot" && password.expose() == "flag-pass"
+        ));
+        assert_eq!(access.tls_ca.as_deref(), Some(Path::new("/ca.pem")));
+        assert!(access.require_tls);
+        assert_eq!(s.cluster_protocol, Some(1));
+        assert!(!s.to_toml().unwrap().contains("flag-pass"));
     }
 }

@@ -311,9 +311,13 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     };
 
     // Joined before the metrics page starts, so that it shows the node.
+    let mut dropped = None;
     let node = match cluster_config {
         None => None,
         Some((urls, config)) => {
+            // Every inter-node message is sealed with a key derived from the
+            // token secret, which every node of the cluster shares.
+            let envelope = settings.envelope(&data.secret)?;
             let advertise = settings
                 .advertise
                 .clone()
@@ -321,12 +325,14 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
             let http = listener
                 .as_ref()
                 .map(|(_, at)| advertised_http(&advertise, *at));
-            let Some((cluster, node)) = join(&urls, config, advertise, http, incarnation).await
+            let Some((cluster, node)) =
+                join(&urls, config, envelope, advertise, http, incarnation).await
             else {
                 info!("stopped before joining the cluster");
                 server.shutdown().await;
                 return Ok(());
             };
+            dropped = Some(cluster.dropped());
             // The data path: presence crosses nodes through this task.
             if let Some(outputs) = server.take_cluster_outputs() {
                 tokio::spawn(crate::cluster_io::run(
@@ -365,10 +371,12 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
             dev_tokens,
         };
         let mut service = HttpService::new(server.monitor()).merge(crate::page::routes(page));
-        if let Some(status) = cluster_status.clone() {
+        if let (Some(status), Some(dropped)) = (cluster_status.clone(), dropped.clone()) {
             service = service.merge(crate::cut_off::lease_route(status.clone()));
             service = service.more_metrics(std::sync::Arc::new(move || {
-                status.borrow().render_metrics(std::time::Instant::now())
+                let mut text = status.borrow().render_metrics(std::time::Instant::now());
+                text.push_str(&dropped.render_metrics());
+                text
             }));
         }
         let thread = service
@@ -508,6 +516,7 @@ fn advertised_http(advertise: &str, bound: SocketAddr) -> String {
 async fn join(
     urls: &str,
     config: greendot_cluster::ClusterConfig,
+    envelope: greendot_cluster::Envelope,
     advertise: String,
     http: Option<String>,
     incarnation: u64,
@@ -517,7 +526,8 @@ async fn join(
     loop {
         attempts += 1;
         let attempt = async {
-            let cluster = greendot_cluster::Cluster::connect(urls, config.clone()).await?;
+            let cluster =
+                greendot_cluster::Cluster::connect(urls, config.clone(), envelope.clone()).await?;
             let node = greendot_cluster::Node::start_with_http(
                 cluster.clone(),
                 advertise.clone(),

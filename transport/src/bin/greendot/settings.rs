@@ -156,6 +156,25 @@ fn floor_100ms(d: Duration) -> Duration {
     Duration::from_millis(u64::try_from(d.as_millis() / 100 * 100).unwrap_or(u64::MAX))
 }
 
+/// A secret setting (a NATS password or token): `Debug` never shows it and
+/// `--print-config` never prints it (see [`Settings::to_toml`]).
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct SecretText(pub String);
+
+impl std::fmt::Debug for SecretText {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<secret>")
+    }
+}
+
+impl std::str::FromStr for SecretText {
+    type Err = std::convert::Infallible;
+    fn from_str(s: &str) -> Result<SecretText, Self::Err> {
+        Ok(SecretText(s.to_owned()))
+    }
+}
+
 /// The `websocket` value meaning "the QUIC address, over TCP".
 pub const WEBSOCKET_LISTEN: &str = "listen";
 
@@ -232,6 +251,30 @@ pub struct Settings {
     pub cluster_lease_ttl: Dur,
     /// Replicas of the cluster's KV buckets (3 on a 3-node NATS cluster).
     pub cluster_replicas: usize,
+    /// The inter-node protocol version this node sends: unset, its own;
+    /// the one before while nodes of the previous release are still in the
+    /// cluster (docs/cluster.md "Rolling upgrades").
+    pub cluster_protocol: Option<u8>,
+    /// NATS user (with `nats_password`).
+    pub nats_user: Option<String>,
+    /// NATS password of `nats_user`: never printed.
+    #[serde(skip_serializing)]
+    pub nats_password: Option<SecretText>,
+    /// NATS token: never printed.
+    #[serde(skip_serializing)]
+    pub nats_token: Option<SecretText>,
+    /// A file holding the node's NATS nkey seed (`SU…`).
+    pub nats_nkey_file: Option<PathBuf>,
+    /// A NATS `.creds` file (user JWT and nkey seed).
+    pub nats_creds: Option<PathBuf>,
+    /// PEM file of the CAs that NATS servers' certificates are checked
+    /// against (besides the system's).
+    pub nats_tls_ca: Option<PathBuf>,
+    /// PEM client certificate and key for NATS (both or neither).
+    pub nats_tls_cert: Option<PathBuf>,
+    pub nats_tls_key: Option<PathBuf>,
+    /// Refuse a NATS connection without TLS.
+    pub nats_require_tls: bool,
 }
 
 impl Default for Settings {
@@ -274,6 +317,16 @@ impl Default for Settings {
             cluster_shards: 4096,
             cluster_lease_ttl: secs(15),
             cluster_replicas: 3,
+            cluster_protocol: None,
+            nats_user: None,
+            nats_password: None,
+            nats_token: None,
+            nats_nkey_file: None,
+            nats_creds: None,
+            nats_tls_ca: None,
+            nats_tls_cert: None,
+            nats_tls_key: None,
+            nats_require_tls: false,
         }
     }
 }
@@ -294,8 +347,74 @@ impl Settings {
         Ok((settings, chosen))
     }
 
+    /// The settings as TOML, secrets left out: a line of comment says which
+    /// are set.
     pub fn to_toml(&self) -> Result<String, String> {
-        toml::to_string(self).map_err(|e| e.to_string())
+        let mut text = toml::to_string(self).map_err(|e| e.to_string())?;
+        for (name, set) in [
+            ("nats_password", self.nats_password.is_some()),
+            ("nats_token", self.nats_token.is_some()),
+        ] {
+            if set {
+                text.insert_str(0, &format!("# {name} is set (not printed)\n"));
+            }
+        }
+        Ok(text)
+    }
+
+    /// The credentials and TLS of the connection to NATS; `Err`: settings
+    /// that do not go together, or an nkey file that cannot be read.
+    pub fn nats_access(&self) -> Result<greendot_cluster::NatsAccess, String> {
+        use greendot_cluster::{NatsCredentials, Secret};
+        let mut ways = Vec::new();
+        match (&self.nats_user, &self.nats_password) {
+            (Some(user), Some(password)) => ways.push(NatsCredentials::UserPassword {
+                user: user.clone(),
+                password: Secret::new(password.0.clone()),
+            }),
+            (None, None) => {}
+            _ => return Err("set both nats_user and nats_password, or neither".into()),
+        }
+        if let Some(token) = &self.nats_token {
+            ways.push(NatsCredentials::Token(Secret::new(token.0.clone())));
+        }
+        if let Some(path) = &self.nats_nkey_file {
+            let seed = std::fs::read_to_string(path)
+                .map_err(|e| format!("cannot read the nkey seed {}: {e}", path.display()))?;
+            ways.push(NatsCredentials::NkeySeed(Secret::new(seed.trim())));
+        }
+        if let Some(path) = &self.nats_creds {
+            ways.push(NatsCredentials::CredsFile(path.clone()));
+        }
+        if ways.len() > 1 {
+            return Err(
+                "set one way of logging in to NATS: nats_user and nats_password, \
+                        nats_token, nats_nkey_file or nats_creds"
+                    .into(),
+            );
+        }
+        let tls_client = match (&self.nats_tls_cert, &self.nats_tls_key) {
+            (Some(cert), Some(key)) => Some((cert.clone(), key.clone())),
+            (None, None) => None,
+            _ => return Err("set both nats_tls_cert and nats_tls_key, or neither".into()),
+        };
+        Ok(greendot_cluster::NatsAccess {
+            credentials: ways.pop().unwrap_or_default(),
+            tls_ca: self.nats_tls_ca.clone(),
+            tls_client,
+            require_tls: self.nats_require_tls,
+        })
+    }
+
+    /// The envelope of this node's inter-node messages: a key derived from
+    /// the token secret, and the protocol version it sends.
+    pub fn envelope(&self, token_secret: &[u8]) -> Result<greendot_cluster::Envelope, String> {
+        let envelope =
+            greendot_cluster::Envelope::new(greendot_cluster::MessageKey::derive(token_secret));
+        match self.cluster_protocol {
+            None => Ok(envelope),
+            Some(v) => envelope.sending(v),
+        }
     }
 
     pub fn secret_path(&self) -> PathBuf {
@@ -325,6 +444,7 @@ impl Settings {
         c.marker_ttl = self.cluster_lease_ttl.0;
         c.margin = self.cluster_lease_ttl.0 / 5;
         c.op_timeout = (c.claim_timing().act_window() / 3).min(Duration::from_secs(2));
+        c.nats = self.nats_access()?;
         c.validate().map_err(|e| format!("cluster settings: {e}"))?;
         Ok(Some((urls.clone(), c)))
     }
@@ -564,6 +684,68 @@ mod tests {
             problems.len() == 1 && problems[0].contains("use a grace of at least 4s"),
             "{problems:?}"
         );
+    }
+
+    #[test]
+    fn nats_credentials_and_tls_are_settings_and_secrets_stay_unprinted() {
+        let s = cluster(
+            "nats_user = \"greendot\"\nnats_password = \"hunter2\"\nnats_tls_ca = \"/etc/nats/ca.pem\"\n\
+             nats_tls_cert = \"/etc/nats/c.pem\"\nnats_tls_key = \"/etc/nats/c.key\"\nnats_require_tls = true\n",
+        );
+        let (_, config) = s.cluster_config().unwrap().unwrap();
+        let access = &config.nats;
+        assert!(matches!(
+            &access.credentials,
+            greendot_cluster::NatsCredentials::UserPassword { user, password }
+                if user == "greendot" && password.expose() == "hunter2"
+        ));
+        assert_eq!(
+            access.tls_ca.as_deref(),
+            Some(std::path::Path::new("/etc/nats/ca.pem"))
+        );
+        assert!(access.tls_client.is_some() && access.require_tls);
+        // Neither --print-config nor a debug print shows the password.
+        let text = s.to_toml().unwrap();
+        assert!(!text.contains("hunter2"), "{text}");
+        assert!(
+            text.contains("# nats_password is set (not printed)"),
+            "{text}"
+        );
+        assert!(text.contains("nats_user = \"greendot\""), "{text}");
+        assert!(!format!("{s:?}").contains("hunter2"));
+        assert!(!format!("{config:?}").contains("hunter2"));
+        let token = cluster("nats_token = \"t0ken\"\n");
+        assert!(!token.to_toml().unwrap().contains("t0ken"));
+        assert!(!format!("{token:?}").contains("t0ken"));
+
+        // What does not go together is refused, with the settings named.
+        for (extra, says) in [
+            ("nats_user = \"u\"\n", "nats_user and nats_password"),
+            ("nats_password = \"p\"\n", "nats_user and nats_password"),
+            (
+                "nats_token = \"t\"\nnats_creds = \"/x.creds\"\n",
+                "one way of logging in",
+            ),
+            (
+                "nats_tls_cert = \"/c.pem\"\n",
+                "nats_tls_cert and nats_tls_key",
+            ),
+            (
+                "nats_nkey_file = \"/no/such/seed\"\n",
+                "cannot read the nkey seed",
+            ),
+        ] {
+            let err = cluster(extra).cluster_config().unwrap_err();
+            assert!(err.contains(says), "{extra}: {err}");
+        }
+
+        // The protocol version sent: the build's own unless set, and only
+        // one this build reads.
+        let own = greendot_cluster::PROTOCOL_VERSION;
+        assert_eq!(cluster("").envelope(b"k").unwrap().send_version(), own);
+        assert!(cluster(&format!("cluster_protocol = {}\n", own + 1))
+            .envelope(b"k")
+            .is_err());
     }
 
     #[test]
