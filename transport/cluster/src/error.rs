@@ -141,4 +141,22 @@ pub enum ClusterError {
     },
 }
 
+impl ClusterError {
+    /// Whether trying again cannot help: the settings are wrong (NATS
+    /// refuses the credentials, the TLS files or handshake, the cluster
+    /// settings, the credentials files) rather than NATS being away.
+    pub fn is_permanent(&self) -> bool {
+        use async_nats::ConnectErrorKind;
+        match self {
+            ClusterError::Config(_) | ClusterError::Corrupt { .. } => true,
+            ClusterError::Credentials { .. } => true,
+            ClusterError::Connect { source, .. } => matches!(
+                source.kind(),
+                ConnectErrorKind::AuthorizationViolation | ConnectErrorKind::Tls
+            ),
+            _ => false,
+        }
+    }
+}
+
 pub type Result<T, E = ClusterError> = std::result::Result<T, E>;

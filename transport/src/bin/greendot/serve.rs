@@ -326,7 +326,7 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
                 .as_ref()
                 .map(|(_, at)| advertised_http(&advertise, *at));
             let Some((cluster, node)) =
-                join(&urls, config, envelope, advertise, http, incarnation).await
+                join(&urls, config, envelope, advertise, http, incarnation).await?
             else {
                 info!("stopped before joining the cluster");
                 server.shutdown().await;
@@ -511,7 +511,8 @@ fn advertised_http(advertise: &str, bound: SocketAddr) -> String {
 
 /// Joins the cluster: connects to NATS and takes the node lease, retrying
 /// with backoff (NATS not up yet, JetStream still electing, the previous
-/// run's lease not yet expired) and saying why. `None` on Ctrl-C or
+/// run's lease not yet expired) and saying why; an error that retrying
+/// cannot mend (`ClusterError::is_permanent`) ends it. `Ok(None)` on Ctrl-C or
 /// SIGTERM first.
 async fn join(
     urls: &str,
@@ -520,7 +521,7 @@ async fn join(
     advertise: String,
     http: Option<String>,
     incarnation: u64,
-) -> Option<(greendot_cluster::Cluster, greendot_cluster::Node)> {
+) -> Result<Option<(greendot_cluster::Cluster, greendot_cluster::Node)>, String> {
     let mut delay = Duration::from_millis(500);
     let mut attempts = 0u32;
     loop {
@@ -538,7 +539,7 @@ async fn join(
             Ok::<_, greendot_cluster::ClusterError>((cluster, node))
         };
         let result = tokio::select! {
-            _ = wait_for_signal() => return None,
+            _ = wait_for_signal() => return Ok(None),
             r = attempt => r,
         };
         match result {
@@ -546,7 +547,13 @@ async fn join(
                 if attempts > 1 {
                     info!(attempts, "joined the cluster at {urls}");
                 }
-                return Some(joined);
+                return Ok(Some(joined));
+            }
+            Err(e) if e.is_permanent() => {
+                return Err(format!(
+                    "cannot join the cluster at {urls}: {}",
+                    crate::cluster::chain(&e)
+                ))
             }
             Err(e) => warn!(
                 attempts,
@@ -556,7 +563,7 @@ async fn join(
             ),
         }
         tokio::select! {
-            _ = wait_for_signal() => return None,
+            _ = wait_for_signal() => return Ok(None),
             _ = tokio::time::sleep(delay) => {}
         }
         delay = (delay * 2).min(Duration::from_secs(10));
