@@ -299,13 +299,6 @@ impl Cluster {
                 ClaimState::Free { revision } if revision != expected_revision => {
                     claim(revision).await
                 }
-                // In this node's own name (a renewal that landed late, or a
-                // claim it stopped acting for): taken back on its revision.
-                ClaimState::Held(r)
-                    if r.owner == self.config.node && r.revision != expected_revision =>
-                {
-                    claim(r.revision).await
-                }
                 ClaimState::Free { .. } => Err(ClusterError::Conflict {
                     bucket: self.claims.name.clone(),
                     key: key.clone(),
