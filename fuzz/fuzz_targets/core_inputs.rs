@@ -205,7 +205,16 @@ fuzz_target!(|case: Case| {
         ok(core.check_invariants());
         for u in 0..5 {
             let u = UserId(u);
-            assert_eq!(core.truth(u).online, core.is_online(u), "I1 {u:?}");
+            // I1 with I12: shown online to their own sessions exactly while
+            // a live session is present (in the foreground, or any live
+            // session when background means away).
+            let away = core.config().backgrounded == Backgrounded::Away;
+            let present = core
+                .sessions_of(u)
+                .into_iter()
+                .any(|s| core.session_info(s).is_some_and(|i| i.foreground || away));
+            assert_eq!(core.truth(u).online, present, "I1 {u:?}");
+            assert!(!present || core.is_online(u), "I1: present but not live {u:?}");
             for s in core.route(u) {
                 let info = core.session_info(s).expect("I9: a routed session is live");
                 assert!(info.online && info.user == u, "I9: {s} routed for {u:?}");
