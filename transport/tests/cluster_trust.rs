@@ -311,6 +311,21 @@ fn status(urls: &str, env: &[(&str, &str)]) -> (bool, String) {
     (out.status.success(), text)
 }
 
+/// Asks `cluster status` (with `env`) until its text satisfies `done`;
+/// panics with the last text after `SLACK`. The status is read from NATS by
+/// another process: there is no event to wait on.
+fn until_status(urls: &str, env: &[(&str, &str)], what: &str, done: impl Fn(&str) -> bool) {
+    let t0 = std::time::Instant::now();
+    loop {
+        let (ok, text) = status(urls, env);
+        if ok && done(&text) {
+            return;
+        }
+        assert!(t0.elapsed() < SLACK, "{what}: {text}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// NATS requiring a user and password: a node given them (in the
 /// environment) joins and owns every shard; `cluster status` without them
 /// fails with NATS's reason, with them shows the node; `--print-config`
@@ -376,15 +391,9 @@ async fn a_node_joins_a_nats_that_requires_a_password_given_it() {
         .env("RUST_LOG", "info");
     let mut node = Proc::spawn("a", command);
     node.wait_for(SLACK, "joined", |l| l.starts_with("cluster node a on NATS"));
-    let t0 = std::time::Instant::now();
-    loop {
-        let (ok, text) = status(&urls, &creds);
-        if ok && text.contains("shards: 64, owned 64, unowned 0") {
-            break;
-        }
-        assert!(t0.elapsed() < SLACK, "not every shard owned: {text}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    until_status(&urls, &creds, "not every shard owned", |t| {
+        t.contains("shards: 64, owned 64, unowned 0")
+    });
     node.drain();
     assert!(
         node.seen.iter().all(|l| !l.contains(PASSWORD)),
@@ -443,15 +452,9 @@ async fn the_documented_nats_permissions_suffice_and_keep_others_out() {
         ("GREENDOT_NATS_USER", "status"),
         ("GREENDOT_NATS_PASSWORD", "status-pw"),
     ];
-    let t0 = std::time::Instant::now();
-    loop {
-        let (ok, text) = status(&urls, &as_status);
-        if ok && text.contains("nodes: 2") && text.contains("owned 64, unowned 0") {
-            break;
-        }
-        assert!(t0.elapsed() < SLACK, "status as `status`: {text}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    until_status(&urls, &as_status, "status as `status`", |t| {
+        t.contains("nodes: 2") && t.contains("owned 64, unowned 0")
+    });
 
     // alice on a, watched from b and from a: her presence crosses nodes.
     let (_alice, _alice_updates) = connect(&nodes, &a, "alice", "phone").await;
@@ -606,13 +609,7 @@ async fn a_node_joins_a_nats_over_tls_with_a_client_certificate() {
     );
 
     let _a = serve_as(&dir, &urls, "a", &tls);
-    let t0 = std::time::Instant::now();
-    loop {
-        let (ok, text) = status(&urls, &tls);
-        if ok && text.contains("shards: 64, owned 64, unowned 0") {
-            break;
-        }
-        assert!(t0.elapsed() < SLACK, "not every shard owned: {text}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    until_status(&urls, &tls, "not every shard owned", |t| {
+        t.contains("shards: 64, owned 64, unowned 0")
+    });
 }

@@ -3784,15 +3784,41 @@ mod tests {
         out
     }
 
-    /// Edge `a` holds alice's phone and bob's session; `b` owns every shard.
-    fn two_nodes() -> (ClusterLink, ClusterLink, Instant) {
+    /// Edge `a` and `b`, the owner of every shard, with no devices yet.
+    fn edge_and_owner() -> (ClusterLink, ClusterLink, Instant) {
         let now = Instant::now();
-        let (mut a, mut b) = (link("a"), link("b"));
+        let (a, mut b) = (link("a"), link("b"));
         b.set_status(
             now,
             Millis(0),
             all_shards(1, now + Duration::from_secs(3600)),
         );
+        (a, b, now)
+    }
+
+    /// The requests the edge `a` sends, as the owner takes them.
+    fn requests_of(a: &mut ClusterLink) -> Vec<ClusterInput> {
+        std::iter::from_fn(|| a.poll_output())
+            .filter_map(|out| match out {
+                ClusterOutput::Request {
+                    id,
+                    shard,
+                    kind,
+                    payload,
+                } => Some(ClusterInput::Request {
+                    shard,
+                    kind,
+                    payload,
+                    reply: id,
+                }),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Edge `a` holds alice's phone and bob's session; `b` owns every shard.
+    fn two_nodes() -> (ClusterLink, ClusterLink, Instant) {
+        let (mut a, mut b, now) = edge_and_owner();
         let (alice, bob) = (SessionId(1), SessionId(2));
         a.connected(
             now,
@@ -3899,34 +3925,13 @@ mod tests {
     /// alice stays online, since her kept session is connected.
     #[test]
     fn a_connect_given_up_on_arriving_late_does_not_take_the_device_over() {
-        let now = Instant::now();
-        let (mut a, mut b) = (link("a"), link("b"));
-        b.set_status(
-            now,
-            Millis(0),
-            all_shards(1, now + Duration::from_secs(3600)),
-        );
+        let (mut a, mut b, now) = edge_and_owner();
         let (given_up, kept) = (SessionId(1), SessionId(2));
         for (session, wire) in [(given_up, 1001), (kept, 1002)] {
             let kind = proto::Kind::Mobile;
             a.connected(now, Millis(0), session, wire, "alice", "phone", kind, None);
         }
-        let mut requests: Vec<ClusterInput> = std::iter::from_fn(|| a.poll_output())
-            .filter_map(|out| match out {
-                ClusterOutput::Request {
-                    id,
-                    shard,
-                    kind,
-                    payload,
-                } => Some(ClusterInput::Request {
-                    shard,
-                    kind,
-                    payload,
-                    reply: id,
-                }),
-                _ => None,
-            })
-            .collect();
+        let mut requests = requests_of(&mut a);
         assert_eq!(requests.len(), 2, "one connect per session");
         requests.reverse();
         for request in requests {
@@ -4100,26 +4105,8 @@ mod tests {
             message: None,
         };
         assert!(a.input(now, Millis(400), SessionId(1), op, Some(200)));
-        while let Some(out) = a.poll_output() {
-            if let ClusterOutput::Request {
-                id,
-                shard,
-                kind,
-                payload,
-            } = out
-            {
-                let reply = id;
-                b.handle_input(
-                    now,
-                    Millis(400),
-                    ClusterInput::Request {
-                        shard,
-                        kind,
-                        payload,
-                        reply,
-                    },
-                );
-            }
+        for request in requests_of(&mut a) {
+            b.handle_input(now, Millis(400), request);
         }
         let mut write = None;
         while let Some(out) = b.poll_output() {
