@@ -30,6 +30,7 @@ use crate::error::{ClusterError, Result};
 use crate::ids::{NodeId, ShardId};
 use crate::membership::MemberEvent;
 use crate::ownership::{ClaimAction, ClaimState, HeldShard, Ownership};
+use crate::tenure::side_work_until;
 
 /// Longest advertised address a lease value carries.
 pub const MAX_ADVERTISE_LEN: usize = 256;
@@ -879,12 +880,18 @@ impl Duty {
             self.claims = None;
         }
         // Making a watch needs the JetStream meta leader, which may be in an
-        // election: only when nothing is due for a while, bounded so that
-        // renewals never wait for it, and not more often than retry_delay.
+        // election: bounded, not more often than retry_delay, and only
+        // while the lease and every claim outlast it (`side_work_until`).
         let budget = self.cluster.config().op_timeout;
         let missing = self.members.is_none() || self.claims.is_none();
-        if missing && self.watch_retry_at <= now && now + budget * 2 <= wake {
-            let until = (wake - budget).into();
+        let must_renew_by = self
+            .ownership
+            .held()
+            .map(|h| h.may_act_until())
+            .fold(lease_until, Instant::min);
+        let spare = side_work_until(now, budget, must_renew_by);
+        if let (true, true, Some(until)) = (missing, self.watch_retry_at <= now, spare) {
+            let until = until.into();
             if self.members.is_none() {
                 match tokio::time::timeout_at(until, self.cluster.watch_members()).await {
                     Ok(Ok(w)) => self.members = Some(w),

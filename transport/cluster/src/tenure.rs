@@ -30,6 +30,16 @@ impl LeaseTiming {
     }
 }
 
+/// Until when side work (making a watch again) may run at `now`, bounded by
+/// one operation timeout `op`: only while every holding outlasts it by
+/// another `op`, so a renewal due meanwhile still has one operation timeout
+/// to run. `None`: not now. Side work is not fitted between renewals: with
+/// the default timing they are due every 4 s and an operation may take 2 s,
+/// so a gap of two operation timeouts before the next renewal never comes.
+pub fn side_work_until(now: Instant, op: Duration, must_renew_by: Instant) -> Option<Instant> {
+    (now + op * 2 <= must_renew_by).then_some(now + op)
+}
+
 /// A held lease or claim: the instant its last successful write was sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Tenure {
@@ -111,5 +121,22 @@ mod tests {
             margin: Duration::from_secs(2),
         };
         assert!(!Tenure::granted(timing, t0).may_act(t0));
+    }
+
+    #[test]
+    fn side_work_fits_anywhere_in_a_renewal_period_but_never_at_the_deadline() {
+        let defaults = crate::ClusterConfig::new(crate::NodeId::new("a").unwrap());
+        let timing = defaults.lease_timing();
+        let op = defaults.op_timeout;
+        let t0 = Instant::now();
+        let tenure = Tenure::granted(timing, t0);
+        let mut now = t0;
+        while now <= tenure.renew_at() + op {
+            let until = side_work_until(now, op, tenure.may_act_until());
+            assert_eq!(until, Some(now + op), "at {:?}", now - t0);
+            now += Duration::from_millis(100);
+        }
+        let late = tenure.may_act_until() - op * 2 + Duration::from_millis(1);
+        assert_eq!(side_work_until(late, op, tenure.may_act_until()), None);
     }
 }

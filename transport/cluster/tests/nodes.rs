@@ -98,6 +98,25 @@ fn settle_bound() -> Duration {
     LEASE_TTL * 3 + OP_TIMEOUT * 4
 }
 
+/// The node's next status; panics, naming `what` and the last status, when
+/// none comes before `deadline` (a stuck node fails the test, not CI).
+async fn next_status(
+    status: &mut tokio::sync::watch::Receiver<greendot_cluster::NodeStatus>,
+    deadline: Instant,
+    what: &str,
+) -> greendot_cluster::NodeStatus {
+    match tokio::time::timeout_at(deadline.into(), status.changed()).await {
+        Ok(changed) => {
+            changed.expect("the duty task keeps its status channel open");
+            status.borrow().clone()
+        }
+        Err(_) => panic!(
+            "{what}: not by the deadline; last status {:#?}",
+            *status.borrow()
+        ),
+    }
+}
+
 /// One test at a time: each runs a 3-node NATS cluster with R3 buckets, and
 /// two of them side by side on 2 cores slowed a drain's claim releases past
 /// their bound now and then (the rest then expired on their TTL, which is
@@ -263,8 +282,7 @@ async fn a_node_cut_off_from_nats_stops_owning_then_rejoins_when_nats_is_back() 
     // The first status without shards, then the cut-off.
     let mut stopped_owning = None;
     let cut_off = loop {
-        status.changed().await.expect("status channel open");
-        let s = status.borrow().clone();
+        let s = next_status(&mut status, killed_at + LEASE_TTL * 2, "cut off").await;
         if s.shards.is_empty() && stopped_owning.is_none() {
             stopped_owning = Some(Instant::now());
         }
@@ -296,11 +314,12 @@ async fn a_node_cut_off_from_nats_stops_owning_then_rejoins_when_nats_is_back() 
     let back_at = Instant::now();
     nats.restart(k);
     let rejoined = loop {
-        status
-            .changed()
-            .await
-            .expect("the duty task goes on after a cut-off");
-        let s = status.borrow().clone();
+        let s = next_status(
+            &mut status,
+            back_at + settle_bound() + EXPIRY_SLACK,
+            "rejoined and owning",
+        )
+        .await;
         if s.phase == NodePhase::Active && !s.shards.is_empty() {
             break s;
         }
