@@ -17,7 +17,7 @@ mod settings;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use greendot_proto::Kind;
 use greendot_server::token::{Claims, TokenKeys, WatchClaim};
-use settings::{Chosen, Dur, PerKind, Settings};
+use settings::{Backgrounded, Chosen, Dur, PerKind, Settings};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -251,6 +251,10 @@ struct ServeArgs {
     /// Heartbeat timeout, for every device kind.
     #[arg(long, env = "GREENDOT_HEARTBEAT_TIMEOUT")]
     heartbeat_timeout: Option<Dur>,
+    /// What a device whose app is in the background means: offline (not
+    /// present, the default) or away (present, shown away).
+    #[arg(long, env = "GREENDOT_BACKGROUNDED", value_enum)]
+    backgrounded: Option<Backgrounded>,
     /// Clock skew tolerated on token expiry [default: 30s].
     #[arg(long, env = "GREENDOT_TOKEN_LEEWAY")]
     token_leeway: Option<Dur>,
@@ -339,6 +343,7 @@ impl ServeArgs {
         set(&mut s.batch_interval, &self.batch_interval);
         set(&mut s.flush_interval, &self.flush_interval);
         set(&mut s.token_leeway, &self.token_leeway);
+        set(&mut s.backgrounded, &self.backgrounded);
         set(&mut s.max_connections, &self.max_connections);
         set(&mut s.max_handshakes_per_sec, &self.max_handshakes_per_sec);
         set(&mut s.max_hello, &self.max_hello);
@@ -687,4 +692,35 @@ mod tests {
         assert_eq!(s.cluster_protocol, Some(1));
         assert!(!s.to_toml().unwrap().contains("flag-pass"));
     }
+
+    #[test]
+    fn the_background_means_offline_unless_set_to_away() {
+        let core = |s: &Settings| crate::serve::core_config(s).backgrounded;
+        assert_eq!(
+            core(&serve_settings(&[])),
+            greendot_core::Backgrounded::Offline
+        );
+        assert_eq!(
+            core(&serve_settings(&["--backgrounded", "away"])),
+            greendot_core::Backgrounded::Away
+        );
+        let file = std::env::temp_dir().join(format!("greendot-bg-{}.toml", std::process::id()));
+        std::fs::write(&file, "backgrounded = \"away\"\n").unwrap();
+        let path = file.to_str().unwrap();
+        assert_eq!(
+            core(&serve_settings(&["--config", path])),
+            greendot_core::Backgrounded::Away
+        );
+        assert_eq!(
+            core(&serve_settings(&["--config", path, "--backgrounded", "offline"])),
+            greendot_core::Backgrounded::Offline
+        );
+        std::fs::write(&file, "backgrounded = \"asleep\"\n").unwrap();
+        let bad = Settings::from_toml(&std::fs::read_to_string(&file).unwrap()).unwrap_err();
+        std::fs::remove_file(&file).ok();
+        assert!(bad.contains("asleep"), "{bad}");
+        let argv = ["greendot", "serve", "--backgrounded", "asleep"];
+        assert!(Cli::try_parse_from(argv).is_err());
+    }
+
 }

@@ -191,11 +191,19 @@ fn server_config(settings: &Settings, data: &DataDir) -> Result<ServerConfig, St
     config.push_budget_bytes = settings.push_budget_bytes;
     config.flush_interval = settings.flush_interval.0;
     config.store = Some(settings.store_path());
+    config.core = core_config(settings);
+    Ok(config)
+}
+
+/// The presence core's settings: its defaults with what the operator set.
+pub(crate) fn core_config(settings: &Settings) -> greendot_core::Config {
+    let mut core = greendot_core::Config::default();
     let ms = |d: Duration| Millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-    config.core.debounce = ms(settings.debounce.0);
-    config.core.batch_interval = ms(settings.batch_interval.0);
+    core.debounce = ms(settings.debounce.0);
+    core.batch_interval = ms(settings.batch_interval.0);
+    core.backgrounded = settings.backgrounded.into();
     let (g, h) = (&settings.grace, &settings.heartbeat_timeout);
-    config.core.kinds = [
+    core.kinds = [
         (g.mobile, h.mobile),
         (g.desktop, h.desktop),
         (g.web, h.web),
@@ -205,7 +213,7 @@ fn server_config(settings: &Settings, data: &DataDir) -> Result<ServerConfig, St
         grace: ms(grace.0),
         heartbeat_timeout: ms(heartbeat.0),
     });
-    Ok(config)
+    core
 }
 
 /// Why `/dev/token` is off, or `None` when it may run: only on a machine of

@@ -35,6 +35,35 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         .ok_or_else(|| format!("`{text}` is too long"))
 }
 
+/// What a backgrounded device means (the core's [`greendot_core::Backgrounded`]),
+/// as the settings spell it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Backgrounded {
+    /// Not present: shown offline once no device is in the foreground.
+    Offline,
+    /// Present but away: shown online with status away.
+    Away,
+}
+
+impl From<greendot_core::Backgrounded> for Backgrounded {
+    fn from(b: greendot_core::Backgrounded) -> Backgrounded {
+        match b {
+            greendot_core::Backgrounded::Offline => Backgrounded::Offline,
+            greendot_core::Backgrounded::Away => Backgrounded::Away,
+        }
+    }
+}
+
+impl From<Backgrounded> for greendot_core::Backgrounded {
+    fn from(b: Backgrounded) -> greendot_core::Backgrounded {
+        match b {
+            Backgrounded::Offline => greendot_core::Backgrounded::Offline,
+            Backgrounded::Away => greendot_core::Backgrounded::Away,
+        }
+    }
+}
+
 impl std::str::FromStr for Dur {
     type Err = String;
     fn from_str(s: &str) -> Result<Dur, String> {
@@ -237,6 +266,9 @@ pub struct Settings {
     pub push_budget_bytes: usize,
     pub grace: PerKind,
     pub heartbeat_timeout: PerKind,
+    /// What a device whose app is in the background means: `offline` (not
+    /// present) or `away` (present, shown away).
+    pub backgrounded: Backgrounded,
     /// NATS URLs (comma-separated) of the cluster to join; unset: one
     /// process, no NATS.
     pub cluster: Option<String>,
@@ -311,6 +343,7 @@ impl Default for Settings {
             push_budget_bytes: server.push_budget_bytes,
             grace: per(|k| k.grace),
             heartbeat_timeout: per(|k| k.heartbeat_timeout),
+            backgrounded: core.backgrounded.into(),
             cluster: None,
             node_id: None,
             advertise: None,
