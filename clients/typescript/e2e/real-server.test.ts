@@ -59,7 +59,7 @@ async function until(what: string, ok: () => boolean, ms = 10_000): Promise<void
   }
 }
 
-test("Node over WebSocket: snapshots, pushes, status, invisible, query and logout of a real server", async () => {
+test("Node over WebSocket: snapshots, pushes, status, invisible, background, query and logout of a real server", async () => {
   const al = await node(env("GREENDOT_TOKEN_AL"));
   assert.equal(al.binding, "websocket");
   assert.equal(al.user, "al");
@@ -89,6 +89,16 @@ test("Node over WebSocket: snapshots, pushes, status, invisible, query and logou
 
   await bob.setInvisible(false);
   await until("al sees bob back", () => al.presence("bob")?.online === true);
+
+  // In the background bob is not present: shown offline, last seen when he went.
+  const wentAt = BigInt(Date.now());
+  await bob.appBackgrounded();
+  await until("al sees bob offline in the background", () => al.presence("bob")?.online === false);
+  const away = al.presence("bob")!;
+  assert.ok(away.lastSeen !== null && away.lastSeen >= wentAt - 1000n && away.lastSeen <= BigInt(Date.now()), "last seen when he went");
+  assert.equal(bob.isConnected, true, "the session lives on");
+  await bob.appForegrounded();
+  await until("al sees bob in the foreground again", () => al.presence("bob")?.online === true);
 
   await bob.logout();
   assert.equal(bob.isClosed, true);

@@ -97,6 +97,13 @@ export interface ClientOptions {
   refreshToken?: () => Promise<string>;
   /** How long before `exp` to refresh (at most 1/5 of the remaining life earlier). Default 60 000 ms. */
   refreshAheadMs?: number;
+  /**
+   * Whether the app is in the foreground at connect. Default true. A
+   * backgrounded device is not present: its user is shown offline unless
+   * another device is in the foreground (docs/protocol.md "Foreground and
+   * background").
+   */
+  foreground?: boolean;
 }
 
 /** A JWT's `exp` (Unix seconds), unchecked (the server checks); null if unreadable. */
@@ -168,6 +175,8 @@ interface Settings {
   token: string;
   refreshToken: (() => Promise<string>) | null;
   refreshAheadMs: number;
+  /** The app's state as last reported by the application; every hello carries it. */
+  foreground: boolean;
   dials: { binding: Binding; dial: Dial; timeoutMs: number | null }[];
 }
 
@@ -202,6 +211,7 @@ function settingsOf(o: ClientOptions): Settings {
     token: o.token,
     refreshToken: o.refreshToken ?? null,
     refreshAheadMs: o.refreshAheadMs ?? 60_000,
+    foreground: o.foreground ?? true,
     dials: [],
   };
   if (s.idleTimeoutMs <= s.keepAliveMs) throw new ConfigError("idleTimeoutMs must exceed keepAliveMs");
@@ -254,6 +264,8 @@ class Connection implements CarrierHandlers {
   welcome: Welcome | null = null;
   maxFrame = DEFAULT_MAX_FRAME;
   readonly pending = new Map<bigint, Pending>();
+  /** What this connection's hello said of the foreground. */
+  helloForeground = true;
   private readonly tiers = new Map<number, Tier>();
   /** Pushes that came before the welcome was taken (WebTransport streams may overtake it). */
   private early: [number, Uint8Array][] | null = [];
@@ -458,6 +470,8 @@ export class Client {
   private readonly listeners = new Set<(e: ClientEvent) => void>();
   private cancelWait: (() => void) | null = null;
   private refreshTimer: ReturnType<typeof setTimeout> | undefined;
+  /** Set by appForegrounded: the reconnect loop's backoff starts over. */
+  private restartBackoff = false;
 
   private constructor(settings: Settings) {
     this.settings = settings;
@@ -608,6 +622,40 @@ export class Client {
   /** Service tokens only: revokes the tokens of `user` (of `device` only, if given) issued before `before` (Unix seconds). */
   async revoke(user: string, device: string | null, before: number): Promise<number> {
     return expect(await this.call({ type: "revoke", user, device, before: BigInt(before) }), "revoked").closed;
+  }
+
+  /** Whether the application last said the app is in the foreground. */
+  get isForeground(): boolean {
+    return this.settings.foreground;
+  }
+
+  /**
+   * The app went to the background (call it from the platform's lifecycle
+   * event). The device stops being present: once no device of the user is
+   * in the foreground, watchers see them offline after the debounce, last
+   * seen now. The session and its subscriptions stay. While disconnected it
+   * resolves at once: the next hello carries the state.
+   */
+  async appBackgrounded(): Promise<void> {
+    await this.tellForeground(false);
+  }
+
+  /**
+   * The app is in the foreground again. A client that is reconnecting tries
+   * at once, with its backoff started over; a connected one tells the
+   * server, and the device is present again after the debounce.
+   */
+  async appForegrounded(): Promise<void> {
+    this.settings.foreground = true;
+    this.restartBackoff = true;
+    this.cancelWait?.();
+    await this.tellForeground(true);
+  }
+
+  private async tellForeground(foreground: boolean): Promise<void> {
+    this.settings.foreground = foreground;
+    if (this.conn === null) return;
+    expect(await this.call({ type: "setForeground", foreground }), "done");
   }
 
   /** Graceful logout: the device goes offline at once, and the client is finished. */
@@ -770,7 +818,13 @@ export class Client {
         if (controller.signal.aborted) break;
       }
       if (carrier === null) throw new ConnectError(failures.join("; "));
-      const hello = encodeHello({ version: this.settings.version, token: this.settings.token, resume });
+      conn.helloForeground = this.settings.foreground;
+      const hello = encodeHello({
+        version: this.settings.version,
+        token: this.settings.token,
+        resume,
+        foreground: conn.helloForeground,
+      });
       const aborted = new Promise<never>((_, reject) =>
         controller.signal.addEventListener("abort", () => reject(new ConnectError(String(controller.signal.reason))), {
           once: true,
@@ -810,6 +864,10 @@ export class Client {
         const targets = [...this.wanted].filter(([, t]) => t === tier).map(([name]) => name);
         if (targets.length > 0) this.sendInternal(conn, { type: "subscribe", targets, tier });
       }
+    }
+    if (conn.helloForeground !== this.settings.foreground) {
+      // The app changed state while the hello was on its way.
+      this.sendInternal(conn, { type: "setForeground", foreground: this.settings.foreground });
     }
     if (conn.isEnded) {
       // It ended between the welcome and now: handle that like any loss.
@@ -872,8 +930,14 @@ export class Client {
   /** Tries again and again, resuming the session, until a welcome or a final refusal. */
   private async reconnect(policy: Required<ReconnectPolicy>, hint: number | null): Promise<void> {
     const started = Date.now();
-    const backoff = new Backoff({ initialMs: policy.initialBackoffMs, maxMs: policy.maxBackoffMs }, this.settings.random);
+    const fresh = () => new Backoff({ initialMs: policy.initialBackoffMs, maxMs: policy.maxBackoffMs }, this.settings.random);
+    let backoff = fresh();
+    this.restartBackoff = false;
     for (;;) {
+      if (this.restartBackoff) {
+        this.restartBackoff = false;
+        backoff = fresh();
+      }
       await this.sleep(backoff.next(hint));
       hint = null;
       if (this.finished) return;

@@ -105,16 +105,19 @@ function readSnapshot(r: Reader): Snapshot {
 // ----- client → server ------------------------------------------------------
 
 export function encodeHello(hello: Hello): Uint8Array {
-  return new Writer()
+  const w = new Writer()
     .u32(hello.version)
     .string(hello.token)
-    .option(hello.resume, (w, v) => w.u64(v))
-    .finish();
+    .option(hello.resume, (w, v) => w.u64(v));
+  if (hello.foreground !== undefined) w.bool(hello.foreground);
+  return w.finish();
 }
 
 export function decodeHello(payload: Uint8Array): Hello {
   const r = new Reader(payload);
-  const hello = { version: r.u32(), token: r.string(), resume: r.option((r) => r.u64()) };
+  const hello: Hello = { version: r.u32(), token: r.string(), resume: r.option((r) => r.u64()) };
+  // The last field may be left out (docs/protocol.md, "Control stream").
+  if (r.remaining > 0) hello.foreground = r.bool();
   r.end();
   return hello;
 }
@@ -153,6 +156,9 @@ function writeRequest(w: Writer, req: Request): void {
       w.option(req.device, writeString);
       w.u64(req.before);
       return;
+    case "setForeground":
+      w.bool(req.foreground);
+      return;
   }
 }
 
@@ -178,6 +184,8 @@ function readRequest(r: Reader): Request {
       return { type, token: r.string() };
     case "revoke":
       return { type, user: r.string(), device: r.option(readString), before: r.u64() };
+    case "setForeground":
+      return { type, foreground: r.bool() };
   }
 }
 

@@ -46,6 +46,8 @@ export interface Hello {
   version: number;
   token: string;
   resume: bigint | null;
+  /** Whether the app is in the foreground; left out, the server reads true. */
+  foreground?: boolean;
 }
 
 export type Request =
@@ -58,7 +60,8 @@ export type Request =
   | { type: "route"; user: string }
   | { type: "logout" }
   | { type: "refresh"; token: string }
-  | { type: "revoke"; user: string; device: string | null; before: bigint };
+  | { type: "revoke"; user: string; device: string | null; before: bigint }
+  | { type: "setForeground"; foreground: boolean };
 
 /** Variant order of `Request` on the wire. */
 export const REQUEST_TYPES = [
@@ -72,6 +75,7 @@ export const REQUEST_TYPES = [
   "logout",
   "refresh",
   "revoke",
+  "setForeground",
 ] as const satisfies readonly Request["type"][];
 
 export interface RequestFrame {

@@ -55,7 +55,7 @@ test("hello, welcome, subscribe, pushes on both push streams through the View", 
   server.presences.set("bob", presence(5n, true, { status: "away", message: "lunch" }));
   const { client, events } = await connect();
   const conn = await server.connection(1);
-  assert.deepEqual(conn.hello, { version: 1, token: "token-al", resume: null });
+  assert.deepEqual(conn.hello, { version: 1, token: "token-al", resume: null, foreground: true });
   assert.equal(client.session, conn.session!.id);
   assert.equal(client.user, "al");
   assert.equal(client.device, "phone");
@@ -424,4 +424,30 @@ test("without refreshToken a server's TokenExpired ends the client; with it the 
   const again = await server.connection(3);
   assert.equal(again.hello?.token, "fresh");
   assert.ok(!events.some((e) => e.type === "closed"));
+});
+
+test("foreground and background: in every hello, told on the live connection, and the foreground reconnects at once", async () => {
+  // A backoff ceiling far above the test's bounds: only appForegrounded can make the reconnect prompt.
+  const { client } = await connect({ foreground: false, reconnect: { initialBackoffMs: 20_000, maxBackoffMs: 20_000 } });
+  const first = await server.connection(1);
+  assert.equal(first.hello!.foreground, false, "the hello carries the state at connect");
+  assert.equal(client.isForeground, false);
+
+  await client.appForegrounded();
+  assert.deepEqual((await first.waitRequest("setForeground")).request, { type: "setForeground", foreground: true });
+  await client.appBackgrounded();
+  assert.deepEqual(first.requests.at(-1)!.request, { type: "setForeground", foreground: false });
+  assert.equal(client.isForeground, false);
+
+  // Lost while in the background: no request is made; the state waits for the next hello.
+  first.drop();
+  await until(() => !client.isConnected, 2000, "the loss noticed");
+  await client.appBackgrounded();
+  const before = Date.now();
+  await client.appForegrounded();
+  const second = await server.connection(2);
+  assert.ok(second.helloAt - before < 5_000, `reconnected ${second.helloAt - before} ms after the foreground, not after the 20 s backoff`);
+  assert.equal(second.hello!.foreground, true, "the reconnect's hello says foreground");
+  assert.equal(second.hello!.resume, first.session!.id, "and resumes");
+  assert.equal(second.requests.filter((r) => r.request.type === "setForeground").length, 0, "the hello said it all");
 });

@@ -117,6 +117,7 @@ const table: Record<string, Example> = {
   hello: { kind: "hello", value: { version: 1, token: "ab", resume: 5n } },
   hello_none: { kind: "hello", value: { version: 1, token: "t", resume: null } },
   hello_big_resume: { kind: "hello", value: { version: 1, token: "", resume: (1n << 64n) - 1n } },
+  hello_background: { kind: "hello", value: { version: 1, token: "t", resume: null, foreground: false } },
   req_sub: { kind: "request", value: { id: 300n, request: { type: "subscribe", targets: ["bob"], tier: "batched" } } },
   req_ping: { kind: "request", value: { id: 1n, request: { type: "ping" } } },
   req_unsub: { kind: "request", value: { id: 2n, request: { type: "unsubscribe", target: "bob" } } },
@@ -125,6 +126,7 @@ const table: Record<string, Example> = {
   req_invisible: { kind: "request", value: { id: 5n, request: { type: "setInvisible", invisible: true } } },
   req_route: { kind: "request", value: { id: 6n, request: { type: "route", user: "al" } } },
   req_logout: { kind: "request", value: { id: 7n, request: { type: "logout" } } },
+  req_background: { kind: "request", value: { id: 8n, request: { type: "setForeground", foreground: false } } },
   welcome: {
     kind: "server",
     value: {
@@ -250,7 +252,8 @@ test("decoding is as strict as postcard", () => {
   const bad = (bytes: number[], decode: (b: Uint8Array) => unknown, what: RegExp) =>
     assert.throws(() => decode(Uint8Array.from(bytes)), (e: unknown) => e instanceof DecodeError && what.test(e.message));
   // Trailing bytes.
-  bad([0x01, 0x01, 0x74, 0x00, 0x00], decodeHello, /trailing/);
+  bad([0x01, 0x01, 0x74, 0x00, 0x00, 0x00], decodeHello, /trailing/);
+  bad([0x01, 0x01, 0x74, 0x00, 0x02], decodeHello, /bool/);
   // Truncated.
   bad([0x01, 0x05, 0x61], decodeHello, /length|end/);
   bad([0x01, 0x01, 0x74], decodeHello, /end/);
@@ -258,7 +261,7 @@ test("decoding is as strict as postcard", () => {
   bad([0x01, 0x01, 0x74, 0x02], decodeHello, /option/);
   bad([0x05, 0x05, 0x02], decodeRequestFrame, /bool/);
   // Unknown variants.
-  bad([0x01, 0x0a], decodeRequestFrame, /Request variant 10/);
+  bad([0x01, 0x0b], decodeRequestFrame, /Request variant 11/);
   bad([0x03, 0x00], decodeServerFrame, /ServerFrame variant 3/);
   bad([0x00, 0x02], decodePush, /Tier variant 2/);
   bad([0x01, 0x01, 0x02, 0x00, 0x00], decodeServerFrame, /Result variant 2/);

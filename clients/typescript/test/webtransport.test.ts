@@ -117,7 +117,7 @@ test("WebTransport: prefixed frames both ways, push streams by their first frame
   const first = await until(() => MemoryWebTransport.sessions[0]?.hello && MemoryWebTransport.sessions[0]);
   assert.equal(first.url, "https://example.test:4433/greendot");
   assert.deepEqual(first.options, { serverCertificateHashes: [hash] });
-  assert.deepEqual(first.hello, { version: 1, token: "t", resume: null });
+  assert.deepEqual(first.hello, { version: 1, token: "t", resume: null, foreground: true });
   // The push streams may overtake the welcome: the client keeps them until it has it.
   const batched = first.openPushStream();
   await batched({ type: "stream", tier: "batched" });

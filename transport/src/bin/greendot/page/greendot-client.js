@@ -18,7 +18,8 @@ var REQUEST_TYPES = [
   "route",
   "logout",
   "refresh",
-  "revoke"
+  "revoke",
+  "setForeground"
 ];
 var ErrorCode = {
   BadFrame: 1,
@@ -323,11 +324,14 @@ function readSnapshot(r) {
   return { target: r.string(), tier: readTier(r), presence: readPresence(r) };
 }
 function encodeHello(hello) {
-  return new Writer().u32(hello.version).string(hello.token).option(hello.resume, (w, v) => w.u64(v)).finish();
+  const w = new Writer().u32(hello.version).string(hello.token).option(hello.resume, (w2, v) => w2.u64(v));
+  if (hello.foreground !== void 0) w.bool(hello.foreground);
+  return w.finish();
 }
 function decodeHello(payload) {
   const r = new Reader(payload);
   const hello = { version: r.u32(), token: r.string(), resume: r.option((r2) => r2.u64()) };
+  if (r.remaining > 0) hello.foreground = r.bool();
   r.end();
   return hello;
 }
@@ -365,6 +369,9 @@ function writeRequest(w, req) {
       w.option(req.device, writeString);
       w.u64(req.before);
       return;
+    case "setForeground":
+      w.bool(req.foreground);
+      return;
   }
 }
 function readRequest(r) {
@@ -389,6 +396,8 @@ function readRequest(r) {
       return { type, token: r.string() };
     case "revoke":
       return { type, user: r.string(), device: r.option(readString), before: r.u64() };
+    case "setForeground":
+      return { type, foreground: r.bool() };
   }
 }
 function encodeRequestFrame(frame) {
@@ -997,6 +1006,7 @@ function settingsOf(o) {
     token: o.token,
     refreshToken: o.refreshToken ?? null,
     refreshAheadMs: o.refreshAheadMs ?? 6e4,
+    foreground: o.foreground ?? true,
     dials: []
   };
   if (s.idleTimeoutMs <= s.keepAliveMs) throw new ConfigError("idleTimeoutMs must exceed keepAliveMs");
@@ -1047,6 +1057,8 @@ var Connection = class {
   welcome = null;
   maxFrame = DEFAULT_MAX_FRAME;
   pending = /* @__PURE__ */ new Map();
+  /** What this connection's hello said of the foreground. */
+  helloForeground = true;
   tiers = /* @__PURE__ */ new Map();
   /** Pushes that came before the welcome was taken (WebTransport streams may overtake it). */
   early = [];
@@ -1230,6 +1242,8 @@ var Client = class _Client {
   listeners = /* @__PURE__ */ new Set();
   cancelWait = null;
   refreshTimer;
+  /** Set by appForegrounded: the reconnect loop's backoff starts over. */
+  restartBackoff = false;
   constructor(settings) {
     this.settings = settings;
   }
@@ -1363,6 +1377,36 @@ var Client = class _Client {
   /** Service tokens only: revokes the tokens of `user` (of `device` only, if given) issued before `before` (Unix seconds). */
   async revoke(user, device, before) {
     return expect(await this.call({ type: "revoke", user, device, before: BigInt(before) }), "revoked").closed;
+  }
+  /** Whether the application last said the app is in the foreground. */
+  get isForeground() {
+    return this.settings.foreground;
+  }
+  /**
+   * The app went to the background (call it from the platform's lifecycle
+   * event). The device stops being present: once no device of the user is
+   * in the foreground, watchers see them offline after the debounce, last
+   * seen now. The session and its subscriptions stay. While disconnected it
+   * resolves at once: the next hello carries the state.
+   */
+  async appBackgrounded() {
+    await this.tellForeground(false);
+  }
+  /**
+   * The app is in the foreground again. A client that is reconnecting tries
+   * at once, with its backoff started over; a connected one tells the
+   * server, and the device is present again after the debounce.
+   */
+  async appForegrounded() {
+    this.settings.foreground = true;
+    this.restartBackoff = true;
+    this.cancelWait?.();
+    await this.tellForeground(true);
+  }
+  async tellForeground(foreground) {
+    this.settings.foreground = foreground;
+    if (this.conn === null) return;
+    expect(await this.call({ type: "setForeground", foreground }), "done");
   }
   /** Graceful logout: the device goes offline at once, and the client is finished. */
   async logout() {
@@ -1502,7 +1546,13 @@ var Client = class _Client {
         if (controller.signal.aborted) break;
       }
       if (carrier === null) throw new ConnectError(failures.join("; "));
-      const hello = encodeHello({ version: this.settings.version, token: this.settings.token, resume });
+      conn.helloForeground = this.settings.foreground;
+      const hello = encodeHello({
+        version: this.settings.version,
+        token: this.settings.token,
+        resume,
+        foreground: conn.helloForeground
+      });
       const aborted = new Promise(
         (_, reject) => controller.signal.addEventListener("abort", () => reject(new ConnectError(String(controller.signal.reason))), {
           once: true
@@ -1539,6 +1589,9 @@ var Client = class _Client {
         const targets = [...this.wanted].filter(([, t]) => t === tier).map(([name]) => name);
         if (targets.length > 0) this.sendInternal(conn, { type: "subscribe", targets, tier });
       }
+    }
+    if (conn.helloForeground !== this.settings.foreground) {
+      this.sendInternal(conn, { type: "setForeground", foreground: this.settings.foreground });
     }
     if (conn.isEnded) {
       this.connectionEnded(conn, conn.endError ?? new LostError("connection lost"));
@@ -1594,8 +1647,14 @@ var Client = class _Client {
   /** Tries again and again, resuming the session, until a welcome or a final refusal. */
   async reconnect(policy, hint) {
     const started = Date.now();
-    const backoff = new Backoff({ initialMs: policy.initialBackoffMs, maxMs: policy.maxBackoffMs }, this.settings.random);
+    const fresh = () => new Backoff({ initialMs: policy.initialBackoffMs, maxMs: policy.maxBackoffMs }, this.settings.random);
+    let backoff = fresh();
+    this.restartBackoff = false;
     for (; ; ) {
+      if (this.restartBackoff) {
+        this.restartBackoff = false;
+        backoff = fresh();
+      }
       await this.sleep(backoff.next(hint));
       hint = null;
       if (this.finished) return;
