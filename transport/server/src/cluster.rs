@@ -983,61 +983,10 @@ impl ClusterLink {
         self.expire_pending(now, at);
         self.announce(now);
         self.repair_gaps(now, at);
-        // Client requests past their deadline, and retries due.
-        let sessions: Vec<SessionId> = self.busy.iter().copied().collect();
-        for session in sessions {
-            if let Some(d) = self.devices.get_mut(&session) {
-                for q in &mut d.queue {
-                    if q.deadline <= now {
-                        if let Some(wait) = q.wait.take() {
-                            // An ending op is never dropped: it lands at this
-                            // owner or the next, or, if this node dies first,
-                            // the owner ends the session by its grace. The
-                            // client is told it will land, not that it failed.
-                            let answer = match q.op {
-                                WireOp::Logout => Finished::Done,
-                                _ => Finished::Failed(owner_late()),
-                            };
-                            self.finished.push_back((wait, answer));
-                        }
-                    }
-                }
-            }
-            let due = self
-                .devices
-                .get(&session)
-                .is_some_and(|d| d.not_before.is_some_and(|t| t <= now));
-            if due {
-                if let Some(d) = self.devices.get_mut(&session) {
-                    d.not_before = None;
-                    d.sent = None;
-                }
-                self.pump(session, now, at);
-            }
-        }
+        self.tick_devices(now, at);
         self.retry_routes(now);
         self.retry_records(now);
-        let waits: Vec<u64> = self.subscribes.keys().copied().collect();
-        for wait in waits {
-            let Some(p) = self.subscribes.get_mut(&wait) else {
-                continue;
-            };
-            if p.deadline <= now {
-                if let Some(p) = self.subscribes.remove(&wait) {
-                    self.fail_subscribe(wait, p);
-                }
-                continue;
-            }
-            let again: Vec<u32> = p
-                .asking
-                .iter()
-                .filter(|(_, t)| t.is_some_and(|t| t <= now))
-                .map(|(s, _)| *s)
-                .collect();
-            for shard in again {
-                self.ask_snapshot(wait, shard, now, at);
-            }
-        }
+        self.tick_subscribes(now, at);
     }
 
     // ---- status ----
@@ -1214,6 +1163,66 @@ impl ClusterLink {
     fn next_conn(&mut self) -> u64 {
         self.next_conn += 1;
         self.next_conn
+    }
+
+    /// Client requests past their deadline, and retries due.
+    fn tick_devices(&mut self, now: Instant, at: Millis) {
+        let sessions: Vec<SessionId> = self.busy.iter().copied().collect();
+        for session in sessions {
+            if let Some(d) = self.devices.get_mut(&session) {
+                for q in &mut d.queue {
+                    if q.deadline <= now {
+                        if let Some(wait) = q.wait.take() {
+                            // An ending op is never dropped: it lands at this
+                            // owner or the next, or, if this node dies first,
+                            // the owner ends the session by its grace. The
+                            // client is told it will land, not that it failed.
+                            let answer = match q.op {
+                                WireOp::Logout => Finished::Done,
+                                _ => Finished::Failed(owner_late()),
+                            };
+                            self.finished.push_back((wait, answer));
+                        }
+                    }
+                }
+            }
+            let due = self
+                .devices
+                .get(&session)
+                .is_some_and(|d| d.not_before.is_some_and(|t| t <= now));
+            if due {
+                if let Some(d) = self.devices.get_mut(&session) {
+                    d.not_before = None;
+                    d.sent = None;
+                }
+                self.pump(session, now, at);
+            }
+        }
+    }
+
+    /// Subscribes past their deadline fail; snapshots due are asked again.
+    fn tick_subscribes(&mut self, now: Instant, at: Millis) {
+        let waits: Vec<u64> = self.subscribes.keys().copied().collect();
+        for wait in waits {
+            let Some(p) = self.subscribes.get_mut(&wait) else {
+                continue;
+            };
+            if p.deadline <= now {
+                if let Some(p) = self.subscribes.remove(&wait) {
+                    self.fail_subscribe(wait, p);
+                }
+                continue;
+            }
+            let again: Vec<u32> = p
+                .asking
+                .iter()
+                .filter(|(_, t)| t.is_some_and(|t| t <= now))
+                .map(|(s, _)| *s)
+                .collect();
+            for shard in again {
+                self.ask_snapshot(wait, shard, now, at);
+            }
+        }
     }
 
     // ---- the edge: sessions and device inputs ----
@@ -2419,116 +2428,11 @@ impl ClusterLink {
                 kind,
                 payload,
                 reply,
-            } => match decode::<ToOwner>(&payload) {
-                Some(msg) if self.well_formed(&msg) => {
-                    let matches_kind = matches!(
-                        (&msg, kind),
-                        (ToOwner::Device { .. }, RequestKind::Input)
-                            | (ToOwner::Snapshot { .. }, RequestKind::Snapshot)
-                            | (ToOwner::Views { .. }, RequestKind::Snapshot)
-                            | (ToOwner::Route { .. }, RequestKind::Snapshot)
-                    );
-                    if !matches_kind {
-                        self.counters.malformed += 1;
-                        return;
-                    }
-                    self.owner_request(shard, msg, reply, now, at);
-                }
-                _ => self.counters.malformed += 1,
-            },
+            } => self.request_message(now, at, shard, kind, &payload, reply),
             ClusterInput::SessionStored { id, ok } => self.session_stored(now, id, ok),
             ClusterInput::SessionLoaded { id, record } => self.session_loaded(id, record),
-            ClusterInput::Answered { id, payload } => {
-                let Some((what, _)) = self.in_flight.remove(&id) else {
-                    return;
-                };
-                let answer = payload.and_then(|p| {
-                    let a = decode::<FromOwner>(&p);
-                    if a.is_none() {
-                        self.counters.malformed += 1;
-                    }
-                    a
-                });
-                match what {
-                    InFlight::Device { session, rid } => {
-                        self.device_answer(session, rid, answer, now, at)
-                    }
-                    InFlight::Snapshot { wait, shard } => match answer {
-                        Some(FromOwner::Snapshot {
-                            presences,
-                            epoch,
-                            seq,
-                        }) if self.messages_fit(&presences) => {
-                            self.track_answer(shard, epoch, seq);
-                            let targets: Vec<String> = self
-                                .subscribes
-                                .get(&wait)
-                                .map(|p| {
-                                    p.targets
-                                        .iter()
-                                        .filter(|(t, s)| s.is_none() && self.shard(t) == shard)
-                                        .map(|(t, _)| t.clone())
-                                        .collect()
-                                })
-                                .unwrap_or_default();
-                            let presences = presences.iter().map(|p| p.to_core()).collect();
-                            self.snapshot_answer(wait, shard, &targets, presences, at);
-                        }
-                        _ => self.retry_snapshot(wait, shard, now),
-                    },
-                    InFlight::Route { wait } => match answer {
-                        Some(FromOwner::Route(entries))
-                            if entries.iter().all(|e| {
-                                !e.device.is_empty() && e.device.len() <= self.max_name_len
-                            }) =>
-                        {
-                            if self.routes.remove(&wait).is_some() {
-                                let answer = proto::Answer::Route(entries);
-                                self.finished.push_back((wait, Finished::Answer(answer)));
-                            }
-                        }
-                        _ => {
-                            self.counters.retries += 1;
-                            if let Some(p) = self.routes.get_mut(&wait) {
-                                p.retry_at = Some(now + RETRY_AFTER);
-                            }
-                        }
-                    },
-                    InFlight::Repair {
-                        shard,
-                        targets,
-                        own,
-                    } => {
-                        if let Some(t) = self.shard_tracks(own).get_mut(&shard) {
-                            t.asking = t.asking.saturating_sub(1);
-                        }
-                        match answer {
-                            Some(FromOwner::Snapshot {
-                                presences,
-                                epoch,
-                                seq,
-                            }) if presences.len() == targets.len()
-                                && self.messages_fit(&presences) =>
-                            {
-                                let presences = presences.iter().map(|p| p.to_core()).collect();
-                                self.repaired(shard, &targets, presences, (epoch, seq), own, at);
-                            }
-                            _ => self.repair_failed(shard, own, now),
-                        }
-                    }
-                }
-            }
-            ClusterInput::Beacon { payload } => match decode::<Beacon>(&payload) {
-                Some(b)
-                    if b.owner.len() <= self.max_name_len
-                        && b.shards.len() <= MAX_BEACON_SHARDS
-                        && b.truths.len() <= MAX_BEACON_TRUTHS
-                        && b.truths.iter().all(|t| t.0.len() <= self.max_name_len) =>
-                {
-                    self.beacon(b)
-                }
-                _ => self.counters.malformed += 1,
-            },
+            ClusterInput::Answered { id, payload } => self.answered(now, at, id, payload),
+            ClusterInput::Beacon { payload } => self.beacon_message(&payload),
             ClusterInput::UserLoaded { id, prefs, view } => {
                 self.user_loaded(now, at, id, prefs, view)
             }
@@ -2544,61 +2448,192 @@ impl ClusterLink {
                 self.saw_incarnation(&node, incarnation);
                 self.edge_lost(now, at, &node, Some(incarnation), last_heard)
             }
-            ClusterInput::Resync { payload } => match decode::<ResyncRequest>(&payload) {
-                Some(r)
-                    if r.owner.len() <= self.max_name_len
-                        && r.shard < self.settings.shard_count =>
-                {
-                    if r.owner == self.settings.node {
-                        return; // resent in process when the claim was won
-                    }
-                    // Sent again while the owner's window is open: once is
-                    // enough (the resent connects are retried until taken).
-                    let answered = self.resynced.entry(r.shard).or_insert(0);
-                    if *answered >= r.epoch {
-                        return;
-                    }
-                    *answered = r.epoch;
-                    let mine: Vec<SessionId> = self
-                        .devices
+            ClusterInput::Resync { payload } => self.resync_message(now, at, &payload),
+            ClusterInput::PrefsStored { id, ok } => self.prefs_stored(now, at, id, ok),
+        }
+    }
+
+    /// A request on a shard's subject: checked, then taken as its owner.
+    fn request_message(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        shard: u32,
+        kind: RequestKind,
+        payload: &[u8],
+        reply: u64,
+    ) {
+        match decode::<ToOwner>(payload) {
+            Some(msg) if self.well_formed(&msg) => {
+                let matches_kind = matches!(
+                    (&msg, kind),
+                    (ToOwner::Device { .. }, RequestKind::Input)
+                        | (ToOwner::Snapshot { .. }, RequestKind::Snapshot)
+                        | (ToOwner::Views { .. }, RequestKind::Snapshot)
+                        | (ToOwner::Route { .. }, RequestKind::Snapshot)
+                );
+                if !matches_kind {
+                    self.counters.malformed += 1;
+                    return;
+                }
+                self.owner_request(shard, msg, reply, now, at);
+            }
+            _ => self.counters.malformed += 1,
+        }
+    }
+
+    /// The owner's answer to request `id` (`None`: unanswered).
+    fn answered(&mut self, now: Instant, at: Millis, id: u64, payload: Option<Bytes>) {
+        let Some((what, _)) = self.in_flight.remove(&id) else {
+            return;
+        };
+        let answer = payload.and_then(|p| {
+            let a = decode::<FromOwner>(&p);
+            if a.is_none() {
+                self.counters.malformed += 1;
+            }
+            a
+        });
+        match what {
+            InFlight::Device { session, rid } => self.device_answer(session, rid, answer, now, at),
+            InFlight::Snapshot { wait, shard } => match answer {
+                Some(FromOwner::Snapshot {
+                    presences,
+                    epoch,
+                    seq,
+                }) if self.messages_fit(&presences) => {
+                    self.track_answer(shard, epoch, seq);
+                    let targets: Vec<String> = self
+                        .subscribes
+                        .get(&wait)
+                        .map(|p| {
+                            p.targets
+                                .iter()
+                                .filter(|(t, s)| s.is_none() && self.shard(t) == shard)
+                                .map(|(t, _)| t.clone())
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    let presences = presences.iter().map(|p| p.to_core()).collect();
+                    self.snapshot_answer(wait, shard, &targets, presences, at);
+                }
+                _ => self.retry_snapshot(wait, shard, now),
+            },
+            InFlight::Route { wait } => match answer {
+                Some(FromOwner::Route(entries))
+                    if entries
                         .iter()
-                        .filter(|(_, d)| !d.closed && self.shard(&d.user) == r.shard)
-                        .map(|(s, _)| *s)
-                        .collect();
-                    self.counters.resyncs += 1;
-                    for session in mine {
-                        self.resend(session, now, at);
+                        .all(|e| !e.device.is_empty() && e.device.len() <= self.max_name_len) =>
+                {
+                    if self.routes.remove(&wait).is_some() {
+                        let answer = proto::Answer::Route(entries);
+                        self.finished.push_back((wait, Finished::Answer(answer)));
                     }
                 }
-                _ => self.counters.malformed += 1,
-            },
-            ClusterInput::PrefsStored { id, ok } => {
-                let Some(p) = self.pending_prefs.remove(&id) else {
-                    return;
-                };
-                // Done only while this node still acts for the epoch it
-                // wrote under (C4): after the shard moved, the new owner may
-                // show otherwise, so the edge asks it again.
-                let acting = self
-                    .acting
-                    .get(&p.shard)
-                    .is_some_and(|(epoch, until)| *epoch == p.epoch && now < *until);
-                let owner = self
-                    .owners
-                    .get_mut(&p.shard)
-                    .filter(|o| acting && o.epoch == p.epoch);
-                let answer = match owner {
-                    Some(o) if ok => {
-                        remember_rid(&mut o.last_rid, p.holder, p.rid);
-                        FromOwner::Done { epoch: p.epoch }
+                _ => {
+                    self.counters.retries += 1;
+                    if let Some(p) = self.routes.get_mut(&wait) {
+                        p.retry_at = Some(now + RETRY_AFTER);
                     }
-                    // Not stored (or fenced by a newer owner's write), or
-                    // the shard moved: the edge asks again.
-                    _ => FromOwner::NotOwner,
-                };
-                self.reply(p.reply, answer, now, at);
+                }
+            },
+            InFlight::Repair {
+                shard,
+                targets,
+                own,
+            } => {
+                if let Some(t) = self.shard_tracks(own).get_mut(&shard) {
+                    t.asking = t.asking.saturating_sub(1);
+                }
+                match answer {
+                    Some(FromOwner::Snapshot {
+                        presences,
+                        epoch,
+                        seq,
+                    }) if presences.len() == targets.len() && self.messages_fit(&presences) => {
+                        let presences = presences.iter().map(|p| p.to_core()).collect();
+                        self.repaired(shard, &targets, presences, (epoch, seq), own, at);
+                    }
+                    _ => self.repair_failed(shard, own, now),
+                }
             }
         }
+    }
+
+    /// A message on the beacon subject, checked against the limits.
+    fn beacon_message(&mut self, payload: &[u8]) {
+        match decode::<Beacon>(payload) {
+            Some(b)
+                if b.owner.len() <= self.max_name_len
+                    && b.shards.len() <= MAX_BEACON_SHARDS
+                    && b.truths.len() <= MAX_BEACON_TRUTHS
+                    && b.truths.iter().all(|t| t.0.len() <= self.max_name_len) =>
+            {
+                self.beacon(b)
+            }
+            _ => self.counters.malformed += 1,
+        }
+    }
+
+    /// A new owner's resync request: this edge resends its devices of the
+    /// shard.
+    fn resync_message(&mut self, now: Instant, at: Millis, payload: &[u8]) {
+        match decode::<ResyncRequest>(payload) {
+            Some(r)
+                if r.owner.len() <= self.max_name_len && r.shard < self.settings.shard_count =>
+            {
+                if r.owner == self.settings.node {
+                    return; // resent in process when the claim was won
+                }
+                // Sent again while the owner's window is open: once is
+                // enough (the resent connects are retried until taken).
+                let answered = self.resynced.entry(r.shard).or_insert(0);
+                if *answered >= r.epoch {
+                    return;
+                }
+                *answered = r.epoch;
+                let mine: Vec<SessionId> = self
+                    .devices
+                    .iter()
+                    .filter(|(_, d)| !d.closed && self.shard(&d.user) == r.shard)
+                    .map(|(s, _)| *s)
+                    .collect();
+                self.counters.resyncs += 1;
+                for session in mine {
+                    self.resend(session, now, at);
+                }
+            }
+            _ => self.counters.malformed += 1,
+        }
+    }
+
+    /// The KV write of preferences `id` is done (`ok`) or failed: the
+    /// input that waited for it is answered.
+    fn prefs_stored(&mut self, now: Instant, at: Millis, id: u64, ok: bool) {
+        let Some(p) = self.pending_prefs.remove(&id) else {
+            return;
+        };
+        // Done only while this node still acts for the epoch it
+        // wrote under (C4): after the shard moved, the new owner may
+        // show otherwise, so the edge asks it again.
+        let acting = self
+            .acting
+            .get(&p.shard)
+            .is_some_and(|(epoch, until)| *epoch == p.epoch && now < *until);
+        let owner = self
+            .owners
+            .get_mut(&p.shard)
+            .filter(|o| acting && o.epoch == p.epoch);
+        let answer = match owner {
+            Some(o) if ok => {
+                remember_rid(&mut o.last_rid, p.holder, p.rid);
+                FromOwner::Done { epoch: p.epoch }
+            }
+            // Not stored (or fenced by a newer owner's write), or
+            // the shard moved: the edge asks again.
+            _ => FromOwner::NotOwner,
+        };
+        self.reply(p.reply, answer, now, at);
     }
 
     /// A user's KV record arrived: restore it, then take the inputs that
