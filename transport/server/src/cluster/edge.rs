@@ -1,0 +1,658 @@
+//! The edge: this node's sessions' devices, their inputs queued and
+//! forwarded to the owner of their user's shard one at a time (retried until
+//! taken), the answers to the requests out, resyncs, and routes.
+
+use super::edge_records::SessionSync;
+use super::owner::{route_of, ReplyTo};
+use super::wire::{decode, encode, FromOwner, ResyncRequest, ToOwner, WireOp};
+use super::{ClusterLink, Finished, RequestKind, MAX_QUEUED_OPS, RETRY_AFTER};
+use bytes::Bytes;
+use greendot_core::{EndReason, Millis, SessionId, UserId};
+use greendot_proto::{self as proto, ErrorCode, WireError};
+use std::collections::VecDeque;
+use std::time::Instant;
+
+#[derive(Debug)]
+pub(super) struct QueuedOp {
+    pub(super) op: WireOp,
+    /// The client request waiting for it, if any.
+    pub(super) wait: Option<u64>,
+    /// The client is answered with an error after this.
+    pub(super) deadline: Instant,
+}
+
+#[derive(Debug)]
+pub(super) struct EdgeDevice {
+    pub(super) user: String,
+    pub(super) device: String,
+    pub(super) kind: proto::Kind,
+    /// The session's wire id.
+    pub(super) wire: u64,
+    pub(super) conn: u64,
+    /// When this edge run welcomed the session (its first `conn`).
+    pub(super) since: u64,
+    pub(super) queue: VecDeque<QueuedOp>,
+    /// The request id of the op at the queue's head, once sent.
+    sent: Option<u64>,
+    /// Not before this instant (a retry's pause).
+    pub(super) not_before: Option<Instant>,
+    /// The session is over here: forget the device once its queue is empty.
+    pub(super) closed: bool,
+    /// The app is in the background (I12): a connect sent again (to a new
+    /// owner) is followed by a `SetForeground(false)`.
+    background: bool,
+}
+
+impl EdgeDevice {
+    /// Puts a connect at the head of the queue, then the app's state if it
+    /// is in the background.
+    fn connect_first(&mut self, now: Instant) {
+        if self.background {
+            self.queue.push_front(QueuedOp {
+                op: WireOp::SetForeground(false),
+                wait: None,
+                deadline: now,
+            });
+        }
+        self.queue.push_front(self.connect(now));
+    }
+
+    fn connect(&self, now: Instant) -> QueuedOp {
+        QueuedOp {
+            op: WireOp::Connect {
+                kind: self.kind,
+                session: self.wire,
+                since: self.since,
+            },
+            wait: None,
+            deadline: now,
+        }
+    }
+}
+
+/// Keeps, of a device's queued ops, every `Connect` and the last status,
+/// the last invisibility change and the last foreground change (in their
+/// order): what the owner must still take before an ending op. Returns the
+/// waits of the ops dropped.
+fn compact_queue(queue: &mut VecDeque<QueuedOp>) -> Vec<u64> {
+    let last_status = queue
+        .iter()
+        .rposition(|q| matches!(q.op, WireOp::SetStatus { .. }));
+    let last_invisible = queue
+        .iter()
+        .rposition(|q| matches!(q.op, WireOp::SetInvisible(_)));
+    let last_foreground = queue
+        .iter()
+        .rposition(|q| matches!(q.op, WireOp::SetForeground(_)));
+    let mut dropped = Vec::new();
+    let kept = std::mem::take(queue)
+        .into_iter()
+        .enumerate()
+        .filter_map(|(i, q)| {
+            let keep = matches!(q.op, WireOp::Connect { .. })
+                || Some(i) == last_status
+                || Some(i) == last_invisible
+                || Some(i) == last_foreground;
+            if !keep {
+                dropped.extend(q.wait);
+            }
+            keep.then_some(q)
+        })
+        .collect();
+    *queue = kept;
+    dropped
+}
+
+pub(super) struct PendingRoute {
+    pub(super) user: String,
+    pub(super) deadline: Instant,
+    /// Ask again then (after a refusal or a failure).
+    retry_at: Option<Instant>,
+}
+
+pub(super) enum InFlight {
+    Device {
+        session: SessionId,
+        rid: u64,
+    },
+    Snapshot {
+        wait: u64,
+        shard: u32,
+    },
+    /// The views (`own`: truths) of `targets` again, after one of `shard`
+    /// was missed.
+    Repair {
+        shard: u32,
+        targets: Vec<String>,
+        own: bool,
+    },
+    Route {
+        wait: u64,
+    },
+}
+
+fn owner_late() -> WireError {
+    WireError::new(
+        ErrorCode::Internal,
+        "the owner of this user did not answer in time",
+    )
+}
+
+impl ClusterLink {
+    /// A session was welcomed here: its device is forwarded to its owner.
+    /// `wire`: the session's id on the wire (what `Route` lists).
+    #[allow(clippy::too_many_arguments)]
+    pub fn connected(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        session: SessionId,
+        wire: u64,
+        user: &str,
+        device: &str,
+        kind: proto::Kind,
+        carried_from: Option<SessionId>,
+    ) {
+        if !self.open.contains_key(&session) {
+            let Some(uid) = self.names.intern(user) else {
+                return; // at the cap: this session gets no cluster pushes
+            };
+            self.names.acquire(uid);
+            self.fanout.open(session, UserId(uid));
+            self.open.insert(session, user.to_owned());
+        }
+        // A resume here: the subscriptions (in the fanout, not the hub's
+        // core) and the record carry over to the new session, whose wire
+        // id the record now names.
+        let old = carried_from.filter(|&old| old != session);
+        if let Some(old) = old {
+            self.fanout.carry(old, session);
+        }
+        match old.and_then(|old| self.records.remove(&old).map(|r| (old, r))) {
+            Some((old, mut r)) => {
+                for id in self.record_puts.values_mut() {
+                    if *id == old {
+                        *id = session;
+                    }
+                }
+                if self.record_retries.remove(&old) {
+                    self.record_retries.insert(session);
+                }
+                r.wire = wire;
+                self.records.insert(session, r);
+                self.record_changed(session);
+            }
+            None => {
+                self.records.entry(session).or_insert_with(|| SessionSync {
+                    user: user.to_owned(),
+                    device: device.to_owned(),
+                    wire,
+                    changed: 0,
+                    stored: 0,
+                    putting: None,
+                    retry: false,
+                    waiting: Vec::new(),
+                });
+            }
+        }
+        let conn = self.next_conn();
+        if let Some(d) = self.devices.get_mut(&session) {
+            // Resumed here after a disconnect: connected again at the owner.
+            if d.closed {
+                d.closed = false;
+                d.background = false; // the new hello's state follows
+                d.conn = conn;
+                d.queue.push_back(d.connect(now));
+                self.pump(session, now, at);
+            }
+            return;
+        }
+        let mut d = EdgeDevice {
+            user: user.to_owned(),
+            device: device.to_owned(),
+            kind,
+            wire,
+            conn,
+            since: conn,
+            queue: VecDeque::new(),
+            sent: None,
+            not_before: None,
+            closed: false,
+            background: false,
+        };
+        d.queue.push_back(d.connect(now));
+        self.devices.insert(session, d);
+        self.pump(session, now, at);
+    }
+
+    /// A device input of a session; `wait` is answered through
+    /// [`ClusterLink::poll_finished`] once the owner took it (or with an
+    /// error). `false`: the session is unknown here or already ended
+    /// (nothing is forwarded).
+    pub fn input(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        session: SessionId,
+        op: WireOp,
+        wait: Option<u64>,
+    ) -> bool {
+        let deadline = now + self.settings.request_timeout;
+        let Some(d) = self.devices.get_mut(&session).filter(|d| !d.closed) else {
+            return false;
+        };
+        let ends = matches!(op, WireOp::Logout | WireOp::Disconnect { .. });
+        if let WireOp::SetForeground(foreground) = op {
+            d.background = !foreground;
+        }
+        if d.queue.len() >= MAX_QUEUED_OPS && ends {
+            // An ending op is never refused: dropped, the device would stay
+            // online at its owner until the shard moved (a ghost past C3's
+            // bound). It takes the place of the changes queued before it
+            // that a later one of the same kind overwrites anyway.
+            for wait in compact_queue(&mut d.queue) {
+                self.finished.push_back((
+                    wait,
+                    Finished::Failed(WireError::new(
+                        ErrorCode::Internal,
+                        "a later change took its place before the owner took it",
+                    )),
+                ));
+            }
+        }
+        if d.queue.len() >= MAX_QUEUED_OPS {
+            // The owner has not taken the inputs before it: refuse this one
+            // (a client request is answered with the error).
+            if let Some(wait) = wait {
+                self.finished.push_back((
+                    wait,
+                    Finished::Failed(WireError::new(
+                        ErrorCode::Internal,
+                        "the owner of this user is not taking inputs",
+                    )),
+                ));
+            }
+            return true;
+        }
+        d.queue.push_back(QueuedOp { op, wait, deadline });
+        if ends {
+            d.closed = true;
+        }
+        self.pump(session, now, at);
+        true
+    }
+
+    /// The session is over here (ended by the local core, or its connection
+    /// is gone and its device already told): its subscriptions end.
+    pub fn session_ended(&mut self, session: SessionId) {
+        let subs = self.fanout.subscriptions(session);
+        // The fanout's own `SessionEnded` is skipped by the driver.
+        self.fanout.close(session, EndReason::LoggedOut);
+        for (target, _) in subs {
+            self.forget_target(target);
+        }
+        if let Some(user) = self.open.remove(&session) {
+            self.drop_name(&user);
+        }
+        // Its record stays for a resume elsewhere until the owner sees the
+        // device end (and deletes it).
+        self.record_retries.remove(&session);
+        if let Some(r) = self.records.remove(&session) {
+            for (_, wait, answer, _) in r.waiting {
+                self.finished.push_back((wait, Finished::Answer(answer)));
+            }
+        }
+        if let Some(d) = self.devices.get_mut(&session) {
+            d.closed = true;
+            if d.queue.is_empty() && d.sent.is_none() {
+                self.devices.remove(&session);
+                self.busy.remove(&session);
+            }
+        }
+    }
+
+    fn drop_name(&mut self, user: &str) {
+        if let Some(id) = self.names.get(user) {
+            if self.names.drop_ref(id) == 0 {
+                self.names.remove(id);
+            }
+        }
+    }
+
+    /// Fanout user id `target` lost a subscription.
+    pub(super) fn forget_target(&mut self, target: UserId) {
+        let Some(name) = self.names.name(target.0).cloned() else {
+            return;
+        };
+        let shard = self.shard(&name);
+        self.unwatch_shard(shard);
+        if self.names.drop_ref(target.0) == 0 {
+            self.names.remove(target.0);
+        }
+    }
+
+    /// Connects the session's device again to its (new) owner, ahead of
+    /// whatever waits.
+    pub(super) fn resend(&mut self, session: SessionId, now: Instant, at: Millis) {
+        let conn = self.next_conn();
+        let Some(d) = self.devices.get_mut(&session) else {
+            return;
+        };
+        if matches!(d.queue.front().map(|q| &q.op), Some(WireOp::Connect { .. })) {
+            return;
+        }
+        d.conn = conn;
+        d.sent = None;
+        d.not_before = None;
+        d.connect_first(now);
+        self.pump(session, now, at);
+    }
+
+    fn next_conn(&mut self) -> u64 {
+        self.next_conn += 1;
+        self.next_conn
+    }
+
+    /// Sends the op at the head of the session's queue, unless one is out.
+    fn pump(&mut self, session: SessionId, now: Instant, at: Millis) {
+        let rid = self.next_id + 1;
+        let Some(d) = self.devices.get(&session) else {
+            self.busy.remove(&session);
+            return;
+        };
+        if d.sent.is_some() || d.not_before.is_some() {
+            self.busy.insert(session);
+            return;
+        }
+        let Some(head) = d.queue.front() else {
+            self.busy.remove(&session);
+            if d.closed {
+                self.devices.remove(&session);
+            }
+            return;
+        };
+        self.busy.insert(session);
+        let msg = ToOwner::Device {
+            edge: self.settings.node.clone(),
+            incarnation: self.settings.incarnation,
+            rid,
+            conn: d.conn,
+            user: d.user.clone(),
+            device: d.device.clone(),
+            op: head.op.clone(),
+        };
+        let shard = self.shard(&d.user);
+        self.next_id = rid;
+        if let Some(d) = self.devices.get_mut(&session) {
+            d.sent = Some(rid);
+        }
+        if self.owners.contains_key(&shard) && self.acting_epoch(shard, now).is_some() {
+            self.counters.forwarded_local += 1;
+            self.owner_input(shard, msg, ReplyTo::Local(session, rid), now, at);
+        } else {
+            self.counters.forwarded += 1;
+            let payload = encode(&msg);
+            self.request(
+                now,
+                InFlight::Device { session, rid },
+                shard,
+                RequestKind::Input,
+                payload,
+            );
+        }
+    }
+
+    /// The owner's answer to the session's op `rid`.
+    pub(super) fn device_answer(
+        &mut self,
+        session: SessionId,
+        rid: u64,
+        answer: Option<FromOwner>,
+        now: Instant,
+        at: Millis,
+    ) {
+        let Some(d) = self.devices.get_mut(&session) else {
+            return;
+        };
+        if d.sent != Some(rid) {
+            return; // a stale answer (resent since)
+        }
+        d.sent = None;
+        match answer {
+            Some(FromOwner::Done { .. }) => {
+                if let Some(q) = d.queue.pop_front() {
+                    if let Some(wait) = q.wait {
+                        self.finished.push_back((wait, Finished::Done));
+                    }
+                }
+            }
+            Some(FromOwner::Refused(error)) => {
+                if let Some(q) = d.queue.pop_front() {
+                    if let Some(wait) = q.wait {
+                        self.finished.push_back((wait, Finished::Failed(error)));
+                    }
+                }
+            }
+            Some(FromOwner::Unknown) => {
+                // The owner has no live session of the device (a new owner):
+                // connect it again first.
+                self.counters.retries += 1;
+                d.connect_first(now);
+                self.next_conn += 1;
+                if let Some(d) = self.devices.get_mut(&session) {
+                    d.conn = self.next_conn;
+                }
+            }
+            Some(FromOwner::NotOwner)
+            | Some(FromOwner::Snapshot { .. })
+            | Some(FromOwner::Route(_))
+            | Some(FromOwner::Loading)
+            | None => {
+                self.counters.retries += 1;
+                d.not_before = Some(now + RETRY_AFTER);
+                self.busy.insert(session);
+                return;
+            }
+        }
+        self.pump(session, now, at);
+    }
+
+    /// Client requests past their deadline, and retries due.
+    pub(super) fn tick_devices(&mut self, now: Instant, at: Millis) {
+        let sessions: Vec<SessionId> = self.busy.iter().copied().collect();
+        for session in sessions {
+            if let Some(d) = self.devices.get_mut(&session) {
+                for q in &mut d.queue {
+                    if q.deadline <= now {
+                        if let Some(wait) = q.wait.take() {
+                            // An ending op is never dropped: it lands at this
+                            // owner or the next, or, if this node dies first,
+                            // the owner ends the session by its grace. The
+                            // client is told it will land, not that it failed.
+                            let answer = match q.op {
+                                WireOp::Logout => Finished::Done,
+                                _ => Finished::Failed(owner_late()),
+                            };
+                            self.finished.push_back((wait, answer));
+                        }
+                    }
+                }
+            }
+            let due = self
+                .devices
+                .get(&session)
+                .is_some_and(|d| d.not_before.is_some_and(|t| t <= now));
+            if due {
+                if let Some(d) = self.devices.get_mut(&session) {
+                    d.not_before = None;
+                    d.sent = None;
+                }
+                self.pump(session, now, at);
+            }
+        }
+    }
+
+    /// The owner's answer to request `id` (`None`: unanswered).
+    pub(super) fn answered(&mut self, now: Instant, at: Millis, id: u64, payload: Option<Bytes>) {
+        let Some((what, _)) = self.in_flight.remove(&id) else {
+            return;
+        };
+        let answer = payload.and_then(|p| {
+            let a = decode::<FromOwner>(&p);
+            if a.is_none() {
+                self.counters.malformed += 1;
+            }
+            a
+        });
+        match what {
+            InFlight::Device { session, rid } => self.device_answer(session, rid, answer, now, at),
+            InFlight::Snapshot { wait, shard } => match answer {
+                Some(FromOwner::Snapshot {
+                    presences,
+                    epoch,
+                    seq,
+                }) if self.messages_fit(&presences) => {
+                    self.track_answer(shard, epoch, seq);
+                    let targets: Vec<String> = self
+                        .subscribes
+                        .get(&wait)
+                        .map(|p| {
+                            p.targets
+                                .iter()
+                                .filter(|(t, s)| s.is_none() && self.shard(t) == shard)
+                                .map(|(t, _)| t.clone())
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    let presences = presences.iter().map(|p| p.to_core()).collect();
+                    self.snapshot_answer(wait, shard, &targets, presences, at);
+                }
+                _ => self.retry_snapshot(wait, shard, now),
+            },
+            InFlight::Route { wait } => match answer {
+                Some(FromOwner::Route(entries))
+                    if entries
+                        .iter()
+                        .all(|e| !e.device.is_empty() && e.device.len() <= self.max_name_len) =>
+                {
+                    if self.routes.remove(&wait).is_some() {
+                        let answer = proto::Answer::Route(entries);
+                        self.finished.push_back((wait, Finished::Answer(answer)));
+                    }
+                }
+                _ => {
+                    self.counters.retries += 1;
+                    if let Some(p) = self.routes.get_mut(&wait) {
+                        p.retry_at = Some(now + RETRY_AFTER);
+                    }
+                }
+            },
+            InFlight::Repair {
+                shard,
+                targets,
+                own,
+            } => {
+                if let Some(t) = self.shard_tracks(own).get_mut(&shard) {
+                    t.asking = t.asking.saturating_sub(1);
+                }
+                match answer {
+                    Some(FromOwner::Snapshot {
+                        presences,
+                        epoch,
+                        seq,
+                    }) if presences.len() == targets.len() && self.messages_fit(&presences) => {
+                        let presences = presences.iter().map(|p| p.to_core()).collect();
+                        self.repaired(shard, &targets, presences, (epoch, seq), own, at);
+                    }
+                    _ => self.repair_failed(shard, own, now),
+                }
+            }
+        }
+    }
+
+    /// A new owner's resync request: this edge resends its devices of the
+    /// shard.
+    pub(super) fn resync_message(&mut self, now: Instant, at: Millis, payload: &[u8]) {
+        match decode::<ResyncRequest>(payload) {
+            Some(r)
+                if r.owner.len() <= self.max_name_len && r.shard < self.settings.shard_count =>
+            {
+                if r.owner == self.settings.node {
+                    return; // resent in process when the claim was won
+                }
+                // Sent again while the owner's window is open: once is
+                // enough (the resent connects are retried until taken).
+                let answered = self.resynced.entry(r.shard).or_insert(0);
+                if *answered >= r.epoch {
+                    return;
+                }
+                *answered = r.epoch;
+                let mine: Vec<SessionId> = self
+                    .devices
+                    .iter()
+                    .filter(|(_, d)| !d.closed && self.shard(&d.user) == r.shard)
+                    .map(|(s, _)| *s)
+                    .collect();
+                self.counters.resyncs += 1;
+                for session in mine {
+                    self.resend(session, now, at);
+                }
+            }
+            _ => self.counters.malformed += 1,
+        }
+    }
+
+    /// A service's `Route` of `user`: their owner lists their Online
+    /// devices on every node. Answered now (`Some`) when this node acts for
+    /// the user's shard, else through [`ClusterLink::poll_finished`] under
+    /// `wait`.
+    pub fn route(&mut self, now: Instant, wait: u64, user: &str) -> Option<proto::Answer> {
+        let shard = self.shard(user);
+        if self.acting_epoch(shard, now).is_some() {
+            if let Some(o) = self.owners.get(&shard) {
+                return Some(proto::Answer::Route(route_of(o, user)));
+            }
+        }
+        let p = PendingRoute {
+            user: user.to_owned(),
+            deadline: now + self.settings.request_timeout,
+            retry_at: None,
+        };
+        self.routes.insert(wait, p);
+        self.ask_route(wait, now);
+        None
+    }
+
+    fn ask_route(&mut self, wait: u64, now: Instant) {
+        let Some(p) = self.routes.get_mut(&wait) else {
+            return;
+        };
+        p.retry_at = None;
+        let shard = (self.settings.shard_of)(&p.user, self.settings.shard_count);
+        let payload = encode(&ToOwner::Route {
+            user: p.user.clone(),
+        });
+        let waiting = InFlight::Route { wait };
+        self.request(now, waiting, shard, RequestKind::Snapshot, payload);
+    }
+
+    pub(super) fn retry_routes(&mut self, now: Instant) {
+        let mut again = Vec::new();
+        let mut late = Vec::new();
+        for (wait, p) in &self.routes {
+            if p.deadline <= now {
+                late.push(*wait);
+            } else if p.retry_at.is_some_and(|t| t <= now) {
+                again.push(*wait);
+            }
+        }
+        for wait in late {
+            self.routes.remove(&wait);
+            self.finished
+                .push_back((wait, Finished::Failed(owner_late())));
+        }
+        for wait in again {
+            self.ask_route(wait, now);
+        }
+    }
+}

@@ -1,0 +1,221 @@
+//! Session records (resume on any node): the KV copy of each local
+//! session's subscriptions, and the reads of a resumed session's record.
+
+use super::wire::{decode, encode, SessionRecord};
+use super::{ClusterLink, ClusterOutput, Finished};
+use bytes::Bytes;
+use greendot_core::{SessionId, UserId};
+use greendot_proto::{self as proto, Snapshot};
+use std::time::Instant;
+
+/// The KV copy of a local session's subscriptions ([`SessionRecord`]): one
+/// put in flight at a time (so they land in order), subscribe answers held
+/// until a put that covers them landed.
+pub(super) struct SessionSync {
+    pub(super) user: String,
+    pub(super) device: String,
+    pub(super) wire: u64,
+    /// Changes made to the subscriptions, and how many the KV has.
+    pub(super) changed: u64,
+    pub(super) stored: u64,
+    /// The put in flight: its id and the changes it covers.
+    pub(super) putting: Option<(u64, u64)>,
+    /// A failed put is tried again at the tick.
+    pub(super) retry: bool,
+    /// Answers waiting for change `n` to be stored, with their deadline.
+    pub(super) waiting: Vec<(u64, u64, proto::Answer, Instant)>,
+}
+
+/// A hello naming a session this node does not hold: its device's record is
+/// being read.
+pub(super) struct PendingResume {
+    pub(super) wait: u64,
+    pub(super) session: SessionId,
+    pub(super) wire: u64,
+}
+
+impl ClusterLink {
+    /// The session's subscriptions changed: its record is written again.
+    pub(super) fn record_changed(&mut self, session: SessionId) {
+        if let Some(r) = self.records.get_mut(&session) {
+            r.changed += 1;
+            self.store_record(session);
+        }
+    }
+
+    /// `answer` (to a subscribe of `session`) once the record that has it
+    /// landed, so that a resume anywhere after the answer carries it over.
+    pub(super) fn when_recorded(
+        &mut self,
+        session: SessionId,
+        wait: u64,
+        answer: proto::Answer,
+        deadline: Instant,
+    ) -> Option<proto::Answer> {
+        let Some(r) = self.records.get_mut(&session) else {
+            return Some(answer);
+        };
+        r.changed += 1;
+        r.waiting.push((r.changed, wait, answer, deadline));
+        self.store_record(session);
+        None
+    }
+
+    fn store_record(&mut self, session: SessionId) {
+        let Some(r) = self.records.get(&session) else {
+            return;
+        };
+        if r.putting.is_some() || r.retry || r.changed == r.stored {
+            return;
+        }
+        let subscriptions = self
+            .fanout
+            .subscriptions(session)
+            .into_iter()
+            .filter_map(|(t, tier)| Some((self.names.name(t.0)?.to_string(), tier.into())))
+            .collect();
+        let value = encode(&SessionRecord {
+            wire: r.wire,
+            subscriptions,
+        });
+        let (user, device, changed) = (r.user.clone(), r.device.clone(), r.changed);
+        let id = self.id();
+        if let Some(r) = self.records.get_mut(&session) {
+            r.putting = Some((id, changed));
+        }
+        self.record_puts.insert(id, session);
+        self.outputs.push_back(ClusterOutput::PutSession {
+            id,
+            user,
+            device,
+            value,
+        });
+    }
+
+    pub(super) fn session_stored(&mut self, now: Instant, id: u64, ok: bool) {
+        let Some(session) = self.record_puts.remove(&id) else {
+            return;
+        };
+        let Some(r) = self.records.get_mut(&session) else {
+            return;
+        };
+        let Some((_, covers)) = r.putting.take() else {
+            return;
+        };
+        if ok {
+            r.stored = r.stored.max(covers);
+        } else {
+            self.counters.session_writes_failed += 1;
+            r.retry = true;
+            self.record_retries.insert(session);
+        }
+        self.release_answers(session, now);
+        self.store_record(session);
+    }
+
+    pub(super) fn retry_records(&mut self, now: Instant) {
+        let due: Vec<SessionId> = self.record_retries.drain().collect();
+        for session in due {
+            if let Some(r) = self.records.get_mut(&session) {
+                r.retry = false;
+                self.release_answers(session, now);
+                self.store_record(session);
+            }
+        }
+    }
+
+    /// Subscribe answers go once their record is stored; past their
+    /// deadline, anyway (the subscription holds here; a resume elsewhere
+    /// would miss it).
+    fn release_answers(&mut self, session: SessionId, now: Instant) {
+        let Some(r) = self.records.get_mut(&session) else {
+            return;
+        };
+        let stored = r.stored;
+        let (done, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut r.waiting)
+            .into_iter()
+            .partition(|&(n, _, _, deadline)| n <= stored || deadline <= now);
+        r.waiting = kept;
+        for (_, wait, answer, _) in done {
+            self.finished.push_back((wait, Finished::Answer(answer)));
+        }
+    }
+
+    /// A hello named `wire`, which is no session of this node (another
+    /// node's, or a previous process's): the device's record is read, and
+    /// if it names `wire` its subscriptions come back as
+    /// [`Finished::Carry`] under `wait`; if not, [`Finished::Done`] (the
+    /// session is fresh).
+    pub fn resume_elsewhere(
+        &mut self,
+        wait: u64,
+        session: SessionId,
+        user: &str,
+        device: &str,
+        wire: u64,
+    ) {
+        let id = self.id();
+        self.resumes.insert(
+            id,
+            PendingResume {
+                wait,
+                session,
+                wire,
+            },
+        );
+        self.outputs.push_back(ClusterOutput::LoadSession {
+            id,
+            user: user.to_owned(),
+            device: device.to_owned(),
+        });
+    }
+
+    pub(super) fn session_loaded(&mut self, id: u64, record: Option<Bytes>) {
+        let Some(p) = self.resumes.remove(&id) else {
+            return;
+        };
+        let record = record
+            .as_deref()
+            .and_then(decode::<SessionRecord>)
+            .filter(|r| r.wire == p.wire)
+            .filter(|r| r.subscriptions.len() <= self.max_subscriptions)
+            .filter(|_| self.open.contains_key(&p.session));
+        let finished = match record {
+            Some(r) => {
+                self.counters.resumed_elsewhere += 1;
+                let subscriptions = r
+                    .subscriptions
+                    .into_iter()
+                    .map(|(t, tier)| (t, tier.into()))
+                    .collect();
+                Finished::Carry {
+                    session: p.session,
+                    subscriptions,
+                }
+            }
+            None => Finished::Done,
+        };
+        self.finished.push_back((p.wait, finished));
+    }
+
+    /// The session's subscriptions with what this edge knows of each (for a
+    /// resumed session's welcome).
+    pub fn snapshots(&self, session: SessionId, viewer: &str) -> Vec<Snapshot> {
+        let viewer = self.names.get(viewer).map(UserId);
+        self.fanout
+            .subscriptions(session)
+            .into_iter()
+            .filter_map(|(t, tier)| {
+                let presence = viewer
+                    .and_then(|v| self.fanout.known(v, t))
+                    .cloned()
+                    .unwrap_or_default();
+                Some(Snapshot {
+                    target: self.user_name(t)?.to_owned(),
+                    tier: tier.into(),
+                    presence: proto::Presence::from_core(&presence, 0),
+                })
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,421 @@
+//! The edge's subscribes (and a resume's carry-over): snapshots from the
+//! targets' owners, then subscribed in the fanout.
+
+use super::edge::InFlight;
+use super::owner::note_idle;
+use super::wire::{encode, ToOwner};
+use super::{ClusterLink, Finished, RequestKind, RETRY_AFTER};
+use greendot_core::{Millis, Presence, SessionId, Tier, UserId};
+use greendot_proto::{self as proto, ErrorCode, Refused, Snapshot, WireError};
+use std::collections::{BTreeMap, HashMap};
+use std::time::Instant;
+
+/// What a subscribe (or a resume's carry-over) asks for.
+struct Wanted {
+    pub(super) targets: Vec<String>,
+    refused: Vec<Refused>,
+    tier: Tier,
+    /// Targets with a tier of their own (carried over by a resume).
+    tiers: HashMap<String, Tier>,
+    pub(super) query: bool,
+}
+
+pub(super) struct PendingSubscribe {
+    pub(super) session: SessionId,
+    pub(super) viewer: String,
+    tier: Tier,
+    /// Targets with a tier of their own (carried over by a resume).
+    tiers: HashMap<String, Tier>,
+    /// Targets in request order: their snapshot once known.
+    pub(super) targets: Vec<(String, Option<Presence>)>,
+    refused: Vec<Refused>,
+    pub(super) deadline: Instant,
+    /// Shards still to answer, and when to ask each again.
+    pub(super) asking: BTreeMap<u32, Option<Instant>>,
+    /// Views of the targets that arrived before their snapshot (the shard is
+    /// watched first, and a view may overtake the owner's answer, a hole
+    /// the model found): the newest is what the subscribe starts from.
+    pub(super) early: HashMap<String, Presence>,
+    /// A query: answered with the presences, nothing subscribed or watched.
+    pub(super) query: bool,
+}
+
+impl ClusterLink {
+    /// A subscribe of a session in the cluster: `targets` already checked
+    /// against the session's credentials (refusals in `refused`). Answered
+    /// now (`Some`) when every snapshot is at hand, else through
+    /// [`ClusterLink::poll_finished`] under `wait`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn subscribe(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        wait: u64,
+        session: SessionId,
+        viewer: &str,
+        targets: Vec<String>,
+        refused: Vec<Refused>,
+        tier: Tier,
+        query: bool,
+    ) -> Option<proto::Answer> {
+        let wanted = Wanted {
+            targets,
+            refused,
+            tier,
+            tiers: HashMap::new(),
+            query,
+        };
+        self.start_subscribe(now, at, wait, session, viewer, wanted)
+    }
+
+    /// What a resume carries over (checked against the new credentials),
+    /// subscribed again here with snapshots from the targets' owners, each
+    /// in its tier; answered like a subscribe under `wait`.
+    pub fn carry_over(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        wait: u64,
+        session: SessionId,
+        viewer: &str,
+        subscriptions: Vec<(String, Tier)>,
+    ) -> Option<proto::Answer> {
+        let wanted = Wanted {
+            targets: subscriptions.iter().map(|(t, _)| t.clone()).collect(),
+            refused: Vec::new(),
+            tier: Tier::Realtime,
+            tiers: subscriptions.into_iter().collect(),
+            query: false,
+        };
+        self.start_subscribe(now, at, wait, session, viewer, wanted)
+    }
+
+    fn start_subscribe(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        wait: u64,
+        session: SessionId,
+        viewer: &str,
+        wanted: Wanted,
+    ) -> Option<proto::Answer> {
+        let Wanted {
+            targets,
+            mut refused,
+            tier,
+            tiers,
+            query,
+        } = wanted;
+        let held = self.fanout.subscriptions(session);
+        let mut room = self.max_subscriptions.saturating_sub(held.len());
+        let mut wanted = Vec::new();
+        for target in targets {
+            if query {
+                wanted.push((target, None));
+                continue;
+            }
+            let already = self
+                .names
+                .get(&target)
+                .is_some_and(|id| held.iter().any(|(t, _)| t.0 == id));
+            if !already {
+                if room == 0 {
+                    refused.push(Refused {
+                        target,
+                        error: WireError::new(
+                            ErrorCode::TooManySubscriptions,
+                            "too many subscriptions",
+                        ),
+                    });
+                    continue;
+                }
+                room -= 1;
+            }
+            wanted.push((target, None));
+        }
+        let mut p = PendingSubscribe {
+            session,
+            viewer: viewer.to_owned(),
+            tier,
+            targets: wanted,
+            tiers,
+            refused,
+            deadline: now + self.settings.request_timeout,
+            asking: BTreeMap::new(),
+            early: HashMap::new(),
+            query,
+        };
+        // What this edge knows already (another session watches the target),
+        // or its own owner knows, is answered at once.
+        let viewer_id = self.names.get(viewer).map(UserId);
+        for (target, snap) in &mut p.targets {
+            if let (Some(v), Some(t)) = (viewer_id, self.names.get(target)) {
+                if let Some(known) = self.fanout.known(v, UserId(t)) {
+                    *snap = Some(known.clone());
+                    continue;
+                }
+            }
+            let shard = (self.settings.shard_of)(target, self.settings.shard_count);
+            if self.acting_epoch(shard, now).is_some() && self.owners.contains_key(&shard) {
+                if let Some(presence) = self.local_snapshot(shard, Some(viewer), target, at) {
+                    *snap = Some(presence);
+                    continue;
+                }
+            }
+            p.asking.insert(shard, Some(now));
+        }
+        // Watch the shards before asking (so no view published after the
+        // snapshot is missed).
+        for (target, _) in p.targets.iter().filter(|_| !query) {
+            let shard = self.shard(target);
+            self.watch_shard(shard);
+        }
+        self.subscribes.insert(wait, p);
+        let shards: Vec<u32> = self.subscribes[&wait].asking.keys().copied().collect();
+        for shard in shards {
+            self.ask_snapshot(wait, shard, now, at);
+        }
+        self.try_finish_subscribe(wait, at)
+    }
+
+    /// What the owner core of `shard` here shows `viewer` (`None`: others)
+    /// of `target`.
+    pub(super) fn local_snapshot(
+        &mut self,
+        shard: u32,
+        viewer: Option<&str>,
+        target: &str,
+        at: Millis,
+    ) -> Option<Presence> {
+        let base = self.unix_base_ms;
+        if !self.load_users(shard, std::iter::once(target), Instant::now()) {
+            return None; // asked again after the read
+        }
+        let o = self.owners.get_mut(&shard)?;
+        let uid = o.users.intern(target)?;
+        let p = o
+            .core
+            .handle_snapshot(at, UserId(uid), viewer == Some(target))
+            .ok()?;
+        if !o.core.is_online(UserId(uid)) {
+            note_idle(o, UserId(uid), at);
+        }
+        // Presences at the edge carry last seen in Unix milliseconds.
+        let p = proto::Presence::from_core(&p, base).to_core();
+        self.drain_owner(shard, Instant::now(), at);
+        let (epoch, seq) = self.published_up_to(shard);
+        self.track_answer(shard, epoch, seq);
+        Some(p)
+    }
+
+    fn ask_snapshot(&mut self, wait: u64, shard: u32, now: Instant, at: Millis) {
+        let Some(p) = self.subscribes.get_mut(&wait) else {
+            return;
+        };
+        let targets: Vec<String> = p
+            .targets
+            .iter()
+            .filter(|(t, snap)| {
+                snap.is_none() && (self.settings.shard_of)(t, self.settings.shard_count) == shard
+            })
+            .map(|(t, _)| t.clone())
+            .collect();
+        if targets.is_empty() {
+            p.asking.remove(&shard);
+            return;
+        }
+        p.asking.insert(shard, None);
+        let viewer = p.viewer.clone();
+        if self.acting_epoch(shard, now).is_some() && self.owners.contains_key(&shard) {
+            let mut presences = Vec::new();
+            for t in &targets {
+                match self.local_snapshot(shard, Some(&viewer), t, at) {
+                    Some(presence) => presences.push(presence),
+                    None => return self.retry_snapshot(wait, shard, now),
+                }
+            }
+            self.snapshot_answer(wait, shard, &targets, presences, at);
+            return;
+        }
+        let payload = encode(&ToOwner::Snapshot { viewer, targets });
+        self.request(
+            now,
+            InFlight::Snapshot { wait, shard },
+            shard,
+            RequestKind::Snapshot,
+            payload,
+        );
+    }
+
+    pub(super) fn retry_snapshot(&mut self, wait: u64, shard: u32, now: Instant) {
+        self.counters.retries += 1;
+        if let Some(p) = self.subscribes.get_mut(&wait) {
+            p.asking.insert(shard, Some(now + RETRY_AFTER));
+        }
+    }
+
+    pub(super) fn snapshot_answer(
+        &mut self,
+        wait: u64,
+        shard: u32,
+        targets: &[String],
+        presences: Vec<Presence>,
+        at: Millis,
+    ) {
+        let Some(p) = self.subscribes.get_mut(&wait) else {
+            return;
+        };
+        if presences.len() != targets.len() {
+            return;
+        }
+        for (name, presence) in targets.iter().zip(presences) {
+            for (t, snap) in &mut p.targets {
+                if t == name && snap.is_none() {
+                    *snap = Some(presence.clone());
+                }
+            }
+        }
+        p.asking.remove(&shard);
+        if let Some(answer) = self.try_finish_subscribe(wait, at) {
+            self.finished.push_back((wait, Finished::Answer(answer)));
+        }
+    }
+
+    /// Subscribes in the fanout once every snapshot is in.
+    fn try_finish_subscribe(&mut self, wait: u64, at: Millis) -> Option<proto::Answer> {
+        let p = self.subscribes.get(&wait)?;
+        if p.targets.iter().any(|(_, s)| s.is_none()) {
+            return None;
+        }
+        let p = self.subscribes.remove(&wait)?;
+        if p.query {
+            let mut results: Vec<proto::QueryResult> = p
+                .targets
+                .into_iter()
+                .map(|(target, snap)| {
+                    let presence = match (snap, p.early.get(&target)) {
+                        (Some(s), Some(e)) if e.version > s.version => e.clone(),
+                        (snap, _) => snap.unwrap_or_default(),
+                    };
+                    proto::QueryResult {
+                        target,
+                        result: Ok(proto::Presence::from_core(&presence, 0)),
+                    }
+                })
+                .collect();
+            results.extend(p.refused.into_iter().map(|r| proto::QueryResult {
+                target: r.target,
+                result: Err(r.error),
+            }));
+            return Some(proto::Answer::Presences(results));
+        }
+        let mut snapshots = Vec::new();
+        let mut refused = p.refused;
+        let held: Vec<UserId> = self
+            .fanout
+            .subscriptions(p.session)
+            .into_iter()
+            .map(|(t, _)| t)
+            .collect();
+        for (target, snap) in p.targets {
+            let shard = self.shard(&target);
+            let snap = match (snap, p.early.get(&target)) {
+                (Some(s), Some(e)) if e.version > s.version => Some(e.clone()),
+                (snap, _) => snap,
+            };
+            let Some(id) = self.names.intern(&target) else {
+                self.unwatch_shard(shard);
+                refused.push(Refused {
+                    target,
+                    error: WireError::new(ErrorCode::TooManyUsers, "too many user names"),
+                });
+                continue;
+            };
+            let again = held.contains(&UserId(id));
+            let tier = p.tiers.get(&target).copied().unwrap_or(p.tier);
+            match self
+                .fanout
+                .subscribe(at, p.session, UserId(id), tier, snap.unwrap_or_default())
+            {
+                Ok(presence) => {
+                    if again {
+                        self.unwatch_shard(shard); // counted once per subscription
+                    } else {
+                        self.names.acquire(id);
+                    }
+                    snapshots.push(Snapshot {
+                        target,
+                        tier: tier.into(),
+                        presence: proto::Presence::from_core(&presence, 0),
+                    });
+                }
+                Err(e) => {
+                    self.unwatch_shard(shard);
+                    if self.names.refs(id) == 0 {
+                        self.names.remove(id);
+                    }
+                    refused.push(Refused {
+                        target,
+                        error: e.into(),
+                    });
+                }
+            }
+        }
+        let answer = proto::Answer::Subscribed { snapshots, refused };
+        self.when_recorded(p.session, wait, answer, p.deadline)
+    }
+
+    fn fail_subscribe(&mut self, wait: u64, p: PendingSubscribe) {
+        for (target, _) in p.targets.iter().filter(|_| !p.query) {
+            let shard = self.shard(target);
+            self.unwatch_shard(shard);
+        }
+        self.finished.push_back((
+            wait,
+            Finished::Failed(WireError::new(
+                ErrorCode::Internal,
+                "the owner of a target did not answer in time",
+            )),
+        ));
+    }
+
+    /// Subscribes past their deadline fail; snapshots due are asked again.
+    pub(super) fn tick_subscribes(&mut self, now: Instant, at: Millis) {
+        let waits: Vec<u64> = self.subscribes.keys().copied().collect();
+        for wait in waits {
+            let Some(p) = self.subscribes.get_mut(&wait) else {
+                continue;
+            };
+            if p.deadline <= now {
+                if let Some(p) = self.subscribes.remove(&wait) {
+                    self.fail_subscribe(wait, p);
+                }
+                continue;
+            }
+            let again: Vec<u32> = p
+                .asking
+                .iter()
+                .filter(|(_, t)| t.is_some_and(|t| t <= now))
+                .map(|(s, _)| *s)
+                .collect();
+            for shard in again {
+                self.ask_snapshot(wait, shard, now, at);
+            }
+        }
+    }
+
+    /// Stops watching `target`. `false`: not subscribed.
+    pub fn unsubscribe(&mut self, at: Millis, session: SessionId, target: &str) -> bool {
+        let Some(id) = self.names.get(target) else {
+            return false;
+        };
+        if self.fanout.unsubscribe(at, session, UserId(id)).is_err() {
+            return false;
+        }
+        self.forget_target(UserId(id));
+        // Behind: a record that still lists it carries one target too many,
+        // never one too few.
+        self.record_changed(session);
+        true
+    }
+}

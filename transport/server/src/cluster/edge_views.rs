@@ -1,0 +1,374 @@
+//! Views from owners at the edge: applied to the local sessions, their
+//! numbers tracked per shard (and the truths' per edge), so a view missed
+//! (a gap, or a beacon ahead) is asked for again.
+
+use super::edge::InFlight;
+use super::wire::{decode, encode, Beacon, ShardView, ToOwner};
+use super::{
+    ClusterLink, ClusterOutput, RequestKind, MAX_BEACON_SHARDS, MAX_BEACON_TRUTHS,
+    MAX_SNAPSHOT_TARGETS, RETRY_AFTER,
+};
+use greendot_core::{Millis, Presence, UserId};
+use greendot_proto as proto;
+use std::collections::HashMap;
+use std::time::Instant;
+
+/// What an edge knows of the views of a shard some local session watches.
+#[derive(Debug, Default)]
+pub(super) struct ShardTrack {
+    /// (epoch, seq) of the newest view of the shard taken from its subject,
+    /// or announced by a beacon, or of the owner's answer that came first.
+    seen: Option<(u64, u64)>,
+    /// A view was missed: the views of every target watched here are asked
+    /// for again.
+    gap: bool,
+    /// Repair requests out.
+    pub(super) asking: u32,
+    /// Not before this (after a failed repair).
+    pub(super) not_before: Option<Instant>,
+}
+
+impl ClusterLink {
+    pub(super) fn watch_shard(&mut self, shard: u32) {
+        let n = self.shard_watchers.entry(shard).or_insert(0);
+        *n += 1;
+        if *n == 1 {
+            self.tracks.insert(shard, ShardTrack::default());
+            self.outputs.push_back(ClusterOutput::Watch { shard });
+        }
+    }
+
+    pub(super) fn unwatch_shard(&mut self, shard: u32) {
+        if let Some(n) = self.shard_watchers.get_mut(&shard) {
+            *n -= 1;
+            if *n == 0 {
+                self.shard_watchers.remove(&shard);
+                self.tracks.remove(&shard);
+                self.outputs.push_back(ClusterOutput::Unwatch { shard });
+            }
+        }
+    }
+
+    /// A view from NATS: on `shard`'s subject (views, and the truths older
+    /// owners sent there), or on this edge's subject (`None`: truths only).
+    pub(super) fn view_message(&mut self, at: Millis, payload: &[u8], shard: Option<u32>) {
+        match decode::<ShardView>(payload) {
+            Some(v)
+                if v.user.len() <= self.max_name_len
+                    && v.presence
+                        .message
+                        .as_ref()
+                        .is_none_or(|m| m.len() <= self.owner_config.max_message_len)
+                    && shard.map_or(v.own, |s| self.shard(&v.user) == s) =>
+            {
+                match (shard, v.own) {
+                    (Some(shard), false) => self.track_view(shard, v.epoch, v.seq),
+                    (None, true) if v.seq > 0 => {
+                        let shard = self.shard(&v.user);
+                        self.track_truth(shard, v.epoch, v.seq, false);
+                    }
+                    _ => {}
+                }
+                let presence = v.presence.to_core();
+                if self.apply_view(at, &v.user, v.own, presence.clone()) {
+                    self.counters.views_applied += 1;
+                    if self.latencies.len() < 1024 {
+                        self.latencies
+                            .push_back(at.0.saturating_sub(v.published_ms));
+                    }
+                }
+                self.keep_early(&v.user, v.own, presence);
+            }
+            _ => self.counters.malformed += 1,
+        }
+    }
+
+    /// A view of a target some subscribe here still waits the snapshot of.
+    fn keep_early(&mut self, user: &str, own: bool, presence: Presence) {
+        for p in self.subscribes.values_mut() {
+            let wanted = (p.viewer == user) == own && p.targets.iter().any(|(t, _)| t == user);
+            if !wanted {
+                continue;
+            }
+            let newer = p
+                .early
+                .get(user)
+                .is_none_or(|e| e.version < presence.version);
+            if newer {
+                p.early.insert(user.to_owned(), presence.clone());
+            }
+        }
+    }
+
+    /// Status messages of an owner's answer within the limit.
+    pub(super) fn messages_fit(&self, presences: &[proto::Presence]) -> bool {
+        presences.iter().all(|p| {
+            p.message
+                .as_ref()
+                .is_none_or(|m| m.len() <= self.owner_config.max_message_len)
+        })
+    }
+
+    /// A view from an owner (remote, or this node's own in process) for the
+    /// local sessions that watch `user`.
+    pub(super) fn apply_view(
+        &mut self,
+        at: Millis,
+        user: &str,
+        own: bool,
+        presence: Presence,
+    ) -> bool {
+        let Some(id) = self.names.get(user) else {
+            return false; // nobody here watches
+        };
+        self.fanout.apply(at, UserId(id), own, presence)
+    }
+
+    /// View `seq` of `epoch` came on `shard`'s subject. Views of an epoch
+    /// come in order from its one owner; a new owner numbers from 1.
+    fn track_view(&mut self, shard: u32, epoch: u64, seq: u64) {
+        let Some(t) = self.tracks.get_mut(&shard) else {
+            return;
+        };
+        match t.seen {
+            None => t.seen = Some((epoch, seq)),
+            Some(seen) if (epoch, seq) <= seen => {}
+            Some((e, s)) => {
+                t.seen = Some((epoch, seq));
+                let next = (epoch == e && seq == s + 1) || (epoch > e && seq == 1);
+                if !next {
+                    self.missed(shard);
+                }
+            }
+        }
+    }
+
+    /// A view of `shard` may have been missed: repaired at the next tick.
+    fn missed(&mut self, shard: u32) {
+        if let Some(t) = self.tracks.get_mut(&shard).filter(|t| !t.gap) {
+            t.gap = true;
+            self.gaps = true;
+            self.counters.view_gaps += 1;
+        }
+    }
+
+    /// A truth of a user of `shard` numbered `(epoch, seq)` came (or a
+    /// beacon names it, `announced`): one skipped, or one announced that
+    /// never came, means this edge missed a truth, and the truths of its
+    /// users of the shard are asked for again.
+    fn track_truth(&mut self, shard: u32, epoch: u64, seq: u64, announced: bool) {
+        let t = self.truth_tracks.entry(shard).or_default();
+        let missed = match t.seen {
+            // The first heard of: only a beacon says one was missed.
+            None => announced,
+            Some(seen) if (epoch, seq) <= seen => false,
+            Some((e, s)) => announced || !((epoch == e && seq == s + 1) || (epoch > e && seq == 1)),
+        };
+        t.seen = t.seen.max(Some((epoch, seq)));
+        if missed && !t.gap {
+            t.gap = true;
+            self.gaps = true;
+            self.counters.truth_gaps += 1;
+        }
+    }
+
+    /// The owner of `shard` answered with the views up to `(epoch, seq)`.
+    /// An answer older than a view seen since may miss what that view
+    /// carried, when it was about a target being subscribed and the view
+    /// was lost: the shard is asked again.
+    pub(super) fn track_answer(&mut self, shard: u32, epoch: u64, seq: u64) {
+        let Some(t) = self.tracks.get_mut(&shard) else {
+            return;
+        };
+        match t.seen {
+            None => t.seen = Some((epoch, seq)),
+            Some(seen) if seen > (epoch, seq) => self.missed(shard),
+            _ => {}
+        }
+    }
+
+    /// A message on the beacon subject, checked against the limits.
+    pub(super) fn beacon_message(&mut self, payload: &[u8]) {
+        match decode::<Beacon>(payload) {
+            Some(b)
+                if b.owner.len() <= self.max_name_len
+                    && b.shards.len() <= MAX_BEACON_SHARDS
+                    && b.truths.len() <= MAX_BEACON_TRUTHS
+                    && b.truths.iter().all(|t| t.0.len() <= self.max_name_len) =>
+            {
+                self.beacon(b)
+            }
+            _ => self.counters.malformed += 1,
+        }
+    }
+
+    fn beacon(&mut self, b: Beacon) {
+        for (edge, shard, epoch, seq) in b.truths {
+            if edge == self.settings.node && shard < self.settings.shard_count {
+                self.track_truth(shard, epoch, seq, true);
+            }
+        }
+        for (shard, epoch, seq) in b.shards {
+            let Some(t) = self.tracks.get_mut(&shard) else {
+                continue;
+            };
+            // Not seen anything yet: the pending subscribe's answer will
+            // carry the owner's number.
+            let Some(seen) = t.seen else { continue };
+            if (epoch, seq) > seen {
+                t.seen = Some((epoch, seq));
+                self.missed(shard);
+            }
+        }
+    }
+
+    /// Asks the owners of shards with a view missed for the views of every
+    /// target watched here (and of those being subscribed).
+    pub(super) fn repair_gaps(&mut self, now: Instant, at: Millis) {
+        if !self.gaps {
+            return;
+        }
+        for own in [false, true] {
+            let due: HashMap<u32, Vec<String>> = self
+                .shard_tracks(own)
+                .iter()
+                .filter(|(_, t)| t.gap && t.asking == 0 && t.not_before.is_none_or(|n| n <= now))
+                .map(|(s, _)| (*s, Vec::new()))
+                .collect();
+            if !due.is_empty() {
+                self.ask_repairs(due, own, now, at);
+            }
+        }
+        // Those waiting (a repair out, or a pause after a failure) keep it.
+        self.gaps = self
+            .tracks
+            .values()
+            .chain(self.truth_tracks.values())
+            .any(|t| t.gap);
+    }
+
+    /// What this edge knows of the views (`own`: of the truths) of shards.
+    pub(super) fn shard_tracks(&mut self, own: bool) -> &mut HashMap<u32, ShardTrack> {
+        if own {
+            &mut self.truth_tracks
+        } else {
+            &mut self.tracks
+        }
+    }
+
+    /// Asks for the views of every target of the `due` shards (`own`: the
+    /// truths of every user of them with a session here).
+    fn ask_repairs(
+        &mut self,
+        mut due: HashMap<u32, Vec<String>>,
+        own: bool,
+        now: Instant,
+        at: Millis,
+    ) {
+        let names: Vec<String> = if own {
+            self.open.values().cloned().collect()
+        } else {
+            let watched = self
+                .fanout
+                .watched()
+                .filter_map(|u| self.names.name(u.0).map(|n| n.to_string()));
+            let subscribing = self
+                .subscribes
+                .values()
+                .filter(|p| !p.query)
+                .flat_map(|p| p.targets.iter().map(|(t, _)| t.clone()));
+            watched.chain(subscribing).collect()
+        };
+        let (shard_of, count) = (self.settings.shard_of, self.settings.shard_count);
+        for name in names {
+            if let Some(targets) = due.get_mut(&shard_of(&name, count)) {
+                targets.push(name);
+            }
+        }
+        for (shard, mut targets) in due {
+            targets.sort_unstable();
+            targets.dedup();
+            if let Some(t) = self.shard_tracks(own).get_mut(&shard) {
+                t.gap = false;
+                t.not_before = None;
+            }
+            if self.acting_epoch(shard, now).is_some() && self.owners.contains_key(&shard) {
+                self.repair_locally(shard, targets, own, now, at);
+                continue;
+            }
+            for chunk in targets.chunks(MAX_SNAPSHOT_TARGETS) {
+                if let Some(t) = self.shard_tracks(own).get_mut(&shard) {
+                    t.asking += 1;
+                }
+                let targets = chunk.to_vec();
+                let payload = encode(&ToOwner::Views {
+                    targets: targets.clone(),
+                    own,
+                });
+                self.request(
+                    now,
+                    InFlight::Repair {
+                        shard,
+                        targets,
+                        own,
+                    },
+                    shard,
+                    RequestKind::Snapshot,
+                    payload,
+                );
+            }
+        }
+    }
+
+    /// A repair of a shard this node acts for (its NATS copy of a view was
+    /// lost; the in-process one was not, but what came from the previous
+    /// owner may have been).
+    fn repair_locally(
+        &mut self,
+        shard: u32,
+        targets: Vec<String>,
+        own: bool,
+        now: Instant,
+        at: Millis,
+    ) {
+        let mut presences = Vec::with_capacity(targets.len());
+        for t in &targets {
+            let viewer = own.then_some(t.as_str());
+            match self.local_snapshot(shard, viewer, t, at) {
+                Some(p) => presences.push(p),
+                None => return self.repair_failed(shard, own, now),
+            }
+        }
+        let (epoch, seq) = self.published_up_to(shard);
+        self.repaired(shard, &targets, presences, (epoch, seq), own, at);
+    }
+
+    pub(super) fn repair_failed(&mut self, shard: u32, own: bool, now: Instant) {
+        self.counters.retries += 1;
+        if let Some(t) = self.shard_tracks(own).get_mut(&shard) {
+            t.gap = true;
+            t.not_before = Some(now + RETRY_AFTER);
+            self.gaps = true;
+        }
+    }
+
+    /// `published`: the shard's last view when the owner answered.
+    pub(super) fn repaired(
+        &mut self,
+        shard: u32,
+        targets: &[String],
+        presences: Vec<Presence>,
+        published: (u64, u64),
+        own: bool,
+        at: Millis,
+    ) {
+        for (target, presence) in targets.iter().zip(presences) {
+            self.apply_view(at, target, own, presence.clone());
+            self.keep_early(target, own, presence);
+        }
+        if let Some(t) = self.tracks.get_mut(&shard).filter(|_| !own) {
+            // Views up to the answer's are in it.
+            t.seen = t.seen.max(Some(published));
+        }
+    }
+}

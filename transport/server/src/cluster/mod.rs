@@ -1,0 +1,698 @@
+//! The cluster data path (docs/cluster.md "The protocol as checked"), sans
+//! IO: what `ServerState` does as an **edge** (forwards its sessions' device
+//! inputs to the owner of their user's shard, fans published views out to
+//! its sessions through a `Fanout`) and as an **owner** (one `Core` per shard
+//! it acts for, publishing each view once on the shard's subject).
+//!
+//! Everything that leaves a node is named by strings (user, device, edge
+//! node), never by the hub's interned ids, which are this process's own.
+//! Messages are postcard-encoded; a message from NATS is checked against
+//! [`MAX_MESSAGE`] and the name limits before anything of it is stored, and
+//! one that does not decode or does not fit is counted and dropped.
+//!
+//! The NATS I/O is a thin task outside (see `greendot serve`): it turns
+//! [`ClusterOutput`]s into publishes, requests, replies, KV writes and
+//! subscriptions, and what NATS delivers into [`ClusterInput`]s.
+
+mod edge;
+mod edge_records;
+mod edge_subscribe;
+mod edge_views;
+mod owner;
+mod owner_requests;
+#[cfg(test)]
+mod test_support;
+#[cfg(test)]
+mod tests_edge;
+#[cfg(test)]
+mod tests_owner;
+#[cfg(test)]
+mod tests_views;
+mod wire;
+
+use crate::hub::Interner;
+use bytes::Bytes;
+use edge::{EdgeDevice, InFlight, PendingRoute};
+use edge_records::{PendingResume, SessionSync};
+use edge_subscribe::PendingSubscribe;
+use edge_views::ShardTrack;
+use greendot_core::{Config, Fanout, Millis, Output, SessionId, Tier, UserId};
+use greendot_proto::{self as proto, WireError};
+use owner::{release_idle, Owner};
+use owner_requests::PendingPrefs;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::{Duration, Instant};
+pub use wire::{
+    Beacon, FromOwner, RecordedDevice, ResyncRequest, SessionRecord, ShardView, ToOwner, WireOp,
+    WirePrefs,
+};
+
+/// The largest message accepted from another node: a device input or a
+/// view is a few names and a status message; a snapshot answer carries at
+/// most [`MAX_SNAPSHOT_TARGETS`] presences.
+pub const MAX_MESSAGE: usize = 256 * 1024;
+
+/// Targets one snapshot request may name (a subscribe is split per shard).
+pub const MAX_SNAPSHOT_TARGETS: usize = 1_000;
+
+/// Device inputs an edge holds for one session at most: a session's
+/// requests wait for their answers, so more means a stuck owner.
+const MAX_QUEUED_OPS: usize = 16;
+
+/// Requests an owner has taken and not yet answered (waiting for a KV write).
+const MAX_PENDING_PREFS: usize = 65_536;
+
+/// Connections an owner remembers the last request id of (past it, it
+/// forgets them all at once: see `remember_rid`).
+const MAX_HOLDERS_REMEMBERED: usize = 262_144;
+
+/// Edges whose newest incarnation is remembered (the cluster's nodes; a
+/// node id past it is not tracked, and its late requests are not filtered).
+const MAX_EDGES_REMEMBERED: usize = 4_096;
+
+/// How long an edge waits before asking again after a refusal or a failure.
+const RETRY_AFTER: Duration = Duration::from_millis(100);
+
+/// How long after a change of its devices an owner writes a shard's device
+/// record behind (what a crash of the owner may lose).
+const WRITE_BEHIND: Millis = Millis(500);
+
+/// Devices one shard's record holds at most (the rest are not recorded: a
+/// crash of their owner together with their edge leaves them to the
+/// watchers' last view).
+const MAX_RECORDED_DEVICES: usize = 2_048;
+
+/// How long an owner keeps a user after their last device went (or after
+/// a snapshot of a user with none) before it frees the user's record and
+/// name: the KV holds their preferences and last view, read again at their
+/// next input. Long enough for the view written behind to have landed.
+const RELEASE_AFTER: Millis = Millis(60_000);
+
+/// Users one owner core waits to free at most (past it, the rest stay until
+/// the shard's owner changes).
+const MAX_IDLE_USERS: usize = 1 << 20;
+
+/// How often retries, deadlines and lapsed claims are looked at while there
+/// is any (a claim's deadline is `margin` before NATS can expire it, so
+/// acting up to this late still ends before the claim can).
+const TICK: Duration = Duration::from_millis(50);
+
+/// How often an owner announces the latest view number of each shard it
+/// acts for ([`Beacon`]): a view lost on the way is noticed within this.
+const BEACON_EVERY: Duration = Duration::from_secs(1);
+
+/// Beacons name the last truth sent to an edge for this long after it went
+/// (an edge that missed it, and every beacon since, is then stale until the
+/// user's next change).
+pub const TRUTH_BEACON_FOR: Duration = Duration::from_secs(10);
+
+/// Shards one beacon names at most (more go in several).
+pub const MAX_BEACON_SHARDS: usize = 8_192;
+
+/// Truths one beacon names at most: each carries an edge's name (up to 64
+/// bytes), and 8,192 shards (25 bytes each at worst) with 512 truths (90)
+/// stay under [`MAX_MESSAGE`].
+pub const MAX_BEACON_TRUTHS: usize = 512;
+
+/// How often a new owner asks the edges again to resend its shard's
+/// devices while its resync window is open (the request may be lost).
+const RESYNC_EVERY: Duration = Duration::from_millis(500);
+
+/// The last epoch whose versions fit: versions carry the epoch above
+/// `EPOCH_SHIFT` bits, so a larger one would wrap them.
+pub const MAX_EPOCH: u64 = (1 << (64 - greendot_core::cluster::EPOCH_SHIFT)) - 1;
+
+/// How a node takes part in a cluster.
+#[derive(Clone, Debug)]
+pub struct ClusterSettings {
+    /// This node's id (`[A-Za-z0-9_-]`, as in its lease).
+    pub node: String,
+    /// Grows at every start of the process (greendot: the start time in Unix
+    /// milliseconds, the same value as in the node's lease): names this
+    /// edge's connections to owners, so a late request of a previous
+    /// process is never taken for one of this process, and owners that see
+    /// a newer incarnation in the lease treat the devices of older ones as
+    /// lost ([`ClusterInput::EdgeRestarted`]).
+    pub incarnation: u64,
+    pub shard_count: u32,
+    /// The user → shard map every node shares (greendot-cluster's).
+    pub shard_of: fn(&str, u32) -> u32,
+    /// A forwarded request unanswered this long is answered with an error to
+    /// the client (the edge still delivers device inputs that have no client
+    /// waiting, retrying until the owner takes them).
+    pub request_timeout: Duration,
+}
+
+/// Which of the owner's subjects a request goes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RequestKind {
+    Input,
+    Snapshot,
+}
+
+/// What the NATS I/O hands the state.
+#[derive(Debug)]
+pub enum ClusterInput {
+    /// The shards this node may act for now: epoch, and the instant it must
+    /// stop at the latest (from the node's duty task).
+    Status {
+        shards: BTreeMap<u32, (u64, Instant)>,
+    },
+    /// A message on the subject of a watched shard.
+    ShardMessage { shard: u32, payload: Bytes },
+    /// A message on this node's edge subject: the truth of a user with a
+    /// device here, from the user's owner.
+    EdgeMessage { payload: Bytes },
+    /// A request to a shard this node serves; answer with
+    /// [`ClusterOutput::Reply`] naming `reply`.
+    Request {
+        shard: u32,
+        kind: RequestKind,
+        payload: Bytes,
+        reply: u64,
+    },
+    /// The owner's answer to [`ClusterOutput::Request`] `id`, or `None`: no
+    /// owner, timed out, or NATS failed (the edge retries).
+    Answered { id: u64, payload: Option<Bytes> },
+    /// The KV write of [`ClusterOutput::PutPrefs`] `id` is done (`ok`) or
+    /// failed.
+    PrefsStored { id: u64, ok: bool },
+    /// What the KV holds of the user of [`ClusterOutput::LoadUser`] `id`
+    /// (`None`: nothing, or the read failed: the user starts fresh).
+    UserLoaded {
+        id: u64,
+        prefs: Option<Bytes>,
+        view: Option<Bytes>,
+    },
+    /// The put of [`ClusterOutput::PutSession`] `id` landed (`ok`) or
+    /// failed.
+    SessionStored { id: u64, ok: bool },
+    /// What the KV holds of the device of [`ClusterOutput::LoadSession`]
+    /// `id` (`None`: nothing, or the read failed: the session starts fresh).
+    SessionLoaded { id: u64, record: Option<Bytes> },
+    /// A message on the cluster's resync subject (a new owner asks every
+    /// edge to resend its devices of a shard).
+    Resync { payload: Bytes },
+    /// A message on the cluster's beacon subject ([`Beacon`]).
+    Beacon { payload: Bytes },
+    /// What the KV holds of the devices of the shard of
+    /// [`ClusterOutput::LoadShard`] `id` (`None`: nothing, or the read failed).
+    ShardLoaded { id: u64, record: Option<Bytes> },
+    /// The lease of node `node` is gone (expired: the node died or was cut
+    /// off; or released: it left). `last_heard`: Unix milliseconds of its
+    /// last renewal, as near as known.
+    EdgeLost { node: String, last_heard: u64 },
+    /// Node `node`'s lease names incarnation `incarnation` (it restarted
+    /// within its TTL and took its lease over, or joined): the devices it
+    /// held under older incarnations are lost, as by a disconnect at
+    /// `last_heard` (Unix milliseconds); those of `incarnation` and newer
+    /// are not touched (the new process may have forwarded some already).
+    EdgeRestarted {
+        node: String,
+        incarnation: u64,
+        last_heard: u64,
+    },
+}
+
+/// What the state asks the NATS I/O to do, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClusterOutput {
+    /// Publish once on the shard's subject.
+    Publish { shard: u32, payload: Bytes },
+    /// Send on node `node`'s edge subject (a truth, to an edge holding a
+    /// device of the user).
+    PublishToEdge { node: String, payload: Bytes },
+    /// Ask the shard's owner; answer with [`ClusterInput::Answered`].
+    Request {
+        id: u64,
+        shard: u32,
+        kind: RequestKind,
+        payload: Bytes,
+    },
+    /// Answer a [`ClusterInput::Request`].
+    Reply { reply: u64, payload: Bytes },
+    /// Write a user's preferences to the KV, fenced by the owner's `epoch`
+    /// (refused once a newer owner wrote them); answer with
+    /// [`ClusterInput::PrefsStored`].
+    PutPrefs {
+        id: u64,
+        user: String,
+        epoch: u64,
+        value: Bytes,
+    },
+    /// Read a user's preferences and last published view from the KV;
+    /// answer with [`ClusterInput::UserLoaded`].
+    LoadUser { id: u64, user: String },
+    /// Write the last published view of a user (behind: nobody waits).
+    PutView { user: String, value: Bytes },
+    /// Write a shard's device record (behind).
+    PutShardDevices { shard: u32, value: Bytes },
+    /// Read a shard's device record; answer with [`ClusterInput::ShardLoaded`].
+    LoadShard { id: u64, shard: u32 },
+    /// Write a device's [`SessionRecord`]; answer with
+    /// [`ClusterInput::SessionStored`].
+    PutSession {
+        id: u64,
+        user: String,
+        device: String,
+        value: Bytes,
+    },
+    /// Read a device's [`SessionRecord`]; answer with
+    /// [`ClusterInput::SessionLoaded`].
+    LoadSession {
+        id: u64,
+        user: String,
+        device: String,
+    },
+    /// Delete a device's [`SessionRecord`] (its owner saw the device end:
+    /// a resume naming it must start fresh): behind.
+    DeleteSession { user: String, device: String },
+    /// Publish on the cluster's resync subject (every node listens).
+    Resync { payload: Bytes },
+    /// Publish on the cluster's beacon subject (every node listens).
+    Beacon { payload: Bytes },
+    /// Subscribe to a shard's subject (one more local watcher of it).
+    Watch { shard: u32 },
+    /// The last local watcher of the shard left.
+    Unwatch { shard: u32 },
+}
+
+/// Counters the metrics read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ClusterCounters {
+    /// Device inputs sent to a remote owner (retries included).
+    pub forwarded: u64,
+    /// Device inputs handled by this node's own owner, in process.
+    pub forwarded_local: u64,
+    /// Device inputs this node handled as owner for other edges.
+    pub owner_inputs: u64,
+    /// Views published on shard subjects.
+    pub published: u64,
+    /// Truths sent to the edges holding the user's devices (other nodes
+    /// only: this node's own edge takes them in process).
+    pub truths_sent: u64,
+    /// Views from other nodes applied to local sessions.
+    pub views_applied: u64,
+    /// Messages from NATS dropped: undecodable, too large, or naming too
+    /// long a name or the wrong shard.
+    pub malformed: u64,
+    /// Requests refused with `NotOwner`, `Unknown`, or unanswered, and retried.
+    pub retries: u64,
+    /// Resync requests of new owners this edge answered (resending its
+    /// devices of the shard).
+    pub resyncs: u64,
+    /// Devices this node's owners lost with their edge's lease.
+    pub edge_lost_devices: u64,
+    /// Users this node's owners freed (offline for a while: their KV record
+    /// is read again at their next input).
+    pub users_released: u64,
+    /// Device inputs of an edge's previous run, arrived after its newer run
+    /// was known: dropped unanswered (their sender is gone).
+    pub stale_incarnation: u64,
+    /// Connects of a session the device's client gave up on, arrived at the
+    /// owner after a session the same edge welcomed later: not taken.
+    pub stale_connects: u64,
+    /// Views of a watched shard this edge missed (a gap in the numbers, or
+    /// a beacon ahead of the last one seen): each asks the owner for the
+    /// views of the shard's watched users again.
+    pub view_gaps: u64,
+    /// Truths this edge missed (a gap in the numbers an owner gives the
+    /// truths it sends here, or a beacon ahead): each asks for the truths
+    /// of the shard's users with a session here again.
+    pub truth_gaps: u64,
+    /// Sessions resumed here from another node's (or a previous process's)
+    /// record, their subscriptions carried over.
+    pub resumed_elsewhere: u64,
+    /// Session record puts that failed (tried again at the next tick).
+    pub session_writes_failed: u64,
+}
+
+/// A client request's answer, once the cluster is done with it.
+#[derive(Debug)]
+pub enum Finished {
+    /// Answer with what the hub answered (the owner took the input).
+    Done,
+    /// The device's record names the session the hello resumes: these
+    /// subscriptions carry over once the caller checked them against the
+    /// new credentials ([`ClusterLink::carry_over`], under the same wait).
+    Carry {
+        session: SessionId,
+        subscriptions: Vec<(String, Tier)>,
+    },
+    /// Answer with this instead.
+    Answer(proto::Answer),
+    /// Answer with this error.
+    Failed(WireError),
+}
+
+/// The cluster side of one node (see the module docs).
+pub struct ClusterLink {
+    settings: ClusterSettings,
+    owner_config: Config,
+    /// The Unix time of the core's `Millis(0)`.
+    unix_base_ms: u64,
+    acting: BTreeMap<u32, (u64, Instant)>,
+    owners: BTreeMap<u32, Owner>,
+    pending_prefs: HashMap<u64, PendingPrefs>,
+    /// KV reads in flight: shard, epoch, user, since.
+    pending_loads: HashMap<u64, (u32, u64, String, Instant)>,
+    /// Shard record reads in flight: shard, epoch, since.
+    pending_shards: HashMap<u64, (u32, u64, Instant)>,
+    fanout: Fanout,
+    names: Interner,
+    /// The edge's devices by session, while their inputs are forwarded.
+    devices: HashMap<SessionId, EdgeDevice>,
+    /// Sessions open in the fanout, with their user (whose name they hold a
+    /// reference on).
+    open: HashMap<SessionId, String>,
+    /// Shards some local subscription watches, with how many.
+    shard_watchers: HashMap<u32, u32>,
+    /// The view numbers seen of each watched shard (the same keys).
+    tracks: HashMap<u32, ShardTrack>,
+    /// The numbers of the truths this edge was sent, per shard (at most
+    /// one entry per shard).
+    truth_tracks: HashMap<u32, ShardTrack>,
+    /// Per shard, the newest epoch whose resync request this edge answered
+    /// (a new owner sends it again while its window is open).
+    resynced: HashMap<u32, u64>,
+    next_beacon: Option<Instant>,
+    /// Some track has a gap to repair (what the tick looks at).
+    gaps: bool,
+    subscribes: HashMap<u64, PendingSubscribe>,
+    routes: HashMap<u64, PendingRoute>,
+    /// Local sessions' KV records, and the puts in flight by id.
+    records: HashMap<SessionId, SessionSync>,
+    record_puts: HashMap<u64, SessionId>,
+    /// Sessions whose put failed: tried again at the tick.
+    record_retries: std::collections::HashSet<SessionId>,
+    /// Record reads for resumes, by id.
+    resumes: HashMap<u64, PendingResume>,
+    /// Requests out, with when they count as unanswered (an output the NATS
+    /// I/O dropped is never answered).
+    in_flight: HashMap<u64, (InFlight, Instant)>,
+    /// Devices with inputs queued or a retry pending: what the tick looks at.
+    busy: std::collections::HashSet<SessionId>,
+    next_tick: Option<Instant>,
+    next_id: u64,
+    next_conn: u64,
+    outputs: VecDeque<ClusterOutput>,
+    finished: VecDeque<(u64, Finished)>,
+    counters: ClusterCounters,
+    /// The newest incarnation seen of each edge (from its requests and its
+    /// lease): requests of older ones are dropped. At most
+    /// `MAX_EDGES_REMEMBERED`: edges are the cluster's nodes.
+    incarnations: HashMap<String, u64>,
+    /// Publish-to-fanout delays of remote views taken, in milliseconds.
+    latencies: VecDeque<u64>,
+    max_name_len: usize,
+    max_subscriptions: usize,
+}
+
+impl ClusterLink {
+    /// `config`: the core's configuration; owners use it with heartbeats
+    /// off (the edge holding a connection says when it is lost).
+    pub fn new(
+        settings: ClusterSettings,
+        config: &Config,
+        unix_base_ms: u64,
+        max_name_len: usize,
+    ) -> ClusterLink {
+        let mut owner_config = config.clone();
+        for kind in &mut owner_config.kinds {
+            kind.heartbeat_timeout = Millis(u64::MAX / 4);
+        }
+        ClusterLink {
+            settings,
+            max_subscriptions: config.max_subscriptions_per_session,
+            fanout: Fanout::new(config.batch_interval),
+            owner_config,
+            unix_base_ms,
+            acting: BTreeMap::new(),
+            owners: BTreeMap::new(),
+            pending_prefs: HashMap::new(),
+            pending_loads: HashMap::new(),
+            pending_shards: HashMap::new(),
+            names: Interner::new(config.max_users.saturating_mul(2)),
+            devices: HashMap::new(),
+            open: HashMap::new(),
+            shard_watchers: HashMap::new(),
+            tracks: HashMap::new(),
+            truth_tracks: HashMap::new(),
+            resynced: HashMap::new(),
+            next_beacon: None,
+            gaps: false,
+            subscribes: HashMap::new(),
+            routes: HashMap::new(),
+            records: HashMap::new(),
+            record_puts: HashMap::new(),
+            record_retries: Default::default(),
+            resumes: HashMap::new(),
+            in_flight: HashMap::new(),
+            busy: Default::default(),
+            next_tick: None,
+            next_id: 0,
+            next_conn: 0,
+            outputs: VecDeque::new(),
+            finished: VecDeque::new(),
+            counters: ClusterCounters::default(),
+            incarnations: HashMap::new(),
+            latencies: VecDeque::new(),
+            max_name_len,
+        }
+    }
+
+    pub fn counters(&self) -> ClusterCounters {
+        self.counters
+    }
+
+    pub fn poll_output(&mut self) -> Option<ClusterOutput> {
+        self.outputs.pop_front()
+    }
+
+    /// A client request the cluster is done with: its wait id and answer.
+    pub fn poll_finished(&mut self) -> Option<(u64, Finished)> {
+        self.finished.pop_front()
+    }
+
+    /// The delay of a remote view this edge took (milliseconds).
+    pub fn poll_latency(&mut self) -> Option<u64> {
+        self.latencies.pop_front()
+    }
+
+    /// A push for a local session: the fanout's outputs.
+    pub fn poll_fanout(&mut self) -> Option<Output> {
+        self.fanout.poll_output()
+    }
+
+    /// The name behind a fanout user id.
+    pub fn user_name(&self, user: UserId) -> Option<&str> {
+        self.names.name(user.0).map(|n| &**n)
+    }
+
+    fn shard(&self, user: &str) -> u32 {
+        (self.settings.shard_of)(user, self.settings.shard_count)
+    }
+
+    fn id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    /// A request to `shard`'s owner, waited for until the request timeout.
+    fn request(
+        &mut self,
+        now: Instant,
+        waiting: InFlight,
+        shard: u32,
+        kind: RequestKind,
+        payload: Bytes,
+    ) {
+        let id = self.id();
+        let deadline = now + self.settings.request_timeout;
+        self.in_flight.insert(id, (waiting, deadline));
+        self.outputs.push_back(ClusterOutput::Request {
+            id,
+            shard,
+            kind,
+            payload,
+        });
+    }
+
+    fn acting_epoch(&self, shard: u32, now: Instant) -> Option<u64> {
+        self.acting
+            .get(&shard)
+            .filter(|(_, until)| now < *until)
+            .map(|(epoch, _)| *epoch)
+    }
+
+    fn to_unix(&self, at: Millis) -> u64 {
+        self.unix_base_ms.saturating_add(at.0)
+    }
+
+    /// The earliest instant something here is due, besides the cores';
+    /// `now` (the caller's) when the first tick is still to come.
+    pub fn poll_deadline(&self, now: Instant) -> Option<Instant> {
+        let work = !self.acting.is_empty()
+            || !self.busy.is_empty()
+            || !self.subscribes.is_empty()
+            || !self.routes.is_empty()
+            || !self.record_retries.is_empty()
+            || !self.resumes.is_empty()
+            || self.gaps
+            || !self.in_flight.is_empty()
+            || !self.pending_prefs.is_empty()
+            || !self.pending_loads.is_empty()
+            || !self.pending_shards.is_empty();
+        // A tick, not the exact instants: finding the earliest of them
+        // would walk every device at every pass of the server's loop.
+        // Not `Instant::now()`: that is always after the caller's `now`,
+        // so a node whose cores had no timer due would never tick (its
+        // retries and deadlines never looked at) while its loop spun.
+        work.then(|| self.next_tick.unwrap_or(now))
+    }
+
+    /// The earliest core timer (owners' and the fanout's).
+    pub fn poll_timeout(&self) -> Option<Millis> {
+        self.owners
+            .values()
+            .flat_map(|o| {
+                o.core
+                    .poll_timeout()
+                    .into_iter()
+                    .chain(o.dirty_since.map(|d| d.plus(WRITE_BEHIND)))
+                    .chain(o.idle.front().map(|(due, _)| *due))
+            })
+            .chain(self.fanout.poll_timeout())
+            .min()
+    }
+
+    /// Runs what is due: core timers at `at`, deadlines and retries at `now`.
+    pub fn handle_timeout(&mut self, now: Instant, at: Millis) {
+        // Stop acting at a claim's deadline, whatever the status says.
+        let lapsed: Vec<u32> = self
+            .acting
+            .iter()
+            .filter(|(_, (_, until))| now >= *until)
+            .map(|(s, _)| *s)
+            .collect();
+        for shard in lapsed {
+            self.acting.remove(&shard);
+            self.drop_owner(shard, now, at);
+        }
+        let shards: Vec<u32> = self.owners.keys().copied().collect();
+        for shard in shards {
+            if let Some(o) = self.owners.get_mut(&shard) {
+                o.core.handle_timeout(at);
+            }
+            self.drain_owner(shard, now, at);
+            self.write_devices(shard, at);
+            if let Some(o) = self.owners.get_mut(&shard) {
+                self.counters.users_released += release_idle(o, at) as u64;
+            }
+        }
+        self.fanout.handle_timeout(at);
+        if self.next_tick.is_some_and(|t| now < t) {
+            return;
+        }
+        self.next_tick = Some(now + TICK);
+        self.expire_pending(now, at);
+        self.announce(now);
+        self.repair_gaps(now, at);
+        self.tick_devices(now, at);
+        self.retry_routes(now);
+        self.retry_records(now);
+        self.tick_subscribes(now, at);
+    }
+
+    pub fn handle_input(&mut self, now: Instant, at: Millis, input: ClusterInput) {
+        match input {
+            ClusterInput::Status { shards } => self.set_status(now, at, shards),
+            ClusterInput::ShardMessage { shard, payload } => {
+                self.view_message(at, &payload, Some(shard))
+            }
+            ClusterInput::EdgeMessage { payload } => self.view_message(at, &payload, None),
+            ClusterInput::Request {
+                shard,
+                kind,
+                payload,
+                reply,
+            } => self.request_message(now, at, shard, kind, &payload, reply),
+            ClusterInput::SessionStored { id, ok } => self.session_stored(now, id, ok),
+            ClusterInput::SessionLoaded { id, record } => self.session_loaded(id, record),
+            ClusterInput::Answered { id, payload } => self.answered(now, at, id, payload),
+            ClusterInput::Beacon { payload } => self.beacon_message(&payload),
+            ClusterInput::UserLoaded { id, prefs, view } => {
+                self.user_loaded(now, at, id, prefs, view)
+            }
+            ClusterInput::ShardLoaded { id, record } => self.shard_loaded(now, id, record),
+            ClusterInput::EdgeLost { node, last_heard } => {
+                self.edge_lost(now, at, &node, None, last_heard)
+            }
+            ClusterInput::EdgeRestarted {
+                node,
+                incarnation,
+                last_heard,
+            } => {
+                self.saw_incarnation(&node, incarnation);
+                self.edge_lost(now, at, &node, Some(incarnation), last_heard)
+            }
+            ClusterInput::Resync { payload } => self.resync_message(now, at, &payload),
+            ClusterInput::PrefsStored { id, ok } => self.prefs_stored(now, at, id, ok),
+        }
+    }
+
+    /// What waited too long for the NATS I/O (its output dropped at a full
+    /// queue, or NATS silent): requests count as unanswered (retried),
+    /// preference writes as failed, KV reads are asked again.
+    fn expire_pending(&mut self, now: Instant, at: Millis) {
+        let late: Vec<u64> = self
+            .in_flight
+            .iter()
+            .filter(|(_, (_, deadline))| *deadline <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in late {
+            self.handle_input(now, at, ClusterInput::Answered { id, payload: None });
+        }
+        let timeout = self.settings.request_timeout;
+        let late: Vec<u64> = self
+            .pending_prefs
+            .iter()
+            .filter(|(_, p)| p.since + timeout <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in late {
+            self.handle_input(now, at, ClusterInput::PrefsStored { id, ok: false });
+        }
+        let late: Vec<u64> = self
+            .pending_loads
+            .iter()
+            .filter(|(_, (_, _, _, since))| *since + timeout <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in late {
+            if let Some((shard, epoch, user, _)) = self.pending_loads.remove(&id) {
+                self.next_id += 1;
+                let id = self.next_id;
+                self.pending_loads
+                    .insert(id, (shard, epoch, user.clone(), now));
+                self.outputs.push_back(ClusterOutput::LoadUser { id, user });
+            }
+        }
+        let late: Vec<u64> = self
+            .pending_shards
+            .iter()
+            .filter(|(_, (_, _, since))| *since + timeout <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in late {
+            if let Some((shard, epoch, _)) = self.pending_shards.remove(&id) {
+                self.next_id += 1;
+                let id = self.next_id;
+                self.pending_shards.insert(id, (shard, epoch, now));
+                self.outputs
+                    .push_back(ClusterOutput::LoadShard { id, shard });
+            }
+        }
+    }
+}

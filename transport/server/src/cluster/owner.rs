@@ -1,0 +1,688 @@
+//! A shard's owner: one `Core` per shard this node acts for, taken on and
+//! dropped with the claims, restored from the KV, publishing each view once
+//! on the shard's subject (and each truth to the edges holding the user's
+//! devices), and announcing its view numbers in beacons.
+
+use super::wire::{
+    decode, encode, Beacon, FromOwner, RecordedDevice, ResyncRequest, ShardView, ToOwner, WirePrefs,
+};
+use super::{
+    ClusterLink, ClusterOutput, BEACON_EVERY, MAX_BEACON_SHARDS, MAX_BEACON_TRUTHS, MAX_EPOCH,
+    MAX_IDLE_USERS, MAX_PENDING_PREFS, MAX_RECORDED_DEVICES, RELEASE_AFTER, RESYNC_EVERY,
+    TRUTH_BEACON_FOR, WRITE_BEHIND,
+};
+use crate::hub::Interner;
+use bytes::Bytes;
+use greendot_core::{Core, DeviceId, EndReason, Epoch, Millis, Output, SessionId, UserId};
+use greendot_proto as proto;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::Instant;
+
+/// Who holds a device's connection: the edge, its incarnation, its
+/// connection.
+pub(super) type Holder = (String, u64, u64);
+
+/// What this node holds of a shard it acts for: the core and the names
+/// and holders of the devices in it.
+pub(super) struct Owner {
+    pub(super) epoch: u64,
+    pub(super) core: Core,
+    pub(super) users: Interner,
+    pub(super) devices: Interner,
+    /// Each session's holder, device name id (the owner's `devices` hold
+    /// one reference per session: a name no session uses is freed), the
+    /// edge's wire id of it (0: restored, not connected again yet) and its
+    /// user.
+    /// Each session's holder, device, wire id, user, and `since` (its
+    /// edge's welcome order; 0 when restored from the device record).
+    pub(super) sessions: HashMap<SessionId, (Holder, u64, u64, UserId, u64)>,
+    pub(super) by_holder: HashMap<Holder, SessionId>,
+    /// The last request id taken per connection: a request that arrives
+    /// late (after the edge gave up on it and sent the next) is not applied
+    /// over a newer one.
+    pub(super) last_rid: HashMap<Holder, u64>,
+    /// Users whose KV record was read (or is being read): the first device
+    /// input of any other waits for it, so a new owner keeps the user's
+    /// preferences and last published view.
+    pub(super) loaded: std::collections::HashSet<String>,
+    /// Inputs waiting for their user's KV record.
+    pub(super) loading: HashMap<String, Vec<(ToOwner, ReplyTo)>>,
+    /// Devices of the shard's record (the previous owner's), by user, to be
+    /// restored as lingering with the user.
+    recorded: HashMap<String, Vec<RecordedDevice>>,
+    /// The device set changed since this instant and is not written yet.
+    pub(super) dirty_since: Option<Millis>,
+    /// Users that got a session at another node's edge in this step: that
+    /// edge is sent the user's truth even if it did not change (it may
+    /// have changed while the connect was on its way).
+    pub(super) greet: Vec<(UserId, String)>,
+    /// Users that went offline (or were only looked at), by when to free
+    /// them if they still hold nothing.
+    pub(super) idle: VecDeque<(Millis, UserId)>,
+    /// Views published on the shard's subject in this epoch: the last
+    /// one's number.
+    pub(super) seq: u64,
+    /// Truths sent to each other edge in this epoch: the last one's number,
+    /// and when it went (beacons name the recent ones).
+    truth_seq: HashMap<String, (u64, Instant)>,
+    /// The resync request is sent again until then (it may be lost), every
+    /// `RESYNC_EVERY`.
+    resync_until: Instant,
+    next_resync: Instant,
+}
+
+/// Where an owner's answer goes.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum ReplyTo {
+    Remote(u64),
+    /// This node's own edge, in process: the op `rid` of a session.
+    Local(SessionId, u64),
+}
+
+/// The user's Online devices at this owner, with the edges' session ids.
+pub(super) fn route_of(o: &Owner, user: &str) -> Vec<proto::RouteEntry> {
+    let Some(uid) = o.users.get(user) else {
+        return Vec::new();
+    };
+    o.core
+        .route(UserId(uid))
+        .into_iter()
+        .filter_map(|s| {
+            let info = o.core.session_info(s)?;
+            let (_, did, wire, ..) = o.sessions.get(&s)?;
+            Some(proto::RouteEntry {
+                device: o.devices.name(*did)?.to_string(),
+                kind: info.kind.into(),
+                session: *wire,
+            })
+        })
+        .collect()
+}
+
+pub(super) fn note_idle(o: &mut Owner, user: UserId, at: Millis) {
+    if o.idle.len() < MAX_IDLE_USERS {
+        o.idle.push_back((at.plus(RELEASE_AFTER), user));
+    }
+}
+
+/// Frees the users whose wait is over and who still hold nothing but what
+/// the KV keeps; how many.
+pub(super) fn release_idle(o: &mut Owner, at: Millis) -> usize {
+    let mut freed = 0;
+    while let Some(&(due, user)) = o.idle.front() {
+        if due > at {
+            break;
+        }
+        o.idle.pop_front();
+        let Some(name) = o.users.name(user.0).cloned() else {
+            continue; // freed already (an id is never reused)
+        };
+        if o.loading.contains_key(&*name) || o.recorded.contains_key(&*name) {
+            continue;
+        }
+        if o.core.is_known(user) && !o.core.release_saved(user) {
+            continue; // back online, or a publish pending
+        }
+        o.loaded.remove(&*name);
+        o.users.remove(user.0);
+        freed += 1;
+    }
+    freed
+}
+
+/// A name interned for a user the core has no record of goes again.
+pub(super) fn forget_user_if_unknown(o: &mut Owner, uid: u64) {
+    if !o.core.is_known(UserId(uid)) {
+        o.users.remove(uid);
+    }
+}
+
+/// A session of device name `did` is gone: the name goes with its last.
+pub(super) fn forget_device(devices: &mut Interner, did: u64) {
+    if devices.drop_ref(did) == 0 {
+        devices.remove(did);
+    }
+}
+
+impl ClusterLink {
+    pub fn set_status(&mut self, now: Instant, at: Millis, shards: BTreeMap<u32, (u64, Instant)>) {
+        // Shards lost, or won under a new epoch: their old cores go.
+        let gone: Vec<u32> = self
+            .owners
+            .iter()
+            .filter(|(s, o)| shards.get(s).is_none_or(|(e, _)| *e != o.epoch))
+            .map(|(s, _)| *s)
+            .collect();
+        for shard in gone {
+            self.drop_owner(shard, now, at);
+        }
+        self.acting = shards;
+        let won: Vec<(u32, u64)> = self
+            .acting
+            .iter()
+            .filter(|(s, (_, until))| now < *until && !self.owners.contains_key(s))
+            .filter(|(s, (e, _))| {
+                // An epoch past the last whose versions fit would wrap them:
+                // not acted for (the claim side refuses it first).
+                let fits = *e <= MAX_EPOCH;
+                if !fits {
+                    tracing::error!(
+                        shard = s,
+                        epoch = e,
+                        "not acting for the shard: its epoch would wrap versions"
+                    );
+                }
+                fits
+            })
+            .map(|(s, (e, _))| (*s, *e))
+            .collect();
+        for (shard, epoch) in won {
+            let Ok(mut core) = Core::new(self.owner_config.clone()) else {
+                continue; // the same config the hub's core took
+            };
+            core.set_publish_views(true);
+            core.enter_epoch(Epoch(u32::try_from(epoch).unwrap_or(u32::MAX)));
+            // Until the edges resent their devices, nobody restored from the
+            // KV goes offline (C2).
+            core.hold_offline_until(at.plus(Millis(
+                u64::try_from(self.settings.request_timeout.as_millis()).unwrap_or(u64::MAX),
+            )));
+            let cap = self.owner_config.max_users;
+            self.owners.insert(
+                shard,
+                Owner {
+                    epoch,
+                    core,
+                    users: Interner::new(cap),
+                    devices: Interner::new(self.owner_config.max_sessions),
+                    sessions: HashMap::new(),
+                    by_holder: HashMap::new(),
+                    last_rid: HashMap::new(),
+                    loaded: Default::default(),
+                    loading: HashMap::new(),
+                    recorded: HashMap::new(),
+                    dirty_since: None,
+                    greet: Vec::new(),
+                    idle: VecDeque::new(),
+                    seq: 0,
+                    truth_seq: HashMap::new(),
+                    resync_until: now + self.settings.request_timeout,
+                    next_resync: now + RESYNC_EVERY,
+                },
+            );
+            // The previous owner's devices: restored as lingering, so that
+            // those nobody resends go offline (no ghost when the edge died
+            // with the owner, C3).
+            self.next_id += 1;
+            let id = self.next_id;
+            self.pending_shards.insert(id, (shard, epoch, now));
+            self.outputs
+                .push_back(ClusterOutput::LoadShard { id, shard });
+            self.ask_resync(shard, epoch);
+            // This node's own edge resends its devices of the shard at once.
+            let mine: Vec<SessionId> = self
+                .devices
+                .iter()
+                .filter(|(_, d)| !d.closed && self.shard(&d.user) == shard)
+                .map(|(s, _)| *s)
+                .collect();
+            for session in mine {
+                self.resend(session, now, at);
+            }
+        }
+    }
+
+    fn ask_resync(&mut self, shard: u32, epoch: u64) {
+        self.outputs.push_back(ClusterOutput::Resync {
+            payload: encode(&ResyncRequest {
+                shard,
+                epoch,
+                owner: self.settings.node.clone(),
+            }),
+        });
+    }
+
+    /// Owners' periodic messages: the resync request again while its window
+    /// is open, and the beacon.
+    pub(super) fn announce(&mut self, now: Instant) {
+        let again: Vec<(u32, u64)> = self
+            .owners
+            .iter_mut()
+            .filter(|(_, o)| now < o.resync_until && now >= o.next_resync)
+            .map(|(s, o)| {
+                o.next_resync = now + RESYNC_EVERY;
+                (*s, o.epoch)
+            })
+            .collect();
+        for (shard, epoch) in again {
+            self.ask_resync(shard, epoch);
+        }
+        if self.next_beacon.is_some_and(|t| now < t) {
+            return;
+        }
+        self.next_beacon = Some(now + BEACON_EVERY);
+        let acting: Vec<(&u32, &Owner)> = self
+            .owners
+            .iter()
+            .filter(|(s, o)| self.acting_epoch(**s, now) == Some(o.epoch))
+            .collect();
+        let shards: Vec<(u32, u64, u64)> = acting
+            .iter()
+            .filter(|(_, o)| o.seq > 0)
+            .map(|(s, o)| (**s, o.epoch, o.seq))
+            .collect();
+        let recent = |sent: Instant| now.saturating_duration_since(sent) <= TRUTH_BEACON_FOR;
+        let truths: Vec<(String, u32, u64, u64)> = acting
+            .iter()
+            .flat_map(|(s, o)| {
+                o.truth_seq
+                    .iter()
+                    .filter(move |(_, (_, sent))| recent(*sent))
+                    .map(move |(edge, (seq, _))| (edge.clone(), **s, o.epoch, *seq))
+            })
+            .collect();
+        let chunks = shards
+            .len()
+            .div_ceil(MAX_BEACON_SHARDS)
+            .max(truths.len().div_ceil(MAX_BEACON_TRUTHS));
+        for i in 0..chunks {
+            let part = |len: usize, max: usize| (i * max).min(len)..((i + 1) * max).min(len);
+            self.outputs.push_back(ClusterOutput::Beacon {
+                payload: encode(&Beacon {
+                    owner: self.settings.node.clone(),
+                    shards: shards[part(shards.len(), MAX_BEACON_SHARDS)].to_vec(),
+                    truths: truths[part(truths.len(), MAX_BEACON_TRUTHS)].to_vec(),
+                }),
+            });
+        }
+    }
+
+    /// The node stops acting for `shard`: its core goes, and this node's
+    /// own inputs that waited in it are refused (the edge looks again).
+    pub(super) fn drop_owner(&mut self, shard: u32, now: Instant, at: Millis) {
+        let Some(o) = self.owners.remove(&shard) else {
+            return;
+        };
+        for (_, waiting) in o.loading {
+            for (_, reply) in waiting {
+                if let ReplyTo::Local(..) = reply {
+                    self.reply(reply, FromOwner::NotOwner, now, at);
+                }
+            }
+        }
+    }
+
+    /// Whether the owner of `shard` has the KV records of all `users`;
+    /// if not, reads those not asked for yet (a snapshot taken before
+    /// would miss a freed user's last seen, or a new owner's predecessor's
+    /// view).
+    pub(super) fn load_users<'a>(
+        &mut self,
+        shard: u32,
+        users: impl Iterator<Item = &'a str>,
+        now: Instant,
+    ) -> bool {
+        let Some(o) = self.owners.get_mut(&shard) else {
+            return false;
+        };
+        let epoch = o.epoch;
+        let mut all = true;
+        for user in users {
+            if o.loaded.contains(user) {
+                continue;
+            }
+            all = false;
+            if o.loading.contains_key(user) || self.pending_loads.len() >= MAX_PENDING_PREFS {
+                continue;
+            }
+            o.loading.insert(user.to_owned(), Vec::new());
+            self.next_id += 1;
+            let id = self.next_id;
+            self.pending_loads
+                .insert(id, (shard, epoch, user.to_owned(), now));
+            self.outputs.push_back(ClusterOutput::LoadUser {
+                id,
+                user: user.to_owned(),
+            });
+        }
+        all
+    }
+
+    /// A user's KV record arrived: restore it, then take the inputs that
+    /// waited for it.
+    pub(super) fn user_loaded(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        id: u64,
+        prefs: Option<Bytes>,
+        view: Option<Bytes>,
+    ) {
+        let Some((shard, epoch, user, _)) = self.pending_loads.remove(&id) else {
+            return;
+        };
+        let max_message = self.owner_config.max_message_len;
+        let prefs = prefs
+            .and_then(|b| decode::<WirePrefs>(&b))
+            .filter(|p| p.message.as_ref().is_none_or(|m| m.len() <= max_message));
+        let view = view
+            .and_then(|b| decode::<proto::Presence>(&b))
+            .filter(|p| p.message.as_ref().is_none_or(|m| m.len() <= max_message));
+        let Some(o) = self.owners.get_mut(&shard).filter(|o| o.epoch == epoch) else {
+            return; // the owner is gone; its waiting inputs were refused then
+        };
+        o.loaded.insert(user.clone());
+        let recorded = o.recorded.remove(&user).unwrap_or_default();
+        if prefs.is_some() || view.is_some() || !recorded.is_empty() {
+            // Recorded devices linger at least to the end of the resync
+            // window, heard from at the record's time.
+            let window = u64::try_from(self.settings.request_timeout.as_millis()).unwrap_or(0);
+            let mut devices = Vec::new();
+            let mut holders = Vec::new();
+            for d in &recorded {
+                let Some(did) = o.devices.intern(&d.device) else {
+                    continue;
+                };
+                devices.push(greendot_core::cluster::DeviceRecord {
+                    device: DeviceId(did),
+                    kind: d.kind.into(),
+                    edge: greendot_core::NodeId(0),
+                    last_heard: Millis(d.heard).min(at),
+                });
+                holders.push(((d.edge.clone(), d.incarnation, d.conn), did));
+            }
+            if let Some(uid) = o.users.intern(&user) {
+                let record = greendot_core::cluster::OwnedRecord {
+                    status: prefs
+                        .as_ref()
+                        .map_or(Default::default(), |p| p.status.into()),
+                    message: prefs.as_ref().and_then(|p| p.message.clone()),
+                    invisible: prefs.as_ref().is_some_and(|p| p.invisible),
+                    // The preferences carry last seen as of their last write,
+                    // the view as of the last publish (later, when the user
+                    // went offline since).
+                    last_seen: prefs
+                        .as_ref()
+                        .and_then(|p| p.last_seen)
+                        .max(view.as_ref().and_then(|v| v.last_seen))
+                        .map(Millis),
+                    published: view.map(|v| v.to_core()).unwrap_or_default(),
+                    devices,
+                };
+                // Refused only for a user already online here (cannot be:
+                // their inputs waited for this), or past a limit.
+                if let Ok(sessions) =
+                    o.core
+                        .restore_owned(at, UserId(uid), &record, at.plus(Millis(window)))
+                {
+                    for (session, (holder, did)) in sessions.into_iter().zip(holders) {
+                        o.by_holder.insert(holder.clone(), session);
+                        o.devices.acquire(did);
+                        o.sessions.insert(session, (holder, did, 0, UserId(uid), 0));
+                    }
+                }
+            }
+        }
+        let waiting = o.loading.remove(&user).unwrap_or_default();
+        for (msg, reply) in waiting {
+            self.owner_input(shard, msg, reply, now, at);
+        }
+        self.drain_owner(shard, now, at);
+    }
+
+    /// The previous owner's device record of a shard arrived: each user in
+    /// it is restored (preferences, view, devices as lingering) at once.
+    pub(super) fn shard_loaded(&mut self, now: Instant, id: u64, record: Option<Bytes>) {
+        let Some((shard, epoch, _)) = self.pending_shards.remove(&id) else {
+            return;
+        };
+        let max_name = self.max_name_len;
+        let devices: Vec<RecordedDevice> = record
+            .and_then(|b| decode::<Vec<RecordedDevice>>(&b))
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|d| {
+                [&d.user, &d.device, &d.edge]
+                    .iter()
+                    .all(|n| !n.is_empty() && n.len() <= max_name)
+            })
+            .take(MAX_RECORDED_DEVICES)
+            .collect();
+        let shard_of = self.settings.shard_of;
+        let count = self.settings.shard_count;
+        let Some(o) = self.owners.get_mut(&shard).filter(|o| o.epoch == epoch) else {
+            return;
+        };
+        let mut users = Vec::new();
+        for d in devices {
+            if shard_of(&d.user, count) != shard || o.loaded.contains(&d.user) {
+                continue;
+            }
+            let list = o.recorded.entry(d.user.clone()).or_default();
+            if list.is_empty() {
+                users.push(d.user.clone());
+            }
+            list.push(d);
+        }
+        for user in users {
+            let Some(o) = self.owners.get_mut(&shard) else {
+                return;
+            };
+            if o.loading.contains_key(&user) {
+                continue; // its read is on the way; the devices go with it
+            }
+            o.loading.insert(user.clone(), Vec::new());
+            self.next_id += 1;
+            let id = self.next_id;
+            self.pending_loads
+                .insert(id, (shard, epoch, user.clone(), now));
+            self.outputs.push_back(ClusterOutput::LoadUser { id, user });
+        }
+    }
+
+    /// Writes the shard's device record behind once `WRITE_BEHIND` passed
+    /// since the first change not written.
+    pub(super) fn write_devices(&mut self, shard: u32, at: Millis) {
+        let base = self.unix_base_ms;
+        let Some(o) = self.owners.get_mut(&shard) else {
+            return;
+        };
+        if o.dirty_since.is_none_or(|d| at < d.plus(WRITE_BEHIND)) {
+            return;
+        }
+        o.dirty_since = None;
+        let mut devices: Vec<RecordedDevice> = o
+            .sessions
+            .iter()
+            .filter_map(|(s, ((edge, incarnation, conn), ..))| {
+                let info = o.core.session_info(*s)?;
+                Some(RecordedDevice {
+                    user: o.users.name(info.user.0)?.to_string(),
+                    device: o.devices.name(info.device.0)?.to_string(),
+                    kind: info.kind.into(),
+                    edge: edge.clone(),
+                    incarnation: *incarnation,
+                    conn: *conn,
+                    heard: base.saturating_add(at.0),
+                })
+            })
+            .collect();
+        devices.sort_by(|a, b| (&a.user, &a.device).cmp(&(&b.user, &b.device)));
+        devices.truncate(MAX_RECORDED_DEVICES);
+        self.outputs.push_back(ClusterOutput::PutShardDevices {
+            shard,
+            value: encode(&devices),
+        });
+    }
+
+    /// An edge's lease is gone: the devices it held, at every shard this
+    /// node owns, are lost as by a disconnect at its last renewal, so a
+    /// device that reconnects to another edge within grace resumes unseen,
+    /// and one that does not is shown offline after grace and debounce (C3).
+    /// With `older_than`, only the devices of the edge's incarnations below
+    /// it are lost (the edge restarted under that incarnation).
+    pub(super) fn edge_lost(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        node: &str,
+        older_than: Option<u64>,
+        last_heard: u64,
+    ) {
+        if node == self.settings.node {
+            return; // its own lease: the node is being cut off, not lost
+        }
+        // Unix ms (from the lease) on the core's clock.
+        let last_heard = Millis(last_heard.saturating_sub(self.unix_base_ms)).min(at);
+        let shards: Vec<u32> = self.owners.keys().copied().collect();
+        for shard in shards {
+            let Some(o) = self.owners.get_mut(&shard) else {
+                continue;
+            };
+            let lost: Vec<SessionId> = o
+                .sessions
+                .iter()
+                .filter(|(_, (holder, ..))| {
+                    holder.0 == node && older_than.is_none_or(|i| holder.1 < i)
+                })
+                .map(|(s, _)| *s)
+                .collect();
+            if lost.is_empty() {
+                continue;
+            }
+            let n = o.core.handle_edge_lost(at, &lost, last_heard);
+            self.counters.edge_lost_devices += n as u64;
+            self.drain_owner(shard, now, at);
+        }
+    }
+
+    /// This node's owner of `shard`: its epoch and last view's number.
+    pub(super) fn published_up_to(&self, shard: u32) -> (u64, u64) {
+        self.owners.get(&shard).map_or((0, 0), |o| (o.epoch, o.seq))
+    }
+
+    /// Publishes what the owner's core published, and forgets ended sessions.
+    pub(super) fn drain_owner(&mut self, shard: u32, now: Instant, at: Millis) {
+        let base = self.unix_base_ms;
+        let Some(o) = self.owners.get_mut(&shard) else {
+            return;
+        };
+        let mut ended = Vec::new();
+        while let Some(out) = o.core.poll_output() {
+            if let Output::SessionEnded { session, reason } = out {
+                ended.push((session, reason));
+            }
+        }
+        if !ended.is_empty() {
+            o.dirty_since.get_or_insert(at);
+        }
+        for (session, reason) in ended {
+            if let Some((holder, did, _, uid, _)) = o.sessions.remove(&session) {
+                // The device is gone (not connected again): a resume naming
+                // its session anywhere starts fresh.
+                let names = (o.users.name(uid.0), o.devices.name(did));
+                if let (false, (Some(user), Some(device))) =
+                    (reason == EndReason::Superseded, names)
+                {
+                    self.outputs.push_back(ClusterOutput::DeleteSession {
+                        user: user.to_string(),
+                        device: device.to_string(),
+                    });
+                }
+                o.by_holder.remove(&holder);
+                forget_device(&mut o.devices, did);
+            }
+        }
+        // (user, own, presence, only to the greeted edges)
+        let mut views = Vec::new();
+        while let Some(p) = o.core.poll_published() {
+            if p.own && !p.presence.online {
+                note_idle(o, p.user, at);
+            }
+            views.push((p.user, p.own, p.presence, false));
+        }
+        // A greeted edge not sent a truth below gets the current one.
+        let mut greet = std::mem::take(&mut o.greet);
+        for &(user, _) in &greet {
+            let already = views.iter().any(|(u, own, ..)| *u == user && *own);
+            if !already {
+                views.push((user, true, o.core.truth(user), true));
+            }
+        }
+        let me = self.settings.node.as_str();
+        let mut out = Vec::new();
+        let mut local = Vec::new();
+        for (user, own, presence, greet_only) in views {
+            let Some(name) = o.users.name(user.0) else {
+                continue;
+            };
+            if !own {
+                o.seq += 1;
+            }
+            let v = ShardView {
+                epoch: o.epoch,
+                seq: if own { 0 } else { o.seq },
+                published_ms: base.saturating_add(at.0),
+                user: name.to_string(),
+                own,
+                presence: proto::Presence::from_core(&presence, base),
+            };
+            let payload = encode(&v);
+            if own {
+                // Only the user's own sessions see the truth: it goes to
+                // the edges holding the user's devices, not to every
+                // watcher of the shard, numbered per edge so that an edge
+                // notices one it missed.
+                let holding = if greet_only {
+                    Vec::new()
+                } else {
+                    o.core.sessions_of(user)
+                };
+                let mut edges: Vec<&str> = holding
+                    .iter()
+                    .filter_map(|s| o.sessions.get(s))
+                    .map(|(h, ..)| h.0.as_str())
+                    .chain(greet.iter().filter(|g| g.0 == user).map(|g| g.1.as_str()))
+                    .filter(|e| *e != me)
+                    .collect();
+                edges.sort_unstable();
+                edges.dedup();
+                for node in edges {
+                    let n = o.truth_seq.entry(node.to_owned()).or_insert((0, now));
+                    *n = (n.0 + 1, now);
+                    let numbered = ShardView {
+                        seq: n.0,
+                        ..v.clone()
+                    };
+                    out.push(ClusterOutput::PublishToEdge {
+                        node: node.to_owned(),
+                        payload: encode(&numbered),
+                    });
+                }
+            } else {
+                // Written behind, for the next owner to restore.
+                out.push(ClusterOutput::PutView {
+                    user: v.user.clone(),
+                    value: encode(&v.presence),
+                });
+                out.push(ClusterOutput::Publish { shard, payload });
+            }
+            local.push(v);
+        }
+        greet.clear();
+        o.greet = greet;
+        for output in out {
+            match output {
+                ClusterOutput::Publish { .. } => self.counters.published += 1,
+                ClusterOutput::PublishToEdge { .. } => self.counters.truths_sent += 1,
+                _ => {}
+            }
+            self.outputs.push_back(output);
+        }
+        // This node's own sessions, in process (the copy NATS brings back
+        // on the shard's subject is dropped by version).
+        for v in local {
+            self.apply_view(at, &v.user, v.own, v.presence.to_core());
+        }
+    }
+}

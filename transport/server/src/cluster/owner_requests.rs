@@ -1,0 +1,493 @@
+//! What an owner does with the requests of the edges ([`ToOwner`]): device
+//! inputs (filtered by incarnation and request id, preferences written to
+//! the KV before the ack), snapshots, views and routes.
+
+use super::owner::{
+    forget_device, forget_user_if_unknown, note_idle, route_of, Holder, Owner, ReplyTo,
+};
+use super::wire::{decode, encode, FromOwner, ToOwner, WireOp, WirePrefs};
+use super::{
+    ClusterLink, ClusterOutput, RequestKind, MAX_EDGES_REMEMBERED, MAX_HOLDERS_REMEMBERED,
+    MAX_PENDING_PREFS, MAX_QUEUED_OPS, MAX_SNAPSHOT_TARGETS,
+};
+use greendot_core::{Connect, DeviceId, DeviceKind, Millis, SessionId, UserId, Watch};
+use greendot_proto::{self as proto, ErrorCode, WireError};
+use std::collections::HashMap;
+use std::time::Instant;
+
+pub(super) struct PendingPrefs {
+    pub(super) reply: ReplyTo,
+    pub(super) since: Instant,
+    pub(super) shard: u32,
+    pub(super) epoch: u64,
+    holder: Holder,
+    rid: u64,
+}
+
+fn remember_rid(last: &mut HashMap<Holder, u64>, key: Holder, rid: u64) {
+    if last.len() >= MAX_HOLDERS_REMEMBERED && !last.contains_key(&key) {
+        // Bounded memory over a perfect filter: after this, a request that
+        // was in flight for a long-gone connection could be applied late.
+        last.clear();
+    }
+    let r = last.entry(key).or_insert(0);
+    *r = (*r).max(rid);
+}
+
+fn owner_connect(
+    o: &mut Owner,
+    at: Millis,
+    user: &str,
+    device: &str,
+    kind: DeviceKind,
+    (holder, wire, since): (Holder, u64, u64),
+) -> Result<UserId, WireError> {
+    let too_many = || WireError::new(ErrorCode::TooManyUsers, "the owner holds too many users");
+    let uid = o.users.intern(user).ok_or_else(too_many)?;
+    let Some(did) = o.devices.intern(device) else {
+        forget_user_if_unknown(o, uid);
+        return Err(too_many());
+    };
+    // A device connecting again (here or at another edge) supersedes its
+    // older session; a Lingering one is taken over unseen.
+    let connect = Connect {
+        user: UserId(uid),
+        device: DeviceId(did),
+        kind,
+        watch: Watch::All,
+        resume: None,
+        foreground: true,
+    };
+    let connected = match o.core.handle_connect(at, connect) {
+        Ok(c) => c,
+        Err(e) => {
+            // Nothing refers to names interned for a refused connect.
+            if o.devices.refs(did) == 0 {
+                o.devices.remove(did);
+            }
+            forget_user_if_unknown(o, uid);
+            return Err(e.into());
+        }
+    };
+    if let Some(old) = o.by_holder.insert(holder.clone(), connected.session) {
+        if let Some((_, did, ..)) = o.sessions.remove(&old) {
+            forget_device(&mut o.devices, did);
+        }
+    }
+    o.devices.acquire(did);
+    o.sessions
+        .insert(connected.session, (holder, did, wire, UserId(uid), since));
+    Ok(UserId(uid))
+}
+
+/// Whether `device` of `user` is online under a session that the same edge
+/// run as `holder` welcomed after `since`.
+fn welcomed_later(o: &Owner, user: &str, device: &str, holder: &Holder, since: u64) -> bool {
+    let (Some(uid), Some(did)) = (o.users.get(user), o.devices.get(device)) else {
+        return false;
+    };
+    o.core.sessions_of(UserId(uid)).into_iter().any(|s| {
+        let online = o
+            .core
+            .session_info(s)
+            .is_some_and(|i| i.online && i.device == DeviceId(did));
+        online
+            && o.sessions.get(&s).is_some_and(|(h, _, _, _, later)| {
+                h.0 == holder.0 && h.1 == holder.1 && *later > since
+            })
+    })
+}
+
+impl ClusterLink {
+    /// A request on a shard's subject: checked, then taken as its owner.
+    pub(super) fn request_message(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        shard: u32,
+        kind: RequestKind,
+        payload: &[u8],
+        reply: u64,
+    ) {
+        match decode::<ToOwner>(payload) {
+            Some(msg) if self.well_formed(&msg) => {
+                let matches_kind = matches!(
+                    (&msg, kind),
+                    (ToOwner::Device { .. }, RequestKind::Input)
+                        | (ToOwner::Snapshot { .. }, RequestKind::Snapshot)
+                        | (ToOwner::Views { .. }, RequestKind::Snapshot)
+                        | (ToOwner::Route { .. }, RequestKind::Snapshot)
+                );
+                if !matches_kind {
+                    self.counters.malformed += 1;
+                    return;
+                }
+                self.owner_request(shard, msg, reply, now, at);
+            }
+            _ => self.counters.malformed += 1,
+        }
+    }
+
+    /// Names within the limits (checked before anything is interned).
+    fn well_formed(&self, msg: &ToOwner) -> bool {
+        let ok = |s: &str| !s.is_empty() && s.len() <= self.max_name_len;
+        match msg {
+            ToOwner::Device {
+                edge,
+                user,
+                device,
+                op,
+                ..
+            } => {
+                ok(edge)
+                    && ok(user)
+                    && ok(device)
+                    && match op {
+                        WireOp::SetStatus {
+                            message: Some(m), ..
+                        } => m.len() <= self.owner_config.max_message_len,
+                        _ => true,
+                    }
+            }
+            ToOwner::Snapshot { viewer, targets } => {
+                ok(viewer) && targets.len() <= MAX_SNAPSHOT_TARGETS && targets.iter().all(|t| ok(t))
+            }
+            ToOwner::Views { targets, .. } => {
+                targets.len() <= MAX_SNAPSHOT_TARGETS && targets.iter().all(|t| ok(t))
+            }
+            ToOwner::Route { user } => ok(user),
+        }
+    }
+
+    fn owner_request(&mut self, shard: u32, msg: ToOwner, reply: u64, now: Instant, at: Millis) {
+        if self.acting_epoch(shard, now).is_none() || !self.owners.contains_key(&shard) {
+            self.outputs.push_back(ClusterOutput::Reply {
+                reply,
+                payload: encode(&FromOwner::NotOwner),
+            });
+            return;
+        }
+        // Whether each target gets its truth: the viewer's own, or all.
+        let (viewer, all_own, targets) = match msg {
+            ToOwner::Snapshot { viewer, targets } => (Some(viewer), false, targets),
+            ToOwner::Views { targets, own } => (None, own, targets),
+            ToOwner::Route { user } => {
+                if self.shard(&user) != shard {
+                    self.counters.malformed += 1;
+                    return;
+                }
+                let entries = self.owners.get(&shard).map(|o| route_of(o, &user));
+                self.outputs.push_back(ClusterOutput::Reply {
+                    reply,
+                    payload: encode(&FromOwner::Route(entries.unwrap_or_default())),
+                });
+                return;
+            }
+            device => {
+                self.counters.owner_inputs += 1;
+                return self.owner_input(shard, device, ReplyTo::Remote(reply), now, at);
+            }
+        };
+        if targets.iter().any(|t| self.shard(t) != shard) {
+            self.counters.malformed += 1;
+            return;
+        }
+        if !self.load_users(shard, targets.iter().map(String::as_str), now) {
+            self.outputs.push_back(ClusterOutput::Reply {
+                reply,
+                payload: encode(&FromOwner::Loading),
+            });
+            return;
+        }
+        let mut presences = Vec::with_capacity(targets.len());
+        let base = self.unix_base_ms;
+        for t in &targets {
+            let Some(o) = self.owners.get_mut(&shard) else {
+                return;
+            };
+            let Some(uid) = o.users.intern(t) else {
+                // At the cap: no answer, the edge times out.
+                return;
+            };
+            match o
+                .core
+                .handle_snapshot(at, UserId(uid), all_own || viewer.as_ref() == Some(t))
+            {
+                Ok(p) => presences.push(proto::Presence::from_core(&p, base)),
+                Err(_) => return,
+            }
+            if !o.core.is_online(UserId(uid)) {
+                note_idle(o, UserId(uid), at);
+            }
+        }
+        self.drain_owner(shard, now, at);
+        let (epoch, seq) = self.published_up_to(shard);
+        self.outputs.push_back(ClusterOutput::Reply {
+            reply,
+            payload: encode(&FromOwner::Snapshot {
+                presences,
+                epoch,
+                seq,
+            }),
+        });
+    }
+
+    pub(super) fn reply(&mut self, to: ReplyTo, answer: FromOwner, now: Instant, at: Millis) {
+        match to {
+            ReplyTo::Remote(reply) => self.outputs.push_back(ClusterOutput::Reply {
+                reply,
+                payload: encode(&answer),
+            }),
+            ReplyTo::Local(session, rid) => self.device_answer(session, rid, Some(answer), now, at),
+        }
+    }
+
+    /// A device input at the owner of `shard`.
+    pub(super) fn owner_input(
+        &mut self,
+        shard: u32,
+        msg: ToOwner,
+        reply: ReplyTo,
+        now: Instant,
+        at: Millis,
+    ) {
+        let ToOwner::Device {
+            edge,
+            incarnation,
+            rid,
+            conn,
+            user,
+            device,
+            op,
+        } = msg
+        else {
+            return;
+        };
+        if self.shard(&user) != shard {
+            self.counters.malformed += 1;
+            return;
+        }
+        if !self.saw_incarnation(&edge, incarnation) {
+            // Sent by a run of the edge that is gone (a `kill -9` just
+            // after it sent): applied, it would connect a device nobody
+            // holds, a ghost until the next owner change.
+            self.counters.stale_incarnation += 1;
+            return;
+        }
+        let from_unix = |unix: u64| Millis(unix.saturating_sub(self.unix_base_ms)).min(at);
+        let loads = self.pending_loads.len();
+        // `max_users` is the node's, over all the shards it owns: a user
+        // new to every owner core here is refused at it.
+        let node_users: usize = self.owners.values().map(|o| o.users.len()).sum();
+        let Some(o) = self.owners.get_mut(&shard) else {
+            return self.reply(reply, FromOwner::NotOwner, now, at);
+        };
+        let connects = matches!(op, WireOp::Connect { .. });
+        if connects && node_users >= self.owner_config.max_users && o.users.get(&user).is_none() {
+            let full = WireError::new(ErrorCode::TooManyUsers, "this node holds too many users");
+            return self.reply(reply, FromOwner::Refused(full), now, at);
+        }
+        let epoch = o.epoch;
+        if !o.loaded.contains(&user) {
+            // The user's KV record first: a new owner keeps their choices,
+            // and a user last published online whose device it never hears
+            // of goes offline once the resync window closed (no ghost).
+            let msg = ToOwner::Device {
+                edge,
+                incarnation,
+                rid,
+                conn,
+                user: user.clone(),
+                device,
+                op,
+            };
+            if let Some(queue) = o.loading.get_mut(&user) {
+                if queue.len() < MAX_QUEUED_OPS * 4 {
+                    queue.push((msg, reply));
+                }
+                return;
+            }
+            if loads >= MAX_PENDING_PREFS {
+                return self.reply(reply, FromOwner::NotOwner, now, at);
+            }
+            o.loading.insert(user.clone(), vec![(msg, reply)]);
+            self.next_id += 1;
+            let id = self.next_id;
+            self.pending_loads
+                .insert(id, (shard, epoch, user.clone(), now));
+            self.outputs.push_back(ClusterOutput::LoadUser { id, user });
+            return;
+        }
+        let holder = (edge, incarnation, conn);
+        if o.last_rid.get(&holder).is_some_and(|&r| rid <= r) {
+            return self.reply(reply, FromOwner::Done { epoch }, now, at);
+        }
+        let session = o.by_holder.get(&holder).copied();
+        let live = |o: &Owner, s: SessionId| o.core.session_info(s).is_some_and(|i| i.online);
+        let mut prefs = false;
+        let answer = match op {
+            WireOp::Connect {
+                kind,
+                session: wire,
+                since,
+            } => {
+                if session.is_some_and(|s| live(o, s)) {
+                    FromOwner::Done { epoch }
+                } else if welcomed_later(o, &user, &device, &holder, since) {
+                    // A session this edge run welcomed after this one holds
+                    // the device: this one was given up by its client and
+                    // must not take the device over (its end would show
+                    // the device offline while it is connected).
+                    self.counters.stale_connects += 1;
+                    FromOwner::Done { epoch }
+                } else {
+                    let named = (holder.clone(), wire, since);
+                    match owner_connect(o, at, &user, &device, kind.into(), named) {
+                        Ok(uid) => {
+                            o.dirty_since.get_or_insert(at);
+                            if holder.0 != self.settings.node {
+                                o.greet.push((uid, holder.0.clone()));
+                            }
+                            FromOwner::Done { epoch }
+                        }
+                        Err(e) => FromOwner::Refused(e),
+                    }
+                }
+            }
+            WireOp::Disconnect { last_heard } => {
+                if let Some(s) = session {
+                    let _ = o.core.handle_disconnect(at, s, from_unix(last_heard));
+                }
+                FromOwner::Done { epoch }
+            }
+            WireOp::Logout => {
+                if let Some(s) = session {
+                    let _ = o.core.handle_logout(at, s);
+                }
+                FromOwner::Done { epoch }
+            }
+            WireOp::SetStatus { status, message } => match session.filter(|&s| live(o, s)) {
+                None => FromOwner::Unknown,
+                Some(s) => match o
+                    .core
+                    .handle_set_status(at, s, status.into(), message.as_deref())
+                {
+                    Ok(()) => {
+                        prefs = true;
+                        FromOwner::Done { epoch }
+                    }
+                    Err(e) => FromOwner::Refused(e.into()),
+                },
+            },
+            WireOp::SetInvisible(invisible) => match session.filter(|&s| live(o, s)) {
+                None => FromOwner::Unknown,
+                Some(s) => match o.core.handle_set_invisible(at, s, invisible) {
+                    Ok(()) => {
+                        prefs = true;
+                        FromOwner::Done { epoch }
+                    }
+                    Err(e) => FromOwner::Refused(e.into()),
+                },
+            },
+            WireOp::SetForeground(foreground) => match session.filter(|&s| live(o, s)) {
+                None => FromOwner::Unknown,
+                Some(s) => match o.core.handle_set_foreground(at, s, foreground) {
+                    Ok(()) => {
+                        // Last seen may move: written behind, like a connect.
+                        o.dirty_since.get_or_insert(at);
+                        FromOwner::Done { epoch }
+                    }
+                    Err(e) => FromOwner::Refused(e.into()),
+                },
+            },
+        };
+        let key_rid = holder.clone();
+        if prefs {
+            // Preferences are in the KV before the ack (C4).
+            let uid = o.users.get(&user).map(UserId);
+            let saved = uid.map(|u| o.core.saved(u)).unwrap_or_default();
+            let value = encode(&WirePrefs {
+                status: saved.status.into(),
+                message: saved.message.as_deref().map(str::to_owned),
+                invisible: saved.invisible,
+                last_seen: saved.last_seen.map(|m| self.to_unix(m)),
+            });
+            if self.pending_prefs.len() < MAX_PENDING_PREFS {
+                let id = self.id();
+                self.pending_prefs.insert(
+                    id,
+                    PendingPrefs {
+                        reply,
+                        since: now,
+                        shard,
+                        epoch,
+                        holder: key_rid,
+                        rid,
+                    },
+                );
+                self.outputs.push_back(ClusterOutput::PutPrefs {
+                    id,
+                    user,
+                    epoch,
+                    value,
+                });
+            }
+            self.drain_owner(shard, now, at);
+            return;
+        }
+        if matches!(answer, FromOwner::Done { .. }) {
+            if let Some(o) = self.owners.get_mut(&shard) {
+                remember_rid(&mut o.last_rid, key_rid, rid);
+            }
+        }
+        self.drain_owner(shard, now, at);
+        self.reply(reply, answer, now, at);
+    }
+
+    /// The KV write of preferences `id` is done (`ok`) or failed: the
+    /// input that waited for it is answered.
+    pub(super) fn prefs_stored(&mut self, now: Instant, at: Millis, id: u64, ok: bool) {
+        let Some(p) = self.pending_prefs.remove(&id) else {
+            return;
+        };
+        // Done only while this node still acts for the epoch it
+        // wrote under (C4): after the shard moved, the new owner may
+        // show otherwise, so the edge asks it again.
+        let acting = self
+            .acting
+            .get(&p.shard)
+            .is_some_and(|(epoch, until)| *epoch == p.epoch && now < *until);
+        let owner = self
+            .owners
+            .get_mut(&p.shard)
+            .filter(|o| acting && o.epoch == p.epoch);
+        let answer = match owner {
+            Some(o) if ok => {
+                remember_rid(&mut o.last_rid, p.holder, p.rid);
+                FromOwner::Done { epoch: p.epoch }
+            }
+            // Not stored (or fenced by a newer owner's write), or
+            // the shard moved: the edge asks again.
+            _ => FromOwner::NotOwner,
+        };
+        self.reply(p.reply, answer, now, at);
+    }
+
+    /// Remembers `incarnation` as the edge's newest if it is; `false` if a
+    /// newer one of the edge is known (`incarnation` is a dead run's).
+    pub(super) fn saw_incarnation(&mut self, edge: &str, incarnation: u64) -> bool {
+        match self.incarnations.get_mut(edge) {
+            Some(newest) if *newest > incarnation => false,
+            Some(newest) => {
+                *newest = incarnation;
+                true
+            }
+            None => {
+                if self.incarnations.len() < MAX_EDGES_REMEMBERED {
+                    self.incarnations.insert(edge.to_owned(), incarnation);
+                }
+                true
+            }
+        }
+    }
+}

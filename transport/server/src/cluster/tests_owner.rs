@@ -1,0 +1,694 @@
+//! Tests of the owner side: claims and epochs, device inputs and their
+//! filters, preferences, truths, freed users, lost edges, bad messages.
+
+use super::test_support::*;
+use super::wire::{
+    decode, encode, FromOwner, RecordedDevice, ResyncRequest, ShardView, ToOwner, WireOp,
+};
+use super::{
+    ClusterInput, ClusterLink, ClusterOutput, ClusterSettings, Finished, RequestKind, MAX_EPOCH,
+    MAX_MESSAGE, MAX_SNAPSHOT_TARGETS, RELEASE_AFTER, RESYNC_EVERY, RETRY_AFTER, TICK,
+};
+use bytes::Bytes;
+use greendot_core::{Config, Millis, SessionId, UserId};
+use greendot_proto as proto;
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+#[test]
+fn an_epoch_that_would_wrap_versions_is_not_acted_for() {
+    let now = Instant::now();
+    let until = now + Duration::from_secs(3600);
+    let won = |epoch: u64| {
+        let mut b = link("b");
+        b.set_status(now, Millis(0), [(1, (epoch, until))].into());
+        std::iter::from_fn(|| b.poll_output())
+            .filter(|o| {
+                matches!(
+                    o,
+                    ClusterOutput::Resync { .. } | ClusterOutput::LoadShard { .. }
+                )
+            })
+            .count()
+    };
+    // The last epoch that fits: a new owner loads and asks for a resync.
+    assert_eq!(won(MAX_EPOCH), 2);
+    assert_eq!(epoch_base_of(MAX_EPOCH as u32) >> 40, MAX_EPOCH);
+    // One more would wrap every version to below the first owner's.
+    assert_eq!(epoch_base_of((MAX_EPOCH + 1) as u32), 0);
+    assert_eq!(won(MAX_EPOCH + 1), 0);
+    assert_eq!(won(u64::from(u32::MAX) + 1), 0);
+}
+
+/// alice's phone has two sessions at edge `a`: one its client gave up
+/// on (a connect timeout) and the one it kept, welcomed later. Their
+/// connects reach the owner in the wrong order (the first was held up).
+/// The given-up session must not take the device over: when it ends,
+/// alice stays online, since her kept session is connected.
+#[test]
+fn a_connect_given_up_on_arriving_late_does_not_take_the_device_over() {
+    let (mut a, mut b, now) = edge_and_owner();
+    let (given_up, kept) = (SessionId(1), SessionId(2));
+    for (session, wire) in [(given_up, 1001), (kept, 1002)] {
+        let kind = proto::Kind::Mobile;
+        a.connected(now, Millis(0), session, wire, "alice", "phone", kind, None);
+    }
+    let mut requests = requests_of(&mut a);
+    assert_eq!(requests.len(), 2, "one connect per session");
+    requests.reverse();
+    for request in requests {
+        b.handle_input(now, Millis(1), request);
+        exchange(&mut a, &mut b, now, Millis(1));
+    }
+    let ended = WireOp::Disconnect { last_heard: 0 };
+    assert!(a.input(now, Millis(2), given_up, ended, None));
+    exchange(&mut a, &mut b, now, Millis(2));
+    // Far past grace and debounce.
+    b.handle_timeout(now, Millis(600_000));
+    exchange(&mut a, &mut b, now, Millis(600_000));
+    let o = &b.owners[&1];
+    let uid = UserId(o.users.get("alice").unwrap());
+    let online = o
+        .core
+        .sessions_of(uid)
+        .into_iter()
+        .any(|s| o.core.session_info(s).is_some_and(|i| i.online));
+    assert!(
+        online,
+        "alice shown offline while her kept session is connected"
+    );
+}
+
+/// alice logs out while the owner of her shard is dead: nobody answers.
+/// The next owner restores her phone from the shard's device record and
+/// the edge's logout reaches it: she is offline within the new owner's
+/// resync window and the debounce, not after her grace.
+#[test]
+fn a_logout_during_an_owner_failover_reaches_the_next_owner() {
+    let (mut a, mut b, now) = two_nodes();
+    b.handle_timeout(now, Millis(600));
+    exchange(&mut a, &mut b, now, Millis(600));
+    let alice = SessionId(1);
+    let record = vec![RecordedDevice {
+        user: "alice".into(),
+        device: "phone".into(),
+        kind: proto::Kind::Mobile,
+        edge: "a".into(),
+        incarnation: 7,
+        conn: a.devices[&alice].conn,
+        heard: 600,
+    }];
+    drop(b); // the owner dies
+
+    assert!(a.input(now, Millis(1_000), alice, WireOp::Logout, Some(100)));
+    a.session_ended(alice);
+    let unanswered: Vec<u64> = std::iter::from_fn(|| a.poll_output())
+        .filter_map(|out| match out {
+            ClusterOutput::Request { id, .. } => Some(id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(unanswered.len(), 1);
+    for id in unanswered {
+        a.handle_input(
+            now,
+            Millis(1_000),
+            ClusterInput::Answered { id, payload: None },
+        );
+    }
+
+    // The next owner claims the shard, restores the record, asks for a resync.
+    let mut c = link("c");
+    let t = |ms: u64| (now + Duration::from_millis(ms), Millis(ms));
+    // After the logout's request timeout (5 s): it is still queued.
+    let (claimed_at, at) = t(8_000);
+    c.set_status(
+        claimed_at,
+        at,
+        all_shards(2, now + Duration::from_secs(3600)),
+    );
+    while let Some(out) = c.poll_output() {
+        match out {
+            ClusterOutput::LoadShard { id, .. } => {
+                let loaded = ClusterInput::ShardLoaded {
+                    id,
+                    record: Some(encode(&record)),
+                };
+                c.handle_input(claimed_at, at, loaded);
+            }
+            ClusterOutput::Resync { payload } => {
+                a.handle_input(claimed_at, at, ClusterInput::Resync { payload })
+            }
+            _ => {}
+        }
+    }
+    let mut offline_at = None;
+    for ms in (8_000..60_000).step_by(100) {
+        let (now, at) = t(ms);
+        a.handle_timeout(now, at);
+        c.handle_timeout(now, at);
+        exchange(&mut a, &mut c, now, at);
+        let o = &c.owners[&1];
+        let uid = o.users.get("alice").map(UserId);
+        let gone = uid.is_some_and(|u| o.core.is_known(u) && !o.core.is_online(u));
+        if gone {
+            offline_at = Some(ms);
+            break;
+        }
+    }
+    let offline_at = offline_at.expect("alice's session ended at the new owner");
+    // Resync window (the request timeout, 5 s) and the debounce, far
+    // below the mobile grace.
+    assert!(
+        offline_at <= 8_000 + 5_000 + 1_000,
+        "ended at {offline_at} ms"
+    );
+    let answers: Vec<(u64, Finished)> = std::iter::from_fn(|| a.poll_finished()).collect();
+    assert!(
+        answers
+            .iter()
+            .any(|(w, f)| *w == 100 && matches!(f, Finished::Done)),
+        "the client is told its logout lands: {answers:?} (ended at {offline_at} ms)"
+    );
+}
+
+/// `max_users` bounds the users of all the shards a node owns, not of
+/// each shard's core.
+#[test]
+fn max_users_is_the_nodes_over_all_its_shards() {
+    let now = Instant::now();
+    let settings = |node: &str| ClusterSettings {
+        node: node.into(),
+        incarnation: 7,
+        shard_count: SHARDS,
+        shard_of: by_len,
+        request_timeout: Duration::from_secs(5),
+    };
+    let config = Config {
+        max_users: 2,
+        ..Config::default()
+    };
+    let mut a = ClusterLink::new(settings("a"), &Config::default(), 0, 128);
+    let mut b = ClusterLink::new(settings("b"), &config, 0, 128);
+    b.set_status(
+        now,
+        Millis(0),
+        all_shards(1, now + Duration::from_secs(3600)),
+    );
+    // One user per shard (shards by name length).
+    for (i, user) in ["al", "bob", "carl"].into_iter().enumerate() {
+        let session = SessionId(i as u64 + 1);
+        a.connected(
+            now,
+            Millis(0),
+            session,
+            1000 + i as u64,
+            user,
+            "phone",
+            proto::Kind::Mobile,
+            None,
+        );
+        exchange(&mut a, &mut b, now, Millis(0));
+    }
+    let owned: usize = b.owners.values().map(|o| o.users.len()).sum();
+    assert_eq!(owned, 2, "the third user is refused");
+    let carl = b.owners.values().any(|o| o.users.get("carl").is_some());
+    assert!(!carl);
+}
+
+/// C4: the owner's preference write is acknowledged by the KV after the
+/// shard moved to another owner. The edge must not be told `Done`: the
+/// new owner may show otherwise, so the edge asks again.
+#[test]
+fn a_preference_write_that_lands_after_the_shard_moved_is_not_acknowledged() {
+    let (mut a, mut b, now) = two_nodes();
+    let op = WireOp::SetStatus {
+        status: proto::Status::Busy,
+        message: None,
+    };
+    assert!(a.input(now, Millis(400), SessionId(1), op, Some(200)));
+    for request in requests_of(&mut a) {
+        b.handle_input(now, Millis(400), request);
+    }
+    let mut write = None;
+    while let Some(out) = b.poll_output() {
+        match out {
+            ClusterOutput::LoadUser { id, .. } => {
+                let loaded = ClusterInput::UserLoaded {
+                    id,
+                    prefs: None,
+                    view: None,
+                };
+                b.handle_input(now, Millis(400), loaded);
+            }
+            ClusterOutput::PutPrefs { id, epoch, .. } => write = Some((id, epoch)),
+            ClusterOutput::Reply { payload, .. } => {
+                panic!(
+                    "answered before the write: {:?}",
+                    decode::<FromOwner>(&payload)
+                )
+            }
+            _ => {}
+        }
+    }
+    let (id, epoch) = write.expect("the owner writes the preferences");
+    // The shard moves to another owner (a new epoch) ...
+    let moved = BTreeMap::from([(1, (epoch + 1, now + Duration::from_secs(10)))]);
+    b.handle_input(now, Millis(401), ClusterInput::Status { shards: moved });
+    // ... then the old write's acknowledgement arrives.
+    b.handle_input(now, Millis(402), ClusterInput::PrefsStored { id, ok: true });
+    let answers: Vec<FromOwner> = std::iter::from_fn(|| b.poll_output())
+        .filter_map(|out| match out {
+            ClusterOutput::Reply { payload, .. } => decode(&payload),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(answers, vec![FromOwner::NotOwner]);
+}
+
+#[test]
+fn a_truth_goes_only_to_the_edges_holding_the_users_devices() {
+    // a holds alice's phone; b owns every shard; c and d watch.
+    let (mut a, mut b, now) = two_nodes();
+    b.handle_timeout(now, Millis(300));
+    exchange(&mut a, &mut b, now, Millis(300));
+    // alice's tablet connects at c: her truth does not change (a
+    // second mobile), yet c is sent it: it may have changed while
+    // the connect was on its way.
+    let mut c = link("c");
+    c.connected(
+        now,
+        Millis(400),
+        SessionId(9),
+        1009,
+        "alice",
+        "tablet",
+        proto::Kind::Mobile,
+        None,
+    );
+    let seen = carried(&exchange_seen(&mut c, &mut b, now, Millis(400)));
+    assert_eq!(seen, vec![(None, Some("c".into()), true, "alice".into())]);
+    // Her phone turns busy: the truth goes to a and c, nowhere else;
+    // the view, after the debounce, once on her shard's subject.
+    let op = WireOp::SetStatus {
+        status: proto::Status::Busy,
+        message: None,
+    };
+    let sent = b.counters().truths_sent;
+    assert!(a.input(now, Millis(500), SessionId(1), op, Some(1)));
+    let mut seen = carried(&exchange_seen(&mut a, &mut b, now, Millis(500)));
+    seen.sort();
+    assert_eq!(
+        seen,
+        vec![
+            (None, Some("a".into()), true, "alice".into()),
+            (None, Some("c".into()), true, "alice".into()),
+        ]
+    );
+    b.handle_timeout(now, Millis(800));
+    let seen = carried(&exchange_seen(&mut a, &mut b, now, Millis(800)));
+    assert_eq!(seen, vec![(Some(1), None, false, "alice".into())]);
+    assert_eq!(b.counters().truths_sent, sent + 2);
+    // An edge takes a truth only from its own subject, never a view.
+    let view = ShardView {
+        epoch: 1,
+        seq: 1,
+        published_ms: 1,
+        user: "alice".into(),
+        own: false,
+        presence: proto::Presence::default(),
+    };
+    let malformed = c.counters().malformed;
+    c.handle_input(
+        now,
+        Millis(900),
+        ClusterInput::EdgeMessage {
+            payload: encode(&view),
+        },
+    );
+    assert_eq!(c.counters().malformed, malformed + 1);
+}
+
+#[test]
+fn an_owner_frees_a_user_gone_a_while_and_reads_them_back_for_a_snapshot() {
+    let (mut a, mut b, now) = two_nodes();
+    let mut views = HashMap::new();
+    b.handle_timeout(now, Millis(300));
+    exchange_kv(&mut a, &mut b, now, Millis(300), Some(&mut views));
+    // alice logs out (after the new owner's resync window); after the
+    // debounce, watchers are shown her last seen.
+    assert!(a.input(now, Millis(6_000), SessionId(1), WireOp::Logout, Some(1)));
+    exchange_kv(&mut a, &mut b, now, Millis(6_000), Some(&mut views));
+    assert!(matches!(a.poll_finished(), Some((1, Finished::Done))));
+    b.handle_timeout(now, Millis(6_400));
+    exchange_kv(&mut a, &mut b, now, Millis(6_400), Some(&mut views));
+    let uid = UserId(b.owners[&1].users.get("alice").unwrap());
+    let shown = b.owners[&1].core.presence(uid);
+    assert!(
+        !shown.online && shown.last_seen == Some(Millis(6_000)),
+        "{shown:?}"
+    );
+    // Kept for RELEASE_AFTER, then freed: record and name.
+    b.handle_timeout(now, Millis(6_000 + RELEASE_AFTER.0 - 1));
+    assert_eq!(b.counters().users_released, 0);
+    b.handle_timeout(now, Millis(6_000 + RELEASE_AFTER.0));
+    assert_eq!(b.counters().users_released, 1);
+    assert!(!b.owners[&1].core.is_known(uid));
+    assert_eq!(b.owners[&1].users.get("alice"), None);
+    assert_eq!(
+        b.owners[&1].devices.get("phone"),
+        None,
+        "her device name too"
+    );
+    // bob subscribes to her: the owner reads her back before answering,
+    // so he sees her last seen, not a user never seen.
+    let at = Millis(70_000);
+    let answer = bob_subscribes_to_alice(&mut a, now, at, 100);
+    assert!(answer.is_none());
+    exchange_kv(&mut a, &mut b, now, at, Some(&mut views));
+    assert!(
+        a.poll_finished().is_none(),
+        "answered before her record was read"
+    );
+    let later = now + RETRY_AFTER + TICK;
+    a.handle_timeout(later, at);
+    exchange_kv(&mut a, &mut b, later, at, Some(&mut views));
+    let Some((100, Finished::Answer(proto::Answer::Subscribed { snapshots, .. }))) =
+        a.poll_finished()
+    else {
+        panic!("no subscribe answer");
+    };
+    let seen = &snapshots[0].presence;
+    assert!(!seen.online);
+    assert_eq!(seen.last_seen, Some(6_000), "{seen:?}");
+    assert!(
+        seen.version >= shown.version,
+        "versions went back: {seen:?}"
+    );
+}
+
+#[test]
+fn a_new_owner_asks_again_for_a_lost_resync_and_an_edge_answers_once() {
+    let (mut a, mut b, now) = two_nodes();
+    let until = now + Duration::from_secs(3600);
+    b.set_status(now, Millis(10), all_shards(2, until));
+    let resyncs = |b: &mut ClusterLink| {
+        let mut out = Vec::new();
+        while let Some(o) = b.poll_output() {
+            if let ClusterOutput::Resync { payload } = o {
+                let r: ResyncRequest = decode(&payload).unwrap();
+                if r.shard == 1 {
+                    out.push(payload);
+                }
+            }
+        }
+        out
+    };
+    assert_eq!(resyncs(&mut b).len(), 1, "lost on the way");
+    b.handle_timeout(now + TICK, Millis(60));
+    assert!(resyncs(&mut b).is_empty(), "not yet");
+    let later = now + RESYNC_EVERY;
+    b.handle_timeout(later, Millis(510));
+    let again = resyncs(&mut b);
+    assert_eq!(again.len(), 1, "asked again");
+    let forwarded = a.counters().forwarded;
+    for _ in 0..2 {
+        let payload = again[0].clone();
+        a.handle_input(later, Millis(510), ClusterInput::Resync { payload });
+    }
+    assert_eq!(a.counters().forwarded, forwarded + 1, "alice's phone, once");
+    assert_eq!(a.counters().resyncs, 1);
+    // Not past the window.
+    let closed = now + Duration::from_secs(5);
+    b.handle_timeout(closed, Millis(5_010));
+    assert!(resyncs(&mut b).is_empty());
+}
+
+#[test]
+fn a_new_owner_that_never_heard_of_the_device_gets_it_connected_again() {
+    let (mut a, mut b, now) = two_nodes();
+    // b wins every shard again under a new epoch: a fresh core.
+    b.set_status(
+        now,
+        Millis(10),
+        all_shards(2, now + Duration::from_secs(3600)),
+    );
+    assert!(a.input(
+        now,
+        Millis(10),
+        SessionId(1),
+        WireOp::SetInvisible(true),
+        Some(9)
+    ));
+    exchange(&mut a, &mut b, now, Millis(10));
+    assert!(matches!(a.poll_finished(), Some((9, Finished::Done))));
+    assert!(a.counters().retries >= 1, "answered Unknown first");
+    let o = &b.owners[&1];
+    let alice = UserId(o.users.get("alice").unwrap());
+    assert!(o.core.saved(alice).invisible);
+    assert!(o.core.truth(alice).online, "her device was connected again");
+}
+
+#[test]
+fn a_late_request_is_not_applied_over_a_newer_one() {
+    let (mut a, mut b, now) = two_nodes();
+    let alice = SessionId(1);
+    a.input(now, Millis(5), alice, WireOp::SetInvisible(true), Some(1));
+    let Some(ClusterOutput::Request {
+        shard,
+        kind,
+        payload,
+        id,
+    }) = a.poll_output()
+    else {
+        panic!("no request");
+    };
+    // Lost: the edge retries (a new request id), then turns visible.
+    a.handle_input(now, Millis(5), ClusterInput::Answered { id, payload: None });
+    a.handle_timeout(now + RETRY_AFTER, Millis(105));
+    exchange(&mut a, &mut b, now, Millis(105));
+    a.input(
+        now,
+        Millis(110),
+        alice,
+        WireOp::SetInvisible(false),
+        Some(2),
+    );
+    exchange(&mut a, &mut b, now, Millis(110));
+    // The first copy arrives at last.
+    b.handle_input(
+        now,
+        Millis(120),
+        ClusterInput::Request {
+            shard,
+            kind,
+            payload,
+            reply: 77,
+        },
+    );
+    let o = &b.owners[&1];
+    let uid = UserId(o.users.get("alice").unwrap());
+    assert!(!o.core.saved(uid).invisible, "the late copy was applied");
+    let reply = b.poll_output();
+    assert!(
+        matches!(&reply, Some(ClusterOutput::Reply { reply: 77, payload }) if decode::<FromOwner>(payload) == Some(FromOwner::Done { epoch: 1 })),
+        "{reply:?}"
+    );
+}
+
+/// Whether each of the owner's sessions held by `edge` is online, by
+/// the holder's incarnation.
+fn held_by(b: &ClusterLink, shard: u32, edge: &str) -> Vec<(u64, bool)> {
+    let o = &b.owners[&shard];
+    let mut held: Vec<(u64, bool)> = o
+        .sessions
+        .iter()
+        .filter(|(_, (h, ..))| h.0 == edge)
+        .map(|(s, (h, ..))| (h.1, o.core.session_info(*s).unwrap().online))
+        .collect();
+    held.sort();
+    held
+}
+
+#[test]
+fn a_restarted_edge_loses_only_the_devices_of_its_older_incarnations() {
+    // Edge a, incarnation 7, holds alice's phone (shard 1) and bob's
+    // laptop (shard 3); b owns every shard.
+    let (mut old_a, mut b, now) = two_nodes();
+    // Just before its `kill -9`, the old process sent dave's connect;
+    // it arrives after b learned of the restart (below).
+    old_a.connected(
+        now,
+        Millis(90),
+        SessionId(5),
+        1005,
+        "dave",
+        "phone",
+        proto::Kind::Mobile,
+        None,
+    );
+    // a is killed and restarts as incarnation 9; before b learns of it
+    // from the lease watch, the new process already forwards carol's
+    // phone (shard 1 too).
+    let mut a = link_as("a", 9);
+    a.connected(
+        now,
+        Millis(100),
+        SessionId(1),
+        1001,
+        "carol",
+        "phone",
+        proto::Kind::Mobile,
+        None,
+    );
+    exchange(&mut a, &mut b, now, Millis(100));
+    assert_eq!(held_by(&b, 1, "a"), vec![(7, true), (9, true)]);
+    // The old incarnation's own lease (a watch made again, say) loses nothing.
+    let restarted = |incarnation| ClusterInput::EdgeRestarted {
+        node: "a".into(),
+        incarnation,
+        last_heard: 200,
+    };
+    b.handle_input(now, Millis(200), restarted(7));
+    assert_eq!(b.counters().edge_lost_devices, 0);
+    // The new lease: incarnation 7's devices are lost, carol's stays.
+    b.handle_input(now, Millis(200), restarted(9));
+    assert_eq!(
+        b.counters().edge_lost_devices,
+        2,
+        "alice's phone, bob's laptop"
+    );
+    assert_eq!(held_by(&b, 1, "a"), vec![(7, false), (9, true)]);
+    assert_eq!(held_by(&b, 3, "a"), vec![(7, false)]);
+    // The dead run's late connect is dropped: no ghost of dave.
+    exchange(&mut old_a, &mut b, now, Millis(210));
+    assert_eq!(held_by(&b, 0, "a"), vec![], "dave connected by a dead run");
+    assert_eq!(b.counters().stale_incarnation, 1);
+    // Seen again (a renewal replayed): nothing more to lose.
+    b.handle_input(now, Millis(250), restarted(9));
+    assert_eq!(b.counters().edge_lost_devices, 2);
+    // After grace and debounce alice is offline, carol still online.
+    let grace = Config::default().kinds[proto::Kind::Mobile as usize].grace;
+    let later = Millis(200 + grace.0 + Config::default().debounce.0 + 100);
+    let later_instant = now + Duration::from_millis(later.0);
+    b.handle_timeout(later_instant, later);
+    let o = &b.owners[&1];
+    assert!(!o.core.truth(UserId(o.users.get("alice").unwrap())).online);
+    assert!(o.core.truth(UserId(o.users.get("carol").unwrap())).online);
+}
+
+#[test]
+fn malformed_messages_are_counted_and_dropped() {
+    let (mut a, mut b, now) = two_nodes();
+    let users_before = b.owners[&1].users.len();
+    let garbage = [
+        Bytes::from_static(b"\xff\xff\xff\xff\xff\xff\xff\xff\xff"),
+        Bytes::from(vec![0u8; MAX_MESSAGE + 1]),
+        Bytes::new(),
+    ];
+    for payload in garbage.iter().cloned() {
+        a.handle_input(
+            now,
+            Millis(1),
+            ClusterInput::ShardMessage {
+                shard: 1,
+                payload: payload.clone(),
+            },
+        );
+        b.handle_input(
+            now,
+            Millis(1),
+            ClusterInput::Request {
+                shard: 1,
+                kind: RequestKind::Input,
+                payload,
+                reply: 1,
+            },
+        );
+    }
+    // A view named for another shard, a name past the limit, a snapshot
+    // naming too many targets, a device input on the snapshot subject.
+    let view = |user: &str, shard| ClusterInput::ShardMessage {
+        shard,
+        payload: encode(&ShardView {
+            epoch: 1,
+            seq: 1,
+            published_ms: 0,
+            user: user.into(),
+            own: false,
+            presence: proto::Presence::default(),
+        }),
+    };
+    a.handle_input(now, Millis(1), view("alice", 2));
+    a.handle_input(now, Millis(1), view(&"x".repeat(129), 1));
+    let many = ToOwner::Snapshot {
+        viewer: "bob".into(),
+        targets: vec!["alice".into(); MAX_SNAPSHOT_TARGETS + 1],
+    };
+    let wrong_kind = ToOwner::Device {
+        edge: "a".into(),
+        incarnation: 1,
+        rid: 1_000,
+        conn: 1,
+        user: "alice".into(),
+        device: "tablet".into(),
+        op: WireOp::Connect {
+            kind: proto::Kind::Web,
+            session: 1,
+            since: 1,
+        },
+    };
+    for (msg, kind) in [
+        (many, RequestKind::Snapshot),
+        (wrong_kind, RequestKind::Snapshot),
+    ] {
+        b.handle_input(
+            now,
+            Millis(1),
+            ClusterInput::Request {
+                shard: 1,
+                kind,
+                payload: encode(&msg),
+                reply: 2,
+            },
+        );
+    }
+    assert_eq!(a.counters().malformed, 5);
+    assert_eq!(b.counters().malformed, 5);
+    assert_eq!(b.poll_output(), None, "nothing answered");
+    assert_eq!(b.owners[&1].users.len(), users_before, "nothing stored");
+    assert_eq!(b.owners[&1].core.session_count(), 1, "alice's phone only");
+}
+
+#[test]
+fn an_owner_past_its_claim_deadline_stops_answering() {
+    let (mut a, mut b, now) = two_nodes();
+    let until = now + Duration::from_millis(50);
+    b.set_status(now, Millis(1), all_shards(1, until));
+    b.handle_timeout(until, Millis(50));
+    assert!(b.owners.is_empty(), "the cores are gone at the deadline");
+    a.input(until, Millis(50), SessionId(1), WireOp::Logout, None);
+    let Some(ClusterOutput::Request {
+        id,
+        shard,
+        kind,
+        payload,
+    }) = a.poll_output()
+    else {
+        panic!("no request");
+    };
+    b.handle_input(
+        until,
+        Millis(50),
+        ClusterInput::Request {
+            shard,
+            kind,
+            payload,
+            reply: id,
+        },
+    );
+    let Some(ClusterOutput::Reply { payload, .. }) = b.poll_output() else {
+        panic!("no answer");
+    };
+    assert_eq!(decode::<FromOwner>(&payload), Some(FromOwner::NotOwner));
+}

@@ -1,0 +1,247 @@
+//! Tests of views at the edge: lost views and truths noticed (gaps,
+//! beacons) and asked for again.
+
+use super::test_support::*;
+use super::wire::{decode, encode, Beacon, ShardView};
+use super::{
+    ClusterInput, ClusterLink, ClusterOutput, Finished, BEACON_EVERY, MAX_BEACON_SHARDS,
+    MAX_BEACON_TRUTHS, MAX_MESSAGE, TICK,
+};
+use greendot_core::{Millis, SessionId, Tier};
+use greendot_proto as proto;
+use std::time::Instant;
+
+fn is_view(out: &ClusterOutput) -> bool {
+    matches!(out, ClusterOutput::Publish { .. })
+}
+
+/// bob (on `a`) watches alice and carol, both of shard 1, whose owner
+/// `b` has published them online; alice then goes busy and that view
+/// is lost on the way to `a`.
+fn bob_misses_alices_busy() -> (ClusterLink, ClusterLink, Instant) {
+    let (mut a, mut b, now) = two_nodes();
+    a.connected(
+        now,
+        Millis(0),
+        SessionId(3),
+        1003,
+        "carol",
+        "phone",
+        proto::Kind::Mobile,
+        None,
+    );
+    exchange(&mut a, &mut b, now, Millis(0));
+    let targets = vec!["alice".into(), "carol".into()];
+    let kind = Tier::Realtime;
+    let answer = a.subscribe(
+        now,
+        Millis(1),
+        9,
+        SessionId(2),
+        "bob",
+        targets,
+        vec![],
+        kind,
+        false,
+    );
+    assert!(answer.is_none());
+    exchange(&mut a, &mut b, now, Millis(1));
+    assert!(matches!(a.poll_finished(), Some((9, Finished::Answer(_)))));
+    b.handle_timeout(now, Millis(300));
+    exchange(&mut a, &mut b, now, Millis(300));
+    assert_eq!(pushes(&mut a).len(), 2, "alice and carol online");
+    set_status(
+        &mut a,
+        &mut b,
+        SessionId(1),
+        proto::Status::Busy,
+        now,
+        400,
+        is_view,
+    );
+    assert!(!busy_pushed_to_bob(&mut a), "the view was lost");
+    (a, b, now)
+}
+
+fn busy_pushed_to_bob(a: &mut ClusterLink) -> bool {
+    pushes(a)
+        .iter()
+        .any(|(to, p)| *to == SessionId(2) && p.status == greendot_core::Status::Busy)
+}
+
+#[test]
+fn a_lost_view_is_noticed_at_the_next_one_and_asked_for_again() {
+    let (mut a, mut b, now) = bob_misses_alices_busy();
+    // carol's next view comes with a number two past the last one seen.
+    let away = proto::Status::Away;
+    set_status(&mut a, &mut b, SessionId(3), away, now, 800, |_| false);
+    assert_eq!(a.counters().view_gaps, 1);
+    assert!(!busy_pushed_to_bob(&mut a));
+    // a acts for no shard and has nothing else to do: the gap is work.
+    assert!(a.poll_deadline(now).is_some());
+    // The edge's next tick asks the owner for the shard's views again.
+    let later = now + TICK;
+    a.handle_timeout(later, Millis(1_150));
+    exchange(&mut a, &mut b, later, Millis(1_150));
+    assert!(busy_pushed_to_bob(&mut a), "bob still sees alice available");
+    assert_eq!(a.counters().view_gaps, 1);
+}
+
+#[test]
+fn a_lost_last_view_is_noticed_by_the_owners_beacon() {
+    let (mut a, mut b, now) = bob_misses_alices_busy();
+    // Nothing else happens in the shard; the owner's next beacon
+    // names a view the edge has not seen.
+    let later = now + BEACON_EVERY;
+    b.handle_timeout(later, Millis(1_300));
+    exchange(&mut a, &mut b, later, Millis(1_300));
+    assert_eq!(a.counters().view_gaps, 1);
+    a.handle_timeout(later, Millis(1_300));
+    exchange(&mut a, &mut b, later, Millis(1_300));
+    assert!(busy_pushed_to_bob(&mut a), "bob still sees alice available");
+    // Beacons that name nothing new change nothing.
+    let again = later + BEACON_EVERY;
+    b.handle_timeout(again, Millis(2_300));
+    exchange(&mut a, &mut b, again, Millis(2_300));
+    a.handle_timeout(again, Millis(2_300));
+    assert_eq!(exchange(&mut a, &mut b, again, Millis(2_300)), 0);
+    assert_eq!(a.counters().view_gaps, 1);
+}
+
+#[test]
+fn a_view_missed_while_a_repair_is_out_is_asked_for_after_it() {
+    let (mut a, mut b, now) = bob_misses_alices_busy();
+    let later = now + BEACON_EVERY;
+    b.handle_timeout(later, Millis(1_300));
+    exchange(&mut a, &mut b, later, Millis(1_300));
+    a.handle_timeout(later, Millis(1_300));
+    let requests = |a: &mut ClusterLink| {
+        let mut out = Vec::new();
+        while let Some(o) = a.poll_output() {
+            if let ClusterOutput::Request {
+                id,
+                shard,
+                kind,
+                payload,
+            } = o
+            {
+                out.push(ClusterInput::Request {
+                    shard,
+                    kind,
+                    payload,
+                    reply: id,
+                });
+            }
+        }
+        out
+    };
+    let repair = requests(&mut a);
+    assert_eq!(repair.len(), 1, "the repair is out");
+    // Meanwhile a beacon shows another view missed.
+    let ahead = Beacon {
+        owner: "b".into(),
+        shards: vec![(1, 1, 99)],
+        truths: Vec::new(),
+    };
+    let payload = encode(&ahead);
+    a.handle_input(later, Millis(1_310), ClusterInput::Beacon { payload });
+    a.handle_timeout(later + TICK, Millis(1_350));
+    assert!(requests(&mut a).is_empty(), "one repair at a time");
+    // The first repair is answered; the next tick asks again.
+    for r in repair {
+        b.handle_input(later, Millis(1_360), r);
+    }
+    exchange(&mut a, &mut b, later, Millis(1_360));
+    a.handle_timeout(later + TICK * 2, Millis(1_400));
+    assert_eq!(requests(&mut a).len(), 1, "the second gap is repaired");
+}
+
+#[test]
+fn a_view_that_overtakes_the_snapshot_is_not_lost() {
+    let (mut a, mut b, now) = two_nodes();
+    let answer = bob_subscribes_to_alice(&mut a, now, Millis(1), 5);
+    assert!(answer.is_none());
+    // A newer view arrives on the shard's subject before the answer.
+    let newer = proto::Presence {
+        version: epoch_base_of(1) + 1_000,
+        online: true,
+        kinds: 1,
+        ..Default::default()
+    };
+    let view = ShardView {
+        epoch: 1,
+        seq: 2,
+        published_ms: 1,
+        user: "alice".into(),
+        own: false,
+        presence: newer.clone(),
+    };
+    a.handle_input(
+        now,
+        Millis(1),
+        ClusterInput::ShardMessage {
+            shard: 1,
+            payload: encode(&view),
+        },
+    );
+    exchange(&mut a, &mut b, now, Millis(1));
+    let Some((5, Finished::Answer(proto::Answer::Subscribed { snapshots, .. }))) =
+        a.poll_finished()
+    else {
+        panic!("no subscribe answer");
+    };
+    assert_eq!(snapshots[0].presence, newer, "the older snapshot won");
+}
+
+#[test]
+fn a_lost_truth_is_noticed_by_the_owners_beacon_and_asked_for_again() {
+    let (mut a, mut b, now) = two_nodes();
+    b.handle_timeout(now, Millis(300));
+    exchange(&mut a, &mut b, now, Millis(300));
+    // alice's phone (on a) watches herself: it is sent her truth.
+    let me = vec!["alice".to_string()];
+    let kind = Tier::Realtime;
+    let alice = SessionId(1);
+    let asked = a.subscribe(now, Millis(310), 5, alice, "alice", me, vec![], kind, false);
+    assert!(asked.is_none());
+    exchange(&mut a, &mut b, now, Millis(310));
+    assert!(matches!(a.poll_finished(), Some((5, Finished::Answer(_)))));
+    pushes(&mut a);
+    let lose_truths = |o: &ClusterOutput| matches!(o, ClusterOutput::PublishToEdge { .. });
+    set_status(
+        &mut a,
+        &mut b,
+        alice,
+        proto::Status::Busy,
+        now,
+        400,
+        lose_truths,
+    );
+    let busy = |a: &mut ClusterLink| {
+        pushes(a)
+            .iter()
+            .any(|(to, p)| *to == alice && p.status == greendot_core::Status::Busy)
+    };
+    assert!(!busy(&mut a), "the truth was lost");
+    // The owner's next beacon names the truth it sent a: a asks again.
+    let later = now + BEACON_EVERY + TICK;
+    b.handle_timeout(later, Millis(1_500));
+    exchange(&mut a, &mut b, later, Millis(1_500));
+    assert_eq!(a.counters().truth_gaps, 1);
+    let later = later + TICK;
+    a.handle_timeout(later, Millis(1_600));
+    exchange(&mut a, &mut b, later, Millis(1_600));
+    assert!(busy(&mut a), "alice's phone never saw herself busy");
+}
+
+#[test]
+fn the_largest_beacon_fits_in_a_message() {
+    let beacon = Beacon {
+        owner: "n".repeat(64),
+        shards: vec![(u32::MAX, u64::MAX, u64::MAX); MAX_BEACON_SHARDS],
+        truths: vec![("e".repeat(64), u32::MAX, u64::MAX, u64::MAX); MAX_BEACON_TRUTHS],
+    };
+    let len = encode(&beacon).len();
+    assert!(len <= MAX_MESSAGE, "{len} bytes");
+    assert!(decode::<Beacon>(&encode(&beacon)).is_some());
+}

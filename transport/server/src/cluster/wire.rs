@@ -1,0 +1,178 @@
+//! The messages that cross NATS between nodes, and the KV records they
+//! write, with their postcard encoding ([`MAX_MESSAGE`] checked first).
+
+use super::MAX_MESSAGE;
+use bytes::Bytes;
+use greendot_proto::{self as proto, WireError};
+use serde::{Deserialize, Serialize};
+
+/// A device input, as the edge forwards it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WireOp {
+    /// `session`: the edge's wire id of the session (what `Route` lists).
+    /// `since`: the order in which this edge run welcomed the session: of
+    /// two sessions of one device at one edge run, the later welcomed is
+    /// the one its client kept (it gives up on an attempt before making
+    /// another), whatever order their connects reach the owner in.
+    Connect {
+        kind: proto::Kind,
+        session: u64,
+        since: u64,
+    },
+    /// `last_heard`: Unix milliseconds (the nodes' clocks agree on Unix time,
+    /// not on their cores' milliseconds).
+    Disconnect {
+        last_heard: u64,
+    },
+    Logout,
+    SetStatus {
+        status: proto::Status,
+        message: Option<String>,
+    },
+    SetInvisible(bool),
+    /// The app went to the foreground (`true`) or the background (I12).
+    SetForeground(bool),
+}
+
+/// Edge → owner, on `<prefix>.req.<shard>.<kind>`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ToOwner {
+    Device {
+        edge: String,
+        incarnation: u64,
+        /// Unique per (edge, incarnation), increasing: the owner's duplicate
+        /// filter.
+        rid: u64,
+        /// The edge's connection of the device (one per connect).
+        conn: u64,
+        user: String,
+        device: String,
+        op: WireOp,
+    },
+    /// The views of `targets` for a subscribe by `viewer` (a target equal to
+    /// the viewer gets the truth).
+    Snapshot {
+        viewer: String,
+        targets: Vec<String>,
+    },
+    /// The views of `targets` (what others see, for every target; `own`:
+    /// each target's truth), for an edge that missed a view (a truth) of
+    /// their shard.
+    Views { targets: Vec<String>, own: bool },
+    /// The user's Online devices, for a service's `Route`.
+    Route { user: String },
+}
+
+/// Owner → edge (a reply).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FromOwner {
+    Done {
+        epoch: u64,
+    },
+    /// This node does not act for the shard: look again and retry.
+    NotOwner,
+    /// No live session of the device here: connect it again, then retry.
+    Unknown,
+    /// The owner refused the input (a limit): tell the client.
+    Refused(WireError),
+    /// `epoch` and `seq`: the shard's last published view when answered
+    /// (the presences include every view up to it).
+    Snapshot {
+        presences: Vec<proto::Presence>,
+        epoch: u64,
+        seq: u64,
+    },
+    /// The user's Online devices, wherever they are connected.
+    Route(Vec<proto::RouteEntry>),
+    /// Some targets' KV records are being read (users the owner freed, or
+    /// has not met since it took the shard): ask again shortly.
+    Loading,
+}
+
+/// On `<prefix>.shard.<n>`: a view the owner published (on an edge's
+/// subject: a truth).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardView {
+    pub epoch: u64,
+    /// On the shard's subject: the view's number in the epoch, from 1 with
+    /// no gaps, so an edge notices a lost one. On an edge's subject: the
+    /// truth's number among those the shard's owner sent that edge in the
+    /// epoch, the same way.
+    pub seq: u64,
+    /// When the owner published it (Unix milliseconds of its clock).
+    pub published_ms: u64,
+    pub user: String,
+    /// The truth, for the user's own sessions.
+    pub own: bool,
+    pub presence: proto::Presence,
+}
+
+/// One device of a shard's record, as its owner last wrote it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordedDevice {
+    pub user: String,
+    pub device: String,
+    pub kind: proto::Kind,
+    pub edge: String,
+    pub incarnation: u64,
+    pub conn: u64,
+    /// Unix milliseconds of the write.
+    pub heard: u64,
+}
+
+/// In the sessions bucket, under the device's key: what its current
+/// session subscribed to, so that a resume on another node (or in the next
+/// process) carries it over. Written before a subscribe is answered.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionRecord {
+    /// The session's wire id (what the client names to resume it).
+    pub wire: u64,
+    pub subscriptions: Vec<(String, proto::Tier)>,
+}
+
+/// On the resync subject: the new owner of `shard` asks every edge to
+/// resend its live devices of the shard.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResyncRequest {
+    pub shard: u32,
+    pub epoch: u64,
+    pub owner: String,
+}
+
+/// On `<prefix>.beacon`, every [`BEACON_EVERY`](super::BEACON_EVERY): the
+/// latest view number of each shard `owner` acts for and has published in
+/// (at most [`MAX_BEACON_SHARDS`](super::MAX_BEACON_SHARDS)). An edge
+/// watching one of them that has seen an older number missed a view and
+/// asks the owner again (C5 under loss).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Beacon {
+    pub owner: String,
+    /// (shard, epoch, seq)
+    pub shards: Vec<(u32, u64, u64)>,
+    /// (edge, shard, epoch, seq) of the last truth sent to another edge,
+    /// for those sent in the last
+    /// [`TRUTH_BEACON_FOR`](super::TRUTH_BEACON_FOR).
+    pub truths: Vec<(String, u32, u64, u64)>,
+}
+
+/// A user's preferences as the owner writes them to the KV.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WirePrefs {
+    pub status: proto::Status,
+    pub message: Option<String>,
+    pub invisible: bool,
+    /// Unix milliseconds.
+    pub last_seen: Option<u64>,
+}
+
+pub(super) fn encode<T: Serialize>(value: &T) -> Bytes {
+    // Our own small types always encode.
+    Bytes::from(postcard::to_stdvec(value).unwrap_or_default())
+}
+
+pub(super) fn decode<'a, T: Deserialize<'a>>(payload: &'a [u8]) -> Option<T> {
+    if payload.len() > MAX_MESSAGE {
+        return None;
+    }
+    postcard::from_bytes(payload).ok()
+}
