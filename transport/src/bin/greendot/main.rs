@@ -712,7 +712,12 @@ mod tests {
             greendot_core::Backgrounded::Away
         );
         assert_eq!(
-            core(&serve_settings(&["--config", path, "--backgrounded", "offline"])),
+            core(&serve_settings(&[
+                "--config",
+                path,
+                "--backgrounded",
+                "offline"
+            ])),
             greendot_core::Backgrounded::Offline
         );
         std::fs::write(&file, "backgrounded = \"asleep\"\n").unwrap();
@@ -722,5 +727,4 @@ mod tests {
         let argv = ["greendot", "serve", "--backgrounded", "asleep"];
         assert!(Cli::try_parse_from(argv).is_err());
     }
-
 }
