@@ -13,6 +13,23 @@
 //! In the client's `Presence`, `last_seen` is in Unix milliseconds (the
 //! server's clock), not on the server's monotonic clock.
 //!
+//! # While the app does not read
+//!
+//! [`Updates`] is bounded, so an app that stops reading (a phone in the
+//! background) does not make the client grow:
+//! - presence is conflated: at most one pending [`Event::Presence`] per
+//!   target, the newest (with the newest one's `source`), in the place of
+//!   the first one that was pending, so the app learns the latest state
+//!   no later than it would have learnt the first; at most
+//!   [`ClientConfig::max_pending_targets`] targets (default 4,096), past
+//!   it a new target's presence is dropped ([`Client::presence`] still has
+//!   it);
+//! - other events are kept in order, at most
+//!   [`ClientConfig::max_pending_events`] (default 64), dropping the oldest;
+//! - [`Event::Closed`] is never dropped and always comes last.
+//!
+//! [`Updates::stats`] counts what was conflated and dropped.
+//!
 //! # When UDP is blocked
 //!
 //! Every connection attempt (the first and every reconnect) starts QUIC; if
@@ -99,12 +116,14 @@
 //! it no longer allows end ([`Event::TokenRefreshed`]).
 
 mod error;
+mod events;
 mod lifecycle;
 mod refresh;
 pub mod tls;
 mod ws;
 
 pub use error::{ClientError, ConfigError, ConnectError, LostReason, ProtocolError};
+pub use events::{Carrier, Event, EventStats, Source, Updates};
 pub use refresh::{token_expiry, TokenRefresh};
 
 // Re-exported so users need no second copy of them (TLS settings, roots).
@@ -358,6 +377,20 @@ pub struct ClientConfig {
     /// [`Client::app_backgrounded`] and [`Client::app_foregrounded`].
     /// Default `true`.
     pub foreground: bool,
+    /// How many events other than presence and `Closed` (disconnects,
+    /// reconnects, refreshes) [`Updates`] keeps while the app does not
+    /// read; past it the oldest is dropped and counted
+    /// ([`Updates::stats`]). Default 64: they come at most once per
+    /// connection attempt, and the newest say how things stand.
+    pub max_pending_events: usize,
+    /// How many targets [`Updates`] keeps a pending presence for while
+    /// the app does not read (one each, the newest: see the module docs,
+    /// "While the app does not read"); the presence of one more target is
+    /// dropped and counted ([`Updates::stats`]), and [`Client::presence`]
+    /// still has it. Default 4,096: four times the server's default
+    /// subscription limit per session (1,000), so nothing is dropped
+    /// unless the server allows more.
+    pub max_pending_targets: usize,
 }
 
 impl ClientConfig {
@@ -393,54 +426,10 @@ impl ClientConfig {
             refresh: None,
             refresh_ahead: Duration::from_secs(60),
             foreground: true,
+            max_pending_events: 64,
+            max_pending_targets: 4_096,
         }
     }
-}
-
-/// Where an update came from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Source {
-    /// A snapshot: in a subscribe answer or a resumed welcome.
-    Snapshot,
-    Realtime,
-    Batched,
-}
-
-/// What the client tells the application.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Event {
-    /// What the client knows of `target` changed (newer version only).
-    Presence {
-        target: String,
-        presence: Presence,
-        source: Source,
-    },
-    /// The connection was lost; the client is reconnecting.
-    Disconnected { reason: String },
-    /// Connected again; `resumed` if the old session carried over unseen.
-    Reconnected {
-        session: SessionId,
-        resumed: bool,
-        carrier: Carrier,
-    },
-    /// A new token took over on the live connection; `ended`: the
-    /// subscriptions its `watch` no longer allows, which ended.
-    TokenRefreshed { ended: Vec<String> },
-    /// The client is finished (closed, logged out, refused, superseded, or
-    /// gave up reconnecting).
-    Closed {
-        code: Option<CloseCode>,
-        reason: String,
-    },
-}
-
-/// What a connection runs on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Carrier {
-    /// Raw QUIC (ALPN `greendot/1`).
-    Quic,
-    /// WebSocket over TLS over TCP: the fallback when UDP is blocked.
-    WebSocket,
 }
 
 /// How a client has been connected so far.
@@ -453,24 +442,6 @@ pub struct ClientStats {
     pub quic_connections: u64,
     /// Connections that said hello over WebSocket (fallbacks).
     pub websocket_connections: u64,
-}
-
-/// The stream of events of one client.
-#[derive(Debug)]
-pub struct Updates {
-    rx: mpsc::UnboundedReceiver<Event>,
-}
-
-impl Updates {
-    /// The next event; `None` once the client is gone and all were read.
-    pub async fn next(&mut self) -> Option<Event> {
-        self.rx.recv().await
-    }
-
-    /// An event already received, without waiting.
-    pub fn try_next(&mut self) -> Option<Event> {
-        self.rx.try_recv().ok()
-    }
 }
 
 /// The answer to a subscribe.
@@ -499,7 +470,7 @@ struct State {
 struct Shared {
     dialer: Dialer,
     state: Mutex<State>,
-    events: mpsc::UnboundedSender<Event>,
+    events: events::EventSender,
     /// The app is in the foreground (see `lifecycle`).
     foreground: tokio::sync::watch::Sender<bool>,
 }
@@ -510,7 +481,7 @@ impl Shared {
     }
 
     fn emit(&self, event: Event) {
-        let _ = self.events.send(event);
+        self.events.send(event);
     }
 
     /// Applies a snapshot or push to the view; emits an event if it is news.
@@ -920,7 +891,8 @@ impl Client {
             config.foreground,
         )
         .await?;
-        let (events, rx) = mpsc::unbounded_channel();
+        let (events, updates) =
+            events::channel(config.max_pending_events, config.max_pending_targets);
         let welcome = &established.welcome;
         let carrier = established.link.carrier();
         let shared = Arc::new(Shared {
@@ -952,7 +924,7 @@ impl Client {
                 cmd: cmd_tx,
                 request_timeout,
             },
-            Updates { rx },
+            updates,
         ))
     }
 
