@@ -100,9 +100,7 @@ async fn python_client_suite_passes() {
 /// its stdout, answered `ok` on its stdin). Returns its exit status (`None`
 /// if the watchdog killed it), its other stdout and its stderr.
 fn run(mut python: Command, relay: &Relay) -> (Option<std::process::ExitStatus>, String, String) {
-    let mut child = python
-        .spawn()
-        .expect("cannot run python3 (3.8 or later is needed)");
+    let mut child = python.spawn().expect("cannot run python3");
     let mut stdin = child.stdin.take().unwrap();
     let stdout = child.stdout.take().unwrap();
     let mut stderr = child.stderr.take().unwrap();

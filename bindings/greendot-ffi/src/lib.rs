@@ -143,25 +143,25 @@ fn parse_roots(pem: &str) -> Result<Vec<CertificateDer<'static>>, GreendotError>
     Ok(roots)
 }
 
+/// The host of `address` if it is a name; `localhost` (the client's
+/// default) if it is an IP address.
+fn default_server_name(address: &str) -> String {
+    let host = address.rsplit_once(':').map_or(address, |(host, _)| host);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.parse::<std::net::IpAddr>().is_ok() {
+        "localhost".to_owned()
+    } else {
+        host.to_owned()
+    }
+}
+
 async fn client_config(config: ConnectConfig) -> Result<ClientConfig, GreendotError> {
     let server = resolve(&config.address).await?;
     let roots = parse_roots(&config.ca_certificates_pem)?;
     let mut c = ClientConfig::new(server, roots, config.token);
-    c.server_name = match config.server_name {
-        Some(name) => name,
-        None => {
-            let host = config
-                .address
-                .rsplit_once(':')
-                .map_or(config.address.as_str(), |(host, _)| host);
-            let host = host.trim_start_matches('[').trim_end_matches(']');
-            if host.parse::<std::net::IpAddr>().is_ok() {
-                "localhost".to_owned()
-            } else {
-                host.to_owned()
-            }
-        }
-    };
+    c.server_name = config
+        .server_name
+        .unwrap_or_else(|| default_server_name(&config.address));
     c.foreground = config.foreground;
     if let Some(ws) = config.websocket_address {
         c.websocket = Some(
@@ -478,4 +478,55 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 fn warn(message: &str) {
     eprintln!("greendot: {message}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use greendot_client::ClientError;
+    use greendot_proto::{ErrorCode, WireError};
+
+    #[test]
+    fn the_server_name_is_the_host_unless_it_is_an_ip() {
+        assert_eq!(
+            default_server_name("presence.example.com:4433"),
+            "presence.example.com"
+        );
+        assert_eq!(default_server_name("127.0.0.1:4433"), "localhost");
+        assert_eq!(default_server_name("[::1]:4433"), "localhost");
+    }
+
+    #[test]
+    fn roots_without_a_certificate_are_refused() {
+        for pem in [
+            "",
+            "not a PEM",
+            "-----BEGIN CERTIFICATE-----\n!!\n-----END CERTIFICATE-----\n",
+        ] {
+            assert!(
+                matches!(parse_roots(pem), Err(GreendotError::Config { .. })),
+                "{pem:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn client_errors_keep_their_kind_and_code() {
+        assert!(matches!(
+            GreendotError::from(ClientError::Timeout),
+            GreendotError::Timeout { .. }
+        ));
+        assert_eq!(
+            GreendotError::from(ClientError::Closed),
+            GreendotError::Closed
+        );
+        let refused = ClientError::Server(WireError::new(ErrorCode::NotAllowed, "no"));
+        match GreendotError::from(refused) {
+            GreendotError::Server { code, detail } => {
+                assert_eq!(code, "NotAllowed");
+                assert!(detail.contains("no"), "{detail}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 }
