@@ -37,7 +37,7 @@ async fn python_client_suite_passes() {
         ),
         ("svc".to_owned(), ts.service_token("backend")),
     ];
-    for user in ["bea", "cy", "dee", "ed", "fay", "gus", "hal"] {
+    for user in ["bea", "cy", "dee", "ed", "fay", "gus", "hal", "ida"] {
         let token = ts.token(user, "phone", Kind::Mobile, WatchClaim::all());
         tokens.push((user.to_owned(), token));
     }

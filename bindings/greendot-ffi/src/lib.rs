@@ -205,9 +205,27 @@ pub async fn connect(config: ConnectConfig) -> Result<Arc<GreendotClient>, Green
 /// What the app implements to hear of presence changes and of the
 /// connection. Called on a thread of the library's, one event at a time,
 /// in order; return quickly (hand the event to the app's main thread).
+///
+/// An exception it raises is reported (on stderr) and delivery goes on
+/// with the next event.
 #[uniffi::export(foreign)]
 pub trait PresenceListener: Send + Sync {
-    fn on_event(&self, event: ClientEvent);
+    fn on_event(&self, event: ClientEvent) -> Result<(), ListenerError>;
+}
+
+/// What a listener's exception becomes on the Rust side.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, uniffi::Error)]
+pub enum ListenerError {
+    #[error("the listener failed: {detail}")]
+    Failed { detail: String },
+}
+
+// Any exception of the app's, not only a ListenerError, arrives as one
+// (rather than as a panic in the listener's thread).
+impl From<uniffi::UnexpectedUniFFICallbackError> for ListenerError {
+    fn from(e: uniffi::UnexpectedUniFFICallbackError) -> ListenerError {
+        ListenerError::Failed { detail: e.reason }
+    }
 }
 
 /// A connected client. Requests are async; the lifecycle calls return at
@@ -257,11 +275,13 @@ async fn deliver(
         }
         let last = matches!(event, greendot_client::Event::Closed { .. });
         let event = ClientEvent::from(event);
-        // A foreign exception must not end the delivery.
+        // The app's exception (or a panic) must not end the delivery.
         let delivered =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| listener.on_event(event)));
-        if delivered.is_err() {
-            warn("a PresenceListener's on_event failed");
+        match delivered {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => warn(&format!("a PresenceListener's on_event: {e}")),
+            Err(_) => warn("a PresenceListener's on_event panicked"),
         }
         if last {
             return;

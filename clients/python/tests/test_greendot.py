@@ -8,7 +8,7 @@ server and a UDP relay, and sets:
 - GREENDOT_ADDRESS: the server's ip:port; GREENDOT_RELAY: the relay's;
 - GREENDOT_CA_DER: a file with the server's certificate (DER);
 - GREENDOT_TOKENS: JSON, name -> token ("walt", "svc" (a service token),
-  and one phone per test: "bea", "cy", "dee", "ed", "fay", "gus", "hal");
+  and one phone per test: "bea", "cy", "dee", "ed", "fay", "gus", "hal", "ida");
 - GREENDOT_DEBOUNCE_MS: the server's debounce.
 
 The relay is driven over stdout/stdin: the test prints `@@relay cut` or
@@ -168,6 +168,23 @@ class GreendotTest(unittest.IsolatedAsyncioTestCase):
             await gd.connect(gd.ConnectConfig(address=ADDRESS, token="x", ca_certificates_pem="not a PEM"))
         with self.assertRaises(gd.GreendotError.Rejected):
             await gd.connect(gd.ConnectConfig(address=ADDRESS, token="forged", ca_certificates_pem=CA))
+
+    async def test_a_listener_that_raises_keeps_getting_events(self):
+        class Raising(Recorder):
+            def on_event(self, event):
+                super().on_event(event)
+                raise RuntimeError("a bug in the app's listener")
+
+        ida = await connect("ida")
+        self.addAsyncCleanup(ida.close)
+        walt = await connect("walt")
+        self.addAsyncCleanup(walt.close)
+        seen = Raising(asyncio.get_running_loop())
+        walt.listen(seen)
+        await walt.subscribe(["ida"], gd.Tier.REALTIME)
+        await seen.wait_presence("ida", lambda p: p.online)
+        await ida.set_status(gd.Status.BUSY, None)
+        await seen.wait_presence("ida", lambda p: p.status == gd.Status.BUSY)
 
     async def test_invisible(self):
         cy = await connect("cy")

@@ -1252,16 +1252,22 @@ public func FfiConverterTypeListenerHandle_lower(_ value: ListenerHandle) -> UIn
  * What the app implements to hear of presence changes and of the
  * connection. Called on a thread of the library's, one event at a time,
  * in order; return quickly (hand the event to the app's main thread).
+ *
+ * An exception it raises is reported (on stderr) and delivery goes on
+ * with the next event.
  */
 public protocol PresenceListener: AnyObject, Sendable {
     
-    func onEvent(event: ClientEvent) 
+    func onEvent(event: ClientEvent) throws 
     
 }
 /**
  * What the app implements to hear of presence changes and of the
  * connection. Called on a thread of the library's, one event at a time,
  * in order; return quickly (hand the event to the app's main thread).
+ *
+ * An exception it raises is reported (on stderr) and delivery goes on
+ * with the next event.
  */
 open class PresenceListenerImpl: PresenceListener, @unchecked Sendable {
     fileprivate let handle: UInt64
@@ -1316,7 +1322,7 @@ open class PresenceListenerImpl: PresenceListener, @unchecked Sendable {
     
 
     
-open func onEvent(event: ClientEvent)  {try! rustCall() {
+open func onEvent(event: ClientEvent)throws   {try rustCallWithError(FfiConverterTypeListenerError_lift) {
         uniffiCallStatus in
     uniffi_greendot_ffi_fn_method_presencelistener_on_event(
             self.uniffiCloneHandle(),
@@ -1364,17 +1370,18 @@ fileprivate struct UniffiCallbackInterfacePresenceListener {
                 guard let uniffiObj = try? FfiConverterTypePresenceListener.handleMap.get(handle: uniffiHandle) else {
                     throw UniffiInternalError.unexpectedStaleHandle
                 }
-                return uniffiObj.onEvent(
+                return try uniffiObj.onEvent(
                      event: try FfiConverterTypeClientEvent_lift(event)
                 )
             }
 
             
             let writeReturn = { () }
-            uniffiTraitInterfaceCall(
+            uniffiTraitInterfaceCallWithError(
                 callStatus: uniffiCallStatus,
                 makeCall: makeCall,
-                writeReturn: writeReturn
+                writeReturn: writeReturn,
+                lowerError: FfiConverterTypeListenerError_lower
             )
         }
     )
@@ -2504,6 +2511,84 @@ public func FfiConverterTypeGreendotError_lower(_ value: GreendotError) -> RustB
 
 
 /**
+ * What a listener's exception becomes on the Rust side.
+ */
+public 
+enum ListenerError: Swift.Error, Equatable, Hashable, Foundation.LocalizedError {
+
+    
+    
+    case Failed(detail: String
+    )
+
+    
+
+    
+
+    
+    public var errorDescription: String? {
+        String(reflecting: self)
+    }
+    
+}
+
+#if compiler(>=6)
+extension ListenerError: Sendable {}
+#endif
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public struct FfiConverterTypeListenerError: FfiConverterRustBuffer {
+    typealias SwiftType = ListenerError
+
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> ListenerError {
+        let variant: Int32 = try readInt(&buf)
+        switch variant {
+
+        
+
+        
+        case 1: return .Failed(
+            detail: try FfiConverterString.read(from: &buf)
+            )
+
+         default: throw UniffiInternalError.unexpectedEnumCase
+        }
+    }
+
+    public static func write(_ value: ListenerError, into buf: inout [UInt8]) {
+        switch value {
+
+        
+
+        
+        
+        case let .Failed(detail):
+            writeInt(&buf, Int32(1))
+            FfiConverterString.write(detail, into: &buf)
+            
+        }
+    }
+}
+
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeListenerError_lift(_ buf: RustBuffer) throws -> ListenerError {
+    return try FfiConverterTypeListenerError.lift(buf)
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeListenerError_lower(_ value: ListenerError) -> RustBuffer {
+    return FfiConverterTypeListenerError.lower(value)
+}
+
+
+/**
  * The user's chosen status.
  */
 
@@ -3110,7 +3195,7 @@ private let initializationResult: InitializationResult = {
     if (uniffi_greendot_ffi_checksum_method_listenerhandle_cancel() != 10272) {
         return InitializationResult.apiChecksumMismatch
     }
-    if (uniffi_greendot_ffi_checksum_method_presencelistener_on_event() != 27359) {
+    if (uniffi_greendot_ffi_checksum_method_presencelistener_on_event() != 3007) {
         return InitializationResult.apiChecksumMismatch
     }
 
