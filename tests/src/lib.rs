@@ -16,6 +16,8 @@ use tokio::time::Instant;
 
 pub use {greendot_client, greendot_proto, greendot_server};
 
+pub mod ffi;
+
 pub const SECRET: &[u8] = b"greendot end-to-end test secret";
 
 /// Settings small enough for quick tests, large enough for a loaded 2-core
