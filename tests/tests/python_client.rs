@@ -35,9 +35,13 @@ async fn python_client_suite_passes() {
             "walt".to_owned(),
             ts.token("walt", "laptop", Kind::Desktop, WatchClaim::all()),
         ),
+        (
+            "wes".to_owned(),
+            ts.token("wes", "laptop", Kind::Desktop, WatchClaim::all()),
+        ),
         ("svc".to_owned(), ts.service_token("backend")),
     ];
-    for user in ["bea", "cy", "dee", "ed", "fay", "gus", "hal", "ida"] {
+    for user in ["bea", "cy", "dee", "ed", "fay", "gus", "hal", "ida", "jo"] {
         let token = ts.token(user, "phone", Kind::Mobile, WatchClaim::all());
         tokens.push((user.to_owned(), token));
     }

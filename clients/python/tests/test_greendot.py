@@ -7,8 +7,9 @@ server and a UDP relay, and sets:
 - GREENDOT_BINDINGS: the directory with greendot_ffi.py and the library;
 - GREENDOT_ADDRESS: the server's ip:port; GREENDOT_RELAY: the relay's;
 - GREENDOT_CA_DER: a file with the server's certificate (DER);
-- GREENDOT_TOKENS: JSON, name -> token ("walt", "svc" (a service token),
-  and one phone per test: "bea", "cy", "dee", "ed", "fay", "gus", "hal", "ida");
+- GREENDOT_TOKENS: JSON, name -> token ("walt" and "wes" (laptops), "svc"
+  (a service token), and one phone per test: "bea", "cy", "dee", "ed", "fay",
+  "gus", "hal", "ida", "jo");
 - GREENDOT_DEBOUNCE_MS: the server's debounce.
 
 The relay is driven over stdout/stdin: the test prints `@@relay cut` or
@@ -307,6 +308,31 @@ class GreendotTest(unittest.IsolatedAsyncioTestCase):
         self.assertTrue(gus.is_closed())
         with self.assertRaises(gd.GreendotError.Closed):
             await gus.ping()
+
+    async def test_a_client_nobody_reads_keeps_only_the_newest_presence(self):
+        jo = await connect("jo")
+        self.addAsyncCleanup(jo.close)
+        walt, seen = await watch(self, "jo")
+        # wes subscribes and registers no listener: his events wait in the
+        # client, one presence per target.
+        wes = await connect("wes")
+        self.addAsyncCleanup(wes.close)
+        await wes.subscribe(["jo"], gd.Tier.REALTIME)
+        changes = [gd.Status.BUSY, gd.Status.AWAY] * 3
+        for i, status in enumerate(changes):
+            await jo.set_status(status, f"change {i}")
+            # Published (walt, who reads, sees it) before the next one.
+            await seen.wait_presence("jo", lambda p, i=i: p.message == f"change {i}")
+        newest = seen.presences_of("jo")[-1]
+        late = Recorder(asyncio.get_running_loop())
+        wes.listen(late)
+        p = await late.wait_presence("jo", lambda p: p.message == f"change {len(changes) - 1}")
+        self.assertEqual(p, newest)
+        self.assertEqual(wes.presence("jo"), newest)
+        # The snapshot and six changes came while nobody read: at most the
+        # newest, and one more if the last push landed after the listener.
+        kept = late.presences_of("jo")
+        self.assertLessEqual(len(kept), 2, f"not conflated: {kept}")
 
 
 if __name__ == "__main__":
