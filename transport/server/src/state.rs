@@ -1056,21 +1056,7 @@ impl ServerState {
             ServerInput::Stop { code, text, save } => self.stop(now, code, text, save),
             ServerInput::SetWallClock { unix_ms } => self.clock.set(now, unix_ms),
             ServerInput::WsOpened { id, remote } => self.ws_opened(now, id, remote),
-            ServerInput::WsReceived { id, message } => {
-                let heard = self.clock.at(now);
-                let renew = !self.mutant(ServerMutant::LeaseNotRenewedOnTraffic);
-                let Some(ch) = self.ws.get(&id).copied() else {
-                    return;
-                };
-                let Some(conn) = self.conn(ch) else { return };
-                if let Link::Ws(link) = &mut conn.link {
-                    if renew {
-                        conn.session.last_heard = heard;
-                    }
-                    link.received(now, message);
-                }
-                self.touch(ch);
-            }
+            ServerInput::WsReceived { id, message } => self.ws_received(now, id, message),
             ServerInput::WsWritten { id, len } => {
                 self.with_ws(id, |link| link.written(len));
             }
@@ -1081,28 +1067,8 @@ impl ServerState {
                 busy_permille,
                 socket_drops,
                 backlogged_passes,
-            } => {
-                self.stats
-                    .loop_busy_permille
-                    .store(u64::from(busy_permille), Ordering::Relaxed);
-                let busy = f64::from(busy_permille) / 1000.0;
-                if self
-                    .admission
-                    .on_load(busy, socket_drops, backlogged_passes)
-                {
-                    self.stats.admission_cuts.fetch_add(1, Ordering::Relaxed);
-                }
-                self.stats
-                    .admission_rate
-                    .store(self.admission.rate() as u64, Ordering::Relaxed);
-            }
-            ServerInput::Cluster(input) => {
-                let at = self.clock.at(now);
-                if let Some(c) = self.cluster.as_deref_mut() {
-                    c.handle_input(now, at, input);
-                }
-                self.route(now);
-            }
+            } => self.on_load(busy_permille, socket_drops, backlogged_passes),
+            ServerInput::Cluster(input) => self.cluster_input(now, input),
         }
     }
 
@@ -1502,6 +1468,23 @@ impl ServerState {
         });
     }
 
+    /// A report of the loop's load: the admission rate follows it.
+    fn on_load(&mut self, busy_permille: u32, socket_drops: u64, backlogged_passes: u32) {
+        self.stats
+            .loop_busy_permille
+            .store(u64::from(busy_permille), Ordering::Relaxed);
+        let busy = f64::from(busy_permille) / 1000.0;
+        if self
+            .admission
+            .on_load(busy, socket_drops, backlogged_passes)
+        {
+            self.stats.admission_cuts.fetch_add(1, Ordering::Relaxed);
+        }
+        self.stats
+            .admission_rate
+            .store(self.admission.rate() as u64, Ordering::Relaxed);
+    }
+
     // ---- inputs: the store and a stop ----
 
     fn store_done(&mut self, now: Instant, ticket: u64, result: Result<(), StoreError>) {
@@ -1631,10 +1614,37 @@ impl ServerState {
 
     // ---- timers ----
 
-    /// The due connection timers, at most the budget of them (earliest
-    /// first; the rest stay due for the next call), then the hub's, the
-    /// store's tickets, the lease renewal and the store's flush.
+    /// The due timers: the connections' (at most the budget of them), then
+    /// the hub's, the tokens', the store's tickets, the lease renewal, the
+    /// restored devices' hold, the store's flush and the cluster's.
     fn on_timers(&mut self, now: Instant) {
+        self.connection_timers(now);
+        if self
+            .hub
+            .poll_timeout()
+            .and_then(|m| self.clock.instant(m))
+            .is_some_and(|at| at <= now)
+        {
+            self.hub.handle_timeout(self.clock.at(now));
+        }
+        self.expire_tokens(now);
+        self.expire_tickets(now);
+        if now >= self.next_renewal {
+            self.renew_leases(now);
+        }
+        if self.next_hold.is_some_and(|at| now >= at) {
+            self.hold_restored(now);
+        }
+        if self.stored && now >= self.next_flush {
+            self.next_flush = now + self.config.flush_interval;
+            self.flush_store();
+        }
+        self.cluster_timers(now);
+    }
+
+    /// The due connection timers, at most the budget of them (earliest
+    /// first; the rest stay due for the next call).
+    fn connection_timers(&mut self, now: Instant) {
         for _ in 0..self.budget.timers {
             let Some(&(at, ch)) = self.timers.first() else {
                 break;
@@ -1660,16 +1670,10 @@ impl ServerState {
             }
             self.touch(ch);
         }
-        if self
-            .hub
-            .poll_timeout()
-            .and_then(|m| self.clock.instant(m))
-            .is_some_and(|at| at <= now)
-        {
-            self.hub.handle_timeout(self.clock.at(now));
-        }
-        self.expire_tokens(now);
-        // Durable writes that took too long: answered "not saved".
+    }
+
+    /// Durable writes that took too long: answered "not saved".
+    fn expire_tickets(&mut self, now: Instant) {
         while let Some(&(deadline, ticket)) = self.ticket_deadlines.first() {
             if deadline > now {
                 break;
@@ -1702,29 +1706,27 @@ impl ServerState {
                 }
             }
         }
-        if now >= self.next_renewal {
-            // An open connection is a live device: QUIC's keep-alive and idle
-            // timeout stand for the heartbeat. Renewed as of each
-            // connection's last datagram, not now: a client that fell
-            // silent must keep its real last heard.
-            let at = self.clock.at(now);
-            for (&session, &ch) in &self.sessions {
-                if let Some(conn) = self.conns.get(ch).and_then(|c| c.as_deref()) {
-                    self.hub.heard(at, session, conn.session.last_heard);
-                }
-            }
-            self.next_renewal = now + self.config.renewal();
-            if !self.stored {
-                self.hub.sweep(SWEEP_BUDGET);
+    }
+
+    /// The periodic lease renewal: an open connection is a live device
+    /// (QUIC's keep-alive and idle timeout stand for the heartbeat).
+    fn renew_leases(&mut self, now: Instant) {
+        // Renewed as of each connection's last datagram, not now: a client
+        // that fell silent must keep its real last heard.
+        let at = self.clock.at(now);
+        for (&session, &ch) in &self.sessions {
+            if let Some(conn) = self.conns.get(ch).and_then(|c| c.as_deref()) {
+                self.hub.heard(at, session, conn.session.last_heard);
             }
         }
-        if self.next_hold.is_some_and(|at| now >= at) {
-            self.hold_restored(now);
+        self.next_renewal = now + self.config.renewal();
+        if !self.stored {
+            self.hub.sweep(SWEEP_BUDGET);
         }
-        if self.stored && now >= self.next_flush {
-            self.next_flush = now + self.config.flush_interval;
-            self.flush_store();
-        }
+    }
+
+    /// The cluster link's timers (its cores' and its requests' deadlines).
+    fn cluster_timers(&mut self, now: Instant) {
         if let Some(c) = self.cluster.as_deref_mut() {
             let at = self.clock.at(now);
             let core_due = c
@@ -1968,6 +1970,23 @@ impl ServerState {
         }));
         self.ws.insert(id, ch);
         self.on_connected(ch, now);
+        self.touch(ch);
+    }
+
+    /// A message from WebSocket `id`: a sign of life, and work for its session.
+    fn ws_received(&mut self, now: Instant, id: WsId, message: WsMessage) {
+        let heard = self.clock.at(now);
+        let renew = !self.mutant(ServerMutant::LeaseNotRenewedOnTraffic);
+        let Some(ch) = self.ws.get(&id).copied() else {
+            return;
+        };
+        let Some(conn) = self.conn(ch) else { return };
+        if let Link::Ws(link) = &mut conn.link {
+            if renew {
+                conn.session.last_heard = heard;
+            }
+            link.received(now, message);
+        }
         self.touch(ch);
     }
 
@@ -2435,28 +2454,7 @@ impl ServerState {
                     tier,
                     frame,
                 } => self.deliver(now, session, tier, frame),
-                HubOutput::End { session, reason } => {
-                    if let Some(c) = self.cluster.as_deref_mut() {
-                        c.session_ended(session);
-                    }
-                    let Some(&ch) = self.sessions.get(&session) else {
-                        continue;
-                    };
-                    let (code, text): (CloseCode, &[u8]) = match reason {
-                        EndReason::Superseded => {
-                            (CloseCode::Superseded, b"the device connected again")
-                        }
-                        EndReason::HeartbeatTimeout => {
-                            (CloseCode::SessionExpired, b"no sign of life in time")
-                        }
-                        EndReason::GraceExpired => {
-                            (CloseCode::SessionExpired, b"not back within grace")
-                        }
-                        // The logout's answer goes out first, then the close.
-                        EndReason::LoggedOut => continue,
-                    };
-                    self.close(ch, now, code, text);
-                }
+                HubOutput::End { session, reason } => self.session_ended(now, session, reason),
             }
         }
         self.close_for_tokens(now);
@@ -2464,6 +2462,24 @@ impl ServerState {
             self.route_cluster(now);
         }
         self.within_budget(now);
+    }
+
+    /// The core ended a session: its connection is closed with the reason.
+    fn session_ended(&mut self, now: Instant, session: SessionId, reason: EndReason) {
+        if let Some(c) = self.cluster.as_deref_mut() {
+            c.session_ended(session);
+        }
+        let Some(&ch) = self.sessions.get(&session) else {
+            return;
+        };
+        let (code, text): (CloseCode, &[u8]) = match reason {
+            EndReason::Superseded => (CloseCode::Superseded, b"the device connected again"),
+            EndReason::HeartbeatTimeout => (CloseCode::SessionExpired, b"no sign of life in time"),
+            EndReason::GraceExpired => (CloseCode::SessionExpired, b"not back within grace"),
+            // The logout's answer goes out first, then the close.
+            EndReason::LoggedOut => return,
+        };
+        self.close(ch, now, code, text);
     }
 
     /// One push to a session's stream of `tier`.
@@ -2496,6 +2512,15 @@ impl ServerState {
     }
 
     // ---- the cluster (only with `ServerConfig::cluster`) ----
+
+    /// What the cluster's NATS I/O delivered.
+    fn cluster_input(&mut self, now: Instant, input: ClusterInput) {
+        let at = self.clock.at(now);
+        if let Some(c) = self.cluster.as_deref_mut() {
+            c.handle_input(now, at, input);
+        }
+        self.route(now);
+    }
 
     /// The fanout's pushes, the answers the cluster finished, and what it
     /// asks of the NATS I/O.
