@@ -5,10 +5,14 @@
 use super::*;
 use crate::store::Loaded;
 use crate::token::{Claims, WatchClaim};
+use crate::Shed;
 use greendot_proto::{
-    decode, Hello, Kind, Push, Request, RequestFrame, Status, Tier, ALPN, VERSION,
+    decode, encode_frame, Hello, Kind, Push, Request, RequestFrame, ServerFrame, Status, Tier,
+    ALPN, VERSION,
 };
-use quinn_proto::{ClientConfig, ConnectionError, Dir, Event, StreamEvent, StreamId};
+use quinn_proto::{
+    ClientConfig, ConnectionError, ConnectionHandle, Dir, Event, StreamEvent, StreamId,
+};
 
 const SERVER: SocketAddr = SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::new(10, 0, 0, 1)), 4433);
 /// Virtual time advances by this much per step.

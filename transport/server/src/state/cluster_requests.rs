@@ -1,0 +1,434 @@
+//! What `ServerState` does with the cluster link (only with
+//! `ServerConfig::cluster`): inputs from the NATS I/O in, the fanout's
+//! pushes and the link's outputs out, and a session's requests that the
+//! owner of its user (or of its targets) answers, held under a ticket.
+
+use super::tickets::Ticket;
+use super::{ServerOutput, ServerState};
+use crate::cluster::{ClusterInput, ClusterLink, Finished, WireOp};
+use crate::conn::{Handled, Step};
+use bytes::Bytes;
+use greendot_core::{SessionId, Tier};
+use greendot_proto::{self as proto, encode_frame, ServerFrame};
+use std::time::{Duration, Instant};
+
+impl ServerState {
+    /// What the cluster's NATS I/O delivered.
+    pub(super) fn cluster_input(&mut self, now: Instant, input: ClusterInput) {
+        let at = self.clock.at(now);
+        if let Some(c) = self.cluster.as_deref_mut() {
+            c.handle_input(now, at, input);
+        }
+        self.route(now);
+    }
+
+    /// The fanout's pushes, the answers the cluster finished, and what it
+    /// asks of the NATS I/O.
+    pub(super) fn route_cluster(&mut self, now: Instant) {
+        loop {
+            let Some(c) = self.cluster.as_deref_mut() else {
+                return;
+            };
+            if let Some(out) = c.poll_fanout() {
+                if let greendot_core::Output::Push {
+                    to,
+                    target,
+                    tier,
+                    presence,
+                } = out
+                {
+                    let push = proto::Push::Update {
+                        target: c.user_name(target).unwrap_or_default().to_owned(),
+                        // Presences at the edge carry Unix milliseconds.
+                        presence: proto::Presence::from_core(&presence, 0),
+                    };
+                    let frame = Bytes::from(encode_frame(&push).unwrap_or_default());
+                    self.deliver(now, to, tier, frame);
+                }
+                continue;
+            }
+            if let Some(ms) = c.poll_latency() {
+                self.stats
+                    .cluster_latency
+                    .observe(Duration::from_millis(ms));
+                continue;
+            }
+            if let Some((wait, finished)) = c.poll_finished() {
+                self.cluster_finished(now, wait, finished);
+                continue;
+            }
+            match c.poll_output() {
+                Some(out) => self.outputs.push_back(ServerOutput::Cluster(out)),
+                None => return,
+            }
+        }
+    }
+
+    /// The cluster link's timers (its cores' and its requests' deadlines).
+    pub(super) fn cluster_timers(&mut self, now: Instant) {
+        if let Some(c) = self.cluster.as_deref_mut() {
+            let at = self.clock.at(now);
+            let core_due = c
+                .poll_timeout()
+                .and_then(|m| self.clock.instant(m))
+                .is_some_and(|t| t <= now);
+            if core_due || c.poll_deadline(now).is_some_and(|t| t <= now) {
+                c.handle_timeout(now, at);
+            }
+        }
+    }
+
+    /// The cluster is done with the request behind `wait`.
+    pub(super) fn cluster_finished(&mut self, now: Instant, wait: u64, finished: Finished) {
+        if let Finished::Carry {
+            session,
+            subscriptions,
+        } = finished
+        {
+            if self.tickets.contains_key(&wait) {
+                self.carry_over(now, wait, session, subscriptions);
+            }
+            return;
+        }
+        let Some(ticket) = self.tickets.remove(&wait) else {
+            return; // answered at the backstop already
+        };
+        self.ticket_deadlines.remove(&(ticket.deadline(), wait));
+        let Ticket::Cluster {
+            ch,
+            serial,
+            mut handled,
+            ..
+        } = ticket
+        else {
+            return;
+        };
+        let result = match finished {
+            Finished::Done | Finished::Carry { .. } => None,
+            Finished::Answer(answer) => Some(Ok(answer)),
+            Finished::Failed(error) => Some(Err(error)),
+        };
+        match (result, handled.reply.as_mut()) {
+            (Some(result), Some(ServerFrame::Reply { result: r, .. })) => *r = result,
+            // A resume from another node's record: what carried over.
+            (
+                Some(Ok(proto::Answer::Subscribed { snapshots, .. })),
+                Some(ServerFrame::Welcome(w)),
+            ) => {
+                w.resumed = true;
+                w.snapshots = snapshots;
+            }
+            _ => {}
+        }
+        self.saved(now, ch, serial, wait, handled, None);
+    }
+
+    /// Holds `handled` (the hub's answer) until the owner took `op`.
+    pub(super) fn cluster_wait(
+        &mut self,
+        ch: usize,
+        now: Instant,
+        session: SessionId,
+        op: WireOp,
+        handled: Handled,
+    ) {
+        let Some((wait, backstop)) = self.cluster_ticket(ch, now, handled) else {
+            return;
+        };
+        let at = self.clock.at(now);
+        let taken = self
+            .cluster
+            .as_deref_mut()
+            .is_some_and(|c| c.input(now, at, session, op, Some(wait)));
+        if taken {
+            return self.hold_for(ch, wait);
+        }
+        // Not a session the cluster knows (it never got through): answered
+        // as it is.
+        if let Some(Ticket::Cluster { handled, .. }) = self.tickets.remove(&wait) {
+            self.ticket_deadlines.remove(&(backstop, wait));
+            self.answer(ch, now, handled);
+        }
+    }
+
+    pub(super) fn cluster_backstop(&self, now: Instant) -> Instant {
+        let timeout = self
+            .config
+            .cluster
+            .as_ref()
+            .map_or(Duration::ZERO, |c| c.request_timeout);
+        now + timeout + Duration::from_secs(1)
+    }
+
+    /// A welcome in a cluster: the device goes to its owner. A session
+    /// resumed here keeps its subscriptions (they live in the fanout, not
+    /// the hub's core) except what the new credentials no longer allow.
+    /// Returns the wire id the hello named if it is no session here (so
+    /// perhaps another node's: its record is read before the welcome).
+    pub(super) fn cluster_welcome(
+        &mut self,
+        now: Instant,
+        session: SessionId,
+        resume: Option<u64>,
+        handled: &mut Handled,
+    ) -> Option<u64> {
+        let at = self.clock.at(now);
+        let kind = self.hub.session_kind(session);
+        let foreground = self.hub.session_foreground(session).unwrap_or(true);
+        let carried_from = resume.map(|wire| self.wire(SessionId(wire)));
+        let (Some(c), Some(ServerFrame::Welcome(w)), Some(kind)) =
+            (self.cluster.as_deref_mut(), handled.reply.as_mut(), kind)
+        else {
+            return None;
+        };
+        let carried_from = carried_from.filter(|_| w.resumed);
+        c.connected(
+            now,
+            at,
+            session,
+            w.session,
+            &w.user,
+            &w.device,
+            kind.into(),
+            carried_from,
+        );
+        if !foreground {
+            // A hello in the background: the owner hears it right after
+            // the connect (I12).
+            c.input(now, at, session, WireOp::SetForeground(false), None);
+        }
+        if !w.resumed {
+            return resume;
+        }
+        let (kept, refused): (Vec<_>, Vec<_>) = c
+            .snapshots(session, &w.user)
+            .into_iter()
+            .partition(|s| self.hub.may_watch(session, &s.target).is_ok());
+        for s in refused {
+            c.unsubscribe(at, session, &s.target);
+        }
+        w.snapshots = kept;
+        None
+    }
+
+    /// The hello named `wire`, no session of this node: the welcome waits
+    /// while the device's record is read; if it names `wire`, its
+    /// subscriptions carry over and the welcome says resumed.
+    pub(super) fn resume_elsewhere(
+        &mut self,
+        ch: usize,
+        now: Instant,
+        session: SessionId,
+        wire: u64,
+        handled: Handled,
+    ) {
+        let (user, device) = match &handled.reply {
+            Some(ServerFrame::Welcome(w)) => (w.user.clone(), w.device.clone()),
+            _ => return self.answer(ch, now, handled),
+        };
+        let Some((wait, _)) = self.cluster_ticket(ch, now, handled) else {
+            return;
+        };
+        if let Some(c) = self.cluster.as_deref_mut() {
+            c.resume_elsewhere(wait, session, &user, &device, wire);
+        }
+        self.hold_for(ch, wait);
+    }
+
+    /// A resume's record named the session: what the new credentials still
+    /// allow is subscribed again, under the same wait.
+    pub(super) fn carry_over(
+        &mut self,
+        now: Instant,
+        wait: u64,
+        session: SessionId,
+        subscriptions: Vec<(String, Tier)>,
+    ) {
+        let at = self.clock.at(now);
+        let allowed: Vec<(String, Tier)> = subscriptions
+            .into_iter()
+            .filter(|(t, _)| self.hub.may_watch(session, t).is_ok())
+            .collect();
+        let viewer = self
+            .hub
+            .session_user(session)
+            .and_then(|u| self.hub.user_name(u))
+            .map(str::to_owned);
+        let (Some(c), Some(viewer)) = (self.cluster.as_deref_mut(), viewer) else {
+            return self.cluster_finished(now, wait, Finished::Done);
+        };
+        if let Some(answer) = c.carry_over(now, at, wait, session, &viewer, allowed) {
+            self.cluster_finished(now, wait, Finished::Answer(answer));
+        }
+    }
+
+    /// Subscribe and unsubscribe in a cluster: through the fanout, with
+    /// snapshots from the targets' owners.
+    pub(super) fn cluster_subscription(&mut self, ch: usize, now: Instant, step: Step) {
+        let Step::Request {
+            session,
+            id,
+            request,
+        } = step
+        else {
+            return;
+        };
+        let at = self.clock.at(now);
+        let reply = |result| Handled {
+            reply: Some(ServerFrame::Reply { id, result }),
+            ..Handled::default()
+        };
+        let viewer = self
+            .hub
+            .session_user(session)
+            .and_then(|u| self.hub.user_name(u))
+            .map(str::to_owned);
+        let Some(viewer) = viewer else {
+            let stale =
+                proto::WireError::new(proto::ErrorCode::Stale, "session is no longer current");
+            return self.answer(ch, now, reply(Err(stale)));
+        };
+        match request {
+            request @ (proto::Request::Subscribe { .. } | proto::Request::Query { .. }) => {
+                let (targets, tier, query) = match request {
+                    proto::Request::Subscribe { targets, tier } => (targets, tier.into(), false),
+                    proto::Request::Query { targets } => (targets, Tier::Realtime, true),
+                    _ => return,
+                };
+                if query && targets.len() > 1 && !self.hub.is_service(session) {
+                    let error = proto::WireError::new(
+                        proto::ErrorCode::ServiceOnly,
+                        "querying several users at once needs a service token",
+                    );
+                    return self.answer(ch, now, reply(Err(error)));
+                }
+                if targets.len() > self.config.limits.max_targets {
+                    let error = proto::WireError::new(
+                        proto::ErrorCode::TooManyTargets,
+                        format!(
+                            "at most {} targets per request",
+                            self.config.limits.max_targets
+                        ),
+                    );
+                    return self.answer(ch, now, reply(Err(error)));
+                }
+                let mut allowed = Vec::with_capacity(targets.len());
+                let mut refused = Vec::new();
+                for target in targets {
+                    match self.hub.may_watch(session, &target) {
+                        Ok(()) => allowed.push(target),
+                        Err(error) => refused.push(proto::Refused { target, error }),
+                    }
+                }
+                self.cluster_ask(ch, now, id, |c, wait| {
+                    c.subscribe(
+                        now, at, wait, session, &viewer, allowed, refused, tier, query,
+                    )
+                });
+            }
+            proto::Request::Route { user } => {
+                let svc = self.hub.is_service(session);
+                if let Err(error) = self.hub.may_route(svc, &user) {
+                    return self.answer(ch, now, reply(Err(error)));
+                }
+                self.cluster_ask(ch, now, id, |c, wait| c.route(now, wait, &user));
+            }
+            proto::Request::Unsubscribe { target } => {
+                let done = self
+                    .cluster
+                    .as_deref_mut()
+                    .is_some_and(|c| c.unsubscribe(at, session, &target));
+                let result = if done {
+                    Ok(proto::Answer::Done)
+                } else {
+                    Err(proto::WireError::new(
+                        proto::ErrorCode::NotSubscribed,
+                        "not subscribed to that user",
+                    ))
+                };
+                self.answer(ch, now, reply(result));
+            }
+            _ => {}
+        }
+    }
+
+    /// Runs a cluster request of connection `ch` (its request `id`): the
+    /// answer now, or the connection waits for it under a ticket.
+    pub(super) fn cluster_ask(
+        &mut self,
+        ch: usize,
+        now: Instant,
+        id: u64,
+        ask: impl FnOnce(&mut ClusterLink, u64) -> Option<proto::Answer>,
+    ) {
+        let reply = |result| Handled {
+            reply: Some(ServerFrame::Reply { id, result }),
+            ..Handled::default()
+        };
+        let held = reply(Ok(proto::Answer::Done));
+        let Some((wait, backstop)) = self.cluster_ticket(ch, now, held) else {
+            return;
+        };
+        let Some(c) = self.cluster.as_deref_mut() else {
+            return;
+        };
+        match ask(c, wait) {
+            Some(answer) => {
+                self.tickets.remove(&wait);
+                self.ticket_deadlines.remove(&(backstop, wait));
+                self.answer(ch, now, reply(Ok(answer)));
+            }
+            None => self.hold_for(ch, wait),
+        }
+    }
+
+    /// A ticket for a request of connection `ch` the cluster answers
+    /// (`handled`: the answer when it has nothing else to say), with its
+    /// backstop deadline.
+    pub(super) fn cluster_ticket(
+        &mut self,
+        ch: usize,
+        now: Instant,
+        handled: Handled,
+    ) -> Option<(u64, Instant)> {
+        let serial = self.conn(ch).map(|c| c.serial)?;
+        let deadline = self.cluster_backstop(now);
+        let wait = self.ticket(Ticket::Cluster {
+            ch,
+            serial,
+            handled,
+            deadline,
+        });
+        Some((wait, deadline))
+    }
+
+    /// Connection `ch` waits for ticket `wait`: its later frames wait too,
+    /// so that answers keep their order.
+    pub(super) fn hold_for(&mut self, ch: usize, wait: u64) {
+        if let Some(conn) = self.conn(ch) {
+            conn.session.wait_for(wait);
+        }
+    }
+}
+
+/// The device input a request is in a cluster, forwarded to the owner of
+/// its user once the hub answered it.
+pub(super) fn forwarded_op(step: &Step) -> Option<(SessionId, WireOp)> {
+    let Step::Request {
+        session, request, ..
+    } = step
+    else {
+        return None;
+    };
+    let op = match request {
+        proto::Request::SetStatus { status, message } => WireOp::SetStatus {
+            status: *status,
+            message: message.clone(),
+        },
+        proto::Request::SetInvisible { invisible } => WireOp::SetInvisible(*invisible),
+        proto::Request::SetForeground { foreground } => WireOp::SetForeground(*foreground),
+        proto::Request::Logout => WireOp::Logout,
+        _ => return None,
+    };
+    Some((*session, op))
+}
