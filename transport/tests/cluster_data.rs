@@ -298,18 +298,7 @@ async fn owner_failover_keeps_a_connected_device_online() {
     // Owned by b, and by c once b is gone: c is bob's node, not her edge
     // (a, which would resend in process), so the new owner must hear of her
     // phone through a resync request.
-    let next_owner = |user: &str| {
-        let live = [
-            greendot_cluster::NodeId::new("a").unwrap(),
-            greendot_cluster::NodeId::new("c").unwrap(),
-        ];
-        let shard = greendot_cluster::shard_of(user, SHARDS);
-        greendot_cluster::rendezvous_owner(shard, &live).map(|n| n.to_string())
-    };
-    let alice = (0..200)
-        .map(|i| format!("alice{i}"))
-        .find(|u| next_owner(u).as_deref() == Some("c") && owner_of(&urls, u) == "b")
-        .expect("a user of b whose next owner is c");
+    let alice = user_moving(&urls, "b", "c");
     let shard = greendot_cluster::shard_of(&alice, SHARDS).0;
 
     let (bob, mut bob_updates) = bob_watching(&nodes, &c, &[alice.as_str()]).await;

@@ -32,18 +32,7 @@ async fn a_logout_during_an_owner_failover_is_shown_long_before_the_grace() {
     let (a, mut b, c) = (node("a"), node("b"), node("c"));
     wait_placed(&urls);
     let nodes = [&a, &b, &c];
-    let next_owner = |user: &str| {
-        let live = [
-            greendot_cluster::NodeId::new("a").unwrap(),
-            greendot_cluster::NodeId::new("c").unwrap(),
-        ];
-        let shard = greendot_cluster::shard_of(user, SHARDS);
-        greendot_cluster::rendezvous_owner(shard, &live).map(|n| n.to_string())
-    };
-    let alice = (0..200)
-        .map(|i| format!("alice{i}"))
-        .find(|u| next_owner(u).as_deref() == Some("c") && owner_of(&urls, u) == "b")
-        .expect("a user of b whose next owner is c");
+    let alice = user_moving(&urls, "b", "c");
 
     let (_bob, mut bob_updates) = bob_watching(&nodes, &c, &[alice.as_str()]).await;
     let (phone, _p) = connect(&nodes, &a, &alice, "phone", Kind::Mobile, WatchClaim::all()).await;

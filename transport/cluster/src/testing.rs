@@ -429,3 +429,27 @@ impl Drop for NatsCluster {
 pub fn envelope() -> crate::Envelope {
     crate::Envelope::new(crate::MessageKey::derive(b"greendot test secret"))
 }
+
+/// `Cluster::connect`, tried again after a passing failure until `within`
+/// has passed; panics with the last error, and at once on a permanent one.
+/// Creating a fresh cluster's R3 buckets can outlast one operation timeout
+/// on a loaded machine (seen: 2 of 10 tests at once timed out opening
+/// `gd_leases`); the `serve` binary retries its start the same way.
+pub async fn connect_retrying(
+    urls: &str,
+    config: crate::ClusterConfig,
+    within: Duration,
+) -> crate::Cluster {
+    let deadline = Instant::now() + within;
+    loop {
+        match crate::Cluster::connect(urls, config.clone(), envelope()).await {
+            Ok(cluster) => return cluster,
+            Err(e) if !e.is_permanent() && Instant::now() < deadline => {
+                eprintln!("connecting {}: {e}; trying again", config.node);
+                // A pause before the next try, not a wait for an event.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("connecting {} to {urls}: {e:?}", config.node),
+        }
+    }
+}

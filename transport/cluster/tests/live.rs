@@ -35,13 +35,15 @@ fn config(node: &str) -> ClusterConfig {
 }
 
 async fn connect(urls: &str, node: &str) -> Cluster {
-    Cluster::connect(urls, config(node), greendot_cluster::testing::envelope())
-        .await
-        .unwrap()
+    greendot_cluster::testing::connect_retrying(urls, config(node), STARTUP).await
 }
 
 /// Retries `f` until it succeeds or `within` passes (for the first
 /// operations against a fresh cluster and after a NATS node is killed).
+/// How long a test's first connection may keep failing while the fresh
+/// cluster makes its buckets.
+const STARTUP: Duration = Duration::from_secs(20);
+
 async fn retry<T, F, Fut>(within: Duration, mut f: F) -> T
 where
     F: FnMut() -> Fut,

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use greendot_cluster::testing::NatsCluster;
 use greendot_cluster::{
-    observe, rendezvous_owner, Cluster, ClusterConfig, ClusterView, Node, NodeExit, NodeId,
-    NodePhase, ShardId,
+    observe, rendezvous_owner, ClusterConfig, ClusterView, Node, NodeExit, NodeId, NodePhase,
+    ShardId,
 };
 
 const SHARDS: u32 = 64;
@@ -38,9 +38,7 @@ async fn start(urls: &str, node: &str) -> Node {
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
         .try_init();
-    let cluster = Cluster::connect(urls, config(node), greendot_cluster::testing::envelope())
-        .await
-        .unwrap();
+    let cluster = greendot_cluster::testing::connect_retrying(urls, config(node), STARTUP).await;
     Node::start(
         cluster,
         format!("{node}.example:4433"),
@@ -49,6 +47,10 @@ async fn start(urls: &str, node: &str) -> Node {
     .await
     .unwrap()
 }
+
+/// How long a test's first connection may keep failing while the fresh
+/// cluster makes its buckets.
+const STARTUP: Duration = Duration::from_secs(20);
 
 fn ids(names: &[&str]) -> Vec<NodeId> {
     names.iter().map(|n| NodeId::new(*n).unwrap()).collect()
@@ -251,13 +253,8 @@ async fn shards_spread_over_three_nodes_then_a_crash_and_a_drain_hand_them_over(
 async fn a_node_cut_off_from_nats_stops_owning_then_rejoins_when_nats_is_back() {
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
     let mut nats = NatsCluster::start(3).await;
-    let _buckets = Cluster::connect(
-        &nats.url(0),
-        config("setup"),
-        greendot_cluster::testing::envelope(),
-    )
-    .await
-    .unwrap();
+    let _buckets =
+        greendot_cluster::testing::connect_retrying(&nats.url(0), config("setup"), STARTUP).await;
     let leaders = [
         nats.stream_leader("gd_leases").await,
         nats.stream_leader("gd_claims").await,

@@ -6,11 +6,15 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use greendot_cluster::testing::{envelope, NatsCluster};
+use greendot_cluster::testing::{connect_retrying, envelope, NatsCluster};
 use greendot_cluster::{
     Cluster, ClusterConfig, ClusterError, DropReason, Envelope, MessageKey, NatsCredentials,
     NodeId, RequestKind, Secret, ShardId,
 };
+
+/// How long a test's first connection may keep failing while the fresh
+/// cluster makes its buckets.
+const STARTUP: Duration = Duration::from_secs(20);
 
 fn config(node: &str) -> ClusterConfig {
     let mut c = ClusterConfig::new(NodeId::new(node).unwrap());
@@ -107,12 +111,8 @@ async fn a_node_joins_with_the_right_nats_credentials_only() {
 async fn forged_copied_and_unsigned_messages_are_dropped_and_counted() {
     let nats = NatsCluster::start(1).await;
     let urls = nats.urls();
-    let owner = Cluster::connect(&urls, config("owner"), envelope())
-        .await
-        .unwrap();
-    let edge = Cluster::connect(&urls, config("edge"), envelope())
-        .await
-        .unwrap();
+    let owner = connect_retrying(&urls, config("owner"), STARTUP).await;
+    let edge = connect_retrying(&urls, config("edge"), STARTUP).await;
     // Someone with publish rights on the subjects but not the token secret.
     let raw = async_nats::connect(urls.clone()).await.unwrap();
     let stranger = Envelope::new(MessageKey::derive(b"not the cluster's secret"));
@@ -236,9 +236,7 @@ async fn forged_copied_and_unsigned_messages_are_dropped_and_counted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_that_would_wrap_versions_is_refused() {
     let nats = NatsCluster::start(1).await;
-    let node = Cluster::connect(&nats.urls(), config("a"), envelope())
-        .await
-        .unwrap();
+    let node = connect_retrying(&nats.urls(), config("a"), STARTUP).await;
     let js = async_nats::jetstream::new(node.client().clone());
     let claims = js.get_key_value("gd_claims").await.unwrap();
     let last = greendot_cluster::MAX_EPOCH;

@@ -258,6 +258,24 @@ pub fn user_owned_by(urls: &str, owner: &str, stem: &str) -> String {
         .unwrap_or_else(|| panic!("no user of {owner}"))
 }
 
+/// A user whose shard `owner` holds now and that rendezvous placement gives
+/// to `next` once `owner` is gone (a, b and c being the nodes).
+pub fn user_moving(urls: &str, owner: &str, next: &str) -> String {
+    let live: Vec<greendot_cluster::NodeId> = ["a", "b", "c"]
+        .into_iter()
+        .filter(|n| *n != owner)
+        .map(|n| greendot_cluster::NodeId::new(n).unwrap())
+        .collect();
+    let next_owner = |user: &str| {
+        let shard = greendot_cluster::shard_of(user, SHARDS);
+        greendot_cluster::rendezvous_owner(shard, &live).map(|n| n.to_string())
+    };
+    (0..200)
+        .map(|i| format!("alice{i}"))
+        .find(|u| next_owner(u).as_deref() == Some(next) && owner_of(urls, u) == owner)
+        .unwrap_or_else(|| panic!("no user of {owner} whose next owner is {next}"))
+}
+
 pub fn temp_dir(test: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!(
         "greendot-cluster-data-{}-{test}",
