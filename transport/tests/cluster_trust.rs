@@ -40,7 +40,7 @@ const SECRET: &str = "0123456789abcdef0123456789abcdef";
 struct Node {
     id: String,
     /// Killed when dropped.
-    _proc: Proc,
+    proc: Proc,
     addr: SocketAddr,
     metrics: String,
     cert: CertificateDer<'static>,
@@ -71,7 +71,8 @@ fn serve_as(dir: &Path, urls: &str, id: &str, env: &[(&str, &str)]) -> Node {
         .args(["--cluster-lease-ttl", "2s", "--cluster-replicas", "1"])
         .args(["--debounce", &format!("{}ms", DEBOUNCE.as_millis())])
         .envs(env.iter().copied())
-        .env("RUST_LOG", "warn");
+        // Claims at info: tests wait on them (`until_claimed`).
+        .env("RUST_LOG", "warn,greendot_cluster::node=info");
     let mut proc = Proc::spawn(id, command);
     let addr = proc.listening_addr(SLACK);
     let metrics = proc.metrics_addr(SLACK);
@@ -79,7 +80,7 @@ fn serve_as(dir: &Path, urls: &str, id: &str, env: &[(&str, &str)]) -> Node {
     let cert = CertificateDer::from_pem_slice(&pem).expect("a PEM certificate");
     Node {
         id: id.to_owned(),
-        _proc: proc,
+        proc,
         addr,
         metrics,
         cert,
@@ -311,19 +312,67 @@ fn status(urls: &str, env: &[(&str, &str)]) -> (bool, String) {
     (out.status.success(), text)
 }
 
-/// Asks `cluster status` (with `env`) until its text satisfies `done`;
-/// panics with the last text after `SLACK`. The status is read from NATS by
-/// another process: there is no event to wait on.
-fn until_status(urls: &str, env: &[(&str, &str)], what: &str, done: impl Fn(&str) -> bool) {
-    let t0 = std::time::Instant::now();
-    loop {
-        let (ok, text) = status(urls, env);
-        if ok && done(&text) {
-            return;
+/// Waits on a node's log until it has claimed each of `shards`: its
+/// `claimed shard shard=N` lines (greendot_cluster::node at info) are the
+/// claims succeeding.
+fn until_claimed(node: &mut Proc, shards: impl IntoIterator<Item = u32>) {
+    let claimed = |line: &str| -> Option<u32> {
+        let line = plain(line);
+        let rest = line.split("claimed shard shard=").nth(1)?;
+        rest.split_whitespace().next()?.parse().ok()
+    };
+    let mut missing: std::collections::BTreeSet<u32> = shards.into_iter().collect();
+    // Claims logged while the test waited for other lines are in `seen`.
+    for line in &node.seen {
+        if let Some(shard) = claimed(line) {
+            missing.remove(&shard);
         }
-        assert!(t0.elapsed() < SLACK, "{what}: {text}");
-        std::thread::sleep(Duration::from_millis(100));
     }
+    while !missing.is_empty() {
+        let line = node.wait_for(SLACK, "claiming its shards", |l| claimed(l).is_some());
+        if let Some(shard) = claimed(&line) {
+            missing.remove(&shard);
+        }
+    }
+}
+
+/// A log line without its ANSI colours.
+fn plain(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // ESC [ parameters final-letter
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The shards rendezvous placement gives `node` among `live`.
+fn share_of(node: &str, live: &[&str]) -> Vec<u32> {
+    let live: Vec<greendot_cluster::NodeId> = live
+        .iter()
+        .map(|n| greendot_cluster::NodeId::new(*n).unwrap())
+        .collect();
+    (0..SHARDS)
+        .filter(|s| {
+            greendot_cluster::rendezvous_owner(greendot_cluster::ShardId(*s), &live)
+                .is_some_and(|owner| owner.as_str() == node)
+        })
+        .collect()
+}
+
+/// `cluster status` (with `env`) succeeds and its text satisfies `holds`.
+fn assert_status(urls: &str, env: &[(&str, &str)], what: &str, holds: impl Fn(&str) -> bool) {
+    let (ok, text) = status(urls, env);
+    assert!(ok && holds(&text), "{what}: {text}");
 }
 
 /// NATS requiring a user and password: a node given them (in the
@@ -391,7 +440,8 @@ async fn a_node_joins_a_nats_that_requires_a_password_given_it() {
         .env("RUST_LOG", "info");
     let mut node = Proc::spawn("a", command);
     node.wait_for(SLACK, "joined", |l| l.starts_with("cluster node a on NATS"));
-    until_status(&urls, &creds, "not every shard owned", |t| {
+    until_claimed(&mut node, 0..SHARDS);
+    assert_status(&urls, &creds, "not every shard owned", |t| {
         t.contains("shards: 64, owned 64, unowned 0")
     });
     node.drain();
@@ -444,15 +494,19 @@ async fn the_documented_nats_permissions_suffice_and_keep_others_out() {
         ("GREENDOT_NATS_USER", "node"),
         ("GREENDOT_NATS_PASSWORD", "node-pw"),
     ];
-    let a = serve_as(&dir, &urls, "a", &as_node);
-    let b = serve_as(&dir, &urls, "b", &as_node);
+    let mut a = serve_as(&dir, &urls, "a", &as_node);
+    let mut b = serve_as(&dir, &urls, "b", &as_node);
+    // Placed: each node holds its rendezvous share (b's claims succeed only
+    // once a has released them).
+    until_claimed(&mut a.proc, share_of("a", &["a", "b"]));
+    until_claimed(&mut b.proc, share_of("b", &["a", "b"]));
     let nodes = [&a, &b];
 
     let as_status = [
         ("GREENDOT_NATS_USER", "status"),
         ("GREENDOT_NATS_PASSWORD", "status-pw"),
     ];
-    until_status(&urls, &as_status, "status as `status`", |t| {
+    assert_status(&urls, &as_status, "status as `status`", |t| {
         t.contains("nodes: 2") && t.contains("owned 64, unowned 0")
     });
 
@@ -608,8 +662,9 @@ async fn a_node_joins_a_nats_over_tls_with_a_client_certificate() {
         "{text}"
     );
 
-    let _a = serve_as(&dir, &urls, "a", &tls);
-    until_status(&urls, &tls, "not every shard owned", |t| {
+    let mut a = serve_as(&dir, &urls, "a", &tls);
+    until_claimed(&mut a.proc, 0..SHARDS);
+    assert_status(&urls, &tls, "not every shard owned", |t| {
         t.contains("shards: 64, owned 64, unowned 0")
     });
 }
