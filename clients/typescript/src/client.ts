@@ -646,7 +646,6 @@ export class Client {
    * server, and the device is present again after the debounce.
    */
   async appForegrounded(): Promise<void> {
-    this.settings.foreground = true;
     this.restartBackoff = true;
     this.cancelWait?.();
     await this.tellForeground(true);

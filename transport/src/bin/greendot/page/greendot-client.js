@@ -1398,7 +1398,6 @@ var Client = class _Client {
    * server, and the device is present again after the debounce.
    */
   async appForegrounded() {
-    this.settings.foreground = true;
     this.restartBackoff = true;
     this.cancelWait?.();
     await this.tellForeground(true);
