@@ -17,7 +17,8 @@
 //! as dead and the client reconnects at once, resuming its session; while
 //! reconnecting it tries at once with the backoff reset.
 
-use crate::{take_command, Backoff, Client, Cmd, Exit};
+use crate::driver::{take_command, Exit};
+use crate::{Backoff, Client, Cmd};
 use std::collections::VecDeque;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};

@@ -1,0 +1,587 @@
+//! A client's connection task: drives the live connection (requests out,
+//! answers and pushes in), reconnects and resumes after a loss, and ends
+//! the client. [`drive`] is spawned by `Client::connect`; `read_control`
+//! and `accept_pushes` read a QUIC connection's streams.
+
+use super::*;
+
+enum Pending {
+    /// An application's request.
+    User(oneshot::Sender<Result<Answer, ClientError>>),
+    /// A subscribe sent by the client itself after a reconnect.
+    Resubscribe,
+    /// The `Ping` of [`Client::network_changed`].
+    Probe,
+    /// A refresh with a token from [`ClientConfig::refresh`].
+    Refresh,
+    /// A `SetForeground` of the app's lifecycle.
+    Lifecycle,
+}
+
+pub(crate) enum Exit {
+    /// The application closed the client (or dropped every handle).
+    Closed(CloseCode),
+    /// The connection ended; the error says how.
+    Lost(ClientError),
+}
+
+/// The client's task: runs connections one after another.
+pub(super) async fn drive(
+    shared: Arc<Shared>,
+    config: ClientConfig,
+    mut est: Established,
+    mut cmd_rx: mpsc::Receiver<Cmd>,
+) {
+    let mut deferred: VecDeque<Cmd> = VecDeque::new();
+    let mut next_id: u64 = 0;
+    // The app's state, as the connections and the reconnects saw it last.
+    let mut app = shared.foreground.subscribe();
+    loop {
+        let welcome = est.welcome.clone();
+        for s in &welcome.snapshots {
+            shared.apply(&s.target, &s.presence, Source::Snapshot);
+        }
+        if welcome.resumed {
+            // What carried over (perhaps from another client of the device,
+            // `ClientConfig::resume`) is subscribed again after a reconnect
+            // that does not resume.
+            let mut state = shared.state();
+            for s in &welcome.snapshots {
+                state.wanted.insert(s.target.clone(), s.tier.into());
+            }
+        }
+        let exit = run(
+            &shared,
+            &config,
+            est,
+            &mut cmd_rx,
+            &mut deferred,
+            &mut next_id,
+            &mut app,
+        )
+        .await;
+        let error = match exit {
+            Exit::Closed(code) => {
+                finish(&shared, Some(code), "closed by the application".into());
+                return;
+            }
+            Exit::Lost(error) => error,
+        };
+        let final_code = match &error {
+            ClientError::Rejected { code, .. } => !may_reconnect(&config, *code),
+            _ => false,
+        };
+        let Some(policy) = config.reconnect.filter(|_| !final_code) else {
+            let code = match &error {
+                ClientError::Rejected { code, .. } => *code,
+                _ => None,
+            };
+            finish(&shared, code, error.to_string());
+            return;
+        };
+        shared.emit(Event::Disconnected {
+            reason: error.to_string(),
+        });
+        let hint = error.retry_after();
+        let again = reconnect(
+            &shared,
+            &config,
+            policy,
+            hint,
+            (&mut cmd_rx, &mut deferred),
+            &mut app,
+        );
+        match again.await {
+            Ok(new) => {
+                let resumed = new.welcome.resumed;
+                let session = SessionId(new.welcome.session);
+                let carrier = new.link.carrier();
+                {
+                    let mut state = shared.state();
+                    state.session = session;
+                    state.stats.carrier = carrier;
+                    match carrier {
+                        Carrier::Quic => state.stats.quic_connections += 1,
+                        Carrier::WebSocket => state.stats.websocket_connections += 1,
+                    }
+                    if !resumed {
+                        // A new session, perhaps on a restarted server whose
+                        // versions began again: forget what the old one said,
+                        // so the fresh snapshots are not dropped as stale.
+                        state.view = View::new();
+                    }
+                }
+                shared.emit(Event::Reconnected {
+                    session,
+                    resumed,
+                    carrier,
+                });
+                est = new;
+            }
+            Err(exit) => {
+                let (code, reason) = match exit {
+                    Exit::Closed(code) => (Some(code), "closed by the application".to_owned()),
+                    Exit::Lost(ClientError::Rejected { code, error }) => (code, error.to_string()),
+                    Exit::Lost(e) => (None, e.to_string()),
+                };
+                finish(&shared, code, reason);
+                return;
+            }
+        }
+    }
+}
+
+fn finish(shared: &Shared, code: Option<CloseCode>, reason: String) {
+    shared.state().closed = true;
+    shared.emit(Event::Closed { code, reason });
+}
+
+/// A command that came while reconnecting: a close ends the attempt, a
+/// network change is `true` (try now), any other waits for the connection.
+pub(crate) fn take_command(cmd: Option<Cmd>, deferred: &mut VecDeque<Cmd>) -> Result<bool, Exit> {
+    match cmd {
+        Some(Cmd::Close { code, done }) => {
+            let _ = done.send(());
+            Err(Exit::Closed(code))
+        }
+        Some(Cmd::NetworkChanged) => Ok(true),
+        Some(cmd) => {
+            deferred.push_back(cmd);
+            Ok(false)
+        }
+        None => Err(Exit::Closed(CloseCode::Normal)),
+    }
+}
+
+/// Tries to connect again, resuming the session: before each attempt a wait
+/// drawn with full jitter, or within the `retry_ms` the server last asked for.
+/// Every attempt tries QUIC first (a client that fell back to WebSocket goes
+/// back to QUIC as soon as UDP works again).
+async fn reconnect(
+    shared: &Arc<Shared>,
+    config: &ClientConfig,
+    policy: Reconnect,
+    mut hint: Option<Duration>,
+    (cmd_rx, deferred): (&mut mpsc::Receiver<Cmd>, &mut VecDeque<Cmd>),
+    app: &mut tokio::sync::watch::Receiver<bool>,
+) -> Result<Established, Exit> {
+    let started = tokio::time::Instant::now();
+    let mut backoff = Backoff::new(policy);
+    loop {
+        let delay = backoff.next_delay(hint.take());
+        let woke = lifecycle::wait_to_reconnect(delay, app, cmd_rx, deferred).await?;
+        lifecycle::after_wake(woke, &mut backoff);
+        let resume = Some(shared.state().session);
+        fresh_token(shared, config).await;
+        let token = shared.state().token.clone();
+        let foreground = *app.borrow();
+        let attempt = establish(&shared.dialer, config, &token, resume, foreground);
+        tokio::pin!(attempt);
+        // Keep taking commands while connecting: requests wait, a close ends.
+        let result = loop {
+            tokio::select! {
+                result = &mut attempt => break result,
+                cmd = cmd_rx.recv() => {
+                    take_command(cmd, deferred)?;
+                }
+            }
+        };
+        match result {
+            Ok(est) => return Ok(est),
+            Err(ClientError::Rejected { code, error }) if !may_reconnect(config, code) => {
+                return Err(Exit::Lost(ClientError::Rejected { code, error }));
+            }
+            Err(e) => {
+                debug!(error = %e, "reconnect attempt failed");
+                hint = e.retry_after();
+            }
+        }
+        if policy
+            .give_up_after
+            .is_some_and(|limit| started.elapsed() >= limit)
+        {
+            return Err(Exit::Lost(LostReason::GaveUp.into()));
+        }
+    }
+}
+
+/// Whether to reconnect after the server closed with `code`: a token that
+/// expired is no end when the application gives new ones.
+fn may_reconnect(config: &ClientConfig, code: Option<CloseCode>) -> bool {
+    match code {
+        Some(CloseCode::TokenExpired) => config.refresh.is_some(),
+        code => code.is_some_and(|c| c.may_reconnect()),
+    }
+}
+
+/// Before a reconnect: a new token from the application if the current
+/// one is due for refresh (or past it). A failure keeps the old token (the
+/// server's answer then says what is wrong with it).
+async fn fresh_token(shared: &Shared, config: &ClientConfig) {
+    let Some(refresh) = &config.refresh else {
+        return;
+    };
+    let token = shared.state().token.clone();
+    if refresh::refresh_in(&token, config.refresh_ahead).is_some_and(|d| !d.is_zero()) {
+        return;
+    }
+    match tokio::time::timeout(config.connect_timeout, refresh.fetch()).await {
+        Ok(Ok(token)) => shared.state().token = token,
+        Ok(Err(e)) => debug!(error = %e, "token refresh failed before a reconnect"),
+        Err(_) => debug!("token refresh took too long before a reconnect"),
+    }
+}
+
+/// Reads QUIC control frames into the connection's inbound channel; the
+/// last item says how the connection ended.
+pub(super) async fn read_control(
+    conn: quinn::Connection,
+    mut recv: quinn::RecvStream,
+    tx: mpsc::UnboundedSender<Inbound>,
+) {
+    let mut reader = FrameReader::new(proto::MAX_SERVER_FRAME);
+    let ended = loop {
+        match read_frame(&mut recv, &mut reader).await {
+            Ok(Some(payload)) => match proto::decode::<ServerFrame>(&payload) {
+                Ok(frame) => {
+                    if tx.send(Inbound::Frame(frame)).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    conn.close(CloseCode::ProtocolError.varint(), b"bad control frame");
+                    break ClientError::Protocol(ProtocolError::BadFrame {
+                        carrier: Carrier::Quic,
+                        error: e,
+                    });
+                }
+            },
+            // The server finished or reset the stream: it closes next.
+            Ok(None) | Err(_) => break lost(&conn.closed().await),
+        }
+    };
+    let _ = tx.send(Inbound::Ended(ended));
+}
+
+/// Accepts the server's QUIC push streams and forwards what they carry.
+/// Aborting this task stops its readers too.
+pub(super) async fn accept_pushes(conn: quinn::Connection, tx: mpsc::UnboundedSender<Inbound>) {
+    let mut readers = tokio::task::JoinSet::new();
+    while let Ok(recv) = conn.accept_uni().await {
+        readers.spawn(read_pushes(recv, tx.clone()));
+    }
+    while readers.join_next().await.is_some() {}
+}
+
+async fn read_pushes(mut recv: quinn::RecvStream, tx: mpsc::UnboundedSender<Inbound>) {
+    let mut reader = FrameReader::new(proto::MAX_SERVER_FRAME);
+    let mut source = None;
+    while let Ok(Some(payload)) = read_frame(&mut recv, &mut reader).await {
+        match proto::decode::<Push>(&payload) {
+            Ok(Push::Stream { tier }) => {
+                source = Some(match tier {
+                    proto::Tier::Realtime => Source::Realtime,
+                    proto::Tier::Batched => Source::Batched,
+                })
+            }
+            Ok(Push::Update { target, presence }) => {
+                if let Some(source) = source {
+                    let push = Inbound::Push {
+                        target,
+                        presence,
+                        source,
+                    };
+                    if tx.send(push).is_err() {
+                        return;
+                    }
+                }
+            }
+            Err(e) => {
+                debug!(error = %e, "bad push frame");
+                return;
+            }
+        }
+    }
+}
+
+/// One connection's life, whatever its carrier: requests out, answers and
+/// pushes in, until it ends.
+async fn run(
+    shared: &Arc<Shared>,
+    config: &ClientConfig,
+    est: Established,
+    cmd_rx: &mut mpsc::Receiver<Cmd>,
+    deferred: &mut VecDeque<Cmd>,
+    next_id: &mut u64,
+    app: &mut tokio::sync::watch::Receiver<bool>,
+) -> Exit {
+    let Established {
+        mut link,
+        mut inbound,
+        early,
+        tasks,
+        welcome,
+        foreground: said,
+    } = est;
+    // The app's state as the server knows it; a change since is sent.
+    let mut told = said;
+    // The cap on what the client sends; what it reads is capped by MAX_SERVER_FRAME.
+    let max_frame = welcome.max_frame.max(1024) as usize;
+    let mut pending: HashMap<u64, Pending> = HashMap::new();
+    for item in early {
+        if let Inbound::Push {
+            target,
+            presence,
+            source,
+        } = item
+        {
+            shared.apply(&target, &presence, source);
+        }
+    }
+
+    // After a reconnect that did not resume, subscribe again.
+    let mut startup: VecDeque<(Request, Pending)> = VecDeque::new();
+    if !welcome.resumed {
+        let wanted = shared.state().wanted.clone();
+        for tier in [Tier::Realtime, Tier::Batched] {
+            let targets: Vec<String> = wanted
+                .iter()
+                .filter(|(_, t)| **t == tier)
+                .map(|(name, _)| name.clone())
+                .collect();
+            if !targets.is_empty() {
+                startup.push_back((
+                    Request::Subscribe {
+                        targets,
+                        tier: tier.into(),
+                    },
+                    Pending::Resubscribe,
+                ));
+            }
+        }
+    }
+    while let Some(cmd) = deferred.pop_front() {
+        match cmd {
+            Cmd::Request { request, reply } => startup.push_back((request, Pending::User(reply))),
+            Cmd::NetworkChanged => {}
+            Cmd::Close { code, done } => {
+                link.close(code, "closed by the application").await;
+                let _ = done.send(());
+                return Exit::Closed(code);
+            }
+        }
+    }
+
+    // Over WebSocket, after a network change: when the connection counts
+    // as dead unless the probe is answered.
+    let mut probe_deadline: Option<tokio::time::Instant> = None;
+    // When to fetch a new token (with a refresh callback), the fetch in
+    // flight, and the tokens of refreshes sent, by request id.
+    let refresh_at = |token: &str| {
+        config.refresh.as_ref()?;
+        refresh::refresh_in(token, config.refresh_ahead).map(|d| tokio::time::Instant::now() + d)
+    };
+    let mut refresh_due = refresh_at(&shared.state().token);
+    let mut fetching: Option<tokio::task::JoinHandle<Result<String, String>>> = None;
+    let mut refreshes: HashMap<u64, String> = HashMap::new();
+    let exit = 'conn: loop {
+        // A lifecycle change goes out before the requests that follow it.
+        let foreground = *app.borrow_and_update();
+        if foreground != told {
+            told = foreground;
+            let waiter = if foreground {
+                // Back from the background: the connection may have died
+                // meanwhile; an unanswered check replaces it at once.
+                if probe_deadline.is_none() {
+                    probe_deadline = Some(tokio::time::Instant::now() + config.probe_timeout);
+                }
+                Pending::Probe
+            } else {
+                Pending::Lifecycle
+            };
+            // Before any request the application made after the change.
+            startup.push_front((Request::SetForeground { foreground }, waiter));
+        }
+        while let Some((request, waiter)) = startup.pop_front() {
+            // The caller gave up waiting (a timeout): a request never sent
+            // must never take effect later, so it is not sent at all.
+            if matches!(&waiter, Pending::User(reply) if reply.is_closed()) {
+                continue;
+            }
+            *next_id = next_id.wrapping_add(1);
+            let id = *next_id;
+            let refreshing_token = match &request {
+                Request::Refresh { token } => Some(token.clone()),
+                _ => None,
+            };
+            let bytes = match encode_frame(&RequestFrame { id, request }) {
+                Ok(b) => b,
+                Err(e) => {
+                    if let Pending::User(reply) = waiter {
+                        let _ = reply.send(Err(ClientError::Encode(e)));
+                    }
+                    continue;
+                }
+            };
+            if bytes.len() > max_frame + 4 {
+                if let Pending::User(reply) = waiter {
+                    let _ = reply.send(Err(ClientError::Config(ConfigError::RequestTooLarge {
+                        len: bytes.len() - 4,
+                        max: max_frame,
+                    })));
+                }
+                continue;
+            }
+            if let Some(token) = refreshing_token {
+                refreshes.insert(id, token);
+            }
+            pending.insert(id, waiter);
+            if !link.send(bytes).await {
+                debug!("control write failed");
+                break 'conn Exit::Lost(ended(&mut inbound).await);
+            }
+        }
+        let probe = async {
+            match probe_deadline {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        let timer_due = refresh_due.filter(|_| fetching.is_none());
+        let refresh_timer = async {
+            match timer_due {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        let fetched = async {
+            match fetching.as_mut() {
+                Some(task) => task.await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = app.changed() => {}
+            _ = refresh_timer => {
+                if let Some(refresh) = &config.refresh {
+                    fetching = Some(tokio::spawn(refresh.fetch()));
+                }
+            }
+            result = fetched => {
+                fetching = None;
+                match result {
+                    Ok(Ok(token)) => {
+                        refresh_due = None;
+                        startup.push_back((Request::Refresh { token }, Pending::Refresh));
+                    }
+                    failed => {
+                        debug!(?failed, "token refresh failed; trying again in a second");
+                        refresh_due = Some(tokio::time::Instant::now() + Duration::from_secs(1));
+                    }
+                }
+            }
+            cmd = cmd_rx.recv() => match cmd {
+                Some(Cmd::Request { request, reply }) => {
+                    startup.push_back((request, Pending::User(reply)));
+                }
+                Some(Cmd::NetworkChanged) => {
+                    // Anything sent goes out on the new path; a Ping is the
+                    // smallest request (and renews the lease).
+                    startup.push_back((Request::Ping, Pending::Probe));
+                    if link.carrier() == Carrier::WebSocket && probe_deadline.is_none() {
+                        probe_deadline = Some(tokio::time::Instant::now() + config.probe_timeout);
+                    }
+                }
+                Some(Cmd::Close { code, done }) => {
+                    link.close(code, "closed by the application").await;
+                    let _ = done.send(());
+                    break Exit::Closed(code);
+                }
+                None => {
+                    link.close(CloseCode::Normal, "client dropped").await;
+                    break Exit::Closed(CloseCode::Normal);
+                }
+            },
+            item = inbound.recv() => match item {
+                Some(Inbound::Push { target, presence, source }) => {
+                    shared.apply(&target, &presence, source);
+                }
+                Some(Inbound::Frame(ServerFrame::Reply { id, result })) => {
+                    let token = refreshes.remove(&id);
+                    if let (Some(token), Ok(Answer::Refreshed { ended, .. })) = (token, &result) {
+                        refresh_due = refresh_at(&token);
+                        let mut state = shared.state();
+                        state.token = token;
+                        for target in ended {
+                            state.wanted.remove(target);
+                        }
+                        drop(state);
+                        shared.emit(Event::TokenRefreshed { ended: ended.clone() });
+                    }
+                    if let Ok(Answer::Subscribed { snapshots, .. }) = &result {
+                        let mut state = shared.state();
+                        for s in snapshots {
+                            state.wanted.insert(s.target.clone(), s.tier.into());
+                        }
+                    }
+                    if let Ok(Answer::Subscribed { snapshots, .. }) = &result {
+                        for s in snapshots {
+                            shared.apply(&s.target, &s.presence, Source::Snapshot);
+                        }
+                    }
+                    match pending.remove(&id) {
+                        Some(Pending::User(reply)) => {
+                            let _ = reply.send(result.map_err(ClientError::Server));
+                        }
+                        Some(Pending::Probe) => probe_deadline = None,
+                        Some(Pending::Refresh) => {
+                            if let Err(e) = &result {
+                                debug!(error = %e, "refreshed token refused; trying again in a second");
+                                refresh_due = Some(tokio::time::Instant::now() + Duration::from_secs(1));
+                            }
+                        }
+                        Some(Pending::Resubscribe | Pending::Lifecycle) => {}
+                        None => debug!(id, "reply to no request"),
+                    }
+                }
+                Some(Inbound::Frame(ServerFrame::Error(error))) => {
+                    // The server closes next; report its error with the close code.
+                    break Exit::Lost(rejected_after(&mut inbound, error).await);
+                }
+                Some(Inbound::Frame(ServerFrame::Welcome(_))) => {
+                    link.close(CloseCode::ProtocolError, "a second welcome").await;
+                    break Exit::Lost(ProtocolError::SecondWelcome.into());
+                }
+                Some(Inbound::Ended(e)) => break Exit::Lost(e),
+                None => break Exit::Lost(LostReason::Ended.into()),
+            },
+            _ = probe => {
+                // The TCP connection did not survive the network change. A
+                // plain close: the device lingers and the reconnect resumes.
+                link.close(CloseCode::Normal, "no answer after a network change").await;
+                break Exit::Lost(ClientError::Lost(LostReason::NoProbeAnswer {
+                    after: config.probe_timeout,
+                }));
+            }
+        }
+    };
+    drop(tasks);
+    if let Some(task) = fetching {
+        task.abort();
+    }
+    let failure = match &exit {
+        Exit::Lost(e) => e.clone(),
+        Exit::Closed(_) => ClientError::Closed,
+    };
+    for (_, waiter) in pending.drain() {
+        if let Pending::User(reply) = waiter {
+            let _ = reply.send(Err(failure.clone()));
+        }
+    }
+    for (_, waiter) in startup.drain(..) {
+        if let Pending::User(reply) = waiter {
+            let _ = reply.send(Err(failure.clone()));
+        }
+    }
+    exit
+}
