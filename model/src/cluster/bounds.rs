@@ -1,0 +1,185 @@
+//! The checked worlds (bounds) and the deliberately broken protocols.
+
+use super::*;
+
+/// Deliberately broken variants of the protocol, one per property.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ClusterMutant {
+    /// An owner that failed to renew its claim keeps acting (C1).
+    KeepOwningAfterLapse,
+    /// A new owner publishes offline before its resync window closes (C2).
+    NoResyncHold,
+    /// Owners ignore the expiry of an edge's lease: its devices stay Online
+    /// until the heartbeat timeout (C3).
+    IgnoreEdgeLost,
+    /// `SetInvisible` is acknowledged without writing the KV (C4).
+    InvisibleInMemory,
+    /// A new owner's versions restart from zero (C5).
+    NoEpochInVersions,
+    /// An owner acknowledges `SetInvisible` for a device it has no live
+    /// session of (a new owner before the device's resync) without storing
+    /// anything (C4; a hole the model found, see docs/cluster.md).
+    AckWithoutSession,
+    /// An edge takes an owner's `Ended` by connection id alone, which
+    /// restarts with the process (C3; a hole the model found).
+    EndedWithoutIncarnation,
+    /// A restarted node renews its lease under the same key, value and
+    /// owners keep its old incarnation's devices (C3; the hole the model
+    /// found, see docs/cluster.md).
+    NoIncarnation,
+    /// Edges ignore the owner's beacons: a lost last view leaves the
+    /// watcher stale until the next change (C5).
+    NoBeacon,
+}
+
+impl ClusterMutant {
+    pub const ALL: [ClusterMutant; 9] = [
+        ClusterMutant::KeepOwningAfterLapse,
+        ClusterMutant::NoResyncHold,
+        ClusterMutant::IgnoreEdgeLost,
+        ClusterMutant::InvisibleInMemory,
+        ClusterMutant::NoEpochInVersions,
+        ClusterMutant::NoIncarnation,
+        ClusterMutant::AckWithoutSession,
+        ClusterMutant::EndedWithoutIncarnation,
+        ClusterMutant::NoBeacon,
+    ];
+
+    /// The CI bound it is checked at: the smallest that shows it.
+    pub fn bound(self) -> (&'static str, ClusterBounds) {
+        let name = match self {
+            ClusterMutant::KeepOwningAfterLapse => "cut",
+            ClusterMutant::NoIncarnation
+            | ClusterMutant::IgnoreEdgeLost
+            | ClusterMutant::EndedWithoutIncarnation => "edge",
+            ClusterMutant::NoResyncHold | ClusterMutant::AckWithoutSession => "three",
+            ClusterMutant::InvisibleInMemory | ClusterMutant::NoEpochInVersions => "crash",
+            ClusterMutant::NoBeacon => "lossy",
+        };
+        *ClusterBounds::CI
+            .iter()
+            .find(|(n, _)| *n == name)
+            .expect("a CI bound")
+    }
+
+    /// The property that must catch it.
+    pub fn property(self) -> &'static str {
+        match self {
+            ClusterMutant::KeepOwningAfterLapse => "C1 one writer",
+            ClusterMutant::NoResyncHold => "C2 no false offline on failover",
+            ClusterMutant::IgnoreEdgeLost
+            | ClusterMutant::NoIncarnation
+            | ClusterMutant::EndedWithoutIncarnation => "C3 bounded ghosts",
+            ClusterMutant::InvisibleInMemory | ClusterMutant::AckWithoutSession => {
+                "C4 invisible survives failover"
+            }
+            ClusterMutant::NoEpochInVersions | ClusterMutant::NoBeacon => "C5 convergence",
+        }
+    }
+}
+
+/// The size of the checked world.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ClusterBounds {
+    /// 2 or 3.
+    pub nodes: u8,
+    /// Where alice's device first connects.
+    pub alice_edge: u8,
+    /// Who holds the shard's claim at time 0 (epoch 1).
+    pub first_owner: u8,
+    pub crashes: u8,
+    pub restarts: u8,
+    /// Cut-offs from the KV (the node can still send and receive messages:
+    /// the worst case for a zombie owner).
+    pub cuts: u8,
+    /// Messages the network may lose.
+    pub drops: u8,
+    /// Invisibility toggles of alice (to invisible only), only at tick
+    /// `invisible_at`.
+    pub flips: u8,
+    pub invisible_at: u64,
+    /// Faults (crash, restart, cut, loss) happen at ticks up to this one.
+    pub faults_until: u64,
+    pub max_time: u64,
+    /// Which of the "sometimes" properties this bound must reach.
+    pub reaches: &'static [&'static str],
+}
+
+impl ClusterBounds {
+    /// Two nodes: bob on 0; alice's edge and her shard's owner on 1, which
+    /// crashes once and may restart (at ticks up to 3); alice may go
+    /// invisible at tick 1; failover to node 0, where she reconnects (or to
+    /// the restarted 1).
+    pub const CRASH: ClusterBounds = ClusterBounds {
+        nodes: 2,
+        alice_edge: 1,
+        first_owner: 1,
+        crashes: 1,
+        restarts: 1,
+        cuts: 0,
+        drops: 0,
+        flips: 1,
+        invisible_at: 1,
+        faults_until: 3,
+        max_time: 8,
+        reaches: &[FAILOVER, ONLINE, ONLINE_LATER, QUIET],
+    };
+    /// Two nodes: node 1 (alice's edge and owner) is cut off from the KV
+    /// but still sends and receives: the zombie owner.
+    pub const CUT: ClusterBounds = ClusterBounds {
+        cuts: 1,
+        crashes: 0,
+        restarts: 0,
+        reaches: &[FAILOVER, ONLINE, QUIET],
+        ..ClusterBounds::CRASH
+    };
+    /// Two nodes: alice's edge (1) crashes under a live owner (0), and may
+    /// restart (a new incarnation renews the same lease key) before its
+    /// lease expires; long enough for C3's bound to pass.
+    pub const EDGE: ClusterBounds = ClusterBounds {
+        first_owner: 0,
+        flips: 0,
+        faults_until: 2,
+        max_time: 2 + GHOST_BOUND,
+        reaches: &[ONLINE, QUIET],
+        ..ClusterBounds::CRASH
+    };
+    /// Three nodes: alice's edge and bob on 0, the owner on 2; 2 (or the
+    /// bystander 1) crashes, and 1 takes the shard over from a distance:
+    /// it hears of alice's device only through the resync. Alice may go
+    /// invisible at tick 1.
+    pub const THREE: ClusterBounds = ClusterBounds {
+        nodes: 3,
+        alice_edge: 0,
+        first_owner: 2,
+        restarts: 0,
+        faults_until: 2,
+        max_time: 5,
+        ..ClusterBounds::CRASH
+    };
+    /// Two nodes, no crash: two messages may be lost, at ticks up to 2.
+    pub const LOSSY: ClusterBounds = ClusterBounds {
+        crashes: 0,
+        restarts: 0,
+        drops: 2,
+        flips: 0,
+        faults_until: 2,
+        max_time: 5,
+        reaches: &[ONLINE, QUIET],
+        ..ClusterBounds::CRASH
+    };
+    pub const CI: [(&'static str, ClusterBounds); 5] = [
+        ("crash", ClusterBounds::CRASH),
+        ("cut", ClusterBounds::CUT),
+        ("edge", ClusterBounds::EDGE),
+        ("three", ClusterBounds::THREE),
+        ("lossy", ClusterBounds::LOSSY),
+    ];
+}
+
+/// The "sometimes" properties: situations a bound must reach, so a check
+/// that passes is not vacuous.
+pub const FAILOVER: &str = "failover happened";
+pub const ONLINE: &str = "bob saw alice online";
+pub const ONLINE_LATER: &str = "bob saw alice online at a later epoch";
+pub const QUIET: &str = "converged and quiet";

@@ -1,0 +1,252 @@
+//! A shard's owner: claiming, the core's outputs, device requests.
+
+use super::*;
+
+impl ClusterModel {
+    pub(super) fn claim_shard(&self, s: &mut ClusterState, n: u8) {
+        let t = s.t;
+        let epoch = Epoch(s.kv.epoch.0 + 1);
+        s.kv.epoch = epoch;
+        s.kv.claim = Some((n, epoch, t + TTL));
+        let mut core = Core::new(self.config.clone()).expect("valid config");
+        core.set_publish_views(true);
+        if !self.is(ClusterMutant::NoEpochInVersions) {
+            core.enter_epoch(epoch);
+        }
+        if !self.is(ClusterMutant::NoResyncHold) {
+            core.hold_offline_until(Millis(t + RESYNC));
+        }
+        let mut published = s.kv.view.clone().unwrap_or_default();
+        if self.is(ClusterMutant::NoEpochInVersions) {
+            published.version = 0;
+        }
+        let record = OwnedRecord {
+            invisible: s.kv.invisible,
+            published,
+            devices: s
+                .kv
+                .devices
+                .iter()
+                .map(|&(edge, _, _, heard)| DeviceRecord {
+                    device: DeviceId(1),
+                    kind: DeviceKind::Mobile,
+                    edge: NodeId(edge.into()),
+                    last_heard: Millis(heard),
+                })
+                .collect(),
+            ..OwnedRecord::default()
+        };
+        let mut sessions = BTreeMap::new();
+        if let Ok(restored) = core.restore_owned(Millis(t), ALICE, &record, Millis(t + RESYNC)) {
+            for (session, &(edge, inc, conn, _)) in restored.into_iter().zip(&s.kv.devices) {
+                sessions.insert(session, (edge, inc, conn));
+            }
+        }
+        let mut owner = OwnerState {
+            epoch,
+            core,
+            sessions,
+            last_rid: BTreeMap::new(),
+            seq: 0,
+            resync_until: t + RESYNC,
+            resynced: 0,
+            dirty: None,
+            renewed: t,
+        };
+        // This node's own edge resends at once, without a message.
+        if let Some(conn) = s.nodes[n as usize].device.as_ref().map(|d| d.conn) {
+            let inc = s.nodes[n as usize].inc;
+            self.connect(s, &mut owner, n, inc, conn);
+        }
+        if let Some(w) = s.nodes[n as usize].watcher.as_deref_mut() {
+            w.snap_pending = true;
+            w.seen = w.seen.max((epoch, 0));
+        }
+        self.drain(s, n, &mut owner);
+        s.nodes[n as usize].owner = Some(Box::new(owner));
+        // Ask every other edge to resend (retried each tick of the window
+        // where messages get lost); the first owner has nothing to recover.
+        for m in (0..self.bounds.nodes).filter(|&m| m != n && epoch.0 > 1) {
+            s.send(n, m, Body::Resync { epoch });
+        }
+    }
+
+    /// Sends what the owner's core produced: published views on the shard's
+    /// subject (and into the KV), and forgets ended sessions.
+    pub(super) fn drain(&self, s: &mut ClusterState, n: u8, o: &mut OwnerState) {
+        while let Some(out) = o.core.poll_output() {
+            if let Output::SessionEnded { session, reason } = out {
+                if let Some((edge, inc, conn)) = o.sessions.remove(&session) {
+                    o.dirty = o.dirty.or(Some(s.t));
+                    if reason == greendot_core::EndReason::Superseded {
+                        s.send(n, edge, Body::Ended { inc, conn });
+                    }
+                }
+            }
+        }
+        while let Some(p) = o.core.poll_published() {
+            if p.own || p.user != ALICE {
+                continue; // alice's own sessions are not modelled
+            }
+            if s.kv
+                .claim
+                .is_none_or(|(holder, e, _)| holder != n || e != o.epoch)
+            {
+                s.bad.push(format!(
+                    "C1: node {n} published at epoch {:?} without holding the claim {:?}",
+                    o.epoch, s.kv.claim
+                ));
+            }
+            if p.presence.online && s.alice.invisible_acked {
+                s.bad.push(format!(
+                    "C4: node {n} published invisible alice online: {:?}",
+                    p.presence
+                ));
+            }
+            o.seq += 1;
+            s.kv.view = Some(p.presence.clone());
+            s.send(
+                n,
+                WATCHER_NODE,
+                Body::View {
+                    epoch: o.epoch,
+                    seq: o.seq,
+                    presence: Shown(p.presence),
+                },
+            );
+        }
+    }
+
+    pub(super) fn owner_msg(&self, s: &mut ClusterState, n: u8, body: Body) {
+        let Some(mut o) = s.nodes[n as usize].owner.take() else {
+            return; // not an owner (any more): the edge retries elsewhere
+        };
+        let t = s.t;
+        match body {
+            Body::Req { edge, inc, rid, op } => {
+                let done = o.last_rid.get(&(edge, inc)).is_some_and(|&r| rid <= r);
+                let mut reply = Body::Ack {
+                    epoch: o.epoch,
+                    rid,
+                };
+                if !done {
+                    match op {
+                        Op::Connect => {
+                            o.last_rid.insert((edge, inc), rid);
+                            self.connect(s, &mut o, edge, inc, rid);
+                        }
+                        Op::SetInvisible(b) => {
+                            let session = o
+                                .sessions
+                                .iter()
+                                .find(|&(&k, &(e, i, _))| (e, i) == (edge, inc) && live(&o.core, k))
+                                .map(|(&k, _)| k);
+                            // Hole found by the model: a new owner that has
+                            // not heard of the device yet (its resync or its
+                            // KV record still to come) acked without storing
+                            // anything. It answers Unknown instead, unrecorded,
+                            // and the edge connects the device again first.
+                            match session {
+                                Some(session) => {
+                                    o.last_rid.insert((edge, inc), rid);
+                                    if o.core.handle_set_invisible(Millis(t), session, b).is_ok()
+                                        && !self.is(ClusterMutant::InvisibleInMemory)
+                                    {
+                                        s.kv.invisible = b; // before the ack
+                                    }
+                                }
+                                None if self.is(ClusterMutant::AckWithoutSession) => {
+                                    o.last_rid.insert((edge, inc), rid);
+                                }
+                                None => reply = Body::Unknown { rid },
+                            }
+                        }
+                    }
+                }
+                s.send(n, edge, reply);
+            }
+            Body::SnapReq { edge } => {
+                if let Ok(p) = o.core.handle_snapshot(Millis(t), ALICE, false) {
+                    s.send(
+                        n,
+                        edge,
+                        Body::Snap {
+                            epoch: o.epoch,
+                            seq: o.seq,
+                            presence: Shown(p),
+                        },
+                    );
+                }
+            }
+            Body::Resynced {
+                edge,
+                inc,
+                epoch,
+                device,
+                watches,
+            } if epoch == o.epoch => {
+                o.resynced |= 1 << edge;
+                if let Some(conn) = device {
+                    self.connect(s, &mut o, edge, inc, conn);
+                }
+                if watches {
+                    if let Ok(p) = o.core.handle_snapshot(Millis(t), ALICE, false) {
+                        s.send(
+                            n,
+                            edge,
+                            Body::Snap {
+                                epoch: o.epoch,
+                                seq: o.seq,
+                                presence: Shown(p),
+                            },
+                        );
+                    }
+                }
+            }
+            _ => {}
+        }
+        self.drain(s, n, &mut o);
+        s.nodes[n as usize].owner = Some(o);
+    }
+
+    pub(super) fn connect(
+        &self,
+        s: &mut ClusterState,
+        o: &mut OwnerState,
+        edge: u8,
+        inc: u8,
+        conn: u8,
+    ) {
+        let known: Vec<SessionId> = o
+            .sessions
+            .iter()
+            .filter(|&(_, &e)| e == (edge, inc, conn))
+            .map(|(&session, _)| session)
+            .collect();
+        if known.iter().any(|&k| live(&o.core, k)) {
+            return; // this connection is live here already (a retry, a resync)
+        }
+        // Restored from the KV as Lingering: the new session supersedes it,
+        // and the edge must not be told to close the connection.
+        for k in known {
+            o.sessions.remove(&k);
+        }
+        let c = Connect {
+            user: ALICE,
+            device: DeviceId(1),
+            kind: DeviceKind::Mobile,
+            watch: Watch::All,
+            resume: None,
+            foreground: true,
+        };
+        if let Ok(c) = o.core.handle_connect(Millis(s.t), c) {
+            o.sessions.insert(c.session, (edge, inc, conn));
+            o.dirty = o.dirty.or(Some(s.t));
+        }
+    }
+}
+
+/// Whether `session` is Online in `core` (not Lingering, not gone).
+pub(super) fn live(core: &Core, session: SessionId) -> bool {
+    core.session_info(session).is_some_and(|i| i.online)
+}

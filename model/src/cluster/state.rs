@@ -1,0 +1,207 @@
+//! The state of the checked world: nodes, the KV, the network, alice.
+
+use super::*;
+
+/// What alice's edge asks her owner.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Op {
+    Connect,
+    SetInvisible(bool),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Body {
+    /// Edge → owner (request/reply): a device input.
+    Req { edge: u8, inc: u8, rid: u8, op: Op },
+    /// Owner → edge: done (after the KV write for preferences).
+    Ack { epoch: Epoch, rid: u8 },
+    /// Owner → edge: no live session of the device here (a new owner that
+    /// has not heard of it yet): connect it again, then retry.
+    Unknown { rid: u8 },
+    /// Owner → edge: this session of the device was superseded by a newer
+    /// connection elsewhere (or a late request of a dead edge): the edge
+    /// closes the connection, and the client reconnects, as on one node.
+    /// Names the connection with the edge's incarnation: connection ids
+    /// restart with a process (a hole the model found: a restarted edge
+    /// closed its new connection on the old one's end, and the owner kept
+    /// the new session online with nobody behind it).
+    Ended { inc: u8, conn: u8 },
+    /// Edge → owner: a snapshot for a subscribe (or to repair a gap).
+    SnapReq { edge: u8 },
+    /// Owner → edge: the snapshot, as of the shard's sequence `seq`.
+    Snap {
+        epoch: Epoch,
+        seq: u32,
+        presence: Shown,
+    },
+    /// On the shard's subject: a published view, numbered per epoch.
+    View {
+        epoch: Epoch,
+        seq: u32,
+        presence: Shown,
+    },
+    /// On the shard's subject, each tick: the latest sequence number, so a
+    /// lost view is noticed.
+    Beacon { epoch: Epoch, seq: u32 },
+    /// A new owner asks an edge to resend.
+    Resync { epoch: Epoch },
+    /// Edge → owner: its live device of the shard and whether it watches.
+    Resynced {
+        edge: u8,
+        inc: u8,
+        epoch: Epoch,
+        /// The connection of its device, if it holds one.
+        device: Option<u8>,
+        watches: bool,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Msg {
+    /// The tick it was sent at.
+    pub sent: u64,
+    pub to: u8,
+    pub body: Body,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct OwnerState {
+    pub epoch: Epoch,
+    pub core: Core,
+    /// Owner-side session → (edge, incarnation, connection) holding the
+    /// device; the connection is the id of the edge's `Connect` request.
+    pub sessions: BTreeMap<SessionId, (u8, u8, u8)>,
+    /// Last request id handled per (edge, incarnation).
+    pub last_rid: BTreeMap<(u8, u8), u8>,
+    /// Published views of this epoch.
+    pub seq: u32,
+    pub resync_until: u64,
+    /// Nodes that answered the resync (bit set).
+    pub resynced: u8,
+    /// Device changes not yet written to the KV (written behind).
+    /// The tick of the oldest such change.
+    pub dirty: Option<u64>,
+    /// The last tick the claim was renewed.
+    pub renewed: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct EdgeDevice {
+    pub rid: u8,
+    /// The id of its `Connect` request: names the connection to the owner.
+    pub conn: u8,
+    /// The op waiting for its ack (resent each tick).
+    pub pending: Option<Op>,
+    /// The op to send once `pending` is acked (after an `Unknown`).
+    pub then: Option<Op>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Watcher {
+    pub fanout: Fanout,
+    /// Bob's client's view (the edge → client stream is reliable).
+    pub view: View,
+    pub subscribed: bool,
+    pub snap_pending: bool,
+    /// The highest (epoch, seq) seen on the shard's subject.
+    pub seen: (Epoch, u32),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct NodeState {
+    pub up: bool,
+    pub cut: bool,
+    pub inc: u8,
+    /// Request ids this incarnation issued: unique per edge, so the owner's
+    /// duplicate filter never mistakes a new connection's request for an
+    /// old one's (a hole the model found).
+    pub rids: u8,
+    /// Last successful renewal of its node lease.
+    pub renewed: u64,
+    pub owner: Option<Box<OwnerState>>,
+    pub device: Option<EdgeDevice>,
+    pub watcher: Option<Box<Watcher>>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Kv {
+    /// Node leases: (incarnation, expires).
+    pub leases: Vec<Option<(u8, u64)>>,
+    /// The shard's claim: (node, epoch, expires).
+    pub claim: Option<(u8, Epoch, u64)>,
+    /// The shard's epoch counter (no TTL).
+    pub epoch: Epoch,
+    /// Alice's preferences.
+    pub invisible: bool,
+    /// Alice's last published view.
+    pub view: Option<Presence>,
+    /// Alice's devices: (edge, incarnation, connection, last heard).
+    pub devices: Vec<(u8, u8, u8, u64)>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Alice {
+    pub at: Option<u8>,
+    pub away_since: Option<u64>,
+    /// Away for grace without reconnecting: she is gone for good.
+    pub gone: bool,
+    pub flips: u8,
+    pub invisible_asked: bool,
+    pub invisible_acked: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ClusterState {
+    pub t: u64,
+    pub nodes: Vec<NodeState>,
+    pub kv: Kv,
+    pub net: BTreeSet<Msg>,
+    pub alice: Alice,
+    pub crashes: u8,
+    pub restarts: u8,
+    pub cuts: u8,
+    pub drops: u8,
+    /// The tick of the last fault or input.
+    pub quiet_since: u64,
+    /// No message was handled since the last tick: faults and alice's
+    /// reconnects happen only then. Since a message may arrive before or
+    /// after the next tick, this still puts a fault before or after each
+    /// handling, with far fewer interleavings.
+    pub fresh: bool,
+    /// Violations seen as they happened, prefixed with the property id.
+    pub bad: Vec<String>,
+    /// Messages a node sends itself (its edge calling its own owner, its
+    /// owner answering or publishing to its own edge): handled in process,
+    /// in order, within the step that sent them. Always empty between steps.
+    pub local: std::collections::VecDeque<Msg>,
+}
+
+impl ClusterState {
+    /// Sends `body` from node `from` to node `to`: over the network, or in
+    /// process when `to` is `from`.
+    pub(super) fn send(&mut self, from: u8, to: u8, body: Body) {
+        let m = Msg {
+            sent: self.t,
+            to,
+            body,
+        };
+        if from == to {
+            self.local.push_back(m);
+        } else {
+            self.net.insert(m);
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Action {
+    Tick,
+    Deliver(Msg),
+    Drop(Msg),
+    Crash(u8),
+    Restart(u8),
+    Cut(u8),
+    /// Alice's client reconnects to this node.
+    Reconnect(u8),
+    GoInvisible,
+}
