@@ -150,7 +150,10 @@ impl Harness {
             ("svc", ts.service_token("backend")),
         ];
         for user in ["bea", "cy", "dee", "ed", "fay", "gus", "hal", "ida", "jo"] {
-            tokens.push((user, ts.token(user, "phone", Kind::Mobile, WatchClaim::all())));
+            tokens.push((
+                user,
+                ts.token(user, "phone", Kind::Mobile, WatchClaim::all()),
+            ));
         }
         // Tokens are base64url with dots: no JSON escaping needed.
         let tokens = format!(

@@ -52,7 +52,7 @@ async fn kotlin_client_suite_passes() {
     harness.run_suite("Kotlin", java, defined).await;
 }
 
-fn sh(what: &str, command: &mut Command) -> String {
+fn sh(what: &str, command: &mut Command) {
     let out = command
         .output()
         .unwrap_or_else(|e| panic!("cannot run {what}: {e}"));
@@ -63,7 +63,6 @@ fn sh(what: &str, command: &mut Command) -> String {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 fn has_java() -> bool {
