@@ -1,8 +1,16 @@
 //! The FFI crate's library and the workspace's `uniffi-bindgen`, for the
-//! tests of the generated bindings (python_client.rs, swift_bindings.rs).
+//! tests of the generated bindings (python_client.rs, kotlin_client.rs,
+//! swift_bindings.rs), and the server the bindings' suites run against.
 
+use crate::{Relay, TestServer};
+use greendot_core::Millis;
+use greendot_proto::Kind;
+use greendot_server::token::WatchClaim;
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
 
 /// The workspace's root.
 pub fn workspace() -> PathBuf {
@@ -104,4 +112,164 @@ pub fn generate(bindgen: &Path, library: &Path, language: &str, out: &Path) {
         String::from_utf8_lossy(&run.stdout),
         String::from_utf8_lossy(&run.stderr)
     );
+}
+
+/// What the bindings' suites (clients/python/tests, clients/kotlin/tests)
+/// run against: a server with a 1 s debounce (the quick toggle is well
+/// inside it on a loaded machine), a UDP relay in front of it that the
+/// suite cuts and restores, the server's certificate in a file, and the
+/// suites' tokens: "walt" and "wes" (laptops), "svc" (a service token) and
+/// one phone per test.
+pub struct Harness {
+    pub ts: TestServer,
+    relay: Arc<Relay>,
+    ca: PathBuf,
+    tokens: String,
+}
+
+/// Far above the suites' own deadlines: only a hung suite hits it.
+const WATCHDOG: Duration = Duration::from_secs(300);
+
+impl Harness {
+    /// Starts the server and the relay (inside a tokio runtime); writes the
+    /// certificate into `dir`.
+    pub async fn start(dir: &Path) -> Harness {
+        let ts = TestServer::start(|c| c.core.debounce = Millis(1_000));
+        let ca = dir.join("server-ca.der");
+        std::fs::write(&ca, ts.server.certificate().as_ref()).unwrap();
+        let relay = Arc::new(Relay::start(ts.addr()).await);
+        let mut tokens = vec![
+            (
+                "walt",
+                ts.token("walt", "laptop", Kind::Desktop, WatchClaim::all()),
+            ),
+            (
+                "wes",
+                ts.token("wes", "laptop", Kind::Desktop, WatchClaim::all()),
+            ),
+            ("svc", ts.service_token("backend")),
+        ];
+        for user in ["bea", "cy", "dee", "ed", "fay", "gus", "hal", "ida", "jo"] {
+            tokens.push((
+                user,
+                ts.token(user, "phone", Kind::Mobile, WatchClaim::all()),
+            ));
+        }
+        // Tokens are base64url with dots: no JSON escaping needed.
+        let tokens = format!(
+            "{{{}}}",
+            tokens
+                .iter()
+                .map(|(name, token)| format!("\"{name}\": \"{token}\""))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        Harness {
+            ts,
+            relay,
+            ca,
+            tokens,
+        }
+    }
+
+    /// Runs `suite` (a command with its arguments) with the suite's
+    /// environment, doing what it asks of the relay, and asserts that it
+    /// passed, that it ran `defined` tests (its stderr says `Ran N tests`)
+    /// and skipped none. Fails with its output otherwise.
+    pub async fn run_suite(&self, language: &str, mut suite: Command, defined: usize) {
+        suite
+            .env("GREENDOT_ADDRESS", self.ts.addr().to_string())
+            .env("GREENDOT_RELAY", self.relay.addr.to_string())
+            .env("GREENDOT_CA_DER", &self.ca)
+            .env("GREENDOT_TOKENS", &self.tokens)
+            .env(
+                "GREENDOT_DEBOUNCE_MS",
+                self.ts.config().core.debounce.0.to_string(),
+            )
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let relay = self.relay.clone();
+        let (status, stdout, stderr) = tokio::task::spawn_blocking(move || run(suite, &relay))
+            .await
+            .unwrap();
+        let ran = stderr
+            .lines()
+            .find_map(|l| l.strip_prefix("Ran "))
+            .and_then(|l| l.split_whitespace().next())
+            .and_then(|n| n.parse::<usize>().ok())
+            .unwrap_or(0);
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "the {language} suite failed ({status:?}):\n{stderr}\n{stdout}"
+        );
+        assert!(
+            defined > 0 && ran == defined,
+            "{ran} of {defined} {language} tests ran:\n{stderr}"
+        );
+        assert!(
+            !stderr.contains("skipped"),
+            "a {language} test was skipped:\n{stderr}"
+        );
+    }
+}
+
+/// Runs the suite, doing what it asks of the relay (`@@relay cut|uncut` on
+/// its stdout, answered `ok` on its stdin). Returns its exit status (`None`
+/// if the watchdog killed it), its other stdout and its stderr.
+fn run(mut suite: Command, relay: &Relay) -> (Option<ExitStatus>, String, String) {
+    let mut child = suite
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {:?}: {e}", suite.get_program()));
+    let mut stdin = child.stdin.take().unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let errors = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = stderr.read_to_string(&mut text);
+        text
+    });
+    let (cmd_tx, cmd_rx) = mpsc::channel::<String>();
+    let reader = std::thread::spawn(move || {
+        let mut other = String::new();
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            match line.strip_prefix("@@relay ") {
+                Some(cmd) => {
+                    let _ = cmd_tx.send(cmd.to_owned());
+                }
+                None => {
+                    other.push_str(&line);
+                    other.push('\n');
+                }
+            }
+        }
+        other
+    });
+    // The relay is driven from here; the reader's end (the suite closed its
+    // stdout: it exited) ends the loop.
+    let deadline = Instant::now() + WATCHDOG;
+    let finished = loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match cmd_rx.recv_timeout(left) {
+            Ok(cmd) => {
+                match cmd.as_str() {
+                    "cut" => relay.cut(true),
+                    "uncut" => relay.cut(false),
+                    other => panic!("the suite asked the relay for {other:?}"),
+                }
+                let _ = stdin.write_all(b"ok\n").and_then(|()| stdin.flush());
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break true,
+            Err(mpsc::RecvTimeoutError::Timeout) => break false,
+        }
+    };
+    if !finished {
+        let _ = child.kill();
+    }
+    drop(stdin);
+    let status = child.wait().ok().filter(|_| finished);
+    let other = reader.join().unwrap_or_default();
+    let errors = errors.join().unwrap_or_default();
+    (status, other, errors)
 }
