@@ -298,11 +298,17 @@ pub enum GreendotError {
     /// The server answered with an error (e.g. `NotAllowed`).
     #[error("server error {code}: {detail}")]
     Server { code: String, detail: String },
-    /// No answer within the request timeout: the outcome is unknown (the
-    /// request may yet take effect). `set_status` and `set_invisible` are
+    /// The request was sent but not answered by its deadline
+    /// (`request_timeout_ms`), or the connection ended before the answer:
+    /// the outcome is unknown (it may have taken effect, or may yet). Not a
+    /// failure. `set_status`, `set_invisible` and the foreground state are
     /// idempotent: call them again with the same values.
-    #[error("no answer in time, outcome unknown: {detail}")]
-    Timeout { detail: String },
+    #[error("outcome unknown: {detail}")]
+    OutcomeUnknown { detail: String },
+    /// The request was never sent before its deadline (the client was
+    /// reconnecting): it has not taken effect and never will.
+    #[error("not sent: {detail}")]
+    NotSent { detail: String },
     /// The client is closed.
     #[error("the client is closed")]
     Closed,
@@ -328,7 +334,8 @@ impl From<ClientError> for GreendotError {
                 code: format!("{:?}", error.code),
                 detail,
             },
-            ClientError::Timeout => GreendotError::Timeout { detail },
+            ClientError::OutcomeUnknown { .. } => GreendotError::OutcomeUnknown { detail },
+            ClientError::NotSent => GreendotError::NotSent { detail },
             ClientError::Closed => GreendotError::Closed,
             // Protocol, and whatever the client adds later.
             _ => GreendotError::Internal { detail },

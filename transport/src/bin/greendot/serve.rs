@@ -4,8 +4,8 @@
 
 use crate::settings::{Dur, Settings};
 use crate::{CERT_FILE, KEY_FILE};
-use greendot_client::rustls::pki_types::pem::PemObject;
-use greendot_client::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use greendot_core::{KindConfig, Millis};
 use greendot_server::http::HttpService;
 use greendot_server::tls::Identity;
