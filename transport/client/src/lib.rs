@@ -1085,3 +1085,40 @@ impl Client {
         .await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_addresses_are_ips_or_host_names_with_a_port() {
+        assert_eq!(
+            ServerAddr::parse("127.0.0.1:4433").unwrap(),
+            ServerAddr::Ip(SocketAddr::from(([127, 0, 0, 1], 4433)))
+        );
+        assert!(matches!(
+            ServerAddr::parse("[::1]:4433").unwrap(),
+            ServerAddr::Ip(a) if a.is_ipv6()
+        ));
+        let host = ServerAddr::parse("presence.example.com:4433").unwrap();
+        assert_eq!(
+            host,
+            ServerAddr::Host {
+                name: "presence.example.com".into(),
+                port: 4433
+            }
+        );
+        assert_eq!(host.to_string(), "presence.example.com:4433");
+        for bad in ["", "example.com", ":4433", "a b:1", "host:99999", "::1:4433x"] {
+            assert!(ServerAddr::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_default_bind_is_ipv4_only_for_ipv4_servers() {
+        let v4: ServerAddr = SocketAddr::from(([127, 0, 0, 1], 1)).into();
+        assert_eq!(default_binds(&[v4.clone()]).len(), 1);
+        let host = ServerAddr::parse("localhost:1").unwrap();
+        assert!(default_binds(&[v4, host])[0].is_ipv6());
+    }
+}
