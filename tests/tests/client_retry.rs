@@ -180,7 +180,10 @@ async fn a_timed_out_request_is_never_sent_late_and_retries_converge() {
     let unsent = client.set_status(Status::Away, Some("unsent")).await;
     assert!(matches!(unsent, Err(ClientError::NotSent)), "{unsent:?}");
     let invisible = client.set_invisible(true).await;
-    assert!(matches!(invisible, Err(ClientError::NotSent)), "{invisible:?}");
+    assert!(
+        matches!(invisible, Err(ClientError::NotSent)),
+        "{invisible:?}"
+    );
     relay.cut(false);
     events
         .wait_for(SLACK, |e| matches!(e, Event::Reconnected { .. }))

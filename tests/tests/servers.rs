@@ -39,7 +39,11 @@ async fn a_client_skips_a_dead_address_and_leaves_a_draining_server_for_a_live_o
     let dead = dead_udp_port();
     let servers = vec![dead.into(), a.addr().into(), b.addr().into()];
     let (client, mut events) = a.connect_with(config_for(&a, "ivy", servers)).await;
-    assert_eq!(client.stats().server, a.addr(), "connected past the dead address");
+    assert_eq!(
+        client.stats().server,
+        a.addr(),
+        "connected past the dead address"
+    );
     client
         .subscribe(&["walt"], greendot_core::Tier::Realtime)
         .await

@@ -240,39 +240,40 @@ pub enum ClientEvent {
     },
 }
 
-impl From<Event> for ClientEvent {
-    fn from(e: Event) -> ClientEvent {
-        match e {
-            Event::Presence {
-                target,
-                presence,
-                source,
-            } => ClientEvent::PresenceChanged {
-                target,
-                presence: presence.into(),
-                source: match source {
-                    Source::Snapshot => UpdateSource::Snapshot,
-                    Source::Realtime => UpdateSource::Realtime,
-                    Source::Batched => UpdateSource::Batched,
-                },
+/// The binding's form of a client event; `None` for a kind of event the
+/// binding does not know yet (the client's `Event` is non-exhaustive).
+pub(crate) fn client_event(e: Event) -> Option<ClientEvent> {
+    Some(match e {
+        Event::Presence {
+            target,
+            presence,
+            source,
+        } => ClientEvent::PresenceChanged {
+            target,
+            presence: presence.into(),
+            source: match source {
+                Source::Snapshot => UpdateSource::Snapshot,
+                Source::Realtime => UpdateSource::Realtime,
+                Source::Batched => UpdateSource::Batched,
             },
-            Event::Disconnected { reason } => ClientEvent::Disconnected { reason },
-            Event::Reconnected {
-                session,
-                resumed,
-                carrier,
-            } => ClientEvent::Reconnected {
-                session: session.0,
-                resumed,
-                carrier: carrier.into(),
-            },
-            Event::TokenRefreshed { ended } => ClientEvent::TokenRefreshed { ended },
-            Event::Closed { code, reason } => ClientEvent::Closed {
-                code: code.map(|c| format!("{c:?}")),
-                reason,
-            },
-        }
-    }
+        },
+        Event::Disconnected { reason } => ClientEvent::Disconnected { reason },
+        Event::Reconnected {
+            session,
+            resumed,
+            carrier,
+        } => ClientEvent::Reconnected {
+            session: session.0,
+            resumed,
+            carrier: carrier.into(),
+        },
+        Event::TokenRefreshed { ended } => ClientEvent::TokenRefreshed { ended },
+        Event::Closed { code, reason } => ClientEvent::Closed {
+            code: code.map(|c| format!("{c:?}")),
+            reason,
+        },
+        _ => return None,
+    })
 }
 
 /// Why a call failed. Every variant carries a sentence for people

@@ -293,4 +293,3 @@ async fn hello(
         }
     }
 }
-

@@ -497,10 +497,12 @@ async fn run(
             };
             if bytes.len() > max_frame + 4 {
                 if let Pending::User(user) = waiter {
-                    let _ = user.reply.send(Err(ClientError::Config(ConfigError::RequestTooLarge {
-                        len: bytes.len() - 4,
-                        max: max_frame,
-                    })));
+                    let _ =
+                        user.reply
+                            .send(Err(ClientError::Config(ConfigError::RequestTooLarge {
+                                len: bytes.len() - 4,
+                                max: max_frame,
+                            })));
                 }
                 continue;
             }
@@ -671,10 +673,12 @@ fn carry_over(
         };
         let error = match exit {
             Exit::Closed(_) => ClientError::Closed,
-            Exit::Lost(e @ ClientError::Rejected {
-                code: Some(CloseCode::Logout),
-                ..
-            }) => e.clone(),
+            Exit::Lost(
+                e @ ClientError::Rejected {
+                    code: Some(CloseCode::Logout),
+                    ..
+                },
+            ) => e.clone(),
             Exit::Lost(e) => match unsent.or(user.request) {
                 Some(request) => {
                     carried.push_back(Cmd::Request {

@@ -437,7 +437,8 @@ mod tests {
             (
                 ConnectError::Both {
                     quic: Box::new(
-                        ConnectError::Quic(Cause::new(quinn::ConnectError::EndpointStopping)).into(),
+                        ConnectError::Quic(Cause::new(quinn::ConnectError::EndpointStopping))
+                            .into(),
                     ),
                     websocket: Box::new(ConnectError::NoSubprotocol { addr: server }.into()),
                 }
@@ -485,6 +486,8 @@ mod tests {
             .is_some());
         // Typed reasons without a foreign cause have no source.
         assert!(ClientError::from(LostReason::GaveUp).source().is_none());
-        assert!(ClientError::OutcomeUnknown { lost: None }.source().is_none());
+        assert!(ClientError::OutcomeUnknown { lost: None }
+            .source()
+            .is_none());
     }
 }

@@ -188,8 +188,8 @@ pub use trust::{Certificate, Trust};
 #[cfg(feature = "unstable-internals")]
 pub use {quinn, rustls, tokio_tungstenite::tungstenite};
 
-use greendot_core::{Applied, Presence, SessionId, Status, Tier, UserId, View};
 use connect::{establish, Dialer};
+use greendot_core::{Applied, Presence, SessionId, Status, Tier, UserId, View};
 use greendot_proto::{
     self as proto, codec::read_frame, encode_frame, Answer, CloseCode, ErrorCode, FrameReader,
     Hello, Push, QueryResult, Refused, Request, RequestFrame, RouteEntry, ServerFrame, Welcome,
@@ -350,7 +350,10 @@ pub enum ServerAddr {
     Ip(SocketAddr),
     /// A DNS name and a port. The name is also the one the server's
     /// certificate must have, unless `server_name` says otherwise.
-    Host { name: String, port: u16 },
+    Host {
+        name: String,
+        port: u16,
+    },
 }
 
 impl ServerAddr {
@@ -1109,7 +1112,14 @@ mod tests {
             }
         );
         assert_eq!(host.to_string(), "presence.example.com:4433");
-        for bad in ["", "example.com", ":4433", "a b:1", "host:99999", "::1:4433x"] {
+        for bad in [
+            "",
+            "example.com",
+            ":4433",
+            "a b:1",
+            "host:99999",
+            "::1:4433x",
+        ] {
             assert!(ServerAddr::parse(bad).is_err(), "{bad:?}");
         }
     }

@@ -37,7 +37,9 @@ impl Certificate {
     }
 
     /// [`Certificate::from_pem`] of a file's contents.
-    pub fn from_pem_file(path: impl AsRef<std::path::Path>) -> Result<Vec<Certificate>, ConfigError> {
+    pub fn from_pem_file(
+        path: impl AsRef<std::path::Path>,
+    ) -> Result<Vec<Certificate>, ConfigError> {
         let pem = std::fs::read(path).map_err(|e| ConfigError::Certificates(Cause::new(e)))?;
         Certificate::from_pem(&pem)
     }
@@ -111,13 +113,11 @@ pub(crate) fn tls_with_roots(
     for root in roots {
         store.add(root.clone()).map_err(rustls_error)?;
     }
-    Ok(
-        rustls::ClientConfig::builder_with_provider(provider())
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .map_err(rustls_error)?
-            .with_root_certificates(store)
-            .with_no_client_auth(),
-    )
+    Ok(rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(rustls_error)?
+        .with_root_certificates(store)
+        .with_no_client_auth())
 }
 
 /// TLS 1.3 trusting what `trust` says, no ALPN yet (the QUIC and the
@@ -128,9 +128,9 @@ pub(crate) fn client_tls(trust: &Trust) -> Result<rustls::ClientConfig, TlsError
             let roots: Vec<_> = roots.iter().map(|c| c.0.clone()).collect();
             return tls_with_roots(&roots);
         }
-        Trust::Platform => Arc::new(
-            rustls_platform_verifier::Verifier::new(provider()).map_err(rustls_error)?,
-        ),
+        Trust::Platform => {
+            Arc::new(rustls_platform_verifier::Verifier::new(provider()).map_err(rustls_error)?)
+        }
         Trust::CertificateHashes(hashes) => Arc::new(HashVerifier {
             hashes: hashes.clone(),
             provider: provider(),
