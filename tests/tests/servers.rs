@@ -9,7 +9,7 @@ use greendot_client::{
 use greendot_core::Status;
 use greendot_proto::Kind;
 use greendot_server::token::WatchClaim;
-use greendot_tests::{TestServer, SLACK};
+use greendot_tests::{Relay, TestServer, SLACK};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -68,6 +68,34 @@ async fn a_client_skips_a_dead_address_and_leaves_a_draining_server_for_a_live_o
         .wait_presence("walt", SLACK, |p| p.status == Status::Busy)
         .await
         .expect("the subscription works on the new server");
+    client.ping().await.unwrap();
+}
+
+/// After a lost connection the client tries the other server first: here
+/// the path to its first one is back by the time it reconnects, yet it
+/// goes to the second (a node that just failed its clients is the least
+/// likely to serve them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_loss_the_other_server_is_tried_first() {
+    let a = TestServer::start(|_| {});
+    let b = TestServer::start(|_| {});
+    let relay = Relay::start(a.addr()).await;
+    let servers = vec![relay.addr.into(), b.addr().into()];
+    let (client, mut events) = a.connect_with(config_for(&a, "rosa", servers)).await;
+    assert_eq!(client.stats().server, relay.addr);
+
+    relay.cut(true);
+    let idle = a.config().idle_timeout;
+    events
+        .wait_for(idle + SLACK, |e| matches!(e, Event::Disconnected { .. }))
+        .await
+        .expect("the client notices the dead path");
+    relay.cut(false);
+    events
+        .wait_for(SLACK, |e| matches!(e, Event::Reconnected { .. }))
+        .await
+        .expect("the client reconnects");
+    assert_eq!(client.stats().server, b.addr(), "back on the server it lost");
     client.ping().await.unwrap();
 }
 
