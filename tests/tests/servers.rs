@@ -95,7 +95,11 @@ async fn after_a_loss_the_other_server_is_tried_first() {
         .wait_for(SLACK, |e| matches!(e, Event::Reconnected { .. }))
         .await
         .expect("the client reconnects");
-    assert_eq!(client.stats().server, b.addr(), "back on the server it lost");
+    assert_eq!(
+        client.stats().server,
+        b.addr(),
+        "went back to the server it lost"
+    );
     client.ping().await.unwrap();
 }
 

@@ -15,8 +15,8 @@ struct User {
     request: Option<Request>,
 }
 
-impl User {
-    fn new(reply: oneshot::Sender<Result<Answer, ClientError>>, ticket: Ticket) -> Pending {
+impl Pending {
+    fn user(reply: oneshot::Sender<Result<Answer, ClientError>>, ticket: Ticket) -> Pending {
         Pending::User(User {
             reply,
             ticket,
@@ -427,7 +427,7 @@ async fn run(
                 request,
                 reply,
                 ticket,
-            } => startup.push_back((request, User::new(reply, ticket))),
+            } => startup.push_back((request, Pending::user(reply, ticket))),
             Cmd::NetworkChanged => {}
             Cmd::Close { code, done } => {
                 link.close(code, "closed by the application").await;
@@ -556,7 +556,7 @@ async fn run(
             }
             cmd = cmd_rx.recv() => match cmd {
                 Some(Cmd::Request { request, reply, ticket }) => {
-                    startup.push_back((request, User::new(reply, ticket)));
+                    startup.push_back((request, Pending::user(reply, ticket)));
                 }
                 Some(Cmd::NetworkChanged) => {
                     // Anything sent goes out on the new path; a Ping is the

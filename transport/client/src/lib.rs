@@ -1127,7 +1127,7 @@ mod tests {
     #[test]
     fn the_default_bind_is_ipv4_only_for_ipv4_servers() {
         let v4: ServerAddr = SocketAddr::from(([127, 0, 0, 1], 1)).into();
-        assert_eq!(default_binds(&[v4.clone()]).len(), 1);
+        assert_eq!(default_binds(std::slice::from_ref(&v4)).len(), 1);
         let host = ServerAddr::parse("localhost:1").unwrap();
         assert!(default_binds(&[v4, host])[0].is_ipv6());
     }
