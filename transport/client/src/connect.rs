@@ -41,8 +41,17 @@ pub(crate) async fn targets(config: &ClientConfig) -> Result<Vec<Target>, Client
                     .unwrap_or_else(|| "localhost".into()),
             }),
             ServerAddr::Host { name, port } => {
-                let found = tokio::net::lookup_host((name.as_str(), *port))
+                // The system resolver may take long on a dead network: it
+                // counts against the connect timeout too.
+                let lookup = tokio::net::lookup_host((name.as_str(), *port));
+                let found = tokio::time::timeout(config.connect_timeout, lookup)
                     .await
+                    .unwrap_or_else(|_| {
+                        Err(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            "no answer from the resolver in time",
+                        ))
+                    })
                     .and_then(|addrs| {
                         let addrs: Vec<SocketAddr> = addrs.collect();
                         if addrs.is_empty() {
