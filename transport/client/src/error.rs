@@ -58,6 +58,7 @@ impl fmt::Display for Cause {
 /// certificate, no platform trust store); the cause is rustls'.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("tls: {0}")]
+#[non_exhaustive]
 pub struct TlsError(pub Cause);
 
 /// Why a client call failed.

@@ -35,7 +35,7 @@
 //! Every connection attempt (the first and every reconnect) starts QUIC; if
 //! no QUIC handshake completed within [`ClientConfig::fallback_delay`]
 //! (300 ms), or QUIC failed sooner, it also starts WebSocket over TLS to
-//! [`ClientConfig::websocket`] (default: the server's address over TCP), and
+//! [`ClientConfig::websocket`] (default: the QUIC address being tried, over TCP), and
 //! the first transport up wins. The race ends before the hello, which only
 //! the winner sends (two hellos of one device would supersede each other).
 //! So a client that fell back is back on QUIC at its next reconnect once UDP
