@@ -32,11 +32,14 @@ pub fn client_config(roots: &[&Node], at: &Node, user: &str, device: &str) -> Cl
         .expect("a token of the bench's secret");
     let mut config = ClientConfig::new(
         at.addr,
-        roots.iter().map(|n| n.cert.clone()).collect(),
+        roots
+            .iter()
+            .map(|n| greendot_client::Certificate::from_der(n.cert.to_vec()))
+            .collect::<Vec<_>>(),
         token,
     );
     config.reconnect = None;
-    config.websocket = None;
+    config.websocket = greendot_client::WebSocket::Off;
     config
 }
 

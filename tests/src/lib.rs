@@ -89,11 +89,11 @@ impl TestServer {
     pub fn client_config(&self, token: String) -> ClientConfig {
         let mut config =
             ClientConfig::new(self.addr(), vec![self.server.certificate().clone()], token);
-        config.bind = SocketAddr::from(([127, 0, 0, 1], 0));
+        config.bind = Some(SocketAddr::from(([127, 0, 0, 1], 0)));
         // The fallback goes to this server's WebSocket listener, if it has
         // one (the default, the QUIC port number over TCP, may be another
         // test's listener).
-        config.websocket = self.server.websocket_addr();
+        config.websocket = self.server.websocket_addr().into();
         config.keep_alive = self.config().keep_alive;
         config.idle_timeout = self.config().idle_timeout;
         config.reconnect = Some(Reconnect::new(

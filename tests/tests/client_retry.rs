@@ -73,7 +73,7 @@ impl ServerCertVerifier for CountingVerifier {
 /// timeouts.
 fn via_relay(ts: &TestServer, relay: &Relay, user: &str) -> ClientConfig {
     let mut config = ts.client_config(ts.token(user, "phone", Kind::Mobile, WatchClaim::all()));
-    config.server = relay.addr;
+    config.servers = vec![relay.addr.into()];
     config.request_timeout = Duration::from_millis(500);
     config.connect_timeout = Duration::from_secs(3);
     config
@@ -86,7 +86,8 @@ async fn shown_to_self(client: &greendot_client::Client) -> greendot_core::Prese
     loop {
         match client.query(&client.user()).await {
             Ok(p) => return p,
-            Err(ClientError::Timeout) if tokio::time::Instant::now() < deadline => {}
+            Err(ClientError::OutcomeUnknown { .. } | ClientError::NotSent)
+                if tokio::time::Instant::now() < deadline => {}
             Err(e) => panic!("query: {e}"),
         }
     }
@@ -155,12 +156,16 @@ async fn a_timed_out_request_is_never_sent_late_and_retries_converge() {
     let (client, mut events) = ts.connect_with(via_relay(&ts, &relay, "rita")).await;
     let idle = ts.config().idle_timeout;
 
-    // 1. Sent, then the network died: the outcome is unknown to the caller,
-    //    and the change may still take effect (QUIC retransmits it) when the
-    //    network is back before the connection is declared lost.
+    // 1. Sent, then the network died: the outcome is unknown to the caller
+    //    (not a failure), and the change may still take effect (QUIC
+    //    retransmits it) when the network is back before the connection is
+    //    declared lost.
     relay.cut(true);
     let sent = client.set_status(Status::Busy, Some("sent")).await;
-    assert!(matches!(sent, Err(ClientError::Timeout)), "{sent:?}");
+    assert!(
+        matches!(sent, Err(ClientError::OutcomeUnknown { lost: None })),
+        "{sent:?}"
+    );
     relay.cut(false);
     let me = shown_to_self(&client).await;
     assert_eq!(me.status, Status::Busy, "{me:?}");
@@ -173,10 +178,10 @@ async fn a_timed_out_request_is_never_sent_late_and_retries_converge() {
         .await
         .expect("the client notices the dead network");
     let unsent = client.set_status(Status::Away, Some("unsent")).await;
-    assert!(matches!(unsent, Err(ClientError::Timeout)), "{unsent:?}");
+    assert!(matches!(unsent, Err(ClientError::NotSent)), "{unsent:?}");
     let invisible = client.set_invisible(true).await;
     assert!(
-        matches!(invisible, Err(ClientError::Timeout)),
+        matches!(invisible, Err(ClientError::NotSent)),
         "{invisible:?}"
     );
     relay.cut(false);
@@ -212,6 +217,43 @@ async fn a_timed_out_request_is_never_sent_late_and_retries_converge() {
     client.set_invisible(true).await.unwrap();
     let twice = shown_to_self(&client).await;
     assert_eq!(twice, once, "a repeated value changed what is shown");
+}
+
+/// A status sent just before the connection was lost, with a deadline
+/// longer than the outage, is sent again on the next connection: the
+/// call succeeds, and the status is in effect (before, it failed with the
+/// lost connection's error though it might have taken effect).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_status_sent_into_an_outage_is_sent_again_after_the_reconnect() {
+    let ts = TestServer::start(|_| {});
+    let relay = Relay::start(ts.addr()).await;
+    let mut config = via_relay(&ts, &relay, "olga");
+    config.request_timeout = Duration::from_secs(30);
+    let (client, mut events) = ts.connect_with(config).await;
+    client.ping().await.unwrap();
+
+    relay.cut(true);
+    let call = {
+        let client = client.clone();
+        tokio::spawn(async move { client.set_status(Status::Busy, Some("outage")).await })
+    };
+    let idle = ts.config().idle_timeout;
+    events
+        .wait_for(idle + SLACK, |e| matches!(e, Event::Disconnected { .. }))
+        .await
+        .expect("the client notices the dead network");
+    assert!(!call.is_finished(), "the call waits for the path");
+    relay.cut(false);
+    let answered = tokio::time::timeout(SLACK + SLACK, call)
+        .await
+        .expect("answered once the path is back")
+        .unwrap();
+    assert!(answered.is_ok(), "{answered:?}");
+    let me = shown_to_self(&client).await;
+    assert_eq!(
+        (me.status, me.message.as_deref()),
+        (Status::Busy, Some("outage"))
+    );
 }
 
 /// A close reason's `retry_ms` spreads the reconnects: each client waits a
@@ -286,7 +328,7 @@ async fn clients_spread_their_reconnects_over_the_servers_retry_ms() {
     for _ in 0..CLIENTS {
         // One at a time: the fake server answers hellos one by one.
         let mut config = ClientConfig::new(addr, identity.certs.clone(), "token");
-        config.bind = SocketAddr::from(([127, 0, 0, 1], 0));
+        config.bind = Some(SocketAddr::from(([127, 0, 0, 1], 0)));
         config.reconnect = Some(greendot_client::Reconnect::new(
             Duration::from_millis(50),
             Duration::from_millis(400),

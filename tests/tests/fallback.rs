@@ -26,8 +26,8 @@ fn closed_udp_port() -> SocketAddr {
 
 fn config(ts: &TestServer, user: &str, quic: SocketAddr, websocket: SocketAddr) -> ClientConfig {
     let mut config = ts.client_config(ts.token(user, "phone", Kind::Mobile, WatchClaim::all()));
-    config.server = quic;
-    config.websocket = Some(websocket);
+    config.servers = vec![quic.into()];
+    config.websocket = greendot_client::WebSocket::At(websocket);
     config.fallback_delay = Duration::from_millis(300);
     config
 }

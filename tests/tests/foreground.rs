@@ -148,8 +148,8 @@ async fn the_app_state_survives_a_reconnect_and_the_foreground_reconnects_at_onc
         ts.client_config(ts.token("cy", "phone", Kind::Mobile, WatchClaim::all()));
     config.foreground = false;
     let relay = Relay::start(ts.addr()).await;
-    config.server = relay.addr;
-    config.websocket = None;
+    config.servers = vec![relay.addr.into()];
+    config.websocket = greendot_client::WebSocket::Off;
     config.request_timeout = Duration::from_millis(500);
     // Redials are far apart: a quick reconnect comes from the lifecycle.
     config.reconnect = Some(greendot_client::Reconnect::new(

@@ -110,7 +110,7 @@ async fn network_changed_brings_pushes_to_a_silent_moved_client_at_once() {
     let (watched, _) = ts.connect("walt", "laptop", Kind::Desktop).await;
     let token = ts.token("mia", "phone", Kind::Mobile, WatchClaim::all());
     let mut config = ts.client_config(token);
-    config.server = relay.addr;
+    config.servers = vec![relay.addr.into()];
     config.keep_alive = Duration::from_secs(10);
     config.idle_timeout = Duration::from_secs(60);
     let (mover, mut seen) = ts.connect_with(config).await;

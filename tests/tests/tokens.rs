@@ -44,7 +44,7 @@ fn config(ts: &TestServer, token: String, carrier: Carrier) -> ClientConfig {
         let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         let closed: SocketAddr = socket.local_addr().unwrap();
         drop(socket);
-        config.server = closed;
+        config.servers = vec![closed.into()];
         config.fallback_delay = Duration::from_millis(100);
     }
     config

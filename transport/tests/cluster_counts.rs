@@ -123,7 +123,7 @@ async fn a_connection_closed_at_its_welcome_is_uncounted_once() {
     // before its welcome).
     let mut config = ClientConfig::new(addr, vec![cert], token("bob", "phone"));
     config.reconnect = None;
-    config.websocket = None;
+    config.websocket = greendot_client::WebSocket::Off;
     let (bob, _updates) = Client::connect(config)
         .await
         .expect("an ordinary client is served after it");

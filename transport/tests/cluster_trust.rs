@@ -104,10 +104,10 @@ async fn connect(nodes: &[&Node], at: &Node, user: &str, device: &str) -> (Clien
     let token = TokenKeys::new(SECRET.as_bytes(), Duration::ZERO)
         .mint(&claims)
         .unwrap();
-    let roots = nodes.iter().map(|n| n.cert.clone()).collect();
+    let roots: Vec<_> = nodes.iter().map(|n| n.cert.clone()).collect();
     let mut config = ClientConfig::new(at.addr, roots, token);
     config.reconnect = None;
-    config.websocket = None;
+    config.websocket = greendot_client::WebSocket::Off;
     Client::connect(config)
         .await
         .unwrap_or_else(|e| panic!("{user}/{device} cannot connect to {}: {e}", at.id))

@@ -139,7 +139,7 @@ async fn welcomed_over_websocket(
 async fn quic_client(addr: SocketAddr, cert: &CertificateDer<'static>, user: &str) -> Client {
     let mut config = ClientConfig::new(addr, vec![cert.clone()], token(user, "laptop"));
     config.reconnect = None;
-    config.websocket = None;
+    config.websocket = greendot_client::WebSocket::Off;
     let (client, _updates) = Client::connect(config).await.expect("QUIC client served");
     client
 }

@@ -429,7 +429,7 @@ async fn run_scenario(
             let stagger = Duration::from_millis((m as u64 * 7919) % 1000);
             if scenario == Scenario::Quic {
                 let mut cc = ClientConfig::new(mover_addr, roots, tok);
-                cc.bind = "127.0.0.1:0".parse().unwrap_or_else(|e| panic!("{e}"));
+                cc.bind = Some("127.0.0.1:0".parse().unwrap_or_else(|e| panic!("{e}")));
                 let Ok((client, _updates)) = Client::connect(cc).await else {
                     let _ = ready_tx.send(()).await;
                     done.add_permits(1);
@@ -543,7 +543,7 @@ async fn run_scenario(
         watcher_tasks.push(tokio::spawn(async move {
             if scenario == Scenario::Quic {
                 let mut cc = ClientConfig::new(addr, roots, tok);
-                cc.bind = "127.0.0.1:0".parse().unwrap_or_else(|e| panic!("{e}"));
+                cc.bind = Some("127.0.0.1:0".parse().unwrap_or_else(|e| panic!("{e}")));
                 let Ok((client, mut updates)) = Client::connect(cc).await else {
                     ready.add_permits(1);
                     return;

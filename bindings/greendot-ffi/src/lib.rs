@@ -25,11 +25,10 @@ mod types;
 
 pub use types::*;
 
-use greendot_client::{Client, ClientConfig, Reconnect, Updates};
-use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::CertificateDer;
+use greendot_client::{
+    Certificate, Client, ClientConfig, Reconnect, ServerAddr, Trust, Updates, WebSocket,
+};
 use std::future::Future;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -75,21 +74,30 @@ pub struct ReconnectSettings {
     pub give_up_after_ms: Option<u64>,
 }
 
-/// How to connect. Only `address`, `token` and `ca_certificates_pem` are
-/// required.
+/// How to connect. Only `addresses` and `token` are required.
 #[derive(Clone, Debug, uniffi::Record)]
 pub struct ConnectConfig {
-    /// `host:port` or `ip:port` (a hostname is resolved; the first address
-    /// is used).
-    pub address: String,
+    /// The server: one or more `host:port` or `ip:port`, tried in this
+    /// order at every connection attempt (a host name is resolved again
+    /// each time, and every address it resolves to is tried). After a lost
+    /// connection the address it was on is tried last, so the client moves
+    /// to a live node when one dies or drains.
+    pub addresses: Vec<String>,
     /// The app's token for this user and device, from its backend.
     pub token: String,
     /// The certificates trusted as roots, PEM (one or more `BEGIN
     /// CERTIFICATE` blocks): the server's own certificate if self-signed,
-    /// or the CA that issued it. The platform's trust store is not used.
-    pub ca_certificates_pem: String,
-    /// The name in the server's certificate. Default: the host of
-    /// `address` if it is a name, `localhost` if it is an IP address.
+    /// or the CA that issued it. Default none: the platform's trust store
+    /// (a certificate from a public CA), unless `certificate_sha256` pins.
+    #[uniffi(default = None)]
+    pub ca_certificates_pem: Option<String>,
+    /// Pins instead: the SHA-256 (32 bytes each) of the server
+    /// certificates' DER; any certificate with one of them is trusted,
+    /// whatever its name or dates. Not with `ca_certificates_pem`.
+    #[uniffi(default = [])]
+    pub certificate_sha256: Vec<Vec<u8>>,
+    /// The name in the server's certificate. Default: the host name an
+    /// address came from, `localhost` for an IP address.
     #[uniffi(default = None)]
     pub server_name: Option<String>,
     /// The app is in the foreground at connect (`false`: started in the
@@ -103,8 +111,9 @@ pub struct ConnectConfig {
     /// Default: 100 ms doubling to 5 s, giving up after 5 minutes.
     #[uniffi(default = None)]
     pub reconnect: Option<ReconnectSettings>,
-    /// How long a request waits for its answer before it fails with
-    /// `Timeout` (outcome unknown). Default 10 s.
+    /// A request's deadline: how long it waits for its answer, through a
+    /// silent path or a reconnect; past it, `OutcomeUnknown` if it was
+    /// sent, `NotSent` if not. Default 10 s.
     #[uniffi(default = None)]
     pub request_timeout_ms: Option<u64>,
     /// A session to resume (`session()` of an earlier client of this
@@ -119,52 +128,49 @@ fn config_error(detail: impl Into<String>) -> GreendotError {
     }
 }
 
-async fn resolve(address: &str) -> Result<SocketAddr, GreendotError> {
-    if let Ok(addr) = address.parse() {
-        return Ok(addr);
+fn parse_addresses(addresses: &[String]) -> Result<Vec<ServerAddr>, GreendotError> {
+    if addresses.is_empty() {
+        return Err(config_error("addresses is empty"));
     }
-    let mut addrs = tokio::net::lookup_host(address)
-        .await
-        .map_err(|e| config_error(format!("cannot resolve {address:?}: {e}")))?;
-    addrs
-        .next()
-        .ok_or_else(|| config_error(format!("{address:?} resolves to no address")))
+    addresses
+        .iter()
+        .map(|a| ServerAddr::parse(a).map_err(|e| config_error(format!("addresses: {e}"))))
+        .collect()
 }
 
-fn parse_roots(pem: &str) -> Result<Vec<CertificateDer<'static>>, GreendotError> {
-    let roots = CertificateDer::pem_slice_iter(pem.as_bytes())
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| config_error(format!("ca_certificates_pem: {e}")))?;
-    if roots.is_empty() {
-        return Err(config_error(
-            "ca_certificates_pem holds no BEGIN CERTIFICATE block",
-        ));
-    }
-    Ok(roots)
-}
-
-/// The host of `address` if it is a name; `localhost` (the client's
-/// default) if it is an IP address.
-fn default_server_name(address: &str) -> String {
-    let host = address.rsplit_once(':').map_or(address, |(host, _)| host);
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    if host.parse::<std::net::IpAddr>().is_ok() {
-        "localhost".to_owned()
-    } else {
-        host.to_owned()
+fn trust(pem: Option<&str>, hashes: &[Vec<u8>]) -> Result<Trust, GreendotError> {
+    match (pem, hashes) {
+        (Some(_), [_, ..]) => Err(config_error(
+            "ca_certificates_pem and certificate_sha256 exclude each other",
+        )),
+        (Some(pem), []) => Certificate::from_pem(pem.as_bytes())
+            .map(Trust::Roots)
+            .map_err(|e| config_error(format!("ca_certificates_pem: {e}"))),
+        (None, []) => Ok(Trust::Platform),
+        (None, hashes) => hashes
+            .iter()
+            .map(|h| {
+                <[u8; 32]>::try_from(h.as_slice()).map_err(|_| {
+                    config_error(format!("certificate_sha256: {} bytes, not 32", h.len()))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Trust::CertificateHashes),
     }
 }
 
-async fn client_config(config: ConnectConfig) -> Result<ClientConfig, GreendotError> {
-    let server = resolve(&config.address).await?;
-    let roots = parse_roots(&config.ca_certificates_pem)?;
-    let mut c = ClientConfig::new(server, roots, config.token);
-    c.server_name = config
-        .server_name
-        .unwrap_or_else(|| default_server_name(&config.address));
+fn client_config(config: ConnectConfig) -> Result<ClientConfig, GreendotError> {
+    let servers = parse_addresses(&config.addresses)?;
+    let trust = trust(
+        config.ca_certificates_pem.as_deref(),
+        &config.certificate_sha256,
+    )?;
+    let mut c = ClientConfig::new(servers[0].clone(), trust, config.token);
+    c.servers = servers;
+    c.server_name = config.server_name;
     c.foreground = config.foreground;
     if let Some(ws) = config.websocket_address {
-        c.websocket = Some(
+        c.websocket = WebSocket::At(
             ws.parse()
                 .map_err(|e| config_error(format!("websocket_address {ws:?}: {e}")))?,
         );
@@ -188,7 +194,7 @@ async fn client_config(config: ConnectConfig) -> Result<ClientConfig, GreendotEr
 #[uniffi::export]
 pub async fn connect(config: ConnectConfig) -> Result<Arc<GreendotClient>, GreendotError> {
     on_runtime(async move {
-        let config = client_config(config).await?;
+        let config = client_config(config)?;
         let (client, updates) = Client::connect(config).await?;
         Ok(Arc::new(GreendotClient {
             client,
@@ -274,7 +280,10 @@ async fn deliver(
             return;
         }
         let last = matches!(event, greendot_client::Event::Closed { .. });
-        let event = ClientEvent::from(event);
+        // An event this binding does not know yet (a newer client) is skipped.
+        let Some(event) = client_event(event) else {
+            continue;
+        };
         // The app's exception (or a panic) must not end the delivery.
         let delivered =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| listener.on_event(event)));
@@ -507,13 +516,45 @@ mod tests {
     use greendot_proto::{ErrorCode, WireError};
 
     #[test]
-    fn the_server_name_is_the_host_unless_it_is_an_ip() {
+    fn addresses_are_names_or_ips_and_at_least_one() {
+        let parsed = parse_addresses(&[
+            "presence.example.com:4433".into(),
+            "127.0.0.1:4433".into(),
+            "[::1]:4433".into(),
+        ])
+        .unwrap();
         assert_eq!(
-            default_server_name("presence.example.com:4433"),
-            "presence.example.com"
+            parsed[0],
+            ServerAddr::parse("presence.example.com:4433").unwrap()
         );
-        assert_eq!(default_server_name("127.0.0.1:4433"), "localhost");
-        assert_eq!(default_server_name("[::1]:4433"), "localhost");
+        assert!(
+            matches!(parsed[0], ServerAddr::Host { ref name, port: 4433 } if name == "presence.example.com")
+        );
+        assert!(matches!(parsed[1], ServerAddr::Ip(a) if a.port() == 4433));
+        assert!(matches!(parsed[2], ServerAddr::Ip(a) if a.is_ipv6()));
+        for bad in [vec![], vec!["no port".to_owned()], vec!["a b:1".to_owned()]] {
+            assert!(
+                matches!(parse_addresses(&bad), Err(GreendotError::Config { .. })),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn trust_is_roots_pins_or_the_platform() {
+        assert_eq!(trust(None, &[]).unwrap(), Trust::Platform);
+        assert_eq!(
+            trust(None, &[vec![7; 32]]).unwrap(),
+            Trust::CertificateHashes(vec![[7; 32]])
+        );
+        assert!(matches!(
+            trust(None, &[vec![7; 31]]),
+            Err(GreendotError::Config { .. })
+        ));
+        assert!(matches!(
+            trust(Some("x"), &[vec![7; 32]]),
+            Err(GreendotError::Config { .. })
+        ));
     }
 
     #[test]
@@ -524,7 +565,7 @@ mod tests {
             "-----BEGIN CERTIFICATE-----\n!!\n-----END CERTIFICATE-----\n",
         ] {
             assert!(
-                matches!(parse_roots(pem), Err(GreendotError::Config { .. })),
+                matches!(trust(Some(pem), &[]), Err(GreendotError::Config { .. })),
                 "{pem:?}"
             );
         }
@@ -533,8 +574,12 @@ mod tests {
     #[test]
     fn client_errors_keep_their_kind_and_code() {
         assert!(matches!(
-            GreendotError::from(ClientError::Timeout),
-            GreendotError::Timeout { .. }
+            GreendotError::from(ClientError::OutcomeUnknown { lost: None }),
+            GreendotError::OutcomeUnknown { .. }
+        ));
+        assert!(matches!(
+            GreendotError::from(ClientError::NotSent),
+            GreendotError::NotSent { .. }
         ));
         assert_eq!(
             GreendotError::from(ClientError::Closed),

@@ -240,39 +240,40 @@ pub enum ClientEvent {
     },
 }
 
-impl From<Event> for ClientEvent {
-    fn from(e: Event) -> ClientEvent {
-        match e {
-            Event::Presence {
-                target,
-                presence,
-                source,
-            } => ClientEvent::PresenceChanged {
-                target,
-                presence: presence.into(),
-                source: match source {
-                    Source::Snapshot => UpdateSource::Snapshot,
-                    Source::Realtime => UpdateSource::Realtime,
-                    Source::Batched => UpdateSource::Batched,
-                },
+/// The binding's form of a client event; `None` for a kind of event the
+/// binding does not know yet (the client's `Event` is non-exhaustive).
+pub(crate) fn client_event(e: Event) -> Option<ClientEvent> {
+    Some(match e {
+        Event::Presence {
+            target,
+            presence,
+            source,
+        } => ClientEvent::PresenceChanged {
+            target,
+            presence: presence.into(),
+            source: match source {
+                Source::Snapshot => UpdateSource::Snapshot,
+                Source::Realtime => UpdateSource::Realtime,
+                Source::Batched => UpdateSource::Batched,
             },
-            Event::Disconnected { reason } => ClientEvent::Disconnected { reason },
-            Event::Reconnected {
-                session,
-                resumed,
-                carrier,
-            } => ClientEvent::Reconnected {
-                session: session.0,
-                resumed,
-                carrier: carrier.into(),
-            },
-            Event::TokenRefreshed { ended } => ClientEvent::TokenRefreshed { ended },
-            Event::Closed { code, reason } => ClientEvent::Closed {
-                code: code.map(|c| format!("{c:?}")),
-                reason,
-            },
-        }
-    }
+        },
+        Event::Disconnected { reason } => ClientEvent::Disconnected { reason },
+        Event::Reconnected {
+            session,
+            resumed,
+            carrier,
+        } => ClientEvent::Reconnected {
+            session: session.0,
+            resumed,
+            carrier: carrier.into(),
+        },
+        Event::TokenRefreshed { ended } => ClientEvent::TokenRefreshed { ended },
+        Event::Closed { code, reason } => ClientEvent::Closed {
+            code: code.map(|c| format!("{c:?}")),
+            reason,
+        },
+        _ => return None,
+    })
 }
 
 /// Why a call failed. Every variant carries a sentence for people
@@ -298,11 +299,17 @@ pub enum GreendotError {
     /// The server answered with an error (e.g. `NotAllowed`).
     #[error("server error {code}: {detail}")]
     Server { code: String, detail: String },
-    /// No answer within the request timeout: the outcome is unknown (the
-    /// request may yet take effect). `set_status` and `set_invisible` are
+    /// The request was sent but not answered by its deadline
+    /// (`request_timeout_ms`), or the connection ended before the answer:
+    /// the outcome is unknown (it may have taken effect, or may yet). Not a
+    /// failure. `set_status`, `set_invisible` and the foreground state are
     /// idempotent: call them again with the same values.
-    #[error("no answer in time, outcome unknown: {detail}")]
-    Timeout { detail: String },
+    #[error("outcome unknown: {detail}")]
+    OutcomeUnknown { detail: String },
+    /// The request was never sent before its deadline (the client was
+    /// reconnecting): it has not taken effect and never will.
+    #[error("not sent: {detail}")]
+    NotSent { detail: String },
     /// The client is closed.
     #[error("the client is closed")]
     Closed,
@@ -328,7 +335,8 @@ impl From<ClientError> for GreendotError {
                 code: format!("{:?}", error.code),
                 detail,
             },
-            ClientError::Timeout => GreendotError::Timeout { detail },
+            ClientError::OutcomeUnknown { .. } => GreendotError::OutcomeUnknown { detail },
+            ClientError::NotSent => GreendotError::NotSent { detail },
             ClientError::Closed => GreendotError::Closed,
             // Protocol, and whatever the client adds later.
             _ => GreendotError::Internal { detail },

@@ -112,7 +112,7 @@ class Recorder(gd.PresenceListener):
 
 async def connect(name, **settings):
     return await gd.connect(
-        gd.ConnectConfig(address=ADDRESS, token=TOKENS[name], ca_certificates_pem=CA, **settings)
+        gd.ConnectConfig(addresses=[ADDRESS], token=TOKENS[name], ca_certificates_pem=CA, **settings)
     )
 
 
@@ -166,9 +166,9 @@ class GreendotTest(unittest.IsolatedAsyncioTestCase):
             await hal.route("cy")
         self.assertEqual(caught.exception.code, "ServiceOnly")
         with self.assertRaises(gd.GreendotError.Config):
-            await gd.connect(gd.ConnectConfig(address=ADDRESS, token="x", ca_certificates_pem="not a PEM"))
+            await gd.connect(gd.ConnectConfig(addresses=[ADDRESS], token="x", ca_certificates_pem="not a PEM"))
         with self.assertRaises(gd.GreendotError.Rejected):
-            await gd.connect(gd.ConnectConfig(address=ADDRESS, token="forged", ca_certificates_pem=CA))
+            await gd.connect(gd.ConnectConfig(addresses=[ADDRESS], token="forged", ca_certificates_pem=CA))
 
     async def test_a_listener_that_raises_keeps_getting_events(self):
         class Raising(Recorder):
@@ -266,7 +266,7 @@ class GreendotTest(unittest.IsolatedAsyncioTestCase):
         minute = gd.ReconnectSettings(initial_backoff_ms=60_000, max_backoff_ms=60_000)
         gus = await gd.connect(
             gd.ConnectConfig(
-                address=RELAY,
+                addresses=[RELAY],
                 token=TOKENS["gus"],
                 ca_certificates_pem=CA,
                 reconnect=minute,

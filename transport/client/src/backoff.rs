@@ -302,6 +302,9 @@ mod tests {
             error: WireError::new(ErrorCode::ShuttingDown, "draining retry_ms=40"),
         };
         assert_eq!(rejected.retry_after(), Some(Duration::from_millis(40)));
-        assert_eq!(ClientError::Timeout.retry_after(), None);
+        assert_eq!(
+            ClientError::OutcomeUnknown { lost: None }.retry_after(),
+            None
+        );
     }
 }

@@ -4,10 +4,30 @@
 //! and `accept_pushes` read a QUIC connection's streams.
 
 use super::*;
+use crate::request::resendable;
+
+/// An application's request, sent and waiting for its answer.
+struct User {
+    reply: oneshot::Sender<Result<Answer, ClientError>>,
+    ticket: Ticket,
+    /// The request, kept to send it again on the next connection if this
+    /// one is lost (only if that is safe: `resendable`).
+    request: Option<Request>,
+}
+
+impl Pending {
+    fn user(reply: oneshot::Sender<Result<Answer, ClientError>>, ticket: Ticket) -> Pending {
+        Pending::User(User {
+            reply,
+            ticket,
+            request: None,
+        })
+    }
+}
 
 enum Pending {
     /// An application's request.
-    User(oneshot::Sender<Result<Answer, ClientError>>),
+    User(User),
     /// A subscribe sent by the client itself after a reconnect.
     Resubscribe,
     /// The `Ping` of [`Client::network_changed`].
@@ -37,6 +57,7 @@ pub(super) async fn drive(
     // The app's state, as the connections and the reconnects saw it last.
     let mut app = shared.foreground.subscribe();
     loop {
+        let server = est.server;
         let welcome = est.welcome.clone();
         for s in &welcome.snapshots {
             shared.apply(&s.target, &s.presence, Source::Snapshot);
@@ -62,6 +83,7 @@ pub(super) async fn drive(
         .await;
         let error = match exit {
             Exit::Closed(code) => {
+                answer_deferred(&mut deferred, &ClientError::Closed);
                 finish(&shared, Some(code), "closed by the application".into());
                 return;
             }
@@ -76,6 +98,7 @@ pub(super) async fn drive(
                 ClientError::Rejected { code, .. } => *code,
                 _ => None,
             };
+            answer_deferred(&mut deferred, &error);
             finish(&shared, code, error.to_string());
             return;
         };
@@ -90,6 +113,7 @@ pub(super) async fn drive(
             hint,
             (&mut cmd_rx, &mut deferred),
             &mut app,
+            server,
         );
         match again.await {
             Ok(new) => {
@@ -100,6 +124,7 @@ pub(super) async fn drive(
                     let mut state = shared.state();
                     state.session = session;
                     state.stats.carrier = carrier;
+                    state.stats.server = new.server;
                     match carrier {
                         Carrier::Quic => state.stats.quic_connections += 1,
                         Carrier::WebSocket => state.stats.websocket_connections += 1,
@@ -120,13 +145,38 @@ pub(super) async fn drive(
             }
             Err(exit) => {
                 let (code, reason) = match exit {
-                    Exit::Closed(code) => (Some(code), "closed by the application".to_owned()),
-                    Exit::Lost(ClientError::Rejected { code, error }) => (code, error.to_string()),
-                    Exit::Lost(e) => (None, e.to_string()),
+                    Exit::Closed(code) => {
+                        answer_deferred(&mut deferred, &ClientError::Closed);
+                        (Some(code), "closed by the application".to_owned())
+                    }
+                    Exit::Lost(e) => {
+                        answer_deferred(&mut deferred, &e);
+                        match e {
+                            ClientError::Rejected { code, error } => (code, error.to_string()),
+                            e => (None, e.to_string()),
+                        }
+                    }
                 };
                 finish(&shared, code, reason);
                 return;
             }
+        }
+    }
+}
+
+/// The client ends with `error`: requests still waiting for a connection
+/// fail with it, except those already sent once, whose outcome is unknown.
+fn answer_deferred(deferred: &mut VecDeque<Cmd>, error: &ClientError) {
+    for cmd in deferred.drain(..) {
+        if let Cmd::Request { reply, ticket, .. } = cmd {
+            let error = match error {
+                ClientError::Closed => ClientError::Closed,
+                e if ticket.was_sent() => ClientError::OutcomeUnknown {
+                    lost: Some(Box::new(e.clone())),
+                },
+                e => e.clone(),
+            };
+            let _ = reply.send(Err(error));
         }
     }
 }
@@ -164,6 +214,7 @@ async fn reconnect(
     mut hint: Option<Duration>,
     (cmd_rx, deferred): (&mut mpsc::Receiver<Cmd>, &mut VecDeque<Cmd>),
     app: &mut tokio::sync::watch::Receiver<bool>,
+    lost: SocketAddr,
 ) -> Result<Established, Exit> {
     let started = tokio::time::Instant::now();
     let mut backoff = Backoff::new(policy);
@@ -175,7 +226,16 @@ async fn reconnect(
         fresh_token(shared, config).await;
         let token = shared.state().token.clone();
         let foreground = *app.borrow();
-        let attempt = establish(&shared.dialer, config, &token, resume, foreground);
+        // The address just lost is tried last: its node may be dead or
+        // draining while another is up.
+        let attempt = establish(
+            &shared.dialer,
+            config,
+            &token,
+            resume,
+            foreground,
+            Some(lost),
+        );
         tokio::pin!(attempt);
         // Keep taking commands while connecting: requests wait, a close ends.
         let result = loop {
@@ -207,7 +267,7 @@ async fn reconnect(
 
 /// Whether to reconnect after the server closed with `code`: a token that
 /// expired is no end when the application gives new ones.
-fn may_reconnect(config: &ClientConfig, code: Option<CloseCode>) -> bool {
+pub(crate) fn may_reconnect(config: &ClientConfig, code: Option<CloseCode>) -> bool {
     match code {
         Some(CloseCode::TokenExpired) => config.refresh.is_some(),
         code => code.is_some_and(|c| c.may_reconnect()),
@@ -322,6 +382,7 @@ async fn run(
         tasks,
         welcome,
         foreground: said,
+        server: _,
     } = est;
     // The app's state as the server knows it; a change since is sent.
     let mut told = said;
@@ -362,7 +423,11 @@ async fn run(
     }
     while let Some(cmd) = deferred.pop_front() {
         match cmd {
-            Cmd::Request { request, reply } => startup.push_back((request, Pending::User(reply))),
+            Cmd::Request {
+                request,
+                reply,
+                ticket,
+            } => startup.push_back((request, Pending::user(reply, ticket))),
             Cmd::NetworkChanged => {}
             Cmd::Close { code, done } => {
                 link.close(code, "closed by the application").await;
@@ -402,11 +467,18 @@ async fn run(
             // Before any request the application made after the change.
             startup.push_front((Request::SetForeground { foreground }, waiter));
         }
-        while let Some((request, waiter)) = startup.pop_front() {
-            // The caller gave up waiting (a timeout): a request never sent
-            // must never take effect later, so it is not sent at all.
-            if matches!(&waiter, Pending::User(reply) if reply.is_closed()) {
-                continue;
+        while let Some((request, mut waiter)) = startup.pop_front() {
+            if let Pending::User(user) = &mut waiter {
+                // The caller gave up waiting (its deadline): a request never
+                // sent must never take effect later, so it is not sent at
+                // all; one sent before (on a connection since lost) is not
+                // sent again either.
+                if user.reply.is_closed() || !user.ticket.send() {
+                    continue;
+                }
+                if resendable(&request) {
+                    user.request = Some(request.clone());
+                }
             }
             *next_id = next_id.wrapping_add(1);
             let id = *next_id;
@@ -417,18 +489,20 @@ async fn run(
             let bytes = match encode_frame(&RequestFrame { id, request }) {
                 Ok(b) => b,
                 Err(e) => {
-                    if let Pending::User(reply) = waiter {
-                        let _ = reply.send(Err(ClientError::Encode(e)));
+                    if let Pending::User(user) = waiter {
+                        let _ = user.reply.send(Err(ClientError::Encode(e)));
                     }
                     continue;
                 }
             };
             if bytes.len() > max_frame + 4 {
-                if let Pending::User(reply) = waiter {
-                    let _ = reply.send(Err(ClientError::Config(ConfigError::RequestTooLarge {
-                        len: bytes.len() - 4,
-                        max: max_frame,
-                    })));
+                if let Pending::User(user) = waiter {
+                    let _ =
+                        user.reply
+                            .send(Err(ClientError::Config(ConfigError::RequestTooLarge {
+                                len: bytes.len() - 4,
+                                max: max_frame,
+                            })));
                 }
                 continue;
             }
@@ -481,8 +555,8 @@ async fn run(
                 }
             }
             cmd = cmd_rx.recv() => match cmd {
-                Some(Cmd::Request { request, reply }) => {
-                    startup.push_back((request, Pending::User(reply)));
+                Some(Cmd::Request { request, reply, ticket }) => {
+                    startup.push_back((request, Pending::user(reply, ticket)));
                 }
                 Some(Cmd::NetworkChanged) => {
                     // Anything sent goes out on the new path; a Ping is the
@@ -530,8 +604,8 @@ async fn run(
                         }
                     }
                     match pending.remove(&id) {
-                        Some(Pending::User(reply)) => {
-                            let _ = reply.send(result.map_err(ClientError::Server));
+                        Some(Pending::User(user)) => {
+                            let _ = user.reply.send(result.map_err(ClientError::Server));
                         }
                         Some(Pending::Probe) => probe_deadline = None,
                         Some(Pending::Refresh) => {
@@ -569,19 +643,59 @@ async fn run(
     if let Some(task) = fetching {
         task.abort();
     }
-    let failure = match &exit {
-        Exit::Lost(e) => e.clone(),
-        Exit::Closed(_) => ClientError::Closed,
-    };
-    for (_, waiter) in pending.drain() {
-        if let Pending::User(reply) = waiter {
-            let _ = reply.send(Err(failure.clone()));
-        }
-    }
-    for (_, waiter) in startup.drain(..) {
-        if let Pending::User(reply) = waiter {
-            let _ = reply.send(Err(failure.clone()));
-        }
-    }
+    carry_over(&exit, pending, startup, deferred);
     exit
+}
+
+/// The application's requests of a connection that ended. Closed by the
+/// application: they fail. Lost: those not sent yet, and those sent whose
+/// repetition is safe, wait for the next connection (in the order they
+/// were made, before anything asked later); the others sent have an
+/// unknown outcome, except when the server's close answers them (a
+/// logout).
+fn carry_over(
+    exit: &Exit,
+    pending: HashMap<u64, Pending>,
+    startup: VecDeque<(Request, Pending)>,
+    deferred: &mut VecDeque<Cmd>,
+) {
+    let mut sent: Vec<(u64, Pending)> = pending.into_iter().collect();
+    // Ids wrap only after 2^64 requests.
+    sent.sort_by_key(|(id, _)| *id);
+    let sent = sent.into_iter().map(|(_, waiter)| (None, waiter));
+    let unsent = startup
+        .into_iter()
+        .map(|(request, waiter)| (Some(request), waiter));
+    let mut carried = VecDeque::new();
+    for (unsent, waiter) in sent.chain(unsent) {
+        let Pending::User(user) = waiter else {
+            continue;
+        };
+        let error = match exit {
+            Exit::Closed(_) => ClientError::Closed,
+            Exit::Lost(
+                e @ ClientError::Rejected {
+                    code: Some(CloseCode::Logout),
+                    ..
+                },
+            ) => e.clone(),
+            Exit::Lost(e) => match unsent.or(user.request) {
+                Some(request) => {
+                    carried.push_back(Cmd::Request {
+                        request,
+                        reply: user.reply,
+                        ticket: user.ticket,
+                    });
+                    continue;
+                }
+                None => ClientError::OutcomeUnknown {
+                    lost: Some(Box::new(e.clone())),
+                },
+            },
+        };
+        let _ = user.reply.send(Err(error));
+    }
+    while let Some(cmd) = carried.pop_back() {
+        deferred.push_front(cmd);
+    }
 }

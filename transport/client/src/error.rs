@@ -5,18 +5,61 @@
 //! each includes the text of its cause. [`std::error::Error::source`] gives
 //! that cause itself (an I/O, QUIC, TLS or WebSocket error) for
 //! downcasting; it skips the typed reason in between, which is matched on
-//! directly. Foreign errors that are not `Clone` are shared with [`Arc`]
-//! (one connection's end is reported to every waiting request);
-//! `ClientError::source` gives the error inside, not the `Arc`.
+//! directly. Foreign errors are shared with [`Arc`] (one connection's end
+//! is reported to every waiting request); `ClientError::source` gives the
+//! error inside, not the `Arc`. Errors of the libraries under the client
+//! (quinn, rustls, tungstenite) come as an opaque [`Cause`], so that their
+//! new versions do not change this API.
 
-use crate::{tls, ws, Carrier};
+use crate::{ws, Carrier};
 use greendot_proto::{Answer, CloseCode, ErrorCode, WireError};
 use std::error::Error;
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio_tungstenite::tungstenite;
+
+/// An error of a library under the client (QUIC, TLS, WebSocket), opaque:
+/// its `Display` is the library's text, and [`Cause::downcast_ref`] (or
+/// [`Error::source`] of the [`ClientError`] that carries it) gives the
+/// library's own error to a caller who depends on that library.
+#[derive(Clone)]
+pub struct Cause(Arc<dyn Error + Send + Sync + 'static>);
+
+impl Cause {
+    pub(crate) fn new(error: impl Error + Send + Sync + 'static) -> Cause {
+        Cause(Arc::new(error))
+    }
+
+    /// The library's error, if it is a `T`.
+    pub fn downcast_ref<T: Error + 'static>(&self) -> Option<&T> {
+        self.0.downcast_ref::<T>()
+    }
+
+    /// The library's error.
+    pub fn get(&self) -> &(dyn Error + Send + Sync + 'static) {
+        &*self.0
+    }
+}
+
+impl fmt::Debug for Cause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl fmt::Display for Cause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&*self.0, f)
+    }
+}
+
+/// Why the client's TLS configuration could not be built (a bad root
+/// certificate, no platform trust store); the cause is rustls'.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("tls: {0}")]
+#[non_exhaustive]
+pub struct TlsError(pub Cause);
 
 /// Why a client call failed.
 #[derive(Debug, Clone)]
@@ -25,7 +68,7 @@ pub enum ClientError {
     /// A client setting cannot be used (or a request is too large to send).
     Config(ConfigError),
     /// The TLS configuration could not be built (a bad root certificate).
-    Tls(tls::TlsError),
+    Tls(TlsError),
     /// No connection could be opened.
     Connect(ConnectError),
     /// The server refused the connection: an error frame and/or a close code.
@@ -42,8 +85,17 @@ pub enum ClientError {
     /// A frame could not be encoded (the client's own bug, or a request
     /// beyond what the frame format can carry).
     Encode(postcard::Error),
-    /// No answer in time (outcome unknown: see the crate docs).
-    Timeout,
+    /// The request was sent, and no answer came within
+    /// [`crate::ClientConfig::request_timeout`] (`lost: None`), or the
+    /// connection ended before the answer and the request is not sent
+    /// again (`lost`: how it ended): it may or may not have taken effect,
+    /// and may still take effect later. Not a failure: see the crate docs,
+    /// "A request without an answer in time".
+    OutcomeUnknown { lost: Option<Box<ClientError>> },
+    /// The request was never sent (the client was reconnecting until
+    /// [`crate::ClientConfig::request_timeout`] passed): it has not taken
+    /// effect and never will.
+    NotSent,
     /// The client is closed.
     Closed,
 }
@@ -80,7 +132,14 @@ impl fmt::Display for ClientError {
             ClientError::Server(e) => write!(f, "server error: {e}"),
             ClientError::Protocol(e) => write!(f, "protocol violation by the server: {e}"),
             ClientError::Encode(e) => write!(f, "cannot encode a frame: {e}"),
-            ClientError::Timeout => f.write_str("no answer in time"),
+            ClientError::OutcomeUnknown { lost: None } => {
+                f.write_str("sent, but no answer in time: the outcome is unknown")
+            }
+            ClientError::OutcomeUnknown { lost: Some(e) } => write!(
+                f,
+                "sent, but the connection ended before the answer ({e}): the outcome is unknown"
+            ),
+            ClientError::NotSent => f.write_str("not sent in time (never takes effect)"),
             ClientError::Closed => f.write_str("the client is closed"),
         }
     }
@@ -91,28 +150,37 @@ impl Error for ClientError {
         match self {
             // The foreign error itself, not the Arc that shares it, so that
             // `downcast_ref::<std::io::Error>()` finds it.
-            ClientError::Config(ConfigError::ServerName { source, .. }) => Some(&**source),
-            ClientError::Config(ConfigError::WebSocketUrl { source, .. }) => Some(&**source),
+            ClientError::Config(
+                ConfigError::ServerName { cause, .. } | ConfigError::WebSocketUrl { cause, .. },
+            ) => Some(cause.get()),
             ClientError::Connect(
                 ConnectError::Bind { source, .. }
                 | ConnectError::WebSocketTcp { source, .. }
                 | ConnectError::WebSocketTls { source, .. },
             ) => Some(&**source),
-            ClientError::Connect(ConnectError::WebSocketUpgrade { source, .. }) => Some(&**source),
+            ClientError::Connect(
+                ConnectError::WebSocketUpgrade { cause, .. }
+                | ConnectError::Quic(cause)
+                | ConnectError::QuicHandshake(cause),
+            ) => Some(cause.get()),
+            ClientError::Connect(ConnectError::Resolve { source, .. }) => Some(&**source),
             ClientError::Lost(
-                LostReason::WebSocket(e)
+                LostReason::Quic(e)
+                | LostReason::WebSocket(e)
                 | LostReason::WebSocketSend(e)
                 | LostReason::WebSocketPing(e),
-            ) => Some(&**e),
+            ) => Some(e.get()),
+            ClientError::Tls(TlsError(e)) => Some(e.get()),
+            ClientError::OutcomeUnknown { lost: Some(e) } => Some(&**e),
             ClientError::Config(e) => e.source(),
-            ClientError::Tls(e) => e.source(),
             ClientError::Connect(e) => e.source(),
             ClientError::Lost(e) => e.source(),
             ClientError::Protocol(e) => e.source(),
             ClientError::Encode(e) => Some(e),
             ClientError::Rejected { .. }
             | ClientError::Server(_)
-            | ClientError::Timeout
+            | ClientError::OutcomeUnknown { lost: None }
+            | ClientError::NotSent
             | ClientError::Closed => None,
         }
     }
@@ -124,8 +192,8 @@ impl From<ConfigError> for ClientError {
     }
 }
 
-impl From<tls::TlsError> for ClientError {
-    fn from(e: tls::TlsError) -> ClientError {
+impl From<TlsError> for ClientError {
+    fn from(e: TlsError) -> ClientError {
         ClientError::Tls(e)
     }
 }
@@ -160,22 +228,26 @@ impl From<postcard::Error> for ClientError {
 pub enum ConfigError {
     /// `idle_timeout` is beyond what QUIC can say.
     #[error("idle_timeout too large")]
-    IdleTimeoutTooLarge(#[source] quinn::VarIntBoundsExceeded),
+    IdleTimeoutTooLarge,
     /// `server_name` is neither a DNS name nor an IP address.
-    #[error("server name {name:?}: {source}")]
-    ServerName {
-        name: String,
-        source: Arc<rustls::pki_types::InvalidDnsNameError>,
-    },
-    /// The WebSocket carrier was needed but `websocket` is `None`.
-    #[error("no WebSocket address")]
-    NoWebSocketAddress,
+    #[error("server name {name:?}: {cause}")]
+    ServerName { name: String, cause: Cause },
+    /// No server address in `servers`.
+    #[error("no server address")]
+    NoServer,
+    /// A server address that is neither `IP:PORT` nor `HOST:PORT`.
+    #[error("server address {0:?}: expected HOST:PORT or IP:PORT")]
+    ServerAddress(String),
+    /// Certificates that could not be read (a file, or PEM that does not
+    /// decode).
+    #[error("cannot read certificates: {0}")]
+    Certificates(Cause),
+    /// PEM without a certificate.
+    #[error("no certificate in the PEM")]
+    NoCertificate,
     /// `server_name`, the port and `websocket_path` make no valid URL.
-    #[error("WebSocket URL {url}: {source}")]
-    WebSocketUrl {
-        url: String,
-        source: Arc<tungstenite::Error>,
-    },
+    #[error("WebSocket URL {url}: {cause}")]
+    WebSocketUrl { url: String, cause: Cause },
     /// A request's frame (`len` bytes) is over the server's cap (`max`,
     /// from its welcome); it was not sent.
     #[error("request of {len} bytes exceeds the server's frame cap of {max}")]
@@ -194,10 +266,16 @@ pub enum ConnectError {
     },
     /// QUIC refused to start the connection (before any I/O).
     #[error("{0}")]
-    Quic(#[source] quinn::ConnectError),
+    Quic(Cause),
     /// The QUIC handshake failed.
     #[error("{0}")]
-    QuicHandshake(#[source] quinn::ConnectionError),
+    QuicHandshake(Cause),
+    /// A host name did not resolve (or resolved to no address).
+    #[error("cannot resolve {host}: {source}")]
+    Resolve {
+        host: String,
+        source: Arc<std::io::Error>,
+    },
     /// No TCP connection to the WebSocket address.
     #[error("WebSocket {addr}: {source}")]
     WebSocketTcp {
@@ -211,11 +289,8 @@ pub enum ConnectError {
         source: Arc<std::io::Error>,
     },
     /// The HTTP upgrade to WebSocket failed.
-    #[error("WebSocket {addr}: upgrade: {source}")]
-    WebSocketUpgrade {
-        addr: SocketAddr,
-        source: Arc<tungstenite::Error>,
-    },
+    #[error("WebSocket {addr}: upgrade: {cause}")]
+    WebSocketUpgrade { addr: SocketAddr, cause: Cause },
     /// The server upgraded without selecting the greendot subprotocol.
     #[error("WebSocket {addr}: the server did not select {}", ws::SUBPROTOCOL)]
     NoSubprotocol { addr: SocketAddr },
@@ -237,7 +312,7 @@ pub enum LostReason {
     /// The QUIC connection ended (timed out, reset, or closed normally by
     /// the server).
     #[error("{0}")]
-    Quic(#[source] quinn::ConnectionError),
+    Quic(Cause),
     /// The connection's tasks ended without saying why.
     #[error("the connection ended without a reason")]
     Ended,
@@ -252,13 +327,13 @@ pub enum LostReason {
     IdleTimeout { after: Duration },
     /// Reading from the WebSocket failed.
     #[error("WebSocket: {0}")]
-    WebSocket(#[source] Arc<tungstenite::Error>),
+    WebSocket(Cause),
     /// Sending a message failed.
     #[error("WebSocket send: {0}")]
-    WebSocketSend(#[source] Arc<tungstenite::Error>),
+    WebSocketSend(Cause),
     /// Sending a keep-alive ping failed.
     #[error("WebSocket ping: {0}")]
-    WebSocketPing(#[source] Arc<tungstenite::Error>),
+    WebSocketPing(Cause),
     /// The TCP connection ended without a WebSocket close.
     #[error("WebSocket connection ended")]
     WebSocketEnded,
@@ -315,6 +390,7 @@ fn carrier_prefix(carrier: Carrier) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio_tungstenite::tungstenite;
 
     #[test]
     fn display_is_the_sentence_the_cli_prints() {
@@ -329,7 +405,7 @@ mod tests {
                 "cannot connect: no answer from 127.0.0.1:9 within 5s",
             ),
             (
-                LostReason::Quic(quinn::ConnectionError::TimedOut).into(),
+                LostReason::Quic(Cause::new(quinn::ConnectionError::TimedOut)).into(),
                 "connection lost: timed out",
             ),
             (
@@ -356,13 +432,14 @@ mod tests {
                 "protocol violation by the server: WebSocket: BadFrame (1): trailing bytes",
             ),
             (
-                ConfigError::NoWebSocketAddress.into(),
-                "invalid client setting: no WebSocket address",
+                ConfigError::NoServer.into(),
+                "invalid client setting: no server address",
             ),
             (
                 ConnectError::Both {
                     quic: Box::new(
-                        ConnectError::Quic(quinn::ConnectError::EndpointStopping).into(),
+                        ConnectError::Quic(Cause::new(quinn::ConnectError::EndpointStopping))
+                            .into(),
                     ),
                     websocket: Box::new(ConnectError::NoSubprotocol { addr: server }.into()),
                 }
@@ -400,7 +477,7 @@ mod tests {
         };
         assert!(Arc::ptr_eq(a, b));
 
-        let ws = ClientError::from(LostReason::WebSocketSend(Arc::new(
+        let ws = ClientError::from(LostReason::WebSocketSend(Cause::new(
             tungstenite::Error::ConnectionClosed,
         )));
         assert!(ws
@@ -410,6 +487,8 @@ mod tests {
             .is_some());
         // Typed reasons without a foreign cause have no source.
         assert!(ClientError::from(LostReason::GaveUp).source().is_none());
-        assert!(ClientError::Timeout.source().is_none());
+        assert!(ClientError::OutcomeUnknown { lost: None }
+            .source()
+            .is_none());
     }
 }

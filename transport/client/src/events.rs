@@ -37,6 +37,7 @@ pub enum Source {
 
 /// What the client tells the application.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Event {
     /// What the client knows of `target` changed (newer version only). While
     /// the app does not read, only the newest of a target is kept.

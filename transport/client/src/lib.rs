@@ -35,7 +35,7 @@
 //! Every connection attempt (the first and every reconnect) starts QUIC; if
 //! no QUIC handshake completed within [`ClientConfig::fallback_delay`]
 //! (300 ms), or QUIC failed sooner, it also starts WebSocket over TLS to
-//! [`ClientConfig::websocket`] (default: the server's address over TCP), and
+//! [`ClientConfig::websocket`] (default: the QUIC address being tried, over TCP), and
 //! the first transport up wins. The race ends before the hello, which only
 //! the winner sends (two hellos of one device would supersede each other).
 //! So a client that fell back is back on QUIC at its next reconnect once UDP
@@ -79,21 +79,56 @@
 //! TLS session (no certificate signature, no certificate check) when the
 //! server still knows it.
 //!
+//! # Servers and trust
+//!
+//! [`ClientConfig::servers`] lists one or more servers: IP addresses or
+//! `HOST:PORT` names ([`ServerAddr`]). Every connection attempt (the first
+//! and every reconnect) resolves the names again (DNS, through the
+//! system's resolver) and tries every address in order, each within
+//! [`ClientConfig::connect_timeout`], until one says welcome; after a
+//! lost connection the address it was on is tried last, so a client of a
+//! node that died or drains moves to another. A refusal that ends the
+//! client (a bad token) ends the attempt at once; a refusal that allows
+//! a reconnect (a draining or full server) moves on to the next address.
+//! [`ClientStats::server`] says where the client is.
+//!
+//! The server's certificate is checked against [`ClientConfig::trust`]:
+//! [`Trust::Roots`] (a private CA, or a self-signed server's own
+//! certificate), [`Trust::Platform`] (the operating system's trust store,
+//! through `rustls-platform-verifier`; on Android the app must initialise
+//! that crate's Android component first) or [`Trust::CertificateHashes`]
+//! (SHA-256 pins). The name checked (and sent as SNI) is the host name
+//! the address came from, unless [`ClientConfig::server_name`] says
+//! otherwise (for an IP address without it: `localhost`).
+//!
 //! # A request without an answer in time
 //!
-//! [`ClientError::Timeout`] means the client does not know the outcome:
-//! - a request still waiting to be sent (the client was reconnecting) is
-//!   dropped when its caller gives up, and never takes effect;
-//! - a request already sent may or may not have taken effect; it may still
-//!   take effect after the timeout (the transport retransmits it until the
-//!   connection is declared lost).
+//! Every request has a deadline, [`ClientConfig::request_timeout`]
+//! (default 10 s). Until it passes the request waits for the path: a
+//! silent path (QUIC retransmits), a reconnect (the request waits, or if it
+//! was sent on the connection that was lost and is idempotent, it is sent
+//! again on the next one). When the deadline passes without an answer the
+//! call says which of two things happened:
+//! - [`ClientError::NotSent`]: the request was never sent (the client was
+//!   reconnecting); it is dropped and never takes effect;
+//! - [`ClientError::OutcomeUnknown`]: it was sent; it may or may not have
+//!   taken effect, and may still take effect later (the transport
+//!   retransmits it until the connection is declared lost). It is not a
+//!   failure.
+//!
+//! A connection lost with a logout, refresh or revoke unanswered gives
+//! `OutcomeUnknown` at once (they are not sent twice). A client that ends
+//! (gave up, refused) answers requests sent once with `OutcomeUnknown` and
+//! the others with its error.
 //!
 //! Requests of one client reach the server in the order they were made, so a
-//! later call always wins over an earlier one that timed out.
-//! [`Client::set_status`] and [`Client::set_invisible`] are idempotent:
-//! setting the value the user already has changes nothing anybody sees (no
-//! push, no new version), so after a timeout simply call again until it is
-//! answered. The client does not retry by itself.
+//! later call always wins over an earlier one whose outcome is unknown.
+//! [`Client::set_status`], [`Client::set_invisible`] and the foreground
+//! state ([`Client::app_foregrounded`], [`Client::app_backgrounded`]) are
+//! idempotent: setting the value the user already has changes nothing
+//! anybody sees (no push, no new version), so after `OutcomeUnknown`
+//! (or `NotSent`) simply call again until it is answered. The client does
+//! not retry on its own past the deadline.
 //!
 //! # Errors
 //!
@@ -101,8 +136,19 @@
 //! typed reasons to match on: [`ConfigError`], [`ConnectError`] (which
 //! handshake failed, or both), [`LostReason`] and [`ProtocolError`]. Where
 //! a reason has a foreign cause (an I/O, QUIC, TLS or WebSocket error) it
-//! carries it, and [`std::error::Error::source`] returns it. The `Display`
-//! text is a whole sentence, cause included.
+//! carries it (QUIC, TLS and WebSocket errors as an opaque [`Cause`]), and
+//! [`std::error::Error::source`] returns it. The `Display` text is a whole
+//! sentence, cause included.
+//!
+//! # A stable API
+//!
+//! The API names no type of quinn, rustls or tungstenite, so their new
+//! versions do not break it; public enums and structs whose variants or
+//! fields may grow are `#[non_exhaustive]` (build a [`ClientConfig`] with
+//! [`ClientConfig::new`], then set fields). The `unstable-internals`
+//! feature re-exports those crates, the `tls` module (the client's QUIC
+//! and TLS configurations, for raw connections) and `ClientConfig::tls` (a
+//! rustls configuration of one's own); it is outside semver.
 //!
 //! # Tokens
 //!
@@ -116,33 +162,40 @@
 //! it no longer allows end ([`Event::TokenRefreshed`]).
 
 mod backoff;
+mod connect;
 mod driver;
 mod error;
 mod events;
 mod lifecycle;
 mod refresh;
+mod request;
+#[cfg(feature = "unstable-internals")]
 pub mod tls;
+mod trust;
 mod ws;
 
 pub use backoff::{retry_hint, Backoff, Reconnect, MAX_RETRY_HINT};
-pub use error::{ClientError, ConfigError, ConnectError, LostReason, ProtocolError};
+pub use error::{
+    Cause, ClientError, ConfigError, ConnectError, LostReason, ProtocolError, TlsError,
+};
 pub use events::{Carrier, Event, EventStats, Source, Updates};
 pub use refresh::{token_expiry, TokenRefresh};
+pub use trust::{Certificate, Trust};
 
-// Re-exported so users need no second copy of them (TLS settings, roots).
-pub use quinn;
-pub use rustls;
-// The WebSocket errors in ConnectError and LostReason are tungstenite's.
-pub use tokio_tungstenite::tungstenite;
+// Outside the stable API (see the `unstable-internals` feature): the
+// libraries under the client, for a TLS configuration of one's own or raw
+// connections beside a client.
+#[cfg(feature = "unstable-internals")]
+pub use {quinn, rustls, tokio_tungstenite::tungstenite};
 
+use connect::{establish, Dialer};
 use greendot_core::{Applied, Presence, SessionId, Status, Tier, UserId, View};
 use greendot_proto::{
     self as proto, codec::read_frame, encode_frame, Answer, CloseCode, ErrorCode, FrameReader,
     Hello, Push, QueryResult, Refused, Request, RequestFrame, RouteEntry, ServerFrame, Welcome,
     WireError,
 };
-use quinn::crypto::rustls::QuicClientConfig;
-use rustls::pki_types::CertificateDer;
+use request::Ticket;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -154,14 +207,23 @@ use tracing::debug;
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct ClientConfig {
-    pub server: SocketAddr,
-    /// The name in the server's certificate. Default `localhost`.
-    pub server_name: String,
-    /// Certificates trusted as roots (for a self-signed server: its certificate).
-    pub roots: Vec<CertificateDer<'static>>,
+    /// Where the server is: one or more addresses or `HOST:PORT` names,
+    /// tried in this order at every connection attempt (see the module
+    /// docs, "Servers"). Never empty.
+    pub servers: Vec<ServerAddr>,
+    /// The name the server's certificate must have (and the TLS SNI).
+    /// Default `None`: the host name for an address resolved from one,
+    /// `localhost` for an IP address.
+    pub server_name: Option<String>,
+    /// Which servers to trust: roots (a private CA or a self-signed
+    /// server's certificate), the platform's trust store, or certificate
+    /// hashes.
+    pub trust: Trust,
     pub token: String,
-    /// Local UDP address. Default: any address, any port, of the server's family.
-    pub bind: SocketAddr,
+    /// Local UDP address. Default `None`: any address, any port; IPv4
+    /// when every server is an IPv4 address, else dual-stack IPv6 (IPv4 if
+    /// the host has no IPv6).
+    pub bind: Option<SocketAddr>,
     /// QUIC keep-alive. Default 10 s.
     pub keep_alive: Duration,
     /// QUIC idle timeout (the lower of the client's and the server's applies).
@@ -169,7 +231,13 @@ pub struct ClientConfig {
     pub idle_timeout: Duration,
     /// `None`: a lost connection ends the client.
     pub reconnect: Option<Reconnect>,
-    /// How long a request may wait for its answer. Default 10 s.
+    /// The deadline of a request: how long a call waits for its answer,
+    /// including while the path is silent or the client reconnects (a
+    /// request sent on a connection that was lost is sent again on the
+    /// next if it is idempotent). Past it the call returns
+    /// [`ClientError::OutcomeUnknown`] if the request was sent, or
+    /// [`ClientError::NotSent`] if not (see the module docs, "A request
+    /// without an answer in time"). Default 10 s.
     pub request_timeout: Duration,
     /// How long one attempt to connect and say hello may take (QUIC does not
     /// notice a server that is down until its handshake times out). Default 5 s.
@@ -178,18 +246,20 @@ pub struct ClientConfig {
     pub alpn: Vec<u8>,
     /// The protocol version in the hello (change it only to test the server).
     pub version: u32,
-    /// A TLS configuration to use instead of the one built from `roots` (a
+    /// A TLS configuration to use instead of the one built from `trust` (a
     /// custom certificate check, a session cache shared by several clients).
     /// It must allow TLS 1.3; if it offers no ALPN, `alpn` is offered. The
     /// WebSocket carrier uses a copy with ALPN `http/1.1` and a session
-    /// cache of its own. Default `None`.
+    /// cache of its own. Default `None`. Only with the
+    /// `unstable-internals` feature (it is rustls' type).
+    #[cfg(feature = "unstable-internals")]
     pub tls: Option<Arc<rustls::ClientConfig>>,
-    /// The WebSocket fallback's TCP address (`wss://server_name:PORT/…`),
-    /// tried when no QUIC handshake completes within `fallback_delay`
-    /// (see the module docs, "When UDP is blocked"); `None`: QUIC only.
-    /// Default: the server's address over TCP (`greendot serve` listens for
-    /// WebSocket on the QUIC port number).
-    pub websocket: Option<SocketAddr>,
+    /// The WebSocket fallback (`wss://server_name:PORT/…`), tried when no
+    /// QUIC handshake completes within `fallback_delay` (see the module
+    /// docs, "When UDP is blocked"). Default [`WebSocket::SamePort`]: each
+    /// server address over TCP (`greendot serve` listens for WebSocket on
+    /// the QUIC port number).
+    pub websocket: WebSocket,
     /// The path of the WebSocket upgrade. Default `/greendot`.
     pub websocket_path: String,
     /// How long QUIC has alone before the WebSocket attempt starts beside
@@ -234,22 +304,21 @@ pub struct ClientConfig {
 }
 
 impl ClientConfig {
+    /// The settings to connect to `server` (an address, or a
+    /// [`ServerAddr::parse`]d `HOST:PORT`) trusting `trust` (a
+    /// `Vec<Certificate>` of roots, or a [`Trust`]), with every other
+    /// setting at its default; change the fields after.
     pub fn new(
-        server: SocketAddr,
-        roots: Vec<CertificateDer<'static>>,
+        server: impl Into<ServerAddr>,
+        trust: impl Into<Trust>,
         token: impl Into<String>,
     ) -> ClientConfig {
-        let bind = if server.is_ipv6() {
-            SocketAddr::from(([0u16; 8], 0))
-        } else {
-            SocketAddr::from(([0, 0, 0, 0], 0))
-        };
         ClientConfig {
-            server,
-            server_name: "localhost".into(),
-            roots,
+            servers: vec![server.into()],
+            server_name: None,
+            trust: trust.into(),
             token: token.into(),
-            bind,
+            bind: None,
             keep_alive: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(30),
             reconnect: Some(Reconnect::default()),
@@ -257,8 +326,9 @@ impl ClientConfig {
             connect_timeout: Duration::from_secs(5),
             alpn: proto::ALPN.to_vec(),
             version: proto::VERSION,
+            #[cfg(feature = "unstable-internals")]
             tls: None,
-            websocket: Some(server),
+            websocket: WebSocket::SamePort,
             websocket_path: ws::PATH.into(),
             fallback_delay: Duration::from_millis(300),
             probe_timeout: Duration::from_secs(3),
@@ -272,12 +342,117 @@ impl ClientConfig {
     }
 }
 
+/// Where a server is: an address, or a host name resolved at every
+/// connection attempt (every address it resolves to is tried).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ServerAddr {
+    Ip(SocketAddr),
+    /// A DNS name and a port. The name is also the one the server's
+    /// certificate must have, unless `server_name` says otherwise.
+    Host {
+        name: String,
+        port: u16,
+    },
+}
+
+impl ServerAddr {
+    /// `IP:PORT`, `[IPv6]:PORT` or `HOST:PORT`.
+    pub fn parse(text: &str) -> Result<ServerAddr, ConfigError> {
+        if let Ok(addr) = text.parse::<SocketAddr>() {
+            return Ok(ServerAddr::Ip(addr));
+        }
+        let bad = || ConfigError::ServerAddress(text.to_owned());
+        let (name, port) = text.rsplit_once(':').ok_or_else(bad)?;
+        let port = port.parse::<u16>().map_err(|_| bad())?;
+        let valid = !name.is_empty()
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.' || c == '_');
+        if !valid {
+            return Err(bad());
+        }
+        Ok(ServerAddr::Host {
+            name: name.to_owned(),
+            port,
+        })
+    }
+}
+
+impl From<SocketAddr> for ServerAddr {
+    fn from(addr: SocketAddr) -> ServerAddr {
+        ServerAddr::Ip(addr)
+    }
+}
+
+impl std::str::FromStr for ServerAddr {
+    type Err = ConfigError;
+    fn from_str(text: &str) -> Result<ServerAddr, ConfigError> {
+        ServerAddr::parse(text)
+    }
+}
+
+impl std::fmt::Display for ServerAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ServerAddr::Ip(addr) => addr.fmt(f),
+            ServerAddr::Host { name, port } => write!(f, "{name}:{port}"),
+        }
+    }
+}
+
+/// Where the WebSocket fallback connects.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WebSocket {
+    /// QUIC only.
+    Off,
+    /// The QUIC address being tried, over TCP.
+    SamePort,
+    /// This TCP address, whichever server address is tried.
+    At(SocketAddr),
+}
+
+impl From<Option<SocketAddr>> for WebSocket {
+    /// `None`: [`WebSocket::Off`]; an address: [`WebSocket::At`].
+    fn from(addr: Option<SocketAddr>) -> WebSocket {
+        addr.map_or(WebSocket::Off, WebSocket::At)
+    }
+}
+
+/// The TLS configuration the application gave, if any.
+#[cfg(feature = "unstable-internals")]
+pub(crate) fn custom_tls(config: &ClientConfig) -> Option<&Arc<rustls::ClientConfig>> {
+    config.tls.as_ref()
+}
+
+#[cfg(not(feature = "unstable-internals"))]
+pub(crate) fn custom_tls(_: &ClientConfig) -> Option<&Arc<rustls::ClientConfig>> {
+    None
+}
+
+/// The local address when `bind` is `None` (see [`ClientConfig::bind`]).
+fn default_binds(servers: &[ServerAddr]) -> Vec<SocketAddr> {
+    let v4 = SocketAddr::from(([0, 0, 0, 0], 0));
+    let v6 = SocketAddr::from(([0u16; 8], 0));
+    if servers
+        .iter()
+        .all(|s| matches!(s, ServerAddr::Ip(a) if a.is_ipv4()))
+    {
+        vec![v4]
+    } else {
+        vec![v6, v4]
+    }
+}
+
 /// How a client has been connected so far.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ClientStats {
     /// What the current (or last) connection runs on.
     pub carrier: Carrier,
+    /// The server address of the current (or last) connection.
+    pub server: SocketAddr,
     /// Connections that said hello over QUIC, the first one included.
     pub quic_connections: u64,
     /// Connections that said hello over WebSocket (fallbacks).
@@ -286,6 +461,7 @@ pub struct ClientStats {
 
 /// The answer to a subscribe.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Subscribed {
     /// Granted targets: the tier granted and the snapshot.
     pub snapshots: Vec<(String, Tier, Presence)>,
@@ -347,6 +523,7 @@ enum Cmd {
     Request {
         request: Request,
         reply: oneshot::Sender<Result<Answer, ClientError>>,
+        ticket: Ticket,
     },
     Close {
         code: CloseCode,
@@ -452,6 +629,8 @@ struct Established {
     welcome: Welcome,
     /// The app's state the hello carried.
     foreground: bool,
+    /// The address connected to.
+    server: SocketAddr,
 }
 
 fn lost(error: &quinn::ConnectionError) -> ClientError {
@@ -465,7 +644,7 @@ fn lost(error: &quinn::ConnectionError) -> ClientError {
             };
         }
     }
-    ClientError::Lost(LostReason::Quic(error.clone()))
+    ClientError::Lost(LostReason::Quic(error::Cause::new(error.clone())))
 }
 
 /// After an error frame: waits for the close that follows, and gives the
@@ -512,211 +691,50 @@ pub(crate) fn error_code_for(code: Option<CloseCode>) -> ErrorCode {
     }
 }
 
-/// What one [`Client`] connects with, whatever the carrier.
-struct Dialer {
-    endpoint: quinn::Endpoint,
-    /// The WebSocket carrier's TLS (one session cache for all its connections).
-    ws_tls: Arc<rustls::ClientConfig>,
-}
-
-/// A transport that is up (QUIC handshake done, or TLS and WebSocket
-/// upgrade done) but has carried no greendot frame yet.
-enum Transport {
-    Quic(quinn::Connection),
-    WebSocket(Box<ws::Stream>),
-}
-
-/// Opens a connection and says hello, within the connect timeout.
-async fn establish(
-    dialer: &Dialer,
-    config: &ClientConfig,
-    token: &str,
-    resume: Option<SessionId>,
-    foreground: bool,
-) -> Result<Established, ClientError> {
-    let attempt = async {
-        let transport = race(dialer, config).await?;
-        hello(transport, config, token, resume, foreground).await
-    };
-    match tokio::time::timeout(config.connect_timeout, attempt).await {
-        Ok(result) => result,
-        Err(_) => Err(ClientError::Connect(ConnectError::TimedOut {
-            server: config.server,
-            after: config.connect_timeout,
-        })),
-    }
-}
-
-async fn quic_handshake(
-    endpoint: &quinn::Endpoint,
-    config: &ClientConfig,
-) -> Result<quinn::Connection, ClientError> {
-    let connecting = endpoint
-        .connect(config.server, &config.server_name)
-        .map_err(|e| ClientError::Connect(ConnectError::Quic(e)))?;
-    connecting.await.map_err(|e| match &e {
-        quinn::ConnectionError::ApplicationClosed(_) => lost(&e),
-        _ => ClientError::Connect(ConnectError::QuicHandshake(e)),
-    })
-}
-
-/// Happy eyeballs: QUIC first; if no QUIC handshake completed within
-/// `fallback_delay` (or QUIC failed sooner) WebSocket too, and the first
-/// transport up wins. The race ends before the hello: two hellos of one
-/// device would supersede each other, so only the winner says hello.
-async fn race(dialer: &Dialer, config: &ClientConfig) -> Result<Transport, ClientError> {
-    let quic = quic_handshake(&dialer.endpoint, config);
-    if config.websocket.is_none() {
-        return quic.await.map(Transport::Quic);
-    }
-    let both = |q: ClientError, w: ClientError| {
-        ClientError::Connect(ConnectError::Both {
-            quic: Box::new(q),
-            websocket: Box::new(w),
-        })
-    };
-    tokio::pin!(quic);
-    let websocket = async {
-        ws::handshake(config, dialer.ws_tls.clone())
-            .await
-            .map(|s| Transport::WebSocket(Box::new(s)))
-    };
-    let quic_failed = tokio::select! {
-        result = &mut quic => match result {
-            Ok(conn) => return Ok(Transport::Quic(conn)),
-            // The server answered over QUIC: its word is final.
-            Err(e @ ClientError::Rejected { .. }) => return Err(e),
-            Err(e) => Some(e),
-        },
-        _ = tokio::time::sleep(config.fallback_delay) => None,
-    };
-    if let Some(q) = quic_failed {
-        return websocket.await.map_err(|w| both(q, w));
-    }
-    debug!(delay = ?config.fallback_delay, "no QUIC handshake yet: trying WebSocket too");
-    tokio::pin!(websocket);
-    tokio::select! {
-        result = &mut quic => match result {
-            Ok(conn) => Ok(Transport::Quic(conn)),
-            Err(e @ ClientError::Rejected { .. }) => Err(e),
-            Err(q) => websocket.await.map_err(|w| both(q, w)),
-        },
-        result = &mut websocket => match result {
-            Ok(transport) => Ok(transport),
-            Err(w) => quic.await.map(Transport::Quic).map_err(|q| both(q, w)),
-        },
-    }
-}
-
-/// Says hello on a transport that is up and waits for the welcome.
-async fn hello(
-    transport: Transport,
-    config: &ClientConfig,
-    token: &str,
-    resume: Option<SessionId>,
-    foreground: bool,
-) -> Result<Established, ClientError> {
-    let hello = Hello {
-        version: config.version,
-        token: token.to_owned(),
-        resume: resume.map(|s| s.0),
-        foreground,
-    };
-    let bytes = encode_frame(&hello)?;
-    let (tx, mut inbound) = mpsc::unbounded_channel();
-    let (mut link, tasks) = match transport {
-        Transport::Quic(conn) => {
-            let (mut send, recv) = conn.open_bi().await.map_err(|e| lost(&e))?;
-            if send.write_all(&bytes).await.is_err() {
-                return Err(lost(&conn.closed().await));
-            }
-            let tasks = Tasks(vec![
-                tokio::spawn(driver::read_control(conn.clone(), recv, tx.clone())),
-                tokio::spawn(driver::accept_pushes(conn.clone(), tx)),
-            ]);
-            (Link::Quic { conn, send }, tasks)
-        }
-        Transport::WebSocket(mut stream) => {
-            use futures_util::SinkExt;
-            let payload = bytes[4..].to_vec();
-            stream
-                .send(tokio_tungstenite::tungstenite::Message::Binary(
-                    payload.into(),
-                ))
-                .await
-                .map_err(|e| ClientError::Lost(LostReason::WebSocketSend(Arc::new(e))))?;
-            let (out_tx, out_rx) = mpsc::channel(64);
-            let task = tokio::spawn(ws::drive(
-                *stream,
-                out_rx,
-                tx,
-                config.keep_alive,
-                config.idle_timeout,
-            ));
-            (Link::WebSocket(out_tx), Tasks(vec![task]))
-        }
-    };
-    let mut early = Vec::new();
-    let result = loop {
-        match inbound.recv().await {
-            Some(Inbound::Frame(ServerFrame::Welcome(welcome))) => break Ok(welcome),
-            Some(Inbound::Frame(ServerFrame::Error(error))) => {
-                break Err(rejected_after(&mut inbound, error).await)
-            }
-            Some(Inbound::Frame(ServerFrame::Reply { .. })) => {
-                break Err(ProtocolError::ReplyBeforeWelcome.into())
-            }
-            Some(push @ Inbound::Push { .. }) => early.push(push),
-            Some(Inbound::Ended(e)) => break Err(e),
-            None => break Err(LostReason::Ended.into()),
-        }
-    };
-    match result {
-        Ok(welcome) => Ok(Established {
-            link,
-            inbound,
-            early,
-            tasks,
-            welcome,
-            foreground,
-        }),
-        Err(e) => {
-            link.close(CloseCode::Normal, "hello failed").await;
-            Err(e)
-        }
-    }
-}
-
 impl Client {
     /// Connects, says hello and starts the client's tasks.
     pub async fn connect(config: ClientConfig) -> Result<(Client, Updates), ClientError> {
         // One TLS configuration for every connection of this client: its
         // session cache is what lets a reconnect resume TLS.
-        let crypto = match &config.tls {
-            Some(given) => {
-                let mut tls = (**given).clone();
-                if tls.alpn_protocols.is_empty() {
-                    tls.alpn_protocols = vec![config.alpn.clone()];
-                }
-                QuicClientConfig::try_from(tls).map_err(tls::TlsError::from)?
-            }
-            None => tls::client_crypto(&config.roots, &config.alpn)?,
+        if config.servers.is_empty() {
+            return Err(ConfigError::NoServer.into());
+        }
+        let mut tls = match custom_tls(&config) {
+            Some(given) => (**given).clone(),
+            None => trust::client_tls(&config.trust)?,
         };
+        if tls.alpn_protocols.is_empty() {
+            tls.alpn_protocols = vec![config.alpn.clone()];
+        }
+        let crypto = trust::quic_crypto(tls)?;
         let mut transport = quinn::TransportConfig::default();
         transport.keep_alive_interval(Some(config.keep_alive));
         transport.max_idle_timeout(Some(
             config
                 .idle_timeout
                 .try_into()
-                .map_err(ConfigError::IdleTimeoutTooLarge)?,
+                .map_err(|_| ConfigError::IdleTimeoutTooLarge)?,
         ));
         let mut client_config = quinn::ClientConfig::new(Arc::new(crypto));
         client_config.transport_config(Arc::new(transport));
-        let mut endpoint =
-            quinn::Endpoint::client(config.bind).map_err(|e| ConnectError::Bind {
-                addr: config.bind,
+        let binds = match config.bind {
+            Some(addr) => vec![addr],
+            None => default_binds(&config.servers),
+        };
+        let mut bound = Err(ConnectError::Bind {
+            addr: binds[0],
+            source: Arc::new(std::io::Error::other("no address to bind")),
+        });
+        for addr in binds {
+            bound = quinn::Endpoint::client(addr).map_err(|e| ConnectError::Bind {
+                addr,
                 source: Arc::new(e),
-            })?;
+            });
+            if bound.is_ok() {
+                break;
+            }
+        }
+        let mut endpoint = bound?;
         endpoint.set_default_client_config(client_config);
         let dialer = Dialer {
             endpoint,
@@ -729,6 +747,7 @@ impl Client {
             &config.token,
             config.resume,
             config.foreground,
+            None,
         )
         .await?;
         let (events, updates) =
@@ -748,6 +767,7 @@ impl Client {
                 closed: false,
                 stats: ClientStats {
                     carrier,
+                    server: established.server,
                     quic_connections: u64::from(carrier == Carrier::Quic),
                     websocket_connections: u64::from(carrier == Carrier::WebSocket),
                 },
@@ -846,16 +866,28 @@ impl Client {
         Ok(())
     }
 
+    /// Sends `request` and waits for its answer until the deadline
+    /// (`request_timeout`); past it, whether the request was sent decides
+    /// between `OutcomeUnknown` and `NotSent`.
     async fn call(&self, request: Request) -> Result<Answer, ClientError> {
+        let deadline = tokio::time::Instant::now() + self.request_timeout;
         let (tx, rx) = oneshot::channel();
-        self.cmd
-            .send(Cmd::Request { request, reply: tx })
-            .await
-            .map_err(|_| ClientError::Closed)?;
-        match tokio::time::timeout(self.request_timeout, rx).await {
+        let ticket = Ticket::default();
+        let cmd = Cmd::Request {
+            request,
+            reply: tx,
+            ticket: ticket.clone(),
+        };
+        match tokio::time::timeout_at(deadline, self.cmd.send(cmd)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => return Err(ClientError::Closed),
+            Err(_) => return Err(ClientError::NotSent),
+        }
+        match tokio::time::timeout_at(deadline, rx).await {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => Err(ClientError::Closed),
-            Err(_) => Err(ClientError::Timeout),
+            Err(_) if ticket.abandon() => Err(ClientError::NotSent),
+            Err(_) => Err(ClientError::OutcomeUnknown { lost: None }),
         }
     }
 
@@ -942,10 +974,11 @@ impl Client {
         }
     }
 
-    /// The user's chosen status and message. Idempotent: after a
-    /// [`ClientError::Timeout`] (outcome unknown, see the module docs) call
-    /// it again with the same values; a value the user already has changes
-    /// nothing anybody sees.
+    /// The user's chosen status and message. Idempotent: after
+    /// [`ClientError::OutcomeUnknown`] or [`ClientError::NotSent`] (see the
+    /// module docs, "A request without an answer in time") call it again
+    /// with the same values; a value the user already has changes nothing
+    /// anybody sees.
     pub async fn set_status(
         &self,
         status: Status,
@@ -964,7 +997,7 @@ impl Client {
     }
 
     /// Appear offline to everybody else (or stop). Idempotent like
-    /// [`Client::set_status`]: retry it after a timeout.
+    /// [`Client::set_status`]: retry it after `OutcomeUnknown`.
     pub async fn set_invisible(&self, invisible: bool) -> Result<(), ClientError> {
         match self.call(Request::SetInvisible { invisible }).await? {
             Answer::Done => Ok(()),
@@ -1053,5 +1086,49 @@ impl Client {
             self.shared.dialer.endpoint.wait_idle(),
         )
         .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_addresses_are_ips_or_host_names_with_a_port() {
+        assert_eq!(
+            ServerAddr::parse("127.0.0.1:4433").unwrap(),
+            ServerAddr::Ip(SocketAddr::from(([127, 0, 0, 1], 4433)))
+        );
+        assert!(matches!(
+            ServerAddr::parse("[::1]:4433").unwrap(),
+            ServerAddr::Ip(a) if a.is_ipv6()
+        ));
+        let host = ServerAddr::parse("presence.example.com:4433").unwrap();
+        assert_eq!(
+            host,
+            ServerAddr::Host {
+                name: "presence.example.com".into(),
+                port: 4433
+            }
+        );
+        assert_eq!(host.to_string(), "presence.example.com:4433");
+        for bad in [
+            "",
+            "example.com",
+            ":4433",
+            "a b:1",
+            "host:99999",
+            "::1:4433x",
+        ] {
+            assert!(ServerAddr::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_default_bind_is_ipv4_only_for_ipv4_servers() {
+        let v4: ServerAddr = SocketAddr::from(([127, 0, 0, 1], 1)).into();
+        assert_eq!(default_binds(std::slice::from_ref(&v4)).len(), 1);
+        let host = ServerAddr::parse("localhost:1").unwrap();
+        assert!(default_binds(&[v4, host])[0].is_ipv6());
     }
 }

@@ -29,6 +29,9 @@ impl Client {
     /// the debounce; a quick return shows nothing) and the client goes
     /// quiet. Returns at once; call it from the platform's lifecycle
     /// callback (Android `ON_STOP`, iOS `scenePhase == .background`).
+    /// Idempotent: calling it again (or after a reconnect, whose hello
+    /// carries the state anyway) changes nothing anybody sees; the client
+    /// delivers the latest state itself, so there is nothing to retry.
     pub fn app_backgrounded(&self) {
         self.shared.foreground.send_replace(false);
     }
@@ -36,7 +39,8 @@ impl Client {
     /// The app came back to the foreground: the server is told, the
     /// connection is checked (a dead one is replaced at once, resuming the
     /// session) and a reconnect in progress tries at once with its backoff
-    /// reset. Returns at once.
+    /// reset. Returns at once. Idempotent, like
+    /// [`Client::app_backgrounded`].
     pub fn app_foregrounded(&self) {
         self.shared.foreground.send_replace(true);
     }

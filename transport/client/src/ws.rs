@@ -5,8 +5,9 @@
 //! task only turns messages into [`Inbound`] items and [`Out`] commands into
 //! messages, and keeps the connection alive (pings, idle timeout).
 
+use crate::error::Cause;
 use crate::{
-    error_code_for, tls, Carrier, ClientConfig, ClientError, ConfigError, ConnectError, Inbound,
+    error_code_for, trust, Carrier, ClientConfig, ClientError, ConfigError, ConnectError, Inbound,
     LostReason, ProtocolError, Source,
 };
 use futures_util::{SinkExt, StreamExt};
@@ -49,13 +50,13 @@ pub(crate) enum Out {
 /// of its own (QUIC tickets carry QUIC transport parameters; keep the two
 /// apart).
 pub(crate) fn tls_config(config: &ClientConfig) -> Result<Arc<rustls::ClientConfig>, ClientError> {
-    let mut tls = match &config.tls {
+    let mut tls = match crate::custom_tls(config) {
         Some(given) => {
             let mut tls = (**given).clone();
             tls.resumption = rustls::client::Resumption::default();
             tls
         }
-        None => tls::client_tls(&config.roots)?,
+        None => trust::client_tls(&config.trust)?,
     };
     tls.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(Arc::new(tls))
@@ -64,11 +65,10 @@ pub(crate) fn tls_config(config: &ClientConfig) -> Result<Arc<rustls::ClientConf
 /// TCP, TLS and the upgrade; no greendot frame is sent yet.
 pub(crate) async fn handshake(
     config: &ClientConfig,
+    addr: std::net::SocketAddr,
+    server_name: &str,
     tls: Arc<rustls::ClientConfig>,
 ) -> Result<Stream, ClientError> {
-    let Some(addr) = config.websocket else {
-        return Err(ConfigError::NoWebSocketAddress.into());
-    };
     let tcp = TcpStream::connect(addr)
         .await
         .map_err(|e| ConnectError::WebSocketTcp {
@@ -77,13 +77,12 @@ pub(crate) async fn handshake(
         })?;
     // Requests are small and latency matters more than packet count.
     let _ = tcp.set_nodelay(true);
-    let name =
-        rustls::pki_types::ServerName::try_from(config.server_name.clone()).map_err(|e| {
-            ConfigError::ServerName {
-                name: config.server_name.clone(),
-                source: Arc::new(e),
-            }
-        })?;
+    let name = rustls::pki_types::ServerName::try_from(server_name.to_owned()).map_err(|e| {
+        ConfigError::ServerName {
+            name: server_name.to_owned(),
+            cause: Cause::new(e),
+        }
+    })?;
     let tls = tokio_rustls::TlsConnector::from(tls)
         .connect(name, tcp)
         .await
@@ -91,10 +90,10 @@ pub(crate) async fn handshake(
             addr,
             source: Arc::new(e),
         })?;
-    let host = if config.server_name.contains(':') {
-        format!("[{}]", config.server_name)
+    let host = if server_name.contains(':') {
+        format!("[{server_name}]")
     } else {
-        config.server_name.clone()
+        server_name.to_owned()
     };
     let url = format!("wss://{host}:{}{}", addr.port(), config.websocket_path);
     let mut request =
@@ -102,7 +101,7 @@ pub(crate) async fn handshake(
             .into_client_request()
             .map_err(|e| ConfigError::WebSocketUrl {
                 url: url.clone(),
-                source: Arc::new(e),
+                cause: Cause::new(e),
             })?;
     request.headers_mut().insert(
         "sec-websocket-protocol",
@@ -116,7 +115,7 @@ pub(crate) async fn handshake(
         .await
         .map_err(|e| ConnectError::WebSocketUpgrade {
             addr,
-            source: Arc::new(e),
+            cause: Cause::new(e),
         })?;
     if response
         .headers()
@@ -186,7 +185,7 @@ pub(crate) async fn drive(
                         let _ = tokio::time::timeout(CLOSE_LINGER, ws.close(None)).await;
                         break closed_by_server(frame);
                     }
-                    Some(Err(e)) => break LostReason::WebSocket(Arc::new(e)).into(),
+                    Some(Err(e)) => break LostReason::WebSocket(Cause::new(e)).into(),
                     None => break LostReason::WebSocketEnded.into(),
                 };
                 let item = match bytes.split_first() {
@@ -223,7 +222,7 @@ pub(crate) async fn drive(
             cmd = out.recv() => match cmd {
                 Some(Out::Frame(payload)) => {
                     if let Err(e) = ws.send(Message::Binary(payload.into())).await {
-                        break LostReason::WebSocketSend(Arc::new(e)).into();
+                        break LostReason::WebSocketSend(Cause::new(e)).into();
                     }
                 }
                 Some(Out::Close { code, reason, done }) => {
@@ -236,7 +235,7 @@ pub(crate) async fn drive(
             },
             _ = ping.tick() => {
                 if let Err(e) = ws.send(Message::Ping(Vec::new().into())).await {
-                    break LostReason::WebSocketPing(Arc::new(e)).into();
+                    break LostReason::WebSocketPing(Cause::new(e)).into();
                 }
             }
             _ = &mut idle => {

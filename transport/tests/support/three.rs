@@ -313,10 +313,10 @@ pub async fn connect_resuming(
     let (user, device) = (claims.sub.clone(), claims.dev.clone());
     let keys = TokenKeys::new(SECRET.as_bytes(), Duration::ZERO);
     let token = keys.mint(&claims).unwrap();
-    let roots = nodes.iter().map(|n| n.cert.clone()).collect();
+    let roots: Vec<_> = nodes.iter().map(|n| n.cert.clone()).collect();
     let mut config = ClientConfig::new(at.addr, roots, token);
     config.reconnect = None;
-    config.websocket = None;
+    config.websocket = greendot_client::WebSocket::Off;
     config.resume = resume;
     Client::connect(config)
         .await

@@ -554,6 +554,24 @@ fileprivate struct FfiConverterString: FfiConverter {
     }
 }
 
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+fileprivate struct FfiConverterData: FfiConverterRustBuffer {
+    typealias SwiftType = Data
+
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> Data {
+        let len: Int32 = try readInt(&buf)
+        return Data(try readBytes(&buf, count: Int(len)))
+    }
+
+    public static func write(_ value: Data, into buf: inout [UInt8]) {
+        let len = Int32(value.count)
+        writeInt(&buf, len)
+        writeBytes(&buf, value)
+    }
+}
+
 
 
 
@@ -1462,15 +1480,17 @@ public func FfiConverterTypePresenceListener_lower(_ value: PresenceListener) ->
 
 
 /**
- * How to connect. Only `address`, `token` and `ca_certificates_pem` are
- * required.
+ * How to connect. Only `addresses` and `token` are required.
  */
 public struct ConnectConfig: Equatable, Hashable {
     /**
-     * `host:port` or `ip:port` (a hostname is resolved; the first address
-     * is used).
+     * The server: one or more `host:port` or `ip:port`, tried in this
+     * order at every connection attempt (a host name is resolved again
+     * each time, and every address it resolves to is tried). After a lost
+     * connection the address it was on is tried last, so the client moves
+     * to a live node when one dies or drains.
      */
-    public var address: String
+    public var addresses: [String]
     /**
      * The app's token for this user and device, from its backend.
      */
@@ -1478,12 +1498,19 @@ public struct ConnectConfig: Equatable, Hashable {
     /**
      * The certificates trusted as roots, PEM (one or more `BEGIN
      * CERTIFICATE` blocks): the server's own certificate if self-signed,
-     * or the CA that issued it. The platform's trust store is not used.
+     * or the CA that issued it. Default none: the platform's trust store
+     * (a certificate from a public CA), unless `certificate_sha256` pins.
      */
-    public var caCertificatesPem: String
+    public var caCertificatesPem: String?
     /**
-     * The name in the server's certificate. Default: the host of
-     * `address` if it is a name, `localhost` if it is an IP address.
+     * Pins instead: the SHA-256 (32 bytes each) of the server
+     * certificates' DER; any certificate with one of them is trusted,
+     * whatever its name or dates. Not with `ca_certificates_pem`.
+     */
+    public var certificateSha256: [Data]
+    /**
+     * The name in the server's certificate. Default: the host name an
+     * address came from, `localhost` for an IP address.
      */
     public var serverName: String?
     /**
@@ -1501,8 +1528,9 @@ public struct ConnectConfig: Equatable, Hashable {
      */
     public var reconnect: ReconnectSettings?
     /**
-     * How long a request waits for its answer before it fails with
-     * `Timeout` (outcome unknown). Default 10 s.
+     * A request's deadline: how long it waits for its answer, through a
+     * silent path or a reconnect; past it, `OutcomeUnknown` if it was
+     * sent, `NotSent` if not. Default 10 s.
      */
     public var requestTimeoutMs: UInt64?
     /**
@@ -1515,20 +1543,29 @@ public struct ConnectConfig: Equatable, Hashable {
     // declare one manually.
     public init(
         /**
-         * `host:port` or `ip:port` (a hostname is resolved; the first address
-         * is used).
-         */address: String, 
+         * The server: one or more `host:port` or `ip:port`, tried in this
+         * order at every connection attempt (a host name is resolved again
+         * each time, and every address it resolves to is tried). After a lost
+         * connection the address it was on is tried last, so the client moves
+         * to a live node when one dies or drains.
+         */addresses: [String], 
         /**
          * The app's token for this user and device, from its backend.
          */token: String, 
         /**
          * The certificates trusted as roots, PEM (one or more `BEGIN
          * CERTIFICATE` blocks): the server's own certificate if self-signed,
-         * or the CA that issued it. The platform's trust store is not used.
-         */caCertificatesPem: String, 
+         * or the CA that issued it. Default none: the platform's trust store
+         * (a certificate from a public CA), unless `certificate_sha256` pins.
+         */caCertificatesPem: String? = nil, 
         /**
-         * The name in the server's certificate. Default: the host of
-         * `address` if it is a name, `localhost` if it is an IP address.
+         * Pins instead: the SHA-256 (32 bytes each) of the server
+         * certificates' DER; any certificate with one of them is trusted,
+         * whatever its name or dates. Not with `ca_certificates_pem`.
+         */certificateSha256: [Data] = [], 
+        /**
+         * The name in the server's certificate. Default: the host name an
+         * address came from, `localhost` for an IP address.
          */serverName: String? = nil, 
         /**
          * The app is in the foreground at connect (`false`: started in the
@@ -1542,16 +1579,18 @@ public struct ConnectConfig: Equatable, Hashable {
          * Default: 100 ms doubling to 5 s, giving up after 5 minutes.
          */reconnect: ReconnectSettings? = nil, 
         /**
-         * How long a request waits for its answer before it fails with
-         * `Timeout` (outcome unknown). Default 10 s.
+         * A request's deadline: how long it waits for its answer, through a
+         * silent path or a reconnect; past it, `OutcomeUnknown` if it was
+         * sent, `NotSent` if not. Default 10 s.
          */requestTimeoutMs: UInt64? = nil, 
         /**
          * A session to resume (`session()` of an earlier client of this
          * device, e.g. before the app was restarted). Default none.
          */resumeSession: UInt64? = nil) {
-        self.address = address
+        self.addresses = addresses
         self.token = token
         self.caCertificatesPem = caCertificatesPem
+        self.certificateSha256 = certificateSha256
         self.serverName = serverName
         self.foreground = foreground
         self.websocketAddress = websocketAddress
@@ -1576,9 +1615,10 @@ public struct FfiConverterTypeConnectConfig: FfiConverterRustBuffer {
     public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> ConnectConfig {
         return
             try ConnectConfig(
-                address: FfiConverterString.read(from: &buf), 
+                addresses: FfiConverterSequenceString.read(from: &buf), 
                 token: FfiConverterString.read(from: &buf), 
-                caCertificatesPem: FfiConverterString.read(from: &buf), 
+                caCertificatesPem: FfiConverterOptionString.read(from: &buf), 
+                certificateSha256: FfiConverterSequenceData.read(from: &buf), 
                 serverName: FfiConverterOptionString.read(from: &buf), 
                 foreground: FfiConverterBool.read(from: &buf), 
                 websocketAddress: FfiConverterOptionString.read(from: &buf), 
@@ -1589,9 +1629,10 @@ public struct FfiConverterTypeConnectConfig: FfiConverterRustBuffer {
     }
 
     public static func write(_ value: ConnectConfig, into buf: inout [UInt8]) {
-        FfiConverterString.write(value.address, into: &buf)
+        FfiConverterSequenceString.write(value.addresses, into: &buf)
         FfiConverterString.write(value.token, into: &buf)
-        FfiConverterString.write(value.caCertificatesPem, into: &buf)
+        FfiConverterOptionString.write(value.caCertificatesPem, into: &buf)
+        FfiConverterSequenceData.write(value.certificateSha256, into: &buf)
         FfiConverterOptionString.write(value.serverName, into: &buf)
         FfiConverterBool.write(value.foreground, into: &buf)
         FfiConverterOptionString.write(value.websocketAddress, into: &buf)
@@ -2370,11 +2411,19 @@ enum GreendotError: Swift.Error, Equatable, Hashable, Foundation.LocalizedError 
     case Server(code: String, detail: String
     )
     /**
-     * No answer within the request timeout: the outcome is unknown (the
-     * request may yet take effect). `set_status` and `set_invisible` are
+     * The request was sent but not answered by its deadline
+     * (`request_timeout_ms`), or the connection ended before the answer:
+     * the outcome is unknown (it may have taken effect, or may yet). Not a
+     * failure. `set_status`, `set_invisible` and the foreground state are
      * idempotent: call them again with the same values.
      */
-    case Timeout(detail: String
+    case OutcomeUnknown(detail: String
+    )
+    /**
+     * The request was never sent before its deadline (the client was
+     * reconnecting): it has not taken effect and never will.
+     */
+    case NotSent(detail: String
     )
     /**
      * The client is closed.
@@ -2431,11 +2480,14 @@ public struct FfiConverterTypeGreendotError: FfiConverterRustBuffer {
             code: try FfiConverterString.read(from: &buf), 
             detail: try FfiConverterString.read(from: &buf)
             )
-        case 6: return .Timeout(
+        case 6: return .OutcomeUnknown(
             detail: try FfiConverterString.read(from: &buf)
             )
-        case 7: return .Closed
-        case 8: return .Internal(
+        case 7: return .NotSent(
+            detail: try FfiConverterString.read(from: &buf)
+            )
+        case 8: return .Closed
+        case 9: return .Internal(
             detail: try FfiConverterString.read(from: &buf)
             )
 
@@ -2477,17 +2529,22 @@ public struct FfiConverterTypeGreendotError: FfiConverterRustBuffer {
             FfiConverterString.write(detail, into: &buf)
             
         
-        case let .Timeout(detail):
+        case let .OutcomeUnknown(detail):
             writeInt(&buf, Int32(6))
             FfiConverterString.write(detail, into: &buf)
             
         
-        case .Closed:
+        case let .NotSent(detail):
             writeInt(&buf, Int32(7))
+            FfiConverterString.write(detail, into: &buf)
+            
+        
+        case .Closed:
+            writeInt(&buf, Int32(8))
         
         
         case let .Internal(detail):
-            writeInt(&buf, Int32(8))
+            writeInt(&buf, Int32(9))
             FfiConverterString.write(detail, into: &buf)
             
         }
@@ -2940,6 +2997,31 @@ fileprivate struct FfiConverterSequenceString: FfiConverterRustBuffer {
         seq.reserveCapacity(Int(len))
         for _ in 0 ..< len {
             seq.append(try FfiConverterString.read(from: &buf))
+        }
+        return seq
+    }
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+fileprivate struct FfiConverterSequenceData: FfiConverterRustBuffer {
+    typealias SwiftType = [Data]
+
+    public static func write(_ value: [Data], into buf: inout [UInt8]) {
+        let len = Int32(value.count)
+        writeInt(&buf, len)
+        for item in value {
+            FfiConverterData.write(item, into: &buf)
+        }
+    }
+
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> [Data] {
+        let len: Int32 = try readInt(&buf)
+        var seq = [Data]()
+        seq.reserveCapacity(Int(len))
+        for _ in 0 ..< len {
+            seq.append(try FfiConverterData.read(from: &buf))
         }
         return seq
     }

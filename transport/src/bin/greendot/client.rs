@@ -1,25 +1,24 @@
 //! `greendot connect`, `watch` and `query`: the client library on a terminal.
 
 use crate::ClientArgs;
-use greendot_client::rustls::pki_types::pem::PemObject;
-use greendot_client::rustls::pki_types::CertificateDer;
-use greendot_client::{Client, ClientConfig, Event, Reconnect, Updates};
+use greendot_client::{Certificate, Client, ClientConfig, Event, Reconnect, ServerAddr, Updates};
 use greendot_core::{Presence, Status};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::CertificateDer;
 use std::collections::HashMap;
 use std::io::Write;
-use std::net::ToSocketAddrs;
 use std::path::Path;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Connects as the token's device.
 pub async fn connect(args: &ClientArgs) -> Result<(Client, Updates), String> {
-    let server = args
-        .server
-        .to_socket_addrs()
-        .map_err(|e| format!("bad --server {}: {e}", args.server))?
-        .next()
-        .ok_or_else(|| format!("--server {} names no address", args.server))?;
+    let server = ServerAddr::parse(&args.server)
+        .map_err(|e| format!("bad --server {}: {e}", args.server))?;
     let roots = trusted_roots(args.ca.as_deref(), &args.data_dir)?;
+    let roots = roots
+        .iter()
+        .map(|c| Certificate::from_der(c.to_vec()))
+        .collect::<Vec<_>>();
     let mut config = ClientConfig::new(server, roots, args.token.trim());
     config.server_name = args.server_name.clone();
     config.connect_timeout = Duration::from_secs(3);
@@ -154,7 +153,8 @@ fn connection_event(event: &Event) -> Option<String> {
             "token refreshed; no longer allowed to watch {}",
             ended.join(", ")
         )),
-        Event::Presence { .. } => None,
+        // Presence, and whatever the client adds later.
+        _ => None,
     }
 }
 

@@ -433,12 +433,14 @@ pub struct ClientArgs {
     /// The token (from `greendot token`).
     #[arg(long, env = "GREENDOT_TOKEN")]
     pub token: String,
-    /// The server's UDP address.
+    /// The server's UDP address, or HOST:PORT (every address the name
+    /// resolves to is tried).
     #[arg(long, env = "GREENDOT_SERVER", default_value = "127.0.0.1:4433")]
     pub server: String,
-    /// The name in the server's certificate.
-    #[arg(long, default_value = "localhost")]
-    pub server_name: String,
+    /// The name in the server's certificate [default: the host of
+    /// --server, `localhost` for an IP address].
+    #[arg(long)]
+    pub server_name: Option<String>,
     /// The certificate to trust (PEM) [default: <data-dir>/cert.pem].
     #[arg(long, env = "GREENDOT_CA")]
     pub ca: Option<PathBuf>,

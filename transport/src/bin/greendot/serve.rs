@@ -4,13 +4,13 @@
 
 use crate::settings::{Dur, Settings};
 use crate::{CERT_FILE, KEY_FILE};
-use greendot_client::rustls::pki_types::pem::PemObject;
-use greendot_client::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use greendot_core::{KindConfig, Millis};
 use greendot_server::http::HttpService;
 use greendot_server::tls::Identity;
 use greendot_server::token::TokenKeys;
 use greendot_server::{Server, ServerConfig};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
