@@ -119,7 +119,7 @@ class Scope {
     fun keep(client: GreendotClient): GreendotClient = client.also { clients.add(it) }
 
     suspend fun connect(name: String, foreground: Boolean = true): GreendotClient =
-        keep(connect(ConnectConfig(ADDRESS, TOKENS.getValue(name), CA, foreground = foreground)))
+        keep(connect(ConnectConfig(listOf(ADDRESS), TOKENS.getValue(name), CA, foreground = foreground)))
 
     /** walt, subscribed to `target` in realtime and seeing them online. */
     suspend fun watch(target: String): Pair<GreendotClient, Recorder> {
@@ -176,10 +176,10 @@ val cases = listOf(
         val refused = assertFailsWith<GreendotException.Server> { hal.route("cy") }
         assertEquals("ServiceOnly", refused.code)
         assertFailsWith<GreendotException.Config> {
-            keep(connect(ConnectConfig(ADDRESS, "x", "not a PEM")))
+            keep(connect(ConnectConfig(listOf(ADDRESS), "x", "not a PEM")))
         }
         assertFailsWith<GreendotException.Rejected> {
-            keep(connect(ConnectConfig(ADDRESS, "forged", CA)))
+            keep(connect(ConnectConfig(listOf(ADDRESS), "forged", CA)))
         }
     },
 
@@ -277,7 +277,7 @@ val cases = listOf(
         val gus = keep(
             connect(
                 ConnectConfig(
-                    RELAY,
+                    listOf(RELAY),
                     TOKENS.getValue("gus"),
                     CA,
                     reconnect = minute,
