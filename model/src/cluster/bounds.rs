@@ -30,10 +30,15 @@ pub enum ClusterMutant {
     /// Edges ignore the owner's beacons: a lost last view leaves the
     /// watcher stale until the next change (C5).
     NoBeacon,
+    /// An owner answers a preference write that landed after it stopped
+    /// acting for the epoch it wrote under (C4: the client is told
+    /// "invisible" while the new owner, which read the KV before the write
+    /// landed, shows her online; bug 1 of issue 30).
+    AckAfterLostShard,
 }
 
 impl ClusterMutant {
-    pub const ALL: [ClusterMutant; 9] = [
+    pub const ALL: [ClusterMutant; 10] = [
         ClusterMutant::KeepOwningAfterLapse,
         ClusterMutant::NoResyncHold,
         ClusterMutant::IgnoreEdgeLost,
@@ -43,6 +48,7 @@ impl ClusterMutant {
         ClusterMutant::AckWithoutSession,
         ClusterMutant::EndedWithoutIncarnation,
         ClusterMutant::NoBeacon,
+        ClusterMutant::AckAfterLostShard,
     ];
 
     /// The CI bound it is checked at: the smallest that shows it.
@@ -55,6 +61,7 @@ impl ClusterMutant {
             ClusterMutant::NoResyncHold | ClusterMutant::AckWithoutSession => "three",
             ClusterMutant::InvisibleInMemory | ClusterMutant::NoEpochInVersions => "crash",
             ClusterMutant::NoBeacon => "lossy",
+            ClusterMutant::AckAfterLostShard => "slow",
         };
         *ClusterBounds::CI
             .iter()
@@ -70,9 +77,9 @@ impl ClusterMutant {
             ClusterMutant::IgnoreEdgeLost
             | ClusterMutant::NoIncarnation
             | ClusterMutant::EndedWithoutIncarnation => "C3 bounded ghosts",
-            ClusterMutant::InvisibleInMemory | ClusterMutant::AckWithoutSession => {
-                "C4 invisible survives failover"
-            }
+            ClusterMutant::InvisibleInMemory
+            | ClusterMutant::AckWithoutSession
+            | ClusterMutant::AckAfterLostShard => "C4 invisible survives failover",
             ClusterMutant::NoEpochInVersions | ClusterMutant::NoBeacon => "C5 convergence",
         }
     }
@@ -94,6 +101,10 @@ pub struct ClusterBounds {
     pub cuts: u8,
     /// Messages the network may lose.
     pub drops: u8,
+    /// Faults (crash, restart, cut) strike only this node, when set.
+    pub faulty: Option<u8>,
+    /// Preference writes the KV may hold past the next tick (slow writes).
+    pub slow: u8,
     /// Invisibility toggles of alice (to invisible only), only at tick
     /// `invisible_at`.
     pub flips: u8,
@@ -118,6 +129,8 @@ impl ClusterBounds {
         restarts: 1,
         cuts: 0,
         drops: 0,
+        faulty: None,
+        slow: 0,
         flips: 1,
         invisible_at: 1,
         faults_until: 3,
@@ -168,12 +181,27 @@ impl ClusterBounds {
         reaches: &[ONLINE, QUIET],
         ..ClusterBounds::CRASH
     };
-    pub const CI: [(&'static str, ClusterBounds); 5] = [
+    /// Three nodes: alice's edge and bob on 0, the owner on 2. Alice goes
+    /// invisible at tick 1 and the owner's write to the KV is slow; the
+    /// owner (only it) is cut off from the KV, stops acting, and 1 takes the
+    /// shard over, reading the KV, before or after the slow write lands.
+    pub const SLOW: ClusterBounds = ClusterBounds {
+        crashes: 0,
+        cuts: 1,
+        faulty: Some(2),
+        slow: 1,
+        faults_until: 2,
+        max_time: 6,
+        reaches: &[FAILOVER, ONLINE, STALE_WRITE],
+        ..ClusterBounds::THREE
+    };
+    pub const CI: [(&'static str, ClusterBounds); 6] = [
         ("crash", ClusterBounds::CRASH),
         ("cut", ClusterBounds::CUT),
         ("edge", ClusterBounds::EDGE),
         ("three", ClusterBounds::THREE),
         ("lossy", ClusterBounds::LOSSY),
+        ("slow", ClusterBounds::SLOW),
     ];
 }
 
@@ -183,3 +211,4 @@ pub const FAILOVER: &str = "failover happened";
 pub const ONLINE: &str = "bob saw alice online";
 pub const ONLINE_LATER: &str = "bob saw alice online at a later epoch";
 pub const QUIET: &str = "converged and quiet";
+pub const STALE_WRITE: &str = "a former owner's write in flight after failover";

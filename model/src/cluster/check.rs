@@ -23,11 +23,11 @@ pub(super) fn c3(s: &ClusterState) -> bool {
         .all(|o| !o.core.presence(ALICE).online)
 }
 
-/// The acting owner, when the world is quiet: nothing in flight, at least
-/// one tick since the last fault or input (so a beacon went out after it),
-/// the claim holder acting, and bob's edge subscribed.
+/// The acting owner, when the world is quiet: nothing in flight (messages
+/// or writes), at least one tick since the last fault or input (so a beacon
+/// went out after it), the claim holder acting, and bob's edge subscribed.
 pub(super) fn quiet(s: &ClusterState) -> Option<&OwnerState> {
-    if !s.net.is_empty() || s.t <= s.quiet_since {
+    if !s.net.is_empty() || !s.writes.is_empty() || s.t <= s.quiet_since {
         return None;
     }
     let (holder, epoch, _) = s.kv.claim?;

@@ -35,7 +35,9 @@ mod owner;
 mod state;
 mod tick;
 
-pub use bounds::{ClusterBounds, ClusterMutant, FAILOVER, ONLINE, ONLINE_LATER, QUIET};
+pub use bounds::{
+    ClusterBounds, ClusterMutant, FAILOVER, ONLINE, ONLINE_LATER, QUIET, STALE_WRITE,
+};
 pub use check::describe;
 use check::{c3, c5, has, quiet};
 pub use state::*;
@@ -154,6 +156,7 @@ impl Model for ClusterModel {
                 claim: None,
                 epoch: Epoch(0),
                 invisible: false,
+                prefs_epoch: Epoch(0),
                 view: None,
                 devices: Vec::new(),
             },
@@ -174,6 +177,8 @@ impl Model for ClusterModel {
             fresh: true,
             bad: Vec::new(),
             local: Default::default(),
+            writes: BTreeSet::new(),
+            slow: b.slow,
         };
         self.claim_shard(&mut s, b.first_owner);
         // The first requests go out at once.
@@ -200,7 +205,9 @@ impl Model for ClusterModel {
 
     fn actions(&self, s: &ClusterState, actions: &mut Vec<Action>) {
         let b = &self.bounds;
-        if s.t < b.max_time && s.net.iter().all(|m| m.sent == s.t) {
+        let in_time =
+            s.net.iter().all(|m| m.sent == s.t) && s.writes.iter().all(|w| w.held || w.sent == s.t);
+        if s.t < b.max_time && in_time {
             actions.push(Action::Tick);
         }
         let faults = s.t <= b.faults_until && s.fresh;
@@ -210,9 +217,15 @@ impl Model for ClusterModel {
                 actions.push(Action::Drop(m.clone()));
             }
         }
+        for w in &s.writes {
+            actions.push(Action::Store(w.clone()));
+            if s.slow > 0 && !w.held && faults {
+                actions.push(Action::Hold(w.clone()));
+            }
+        }
         for n in 0..b.nodes {
             let node = &s.nodes[n as usize];
-            if n == WATCHER_NODE || !faults {
+            if n == WATCHER_NODE || !faults || b.faulty.is_some_and(|f| f != n) {
                 continue;
             }
             if node.up && s.crashes > 0 {
@@ -256,6 +269,17 @@ impl Model for ClusterModel {
                 s.fresh = false;
                 s.net.remove(&m);
                 self.deliver(&mut s, m);
+            }
+            Action::Store(w) => {
+                s.fresh = false;
+                s.writes.remove(&w);
+                self.store(&mut s, w);
+            }
+            Action::Hold(w) => {
+                s.slow -= 1;
+                s.quiet_since = t;
+                s.writes.remove(&w);
+                s.writes.insert(Write { held: true, ..w });
             }
             Action::Drop(m) => {
                 s.fresh = false;
@@ -370,6 +394,9 @@ impl Model for ClusterModel {
                     .as_ref()
                     .and_then(|w| w.view.get(ALICE))
                     .is_some_and(|p| p.online && epoch_of(p.version).0 >= 2)
+            }),
+            Property::sometimes(STALE_WRITE, |_, s: &ClusterState| {
+                s.writes.iter().any(|w| w.epoch < s.kv.epoch)
             }),
             Property::sometimes(QUIET, |_, s: &ClusterState| {
                 quiet(s).is_some_and(|o| o.core.presence(ALICE).version > 0)

@@ -52,6 +52,7 @@ impl ClusterModel {
             resynced: 0,
             dirty: None,
             renewed: t,
+            writing: None,
         };
         // This node's own edge resends at once, without a message.
         if let Some(conn) = s.nodes[n as usize].device.as_ref().map(|d| d.conn) {
@@ -125,10 +126,10 @@ impl ClusterModel {
         match body {
             Body::Req { edge, inc, rid, op } => {
                 let done = o.last_rid.get(&(edge, inc)).is_some_and(|&r| rid <= r);
-                let mut reply = Body::Ack {
+                let mut reply = Some(Body::Ack {
                     epoch: o.epoch,
                     rid,
-                };
+                });
                 if !done {
                     match op {
                         Op::Connect => {
@@ -147,23 +148,43 @@ impl ClusterModel {
                             // anything. It answers Unknown instead, unrecorded,
                             // and the edge connects the device again first.
                             match session {
+                                // Its write is on its way: the answer
+                                // comes when it lands.
+                                Some(_) if o.writing == Some((edge, inc, rid)) => reply = None,
                                 Some(session) => {
-                                    o.last_rid.insert((edge, inc), rid);
-                                    if o.core.handle_set_invisible(Millis(t), session, b).is_ok()
-                                        && !self.is(ClusterMutant::InvisibleInMemory)
-                                    {
-                                        s.kv.invisible = b; // before the ack
+                                    let set = o.core.handle_set_invisible(Millis(t), session, b);
+                                    if set.is_ok() && !self.is(ClusterMutant::InvisibleInMemory) {
+                                        // Answered when the KV has it (or
+                                        // never, from a node cut off from
+                                        // it: the edge asks again).
+                                        reply = None;
+                                        if !s.nodes[n as usize].cut {
+                                            o.writing = Some((edge, inc, rid));
+                                            s.writes.insert(Write {
+                                                sent: t,
+                                                node: n,
+                                                inc: s.nodes[n as usize].inc,
+                                                epoch: o.epoch,
+                                                request: (edge, inc, rid),
+                                                invisible: b,
+                                                held: false,
+                                            });
+                                        }
+                                    } else {
+                                        o.last_rid.insert((edge, inc), rid);
                                     }
                                 }
                                 None if self.is(ClusterMutant::AckWithoutSession) => {
                                     o.last_rid.insert((edge, inc), rid);
                                 }
-                                None => reply = Body::Unknown { rid },
+                                None => reply = Some(Body::Unknown { rid }),
                             }
                         }
                     }
                 }
-                s.send(n, edge, reply);
+                if let Some(reply) = reply {
+                    s.send(n, edge, reply);
+                }
             }
             Body::SnapReq { edge } => {
                 if let Ok(p) = o.core.handle_snapshot(Millis(t), ALICE, false) {
@@ -242,6 +263,42 @@ impl ClusterModel {
         if let Ok(c) = o.core.handle_connect(Millis(s.t), c) {
             o.sessions.insert(c.session, (edge, inc, conn));
             o.dirty = o.dirty.or(Some(s.t));
+        }
+    }
+}
+
+impl ClusterModel {
+    /// The KV applies a preference write: refused when an owner of a newer
+    /// epoch wrote the record; then its owner hears the outcome and answers
+    /// the edge, but only while it still acts for the epoch it wrote under.
+    /// Otherwise the edge asks again, of the current claim holder.
+    pub(super) fn store(&self, s: &mut ClusterState, w: Write) {
+        let ok = w.epoch >= s.kv.prefs_epoch;
+        if ok {
+            s.kv.invisible = w.invisible;
+            s.kv.prefs_epoch = w.epoch;
+        }
+        let node = &mut s.nodes[w.node as usize];
+        if !node.up || node.inc != w.inc {
+            return; // the answer went to a process that is gone
+        }
+        let (edge, inc, rid) = w.request;
+        let owner = node.owner.as_deref_mut().filter(|o| o.epoch == w.epoch);
+        let acting = owner.is_some();
+        if let Some(o) = owner {
+            if o.writing == Some(w.request) {
+                o.writing = None;
+            }
+            if ok {
+                o.last_rid.insert((edge, inc), rid);
+            }
+        }
+        if ok && (acting || self.is(ClusterMutant::AckAfterLostShard)) {
+            let ack = Body::Ack {
+                epoch: w.epoch,
+                rid,
+            };
+            s.send(w.node, edge, ack);
         }
     }
 }

@@ -83,6 +83,9 @@ pub struct OwnerState {
     pub dirty: Option<u64>,
     /// The last tick the claim was renewed.
     pub renewed: u64,
+    /// The request (edge, incarnation, request id) whose preference write
+    /// is on its way to the KV: answered when the write lands.
+    pub writing: Option<(u8, u8, u8)>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -133,6 +136,9 @@ pub struct Kv {
     pub epoch: Epoch,
     /// Alice's preferences.
     pub invisible: bool,
+    /// The epoch of the owner that wrote them last: a write of an older
+    /// epoch is refused (the fence of C4).
+    pub prefs_epoch: Epoch,
     /// Alice's last published view.
     pub view: Option<Presence>,
     /// Alice's devices: (edge, incarnation, connection, last heard).
@@ -174,6 +180,28 @@ pub struct ClusterState {
     /// owner answering or publishing to its own edge): handled in process,
     /// in order, within the step that sent them. Always empty between steps.
     pub local: std::collections::VecDeque<Msg>,
+    /// Preference writes on their way to the KV: each lands (and is
+    /// answered) in a step of its own, apart from the owner's request.
+    pub writes: BTreeSet<Write>,
+    /// Writes that may still be held past the next tick.
+    pub slow: u8,
+}
+
+/// An owner's write of alice's preferences, in flight to the KV.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Write {
+    /// The tick it was sent at.
+    pub sent: u64,
+    /// The writing node and its incarnation (the answer goes to it).
+    pub node: u8,
+    pub inc: u8,
+    /// The epoch it acts for.
+    pub epoch: Epoch,
+    /// The request it answers: (edge, edge incarnation, request id).
+    pub request: (u8, u8, u8),
+    pub invisible: bool,
+    /// Slow: it may land after any number of ticks.
+    pub held: bool,
 }
 
 impl ClusterState {
@@ -204,4 +232,8 @@ pub enum Action {
     /// Alice's client reconnects to this node.
     Reconnect(u8),
     GoInvisible,
+    /// The KV applies a preference write and answers its owner.
+    Store(Write),
+    /// A write is slow: it lands only after a later tick (a bounded fault).
+    Hold(Write),
 }
