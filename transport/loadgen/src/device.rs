@@ -203,7 +203,7 @@ pub(crate) async fn device(
     let mut burst = ctx
         .opts
         .burst
-        .filter(|b| i < b.sessions)
+        .filter(|b| i < b.sessions && b.arrivals_per_sec.is_none())
         .map(|b| tokio::time::Instant::now() + b.after);
     while alive && *phase.borrow() == PHASE_MEASURE && (ctx.opts.churn > 0.0 || burst.is_some()) {
         let wait = if ctx.opts.churn > 0.0 {
@@ -258,6 +258,50 @@ pub(crate) async fn device(
         }
     }
     ctx.open.fetch_sub(1, Relaxed);
+    live.pushes.abort();
+    live.conn
+        .close(CloseCode::Logout.varint(), b"load generator done");
+}
+
+/// A new device of a [`Burst`](crate::Burst) step: connects at `at`
+/// (retrying with the client library's backoff while the window lasts),
+/// then holds its connection until the stop.
+pub(crate) async fn newcomer(
+    ctx: Arc<Ctx>,
+    endpoint: quinn::Endpoint,
+    i: usize,
+    at: tokio::time::Instant,
+    mut phase: watch::Receiver<u8>,
+) {
+    let Some(token) = ctx.token(i) else {
+        ctx.burst_failed.fetch_add(1, Relaxed);
+        return;
+    };
+    tokio::select! {
+        _ = tokio::time::sleep_until(at) => {}
+        _ = phase.wait_for(|p| *p != PHASE_MEASURE) => {
+            ctx.burst_failed.fetch_add(1, Relaxed);
+            return;
+        }
+    }
+    let mut rand = device_rng(i);
+    let mut backoff = Backoff::new(&mut rand, phase.clone(), PHASE_MEASURE);
+    let live = loop {
+        match attempt(&ctx, &endpoint, &token, i, None).await {
+            Ok(live) => break Some(live),
+            Err(_) if backoff.wait().await => continue,
+            Err(_) => break None,
+        }
+    };
+    let Some(live) = live else {
+        ctx.burst_failed.fetch_add(1, Relaxed);
+        return;
+    };
+    ctx.burst_back.fetch_add(1, Relaxed);
+    tokio::select! {
+        _ = phase.wait_for(|p| *p == PHASE_STOP) => {}
+        _ = live.conn.closed() => {}
+    }
     live.pushes.abort();
     live.conn
         .close(CloseCode::Logout.varint(), b"load generator done");

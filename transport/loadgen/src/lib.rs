@@ -20,6 +20,7 @@
 //! stime` from `/proc/<pid>/stat`). All traffic goes to `server`; the run is
 //! bounded by `ramp_timeout + duration` plus a few seconds to close.
 
+mod cpucap;
 mod device;
 mod herd;
 mod procfs;
@@ -35,10 +36,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{watch, Semaphore};
 
-use device::{client_endpoint, device};
+pub use cpucap::{CapProbe, CgroupVersion, CpuCap, CpuStat};
+use device::{client_endpoint, device, newcomer};
 pub(crate) use device::{device_rng, CONNECT_ATTEMPTS};
 pub use herd::{Herd, HerdCounts, HerdOptions};
-pub use procfs::{cpu_secs, rss_bytes};
+pub use procfs::{cpu_secs, rss_bytes, udp_drops};
 use report::burst_report;
 pub use report::{BurstReport, LoadReport};
 
@@ -73,8 +75,12 @@ pub struct LoadOptions {
     pub ramp_timeout: Duration,
     /// The server's debounce, subtracted from the change-to-push latency.
     pub debounce: Duration,
-    /// The server's process, for memory and CPU (`None`: not measured).
+    /// The server's process, for memory, CPU and socket drops (`None`: not
+    /// measured).
     pub server_pid: Option<u32>,
+    /// The server's CPU cap, to report it and how often it held the server
+    /// back. Default `None`.
+    pub server_cap: Option<CapProbe>,
     /// Print progress to stderr.
     pub progress: bool,
     /// User names are `{prefix}{i}`.
@@ -82,8 +88,8 @@ pub struct LoadOptions {
     /// Connect over WebSocket (`wss://…/greendot`) to this TCP address
     /// instead of over QUIC to `server`. Default `None`.
     pub websocket: Option<SocketAddr>,
-    /// A mass reconnect inside the measured window (QUIC only). Default
-    /// `None`.
+    /// A mass reconnect, or a step of new connections, inside the measured
+    /// window (QUIC only). Default `None`.
     pub burst: Option<Burst>,
 }
 
@@ -91,10 +97,16 @@ pub struct LoadOptions {
 /// window, all at once, and reconnect with resume (retrying with the client
 /// library's full-jitter backoff); the others keep their churn, whose
 /// latency is then reported before, during and after.
+///
+/// With `arrivals_per_sec`, instead `sessions` new devices (users the run
+/// has not connected) connect from `after` on at that rate, each retrying
+/// with the same backoff until the window ends, and hold their connection:
+/// a step in new connections on top of the established ones.
 #[derive(Clone, Copy, Debug)]
 pub struct Burst {
     pub after: Duration,
     pub sessions: usize,
+    pub arrivals_per_sec: Option<f64>,
 }
 
 impl LoadOptions {
@@ -122,6 +134,7 @@ impl LoadOptions {
             ramp_timeout: Duration::from_secs(300),
             debounce: Duration::from_millis(300),
             server_pid: None,
+            server_cap: None,
             progress: true,
             user_prefix: "lg".into(),
             websocket: None,
@@ -374,15 +387,34 @@ pub async fn run(opts: LoadOptions) -> LoadReport {
     // The measured window.
     let self0 = cpu_secs(self_pid);
     let cpu2 = pid.and_then(cpu_secs);
+    let drops0 = (pid.and_then(udp_drops), udp_drops(self_pid));
+    let cap0 = opts.server_cap.as_ref().and_then(CapProbe::read);
     ctx.measuring.store(true, Relaxed);
     let _ = phase_tx.send(PHASE_MEASURE);
     let window_start = Instant::now();
+    if let Some((b, rate)) = opts.burst.and_then(|b| Some((b, b.arrivals_per_sec?))) {
+        let at0 = tokio::time::Instant::from_std(window_start + b.after);
+        for k in 0..b.sessions {
+            let at = at0 + Duration::from_secs_f64(k as f64 / rate.max(1e-3));
+            tasks.push(tokio::spawn(newcomer(
+                ctx.clone(),
+                endpoints[k % endpoints.len()].clone(),
+                n + k,
+                at,
+                phase_rx.clone(),
+            )));
+        }
+    }
     let mut burst_done: Option<Instant> = None;
     while window_start.elapsed() < opts.duration {
         tokio::time::sleep(Duration::from_millis(250).min(opts.duration)).await;
         if let Some(b) = opts.burst.filter(|_| burst_done.is_none()) {
             let settled = ctx.burst_back.load(Relaxed) + ctx.burst_failed.load(Relaxed);
-            if settled >= b.sessions.min(report.connected) {
+            let of = match b.arrivals_per_sec {
+                Some(_) => b.sessions,
+                None => b.sessions.min(report.connected),
+            };
+            if settled >= of {
                 burst_done = Some(Instant::now());
             }
         }
@@ -407,6 +439,16 @@ pub async fn run(opts: LoadOptions) -> LoadReport {
     report.window = window_start.elapsed();
     let cpu3 = pid.and_then(cpu_secs);
     let self1 = cpu_secs(self_pid);
+    let drops1 = (pid.and_then(udp_drops), udp_drops(self_pid));
+    let cap1 = opts.server_cap.as_ref().and_then(CapProbe::read);
+    report.server_drops_window = drops0.0.zip(drops1.0).map(|(a, b)| b.saturating_sub(a));
+    report.client_drops_window = drops0.1.zip(drops1.1).map(|(a, b)| b.saturating_sub(a));
+    report.server_cap = opts.server_cap.as_ref().map(|c| c.cores);
+    report.server_throttled = cap0.zip(cap1).map(|(a, b)| {
+        let periods = b.periods.saturating_sub(a.periods);
+        let throttled = b.throttled.saturating_sub(a.throttled);
+        (throttled, periods)
+    });
     let secs = report.window.as_secs_f64();
     report.server_cpu_window = match (cpu2, cpu3) {
         (Some(a), Some(b)) => Some((b - a) / secs),

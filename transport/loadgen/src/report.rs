@@ -50,6 +50,15 @@ pub struct LoadReport {
     pub server_cpu_window: Option<f64>,
     /// The generator's own CPU during the window, in cores.
     pub client_cpu_window: Option<f64>,
+    /// The server's CPU cap, cores (`None`: uncapped).
+    pub server_cap: Option<f64>,
+    /// Of the cap's 100 ms periods in the window in which the server ran,
+    /// (those in which it used its whole quota and waited, all).
+    pub server_throttled: Option<(u64, u64)>,
+    /// Datagrams dropped by full receive buffers in the window: the
+    /// server's socket, and the generator's own sockets.
+    pub server_drops_window: Option<u64>,
+    pub client_drops_window: Option<u64>,
     pub status_changes: u64,
     pub reconnects: u64,
     pub reconnect_failures: u64,
@@ -73,6 +82,32 @@ impl LoadReport {
 
     pub fn notifications_per_sec(&self) -> f64 {
         self.notifications as f64 / self.window.as_secs_f64().max(1e-9)
+    }
+
+    /// The header of [`LoadReport::bottleneck_row`].
+    pub fn bottleneck_header() -> &'static str {
+        "| N | server CPU cap (cores) | server CPU window (cores) | periods at the cap | generator CPU window (cores) | server socket drops | generator socket drops |\n|---:|---:|---:|---:|---:|---:|---:|"
+    }
+
+    /// Who was the bottleneck in the window: the server's cap and CPU, how
+    /// often the cap held it back, the generator's CPU, and each side's
+    /// socket drops.
+    pub fn bottleneck_row(&self) -> String {
+        format!(
+            "| {} | {} | {} | {} | {} | {} | {} |",
+            self.target,
+            opt_f(self.server_cap, 2),
+            opt_f(self.server_cpu_window, 2),
+            self.server_throttled.map_or("-".into(), |(t, p)| format!(
+                "{t} of {p} ({:.0}%)",
+                t as f64 * 100.0 / p.max(1) as f64
+            )),
+            opt_f(self.client_cpu_window, 2),
+            self.server_drops_window
+                .map_or("-".into(), |d| d.to_string()),
+            self.client_drops_window
+                .map_or("-".into(), |d| d.to_string()),
+        )
     }
 
     /// The markdown table header matching [`LoadReport`]'s `Display`.
