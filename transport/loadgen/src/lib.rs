@@ -17,7 +17,9 @@
 //! push, minus the server's debounce) p50/p99/p99.9, notifications/s, and,
 //! when given the server's process id, its resident memory per session
 //! (`VmRSS` before and after the ramp, from `/proc`) and its CPU (`utime +
-//! stime` from `/proc/<pid>/stat`). All traffic goes to `server`; the run is
+//! stime` from `/proc/<pid>/stat`), the datagrams each side's sockets
+//! dropped in the window, and, under a [`CpuCap`], how often the cap held
+//! the server back (the cgroup's `cpu.stat`). All traffic goes to `server`; the run is
 //! bounded by `ramp_timeout + duration` plus a few seconds to close.
 
 mod cpucap;
