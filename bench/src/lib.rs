@@ -105,3 +105,28 @@ pub fn raise_nofile() -> u64 {
     }
     lim.rlim_cur
 }
+
+/// The machine's speed now, as the core bench measures it
+/// (`core/benches/core.rs`): one dependent random read per step in a
+/// 2,000,000-entry `u64` array (16 MiB), in reads per second of wall clock.
+/// Load benches print it with their tables so runs compare by ratio.
+pub fn random_read_baseline() -> f64 {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let table: Vec<u64> = (0..2_000_000).map(|_| rng.next_u64()).collect();
+    let steps = 10_000_000u64;
+    let start = std::time::Instant::now();
+    let mut at = 0usize;
+    for _ in 0..steps {
+        at = (table[at] ^ at as u64) as usize % table.len();
+    }
+    std::hint::black_box(at);
+    steps as f64 / start.elapsed().as_secs_f64().max(1e-9)
+}
+
+/// The 1-minute load average (`/proc/loadavg`), as text.
+pub fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| l.split_whitespace().next().map(str::to_string))
+        .unwrap_or_else(|| "unknown".to_string())
+}

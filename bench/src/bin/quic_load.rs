@@ -20,15 +20,31 @@
 //! and how long after the burst until it is back to normal. The server
 //! prints what it shed when it stops.
 //!
+//! `-- --step K --step-rate R` (`-- --step-after 5`) keeps the churn and
+//! makes K new devices connect at R per second from that moment on, each
+//! retrying with the client library's backoff: a step in new connections,
+//! reported as a burst is.
+//!
+//! `-- --server-cpu 0.25` caps the server process at a quarter of a core:
+//! a cgroup of its own (v1 `cpu.cfs_quota_us` or v2 `cpu.max`, 25 ms of
+//! every 100 ms), made before the server starts and removed after it
+//! stops; it needs root. Then the server, not the load generator on the
+//! same cores, is the bottleneck, and the tables say how often the cap
+//! held it back. The generator is not pinned: a quota is enforced on
+//! whichever core the server runs, and pinning the generator to one core
+//! would take from it the 0.75 of a core the cap leaves free.
+//!
 //! `-- --server-nice -10` runs the server process at that nice value (a
 //! negative one needs root): the scheduler then gives the server the CPU
 //! it asks for before the load generator, as on a machine of its own,
 //! instead of an equal share per thread (the generator has two).
 
 use greendot_bench::plot;
-use greendot_bench::{arg, flag, raise_nofile};
+use greendot_bench::{arg, flag, load_average, raise_nofile, random_read_baseline};
 use greendot_client::rustls::pki_types::CertificateDer;
-use greendot_loadgen::{self as loadgen, Herd, HerdOptions, LoadOptions, LoadReport};
+use greendot_loadgen::{
+    self as loadgen, CapProbe, CpuCap, Herd, HerdOptions, LoadOptions, LoadReport,
+};
 use greendot_server::{Server, ServerConfig};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
@@ -128,6 +144,14 @@ fn serve() {
 
 struct Child_ {
     child: Child,
+    /// Dropped after the child has ended (fields drop after `drop`).
+    cap: Option<CpuCap>,
+}
+
+impl Child_ {
+    fn cap_probe(&self) -> Option<CapProbe> {
+        self.cap.as_ref().map(CpuCap::probe)
+    }
 }
 
 impl Drop for Child_ {
@@ -171,6 +195,15 @@ fn start_server_with(n: usize, websocket: bool) -> Result<Started, String> {
     if websocket {
         args.push("--websocket");
     }
+    // Made before the server starts, so that a missing cgroup file system
+    // or root stops the run before any work.
+    let cap = match arg("--server-cpu", 0.0f64) {
+        0.0 => None,
+        cores => Some(CpuCap::create(
+            &format!("greendot-quic-load-{}", std::process::id()),
+            cores,
+        )?),
+    };
     let mut child = Command::new(exe)
         .args(args)
         .stdin(Stdio::piped())
@@ -179,7 +212,22 @@ fn start_server_with(n: usize, websocket: bool) -> Result<Started, String> {
         .spawn()
         .map_err(|e| format!("cannot start the server process: {e}"))?;
     let stdout = child.stdout.take().ok_or("no stdout")?;
-    let guard = Child_ { child };
+    if let Some(cap) = &cap {
+        // Before the server has bound its socket: its threads all start
+        // inside the cap (moving the process moves every thread).
+        if let Err(e) = cap.add(child.id()) {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(e);
+        }
+        eprintln!(
+            "server process {} capped at {} cores in {}",
+            child.id(),
+            arg("--server-cpu", 0.0f64),
+            cap.dir().display()
+        );
+    }
+    let guard = Child_ { child, cap };
     let mut lines = BufReader::new(stdout).lines();
     let mut addr = None;
     let mut ws = None;
@@ -316,13 +364,28 @@ fn main() {
     let endpoints: usize = arg("--endpoints", 8);
     let concurrency: usize = arg("--concurrency", 32);
     let ramp_timeout = Duration::from_secs(arg("--ramp-timeout", 240));
-    let burst = match arg("--burst", 0usize) {
-        0 => None,
-        sessions => Some(loadgen::Burst {
+    let burst = match (arg("--burst", 0usize), arg("--step", 0usize)) {
+        (0, 0) => None,
+        (sessions, 0) => Some(loadgen::Burst {
             after: Duration::from_secs(arg("--burst-after", 5)),
             sessions,
+            arrivals_per_sec: None,
+        }),
+        (_, sessions) => Some(loadgen::Burst {
+            after: Duration::from_secs(arg("--step-after", 5)),
+            sessions,
+            arrivals_per_sec: Some(arg("--step-rate", 1000.0)),
         }),
     };
+    let step = burst
+        .filter(|b| b.arrivals_per_sec.is_some())
+        .map_or(0, |b| b.sessions);
+    let load = load_average();
+    let baseline = random_read_baseline();
+    eprintln!(
+        "load average {load}; random-read baseline {:.2} M/s",
+        baseline / 1e6
+    );
     eprintln!("open-file limit {nofile}; N = {ns:?}, {duration:?} of churn at {churn} per second");
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -333,7 +396,7 @@ fn main() {
     let mut reports: Vec<LoadReport> = Vec::new();
     for &n in &ns {
         eprintln!("N = {n}: starting a server process");
-        let (child, addr, cert) = match start_server(n) {
+        let (child, addr, cert) = match start_server(n + step) {
             Ok(s) => s,
             Err(e) => {
                 eprintln!("quic_load: {e}");
@@ -342,6 +405,7 @@ fn main() {
         };
         let mut opts = LoadOptions::new(addr, vec![CertificateDer::from(cert)], SECRET, n);
         opts.server_pid = Some(child.child.id());
+        opts.server_cap = child.cap_probe();
         opts.duration = duration;
         opts.churn = churn;
         opts.endpoints = endpoints;
@@ -350,6 +414,11 @@ fn main() {
         opts.burst = burst;
         let report = runtime.block_on(loadgen::run(opts));
         eprintln!("{}\n{report}", LoadReport::header());
+        eprintln!(
+            "{}\n{}",
+            LoadReport::bottleneck_header(),
+            report.bottleneck_row()
+        );
         eprintln!(
             "  ramp {:.1} s, failed {}, reconnect failures {}, request errors {}, latency samples {}, client CPU {:.2} cores",
             report.ramp.as_secs_f64(),
@@ -375,9 +444,25 @@ fn main() {
         duration.as_secs()
     );
     println!();
+    println!(
+        "Load average {load} at the start; random-read baseline {:.2} M/s (one dependent read per step in a 16 MiB array, as the core bench){}",
+        baseline / 1e6,
+        match arg("--server-cpu", 0.0f64) {
+            0.0 => String::new(),
+            c => format!("; **server capped at {c} of a core** (cgroup CPU quota)"),
+        }
+    );
+    println!();
     println!("{}", LoadReport::header());
     for r in &reports {
         println!("{r}");
+    }
+    println!();
+    println!("Who was the bottleneck in the window:");
+    println!();
+    println!("{}", LoadReport::bottleneck_header());
+    for r in &reports {
+        println!("{}", r.bottleneck_row());
     }
     println!();
     for r in &reports {
@@ -403,7 +488,14 @@ fn main() {
         .collect();
     if !bursts.is_empty() {
         println!();
-        println!("Burst: devices 0..K reconnect at once (resume), the rest keep churning; p99 of the others' change-to-push");
+        if step > 0 {
+            println!(
+                "Step: K new devices connect at {} per second (retrying with backoff), the established keep churning; p99 of the established sessions' change-to-push",
+                arg("--step-rate", 1000.0)
+            );
+        } else {
+            println!("Burst: devices 0..K reconnect at once (resume), the rest keep churning; p99 of the others' change-to-push");
+        }
         println!();
         println!("| N | K | back | given up | all back (s) | p99 before ms | p99 during ms | p99 after ms | normal after the burst (s) |");
         println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
@@ -504,6 +596,7 @@ fn quic_vs_websocket(n: usize) {
         };
         let mut opts = LoadOptions::new(addr, vec![CertificateDer::from(cert)], SECRET, n);
         opts.server_pid = Some(child.child.id());
+        opts.server_cap = child.cap_probe();
         opts.duration = duration;
         opts.churn = churn;
         opts.endpoints = endpoints;
