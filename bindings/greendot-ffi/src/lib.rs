@@ -275,6 +275,8 @@ async fn deliver(
                 }
             }
         };
+        // Held while the listener runs, so `cancel` can wait for it.
+        let busy = lock(&handle.busy);
         if handle.cancelled.load(Ordering::Acquire) {
             queue.held = Some(event);
             return;
@@ -285,8 +287,11 @@ async fn deliver(
             continue;
         };
         // The app's exception (or a panic) must not end the delivery.
+        IN_LISTENER.with(|l| l.set(true));
         let delivered =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| listener.on_event(event)));
+        IN_LISTENER.with(|l| l.set(false));
+        drop(busy);
         match delivered {
             Ok(Ok(())) => {}
             Ok(Err(e)) => warn(&format!("a PresenceListener's on_event: {e}")),
@@ -315,6 +320,7 @@ impl GreendotClient {
         let handle = Arc::new(ListenerHandle {
             cancelled: AtomicBool::new(false),
             stop: tokio::sync::Notify::new(),
+            busy: Mutex::new(()),
         });
         if let Some(last) = lock(&self.listener).replace(handle.clone()) {
             last.cancel();
@@ -487,16 +493,30 @@ impl GreendotClient {
 pub struct ListenerHandle {
     cancelled: AtomicBool,
     stop: tokio::sync::Notify,
+    /// Locked while `on_event` runs.
+    busy: Mutex<()>,
+}
+
+thread_local! {
+    /// This thread is in a listener's `on_event`: a `cancel` made there
+    /// must not wait for a listener to return.
+    static IN_LISTENER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 #[uniffi::export]
 impl ListenerHandle {
-    /// No `on_event` starts after this returns (one in progress finishes).
-    /// Safe to call twice, and from inside `on_event`.
+    /// No `on_event` starts after this returns, and none is running:
+    /// it waits for one in progress to return (except when called from
+    /// inside an `on_event`, where it returns at once). So an app (or a
+    /// Python interpreter about to exit) that cancels its listeners is
+    /// never called again. Safe to call twice.
     pub fn cancel(&self) {
         if !self.cancelled.swap(true, Ordering::AcqRel) {
             // A permit if the loop is not waiting yet: it will not miss it.
             self.stop.notify_one();
+        }
+        if !IN_LISTENER.with(|l| l.get()) {
+            drop(lock(&self.busy));
         }
     }
 }

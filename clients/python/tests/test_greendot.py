@@ -110,6 +110,18 @@ class Recorder(gd.PresenceListener):
         return [e.presence for e in self.seen() if e.is_PRESENCE_CHANGED() and e.target == target]
 
 
+# Every listener the suite registered: cancelled before the interpreter
+# exits, so none is called into a finalizing interpreter (which ends the
+# calling thread under the library and aborts the process).
+HANDLES = []
+
+
+def listen(client, listener):
+    handle = client.listen(listener)
+    HANDLES.append(handle)
+    return handle
+
+
 async def connect(name, **settings):
     return await gd.connect(
         gd.ConnectConfig(addresses=[ADDRESS], token=TOKENS[name], ca_certificates_pem=CA, **settings)
@@ -121,7 +133,7 @@ async def watch(test, target):
     walt = await connect("walt")
     test.addAsyncCleanup(walt.close)
     seen = Recorder(asyncio.get_running_loop())
-    walt.listen(seen)
+    listen(walt, seen)
     answer = await walt.subscribe([target], gd.Tier.REALTIME)
     test.assertEqual([s.target for s in answer.snapshots], [target])
     test.assertEqual(answer.refused, [])
@@ -181,7 +193,7 @@ class GreendotTest(unittest.IsolatedAsyncioTestCase):
         walt = await connect("walt")
         self.addAsyncCleanup(walt.close)
         seen = Raising(asyncio.get_running_loop())
-        walt.listen(seen)
+        listen(walt, seen)
         await walt.subscribe(["ida"], gd.Tier.REALTIME)
         await seen.wait_presence("ida", lambda p: p.online)
         await ida.set_status(gd.Status.BUSY, None)
@@ -275,7 +287,7 @@ class GreendotTest(unittest.IsolatedAsyncioTestCase):
         )
         self.addAsyncCleanup(gus.close)
         events = Recorder(asyncio.get_running_loop())
-        handle = gus.listen(events)
+        handle = listen(gus, events)
         # A live connection: the network changes, requests go on.
         gus.network_changed()
         await gus.ping()
@@ -301,7 +313,7 @@ class GreendotTest(unittest.IsolatedAsyncioTestCase):
         events.reset()
         later = Recorder(asyncio.get_running_loop())
         await gus.logout()
-        gus.listen(later)
+        listen(gus, later)
         closed = await later.wait_for("closed", lambda e: e.is_CLOSED())
         self.assertEqual(closed.code, "Logout")
         self.assertEqual(events.seen(), [], "a cancelled listener was called")
@@ -325,7 +337,7 @@ class GreendotTest(unittest.IsolatedAsyncioTestCase):
             await seen.wait_presence("jo", lambda p, i=i: p.message == f"change {i}")
         newest = seen.presences_of("jo")[-1]
         late = Recorder(asyncio.get_running_loop())
-        wes.listen(late)
+        listen(wes, late)
         p = await late.wait_presence("jo", lambda p: p.message == f"change {len(changes) - 1}")
         self.assertEqual(p, newest)
         self.assertEqual(wes.presence("jo"), newest)
@@ -336,4 +348,7 @@ class GreendotTest(unittest.IsolatedAsyncioTestCase):
 
 
 if __name__ == "__main__":
-    unittest.main(verbosity=2)
+    run = unittest.main(verbosity=2, exit=False)
+    for handle in HANDLES:
+        handle.cancel()
+    sys.exit(0 if run.result.wasSuccessful() else 1)

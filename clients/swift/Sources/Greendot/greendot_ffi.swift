@@ -1142,8 +1142,11 @@ public func FfiConverterTypeGreendotClient_lower(_ value: GreendotClient) -> UIn
 public protocol ListenerHandleProtocol: AnyObject, Sendable {
     
     /**
-     * No `on_event` starts after this returns (one in progress finishes).
-     * Safe to call twice, and from inside `on_event`.
+     * No `on_event` starts after this returns, and none is running:
+     * it waits for one in progress to return (except when called from
+     * inside an `on_event`, where it returns at once). So an app (or a
+     * Python interpreter about to exit) that cancels its listeners is
+     * never called again. Safe to call twice.
      */
     func cancel() 
     
@@ -1205,8 +1208,11 @@ open class ListenerHandle: ListenerHandleProtocol, @unchecked Sendable {
 
     
     /**
-     * No `on_event` starts after this returns (one in progress finishes).
-     * Safe to call twice, and from inside `on_event`.
+     * No `on_event` starts after this returns, and none is running:
+     * it waits for one in progress to return (except when called from
+     * inside an `on_event`, where it returns at once). So an app (or a
+     * Python interpreter about to exit) that cancels its listeners is
+     * never called again. Safe to call twice.
      */
 open func cancel()  {try! rustCall() {
         uniffiCallStatus in
@@ -3274,7 +3280,7 @@ private let initializationResult: InitializationResult = {
     if (uniffi_greendot_ffi_checksum_method_greendotclient_user() != 1753) {
         return InitializationResult.apiChecksumMismatch
     }
-    if (uniffi_greendot_ffi_checksum_method_listenerhandle_cancel() != 10272) {
+    if (uniffi_greendot_ffi_checksum_method_listenerhandle_cancel() != 38145) {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_greendot_ffi_checksum_method_presencelistener_on_event() != 3007) {
