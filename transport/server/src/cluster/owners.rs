@@ -81,6 +81,7 @@ impl Owners {
         self.map.values()
     }
 
+    #[cfg(test)]
     pub(super) fn is_empty(&self) -> bool {
         self.map.is_empty()
     }
