@@ -20,6 +20,7 @@ mod edge_subscribe;
 mod edge_views;
 mod owner;
 mod owner_requests;
+mod owners;
 #[cfg(test)]
 mod test_support;
 #[cfg(test)]
@@ -38,8 +39,9 @@ use edge_subscribe::PendingSubscribe;
 use edge_views::ShardTrack;
 use greendot_core::{Config, Fanout, Millis, Output, SessionId, Tier, UserId};
 use greendot_proto::{self as proto, WireError};
-use owner::{release_idle, Owner};
+use owner::release_idle;
 use owner_requests::PendingPrefs;
+use owners::Owners;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 pub use wire::{
@@ -352,7 +354,7 @@ pub struct ClusterLink {
     /// The Unix time of the core's `Millis(0)`.
     unix_base_ms: u64,
     acting: BTreeMap<u32, (u64, Instant)>,
-    owners: BTreeMap<u32, Owner>,
+    owners: Owners,
     pending_prefs: HashMap<u64, PendingPrefs>,
     /// KV reads in flight: shard, epoch, user, since.
     pending_loads: HashMap<u64, (u32, u64, String, Instant)>,
@@ -428,7 +430,7 @@ impl ClusterLink {
             owner_config,
             unix_base_ms,
             acting: BTreeMap::new(),
-            owners: BTreeMap::new(),
+            owners: Owners::new(),
             pending_prefs: HashMap::new(),
             pending_loads: HashMap::new(),
             pending_shards: HashMap::new(),
@@ -554,20 +556,21 @@ impl ClusterLink {
     /// The earliest core timer (owners' and the fanout's).
     pub fn poll_timeout(&self) -> Option<Millis> {
         self.owners
-            .values()
-            .flat_map(|o| {
-                o.core
-                    .poll_timeout()
-                    .into_iter()
-                    .chain(o.dirty_since.map(|d| d.plus(WRITE_BEHIND)))
-                    .chain(o.idle.front().map(|(due, _)| *due))
-            })
+            .poll_timeout()
+            .into_iter()
             .chain(self.fanout.poll_timeout())
             .min()
     }
 
     /// Runs what is due: core timers at `at`, deadlines and retries at `now`.
     pub fn handle_timeout(&mut self, now: Instant, at: Millis) {
+        self.on_timeout(now, at);
+        self.owners.reindex();
+        #[cfg(test)]
+        self.owners.check();
+    }
+
+    fn on_timeout(&mut self, now: Instant, at: Millis) {
         // Stop acting at a claim's deadline, whatever the status says.
         let lapsed: Vec<u32> = self
             .acting
@@ -579,8 +582,8 @@ impl ClusterLink {
             self.acting.remove(&shard);
             self.drop_owner(shard, now, at);
         }
-        let shards: Vec<u32> = self.owners.keys().copied().collect();
-        for shard in shards {
+        // Only the shards with something due (or changed since last asked).
+        for shard in self.owners.due(at) {
             if let Some(o) = self.owners.get_mut(&shard) {
                 o.core.handle_timeout(at);
             }
@@ -605,6 +608,13 @@ impl ClusterLink {
     }
 
     pub fn handle_input(&mut self, now: Instant, at: Millis, input: ClusterInput) {
+        self.on_input(now, at, input);
+        self.owners.reindex();
+        #[cfg(test)]
+        self.owners.check();
+    }
+
+    fn on_input(&mut self, now: Instant, at: Millis, input: ClusterInput) {
         match input {
             ClusterInput::Status { shards } => self.set_status(now, at, shards),
             ClusterInput::ShardMessage { shard, payload } => {

@@ -31,10 +31,9 @@ pub(super) struct Owner {
     pub(super) devices: Interner,
     /// Each session's holder, device name id (the owner's `devices` hold
     /// one reference per session: a name no session uses is freed), the
-    /// edge's wire id of it (0: restored, not connected again yet) and its
-    /// user.
-    /// Each session's holder, device, wire id, user, and `since` (its
-    /// edge's welcome order; 0 when restored from the device record).
+    /// edge's wire id of it (0: restored, not connected again yet), its
+    /// user, and `since` (its edge's welcome order; 0 when restored from the
+    /// device record).
     pub(super) sessions: HashMap<SessionId, (Holder, u64, u64, UserId, u64)>,
     pub(super) by_holder: HashMap<Holder, SessionId>,
     /// The last request id taken per connection: a request that arrives
@@ -247,14 +246,14 @@ impl ClusterLink {
     pub(super) fn announce(&mut self, now: Instant) {
         let again: Vec<(u32, u64)> = self
             .owners
-            .iter_mut()
+            .iter()
             .filter(|(_, o)| now < o.resync_until && now >= o.next_resync)
-            .map(|(s, o)| {
-                o.next_resync = now + RESYNC_EVERY;
-                (*s, o.epoch)
-            })
+            .map(|(s, o)| (*s, o.epoch))
             .collect();
         for (shard, epoch) in again {
+            if let Some(o) = self.owners.get_mut(&shard) {
+                o.next_resync = now + RESYNC_EVERY;
+            }
             self.ask_resync(shard, epoch);
         }
         if self.next_beacon.is_some_and(|t| now < t) {

@@ -1,0 +1,166 @@
+//! The shards this node acts for, with an index of when each is next due
+//! for `handle_timeout`, so the server's loop finds the earliest owner timer
+//! without asking every owner core on every pass.
+//!
+//! A shard handed out mutably may have changed its timers: it is marked
+//! touched and left out of the index until [`Owners::reindex`] (at the end of
+//! each of the link's steps) computes its deadline again. Until then it is
+//! asked directly, so the answer is right whenever it is asked.
+
+use super::owner::Owner;
+use super::WRITE_BEHIND;
+use greendot_core::Millis;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::ops::Index;
+
+pub(super) struct Owners {
+    map: BTreeMap<u32, Owner>,
+    /// (deadline, shard) of the shards not touched since they were indexed
+    /// and that have a deadline.
+    index: BTreeSet<(Millis, u32)>,
+    /// Each indexed shard's entry in `index`.
+    indexed: HashMap<u32, Millis>,
+    /// Shards handed out mutably since the last `reindex`.
+    touched: BTreeSet<u32>,
+}
+
+/// When `o` next needs `handle_timeout`: its core's timer, the write-behind
+/// of its device record, or the release of its earliest idle user.
+fn deadline(o: &Owner) -> Option<Millis> {
+    [
+        o.core.poll_timeout(),
+        o.dirty_since.map(|d| d.plus(WRITE_BEHIND)),
+        o.idle.front().map(|(due, _)| *due),
+    ]
+    .into_iter()
+    .flatten()
+    .min()
+}
+
+impl Owners {
+    pub(super) fn new() -> Owners {
+        Owners {
+            map: BTreeMap::new(),
+            index: BTreeSet::new(),
+            indexed: HashMap::new(),
+            touched: BTreeSet::new(),
+        }
+    }
+
+    pub(super) fn get(&self, shard: &u32) -> Option<&Owner> {
+        self.map.get(shard)
+    }
+
+    pub(super) fn get_mut(&mut self, shard: &u32) -> Option<&mut Owner> {
+        if self.map.contains_key(shard) {
+            self.touch(*shard);
+        }
+        self.map.get_mut(shard)
+    }
+
+    pub(super) fn contains_key(&self, shard: &u32) -> bool {
+        self.map.contains_key(shard)
+    }
+
+    pub(super) fn insert(&mut self, shard: u32, owner: Owner) -> Option<Owner> {
+        self.touch(shard);
+        self.map.insert(shard, owner)
+    }
+
+    pub(super) fn remove(&mut self, shard: &u32) -> Option<Owner> {
+        self.unindex(*shard);
+        self.touched.remove(shard);
+        self.map.remove(shard)
+    }
+
+    pub(super) fn keys(&self) -> impl Iterator<Item = &u32> {
+        self.map.keys()
+    }
+
+    pub(super) fn values(&self) -> impl Iterator<Item = &Owner> {
+        self.map.values()
+    }
+
+    #[cfg(test)]
+    pub(super) fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    pub(super) fn iter(&self) -> impl Iterator<Item = (&u32, &Owner)> {
+        self.map.iter()
+    }
+
+    fn touch(&mut self, shard: u32) {
+        self.unindex(shard);
+        self.touched.insert(shard);
+    }
+
+    fn unindex(&mut self, shard: u32) {
+        if let Some(due) = self.indexed.remove(&shard) {
+            self.index.remove(&(due, shard));
+        }
+    }
+
+    /// Puts the touched shards back in the index at their new deadlines.
+    pub(super) fn reindex(&mut self) {
+        for shard in std::mem::take(&mut self.touched) {
+            if let Some(due) = self.map.get(&shard).and_then(deadline) {
+                self.index.insert((due, shard));
+                self.indexed.insert(shard, due);
+            }
+        }
+    }
+
+    /// The earliest deadline of any shard.
+    pub(super) fn poll_timeout(&self) -> Option<Millis> {
+        let touched = self
+            .touched
+            .iter()
+            .filter_map(|s| self.map.get(s).and_then(deadline));
+        self.index
+            .first()
+            .map(|(due, _)| *due)
+            .into_iter()
+            .chain(touched)
+            .min()
+    }
+
+    /// The shards due at `at`, and the touched ones (whose deadline is not
+    /// known without asking).
+    pub(super) fn due(&self, at: Millis) -> Vec<u32> {
+        let mut due: Vec<u32> = self
+            .index
+            .range(..=(at, u32::MAX))
+            .map(|(_, shard)| *shard)
+            .collect();
+        due.extend(self.touched.iter().copied());
+        due
+    }
+
+    /// Asserts that the index agrees with every owner's deadline, and that
+    /// the earliest is what walking every owner finds (run after every step
+    /// of the link in the unit tests).
+    #[cfg(test)]
+    pub(super) fn check(&self) {
+        for (shard, o) in &self.map {
+            if !self.touched.contains(shard) {
+                assert_eq!(
+                    self.indexed.get(shard).copied(),
+                    deadline(o),
+                    "shard {shard}"
+                );
+            }
+        }
+        assert_eq!(self.index.len(), self.indexed.len());
+        let scan = self.map.values().filter_map(deadline).min();
+        assert_eq!(self.poll_timeout(), scan);
+    }
+}
+
+impl Index<&u32> for Owners {
+    type Output = Owner;
+
+    fn index(&self, shard: &u32) -> &Owner {
+        &self.map[shard]
+    }
+}
