@@ -275,8 +275,6 @@ async fn deliver(
                 }
             }
         };
-        // Held while the listener runs, so `cancel` can wait for it.
-        let busy = lock(&handle.busy);
         if handle.cancelled.load(Ordering::Acquire) {
             queue.held = Some(event);
             return;
@@ -291,7 +289,6 @@ async fn deliver(
         let delivered =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| listener.on_event(event)));
         IN_LISTENER.with(|l| l.set(false));
-        drop(busy);
         match delivered {
             Ok(Ok(())) => {}
             Ok(Err(e)) => warn(&format!("a PresenceListener's on_event: {e}")),
@@ -320,7 +317,7 @@ impl GreendotClient {
         let handle = Arc::new(ListenerHandle {
             cancelled: AtomicBool::new(false),
             stop: tokio::sync::Notify::new(),
-            busy: Mutex::new(()),
+            thread: Mutex::new(None),
         });
         if let Some(last) = lock(&self.listener).replace(handle.clone()) {
             last.cancel();
@@ -331,8 +328,9 @@ impl GreendotClient {
         let spawned = std::thread::Builder::new()
             .name("greendot-listener".into())
             .spawn(move || runtime().block_on(deliver(queue, this, listener)));
-        if let Err(e) = spawned {
-            warn(&format!("cannot start a listener's thread: {e}"));
+        match spawned {
+            Ok(thread) => *lock(&handle.thread) = Some(thread),
+            Err(e) => warn(&format!("cannot start a listener's thread: {e}")),
         }
         handle
     }
@@ -493,8 +491,9 @@ impl GreendotClient {
 pub struct ListenerHandle {
     cancelled: AtomicBool,
     stop: tokio::sync::Notify,
-    /// Locked while `on_event` runs.
-    busy: Mutex<()>,
+    /// The thread that calls the listener: `cancel` waits for it to end,
+    /// which is also when it lets go of the listener object.
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 thread_local! {
@@ -505,18 +504,21 @@ thread_local! {
 
 #[uniffi::export]
 impl ListenerHandle {
-    /// No `on_event` starts after this returns, and none is running:
-    /// it waits for one in progress to return (except when called from
-    /// inside an `on_event`, where it returns at once). So an app (or a
+    /// No `on_event` starts after this returns, none is running, and the
+    /// library holds the listener no more: it waits for the listener's
+    /// thread to end, so for an `on_event` in progress to return (called
+    /// from inside an `on_event`, it returns at once instead). An app (or a
     /// Python interpreter about to exit) that cancels its listeners is
-    /// never called again. Safe to call twice.
+    /// never called into again. Safe to call twice.
     pub fn cancel(&self) {
         if !self.cancelled.swap(true, Ordering::AcqRel) {
             // A permit if the loop is not waiting yet: it will not miss it.
             self.stop.notify_one();
         }
         if !IN_LISTENER.with(|l| l.get()) {
-            drop(lock(&self.busy));
+            if let Some(thread) = lock(&self.thread).take() {
+                let _ = thread.join();
+            }
         }
     }
 }

@@ -1142,11 +1142,12 @@ public func FfiConverterTypeGreendotClient_lower(_ value: GreendotClient) -> UIn
 public protocol ListenerHandleProtocol: AnyObject, Sendable {
     
     /**
-     * No `on_event` starts after this returns, and none is running:
-     * it waits for one in progress to return (except when called from
-     * inside an `on_event`, where it returns at once). So an app (or a
+     * No `on_event` starts after this returns, none is running, and the
+     * library holds the listener no more: it waits for the listener's
+     * thread to end, so for an `on_event` in progress to return (called
+     * from inside an `on_event`, it returns at once instead). An app (or a
      * Python interpreter about to exit) that cancels its listeners is
-     * never called again. Safe to call twice.
+     * never called into again. Safe to call twice.
      */
     func cancel() 
     
@@ -1208,11 +1209,12 @@ open class ListenerHandle: ListenerHandleProtocol, @unchecked Sendable {
 
     
     /**
-     * No `on_event` starts after this returns, and none is running:
-     * it waits for one in progress to return (except when called from
-     * inside an `on_event`, where it returns at once). So an app (or a
+     * No `on_event` starts after this returns, none is running, and the
+     * library holds the listener no more: it waits for the listener's
+     * thread to end, so for an `on_event` in progress to return (called
+     * from inside an `on_event`, it returns at once instead). An app (or a
      * Python interpreter about to exit) that cancels its listeners is
-     * never called again. Safe to call twice.
+     * never called into again. Safe to call twice.
      */
 open func cancel()  {try! rustCall() {
         uniffiCallStatus in
@@ -3280,7 +3282,7 @@ private let initializationResult: InitializationResult = {
     if (uniffi_greendot_ffi_checksum_method_greendotclient_user() != 1753) {
         return InitializationResult.apiChecksumMismatch
     }
-    if (uniffi_greendot_ffi_checksum_method_listenerhandle_cancel() != 38145) {
+    if (uniffi_greendot_ffi_checksum_method_listenerhandle_cancel() != 28151) {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_greendot_ffi_checksum_method_presencelistener_on_event() != 3007) {
