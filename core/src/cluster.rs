@@ -106,6 +106,9 @@ pub struct DeviceRecord {
     pub edge: NodeId,
     /// When it was last heard from (as the owner last knew).
     pub last_heard: Millis,
+    /// Its app was in the foreground (I12): a backgrounded device is
+    /// restored backgrounded, so it does not show its user present.
+    pub foreground: bool,
 }
 
 /// What an owner core hands its driver to publish, drained with

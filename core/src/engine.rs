@@ -1931,10 +1931,12 @@ impl Core {
     /// last seen, the last published view (with its version, so a snapshot
     /// shows what watchers were last told), and each recorded device as
     /// Lingering until `linger_until` at the earliest (the end of the resync
-    /// window), heard from at its recorded time. If what the user is shown
-    /// now differs from the restored view, a debounce starts, so the view
-    /// heals (after [`Core::hold_offline_until`] for an offline). Refused
-    /// like [`Core::restore`]. Returns the devices' new sessions.
+    /// window), heard from at its recorded time, in the foreground or the
+    /// background as recorded (a backgrounded one shows nobody present). If
+    /// what the user is shown now differs from the restored view, a debounce
+    /// starts, so the view heals (after [`Core::hold_offline_until`] for an
+    /// offline). Refused like [`Core::restore`]. Returns the devices' new
+    /// sessions.
     pub fn restore_owned(
         &mut self,
         now: Millis,
@@ -1962,7 +1964,7 @@ impl Core {
                     kind: d.kind,
                     watch: Watch::All,
                     resume: None,
-                    foreground: true,
+                    foreground: d.foreground,
                 },
             )?;
             let id = connected.session;

@@ -399,6 +399,7 @@ proptest! {
                     kind: DeviceKind::Mobile,
                     edge: NodeId(1),
                     last_heard: Millis(9_000),
+                    foreground: true,
                 })
                 .collect(),
             ..OwnedRecord::default()
@@ -590,4 +591,71 @@ fn a_resumed_session_carries_its_subscriptions_on_the_edge() {
         }
     }
     assert_eq!(pushed, vec![(new, UserId(1), 7), (new, UserId(2), 5)]);
+}
+
+/// When a new owner restores a user, in a shard record, whose one device is
+/// in the background, and which the old owner last published online. Returns
+/// when the new owner publishes her offline, and that view.
+fn restored_offline_at(foreground: bool, until: Millis) -> (Millis, Presence) {
+    let cfg = config();
+    let mut owner = Core::new(cfg.clone()).unwrap();
+    owner.set_publish_views(true);
+    owner.enter_epoch(Epoch(7));
+    let start = Millis(10_000);
+    owner.hold_offline_until(until);
+    let record = OwnedRecord {
+        last_seen: Some(Millis(8_000)),
+        published: Presence {
+            version: epoch_base(Epoch(6)) + 5,
+            online: true,
+            ..Presence::default()
+        },
+        devices: vec![DeviceRecord {
+            device: DeviceId(1),
+            kind: DeviceKind::Mobile,
+            edge: NodeId(1),
+            last_heard: Millis(9_000),
+            foreground,
+        }],
+        ..OwnedRecord::default()
+    };
+    owner
+        .restore_owned(start, UserId(1), &record, until)
+        .unwrap();
+    owner.check_invariants().unwrap();
+    let end = start
+        .plus(cfg.kind(DeviceKind::Mobile).grace)
+        .plus(cfg.debounce);
+    let mut t = start;
+    while t <= end.plus(Millis(10)) {
+        owner.handle_timeout(t);
+        owner.check_invariants().unwrap();
+        while let Some(p) = owner.poll_published() {
+            if !p.own && !p.presence.online {
+                return (t, p.presence);
+            }
+        }
+        t = t.plus(Millis(1));
+    }
+    panic!("never published offline by {end}");
+}
+
+/// A device the shard record names as backgrounded is restored
+/// backgrounded: its user is shown offline when the resync window closes,
+/// not after the device's grace, and last seen stays when the app left the
+/// foreground (I12 across an owner failover).
+#[test]
+fn a_backgrounded_device_is_restored_in_the_background() {
+    let cfg = config();
+    let start = Millis(10_000);
+    let until = start.plus(Millis(200));
+    let (at, view) = restored_offline_at(false, until);
+    assert!(
+        at <= until.plus(cfg.debounce),
+        "a backgrounded user shown online until {at}, past the window ending {until}"
+    );
+    assert_eq!(view.last_seen, Some(Millis(8_000)));
+    // A foreground device, for contrast, lingers for its grace.
+    let (at, _) = restored_offline_at(true, until);
+    assert!(at >= start.plus(cfg.kind(DeviceKind::Mobile).grace));
 }

@@ -32,6 +32,7 @@ impl ClusterModel {
                     kind: DeviceKind::Mobile,
                     edge: NodeId(edge.into()),
                     last_heard: Millis(heard),
+                    foreground: true,
                 })
                 .collect(),
             ..OwnedRecord::default()

@@ -31,7 +31,11 @@ use ring::hmac;
 /// that raises the version roll through a cluster of the previous one.
 /// Version 0 is the unsigned, unversioned format of releases before the
 /// envelope: never read.
-pub const PROTOCOL_VERSION: u8 = 1;
+///
+/// Version 2: the shard's device record (a KV record, not a message) keeps
+/// each device's foreground flag; nodes sending 1 write the record of
+/// version 1, which a node of version 1 reads.
+pub const PROTOCOL_VERSION: u8 = 2;
 
 const TAG_LEN: usize = 32;
 const HEADER_LEN: usize = 1 + TAG_LEN;

@@ -309,15 +309,64 @@ impl NatsCluster {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
+        // Every node answering account queries is not yet a metadata leader
+        // that accepts new streams: right after a cluster forms, creating one
+        // can still be answered "no responders". A stream created and deleted
+        // through the first running node shows the leader is there. One node
+        // alone leads itself once it answers.
+        let Some(first) = self.nodes.iter().position(|n| n.child.is_some()) else {
+            return;
+        };
+        if self.nodes.len() > 1 {
+            while !self.creates_streams(first).await {
+                if Instant::now() > deadline {
+                    panic!(
+                        "NATS cluster creates no stream within {within:?}; logs in {}",
+                        self.dir.display()
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
     }
 
-    async fn jetstream_answers(&self, i: usize) -> bool {
+    async fn creates_streams(&self, i: usize) -> bool {
+        let Some(client) = self.client_for_checks(i).await else {
+            return false;
+        };
+        let js = async_nats::jetstream::new(client);
+        let name = format!("gd_ready_{}", self.cluster_name);
+        let created = tokio::time::timeout(
+            Duration::from_secs(2),
+            js.get_or_create_stream(async_nats::jetstream::stream::Config {
+                name: name.clone(),
+                subjects: vec![format!("gd.ready.{}", self.cluster_name)],
+                storage: async_nats::jetstream::stream::StorageType::Memory,
+                num_replicas: 1,
+                ..Default::default()
+            }),
+        )
+        .await;
+        if !matches!(created, Ok(Ok(_))) {
+            return false;
+        }
+        matches!(
+            tokio::time::timeout(Duration::from_secs(2), js.delete_stream(&name)).await,
+            Ok(Ok(_))
+        )
+    }
+
+    async fn client_for_checks(&self, i: usize) -> Option<async_nats::Client> {
         let mut options =
             async_nats::ConnectOptions::new().connection_timeout(Duration::from_secs(1));
         if let Some((user, password)) = &self.auth {
             options = options.user_and_password(user.clone(), password.clone());
         }
-        let Ok(client) = options.connect(self.url(i)).await else {
+        options.connect(self.url(i)).await.ok()
+    }
+
+    async fn jetstream_answers(&self, i: usize) -> bool {
+        let Some(client) = self.client_for_checks(i).await else {
             return false;
         };
         let js = async_nats::jetstream::new(client);

@@ -143,6 +143,10 @@ pub struct ClusterSettings {
     /// the client (the edge still delivers device inputs that have no client
     /// waiting, retrying until the owner takes them).
     pub request_timeout: Duration,
+    /// The inter-node protocol version this node sends (greendot-cluster's
+    /// `Envelope::send_version`); the KV records it writes follow it, so a
+    /// node of the previous release reads them during a rolling upgrade.
+    pub protocol: u8,
 }
 
 /// Which of the owner's subjects a request goes to.

@@ -4,7 +4,8 @@
 //! devices), and announcing its view numbers in beacons.
 
 use super::wire::{
-    decode, encode, Beacon, FromOwner, RecordedDevice, ResyncRequest, ShardView, ToOwner, WirePrefs,
+    decode, decode_device_record, encode, encode_device_record, Beacon, FromOwner, RecordedDevice,
+    ResyncRequest, ShardView, ToOwner, WirePrefs,
 };
 use super::{
     ClusterLink, ClusterOutput, BEACON_EVERY, MAX_BEACON_SHARDS, MAX_BEACON_TRUTHS, MAX_EPOCH,
@@ -387,6 +388,7 @@ impl ClusterLink {
                     kind: d.kind.into(),
                     edge: greendot_core::NodeId(0),
                     last_heard: Millis(d.heard).min(at),
+                    foreground: d.foreground,
                 });
                 holders.push(((d.edge.clone(), d.incarnation, d.conn), did));
             }
@@ -437,7 +439,7 @@ impl ClusterLink {
         };
         let max_name = self.max_name_len;
         let devices: Vec<RecordedDevice> = record
-            .and_then(|b| decode::<Vec<RecordedDevice>>(&b))
+            .and_then(|b| decode_device_record(&b))
             .unwrap_or_default()
             .into_iter()
             .filter(|d| {
@@ -503,6 +505,7 @@ impl ClusterLink {
                     incarnation: *incarnation,
                     conn: *conn,
                     heard: base.saturating_add(at.0),
+                    foreground: info.foreground,
                 })
             })
             .collect();
@@ -510,7 +513,7 @@ impl ClusterLink {
         devices.truncate(MAX_RECORDED_DEVICES);
         self.outputs.push_back(ClusterOutput::PutShardDevices {
             shard,
-            value: encode(&devices),
+            value: encode_device_record(&devices, self.settings.protocol),
         });
     }
 

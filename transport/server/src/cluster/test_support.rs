@@ -1,7 +1,7 @@
 //! What the cluster tests share: links on a small cluster, and the exchanges
 //! that carry their outputs to each other as NATS and the KV would.
 
-use super::wire::{decode, SessionRecord, ShardView, WireOp};
+use super::wire::{decode, SessionRecord, ShardView, WireOp, RECORD_FOREGROUND_SINCE};
 use super::{ClusterInput, ClusterLink, ClusterOutput, ClusterSettings};
 use bytes::Bytes;
 use greendot_core::{Config, Epoch, Millis, Output, Presence, SessionId, Tier};
@@ -27,6 +27,7 @@ pub(super) fn link_as(node: &str, incarnation: u64) -> ClusterLink {
         shard_count: SHARDS,
         shard_of: by_len,
         request_timeout: Duration::from_secs(5),
+        protocol: RECORD_FOREGROUND_SINCE,
     };
     ClusterLink::new(settings, &Config::default(), 0, 128)
 }

@@ -3,7 +3,8 @@
 
 use super::test_support::*;
 use super::wire::{
-    decode, encode, FromOwner, RecordedDevice, ResyncRequest, ShardView, ToOwner, WireOp,
+    decode, decode_device_record, encode, encode_device_record, FromOwner, RecordedDevice,
+    ResyncRequest, ShardView, ToOwner, WireOp, RECORD_FOREGROUND_SINCE,
 };
 use super::{
     ClusterInput, ClusterLink, ClusterOutput, ClusterSettings, Finished, RequestKind, MAX_EPOCH,
@@ -97,6 +98,7 @@ fn a_logout_during_an_owner_failover_reaches_the_next_owner() {
         incarnation: 7,
         conn: a.devices[&alice].conn,
         heard: 600,
+        foreground: true,
     }];
     drop(b); // the owner dies
 
@@ -132,7 +134,7 @@ fn a_logout_during_an_owner_failover_reaches_the_next_owner() {
             ClusterOutput::LoadShard { id, .. } => {
                 let loaded = ClusterInput::ShardLoaded {
                     id,
-                    record: Some(encode(&record)),
+                    record: Some(encode_device_record(&record, RECORD_FOREGROUND_SINCE)),
                 };
                 c.handle_input(claimed_at, at, loaded);
             }
@@ -172,6 +174,112 @@ fn a_logout_during_an_owner_failover_reaches_the_next_owner() {
     );
 }
 
+/// alice's phone goes to the background, then both its edge and the owner
+/// of her shard die. The next owner has only the shard's device record: it
+/// restores the phone backgrounded, so watchers see her offline once the
+/// resync window and the debounce pass, not after the phone's grace (I12).
+#[test]
+fn a_backgrounded_device_stays_backgrounded_across_an_owner_failover() {
+    let (mut a, mut b, now) = two_nodes();
+    b.handle_timeout(now, Millis(600));
+    exchange(&mut a, &mut b, now, Millis(600));
+    let background = WireOp::SetForeground(false);
+    assert!(a.input(now, Millis(700), SessionId(1), background, None));
+    exchange(&mut a, &mut b, now, Millis(700));
+    // Within the debounce: the owner has not published her offline yet, but
+    // writes the shard's record behind.
+    b.handle_timeout(now, Millis(1_300));
+    let record = std::iter::from_fn(|| b.poll_output())
+        .find_map(|out| match out {
+            ClusterOutput::PutShardDevices { shard: 1, value } => Some(value),
+            _ => None,
+        })
+        .expect("the owner wrote alice's shard record");
+    let recorded = decode_device_record(&record).unwrap();
+    assert_eq!(recorded.len(), 1);
+    assert!(!recorded[0].foreground, "{recorded:?}");
+    drop((a, b)); // her edge and her owner die
+
+    let mut c = link("c");
+    let t = |ms: u64| (now + Duration::from_millis(ms), Millis(ms));
+    let (claimed_at, at) = t(2_000);
+    c.set_status(
+        claimed_at,
+        at,
+        all_shards(2, now + Duration::from_secs(3600)),
+    );
+    let online = proto::Presence {
+        online: true,
+        ..proto::Presence::default()
+    };
+    let mut offline_at = None;
+    'time: for ms in (2_000..60_000).step_by(100) {
+        let (now, at) = t(ms);
+        c.handle_timeout(now, at);
+        while let Some(out) = c.poll_output() {
+            let input = match out {
+                ClusterOutput::LoadShard { id, .. } => ClusterInput::ShardLoaded {
+                    id,
+                    record: Some(record.clone()),
+                },
+                ClusterOutput::LoadUser { id, .. } => ClusterInput::UserLoaded {
+                    id,
+                    prefs: None,
+                    view: Some(encode(&online)),
+                },
+                ClusterOutput::Publish { payload, .. } => {
+                    let view: ShardView = decode(&payload).unwrap();
+                    if view.user == "alice" && !view.own && !view.presence.online {
+                        offline_at = Some(ms);
+                        break 'time;
+                    }
+                    continue;
+                }
+                _ => continue,
+            };
+            c.handle_input(now, at, input);
+        }
+    }
+    let offline_at = offline_at.expect("alice never shown offline");
+    // The resync window (the request timeout, 5 s) and the debounce, far
+    // below the mobile grace.
+    assert!(
+        offline_at <= 2_000 + 5_000 + 1_000,
+        "offline at {offline_at} ms"
+    );
+}
+
+/// The shard record's two layouts: a node sending protocol 1 writes the
+/// first (no foreground flag), which every node reads as foreground; the
+/// second keeps the flag; the two never read as each other.
+#[test]
+fn the_shard_record_is_written_in_the_layout_of_the_protocol_sent() {
+    let device = |foreground| RecordedDevice {
+        user: "alice".into(),
+        device: "phone".into(),
+        kind: proto::Kind::Mobile,
+        edge: "a".into(),
+        incarnation: 7,
+        conn: 1,
+        heard: 600,
+        foreground,
+    };
+    let both = vec![device(false), device(true)];
+    let v2 = encode_device_record(&both, RECORD_FOREGROUND_SINCE);
+    assert_eq!(decode_device_record(&v2), Some(both.clone()));
+    let v1 = encode_device_record(&both, RECORD_FOREGROUND_SINCE - 1);
+    assert_eq!(
+        decode_device_record(&v1),
+        Some(vec![device(true), device(true)])
+    );
+    for version in [1, 2] {
+        let empty = encode_device_record(&[], version);
+        assert_eq!(decode_device_record(&empty), Some(Vec::new()));
+    }
+    assert_eq!(decode_device_record(b"\0gdD2\xff"), None);
+    assert_eq!(decode_device_record(b"\xff\xff"), None);
+}
+
 /// `max_users` bounds the users of all the shards a node owns, not of
 /// each shard's core.
 #[test]
@@ -183,6 +291,7 @@ fn max_users_is_the_nodes_over_all_its_shards() {
         shard_count: SHARDS,
         shard_of: by_len,
         request_timeout: Duration::from_secs(5),
+        protocol: RECORD_FOREGROUND_SINCE,
     };
     let config = Config {
         max_users: 2,

@@ -118,6 +118,77 @@ pub struct RecordedDevice {
     pub conn: u64,
     /// Unix milliseconds of the write.
     pub heard: u64,
+    /// Its app was in the foreground (I12). Not in records of the first
+    /// layout, which read as `true`.
+    pub foreground: bool,
+}
+
+/// A device in the shard record's first layout (protocol 1), before the
+/// foreground flag.
+#[derive(Serialize, Deserialize)]
+struct RecordedDeviceV1 {
+    user: String,
+    device: String,
+    kind: proto::Kind,
+    edge: String,
+    incarnation: u64,
+    conn: u64,
+    heard: u64,
+}
+
+/// The protocol version from which owners write the shard record with the
+/// foreground flag (greendot-cluster's `PROTOCOL_VERSION` 2).
+pub const RECORD_FOREGROUND_SINCE: u8 = 2;
+
+/// What a shard record of the second layout begins with. A record of the
+/// first layout is a bare postcard list, which begins with 0 only when it
+/// is empty, and then is that one byte: the two never meet.
+const RECORD_V2: &[u8] = b"\0gdD2";
+
+/// The shard's device record in the layout of protocol `version`: the
+/// first layout below [`RECORD_FOREGROUND_SINCE`], which a node of the
+/// previous release reads during a rolling upgrade (docs/cluster.md).
+pub fn encode_device_record(devices: &[RecordedDevice], version: u8) -> Bytes {
+    if version >= RECORD_FOREGROUND_SINCE {
+        let mut out = RECORD_V2.to_vec();
+        out.extend_from_slice(&encode(&devices));
+        return Bytes::from(out);
+    }
+    let v1: Vec<RecordedDeviceV1> = devices
+        .iter()
+        .map(|d| RecordedDeviceV1 {
+            user: d.user.clone(),
+            device: d.device.clone(),
+            kind: d.kind,
+            edge: d.edge.clone(),
+            incarnation: d.incarnation,
+            conn: d.conn,
+            heard: d.heard,
+        })
+        .collect();
+    encode(&v1)
+}
+
+/// A shard's device record of either layout; `None` if it is neither.
+pub fn decode_device_record(payload: &[u8]) -> Option<Vec<RecordedDevice>> {
+    if let Some(v2) = payload.strip_prefix(RECORD_V2) {
+        return decode(v2);
+    }
+    let v1: Vec<RecordedDeviceV1> = decode(payload)?;
+    Some(
+        v1.into_iter()
+            .map(|d| RecordedDevice {
+                user: d.user,
+                device: d.device,
+                kind: d.kind,
+                edge: d.edge,
+                incarnation: d.incarnation,
+                conn: d.conn,
+                heard: d.heard,
+                foreground: true,
+            })
+            .collect(),
+    )
 }
 
 /// In the sessions bucket, under the device's key: what its current

@@ -258,9 +258,11 @@ pub fn runtime() -> Result<tokio::runtime::Runtime, String> {
 /// lease too; it grows from one run to the next (a restart takes longer
 /// than a millisecond), which is how owners tell a restart within the lease
 /// TTL from a renewal.
+/// `protocol`: the inter-node protocol version this node sends.
 fn cluster_settings(
     config: &greendot_cluster::ClusterConfig,
     incarnation: u64,
+    protocol: u8,
 ) -> Result<greendot_server::cluster::ClusterSettings, String> {
     Ok(greendot_server::cluster::ClusterSettings {
         node: config.node.to_string(),
@@ -269,6 +271,7 @@ fn cluster_settings(
         shard_of: |user, shards| greendot_cluster::shard_of(user, shards).0,
         // Long enough for a shard to change hands (its claim's TTL).
         request_timeout: config.claim_ttl.max(Duration::from_secs(2)),
+        protocol,
     })
 }
 
@@ -300,7 +303,8 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
     let cluster_config = settings.cluster_config()?;
     let incarnation = greendot_cluster::unix_ms();
     if let Some((_, c)) = &cluster_config {
-        config.cluster = Some(cluster_settings(c, incarnation)?);
+        let protocol = settings.envelope(&data.secret)?.send_version();
+        config.cluster = Some(cluster_settings(c, incarnation, protocol)?);
     }
     let server = Server::bind(config).map_err(|e| e.to_string())?;
     let addr = server.local_addr();
