@@ -2,7 +2,8 @@
 //! client's lifecycle surface: a backgrounded phone is offline to watchers
 //! after the debounce, last seen when it went, and routes nowhere; back in
 //! the foreground it is online and routable; a quick toggle shows nothing;
-//! the app's state survives a reconnect (the hello carries it).
+//! the app's state survives a reconnect (the hello carries it); a client
+//! left in the background closes its connection and comes back resuming.
 
 use greendot_client::{ClientConfig, Event};
 use greendot_core::{Status, Tier};
@@ -151,6 +152,8 @@ async fn the_app_state_survives_a_reconnect_and_the_foreground_reconnects_at_onc
     config.servers = vec![relay.addr.into()];
     config.websocket = greendot_client::WebSocket::Off;
     config.request_timeout = Duration::from_millis(500);
+    // The connection stays up in the background: what dies is the path.
+    config.close_in_background = None;
     // Redials are far apart: a quick reconnect comes from the lifecycle.
     config.reconnect = Some(greendot_client::Reconnect::new(
         Duration::from_secs(60),
@@ -209,4 +212,94 @@ async fn the_app_state_survives_a_reconnect_and_the_foreground_reconnects_at_onc
     seen.wait_presence("cy", wait, |p| p.online)
         .await
         .expect("watchers see cy online");
+}
+
+/// `close_in_background`: a phone left in the background closes its
+/// connection (nothing of it wakes the device any more) while the server
+/// keeps the session; a request in the background reconnects, resuming,
+/// and the connection goes quiet again; back in the foreground it resumes
+/// at once and is online. Watchers see one offline and one online.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_phone_left_in_the_background_closes_its_connection_and_resumes() {
+    let ts = TestServer::start(|_| {});
+    let wait = Duration::from_millis(ts.config().core.debounce.0) + SLACK;
+    let quiet = Duration::from_millis(300);
+    let (svc, _) = ts
+        .connect_with(ts.client_config(ts.service_token("backend")))
+        .await;
+    let mut config = ts.client_config(ts.token("dot", "phone", Kind::Mobile, WatchClaim::all()));
+    config.close_in_background = Some(quiet);
+    // Redials are far apart: a quick reconnect comes from the lifecycle or
+    // a request.
+    config.reconnect = Some(greendot_client::Reconnect::new(
+        Duration::from_secs(60),
+        Duration::from_secs(60),
+        None,
+    ));
+    let (phone, mut events) = ts.connect_with(config).await;
+    let (_watcher, mut seen) = watching(&ts, "dot", wait).await;
+    let session = phone.session();
+
+    phone.app_backgrounded();
+    phone.ping().await.unwrap();
+    let (_, closed) = events
+        .wait_for(quiet + SLACK, |e| matches!(e, Event::Disconnected { .. }))
+        .await
+        .expect("the backgrounded phone closes its connection");
+    assert!(
+        matches!(&closed, Event::Disconnected { reason } if reason.contains("background")),
+        "{closed:?}"
+    );
+    seen.wait_presence("dot", wait, |p| !p.online)
+        .await
+        .expect("watchers see dot offline");
+    assert!(routed(&svc, "dot").await.is_empty());
+
+    // A request of the app in the background reconnects, resuming.
+    phone.set_status(Status::Away, None).await.unwrap();
+    let (_, back) = events
+        .wait_for(SLACK, |e| matches!(e, Event::Reconnected { .. }))
+        .await
+        .expect("a request reconnects");
+    assert!(
+        matches!(back, Event::Reconnected { resumed: true, .. }),
+        "{back:?}"
+    );
+    assert!(
+        routed(&svc, "dot").await.is_empty(),
+        "still in the background"
+    );
+    events
+        .wait_for(quiet + SLACK, |e| matches!(e, Event::Disconnected { .. }))
+        .await
+        .expect("quiet again after the request");
+
+    // Back in the foreground: resumed at once, online and routable.
+    events.reset();
+    phone.app_foregrounded();
+    let (_, back) = events
+        .wait_for(SLACK, |e| matches!(e, Event::Reconnected { .. }))
+        .await
+        .expect("the foreground reconnects at once");
+    assert!(
+        matches!(back, Event::Reconnected { resumed: true, .. }),
+        "{back:?}"
+    );
+    phone.ping().await.unwrap();
+    assert_eq!(routed(&svc, "dot").await, ["phone"]);
+    let (_, online) = seen
+        .wait_presence("dot", wait, |p| p.online)
+        .await
+        .expect("watchers see dot online again");
+    assert_eq!(
+        online.status,
+        Status::Away,
+        "the status set in the background"
+    );
+    // One offline, then online: the closes and the reconnects show nothing.
+    let mut shown: Vec<bool> = seen.presences_of("dot").map(|p| p.online).collect();
+    shown.dedup();
+    assert_eq!(shown, [false, true], "{:?}", seen.seen);
+    assert_ne!(phone.session(), session, "every welcome names a new id");
+    assert_eq!(phone.stats().quic_connections, 3);
 }

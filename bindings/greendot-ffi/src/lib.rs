@@ -65,7 +65,9 @@ async fn on_runtime<T: Send + 'static>(
 /// Reconnection waits: full jitter, doubling from `initial_backoff_ms` up
 /// to `max_backoff_ms`; the client gives up after `give_up_after_ms` of
 /// failed attempts (`None`: never). In the background the client does not
-/// redial until the app comes to the foreground or the network changes.
+/// redial until the app comes to the foreground, makes a request, or (unless
+/// it closed the connection itself, `close_in_background_ms`) the network
+/// changes.
 #[derive(Clone, Debug, uniffi::Record)]
 pub struct ReconnectSettings {
     pub initial_backoff_ms: u64,
@@ -104,6 +106,14 @@ pub struct ConnectConfig {
     /// background, e.g. by a push). Default `true`.
     #[uniffi(default = true)]
     pub foreground: bool,
+    /// How long after `app_backgrounded()` the client closes its
+    /// connection if the app is still in the background with nothing
+    /// awaiting an answer, so that nothing of it wakes the phone; the
+    /// server keeps the session for the device's grace, and
+    /// `app_foregrounded()` or a request reconnects at once, resuming it.
+    /// 0: the connection stays up in the background. Default 10,000 (10 s).
+    #[uniffi(default = 10000)]
+    pub close_in_background_ms: u64,
     /// The WebSocket fallback's `ip:port`, tried when UDP is blocked.
     /// Default: the QUIC address's port over TCP.
     #[uniffi(default = None)]
@@ -169,6 +179,8 @@ fn client_config(config: ConnectConfig) -> Result<ClientConfig, GreendotError> {
     c.servers = servers;
     c.server_name = config.server_name;
     c.foreground = config.foreground;
+    c.close_in_background =
+        Some(Duration::from_millis(config.close_in_background_ms)).filter(|d| !d.is_zero());
     if let Some(ws) = config.websocket_address {
         c.websocket = WebSocket::At(
             ws.parse()
@@ -431,7 +443,9 @@ impl GreendotClient {
     /// The app went to the background (Android `ON_STOP`, iOS
     /// `scenePhase == .background`): the user is shown offline once no
     /// device of theirs is in the foreground, after the debounce, last seen
-    /// now; `route` no longer lists this device. The client goes quiet.
+    /// now; `route` no longer lists this device. The client goes quiet and
+    /// closes its connection after `close_in_background_ms` unless the app
+    /// returns first.
     pub fn app_backgrounded(&self) {
         self.client.app_backgrounded();
     }

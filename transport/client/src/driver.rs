@@ -106,11 +106,16 @@ pub(super) async fn drive(
             reason: error.to_string(),
         });
         let hint = error.retry_after();
+        // Closed for quiet in the background: nothing redials until the app
+        // comes back or asks for something.
+        let quiet = matches!(
+            error,
+            ClientError::Lost(LostReason::QuietInBackground { .. })
+        );
         let again = reconnect(
             &shared,
             &config,
-            policy,
-            hint,
+            (policy, hint, quiet),
             (&mut cmd_rx, &mut deferred),
             &mut app,
             server,
@@ -206,12 +211,13 @@ pub(crate) fn take_command(cmd: Option<Cmd>, deferred: &mut VecDeque<Cmd>) -> Re
 /// Tries to connect again, resuming the session: before each attempt a wait
 /// drawn with full jitter, or within the `retry_ms` the server last asked for.
 /// Every attempt tries QUIC first (a client that fell back to WebSocket goes
-/// back to QUIC as soon as UDP works again).
+/// back to QUIC as soon as UDP works again). `quiet`: the connection was
+/// closed for quiet in the background, so the first wait ignores network
+/// changes.
 async fn reconnect(
     shared: &Arc<Shared>,
     config: &ClientConfig,
-    policy: Reconnect,
-    mut hint: Option<Duration>,
+    (policy, mut hint, mut quiet): (Reconnect, Option<Duration>, bool),
     (cmd_rx, deferred): (&mut mpsc::Receiver<Cmd>, &mut VecDeque<Cmd>),
     app: &mut tokio::sync::watch::Receiver<bool>,
     lost: SocketAddr,
@@ -220,7 +226,9 @@ async fn reconnect(
     let mut backoff = Backoff::new(policy);
     loop {
         let delay = backoff.next_delay(hint.take());
-        let woke = lifecycle::wait_to_reconnect(delay, app, cmd_rx, deferred).await?;
+        let waiting = (&mut *cmd_rx, &mut *deferred);
+        let woke =
+            lifecycle::wait_to_reconnect(delay, app, waiting, std::mem::take(&mut quiet)).await?;
         lifecycle::after_wake(woke, &mut backoff);
         let resume = Some(shared.state().session);
         fresh_token(shared, config).await;
@@ -386,6 +394,12 @@ async fn run(
     } = est;
     // The app's state as the server knows it; a change since is sent.
     let mut told = said;
+    // When the connection closes for quiet, the app being in the background
+    // (`ClientConfig::close_in_background`): armed when the server is told
+    // of the background, and again at each request of the app meanwhile.
+    let quiet_after = config.close_in_background;
+    let quiet_from_now = || quiet_after.map(|d| tokio::time::Instant::now() + d);
+    let mut quiet_at = if said { None } else { quiet_from_now() };
     // The cap on what the client sends; what it reads is capped by MAX_SERVER_FRAME.
     let max_frame = welcome.max_frame.max(1024) as usize;
     let mut pending: HashMap<u64, Pending> = HashMap::new();
@@ -455,6 +469,7 @@ async fn run(
         if foreground != told {
             told = foreground;
             let waiter = if foreground {
+                quiet_at = None;
                 // Back from the background: the connection may have died
                 // meanwhile; an unanswered check replaces it at once.
                 if probe_deadline.is_none() {
@@ -462,6 +477,7 @@ async fn run(
                 }
                 Pending::Probe
             } else {
+                quiet_at = quiet_from_now();
                 Pending::Lifecycle
             };
             // Before any request the application made after the change.
@@ -478,6 +494,9 @@ async fn run(
                 }
                 if resendable(&request) {
                     user.request = Some(request.clone());
+                }
+                if !told {
+                    quiet_at = quiet_from_now();
                 }
             }
             *next_id = next_id.wrapping_add(1);
@@ -531,6 +550,12 @@ async fn run(
         let fetched = async {
             match fetching.as_mut() {
                 Some(task) => task.await,
+                None => std::future::pending().await,
+            }
+        };
+        let quiet = async {
+            match quiet_at {
+                Some(at) => tokio::time::sleep_until(at).await,
                 None => std::future::pending().await,
             }
         };
@@ -606,6 +631,9 @@ async fn run(
                     match pending.remove(&id) {
                         Some(Pending::User(user)) => {
                             let _ = user.reply.send(result.map_err(ClientError::Server));
+                            if !told {
+                                quiet_at = quiet_from_now();
+                            }
                         }
                         Some(Pending::Probe) => probe_deadline = None,
                         Some(Pending::Refresh) => {
@@ -629,6 +657,17 @@ async fn run(
                 Some(Inbound::Ended(e)) => break Exit::Lost(e),
                 None => break Exit::Lost(LostReason::Ended.into()),
             },
+            _ = quiet => {
+                if pending.values().any(|p| matches!(p, Pending::User(_))) {
+                    // The app waits for an answer: closing now would leave
+                    // its outcome unknown.
+                    quiet_at = quiet_from_now();
+                } else if let Some(after) = quiet_after {
+                    // A plain close: the device lingers for its grace.
+                    link.close(CloseCode::Normal, "quiet in the background").await;
+                    break Exit::Lost(ClientError::Lost(LostReason::QuietInBackground { after }));
+                }
+            }
             _ = probe => {
                 // The TCP connection did not survive the network change. A
                 // plain close: the device lingers and the reconnect resumes.

@@ -347,6 +347,12 @@ pub enum LostReason {
     /// close is a [`LostReason::Quic`] `ApplicationClosed`).
     #[error("closed by the server: {reason}")]
     ClosedByServer { reason: String },
+    /// The client closed the connection itself, the app having been in the
+    /// background for [`crate::ClientConfig::close_in_background`] with
+    /// nothing to send. It reconnects (resuming) when the app comes to the
+    /// foreground or makes a request.
+    #[error("closed after {after:?} in the background")]
+    QuietInBackground { after: Duration },
 }
 
 /// How the server broke the protocol.

@@ -59,9 +59,13 @@
 //! `route` no longer names the device, so a backend pushes instead; the
 //! session and its subscriptions go on, every hello carries the state, and
 //! the client redials nothing until the app is back in the foreground (or
-//! the network changes). Back in the foreground it tells the server, checks
-//! the connection within `probe_timeout`, and a reconnect in progress tries
-//! at once with its backoff reset.
+//! makes a request, or the network changes). After
+//! [`ClientConfig::close_in_background`] in the background it closes the
+//! connection (the server keeps the session for its grace), so nothing
+//! wakes the phone for it. Back in the foreground it tells the server,
+//! checks the connection within `probe_timeout` or reconnects at once
+//! (resuming), and a reconnect in progress tries at once with its backoff
+//! reset.
 //!
 //! # Reconnecting
 //!
@@ -287,6 +291,16 @@ pub struct ClientConfig {
     /// [`Client::app_backgrounded`] and [`Client::app_foregrounded`].
     /// Default `true`.
     pub foreground: bool,
+    /// How long after [`Client::app_backgrounded`] the client closes its
+    /// connection, if the app is still in the background and has nothing
+    /// waiting for an answer: from then on nothing wakes the device for
+    /// this client (no keep-alives, no redials). The server keeps the
+    /// session for the device's grace; [`Client::app_foregrounded`] or a
+    /// request reconnects at once, resuming it (or, after the grace, with a
+    /// new session that subscribes again). A return within this time keeps
+    /// the connection, so quick toggles cost nothing. `None`: the
+    /// connection stays up in the background (pushes go on). Default 10 s.
+    pub close_in_background: Option<Duration>,
     /// How many events other than presence and `Closed` (disconnects,
     /// reconnects, refreshes) [`Updates`] keeps while the app does not
     /// read; past it the oldest is dropped and counted
@@ -336,6 +350,7 @@ impl ClientConfig {
             refresh: None,
             refresh_ahead: Duration::from_secs(60),
             foreground: true,
+            close_in_background: Some(Duration::from_secs(10)),
             max_pending_events: 64,
             max_pending_targets: 4_096,
         }

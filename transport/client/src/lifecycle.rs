@@ -11,11 +11,16 @@
 //!
 //! In the background the client adds nothing of its own: no request, no
 //! probe, and a lost connection is not redialled (no backoff timers to wake
-//! the phone) until the app comes back to the foreground or the network
-//! changes. Back in the foreground it tells the server and checks the
-//! connection: with no answer within `probe_timeout` the connection counts
-//! as dead and the client reconnects at once, resuming its session; while
-//! reconnecting it tries at once with the backoff reset.
+//! the phone) until the app comes back to the foreground, makes a request,
+//! or the network changes. After `close_in_background` (10 s by default)
+//! with nothing awaiting an answer it closes the connection itself, so
+//! that its keep-alives stop too; then only the foreground or a request
+//! reconnects (a network change does not). The server keeps the session
+//! for the device's grace, so the reconnect resumes it. Back in the
+//! foreground the client tells the server and checks the connection: with
+//! no answer within `probe_timeout` the connection counts as dead and the
+//! client reconnects at once, resuming its session; while reconnecting it
+//! tries at once with the backoff reset.
 
 use crate::driver::{take_command, Exit};
 use crate::{Backoff, Client, Cmd};
@@ -27,7 +32,9 @@ impl Client {
     /// The app went to the background: the server is told (the user is
     /// shown offline once no device of theirs is in the foreground, after
     /// the debounce; a quick return shows nothing) and the client goes
-    /// quiet. Returns at once; call it from the platform's lifecycle
+    /// quiet: it closes the connection after
+    /// [`ClientConfig::close_in_background`](crate::ClientConfig::close_in_background)
+    /// unless the app returns first. Returns at once; call it from the platform's lifecycle
     /// callback (Android `ON_STOP`, iOS `scenePhase == .background`).
     /// Idempotent: calling it again (or after a reconnect, whose hello
     /// carries the state anyway) changes nothing anybody sees; the client
@@ -61,13 +68,15 @@ pub(crate) enum Woke {
 }
 
 /// Waits before a reconnect attempt: `delay` in the foreground, for as long
-/// as it takes in the background (no timer: the app is quiet there).
-/// Requests wait for the connection, a close ends the client.
+/// as it takes in the background (no timer: the app is quiet there), where
+/// a request of the app, or a network change unless `quiet` (the client
+/// closed the connection for quiet), tries at once. Requests wait for the
+/// connection, a close ends the client.
 pub(crate) async fn wait_to_reconnect(
     delay: Duration,
     app: &mut watch::Receiver<bool>,
-    cmd_rx: &mut mpsc::Receiver<Cmd>,
-    deferred: &mut VecDeque<Cmd>,
+    (cmd_rx, deferred): (&mut mpsc::Receiver<Cmd>, &mut VecDeque<Cmd>),
+    quiet: bool,
 ) -> Result<Woke, Exit> {
     let sleep = tokio::time::sleep(delay);
     tokio::pin!(sleep);
@@ -88,8 +97,13 @@ pub(crate) async fn wait_to_reconnect(
         };
         tokio::select! {
             _ = timer => return Ok(Woke::Due),
-            cmd = cmd_rx.recv() => if take_command(cmd, deferred)? {
-                return Ok(Woke::Due);
+            cmd = cmd_rx.recv() => {
+                let network_changed = take_command(cmd, deferred)?;
+                let in_background = !*app.borrow();
+                let request = in_background && !network_changed;
+                if request || (network_changed && !(quiet && in_background)) {
+                    return Ok(Woke::Due);
+                }
             },
             changed = app.changed() => {
                 if changed.is_err() {
@@ -108,5 +122,49 @@ pub(crate) async fn wait_to_reconnect(
 pub(crate) fn after_wake(woke: Woke, backoff: &mut Backoff) {
     if let Woke::Foregrounded = woke {
         backoff.reset();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::Ticket;
+    use greendot_proto::Request;
+
+    /// In the background with a connection lost, a network change tries at
+    /// once; with the connection closed for quiet it does not (a phone in a
+    /// pocket changes networks), and only the app's request does. Both are
+    /// queued before the wait: what is left queued shows which woke it.
+    #[tokio::test]
+    async fn a_quiet_client_wakes_for_a_request_not_a_network_change() {
+        for quiet in [false, true] {
+            let (tx, mut rx) = mpsc::channel(4);
+            let (reply, _answer) = tokio::sync::oneshot::channel();
+            tx.try_send(Cmd::NetworkChanged).unwrap();
+            let request = Request::Ping;
+            let ticket = Ticket::default();
+            tx.try_send(Cmd::Request {
+                request,
+                reply,
+                ticket,
+            })
+            .unwrap();
+            let (_app_tx, mut app) = watch::channel(false);
+            let mut deferred = VecDeque::new();
+            let woke = wait_to_reconnect(
+                Duration::from_secs(3600),
+                &mut app,
+                (&mut rx, &mut deferred),
+                quiet,
+            )
+            .await;
+            assert!(matches!(woke, Ok(Woke::Due)));
+            // Not quiet: the network change woke it, the request is still
+            // on its way. Quiet: the request woke it, and waits for the
+            // connection.
+            let expected = usize::from(quiet);
+            assert_eq!(deferred.len(), expected, "quiet: {quiet}");
+            assert_eq!(rx.len(), 1 - expected, "quiet: {quiet}");
+        }
     }
 }

@@ -585,7 +585,9 @@ public protocol GreendotClientProtocol: AnyObject, Sendable {
      * The app went to the background (Android `ON_STOP`, iOS
      * `scenePhase == .background`): the user is shown offline once no
      * device of theirs is in the foreground, after the debounce, last seen
-     * now; `route` no longer lists this device. The client goes quiet.
+     * now; `route` no longer lists this device. The client goes quiet and
+     * closes its connection after `close_in_background_ms` unless the app
+     * returns first.
      */
     func appBackgrounded() 
     
@@ -758,7 +760,9 @@ open class GreendotClient: GreendotClientProtocol, @unchecked Sendable {
      * The app went to the background (Android `ON_STOP`, iOS
      * `scenePhase == .background`): the user is shown offline once no
      * device of theirs is in the foreground, after the debounce, last seen
-     * now; `route` no longer lists this device. The client goes quiet.
+     * now; `route` no longer lists this device. The client goes quiet and
+     * closes its connection after `close_in_background_ms` unless the app
+     * returns first.
      */
 open func appBackgrounded()  {try! rustCall() {
         uniffiCallStatus in
@@ -1527,6 +1531,15 @@ public struct ConnectConfig: Equatable, Hashable {
      */
     public var foreground: Bool
     /**
+     * How long after `app_backgrounded()` the client closes its
+     * connection if the app is still in the background with nothing
+     * awaiting an answer, so that nothing of it wakes the phone; the
+     * server keeps the session for the device's grace, and
+     * `app_foregrounded()` or a request reconnects at once, resuming it.
+     * 0: the connection stays up in the background. Default 10,000 (10 s).
+     */
+    public var closeInBackgroundMs: UInt64
+    /**
      * The WebSocket fallback's `ip:port`, tried when UDP is blocked.
      * Default: the QUIC address's port over TCP.
      */
@@ -1580,6 +1593,14 @@ public struct ConnectConfig: Equatable, Hashable {
          * background, e.g. by a push). Default `true`.
          */foreground: Bool = true, 
         /**
+         * How long after `app_backgrounded()` the client closes its
+         * connection if the app is still in the background with nothing
+         * awaiting an answer, so that nothing of it wakes the phone; the
+         * server keeps the session for the device's grace, and
+         * `app_foregrounded()` or a request reconnects at once, resuming it.
+         * 0: the connection stays up in the background. Default 10,000 (10 s).
+         */closeInBackgroundMs: UInt64 = UInt64(10000), 
+        /**
          * The WebSocket fallback's `ip:port`, tried when UDP is blocked.
          * Default: the QUIC address's port over TCP.
          */websocketAddress: String? = nil, 
@@ -1601,6 +1622,7 @@ public struct ConnectConfig: Equatable, Hashable {
         self.certificateSha256 = certificateSha256
         self.serverName = serverName
         self.foreground = foreground
+        self.closeInBackgroundMs = closeInBackgroundMs
         self.websocketAddress = websocketAddress
         self.reconnect = reconnect
         self.requestTimeoutMs = requestTimeoutMs
@@ -1629,6 +1651,7 @@ public struct FfiConverterTypeConnectConfig: FfiConverterRustBuffer {
                 certificateSha256: FfiConverterSequenceData.read(from: &buf), 
                 serverName: FfiConverterOptionString.read(from: &buf), 
                 foreground: FfiConverterBool.read(from: &buf), 
+                closeInBackgroundMs: FfiConverterUInt64.read(from: &buf), 
                 websocketAddress: FfiConverterOptionString.read(from: &buf), 
                 reconnect: FfiConverterOptionTypeReconnectSettings.read(from: &buf), 
                 requestTimeoutMs: FfiConverterOptionUInt64.read(from: &buf), 
@@ -1643,6 +1666,7 @@ public struct FfiConverterTypeConnectConfig: FfiConverterRustBuffer {
         FfiConverterSequenceData.write(value.certificateSha256, into: &buf)
         FfiConverterOptionString.write(value.serverName, into: &buf)
         FfiConverterBool.write(value.foreground, into: &buf)
+        FfiConverterUInt64.write(value.closeInBackgroundMs, into: &buf)
         FfiConverterOptionString.write(value.websocketAddress, into: &buf)
         FfiConverterOptionTypeReconnectSettings.write(value.reconnect, into: &buf)
         FfiConverterOptionUInt64.write(value.requestTimeoutMs, into: &buf)
@@ -1793,7 +1817,9 @@ public func FfiConverterTypePresence_lower(_ value: Presence) -> RustBuffer {
  * Reconnection waits: full jitter, doubling from `initial_backoff_ms` up
  * to `max_backoff_ms`; the client gives up after `give_up_after_ms` of
  * failed attempts (`None`: never). In the background the client does not
- * redial until the app comes to the foreground or the network changes.
+ * redial until the app comes to the foreground, makes a request, or (unless
+ * it closed the connection itself, `close_in_background_ms`) the network
+ * changes.
  */
 public struct ReconnectSettings: Equatable, Hashable {
     public var initialBackoffMs: UInt64
@@ -3219,7 +3245,7 @@ private let initializationResult: InitializationResult = {
     if (uniffi_greendot_ffi_checksum_func_connect() != 52268) {
         return InitializationResult.apiChecksumMismatch
     }
-    if (uniffi_greendot_ffi_checksum_method_greendotclient_app_backgrounded() != 21629) {
+    if (uniffi_greendot_ffi_checksum_method_greendotclient_app_backgrounded() != 18574) {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_greendot_ffi_checksum_method_greendotclient_app_foregrounded() != 5857) {
