@@ -23,7 +23,8 @@ fn config_for(ts: &TestServer, user: &str, servers: Vec<ServerAddr>) -> ClientCo
     let mut config = ts.client_config(ts.token(user, "phone", Kind::Mobile, WatchClaim::all()));
     config.servers = servers;
     config.websocket = WebSocket::Off;
-    // A dead address costs one connect timeout.
+    // A dead address costs `address_delay` (250 ms) while another is
+    // tried, and one connect timeout once every other attempt failed.
     config.connect_timeout = Duration::from_secs(1);
     config
 }
@@ -69,6 +70,27 @@ async fn a_client_skips_a_dead_address_and_leaves_a_draining_server_for_a_live_o
         .await
         .expect("the subscription works on the new server");
     client.ping().await.unwrap();
+}
+
+/// Addresses are raced, staggered: with a connect timeout of a minute, a
+/// dead first address delays the connect by `address_delay`, not by the
+/// timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_address_costs_the_address_delay_not_the_connect_timeout() {
+    let a = TestServer::start(|_| {});
+    // Bound and kept: datagrams to it vanish, with no ICMP error to end the
+    // attempt early.
+    let silent = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let servers = vec![silent.local_addr().unwrap().into(), a.addr().into()];
+    let mut config = config_for(&a, "ivy", servers);
+    config.connect_timeout = Duration::from_secs(60);
+    // QUIC gives up a handshake after the idle timeout: long here too.
+    config.idle_timeout = Duration::from_secs(60);
+    let connected = tokio::time::timeout(SLACK, Client::connect(config))
+        .await
+        .expect("the live address was not tried before the dead one timed out")
+        .expect("connects");
+    assert_eq!(connected.0.stats().server, a.addr());
 }
 
 /// After a lost connection the client tries the other server first: here

@@ -80,8 +80,9 @@ pub struct ReconnectSettings {
 #[derive(Clone, Debug, uniffi::Record)]
 pub struct ConnectConfig {
     /// The server: one or more `host:port` or `ip:port`, tried in this
-    /// order at every connection attempt (a host name is resolved again
-    /// each time, and every address it resolves to is tried). After a lost
+    /// order at every connection attempt, each next one 250 ms after the
+    /// one before unless one is up (a host name is resolved again each
+    /// time, and every address it resolves to is tried). After a lost
     /// connection the address it was on is tried last, so the client moves
     /// to a live node when one dies or drains.
     pub addresses: Vec<String>,

@@ -93,11 +93,12 @@ pub(crate) async fn targets(config: &ClientConfig) -> Result<Vec<Target>, Client
     Ok(out)
 }
 
-/// Opens a connection and says hello: resolves the servers, then tries
-/// their addresses one after another, each within the connect timeout,
-/// `avoid` (the address of a connection just lost) last. A refusal that
-/// ends the client (a bad token) ends the attempt; any other failure
-/// moves on to the next address. The error is the last address's.
+/// Opens a connection and says hello: resolves the servers, then races the
+/// transports of their addresses (see [`first_up`]), `avoid` (the address
+/// of a connection just lost) last, and says hello on the first one up. A
+/// refusal that ends the client (a bad token) ends the attempt; a hello
+/// that fails otherwise (a node refusing while it drains) moves on to the
+/// addresses not tried yet. The error is the last one met.
 pub(crate) async fn establish(
     dialer: &Dialer,
     config: &ClientConfig,
@@ -106,45 +107,90 @@ pub(crate) async fn establish(
     foreground: bool,
     avoid: Option<SocketAddr>,
 ) -> Result<Established, ClientError> {
-    let mut targets = targets(config).await?;
-    if let Some(at) = avoid.and_then(|a| targets.iter().position(|t| t.addr == a)) {
-        targets.rotate_left(at + 1);
+    let mut left = targets(config).await?;
+    if let Some(at) = avoid.and_then(|a| left.iter().position(|t| t.addr == a)) {
+        left.rotate_left(at + 1);
     }
     let mut last = None;
-    for target in &targets {
-        match establish_at(dialer, config, target, token, resume, foreground).await {
-            Ok(est) => return Ok(est),
-            Err(e @ ClientError::Rejected { code, .. }) if !driver::may_reconnect(config, code) => {
+    while !left.is_empty() {
+        let (i, transport) = first_up(dialer, config, &left).await?;
+        let target = left.remove(i);
+        let said = hello(transport, config, target.addr, token, resume, foreground);
+        let error = match tokio::time::timeout(config.connect_timeout, said).await {
+            Ok(Ok(est)) => return Ok(est),
+            Ok(Err(e @ ClientError::Rejected { code, .. }))
+                if !driver::may_reconnect(config, code) =>
+            {
                 return Err(e)
             }
-            Err(e) => {
-                debug!(addr = %target.addr, error = %e, "cannot connect to this address");
-                last = Some(e);
-            }
-        }
+            Ok(Err(e)) => e,
+            Err(_) => ClientError::Connect(ConnectError::TimedOut {
+                server: target.addr,
+                after: config.connect_timeout,
+            }),
+        };
+        debug!(addr = %target.addr, error = %error, "no hello at this address");
+        last = Some(error);
     }
     Err(last.unwrap_or_else(|| ConfigError::NoServer.into()))
 }
 
-/// One address: the transport race and the hello, within the connect timeout.
-async fn establish_at(
+/// Races the transports of `targets`: the first attempt starts at once,
+/// each next one `address_delay` after the one before, or at once when
+/// every attempt started has failed (RFC 8305's connection attempt delay),
+/// so a dead address costs `address_delay`, not the connect timeout. Each
+/// attempt is bounded by the connect timeout. Returns the first transport
+/// up and its target's index; the attempts still running are dropped
+/// (closed). A refusal that ends the client ends the race.
+async fn first_up(
     dialer: &Dialer,
     config: &ClientConfig,
-    target: &Target,
-    token: &str,
-    resume: Option<SessionId>,
-    foreground: bool,
-) -> Result<Established, ClientError> {
-    let attempt = async {
-        let transport = race(dialer, config, target).await?;
-        hello(transport, config, target.addr, token, resume, foreground).await
+    targets: &[Target],
+) -> Result<(usize, Transport), ClientError> {
+    use futures_util::StreamExt;
+    let attempt = |i: usize| async move {
+        let target = &targets[i];
+        let up = tokio::time::timeout(config.connect_timeout, race(dialer, config, target)).await;
+        let up = up.unwrap_or_else(|_| {
+            Err(ClientError::Connect(ConnectError::TimedOut {
+                server: target.addr,
+                after: config.connect_timeout,
+            }))
+        });
+        (i, up)
     };
-    match tokio::time::timeout(config.connect_timeout, attempt).await {
-        Ok(result) => result,
-        Err(_) => Err(ClientError::Connect(ConnectError::TimedOut {
-            server: target.addr,
-            after: config.connect_timeout,
-        })),
+    let mut racing = futures_util::stream::FuturesUnordered::new();
+    racing.push(attempt(0));
+    let mut next = 1;
+    let mut next_at = tokio::time::Instant::now() + config.address_delay;
+    let mut last = None;
+    loop {
+        tokio::select! {
+            Some((i, up)) = racing.next() => match up {
+                Ok(transport) => return Ok((i, transport)),
+                Err(e @ ClientError::Rejected { code, .. })
+                    if !driver::may_reconnect(config, code) =>
+                {
+                    return Err(e)
+                }
+                Err(e) => {
+                    debug!(addr = %targets[i].addr, error = %e, "cannot connect to this address");
+                    last = Some(e);
+                    if racing.is_empty() && next < targets.len() {
+                        racing.push(attempt(next));
+                        next += 1;
+                        next_at = tokio::time::Instant::now() + config.address_delay;
+                    }
+                }
+            },
+            _ = tokio::time::sleep_until(next_at), if next < targets.len() => {
+                debug!(addr = %targets[next].addr, "no transport up yet: trying the next address too");
+                racing.push(attempt(next));
+                next += 1;
+                next_at = tokio::time::Instant::now() + config.address_delay;
+            }
+            else => return Err(last.unwrap_or_else(|| ConfigError::NoServer.into())),
+        }
     }
 }
 

@@ -88,10 +88,13 @@
 //! [`ClientConfig::servers`] lists one or more servers: IP addresses or
 //! `HOST:PORT` names ([`ServerAddr`]). Every connection attempt (the first
 //! and every reconnect) resolves the names again (DNS, through the
-//! system's resolver) and tries every address in order, each within
-//! [`ClientConfig::connect_timeout`], until one says welcome; after a
-//! lost connection the address it was on is tried last, so a client of a
-//! node that died or drains moves to another. A refusal that ends the
+//! system's resolver) and tries the addresses in order, staggered: each
+//! next address starts [`ClientConfig::address_delay`] (250 ms) after the
+//! one before unless a transport is up, each within
+//! [`ClientConfig::connect_timeout`]; the first transport up says hello,
+//! and the others are dropped. So a dead address costs 250 ms, not the
+//! connect timeout. After a lost connection the address it was on is tried
+//! last, so a client of a node that died or drains moves to another. A refusal that ends the
 //! client (a bad token) ends the attempt at once; a refusal that allows
 //! a reconnect (a draining or full server) moves on to the next address.
 //! [`ClientStats::server`] says where the client is.
@@ -212,8 +215,8 @@ use tracing::debug;
 #[non_exhaustive]
 pub struct ClientConfig {
     /// Where the server is: one or more addresses or `HOST:PORT` names,
-    /// tried in this order at every connection attempt (see the module
-    /// docs, "Servers"). Never empty.
+    /// tried in this order (staggered by `address_delay`) at every
+    /// connection attempt (see the module docs, "Servers"). Never empty.
     pub servers: Vec<ServerAddr>,
     /// The name the server's certificate must have (and the TLS SNI).
     /// Default `None`: the host name for an address resolved from one,
@@ -269,6 +272,11 @@ pub struct ClientConfig {
     /// How long QUIC has alone before the WebSocket attempt starts beside
     /// it. Default 300 ms.
     pub fallback_delay: Duration,
+    /// With several addresses: how long an address's attempt has alone
+    /// before the next address's starts beside it (the first transport up
+    /// says hello), so a dead address costs this, not `connect_timeout`.
+    /// Default 250 ms (RFC 8305's connection attempt delay).
+    pub address_delay: Duration,
     /// After [`Client::network_changed`] over WebSocket: how long the probe
     /// may go unanswered before the connection counts as dead and the
     /// client reconnects (and resumes). Default 3 s.
@@ -345,6 +353,7 @@ impl ClientConfig {
             websocket: WebSocket::SamePort,
             websocket_path: ws::PATH.into(),
             fallback_delay: Duration::from_millis(300),
+            address_delay: Duration::from_millis(250),
             probe_timeout: Duration::from_secs(3),
             resume: None,
             refresh: None,
