@@ -1497,8 +1497,9 @@ public func FfiConverterTypePresenceListener_lower(_ value: PresenceListener) ->
 public struct ConnectConfig: Equatable, Hashable {
     /**
      * The server: one or more `host:port` or `ip:port`, tried in this
-     * order at every connection attempt (a host name is resolved again
-     * each time, and every address it resolves to is tried). After a lost
+     * order at every connection attempt, each next one 250 ms after the
+     * one before unless one is up (a host name is resolved again each
+     * time, and every address it resolves to is tried). After a lost
      * connection the address it was on is tried last, so the client moves
      * to a live node when one dies or drains.
      */
@@ -1565,8 +1566,9 @@ public struct ConnectConfig: Equatable, Hashable {
     public init(
         /**
          * The server: one or more `host:port` or `ip:port`, tried in this
-         * order at every connection attempt (a host name is resolved again
-         * each time, and every address it resolves to is tried). After a lost
+         * order at every connection attempt, each next one 250 ms after the
+         * one before unless one is up (a host name is resolved again each
+         * time, and every address it resolves to is tried). After a lost
          * connection the address it was on is tried last, so the client moves
          * to a live node when one dies or drains.
          */addresses: [String], 
