@@ -32,9 +32,10 @@ use ring::hmac;
 /// Version 0 is the unsigned, unversioned format of releases before the
 /// envelope: never read.
 ///
-/// Version 2: the shard's device record (a KV record, not a message) keeps
-/// each device's foreground flag; nodes sending 1 write the record of
-/// version 1, which a node of version 1 reads.
+/// Version 2: an edge connects a backgrounded device again in one step
+/// (`ConnectInBackground`), and the shard's device record (a KV record)
+/// keeps each device's foreground flag; nodes sending 1 send and write
+/// what a node of version 1 reads.
 pub const PROTOCOL_VERSION: u8 = 2;
 
 const TAG_LEN: usize = 32;

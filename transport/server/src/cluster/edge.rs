@@ -4,7 +4,9 @@
 
 use super::edge_records::SessionSync;
 use super::owner::{route_of, ReplyTo};
-use super::wire::{decode, encode, FromOwner, ResyncRequest, ToOwner, WireOp};
+use super::wire::{
+    decode, encode, FromOwner, ResyncRequest, ToOwner, WireOp, RECORD_FOREGROUND_SINCE,
+};
 use super::{ClusterLink, Finished, RequestKind, MAX_QUEUED_OPS, RETRY_AFTER};
 use bytes::Bytes;
 use greendot_core::{EndReason, Millis, SessionId, UserId};
@@ -39,35 +41,54 @@ pub(super) struct EdgeDevice {
     /// The session is over here: forget the device once its queue is empty.
     pub(super) closed: bool,
     /// The app is in the background (I12): a connect sent again (to a new
-    /// owner) is followed by a `SetForeground(false)`.
+    /// owner) says so.
     background: bool,
 }
 
 impl EdgeDevice {
-    /// Puts a connect at the head of the queue, then the app's state if it
-    /// is in the background.
-    fn connect_first(&mut self, now: Instant) {
-        if self.background {
+    /// Puts a connect at the head of the queue that carries the app's
+    /// state: in one step (`one_step`: protocol 2 and later), or as a
+    /// `Connect` followed by `SetForeground(false)`.
+    fn connect_first(&mut self, now: Instant, one_step: bool) {
+        if self.background && !one_step {
             self.queue.push_front(QueuedOp {
                 op: WireOp::SetForeground(false),
                 wait: None,
                 deadline: now,
             });
         }
-        self.queue.push_front(self.connect(now));
+        self.queue.push_front(self.connect(now, one_step));
     }
 
-    fn connect(&self, now: Instant) -> QueuedOp {
+    fn connect(&self, now: Instant, one_step: bool) -> QueuedOp {
+        let (kind, session, since) = (self.kind, self.wire, self.since);
+        let op = if self.background && one_step {
+            WireOp::ConnectInBackground {
+                kind,
+                session,
+                since,
+            }
+        } else {
+            WireOp::Connect {
+                kind,
+                session,
+                since,
+            }
+        };
         QueuedOp {
-            op: WireOp::Connect {
-                kind: self.kind,
-                session: self.wire,
-                since: self.since,
-            },
+            op,
             wait: None,
             deadline: now,
         }
     }
+}
+
+/// A connect of either kind.
+fn connects(op: &WireOp) -> bool {
+    matches!(
+        op,
+        WireOp::Connect { .. } | WireOp::ConnectInBackground { .. }
+    )
 }
 
 /// Keeps, of a device's queued ops, every `Connect` and the last status,
@@ -89,7 +110,7 @@ fn compact_queue(queue: &mut VecDeque<QueuedOp>) -> Vec<u64> {
         .into_iter()
         .enumerate()
         .filter_map(|(i, q)| {
-            let keep = matches!(q.op, WireOp::Connect { .. })
+            let keep = connects(&q.op)
                 || Some(i) == last_status
                 || Some(i) == last_invisible
                 || Some(i) == last_foreground;
@@ -202,7 +223,7 @@ impl ClusterLink {
                 d.closed = false;
                 d.background = false; // the new hello's state follows
                 d.conn = conn;
-                d.queue.push_back(d.connect(now));
+                d.queue.push_back(d.connect(now, false));
                 self.pump(session, now, at);
             }
             return;
@@ -220,7 +241,7 @@ impl ClusterLink {
             closed: false,
             background: false,
         };
-        d.queue.push_back(d.connect(now));
+        d.queue.push_back(d.connect(now, false));
         self.devices.insert(session, d);
         self.pump(session, now, at);
     }
@@ -338,13 +359,13 @@ impl ClusterLink {
         let Some(d) = self.devices.get_mut(&session) else {
             return;
         };
-        if matches!(d.queue.front().map(|q| &q.op), Some(WireOp::Connect { .. })) {
+        if d.queue.front().is_some_and(|q| connects(&q.op)) {
             return;
         }
         d.conn = conn;
         d.sent = None;
         d.not_before = None;
-        d.connect_first(now);
+        d.connect_first(now, self.settings.protocol >= RECORD_FOREGROUND_SINCE);
         self.pump(session, now, at);
     }
 
@@ -437,7 +458,7 @@ impl ClusterLink {
                 // The owner has no live session of the device (a new owner):
                 // connect it again first.
                 self.counters.retries += 1;
-                d.connect_first(now);
+                d.connect_first(now, self.settings.protocol >= RECORD_FOREGROUND_SINCE);
                 self.next_conn += 1;
                 if let Some(d) = self.devices.get_mut(&session) {
                     d.conn = self.next_conn;

@@ -39,7 +39,7 @@ fn owner_connect(
     at: Millis,
     user: &str,
     device: &str,
-    kind: DeviceKind,
+    (kind, foreground): (DeviceKind, bool),
     (holder, wire, since): (Holder, u64, u64),
 ) -> Result<UserId, WireError> {
     let too_many = || WireError::new(ErrorCode::TooManyUsers, "the owner holds too many users");
@@ -56,7 +56,7 @@ fn owner_connect(
         kind,
         watch: Watch::All,
         resume: None,
-        foreground: true,
+        foreground,
     };
     let connected = match o.core.handle_connect(at, connect) {
         Ok(c) => c,
@@ -282,7 +282,11 @@ impl ClusterLink {
         let Some(o) = self.owners.get_mut(&shard) else {
             return self.reply(reply, FromOwner::NotOwner, now, at);
         };
-        let connects = matches!(op, WireOp::Connect { .. });
+        let connects = matches!(
+            op,
+            WireOp::Connect { .. } | WireOp::ConnectInBackground { .. }
+        );
+        let foreground = !matches!(op, WireOp::ConnectInBackground { .. });
         if connects && node_users >= self.owner_config.max_users && o.users.get(&user).is_none() {
             let full = WireError::new(ErrorCode::TooManyUsers, "this node holds too many users");
             return self.reply(reply, FromOwner::Refused(full), now, at);
@@ -330,6 +334,11 @@ impl ClusterLink {
                 kind,
                 session: wire,
                 since,
+            }
+            | WireOp::ConnectInBackground {
+                kind,
+                session: wire,
+                since,
             } => {
                 if session.is_some_and(|s| live(o, s)) {
                     FromOwner::Done { epoch }
@@ -342,7 +351,8 @@ impl ClusterLink {
                     FromOwner::Done { epoch }
                 } else {
                     let named = (holder.clone(), wire, since);
-                    match owner_connect(o, at, &user, &device, kind.into(), named) {
+                    let state = (kind.into(), foreground);
+                    match owner_connect(o, at, &user, &device, state, named) {
                         Ok(uid) => {
                             o.dirty_since.get_or_insert(at);
                             if holder.0 != self.settings.node {

@@ -249,6 +249,109 @@ fn a_backgrounded_device_stays_backgrounded_across_an_owner_failover() {
     );
 }
 
+/// A new owner asks the edge to resend alice's backgrounded phone. From
+/// protocol 2 the connect carries the background in one step, so the new
+/// owner never holds her present in between; a node sending protocol 1
+/// sends a `Connect`, then `SetForeground(false)`. Either way she ends
+/// backgrounded at the new owner.
+#[test]
+fn a_backgrounded_device_is_resent_in_the_background() {
+    for protocol in [RECORD_FOREGROUND_SINCE - 1, RECORD_FOREGROUND_SINCE] {
+        let (mut a, mut b, now) = two_nodes();
+        a.settings.protocol = protocol;
+        exchange(&mut a, &mut b, now, Millis(600));
+        let background = WireOp::SetForeground(false);
+        assert!(a.input(now, Millis(700), SessionId(1), background, None));
+        exchange(&mut a, &mut b, now, Millis(700));
+
+        let mut c = link("c");
+        let (t, at) = (now + Duration::from_secs(2), Millis(2_000));
+        c.set_status(t, at, all_shards(2, now + Duration::from_secs(3600)));
+        let mut resyncs = Vec::new();
+        while let Some(out) = c.poll_output() {
+            match out {
+                ClusterOutput::LoadShard { id, .. } => {
+                    c.handle_input(t, at, ClusterInput::ShardLoaded { id, record: None })
+                }
+                ClusterOutput::Resync { payload } => resyncs.push(payload),
+                _ => {}
+            }
+        }
+        for payload in resyncs {
+            a.handle_input(t, at, ClusterInput::Resync { payload });
+        }
+        // alice's ops as c takes them, one at a time, with c's state after each.
+        let mut ops = Vec::new();
+        for _ in 0..20 {
+            a.handle_timeout(t, at);
+            let requests = requests_of(&mut a);
+            if requests.is_empty() {
+                break;
+            }
+            for request in requests {
+                let ClusterInput::Request { payload, .. } = &request else {
+                    continue;
+                };
+                let alice = match decode::<ToOwner>(payload) {
+                    Some(ToOwner::Device { user, op, .. }) if user == "alice" => Some(op),
+                    _ => None,
+                };
+                c.handle_input(t, at, request);
+                while let Some(out) = c.poll_output() {
+                    match out {
+                        ClusterOutput::LoadUser { id, .. } => c.handle_input(
+                            t,
+                            at,
+                            ClusterInput::UserLoaded {
+                                id,
+                                prefs: None,
+                                view: None,
+                            },
+                        ),
+                        ClusterOutput::Reply { reply, payload } => a.handle_input(
+                            t,
+                            at,
+                            ClusterInput::Answered {
+                                id: reply,
+                                payload: Some(payload),
+                            },
+                        ),
+                        _ => {}
+                    }
+                }
+                if let Some(op) = alice {
+                    let o = &c.owners[&1];
+                    let uid = UserId(o.users.get("alice").unwrap());
+                    let present = o.core.sessions_of(uid).into_iter().any(|s| {
+                        o.core
+                            .session_info(s)
+                            .is_some_and(|i| i.online && i.foreground)
+                    });
+                    ops.push((op, present));
+                }
+            }
+        }
+        let kind = proto::Kind::Mobile;
+        if protocol >= RECORD_FOREGROUND_SINCE {
+            assert!(
+                matches!(ops.as_slice(), [(WireOp::ConnectInBackground { kind: k, .. }, false)] if *k == kind),
+                "{ops:?}"
+            );
+        } else {
+            assert!(
+                matches!(
+                    ops.as_slice(),
+                    [
+                        (WireOp::Connect { .. }, true),
+                        (WireOp::SetForeground(false), false)
+                    ]
+                ),
+                "{ops:?}"
+            );
+        }
+    }
+}
+
 /// The shard record's two layouts: a node sending protocol 1 writes the
 /// first (no foreground flag), which every node reads as foreground; the
 /// second keeps the flag; the two never read as each other.

@@ -32,6 +32,15 @@ pub enum WireOp {
     SetInvisible(bool),
     /// The app went to the foreground (`true`) or the background (I12).
     SetForeground(bool),
+    /// A `Connect` of a device whose app is in the background, in one step,
+    /// so a new owner never shows it present in between (I12). Sent from
+    /// protocol 2 ([`RECORD_FOREGROUND_SINCE`]); a node sending 1 sends
+    /// `Connect`, then `SetForeground(false)`.
+    ConnectInBackground {
+        kind: proto::Kind,
+        session: u64,
+        since: u64,
+    },
 }
 
 /// Edge → owner, on `<prefix>.req.<shard>.<kind>`.
