@@ -465,8 +465,8 @@ impl GreendotClient {
 
     /// The device's network changed (Wi-Fi to cellular, a VPN): call it
     /// from the platform's network callback. The client shows itself on the
-    /// new path at once, or reconnects at once if the connection did not
-    /// survive.
+    /// new path at once, or reconnects at once, with the backoff reset, if
+    /// the connection did not survive.
     pub fn network_changed(&self) {
         // The client's command queue needs no runtime of the caller's.
         self.client.network_changed();

@@ -875,7 +875,10 @@ impl Client {
     ///   it sends the same `Ping`; if no answer comes within
     ///   `probe_timeout` the connection counts as lost and the client
     ///   reconnects at once (QUIC first) and resumes its session.
-    /// - While reconnecting it cuts the current backoff wait short.
+    /// - While reconnecting it tries at once, with the backoff reset (the
+    ///   new path may work where the old one failed); in the background
+    ///   too, unless the client closed the connection itself
+    ///   ([`ClientConfig::close_in_background`]).
     ///
     /// Returns at once; nothing to await.
     pub fn network_changed(&self) {

@@ -60,9 +60,14 @@ impl Client {
 }
 
 /// What ended a wait before a reconnect attempt.
+#[derive(Clone, Copy)]
 pub(crate) enum Woke {
-    /// The backoff wait ran out, or the network changed.
+    /// The backoff wait ran out, or the app made a request in the
+    /// background.
     Due,
+    /// The network changed (a new path may work where the old one failed):
+    /// try now, with the backoff reset.
+    NetworkChanged,
     /// The app came to the foreground: try now, with the backoff reset.
     Foregrounded,
 }
@@ -100,9 +105,11 @@ pub(crate) async fn wait_to_reconnect(
             cmd = cmd_rx.recv() => {
                 let network_changed = take_command(cmd, deferred)?;
                 let in_background = !*app.borrow();
-                let request = in_background && !network_changed;
-                if request || (network_changed && !(quiet && in_background)) {
-                    return Ok(Woke::Due);
+                if network_changed && !(quiet && in_background) {
+                    return Ok(Woke::NetworkChanged);
+                }
+                if in_background && !network_changed {
+                    return Ok(Woke::Due); // the app's request
                 }
             },
             changed = app.changed() => {
@@ -117,10 +124,10 @@ pub(crate) async fn wait_to_reconnect(
     }
 }
 
-/// Starts the next reconnect wait: after [`Woke::Foregrounded`] the
-/// backoff starts again from its first step.
+/// Starts the next reconnect wait: after [`Woke::Foregrounded`] or
+/// [`Woke::NetworkChanged`] the backoff starts again from its first step.
 pub(crate) fn after_wake(woke: Woke, backoff: &mut Backoff) {
-    if let Woke::Foregrounded = woke {
+    if let Woke::Foregrounded | Woke::NetworkChanged = woke {
         backoff.reset();
     }
 }
@@ -158,13 +165,42 @@ mod tests {
                 quiet,
             )
             .await;
-            assert!(matches!(woke, Ok(Woke::Due)));
             // Not quiet: the network change woke it, the request is still
             // on its way. Quiet: the request woke it, and waits for the
             // connection.
+            if quiet {
+                assert!(matches!(woke, Ok(Woke::Due)));
+            } else {
+                assert!(matches!(woke, Ok(Woke::NetworkChanged)));
+            }
             let expected = usize::from(quiet);
             assert_eq!(deferred.len(), expected, "quiet: {quiet}");
             assert_eq!(rx.len(), 1 - expected, "quiet: {quiet}");
+        }
+    }
+
+    /// A network change, like the foreground, starts the backoff again from
+    /// its first step: the next wait is at most the initial backoff (drawn
+    /// with jitter, so checked on many clients that had all backed off to
+    /// their ceiling).
+    #[test]
+    fn a_network_change_resets_the_backoff() {
+        let policy =
+            crate::Reconnect::new(Duration::from_millis(100), Duration::from_secs(60), None);
+        for (woke, resets) in [
+            (Woke::NetworkChanged, true),
+            (Woke::Foregrounded, true),
+            (Woke::Due, false),
+        ] {
+            let reset = (0..32).all(|_| {
+                let mut backoff = Backoff::new(policy);
+                for _ in 0..12 {
+                    backoff.next_delay(None);
+                }
+                after_wake(woke, &mut backoff);
+                backoff.next_delay(None) <= Duration::from_millis(100)
+            });
+            assert_eq!(reset, resets);
         }
     }
 }

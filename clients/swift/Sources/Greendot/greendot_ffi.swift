@@ -638,8 +638,8 @@ public protocol GreendotClientProtocol: AnyObject, Sendable {
     /**
      * The device's network changed (Wi-Fi to cellular, a VPN): call it
      * from the platform's network callback. The client shows itself on the
-     * new path at once, or reconnects at once if the connection did not
-     * survive.
+     * new path at once, or reconnects at once, with the backoff reset, if
+     * the connection did not survive.
      */
     func networkChanged() 
     
@@ -890,8 +890,8 @@ open func logout()async throws   {
     /**
      * The device's network changed (Wi-Fi to cellular, a VPN): call it
      * from the platform's network callback. The client shows itself on the
-     * new path at once, or reconnects at once if the connection did not
-     * survive.
+     * new path at once, or reconnects at once, with the backoff reset, if
+     * the connection did not survive.
      */
 open func networkChanged()  {try! rustCall() {
         uniffiCallStatus in
@@ -3274,7 +3274,7 @@ private let initializationResult: InitializationResult = {
     if (uniffi_greendot_ffi_checksum_method_greendotclient_logout() != 55289) {
         return InitializationResult.apiChecksumMismatch
     }
-    if (uniffi_greendot_ffi_checksum_method_greendotclient_network_changed() != 25140) {
+    if (uniffi_greendot_ffi_checksum_method_greendotclient_network_changed() != 57717) {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_greendot_ffi_checksum_method_greendotclient_ping() != 49481) {
