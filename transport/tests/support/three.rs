@@ -323,6 +323,34 @@ pub async fn connect_resuming(
         .unwrap_or_else(|e| panic!("{user}/{device} cannot connect to {}: {e}", at.id))
 }
 
+/// A device of `user` on `at` that knows every node's address and
+/// reconnects (the library's defaults) to another one when `at` fails or
+/// goes quiet.
+pub async fn moving_client(
+    nodes: &[&Node],
+    at: &Node,
+    user: &str,
+    device: &str,
+    kind: Kind,
+) -> (Client, Updates) {
+    let claims = Claims::new(user, device, kind, WatchClaim::all(), HOUR);
+    let token = TokenKeys::new(SECRET.as_bytes(), Duration::ZERO)
+        .mint(&claims)
+        .unwrap();
+    let roots: Vec<_> = nodes.iter().map(|n| n.cert.clone()).collect();
+    let mut config = ClientConfig::new(at.addr, roots, token);
+    config.servers = std::iter::once(at)
+        .chain(nodes.iter().copied().filter(|n| n.id != at.id))
+        .map(|n| greendot_client::ServerAddr::from(n.addr))
+        .collect();
+    config.websocket = greendot_client::WebSocket::Off;
+    // A stopped node answers nothing: a try at it costs this much.
+    config.connect_timeout = Duration::from_secs(1);
+    Client::connect(config)
+        .await
+        .unwrap_or_else(|e| panic!("{user}/{device} cannot connect to {}: {e}", at.id))
+}
+
 /// Bob's laptop on `at`, subscribed to `targets` in realtime.
 pub async fn bob_watching(nodes: &[&Node], at: &Node, targets: &[&str]) -> (Client, Updates) {
     let (bob, updates) =

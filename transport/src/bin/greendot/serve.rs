@@ -487,9 +487,20 @@ pub async fn serve(settings: Settings) -> Result<(), String> {
         },
     };
     if let Some(why) = must_drain {
-        // Its clients go to other nodes; a supervisor starts it again.
+        // Its clients go to other nodes; a supervisor starts it again. Its
+        // lease and claims are released with the drain: the node may have
+        // taken them again while it decided (a paused node that wakes
+        // rejoins before a peer's answer comes), and left behind they would
+        // keep its shards from the others for a TTL after it exits.
         warn!("{why}: draining");
-        server.drain().await;
+        let leave = async {
+            if let Some(n) = node {
+                if let Err(e) = n.leave().await {
+                    warn!(error = %e, "leaving the cluster failed; its keys expire on their TTL");
+                }
+            }
+        };
+        tokio::join!(leave, server.drain());
         return Err(format!(
             "{why}: clients were told to reconnect elsewhere; restart this node"
         ));
