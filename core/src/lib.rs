@@ -50,6 +50,7 @@ mod engine;
 mod error;
 mod fanout;
 mod foreground;
+mod groups;
 mod index;
 mod output;
 mod timers;
@@ -60,6 +61,8 @@ mod view;
 mod audit;
 #[cfg(feature = "check")]
 mod check;
+#[cfg(feature = "check")]
+mod group_check;
 #[cfg(feature = "mutants")]
 pub mod mutants;
 
@@ -70,6 +73,7 @@ pub use config::{Backgrounded, Config, ConfigError, KindConfig, RealtimeOverflow
 pub use engine::{Connect, Connected, Core, Counters, Input, Reply, Saved, SessionInfo, Snapshot};
 pub use error::{Error, Limit};
 pub use fanout::Fanout;
+pub use groups::{GroupId, GroupOutput, GroupRole, GroupSnapshot};
 pub use output::{EndReason, Output};
 pub use types::{
     DeviceId, DeviceKind, Kinds, Millis, Presence, SessionId, Status, Tier, UserId, Watch,
