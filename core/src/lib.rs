@@ -50,6 +50,7 @@ mod engine;
 mod error;
 mod fanout;
 mod foreground;
+mod group_hooks;
 mod groups;
 mod index;
 mod output;
