@@ -69,6 +69,8 @@ pub struct Config {
     pub max_group_subscriptions_per_session: usize,
     /// Groups the core keeps.
     pub max_groups: usize,
+    /// Entries per page of a group's member list, at most.
+    pub group_page_size: usize,
 }
 
 impl Default for Config {
@@ -84,7 +86,7 @@ impl Default for Config {
     /// - a backgrounded device is not present (`Backgrounded::Offline`);
     /// - groups: a count every 10 s at most (a room's "42 online" may be that
     ///   stale), 10,000 members, 32 admins, 100 group subscriptions per
-    ///   session, 100,000 groups.
+    ///   session, 100,000 groups, member pages of 200.
     fn default() -> Config {
         let kind = |grace, heartbeat| KindConfig {
             heartbeat_timeout: Millis::from_secs(heartbeat),
@@ -107,6 +109,7 @@ impl Default for Config {
             max_group_admins: 32,
             max_group_subscriptions_per_session: 100,
             max_groups: 100_000,
+            group_page_size: 200,
         }
     }
 }
@@ -145,6 +148,9 @@ impl Config {
         }
         if self.group_interval == Millis::ZERO {
             return Err(ConfigError("group_interval must be at least 1 ms"));
+        }
+        if self.group_page_size == 0 {
+            return Err(ConfigError("group_page_size must be at least 1"));
         }
         if self.max_group_members > u32::MAX as usize {
             return Err(ConfigError("max_group_members must fit in 32 bits"));

@@ -43,6 +43,13 @@ impl Core {
                     g.members.len()
                 )
             })?;
+            ensure(
+                g.online.len() == online
+                    && g.online
+                        .iter()
+                        .all(|&m| g.members.binary_search(&m).is_ok() && self.published_online(m)),
+                || format!("G2: {id:?} keeps another online set than its members published online"),
+            )?;
             ensure(g.count as usize == online, || {
                 format!(
                     "G2: {id:?} counts {} but {online} are published online",

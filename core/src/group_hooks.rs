@@ -21,6 +21,11 @@ impl Core {
                 continue;
             };
             if online {
+                g.online.insert(user);
+            } else {
+                g.online.remove(&user);
+            }
+            if online {
                 g.count += 1;
             } else if !missed {
                 g.count = g.count.saturating_sub(1);

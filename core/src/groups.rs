@@ -50,7 +50,7 @@ use crate::error::{Error, Limit};
 use crate::timers::Timer;
 use crate::types::{Millis, SessionId, UserId};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 /// A group, as the backend names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -110,6 +110,9 @@ pub(crate) struct Group {
     pub(crate) admins: Vec<UserId>,
     /// Bumped by each write of the membership.
     pub(crate) membership: u64,
+    /// Members published online: what the count counts, and the first
+    /// section of member pages.
+    pub(crate) online: BTreeSet<UserId>,
     /// Members published online.
     pub(crate) count: u32,
     /// Bumped by each change of the count and each membership write.
@@ -263,11 +266,13 @@ impl Core {
         g.admins = admins;
         update_index(&mut groups.member_of, group, &old, &g.members);
         let old_count = g.count;
-        g.count = g
+        g.online = g
             .members
             .iter()
-            .filter(|&&m| self.published_online(m))
-            .count() as u32;
+            .copied()
+            .filter(|&m| self.published_online(m))
+            .collect();
+        g.count = g.online.len() as u32;
         g.membership += 1;
         g.version += 1;
 

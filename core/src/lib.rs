@@ -51,6 +51,7 @@ mod error;
 mod fanout;
 mod foreground;
 mod group_hooks;
+mod group_pages;
 mod groups;
 mod index;
 mod output;
@@ -74,6 +75,7 @@ pub use config::{Backgrounded, Config, ConfigError, KindConfig, RealtimeOverflow
 pub use engine::{Connect, Connected, Core, Counters, Input, Reply, Saved, SessionInfo, Snapshot};
 pub use error::{Error, Limit};
 pub use fanout::Fanout;
+pub use group_pages::{GroupPage, PageCursor};
 pub use groups::{GroupId, GroupOutput, GroupRole, GroupSnapshot};
 pub use output::{EndReason, Output};
 pub use types::{

@@ -248,6 +248,49 @@ fn one_change_in_a_large_group_pushes_only_to_admins() {
     assert_eq!(counts.len(), 197, "one count per member session");
 }
 
+#[test]
+fn member_pages_list_online_members_first_then_by_id() {
+    let mut core = Core::new(Config::default()).unwrap();
+    let g = GroupId(1);
+    let members: Vec<UserId> = (1..=450).map(UserId).collect();
+    core.handle_set_group(Millis(0), g, &members, &[]).unwrap();
+    let me = connect(&mut core, 0, 1, 1);
+    for u in [400, 7, 300] {
+        connect(&mut core, 0, u, 1);
+    }
+    settle(&mut core, 1000);
+    let first = core
+        .handle_group_page(Millis(1000), me, g, None, 1000)
+        .unwrap();
+    assert_eq!(first.entries.len(), 200, "capped at the page size");
+    assert_eq!(first.count, 4);
+    let ids: Vec<u64> = first.entries.iter().map(|(u, _)| u.0).collect();
+    assert_eq!(ids[..6], [1, 7, 300, 400, 2, 3]);
+    assert!(first.entries[..4].iter().all(|(_, p)| p.online));
+    assert!(first.entries[4..].iter().all(|(_, p)| !p.online));
+    let next = first.next.unwrap();
+    assert_eq!(
+        next,
+        PageCursor {
+            online: false,
+            after: UserId(198)
+        }
+    );
+    let second = core
+        .handle_group_page(Millis(1000), me, g, Some(next), 200)
+        .unwrap();
+    let third = core
+        .handle_group_page(Millis(1000), me, g, second.next, 200)
+        .unwrap();
+    assert_eq!((second.entries.len(), third.entries.len()), (200, 50));
+    assert_eq!(third.next, None);
+    let stranger = connect(&mut core, 1000, 451, 1);
+    assert_eq!(
+        core.handle_group_page(Millis(1000), stranger, g, None, 10),
+        Err(Error::NotMember)
+    );
+}
+
 // ----- property tests ---------------------------------------------------------
 
 const USERS: u8 = 5;
@@ -273,6 +316,8 @@ enum Op {
     RemoveGroup(u8),
     Subscribe(u8, u8),
     Unsubscribe(u8, u8),
+    /// Every page of a group's member list, pages of this many, at one instant.
+    Pages(u8, u8, u8),
     Release(u8),
     Tick,
 }
@@ -293,6 +338,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => group().prop_map(Op::RemoveGroup),
         14 => (any::<u8>(), group()).prop_map(|(s, g)| Op::Subscribe(s, g)),
         1 => (any::<u8>(), group()).prop_map(|(s, g)| Op::Unsubscribe(s, g)),
+        3 => (any::<u8>(), group(), 1u8..=4).prop_map(|(s, g, n)| Op::Pages(s, g, n)),
         1 => user().prop_map(Op::Release),
         3 => Just(Op::Tick),
     ]
@@ -377,6 +423,7 @@ struct Driver {
     g1_checked: u64,
     member_deltas: u64,
     count_pushes: u64,
+    pages_walked: u64,
 }
 
 fn fail(why: String) -> TestCaseError {
@@ -398,6 +445,7 @@ impl Driver {
             g1_checked: 0,
             member_deltas: 0,
             count_pushes: 0,
+            pages_walked: 0,
         }
     }
 
@@ -807,6 +855,10 @@ impl Driver {
                 }
                 got
             }
+            Op::Pages(s, group, limit) => {
+                let (s, group) = (self.pick(s), GroupId(group.into()));
+                self.pages(at, s, group, limit.into())?
+            }
             Op::Release(u) => {
                 self.core.release(UserId(u.into()));
                 Ok(())
@@ -823,6 +875,55 @@ impl Driver {
         self.outputs()?;
         self.subs.retain(|_, m| !m.is_empty());
         self.after()
+    }
+
+    /// Walks every page: together they list each member once, online ones
+    /// first, each section by id, with their published views.
+    fn pages(
+        &mut self,
+        at: Millis,
+        s: SessionId,
+        group: GroupId,
+        limit: usize,
+    ) -> Result<Result<(), Error>, TestCaseError> {
+        let member = self.online(s)
+            && self
+                .groups
+                .get(&group)
+                .is_some_and(|g| g.members.contains(&self.core.session_info(s).unwrap().user));
+        let mut from = None;
+        let mut listed = Vec::new();
+        loop {
+            let got = self.core.handle_group_page(at, s, group, from, limit);
+            let page = match got {
+                Ok(page) => page,
+                Err(e) => {
+                    prop_assert!(!member, "a member's page refused: {e:?}");
+                    prop_assert!(from.is_none());
+                    return Ok(Err(e));
+                }
+            };
+            prop_assert!(member, "a page for a non-member or a dead session");
+            prop_assert!(page.entries.len() <= limit && !page.entries.is_empty());
+            prop_assert_eq!(page.count, self.expected_count(group));
+            for (user, presence) in &page.entries {
+                prop_assert_eq!(presence, &self.core.presence(*user));
+                listed.push((!presence.online, *user));
+            }
+            self.pages_walked += 1;
+            match page.next {
+                Some(next) => from = Some(next),
+                None => break,
+            }
+        }
+        let mut want: Vec<(bool, UserId)> = self.groups[&group]
+            .members
+            .iter()
+            .map(|&m| (!self.core.presence(m).online, m))
+            .collect();
+        want.sort();
+        prop_assert_eq!(listed, want, "pages of {:?}", group);
+        Ok(Ok(()))
     }
 
     /// After a membership write: each subscription takes its user's new
@@ -880,13 +981,18 @@ fn run(
     config: Config,
     steps: &[(u64, Op)],
     mutant: Option<GroupMutant>,
-) -> Result<(u64, u64, u64), TestCaseError> {
+) -> Result<[u64; 4], TestCaseError> {
     let mut d = Driver::new(config, mutant);
     for (dt, op) in steps {
         d.step(*dt, op)?;
     }
     d.converge()?;
-    Ok((d.g1_checked, d.member_deltas, d.count_pushes))
+    Ok([
+        d.g1_checked,
+        d.member_deltas,
+        d.count_pushes,
+        d.pages_walked,
+    ])
 }
 
 proptest! {
@@ -899,8 +1005,8 @@ proptest! {
 }
 
 /// Runs `cases` cases with a fixed seed: the first failure, and the sums of
-/// G1 checks, member deltas and count pushes over the passing cases.
-fn sample(cases: u32, mutant: Option<GroupMutant>) -> (Option<String>, u64, u64, u64) {
+/// G1 checks, member deltas, count pushes and pages over the passing cases.
+fn sample(cases: u32, mutant: Option<GroupMutant>) -> (Option<String>, [u64; 4]) {
     use proptest::test_runner::{Config as RunnerConfig, RngAlgorithm, TestRng, TestRunner};
     let mut runner = TestRunner::new_with_rng(
         RunnerConfig {
@@ -910,26 +1016,30 @@ fn sample(cases: u32, mutant: Option<GroupMutant>) -> (Option<String>, u64, u64,
         },
         TestRng::deterministic_rng(RngAlgorithm::ChaCha),
     );
-    let sums = std::cell::Cell::new((0, 0, 0));
+    let sums = std::cell::Cell::new([0; 4]);
     let result = runner.run(&(config(), steps()), |(config, steps)| {
-        let (a, b, c) = run(config, &steps, mutant)?;
-        let (x, y, z) = sums.get();
-        sums.set((x + a, y + b, z + c));
+        let got = run(config, &steps, mutant)?;
+        let mut total = sums.get();
+        for (t, g) in total.iter_mut().zip(got) {
+            *t += g;
+        }
+        sums.set(total);
         Ok(())
     });
-    let (a, b, c) = sums.get();
-    (result.err().map(|e| e.to_string()), a, b, c)
+    (result.err().map(|e| e.to_string()), sums.get())
 }
 
 /// The generated inputs are not vacuous.
 #[test]
 fn the_group_mix_reaches_every_check() {
-    let (failure, g1, deltas, counts) = sample(32, None);
+    let (failure, [g1, deltas, counts, pages]) = sample(32, None);
     assert_eq!(failure, None);
-    println!("32 cases: {g1} G1 checks, {deltas} member deltas, {counts} count pushes");
+    println!(
+        "32 cases: {g1} G1 checks, {deltas} member deltas, {counts} count pushes, {pages} pages"
+    );
     assert!(
-        g1 >= 1000 && deltas >= 100 && counts >= 100,
-        "{g1} {deltas} {counts}"
+        g1 >= 1000 && deltas >= 100 && counts >= 100 && pages >= 100,
+        "{g1} {deltas} {counts} {pages}"
     );
 }
 
@@ -943,7 +1053,7 @@ fn every_group_mutant_is_caught() {
         (GroupMutant::AdminKeptAfterDemotion, "G4"),
         (GroupMutant::SubsKeptAfterEnd, "G4"),
     ] {
-        let (failure, ..) = sample(64, Some(mutant));
+        let (failure, _) = sample(64, Some(mutant));
         let failure = failure.unwrap_or_else(|| panic!("{mutant:?} went unnoticed"));
         println!("{mutant:?}: {}", failure.lines().next().unwrap_or(""));
         assert!(
