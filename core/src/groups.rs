@@ -25,10 +25,14 @@
 //! nothing is sent while it lingers, a resume carries them over (the new
 //! session gets a `Count` of each at once), and they end with the session.
 //!
+//! Any member may also read the member list in pages
+//! ([`Core::handle_group_page`], the `group_pages` module).
+//!
 //! Cost: the index user → groups makes one member's change cost, per group
-//! of that member, O(1) for the count plus one push per admin session;
-//! never O(members). A flush costs one step per member subscription of the
-//! group, once per interval at most. A membership write costs O(members).
+//! of that member, O(1) for the count, O(log members) for the online set the
+//! pages read, and one push per admin session; never O(members). A flush
+//! costs one step per member subscription of the group, once per interval at
+//! most. A membership write costs O(members + subscriptions).
 //!
 //! Invariants (checked by `check_invariants`, the property tests in
 //! `tests/groups.rs`, each with a [`GroupMutant`](crate::mutants::GroupMutant)

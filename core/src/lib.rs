@@ -39,6 +39,10 @@
 //! # let _ = alice;
 //! ```
 //!
+//! Group presence (online counts for members, realtime deltas for admins,
+//! member pages) is in the `groups` module's terms: see
+//! [`Core::handle_set_group`] and docs/groups.md.
+//!
 //! Defaults are in [`Config::default`]. The semantics and the invariants
 //! I1–I12 are those of greendot's DESIGN.md (I12, foreground and background,
 //! is stated in the `foreground` module); `check_invariants` (feature

@@ -1,12 +1,13 @@
 //! Model 1 (groups): the real core with one group, explored exhaustively.
 //!
 //! Three users of one device each, all members of group 1: user 1 (the
-//! mover) connects, drops (and is gone after grace) and toggles invisibility; user 2
-//! subscribes as a member and may drop and resume; user 3 connects and
-//! subscribes as the admin at time 0, if at all. A backend may rewrite the group once: demote the admin, remove the
-//! mover, or swap the admin for user 2. Time advances one millisecond per
-//! tick, so every tick's outputs are those of one instant (debounce 1,
-//! group interval 2, grace 1).
+//! mover) connects, drops (and is gone after grace) and toggles
+//! invisibility; user 2 subscribes as a member and may drop and resume;
+//! user 3 connects and subscribes as the admin at time 0, if at all. A
+//! backend may rewrite the group once: demote the admin, remove the mover,
+//! or swap the admin for user 2. Time advances one millisecond per tick, so
+//! every tick's outputs are those of one instant (debounce 1, group
+//! interval 2, grace 1).
 //!
 //! Each transition drains the group outputs and checks, with the id in front
 //! of each violation: G1 (an interval after the count last changed, every
