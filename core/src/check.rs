@@ -219,6 +219,7 @@ impl Core {
             )
         })?;
 
+        self.check_groups(&mut expected_timers)?;
         let timers = self.timers.set();
         ensure(*timers == expected_timers, || {
             let extra: Vec<_> = timers.difference(&expected_timers).collect();

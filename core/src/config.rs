@@ -60,6 +60,17 @@ pub struct Config {
     /// What a device whose app is in the background means (I12). Routing
     /// ignores it: a backgrounded device is never routable.
     pub backgrounded: Backgrounded,
+    /// Group presence (see the `groups` module): a member subscribed to a
+    /// group gets its online count at most this often, only when it changed.
+    pub group_interval: Millis,
+    /// Members of one group, admins included.
+    pub max_group_members: usize,
+    pub max_group_admins: usize,
+    pub max_group_subscriptions_per_session: usize,
+    /// Groups the core keeps.
+    pub max_groups: usize,
+    /// Entries per page of a group's member list, at most.
+    pub group_page_size: usize,
 }
 
 impl Default for Config {
@@ -72,7 +83,10 @@ impl Default for Config {
     /// - desktop: 15 s grace (sleep, Wi-Fi roaming), 60 s heartbeat timeout;
     /// - web: 10 s grace (a page reload reconnects within a few seconds), 60 s;
     /// - other: 15 s grace, 60 s;
-    /// - a backgrounded device is not present (`Backgrounded::Offline`).
+    /// - a backgrounded device is not present (`Backgrounded::Offline`);
+    /// - groups: a count every 10 s at most (a room's "42 online" may be that
+    ///   stale), 10,000 members, 32 admins, 100 group subscriptions per
+    ///   session, 100,000 groups, member pages of 200.
     fn default() -> Config {
         let kind = |grace, heartbeat| KindConfig {
             heartbeat_timeout: Millis::from_secs(heartbeat),
@@ -90,6 +104,12 @@ impl Default for Config {
             max_sessions: 4_000_000,
             max_users: 10_000_000,
             backgrounded: Backgrounded::Offline,
+            group_interval: Millis::from_secs(10),
+            max_group_members: 10_000,
+            max_group_admins: 32,
+            max_group_subscriptions_per_session: 100,
+            max_groups: 100_000,
+            group_page_size: 200,
         }
     }
 }
@@ -125,6 +145,15 @@ impl Config {
             return Err(ConfigError(
                 "max_devices_per_user, max_sessions and max_users must be at least 1",
             ));
+        }
+        if self.group_interval == Millis::ZERO {
+            return Err(ConfigError("group_interval must be at least 1 ms"));
+        }
+        if self.group_page_size == 0 {
+            return Err(ConfigError("group_page_size must be at least 1"));
+        }
+        if self.max_group_members > u32::MAX as usize {
+            return Err(ConfigError("max_group_members must fit in 32 bits"));
         }
         Ok(())
     }

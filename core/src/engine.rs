@@ -451,6 +451,8 @@ pub struct Core {
     /// Only on a cluster's owner (`set_publish_views`): `None` on one node,
     /// which then pays one branch per publish.
     pub(crate) cluster: Option<Box<Owning>>,
+    /// Group presence (the `groups` module).
+    pub(crate) groups: crate::groups::Groups,
     #[cfg(feature = "mutants")]
     pub(crate) mutant: Option<crate::mutants::Mutant>,
     /// Under `Mutant::IgnoreStale` only: the device of each superseded session.
@@ -475,6 +477,7 @@ impl Core {
             outputs: VecDeque::new(),
             counters: Metrics::default(),
             cluster: None,
+            groups: Default::default(),
             #[cfg(feature = "mutants")]
             mutant: None,
             #[cfg(feature = "mutants")]
@@ -544,6 +547,7 @@ impl Core {
                 Timer::Lease(session) => self.on_lease(session),
                 Timer::Debounce(user) => self.on_debounce(user),
                 Timer::Batch(session) => self.on_batch(session),
+                Timer::Group(group) => self.on_group_flush(group),
             }
         }
     }
@@ -693,6 +697,7 @@ impl Core {
         let before = self.views(user);
 
         let mut carried = Vec::new();
+        let mut carried_groups = Vec::new();
         let mut resumed = false;
         let mut superseded = None;
         if let Some(old) = old {
@@ -703,6 +708,7 @@ impl Core {
                 resumed = true;
                 self.counters.resumed += 1;
                 carried = self.detach_subs(old);
+                carried_groups = self.group_take(old);
             }
             if was_online {
                 superseded = Some(old);
@@ -723,6 +729,7 @@ impl Core {
                 snapshots.push(snapshot);
             }
         }
+        self.group_carry(id, carried_groups);
         self.after_change(user, before);
         Ok(Connected {
             session: id,
@@ -1045,11 +1052,13 @@ impl Core {
         u.message = saved.message;
         u.invisible = saved.invisible;
         u.last_seen = saved.last_seen;
-        u.published = Presence {
+        let published = Presence {
             version: u.version,
             last_seen: saved.last_seen,
             ..Presence::default()
         };
+        let was_online = std::mem::replace(&mut u.published, published).online;
+        self.group_published(user, was_online, false);
         Ok(())
     }
 
@@ -1445,6 +1454,7 @@ impl Core {
         if slot.generation < u32::MAX {
             self.free.push(id.index() as u32);
         }
+        self.group_session_ended(id);
         self.timers.remove(&(session.lease_due, Timer::Lease(id)));
         if let Some(subs) = session.subs.as_deref() {
             if let Some(due) = subs.batch_due {
@@ -1792,7 +1802,9 @@ impl Core {
             u.version += 1;
             shown.version = u.version;
         }
-        u.published = shown;
+        let was_online = std::mem::replace(&mut u.published, shown).online;
+        let (id, online) = (u.id, u.published.online);
+        self.group_published(id, was_online, online);
         self.counters.publishes += 1;
         if let Some(cluster) = self.cluster.as_deref_mut() {
             let u = &self.users[user as usize];
@@ -1952,8 +1964,9 @@ impl Core {
         let u = self.index.get(user).ok_or(Error::UnknownSession)?;
         let floor = self.users[u as usize].version;
         let rec = &mut self.users[u as usize];
-        rec.published = record.published.clone();
+        let was_online = std::mem::replace(&mut rec.published, record.published.clone()).online;
         rec.version = floor.max(record.published.version);
+        self.group_published(user, was_online, record.published.online);
         let mut sessions = Vec::with_capacity(record.devices.len());
         for d in &record.devices {
             let connected = self.handle_connect(

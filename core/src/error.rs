@@ -19,6 +19,11 @@ pub enum Error {
     NotSubscribed,
     /// Restoring saved preferences of a user who is already online.
     AlreadyOnline,
+    /// The session's user is not a member of that group (or there is no
+    /// such group: a non-member cannot tell the two apart).
+    NotMember,
+    /// Removing a group that does not exist.
+    UnknownGroup,
 }
 
 /// Which cap an input hit.
@@ -31,6 +36,10 @@ pub enum Limit {
     DevicesPerUser,
     Sessions,
     Users,
+    GroupMembers,
+    GroupAdmins,
+    GroupSubscriptionsPerSession,
+    Groups,
 }
 
 impl fmt::Display for Error {
@@ -42,6 +51,8 @@ impl fmt::Display for Error {
             Error::NotAllowed => f.write_str("not allowed to watch that user"),
             Error::NotSubscribed => f.write_str("not subscribed to that user"),
             Error::AlreadyOnline => f.write_str("user is already online"),
+            Error::NotMember => f.write_str("not a member of that group"),
+            Error::UnknownGroup => f.write_str("no such group"),
         }
     }
 }
@@ -55,6 +66,10 @@ impl fmt::Display for Limit {
             Limit::DevicesPerUser => "devices per user",
             Limit::Sessions => "sessions",
             Limit::Users => "users",
+            Limit::GroupMembers => "members per group",
+            Limit::GroupAdmins => "admins per group",
+            Limit::GroupSubscriptionsPerSession => "group subscriptions per session",
+            Limit::Groups => "groups",
         })
     }
 }

@@ -39,6 +39,10 @@
 //! # let _ = alice;
 //! ```
 //!
+//! Group presence (online counts for members, realtime deltas for admins,
+//! member pages) is in the `groups` module's terms: see
+//! [`Core::handle_set_group`] and docs/groups.md.
+//!
 //! Defaults are in [`Config::default`]. The semantics and the invariants
 //! I1–I12 are those of greendot's DESIGN.md (I12, foreground and background,
 //! is stated in the `foreground` module); `check_invariants` (feature
@@ -50,6 +54,9 @@ mod engine;
 mod error;
 mod fanout;
 mod foreground;
+mod group_hooks;
+mod group_pages;
+mod groups;
 mod index;
 mod output;
 mod timers;
@@ -60,6 +67,8 @@ mod view;
 mod audit;
 #[cfg(feature = "check")]
 mod check;
+#[cfg(feature = "check")]
+mod group_check;
 #[cfg(feature = "mutants")]
 pub mod mutants;
 
@@ -70,6 +79,8 @@ pub use config::{Backgrounded, Config, ConfigError, KindConfig, RealtimeOverflow
 pub use engine::{Connect, Connected, Core, Counters, Input, Reply, Saved, SessionInfo, Snapshot};
 pub use error::{Error, Limit};
 pub use fanout::Fanout;
+pub use group_pages::{GroupPage, PageCursor};
+pub use groups::{GroupId, GroupOutput, GroupRole, GroupSnapshot};
 pub use output::{EndReason, Output};
 pub use types::{
     DeviceId, DeviceKind, Kinds, Millis, Presence, SessionId, Status, Tier, UserId, Watch,

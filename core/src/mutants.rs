@@ -36,3 +36,30 @@ impl Mutant {
         Mutant::BackgroundCounted,
     ];
 }
+
+/// One bug of group presence to switch on with `Core::set_group_mutant`
+/// (kept apart from `Mutant`, whose models have no groups).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum GroupMutant {
+    /// A member going offline leaves the count as it was (G2).
+    CountMissesOffline,
+    /// A membership write that changes the count never schedules a flush,
+    /// so members keep the old count (G1).
+    MembershipNotFlushed,
+    /// A member's change is pushed to admins under the previous version (G3).
+    VersionNotBumped,
+    /// An admin demoted to member keeps getting member deltas (G4).
+    AdminKeptAfterDemotion,
+    /// An ended session keeps its group subscriptions (G4).
+    SubsKeptAfterEnd,
+}
+
+impl GroupMutant {
+    pub const ALL: [GroupMutant; 5] = [
+        GroupMutant::CountMissesOffline,
+        GroupMutant::MembershipNotFlushed,
+        GroupMutant::VersionNotBumped,
+        GroupMutant::AdminKeptAfterDemotion,
+        GroupMutant::SubsKeptAfterEnd,
+    ];
+}

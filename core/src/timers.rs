@@ -5,6 +5,7 @@
 //! B-tree walks seven or so nodes from the root on each input, while the
 //! earliest deadline kept in a field answers with one comparison.
 
+use crate::groups::GroupId;
 use crate::types::{Millis, SessionId, UserId};
 use std::collections::BTreeSet;
 
@@ -16,6 +17,9 @@ pub(crate) enum Timer {
     Debounce(UserId),
     /// Batch flush of a session.
     Batch(SessionId),
+    /// Count flush of a group (last, so that at one instant a flush sees
+    /// every publish of that instant).
+    Group(GroupId),
 }
 
 /// The ordered set of `(due, timer)`. `first` is derived from `set`, so

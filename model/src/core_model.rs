@@ -164,6 +164,8 @@ pub fn small_config(devices: usize) -> Config {
         max_sessions: 64,
         max_users: 16,
         backgrounded: Backgrounded::Offline,
+        // Groups are not modelled here: their defaults.
+        ..Config::default()
     }
 }
 

@@ -8,6 +8,7 @@
 //! - [`protocol`] (Model 2): a server actor running the core and client actors
 //!   using the core's `View`, over a network that loses, reorders and
 //!   duplicates messages, with reconnects that resume.
+//! - [`group_model`] (Model 1, groups): the core with one group, G1–G4;
 //! - [`cluster`] (Model 3): nodes that are edges and owners, a KV with
 //!   leases and compare-and-set, a lossy network, crashes, restarts and
 //!   cut-offs, with the real core in every owner and the real `Fanout` and
@@ -18,6 +19,7 @@
 
 pub mod cluster;
 pub mod core_model;
+pub mod group_model;
 pub mod protocol;
 
 pub use core_model::{Bounds, CoreModel, CoreState};

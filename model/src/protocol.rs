@@ -253,6 +253,8 @@ pub fn protocol_config() -> Config {
         max_sessions: 64,
         max_users: 16,
         backgrounded: greendot_core::Backgrounded::Offline,
+        // Groups are not modelled here: their defaults.
+        ..Config::default()
     }
 }
 

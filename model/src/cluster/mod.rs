@@ -98,6 +98,8 @@ pub fn cluster_config() -> Config {
         max_sessions: 64,
         max_users: 16,
         backgrounded: greendot_core::Backgrounded::Offline,
+        // Groups are not modelled here: their defaults.
+        ..Config::default()
     }
 }
 

@@ -1,0 +1,130 @@
+//! The group hooks the engine calls (see the `groups` module): a member's
+//! published view changed, a count flush is due, a session ended or was
+//! resumed.
+
+use crate::engine::Core;
+use crate::groups::{arm_flush, group_mutant, is_online, GroupId, GroupOutput, GroupRole};
+use crate::types::{SessionId, UserId};
+
+impl Core {
+    /// `user`'s published view went from `was_online` to `online`: the
+    /// count of each of their groups moves by one and the admins are told.
+    pub(crate) fn group_published(&mut self, user: UserId, was_online: bool, online: bool) {
+        if was_online == online || !self.groups.member_of.contains_key(&user) {
+            return;
+        }
+        let mut groups = std::mem::take(&mut self.groups);
+        let missed = !online && group_mutant!(groups, CountMissesOffline);
+        let frozen = group_mutant!(groups, VersionNotBumped);
+        for &group in groups.member_of.get(&user).into_iter().flatten() {
+            let Some(g) = groups.groups.get_mut(&group) else {
+                continue;
+            };
+            if online {
+                g.online.insert(user);
+            } else {
+                g.online.remove(&user);
+            }
+            if online {
+                g.count += 1;
+            } else if !missed {
+                g.count = g.count.saturating_sub(1);
+            }
+            if !frozen {
+                g.version += 1;
+            }
+            for &to in &g.admin_subs {
+                if is_online(&self.slots, to) {
+                    groups.outputs.push_back(GroupOutput::Member {
+                        to,
+                        group,
+                        version: g.version,
+                        member: user,
+                        online,
+                        count: g.count,
+                    });
+                }
+            }
+            arm_flush(group, g, self);
+        }
+        self.groups = groups;
+    }
+
+    /// The count flush of `group`: each Online member session told another
+    /// count than the current one is told this one.
+    pub(crate) fn on_group_flush(&mut self, group: GroupId) {
+        let Core { groups, slots, .. } = self;
+        let Some(g) = groups.groups.get_mut(&group) else {
+            return;
+        };
+        g.flush_due = None;
+        for (&to, last) in g.counted.iter_mut() {
+            if *last != g.count && is_online(slots, to) {
+                *last = g.count;
+                groups.outputs.push_back(GroupOutput::Count {
+                    to,
+                    group,
+                    version: g.version,
+                    count: g.count,
+                });
+            }
+        }
+    }
+
+    /// A session ended: its group subscriptions end with it.
+    pub(crate) fn group_session_ended(&mut self, id: SessionId) {
+        if group_mutant!(self.groups, SubsKeptAfterEnd) {
+            return;
+        }
+        for group in self.groups.by_session.remove(&id).unwrap_or_default() {
+            if let Some(g) = self.groups.groups.get_mut(&group) {
+                g.unsubscribe(id);
+            }
+        }
+    }
+
+    /// A resume: takes `old`'s group subscriptions, for `group_carry`.
+    pub(crate) fn group_take(&mut self, old: SessionId) -> Vec<GroupId> {
+        let taken = self.groups.by_session.remove(&old).unwrap_or_default();
+        for group in &taken {
+            if let Some(g) = self.groups.groups.get_mut(group) {
+                g.unsubscribe(old);
+            }
+        }
+        taken
+    }
+
+    /// A resume: the new session `id` holds the taken subscriptions, in the
+    /// roles its user has now, and is told each count at once.
+    pub(crate) fn group_carry(&mut self, id: SessionId, taken: Vec<GroupId>) {
+        let Some(user) = self.session_user(id) else {
+            return;
+        };
+        for group in taken {
+            let Some(g) = self.groups.groups.get_mut(&group) else {
+                continue;
+            };
+            match g.role_of(user) {
+                Some(GroupRole::Member) => {
+                    g.counted.insert(id, g.count);
+                }
+                Some(GroupRole::Admin) => {
+                    if let Err(at) = g.admin_subs.binary_search(&id) {
+                        g.admin_subs.insert(at, id);
+                    }
+                }
+                None => continue,
+            }
+            self.groups.outputs.push_back(GroupOutput::Count {
+                to: id,
+                group,
+                version: g.version,
+                count: g.count,
+            });
+            let list = self.groups.by_session.entry(id).or_default();
+            if let Err(at) = list.binary_search(&group) {
+                list.insert(at, group);
+            }
+        }
+    }
+}

@@ -1,0 +1,92 @@
+//! Model 1 (groups): exhaustive BFS of the core with one group at
+//! `GroupBounds::CI`, with a pinned state count, and every `GroupMutant`
+//! caught by the invariant it breaks. Apart from `models.rs`, whose pinned
+//! counts this leaves alone.
+
+use greendot_core::mutants::GroupMutant;
+use greendot_model::group_model::{GroupBounds, GroupModel, GroupState};
+use stateright::{Checker, HasDiscoveries, Model};
+use std::collections::BTreeSet;
+use std::time::Instant;
+
+/// Unique states at `GroupBounds::CI`, as a lower bound (see `models.rs`):
+/// 337,479 in about 4 s and 0.5 GB on one thread.
+const GROUP_STATES: usize = 337_479;
+
+fn threads() -> usize {
+    std::env::var("GREENDOT_MODEL_THREADS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(1)
+        .max(1)
+}
+
+fn describe(path: &[(GroupState, Option<greendot_model::group_model::GroupAction>)]) {
+    for (state, action) in path {
+        match action {
+            Some(a) => println!("  t={} {a:?}", state.core.now().0),
+            None => state.bad.iter().for_each(|b| println!("    => {b}")),
+        }
+    }
+}
+
+#[test]
+fn model1_groups_g1_g4_hold_at_ci_bounds() {
+    let start = Instant::now();
+    let checker = GroupModel::new(GroupBounds::CI)
+        .checker()
+        .threads(threads())
+        .spawn_bfs()
+        .join();
+    let states = checker.unique_state_count();
+    println!(
+        "Model 1 (groups): {states} unique states ({} generated) in {:.1?}",
+        checker.state_count(),
+        start.elapsed()
+    );
+    for p in checker.model().properties() {
+        let found = checker.discovery(p.name);
+        if p.expectation.discovery_is_failure() {
+            if let Some(path) = found {
+                describe(&path.into_vec());
+                panic!("{} violated", p.name);
+            }
+        } else {
+            assert!(found.is_some(), "never: {}", p.name);
+        }
+    }
+    assert!(states >= GROUP_STATES, "{states} states, fewer than pinned");
+}
+
+#[test]
+fn model1_groups_catches_every_group_mutant() {
+    for (m, want) in [
+        (
+            GroupMutant::CountMissesOffline,
+            "G2 count of published views",
+        ),
+        (GroupMutant::MembershipNotFlushed, "G1 exact at quiescence"),
+        (GroupMutant::VersionNotBumped, "G3 versions rise"),
+        (
+            GroupMutant::AdminKeptAfterDemotion,
+            "G4 deltas to live admins",
+        ),
+        (GroupMutant::SubsKeptAfterEnd, "G4 deltas to live admins"),
+    ] {
+        let model = GroupModel::new(GroupBounds::CI);
+        let mut core = model.init.clone();
+        core.set_group_mutant(Some(m));
+        let checker = model
+            .with_core(core)
+            .checker()
+            .threads(threads())
+            .finish_when(HasDiscoveries::AnyOf(BTreeSet::from([want])))
+            .spawn_bfs()
+            .join();
+        let path = checker
+            .discovery(want)
+            .unwrap_or_else(|| panic!("{m:?} not caught by {want}"));
+        println!("{m:?} caught by {want:?}:");
+        describe(&path.into_vec());
+    }
+}
