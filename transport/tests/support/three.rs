@@ -16,7 +16,7 @@ use greendot_client::{Client, ClientConfig, Event, Source, Updates};
 use greendot_cluster::testing::NatsCluster;
 use greendot_core::{Kinds, Presence, SessionId, Tier};
 use greendot_proto::Kind;
-use greendot_server::cluster::RecordedDevice;
+use greendot_server::cluster::decode_device_record;
 use greendot_server::token::{Claims, TokenKeys, WatchClaim};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_greendot");
@@ -234,8 +234,7 @@ pub async fn wait_recorded(urls: &str, user: &str, device: &str, within: Duratio
     let recorded = tokio::time::timeout(within, async {
         while let Some(entry) = records.next().await {
             let entry = entry.expect("a record");
-            let devices: Vec<RecordedDevice> =
-                postcard::from_bytes(&entry.value).unwrap_or_default();
+            let devices = decode_device_record(&entry.value).unwrap_or_default();
             if devices.iter().any(|d| d.user == user && d.device == device) {
                 return true;
             }

@@ -45,8 +45,8 @@ use owners::Owners;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant};
 pub use wire::{
-    Beacon, FromOwner, RecordedDevice, ResyncRequest, SessionRecord, ShardView, ToOwner, WireOp,
-    WirePrefs,
+    decode_device_record, Beacon, FromOwner, RecordedDevice, ResyncRequest, SessionRecord,
+    ShardView, ToOwner, WireOp, WirePrefs,
 };
 
 /// The largest message accepted from another node: a device input or a
