@@ -246,6 +246,10 @@ async fn an_oversized_list_or_a_long_name_is_refused_clearly_and_the_session_goe
         Some(ErrorCode::TooManyGroupMembers),
         "{refused}"
     );
+    assert!(
+        refused.to_string().contains("at most 50"),
+        "says the limit: {refused}"
+    );
     let refused = svc
         .set_group(GROUP, &["ann"], &["a1", "a2", "a3", "a4", "a5"])
         .await
@@ -254,6 +258,10 @@ async fn an_oversized_list_or_a_long_name_is_refused_clearly_and_the_session_goe
         refused.code(),
         Some(ErrorCode::TooManyGroupAdmins),
         "{refused}"
+    );
+    assert!(
+        refused.to_string().contains("at most 4"),
+        "says the limit: {refused}"
     );
     let long = "x".repeat(ts.config().limits.max_name_len + 1);
     let refused = svc
