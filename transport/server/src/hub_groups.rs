@@ -248,3 +248,50 @@ fn service_only(svc: bool, what: &str) -> Result<(), WireError> {
         ))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Hub, HubLimits};
+    use crate::token::{Claims, WatchClaim};
+    use greendot_core::{Millis, SessionId};
+    use greendot_proto::{Answer, Kind, Request};
+    use std::time::Duration;
+
+    /// A member name is never freed (its id given to another name) while
+    /// it is in a group, and is freed once no group holds it.
+    #[test]
+    fn member_names_are_held_while_in_a_group() {
+        let mut hub = Hub::new(Default::default(), HubLimits::default(), 0).unwrap();
+        let claims = Claims::new(
+            "backend",
+            "b",
+            Kind::Other,
+            WatchClaim::all(),
+            Duration::from_secs(60),
+        )
+        .service();
+        let welcome = hub.hello(Millis(1), &claims, None, true).unwrap();
+        let svc = SessionId(welcome.session);
+        let set = |members: &[&str]| Request::SetGroup {
+            group: 7,
+            members: members.iter().map(|m| m.to_string()).collect(),
+            admins: Vec::new(),
+        };
+        let answer = hub.request(Millis(2), svc, set(&["ann", "bob"])).unwrap();
+        assert_eq!(answer, Answer::GroupSet { version: 1 });
+        let sweep = |hub: &mut Hub| {
+            hub.release_idle();
+            hub.sweep(1_000);
+        };
+        sweep(&mut hub);
+        assert!(hub.user_id("ann").is_some() && hub.user_id("bob").is_some());
+        hub.request(Millis(3), svc, set(&["bob"])).unwrap();
+        sweep(&mut hub);
+        assert_eq!(hub.user_id("ann"), None, "ann left: her name goes");
+        assert!(hub.user_id("bob").is_some(), "bob stayed: held");
+        let remove = Request::RemoveGroup { group: 7 };
+        assert_eq!(hub.request(Millis(4), svc, remove).unwrap(), Answer::Done);
+        sweep(&mut hub);
+        assert_eq!(hub.user_id("bob"), None);
+    }
+}
