@@ -5,7 +5,7 @@
 //! non-members, non-service tokens and hostile lists are refused with
 //! clear errors while the session goes on.
 
-use greendot_client::{Client, Event, Source};
+use greendot_client::{Client, ClientError, ConfigError, Event, Source};
 use greendot_core::Millis;
 use greendot_proto::{ErrorCode, GroupRole, Kind};
 use greendot_tests::{Recorder, TestServer, SLACK};
@@ -271,6 +271,18 @@ async fn an_oversized_list_or_a_long_name_is_refused_clearly_and_the_session_goe
     assert_eq!(refused.code(), Some(ErrorCode::BadRequest), "{refused}");
     let refused = svc.set_group(GROUP, &["ann", ""], NONE).await.unwrap_err();
     assert_eq!(refused.code(), Some(ErrorCode::BadRequest), "{refused}");
+    // A list past the frame cap is refused by the client before it is sent.
+    let huge: Vec<String> = (0..5_000)
+        .map(|i| format!("member-with-a-long-name-{i}"))
+        .collect();
+    let refused = svc.set_group(GROUP, &huge, NONE).await.unwrap_err();
+    assert!(
+        matches!(
+            refused,
+            ClientError::Config(ConfigError::RequestTooLarge { .. })
+        ),
+        "{refused}"
+    );
     // Nothing of the refused writes stayed; the session goes on.
     let (ann, _) = ts.connect("ann", "phone", Kind::Mobile).await;
     let refused = ann.group_subscribe(GROUP).await.unwrap_err();
