@@ -327,7 +327,7 @@ async fn hello(
             Some(Inbound::Frame(ServerFrame::Reply { .. })) => {
                 break Err(ProtocolError::ReplyBeforeWelcome.into())
             }
-            Some(push @ Inbound::Push { .. }) => early.push(push),
+            Some(push @ (Inbound::Push { .. } | Inbound::Group(_))) => early.push(push),
             Some(Inbound::Ended(e)) => break Err(e),
             None => break Err(LostReason::Ended.into()),
         }

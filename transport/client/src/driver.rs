@@ -352,6 +352,17 @@ async fn read_pushes(mut recv: quinn::RecvStream, tx: mpsc::UnboundedSender<Inbo
                     proto::Tier::Batched => Source::Batched,
                 })
             }
+            Ok(
+                push @ (Push::GroupCount { .. }
+                | Push::GroupMember { .. }
+                | Push::GroupEnded { .. }),
+            ) => {
+                if let Some(item) = crate::groups::inbound(push, source) {
+                    if tx.send(item).is_err() {
+                        return;
+                    }
+                }
+            }
             Ok(Push::Update { target, presence }) => {
                 if let Some(source) = source {
                     let push = Inbound::Push {
@@ -404,13 +415,14 @@ async fn run(
     let max_frame = welcome.max_frame.max(1024) as usize;
     let mut pending: HashMap<u64, Pending> = HashMap::new();
     for item in early {
-        if let Inbound::Push {
-            target,
-            presence,
-            source,
-        } = item
-        {
-            shared.apply(&target, &presence, source);
+        match item {
+            Inbound::Push {
+                target,
+                presence,
+                source,
+            } => shared.apply(&target, &presence, source),
+            Inbound::Group(event) => shared.apply_group(event),
+            _ => {}
         }
     }
 
@@ -605,6 +617,7 @@ async fn run(
                 Some(Inbound::Push { target, presence, source }) => {
                     shared.apply(&target, &presence, source);
                 }
+                Some(Inbound::Group(event)) => shared.apply_group(event),
                 Some(Inbound::Frame(ServerFrame::Reply { id, result })) => {
                     let token = refreshes.remove(&id);
                     if let (Some(token), Ok(Answer::Refreshed { ended, .. })) = (token, &result) {
@@ -627,6 +640,11 @@ async fn run(
                         for s in snapshots {
                             shared.apply(&s.target, &s.presence, Source::Snapshot);
                         }
+                    }
+                    if let Ok(Answer::GroupSubscribed(s)) = &result {
+                        let mut state = shared.state();
+                        let seen = state.group_versions.entry(s.group).or_default();
+                        *seen = (*seen).max(s.version);
                     }
                     match pending.remove(&id) {
                         Some(Pending::User(user)) => {

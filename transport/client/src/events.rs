@@ -57,6 +57,27 @@ pub enum Event {
     /// A new token took over on the live connection; `ended`: the
     /// subscriptions its `watch` no longer allows, which ended.
     TokenRefreshed { ended: Vec<String> },
+    /// A subscribed group's online count (members shown online; invisible
+    /// members count as offline): batched for a member, realtime for an
+    /// admin. Versions rise per group; older ones are dropped.
+    GroupCount {
+        group: u64,
+        version: u64,
+        count: u32,
+        source: Source,
+    },
+    /// To an admin, in realtime: `member` is now shown online (or offline),
+    /// and the group's count after it.
+    GroupMember {
+        group: u64,
+        version: u64,
+        member: String,
+        online: bool,
+        count: u32,
+    },
+    /// The group subscription ended: the user left the group, or it was
+    /// removed.
+    GroupEnded { group: u64 },
     /// The client is finished (closed, logged out, refused, superseded, or
     /// gave up reconnecting). Never dropped; nothing comes after it.
     Closed {

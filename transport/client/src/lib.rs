@@ -173,6 +173,7 @@ mod connect;
 mod driver;
 mod error;
 mod events;
+mod groups;
 mod lifecycle;
 mod refresh;
 mod request;
@@ -186,6 +187,7 @@ pub use error::{
     Cause, ClientError, ConfigError, ConnectError, LostReason, ProtocolError, TlsError,
 };
 pub use events::{Carrier, Event, EventStats, Source, Updates};
+pub use groups::{GroupCursor, GroupPage, GroupRole, GroupSnapshot};
 pub use refresh::{token_expiry, TokenRefresh};
 pub use trust::{Certificate, Trust};
 
@@ -503,6 +505,8 @@ struct State {
     /// What the application subscribed to, to subscribe again after a reconnect
     /// that could not resume.
     wanted: BTreeMap<String, Tier>,
+    /// The highest version told of each subscribed group.
+    group_versions: HashMap<u64, u64>,
     closed: bool,
     stats: ClientStats,
 }
@@ -584,6 +588,8 @@ enum Inbound {
         presence: proto::Presence,
         source: Source,
     },
+    /// A group push, as its event.
+    Group(Event),
     /// The connection ended, and how (the last item).
     Ended(ClientError),
 }
@@ -788,6 +794,7 @@ impl Client {
                 view: View::new(),
                 ids: HashMap::new(),
                 wanted: BTreeMap::new(),
+                group_versions: HashMap::new(),
                 closed: false,
                 stats: ClientStats {
                     carrier,

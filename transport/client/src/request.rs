@@ -58,6 +58,9 @@ pub(crate) fn resendable(request: &Request) -> bool {
             | Request::SetInvisible { .. }
             | Request::SetForeground { .. }
             | Request::Route { .. }
+            | Request::GroupSubscribe { .. }
+            | Request::GroupUnsubscribe { .. }
+            | Request::GroupPage { .. }
     )
 }
 

@@ -205,6 +205,9 @@ pub(crate) async fn drive(
                                 });
                                 None
                             }
+                            Ok(push @ (Push::GroupCount { .. } | Push::GroupMember { .. } | Push::GroupEnded { .. })) => {
+                                crate::groups::inbound(push, *slot)
+                            }
                             Ok(Push::Update { target, presence }) => slot.map(|source| {
                                 Inbound::Push { target, presence, source }
                             }),

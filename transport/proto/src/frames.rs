@@ -76,6 +76,34 @@ pub enum Request {
     /// and pushes go on. Idempotent; a reconnect's `Hello::foreground`
     /// carries the state.
     SetForeground { foreground: bool },
+    /// Service tokens only: writes group `group` whole, its members and its
+    /// admins (an admin is a member whether listed in `members` or not);
+    /// creates it if new. Answered `GroupSet` with the membership version.
+    /// Sessions of users who left get `Push::GroupEnded`.
+    SetGroup {
+        group: u64,
+        members: Vec<String>,
+        admins: Vec<String>,
+    },
+    /// Service tokens only: removes a group; its subscribers get
+    /// `Push::GroupEnded`. Answered `Done`, or `UnknownGroup`.
+    RemoveGroup { group: u64 },
+    /// A member's session subscribes to a group; answered `GroupSubscribed`.
+    /// Members then get `Push::GroupCount` on the batched stream, admins
+    /// `Push::GroupMember` (and counts) on the realtime stream. Again: a
+    /// fresh snapshot. `NotMember` for anyone else, and for no such group.
+    GroupSubscribe { group: u64 },
+    /// Answered `Done`, or `NotSubscribed`.
+    GroupUnsubscribe { group: u64 },
+    /// A page of a group's member list (members only): online members
+    /// first; `after` is the previous page's `next` (`None`: the first
+    /// page); at most `limit` entries (the server caps it, 200 by default).
+    /// Answered `GroupPage`.
+    GroupPage {
+        group: u64,
+        after: Option<GroupCursor>,
+        limit: u32,
+    },
 }
 
 /// Frames on the control stream, from the server.
@@ -130,6 +158,68 @@ pub enum Answer {
     Revoked {
         closed: u32,
     },
+    /// The answer to `SetGroup`: the group's membership version (1, 2, …
+    /// per write).
+    GroupSet {
+        version: u64,
+    },
+    /// The answer to `GroupSubscribe`.
+    GroupSubscribed(GroupSnapshot),
+    /// The answer to `GroupPage`.
+    GroupPage(GroupPage),
+}
+
+/// What a group subscription gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum GroupRole {
+    /// The online count, batched.
+    Member,
+    /// Each member's change, in realtime.
+    Admin,
+}
+
+/// The answer to a group subscribe. The member list is not in it: read it
+/// in pages (`Request::GroupPage`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupSnapshot {
+    pub group: u64,
+    pub role: GroupRole,
+    /// Per group, only grows: keep the highest seen, drop older pushes.
+    pub version: u64,
+    /// Members shown online.
+    pub count: u32,
+    /// Members, admins included.
+    pub members: u32,
+}
+
+/// Where a member page starts: the previous page's last entry. Opaque:
+/// pass back what `GroupPage::next` gave.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct GroupCursor {
+    /// The entry was in the online section.
+    pub online: bool,
+    pub after: u64,
+}
+
+/// One page of a group's member list: online members first, then the
+/// others, each section in a stable order of the server's.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupPage {
+    pub group: u64,
+    /// The group's version when the page was taken.
+    pub version: u64,
+    /// Members shown online, in all.
+    pub count: u32,
+    pub entries: Vec<GroupEntry>,
+    /// Where the next page starts; `None` on the last page.
+    pub next: Option<GroupCursor>,
+}
+
+/// A member and what everybody is shown of them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupEntry {
+    pub user: String,
+    pub presence: Presence,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -166,6 +256,27 @@ pub enum Push {
     Stream { tier: Tier },
     /// `target` is now shown as `presence`.
     Update { target: String, presence: Presence },
+    /// The group's online count (members shown online; invisible members
+    /// count as offline). To a member on the batched stream, at most once
+    /// per group interval and only when it changed; to an admin on the
+    /// realtime stream, after each membership write.
+    GroupCount {
+        group: u64,
+        version: u64,
+        count: u32,
+    },
+    /// To an admin, on the realtime stream: `member` is now shown online
+    /// (or offline), and the count after it.
+    GroupMember {
+        group: u64,
+        version: u64,
+        member: String,
+        online: bool,
+        count: u32,
+    },
+    /// On the realtime stream: the subscription ended (the user left the
+    /// group, or it was removed).
+    GroupEnded { group: u64 },
 }
 
 /// What a viewer is told about a user.
@@ -287,6 +398,22 @@ pub enum ErrorCode {
     TokenRevoked,
     /// The revocation list is full.
     TooManyRevocations,
+    /// The session's user is not a member of that group (or there is no
+    /// such group: a non-member cannot tell).
+    NotMember,
+    /// Removing a group that does not exist.
+    UnknownGroup,
+    /// More members (admins included) in a group than allowed.
+    TooManyGroupMembers,
+    /// More admins in a group than allowed.
+    TooManyGroupAdmins,
+    /// The per-session group subscription cap.
+    TooManyGroupSubscriptions,
+    /// The server holds as many groups as it may.
+    TooManyGroups,
+    /// This server does not serve that request in its configuration (group
+    /// requests on a node of a cluster).
+    Unsupported,
     Other(u16),
 }
 
@@ -318,6 +445,13 @@ impl ErrorCode {
             ErrorCode::TooManyTargets => 26,
             ErrorCode::TokenRevoked => 27,
             ErrorCode::TooManyRevocations => 28,
+            ErrorCode::NotMember => 29,
+            ErrorCode::UnknownGroup => 30,
+            ErrorCode::TooManyGroupMembers => 31,
+            ErrorCode::TooManyGroupAdmins => 32,
+            ErrorCode::TooManyGroupSubscriptions => 33,
+            ErrorCode::TooManyGroups => 34,
+            ErrorCode::Unsupported => 35,
             ErrorCode::Other(code) => code,
         }
     }
@@ -351,6 +485,13 @@ impl From<u16> for ErrorCode {
             26 => ErrorCode::TooManyTargets,
             27 => ErrorCode::TokenRevoked,
             28 => ErrorCode::TooManyRevocations,
+            29 => ErrorCode::NotMember,
+            30 => ErrorCode::UnknownGroup,
+            31 => ErrorCode::TooManyGroupMembers,
+            32 => ErrorCode::TooManyGroupAdmins,
+            33 => ErrorCode::TooManyGroupSubscriptions,
+            34 => ErrorCode::TooManyGroups,
+            35 => ErrorCode::Unsupported,
             other => ErrorCode::Other(other),
         }
     }
@@ -471,10 +612,25 @@ impl From<greendot_core::Error> for WireError {
                 Limit::DevicesPerUser => ErrorCode::TooManyDevices,
                 Limit::Sessions => ErrorCode::TooManySessions,
                 Limit::Users => ErrorCode::TooManyUsers,
+                Limit::GroupMembers => ErrorCode::TooManyGroupMembers,
+                Limit::GroupAdmins => ErrorCode::TooManyGroupAdmins,
+                Limit::GroupSubscriptionsPerSession => ErrorCode::TooManyGroupSubscriptions,
+                Limit::Groups => ErrorCode::TooManyGroups,
                 _ => ErrorCode::Internal,
             },
+            Error::NotMember => ErrorCode::NotMember,
+            Error::UnknownGroup => ErrorCode::UnknownGroup,
             _ => ErrorCode::Internal,
         };
         WireError::new(code, error.to_string())
+    }
+}
+
+impl From<greendot_core::GroupRole> for GroupRole {
+    fn from(role: greendot_core::GroupRole) -> GroupRole {
+        match role {
+            greendot_core::GroupRole::Member => GroupRole::Member,
+            greendot_core::GroupRole::Admin => GroupRole::Admin,
+        }
     }
 }

@@ -18,6 +18,8 @@ use greendot_proto::{
 use std::collections::HashMap;
 use std::sync::Arc;
 
+#[path = "hub_groups.rs"]
+mod groups;
 #[path = "hub_tokens.rs"]
 mod tokens;
 
@@ -275,6 +277,8 @@ pub struct Hub {
     restored: Vec<SessionId>,
     /// Each session's token expiry, and the revocation list.
     credentials: Credentials,
+    /// The last group push encoded, and its frame.
+    group_frame: Option<(proto::Push, Bytes)>,
 }
 
 impl Hub {
@@ -297,6 +301,7 @@ impl Hub {
             encoded: HashMap::new(),
             restored: Vec::new(),
             credentials: Credentials::new(unix_base_ms, 0, limits.max_revocations),
+            group_frame: None,
         })
     }
 
@@ -1015,6 +1020,11 @@ impl Hub {
                 device,
                 before,
             } => self.revoke(now, svc, user, device, before),
+            request @ (Request::SetGroup { .. }
+            | Request::RemoveGroup { .. }
+            | Request::GroupSubscribe { .. }
+            | Request::GroupUnsubscribe { .. }
+            | Request::GroupPage { .. }) => self.group_request(now, session, svc, request),
         }
     }
 
@@ -1047,8 +1057,12 @@ impl Hub {
     /// The next output for the driver.
     pub fn poll_output(&mut self) -> Option<HubOutput> {
         let Some(out) = self.core.poll_output() else {
+            if let Some(group) = self.core.poll_group_output() {
+                return Some(self.group_push(group));
+            }
             // Drained: the next outputs are of later changes.
             self.encoded.clear();
+            self.group_frame = None;
             return None;
         };
         Some(match out {

@@ -95,6 +95,34 @@ impl ServerState {
                 return self.cluster_subscription(ch, now, step);
             }
         }
+        if self.cluster.is_some() {
+            if let Step::Request {
+                id,
+                request:
+                    proto::Request::SetGroup { .. }
+                    | proto::Request::RemoveGroup { .. }
+                    | proto::Request::GroupSubscribe { .. }
+                    | proto::Request::GroupUnsubscribe { .. }
+                    | proto::Request::GroupPage { .. },
+                ..
+            } = &step
+            {
+                // The core's groups see only this node's users: in a
+                // cluster their counts would be wrong (docs/groups.md).
+                let error = proto::WireError::new(
+                    proto::ErrorCode::Unsupported,
+                    "groups are served by a single node only for now (not with --cluster)",
+                );
+                let handled = Handled {
+                    reply: Some(ServerFrame::Reply {
+                        id: *id,
+                        result: Err(error),
+                    }),
+                    ..Handled::default()
+                };
+                return self.answer(ch, now, handled);
+            }
+        }
         let forward = self.cluster.as_ref().and_then(|_| forwarded_op(&step));
         let durable = durable_user(&self.hub, &step);
         let resume = match &step {

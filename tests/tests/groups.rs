@@ -1,0 +1,295 @@
+//! Group presence (issue 28) against a real single-node server through the
+//! Rust client: members get the online count at most once per interval on
+//! the batched stream, admins each change in realtime, invisible members
+//! are not counted, the member list pages online-first with a cursor, and
+//! non-members, non-service tokens and hostile lists are refused with
+//! clear errors while the session goes on.
+
+use greendot_client::{Client, ClientError, ConfigError, Event, Source};
+use greendot_core::Millis;
+use greendot_proto::{ErrorCode, GroupRole, Kind};
+use greendot_tests::{Recorder, TestServer, SLACK};
+use std::collections::HashSet;
+use std::time::Duration;
+
+const GROUP: u64 = 42;
+const NONE: &[&str] = &[];
+
+async fn service(ts: &TestServer) -> Client {
+    ts.connect_with(ts.client_config(ts.service_token("backend")))
+        .await
+        .0
+}
+
+/// Waits for a count of `group` equal to `count` (any source).
+async fn count_reaches(seen: &mut Recorder, count: u32, within: Duration) -> bool {
+    seen.wait_for(
+        within,
+        |e| matches!(e, Event::GroupCount { group: GROUP, count: c, .. } if *c == count),
+    )
+    .await
+    .is_some()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_sees_the_count_batched_at_most_once_per_interval() {
+    let interval = Duration::from_millis(1000);
+    let ts = TestServer::start(|c| c.core.group_interval = Millis(1000));
+    let svc = service(&ts).await;
+    let users: Vec<String> = (0..8).map(|i| format!("u{i}")).collect();
+    let mut members = users.clone();
+    members.push("mona".into());
+    svc.set_group(GROUP, &members, NONE).await.unwrap();
+    let (mona, mut seen) = ts.connect("mona", "phone", Kind::Mobile).await;
+    let snapshot = mona.group_subscribe(GROUP).await.unwrap();
+    assert_eq!(snapshot.role, GroupRole::Member);
+    assert_eq!(snapshot.members, 9);
+    // Eight members come online one after the other, quickly: one count
+    // per change would be eight pushes tens of ms apart.
+    let mut clients = Vec::new();
+    for user in &users {
+        clients.push(ts.connect(user, "phone", Kind::Mobile).await.0);
+    }
+    assert!(
+        count_reaches(&mut seen, 9, interval * 3 + SLACK).await,
+        "the count reaches 9: {:?}",
+        seen.seen
+    );
+    let counts: Vec<_> = seen
+        .seen
+        .iter()
+        .filter_map(|(at, e)| match e {
+            Event::GroupCount { count, source, .. } => Some((*at, *count, *source)),
+            _ => None,
+        })
+        .collect();
+    assert!(counts.iter().all(|(_, _, s)| *s == Source::Batched));
+    for pair in counts.windows(2) {
+        let gap = pair[1].0 - pair[0].0;
+        // The server flushes an interval apart; arrivals jitter a little.
+        assert!(
+            gap >= interval / 2,
+            "two counts {gap:?} apart (interval {interval:?}): {counts:?}"
+        );
+        assert!(pair[1].1 != pair[0].1, "an unchanged count was pushed");
+    }
+    if let (Some(first), Some(last)) = (counts.first(), counts.last()) {
+        let intervals = (last.0 - first.0).as_millis() / interval.as_millis();
+        assert!(counts.len() as u128 <= intervals + 2, "{counts:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_sees_each_change_in_realtime() {
+    // A long interval: only realtime deltas can arrive in time.
+    let ts = TestServer::start(|c| c.core.group_interval = Millis(30_000));
+    let svc = service(&ts).await;
+    svc.set_group(GROUP, &["ann", "bob", "cy"], &["ada"])
+        .await
+        .unwrap();
+    let (ada, mut seen) = ts.connect("ada", "laptop", Kind::Desktop).await;
+    assert_eq!(
+        ada.group_subscribe(GROUP).await.unwrap().role,
+        GroupRole::Admin
+    );
+    let debounce = Duration::from_millis(ts.config().core.debounce.0);
+    let mut online = Vec::new();
+    for user in ["ann", "bob", "cy"] {
+        online.push(ts.connect(user, "phone", Kind::Mobile).await.0);
+        let delta = seen
+            .wait_for(
+                debounce + SLACK,
+                |e| matches!(e, Event::GroupMember { member, online: true, .. } if member == user),
+            )
+            .await;
+        assert!(
+            delta.is_some(),
+            "{user} online, in realtime: {:?}",
+            seen.seen
+        );
+    }
+    online[1].logout().await.unwrap();
+    let delta = seen
+        .wait_for(
+            debounce + SLACK,
+            |e| matches!(e, Event::GroupMember { member, online: false, .. } if member == "bob"),
+        )
+        .await;
+    assert!(delta.is_some(), "bob offline, in realtime: {:?}", seen.seen);
+    let versions: Vec<u64> = seen
+        .seen
+        .iter()
+        .filter_map(|(_, e)| match e {
+            Event::GroupMember { version, .. } | Event::GroupCount { version, .. } => {
+                Some(*version)
+            }
+            _ => None,
+        })
+        .collect();
+    assert!(versions.windows(2).all(|v| v[0] < v[1]), "{versions:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invisible_member_is_not_counted() {
+    let ts = TestServer::start(|c| c.core.group_interval = Millis(300));
+    let wait = Duration::from_millis(ts.config().core.debounce.0 + 300) + SLACK;
+    let svc = service(&ts).await;
+    svc.set_group(GROUP, &["mona", "ivy", "zed"], NONE)
+        .await
+        .unwrap();
+    let (mona, mut seen) = ts.connect("mona", "phone", Kind::Mobile).await;
+    mona.group_subscribe(GROUP).await.unwrap();
+    let (ivy, _) = ts.connect("ivy", "phone", Kind::Mobile).await;
+    assert!(count_reaches(&mut seen, 2, wait).await, "{:?}", seen.seen);
+    ivy.set_invisible(true).await.unwrap();
+    assert!(
+        count_reaches(&mut seen, 1, wait).await,
+        "ivy went invisible: not counted any more: {:?}",
+        seen.seen
+    );
+    let page = mona.group_page(GROUP, None, 10).await.unwrap();
+    assert_eq!(page.count, 1);
+    let ivy_entry = page.entries.iter().find(|(u, _)| u == "ivy").unwrap();
+    assert!(!ivy_entry.1.online && !ivy_entry.1.invisible);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_list_pages_online_first_with_a_cursor() {
+    let ts = TestServer::start(|_| {});
+    let svc = service(&ts).await;
+    let members = ["b", "c", "d", "e", "f", "g"];
+    svc.set_group(GROUP, &members, &["ada"]).await.unwrap();
+    let (ada, mut seen) = ts.connect("ada", "laptop", Kind::Desktop).await;
+    ada.group_subscribe(GROUP).await.unwrap();
+    let _b = ts.connect("b", "phone", Kind::Mobile).await;
+    let _c = ts.connect("c", "phone", Kind::Mobile).await;
+    let wait = Duration::from_millis(ts.config().core.debounce.0) + SLACK;
+    let three = seen
+        .wait_for(wait, |e| matches!(e, Event::GroupMember { count: 3, .. }))
+        .await;
+    assert!(three.is_some(), "ada, b and c online: {:?}", seen.seen);
+
+    let mut listed = Vec::new();
+    let mut after = None;
+    let mut pages = 0;
+    loop {
+        let page = ada.group_page(GROUP, after, 2).await.unwrap();
+        assert!(page.entries.len() <= 2);
+        assert_eq!(page.count, 3);
+        listed.extend(page.entries.into_iter().map(|(u, p)| (u, p.online)));
+        pages += 1;
+        assert!(pages <= 10, "the cursor goes nowhere: {listed:?}");
+        match page.next {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    assert_eq!(pages, 4, "7 members in pages of 2: {listed:?}");
+    let names: HashSet<&str> = listed.iter().map(|(u, _)| u.as_str()).collect();
+    assert_eq!(names.len(), 7, "each member once: {listed:?}");
+    let online: Vec<bool> = listed.iter().map(|(_, o)| *o).collect();
+    assert_eq!(online, [true, true, true, false, false, false, false]);
+    let first: HashSet<&str> = listed[..3].iter().map(|(u, _)| u.as_str()).collect();
+    assert_eq!(first, HashSet::from(["ada", "b", "c"]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_member_is_refused() {
+    let ts = TestServer::start(|_| {});
+    let svc = service(&ts).await;
+    svc.set_group(GROUP, &["ann"], NONE).await.unwrap();
+    let (nora, _) = ts.connect("nora", "phone", Kind::Mobile).await;
+    let refused = nora.group_subscribe(GROUP).await.unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::NotMember), "{refused}");
+    let refused = nora.group_page(GROUP, None, 10).await.unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::NotMember), "{refused}");
+    // No such group: the same answer (a non-member cannot tell).
+    let refused = nora.group_subscribe(GROUP + 1).await.unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::NotMember), "{refused}");
+    let refused = nora.group_unsubscribe(GROUP).await.unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::NotSubscribed), "{refused}");
+    nora.ping().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_service_token_cannot_set_or_remove_a_group() {
+    let ts = TestServer::start(|_| {});
+    let (mal, _) = ts.connect("mal", "phone", Kind::Mobile).await;
+    let refused = mal.set_group(GROUP, &["mal"], &["mal"]).await.unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::ServiceOnly), "{refused}");
+    let refused = mal.group_subscribe(GROUP).await.unwrap_err();
+    assert_eq!(
+        refused.code(),
+        Some(ErrorCode::NotMember),
+        "no group was made"
+    );
+    let svc = service(&ts).await;
+    svc.set_group(GROUP, &["ann"], NONE).await.unwrap();
+    let refused = mal.remove_group(GROUP).await.unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::ServiceOnly), "{refused}");
+    svc.remove_group(GROUP).await.unwrap();
+    let refused = svc.remove_group(GROUP).await.unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::UnknownGroup), "{refused}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_list_or_a_long_name_is_refused_clearly_and_the_session_goes_on() {
+    let ts = TestServer::start(|c| {
+        c.core.max_group_members = 50;
+        c.core.max_group_admins = 4;
+    });
+    let svc = service(&ts).await;
+    let many: Vec<String> = (0..51).map(|i| format!("m{i}")).collect();
+    let refused = svc.set_group(GROUP, &many, NONE).await.unwrap_err();
+    assert_eq!(
+        refused.code(),
+        Some(ErrorCode::TooManyGroupMembers),
+        "{refused}"
+    );
+    assert!(
+        refused.to_string().contains("at most 50"),
+        "says the limit: {refused}"
+    );
+    let refused = svc
+        .set_group(GROUP, &["ann"], &["a1", "a2", "a3", "a4", "a5"])
+        .await
+        .unwrap_err();
+    assert_eq!(
+        refused.code(),
+        Some(ErrorCode::TooManyGroupAdmins),
+        "{refused}"
+    );
+    assert!(
+        refused.to_string().contains("at most 4"),
+        "says the limit: {refused}"
+    );
+    let long = "x".repeat(ts.config().limits.max_name_len + 1);
+    let refused = svc
+        .set_group(GROUP, &["ann", &long], NONE)
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::BadRequest), "{refused}");
+    let refused = svc.set_group(GROUP, &["ann", ""], NONE).await.unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::BadRequest), "{refused}");
+    // A list past the frame cap is refused by the client before it is sent.
+    let huge: Vec<String> = (0..5_000)
+        .map(|i| format!("member-with-a-long-name-{i}"))
+        .collect();
+    let refused = svc.set_group(GROUP, &huge, NONE).await.unwrap_err();
+    assert!(
+        matches!(
+            refused,
+            ClientError::Config(ConfigError::RequestTooLarge { .. })
+        ),
+        "{refused}"
+    );
+    // Nothing of the refused writes stayed; the session goes on.
+    let (ann, _) = ts.connect("ann", "phone", Kind::Mobile).await;
+    let refused = ann.group_subscribe(GROUP).await.unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::NotMember), "{refused}");
+    assert_eq!(
+        svc.set_group(GROUP, &many[..49], &["ann"]).await.unwrap(),
+        1
+    );
+    assert_eq!(ann.group_subscribe(GROUP).await.unwrap().members, 50);
+}

@@ -1,0 +1,297 @@
+//! Group requests and pushes of the hub (issue 28, docs/groups.md): member
+//! names to ids, the references a group's names hold, and the core's group
+//! outputs as push frames.
+//!
+//! Each member name of a group holds a reference on its interned id while
+//! it is in the group, so the id is never freed and given to another name
+//! (which would silently make a stranger a member).
+
+use super::{Hub, HubOutput};
+use bytes::Bytes;
+use greendot_core::{GroupId, GroupOutput, Millis, PageCursor, SessionId, Tier, UserId};
+use greendot_proto::{
+    self as proto, Answer, ErrorCode, GroupCursor, GroupEntry, GroupPage, GroupSnapshot, Request,
+    WireError,
+};
+
+impl Hub {
+    /// One group request of `session` (`svc`: it holds a service token).
+    pub(super) fn group_request(
+        &mut self,
+        now: Millis,
+        session: SessionId,
+        svc: bool,
+        request: Request,
+    ) -> Result<Answer, WireError> {
+        match request {
+            Request::SetGroup {
+                group,
+                members,
+                admins,
+            } => {
+                service_only(svc, "setting a group")?;
+                self.set_group(now, GroupId(group), &members, &admins)
+            }
+            Request::RemoveGroup { group } => {
+                service_only(svc, "removing a group")?;
+                let old = self.group_member_ids(GroupId(group));
+                self.core.handle_remove_group(now, GroupId(group))?;
+                self.drop_member_refs(&old);
+                Ok(Answer::Done)
+            }
+            Request::GroupSubscribe { group } => {
+                let s = self
+                    .core
+                    .handle_group_subscribe(now, session, GroupId(group))?;
+                Ok(Answer::GroupSubscribed(GroupSnapshot {
+                    group: s.group.0,
+                    role: s.role.into(),
+                    version: s.version,
+                    count: s.count,
+                    members: s.members,
+                }))
+            }
+            Request::GroupUnsubscribe { group } => {
+                self.core
+                    .handle_group_unsubscribe(now, session, GroupId(group))?;
+                Ok(Answer::Done)
+            }
+            Request::GroupPage {
+                group,
+                after,
+                limit,
+            } => {
+                let from = after.map(|c| PageCursor {
+                    online: c.online,
+                    after: UserId(c.after),
+                });
+                let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+                let page =
+                    self.core
+                        .handle_group_page(now, session, GroupId(group), from, limit)?;
+                let entries = page
+                    .entries
+                    .iter()
+                    .map(|(user, presence)| GroupEntry {
+                        user: self.user_name(*user).unwrap_or_default().to_owned(),
+                        presence: proto::Presence::from_core(presence, self.unix_base_ms),
+                    })
+                    .collect();
+                Ok(Answer::GroupPage(GroupPage {
+                    group: page.group.0,
+                    version: page.version,
+                    count: page.count,
+                    entries,
+                    next: page.next.map(|c| GroupCursor {
+                        online: c.online,
+                        after: c.after.0,
+                    }),
+                }))
+            }
+            _ => Err(WireError::new(ErrorCode::Internal, "not a group request")),
+        }
+    }
+
+    /// Writes a group: every limit and name is checked before any name is
+    /// interned, and a write the core refuses leaves no name behind.
+    fn set_group(
+        &mut self,
+        now: Millis,
+        group: GroupId,
+        members: &[String],
+        admins: &[String],
+    ) -> Result<Answer, WireError> {
+        let config = self.core.config();
+        if admins.len() > config.max_group_admins {
+            return Err(WireError::new(
+                ErrorCode::TooManyGroupAdmins,
+                format!("at most {} admins per group", config.max_group_admins),
+            ));
+        }
+        if members.len() > config.max_group_members {
+            return Err(WireError::new(
+                ErrorCode::TooManyGroupMembers,
+                format!(
+                    "at most {} members per group, admins included",
+                    config.max_group_members
+                ),
+            ));
+        }
+        for name in members.iter().chain(admins) {
+            self.name_ok(name, "member")?;
+        }
+        let mut member_ids = Vec::with_capacity(members.len());
+        let mut admin_ids = Vec::with_capacity(admins.len());
+        for (name, is_admin) in members
+            .iter()
+            .map(|m| (m, false))
+            .chain(admins.iter().map(|a| (a, true)))
+        {
+            match self.intern_user(name) {
+                Ok(id) if is_admin => admin_ids.push(id),
+                Ok(id) => member_ids.push(id),
+                Err(e) => {
+                    self.idle.extend(member_ids.iter().chain(&admin_ids));
+                    return Err(e);
+                }
+            }
+        }
+        let old = self.group_member_ids(group);
+        match self
+            .core
+            .handle_set_group(now, group, &member_ids, &admin_ids)
+        {
+            Ok(version) => {
+                // The new references first: a member who stays never drops to 0.
+                for id in self.group_member_ids(group) {
+                    self.users.acquire(id.0);
+                }
+                self.drop_member_refs(&old);
+                Ok(Answer::GroupSet { version })
+            }
+            Err(e) => {
+                self.idle.extend(member_ids.iter().chain(&admin_ids));
+                Err(e.into())
+            }
+        }
+    }
+
+    /// The members of `group` (admins included), none for no such group.
+    fn group_member_ids(&self, group: GroupId) -> Vec<UserId> {
+        self.core
+            .group_members(group)
+            .map(|(members, _)| members.to_vec())
+            .unwrap_or_default()
+    }
+
+    fn drop_member_refs(&mut self, old: &[UserId]) {
+        for &id in old {
+            if self.users.drop_ref(id.0) == 0 {
+                self.idle.push(id);
+            }
+        }
+    }
+
+    /// A group push of the core as a frame for its session. An admin's
+    /// subscription gets everything on the realtime stream (its counts and
+    /// deltas stay in version order); a member's gets its counts on the
+    /// batched stream; an end goes on the realtime stream.
+    pub(super) fn group_push(&mut self, out: GroupOutput) -> HubOutput {
+        let (session, tier, push) = match out {
+            GroupOutput::Count {
+                to,
+                group,
+                version,
+                count,
+            } => {
+                let admin = self.session_user(to).is_some_and(|user| {
+                    self.core
+                        .group_members(group)
+                        .is_some_and(|(_, admins)| admins.binary_search(&user).is_ok())
+                });
+                let tier = if admin { Tier::Realtime } else { Tier::Batched };
+                let push = proto::Push::GroupCount {
+                    group: group.0,
+                    version,
+                    count,
+                };
+                (to, tier, push)
+            }
+            GroupOutput::Member {
+                to,
+                group,
+                version,
+                member,
+                online,
+                count,
+            } => {
+                let push = proto::Push::GroupMember {
+                    group: group.0,
+                    version,
+                    member: self.user_name(member).unwrap_or_default().to_owned(),
+                    online,
+                    count,
+                };
+                (to, Tier::Realtime, push)
+            }
+            GroupOutput::Ended { to, group } => (
+                to,
+                Tier::Realtime,
+                proto::Push::GroupEnded { group: group.0 },
+            ),
+        };
+        // A flush tells many sessions the same count: encoded once.
+        let frame = match &self.group_frame {
+            Some((last, frame)) if *last == push => frame.clone(),
+            _ => {
+                // A push is a few small fields: it always encodes.
+                let frame = Bytes::from(proto::encode_frame(&push).unwrap_or_default());
+                self.group_frame = Some((push, frame.clone()));
+                frame
+            }
+        };
+        HubOutput::Push {
+            session,
+            tier,
+            frame,
+        }
+    }
+}
+
+fn service_only(svc: bool, what: &str) -> Result<(), WireError> {
+    if svc {
+        Ok(())
+    } else {
+        Err(WireError::new(
+            ErrorCode::ServiceOnly,
+            format!("{what} needs a service token"),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Hub, HubLimits};
+    use crate::token::{Claims, WatchClaim};
+    use greendot_core::{Millis, SessionId};
+    use greendot_proto::{Answer, Kind, Request};
+    use std::time::Duration;
+
+    /// A member name is never freed (its id given to another name) while
+    /// it is in a group, and is freed once no group holds it.
+    #[test]
+    fn member_names_are_held_while_in_a_group() {
+        let mut hub = Hub::new(Default::default(), HubLimits::default(), 0).unwrap();
+        let claims = Claims::new(
+            "backend",
+            "b",
+            Kind::Other,
+            WatchClaim::all(),
+            Duration::from_secs(60),
+        )
+        .service();
+        let welcome = hub.hello(Millis(1), &claims, None, true).unwrap();
+        let svc = SessionId(welcome.session);
+        let set = |members: &[&str]| Request::SetGroup {
+            group: 7,
+            members: members.iter().map(|m| m.to_string()).collect(),
+            admins: Vec::new(),
+        };
+        let answer = hub.request(Millis(2), svc, set(&["ann", "bob"])).unwrap();
+        assert_eq!(answer, Answer::GroupSet { version: 1 });
+        let sweep = |hub: &mut Hub| {
+            hub.release_idle();
+            hub.sweep(1_000);
+        };
+        sweep(&mut hub);
+        assert!(hub.user_id("ann").is_some() && hub.user_id("bob").is_some());
+        hub.request(Millis(3), svc, set(&["bob"])).unwrap();
+        sweep(&mut hub);
+        assert_eq!(hub.user_id("ann"), None, "ann left: her name goes");
+        assert!(hub.user_id("bob").is_some(), "bob stayed: held");
+        let remove = Request::RemoveGroup { group: 7 };
+        assert_eq!(hub.request(Millis(4), svc, remove).unwrap(), Answer::Done);
+        sweep(&mut hub);
+        assert_eq!(hub.user_id("bob"), None);
+    }
+}
