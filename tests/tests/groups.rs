@@ -3,12 +3,13 @@
 //! the batched stream, admins each change in realtime, invisible members
 //! are not counted, the member list pages online-first with a cursor, and
 //! non-members, non-service tokens and hostile lists are refused with
-//! clear errors while the session goes on.
+//! clear errors while the session goes on; a client whose session ended
+//! while it was away subscribes again itself.
 
 use greendot_client::{Client, ClientError, ConfigError, Event, Source};
 use greendot_core::Millis;
 use greendot_proto::{ErrorCode, GroupRole, Kind};
-use greendot_tests::{Recorder, TestServer, SLACK};
+use greendot_tests::{Recorder, Relay, TestServer, SLACK};
 use std::collections::HashSet;
 use std::time::Duration;
 
@@ -292,4 +293,60 @@ async fn an_oversized_list_or_a_long_name_is_refused_clearly_and_the_session_goe
         1
     );
     assert_eq!(ann.group_subscribe(GROUP).await.unwrap().members, 50);
+}
+
+/// mona's path dies for longer than her grace: her session ends at the
+/// server, with its group subscription. When the path is back the client
+/// connects afresh (not resumed) and subscribes to the group again itself,
+/// so counts reach her again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_subscribes_again_after_a_reconnect_that_did_not_resume() {
+    let ts = TestServer::start(|c| c.core.group_interval = Millis(200));
+    let svc = service(&ts).await;
+    svc.set_group(GROUP, &["mona", "ulla"], NONE).await.unwrap();
+    let relay = Relay::start(ts.addr()).await;
+    let mut config = ts.client_config(ts.token(
+        "mona",
+        "phone",
+        Kind::Mobile,
+        greendot_server::token::WatchClaim::all(),
+    ));
+    config.servers = vec![relay.addr.into()];
+    config.websocket = greendot_client::WebSocket::Off;
+    let (mona, mut seen) = ts.connect_with(config).await;
+    mona.group_subscribe(GROUP).await.unwrap();
+    let (_watcher, mut watched) = ts.connect("walt", "laptop", Kind::Desktop).await;
+    _watcher
+        .subscribe(&["mona"], greendot_core::Tier::Realtime)
+        .await
+        .unwrap();
+
+    relay.cut(true);
+    seen.wait_for(ts.death_to_offline() + SLACK, |e| {
+        matches!(e, Event::Disconnected { .. })
+    })
+    .await
+    .expect("mona notices the loss");
+    // Her session is over once watchers see her offline (past her grace).
+    watched
+        .wait_presence("mona", ts.death_to_offline() + SLACK, |p| !p.online)
+        .await
+        .expect("mona's session ends");
+    relay.cut(false);
+    let (_, back) = seen
+        .wait_for(SLACK * 2, |e| matches!(e, Event::Reconnected { .. }))
+        .await
+        .expect("mona reconnects");
+    assert!(
+        matches!(back, Event::Reconnected { resumed: false, .. }),
+        "{back:?}"
+    );
+    // ulla comes online: the count (mona and ulla) reaches mona only if
+    // she is subscribed again.
+    let (_ulla, _) = ts.connect("ulla", "phone", Kind::Mobile).await;
+    assert!(
+        count_reaches(&mut seen, 2, Duration::from_millis(200) * 3 + SLACK).await,
+        "no count after the reconnect: {:?}",
+        seen.seen
+    );
 }

@@ -30,6 +30,9 @@ enum Pending {
     User(User),
     /// A subscribe sent by the client itself after a reconnect.
     Resubscribe,
+    /// A group subscription the client renews itself after a reconnect
+    /// that did not resume.
+    GroupResubscribe(u64),
     /// The `Ping` of [`Client::network_changed`].
     Probe,
     /// A refresh with a token from [`ClientConfig::refresh`].
@@ -139,6 +142,9 @@ pub(super) async fn drive(
                         // versions began again: forget what the old one said,
                         // so the fresh snapshots are not dropped as stale.
                         state.view = View::new();
+                        for version in state.group_versions.values_mut() {
+                            *version = 0;
+                        }
                     }
                 }
                 shared.emit(Event::Reconnected {
@@ -446,6 +452,12 @@ async fn run(
                 ));
             }
         }
+        let mut groups: Vec<u64> = shared.state().group_versions.keys().copied().collect();
+        groups.sort_unstable();
+        for group in groups {
+            let request = Request::GroupSubscribe { group };
+            startup.push_back((request, Pending::GroupResubscribe(group)));
+        }
     }
     while let Some(cmd) = deferred.pop_front() {
         match cmd {
@@ -658,6 +670,13 @@ async fn run(
                             if let Err(e) = &result {
                                 debug!(error = %e, "refreshed token refused; trying again in a second");
                                 refresh_due = Some(tokio::time::Instant::now() + Duration::from_secs(1));
+                            }
+                        }
+                        Some(Pending::GroupResubscribe(group)) => {
+                            if result.is_err() {
+                                // No longer a member (or the group is gone):
+                                // the subscription ended, as a push would say.
+                                shared.apply_group(Event::GroupEnded { group });
                             }
                         }
                         Some(Pending::Resubscribe | Pending::Lifecycle) => {}

@@ -76,7 +76,8 @@ pub enum Event {
         count: u32,
     },
     /// The group subscription ended: the user left the group, or it was
-    /// removed.
+    /// removed (also when the client, after a reconnect that did not
+    /// resume, subscribed again and was refused).
     GroupEnded { group: u64 },
     /// The client is finished (closed, logged out, refused, superseded, or
     /// gave up reconnecting). Never dropped; nothing comes after it.

@@ -131,7 +131,10 @@ impl Client {
 
     /// Subscribes to a group this session's user is a member of: the
     /// snapshot now, then [`Event::GroupCount`] (and, for an admin,
-    /// [`Event::GroupMember`]) on [`crate::Updates`].
+    /// [`Event::GroupMember`]) on [`crate::Updates`]. The subscription
+    /// lasts across reconnects: a resumed session keeps it, and after one
+    /// that did not resume the client subscribes again itself
+    /// ([`Event::GroupEnded`] if refused).
     pub async fn group_subscribe(&self, group: u64) -> Result<GroupSnapshot, ClientError> {
         match self.call(Request::GroupSubscribe { group }).await? {
             // The driver noted its version.
