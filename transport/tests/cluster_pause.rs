@@ -60,6 +60,20 @@ async fn claims(urls: &str) -> BTreeMap<u32, (String, u64)> {
         .collect()
 }
 
+/// Every write to the claims bucket from now on (a claim taken, renewed,
+/// expired): what a look at the claims waits for.
+async fn claim_changes(urls: &str) -> async_nats::jetstream::kv::Watch {
+    let url = urls.split(',').next().expect("a NATS URL");
+    let nats = async_nats::connect(url).await.expect("NATS");
+    async_nats::jetstream::new(nats)
+        .get_key_value("gd_claims")
+        .await
+        .expect("the claims bucket")
+        .watch_all()
+        .await
+        .expect("a watch of the claims")
+}
+
 /// One view or truth seen on the wire.
 #[derive(Debug, Clone)]
 struct WireView {
@@ -127,6 +141,8 @@ struct RawWatcher {
     _endpoint: quinn::Endpoint,
     conn: quinn::Connection,
     seen: Arc<Mutex<Vec<Seen>>>,
+    /// Signalled after every push recorded in `seen`.
+    arrived: Arc<tokio::sync::Notify>,
 }
 
 async fn raw_watcher(at: &Node, user: &str, targets: &[String]) -> RawWatcher {
@@ -145,10 +161,12 @@ async fn raw_watcher(at: &Node, user: &str, targets: &[String]) -> RawWatcher {
         .unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
     let pushes = seen.clone();
+    let arrived = Arc::new(tokio::sync::Notify::new());
+    let signal = arrived.clone();
     let accept = conn.clone();
     tokio::spawn(async move {
         while let Ok(mut recv) = accept.accept_uni().await {
-            let pushes = pushes.clone();
+            let (pushes, signal) = (pushes.clone(), signal.clone());
             tokio::spawn(async move {
                 let mut reader = proto::FrameReader::new(proto::MAX_SERVER_FRAME);
                 while let Ok(Some(frame)) = proto::codec::read_frame(&mut recv, &mut reader).await {
@@ -159,6 +177,9 @@ async fn raw_watcher(at: &Node, user: &str, targets: &[String]) -> RawWatcher {
                             online: presence.online,
                             status: presence.status,
                         });
+                        // One stored permit: a waiter between its look and
+                        // its wait still wakes.
+                        signal.notify_one();
                     }
                 }
             });
@@ -221,6 +242,7 @@ async fn raw_watcher(at: &Node, user: &str, targets: &[String]) -> RawWatcher {
         _endpoint: endpoint,
         conn,
         seen,
+        arrived,
     }
 }
 
@@ -249,7 +271,11 @@ impl RawWatcher {
                 Instant::now() < deadline,
                 "{what}: not within {within:?}; latest {latest:?}"
             );
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            tokio::select! {
+                _ = self.arrived.notified() => {}
+                _ = self.conn.closed() => {}
+                _ = tokio::time::sleep_until(deadline.into()) => {}
+            }
         }
     }
 
@@ -386,6 +412,7 @@ async fn a_paused_node_wakes_without_publishing_stale_and_its_devices_move() {
     // a's lease runs out and b and c take every shard it held.
     let t0 = Instant::now();
     let taken = LEASE_TTL * 2 + SLACK;
+    let mut changes = claim_changes(&urls).await;
     let after = loop {
         let now = claims(&urls).await;
         let all_taken = now.len() == SHARDS as usize && now.values().all(|(o, _)| o != "a");
@@ -396,7 +423,8 @@ async fn a_paused_node_wakes_without_publishing_stale_and_its_devices_move() {
             t0.elapsed() < taken,
             "a's shards not taken within {taken:?} of the stop: {now:?}"
         );
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Read again at the next claim written (or at the deadline).
+        let _ = tokio::time::timeout_at((t0 + taken).into(), changes.next()).await;
     };
     let taken_after = stopped_at.elapsed();
     for (shard, epoch) in &a_held {
