@@ -169,30 +169,94 @@ pub fn status(urls: &str, shard: Option<u32>) -> (bool, String) {
     (out.status.success(), text)
 }
 
-/// Three nodes up and every shard owned.
+/// Three nodes up and every shard held by the node rendezvous hashing gives
+/// it to: what a test that picks a user by owner needs.
 pub fn wait_placed(urls: &str) {
     wait_placed_within(urls, LEASE_TTL * 3 + SLACK)
 }
 
+/// As `wait_placed`, within `within`. "Every shard owned" alone is not
+/// enough: the first node up claims every shard, and until it has seen the
+/// others join it still owns theirs, so a node may own none for a moment.
 pub fn wait_placed_within(urls: &str, within: Duration) {
-    if let Err(last) = placed_within(urls, within) {
+    if let Err(last) = status_within(urls, within, true, at_rendezvous) {
         panic!("shards not placed within {within:?}:\n{last}");
     }
 }
 
 /// Three nodes up and every shard owned within `within`, or the last status.
 pub fn placed_within(urls: &str, within: Duration) -> Result<(), String> {
+    status_within(urls, within, false, |_| true)
+}
+
+/// Asks `greendot cluster status` until three nodes are up, every shard is
+/// owned and `placed` holds for the text, or `within` has passed.
+fn status_within(
+    urls: &str,
+    within: Duration,
+    each: bool,
+    placed: fn(&str) -> bool,
+) -> Result<(), String> {
     let t0 = Instant::now();
     let mut last = String::new();
     while t0.elapsed() < within {
-        let (ok, text) = status(urls, None);
-        if ok && text.contains("nodes: 3") && text.contains(&format!("owned {SHARDS}, unowned 0")) {
+        let (ok, text) = if each {
+            status_of_each(urls)
+        } else {
+            status(urls, None)
+        };
+        if ok
+            && text.contains("nodes: 3")
+            && text.contains(&format!("owned {SHARDS}, unowned 0"))
+            && placed(&text)
+        {
             return Ok(());
         }
         last = text;
         std::thread::sleep(Duration::from_millis(100));
     }
     Err(last)
+}
+
+/// `greendot cluster status --shards`: each node's shards with epochs.
+fn status_of_each(urls: &str) -> (bool, String) {
+    let out = Command::new(BIN)
+        .args(["cluster", "status", "--shards", "--cluster", urls])
+        .output()
+        .expect("greendot cluster status");
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+/// Whether every shard listed under a node ("a: 0@1 5@2 …") is the one
+/// rendezvous hashing over a, b and c gives that node.
+fn at_rendezvous(text: &str) -> bool {
+    let live: Vec<greendot_cluster::NodeId> = ["a", "b", "c"]
+        .into_iter()
+        .map(|n| greendot_cluster::NodeId::new(n).unwrap())
+        .collect();
+    let mut listed = 0;
+    for line in text.lines() {
+        let Some((owner, shards)) = line.split_once(": ") else {
+            continue;
+        };
+        if !["a", "b", "c"].contains(&owner) {
+            continue;
+        }
+        for entry in shards.split_whitespace() {
+            let Some(shard) = entry.split('@').next().and_then(|s| s.parse().ok()) else {
+                return false;
+            };
+            let desired =
+                greendot_cluster::rendezvous_owner(greendot_cluster::ShardId(shard), &live);
+            if desired.map(|n| n.as_str()) != Some(owner) {
+                return false;
+            }
+            listed += 1;
+        }
+    }
+    listed == SHARDS
 }
 
 /// The node that owns `user`'s shard. Right after the nodes joined a shard
