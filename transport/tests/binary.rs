@@ -96,8 +96,13 @@ struct Served {
 }
 
 fn serve(dir: &Path, listen: &str) -> Served {
+    serve_with(dir, listen, &[])
+}
+
+fn serve_with(dir: &Path, listen: &str, extra: &[&str]) -> Served {
     let mut args = vec!["serve", "--listen", listen, "--metrics", "127.0.0.1:0"];
     args.extend(FLAGS);
+    args.extend(extra);
     let mut proc = greendot("serve", dir, &args);
     let line = proc.wait_for(SLACK, "listening", |l| {
         l.starts_with("greendot listening on ")
@@ -496,4 +501,170 @@ fn the_websocket_port_is_a_setting_and_the_page_is_served() {
     assert!(printed.contains("websocket = \"listen\""), "{printed}");
     assert!(printed.contains("dev_tokens = true"), "{printed}");
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `greendot group`: a group written from files with a service token, a
+/// member watching the count, an admin seeing members in realtime, the
+/// member list in pages with a cursor, and the end when the group goes.
+#[test]
+fn the_group_commands_write_watch_and_page_a_group() {
+    let dir = temp_dir("bin-groups");
+    let served = serve_with(
+        &dir,
+        "127.0.0.1:0",
+        &["--group-interval", "300ms", "--group-page-size", "2"],
+    );
+    let addr = served.addr.to_string();
+    let service = run(
+        &dir,
+        &[
+            "token",
+            "--user",
+            "backend",
+            "--device",
+            "cli",
+            "--service",
+            "--ttl",
+            "1h",
+        ],
+    );
+    let service = service.trim();
+    std::fs::write(
+        dir.join("members.txt"),
+        "# the team\nalice\n\n bob \ncarol\n",
+    )
+    .unwrap();
+    std::fs::write(dir.join("admins.txt"), "alice\n").unwrap();
+    let set = |extra: &[&str]| {
+        let mut args = vec![
+            "group", "set", "--token", service, "--server", &addr, "--group", "42",
+        ];
+        args.extend(extra);
+        run(&dir, &args)
+    };
+    let out = set(&["--members", "members.txt", "--admins", "admins.txt"]);
+    assert_eq!(
+        out.trim(),
+        "group 42: version 1, 3 members listed, 1 admins"
+    );
+
+    // Bob's watch is a member's: counts only. His own connection puts him
+    // online, so the count reaches 1, then 2 when carol connects.
+    let bob = token(&dir, "bob", "cli", "desktop", "");
+    let mut bob_watch = client(
+        &dir,
+        "bob watch",
+        &served,
+        &["group", "watch", "--group", "42", "--json", "--token", &bob],
+    );
+    let first = json(&bob_watch.wait_for(SLACK, "bob's snapshot", |l| l.starts_with('{')));
+    assert_eq!(first["members"], 3, "{first}");
+    assert_eq!(first["role"], "member", "{first}");
+    let online = |n: u32| move |l: &str| l.starts_with('{') && json(l)["online"] == n;
+    bob_watch.wait_for(SLACK, "a count of 1", online(1));
+    let carol = token(&dir, "carol", "phone", "mobile", "");
+    let _carol = client(&dir, "carol", &served, &["connect", "--token", &carol]);
+    bob_watch.wait_for(SLACK, "a count of 2", online(2));
+
+    // Alice's watch is an admin's: her own connection is a member coming
+    // online, which she sees at once with the count after it.
+    let alice = token(&dir, "alice", "laptop", "desktop", "");
+    let mut alice_watch = client(
+        &dir,
+        "alice watch",
+        &served,
+        &["group", "watch", "--group", "42", "--token", &alice],
+    );
+    alice_watch.wait_for(SLACK, "alice's snapshot", |l| {
+        l.ends_with("of 3 (subscribed as admin)")
+    });
+    alice_watch.wait_for(SLACK, "alice's own change", |l| {
+        l.ends_with("group 42: alice online, 3 online")
+    });
+    bob_watch.wait_for(SLACK, "a count of 3", online(3));
+
+    // Pages of 2: online members first, then a cursor to the rest.
+    let page = |extra: &[&str]| {
+        let mut args = vec![
+            "group", "page", "--token", &bob, "--server", &addr, "--group", "42",
+        ];
+        args.extend(extra);
+        run(&dir, &args)
+    };
+    let first = page(&["--json"]);
+    let lines: Vec<&str> = first.lines().collect();
+    assert_eq!(lines.len(), 3, "two entries and a cursor: {first}");
+    let next = json(lines[2])["next"]
+        .as_str()
+        .expect("a cursor")
+        .to_owned();
+    let rest = page(&["--json", "--after", &next]);
+    assert_eq!(rest.lines().count(), 1, "the last entry: {rest}");
+    let all = page(&["--json", "--all"]);
+    let users: Vec<String> = all
+        .lines()
+        .map(|l| json(l)["user"].as_str().expect("a user").to_owned())
+        .collect();
+    let mut sorted = users.clone();
+    sorted.sort();
+    assert_eq!(sorted, ["alice", "bob", "carol"], "{all}");
+    assert_eq!(
+        users,
+        [&lines[0..2], &rest.lines().collect::<Vec<_>>()[..]]
+            .concat()
+            .iter()
+            .map(|l| json(l)["user"].as_str().unwrap().to_owned())
+            .collect::<Vec<_>>(),
+        "--all reads the same pages"
+    );
+    assert!(all.lines().all(|l| json(l)["online"] == true), "{all}");
+    let bad = Command::new(BIN)
+        .args([
+            "group", "page", "--token", &bob, "--server", &addr, "--group", "42",
+        ])
+        .args(["--after", "sideways:3"])
+        .current_dir(&dir)
+        .output()
+        .expect("greendot runs");
+    assert!(!bad.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("bad cursor `sideways:3`"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
+
+    // Bob leaves the group: his watch ends, saying so.
+    let out = set(&["--members", "admins.txt"]);
+    assert_eq!(
+        out.trim(),
+        "group 42: version 2, 1 members listed, 0 admins"
+    );
+    bob_watch.wait_for(SLACK, "the end of bob's subscription", |l| {
+        l.contains("group 42: the subscription ended")
+    });
+    assert!(!bob_watch.wait_exit(SLACK).success());
+    // A member token cannot write groups.
+    let refused = Command::new(BIN)
+        .args([
+            "group", "remove", "--token", &bob, "--server", &addr, "--group", "42",
+        ])
+        .current_dir(&dir)
+        .output()
+        .expect("greendot runs");
+    assert!(!refused.status.success());
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("cannot remove group 42"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    let out = run(
+        &dir,
+        &[
+            "group", "remove", "--token", service, "--server", &addr, "--group", "42",
+        ],
+    );
+    assert_eq!(out.trim(), "group 42: removed");
+    alice_watch.wait_for(SLACK, "the end of alice's subscription", |l| {
+        l.contains("group 42: the subscription ended")
+    });
 }

@@ -70,7 +70,7 @@ pub fn utc(ms: u64) -> String {
     )
 }
 
-fn now_ms() -> u64 {
+pub fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
@@ -126,7 +126,7 @@ pub fn line(user: &str, p: &Presence, json: bool) -> String {
     text
 }
 
-fn say(text: &str) {
+pub fn say(text: &str) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{text}");
     let _ = out.flush();
@@ -139,7 +139,7 @@ fn status_of(name: &str) -> Result<Status, String> {
         .ok_or_else(|| format!("unknown status `{name}` (available, away, busy, do-not-disturb)"))
 }
 
-fn connection_event(event: &Event) -> Option<String> {
+pub fn connection_event(event: &Event) -> Option<String> {
     match event {
         Event::Disconnected { reason } => Some(format!("connection lost ({reason}); reconnecting")),
         Event::Reconnected { resumed, .. } => Some(if *resumed {

@@ -10,6 +10,7 @@ mod client;
 mod cluster;
 mod cluster_io;
 mod cut_off;
+mod group;
 mod page;
 mod serve;
 mod settings;
@@ -89,6 +90,10 @@ enum Command {
     /// Operate a cluster (see docs/cluster-operations.md).
     #[command(subcommand)]
     Cluster(ClusterCommand),
+    /// Groups: write one from files, watch its online count, read its
+    /// member list (docs/groups.md).
+    #[command(subcommand)]
+    Group(GroupCommand),
     /// Print what is shown of these users now, once.
     Query {
         #[command(flatten)]
@@ -112,6 +117,63 @@ enum Command {
         /// Unix seconds: tokens issued before it are revoked. Default: now.
         #[arg(long)]
         before: Option<u64>,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum GroupCommand {
+    /// Write a group whole from files of user ids, one per line ('#'
+    /// starts a comment); needs a service token. Prints its version.
+    Set {
+        #[command(flatten)]
+        client: ClientArgs,
+        /// The group's number.
+        #[arg(long)]
+        group: u64,
+        /// The members' file.
+        #[arg(long)]
+        members: PathBuf,
+        /// The admins' file (admins are members whether listed or not).
+        #[arg(long)]
+        admins: Option<PathBuf>,
+    },
+    /// Remove a group; needs a service token.
+    Remove {
+        #[command(flatten)]
+        client: ClientArgs,
+        #[arg(long)]
+        group: u64,
+    },
+    /// Subscribe as the token's user (a member) and print the online count
+    /// when it changes; an admin also sees each member's change. Until Ctrl-C.
+    Watch {
+        #[command(flatten)]
+        client: ClientArgs,
+        #[arg(long)]
+        group: u64,
+        /// JSON lines instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print a page of the member list, online members first, then
+    /// `next: CURSOR` if there is more (pass it to --after).
+    Page {
+        #[command(flatten)]
+        client: ClientArgs,
+        #[arg(long)]
+        group: u64,
+        /// Where the page starts: a `next:` printed before.
+        #[arg(long, value_parser = group::parse_cursor)]
+        after: Option<greendot_client::GroupCursor>,
+        /// Entries per page (the server allows at most 200).
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+        /// Every page, one after another.
+        #[arg(long)]
+        all: bool,
+        /// JSON lines instead of text.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -255,6 +317,24 @@ struct ServeArgs {
     /// present, the default) or away (present, shown away).
     #[arg(long, env = "GREENDOT_BACKGROUNDED", value_enum)]
     backgrounded: Option<Backgrounded>,
+    /// A group member's online count at most this often [default: 10s].
+    #[arg(long, env = "GREENDOT_GROUP_INTERVAL")]
+    group_interval: Option<Dur>,
+    /// Members of one group, admins included [default: 10000].
+    #[arg(long, env = "GREENDOT_MAX_GROUP_MEMBERS")]
+    max_group_members: Option<usize>,
+    /// Admins of one group [default: 32].
+    #[arg(long, env = "GREENDOT_MAX_GROUP_ADMINS")]
+    max_group_admins: Option<usize>,
+    /// Group subscriptions of one session [default: 100].
+    #[arg(long, env = "GREENDOT_MAX_GROUP_SUBSCRIPTIONS")]
+    max_group_subscriptions: Option<usize>,
+    /// Groups the server keeps [default: 100000].
+    #[arg(long, env = "GREENDOT_MAX_GROUPS")]
+    max_groups: Option<usize>,
+    /// Entries of a member-list page, at most [default: 200].
+    #[arg(long, env = "GREENDOT_GROUP_PAGE_SIZE")]
+    group_page_size: Option<usize>,
     /// Clock skew tolerated on token expiry [default: 30s].
     #[arg(long, env = "GREENDOT_TOKEN_LEEWAY")]
     token_leeway: Option<Dur>,
@@ -345,6 +425,15 @@ impl ServeArgs {
         set(&mut s.token_leeway, &self.token_leeway);
         set(&mut s.backgrounded, &self.backgrounded);
         set(&mut s.max_connections, &self.max_connections);
+        set(&mut s.group_interval, &self.group_interval);
+        set(&mut s.max_group_members, &self.max_group_members);
+        set(&mut s.max_group_admins, &self.max_group_admins);
+        set(
+            &mut s.max_group_subscriptions,
+            &self.max_group_subscriptions,
+        );
+        set(&mut s.max_groups, &self.max_groups);
+        set(&mut s.group_page_size, &self.group_page_size);
         set(&mut s.max_handshakes_per_sec, &self.max_handshakes_per_sec);
         set(&mut s.max_hello, &self.max_hello);
         set(&mut s.max_websocket_pending, &self.max_websocket_pending);
@@ -594,6 +683,10 @@ fn main() -> ExitCode {
                 ))
             })
         }
+        Command::Group(command) => {
+            init_logs("warn");
+            runtime().and_then(|rt| rt.block_on(run_group(command)))
+        }
         Command::Query {
             client,
             users,
@@ -609,6 +702,31 @@ fn main() -> ExitCode {
             eprintln!("greendot: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+async fn run_group(command: GroupCommand) -> Result<(), String> {
+    match command {
+        GroupCommand::Set {
+            client,
+            group,
+            members,
+            admins,
+        } => group::run_set(&client, group, &members, admins.as_deref()).await,
+        GroupCommand::Remove { client, group } => group::run_remove(&client, group).await,
+        GroupCommand::Watch {
+            client,
+            group,
+            json,
+        } => group::run_watch(&client, group, json).await,
+        GroupCommand::Page {
+            client,
+            group,
+            after,
+            limit,
+            all,
+            json,
+        } => group::run_page(&client, group, after, limit, all, json).await,
     }
 }
 

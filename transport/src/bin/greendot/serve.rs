@@ -201,6 +201,12 @@ pub(crate) fn core_config(settings: &Settings) -> greendot_core::Config {
     let ms = |d: Duration| Millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
     core.debounce = ms(settings.debounce.0);
     core.batch_interval = ms(settings.batch_interval.0);
+    core.group_interval = ms(settings.group_interval.0);
+    core.max_group_members = settings.max_group_members;
+    core.max_group_admins = settings.max_group_admins;
+    core.max_group_subscriptions_per_session = settings.max_group_subscriptions;
+    core.max_groups = settings.max_groups;
+    core.group_page_size = settings.group_page_size;
     core.backgrounded = settings.backgrounded.into();
     let (g, h) = (&settings.grace, &settings.heartbeat_timeout);
     core.kinds = [

@@ -266,6 +266,18 @@ pub struct Settings {
     pub push_budget_bytes: usize,
     pub grace: PerKind,
     pub heartbeat_timeout: PerKind,
+    /// A group member's online count comes at most this often, only when
+    /// it changed (docs/groups.md).
+    pub group_interval: Dur,
+    /// Members of one group, admins included.
+    pub max_group_members: usize,
+    pub max_group_admins: usize,
+    /// Groups one session may subscribe to.
+    pub max_group_subscriptions: usize,
+    /// Groups the server keeps.
+    pub max_groups: usize,
+    /// Entries of a member-list page, at most.
+    pub group_page_size: usize,
     /// What a device whose app is in the background means: `offline` (not
     /// present) or `away` (present, shown away).
     pub backgrounded: Backgrounded,
@@ -343,6 +355,12 @@ impl Default for Settings {
             push_budget_bytes: server.push_budget_bytes,
             grace: per(|k| k.grace),
             heartbeat_timeout: per(|k| k.heartbeat_timeout),
+            group_interval: Dur(Duration::from_millis(core.group_interval.0)),
+            max_group_members: core.max_group_members,
+            max_group_admins: core.max_group_admins,
+            max_group_subscriptions: core.max_group_subscriptions_per_session,
+            max_groups: core.max_groups,
+            group_page_size: core.group_page_size,
             backgrounded: core.backgrounded.into(),
             cluster: None,
             node_id: None,
