@@ -583,10 +583,12 @@ fn the_group_commands_write_watch_and_page_a_group() {
     });
     bob_watch.wait_for(SLACK, "a count of 3", online(3));
 
-    // Pages of 2: online members first, then a cursor to the rest.
+    // Pages of 2: online members first, then a cursor to the rest. Read
+    // from another of bob's devices (the same one would supersede his watch).
+    let reader = token(&dir, "bob", "pages", "other", "");
     let page = |extra: &[&str]| {
         let mut args = vec![
-            "group", "page", "--token", &bob, "--server", &addr, "--group", "42",
+            "group", "page", "--token", &reader, "--server", &addr, "--group", "42",
         ];
         args.extend(extra);
         run(&dir, &args)
@@ -620,7 +622,7 @@ fn the_group_commands_write_watch_and_page_a_group() {
     assert!(all.lines().all(|l| json(l)["online"] == true), "{all}");
     let bad = Command::new(BIN)
         .args([
-            "group", "page", "--token", &bob, "--server", &addr, "--group", "42",
+            "group", "page", "--token", &reader, "--server", &addr, "--group", "42",
         ])
         .args(["--after", "sideways:3"])
         .current_dir(&dir)
@@ -646,7 +648,7 @@ fn the_group_commands_write_watch_and_page_a_group() {
     // A member token cannot write groups.
     let refused = Command::new(BIN)
         .args([
-            "group", "remove", "--token", &bob, "--server", &addr, "--group", "42",
+            "group", "remove", "--token", &reader, "--server", &addr, "--group", "42",
         ])
         .current_dir(&dir)
         .output()
