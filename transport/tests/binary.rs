@@ -1,5 +1,5 @@
 //! The real `greendot` binary, end to end: `serve` in a temporary data
-//! directory, `token`, `connect`, `watch --json`, `query`, the HTTP port
+//! directory, `token`, `connect`, `watch --json`, `query`, `group`, the HTTP port
 //! (`/metrics`, `/healthz`, `/readyz`);
 //! `kill -9` of a client (the watcher sees it offline within the bound),
 //! `kill -9` of the server and a restart (an invisible user stays invisible,
