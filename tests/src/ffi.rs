@@ -119,7 +119,8 @@ pub fn generate(bindgen: &Path, library: &Path, language: &str, out: &Path) {
 /// inside it on a loaded machine), a UDP relay in front of it that the
 /// suite cuts and restores, the server's certificate in a file, and the
 /// suites' tokens: "walt" and "wes" (laptops), "svc" (a service token) and
-/// one phone per test.
+/// one phone per test (three for the group test). Group counts come every
+/// 300 ms.
 pub struct Harness {
     pub ts: TestServer,
     relay: Arc<Relay>,
@@ -134,7 +135,10 @@ impl Harness {
     /// Starts the server and the relay (inside a tokio runtime); writes the
     /// certificate into `dir`.
     pub async fn start(dir: &Path) -> Harness {
-        let ts = TestServer::start(|c| c.core.debounce = Millis(1_000));
+        let ts = TestServer::start(|c| {
+            c.core.debounce = Millis(1_000);
+            c.core.group_interval = Millis(300);
+        });
         let ca = dir.join("server-ca.der");
         std::fs::write(&ca, ts.server.certificate().as_ref()).unwrap();
         let relay = Arc::new(Relay::start(ts.addr()).await);
@@ -149,7 +153,9 @@ impl Harness {
             ),
             ("svc", ts.service_token("backend")),
         ];
-        for user in ["bea", "cy", "dee", "ed", "fay", "gus", "hal", "ida", "jo"] {
+        for user in [
+            "bea", "cy", "dee", "ed", "fay", "gus", "hal", "ida", "jo", "kai", "lu", "mo",
+        ] {
             tokens.push((
                 user,
                 ts.token(user, "phone", Kind::Mobile, WatchClaim::all()),

@@ -21,8 +21,10 @@
 //!   turns a panic into an internal error, and a listener's exception is
 //!   caught on the listener's thread).
 
+mod groups;
 mod types;
 
+pub use groups::*;
 pub use types::*;
 
 use greendot_client::{

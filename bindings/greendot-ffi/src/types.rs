@@ -232,12 +232,41 @@ pub enum ClientEvent {
     },
     /// A new token took over; `ended`: the subscriptions it no longer allows.
     TokenRefreshed { ended: Vec<String> },
+    /// A subscribed group's online count (members shown online; invisible
+    /// members count as offline): batched for a member, realtime for an
+    /// admin. Versions rise per group; older ones are never delivered.
+    GroupCount {
+        group: u64,
+        version: u64,
+        count: u32,
+        source: UpdateSource,
+    },
+    /// To an admin, in realtime: `member` is now shown online (`online`) or
+    /// offline, and the group's count after it.
+    GroupMember {
+        group: u64,
+        version: u64,
+        member: String,
+        online: bool,
+        count: u32,
+    },
+    /// The group subscription ended: the user left the group, or it was
+    /// removed.
+    GroupEnded { group: u64 },
     /// The client is finished (closed, logged out, refused, superseded, or
     /// gave up reconnecting). The last event.
     Closed {
         code: Option<String>,
         reason: String,
     },
+}
+
+fn update_source(source: Source) -> UpdateSource {
+    match source {
+        Source::Snapshot => UpdateSource::Snapshot,
+        Source::Realtime => UpdateSource::Realtime,
+        Source::Batched => UpdateSource::Batched,
+    }
 }
 
 /// The binding's form of a client event; `None` for a kind of event the
@@ -251,11 +280,7 @@ pub(crate) fn client_event(e: Event) -> Option<ClientEvent> {
         } => ClientEvent::PresenceChanged {
             target,
             presence: presence.into(),
-            source: match source {
-                Source::Snapshot => UpdateSource::Snapshot,
-                Source::Realtime => UpdateSource::Realtime,
-                Source::Batched => UpdateSource::Batched,
-            },
+            source: update_source(source),
         },
         Event::Disconnected { reason } => ClientEvent::Disconnected { reason },
         Event::Reconnected {
@@ -268,6 +293,31 @@ pub(crate) fn client_event(e: Event) -> Option<ClientEvent> {
             carrier: carrier.into(),
         },
         Event::TokenRefreshed { ended } => ClientEvent::TokenRefreshed { ended },
+        Event::GroupCount {
+            group,
+            version,
+            count,
+            source,
+        } => ClientEvent::GroupCount {
+            group,
+            version,
+            count,
+            source: update_source(source),
+        },
+        Event::GroupMember {
+            group,
+            version,
+            member,
+            online,
+            count,
+        } => ClientEvent::GroupMember {
+            group,
+            version,
+            member,
+            online,
+            count,
+        },
+        Event::GroupEnded { group } => ClientEvent::GroupEnded { group },
         Event::Closed { code, reason } => ClientEvent::Closed {
             code: code.map(|c| format!("{c:?}")),
             reason,

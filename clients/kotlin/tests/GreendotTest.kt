@@ -9,7 +9,7 @@
 // - GREENDOT_CA_DER: a file with the server's certificate (DER);
 // - GREENDOT_TOKENS: JSON, name -> token ("walt" and "wes" (laptops), "svc"
 //   (a service token), and one phone per test: "bea", "cy", "dee", "ed",
-//   "fay", "gus", "hal", "ida", "jo");
+//   "fay", "gus", "hal", "ida", "jo", and "kai", "lu", "mo" for the group case);
 // - GREENDOT_DEBOUNCE_MS: the server's debounce.
 //
 // The relay is driven over stdout/stdin: the test prints `@@relay cut` or
@@ -40,11 +40,13 @@ import uniffi.greendot_ffi.ConnectConfig
 import uniffi.greendot_ffi.DeviceKind
 import uniffi.greendot_ffi.GreendotClient
 import uniffi.greendot_ffi.GreendotException
+import uniffi.greendot_ffi.GroupRole
 import uniffi.greendot_ffi.Presence
 import uniffi.greendot_ffi.PresenceListener
 import uniffi.greendot_ffi.ReconnectSettings
 import uniffi.greendot_ffi.Status
 import uniffi.greendot_ffi.Tier
+import uniffi.greendot_ffi.UpdateSource
 import uniffi.greendot_ffi.connect
 
 val ADDRESS: String = System.getenv("GREENDOT_ADDRESS")
@@ -344,6 +346,56 @@ val cases = listOf(
         // newest, and one more if the last push landed after the listener.
         val kept = late.presencesOf("jo")
         assertTrue(kept.size <= 2, "not conflated: $kept")
+    },
+
+    Case("groups: counts, members and pages") {
+        val svc = connect("svc")
+        assertEquals(1uL, svc.setGroup(7uL, listOf("kai"), listOf("lu")))
+
+        // kai is a member: counts only, batched. His own connection is the
+        // first member online.
+        val kai = connect("kai")
+        val counts = Recorder()
+        kai.listen(counts)
+        val member = kai.groupSubscribe(7uL)
+        assertEquals(GroupRole.MEMBER to 2u, member.role to member.members)
+        fun countIs(n: UInt): (ClientEvent) -> Boolean =
+            { it is ClientEvent.GroupCount && it.group == 7uL && it.count == n }
+        if (member.count != 1u) counts.waitFor("a count of 1", pred = countIs(1u))
+
+        // lu is an admin: lu's own coming online reaches lu at once, with
+        // the count after it; kai gets the count, batched.
+        val lu = connect("lu")
+        val deltas = Recorder()
+        lu.listen(deltas)
+        assertEquals(GroupRole.ADMIN, lu.groupSubscribe(7uL).role)
+        val delta = deltas.waitFor("lu's own change") {
+            it is ClientEvent.GroupMember && it.member == "lu" && it.online
+        } as ClientEvent.GroupMember
+        assertEquals(2u, delta.count)
+        val count = counts.waitFor("a count of 2", pred = countIs(2u)) as ClientEvent.GroupCount
+        assertEquals(UpdateSource.BATCHED, count.source)
+        assertTrue(counts.seen().none { it is ClientEvent.GroupMember }, "a member got deltas")
+
+        // The member list in pages of one, online first.
+        val first = kai.groupPage(7uL, null, 1u)
+        assertEquals(1, first.entries.size)
+        val last = kai.groupPage(7uL, assertNotNull(first.next), 1u)
+        assertNull(last.next)
+        val entries = first.entries + last.entries
+        assertEquals(listOf("kai", "lu"), entries.map { it.user }.sorted())
+        assertTrue(entries.all { it.presence.online })
+
+        // Not a member: a typed refusal. Only a service token writes groups.
+        val mo = connect("mo")
+        assertEquals("NotMember", assertFailsWith<GreendotException.Server> { mo.groupSubscribe(7uL) }.code)
+        assertFailsWith<GreendotException.Server> { kai.setGroup(7uL, listOf("kai"), emptyList()) }
+
+        // kai leaves the group: his subscription ends; removing it ends lu's.
+        assertEquals(2uL, svc.setGroup(7uL, listOf("lu"), emptyList()))
+        counts.waitFor("the end of kai's") { it is ClientEvent.GroupEnded && it.group == 7uL }
+        svc.removeGroup(7uL)
+        deltas.waitFor("the end of lu's") { it is ClientEvent.GroupEnded && it.group == 7uL }
     },
 )
 

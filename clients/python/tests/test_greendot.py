@@ -9,8 +9,8 @@ server and a UDP relay, and sets:
 - GREENDOT_CA_DER: a file with the server's certificate (DER);
 - GREENDOT_TOKENS: JSON, name -> token ("walt" and "wes" (laptops), "svc"
   (a service token), and one phone per test: "bea", "cy", "dee", "ed", "fay",
-  "gus", "hal", "ida", "jo");
-- GREENDOT_DEBOUNCE_MS: the server's debounce.
+  "gus", "hal", "ida", "jo", and "kai", "lu", "mo" for the group test);
+- GREENDOT_DEBOUNCE_MS: the server's debounce (its group interval is 300 ms).
 
 The relay is driven over stdout/stdin: the test prints `@@relay cut` or
 `@@relay uncut` and reads one line back once it is done.
@@ -169,6 +169,68 @@ class GreendotTest(unittest.IsolatedAsyncioTestCase):
         # Unsubscribed: no more events, no local view.
         await walt.unsubscribe("bea")
         self.assertIsNone(walt.presence("bea"))
+
+    async def test_groups_count_members_and_page(self):
+        svc = await connect("svc")
+        self.addAsyncCleanup(svc.close)
+        self.assertEqual(await svc.set_group(7, ["kai"], ["lu"]), 1)
+
+        # kai is a member: counts only, batched. His own connection is the
+        # first member online.
+        kai = await connect("kai")
+        self.addAsyncCleanup(kai.close)
+        counts = Recorder(asyncio.get_running_loop())
+        listen(kai, counts)
+        sub = await kai.group_subscribe(7)
+        self.assertEqual((sub.role, sub.members), (gd.GroupRole.MEMBER, 2))
+
+        def count_is(n):
+            return lambda e: e.is_GROUP_COUNT() and e.group == 7 and e.count == n
+
+        if sub.count != 1:
+            await counts.wait_for("a count of 1", count_is(1))
+
+        # lu is an admin: lu's own coming online reaches lu at once, with
+        # the count after it; kai gets the count, batched.
+        lu = await connect("lu")
+        self.addAsyncCleanup(lu.close)
+        deltas = Recorder(asyncio.get_running_loop())
+        listen(lu, deltas)
+        sub = await lu.group_subscribe(7)
+        self.assertEqual(sub.role, gd.GroupRole.ADMIN)
+        delta = await deltas.wait_for(
+            "lu's own change", lambda e: e.is_GROUP_MEMBER() and e.member == "lu" and e.online
+        )
+        self.assertEqual(delta.count, 2)
+        event = await counts.wait_for("a count of 2", count_is(2))
+        self.assertEqual(event.source, gd.UpdateSource.BATCHED)
+        self.assertFalse(any(e.is_GROUP_MEMBER() for e in counts.seen()), "a member got deltas")
+
+        # The member list in pages of one, online first.
+        first = await kai.group_page(7, None, 1)
+        self.assertEqual(len(first.entries), 1)
+        self.assertIsNotNone(first.next)
+        last = await kai.group_page(7, first.next, 1)
+        self.assertIsNone(last.next)
+        entries = first.entries + last.entries
+        self.assertEqual(sorted(e.user for e in entries), ["kai", "lu"])
+        self.assertTrue(all(e.presence.online for e in entries))
+
+        # Not a member: a typed refusal.
+        mo = await connect("mo")
+        self.addAsyncCleanup(mo.close)
+        with self.assertRaises(gd.GreendotError.Server) as caught:
+            await mo.group_subscribe(7)
+        self.assertEqual(caught.exception.code, "NotMember")
+        # Only a service token writes groups.
+        with self.assertRaises(gd.GreendotError.Server):
+            await kai.set_group(7, ["kai"], [])
+
+        # kai leaves the group: his subscription ends.
+        self.assertEqual(await svc.set_group(7, ["lu"], []), 2)
+        await counts.wait_for("the end", lambda e: e.is_GROUP_ENDED() and e.group == 7)
+        await svc.remove_group(7)
+        await deltas.wait_for("the end", lambda e: e.is_GROUP_ENDED() and e.group == 7)
 
     async def test_a_refused_request_raises_a_typed_error(self):
         hal = await connect("hal")

@@ -471,6 +471,22 @@ private let UNIFFI_CALLBACK_UNEXPECTED_ERROR: Int32 = 2
 #if swift(>=5.8)
 @_documentation(visibility: private)
 #endif
+fileprivate struct FfiConverterUInt32: FfiConverterPrimitive {
+    typealias FfiType = UInt32
+    typealias SwiftType = UInt32
+
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> UInt32 {
+        return try lift(readInt(&buf))
+    }
+
+    public static func write(_ value: SwiftType, into buf: inout [UInt8]) {
+        writeInt(&buf, lower(value))
+    }
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
 fileprivate struct FfiConverterUInt64: FfiConverterPrimitive {
     typealias FfiType = UInt64
     typealias SwiftType = UInt64
@@ -697,6 +713,35 @@ public protocol GreendotClientProtocol: AnyObject, Sendable {
     func unsubscribe(target: String) async throws 
     
     func user()  -> String
+    
+    /**
+     * A page of the member list (members only): `after` is the previous
+     * page's `next` (`None`: the first page); at most `limit` entries
+     * (the server caps it, at 200 by default).
+     */
+    func groupPage(group: UInt64, after: GroupCursor?, limit: UInt32) async throws  -> GroupMemberPage
+    
+    /**
+     * Subscribes to a group of which this user is a member: the count
+     * now, then `GroupCount` (and for an admin `GroupMember`) events. Kept
+     * across reconnects. A non-member gets `Server` with code `NotMember`.
+     */
+    func groupSubscribe(group: UInt64) async throws  -> GroupSubscription
+    
+    func groupUnsubscribe(group: UInt64) async throws 
+    
+    /**
+     * Service tokens only: removes a group; its subscribers get `GroupEnded`.
+     */
+    func removeGroup(group: UInt64) async throws 
+    
+    /**
+     * Service tokens only (a backend): writes a group whole, its members
+     * and admins (an admin is a member whether listed in `members` or
+     * not). Returns the membership version. Sessions of users who left get
+     * `GroupEnded`.
+     */
+    func setGroup(group: UInt64, members: [String], admins: [String]) async throws  -> UInt64
     
 }
 /**
@@ -1088,6 +1133,105 @@ open func user() -> String  {
             self.uniffiCloneHandle(),uniffiCallStatus
     )
 })
+}
+    
+    /**
+     * A page of the member list (members only): `after` is the previous
+     * page's `next` (`None`: the first page); at most `limit` entries
+     * (the server caps it, at 200 by default).
+     */
+open func groupPage(group: UInt64, after: GroupCursor?, limit: UInt32)async throws  -> GroupMemberPage  {
+    return
+        try  await uniffiRustCallAsync(
+            rustFutureFunc: {
+                uniffi_greendot_ffi_fn_method_greendotclient_group_page(
+                        self.uniffiCloneHandle(),FfiConverterUInt64.lower(group),FfiConverterOptionTypeGroupCursor.lower(after),FfiConverterUInt32.lower(limit)
+                )
+            },
+            pollFunc: ffi_greendot_ffi_rust_future_poll_rust_buffer,
+            completeFunc: ffi_greendot_ffi_rust_future_complete_rust_buffer,
+            freeFunc: ffi_greendot_ffi_rust_future_free_rust_buffer,
+            liftFunc: FfiConverterTypeGroupMemberPage_lift,
+            errorHandler: FfiConverterTypeGreendotError_lift
+        )
+}
+    
+    /**
+     * Subscribes to a group of which this user is a member: the count
+     * now, then `GroupCount` (and for an admin `GroupMember`) events. Kept
+     * across reconnects. A non-member gets `Server` with code `NotMember`.
+     */
+open func groupSubscribe(group: UInt64)async throws  -> GroupSubscription  {
+    return
+        try  await uniffiRustCallAsync(
+            rustFutureFunc: {
+                uniffi_greendot_ffi_fn_method_greendotclient_group_subscribe(
+                        self.uniffiCloneHandle(),FfiConverterUInt64.lower(group)
+                )
+            },
+            pollFunc: ffi_greendot_ffi_rust_future_poll_rust_buffer,
+            completeFunc: ffi_greendot_ffi_rust_future_complete_rust_buffer,
+            freeFunc: ffi_greendot_ffi_rust_future_free_rust_buffer,
+            liftFunc: FfiConverterTypeGroupSubscription_lift,
+            errorHandler: FfiConverterTypeGreendotError_lift
+        )
+}
+    
+open func groupUnsubscribe(group: UInt64)async throws   {
+    return
+        try  await uniffiRustCallAsync(
+            rustFutureFunc: {
+                uniffi_greendot_ffi_fn_method_greendotclient_group_unsubscribe(
+                        self.uniffiCloneHandle(),FfiConverterUInt64.lower(group)
+                )
+            },
+            pollFunc: ffi_greendot_ffi_rust_future_poll_void,
+            completeFunc: ffi_greendot_ffi_rust_future_complete_void,
+            freeFunc: ffi_greendot_ffi_rust_future_free_void,
+            liftFunc: { $0 },
+            errorHandler: FfiConverterTypeGreendotError_lift
+        )
+}
+    
+    /**
+     * Service tokens only: removes a group; its subscribers get `GroupEnded`.
+     */
+open func removeGroup(group: UInt64)async throws   {
+    return
+        try  await uniffiRustCallAsync(
+            rustFutureFunc: {
+                uniffi_greendot_ffi_fn_method_greendotclient_remove_group(
+                        self.uniffiCloneHandle(),FfiConverterUInt64.lower(group)
+                )
+            },
+            pollFunc: ffi_greendot_ffi_rust_future_poll_void,
+            completeFunc: ffi_greendot_ffi_rust_future_complete_void,
+            freeFunc: ffi_greendot_ffi_rust_future_free_void,
+            liftFunc: { $0 },
+            errorHandler: FfiConverterTypeGreendotError_lift
+        )
+}
+    
+    /**
+     * Service tokens only (a backend): writes a group whole, its members
+     * and admins (an admin is a member whether listed in `members` or
+     * not). Returns the membership version. Sessions of users who left get
+     * `GroupEnded`.
+     */
+open func setGroup(group: UInt64, members: [String], admins: [String])async throws  -> UInt64  {
+    return
+        try  await uniffiRustCallAsync(
+            rustFutureFunc: {
+                uniffi_greendot_ffi_fn_method_greendotclient_set_group(
+                        self.uniffiCloneHandle(),FfiConverterUInt64.lower(group),FfiConverterSequenceString.lower(members),FfiConverterSequenceString.lower(admins)
+                )
+            },
+            pollFunc: ffi_greendot_ffi_rust_future_poll_u64,
+            completeFunc: ffi_greendot_ffi_rust_future_complete_u64,
+            freeFunc: ffi_greendot_ffi_rust_future_free_u64,
+            liftFunc: FfiConverterUInt64.lift,
+            errorHandler: FfiConverterTypeGreendotError_lift
+        )
 }
     
 
@@ -1693,6 +1837,296 @@ public func FfiConverterTypeConnectConfig_lower(_ value: ConnectConfig) -> RustB
 
 
 /**
+ * Where a member page starts: the previous page's `next`. Opaque: pass
+ * back what a page gave.
+ */
+public struct GroupCursor: Equatable, Hashable {
+    public var online: Bool
+    public var after: UInt64
+
+    // Default memberwise initializers are never public by default, so we
+    // declare one manually.
+    public init(online: Bool, after: UInt64) {
+        self.online = online
+        self.after = after
+    }
+
+    
+
+    
+}
+
+#if compiler(>=6)
+extension GroupCursor: Sendable {}
+#endif
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public struct FfiConverterTypeGroupCursor: FfiConverterRustBuffer {
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> GroupCursor {
+        return
+            try GroupCursor(
+                online: FfiConverterBool.read(from: &buf), 
+                after: FfiConverterUInt64.read(from: &buf)
+        )
+    }
+
+    public static func write(_ value: GroupCursor, into buf: inout [UInt8]) {
+        FfiConverterBool.write(value.online, into: &buf)
+        FfiConverterUInt64.write(value.after, into: &buf)
+    }
+}
+
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeGroupCursor_lift(_ buf: RustBuffer) throws -> GroupCursor {
+    return try FfiConverterTypeGroupCursor.lift(buf)
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeGroupCursor_lower(_ value: GroupCursor) -> RustBuffer {
+    return FfiConverterTypeGroupCursor.lower(value)
+}
+
+
+/**
+ * A member and what everybody is shown of them.
+ */
+public struct GroupMemberEntry: Equatable, Hashable {
+    public var user: String
+    public var presence: Presence
+
+    // Default memberwise initializers are never public by default, so we
+    // declare one manually.
+    public init(user: String, presence: Presence) {
+        self.user = user
+        self.presence = presence
+    }
+
+    
+
+    
+}
+
+#if compiler(>=6)
+extension GroupMemberEntry: Sendable {}
+#endif
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public struct FfiConverterTypeGroupMemberEntry: FfiConverterRustBuffer {
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> GroupMemberEntry {
+        return
+            try GroupMemberEntry(
+                user: FfiConverterString.read(from: &buf), 
+                presence: FfiConverterTypePresence.read(from: &buf)
+        )
+    }
+
+    public static func write(_ value: GroupMemberEntry, into buf: inout [UInt8]) {
+        FfiConverterString.write(value.user, into: &buf)
+        FfiConverterTypePresence.write(value.presence, into: &buf)
+    }
+}
+
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeGroupMemberEntry_lift(_ buf: RustBuffer) throws -> GroupMemberEntry {
+    return try FfiConverterTypeGroupMemberEntry.lift(buf)
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeGroupMemberEntry_lower(_ value: GroupMemberEntry) -> RustBuffer {
+    return FfiConverterTypeGroupMemberEntry.lower(value)
+}
+
+
+/**
+ * One page of a group's member list: online members first.
+ */
+public struct GroupMemberPage: Equatable, Hashable {
+    public var group: UInt64
+    /**
+     * The group's version when the page was taken.
+     */
+    public var version: UInt64
+    /**
+     * Members shown online, in all.
+     */
+    public var count: UInt32
+    public var entries: [GroupMemberEntry]
+    /**
+     * Pass to `group_page` for the next page; `None` on the last.
+     */
+    public var next: GroupCursor?
+
+    // Default memberwise initializers are never public by default, so we
+    // declare one manually.
+    public init(group: UInt64, 
+        /**
+         * The group's version when the page was taken.
+         */version: UInt64, 
+        /**
+         * Members shown online, in all.
+         */count: UInt32, entries: [GroupMemberEntry], 
+        /**
+         * Pass to `group_page` for the next page; `None` on the last.
+         */next: GroupCursor?) {
+        self.group = group
+        self.version = version
+        self.count = count
+        self.entries = entries
+        self.next = next
+    }
+
+    
+
+    
+}
+
+#if compiler(>=6)
+extension GroupMemberPage: Sendable {}
+#endif
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public struct FfiConverterTypeGroupMemberPage: FfiConverterRustBuffer {
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> GroupMemberPage {
+        return
+            try GroupMemberPage(
+                group: FfiConverterUInt64.read(from: &buf), 
+                version: FfiConverterUInt64.read(from: &buf), 
+                count: FfiConverterUInt32.read(from: &buf), 
+                entries: FfiConverterSequenceTypeGroupMemberEntry.read(from: &buf), 
+                next: FfiConverterOptionTypeGroupCursor.read(from: &buf)
+        )
+    }
+
+    public static func write(_ value: GroupMemberPage, into buf: inout [UInt8]) {
+        FfiConverterUInt64.write(value.group, into: &buf)
+        FfiConverterUInt64.write(value.version, into: &buf)
+        FfiConverterUInt32.write(value.count, into: &buf)
+        FfiConverterSequenceTypeGroupMemberEntry.write(value.entries, into: &buf)
+        FfiConverterOptionTypeGroupCursor.write(value.next, into: &buf)
+    }
+}
+
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeGroupMemberPage_lift(_ buf: RustBuffer) throws -> GroupMemberPage {
+    return try FfiConverterTypeGroupMemberPage.lift(buf)
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeGroupMemberPage_lower(_ value: GroupMemberPage) -> RustBuffer {
+    return FfiConverterTypeGroupMemberPage.lower(value)
+}
+
+
+/**
+ * The answer to `group_subscribe`. The member list is not in it: read it
+ * with `group_page`.
+ */
+public struct GroupSubscription: Equatable, Hashable {
+    public var group: UInt64
+    public var role: GroupRole
+    /**
+     * Per group, only grows.
+     */
+    public var version: UInt64
+    /**
+     * Members shown online (an invisible member counts as offline).
+     */
+    public var count: UInt32
+    /**
+     * Members, admins included.
+     */
+    public var members: UInt32
+
+    // Default memberwise initializers are never public by default, so we
+    // declare one manually.
+    public init(group: UInt64, role: GroupRole, 
+        /**
+         * Per group, only grows.
+         */version: UInt64, 
+        /**
+         * Members shown online (an invisible member counts as offline).
+         */count: UInt32, 
+        /**
+         * Members, admins included.
+         */members: UInt32) {
+        self.group = group
+        self.role = role
+        self.version = version
+        self.count = count
+        self.members = members
+    }
+
+    
+
+    
+}
+
+#if compiler(>=6)
+extension GroupSubscription: Sendable {}
+#endif
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public struct FfiConverterTypeGroupSubscription: FfiConverterRustBuffer {
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> GroupSubscription {
+        return
+            try GroupSubscription(
+                group: FfiConverterUInt64.read(from: &buf), 
+                role: FfiConverterTypeGroupRole.read(from: &buf), 
+                version: FfiConverterUInt64.read(from: &buf), 
+                count: FfiConverterUInt32.read(from: &buf), 
+                members: FfiConverterUInt32.read(from: &buf)
+        )
+    }
+
+    public static func write(_ value: GroupSubscription, into buf: inout [UInt8]) {
+        FfiConverterUInt64.write(value.group, into: &buf)
+        FfiConverterTypeGroupRole.write(value.role, into: &buf)
+        FfiConverterUInt64.write(value.version, into: &buf)
+        FfiConverterUInt32.write(value.count, into: &buf)
+        FfiConverterUInt32.write(value.members, into: &buf)
+    }
+}
+
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeGroupSubscription_lift(_ buf: RustBuffer) throws -> GroupSubscription {
+    return try FfiConverterTypeGroupSubscription.lift(buf)
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeGroupSubscription_lower(_ value: GroupSubscription) -> RustBuffer {
+    return FfiConverterTypeGroupSubscription.lower(value)
+}
+
+
+/**
  * What a viewer is told about a user.
  */
 public struct Presence: Equatable, Hashable {
@@ -2229,6 +2663,25 @@ public enum ClientEvent: Equatable, Hashable {
     case tokenRefreshed(ended: [String]
     )
     /**
+     * A subscribed group's online count (members shown online; invisible
+     * members count as offline): batched for a member, realtime for an
+     * admin. Versions rise per group; older ones are never delivered.
+     */
+    case groupCount(group: UInt64, version: UInt64, count: UInt32, source: UpdateSource
+    )
+    /**
+     * To an admin, in realtime: `member` is now shown online (`online`) or
+     * offline, and the group's count after it.
+     */
+    case groupMember(group: UInt64, version: UInt64, member: String, online: Bool, count: UInt32
+    )
+    /**
+     * The group subscription ended: the user left the group, or it was
+     * removed.
+     */
+    case groupEnded(group: UInt64
+    )
+    /**
      * The client is finished (closed, logged out, refused, superseded, or
      * gave up reconnecting). The last event.
      */
@@ -2267,7 +2720,16 @@ public struct FfiConverterTypeClientEvent: FfiConverterRustBuffer {
         case 4: return .tokenRefreshed(ended: try FfiConverterSequenceString.read(from: &buf)
         )
         
-        case 5: return .closed(code: try FfiConverterOptionString.read(from: &buf), reason: try FfiConverterString.read(from: &buf)
+        case 5: return .groupCount(group: try FfiConverterUInt64.read(from: &buf), version: try FfiConverterUInt64.read(from: &buf), count: try FfiConverterUInt32.read(from: &buf), source: try FfiConverterTypeUpdateSource.read(from: &buf)
+        )
+        
+        case 6: return .groupMember(group: try FfiConverterUInt64.read(from: &buf), version: try FfiConverterUInt64.read(from: &buf), member: try FfiConverterString.read(from: &buf), online: try FfiConverterBool.read(from: &buf), count: try FfiConverterUInt32.read(from: &buf)
+        )
+        
+        case 7: return .groupEnded(group: try FfiConverterUInt64.read(from: &buf)
+        )
+        
+        case 8: return .closed(code: try FfiConverterOptionString.read(from: &buf), reason: try FfiConverterString.read(from: &buf)
         )
         
         default: throw UniffiInternalError.unexpectedEnumCase
@@ -2302,8 +2764,30 @@ public struct FfiConverterTypeClientEvent: FfiConverterRustBuffer {
             FfiConverterSequenceString.write(ended, into: &buf)
             
         
-        case let .closed(code,reason):
+        case let .groupCount(group,version,count,source):
             writeInt(&buf, Int32(5))
+            FfiConverterUInt64.write(group, into: &buf)
+            FfiConverterUInt64.write(version, into: &buf)
+            FfiConverterUInt32.write(count, into: &buf)
+            FfiConverterTypeUpdateSource.write(source, into: &buf)
+            
+        
+        case let .groupMember(group,version,member,online,count):
+            writeInt(&buf, Int32(6))
+            FfiConverterUInt64.write(group, into: &buf)
+            FfiConverterUInt64.write(version, into: &buf)
+            FfiConverterString.write(member, into: &buf)
+            FfiConverterBool.write(online, into: &buf)
+            FfiConverterUInt32.write(count, into: &buf)
+            
+        
+        case let .groupEnded(group):
+            writeInt(&buf, Int32(7))
+            FfiConverterUInt64.write(group, into: &buf)
+            
+        
+        case let .closed(code,reason):
+            writeInt(&buf, Int32(8))
             FfiConverterOptionString.write(code, into: &buf)
             FfiConverterString.write(reason, into: &buf)
             
@@ -2601,6 +3085,82 @@ public func FfiConverterTypeGreendotError_lift(_ buf: RustBuffer) throws -> Gree
 public func FfiConverterTypeGreendotError_lower(_ value: GreendotError) -> RustBuffer {
     return FfiConverterTypeGreendotError.lower(value)
 }
+
+
+/**
+ * How a group subscription is served.
+ */
+
+public enum GroupRole: Equatable, Hashable {
+    
+    /**
+     * The online count, batched (at most every group interval, 10 s by
+     * default, only when it changed).
+     */
+    case member
+    /**
+     * Each member's change in realtime, and the count with it.
+     */
+    case admin
+
+
+
+
+
+}
+
+#if compiler(>=6)
+extension GroupRole: Sendable {}
+#endif
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public struct FfiConverterTypeGroupRole: FfiConverterRustBuffer {
+    typealias SwiftType = GroupRole
+
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> GroupRole {
+        let variant: Int32 = try readInt(&buf)
+        switch variant {
+        
+        case 1: return .member
+        
+        case 2: return .admin
+        
+        default: throw UniffiInternalError.unexpectedEnumCase
+        }
+    }
+
+    public static func write(_ value: GroupRole, into buf: inout [UInt8]) {
+        switch value {
+        
+        
+        case .member:
+            writeInt(&buf, Int32(1))
+        
+        
+        case .admin:
+            writeInt(&buf, Int32(2))
+        
+        }
+    }
+}
+
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeGroupRole_lift(_ buf: RustBuffer) throws -> GroupRole {
+    return try FfiConverterTypeGroupRole.lift(buf)
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeGroupRole_lower(_ value: GroupRole) -> RustBuffer {
+    return FfiConverterTypeGroupRole.lower(value)
+}
+
 
 
 /**
@@ -2968,6 +3528,30 @@ fileprivate struct FfiConverterOptionString: FfiConverterRustBuffer {
 #if swift(>=5.8)
 @_documentation(visibility: private)
 #endif
+fileprivate struct FfiConverterOptionTypeGroupCursor: FfiConverterRustBuffer {
+    typealias SwiftType = GroupCursor?
+
+    public static func write(_ value: SwiftType, into buf: inout [UInt8]) {
+        guard let value = value else {
+            writeInt(&buf, Int8(0))
+            return
+        }
+        writeInt(&buf, Int8(1))
+        FfiConverterTypeGroupCursor.write(value, into: &buf)
+    }
+
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> SwiftType {
+        switch try readInt(&buf) as Int8 {
+        case 0: return nil
+        case 1: return try FfiConverterTypeGroupCursor.read(from: &buf)
+        default: throw UniffiInternalError.unexpectedOptionalTag
+        }
+    }
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
 fileprivate struct FfiConverterOptionTypePresence: FfiConverterRustBuffer {
     typealias SwiftType = Presence?
 
@@ -3058,6 +3642,31 @@ fileprivate struct FfiConverterSequenceData: FfiConverterRustBuffer {
         seq.reserveCapacity(Int(len))
         for _ in 0 ..< len {
             seq.append(try FfiConverterData.read(from: &buf))
+        }
+        return seq
+    }
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+fileprivate struct FfiConverterSequenceTypeGroupMemberEntry: FfiConverterRustBuffer {
+    typealias SwiftType = [GroupMemberEntry]
+
+    public static func write(_ value: [GroupMemberEntry], into buf: inout [UInt8]) {
+        let len = Int32(value.count)
+        writeInt(&buf, len)
+        for item in value {
+            FfiConverterTypeGroupMemberEntry.write(item, into: &buf)
+        }
+    }
+
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> [GroupMemberEntry] {
+        let len: Int32 = try readInt(&buf)
+        var seq = [GroupMemberEntry]()
+        seq.reserveCapacity(Int(len))
+        for _ in 0 ..< len {
+            seq.append(try FfiConverterTypeGroupMemberEntry.read(from: &buf))
         }
         return seq
     }
@@ -3308,6 +3917,21 @@ private let initializationResult: InitializationResult = {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_greendot_ffi_checksum_method_greendotclient_user() != 1753) {
+        return InitializationResult.apiChecksumMismatch
+    }
+    if (uniffi_greendot_ffi_checksum_method_greendotclient_group_page() != 28560) {
+        return InitializationResult.apiChecksumMismatch
+    }
+    if (uniffi_greendot_ffi_checksum_method_greendotclient_group_subscribe() != 55869) {
+        return InitializationResult.apiChecksumMismatch
+    }
+    if (uniffi_greendot_ffi_checksum_method_greendotclient_group_unsubscribe() != 37974) {
+        return InitializationResult.apiChecksumMismatch
+    }
+    if (uniffi_greendot_ffi_checksum_method_greendotclient_remove_group() != 14493) {
+        return InitializationResult.apiChecksumMismatch
+    }
+    if (uniffi_greendot_ffi_checksum_method_greendotclient_set_group() != 28989) {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_greendot_ffi_checksum_method_listenerhandle_cancel() != 28151) {

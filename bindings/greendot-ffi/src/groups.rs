@@ -1,0 +1,163 @@
+//! Group presence (docs/groups.md) across the FFI: a backend writes groups
+//! with a service token; a member subscribes to a group's online count
+//! (`ClientEvent::GroupCount`), an admin also gets each member's change
+//! (`ClientEvent::GroupMember`); members read the member list in pages.
+
+use crate::{on_runtime, GreendotClient, GreendotError, Presence};
+
+/// How a group subscription is served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, uniffi::Enum)]
+pub enum GroupRole {
+    /// The online count, batched (at most every group interval, 10 s by
+    /// default, only when it changed).
+    Member,
+    /// Each member's change in realtime, and the count with it.
+    Admin,
+}
+
+impl From<greendot_client::GroupRole> for GroupRole {
+    fn from(r: greendot_client::GroupRole) -> GroupRole {
+        match r {
+            greendot_client::GroupRole::Member => GroupRole::Member,
+            greendot_client::GroupRole::Admin => GroupRole::Admin,
+        }
+    }
+}
+
+/// The answer to `group_subscribe`. The member list is not in it: read it
+/// with `group_page`.
+#[derive(Clone, Debug, PartialEq, Eq, uniffi::Record)]
+pub struct GroupSubscription {
+    pub group: u64,
+    pub role: GroupRole,
+    /// Per group, only grows.
+    pub version: u64,
+    /// Members shown online (an invisible member counts as offline).
+    pub count: u32,
+    /// Members, admins included.
+    pub members: u32,
+}
+
+/// Where a member page starts: the previous page's `next`. Opaque: pass
+/// back what a page gave.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, uniffi::Record)]
+pub struct GroupCursor {
+    pub online: bool,
+    pub after: u64,
+}
+
+impl From<greendot_client::GroupCursor> for GroupCursor {
+    fn from(c: greendot_client::GroupCursor) -> GroupCursor {
+        GroupCursor {
+            online: c.online,
+            after: c.after,
+        }
+    }
+}
+
+impl From<GroupCursor> for greendot_client::GroupCursor {
+    fn from(c: GroupCursor) -> greendot_client::GroupCursor {
+        greendot_client::GroupCursor {
+            online: c.online,
+            after: c.after,
+        }
+    }
+}
+
+/// A member and what everybody is shown of them.
+#[derive(Clone, Debug, PartialEq, Eq, uniffi::Record)]
+pub struct GroupMemberEntry {
+    pub user: String,
+    pub presence: Presence,
+}
+
+/// One page of a group's member list: online members first.
+#[derive(Clone, Debug, PartialEq, Eq, uniffi::Record)]
+pub struct GroupMemberPage {
+    pub group: u64,
+    /// The group's version when the page was taken.
+    pub version: u64,
+    /// Members shown online, in all.
+    pub count: u32,
+    pub entries: Vec<GroupMemberEntry>,
+    /// Pass to `group_page` for the next page; `None` on the last.
+    pub next: Option<GroupCursor>,
+}
+
+#[uniffi::export]
+impl GreendotClient {
+    /// Service tokens only (a backend): writes a group whole, its members
+    /// and admins (an admin is a member whether listed in `members` or
+    /// not). Returns the membership version. Sessions of users who left get
+    /// `GroupEnded`.
+    pub async fn set_group(
+        &self,
+        group: u64,
+        members: Vec<String>,
+        admins: Vec<String>,
+    ) -> Result<u64, GreendotError> {
+        let client = self.client();
+        on_runtime(async move { Ok(client.set_group(group, &members, &admins).await?) }).await
+    }
+
+    /// Service tokens only: removes a group; its subscribers get `GroupEnded`.
+    pub async fn remove_group(&self, group: u64) -> Result<(), GreendotError> {
+        let client = self.client();
+        on_runtime(async move { Ok(client.remove_group(group).await?) }).await
+    }
+
+    /// Subscribes to a group of which this user is a member: the count
+    /// now, then `GroupCount` (and for an admin `GroupMember`) events. Kept
+    /// across reconnects. A non-member gets `Server` with code `NotMember`.
+    pub async fn group_subscribe(&self, group: u64) -> Result<GroupSubscription, GreendotError> {
+        let client = self.client();
+        on_runtime(async move {
+            let s = client.group_subscribe(group).await?;
+            Ok(GroupSubscription {
+                group: s.group,
+                role: s.role.into(),
+                version: s.version,
+                count: s.count,
+                members: s.members,
+            })
+        })
+        .await
+    }
+
+    pub async fn group_unsubscribe(&self, group: u64) -> Result<(), GreendotError> {
+        let client = self.client();
+        on_runtime(async move { Ok(client.group_unsubscribe(group).await?) }).await
+    }
+
+    /// A page of the member list (members only): `after` is the previous
+    /// page's `next` (`None`: the first page); at most `limit` entries
+    /// (the server caps it, at 200 by default).
+    pub async fn group_page(
+        &self,
+        group: u64,
+        after: Option<GroupCursor>,
+        limit: u32,
+    ) -> Result<GroupMemberPage, GreendotError> {
+        let client = self.client();
+        on_runtime(async move {
+            let page = client
+                .group_page(group, after.map(Into::into), limit)
+                .await?;
+            Ok(GroupMemberPage {
+                group: page.group,
+                version: page.version,
+                count: page.count,
+                entries: page
+                    .entries
+                    .into_iter()
+                    .map(|(user, presence)| GroupMemberEntry {
+                        user,
+                        presence: presence.into(),
+                    })
+                    .collect(),
+                next: page.next.map(Into::into),
+            })
+        })
+        .await
+    }
+}
