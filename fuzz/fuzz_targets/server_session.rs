@@ -1,7 +1,8 @@
 //! Arbitrary frames from several peers fed to the server's per-connection
 //! request handler (`handle_frame`) without a network: each frame gets a typed
 //! answer or a close, never a panic; every request is answered under its own
-//! id; and the core's invariants hold after every step.
+//! id; and the core's invariants (the groups' among them) hold after every
+//! step. Group requests come with small caps, so that the caps are reached.
 #![no_main]
 
 use arbitrary::Arbitrary;
@@ -51,6 +52,11 @@ enum Req {
     SetForeground(bool),
     Route(u8),
     Logout,
+    SetGroup { group: u8, members: Vec<u8>, admins: Vec<u8>, junk: Option<String> },
+    RemoveGroup(u8),
+    GroupSubscribe(u8),
+    GroupUnsubscribe(u8),
+    GroupPage { group: u8, after: Option<(bool, u64)>, limit: u32 },
 }
 
 fn name(i: u8) -> String {
@@ -79,13 +85,38 @@ fn request(r: Req) -> Request {
         Req::SetForeground(b) => Request::SetForeground { foreground: b },
         Req::Route(u) => Request::Route { user: name(u) },
         Req::Logout => Request::Logout,
+        // Group ids 0..4 against a cap of 3 groups: the cap is reached.
+        Req::SetGroup { group, members, admins, junk } => Request::SetGroup {
+            group: u64::from(group % 4),
+            members: members.into_iter().map(name).chain(junk).collect(),
+            admins: admins.into_iter().map(name).collect(),
+        },
+        Req::RemoveGroup(g) => Request::RemoveGroup { group: u64::from(g % 4) },
+        Req::GroupSubscribe(g) => Request::GroupSubscribe { group: u64::from(g % 4) },
+        Req::GroupUnsubscribe(g) => Request::GroupUnsubscribe { group: u64::from(g % 4) },
+        Req::GroupPage { group, after, limit } => Request::GroupPage {
+            group: u64::from(group % 4),
+            after: after.map(|(online, after)| proto::GroupCursor { online, after }),
+            limit,
+        },
     }
 }
 
 fuzz_target!(|case: Case| {
     let keys = Arc::new(TokenKeys::new(b"fuzz secret", Duration::ZERO));
     let forger = TokenKeys::new(b"another secret", Duration::ZERO);
-    let config = greendot_core::Config { debounce: Millis(50), batch_interval: Millis(200), ..Default::default() };
+    // Small group caps, so that the fuzzer reaches them.
+    let config = greendot_core::Config {
+        debounce: Millis(50),
+        batch_interval: Millis(200),
+        group_interval: Millis(300),
+        max_group_members: 3,
+        max_group_admins: 1,
+        max_group_subscriptions_per_session: 2,
+        max_groups: 3,
+        group_page_size: 2,
+        ..Default::default()
+    };
     let mut limits = HubLimits::default();
     limits.max_names = 16;
     limits.max_targets = 4;
