@@ -15,9 +15,9 @@
 //! admins' change-to-push latency p50/p99 (from the change request leaving
 //! its client to the admin's push, debounce included: going invisible is
 //! published at once, visible again after the debounce); the count's error
-//! while changing (how far each count pushed, by version, is from every
-//! value the published views took in the 150 ms before it first arrived);
-//! and
+//! while changing (how far each count pushed, by version, is from what the
+//! published views may have been when it was computed, each change taking
+//! effect between its request and its answer); and
 //! at quiescence (the changes stopped, then debounce + interval + 2 s):
 //! every session's last count against the truth, the goal being 0.
 //!
@@ -50,9 +50,9 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 const SECRET: &[u8] = b"greendot-group-bench-secret";
 const GROUP: u64 = 1;
 const DEBOUNCE: Duration = Duration::from_millis(300);
-/// From a change request leaving its client to the push of what it
-/// changed reaching a client, at most (loopback, a loaded machine).
-const LAG: Duration = Duration::from_millis(150);
+/// From a count's computing to its first arrival at a client, at most
+/// (loopback).
+const LAG: Duration = Duration::from_millis(50);
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Mode {
@@ -89,8 +89,6 @@ struct Record {
     /// Per member: when its last change was sent and whether it is now
     /// visible (shown online once published).
     changed: Mutex<Vec<(Option<Instant>, bool)>>,
-    /// (when sent, member, visible after it) of every change, in order.
-    log: Mutex<Vec<(Instant, usize, bool)>>,
     latencies_us: Mutex<Vec<u64>>,
     /// Each count the server pushed while measuring (by its version: every
     /// member gets the same one), with its first arrival at any session.
@@ -120,61 +118,65 @@ impl Record {
         }
     }
 
-    /// Members shown online over time, as the server publishes them: going
-    /// invisible at once (I5), visible again after the debounce (if not
-    /// reverted within it).
-    fn published(&self, members: usize) -> Vec<(Instant, u64)> {
-        let mut by_member: HashMap<usize, Vec<(Instant, bool)>> = HashMap::new();
-        for &(at, member, visible) in self.log.lock().unwrap().iter() {
-            by_member.entry(member).or_default().push((at, visible));
+    /// How far each count pushed was from what the published views may
+    /// have been when the server computed it (`changes`: member, visible
+    /// after, sent, answered). A change took effect between its sending and
+    /// its answer; going invisible is published then (I5), visible again a
+    /// debounce later (neither if reverted within the debounce). The count
+    /// was computed at most 50 ms before its first arrival at any session,
+    /// after which it is judged once per version: the time 10,000 copies
+    /// take to reach their sessions is not the count's error.
+    fn count_errors(
+        &self,
+        members: usize,
+        changes: &[(usize, bool, Instant, Instant)],
+    ) -> Vec<u64> {
+        let mut by_member: HashMap<usize, Vec<(bool, Instant, Instant)>> = HashMap::new();
+        for &(member, visible, sent, answered) in changes {
+            by_member
+                .entry(member)
+                .or_default()
+                .push((visible, sent, answered));
         }
-        let mut steps: Vec<(Instant, i64)> = Vec::new();
-        for changes in by_member.values() {
+        // (+1 or -1, earliest, latest publish)
+        let mut steps: Vec<(i64, Instant, Instant)> = Vec::new();
+        for list in by_member.values() {
             let mut i = 0;
-            while i < changes.len() {
-                let (at, visible) = changes[i];
-                match changes.get(i + 1) {
-                    // Visible and invisible again within the debounce:
-                    // neither is published.
-                    Some(&(next, _)) if visible && next < at + DEBOUNCE => i += 2,
+            while i < list.len() {
+                let (visible, sent, answered) = list[i];
+                match list.get(i + 1) {
+                    Some(&(_, next, _)) if visible && next < sent + DEBOUNCE => i += 2,
                     _ => {
                         steps.push(if visible {
-                            (at + DEBOUNCE, 1)
+                            (1, sent + DEBOUNCE, answered + DEBOUNCE)
                         } else {
-                            (at, -1)
+                            (-1, sent, answered)
                         });
                         i += 1;
                     }
                 }
             }
         }
-        steps.sort_by_key(|(at, _)| *at);
-        let mut online = members as i64;
-        let mut timeline = vec![(Instant::now() - Duration::from_secs(3600), members as u64)];
-        for (at, step) in steps {
-            online += step;
-            timeline.push((at, online.max(0) as u64));
-        }
-        timeline
-    }
-
-    /// How far each count pushed was from every value the published views
-    /// took in the 150 ms before it first arrived (the request's way to the
-    /// server, the push's way back). One per version: the time 10,000
-    /// copies of a count take to reach their sessions is not its error.
-    fn count_errors(&self, members: usize) -> Vec<u64> {
-        let timeline = self.published(members);
         let counts: Vec<(Instant, u64)> = self.counts.lock().unwrap().values().copied().collect();
         counts
             .into_iter()
             .map(|(at, count)| {
-                let first = timeline
-                    .partition_point(|(t, _)| *t <= at - LAG)
-                    .saturating_sub(1);
-                let last = timeline.partition_point(|(t, _)| *t <= at).max(first + 1);
-                let values = timeline[first..last].iter().map(|(_, v)| *v);
-                let (low, high) = (values.clone().min().unwrap_or(0), values.max().unwrap_or(0));
-                low.saturating_sub(count).max(count.saturating_sub(high))
+                let (early, late) = (at - LAG, at);
+                let (mut low, mut high) = (members as i64, members as i64);
+                for &(step, first, last) in &steps {
+                    // Certainly published by `early`, or possibly by `late`.
+                    let certain = last <= early;
+                    let possible = first <= late;
+                    match step {
+                        1 if certain => (low, high) = (low + 1, high + 1),
+                        1 if possible => high += 1,
+                        -1 if certain => (low, high) = (low - 1, high - 1),
+                        -1 if possible => low -= 1,
+                        _ => {}
+                    }
+                }
+                let count = count as i64;
+                (low - count).max(count - high).max(0) as u64
             })
             .collect()
     }
@@ -427,7 +429,6 @@ async fn run(
         pushes: AtomicU64::new(0),
         member_bytes: AtomicU64::new(0),
         changed: Mutex::new(vec![(None, true); members]),
-        log: Mutex::new(Vec::new()),
         latencies_us: Mutex::new(Vec::new()),
         counts: Mutex::new(HashMap::new()),
     });
@@ -515,26 +516,31 @@ async fn run(
             changed[j] = (Some(Instant::now()), visible);
             visible
         };
-        record
-            .log
-            .lock()
-            .unwrap()
-            .push((Instant::now(), j, visible));
         changes += 1;
         let session = sessions[j].clone();
         pending.push(tokio::spawn(async move {
-            call(
+            let sent = Instant::now();
+            let answer = call(
                 &session,
                 Request::SetInvisible {
                     invisible: !visible,
                 },
             )
-            .await
+            .await;
+            (j, visible, sent, Instant::now(), answer.is_ok())
         }));
     }
     let window = started.elapsed();
     record.measuring.store(false, Relaxed);
-    let failed = futures_count_failed(pending).await;
+    let mut made = Vec::with_capacity(pending.len());
+    for task in pending {
+        made.push(task.await.expect("a change's task"));
+    }
+    let failed = made.iter().filter(|c| !c.4).count();
+    let made: Vec<_> = made
+        .into_iter()
+        .map(|(j, v, s, a, _)| (j, v, s, a))
+        .collect();
     let pushes = record.pushes.load(Relaxed);
     let bytes = record.member_bytes.load(Relaxed);
 
@@ -568,7 +574,7 @@ async fn run(
         lat.get(((lat.len() as f64 * p) as usize).min(lat.len().saturating_sub(1)))
             .map_or(f64::NAN, |us| *us as f64 / 1000.0)
     };
-    let errors = record.count_errors(members);
+    let errors = record.count_errors(members, &made);
     let max_error = errors.iter().max().copied().unwrap_or(0);
     let mean_error = errors.iter().sum::<u64>() as f64 / errors.len().max(1) as f64;
     println!(
@@ -588,16 +594,4 @@ async fn run(
         lat.len(),
         errors.len(),
     );
-}
-
-async fn futures_count_failed(
-    pending: Vec<tokio::task::JoinHandle<Result<Answer, String>>>,
-) -> usize {
-    let mut failed = 0;
-    for p in pending {
-        if !matches!(p.await, Ok(Ok(_))) {
-            failed += 1;
-        }
-    }
-    failed
 }
