@@ -1,7 +1,7 @@
 // The client's session logic against the in-test fake server (WebSocket
 // binding over a real `ws` server): hello/welcome, subscriptions, pushes on
 // both push streams, reconnect with resume, retry_ms, close codes, logout,
-// the WebTransport → WebSocket fallback and the keep-alive.
+// the WebTransport → WebSocket fallback, the keep-alive and groups.
 
 import assert from "node:assert/strict";
 import { afterEach, beforeEach, test } from "node:test";
