@@ -113,7 +113,9 @@ try {
       if (cmd.groupChange) await has("#group-changes > li:first-child", cmd.groupChange);
       let members: [string, string][] | undefined;
       if (cmd.allMembers) {
-        for (;;) {
+        for (let clicks = 0; ; clicks++) {
+          // A cursor that does not move the list on would click forever.
+          if (clicks > 50) throw new Error("the member list did not end after 50 pages");
           const pages = await page.$eval("#group-members", (el) => (el as HTMLElement).dataset.pages ?? "0");
           if (await page.$eval("#group-more", (el) => (el as HTMLElement).hidden)) break;
           await page.click("#group-more");

@@ -148,6 +148,8 @@ async function connect(token) {
 function renderGroup() {
   const el = $("group-state");
   $("group-more").hidden = !group || group.next === null;
+  $("group-changes-label").hidden = !group || group.role !== "admin";
+  $("group-members-label").hidden = !group;
   if (!group) {
     el.textContent = "";
     for (const k of Object.keys(el.dataset)) delete el.dataset[k];
