@@ -7,11 +7,14 @@
 //!   certificate's hash from `/page.json`) as a dev-token user watching
 //!   alice; a native client (the Rust client library over QUIC) brings alice
 //!   online, changes her status, goes invisible, comes back and logs out, and
-//!   the page's row shows each change; screenshots are saved under
-//!   `CARGO_TARGET_TMPDIR/browser-page/`;
+//!   the page's row shows each change; its group panel (bob an admin of a
+//!   group written with `greendot group set`) shows the count, alice's
+//!   changes as they come, and the member list in pages of 2; screenshots
+//!   are saved under `CARGO_TARGET_TMPDIR/browser-page/`;
 //! - the TypeScript client's suite against the same kind of server
 //!   (`clients/typescript/e2e/real-server.test.ts`): in Node over WebSocket,
-//!   in Chromium over WebTransport, and Chromium's fallback to WebSocket.
+//!   in Chromium over WebTransport, Chromium's fallback to WebSocket, and
+//!   groups in Node.
 
 use greendot_client::rustls::pki_types::pem::PemObject;
 use greendot_client::rustls::pki_types::CertificateDer;
@@ -104,7 +107,8 @@ fn after<'a>(line: &'a str, prefix: &str) -> &'a str {
 }
 
 /// `greendot serve` on free ports (QUIC, WebSocket, HTTP) in a new data
-/// directory, with a short debounce.
+/// directory, with a short debounce and group interval, and member pages
+/// of at most 2 (so that 3 members take two pages).
 fn serve(name: &str) -> Served {
     let dir = temp_dir(name);
     let mut command = Command::new(BIN);
@@ -119,6 +123,10 @@ fn serve(name: &str) -> Served {
             "100ms",
             "--grace",
             "2s",
+            "--group-interval",
+            "200ms",
+            "--group-page-size",
+            "2",
         ])
         .current_dir(&dir)
         .env("RUST_LOG", "info,greendot::connections=debug");
@@ -168,22 +176,65 @@ fn token(served: &Served, user: &str, device: &str, kind: &str, watch: &str) -> 
         .to_owned()
 }
 
-fn json(line: &str) -> serde_json::Value {
-    serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"))
+/// A service token (it may write groups).
+fn service_token(served: &Served) -> String {
+    let out = Command::new(BIN)
+        .args([
+            "token",
+            "--user",
+            "backend",
+            "--device",
+            "cli",
+            "--ttl",
+            "1h",
+            "--service",
+        ])
+        .current_dir(&served.dir)
+        .output()
+        .expect("greendot token --service");
+    assert!(out.status.success());
+    String::from_utf8(out.stdout)
+        .expect("utf-8")
+        .trim()
+        .to_owned()
 }
 
-/// Tells the page driver what alice's row (and the operator view) must
-/// show next; returns its answer.
-fn expect(
-    page: &mut Proc,
-    name: &str,
-    row: serde_json::Value,
-    operator: Option<serde_json::Value>,
-) -> serde_json::Value {
-    let mut cmd = serde_json::json!({ "name": name, "expect": row });
-    if let Some(op) = operator {
-        cmd["operator"] = op;
-    }
+/// `greendot group set` as the page's hint says, from files in the data
+/// directory's parent.
+fn group_set(served: &Served, group: u64, members: &[&str], admins: &[&str]) {
+    std::fs::write(served.dir.join("members.txt"), members.join("\n")).expect("members.txt");
+    std::fs::write(served.dir.join("admins.txt"), admins.join("\n")).expect("admins.txt");
+    let out = Command::new(BIN)
+        .args([
+            "group",
+            "set",
+            "--server",
+            &served.quic.to_string(),
+            "--group",
+        ])
+        .arg(group.to_string())
+        .args([
+            "--members",
+            "members.txt",
+            "--admins",
+            "admins.txt",
+            "--token",
+        ])
+        .arg(service_token(served))
+        .current_dir(&served.dir)
+        .output()
+        .expect("greendot group set");
+    assert!(
+        out.status.success(),
+        "greendot group set: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Tells the page driver to do `cmd` (see e2e/page-driver.ts); returns its
+/// answer, failing the test if the page did not show it.
+fn step(page: &mut Proc, name: &str, mut cmd: serde_json::Value) -> serde_json::Value {
+    cmd["name"] = name.into();
     page.send(&cmd.to_string());
     let line = page.wait_for(SLACK, name, |l| {
         l.starts_with('{') && (l.contains("\"ok\":") || l.contains("\"fail\":"))
@@ -196,6 +247,25 @@ fn expect(
         page.seen.join("\n")
     );
     answer
+}
+
+fn json(line: &str) -> serde_json::Value {
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"))
+}
+
+/// Tells the page driver what alice's row (and the operator view) must
+/// show next; returns its answer.
+fn expect(
+    page: &mut Proc,
+    name: &str,
+    row: serde_json::Value,
+    operator: Option<serde_json::Value>,
+) -> serde_json::Value {
+    let mut cmd = serde_json::json!({ "expect": row });
+    if let Some(op) = operator {
+        cmd["operator"] = op;
+    }
+    step(page, name, cmd)
 }
 
 fn screenshots() -> PathBuf {
@@ -232,6 +302,16 @@ fn the_page_shows_a_native_clients_changes_live_in_chromium() {
         serde_json::json!({ "online": "false", "lastSeen": "" }),
         None,
     );
+    // The group panel: bob (the page) is an admin of group 42; only he is online.
+    group_set(&served, 42, &["alice", "carol"], &["bob"]);
+    step(
+        &mut page,
+        "1-group-subscribed",
+        serde_json::json!({
+            "group": "42",
+            "groupState": { "group": "42", "role": "admin", "count": "1", "members": "3", "ended": "false" },
+        }),
+    );
 
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     let roots: Vec<CertificateDer<'static>> =
@@ -256,6 +336,37 @@ fn the_page_shows_a_native_clients_changes_live_in_chromium() {
         Some(
             serde_json::json!({ "op-users": "2", "op-quic": "1", "op-webtransport": "1", "op-websocket": "0" }),
         ),
+    );
+    // The admin sees alice's change as it comes, and the count after it.
+    step(
+        &mut page,
+        "2-group-alice-online",
+        serde_json::json!({
+            "groupChange": { "member": "alice", "online": "true" },
+            "groupState": { "count": "2", "members": "3" },
+        }),
+    );
+    // The member list in pages of 2 (the server's cap here): online first.
+    let listed = step(
+        &mut page,
+        "2-group-members",
+        serde_json::json!({ "group": "42", "allMembers": true }),
+    );
+    let members = listed["members"].as_array().expect("members");
+    let mut online: Vec<&str> = members
+        .iter()
+        .filter(|m| m[1] == "true")
+        .map(|m| m[0].as_str().unwrap_or(""))
+        .collect();
+    online.sort_unstable();
+    assert_eq!(online, ["alice", "bob"], "{listed}");
+    assert_eq!(members.len(), 3, "{listed}");
+    assert_eq!(members[2][0], "carol", "online first: {listed}");
+    assert!(
+        listed["group"]["text"]
+            .as_str()
+            .is_some_and(|t| t.contains("2 of 3 online")),
+        "{listed}"
     );
     rt.block_on(alice.set_status(Status::Busy, Some("in a meeting")))
         .expect("status");
@@ -289,6 +400,14 @@ fn the_page_shows_a_native_clients_changes_live_in_chromium() {
         "6-alice-logged-out",
         serde_json::json!({ "online": "false", "devices": "" }),
         Some(serde_json::json!({ "op-users": "1", "op-quic": "0", "op-webtransport": "1" })),
+    );
+    step(
+        &mut page,
+        "6-group-alice-offline",
+        serde_json::json!({
+            "groupChange": { "member": "alice", "online": "false" },
+            "groupState": { "count": "1" },
+        }),
     );
     let seen = out["row"]["data"]["lastSeen"]
         .as_str()
@@ -355,7 +474,12 @@ fn the_typescript_client_works_against_greendot_serve_in_node_and_chromium() {
         .env(
             "GREENDOT_TOKEN_BOB",
             token(&served, "bob", "phone", "mobile", "al"),
-        );
+        )
+        .env(
+            "GREENDOT_TOKEN_CAROL",
+            token(&served, "carol", "laptop", "desktop", "carol"),
+        )
+        .env("GREENDOT_TOKEN_SERVICE", service_token(&served));
     let mut node = Proc::spawn("node --test", {
         command.stdin(Stdio::piped());
         command
@@ -375,8 +499,8 @@ fn the_typescript_client_works_against_greendot_serve_in_node_and_chromium() {
         .find_map(|l| l.trim().strip_prefix("# pass "))
         .and_then(|n| n.trim().parse::<u32>().ok())
         .unwrap_or(0);
-    // Node over WebSocket, Chromium over WebTransport, Chromium's fallback.
-    assert!(passed >= 3, "too few e2e tests ran:\n{out}");
+    // Node over WebSocket, Chromium over WebTransport, Chromium's fallback, groups.
+    assert!(passed >= 4, "too few e2e tests ran:\n{out}");
     assert!(out.contains("# fail 0"), "{out}");
     for line in node
         .seen

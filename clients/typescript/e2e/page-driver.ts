@@ -5,6 +5,10 @@
 //   stdout {"ready":…} once the page is connected and watching;
 //   stdin  {"name":N,"expect":{data-* of the watched user's row}} → stdout {"ok":N,…}
 //          once the row shows it (a screenshot N.png is saved), or {"fail":N,…};
+//          with "group":G the page first subscribes to group G (again: a fresh count and first page);
+//          with "groupState":{data-* of #group-state} it waits until the group panel shows it;
+//          with "groupChange":{"member":U,"online":"true"} until the newest change line says so;
+//          with "allMembers":true it clicks "more" until the last page and answers "members":[[user, online]…];
 //   stdin  {"quit":true} → the browser is closed and the driver exits.
 
 import { createInterface } from "node:readline";
@@ -47,9 +51,25 @@ try {
       ),
     );
 
+  const group = () =>
+    page.$eval("#group-panel", (el) => ({
+      state: { ...(document.getElementById("group-state") as HTMLElement).dataset },
+      text: (el as HTMLElement).innerText.replace(/\s+/g, " ").trim(),
+      error: document.getElementById("group-error")!.textContent,
+    }));
+
   for await (const line of createInterface({ input: process.stdin })) {
     if (!line.trim()) continue;
-    const cmd = JSON.parse(line) as { name?: string; expect?: Record<string, string>; quit?: boolean; operator?: Record<string, string> };
+    const cmd = JSON.parse(line) as {
+      name?: string;
+      expect?: Record<string, string>;
+      quit?: boolean;
+      operator?: Record<string, string>;
+      group?: string;
+      groupState?: Record<string, string>;
+      groupChange?: Record<string, string>;
+      allMembers?: boolean;
+    };
     if (cmd.quit) break;
     const name = cmd.name ?? "step";
     try {
@@ -73,11 +93,53 @@ try {
           cmd.operator,
         );
       }
+      if (cmd.group !== undefined) {
+        await page.$eval("#group", (el, g) => ((el as HTMLInputElement).value = g), cmd.group);
+        await page.evaluate(() => delete document.getElementById("group-members")!.dataset.pages);
+        await page.click("#group-subscribe");
+        await page.waitForSelector('#group-members[data-pages="1"], #group-error:not(:empty)', { timeout: timeoutMs });
+      }
+      const has = (selector: string, want: Record<string, string>) =>
+        page.waitForFunction(
+          (sel: string, w: Record<string, string>) => {
+            const el = document.querySelector(sel) as HTMLElement | null;
+            return el !== null && Object.entries(w).every(([k, v]) => el.dataset[k] === v);
+          },
+          { timeout: timeoutMs },
+          selector,
+          want,
+        );
+      if (cmd.groupState) await has("#group-state", cmd.groupState);
+      if (cmd.groupChange) await has("#group-changes > li:first-child", cmd.groupChange);
+      let members: [string, string][] | undefined;
+      if (cmd.allMembers) {
+        for (let clicks = 0; ; clicks++) {
+          // A cursor that does not move the list on would click forever.
+          if (clicks > 50) throw new Error("the member list did not end after 50 pages");
+          const pages = await page.$eval("#group-members", (el) => (el as HTMLElement).dataset.pages ?? "0");
+          if (await page.$eval("#group-more", (el) => (el as HTMLElement).hidden)) break;
+          await page.click("#group-more");
+          await page.waitForFunction(
+            (n: string) => document.getElementById("group-members")!.dataset.pages !== n,
+            { timeout: timeoutMs },
+            pages,
+          );
+        }
+        members = await page.$$eval("#group-members > li", (lis) =>
+          lis.map((li) => [(li as HTMLElement).dataset.user!, (li as HTMLElement).dataset.online!] as [string, string]),
+        );
+      }
       const path = join(shots, `${name}.png`);
       await page.screenshot({ path, fullPage: true });
-      say({ ok: name, row: await row(), operator: await operator(), screenshot: path });
+      say({ ok: name, row: await row(), operator: await operator(), group: await group(), members, screenshot: path });
     } catch (e) {
-      say({ fail: name, error: String(e), row: await row().catch(() => null), operator: await operator().catch(() => null) });
+      say({
+        fail: name,
+        error: String(e),
+        row: await row().catch(() => null),
+        operator: await operator().catch(() => null),
+        group: await group().catch(() => null),
+      });
     }
   }
 } finally {

@@ -3,13 +3,14 @@
 // environment): in Node over WebSocket (the `ws` package, trusting the
 // server's dev certificate), and in headless Chromium over WebTransport
 // (the page's copy of the client, `serverCertificateHashes` from the dev
-// certificate's hash).
+// certificate's hash); groups in Node (the server's group interval is
+// 200 ms and its member pages hold 2).
 
 import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 import { after, test } from "node:test";
 import WebSocket from "ws";
-import { Client, type ClientOptions, type WebSocketConstructor } from "../src/index.js";
+import { Client, type ClientEvent, type ClientOptions, type WebSocketConstructor } from "../src/index.js";
 import { launch, netLogSummary, open } from "./browser.js";
 
 const env = (name: string): string => {
@@ -202,4 +203,65 @@ test("Chromium falls back to WebSocket when WebTransport fails (here: no certifi
   } finally {
     await browser.close();
   }
+});
+
+test("Node over WebSocket: groups of a real server: a member sees the count change, an admin each member's change, pages", async () => {
+  const service = await node(env("GREENDOT_TOKEN_SERVICE"));
+  const group = (1n << 63n) + 42n;
+  assert.equal(await service.setGroup(group, ["bob", "carol"], ["al"]), 1n);
+  // A service token is not a member: it may write groups, not watch them.
+  await assert.rejects(service.groupSubscribe(group), (e: Error & { error?: { code: number } }) => e.error?.code === 29);
+
+  const al = await node(env("GREENDOT_TOKEN_AL"));
+  const alEvents: ClientEvent[] = [];
+  al.on((e) => alEvents.push(e));
+  const carol = await node(env("GREENDOT_TOKEN_CAROL"));
+  const carolEvents: ClientEvent[] = [];
+  carol.on((e) => carolEvents.push(e));
+  const asAdmin = await al.groupSubscribe(group);
+  assert.deepEqual([asAdmin.group, asAdmin.role, asAdmin.members], [group, "admin", 3]);
+  const asMember = await carol.groupSubscribe(group);
+  assert.deepEqual([asMember.role, asMember.members], ["member", 3]);
+  // al and carol are online (once the debounce passed); bob is not yet.
+  assert.ok(asMember.count <= 2, `count ${asMember.count} before bob came`);
+
+  const bob = await node(env("GREENDOT_TOKEN_BOB"));
+  await until("al (admin) sees bob come online", () =>
+    alEvents.some((e) => e.type === "groupMember" && e.group === group && e.member === "bob" && e.online),
+  );
+  await until("carol (member) sees the count reach 3", () =>
+    carolEvents.some((e) => e.type === "groupCount" && e.group === group && e.count === 3 && e.source === "batched"),
+  );
+  // Versions only grow, per group, in what each of them was told.
+  for (const events of [alEvents, carolEvents]) {
+    const versions = events.flatMap((e) => (e.type === "groupCount" || e.type === "groupMember" ? [e.version] : []));
+    assert.ok(versions.every((v, i) => i === 0 || v > versions[i - 1]!), `versions ${versions}`);
+  }
+
+  // Pages of 2 (the server's cap here, below the 50 asked): online first, all three once.
+  const first = await carol.groupPage(group, null, 50);
+  assert.equal(first.entries.length, 2);
+  assert.notEqual(first.next, null);
+  const second = await carol.groupPage(group, first.next, 50);
+  assert.equal(second.next, null);
+  const entries = [...first.entries, ...second.entries];
+  assert.deepEqual(entries.map((e) => e.user).sort(), ["al", "bob", "carol"]);
+  assert.ok(entries.every((e) => e.presence.online), "all three online");
+  assert.equal(first.count, 3);
+
+  await bob.logout();
+  await until("al sees bob go offline", () =>
+    alEvents.some((e) => e.type === "groupMember" && e.member === "bob" && !e.online && e.count === 2),
+  );
+  const offline = await carol.groupPage(group, null, 2);
+  assert.deepEqual(offline.entries.map((e) => e.presence.online), [true, true], "online first");
+  const last = await carol.groupPage(group, offline.next, 2);
+  assert.deepEqual(last.entries.map((e) => [e.user, e.presence.online]), [["bob", false]]);
+
+  await service.removeGroup(group);
+  await until("both subscriptions end", () =>
+    [alEvents, carolEvents].every((events) => events.some((e) => e.type === "groupEnded" && e.group === group)),
+  );
+  assert.deepEqual([al.groups(), carol.groups()], [[], []]);
+  for (const c of [al, carol, service]) c.close();
 });

@@ -4,7 +4,7 @@
 // (not closed by the application, not refused for good by the server) the
 // client reconnects after a full-jitter wait (or within the server's
 // retry_ms) and resumes its session; if the session could not be resumed it
-// forgets its versions and subscribes again to what it had.
+// forgets its versions and subscribes again to what it had (groups too).
 
 import { Backoff, retryHint } from "./backoff.js";
 import type { Binding, Carrier, CarrierHandlers, Dial } from "./carrier.js";
@@ -23,6 +23,10 @@ import { decodePush, decodeServerFrame, encodeHello, encodeRequestFrame } from "
 import {
   type Answer,
   CloseCode,
+  type GroupCursor,
+  type GroupPage,
+  type GroupSnapshot,
+  type Push,
   DEFAULT_MAX_FRAME,
   ErrorCode,
   mayReconnect,
@@ -139,6 +143,18 @@ export type ClientEvent =
   | { type: "reconnected"; session: bigint; resumed: boolean; binding: Binding }
   /** A new token took over on the live connection; `ended`: subscriptions its `watch` no longer allows. */
   | { type: "tokenRefreshed"; ended: string[] }
+  /**
+   * A subscribed group's online count (members shown online). Members get it
+   * batched, when it changed; admins in realtime, after each membership
+   * write. `snapshot`: the answer to the client's own subscribe again after
+   * a reconnect that did not resume. Versions rise per group: older ones are
+   * dropped.
+   */
+  | { type: "groupCount"; group: bigint; version: bigint; count: number; source: Source }
+  /** To an admin: `member` is now shown online (or offline), and the count after it. */
+  | { type: "groupMember"; group: bigint; version: bigint; member: string; online: boolean; count: number }
+  /** The group subscription is over: the user left the group, or it was removed. */
+  | { type: "groupEnded"; group: bigint }
   /**
    * The client is finished: closed by the application, logged out, or refused
    * for good. `code` is the close code (the server's, or the one the client
@@ -258,6 +274,15 @@ function errorCodeForClose(code: number): number {
 /** Push frames kept while the welcome is awaited (more is a protocol error). */
 const MAX_EARLY_PUSHES = 64;
 
+/** Groups whose version the client tracks at most (the server allows 100 group subscriptions per session by default). */
+const MAX_TRACKED_GROUPS = 1024;
+
+/** A group id as the wire has it: a u64 (a number must be a safe integer). */
+function groupId(group: bigint | number): bigint {
+  if (typeof group === "number" && !Number.isSafeInteger(group)) throw new ConfigError(`group ${group} is not an exact integer: pass a bigint`);
+  return BigInt(group);
+}
+
 /** One connection: its carrier, its requests in flight, its push streams. */
 class Connection implements CarrierHandlers {
   carrier: Carrier | null = null;
@@ -343,11 +368,13 @@ class Connection implements CarrierHandlers {
     }
     if (push.type === "stream") {
       this.tiers.set(stream, push.tier);
-    } else {
-      // An update before its stream's first frame has no tier: dropped (as the Rust client).
-      const tier = this.tiers.get(stream);
-      if (tier !== undefined) this.client.applyPresence(push.target, push.presence, tier);
+      return;
     }
+    // A push before its stream's first frame has no tier: dropped (as the Rust client).
+    const tier = this.tiers.get(stream);
+    if (tier === undefined) return;
+    if (push.type === "update") this.client.applyPresence(push.target, push.presence, tier);
+    else this.client.applyGroupPush(push, tier);
   }
 
   /** The welcome was taken: pushes that waited for it go through now. */
@@ -462,6 +489,8 @@ export class Client {
   private readonly view = new View();
   /** What the application subscribed to, to subscribe again after a reconnect that did not resume. */
   private readonly wanted = new Map<string, Tier>();
+  /** The highest version told of each subscribed group (its keys: the groups to subscribe again). */
+  private readonly groupVersions = new Map<bigint, bigint>();
   private conn: Connection | null = null;
   /** Requests waiting for a connection (made while reconnecting). */
   private queue: Pending[] = [];
@@ -624,6 +653,52 @@ export class Client {
     return expect(await this.call({ type: "revoke", user, device, before: BigInt(before) }), "revoked").closed;
   }
 
+  /**
+   * Service tokens only: writes group `group` whole, its members and its
+   * admins (an admin is a member whether listed or not); creates it if new.
+   * Resolves to the membership version (1, 2, ... per write).
+   */
+  async setGroup(group: bigint | number, members: string[], admins: string[] = []): Promise<bigint> {
+    return expect(await this.call({ type: "setGroup", group: groupId(group), members, admins }), "groupSet").version;
+  }
+
+  /** Service tokens only: removes a group; its subscribers get `groupEnded`. */
+  async removeGroup(group: bigint | number): Promise<void> {
+    expect(await this.call({ type: "removeGroup", group: groupId(group) }), "done");
+  }
+
+  /**
+   * Subscribes to a group this user is a member of: the snapshot (role,
+   * version, online count, number of members) now, then `groupCount` events
+   * (and for an admin `groupMember`). It lasts across reconnects: a resumed
+   * session keeps it; after one that did not resume the client subscribes
+   * again itself (`groupEnded` if refused).
+   */
+  async groupSubscribe(group: bigint | number): Promise<GroupSnapshot> {
+    // The reply handler noted its version.
+    return expect(await this.call({ type: "groupSubscribe", group: groupId(group) }), "groupSubscribed").snapshot;
+  }
+
+  async groupUnsubscribe(group: bigint | number): Promise<void> {
+    const id = groupId(group);
+    expect(await this.call({ type: "groupUnsubscribe", group: id }), "done");
+    this.groupVersions.delete(id);
+  }
+
+  /**
+   * A page of a group's member list (members only), online members first:
+   * `after` is the previous page's `next` (null: the first page); at most
+   * `limit` entries (the server clamps it into 1..=200 by default).
+   */
+  async groupPage(group: bigint | number, after: GroupCursor | null, limit: number): Promise<GroupPage> {
+    return expect(await this.call({ type: "groupPage", group: groupId(group), after, limit }), "groupPage").page;
+  }
+
+  /** The groups the client holds a subscription to (it subscribes to them again after a fresh session). */
+  groups(): bigint[] {
+    return [...this.groupVersions.keys()];
+  }
+
   /** Whether the application last said the app is in the foreground. */
   get isForeground(): boolean {
     return this.settings.foreground;
@@ -734,6 +809,31 @@ export class Client {
     if (this.view.apply(target, presence) !== "dropped") this.emit({ type: "presence", target, presence, source });
   }
 
+  /** @internal A group push on a stream of `tier`. */
+  applyGroupPush(push: Exclude<Push, { type: "stream" | "update" }>, tier: Tier): void {
+    switch (push.type) {
+      case "groupCount":
+        return this.applyGroup({ type: "groupCount", group: push.group, version: push.version, count: push.count, source: tier });
+      case "groupMember":
+        return this.applyGroup({ ...push });
+      case "groupEnded":
+        return this.applyGroup({ ...push });
+    }
+  }
+
+  /** Emits a group event unless it is older than what the application was told (as the Rust client). */
+  private applyGroup(event: Extract<ClientEvent, { type: "groupCount" | "groupMember" | "groupEnded" }>): void {
+    if (event.type === "groupEnded") {
+      if (this.groupVersions.delete(event.group)) this.emit(event);
+      return;
+    }
+    const seen = this.groupVersions.get(event.group);
+    if (seen !== undefined && seen >= event.version) return;
+    // A push may overtake the subscribe's answer (another stream); the server pushes only what is subscribed.
+    if (seen !== undefined || this.groupVersions.size < MAX_TRACKED_GROUPS) this.groupVersions.set(event.group, event.version);
+    this.emit(event);
+  }
+
   /** @internal Settles a request once: an answer or an error. */
   settle(p: Pending, outcome: Answer | Error): void {
     if (p.done) return;
@@ -765,9 +865,9 @@ export class Client {
     conn.sendRequest(p, this.nextId);
   }
 
-  /** @internal A request the client makes itself (no caller waits for it). */
-  sendInternal(conn: Connection, request: Request): void {
-    this.send(conn, { request, caller: null, done: false });
+  /** @internal A request the client makes itself (no application caller waits for it). */
+  sendInternal(conn: Connection, request: Request, caller: Pending["caller"] = null): void {
+    this.send(conn, { request, caller, done: false });
   }
 
   /** @internal An answer from the server. */
@@ -777,6 +877,13 @@ export class Client {
     if (result.ok && result.value.type === "subscribed") {
       for (const s of result.value.snapshots) this.wanted.set(s.target, s.tier);
       for (const s of result.value.snapshots) this.applyPresence(s.target, s.presence, "snapshot");
+    }
+    if (result.ok && result.value.type === "groupSubscribed") {
+      const { group, version } = result.value.snapshot;
+      const seen = this.groupVersions.get(group);
+      if (seen === undefined || seen < version) {
+        if (seen !== undefined || this.groupVersions.size < MAX_TRACKED_GROUPS) this.groupVersions.set(group, version);
+      }
     }
     // An answer to no request in flight: nothing waits for it.
     if (p === undefined) return;
@@ -853,6 +960,7 @@ export class Client {
       // A fresh session, perhaps on a restarted server whose versions begin
       // again: forget what the old one said, or its snapshots would be dropped.
       this.view.clear();
+      for (const group of this.groupVersions.keys()) this.groupVersions.set(group, 0n);
     }
     if (!first) this.emit({ type: "reconnected", session: welcome.session, resumed: welcome.resumed, binding: this.bindingName });
     for (const s of welcome.snapshots) this.applyPresence(s.target, s.presence, "snapshot");
@@ -862,6 +970,23 @@ export class Client {
       for (const tier of ["realtime", "batched"] as const) {
         const targets = [...this.wanted].filter(([, t]) => t === tier).map(([name]) => name);
         if (targets.length > 0) this.sendInternal(conn, { type: "subscribe", targets, tier });
+      }
+      for (const group of [...this.groupVersions.keys()].sort((a, b) => (a < b ? -1 : a > b ? 1 : 0))) {
+        this.sendInternal(conn, { type: "groupSubscribe", group }, {
+          resolve: (answer) => {
+            // The reply handler noted the version; the count the application knew may be stale.
+            if (answer.type !== "groupSubscribed") return;
+            const s = answer.snapshot;
+            if (this.groupVersions.get(group) === s.version) {
+              this.emit({ type: "groupCount", group, version: s.version, count: s.count, source: "snapshot" });
+            }
+          },
+          reject: (e) => {
+            // No longer a member (or the group is gone): the subscription ended, as a push would say.
+            // A lost connection is no answer: the next welcome tries again.
+            if (e instanceof ServerError) this.applyGroup({ type: "groupEnded", group });
+          },
+        });
       }
     }
     if (conn.helloForeground !== this.settings.foreground) {

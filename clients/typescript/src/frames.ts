@@ -1,10 +1,16 @@
 // Encoders and decoders of every frame of docs/protocol.md, both directions
 // (a client needs half of them; tests and fake servers the other half).
-// Field order is the wire order: keep it as in transport/src/proto/frames.rs.
+// Field order is the wire order: keep it as in transport/proto/src/frames.rs.
 
 import { DecodeError, Reader, Writer } from "./postcard.js";
 import {
   type Answer,
+  GROUP_ROLES,
+  type GroupCursor,
+  type GroupEntry,
+  type GroupPage,
+  type GroupRole,
+  type GroupSnapshot,
   type Hello,
   KINDS,
   type Kind,
@@ -93,6 +99,43 @@ function readResult<T>(r: Reader, ok: (r: Reader) => T): Result<T, WireError> {
   throw new DecodeError(`unknown Result variant ${v}`);
 }
 
+const writeGroupRole = (w: Writer, role: GroupRole) => w.variant(index(GROUP_ROLES, role, "group role"));
+const readGroupRole = (r: Reader): GroupRole => named(GROUP_ROLES, r.variant(), "GroupRole");
+
+function writeGroupCursor(w: Writer, c: GroupCursor): void {
+  w.bool(c.online).u64(c.after);
+}
+function readGroupCursor(r: Reader): GroupCursor {
+  return { online: r.bool(), after: r.u64() };
+}
+
+function writeGroupSnapshot(w: Writer, s: GroupSnapshot): void {
+  w.u64(s.group);
+  writeGroupRole(w, s.role);
+  w.u64(s.version).u32(s.count).u32(s.members);
+}
+function readGroupSnapshot(r: Reader): GroupSnapshot {
+  return { group: r.u64(), role: readGroupRole(r), version: r.u64(), count: r.u32(), members: r.u32() };
+}
+
+function writeGroupPage(w: Writer, p: GroupPage): void {
+  w.u64(p.group).u64(p.version).u32(p.count);
+  w.seq(p.entries, (w, e: GroupEntry) => {
+    w.string(e.user);
+    writePresenceFields(w, e.presence);
+  });
+  w.option(p.next, writeGroupCursor);
+}
+function readGroupPage(r: Reader): GroupPage {
+  return {
+    group: r.u64(),
+    version: r.u64(),
+    count: r.u32(),
+    entries: r.seq((r) => ({ user: r.string(), presence: readPresence(r) })),
+    next: r.option(readGroupCursor),
+  };
+}
+
 function writeSnapshot(w: Writer, s: Snapshot): void {
   w.string(s.target);
   writeTier(w, s.tier);
@@ -159,6 +202,17 @@ function writeRequest(w: Writer, req: Request): void {
     case "setForeground":
       w.bool(req.foreground);
       return;
+    case "setGroup":
+      w.u64(req.group).seq(req.members, writeString).seq(req.admins, writeString);
+      return;
+    case "removeGroup":
+    case "groupSubscribe":
+    case "groupUnsubscribe":
+      w.u64(req.group);
+      return;
+    case "groupPage":
+      w.u64(req.group).option(req.after, writeGroupCursor).u32(req.limit);
+      return;
   }
 }
 
@@ -186,6 +240,14 @@ function readRequest(r: Reader): Request {
       return { type, user: r.string(), device: r.option(readString), before: r.u64() };
     case "setForeground":
       return { type, foreground: r.bool() };
+    case "setGroup":
+      return { type, group: r.u64(), members: r.seq(readString), admins: r.seq(readString) };
+    case "removeGroup":
+    case "groupSubscribe":
+    case "groupUnsubscribe":
+      return { type, group: r.u64() };
+    case "groupPage":
+      return { type, group: r.u64(), after: r.option(readGroupCursor), limit: r.u32() };
   }
 }
 
@@ -236,6 +298,15 @@ function writeAnswer(w: Writer, a: Answer): void {
     case "revoked":
       w.variant(5).u32(a.closed);
       return;
+    case "groupSet":
+      w.variant(6).u64(a.version);
+      return;
+    case "groupSubscribed":
+      writeGroupSnapshot(w.variant(7), a.snapshot);
+      return;
+    case "groupPage":
+      writeGroupPage(w.variant(8), a.page);
+      return;
   }
 }
 
@@ -264,6 +335,12 @@ function readAnswer(r: Reader): Answer {
       return { type: "refreshed", expires: r.u64(), ended: r.seq(readString) };
     case 5:
       return { type: "revoked", closed: r.u32() };
+    case 6:
+      return { type: "groupSet", version: r.u64() };
+    case 7:
+      return { type: "groupSubscribed", snapshot: readGroupSnapshot(r) };
+    case 8:
+      return { type: "groupPage", page: readGroupPage(r) };
     default:
       throw new DecodeError(`unknown Answer variant ${v}`);
   }
@@ -326,11 +403,23 @@ export function decodeServerFrame(payload: Uint8Array): ServerFrame {
 
 export function encodePush(push: Push): Uint8Array {
   const w = new Writer();
-  if (push.type === "stream") {
-    writeTier(w.variant(0), push.tier);
-  } else {
-    w.variant(1).string(push.target);
-    writePresenceFields(w, push.presence);
+  switch (push.type) {
+    case "stream":
+      writeTier(w.variant(0), push.tier);
+      break;
+    case "update":
+      w.variant(1).string(push.target);
+      writePresenceFields(w, push.presence);
+      break;
+    case "groupCount":
+      w.variant(2).u64(push.group).u64(push.version).u32(push.count);
+      break;
+    case "groupMember":
+      w.variant(3).u64(push.group).u64(push.version).string(push.member).bool(push.online).u32(push.count);
+      break;
+    case "groupEnded":
+      w.variant(4).u64(push.group);
+      break;
   }
   return w.finish();
 }
@@ -339,9 +428,25 @@ export function decodePush(payload: Uint8Array): Push {
   const r = new Reader(payload);
   let push: Push;
   const v = r.variant();
-  if (v === 0) push = { type: "stream", tier: readTier(r) };
-  else if (v === 1) push = { type: "update", target: r.string(), presence: readPresence(r) };
-  else throw new DecodeError(`unknown Push variant ${v}`);
+  switch (v) {
+    case 0:
+      push = { type: "stream", tier: readTier(r) };
+      break;
+    case 1:
+      push = { type: "update", target: r.string(), presence: readPresence(r) };
+      break;
+    case 2:
+      push = { type: "groupCount", group: r.u64(), version: r.u64(), count: r.u32() };
+      break;
+    case 3:
+      push = { type: "groupMember", group: r.u64(), version: r.u64(), member: r.string(), online: r.bool(), count: r.u32() };
+      break;
+    case 4:
+      push = { type: "groupEnded", group: r.u64() };
+      break;
+    default:
+      throw new DecodeError(`unknown Push variant ${v}`);
+  }
   r.end();
   return push;
 }

@@ -61,7 +61,12 @@ export type Request =
   | { type: "logout" }
   | { type: "refresh"; token: string }
   | { type: "revoke"; user: string; device: string | null; before: bigint }
-  | { type: "setForeground"; foreground: boolean };
+  | { type: "setForeground"; foreground: boolean }
+  | { type: "setGroup"; group: bigint; members: string[]; admins: string[] }
+  | { type: "removeGroup"; group: bigint }
+  | { type: "groupSubscribe"; group: bigint }
+  | { type: "groupUnsubscribe"; group: bigint }
+  | { type: "groupPage"; group: bigint; after: GroupCursor | null; limit: number };
 
 /** Variant order of `Request` on the wire. */
 export const REQUEST_TYPES = [
@@ -76,7 +81,52 @@ export const REQUEST_TYPES = [
   "refresh",
   "revoke",
   "setForeground",
+  "setGroup",
+  "removeGroup",
+  "groupSubscribe",
+  "groupUnsubscribe",
+  "groupPage",
 ] as const satisfies readonly Request["type"][];
+
+/** What a group subscription gets: the count (member) or each member's change too (admin). */
+export const GROUP_ROLES = ["member", "admin"] as const;
+export type GroupRole = (typeof GROUP_ROLES)[number];
+
+/** Where a member page starts. Opaque: pass back what `GroupPage.next` gave. */
+export interface GroupCursor {
+  online: boolean;
+  after: bigint;
+}
+
+/** The answer to a group subscribe; the member list is read in pages. */
+export interface GroupSnapshot {
+  group: bigint;
+  role: GroupRole;
+  /** Per group, only grows: keep the highest seen, drop older pushes. */
+  version: bigint;
+  /** Members shown online. */
+  count: number;
+  /** Members, admins included. */
+  members: number;
+}
+
+/** A member and what everybody is shown of them. */
+export interface GroupEntry {
+  user: string;
+  presence: Presence;
+}
+
+/** One page of a group's member list: online members first. */
+export interface GroupPage {
+  group: bigint;
+  /** The group's version when the page was taken. */
+  version: bigint;
+  /** Members shown online, in all. */
+  count: number;
+  entries: GroupEntry[];
+  /** Where the next page starts; null on the last page. */
+  next: GroupCursor | null;
+}
 
 export interface RequestFrame {
   id: bigint;
@@ -122,14 +172,22 @@ export type Answer =
   | { type: "presences"; results: QueryResult[] }
   | { type: "route"; entries: RouteEntry[] }
   | { type: "refreshed"; expires: bigint; ended: string[] }
-  | { type: "revoked"; closed: number };
+  | { type: "revoked"; closed: number }
+  | { type: "groupSet"; version: bigint }
+  | { type: "groupSubscribed"; snapshot: GroupSnapshot }
+  | { type: "groupPage"; page: GroupPage };
 
 export type ServerFrame =
   | { type: "welcome"; welcome: Welcome }
   | { type: "reply"; id: bigint; result: Result<Answer, WireError> }
   | { type: "error"; error: WireError };
 
-export type Push = { type: "stream"; tier: Tier } | { type: "update"; target: string; presence: Presence };
+export type Push =
+  | { type: "stream"; tier: Tier }
+  | { type: "update"; target: string; presence: Presence }
+  | { type: "groupCount"; group: bigint; version: bigint; count: number }
+  | { type: "groupMember"; group: bigint; version: bigint; member: string; online: boolean; count: number }
+  | { type: "groupEnded"; group: bigint };
 
 /** `WireError.code` values (docs/protocol.md, "Error codes"). */
 export const ErrorCode = {
@@ -158,6 +216,13 @@ export const ErrorCode = {
   TooManyTargets: 26,
   TokenRevoked: 27,
   TooManyRevocations: 28,
+  NotMember: 29,
+  UnknownGroup: 30,
+  TooManyGroupMembers: 31,
+  TooManyGroupAdmins: 32,
+  TooManyGroupSubscriptions: 33,
+  TooManyGroups: 34,
+  Unsupported: 35,
 } as const;
 
 /** Close codes (docs/protocol.md, "Close codes"). */

@@ -1,7 +1,7 @@
 // The client's session logic against the in-test fake server (WebSocket
 // binding over a real `ws` server): hello/welcome, subscriptions, pushes on
 // both push streams, reconnect with resume, retry_ms, close codes, logout,
-// the WebTransport → WebSocket fallback and the keep-alive.
+// the WebTransport → WebSocket fallback, the keep-alive and groups.
 
 import assert from "node:assert/strict";
 import { afterEach, beforeEach, test } from "node:test";
@@ -450,4 +450,137 @@ test("foreground and background: in every hello, told on the live connection, an
   assert.equal(second.hello!.foreground, true, "the reconnect's hello says foreground");
   assert.equal(second.hello!.resume, first.session!.id, "and resumes");
   assert.equal(second.requests.filter((r) => r.request.type === "setForeground").length, 0, "the hello said it all");
+});
+
+const groupEvents = (events: ClientEvent[]) =>
+  events.flatMap((e) => {
+    switch (e.type) {
+      case "groupCount":
+        return [["count", e.group, e.version, e.count, e.source]];
+      case "groupMember":
+        return [["member", e.group, e.version, e.member, e.online, e.count]];
+      case "groupEnded":
+        return [["ended", e.group]];
+      default:
+        return [];
+    }
+  });
+
+test("groups: the requests as the server decodes them, the snapshot, pages, and only newer versions as events", async () => {
+  const { client, events } = await connect();
+  const conn = await server.connection(1);
+  // A u64 past 2^53 stays exact: group ids are bigints.
+  const big = (1n << 63n) + 5n;
+  assert.equal(await client.setGroup(big, ["bob"], ["al"]), 1n);
+  assert.equal(await client.setGroup(7, ["al", "bob", "carol"]), 1n);
+  await assert.rejects(client.groupSubscribe(2 ** 60), ConfigError);
+  const g = server.groups.get(7n)!;
+  g.version = 5n;
+  g.count = 2;
+  g.entries = [
+    { user: "bob", presence: presence(3n) },
+    { user: "al", presence: presence(4n) },
+    { user: "carol", presence: presence(1n, false) },
+  ];
+  assert.deepEqual(await client.groupSubscribe(7), { group: 7n, role: "member", version: 5n, count: 2, members: 3 });
+  assert.deepEqual(await client.groupSubscribe(big), { group: big, role: "admin", version: 1n, count: 0, members: 2 });
+  assert.deepEqual(client.groups().sort(), [7n, big]);
+
+  // Not newer than the snapshot: dropped. Newer: an event with its stream's tier.
+  conn.pushGroup("batched", { type: "groupCount", group: 7n, version: 5n, count: 9 });
+  conn.pushGroup("batched", { type: "groupCount", group: 7n, version: 6n, count: 1 });
+  conn.pushGroup("batched", { type: "groupCount", group: 7n, version: 6n, count: 8 });
+  conn.pushGroup("realtime", { type: "groupMember", group: big, version: 2n, member: "bob", online: true, count: 1 });
+  conn.pushGroup("realtime", { type: "groupMember", group: big, version: 2n, member: "bob", online: false, count: 0 });
+  conn.pushGroup("realtime", { type: "groupCount", group: big, version: 1n, count: 7 });
+  conn.pushGroup("realtime", { type: "groupMember", group: big, version: 3n, member: "bob", online: false, count: 0 });
+  conn.pushGroup("batched", { type: "groupCount", group: 7n, version: 4n, count: 7 });
+  conn.pushGroup("realtime", { type: "groupEnded", group: 7n });
+  conn.pushGroup("realtime", { type: "groupEnded", group: 7n });
+  await until(() => events.some((e) => e.type === "groupEnded"), 2000, "groupEnded");
+  await client.ping();
+  assert.deepEqual(groupEvents(events), [
+    ["count", 7n, 6n, 1, "batched"],
+    ["member", big, 2n, "bob", true, 1],
+    ["member", big, 3n, "bob", false, 0],
+    ["ended", 7n],
+  ]);
+  assert.deepEqual(client.groups(), [big]);
+
+  // Pages: the cursor of one page starts the next.
+  const first = await client.groupPage(7, null, 2);
+  assert.deepEqual(first.entries.map((e) => e.user), ["bob", "al"]);
+  assert.deepEqual(first.next, { online: true, after: 1n });
+  const second = await client.groupPage(7n, first.next, 2);
+  assert.deepEqual(second.entries.map((e) => [e.user, e.presence.online]), [["carol", false]]);
+  assert.equal(second.next, null);
+  assert.deepEqual([second.version, second.count], [5n, 2]);
+
+  await client.groupUnsubscribe(big);
+  assert.deepEqual(client.groups(), []);
+  await assert.rejects(client.groupUnsubscribe(big), (e) => e instanceof ServerError && e.error.code === 9);
+  await client.removeGroup(big);
+  await assert.rejects(client.removeGroup(big), (e) => e instanceof ServerError && e.error.code === 30);
+  await assert.rejects(client.groupSubscribe(big), (e) => e instanceof ServerError && e.error.code === 29);
+  assert.deepEqual(
+    conn.requests.map((r) => r.request).filter((r) => r.type !== "ping"),
+    [
+      { type: "setGroup", group: big, members: ["bob"], admins: ["al"] },
+      { type: "setGroup", group: 7n, members: ["al", "bob", "carol"], admins: [] },
+      { type: "groupSubscribe", group: 7n },
+      { type: "groupSubscribe", group: big },
+      { type: "groupPage", group: 7n, after: null, limit: 2 },
+      { type: "groupPage", group: 7n, after: { online: true, after: 1n }, limit: 2 },
+      { type: "groupUnsubscribe", group: big },
+      { type: "groupUnsubscribe", group: big },
+      { type: "removeGroup", group: big },
+      { type: "removeGroup", group: big },
+      { type: "groupSubscribe", group: big },
+    ],
+  );
+});
+
+test("groups after a reconnect: a resumed session keeps them; a fresh one subscribes again, groupEnded if refused", async () => {
+  const { client, events } = await connect({ random: () => 0 });
+  server.groups.set(1n, { members: new Set(["al"]), admins: new Set(), version: 40n, count: 3, entries: [] });
+  server.groups.set(2n, { members: new Set(["al"]), admins: new Set(["al"]), version: 50n, count: 4, entries: [] });
+  await client.groupSubscribe(2n);
+  await client.groupSubscribe(1n);
+  const first = await server.connection(1);
+
+  // Resumed: the server kept the subscriptions, the client asks nothing.
+  first.drop();
+  const second = await server.connection(2);
+  await until(() => events.some((e) => e.type === "reconnected"), 2000, "reconnected");
+  await client.ping();
+  assert.deepEqual(second.requests.map((r) => r.request.type), ["ping"]);
+  second.pushGroup("batched", { type: "groupCount", group: 1n, version: 41n, count: 2 });
+  await until(() => groupEvents(events).length === 1, 2000, "count 41");
+
+  // A restarted server: its versions begin again; al left group 2 meanwhile.
+  server.sessions.clear();
+  server.groups.set(1n, { members: new Set(["al"]), admins: new Set(), version: 3n, count: 1, entries: [] });
+  server.groups.get(2n)!.members.delete("al");
+  second.drop();
+  const third = await server.connection(3);
+  await until(() => events.filter((e) => e.type === "reconnected").length === 2, 2000, "second reconnect");
+  await until(() => groupEvents(events).length === 3, 2000, "the resubscribe's count and the refusal");
+  assert.deepEqual(
+    third.requests.map((r) => r.request),
+    [
+      { type: "groupSubscribe", group: 1n },
+      { type: "groupSubscribe", group: 2n },
+    ],
+  );
+  // The new server's lower versions are taken, not dropped as stale; older than the snapshot still are.
+  third.pushGroup("batched", { type: "groupCount", group: 1n, version: 2n, count: 9 });
+  third.pushGroup("batched", { type: "groupCount", group: 1n, version: 4n, count: 0 });
+  await until(() => groupEvents(events).length === 4, 2000, "count 4");
+  assert.deepEqual(groupEvents(events), [
+    ["count", 1n, 41n, 2, "batched"],
+    ["count", 1n, 3n, 1, "snapshot"],
+    ["ended", 2n],
+    ["count", 1n, 4n, 0, "batched"],
+  ]);
+  assert.deepEqual(client.groups(), [1n]);
 });

@@ -1,6 +1,7 @@
 // The codec against every byte example of docs/protocol.md: the two of
 // "postcard in brief", every row of "Every frame, byte for byte" and every
-// message of "A WebSocket session, message by message". They are parsed out
+// message of "A WebSocket session, message by message", every row of the
+// byte table of "Groups". They are parsed out
 // of the document, so an example added there without a value here fails.
 
 import assert from "node:assert/strict";
@@ -25,6 +26,7 @@ import {
   Reader,
   type RequestFrame,
   type ServerFrame,
+  type WireError,
   Writer,
 } from "../src/index.js";
 
@@ -67,7 +69,8 @@ type Example =
   | { kind: "hello"; value: Hello }
   | { kind: "request"; value: RequestFrame }
   | { kind: "server"; value: ServerFrame }
-  | { kind: "push"; value: Push };
+  | { kind: "push"; value: Push }
+  | { kind: "wireError"; value: WireError };
 
 function check(name: string, bytes: Uint8Array, ex: Example): void {
   switch (ex.kind) {
@@ -87,6 +90,13 @@ function check(name: string, bytes: Uint8Array, ex: Example): void {
       assert.deepEqual(encodePush(ex.value), bytes, `${name}: encode`);
       assert.deepEqual(decodePush(bytes), ex.value, `${name}: decode`);
       break;
+    case "wireError": {
+      // A WireError alone: the payload of an Error frame after its variant byte.
+      const frame = encodeServerFrame({ type: "error", error: ex.value });
+      assert.deepEqual(frame.subarray(1), bytes, `${name}: encode`);
+      assert.deepEqual(decodeServerFrame(Uint8Array.of(2, ...bytes)), { type: "error", error: ex.value }, `${name}: decode`);
+      break;
+    }
   }
 }
 
@@ -198,6 +208,91 @@ test('"Every frame, byte for byte": every row decodes and re-encodes', () => {
   for (const [, name, bytes] of rows) check(name!, hex(bytes!), table[name!]!);
 });
 
+// The rows of "Groups", keyed by the frame as the document writes it.
+const groupTable: Record<string, Example> = {
+  'RequestFrame { id: 5, request: SetGroup { group: 42, members: ["ann", "bob"], admins: ["ann"] } }': {
+    kind: "request",
+    value: { id: 5n, request: { type: "setGroup", group: 42n, members: ["ann", "bob"], admins: ["ann"] } },
+  },
+  "RequestFrame { id: 4, request: GroupSubscribe { group: 42 } }": {
+    kind: "request",
+    value: { id: 4n, request: { type: "groupSubscribe", group: 42n } },
+  },
+  "Reply { id: 4, result: Ok(GroupSubscribed(GroupSnapshot { group: 42, role: Member, version: 7, count: 3, members: 10 })) }": {
+    kind: "server",
+    value: {
+      type: "reply",
+      id: 4n,
+      result: { ok: true, value: { type: "groupSubscribed", snapshot: { group: 42n, role: "member", version: 7n, count: 3, members: 10 } } },
+    },
+  },
+  "GroupCount { group: 42, version: 8, count: 4 }": { kind: "push", value: { type: "groupCount", group: 42n, version: 8n, count: 4 } },
+  'WireError { code: 29, message: "" }': { kind: "wireError", value: { code: 29, message: "" } },
+  "RequestFrame { id: 6, request: RemoveGroup { group: 42 } }": { kind: "request", value: { id: 6n, request: { type: "removeGroup", group: 42n } } },
+  "RequestFrame { id: 7, request: GroupUnsubscribe { group: 42 } }": {
+    kind: "request",
+    value: { id: 7n, request: { type: "groupUnsubscribe", group: 42n } },
+  },
+  "RequestFrame { id: 8, request: GroupPage { group: 300, after: None, limit: 200 } }": {
+    kind: "request",
+    value: { id: 8n, request: { type: "groupPage", group: 300n, after: null, limit: 200 } },
+  },
+  "RequestFrame { id: 9, request: GroupPage { group: 42, after: Some(GroupCursor { online: true, after: 300 }), limit: 50 } }": {
+    kind: "request",
+    value: { id: 9n, request: { type: "groupPage", group: 42n, after: { online: true, after: 300n }, limit: 50 } },
+  },
+  "Reply { id: 5, result: Ok(GroupSet { version: 1 }) }": {
+    kind: "server",
+    value: { type: "reply", id: 5n, result: { ok: true, value: { type: "groupSet", version: 1n } } },
+  },
+  "Reply { id: 4, result: Ok(GroupSubscribed(GroupSnapshot { group: 42, role: Admin, version: 7, count: 3, members: 10 })) }": {
+    kind: "server",
+    value: {
+      type: "reply",
+      id: 4n,
+      result: { ok: true, value: { type: "groupSubscribed", snapshot: { group: 42n, role: "admin", version: 7n, count: 3, members: 10 } } },
+    },
+  },
+  'Reply { id: 9, result: Ok(GroupPage(GroupPage { group: 42, version: 9, count: 1, entries: [GroupEntry { user: "ann", presence: Presence { version: 3, online: true, status: Available, message: None, kinds: 4, last_seen: None, invisible: false } }], next: Some(GroupCursor { online: true, after: 3 }) })) }':
+    {
+      kind: "server",
+      value: {
+        type: "reply",
+        id: 9n,
+        result: {
+          ok: true,
+          value: {
+            type: "groupPage",
+            page: {
+              group: 42n,
+              version: 9n,
+              count: 1,
+              entries: [
+                {
+                  user: "ann",
+                  presence: { version: 3n, online: true, status: "available", message: null, kinds: 4, lastSeen: null, invisible: false },
+                },
+              ],
+              next: { online: true, after: 3n },
+            },
+          },
+        },
+      },
+    },
+  'GroupMember { group: 42, version: 9, member: "bob", online: false, count: 3 }': {
+    kind: "push",
+    value: { type: "groupMember", group: 42n, version: 9n, member: "bob", online: false, count: 3 },
+  },
+  "GroupEnded { group: 18446744073709551615 }": { kind: "push", value: { type: "groupEnded", group: (1n << 64n) - 1n } },
+};
+
+test('"Groups": every row of the byte table decodes and re-encodes', () => {
+  const rows = [...section("### Groups").matchAll(/^\| `([^`]+)`[^|]* \| `([0-9a-f ]+)` \|$/gm)];
+  const frames = rows.map((m) => m[1]!);
+  assert.deepEqual([...frames].sort(), Object.keys(groupTable).sort(), "rows of the table and examples here");
+  for (const [, frame, bytes] of rows) check(frame!, hex(bytes!), groupTable[frame!]!);
+});
+
 test('"A WebSocket session, message by message": every message', () => {
   const lines = [...section("### A WebSocket session, message by message").matchAll(/^(client|server): ([0-9a-f |]+)$/gm)];
   const session: Example[] = [
@@ -261,7 +356,10 @@ test("decoding is as strict as postcard", () => {
   bad([0x01, 0x01, 0x74, 0x02], decodeHello, /option/);
   bad([0x05, 0x05, 0x02], decodeRequestFrame, /bool/);
   // Unknown variants.
-  bad([0x01, 0x0b], decodeRequestFrame, /Request variant 11/);
+  bad([0x01, 0x7f], decodeRequestFrame, /Request variant 127/);
+  bad([0x7f, 0x2a], decodePush, /Push variant 127/);
+  bad([0x01, 0x04, 0x00, 0x7f], decodeServerFrame, /Answer variant 127/);
+  bad([0x01, 0x04, 0x00, 0x07, 0x2a, 0x02, 0x07, 0x03, 0x0a], decodeServerFrame, /GroupRole variant 2/);
   bad([0x03, 0x00], decodeServerFrame, /ServerFrame variant 3/);
   bad([0x00, 0x02], decodePush, /Tier variant 2/);
   bad([0x01, 0x01, 0x02, 0x00, 0x00], decodeServerFrame, /Result variant 2/);

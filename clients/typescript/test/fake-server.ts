@@ -1,7 +1,7 @@
 // An in-test greendot server speaking the WebSocket binding of
 // docs/protocol.md ("WebSocket over TLS", without the TLS) over a real `ws`
 // server: enough of the session layer (sessions, resume, subscriptions,
-// pushes, close codes) to drive the client's logic. Tests against a real
+// pushes, close codes, groups) to drive the client's logic. Tests against a real
 // `greendot serve` replace this with the real server and keep the client side.
 
 import { type AddressInfo } from "node:net";
@@ -13,7 +13,9 @@ import {
   encodePush,
   encodeServerFrame,
   type Answer,
+  type GroupEntry,
   type Hello,
+  type Push,
   type Presence,
   type RequestFrame,
   type ServerFrame,
@@ -38,7 +40,17 @@ export const presence = (version: bigint, online = true, extra: Partial<Presence
 interface Session {
   id: bigint;
   subs: Map<string, Tier>;
+  groups: Set<bigint>;
   live: boolean;
+}
+
+/** A group as the fake keeps it: the lists, its version and count, and the member list its pages show. */
+export interface FakeGroup {
+  members: Set<string>;
+  admins: Set<string>;
+  version: bigint;
+  count: number;
+  entries: GroupEntry[];
 }
 
 /** Waits until `check` gives a value, or fails after `ms`. */
@@ -75,6 +87,11 @@ export class FakeConnection {
     this.send(0, encodeServerFrame(frame));
   }
 
+  /** A group push on the push stream of `tier`. */
+  pushGroup(tier: Tier, push: Push): void {
+    this.send(this.streamOf[tier], encodePush(push));
+  }
+
   /** An update on the push stream of `tier`. */
   push(tier: Tier, target: string, p: Presence): void {
     this.send(this.streamOf[tier], encodePush({ type: "update", target, presence: p }));
@@ -102,6 +119,8 @@ export class FakeServer {
   readonly sessions = new Map<bigint, Session>();
   /** What a subscribe or a resume answers for each user (default version 1, online). */
   readonly presences = new Map<string, Presence>();
+  /** Groups (every session's user is "al"). */
+  readonly groups = new Map<bigint, FakeGroup>();
   /** Targets a refresh ends (a narrower watch). */
   refreshEnds: string[] = [];
   /** Request types left unanswered. */
@@ -179,7 +198,7 @@ export class FakeServer {
     const old = hello.resume === null ? undefined : this.sessions.get(hello.resume);
     const resumed = old !== undefined && old.live;
     if (old) this.sessions.delete(old.id);
-    const session: Session = { id: this.nextSession++, subs: resumed ? old.subs : new Map(), live: true };
+    const session: Session = { id: this.nextSession++, subs: resumed ? old.subs : new Map(), groups: resumed ? old.groups : new Set(), live: true };
     this.sessions.set(session.id, session);
     conn.session = session;
     for (let i = 0; i < this.pushesBeforeWelcome; i++) conn.send(1, encodePush({ type: "stream", tier: "batched" }));
@@ -233,6 +252,44 @@ export class FakeServer {
       case "revoke":
         answer = { type: "revoked", closed: 1 };
         break;
+      case "setGroup": {
+        const version = (this.groups.get(req.group)?.version ?? 0n) + 1n;
+        const members = new Set([...req.members, ...req.admins]);
+        this.groups.set(req.group, { members, admins: new Set(req.admins), version, count: 0, entries: [] });
+        answer = { type: "groupSet", version };
+        break;
+      }
+      case "removeGroup":
+        answer = this.groups.delete(req.group) ? { type: "done" } : { code: 30, message: "unknown group" };
+        break;
+      case "groupSubscribe": {
+        const g = this.groups.get(req.group);
+        if (g === undefined || !g.members.has("al")) {
+          answer = { code: 29, message: "not a member" };
+          break;
+        }
+        session.groups.add(req.group);
+        const role = g.admins.has("al") ? "admin" : "member";
+        answer = { type: "groupSubscribed", snapshot: { group: req.group, role, version: g.version, count: g.count, members: g.members.size } };
+        break;
+      }
+      case "groupUnsubscribe":
+        answer = session.groups.delete(req.group) ? { type: "done" } : { code: 9, message: "not subscribed" };
+        break;
+      case "groupPage": {
+        const g = this.groups.get(req.group);
+        if (g === undefined || !g.members.has("al")) {
+          answer = { code: 29, message: "not a member" };
+          break;
+        }
+        // The cursor's `after`: the index of the previous page's last entry.
+        const start = req.after === null ? 0 : Number(req.after.after) + 1;
+        const entries = g.entries.slice(start, start + req.limit);
+        const last = start + entries.length - 1;
+        const next = last + 1 < g.entries.length ? { online: g.entries[last]!.presence.online, after: BigInt(last) } : null;
+        answer = { type: "groupPage", page: { group: req.group, version: g.version, count: g.count, entries, next } };
+        break;
+      }
       default:
         answer = { type: "done" };
     }

@@ -341,6 +341,107 @@ mod tests {
         }
     }
 
+    /// The other group rows of docs/protocol.md ("Groups", byte for byte):
+    /// every group request, answer and push, payloads only.
+    #[test]
+    fn every_group_frame_matches_the_protocol_document() {
+        use crate::{
+            Answer, GroupCursor, GroupEntry, GroupPage, GroupRole, GroupSnapshot, Presence, Push,
+            ServerFrame, Status,
+        };
+        fn hex(s: &str) -> Vec<u8> {
+            s.split(' ')
+                .map(|b| u8::from_str_radix(b, 16).unwrap())
+                .collect()
+        }
+        fn request(id: u64, request: Request) -> Vec<u8> {
+            postcard::to_stdvec(&RequestFrame { id, request }).unwrap()
+        }
+        fn reply(id: u64, answer: Answer) -> Vec<u8> {
+            postcard::to_stdvec(&ServerFrame::Reply {
+                id,
+                result: Ok(answer),
+            })
+            .unwrap()
+        }
+        let push = |p: Push| postcard::to_stdvec(&p).unwrap();
+        assert_eq!(
+            request(6, Request::RemoveGroup { group: 42 }),
+            hex("06 0c 2a")
+        );
+        assert_eq!(
+            request(7, Request::GroupUnsubscribe { group: 42 }),
+            hex("07 0e 2a")
+        );
+        let first_page = Request::GroupPage {
+            group: 300,
+            after: None,
+            limit: 200,
+        };
+        assert_eq!(request(8, first_page), hex("08 0f ac 02 00 c8 01"));
+        let next_page = Request::GroupPage {
+            group: 42,
+            after: Some(GroupCursor {
+                online: true,
+                after: 300,
+            }),
+            limit: 50,
+        };
+        assert_eq!(request(9, next_page), hex("09 0f 2a 01 01 ac 02 32"));
+        assert_eq!(
+            reply(5, Answer::GroupSet { version: 1 }),
+            hex("01 05 00 06 01")
+        );
+        let admin = GroupSnapshot {
+            group: 42,
+            role: GroupRole::Admin,
+            version: 7,
+            count: 3,
+            members: 10,
+        };
+        assert_eq!(
+            reply(4, Answer::GroupSubscribed(admin)),
+            hex("01 04 00 07 2a 01 07 03 0a")
+        );
+        let page = GroupPage {
+            group: 42,
+            version: 9,
+            count: 1,
+            entries: vec![GroupEntry {
+                user: "ann".into(),
+                presence: Presence {
+                    version: 3,
+                    online: true,
+                    status: Status::Available,
+                    message: None,
+                    kinds: 4,
+                    last_seen: None,
+                    invisible: false,
+                },
+            }],
+            next: Some(GroupCursor {
+                online: true,
+                after: 3,
+            }),
+        };
+        assert_eq!(
+            reply(9, Answer::GroupPage(page)),
+            hex("01 09 00 08 2a 09 01 01 03 61 6e 6e 03 01 00 00 04 00 00 01 01 03")
+        );
+        let member = Push::GroupMember {
+            group: 42,
+            version: 9,
+            member: "bob".into(),
+            online: false,
+            count: 3,
+        };
+        assert_eq!(push(member), hex("03 2a 09 03 62 6f 62 00 03"));
+        assert_eq!(
+            push(Push::GroupEnded { group: u64::MAX }),
+            hex("04 ff ff ff ff ff ff ff ff ff 01")
+        );
+    }
+
     /// 200,000 pipelined frames in one buffer: each is split off the front
     /// (a draining reader moved the rest every time: 200,000 × 1.2 MB on
     /// average, seconds instead of milliseconds).

@@ -4,6 +4,10 @@
 // client's View holds (the Chromium test reads them). The operator view reads
 // /metrics every second. Names and messages are put in with textContent only.
 //
+// The group panel subscribes to one group: its count ("N of M online"), for
+// an admin each member's change as it comes, and the member list in pages
+// (online first; "more" passes the last page's cursor).
+//
 // Query string: ?transport=websocket skips WebTransport.
 
 import { Client, KIND_BITS } from "/greendot-client.js";
@@ -13,6 +17,10 @@ const params = new URLSearchParams(location.search);
 let config = null;
 let client = null;
 const watched = new Map(); // user -> { li, presence }
+// The group the panel shows: { id (bigint), role, count, members, version, next (cursor), ended }.
+let group = null;
+const GROUP_PAGE = 20;
+const GROUP_CHANGES = 50;
 
 function hexToBytes(hex) {
   const out = new Uint8Array(hex.length / 2);
@@ -126,11 +134,112 @@ async function connect(token) {
     else if (event.type === "disconnected") setState(`reconnecting (${event.reason})`, false);
     else if (event.type === "reconnected") setState(`${me.user}/${me.device} over ${event.binding}, session ${event.session}`, true);
     else if (event.type === "closed") setState(`closed (${event.code ?? "-"}: ${event.reason})`, false);
+    else if (event.type === "groupCount" || event.type === "groupMember" || event.type === "groupEnded") groupEvent(event);
   });
   setState(`${me.user}/${me.device} over ${me.binding}, session ${me.session}`, true);
   $("users").replaceChildren();
   watched.clear();
+  group = null;
+  for (const id of ["group-changes", "group-members"]) $(id).replaceChildren();
+  renderGroup();
   await watch();
+}
+
+function renderGroup() {
+  const el = $("group-state");
+  $("group-more").hidden = !group || group.next === null;
+  $("group-changes-label").hidden = !group || group.role !== "admin";
+  $("group-members-label").hidden = !group;
+  if (!group) {
+    el.textContent = "";
+    for (const k of Object.keys(el.dataset)) delete el.dataset[k];
+    return;
+  }
+  Object.assign(el.dataset, {
+    group: String(group.id),
+    role: group.role,
+    count: String(group.count),
+    members: String(group.members),
+    version: String(group.version),
+    ended: String(group.ended),
+  });
+  el.textContent = group.ended
+    ? `group ${group.id}: the subscription ended (no longer a member, or the group was removed)`
+    : `group ${group.id}: ${group.count} of ${group.members} online` + (group.role === "admin" ? " (admin: changes below)" : "");
+}
+
+function dotted(text, online) {
+  const li = document.createElement("li");
+  li.dataset.online = String(online);
+  const dot = document.createElement("span");
+  dot.className = "dot";
+  const label = document.createElement("span");
+  label.textContent = text;
+  li.append(dot, label);
+  return li;
+}
+
+// Subscribes to the group in the input (again: a fresh count and first page).
+async function subscribeGroup() {
+  $("group-error").textContent = "";
+  if (!client) return;
+  const text = $("group").value.trim();
+  if (!/^[0-9]{1,20}$/.test(text) || BigInt(text) >= 1n << 64n) {
+    $("group-error").textContent = "a group is a number from 0 to 18446744073709551615";
+    return;
+  }
+  const id = BigInt(text);
+  try {
+    if (group && group.id !== id && !group.ended) await client.groupUnsubscribe(group.id).catch(() => {});
+    const s = await client.groupSubscribe(id);
+    group = { id, role: s.role, count: s.count, members: s.members, version: s.version, next: null, ended: false };
+    $("group-changes").replaceChildren();
+    $("group-members").replaceChildren();
+    $("group-members").dataset.pages = "0";
+    renderGroup();
+    await moreMembers();
+  } catch (e) {
+    $("group-error").textContent = String(e);
+  }
+}
+
+// The next page of the member list (the first one when `next` is null).
+async function moreMembers() {
+  const g = group;
+  if (!client || !g) return;
+  try {
+    const page = await client.groupPage(g.id, g.next, GROUP_PAGE);
+    if (group !== g) return;
+    g.next = page.next;
+    for (const { user, presence } of page.entries) {
+      const li = dotted(`${user}${presence.online ? ` — ${presence.status}` : " — offline"}`, presence.online);
+      li.dataset.user = user;
+      $("group-members").append(li);
+    }
+    $("group-members").dataset.pages = String(Number($("group-members").dataset.pages ?? 0) + 1);
+    renderGroup();
+  } catch (e) {
+    $("group-error").textContent = String(e);
+  }
+}
+
+// The client drops pushes older than what it told: each event here is news.
+function groupEvent(event) {
+  if (!group || event.group !== group.id) return;
+  if (event.type === "groupEnded") {
+    group.ended = true;
+    group.next = null;
+  } else {
+    group.count = event.count;
+    group.version = event.version;
+  }
+  if (event.type === "groupMember") {
+    const li = dotted(`${new Date().toLocaleTimeString()} ${event.member} ${event.online ? "online" : "offline"}`, event.online);
+    li.dataset.member = event.member;
+    $("group-changes").prepend(li);
+    while ($("group-changes").children.length > GROUP_CHANGES) $("group-changes").lastElementChild.remove();
+  }
+  renderGroup();
 }
 
 async function watch() {
@@ -247,6 +356,11 @@ async function start() {
     e.preventDefault();
     void watch();
   });
+  $("group-form").addEventListener("submit", (e) => {
+    e.preventDefault();
+    void subscribeGroup();
+  });
+  $("group-more").addEventListener("click", () => void moreMembers());
   $("status-form").addEventListener("submit", async (e) => {
     e.preventDefault();
     if (!client) return;

@@ -19,8 +19,14 @@ var REQUEST_TYPES = [
   "logout",
   "refresh",
   "revoke",
-  "setForeground"
+  "setForeground",
+  "setGroup",
+  "removeGroup",
+  "groupSubscribe",
+  "groupUnsubscribe",
+  "groupPage"
 ];
+var GROUP_ROLES = ["member", "admin"];
 var ErrorCode = {
   BadFrame: 1,
   FrameTooLarge: 2,
@@ -46,7 +52,14 @@ var ErrorCode = {
   TooManyUsers: 25,
   TooManyTargets: 26,
   TokenRevoked: 27,
-  TooManyRevocations: 28
+  TooManyRevocations: 28,
+  NotMember: 29,
+  UnknownGroup: 30,
+  TooManyGroupMembers: 31,
+  TooManyGroupAdmins: 32,
+  TooManyGroupSubscriptions: 33,
+  TooManyGroups: 34,
+  Unsupported: 35
 };
 var CloseCode = {
   Normal: 0,
@@ -315,6 +328,39 @@ function readResult(r, ok) {
   if (v === 1) return { ok: false, error: readWireError(r) };
   throw new DecodeError(`unknown Result variant ${v}`);
 }
+var writeGroupRole = (w, role) => w.variant(index(GROUP_ROLES, role, "group role"));
+var readGroupRole = (r) => named(GROUP_ROLES, r.variant(), "GroupRole");
+function writeGroupCursor(w, c) {
+  w.bool(c.online).u64(c.after);
+}
+function readGroupCursor(r) {
+  return { online: r.bool(), after: r.u64() };
+}
+function writeGroupSnapshot(w, s) {
+  w.u64(s.group);
+  writeGroupRole(w, s.role);
+  w.u64(s.version).u32(s.count).u32(s.members);
+}
+function readGroupSnapshot(r) {
+  return { group: r.u64(), role: readGroupRole(r), version: r.u64(), count: r.u32(), members: r.u32() };
+}
+function writeGroupPage(w, p) {
+  w.u64(p.group).u64(p.version).u32(p.count);
+  w.seq(p.entries, (w2, e) => {
+    w2.string(e.user);
+    writePresenceFields(w2, e.presence);
+  });
+  w.option(p.next, writeGroupCursor);
+}
+function readGroupPage(r) {
+  return {
+    group: r.u64(),
+    version: r.u64(),
+    count: r.u32(),
+    entries: r.seq((r2) => ({ user: r2.string(), presence: readPresence(r2) })),
+    next: r.option(readGroupCursor)
+  };
+}
 function writeSnapshot(w, s) {
   w.string(s.target);
   writeTier(w, s.tier);
@@ -372,6 +418,17 @@ function writeRequest(w, req) {
     case "setForeground":
       w.bool(req.foreground);
       return;
+    case "setGroup":
+      w.u64(req.group).seq(req.members, writeString).seq(req.admins, writeString);
+      return;
+    case "removeGroup":
+    case "groupSubscribe":
+    case "groupUnsubscribe":
+      w.u64(req.group);
+      return;
+    case "groupPage":
+      w.u64(req.group).option(req.after, writeGroupCursor).u32(req.limit);
+      return;
   }
 }
 function readRequest(r) {
@@ -398,6 +455,14 @@ function readRequest(r) {
       return { type, user: r.string(), device: r.option(readString), before: r.u64() };
     case "setForeground":
       return { type, foreground: r.bool() };
+    case "setGroup":
+      return { type, group: r.u64(), members: r.seq(readString), admins: r.seq(readString) };
+    case "removeGroup":
+    case "groupSubscribe":
+    case "groupUnsubscribe":
+      return { type, group: r.u64() };
+    case "groupPage":
+      return { type, group: r.u64(), after: r.option(readGroupCursor), limit: r.u32() };
   }
 }
 function encodeRequestFrame(frame) {
@@ -443,6 +508,15 @@ function writeAnswer(w, a) {
     case "revoked":
       w.variant(5).u32(a.closed);
       return;
+    case "groupSet":
+      w.variant(6).u64(a.version);
+      return;
+    case "groupSubscribed":
+      writeGroupSnapshot(w.variant(7), a.snapshot);
+      return;
+    case "groupPage":
+      writeGroupPage(w.variant(8), a.page);
+      return;
   }
 }
 function readAnswer(r) {
@@ -470,6 +544,12 @@ function readAnswer(r) {
       return { type: "refreshed", expires: r.u64(), ended: r.seq(readString) };
     case 5:
       return { type: "revoked", closed: r.u32() };
+    case 6:
+      return { type: "groupSet", version: r.u64() };
+    case 7:
+      return { type: "groupSubscribed", snapshot: readGroupSnapshot(r) };
+    case 8:
+      return { type: "groupPage", page: readGroupPage(r) };
     default:
       throw new DecodeError(`unknown Answer variant ${v}`);
   }
@@ -527,11 +607,23 @@ function decodeServerFrame(payload) {
 }
 function encodePush(push) {
   const w = new Writer();
-  if (push.type === "stream") {
-    writeTier(w.variant(0), push.tier);
-  } else {
-    w.variant(1).string(push.target);
-    writePresenceFields(w, push.presence);
+  switch (push.type) {
+    case "stream":
+      writeTier(w.variant(0), push.tier);
+      break;
+    case "update":
+      w.variant(1).string(push.target);
+      writePresenceFields(w, push.presence);
+      break;
+    case "groupCount":
+      w.variant(2).u64(push.group).u64(push.version).u32(push.count);
+      break;
+    case "groupMember":
+      w.variant(3).u64(push.group).u64(push.version).string(push.member).bool(push.online).u32(push.count);
+      break;
+    case "groupEnded":
+      w.variant(4).u64(push.group);
+      break;
   }
   return w.finish();
 }
@@ -539,9 +631,25 @@ function decodePush(payload) {
   const r = new Reader(payload);
   let push;
   const v = r.variant();
-  if (v === 0) push = { type: "stream", tier: readTier(r) };
-  else if (v === 1) push = { type: "update", target: r.string(), presence: readPresence(r) };
-  else throw new DecodeError(`unknown Push variant ${v}`);
+  switch (v) {
+    case 0:
+      push = { type: "stream", tier: readTier(r) };
+      break;
+    case 1:
+      push = { type: "update", target: r.string(), presence: readPresence(r) };
+      break;
+    case 2:
+      push = { type: "groupCount", group: r.u64(), version: r.u64(), count: r.u32() };
+      break;
+    case 3:
+      push = { type: "groupMember", group: r.u64(), version: r.u64(), member: r.string(), online: r.bool(), count: r.u32() };
+      break;
+    case 4:
+      push = { type: "groupEnded", group: r.u64() };
+      break;
+    default:
+      throw new DecodeError(`unknown Push variant ${v}`);
+  }
   r.end();
   return push;
 }
@@ -1048,6 +1156,11 @@ function errorCodeForClose(code) {
   }
 }
 var MAX_EARLY_PUSHES = 64;
+var MAX_TRACKED_GROUPS = 1024;
+function groupId(group) {
+  if (typeof group === "number" && !Number.isSafeInteger(group)) throw new ConfigError(`group ${group} is not an exact integer: pass a bigint`);
+  return BigInt(group);
+}
 var Connection = class {
   constructor(client) {
     this.client = client;
@@ -1129,10 +1242,12 @@ var Connection = class {
     }
     if (push.type === "stream") {
       this.tiers.set(stream, push.tier);
-    } else {
-      const tier = this.tiers.get(stream);
-      if (tier !== void 0) this.client.applyPresence(push.target, push.presence, tier);
+      return;
     }
+    const tier = this.tiers.get(stream);
+    if (tier === void 0) return;
+    if (push.type === "update") this.client.applyPresence(push.target, push.presence, tier);
+    else this.client.applyGroupPush(push, tier);
   }
   /** The welcome was taken: pushes that waited for it go through now. */
   start() {
@@ -1234,6 +1349,8 @@ var Client = class _Client {
   view = new View();
   /** What the application subscribed to, to subscribe again after a reconnect that did not resume. */
   wanted = /* @__PURE__ */ new Map();
+  /** The highest version told of each subscribed group (its keys: the groups to subscribe again). */
+  groupVersions = /* @__PURE__ */ new Map();
   conn = null;
   /** Requests waiting for a connection (made while reconnecting). */
   queue = [];
@@ -1378,6 +1495,45 @@ var Client = class _Client {
   async revoke(user, device, before) {
     return expect(await this.call({ type: "revoke", user, device, before: BigInt(before) }), "revoked").closed;
   }
+  /**
+   * Service tokens only: writes group `group` whole, its members and its
+   * admins (an admin is a member whether listed or not); creates it if new.
+   * Resolves to the membership version (1, 2, ... per write).
+   */
+  async setGroup(group, members, admins = []) {
+    return expect(await this.call({ type: "setGroup", group: groupId(group), members, admins }), "groupSet").version;
+  }
+  /** Service tokens only: removes a group; its subscribers get `groupEnded`. */
+  async removeGroup(group) {
+    expect(await this.call({ type: "removeGroup", group: groupId(group) }), "done");
+  }
+  /**
+   * Subscribes to a group this user is a member of: the snapshot (role,
+   * version, online count, number of members) now, then `groupCount` events
+   * (and for an admin `groupMember`). It lasts across reconnects: a resumed
+   * session keeps it; after one that did not resume the client subscribes
+   * again itself (`groupEnded` if refused).
+   */
+  async groupSubscribe(group) {
+    return expect(await this.call({ type: "groupSubscribe", group: groupId(group) }), "groupSubscribed").snapshot;
+  }
+  async groupUnsubscribe(group) {
+    const id = groupId(group);
+    expect(await this.call({ type: "groupUnsubscribe", group: id }), "done");
+    this.groupVersions.delete(id);
+  }
+  /**
+   * A page of a group's member list (members only), online members first:
+   * `after` is the previous page's `next` (null: the first page); at most
+   * `limit` entries (the server clamps it into 1..=200 by default).
+   */
+  async groupPage(group, after, limit) {
+    return expect(await this.call({ type: "groupPage", group: groupId(group), after, limit }), "groupPage").page;
+  }
+  /** The groups the client holds a subscription to (it subscribes to them again after a fresh session). */
+  groups() {
+    return [...this.groupVersions.keys()];
+  }
   /** Whether the application last said the app is in the foreground. */
   get isForeground() {
     return this.settings.foreground;
@@ -1472,6 +1628,28 @@ var Client = class _Client {
   applyPresence(target, presence, source) {
     if (this.view.apply(target, presence) !== "dropped") this.emit({ type: "presence", target, presence, source });
   }
+  /** @internal A group push on a stream of `tier`. */
+  applyGroupPush(push, tier) {
+    switch (push.type) {
+      case "groupCount":
+        return this.applyGroup({ type: "groupCount", group: push.group, version: push.version, count: push.count, source: tier });
+      case "groupMember":
+        return this.applyGroup({ ...push });
+      case "groupEnded":
+        return this.applyGroup({ ...push });
+    }
+  }
+  /** Emits a group event unless it is older than what the application was told (as the Rust client). */
+  applyGroup(event) {
+    if (event.type === "groupEnded") {
+      if (this.groupVersions.delete(event.group)) this.emit(event);
+      return;
+    }
+    const seen = this.groupVersions.get(event.group);
+    if (seen !== void 0 && seen >= event.version) return;
+    if (seen !== void 0 || this.groupVersions.size < MAX_TRACKED_GROUPS) this.groupVersions.set(event.group, event.version);
+    this.emit(event);
+  }
   /** @internal Settles a request once: an answer or an error. */
   settle(p, outcome) {
     if (p.done) return;
@@ -1498,9 +1676,9 @@ var Client = class _Client {
     this.nextId += 1n;
     conn.sendRequest(p, this.nextId);
   }
-  /** @internal A request the client makes itself (no caller waits for it). */
-  sendInternal(conn, request) {
-    this.send(conn, { request, caller: null, done: false });
+  /** @internal A request the client makes itself (no application caller waits for it). */
+  sendInternal(conn, request, caller = null) {
+    this.send(conn, { request, caller, done: false });
   }
   /** @internal An answer from the server. */
   reply(conn, id, result) {
@@ -1509,6 +1687,13 @@ var Client = class _Client {
     if (result.ok && result.value.type === "subscribed") {
       for (const s of result.value.snapshots) this.wanted.set(s.target, s.tier);
       for (const s of result.value.snapshots) this.applyPresence(s.target, s.presence, "snapshot");
+    }
+    if (result.ok && result.value.type === "groupSubscribed") {
+      const { group, version } = result.value.snapshot;
+      const seen = this.groupVersions.get(group);
+      if (seen === void 0 || seen < version) {
+        if (seen !== void 0 || this.groupVersions.size < MAX_TRACKED_GROUPS) this.groupVersions.set(group, version);
+      }
     }
     if (p === void 0) return;
     this.settle(p, result.ok ? result.value : new ServerError(result.error));
@@ -1578,6 +1763,7 @@ var Client = class _Client {
     this.bindingName = conn.carrier.binding;
     if (!welcome.resumed) {
       this.view.clear();
+      for (const group of this.groupVersions.keys()) this.groupVersions.set(group, 0n);
     }
     if (!first) this.emit({ type: "reconnected", session: welcome.session, resumed: welcome.resumed, binding: this.bindingName });
     for (const s of welcome.snapshots) this.applyPresence(s.target, s.presence, "snapshot");
@@ -1587,6 +1773,20 @@ var Client = class _Client {
       for (const tier of ["realtime", "batched"]) {
         const targets = [...this.wanted].filter(([, t]) => t === tier).map(([name]) => name);
         if (targets.length > 0) this.sendInternal(conn, { type: "subscribe", targets, tier });
+      }
+      for (const group of [...this.groupVersions.keys()].sort((a, b) => a < b ? -1 : a > b ? 1 : 0)) {
+        this.sendInternal(conn, { type: "groupSubscribe", group }, {
+          resolve: (answer) => {
+            if (answer.type !== "groupSubscribed") return;
+            const s = answer.snapshot;
+            if (this.groupVersions.get(group) === s.version) {
+              this.emit({ type: "groupCount", group, version: s.version, count: s.count, source: "snapshot" });
+            }
+          },
+          reject: (e) => {
+            if (e instanceof ServerError) this.applyGroup({ type: "groupEnded", group });
+          }
+        });
       }
     }
     if (conn.helloForeground !== this.settings.foreground) {
@@ -1702,6 +1902,7 @@ export {
   ErrorCode,
   FrameError,
   FrameReader,
+  GROUP_ROLES,
   GreendotError,
   KINDS,
   KIND_BITS,
