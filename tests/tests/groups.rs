@@ -297,8 +297,8 @@ async fn an_oversized_list_or_a_long_name_is_refused_clearly_and_the_session_goe
 
 /// mona's path dies for longer than her grace: her session ends at the
 /// server, with its group subscription. When the path is back the client
-/// connects afresh (not resumed) and subscribes to the group again itself,
-/// so counts reach her again.
+/// connects afresh (not resumed) and subscribes to the group again itself:
+/// she is told the count at once, and counts reach her again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_subscribes_again_after_a_reconnect_that_did_not_resume() {
     let ts = TestServer::start(|c| c.core.group_interval = Millis(200));
@@ -340,6 +340,23 @@ async fn a_client_subscribes_again_after_a_reconnect_that_did_not_resume() {
     assert!(
         matches!(back, Event::Reconnected { resumed: false, .. }),
         "{back:?}"
+    );
+    // The count comes at once, as a snapshot of the re-subscribe: it may
+    // have moved while she was gone, and no push comes until it moves again.
+    let (_, first) = seen
+        .wait_for(SLACK, |e| matches!(e, Event::GroupCount { .. }))
+        .await
+        .expect("a count after the re-subscribe");
+    assert!(
+        matches!(
+            first,
+            Event::GroupCount {
+                group: GROUP,
+                source: Source::Snapshot,
+                ..
+            }
+        ),
+        "{first:?}"
     );
     // ulla comes online: the count (mona and ulla) reaches mona only if
     // she is subscribed again.

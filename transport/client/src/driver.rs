@@ -672,13 +672,20 @@ async fn run(
                                 refresh_due = Some(tokio::time::Instant::now() + Duration::from_secs(1));
                             }
                         }
-                        Some(Pending::GroupResubscribe(group)) => {
-                            if result.is_err() {
-                                // No longer a member (or the group is gone):
-                                // the subscription ended, as a push would say.
-                                shared.apply_group(Event::GroupEnded { group });
-                            }
-                        }
+                        Some(Pending::GroupResubscribe(group)) => match &result {
+                            // The count may have moved while the session was
+                            // gone, and no push comes until it moves again.
+                            Ok(Answer::GroupSubscribed(snapshot)) => shared.emit(Event::GroupCount {
+                                group,
+                                version: snapshot.version,
+                                count: snapshot.count,
+                                source: Source::Snapshot,
+                            }),
+                            // No longer a member (or the group is gone): the
+                            // subscription ended, as a push would say.
+                            Err(_) => shared.apply_group(Event::GroupEnded { group }),
+                            Ok(_) => {}
+                        },
                         Some(Pending::Resubscribe | Pending::Lifecycle) => {}
                         None => debug!(id, "reply to no request"),
                     }

@@ -133,8 +133,10 @@ impl Client {
     /// snapshot now, then [`Event::GroupCount`] (and, for an admin,
     /// [`Event::GroupMember`]) on [`crate::Updates`]. The subscription
     /// lasts across reconnects: a resumed session keeps it, and after one
-    /// that did not resume the client subscribes again itself
-    /// ([`Event::GroupEnded`] if refused).
+    /// that did not resume the client subscribes again itself and tells
+    /// the count then ([`Event::GroupCount`] from
+    /// [`Source::Snapshot`](crate::Source::Snapshot)), or
+    /// [`Event::GroupEnded`] if refused.
     pub async fn group_subscribe(&self, group: u64) -> Result<GroupSnapshot, ClientError> {
         match self.call(Request::GroupSubscribe { group }).await? {
             // The driver noted its version.
