@@ -104,6 +104,14 @@ pub enum GroupOutput {
     },
     /// The subscription ended: the user left the group, or it was removed.
     Ended { to: SessionId, group: GroupId },
+    /// Batched, to a session watching pages of `group` (the `group_watch`
+    /// module): the latest published view of each listed member whose view
+    /// changed since the last flush, by user id.
+    Page {
+        to: SessionId,
+        group: GroupId,
+        entries: Vec<(UserId, crate::types::Presence)>,
+    },
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
@@ -160,6 +168,8 @@ pub(crate) struct Groups {
     /// starts above it.
     pub(crate) version_floor: u64,
     pub(crate) outputs: VecDeque<GroupOutput>,
+    /// Watched pages and page budgets (the `group_watch` module).
+    pub(crate) watches: crate::group_watch::Watches,
     #[cfg(feature = "mutants")]
     pub(crate) mutant: Option<crate::mutants::GroupMutant>,
 }
@@ -333,6 +343,7 @@ impl Core {
         let membership = g.membership;
         groups.groups.insert(group, g);
         self.groups = groups;
+        self.watches_group_changed(group);
         Ok(membership)
     }
 
@@ -356,6 +367,7 @@ impl Core {
             }
         }
         self.groups.version_floor = self.groups.version_floor.max(g.version);
+        self.watches_group_changed(group);
         Ok(())
     }
 
@@ -476,7 +488,7 @@ impl Core {
         self.session(id).map(|s| self.users[s.user as usize].id)
     }
 
-    fn group_limit(&mut self, limit: Limit) -> Error {
+    pub(crate) fn group_limit(&mut self, limit: Limit) -> Error {
         self.counters.limits_hit += 1;
         Error::LimitExceeded(limit)
     }

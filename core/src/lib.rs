@@ -56,6 +56,7 @@ mod fanout;
 mod foreground;
 mod group_hooks;
 mod group_pages;
+mod group_watch;
 mod groups;
 mod index;
 mod output;
