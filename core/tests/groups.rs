@@ -10,7 +10,12 @@
 //!   snapshot is never older than a push before it;
 //! - G4: member deltas reach only Online sessions holding an admin
 //!   subscription of a current admin; members get counts only when they
-//!   changed, at most once per interval.
+//!   changed, at most once per interval;
+//! - G5: page deltas reach only Online sessions with a live, unexpired
+//!   watch of a page of that group listing that member, and carry its
+//!   published view; the watches held are exactly the reference's (asked,
+//!   renewed, unwatched, run out, dropped with the session or membership),
+//!   and the watch limits refuse exactly when the reference says.
 //!
 //! Each `GroupMutant` is shown caught.
 
@@ -318,6 +323,10 @@ enum Op {
     Unsubscribe(u8, u8),
     /// Every page of a group's member list, pages of this many, at one instant.
     Pages(u8, u8, u8),
+    /// Watch a page of this many: the first (`false`) or the second.
+    WatchPage(u8, u8, u8, bool),
+    /// Renew or end (`false`) the n-th watch of a session.
+    Rewatch(u8, u8, bool),
     Release(u8),
     Tick,
 }
@@ -339,6 +348,10 @@ fn op() -> impl Strategy<Value = Op> {
         14 => (any::<u8>(), group()).prop_map(|(s, g)| Op::Subscribe(s, g)),
         1 => (any::<u8>(), group()).prop_map(|(s, g)| Op::Unsubscribe(s, g)),
         3 => (any::<u8>(), group(), 1u8..=4).prop_map(|(s, g, n)| Op::Pages(s, g, n)),
+        3 => (any::<u8>(), group(), 1u8..=3, any::<bool>())
+            .prop_map(|(s, g, n, second)| Op::WatchPage(s, g, n, second)),
+        1 => (any::<u8>(), any::<u8>(), prop::bool::weighted(0.7))
+            .prop_map(|(s, n, renew)| Op::Rewatch(s, n, renew)),
         1 => user().prop_map(Op::Release),
         3 => Just(Op::Tick),
     ]
@@ -354,7 +367,7 @@ fn dt() -> impl Strategy<Value = u64> {
 }
 
 fn steps() -> impl Strategy<Value = Vec<(u64, Op)>> {
-    prop::collection::vec((dt(), op()), 150..260)
+    prop::collection::vec((dt(), op()), 170..290)
 }
 
 fn config() -> impl Strategy<Value = Config> {
@@ -369,6 +382,12 @@ fn config() -> impl Strategy<Value = Config> {
             max_groups: 2,
             max_sessions: 8,
             max_users: 5,
+            group_watch_ttl: Millis(4000),
+            max_watched_pages: 2,
+            max_watched_entries: 4,
+            // No page budget here (its own examples test it): the
+            // reference walks every page at one instant.
+            group_page_refill: Millis(0),
             ..Config::default()
         };
         for (kind, grace) in DeviceKind::ALL.into_iter().zip([2000, 1000, 0, 500]) {
@@ -424,6 +443,9 @@ struct Driver {
     member_deltas: u64,
     count_pushes: u64,
     pages_walked: u64,
+    /// Watched pages as the reference expects them: members and expiry.
+    watches: BTreeMap<(SessionId, GroupId, Option<PageCursor>), (BTreeSet<UserId>, u64)>,
+    page_deltas: u64,
 }
 
 fn fail(why: String) -> TestCaseError {
@@ -446,6 +468,8 @@ impl Driver {
             member_deltas: 0,
             count_pushes: 0,
             pages_walked: 0,
+            watches: BTreeMap::new(),
+            page_deltas: 0,
         }
     }
 
@@ -574,6 +598,25 @@ impl Driver {
                     }
                     self.push(to, group, version, count, member)?;
                 }
+                GroupOutput::Page { to, group, entries } => {
+                    self.page_deltas += 1;
+                    prop_assert!(self.online(to), "G5: page delta to {to}, not Online");
+                    prop_assert!(!entries.is_empty(), "an empty page delta");
+                    for (member, presence) in &entries {
+                        let watched = self.watches.iter().any(|((s, g, _), (set, expires))| {
+                            *s == to && *g == group && set.contains(member) && self.now < *expires
+                        });
+                        prop_assert!(
+                            watched,
+                            "G5: delta of {:?} in {:?} to {} at {}, no live watch lists it",
+                            member,
+                            group,
+                            to,
+                            self.now
+                        );
+                        prop_assert_eq!(presence, &self.core.presence(*member));
+                    }
+                }
             }
         }
         for (member, online) in last_delta {
@@ -642,6 +685,10 @@ impl Driver {
             self.subs.remove(&s);
             self.told.retain(|(t, _), _| *t != s);
         }
+        let now = self.now;
+        let core = &self.core;
+        self.watches
+            .retain(|(s, _, _), (_, expires)| now < *expires && core.session_info(*s).is_some());
     }
 
     /// After every instant: structure, subscriptions, admins exact, G1.
@@ -664,6 +711,21 @@ impl Driver {
         }
         self.counts.retain(|g, _| self.groups.contains_key(g));
         for s in self.issued.clone() {
+            let got: BTreeSet<_> = self
+                .core
+                .group_watches(s)
+                .into_iter()
+                .map(|(g, from, members, expires)| {
+                    (g, from, members.into_iter().collect::<BTreeSet<_>>(), expires.0)
+                })
+                .collect();
+            let want: BTreeSet<_> = self
+                .watches
+                .iter()
+                .filter(|((t, _, _), _)| *t == s)
+                .map(|((_, g, from), (set, expires))| (*g, *from, set.clone(), *expires))
+                .collect();
+            prop_assert_eq!(got, want, "G5: the pages {} watches", s);
             let got: BTreeMap<GroupId, GroupRole> =
                 self.core.group_subscriptions(s).into_iter().collect();
             let want = self.subs.get(&s).cloned().unwrap_or_default();
@@ -859,6 +921,14 @@ impl Driver {
                 let (s, group) = (self.pick(s), GroupId(group.into()));
                 self.pages(at, s, group, limit.into())?
             }
+            Op::WatchPage(s, group, limit, second) => {
+                let (s, group) = (self.pick(s), GroupId(group.into()));
+                self.watch_page(at, s, group, limit.into(), second)?
+            }
+            Op::Rewatch(s, n, renew) => {
+                let s = self.pick(s);
+                self.rewatch(at, s, n, renew)?
+            }
             Op::Release(u) => {
                 self.core.release(UserId(u.into()));
                 Ok(())
@@ -926,10 +996,120 @@ impl Driver {
         Ok(Ok(()))
     }
 
+    /// Watches the first or the second page of `limit`: refused exactly as
+    /// the reference says (not a member, past the watch limits), else the
+    /// page is the truth and its members are watched for the TTL.
+    fn watch_page(
+        &mut self,
+        at: Millis,
+        s: SessionId,
+        group: GroupId,
+        limit: usize,
+        second: bool,
+    ) -> Result<Result<(), Error>, TestCaseError> {
+        let from = if second {
+            match self.core.handle_group_page(at, s, group, None, limit) {
+                Ok(page) => match page.next {
+                    Some(next) => Some(next),
+                    None => return Ok(Ok(())),
+                },
+                Err(e) => return Ok(Err(e)),
+            }
+        } else {
+            None
+        };
+        let got = self.core.handle_group_watch_page(at, s, group, from, limit);
+        if !self.online(s) {
+            prop_assert!(matches!(got, Err(Error::Stale | Error::UnknownSession)));
+            return Ok(got.map(|_| ()));
+        }
+        let user = self.core.session_info(s).unwrap().user;
+        let Some(g) = self.groups.get(&group).filter(|g| g.members.contains(&user)) else {
+            prop_assert_eq!(got, Err(Error::NotMember));
+            return Ok(Err(Error::NotMember));
+        };
+        let config = self.core.config().clone();
+        let key = (s, group, from);
+        let again = self.watches.contains_key(&key);
+        let mine: Vec<usize> = self
+            .watches
+            .iter()
+            .filter(|(k, _)| k.0 == s && **k != key)
+            .map(|(_, (set, _))| set.len())
+            .collect();
+        let bound = limit.clamp(1, config.group_page_size).min(g.members.len());
+        let want = if !again && mine.len() >= config.max_watched_pages {
+            Some(Error::LimitExceeded(Limit::WatchedPages))
+        } else if mine.iter().sum::<usize>() + bound > config.max_watched_entries {
+            Some(Error::LimitExceeded(Limit::WatchedEntries))
+        } else {
+            None
+        };
+        match (got, want) {
+            (Err(e), Some(w)) => {
+                prop_assert_eq!(e, w);
+                Ok(Err(e))
+            }
+            (Ok(page), None) => {
+                prop_assert_eq!(page.count, self.expected_count(group));
+                for (u, p) in &page.entries {
+                    prop_assert_eq!(p, &self.core.presence(*u));
+                }
+                let set = page.entries.iter().map(|(u, _)| *u).collect();
+                let expires = at.0 + config.group_watch_ttl.0;
+                self.watches.insert(key, (set, expires));
+                Ok(Ok(()))
+            }
+            (got, want) => Err(fail(format!("watch page: {got:?}, want {want:?}"))),
+        }
+    }
+
+    /// Renews or ends the `n`-th watch of `s` (or a page it does not watch).
+    fn rewatch(
+        &mut self,
+        at: Millis,
+        s: SessionId,
+        n: u8,
+        renew: bool,
+    ) -> Result<Result<(), Error>, TestCaseError> {
+        let mine: Vec<_> = self.watches.keys().filter(|k| k.0 == s).copied().collect();
+        let key = if mine.is_empty() || n >= 200 {
+            (s, GroupId(u64::from(n % GROUPS) + 1), None)
+        } else {
+            mine[n as usize % mine.len()]
+        };
+        let got = if renew {
+            self.core.handle_group_renew_watch(at, s, key.1, key.2)
+        } else {
+            self.core.handle_group_unwatch(at, s, key.1, key.2)
+        };
+        if !self.online(s) {
+            prop_assert!(matches!(got, Err(Error::Stale | Error::UnknownSession)));
+            return Ok(got);
+        }
+        let ttl = self.core.config().group_watch_ttl.0;
+        match self.watches.get_mut(&key) {
+            Some(w) => {
+                prop_assert_eq!(got, Ok(()));
+                if renew {
+                    w.1 = at.0 + ttl;
+                } else {
+                    self.watches.remove(&key);
+                }
+            }
+            None => prop_assert_eq!(got, Err(Error::NotSubscribed)),
+        }
+        Ok(got)
+    }
+
     /// After a membership write: each subscription takes its user's new
     /// role; a non-member's ends (told `Ended` if Online, checked then).
     fn reroles(&mut self, group: GroupId) {
         let g = &self.groups[&group];
+        let core = &self.core;
+        self.watches.retain(|(s, wg, _), _| {
+            *wg != group || core.session_info(*s).is_some_and(|i| g.members.contains(&i.user))
+        });
         for (&s, held) in self.subs.iter_mut() {
             let Some(role) = held.get_mut(&group) else {
                 continue;
@@ -957,6 +1137,7 @@ impl Driver {
     }
 
     fn drop_subs_of(&mut self, group: GroupId, told_online: bool) {
+        self.watches.retain(|(_, g, _), _| *g != group);
         for (&s, held) in self.subs.iter_mut() {
             let online = self.core.session_info(s).is_some_and(|i| i.online);
             if !(told_online && online) && held.remove(&group).is_some() {
@@ -981,7 +1162,7 @@ fn run(
     config: Config,
     steps: &[(u64, Op)],
     mutant: Option<GroupMutant>,
-) -> Result<[u64; 4], TestCaseError> {
+) -> Result<[u64; 5], TestCaseError> {
     let mut d = Driver::new(config, mutant);
     for (dt, op) in steps {
         d.step(*dt, op)?;
@@ -992,6 +1173,7 @@ fn run(
         d.member_deltas,
         d.count_pushes,
         d.pages_walked,
+        d.page_deltas,
     ])
 }
 
@@ -1006,7 +1188,7 @@ proptest! {
 
 /// Runs `cases` cases with a fixed seed: the first failure, and the sums of
 /// G1 checks, member deltas, count pushes and pages over the passing cases.
-fn sample(cases: u32, mutant: Option<GroupMutant>) -> (Option<String>, [u64; 4]) {
+fn sample(cases: u32, mutant: Option<GroupMutant>) -> (Option<String>, [u64; 5]) {
     use proptest::test_runner::{Config as RunnerConfig, RngAlgorithm, TestRng, TestRunner};
     let mut runner = TestRunner::new_with_rng(
         RunnerConfig {
@@ -1016,7 +1198,7 @@ fn sample(cases: u32, mutant: Option<GroupMutant>) -> (Option<String>, [u64; 4])
         },
         TestRng::deterministic_rng(RngAlgorithm::ChaCha),
     );
-    let sums = std::cell::Cell::new([0; 4]);
+    let sums = std::cell::Cell::new([0; 5]);
     let result = runner.run(&(config(), steps()), |(config, steps)| {
         let got = run(config, &steps, mutant)?;
         let mut total = sums.get();
@@ -1032,14 +1214,15 @@ fn sample(cases: u32, mutant: Option<GroupMutant>) -> (Option<String>, [u64; 4])
 /// The generated inputs are not vacuous.
 #[test]
 fn the_group_mix_reaches_every_check() {
-    let (failure, [g1, deltas, counts, pages]) = sample(32, None);
+    let (failure, [g1, deltas, counts, pages, page_deltas]) = sample(48, None);
     assert_eq!(failure, None);
     println!(
-        "32 cases: {g1} G1 checks, {deltas} member deltas, {counts} count pushes, {pages} pages"
+        "48 cases: {g1} G1 checks, {deltas} member deltas, {counts} count pushes, {pages} pages, \
+         {page_deltas} page deltas"
     );
     assert!(
-        g1 >= 1000 && deltas >= 100 && counts >= 100 && pages >= 100,
-        "{g1} {deltas} {counts} {pages}"
+        g1 >= 1000 && deltas >= 100 && counts >= 100 && pages >= 100 && page_deltas >= 30,
+        "{g1} {deltas} {counts} {pages} {page_deltas}"
     );
 }
 
@@ -1052,6 +1235,7 @@ fn every_group_mutant_is_caught() {
         (GroupMutant::VersionNotBumped, "G3"),
         (GroupMutant::AdminKeptAfterDemotion, "G4"),
         (GroupMutant::SubsKeptAfterEnd, "G4"),
+        (GroupMutant::WatchOutlivesExpiry, "G5"),
     ] {
         let (failure, _) = sample(64, Some(mutant));
         let failure = failure.unwrap_or_else(|| panic!("{mutant:?} went unnoticed"));
@@ -1061,5 +1245,5 @@ fn every_group_mutant_is_caught() {
             "{mutant:?} caught, but not by {want}: {failure}"
         );
     }
-    assert_eq!(GroupMutant::ALL.len(), 5);
+    assert_eq!(GroupMutant::ALL.len(), 6);
 }
