@@ -6,8 +6,9 @@
 //! lives, each published change of one of those members (online, status,
 //! message, kinds, last seen: any new published view) is queued for the
 //! session, coalesced per member, and flushed every `Config::batch_interval`
-//! as one [`GroupOutput::Page`] per group holding the latest published view
-//! of each changed member (on the batched stream). The set is not
+//! as one [`GroupOutput::Page`] per group (per [`PAGE_DELTA_ENTRIES`]
+//! entries) holding the latest published view of each changed member (on
+//! the batched stream). The set is not
 //! re-sorted: a member who went online stays in the watched set of its
 //! offline page; asking the same page again re-reads it and renews.
 //!
@@ -50,6 +51,10 @@ use crate::groups::{group_mutant, is_online, GroupId, GroupOutput};
 use crate::timers::Timer;
 use crate::types::{Millis, Presence, SessionId, UserId};
 use std::collections::{BTreeMap, BTreeSet};
+
+/// Entries of one [`GroupOutput::Page`] at most: 100 entries of the
+/// longest names and messages (about 400 bytes each) fit one 64 KiB frame.
+pub const PAGE_DELTA_ENTRIES: usize = 100;
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct PageWatch {
@@ -369,11 +374,13 @@ impl Core {
                 .push((user, self.presence(user)));
         }
         for (group, entries) in by_group {
-            self.groups.outputs.push_back(GroupOutput::Page {
-                to: session,
-                group,
-                entries,
-            });
+            for chunk in entries.chunks(PAGE_DELTA_ENTRIES) {
+                self.groups.outputs.push_back(GroupOutput::Page {
+                    to: session,
+                    group,
+                    entries: chunk.to_vec(),
+                });
+            }
         }
     }
 

@@ -81,6 +81,7 @@ pub use engine::{Connect, Connected, Core, Counters, Input, Reply, Saved, Sessio
 pub use error::{Error, Limit};
 pub use fanout::Fanout;
 pub use group_pages::{GroupPage, PageCursor};
+pub use group_watch::PAGE_DELTA_ENTRIES;
 pub use groups::{GroupId, GroupOutput, GroupRole, GroupSnapshot};
 pub use output::{EndReason, Output};
 pub use types::{
