@@ -118,7 +118,9 @@ impl Core {
     ) -> Result<(), Error> {
         self.advance(now);
         let id = self.online(id)?;
-        let wid = self.find_watch(id, group, from).ok_or(Error::NotSubscribed)?;
+        let wid = self
+            .find_watch(id, group, from)
+            .ok_or(Error::NotSubscribed)?;
         self.set_watch_expiry(wid);
         Ok(())
     }
@@ -133,7 +135,9 @@ impl Core {
     ) -> Result<(), Error> {
         self.advance(now);
         let id = self.online(id)?;
-        let wid = self.find_watch(id, group, from).ok_or(Error::NotSubscribed)?;
+        let wid = self
+            .find_watch(id, group, from)
+            .ok_or(Error::NotSubscribed)?;
         self.remove_watch(wid);
         Ok(())
     }
@@ -402,7 +406,14 @@ impl Core {
         for key in spent {
             budgets.remove(&key);
         }
-        for wid in self.groups.watches.by_session.get(&id).cloned().unwrap_or_default() {
+        for wid in self
+            .groups
+            .watches
+            .by_session
+            .get(&id)
+            .cloned()
+            .unwrap_or_default()
+        {
             self.remove_watch(wid);
         }
         if let Some(p) = self.groups.watches.pending.remove(&id) {
@@ -488,7 +499,9 @@ impl Core {
         let mut held = w.by_session.clone();
         held.values_mut().for_each(|l| l.sort_unstable());
         if held != by_session {
-            return Err(format!("session → watches index {held:?} is not {by_session:?}"));
+            return Err(format!(
+                "session → watches index {held:?} is not {by_session:?}"
+            ));
         }
         let mut indexed = w.by_member.clone();
         indexed.values_mut().for_each(|l| l.sort_unstable());
@@ -507,7 +520,9 @@ impl Core {
             }
         }
         for (s, p) in &w.pending {
-            let due = p.due.ok_or_else(|| format!("{s}: queued deltas and no flush"))?;
+            let due = p
+                .due
+                .ok_or_else(|| format!("{s}: queued deltas and no flush"))?;
             expected_timers.insert((due, Timer::PageFlush(*s)));
             for key in &p.members {
                 let listed = w
@@ -515,7 +530,9 @@ impl Core {
                     .get(key)
                     .is_some_and(|ids| ids.iter().any(|wid| w.all[wid].session == *s));
                 if !listed {
-                    return Err(format!("G5: {s} has a delta of {key:?} queued, watching no page of it"));
+                    return Err(format!(
+                        "G5: {s} has a delta of {key:?} queued, watching no page of it"
+                    ));
                 }
             }
             if p.members.is_empty() {

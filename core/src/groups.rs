@@ -26,7 +26,9 @@
 //! session gets a `Count` of each at once), and they end with the session.
 //!
 //! Any member may also read the member list in pages
-//! ([`Core::handle_group_page`], the `group_pages` module).
+//! ([`Core::handle_group_page`], the `group_pages` module), within a page
+//! budget per group, and watch up to 3 pages for batched deltas
+//! ([`Core::handle_group_watch_page`], the `group_watch` module, G5).
 //!
 //! Cost: the index user → groups makes one member's change cost, per group
 //! of that member, O(1) for the count, O(log members) for the online set the

@@ -37,8 +37,11 @@ fn users(ids: impl IntoIterator<Item = u64>) -> Vec<UserId> {
     ids.into_iter().map(UserId).collect()
 }
 
-/// Page deltas of the drained outputs, as (to, group, [(member, online)]).
-fn deltas(out: &[GroupOutput]) -> Vec<(SessionId, GroupId, Vec<(u64, bool)>)> {
+/// A page delta as (to, group, [(member, online)]).
+type Delta = (SessionId, GroupId, Vec<(u64, bool)>);
+
+/// Page deltas of the drained outputs.
+fn deltas(out: &[GroupOutput]) -> Vec<Delta> {
     out.iter()
         .filter_map(|o| match o {
             GroupOutput::Page { to, group, entries } => Some((
@@ -123,7 +126,10 @@ fn a_watch_runs_out_unless_renewed() {
     assert!(core.group_watches(me).is_empty(), "ran out at 10,000");
     connect(&mut core, 10_000, 3);
     settle(&mut core, 20_000);
-    assert!(deltas(&drain(&mut core)).is_empty(), "no deltas after it ran out");
+    assert!(
+        deltas(&drain(&mut core)).is_empty(),
+        "no deltas after it ran out"
+    );
     assert_eq!(
         core.handle_group_renew_watch(Millis(20_000), me, G, None),
         Err(Error::NotSubscribed)
@@ -250,10 +256,15 @@ fn member_pages_are_rate_limited_per_group_before_any_work() {
     for _ in 0..3 {
         core.handle_group_page(Millis(0), me, G, None, 10).unwrap();
     }
-    let limited = |retry_after| Err(Error::PageRateLimited {
-        retry_after: Millis(retry_after),
-    });
-    assert_eq!(core.handle_group_page(Millis(0), me, G, None, 10), limited(1000));
+    let limited = |retry_after| {
+        Err(Error::PageRateLimited {
+            retry_after: Millis(retry_after),
+        })
+    };
+    assert_eq!(
+        core.handle_group_page(Millis(0), me, G, None, 10),
+        limited(1000)
+    );
     // A watched page spends from the same budget, and stores nothing.
     assert_eq!(
         core.handle_group_watch_page(Millis(400), me, G, None, 10),
@@ -263,9 +274,16 @@ fn member_pages_are_rate_limited_per_group_before_any_work() {
     // Another group has its own budget.
     core.handle_group_page(Millis(400), me, GroupId(2), None, 10)
         .unwrap();
-    assert_eq!(core.handle_group_page(Millis(999), me, G, None, 10), limited(1));
-    core.handle_group_page(Millis(1000), me, G, None, 10).unwrap();
-    assert_eq!(core.handle_group_page(Millis(1000), me, G, None, 10), limited(1000));
+    assert_eq!(
+        core.handle_group_page(Millis(999), me, G, None, 10),
+        limited(1)
+    );
+    core.handle_group_page(Millis(1000), me, G, None, 10)
+        .unwrap();
+    assert_eq!(
+        core.handle_group_page(Millis(1000), me, G, None, 10),
+        limited(1000)
+    );
     // Refilled at one page a second, up to the burst.
     for _ in 0..3 {
         core.handle_group_page(Millis(10_000), me, G, None, 10)

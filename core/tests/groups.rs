@@ -428,6 +428,9 @@ struct Told {
     pushed_at: Option<u64>,
 }
 
+/// A watched page: its session, group and the cursor it was asked from.
+type WatchKey = (SessionId, GroupId, Option<PageCursor>);
+
 struct Driver {
     core: Core,
     now: u64,
@@ -444,7 +447,7 @@ struct Driver {
     count_pushes: u64,
     pages_walked: u64,
     /// Watched pages as the reference expects them: members and expiry.
-    watches: BTreeMap<(SessionId, GroupId, Option<PageCursor>), (BTreeSet<UserId>, u64)>,
+    watches: BTreeMap<WatchKey, (BTreeSet<UserId>, u64)>,
     page_deltas: u64,
 }
 
@@ -716,7 +719,12 @@ impl Driver {
                 .group_watches(s)
                 .into_iter()
                 .map(|(g, from, members, expires)| {
-                    (g, from, members.into_iter().collect::<BTreeSet<_>>(), expires.0)
+                    (
+                        g,
+                        from,
+                        members.into_iter().collect::<BTreeSet<_>>(),
+                        expires.0,
+                    )
                 })
                 .collect();
             let want: BTreeSet<_> = self
@@ -1024,7 +1032,11 @@ impl Driver {
             return Ok(got.map(|_| ()));
         }
         let user = self.core.session_info(s).unwrap().user;
-        let Some(g) = self.groups.get(&group).filter(|g| g.members.contains(&user)) else {
+        let Some(g) = self
+            .groups
+            .get(&group)
+            .filter(|g| g.members.contains(&user))
+        else {
             prop_assert_eq!(got, Err(Error::NotMember));
             return Ok(Err(Error::NotMember));
         };
@@ -1108,7 +1120,10 @@ impl Driver {
         let g = &self.groups[&group];
         let core = &self.core;
         self.watches.retain(|(s, wg, _), _| {
-            *wg != group || core.session_info(*s).is_some_and(|i| g.members.contains(&i.user))
+            *wg != group
+                || core
+                    .session_info(*s)
+                    .is_some_and(|i| g.members.contains(&i.user))
         });
         for (&s, held) in self.subs.iter_mut() {
             let Some(role) = held.get_mut(&group) else {

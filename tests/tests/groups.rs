@@ -448,7 +448,9 @@ async fn a_watched_page_expires_unless_renewed() {
         .unwrap();
     let quick = Duration::from_millis(150 + 200) + SLACK;
     assert!(
-        seen.wait_presence("tick", quick, |p| p.online).await.is_some(),
+        seen.wait_presence("tick", quick, |p| p.online)
+            .await
+            .is_some(),
         "tick online"
     );
 
@@ -488,7 +490,10 @@ async fn a_watched_page_expires_unless_renewed() {
         .iter()
         .filter(|(_, e)| delta_of(e, GROUP, "cy", true))
         .collect();
-    assert!(after_expiry.is_empty(), "cy's change after the watch ran out: {after_expiry:?}");
+    assert!(
+        after_expiry.is_empty(),
+        "cy's change after the watch ran out: {after_expiry:?}"
+    );
 
     // Asked again, the page is watched again.
     mona.group_watch_page(GROUP, None, 10).await.unwrap();
@@ -536,7 +541,10 @@ async fn a_fourth_watched_page_is_refused_clearly() {
     mona.group_watch_page(GROUP, cursors[0], 2).await.unwrap();
     mona.group_unwatch_page(GROUP, cursors[1]).await.unwrap();
     mona.group_watch_page(GROUP, cursors[3], 2).await.unwrap();
-    let refused = mona.group_unwatch_page(GROUP, cursors[1]).await.unwrap_err();
+    let refused = mona
+        .group_unwatch_page(GROUP, cursors[1])
+        .await
+        .unwrap_err();
     assert_eq!(refused.code(), Some(ErrorCode::NotSubscribed), "{refused}");
     mona.ping().await.unwrap();
 }
@@ -557,14 +565,22 @@ async fn member_pages_are_rate_limited_with_a_retry_after() {
         mona.group_page(GROUP, None, 10).await.unwrap();
     }
     let refused = mona.group_page(GROUP, None, 10).await.unwrap_err();
-    assert_eq!(refused.code(), Some(ErrorCode::PageRateLimited), "{refused}");
+    assert_eq!(
+        refused.code(),
+        Some(ErrorCode::PageRateLimited),
+        "{refused}"
+    );
     let retry = refused.retry_after().expect("a retry-after");
     assert!(
         retry > Duration::from_secs(50) && retry <= Duration::from_secs(60),
         "{retry:?}: {refused}"
     );
     let refused = mona.group_watch_page(GROUP, None, 10).await.unwrap_err();
-    assert_eq!(refused.code(), Some(ErrorCode::PageRateLimited), "{refused}");
+    assert_eq!(
+        refused.code(),
+        Some(ErrorCode::PageRateLimited),
+        "{refused}"
+    );
     // Another group has its own budget; the session goes on.
     mona.group_page(GROUP + 1, None, 10).await.unwrap();
     mona.ping().await.unwrap();

@@ -223,7 +223,10 @@ impl Client {
         group: u64,
         after: Option<GroupCursor>,
     ) -> Result<(), ClientError> {
-        match self.call(Request::GroupUnwatchPage { group, after }).await? {
+        match self
+            .call(Request::GroupUnwatchPage { group, after })
+            .await?
+        {
             Answer::Done => Ok(()),
             other => Err(Self::unexpected(other)),
         }
