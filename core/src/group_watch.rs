@@ -8,9 +8,10 @@
 //! session, coalesced per member, and flushed every `Config::batch_interval`
 //! as one [`GroupOutput::Page`] per group (per [`PAGE_DELTA_ENTRIES`]
 //! entries) holding the latest published view of each changed member (on
-//! the batched stream). The set is not
-//! re-sorted: a member who went online stays in the watched set of its
-//! offline page; asking the same page again re-reads it and renews.
+//! the batched stream); a listed member who left the group since is left
+//! out. The set is not re-sorted: a member who went online stays in the
+//! watched set of its offline page; asking the same page again re-reads it
+//! and renews.
 //!
 //! A watch lives `Config::group_watch_ttl` (60 s) after it was last asked
 //! for or renewed ([`Core::handle_group_renew_watch`]), then ends on its own
@@ -372,6 +373,15 @@ impl Core {
         }
         let mut by_group: BTreeMap<GroupId, Vec<(UserId, Presence)>> = BTreeMap::new();
         for (group, user) in p.members {
+            // A member who left since is no longer shown to the group.
+            let member = self
+                .groups
+                .groups
+                .get(&group)
+                .is_some_and(|g| g.members.binary_search(&user).is_ok());
+            if !member {
+                continue;
+            }
             by_group
                 .entry(group)
                 .or_default()

@@ -618,6 +618,12 @@ impl Driver {
                             self.now
                         );
                         prop_assert_eq!(presence, &self.core.presence(*member));
+                        prop_assert!(
+                            self.groups[&group].members.contains(member),
+                            "G5: delta of {:?}, not a member of {:?}",
+                            member,
+                            group
+                        );
                     }
                 }
             }
