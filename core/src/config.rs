@@ -71,6 +71,18 @@ pub struct Config {
     pub max_groups: usize,
     /// Entries per page of a group's member list, at most.
     pub group_page_size: usize,
+    /// A watched page (the `group_watch` module) stops getting deltas this
+    /// long after it was last asked for or renewed.
+    pub group_watch_ttl: Millis,
+    /// Pages a session may watch at once, over all groups.
+    pub max_watched_pages: usize,
+    /// Entries of the pages a session watches, in all.
+    pub max_watched_entries: usize,
+    /// Member pages a session may ask of one group in a burst (a token
+    /// bucket of this size)...
+    pub group_page_burst: u32,
+    /// ...which gains one page back this often.
+    pub group_page_refill: Millis,
 }
 
 impl Default for Config {
@@ -86,7 +98,14 @@ impl Default for Config {
     /// - a backgrounded device is not present (`Backgrounded::Offline`);
     /// - groups: a count every 10 s at most (a room's "42 online" may be that
     ///   stale), 10,000 members, 32 admins, 100 group subscriptions per
-    ///   session, 100,000 groups, member pages of 200.
+    ///   session, 100,000 groups, member pages of 200;
+    /// - watched pages: 3 per session, 600 entries (three screens of a
+    ///   member list), each for 60 s unless renewed, so a backgrounded phone
+    ///   that stops renewing stops costing within a minute;
+    /// - member pages: 10 per group in a burst, then one a second: opening
+    ///   a list and scrolling through 2,000 members is one burst, and
+    ///   crawling a 10,000-member group (50 pages) takes 40 s or more, in
+    ///   the spirit of Discord's one full member request per 30 s.
     fn default() -> Config {
         let kind = |grace, heartbeat| KindConfig {
             heartbeat_timeout: Millis::from_secs(heartbeat),
@@ -110,6 +129,11 @@ impl Default for Config {
             max_group_subscriptions_per_session: 100,
             max_groups: 100_000,
             group_page_size: 200,
+            group_watch_ttl: Millis::from_secs(60),
+            max_watched_pages: 3,
+            max_watched_entries: 600,
+            group_page_burst: 10,
+            group_page_refill: Millis::from_secs(1),
         }
     }
 }
@@ -151,6 +175,12 @@ impl Config {
         }
         if self.group_page_size == 0 {
             return Err(ConfigError("group_page_size must be at least 1"));
+        }
+        if self.group_watch_ttl == Millis::ZERO {
+            return Err(ConfigError("group_watch_ttl must be at least 1 ms"));
+        }
+        if self.group_page_burst == 0 {
+            return Err(ConfigError("group_page_burst must be at least 1"));
         }
         if self.max_group_members > u32::MAX as usize {
             return Err(ConfigError("max_group_members must fit in 32 bits"));

@@ -547,6 +547,8 @@ impl Core {
                 Timer::Lease(session) => self.on_lease(session),
                 Timer::Debounce(user) => self.on_debounce(user),
                 Timer::Batch(session) => self.on_batch(session),
+                Timer::PageFlush(session) => self.on_page_flush(session),
+                Timer::WatchExpiry(watch) => self.on_watch_expiry(watch),
                 Timer::Group(group) => self.on_group_flush(group),
             }
         }

@@ -1,5 +1,6 @@
 //! Typed errors: every refused input says why, and none of them panics.
 
+use crate::types::Millis;
 use std::fmt;
 
 /// Why an input was refused. Nothing changed in the core when one is returned.
@@ -24,6 +25,10 @@ pub enum Error {
     NotMember,
     /// Removing a group that does not exist.
     UnknownGroup,
+    /// Too many member pages of one group asked too quickly
+    /// (`Config::group_page_burst`): nothing was done; the next page is
+    /// granted `retry_after` from now.
+    PageRateLimited { retry_after: Millis },
 }
 
 /// Which cap an input hit.
@@ -40,6 +45,8 @@ pub enum Limit {
     GroupAdmins,
     GroupSubscriptionsPerSession,
     Groups,
+    WatchedPages,
+    WatchedEntries,
 }
 
 impl fmt::Display for Error {
@@ -53,6 +60,11 @@ impl fmt::Display for Error {
             Error::AlreadyOnline => f.write_str("user is already online"),
             Error::NotMember => f.write_str("not a member of that group"),
             Error::UnknownGroup => f.write_str("no such group"),
+            Error::PageRateLimited { retry_after } => write!(
+                f,
+                "too many member pages of this group: retry after {} ms",
+                retry_after.0
+            ),
         }
     }
 }
@@ -70,6 +82,8 @@ impl fmt::Display for Limit {
             Limit::GroupAdmins => "admins per group",
             Limit::GroupSubscriptionsPerSession => "group subscriptions per session",
             Limit::Groups => "groups",
+            Limit::WatchedPages => "watched pages per session",
+            Limit::WatchedEntries => "entries of watched pages per session",
         })
     }
 }

@@ -113,6 +113,7 @@ impl Core {
         ensure(by_session == held, || {
             format!("session → groups index {by_session:?} differs from the groups' {held:?}")
         })?;
+        self.check_watches(expected_timers)?;
         for (s, list) in &self.groups.by_session {
             ensure(
                 list.len() <= self.config.max_group_subscriptions_per_session,

@@ -7,9 +7,13 @@ use crate::groups::{arm_flush, group_mutant, is_online, GroupId, GroupOutput, Gr
 use crate::types::{SessionId, UserId};
 
 impl Core {
-    /// `user`'s published view went from `was_online` to `online`: the
-    /// count of each of their groups moves by one and the admins are told.
+    /// `user`'s published view changed (from `was_online` to `online`):
+    /// watched pages listing them queue it; if it went online or offline,
+    /// the count of each of their groups moves by one and the admins are
+    /// told.
     pub(crate) fn group_published(&mut self, user: UserId, was_online: bool, online: bool) {
+        // Watched pages list any change of a published view.
+        self.watch_published(user);
         if was_online == online || !self.groups.member_of.contains_key(&user) {
             return;
         }
@@ -73,6 +77,7 @@ impl Core {
 
     /// A session ended: its group subscriptions end with it.
     pub(crate) fn group_session_ended(&mut self, id: SessionId) {
+        self.watches_session_ended(id);
         if group_mutant!(self.groups, SubsKeptAfterEnd) {
             return;
         }

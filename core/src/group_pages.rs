@@ -43,7 +43,9 @@ pub struct GroupPage {
 impl Core {
     /// A page of `group`'s members for an Online session of a member: up to
     /// `limit` entries (at most `Config::group_page_size`) after `from`
-    /// (`None`: from the start). `Error::NotMember` for anyone else.
+    /// (`None`: from the start). `Error::NotMember` for anyone else;
+    /// `Error::PageRateLimited` past the session's page budget for that
+    /// group (the `group_watch` module), checked before the page is read.
     pub fn handle_group_page(
         &mut self,
         now: Millis,
@@ -52,16 +54,48 @@ impl Core {
         from: Option<PageCursor>,
         limit: usize,
     ) -> Result<GroupPage, Error> {
+        self.page_request(now, id, group, from, limit, false)
+    }
+
+    /// A page, watched or not: membership, then the budget, then the watch
+    /// limits, all before the page is read; nothing is stored on an error.
+    pub(crate) fn page_request(
+        &mut self,
+        now: Millis,
+        id: SessionId,
+        group: GroupId,
+        from: Option<PageCursor>,
+        limit: usize,
+        watch: bool,
+    ) -> Result<GroupPage, Error> {
         self.advance(now);
         let id = self.online(id)?;
         let user = self.session_user(id).ok_or(Error::Stale)?;
-        let g = self
+        let members = self
             .groups
             .groups
             .get(&group)
             .filter(|g| g.members.binary_search(&user).is_ok())
-            .ok_or(Error::NotMember)?;
+            .ok_or(Error::NotMember)?
+            .members
+            .len();
         let limit = limit.clamp(1, self.config.group_page_size);
+        let budget = self.page_budget(id, group)?;
+        let renewed = if watch {
+            self.watch_room(id, group, from, limit.min(members))?
+        } else {
+            None
+        };
+        let page = self.read_page(group, from, limit);
+        self.groups.watches.budgets.insert((id, group), budget);
+        if watch {
+            self.store_watch(id, &page, from, renewed);
+        }
+        Ok(page)
+    }
+
+    fn read_page(&self, group: GroupId, from: Option<PageCursor>, limit: usize) -> GroupPage {
+        let g = &self.groups.groups[&group];
         // One more than asked, to know whether a next page exists.
         let mut picked: Vec<(bool, UserId)> = Vec::with_capacity(limit + 1);
         let offline_from = match from {
@@ -108,12 +142,12 @@ impl Core {
             .into_iter()
             .map(|(_, u)| (u, self.presence(u)))
             .collect();
-        Ok(GroupPage {
+        GroupPage {
             group,
             version,
             count,
             entries,
             next,
-        })
+        }
     }
 }

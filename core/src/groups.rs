@@ -26,7 +26,9 @@
 //! session gets a `Count` of each at once), and they end with the session.
 //!
 //! Any member may also read the member list in pages
-//! ([`Core::handle_group_page`], the `group_pages` module).
+//! ([`Core::handle_group_page`], the `group_pages` module), within a page
+//! budget per group, and watch up to 3 pages for batched deltas
+//! ([`Core::handle_group_watch_page`], the `group_watch` module, G5).
 //!
 //! Cost: the index user → groups makes one member's change cost, per group
 //! of that member, O(1) for the count, O(log members) for the online set the
@@ -104,6 +106,14 @@ pub enum GroupOutput {
     },
     /// The subscription ended: the user left the group, or it was removed.
     Ended { to: SessionId, group: GroupId },
+    /// Batched, to a session watching pages of `group` (the `group_watch`
+    /// module): the latest published view of each listed member whose view
+    /// changed since the last flush, by user id.
+    Page {
+        to: SessionId,
+        group: GroupId,
+        entries: Vec<(UserId, crate::types::Presence)>,
+    },
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
@@ -160,6 +170,8 @@ pub(crate) struct Groups {
     /// starts above it.
     pub(crate) version_floor: u64,
     pub(crate) outputs: VecDeque<GroupOutput>,
+    /// Watched pages and page budgets (the `group_watch` module).
+    pub(crate) watches: crate::group_watch::Watches,
     #[cfg(feature = "mutants")]
     pub(crate) mutant: Option<crate::mutants::GroupMutant>,
 }
@@ -333,6 +345,7 @@ impl Core {
         let membership = g.membership;
         groups.groups.insert(group, g);
         self.groups = groups;
+        self.watches_group_changed(group);
         Ok(membership)
     }
 
@@ -356,6 +369,7 @@ impl Core {
             }
         }
         self.groups.version_floor = self.groups.version_floor.max(g.version);
+        self.watches_group_changed(group);
         Ok(())
     }
 
@@ -476,7 +490,7 @@ impl Core {
         self.session(id).map(|s| self.users[s.user as usize].id)
     }
 
-    fn group_limit(&mut self, limit: Limit) -> Error {
+    pub(crate) fn group_limit(&mut self, limit: Limit) -> Error {
         self.counters.limits_hit += 1;
         Error::LimitExceeded(limit)
     }

@@ -56,6 +56,7 @@ mod fanout;
 mod foreground;
 mod group_hooks;
 mod group_pages;
+mod group_watch;
 mod groups;
 mod index;
 mod output;
@@ -80,6 +81,7 @@ pub use engine::{Connect, Connected, Core, Counters, Input, Reply, Saved, Sessio
 pub use error::{Error, Limit};
 pub use fanout::Fanout;
 pub use group_pages::{GroupPage, PageCursor};
+pub use group_watch::PAGE_DELTA_ENTRIES;
 pub use groups::{GroupId, GroupOutput, GroupRole, GroupSnapshot};
 pub use output::{EndReason, Output};
 pub use types::{

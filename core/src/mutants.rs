@@ -52,14 +52,17 @@ pub enum GroupMutant {
     AdminKeptAfterDemotion,
     /// An ended session keeps its group subscriptions (G4).
     SubsKeptAfterEnd,
+    /// A page watch that runs out is kept, and its deltas go on (G5).
+    WatchOutlivesExpiry,
 }
 
 impl GroupMutant {
-    pub const ALL: [GroupMutant; 5] = [
+    pub const ALL: [GroupMutant; 6] = [
         GroupMutant::CountMissesOffline,
         GroupMutant::MembershipNotFlushed,
         GroupMutant::VersionNotBumped,
         GroupMutant::AdminKeptAfterDemotion,
         GroupMutant::SubsKeptAfterEnd,
+        GroupMutant::WatchOutlivesExpiry,
     ];
 }

@@ -17,6 +17,11 @@ pub(crate) enum Timer {
     Debounce(UserId),
     /// Batch flush of a session.
     Batch(SessionId),
+    /// End of a page watch (by its id); before `PageFlush`, so that a
+    /// watch is over at its deadline.
+    WatchExpiry(u64),
+    /// Flush of the deltas of the pages a session watches.
+    PageFlush(SessionId),
     /// Count flush of a group (last, so that at one instant a flush sees
     /// every publish of that instant).
     Group(GroupId),

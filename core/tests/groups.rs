@@ -1,5 +1,5 @@
-//! Group presence (issue 28): examples, then property tests against a
-//! reference model of the group layer. The reference computes every count
+//! Group presence (issue 28): property tests against a reference model of
+//! the group layer (examples in `group_examples.rs` and `group_watch.rs`). The reference computes every count
 //! from the published views (`Core::presence`, itself checked against the
 //! reference of `properties.rs`), and checks G1–G4 on every output:
 //! - G1: after `group_interval` without a change of a group's count, every
@@ -10,7 +10,12 @@
 //!   snapshot is never older than a push before it;
 //! - G4: member deltas reach only Online sessions holding an admin
 //!   subscription of a current admin; members get counts only when they
-//!   changed, at most once per interval.
+//!   changed, at most once per interval;
+//! - G5: page deltas reach only Online sessions with a live, unexpired
+//!   watch of a page of that group listing that member, and carry its
+//!   published view; the watches held are exactly the reference's (asked,
+//!   renewed, unwatched, run out, dropped with the session or membership),
+//!   and the watch limits refuse exactly when the reference says.
 //!
 //! Each `GroupMutant` is shown caught.
 
@@ -18,280 +23,6 @@ use greendot_core::mutants::GroupMutant;
 use greendot_core::*;
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
-
-fn connect(core: &mut Core, now: u64, user: u64, device: u64) -> SessionId {
-    core.handle_connect(
-        Millis(now),
-        Connect {
-            user: UserId(user),
-            device: DeviceId(device),
-            kind: DeviceKind::Desktop,
-            watch: Watch::All,
-            resume: None,
-            foreground: true,
-        },
-    )
-    .unwrap()
-    .session
-}
-
-fn drain(core: &mut Core) -> Vec<GroupOutput> {
-    std::iter::from_fn(|| core.poll_group_output()).collect()
-}
-
-fn settle(core: &mut Core, until: u64) {
-    while let Some(due) = core.poll_timeout().filter(|d| d.0 <= until) {
-        core.handle_timeout(due);
-    }
-    core.handle_timeout(Millis(until));
-}
-
-#[test]
-fn members_get_the_count_batched_admins_each_change_at_once() {
-    let mut core = Core::new(Config::default()).unwrap();
-    let g = GroupId(7);
-    let members: Vec<UserId> = (1..=1000).map(UserId).collect();
-    assert_eq!(
-        core.handle_set_group(Millis(0), g, &members, &[UserId(1)]),
-        Ok(1)
-    );
-    let admin = connect(&mut core, 0, 1, 1);
-    let member = connect(&mut core, 0, 2, 1);
-    settle(&mut core, 1000);
-    let snap = core.handle_group_subscribe(Millis(1000), admin, g).unwrap();
-    assert_eq!(
-        (snap.role, snap.count, snap.members),
-        (GroupRole::Admin, 2, 1000)
-    );
-    let snap = core
-        .handle_group_subscribe(Millis(1000), member, g)
-        .unwrap();
-    assert_eq!((snap.role, snap.count), (GroupRole::Member, 2));
-    assert!(drain(&mut core).is_empty());
-
-    // Three members arrive: the admin hears each once published, the
-    // member nothing until the interval ends, then the count once.
-    for u in 3..=5 {
-        connect(&mut core, 2000, u, 1);
-    }
-    settle(&mut core, 2300);
-    let out = drain(&mut core);
-    assert_eq!(out.len(), 3, "{out:?}");
-    assert!(out.iter().all(|o| matches!(o,
-        GroupOutput::Member { to, online: true, .. } if *to == admin)));
-    assert!(matches!(out[2], GroupOutput::Member { count: 5, .. }));
-    settle(&mut core, 12_299);
-    assert!(drain(&mut core).is_empty());
-    settle(&mut core, 12_300);
-    match drain(&mut core)[..] {
-        [GroupOutput::Count {
-            to,
-            count: 5,
-            version,
-            ..
-        }] => {
-            assert!(to == member && version > snap.version)
-        }
-        ref other => panic!("{other:?}"),
-    }
-    assert_eq!(core.group_count(g), Some(5));
-    core.check_invariants().unwrap();
-}
-
-#[test]
-fn invisible_members_count_as_offline_and_a_flap_pushes_no_count() {
-    let mut core = Core::new(Config::default()).unwrap();
-    let g = GroupId(1);
-    core.handle_set_group(Millis(0), g, &[UserId(1), UserId(2)], &[])
-        .unwrap();
-    let watcher = connect(&mut core, 0, 1, 1);
-    let hidden = connect(&mut core, 0, 2, 1);
-    settle(&mut core, 1000);
-    assert_eq!(core.group_count(g), Some(2));
-    core.handle_group_subscribe(Millis(1000), watcher, g)
-        .unwrap();
-    core.handle_set_invisible(Millis(1000), hidden, true)
-        .unwrap();
-    assert_eq!(core.group_count(g), Some(1), "invisible counts at once");
-    // Visible again within the interval: the count is back where the
-    // member was last told, so nothing is pushed.
-    core.handle_set_invisible(Millis(2000), hidden, false)
-        .unwrap();
-    settle(&mut core, 30_000);
-    assert_eq!(core.group_count(g), Some(2));
-    assert!(drain(&mut core).is_empty());
-    core.check_invariants().unwrap();
-}
-
-#[test]
-fn only_members_subscribe_and_limits_are_checked_before_storing() {
-    let config = Config {
-        max_group_members: 3,
-        max_group_admins: 1,
-        max_group_subscriptions_per_session: 1,
-        max_groups: 2,
-        ..Config::default()
-    };
-    let mut core = Core::new(config).unwrap();
-    let u = |n| UserId(n);
-    let limit = |l| Err(Error::LimitExceeded(l));
-    assert_eq!(
-        core.handle_set_group(Millis(0), GroupId(1), &[u(1), u(2), u(3), u(4)], &[]),
-        limit(Limit::GroupMembers)
-    );
-    assert_eq!(
-        core.handle_set_group(Millis(0), GroupId(1), &[u(1)], &[u(2), u(3)]),
-        limit(Limit::GroupAdmins)
-    );
-    // Admins are members: three listed plus a fourth admin is too many.
-    assert_eq!(
-        core.handle_set_group(Millis(0), GroupId(1), &[u(1), u(2), u(3)], &[u(4)]),
-        limit(Limit::GroupMembers)
-    );
-    assert_eq!(core.group_count(GroupId(1)), None, "nothing stored");
-    core.handle_set_group(Millis(0), GroupId(1), &[u(1)], &[])
-        .unwrap();
-    core.handle_set_group(Millis(0), GroupId(2), &[u(1)], &[])
-        .unwrap();
-    assert_eq!(
-        core.handle_set_group(Millis(0), GroupId(3), &[u(1)], &[]),
-        limit(Limit::Groups)
-    );
-    let one = connect(&mut core, 0, 1, 1);
-    let stranger = connect(&mut core, 0, 9, 1);
-    assert_eq!(
-        core.handle_group_subscribe(Millis(0), stranger, GroupId(1)),
-        Err(Error::NotMember)
-    );
-    assert_eq!(
-        core.handle_group_subscribe(Millis(0), stranger, GroupId(3)),
-        Err(Error::NotMember),
-        "an unknown group answers as a group one is not in"
-    );
-    core.handle_group_subscribe(Millis(0), one, GroupId(1))
-        .unwrap();
-    assert_eq!(
-        core.handle_group_subscribe(Millis(0), one, GroupId(2)),
-        Err(Error::LimitExceeded(Limit::GroupSubscriptionsPerSession))
-    );
-    // Leaving the group ends the subscription.
-    core.handle_set_group(Millis(0), GroupId(1), &[u(2)], &[])
-        .unwrap();
-    assert_eq!(
-        drain(&mut core),
-        vec![GroupOutput::Ended {
-            to: one,
-            group: GroupId(1)
-        }]
-    );
-    assert!(core.group_subscriptions(one).is_empty());
-    core.check_invariants().unwrap();
-}
-
-#[test]
-fn a_resume_carries_group_subscriptions_and_tells_the_count() {
-    let mut core = Core::new(Config::default()).unwrap();
-    let g = GroupId(1);
-    core.handle_set_group(Millis(0), g, &[UserId(1), UserId(2)], &[])
-        .unwrap();
-    let s = connect(&mut core, 0, 1, 1);
-    core.handle_group_subscribe(Millis(0), s, g).unwrap();
-    settle(&mut core, 1000);
-    core.handle_disconnect(Millis(1000), s, Millis(1000))
-        .unwrap();
-    let resumed = core
-        .handle_connect(
-            Millis(1020),
-            Connect {
-                user: UserId(1),
-                device: DeviceId(1),
-                kind: DeviceKind::Desktop,
-                watch: Watch::All,
-                resume: Some(s),
-                foreground: true,
-            },
-        )
-        .unwrap();
-    assert!(resumed.resumed);
-    let s2 = resumed.session;
-    assert_eq!(core.group_subscriptions(s2), vec![(g, GroupRole::Member)]);
-    assert!(core.group_subscriptions(s).is_empty());
-    assert!(matches!(drain(&mut core)[..], [GroupOutput::Count { to, count: 1, .. }] if to == s2));
-    // Logout ends it.
-    core.handle_logout(Millis(1030), s2).unwrap();
-    assert!(core.group_subscriptions(s2).is_empty());
-    core.check_invariants().unwrap();
-}
-
-#[test]
-fn one_change_in_a_large_group_pushes_only_to_admins() {
-    let mut core = Core::new(Config::default()).unwrap();
-    let g = GroupId(1);
-    let members: Vec<UserId> = (1..=10_000).map(UserId).collect();
-    let admins: Vec<UserId> = (1..=3).map(UserId).collect();
-    core.handle_set_group(Millis(0), g, &members, &admins)
-        .unwrap();
-    let mut subscribers = Vec::new();
-    for u in 1..=200 {
-        let s = connect(&mut core, 0, u, 1);
-        core.handle_group_subscribe(Millis(0), s, g).unwrap();
-        subscribers.push(s);
-    }
-    settle(&mut core, 20_000);
-    drain(&mut core);
-    connect(&mut core, 20_000, 5_000, 1);
-    settle(&mut core, 20_300);
-    let out = drain(&mut core);
-    assert_eq!(out.len(), 3, "one delta per admin session: {out:?}");
-    settle(&mut core, 30_300);
-    let counts = drain(&mut core);
-    assert_eq!(counts.len(), 197, "one count per member session");
-}
-
-#[test]
-fn member_pages_list_online_members_first_then_by_id() {
-    let mut core = Core::new(Config::default()).unwrap();
-    let g = GroupId(1);
-    let members: Vec<UserId> = (1..=450).map(UserId).collect();
-    core.handle_set_group(Millis(0), g, &members, &[]).unwrap();
-    let me = connect(&mut core, 0, 1, 1);
-    for u in [400, 7, 300] {
-        connect(&mut core, 0, u, 1);
-    }
-    settle(&mut core, 1000);
-    let first = core
-        .handle_group_page(Millis(1000), me, g, None, 1000)
-        .unwrap();
-    assert_eq!(first.entries.len(), 200, "capped at the page size");
-    assert_eq!(first.count, 4);
-    let ids: Vec<u64> = first.entries.iter().map(|(u, _)| u.0).collect();
-    assert_eq!(ids[..6], [1, 7, 300, 400, 2, 3]);
-    assert!(first.entries[..4].iter().all(|(_, p)| p.online));
-    assert!(first.entries[4..].iter().all(|(_, p)| !p.online));
-    let next = first.next.unwrap();
-    assert_eq!(
-        next,
-        PageCursor {
-            online: false,
-            after: UserId(198)
-        }
-    );
-    let second = core
-        .handle_group_page(Millis(1000), me, g, Some(next), 200)
-        .unwrap();
-    let third = core
-        .handle_group_page(Millis(1000), me, g, second.next, 200)
-        .unwrap();
-    assert_eq!((second.entries.len(), third.entries.len()), (200, 50));
-    assert_eq!(third.next, None);
-    let stranger = connect(&mut core, 1000, 451, 1);
-    assert_eq!(
-        core.handle_group_page(Millis(1000), stranger, g, None, 10),
-        Err(Error::NotMember)
-    );
-}
-
-// ----- property tests ---------------------------------------------------------
 
 const USERS: u8 = 5;
 const GROUPS: u8 = 3;
@@ -318,6 +49,10 @@ enum Op {
     Unsubscribe(u8, u8),
     /// Every page of a group's member list, pages of this many, at one instant.
     Pages(u8, u8, u8),
+    /// Watch a page of this many: the first (`false`) or the second.
+    WatchPage(u8, u8, u8, bool),
+    /// Renew or end (`false`) the n-th watch of a session.
+    Rewatch(u8, u8, bool),
     Release(u8),
     Tick,
 }
@@ -339,6 +74,10 @@ fn op() -> impl Strategy<Value = Op> {
         14 => (any::<u8>(), group()).prop_map(|(s, g)| Op::Subscribe(s, g)),
         1 => (any::<u8>(), group()).prop_map(|(s, g)| Op::Unsubscribe(s, g)),
         3 => (any::<u8>(), group(), 1u8..=4).prop_map(|(s, g, n)| Op::Pages(s, g, n)),
+        3 => (any::<u8>(), group(), 1u8..=3, any::<bool>())
+            .prop_map(|(s, g, n, second)| Op::WatchPage(s, g, n, second)),
+        1 => (any::<u8>(), any::<u8>(), prop::bool::weighted(0.7))
+            .prop_map(|(s, n, renew)| Op::Rewatch(s, n, renew)),
         1 => user().prop_map(Op::Release),
         3 => Just(Op::Tick),
     ]
@@ -354,7 +93,7 @@ fn dt() -> impl Strategy<Value = u64> {
 }
 
 fn steps() -> impl Strategy<Value = Vec<(u64, Op)>> {
-    prop::collection::vec((dt(), op()), 150..260)
+    prop::collection::vec((dt(), op()), 170..290)
 }
 
 fn config() -> impl Strategy<Value = Config> {
@@ -369,6 +108,12 @@ fn config() -> impl Strategy<Value = Config> {
             max_groups: 2,
             max_sessions: 8,
             max_users: 5,
+            group_watch_ttl: Millis(4000),
+            max_watched_pages: 2,
+            max_watched_entries: 4,
+            // No page budget here (its own examples test it): the
+            // reference walks every page at one instant.
+            group_page_refill: Millis(0),
             ..Config::default()
         };
         for (kind, grace) in DeviceKind::ALL.into_iter().zip([2000, 1000, 0, 500]) {
@@ -409,6 +154,9 @@ struct Told {
     pushed_at: Option<u64>,
 }
 
+/// A watched page: its session, group and the cursor it was asked from.
+type WatchKey = (SessionId, GroupId, Option<PageCursor>);
+
 struct Driver {
     core: Core,
     now: u64,
@@ -424,6 +172,9 @@ struct Driver {
     member_deltas: u64,
     count_pushes: u64,
     pages_walked: u64,
+    /// Watched pages as the reference expects them: members and expiry.
+    watches: BTreeMap<WatchKey, (BTreeSet<UserId>, u64)>,
+    page_deltas: u64,
 }
 
 fn fail(why: String) -> TestCaseError {
@@ -446,6 +197,8 @@ impl Driver {
             member_deltas: 0,
             count_pushes: 0,
             pages_walked: 0,
+            watches: BTreeMap::new(),
+            page_deltas: 0,
         }
     }
 
@@ -574,6 +327,31 @@ impl Driver {
                     }
                     self.push(to, group, version, count, member)?;
                 }
+                GroupOutput::Page { to, group, entries } => {
+                    self.page_deltas += 1;
+                    prop_assert!(self.online(to), "G5: page delta to {to}, not Online");
+                    prop_assert!(!entries.is_empty(), "an empty page delta");
+                    for (member, presence) in &entries {
+                        let watched = self.watches.iter().any(|((s, g, _), (set, expires))| {
+                            *s == to && *g == group && set.contains(member) && self.now < *expires
+                        });
+                        prop_assert!(
+                            watched,
+                            "G5: delta of {:?} in {:?} to {} at {}, no live watch lists it",
+                            member,
+                            group,
+                            to,
+                            self.now
+                        );
+                        prop_assert_eq!(presence, &self.core.presence(*member));
+                        prop_assert!(
+                            self.groups[&group].members.contains(member),
+                            "G5: delta of {:?}, not a member of {:?}",
+                            member,
+                            group
+                        );
+                    }
+                }
             }
         }
         for (member, online) in last_delta {
@@ -642,6 +420,10 @@ impl Driver {
             self.subs.remove(&s);
             self.told.retain(|(t, _), _| *t != s);
         }
+        let now = self.now;
+        let core = &self.core;
+        self.watches
+            .retain(|(s, _, _), (_, expires)| now < *expires && core.session_info(*s).is_some());
     }
 
     /// After every instant: structure, subscriptions, admins exact, G1.
@@ -664,6 +446,26 @@ impl Driver {
         }
         self.counts.retain(|g, _| self.groups.contains_key(g));
         for s in self.issued.clone() {
+            let got: BTreeSet<_> = self
+                .core
+                .group_watches(s)
+                .into_iter()
+                .map(|(g, from, members, expires)| {
+                    (
+                        g,
+                        from,
+                        members.into_iter().collect::<BTreeSet<_>>(),
+                        expires.0,
+                    )
+                })
+                .collect();
+            let want: BTreeSet<_> = self
+                .watches
+                .iter()
+                .filter(|((t, _, _), _)| *t == s)
+                .map(|((_, g, from), (set, expires))| (*g, *from, set.clone(), *expires))
+                .collect();
+            prop_assert_eq!(got, want, "G5: the pages {} watches", s);
             let got: BTreeMap<GroupId, GroupRole> =
                 self.core.group_subscriptions(s).into_iter().collect();
             let want = self.subs.get(&s).cloned().unwrap_or_default();
@@ -859,6 +661,14 @@ impl Driver {
                 let (s, group) = (self.pick(s), GroupId(group.into()));
                 self.pages(at, s, group, limit.into())?
             }
+            Op::WatchPage(s, group, limit, second) => {
+                let (s, group) = (self.pick(s), GroupId(group.into()));
+                self.watch_page(at, s, group, limit.into(), second)?
+            }
+            Op::Rewatch(s, n, renew) => {
+                let s = self.pick(s);
+                self.rewatch(at, s, n, renew)?
+            }
             Op::Release(u) => {
                 self.core.release(UserId(u.into()));
                 Ok(())
@@ -926,10 +736,127 @@ impl Driver {
         Ok(Ok(()))
     }
 
+    /// Watches the first or the second page of `limit`: refused exactly as
+    /// the reference says (not a member, past the watch limits), else the
+    /// page is the truth and its members are watched for the TTL.
+    fn watch_page(
+        &mut self,
+        at: Millis,
+        s: SessionId,
+        group: GroupId,
+        limit: usize,
+        second: bool,
+    ) -> Result<Result<(), Error>, TestCaseError> {
+        let from = if second {
+            match self.core.handle_group_page(at, s, group, None, limit) {
+                Ok(page) => match page.next {
+                    Some(next) => Some(next),
+                    None => return Ok(Ok(())),
+                },
+                Err(e) => return Ok(Err(e)),
+            }
+        } else {
+            None
+        };
+        let got = self.core.handle_group_watch_page(at, s, group, from, limit);
+        if !self.online(s) {
+            prop_assert!(matches!(got, Err(Error::Stale | Error::UnknownSession)));
+            return Ok(got.map(|_| ()));
+        }
+        let user = self.core.session_info(s).unwrap().user;
+        let Some(g) = self
+            .groups
+            .get(&group)
+            .filter(|g| g.members.contains(&user))
+        else {
+            prop_assert_eq!(got, Err(Error::NotMember));
+            return Ok(Err(Error::NotMember));
+        };
+        let config = self.core.config().clone();
+        let key = (s, group, from);
+        let again = self.watches.contains_key(&key);
+        let mine: Vec<usize> = self
+            .watches
+            .iter()
+            .filter(|(k, _)| k.0 == s && **k != key)
+            .map(|(_, (set, _))| set.len())
+            .collect();
+        let bound = limit.clamp(1, config.group_page_size).min(g.members.len());
+        let want = if !again && mine.len() >= config.max_watched_pages {
+            Some(Error::LimitExceeded(Limit::WatchedPages))
+        } else if mine.iter().sum::<usize>() + bound > config.max_watched_entries {
+            Some(Error::LimitExceeded(Limit::WatchedEntries))
+        } else {
+            None
+        };
+        match (got, want) {
+            (Err(e), Some(w)) => {
+                prop_assert_eq!(e, w);
+                Ok(Err(e))
+            }
+            (Ok(page), None) => {
+                prop_assert_eq!(page.count, self.expected_count(group));
+                for (u, p) in &page.entries {
+                    prop_assert_eq!(p, &self.core.presence(*u));
+                }
+                let set = page.entries.iter().map(|(u, _)| *u).collect();
+                let expires = at.0 + config.group_watch_ttl.0;
+                self.watches.insert(key, (set, expires));
+                Ok(Ok(()))
+            }
+            (got, want) => Err(fail(format!("watch page: {got:?}, want {want:?}"))),
+        }
+    }
+
+    /// Renews or ends the `n`-th watch of `s` (or a page it does not watch).
+    fn rewatch(
+        &mut self,
+        at: Millis,
+        s: SessionId,
+        n: u8,
+        renew: bool,
+    ) -> Result<Result<(), Error>, TestCaseError> {
+        let mine: Vec<_> = self.watches.keys().filter(|k| k.0 == s).copied().collect();
+        let key = if mine.is_empty() || n >= 200 {
+            (s, GroupId(u64::from(n % GROUPS) + 1), None)
+        } else {
+            mine[n as usize % mine.len()]
+        };
+        let got = if renew {
+            self.core.handle_group_renew_watch(at, s, key.1, key.2)
+        } else {
+            self.core.handle_group_unwatch(at, s, key.1, key.2)
+        };
+        if !self.online(s) {
+            prop_assert!(matches!(got, Err(Error::Stale | Error::UnknownSession)));
+            return Ok(got);
+        }
+        let ttl = self.core.config().group_watch_ttl.0;
+        match self.watches.get_mut(&key) {
+            Some(w) => {
+                prop_assert_eq!(got, Ok(()));
+                if renew {
+                    w.1 = at.0 + ttl;
+                } else {
+                    self.watches.remove(&key);
+                }
+            }
+            None => prop_assert_eq!(got, Err(Error::NotSubscribed)),
+        }
+        Ok(got)
+    }
+
     /// After a membership write: each subscription takes its user's new
     /// role; a non-member's ends (told `Ended` if Online, checked then).
     fn reroles(&mut self, group: GroupId) {
         let g = &self.groups[&group];
+        let core = &self.core;
+        self.watches.retain(|(s, wg, _), _| {
+            *wg != group
+                || core
+                    .session_info(*s)
+                    .is_some_and(|i| g.members.contains(&i.user))
+        });
         for (&s, held) in self.subs.iter_mut() {
             let Some(role) = held.get_mut(&group) else {
                 continue;
@@ -957,6 +884,7 @@ impl Driver {
     }
 
     fn drop_subs_of(&mut self, group: GroupId, told_online: bool) {
+        self.watches.retain(|(_, g, _), _| *g != group);
         for (&s, held) in self.subs.iter_mut() {
             let online = self.core.session_info(s).is_some_and(|i| i.online);
             if !(told_online && online) && held.remove(&group).is_some() {
@@ -981,7 +909,7 @@ fn run(
     config: Config,
     steps: &[(u64, Op)],
     mutant: Option<GroupMutant>,
-) -> Result<[u64; 4], TestCaseError> {
+) -> Result<[u64; 5], TestCaseError> {
     let mut d = Driver::new(config, mutant);
     for (dt, op) in steps {
         d.step(*dt, op)?;
@@ -992,6 +920,7 @@ fn run(
         d.member_deltas,
         d.count_pushes,
         d.pages_walked,
+        d.page_deltas,
     ])
 }
 
@@ -999,14 +928,14 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 192, ..ProptestConfig::default() })]
 
     #[test]
-    fn g1_g2_g3_g4_group_presence_matches_the_reference(config in config(), steps in steps()) {
+    fn g1_to_g5_group_presence_matches_the_reference(config in config(), steps in steps()) {
         run(config, &steps, None)?;
     }
 }
 
 /// Runs `cases` cases with a fixed seed: the first failure, and the sums of
 /// G1 checks, member deltas, count pushes and pages over the passing cases.
-fn sample(cases: u32, mutant: Option<GroupMutant>) -> (Option<String>, [u64; 4]) {
+fn sample(cases: u32, mutant: Option<GroupMutant>) -> (Option<String>, [u64; 5]) {
     use proptest::test_runner::{Config as RunnerConfig, RngAlgorithm, TestRng, TestRunner};
     let mut runner = TestRunner::new_with_rng(
         RunnerConfig {
@@ -1016,7 +945,7 @@ fn sample(cases: u32, mutant: Option<GroupMutant>) -> (Option<String>, [u64; 4])
         },
         TestRng::deterministic_rng(RngAlgorithm::ChaCha),
     );
-    let sums = std::cell::Cell::new([0; 4]);
+    let sums = std::cell::Cell::new([0; 5]);
     let result = runner.run(&(config(), steps()), |(config, steps)| {
         let got = run(config, &steps, mutant)?;
         let mut total = sums.get();
@@ -1032,14 +961,15 @@ fn sample(cases: u32, mutant: Option<GroupMutant>) -> (Option<String>, [u64; 4])
 /// The generated inputs are not vacuous.
 #[test]
 fn the_group_mix_reaches_every_check() {
-    let (failure, [g1, deltas, counts, pages]) = sample(32, None);
+    let (failure, [g1, deltas, counts, pages, page_deltas]) = sample(48, None);
     assert_eq!(failure, None);
     println!(
-        "32 cases: {g1} G1 checks, {deltas} member deltas, {counts} count pushes, {pages} pages"
+        "48 cases: {g1} G1 checks, {deltas} member deltas, {counts} count pushes, {pages} pages, \
+         {page_deltas} page deltas"
     );
     assert!(
-        g1 >= 1000 && deltas >= 100 && counts >= 100 && pages >= 100,
-        "{g1} {deltas} {counts} {pages}"
+        g1 >= 1000 && deltas >= 100 && counts >= 100 && pages >= 100 && page_deltas >= 30,
+        "{g1} {deltas} {counts} {pages} {page_deltas}"
     );
 }
 
@@ -1052,6 +982,7 @@ fn every_group_mutant_is_caught() {
         (GroupMutant::VersionNotBumped, "G3"),
         (GroupMutant::AdminKeptAfterDemotion, "G4"),
         (GroupMutant::SubsKeptAfterEnd, "G4"),
+        (GroupMutant::WatchOutlivesExpiry, "G5"),
     ] {
         let (failure, _) = sample(64, Some(mutant));
         let failure = failure.unwrap_or_else(|| panic!("{mutant:?} went unnoticed"));
@@ -1061,5 +992,5 @@ fn every_group_mutant_is_caught() {
             "{mutant:?} caught, but not by {want}: {failure}"
         );
     }
-    assert_eq!(GroupMutant::ALL.len(), 5);
+    assert_eq!(GroupMutant::ALL.len(), 6);
 }

@@ -214,6 +214,11 @@ impl GroupModel {
                     n.told.remove(&to);
                     continue;
                 }
+                // This model watches no page.
+                GroupOutput::Page { to, .. } => {
+                    bad.push(format!("G5: a page delta to {to}, which watches no page"));
+                    continue;
+                }
                 GroupOutput::Member {
                     to, version, count, ..
                 } => {

@@ -4,7 +4,9 @@
 //! are not counted, the member list pages online-first with a cursor, and
 //! non-members, non-service tokens and hostile lists are refused with
 //! clear errors while the session goes on; a client whose session ended
-//! while it was away subscribes again itself.
+//! while it was away subscribes again itself. A watched page gets batched
+//! deltas of its members and runs out unless renewed; a 4th watch and a
+//! page past the budget are refused clearly.
 
 use greendot_client::{Client, ClientError, ConfigError, Event, Source};
 use greendot_core::Millis;
@@ -366,4 +368,237 @@ async fn a_client_subscribes_again_after_a_reconnect_that_did_not_resume() {
         "no count after the reconnect: {:?}",
         seen.seen
     );
+}
+
+// ----- watched pages and the page budget ------------------------------------
+
+/// Whether `e` is a page delta of `group` listing `member` as `online`.
+fn delta_of(e: &Event, group: u64, member: &str, online: bool) -> bool {
+    matches!(e, Event::GroupPageDelta { group: g, entries }
+        if *g == group && entries.iter().any(|(u, p)| u == member && p.online == online))
+}
+
+fn deltas_of_group(seen: &Recorder, group: u64) -> Vec<&Event> {
+    seen.seen
+        .iter()
+        .map(|(_, e)| e)
+        .filter(|e| matches!(e, Event::GroupPageDelta { group: g, .. } if *g == group))
+        .collect()
+}
+
+/// mona watches the page listing bob: bob's arrival reaches her batched.
+/// nils reads the same page without watching it, and watches a page of
+/// another group that lists cy: when cy's delta reaches him, on the same
+/// batched stream and after bob's change, nothing of the first group has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watched_page_gets_batched_deltas_and_a_session_not_watching_does_not() {
+    let ts = TestServer::start(|c| c.core.batch_interval = Millis(300));
+    let other = GROUP + 1;
+    let svc = service(&ts).await;
+    svc.set_group(GROUP, &["mona", "bob", "cy", "nils"], NONE)
+        .await
+        .unwrap();
+    svc.set_group(other, &["nils", "cy"], NONE).await.unwrap();
+    let (mona, mut mona_seen) = ts.connect("mona", "phone", Kind::Mobile).await;
+    let (nils, mut nils_seen) = ts.connect("nils", "phone", Kind::Mobile).await;
+    let page = mona.group_watch_page(GROUP, None, 10).await.unwrap();
+    assert!(page.entries.iter().any(|(u, p)| u == "bob" && !p.online));
+    nils.group_page(GROUP, None, 10).await.unwrap();
+    nils.group_watch_page(other, None, 10).await.unwrap();
+
+    let wait = Duration::from_millis(150 + 300) + SLACK;
+    let _bob = ts.connect("bob", "phone", Kind::Mobile).await;
+    let got = mona_seen
+        .wait_for(wait, |e| delta_of(e, GROUP, "bob", true))
+        .await;
+    assert!(got.is_some(), "bob's delta: {:?}", mona_seen.seen);
+    let _cy = ts.connect("cy", "phone", Kind::Mobile).await;
+    let marker = nils_seen
+        .wait_for(wait, |e| delta_of(e, other, "cy", true))
+        .await;
+    assert!(marker.is_some(), "cy's delta to nils: {:?}", nils_seen.seen);
+    assert!(
+        deltas_of_group(&nils_seen, GROUP).is_empty(),
+        "nils watches no page of {GROUP}: {:?}",
+        nils_seen.seen
+    );
+    assert!(
+        mona_seen
+            .wait_for(wait, |e| delta_of(e, GROUP, "cy", true))
+            .await
+            .is_some(),
+        "cy is on mona's page too: {:?}",
+        mona_seen.seen
+    );
+}
+
+/// A watch lives `group_watch_ttl` (2 s here). The clock is read off an
+/// event: tick's device dies after mona watched the page, and its offline
+/// reaches her only after idle timeout + grace (2 s) + debounce, so the
+/// watch has run out by then. cy (on the expired page) then comes online,
+/// then zed (on a page mona watches afresh): when zed's delta arrives, no
+/// delta of cy has. Asking the page again watches it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watched_page_expires_unless_renewed() {
+    let ts = TestServer::start(|c| {
+        c.core.group_watch_ttl = Millis(2000);
+        c.core.batch_interval = Millis(200);
+    });
+    let marks = GROUP + 1;
+    let svc = service(&ts).await;
+    svc.set_group(GROUP, &["mona", "bob", "cy", "dan"], NONE)
+        .await
+        .unwrap();
+    svc.set_group(marks, &["mona", "zed"], NONE).await.unwrap();
+    let (mona, mut seen) = ts.connect("mona", "phone", Kind::Mobile).await;
+    mona.subscribe(&["tick"], greendot_core::Tier::Realtime)
+        .await
+        .unwrap();
+    let tick_token = ts.token(
+        "tick",
+        "phone",
+        Kind::Mobile,
+        greendot_server::token::WatchClaim::all(),
+    );
+    let tick = greendot_tests::Doomed::spawn(ts.client_config(tick_token))
+        .await
+        .unwrap();
+    let quick = Duration::from_millis(150 + 200) + SLACK;
+    assert!(
+        seen.wait_presence("tick", quick, |p| p.online)
+            .await
+            .is_some(),
+        "tick online"
+    );
+
+    mona.group_watch_page(GROUP, None, 10).await.unwrap();
+    // Renewed while alive: it was there to renew.
+    mona.group_renew_watch(GROUP, None).await.unwrap();
+    let _bob = ts.connect("bob", "phone", Kind::Mobile).await;
+    assert!(
+        seen.wait_for(quick, |e| delta_of(e, GROUP, "bob", true))
+            .await
+            .is_some(),
+        "the watch works: {:?}",
+        seen.seen
+    );
+
+    tick.kill();
+    assert!(
+        seen.wait_presence("tick", ts.death_to_offline() + SLACK, |p| !p.online)
+            .await
+            .is_some(),
+        "tick's offline: the watch has run out by now"
+    );
+    let refused = mona.group_renew_watch(GROUP, None).await.unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::NotSubscribed), "{refused}");
+    mona.group_watch_page(marks, None, 10).await.unwrap();
+    let _cy = ts.connect("cy", "phone", Kind::Mobile).await;
+    let _zed = ts.connect("zed", "phone", Kind::Mobile).await;
+    assert!(
+        seen.wait_for(quick, |e| delta_of(e, marks, "zed", true))
+            .await
+            .is_some(),
+        "zed's delta: {:?}",
+        seen.seen
+    );
+    let after_expiry: Vec<_> = seen
+        .seen
+        .iter()
+        .filter(|(_, e)| delta_of(e, GROUP, "cy", true))
+        .collect();
+    assert!(
+        after_expiry.is_empty(),
+        "cy's change after the watch ran out: {after_expiry:?}"
+    );
+
+    // Asked again, the page is watched again.
+    mona.group_watch_page(GROUP, None, 10).await.unwrap();
+    let _dan = ts.connect("dan", "phone", Kind::Mobile).await;
+    assert!(
+        seen.wait_for(quick, |e| delta_of(e, GROUP, "dan", true))
+            .await
+            .is_some(),
+        "watched again: {:?}",
+        seen.seen
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fourth_watched_page_is_refused_clearly() {
+    let ts = TestServer::start(|_| {});
+    let svc = service(&ts).await;
+    let members: Vec<String> = (0..10).map(|i| format!("m{i}")).collect();
+    let mut all = members.clone();
+    all.push("mona".into());
+    svc.set_group(GROUP, &all, NONE).await.unwrap();
+    let (mona, _) = ts.connect("mona", "phone", Kind::Mobile).await;
+    let mut cursors = vec![None];
+    for _ in 0..3 {
+        let page = mona
+            .group_watch_page(GROUP, *cursors.last().unwrap(), 2)
+            .await
+            .unwrap();
+        cursors.push(page.next);
+    }
+    let refused = mona
+        .group_watch_page(GROUP, cursors[3], 2)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        refused.code(),
+        Some(ErrorCode::TooManyWatchedPages),
+        "{refused}"
+    );
+    assert!(
+        refused.to_string().contains("watched pages"),
+        "says which limit: {refused}"
+    );
+    // Asking a watched page again renews it: no 4th watch.
+    mona.group_watch_page(GROUP, cursors[0], 2).await.unwrap();
+    mona.group_unwatch_page(GROUP, cursors[1]).await.unwrap();
+    mona.group_watch_page(GROUP, cursors[3], 2).await.unwrap();
+    let refused = mona
+        .group_unwatch_page(GROUP, cursors[1])
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::NotSubscribed), "{refused}");
+    mona.ping().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn member_pages_are_rate_limited_with_a_retry_after() {
+    let ts = TestServer::start(|c| {
+        c.core.group_page_burst = 3;
+        // No refill within the test: the 4th page is refused whatever the
+        // machine's speed.
+        c.core.group_page_refill = Millis(60_000);
+    });
+    let svc = service(&ts).await;
+    svc.set_group(GROUP, &["mona", "bob"], NONE).await.unwrap();
+    svc.set_group(GROUP + 1, &["mona"], NONE).await.unwrap();
+    let (mona, _) = ts.connect("mona", "phone", Kind::Mobile).await;
+    for _ in 0..3 {
+        mona.group_page(GROUP, None, 10).await.unwrap();
+    }
+    let refused = mona.group_page(GROUP, None, 10).await.unwrap_err();
+    assert_eq!(
+        refused.code(),
+        Some(ErrorCode::PageRateLimited),
+        "{refused}"
+    );
+    let retry = refused.retry_after().expect("a retry-after");
+    assert!(
+        retry > Duration::from_secs(50) && retry <= Duration::from_secs(60),
+        "{retry:?}: {refused}"
+    );
+    let refused = mona.group_watch_page(GROUP, None, 10).await.unwrap_err();
+    assert_eq!(
+        refused.code(),
+        Some(ErrorCode::PageRateLimited),
+        "{refused}"
+    );
+    // Another group has its own budget; the session goes on.
+    mona.group_page(GROUP + 1, None, 10).await.unwrap();
+    mona.ping().await.unwrap();
 }

@@ -361,7 +361,8 @@ async fn read_pushes(mut recv: quinn::RecvStream, tx: mpsc::UnboundedSender<Inbo
             Ok(
                 push @ (Push::GroupCount { .. }
                 | Push::GroupMember { .. }
-                | Push::GroupEnded { .. }),
+                | Push::GroupEnded { .. }
+                | Push::GroupPageDelta { .. }),
             ) => {
                 if let Some(item) = crate::groups::inbound(push, source) {
                     if tx.send(item).is_err() {

@@ -110,10 +110,15 @@ impl ClientError {
     }
 
     /// How long the server asked the client to wait at most before
-    /// reconnecting (`retry_ms` in its close reason), if it did.
+    /// reconnecting (`retry_ms` in its close reason), or before asking a
+    /// member page of that group again (`ErrorCode::PageRateLimited`), if
+    /// it did.
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             ClientError::Rejected { error, .. } => crate::retry_hint(&error.message),
+            ClientError::Server(error) if error.code == ErrorCode::PageRateLimited => {
+                crate::retry_hint(&error.message)
+            }
             _ => None,
         }
     }

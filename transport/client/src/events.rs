@@ -79,6 +79,14 @@ pub enum Event {
     /// removed (also when the client, after a reconnect that did not
     /// resume, subscribed again and was refused).
     GroupEnded { group: u64 },
+    /// Batched, for the pages of `group` this session watches
+    /// ([`Client::group_watch_page`](crate::Client::group_watch_page)):
+    /// listed members whose view changed, each with its latest view.
+    /// Presence versions rise per member: keep the highest.
+    GroupPageDelta {
+        group: u64,
+        entries: Vec<(String, Presence)>,
+    },
     /// The client is finished (closed, logged out, refused, superseded, or
     /// gave up reconnecting). Never dropped; nothing comes after it.
     Closed {

@@ -1,7 +1,11 @@
 //! Group presence (issue 28, docs/groups.md): a backend's service token
 //! writes groups; a member's session subscribes and gets the online count
 //! ([`Event::GroupCount`]), an admin's each member's change
-//! ([`Event::GroupMember`]); any member reads the member list in pages.
+//! ([`Event::GroupMember`]); any member reads the member list in pages
+//! (at most 10 pages of a group in a burst, then one a second by default:
+//! [`crate::ClientError::retry_after`] says when on
+//! `ErrorCode::PageRateLimited`), and may watch up to 3 of them for
+//! batched deltas ([`Event::GroupPageDelta`]).
 //!
 //! Per group the client keeps the highest version it was told and drops
 //! anything older (a count on the batched stream may arrive after the
@@ -33,6 +37,10 @@ pub struct GroupPage {
     pub next: Option<GroupCursor>,
 }
 
+fn entry(e: proto::GroupEntry) -> (String, Presence) {
+    (e.user, e.presence.to_core())
+}
+
 /// A group push as an event, if its stream's tier is known.
 pub(crate) fn inbound(push: Push, source: Option<Source>) -> Option<Inbound> {
     let source = source?;
@@ -61,6 +69,10 @@ pub(crate) fn inbound(push: Push, source: Option<Source>) -> Option<Inbound> {
             count,
         },
         Push::GroupEnded { group } => Event::GroupEnded { group },
+        Push::GroupPageDelta { group, entries } => Event::GroupPageDelta {
+            group,
+            entries: entries.into_iter().map(entry).collect(),
+        },
         Push::Stream { .. } | Push::Update { .. } => return None,
     };
     Some(Inbound::Group(event))
@@ -169,16 +181,66 @@ impl Client {
             after,
             limit,
         };
+        self.page(request).await
+    }
+
+    /// [`Client::group_page`], and the page is watched: its members'
+    /// changes come as [`Event::GroupPageDelta`] (batched) until the watch
+    /// runs out (60 s by default). Asking the same page (`group`, `after`)
+    /// again re-reads it and renews the watch; so does
+    /// [`Client::group_renew_watch`] without reading it. At most 3 pages
+    /// and 600 entries per session (`ErrorCode::TooManyWatchedPages`).
+    /// Watches end with the session: after a reconnect
+    /// ([`Event::Reconnected`]) watch the pages again.
+    pub async fn group_watch_page(
+        &self,
+        group: u64,
+        after: Option<GroupCursor>,
+        limit: u32,
+    ) -> Result<GroupPage, ClientError> {
+        let request = Request::GroupWatchPage {
+            group,
+            after,
+            limit,
+        };
+        self.page(request).await
+    }
+
+    /// Renews the watch of a page (`group` and `after` as asked) without
+    /// reading it. `ErrorCode::NotSubscribed` when it already ran out.
+    pub async fn group_renew_watch(
+        &self,
+        group: u64,
+        after: Option<GroupCursor>,
+    ) -> Result<(), ClientError> {
+        match self.call(Request::GroupRenewWatch { group, after }).await? {
+            Answer::Done => Ok(()),
+            other => Err(Self::unexpected(other)),
+        }
+    }
+
+    /// Ends the watch of a page.
+    pub async fn group_unwatch_page(
+        &self,
+        group: u64,
+        after: Option<GroupCursor>,
+    ) -> Result<(), ClientError> {
+        match self
+            .call(Request::GroupUnwatchPage { group, after })
+            .await?
+        {
+            Answer::Done => Ok(()),
+            other => Err(Self::unexpected(other)),
+        }
+    }
+
+    async fn page(&self, request: Request) -> Result<GroupPage, ClientError> {
         match self.call(request).await? {
             Answer::GroupPage(page) => Ok(GroupPage {
                 group: page.group,
                 version: page.version,
                 count: page.count,
-                entries: page
-                    .entries
-                    .into_iter()
-                    .map(|proto::GroupEntry { user, presence }| (user, presence.to_core()))
-                    .collect(),
+                entries: page.entries.into_iter().map(entry).collect(),
                 next: page.next,
             }),
             other => Err(Self::unexpected(other)),

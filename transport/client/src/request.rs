@@ -61,6 +61,9 @@ pub(crate) fn resendable(request: &Request) -> bool {
             | Request::GroupSubscribe { .. }
             | Request::GroupUnsubscribe { .. }
             | Request::GroupPage { .. }
+            | Request::GroupWatchPage { .. }
+            | Request::GroupRenewWatch { .. }
+            | Request::GroupUnwatchPage { .. }
     )
 }
 

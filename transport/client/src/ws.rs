@@ -205,7 +205,7 @@ pub(crate) async fn drive(
                                 });
                                 None
                             }
-                            Ok(push @ (Push::GroupCount { .. } | Push::GroupMember { .. } | Push::GroupEnded { .. })) => {
+                            Ok(push @ (Push::GroupCount { .. } | Push::GroupMember { .. } | Push::GroupEnded { .. } | Push::GroupPageDelta { .. })) => {
                                 crate::groups::inbound(push, *slot)
                             }
                             Ok(Push::Update { target, presence }) => slot.map(|source| {

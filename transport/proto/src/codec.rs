@@ -335,7 +335,7 @@ mod tests {
         );
         let error = crate::WireError::new(ErrorCode::NotMember, "");
         assert_eq!(postcard::to_stdvec(&error).unwrap(), [29, 0]);
-        for code in 29..=35u16 {
+        for code in 29..=37u16 {
             assert_eq!(ErrorCode::from(code).code(), code);
             assert!(!matches!(ErrorCode::from(code), ErrorCode::Other(_)));
         }
@@ -440,6 +440,73 @@ mod tests {
             push(Push::GroupEnded { group: u64::MAX }),
             hex("04 ff ff ff ff ff ff ff ff ff 01")
         );
+    }
+
+    /// The watched-page examples of docs/protocol.md, byte for byte.
+    #[test]
+    fn watched_page_bytes_match_the_protocol_document() {
+        use crate::{GroupCursor, GroupEntry, Presence, Push};
+        let req = RequestFrame {
+            id: 6,
+            request: Request::GroupWatchPage {
+                group: 42,
+                after: None,
+                limit: 50,
+            },
+        };
+        assert_eq!(
+            encode_frame(&req).unwrap(),
+            [0, 0, 0, 5, 0x06, 0x10, 0x2a, 0x00, 0x32]
+        );
+        let cursor = Some(GroupCursor {
+            online: false,
+            after: 7,
+        });
+        let req = RequestFrame {
+            id: 7,
+            request: Request::GroupRenewWatch {
+                group: 42,
+                after: cursor,
+            },
+        };
+        assert_eq!(
+            encode_frame(&req).unwrap(),
+            [0, 0, 0, 6, 0x07, 0x11, 0x2a, 0x01, 0x00, 0x07]
+        );
+        let req = RequestFrame {
+            id: 8,
+            request: Request::GroupUnwatchPage {
+                group: 42,
+                after: cursor,
+            },
+        };
+        assert_eq!(
+            encode_frame(&req).unwrap(),
+            [0, 0, 0, 6, 0x08, 0x12, 0x2a, 0x01, 0x00, 0x07]
+        );
+        let push = Push::GroupPageDelta {
+            group: 42,
+            entries: vec![GroupEntry {
+                user: "bob".into(),
+                presence: Presence {
+                    version: 9,
+                    online: true,
+                    kinds: 1,
+                    ..Presence::default()
+                },
+            }],
+        };
+        assert_eq!(
+            encode_frame(&push).unwrap(),
+            [
+                0, 0, 0, 14, 0x05, 0x2a, 0x01, 0x03, b'b', b'o', b'b', 0x09, 0x01, 0x00, 0x00,
+                0x01, 0x00, 0x00
+            ]
+        );
+        let error = crate::WireError::new(ErrorCode::PageRateLimited, "");
+        assert_eq!(postcard::to_stdvec(&error).unwrap(), [37, 0]);
+        let error = crate::WireError::new(ErrorCode::TooManyWatchedPages, "");
+        assert_eq!(postcard::to_stdvec(&error).unwrap(), [36, 0]);
     }
 
     /// 200,000 pipelined frames in one buffer: each is split off the front

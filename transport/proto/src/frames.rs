@@ -104,6 +104,31 @@ pub enum Request {
         after: Option<GroupCursor>,
         limit: u32,
     },
+    /// `GroupPage`, and the page is watched: the members it lists (that
+    /// set, as answered) get `Push::GroupPageDelta` on the batched stream
+    /// when their published view changes, for 60 s (the server's
+    /// `group_watch_ttl`). Asking the same page (same `group` and `after`)
+    /// again re-reads it and renews its watch. At most 3 watched pages and
+    /// 600 entries per session: `TooManyWatchedPages` past them, and then
+    /// nothing is stored. Answered `GroupPage`.
+    GroupWatchPage {
+        group: u64,
+        after: Option<GroupCursor>,
+        limit: u32,
+    },
+    /// Renews the watch of the page asked with this `group` and `after`
+    /// for another TTL without reading it. Answered `Done`, or
+    /// `NotSubscribed` when the watch is gone (it ran out: ask the page
+    /// again).
+    GroupRenewWatch {
+        group: u64,
+        after: Option<GroupCursor>,
+    },
+    /// Ends the watch of that page. Answered `Done`, or `NotSubscribed`.
+    GroupUnwatchPage {
+        group: u64,
+        after: Option<GroupCursor>,
+    },
 }
 
 /// Frames on the control stream, from the server.
@@ -277,6 +302,15 @@ pub enum Push {
     /// On the realtime stream: the subscription ended (the user left the
     /// group, or it was removed).
     GroupEnded { group: u64 },
+    /// On the batched stream, to a session watching pages of `group`
+    /// (`Request::GroupWatchPage`): the members of its watched pages whose
+    /// published view changed since the last such push, each with its
+    /// latest view (at most 100 entries a push; more come in several).
+    /// Each entry's `presence.version` rises per member: keep the highest.
+    GroupPageDelta {
+        group: u64,
+        entries: Vec<GroupEntry>,
+    },
 }
 
 /// What a viewer is told about a user.
@@ -414,6 +448,13 @@ pub enum ErrorCode {
     /// This server does not serve that request in its configuration (group
     /// requests on a node of a cluster).
     Unsupported,
+    /// A session watches as many member pages (3), or entries (600), as
+    /// it may: the message says which.
+    TooManyWatchedPages,
+    /// Too many member pages of one group asked too quickly; nothing was
+    /// done. The message ends with `retry_ms=N`: the next page of that
+    /// group is granted N ms from now.
+    PageRateLimited,
     Other(u16),
 }
 
@@ -452,6 +493,8 @@ impl ErrorCode {
             ErrorCode::TooManyGroupSubscriptions => 33,
             ErrorCode::TooManyGroups => 34,
             ErrorCode::Unsupported => 35,
+            ErrorCode::TooManyWatchedPages => 36,
+            ErrorCode::PageRateLimited => 37,
             ErrorCode::Other(code) => code,
         }
     }
@@ -492,6 +535,8 @@ impl From<u16> for ErrorCode {
             33 => ErrorCode::TooManyGroupSubscriptions,
             34 => ErrorCode::TooManyGroups,
             35 => ErrorCode::Unsupported,
+            36 => ErrorCode::TooManyWatchedPages,
+            37 => ErrorCode::PageRateLimited,
             other => ErrorCode::Other(other),
         }
     }
@@ -616,10 +661,21 @@ impl From<greendot_core::Error> for WireError {
                 Limit::GroupAdmins => ErrorCode::TooManyGroupAdmins,
                 Limit::GroupSubscriptionsPerSession => ErrorCode::TooManyGroupSubscriptions,
                 Limit::Groups => ErrorCode::TooManyGroups,
+                Limit::WatchedPages | Limit::WatchedEntries => ErrorCode::TooManyWatchedPages,
                 _ => ErrorCode::Internal,
             },
             Error::NotMember => ErrorCode::NotMember,
             Error::UnknownGroup => ErrorCode::UnknownGroup,
+            Error::PageRateLimited { retry_after } => {
+                // `retry_ms=` as in close reasons, so one parser reads both.
+                return WireError::new(
+                    ErrorCode::PageRateLimited,
+                    format!(
+                        "too many member pages of this group: retry_ms={}",
+                        retry_after.0
+                    ),
+                );
+            }
             _ => ErrorCode::Internal,
         };
         WireError::new(code, error.to_string())

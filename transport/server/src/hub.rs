@@ -1024,7 +1024,10 @@ impl Hub {
             | Request::RemoveGroup { .. }
             | Request::GroupSubscribe { .. }
             | Request::GroupUnsubscribe { .. }
-            | Request::GroupPage { .. }) => self.group_request(now, session, svc, request),
+            | Request::GroupPage { .. }
+            | Request::GroupWatchPage { .. }
+            | Request::GroupRenewWatch { .. }
+            | Request::GroupUnwatchPage { .. }) => self.group_request(now, session, svc, request),
         }
     }
 

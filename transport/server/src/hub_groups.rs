@@ -60,36 +60,66 @@ impl Hub {
                 group,
                 after,
                 limit,
-            } => {
-                let from = after.map(|c| PageCursor {
-                    online: c.online,
-                    after: UserId(c.after),
-                });
-                let limit = usize::try_from(limit).unwrap_or(usize::MAX);
-                let page =
-                    self.core
-                        .handle_group_page(now, session, GroupId(group), from, limit)?;
-                let entries = page
-                    .entries
-                    .iter()
-                    .map(|(user, presence)| GroupEntry {
-                        user: self.user_name(*user).unwrap_or_default().to_owned(),
-                        presence: proto::Presence::from_core(presence, self.unix_base_ms),
-                    })
-                    .collect();
-                Ok(Answer::GroupPage(GroupPage {
-                    group: page.group.0,
-                    version: page.version,
-                    count: page.count,
-                    entries,
-                    next: page.next.map(|c| GroupCursor {
-                        online: c.online,
-                        after: c.after.0,
-                    }),
-                }))
+            } => self.group_page(now, session, group, after, limit, false),
+            Request::GroupWatchPage {
+                group,
+                after,
+                limit,
+            } => self.group_page(now, session, group, after, limit, true),
+            Request::GroupRenewWatch { group, after } => {
+                self.core
+                    .handle_group_renew_watch(now, session, GroupId(group), cursor(after))?;
+                Ok(Answer::Done)
+            }
+            Request::GroupUnwatchPage { group, after } => {
+                self.core
+                    .handle_group_unwatch(now, session, GroupId(group), cursor(after))?;
+                Ok(Answer::Done)
             }
             _ => Err(WireError::new(ErrorCode::Internal, "not a group request")),
         }
+    }
+
+    /// A member page, watched or not.
+    fn group_page(
+        &mut self,
+        now: Millis,
+        session: SessionId,
+        group: u64,
+        after: Option<GroupCursor>,
+        limit: u32,
+        watch: bool,
+    ) -> Result<Answer, WireError> {
+        let from = cursor(after);
+        let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+        let group = GroupId(group);
+        let page = if watch {
+            self.core
+                .handle_group_watch_page(now, session, group, from, limit)?
+        } else {
+            self.core
+                .handle_group_page(now, session, group, from, limit)?
+        };
+        Ok(Answer::GroupPage(GroupPage {
+            group: page.group.0,
+            version: page.version,
+            count: page.count,
+            entries: self.group_entries(&page.entries),
+            next: page.next.map(|c| GroupCursor {
+                online: c.online,
+                after: c.after.0,
+            }),
+        }))
+    }
+
+    fn group_entries(&self, entries: &[(UserId, greendot_core::Presence)]) -> Vec<GroupEntry> {
+        entries
+            .iter()
+            .map(|(user, presence)| GroupEntry {
+                user: self.user_name(*user).unwrap_or_default().to_owned(),
+                presence: proto::Presence::from_core(presence, self.unix_base_ms),
+            })
+            .collect()
     }
 
     /// Writes a group: every limit and name is checked before any name is
@@ -175,7 +205,8 @@ impl Hub {
     /// A group push of the core as a frame for its session. An admin's
     /// subscription gets everything on the realtime stream (its counts and
     /// deltas stay in version order); a member's gets its counts on the
-    /// batched stream; an end goes on the realtime stream.
+    /// batched stream; an end goes on the realtime stream; page deltas go on
+    /// the batched stream.
     pub(super) fn group_push(&mut self, out: GroupOutput) -> HubOutput {
         let (session, tier, push) = match out {
             GroupOutput::Count {
@@ -219,6 +250,14 @@ impl Hub {
                 Tier::Realtime,
                 proto::Push::GroupEnded { group: group.0 },
             ),
+            GroupOutput::Page { to, group, entries } => (
+                to,
+                Tier::Batched,
+                proto::Push::GroupPageDelta {
+                    group: group.0,
+                    entries: self.group_entries(&entries),
+                },
+            ),
         };
         // A flush tells many sessions the same count: encoded once.
         let frame = match &self.group_frame {
@@ -236,6 +275,13 @@ impl Hub {
             frame,
         }
     }
+}
+
+fn cursor(after: Option<GroupCursor>) -> Option<PageCursor> {
+    after.map(|c| PageCursor {
+        online: c.online,
+        after: UserId(c.after),
+    })
 }
 
 fn service_only(svc: bool, what: &str) -> Result<(), WireError> {

@@ -103,7 +103,10 @@ impl ServerState {
                     | proto::Request::RemoveGroup { .. }
                     | proto::Request::GroupSubscribe { .. }
                     | proto::Request::GroupUnsubscribe { .. }
-                    | proto::Request::GroupPage { .. },
+                    | proto::Request::GroupPage { .. }
+                    | proto::Request::GroupWatchPage { .. }
+                    | proto::Request::GroupRenewWatch { .. }
+                    | proto::Request::GroupUnwatchPage { .. },
                 ..
             } = &step
             {
