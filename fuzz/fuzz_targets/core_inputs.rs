@@ -27,7 +27,14 @@ struct Step {
 
 #[derive(Arbitrary, Debug)]
 enum Op {
-    Connect { user: u8, device: u8, kind: u8, watch: Option<Vec<u8>>, resume: Option<u8>, background: bool },
+    Connect {
+        user: u8,
+        device: u8,
+        kind: u8,
+        watch: Option<Vec<u8>>,
+        resume: Option<u8>,
+        background: bool,
+    },
     Activity(u8),
     /// Last heard this many ms before now (negative: after now, clamped).
     Disconnect(u8, i16),
@@ -52,7 +59,11 @@ fn config(case: &Case) -> Config {
         max_devices_per_user: usize::from(case.caps[3] % 3) + 1,
         max_sessions: usize::from(case.caps[4] % 12) + 1,
         max_users: 6,
-        realtime_overflow: if case.reject { RealtimeOverflow::Reject } else { RealtimeOverflow::Downgrade },
+        realtime_overflow: if case.reject {
+            RealtimeOverflow::Reject
+        } else {
+            RealtimeOverflow::Downgrade
+        },
         ..Config::default()
     };
     for (kind, (grace, heartbeat)) in DeviceKind::ALL.into_iter().zip(case.timeouts) {
@@ -87,7 +98,14 @@ fuzz_target!(|case: Case| {
         drain(&mut core, &mut audit);
         let before = core.clone();
         let result = match &step.op {
-            Op::Connect { user: u, device, kind, watch, resume, background } => {
+            Op::Connect {
+                user: u,
+                device,
+                kind,
+                watch,
+                resume,
+                background,
+            } => {
                 let c = Connect {
                     user: user(*u),
                     device: DeviceId(u64::from(device % 3)),
@@ -131,7 +149,10 @@ fuzz_target!(|case: Case| {
                     audit.heard(s, at);
                     let owner = audit.owner(s).expect("an accepted session was audited");
                     assert!(!core.route(owner).contains(&s), "I4: {s} still routed");
-                    assert!(core.subscriptions(s).is_empty(), "I4: {s} keeps subscriptions");
+                    assert!(
+                        core.subscriptions(s).is_empty(),
+                        "I4: {s} keeps subscriptions"
+                    );
                 }
                 got
             }
@@ -161,7 +182,11 @@ fuzz_target!(|case: Case| {
             }
             Op::Subscribe(s, t, realtime) => {
                 let s = pick(&issued, *s);
-                let tier = if *realtime { Tier::Realtime } else { Tier::Batched };
+                let tier = if *realtime {
+                    Tier::Realtime
+                } else {
+                    Tier::Batched
+                };
                 let got = core.handle_subscribe(at, s, user(*t), tier);
                 if let Ok(snapshot) = &got {
                     ok(audit.subscribed(s, snapshot));
@@ -190,7 +215,11 @@ fuzz_target!(|case: Case| {
                 let released = core.release(u);
                 assert_eq!(released, releasable, "is_releasable disagrees with release");
                 if released {
-                    assert_eq!(core.truth(u), Presence::default(), "a released user is unknown");
+                    assert_eq!(
+                        core.truth(u),
+                        Presence::default(),
+                        "a released user is unknown"
+                    );
                 } else {
                     assert!(core == before, "a refused release changed the state");
                 }
@@ -214,7 +243,10 @@ fuzz_target!(|case: Case| {
                 .into_iter()
                 .any(|s| core.session_info(s).is_some_and(|i| i.foreground || away));
             assert_eq!(core.truth(u).online, present, "I1 {u:?}");
-            assert!(!present || core.is_online(u), "I1: present but not live {u:?}");
+            assert!(
+                !present || core.is_online(u),
+                "I1: present but not live {u:?}"
+            );
             for s in core.route(u) {
                 let info = core.session_info(s).expect("I9: a routed session is live");
                 assert!(info.online && info.user == u, "I9: {s} routed for {u:?}");

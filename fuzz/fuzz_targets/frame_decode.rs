@@ -21,7 +21,11 @@ fn round_trip<T: Serialize + DeserializeOwned + PartialEq + Debug>(payload: &[u8
         .next_frame()
         .expect("an encoded frame is well formed")
         .expect("an encoded frame is complete");
-    assert_eq!(decode::<T>(&again).ok(), Some(value), "round trip changed the value");
+    assert_eq!(
+        decode::<T>(&again).ok(),
+        Some(value),
+        "round trip changed the value"
+    );
 }
 
 fuzz_target!(|data: &[u8]| {

@@ -335,6 +335,22 @@ struct ServeArgs {
     /// Entries of a member-list page, at most [default: 200].
     #[arg(long, env = "GREENDOT_GROUP_PAGE_SIZE")]
     group_page_size: Option<usize>,
+    /// A watched member page expires this long after it was last asked
+    /// for or renewed [default: 60s].
+    #[arg(long, env = "GREENDOT_GROUP_WATCH_TTL")]
+    group_watch_ttl: Option<Dur>,
+    /// Member pages one session may watch at once [default: 3].
+    #[arg(long, env = "GREENDOT_MAX_WATCHED_PAGES")]
+    max_watched_pages: Option<usize>,
+    /// Entries of the pages one session watches, in all [default: 600].
+    #[arg(long, env = "GREENDOT_MAX_WATCHED_ENTRIES")]
+    max_watched_entries: Option<usize>,
+    /// Member pages a session may ask of one group in a burst [default: 10].
+    #[arg(long, env = "GREENDOT_GROUP_PAGE_BURST")]
+    group_page_burst: Option<u32>,
+    /// After the burst, one more member page this often [default: 1s].
+    #[arg(long, env = "GREENDOT_GROUP_PAGE_REFILL")]
+    group_page_refill: Option<Dur>,
     /// Clock skew tolerated on token expiry [default: 30s].
     #[arg(long, env = "GREENDOT_TOKEN_LEEWAY")]
     token_leeway: Option<Dur>,
@@ -434,6 +450,11 @@ impl ServeArgs {
         );
         set(&mut s.max_groups, &self.max_groups);
         set(&mut s.group_page_size, &self.group_page_size);
+        set(&mut s.group_watch_ttl, &self.group_watch_ttl);
+        set(&mut s.max_watched_pages, &self.max_watched_pages);
+        set(&mut s.max_watched_entries, &self.max_watched_entries);
+        set(&mut s.group_page_burst, &self.group_page_burst);
+        set(&mut s.group_page_refill, &self.group_page_refill);
         set(&mut s.max_handshakes_per_sec, &self.max_handshakes_per_sec);
         set(&mut s.max_hello, &self.max_hello);
         set(&mut s.max_websocket_pending, &self.max_websocket_pending);

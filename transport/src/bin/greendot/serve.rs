@@ -207,6 +207,11 @@ pub(crate) fn core_config(settings: &Settings) -> greendot_core::Config {
     core.max_group_subscriptions_per_session = settings.max_group_subscriptions;
     core.max_groups = settings.max_groups;
     core.group_page_size = settings.group_page_size;
+    core.group_watch_ttl = ms(settings.group_watch_ttl.0);
+    core.max_watched_pages = settings.max_watched_pages;
+    core.max_watched_entries = settings.max_watched_entries;
+    core.group_page_burst = settings.group_page_burst;
+    core.group_page_refill = ms(settings.group_page_refill.0);
     core.backgrounded = settings.backgrounded.into();
     let (g, h) = (&settings.grace, &settings.heartbeat_timeout);
     core.kinds = [

@@ -278,6 +278,16 @@ pub struct Settings {
     pub max_groups: usize,
     /// Entries of a member-list page, at most.
     pub group_page_size: usize,
+    /// A watched member page stops getting deltas this long after it was
+    /// last asked for or renewed.
+    pub group_watch_ttl: Dur,
+    /// Pages one session may watch at once, and their entries in all.
+    pub max_watched_pages: usize,
+    pub max_watched_entries: usize,
+    /// Member pages a session may ask of one group in a burst, and how
+    /// often one more is allowed after it.
+    pub group_page_burst: u32,
+    pub group_page_refill: Dur,
     /// What a device whose app is in the background means: `offline` (not
     /// present) or `away` (present, shown away).
     pub backgrounded: Backgrounded,
@@ -361,6 +371,11 @@ impl Default for Settings {
             max_group_subscriptions: core.max_group_subscriptions_per_session,
             max_groups: core.max_groups,
             group_page_size: core.group_page_size,
+            group_watch_ttl: Dur(Duration::from_millis(core.group_watch_ttl.0)),
+            max_watched_pages: core.max_watched_pages,
+            max_watched_entries: core.max_watched_entries,
+            group_page_burst: core.group_page_burst,
+            group_page_refill: Dur(Duration::from_millis(core.group_page_refill.0)),
             backgrounded: core.backgrounded.into(),
             cluster: None,
             node_id: None,
