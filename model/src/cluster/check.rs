@@ -17,6 +17,10 @@ pub(super) fn c3(s: &ClusterState) -> bool {
     if !s.alice.gone || s.alice.invisible_asked || s.t <= since + GHOST_BOUND {
         return true;
     }
+    // Her desktop keeps her online (the aggregate's business).
+    if s.nodes[WATCHER_NODE as usize].devices[DESKTOP as usize].is_some() {
+        return true;
+    }
     s.nodes
         .iter()
         .filter_map(|n| n.owner.as_deref())

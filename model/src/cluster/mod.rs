@@ -36,7 +36,8 @@ mod state;
 mod tick;
 
 pub use bounds::{
-    ClusterBounds, ClusterMutant, FAILOVER, ONLINE, ONLINE_LATER, QUIET, STALE_WRITE,
+    ClusterBounds, ClusterMutant, AGGREGATE, FAILOVER, LOGGED_OUT, ONLINE, ONLINE_LATER, QUIET,
+    STALE_WRITE,
 };
 pub use check::describe;
 use check::{c3, c5, has, quiet};
@@ -59,6 +60,25 @@ const BOB_SESSION: SessionId = SessionId(1);
 /// The node of bob's watcher: never faulted.
 pub const WATCHER_NODE: u8 = 0;
 const SHARD: ShardId = ShardId(0);
+/// Alice's devices, as indexes of `NodeState::devices`: the mobile moves
+/// between nodes; the desktop (when `ClusterBounds::desktop`) stays
+/// connected at the watcher's node, which never fails.
+pub const MOBILE: u8 = 0;
+pub const DESKTOP: u8 = 1;
+
+/// The core's id of alice's device `dev`.
+pub(crate) fn device_id(dev: u8) -> DeviceId {
+    DeviceId(u64::from(dev) + 1)
+}
+
+/// The core's kind of alice's device `dev`.
+pub(crate) fn device_kind(dev: u8) -> DeviceKind {
+    if dev == MOBILE {
+        DeviceKind::Mobile
+    } else {
+        DeviceKind::Desktop
+    }
+}
 
 /// Timing, in ticks (the cores' milliseconds are ticks).
 pub const TTL: u64 = 3;
@@ -117,6 +137,28 @@ impl ClusterModel {
     }
 }
 
+/// Alice's mobile sends `op` to the shard's owner (resent each tick until
+/// acknowledged).
+fn mobile_asks(s: &mut ClusterState, op: Op) -> Option<()> {
+    let n = s.alice.at?;
+    let node = &mut s.nodes[n as usize];
+    let d = node.devices[MOBILE as usize].as_mut()?;
+    node.rids += 1;
+    d.rid = node.rids;
+    d.pending = Some(op);
+    let body = Body::Req {
+        edge: n,
+        inc: node.inc,
+        rid: d.rid,
+        dev: MOBILE,
+        op,
+    };
+    if let Some((holder, _, _)) = s.kv.claim {
+        s.send(n, holder, body);
+    }
+    Some(())
+}
+
 impl Model for ClusterModel {
     type State = ClusterState;
     type Action = Action;
@@ -128,15 +170,26 @@ impl Model for ClusterModel {
                 up: true,
                 cut: false,
                 inc: 0,
-                rids: u8::from(n == b.alice_edge),
+                rids: u8::from(n == b.alice_edge) + u8::from(b.desktop && n == WATCHER_NODE),
                 renewed: 0,
                 owner: None,
-                device: (n == b.alice_edge).then_some(EdgeDevice {
-                    rid: 1,
-                    conn: 1,
-                    pending: Some(Op::Connect),
-                    then: None,
-                }),
+                devices: [
+                    (n == b.alice_edge).then_some(EdgeDevice {
+                        rid: 1,
+                        conn: 1,
+                        pending: Some(Op::Connect),
+                        then: None,
+                    }),
+                    (b.desktop && n == WATCHER_NODE).then(|| {
+                        let rid = u8::from(n == b.alice_edge) + 1;
+                        EdgeDevice {
+                            rid,
+                            conn: rid,
+                            pending: Some(Op::Connect),
+                            then: None,
+                        }
+                    }),
+                ],
                 watcher: (n == WATCHER_NODE).then(|| {
                     let mut fanout = Fanout::new(self.config.batch_interval);
                     fanout.open(BOB_SESSION, BOB);
@@ -170,6 +223,7 @@ impl Model for ClusterModel {
                 flips: b.flips,
                 invisible_asked: false,
                 invisible_acked: false,
+                logout_asked: false,
             },
             crashes: b.crashes,
             restarts: b.restarts,
@@ -184,16 +238,20 @@ impl Model for ClusterModel {
         };
         self.claim_shard(&mut s, b.first_owner);
         // The first requests go out at once.
-        s.send(
-            b.alice_edge,
-            b.first_owner,
-            Body::Req {
-                edge: b.alice_edge,
-                inc: 0,
-                rid: 1,
-                op: Op::Connect,
-            },
-        );
+        for n in 0..b.nodes {
+            for (dev, d) in s.nodes[n as usize].devices.clone().iter().enumerate() {
+                if let Some(d) = d {
+                    let req = Body::Req {
+                        edge: n,
+                        inc: 0,
+                        rid: d.rid,
+                        dev: dev as u8,
+                        op: Op::Connect,
+                    };
+                    s.send(n, b.first_owner, req);
+                }
+            }
+        }
         s.send(
             WATCHER_NODE,
             b.first_owner,
@@ -248,14 +306,16 @@ impl Model for ClusterModel {
                 }
             }
         }
-        if s.alice.flips > 0
-            && s.t == b.invisible_at
-            && s.alice
-                .at
-                .and_then(|n| s.nodes[n as usize].device.as_ref())
-                .is_some_and(|d| d.pending.is_none())
-        {
+        let mobile_idle = s
+            .alice
+            .at
+            .and_then(|n| s.nodes[n as usize].devices[MOBILE as usize].as_ref())
+            .is_some_and(|d| d.pending.is_none());
+        if s.alice.flips > 0 && s.t == b.invisible_at && mobile_idle {
             actions.push(Action::GoInvisible);
+        }
+        if b.logout_at == Some(s.t) && !s.alice.logout_asked && mobile_idle {
+            actions.push(Action::Logout);
         }
     }
 
@@ -318,7 +378,7 @@ impl Model for ClusterModel {
                 let node = &mut s.nodes[n as usize];
                 node.rids += 1;
                 let rid = node.rids;
-                node.device = Some(EdgeDevice {
+                node.devices[MOBILE as usize] = Some(EdgeDevice {
                     rid,
                     conn: rid,
                     pending: Some(Op::Connect),
@@ -328,6 +388,7 @@ impl Model for ClusterModel {
                     edge: n,
                     inc: node.inc,
                     rid,
+                    dev: MOBILE,
                     op: Op::Connect,
                 };
                 if let Some((holder, _, _)) = s.kv.claim {
@@ -338,21 +399,12 @@ impl Model for ClusterModel {
                 s.quiet_since = t;
                 s.alice.flips -= 1;
                 s.alice.invisible_asked = true;
-                let n = s.alice.at?;
-                let node = &mut s.nodes[n as usize];
-                let d = node.device.as_mut()?;
-                node.rids += 1;
-                d.rid = node.rids;
-                d.pending = Some(Op::SetInvisible(true));
-                let body = Body::Req {
-                    edge: n,
-                    inc: node.inc,
-                    rid: d.rid,
-                    op: Op::SetInvisible(true),
-                };
-                if let Some((holder, _, _)) = s.kv.claim {
-                    s.send(n, holder, body);
-                }
+                mobile_asks(&mut s, Op::SetInvisible(true))?;
+            }
+            Action::Logout => {
+                s.quiet_since = t;
+                s.alice.logout_asked = true;
+                mobile_asks(&mut s, Op::Logout)?;
             }
         }
         while let Some(m) = s.local.pop_front() {
@@ -380,6 +432,7 @@ impl Model for ClusterModel {
                 !has(s, "C4") && (!acked || !shown_online)
             }),
             Property::always("C5 convergence", |_, s: &ClusterState| c5(s)),
+            Property::always(AGGREGATE, |_, s: &ClusterState| !has(s, "AG")),
             Property::sometimes(FAILOVER, |_, s: &ClusterState| {
                 s.kv.epoch.0 >= 2 && s.nodes.iter().any(|n| n.owner.is_some())
             }),
@@ -399,6 +452,14 @@ impl Model for ClusterModel {
             }),
             Property::sometimes(STALE_WRITE, |_, s: &ClusterState| {
                 s.writes.iter().any(|w| w.epoch < s.kv.epoch)
+            }),
+            Property::sometimes(LOGGED_OUT, |_, s: &ClusterState| {
+                s.alice.logout_asked
+                    && s.alice.gone
+                    && s.nodes
+                        .iter()
+                        .filter_map(|n| n.owner.as_deref())
+                        .any(|o| o.core.presence(ALICE).online)
             }),
             Property::sometimes(QUIET, |_, s: &ClusterState| {
                 quiet(s).is_some_and(|o| o.core.presence(ALICE).version > 0)

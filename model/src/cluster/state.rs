@@ -7,12 +7,21 @@ use super::*;
 pub enum Op {
     Connect,
     SetInvisible(bool),
+    /// The device logs out (ends its session, no grace).
+    Logout,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Body {
-    /// Edge → owner (request/reply): a device input.
-    Req { edge: u8, inc: u8, rid: u8, op: Op },
+    /// Edge → owner (request/reply): a device input of alice's device
+    /// `dev` (`MOBILE` or `DESKTOP`).
+    Req {
+        edge: u8,
+        inc: u8,
+        rid: u8,
+        dev: u8,
+        op: Op,
+    },
     /// Owner → edge: done (after the KV write for preferences).
     Ack { epoch: Epoch, rid: u8 },
     /// Owner → edge: no live session of the device here (a new owner that
@@ -45,13 +54,13 @@ pub enum Body {
     Beacon { epoch: Epoch, seq: u32 },
     /// A new owner asks an edge to resend.
     Resync { epoch: Epoch },
-    /// Edge → owner: its live device of the shard and whether it watches.
+    /// Edge → owner: its live devices of the shard and whether it watches.
     Resynced {
         edge: u8,
         inc: u8,
         epoch: Epoch,
-        /// The connection of its device, if it holds one.
-        device: Option<u8>,
+        /// The connection of each device it holds, by device.
+        devices: [Option<u8>; 2],
         watches: bool,
     },
 }
@@ -68,9 +77,9 @@ pub struct Msg {
 pub struct OwnerState {
     pub epoch: Epoch,
     pub core: Core,
-    /// Owner-side session → (edge, incarnation, connection) holding the
-    /// device; the connection is the id of the edge's `Connect` request.
-    pub sessions: BTreeMap<SessionId, (u8, u8, u8)>,
+    /// Owner-side session → (edge, incarnation, connection, device) holding
+    /// the device; the connection is the id of the edge's `Connect` request.
+    pub sessions: BTreeMap<SessionId, (u8, u8, u8, u8)>,
     /// Last request id handled per (edge, incarnation).
     pub last_rid: BTreeMap<(u8, u8), u8>,
     /// Published views of this epoch.
@@ -122,7 +131,8 @@ pub struct NodeState {
     /// Last successful renewal of its node lease.
     pub renewed: u64,
     pub owner: Option<Box<OwnerState>>,
-    pub device: Option<EdgeDevice>,
+    /// Alice's devices held here, by device (`MOBILE`, `DESKTOP`).
+    pub devices: [Option<EdgeDevice>; 2],
     pub watcher: Option<Box<Watcher>>,
 }
 
@@ -141,10 +151,11 @@ pub struct Kv {
     pub prefs_epoch: Epoch,
     /// Alice's last published view.
     pub view: Option<Presence>,
-    /// Alice's devices: (edge, incarnation, connection, last heard).
-    pub devices: Vec<(u8, u8, u8, u64)>,
+    /// Alice's devices: (edge, incarnation, connection, device, last heard).
+    pub devices: Vec<(u8, u8, u8, u8, u64)>,
 }
 
+/// Alice's mobile (her desktop, when modelled, stays at the watcher's node).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Alice {
     pub at: Option<u8>,
@@ -154,6 +165,8 @@ pub struct Alice {
     pub flips: u8,
     pub invisible_asked: bool,
     pub invisible_acked: bool,
+    /// The mobile asked to log out: it does not come back.
+    pub logout_asked: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -232,6 +245,8 @@ pub enum Action {
     /// Alice's client reconnects to this node.
     Reconnect(u8),
     GoInvisible,
+    /// Alice's mobile logs out.
+    Logout,
     /// The KV applies a preference write and answers its owner.
     Store(Write),
     /// A write is slow: it lands only after a later tick (a bounded fault).

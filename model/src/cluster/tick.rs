@@ -32,11 +32,13 @@ impl ClusterModel {
                 {
                     node.owner = None;
                 }
-                if lapse(node.renewed) && node.device.is_some() {
+                if lapse(node.renewed) && node.devices[MOBILE as usize].is_some() {
                     // Cut off: close the clients before the lease runs out.
-                    node.device = None;
+                    // (The desktop's node is never cut off.)
+                    node.devices[MOBILE as usize] = None;
                     s.alice.at = None;
                     s.alice.away_since = Some(t);
+                    s.alice.gone |= s.alice.logout_asked;
                 }
             }
         }
@@ -47,7 +49,11 @@ impl ClusterModel {
             let due = |o: &&mut OwnerState| o.dirty.is_some_and(|d| t >= d + 2);
             if let Some(o) = node.owner.as_deref_mut().filter(due).filter(|_| !node.cut) {
                 o.dirty = None;
-                s.kv.devices = o.sessions.values().map(|&(e, i, c)| (e, i, c, t)).collect();
+                s.kv.devices = o
+                    .sessions
+                    .values()
+                    .map(|&(e, i, c, d)| (e, i, c, d, t))
+                    .collect();
             }
         }
         // KV expiries.
@@ -73,7 +79,7 @@ impl ClusterModel {
                 let gone: Vec<(SessionId, u64)> = o
                     .sessions
                     .iter()
-                    .filter_map(|(&session, &(edge, inc, _))| {
+                    .filter_map(|(&session, &(edge, inc, _, _))| {
                         let expired = lost
                             .iter()
                             .find(|&&(e, i, _)| e == edge && i == inc)
@@ -85,9 +91,14 @@ impl ClusterModel {
                             .map(|renewed| (session, renewed))
                     })
                     .collect();
+                let takes_user = self.is(ClusterMutant::EdgeLostTakesUser);
                 for (session, renewed) in gone {
-                    o.core
-                        .handle_edge_lost(Millis(t), &[session], Millis(renewed));
+                    let all: Vec<SessionId> = if takes_user {
+                        o.sessions.keys().copied().collect()
+                    } else {
+                        vec![session]
+                    };
+                    o.core.handle_edge_lost(Millis(t), &all, Millis(renewed));
                 }
             }
             s.nodes[n as usize].owner = Some(o);
@@ -140,16 +151,20 @@ impl ClusterModel {
                 if !node.up {
                     continue;
                 }
-                let req = node.device.as_ref().and_then(|d| {
-                    d.pending.map(|op| Body::Req {
-                        edge: n,
-                        inc: node.inc,
-                        rid: d.rid,
-                        op,
+                let reqs: Vec<Body> = (0..2u8)
+                    .filter_map(|dev| {
+                        let d = node.devices[dev as usize].as_ref()?;
+                        d.pending.map(|op| Body::Req {
+                            edge: n,
+                            inc: node.inc,
+                            rid: d.rid,
+                            dev,
+                            op,
+                        })
                     })
-                });
+                    .collect();
                 let snap = node.watcher.as_ref().is_some_and(|w| w.snap_pending);
-                if let Some(req) = req {
+                for req in reqs {
                     s.send(n, holder, req);
                 }
                 if snap {
@@ -185,9 +200,11 @@ impl ClusterModel {
         node.up = false;
         node.owner = None;
         node.watcher = None;
-        if node.device.take().is_some() {
+        if node.devices[MOBILE as usize].take().is_some() {
             s.alice.at = None;
             s.alice.away_since = Some(s.t);
+            s.alice.gone |= s.alice.logout_asked;
         }
+        node.devices[DESKTOP as usize] = None;
     }
 }
