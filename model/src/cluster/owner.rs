@@ -135,7 +135,7 @@ impl ClusterModel {
                 dev,
                 op,
             } => {
-                let done = o.last_rid.get(&(edge, inc)).is_some_and(|&r| rid <= r);
+                let done = o.last_rid.get(&(edge, inc, dev)).is_some_and(|&r| rid <= r);
                 let mut reply = Some(Body::Ack {
                     epoch: o.epoch,
                     rid,
@@ -143,13 +143,13 @@ impl ClusterModel {
                 if !done {
                     match op {
                         Op::Connect => {
-                            o.last_rid.insert((edge, inc), rid);
+                            o.last_rid.insert((edge, inc, dev), rid);
                             self.connect(s, &mut o, edge, inc, rid, dev);
                         }
                         Op::Logout => {
                             match live_session(&o, edge, inc, dev) {
                                 Some(session) => {
-                                    o.last_rid.insert((edge, inc), rid);
+                                    o.last_rid.insert((edge, inc, dev), rid);
                                     let all: Vec<SessionId> =
                                         if self.is(ClusterMutant::LogoutEndsUser) {
                                             o.sessions.keys().copied().collect()
@@ -175,7 +175,7 @@ impl ClusterModel {
                             match session {
                                 // Its write is on its way: the answer
                                 // comes when it lands.
-                                Some(_) if o.writing == Some((edge, inc, rid)) => reply = None,
+                                Some(_) if o.writing == Some((edge, inc, dev, rid)) => reply = None,
                                 Some(session) => {
                                     let set = o.core.handle_set_invisible(Millis(t), session, b);
                                     if set.is_ok() && !self.is(ClusterMutant::InvisibleInMemory) {
@@ -184,23 +184,23 @@ impl ClusterModel {
                                         // it: the edge asks again).
                                         reply = None;
                                         if !s.nodes[n as usize].cut {
-                                            o.writing = Some((edge, inc, rid));
+                                            o.writing = Some((edge, inc, dev, rid));
                                             s.writes.insert(Write {
                                                 sent: t,
                                                 node: n,
                                                 inc: s.nodes[n as usize].inc,
                                                 epoch: o.epoch,
-                                                request: (edge, inc, rid),
+                                                request: (edge, inc, dev, rid),
                                                 invisible: b,
                                                 held: false,
                                             });
                                         }
                                     } else {
-                                        o.last_rid.insert((edge, inc), rid);
+                                        o.last_rid.insert((edge, inc, dev), rid);
                                     }
                                 }
                                 None if self.is(ClusterMutant::AckWithoutSession) => {
-                                    o.last_rid.insert((edge, inc), rid);
+                                    o.last_rid.insert((edge, inc, dev), rid);
                                 }
                                 None => reply = Some(Body::Unknown { rid }),
                             }
@@ -310,7 +310,7 @@ impl ClusterModel {
         if !node.up || node.inc != w.inc {
             return; // the answer went to a process that is gone
         }
-        let (edge, inc, rid) = w.request;
+        let (edge, inc, dev, rid) = w.request;
         let owner = node.owner.as_deref_mut().filter(|o| o.epoch == w.epoch);
         let acting = owner.is_some();
         if let Some(o) = owner {
@@ -318,7 +318,7 @@ impl ClusterModel {
                 o.writing = None;
             }
             if ok {
-                o.last_rid.insert((edge, inc), rid);
+                o.last_rid.insert((edge, inc, dev), rid);
             }
         }
         if ok && (acting || self.is(ClusterMutant::AckAfterLostShard)) {

@@ -80,8 +80,11 @@ pub struct OwnerState {
     /// Owner-side session → (edge, incarnation, connection, device) holding
     /// the device; the connection is the id of the edge's `Connect` request.
     pub sessions: BTreeMap<SessionId, (u8, u8, u8, u8)>,
-    /// Last request id handled per (edge, incarnation).
-    pub last_rid: BTreeMap<(u8, u8), u8>,
+    /// Last request id handled per (edge, incarnation, device): per device,
+    /// since two devices at one edge may have their requests (and retries)
+    /// interleaved, and one device's newer request must not make another's
+    /// pending one look done.
+    pub last_rid: BTreeMap<(u8, u8, u8), u8>,
     /// Published views of this epoch.
     pub seq: u32,
     pub resync_until: u64,
@@ -92,9 +95,9 @@ pub struct OwnerState {
     pub dirty: Option<u64>,
     /// The last tick the claim was renewed.
     pub renewed: u64,
-    /// The request (edge, incarnation, request id) whose preference write
+    /// The request (edge, incarnation, device, request id) whose preference write
     /// is on its way to the KV: answered when the write lands.
-    pub writing: Option<(u8, u8, u8)>,
+    pub writing: Option<(u8, u8, u8, u8)>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -210,8 +213,8 @@ pub struct Write {
     pub inc: u8,
     /// The epoch it acts for.
     pub epoch: Epoch,
-    /// The request it answers: (edge, edge incarnation, request id).
-    pub request: (u8, u8, u8),
+    /// The request it answers: (edge, edge incarnation, device, request id).
+    pub request: (u8, u8, u8, u8),
     pub invisible: bool,
     /// Slow: it may land after any number of ticks.
     pub held: bool,
