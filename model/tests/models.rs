@@ -248,8 +248,8 @@ use greendot_model::cluster::{describe, ClusterBounds, ClusterModel, ClusterMuta
 
 /// Unique states of Model 3 at each of `ClusterBounds::CI`, as lower
 /// bounds (see `CORE_STATES`).
-const CLUSTER_STATES: [usize; 8] = [
-    320_216, 6_368, 3_750, 677_981, 49_559, 1_000_000, 85_174, 432_125,
+const CLUSTER_STATES: [usize; 9] = [
+    320_216, 6_368, 3_750, 677_981, 49_559, 1_000_000, 85_174, 432_125, 335_594,
 ];
 
 /// The "slow" bound's space is too large to exhaust in CI (over 9 million
@@ -338,6 +338,12 @@ fn model3_cluster_holds_two_devices() {
     check_cluster_bound("two-edge");
 }
 
+/// Bob's session resumes on another node from its session record.
+#[test]
+fn model3_cluster_holds_roam() {
+    check_cluster_bound("roam");
+}
+
 /// Every CI bound has its test above.
 #[test]
 fn model3_every_ci_bound_is_checked() {
@@ -403,6 +409,7 @@ fn model3_probe() {
         nodes: v("N", base.nodes.into()) as u8,
         alice_edge: v("AE", base.alice_edge.into()) as u8,
         desktop: v("DESK", base.desktop.into()) == 1,
+        bob_edge: v("BE", base.bob_edge.into()) as u8,
         logout_at: std::env::var("LO")
             .ok()
             .map_or(base.logout_at, |f| f.parse().ok()),

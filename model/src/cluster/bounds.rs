@@ -42,10 +42,15 @@ pub enum ClusterMutant {
     /// user with a device there, not only the devices that edge held (the
     /// aggregate, across edges).
     EdgeLostTakesUser,
+    /// An edge that reads a resuming session's record answers `resumed`
+    /// but does not subscribe it again: the client, told its
+    /// subscriptions were carried over, waits for views that never come
+    /// (C5, after bob resumes on another node).
+    ResumeDropsSubscriptions,
 }
 
 impl ClusterMutant {
-    pub const ALL: [ClusterMutant; 12] = [
+    pub const ALL: [ClusterMutant; 13] = [
         ClusterMutant::KeepOwningAfterLapse,
         ClusterMutant::NoResyncHold,
         ClusterMutant::IgnoreEdgeLost,
@@ -58,6 +63,7 @@ impl ClusterMutant {
         ClusterMutant::AckAfterLostShard,
         ClusterMutant::LogoutEndsUser,
         ClusterMutant::EdgeLostTakesUser,
+        ClusterMutant::ResumeDropsSubscriptions,
     ];
 
     /// The CI bound it is checked at: the smallest that shows it.
@@ -73,6 +79,7 @@ impl ClusterMutant {
             ClusterMutant::AckAfterLostShard => "slow",
             ClusterMutant::LogoutEndsUser => "two",
             ClusterMutant::EdgeLostTakesUser => "two-edge",
+            ClusterMutant::ResumeDropsSubscriptions => "roam",
         };
         *ClusterBounds::CI
             .iter()
@@ -91,7 +98,9 @@ impl ClusterMutant {
             ClusterMutant::InvisibleInMemory
             | ClusterMutant::AckWithoutSession
             | ClusterMutant::AckAfterLostShard => "C4 invisible survives failover",
-            ClusterMutant::NoEpochInVersions | ClusterMutant::NoBeacon => "C5 convergence",
+            ClusterMutant::NoEpochInVersions
+            | ClusterMutant::NoBeacon
+            | ClusterMutant::ResumeDropsSubscriptions => "C5 convergence",
             ClusterMutant::LogoutEndsUser | ClusterMutant::EdgeLostTakesUser => AGGREGATE,
         }
     }
@@ -109,6 +118,9 @@ pub struct ClusterBounds {
     pub desktop: bool,
     /// Alice's mobile logs out at this tick.
     pub logout_at: Option<u64>,
+    /// Where bob's watching session first is (node 0 never fails; on
+    /// another node, it may crash and bob resumes elsewhere).
+    pub bob_edge: u8,
     /// Who holds the shard's claim at time 0 (epoch 1).
     pub first_owner: u8,
     pub crashes: u8,
@@ -143,6 +155,7 @@ impl ClusterBounds {
         alice_edge: 1,
         desktop: false,
         logout_at: None,
+        bob_edge: WATCHER_NODE,
         first_owner: 1,
         crashes: 1,
         restarts: 1,
@@ -239,7 +252,20 @@ impl ClusterBounds {
         reaches: &[ONLINE, LOGGED_OUT, QUIET],
         ..ClusterBounds::EDGE
     };
-    pub const CI: [(&'static str, ClusterBounds); 8] = [
+    /// Two nodes: bob's session, alice's mobile and the owner on node 1,
+    /// which crashes (at a tick ≤ 2) and may restart; node 0 takes the
+    /// shard over; bob resumes his session on node 0 (or the restarted 1)
+    /// from his session record, and alice comes back or is gone (shown
+    /// offline); she may go invisible at tick 1. Bob's view must follow
+    /// hers across the move (C1, C2, C5).
+    pub const ROAM: ClusterBounds = ClusterBounds {
+        bob_edge: 1,
+        first_owner: 1,
+        flips: 1,
+        reaches: &[FAILOVER, ONLINE, ONLINE_LATER, RESUMED, QUIET],
+        ..ClusterBounds::EDGE
+    };
+    pub const CI: [(&'static str, ClusterBounds); 9] = [
         ("crash", ClusterBounds::CRASH),
         ("cut", ClusterBounds::CUT),
         ("edge", ClusterBounds::EDGE),
@@ -248,6 +274,7 @@ impl ClusterBounds {
         ("slow", ClusterBounds::SLOW),
         ("two", ClusterBounds::TWO),
         ("two-edge", ClusterBounds::TWO_EDGE),
+        ("roam", ClusterBounds::ROAM),
     ];
 }
 
@@ -258,6 +285,7 @@ pub const ONLINE: &str = "bob saw alice online";
 pub const ONLINE_LATER: &str = "bob saw alice online at a later epoch";
 pub const QUIET: &str = "converged and quiet";
 pub const STALE_WRITE: &str = "a former owner's write in flight after failover";
+pub const RESUMED: &str = "bob resumed on another node and saw alice go offline";
 pub const LOGGED_OUT: &str = "alice's mobile logged out, her desktop keeps her online";
 
 /// The property of the aggregate across the cluster: while alice's desktop

@@ -101,8 +101,8 @@ impl ClusterModel {
                 }
             }
             Body::Resync { epoch } => {
-                let watches = node.watcher.is_some();
-                if let Some(w) = node.watcher.as_deref_mut() {
+                let watches = node.watcher.as_ref().is_some_and(|w| w.watches());
+                if let Some(w) = node.watcher.as_deref_mut().filter(|w| w.watches()) {
                     w.snap_pending = true; // the snapshot comes with the answer
                     w.seen = w.seen.max((epoch, 0));
                 }
@@ -197,12 +197,12 @@ pub(super) fn pushes(fanout: &mut Fanout) -> Vec<Presence> {
 
 /// Bob's client applies an update; C1 and C2 are judged as it does.
 pub(super) fn bob_sees(s: &mut ClusterState, n: u8, p: Presence) {
-    let Some(w) = s.nodes[n as usize].watcher.as_deref_mut() else {
+    if s.bob.at != Some(n) {
         return;
-    };
-    let before = w.view.get(ALICE).cloned();
+    }
+    let before = s.bob.view.get(ALICE).cloned();
     let newest_epoch = before.as_ref().map(|b| epoch_of(b.version));
-    if w.view.apply(ALICE, p.clone()) == greendot_core::Applied::Dropped {
+    if s.bob.view.apply(ALICE, p.clone()) == greendot_core::Applied::Dropped {
         return;
     }
     if newest_epoch.is_some_and(|e| epoch_of(p.version) < e) {

@@ -38,10 +38,11 @@ mod tick;
 
 pub use bounds::{
     ClusterBounds, ClusterMutant, AGGREGATE, FAILOVER, LOGGED_OUT, ONLINE, ONLINE_LATER, QUIET,
-    STALE_WRITE,
+    RESUMED, STALE_WRITE,
 };
 pub use check::describe;
 use check::{c3, c5, has, quiet};
+use owner::watching;
 pub use state::*;
 
 use greendot_core::cluster::{epoch_of, owner_of, DeviceRecord, OwnedRecord};
@@ -58,7 +59,8 @@ pub const ALICE: UserId = UserId(1);
 pub const BOB: UserId = UserId(2);
 /// Bob's session at node 0's edge (edge-local id).
 const BOB_SESSION: SessionId = SessionId(1);
-/// The node of bob's watcher: never faulted.
+/// The node that never fails: bob's watcher (unless `ClusterBounds::bob_edge`
+/// says otherwise) and alice's desktop are there.
 pub const WATCHER_NODE: u8 = 0;
 const SHARD: ShardId = ShardId(0);
 /// Alice's devices, as indexes of `NodeState::devices`: the mobile moves
@@ -160,6 +162,20 @@ fn mobile_asks(s: &mut ClusterState, op: Op) -> Option<()> {
     Some(())
 }
 
+impl ClusterModel {
+    /// Bob's session at an edge, about to subscribe to alice or not.
+    fn watcher(&self, subscribes: bool) -> Box<Watcher> {
+        let mut fanout = Fanout::new(self.config.batch_interval);
+        fanout.open(BOB_SESSION, BOB);
+        Box::new(Watcher {
+            fanout,
+            subscribed: false,
+            snap_pending: subscribes,
+            seen: (Epoch(0), 0),
+        })
+    }
+}
+
 impl Model for ClusterModel {
     type State = ClusterState;
     type Action = Action;
@@ -191,17 +207,7 @@ impl Model for ClusterModel {
                         }
                     }),
                 ],
-                watcher: (n == WATCHER_NODE).then(|| {
-                    let mut fanout = Fanout::new(self.config.batch_interval);
-                    fanout.open(BOB_SESSION, BOB);
-                    Box::new(Watcher {
-                        fanout,
-                        view: View::new(),
-                        subscribed: false,
-                        snap_pending: true,
-                        seen: (Epoch(0), 0),
-                    })
-                }),
+                watcher: (n == b.bob_edge).then(|| self.watcher(true)),
             })
             .collect();
         let mut s = ClusterState {
@@ -215,6 +221,12 @@ impl Model for ClusterModel {
                 prefs_epoch: Epoch(0),
                 view: None,
                 devices: Vec::new(),
+                bob_record: Some(BOB_SESSION),
+            },
+            bob: Bob {
+                view: View::new(),
+                at: Some(b.bob_edge),
+                resumed: false,
             },
             net: BTreeSet::new(),
             alice: Alice {
@@ -254,9 +266,9 @@ impl Model for ClusterModel {
             }
         }
         s.send(
-            WATCHER_NODE,
+            b.bob_edge,
             b.first_owner,
-            Body::SnapReq { edge: WATCHER_NODE },
+            Body::SnapReq { edge: b.bob_edge },
         );
         while let Some(m) = s.local.pop_front() {
             self.deliver(&mut s, m);
@@ -304,6 +316,14 @@ impl Model for ClusterModel {
                 let node = &s.nodes[n as usize];
                 if node.up && !node.cut {
                     actions.push(Action::Reconnect(n));
+                }
+            }
+        }
+        if s.bob.at.is_none() && s.fresh {
+            for n in 0..b.nodes {
+                let node = &s.nodes[n as usize];
+                if node.up && !node.cut {
+                    actions.push(Action::BobResumes(n));
                 }
             }
         }
@@ -402,6 +422,22 @@ impl Model for ClusterModel {
                 s.alice.invisible_asked = true;
                 mobile_asks(&mut s, Op::SetInvisible(true))?;
             }
+            Action::BobResumes(n) => {
+                s.quiet_since = t;
+                // The edge reads his session record: it names his session,
+                // so it subscribes him to alice again here (a snapshot from
+                // her owner) and the welcome says `resumed`. Without the
+                // record the session is fresh and his client subscribes
+                // again itself: the same subscription either way.
+                let carried = s.kv.bob_record == Some(BOB_SESSION);
+                let subscribes = !(carried && self.is(ClusterMutant::ResumeDropsSubscriptions));
+                s.nodes[n as usize].watcher = Some(self.watcher(subscribes));
+                s.bob.at = Some(n);
+                s.bob.resumed = carried;
+                if let Some((holder, _, _)) = s.kv.claim.filter(|_| subscribes) {
+                    s.send(n, holder, Body::SnapReq { edge: n });
+                }
+            }
             Action::Logout => {
                 s.quiet_since = t;
                 s.alice.logout_asked = true;
@@ -438,18 +474,20 @@ impl Model for ClusterModel {
                 s.kv.epoch.0 >= 2 && s.nodes.iter().any(|n| n.owner.is_some())
             }),
             Property::sometimes(ONLINE, |_, s: &ClusterState| {
-                s.nodes[WATCHER_NODE as usize]
-                    .watcher
-                    .as_ref()
-                    .and_then(|w| w.view.get(ALICE))
-                    .is_some_and(|p| p.online)
+                s.bob.view.get(ALICE).is_some_and(|p| p.online)
             }),
             Property::sometimes(ONLINE_LATER, |_, s: &ClusterState| {
-                s.nodes[WATCHER_NODE as usize]
-                    .watcher
-                    .as_ref()
-                    .and_then(|w| w.view.get(ALICE))
+                s.bob
+                    .view
+                    .get(ALICE)
                     .is_some_and(|p| p.online && epoch_of(p.version).0 >= 2)
+            }),
+            Property::sometimes(RESUMED, |_, s: &ClusterState| {
+                s.bob.resumed
+                    && quiet(s).is_some_and(|o| {
+                        let shown = o.core.presence(ALICE);
+                        !shown.online && s.bob.view.get(ALICE) == Some(&shown)
+                    })
             }),
             Property::sometimes(STALE_WRITE, |_, s: &ClusterState| {
                 s.writes.iter().any(|w| w.epoch < s.kv.epoch)

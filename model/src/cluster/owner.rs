@@ -63,7 +63,11 @@ impl ClusterModel {
                 self.connect(s, &mut owner, n, inc, conn, dev);
             }
         }
-        if let Some(w) = s.nodes[n as usize].watcher.as_deref_mut() {
+        if let Some(w) = s.nodes[n as usize]
+            .watcher
+            .as_deref_mut()
+            .filter(|w| w.watches())
+        {
             w.snap_pending = true;
             w.seen = w.seen.max((epoch, 0));
         }
@@ -110,15 +114,15 @@ impl ClusterModel {
             }
             o.seq += 1;
             s.kv.view = Some(p.presence.clone());
-            s.send(
-                n,
-                WATCHER_NODE,
-                Body::View {
+            // On the shard's subject: to every edge with a watcher of it.
+            for m in watching(s) {
+                let view = Body::View {
                     epoch: o.epoch,
                     seq: o.seq,
-                    presence: Shown(p.presence),
-                },
-            );
+                    presence: Shown(p.presence.clone()),
+                };
+                s.send(n, m, view);
+            }
         }
     }
 
@@ -329,6 +333,18 @@ impl ClusterModel {
             s.send(w.node, edge, ack);
         }
     }
+}
+
+/// The nodes whose edge watches the shard (NATS delivers them its subject).
+pub(super) fn watching(s: &ClusterState) -> Vec<u8> {
+    (0..s.nodes.len() as u8)
+        .filter(|&m| {
+            s.nodes[m as usize]
+                .watcher
+                .as_ref()
+                .is_some_and(|w| w.watches())
+        })
+        .collect()
 }
 
 /// The Online session of alice's device `dev` at (edge, incarnation).

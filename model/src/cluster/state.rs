@@ -111,11 +111,10 @@ pub struct EdgeDevice {
     pub then: Option<Op>,
 }
 
+/// Bob's session at an edge: its fanout and its watch of alice's shard.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Watcher {
     pub fanout: Fanout,
-    /// Bob's client's view (the edge → client stream is reliable).
-    pub view: View,
     pub subscribed: bool,
     pub snap_pending: bool,
     /// The highest (epoch, seq) seen on the shard's subject.
@@ -154,11 +153,27 @@ pub struct Kv {
     pub prefs_epoch: Epoch,
     /// Alice's last published view.
     pub view: Option<Presence>,
+    /// Bob's session record (bucket `gd_sessions`): the session and its
+    /// subscriptions (alice, realtime), written before his subscribe was
+    /// answered; read by an edge he resumes on.
+    pub bob_record: Option<SessionId>,
     /// Alice's devices: (edge, incarnation, connection, device, last heard).
     pub devices: Vec<(u8, u8, u8, u8, u64)>,
 }
 
-/// Alice's mobile (her desktop, when modelled, stays at the watcher's node).
+/// Bob's client: its view outlives the edge it is connected to.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Bob {
+    /// Bob's client's view (the edge → client stream is reliable).
+    pub view: View,
+    /// The node whose edge holds his session (`None` after it crashed,
+    /// until he resumes elsewhere).
+    pub at: Option<u8>,
+    /// He resumed on another node and was told `resumed`.
+    pub resumed: bool,
+}
+
+/// Alice's mobile (her desktop, when modelled, stays at node 0).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Alice {
     pub at: Option<u8>,
@@ -179,6 +194,7 @@ pub struct ClusterState {
     pub kv: Kv,
     pub net: BTreeSet<Msg>,
     pub alice: Alice,
+    pub bob: Bob,
     pub crashes: u8,
     pub restarts: u8,
     pub cuts: u8,
@@ -220,6 +236,13 @@ pub struct Write {
     pub held: bool,
 }
 
+impl Watcher {
+    /// Subscribed to alice, or subscribing.
+    pub fn watches(&self) -> bool {
+        self.subscribed || self.snap_pending
+    }
+}
+
 impl ClusterState {
     /// Sends `body` from node `from` to node `to`: over the network, or in
     /// process when `to` is `from`.
@@ -250,6 +273,8 @@ pub enum Action {
     GoInvisible,
     /// Alice's mobile logs out.
     Logout,
+    /// Bob's client resumes his session on this node (his edge died).
+    BobResumes(u8),
     /// The KV applies a preference write and answers its owner.
     Store(Write),
     /// A write is slow: it lands only after a later tick (a bounded fault).

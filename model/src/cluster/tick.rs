@@ -40,6 +40,10 @@ impl ClusterModel {
                     s.alice.away_since = Some(t);
                     s.alice.gone |= s.alice.logout_asked;
                 }
+                if lapse(node.renewed) && node.watcher.is_some() {
+                    node.watcher = None;
+                    s.bob.at = None;
+                }
             }
         }
         // Device changes are written behind, two ticks after they happen
@@ -126,14 +130,13 @@ impl ClusterModel {
             // Beacons and resync retries only matter where messages get
             // lost; without losses they would only add interleavings.
             if self.bounds.drops > 0 {
-                s.send(
-                    n,
-                    WATCHER_NODE,
-                    Body::Beacon {
+                for m in watching(s) {
+                    let beacon = Body::Beacon {
                         epoch: o.epoch,
                         seq: o.seq,
-                    },
-                );
+                    };
+                    s.send(n, m, beacon);
+                }
             }
             if t < o.resync_until && self.bounds.drops > 0 {
                 for m in (0..nodes).filter(|&m| m != n) {
@@ -199,7 +202,9 @@ impl ClusterModel {
         let node = &mut s.nodes[n as usize];
         node.up = false;
         node.owner = None;
-        node.watcher = None;
+        if node.watcher.take().is_some() {
+            s.bob.at = None;
+        }
         if node.devices[MOBILE as usize].take().is_some() {
             s.alice.at = None;
             s.alice.away_since = Some(s.t);
