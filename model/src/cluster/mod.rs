@@ -18,10 +18,12 @@
 //!
 //! The world: one shard; alice (user 1) has a mobile, connected at an edge,
 //! and in some bounds a desktop, connected at node 0 throughout; bob (user
-//! 2) watches alice in realtime from node 0, which never fails. Faults
-//! (bounded counts): crash, restart, cut-off of any other node; a lost
-//! message. Alice's mobile reconnects to a live node within grace after its
-//! edge died, or gives up; it may turn invisible once, and log out.
+//! 2) watches alice in realtime from node 0, which never fails, or in the
+//! `roam` bound from node 1, and resumes his session elsewhere from its
+//! session record when node 1 crashes. Faults (bounded counts): crash,
+//! restart, cut-off of any other node; a lost message. Alice's mobile
+//! reconnects to a live node within grace after its edge died, or gives
+//! up; it may turn invisible once, and log out.
 //!
 //! Delay: a message sent at tick t is delivered (or lost) before the clock
 //! passes t + 1, in any order: delays shorter than two ticks. Faults and
