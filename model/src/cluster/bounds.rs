@@ -35,10 +35,22 @@ pub enum ClusterMutant {
     /// "invisible" while the new owner, which read the KV before the write
     /// landed, shows her online; bug 1 of issue 30).
     AckAfterLostShard,
+    /// An owner handles one device's logout by logging out every session of
+    /// its user (the aggregate; only a world with two devices shows it).
+    LogoutEndsUser,
+    /// An owner that sees an edge's lease expire loses every session of a
+    /// user with a device there, not only the devices that edge held (the
+    /// aggregate, across edges).
+    EdgeLostTakesUser,
+    /// An edge that reads a resuming session's record answers `resumed`
+    /// but does not subscribe it again: the client, told its
+    /// subscriptions were carried over, waits for views that never come
+    /// (C5, after bob resumes on another node).
+    ResumeDropsSubscriptions,
 }
 
 impl ClusterMutant {
-    pub const ALL: [ClusterMutant; 10] = [
+    pub const ALL: [ClusterMutant; 13] = [
         ClusterMutant::KeepOwningAfterLapse,
         ClusterMutant::NoResyncHold,
         ClusterMutant::IgnoreEdgeLost,
@@ -49,6 +61,9 @@ impl ClusterMutant {
         ClusterMutant::EndedWithoutIncarnation,
         ClusterMutant::NoBeacon,
         ClusterMutant::AckAfterLostShard,
+        ClusterMutant::LogoutEndsUser,
+        ClusterMutant::EdgeLostTakesUser,
+        ClusterMutant::ResumeDropsSubscriptions,
     ];
 
     /// The CI bound it is checked at: the smallest that shows it.
@@ -62,6 +77,9 @@ impl ClusterMutant {
             ClusterMutant::InvisibleInMemory | ClusterMutant::NoEpochInVersions => "crash",
             ClusterMutant::NoBeacon => "lossy",
             ClusterMutant::AckAfterLostShard => "slow",
+            ClusterMutant::LogoutEndsUser => "two",
+            ClusterMutant::EdgeLostTakesUser => "two-edge",
+            ClusterMutant::ResumeDropsSubscriptions => "roam",
         };
         *ClusterBounds::CI
             .iter()
@@ -80,7 +98,10 @@ impl ClusterMutant {
             ClusterMutant::InvisibleInMemory
             | ClusterMutant::AckWithoutSession
             | ClusterMutant::AckAfterLostShard => "C4 invisible survives failover",
-            ClusterMutant::NoEpochInVersions | ClusterMutant::NoBeacon => "C5 convergence",
+            ClusterMutant::NoEpochInVersions
+            | ClusterMutant::NoBeacon
+            | ClusterMutant::ResumeDropsSubscriptions => "C5 convergence",
+            ClusterMutant::LogoutEndsUser | ClusterMutant::EdgeLostTakesUser => AGGREGATE,
         }
     }
 }
@@ -90,8 +111,16 @@ impl ClusterMutant {
 pub struct ClusterBounds {
     /// 2 or 3.
     pub nodes: u8,
-    /// Where alice's device first connects.
+    /// Where alice's mobile first connects.
     pub alice_edge: u8,
+    /// Alice also has a desktop, connected at the watcher's node (which
+    /// never fails) for the whole run.
+    pub desktop: bool,
+    /// Alice's mobile logs out at this tick.
+    pub logout_at: Option<u64>,
+    /// Where bob's watching session first is (node 0 never fails; on
+    /// another node, it may crash and bob resumes elsewhere).
+    pub bob_edge: u8,
     /// Who holds the shard's claim at time 0 (epoch 1).
     pub first_owner: u8,
     pub crashes: u8,
@@ -124,6 +153,9 @@ impl ClusterBounds {
     pub const CRASH: ClusterBounds = ClusterBounds {
         nodes: 2,
         alice_edge: 1,
+        desktop: false,
+        logout_at: None,
+        bob_edge: WATCHER_NODE,
         first_owner: 1,
         crashes: 1,
         restarts: 1,
@@ -195,13 +227,54 @@ impl ClusterBounds {
         reaches: &[FAILOVER, ONLINE, STALE_WRITE],
         ..ClusterBounds::THREE
     };
-    pub const CI: [(&'static str, ClusterBounds); 6] = [
+    /// Two nodes, two devices: alice's desktop on 0 (with bob), her mobile
+    /// on 1, the owner; the mobile may go invisible at tick 1 and logs out
+    /// at tick 2, and node 1 may crash (at ticks up to 3: before, during or
+    /// after the logout): node 0 takes the shard over and restores both
+    /// devices' records. Bob must see her online throughout, unless she
+    /// asked to be invisible.
+    pub const TWO: ClusterBounds = ClusterBounds {
+        desktop: true,
+        logout_at: Some(2),
+        restarts: 0,
+        max_time: 7,
+        reaches: &[FAILOVER, ONLINE, ONLINE_LATER, LOGGED_OUT, QUIET],
+        ..ClusterBounds::CRASH
+    };
+    /// Two nodes, two devices: the owner is node 0 (bob, alice's desktop);
+    /// the mobile's edge (1) crashes and may restart; the mobile comes back
+    /// (and may go invisible at tick 1, log out at tick 3) or gives up. Bob
+    /// must see her online throughout, unless she asked to be invisible.
+    pub const TWO_EDGE: ClusterBounds = ClusterBounds {
+        desktop: true,
+        flips: 1,
+        logout_at: Some(3),
+        reaches: &[ONLINE, LOGGED_OUT, QUIET],
+        ..ClusterBounds::EDGE
+    };
+    /// Two nodes: bob's session, alice's mobile and the owner on node 1,
+    /// which crashes (at a tick ≤ 2) and may restart; node 0 takes the
+    /// shard over; bob resumes his session on node 0 (or the restarted 1)
+    /// from his session record, and alice comes back or is gone (shown
+    /// offline); she may go invisible at tick 1. Bob's view must follow
+    /// hers across the move (C1, C2, C5).
+    pub const ROAM: ClusterBounds = ClusterBounds {
+        bob_edge: 1,
+        first_owner: 1,
+        flips: 1,
+        reaches: &[FAILOVER, ONLINE, ONLINE_LATER, RESUMED, QUIET],
+        ..ClusterBounds::EDGE
+    };
+    pub const CI: [(&'static str, ClusterBounds); 9] = [
         ("crash", ClusterBounds::CRASH),
         ("cut", ClusterBounds::CUT),
         ("edge", ClusterBounds::EDGE),
         ("three", ClusterBounds::THREE),
         ("lossy", ClusterBounds::LOSSY),
         ("slow", ClusterBounds::SLOW),
+        ("two", ClusterBounds::TWO),
+        ("two-edge", ClusterBounds::TWO_EDGE),
+        ("roam", ClusterBounds::ROAM),
     ];
 }
 
@@ -212,3 +285,10 @@ pub const ONLINE: &str = "bob saw alice online";
 pub const ONLINE_LATER: &str = "bob saw alice online at a later epoch";
 pub const QUIET: &str = "converged and quiet";
 pub const STALE_WRITE: &str = "a former owner's write in flight after failover";
+pub const RESUMED: &str = "bob resumed on another node and saw alice go offline";
+pub const LOGGED_OUT: &str = "alice's mobile logged out, her desktop keeps her online";
+
+/// The property of the aggregate across the cluster: while alice's desktop
+/// is connected, bob never sees her offline (unless she asked to be
+/// invisible), whatever her mobile does: log out, lose its edge, move.
+pub const AGGREGATE: &str = "no wrong aggregate across the cluster";

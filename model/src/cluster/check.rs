@@ -17,6 +17,10 @@ pub(super) fn c3(s: &ClusterState) -> bool {
     if !s.alice.gone || s.alice.invisible_asked || s.t <= since + GHOST_BOUND {
         return true;
     }
+    // Her desktop keeps her online (the aggregate's business).
+    if s.nodes[WATCHER_NODE as usize].devices[DESKTOP as usize].is_some() {
+        return true;
+    }
     s.nodes
         .iter()
         .filter_map(|n| n.owner.as_deref())
@@ -40,10 +44,10 @@ pub(super) fn c5(s: &ClusterState) -> bool {
     let Some(o) = quiet(s) else {
         return true;
     };
-    let Some(w) = s.nodes[WATCHER_NODE as usize].watcher.as_deref() else {
-        return true;
-    };
-    w.view.get(ALICE) == Some(&o.core.presence(ALICE))
+    if s.bob.at.is_none() {
+        return true; // his edge died; he has not resumed yet
+    }
+    s.bob.view.get(ALICE) == Some(&o.core.presence(ALICE))
 }
 
 /// A short account of a state, for counterexamples.
@@ -62,10 +66,7 @@ pub fn describe(s: &ClusterState) -> String {
             })
         })
         .collect();
-    let bob = s.nodes[WATCHER_NODE as usize]
-        .watcher
-        .as_ref()
-        .and_then(|w| w.view.get(ALICE).cloned());
+    let bob = s.bob.view.get(ALICE).cloned();
     format!(
         "t={} claim={:?} alice={:?} owners={owners:?} bob={bob:?} bad={:?}",
         s.t, s.kv.claim, s.alice, s.bad

@@ -29,16 +29,35 @@ impl ClusterModel {
             Body::Ended { inc, conn } => {
                 let this_process =
                     node.inc == inc || self.is(ClusterMutant::EndedWithoutIncarnation);
-                if this_process && node.device.as_ref().is_some_and(|d| d.conn == conn) {
-                    node.device = None;
-                    s.alice.at = None;
-                    s.alice.away_since = Some(t);
+                let dev = node
+                    .devices
+                    .iter()
+                    .position(|d| d.as_ref().is_some_and(|d| d.conn == conn));
+                if let Some(dev) = dev.filter(|_| this_process) {
+                    node.devices[dev] = None;
+                    if dev == MOBILE as usize {
+                        s.alice.at = None;
+                        s.alice.away_since = Some(t);
+                        s.alice.gone |= s.alice.logout_asked;
+                    }
                 }
             }
             Body::Ack { rid, .. } => {
-                if let Some(d) = node.device.as_mut().filter(|d| d.rid == rid) {
+                let dev = node
+                    .devices
+                    .iter()
+                    .position(|d| d.as_ref().is_some_and(|d| d.rid == rid));
+                if let Some(dev) = dev {
+                    let d = node.devices[dev].as_mut().expect("found");
                     if let Some(Op::SetInvisible(true)) = d.pending {
                         s.alice.invisible_acked = true;
+                    }
+                    if d.pending == Some(Op::Logout) {
+                        // Logged out: the mobile is done.
+                        node.devices[dev] = None;
+                        s.alice.at = None;
+                        s.alice.gone = true;
+                        return;
                     }
                     d.pending = d.then.take();
                     if let Some(op) = d.pending {
@@ -48,6 +67,7 @@ impl ClusterModel {
                             edge: n,
                             inc: node.inc,
                             rid: d.rid,
+                            dev: dev as u8,
                             op,
                         };
                         if let Some((holder, _, _)) = s.kv.claim {
@@ -57,7 +77,12 @@ impl ClusterModel {
                 }
             }
             Body::Unknown { rid } => {
-                if let Some(d) = node.device.as_mut().filter(|d| d.rid == rid) {
+                let dev = node
+                    .devices
+                    .iter()
+                    .position(|d| d.as_ref().is_some_and(|d| d.rid == rid));
+                if let Some(dev) = dev {
+                    let d = node.devices[dev].as_mut().expect("found");
                     d.then = d.pending.take();
                     node.rids += 1;
                     d.rid = node.rids;
@@ -67,6 +92,7 @@ impl ClusterModel {
                         edge: n,
                         inc: node.inc,
                         rid: d.rid,
+                        dev: dev as u8,
                         op: Op::Connect,
                     };
                     if let Some((holder, _, _)) = s.kv.claim {
@@ -75,8 +101,8 @@ impl ClusterModel {
                 }
             }
             Body::Resync { epoch } => {
-                let watches = node.watcher.is_some();
-                if let Some(w) = node.watcher.as_deref_mut() {
+                let watches = node.watcher.as_ref().is_some_and(|w| w.watches());
+                if let Some(w) = node.watcher.as_deref_mut().filter(|w| w.watches()) {
                     w.snap_pending = true; // the snapshot comes with the answer
                     w.seen = w.seen.max((epoch, 0));
                 }
@@ -84,7 +110,7 @@ impl ClusterModel {
                     edge: n,
                     inc: node.inc,
                     epoch,
-                    device: node.device.as_ref().map(|d| d.conn),
+                    devices: node.devices.clone().map(|d| d.map(|d| d.conn)),
                     watches,
                 };
                 if let Some((holder, _, _)) = s.kv.claim.filter(|c| c.1 == epoch) {
@@ -171,19 +197,26 @@ pub(super) fn pushes(fanout: &mut Fanout) -> Vec<Presence> {
 
 /// Bob's client applies an update; C1 and C2 are judged as it does.
 pub(super) fn bob_sees(s: &mut ClusterState, n: u8, p: Presence) {
-    let Some(w) = s.nodes[n as usize].watcher.as_deref_mut() else {
+    if s.bob.at != Some(n) {
         return;
-    };
-    let before = w.view.get(ALICE).cloned();
+    }
+    let before = s.bob.view.get(ALICE).cloned();
     let newest_epoch = before.as_ref().map(|b| epoch_of(b.version));
-    if w.view.apply(ALICE, p.clone()) == greendot_core::Applied::Dropped {
+    if s.bob.view.apply(ALICE, p.clone()) == greendot_core::Applied::Dropped {
         return;
     }
     if newest_epoch.is_some_and(|e| epoch_of(p.version) < e) {
         s.bad
             .push(format!("C1: bob took a view of an older epoch: {p:?}"));
     }
-    let excused = s.alice.gone || s.alice.invisible_asked;
+    let desktop = s.nodes[WATCHER_NODE as usize].devices[DESKTOP as usize].is_some();
+    if before.as_ref().is_some_and(|b| b.online) && !p.online && desktop && !s.alice.invisible_asked
+    {
+        s.bad.push(format!(
+            "AG: bob shown alice offline while her desktop is connected: {p:?}"
+        ));
+    }
+    let excused = s.alice.gone || s.alice.invisible_asked || s.alice.logout_asked;
     if before.is_some_and(|b| b.online) && !p.online && !excused {
         s.bad.push(format!(
             "C2: bob shown alice offline while she is connected or back within grace: {p:?}"

@@ -16,11 +16,14 @@
 //! KV expiries, edge-lost handling, claims of free shards, core timers,
 //! beacons and retries.
 //!
-//! The world: one shard; alice (user 1) has one device, connected at an edge;
-//! bob (user 2) watches alice in realtime from node 0, which never fails.
-//! Faults (bounded counts): crash, restart, cut-off of any other node; a lost
-//! message. Alice's client reconnects to a live node within grace after its
-//! edge died, or gives up; it may turn invisible once.
+//! The world: one shard; alice (user 1) has a mobile, connected at an edge,
+//! and in some bounds a desktop, connected at node 0 throughout; bob (user
+//! 2) watches alice in realtime from node 0, which never fails, or in the
+//! `roam` bound from node 1, and resumes his session elsewhere from its
+//! session record when node 1 crashes. Faults (bounded counts): crash,
+//! restart, cut-off of any other node; a lost message. Alice's mobile
+//! reconnects to a live node within grace after its edge died, or gives
+//! up; it may turn invisible once, and log out.
 //!
 //! Delay: a message sent at tick t is delivered (or lost) before the clock
 //! passes t + 1, in any order: delays shorter than two ticks. Faults and
@@ -36,10 +39,12 @@ mod state;
 mod tick;
 
 pub use bounds::{
-    ClusterBounds, ClusterMutant, FAILOVER, ONLINE, ONLINE_LATER, QUIET, STALE_WRITE,
+    ClusterBounds, ClusterMutant, AGGREGATE, FAILOVER, LOGGED_OUT, ONLINE, ONLINE_LATER, QUIET,
+    RESUMED, STALE_WRITE,
 };
 pub use check::describe;
 use check::{c3, c5, has, quiet};
+use owner::watching;
 pub use state::*;
 
 use greendot_core::cluster::{epoch_of, owner_of, DeviceRecord, OwnedRecord};
@@ -56,9 +61,29 @@ pub const ALICE: UserId = UserId(1);
 pub const BOB: UserId = UserId(2);
 /// Bob's session at node 0's edge (edge-local id).
 const BOB_SESSION: SessionId = SessionId(1);
-/// The node of bob's watcher: never faulted.
+/// The node that never fails: bob's watcher (unless `ClusterBounds::bob_edge`
+/// says otherwise) and alice's desktop are there.
 pub const WATCHER_NODE: u8 = 0;
 const SHARD: ShardId = ShardId(0);
+/// Alice's devices, as indexes of `NodeState::devices`: the mobile moves
+/// between nodes; the desktop (when `ClusterBounds::desktop`) stays
+/// connected at the watcher's node, which never fails.
+pub const MOBILE: u8 = 0;
+pub const DESKTOP: u8 = 1;
+
+/// The core's id of alice's device `dev`.
+pub(crate) fn device_id(dev: u8) -> DeviceId {
+    DeviceId(u64::from(dev) + 1)
+}
+
+/// The core's kind of alice's device `dev`.
+pub(crate) fn device_kind(dev: u8) -> DeviceKind {
+    if dev == MOBILE {
+        DeviceKind::Mobile
+    } else {
+        DeviceKind::Desktop
+    }
+}
 
 /// Timing, in ticks (the cores' milliseconds are ticks).
 pub const TTL: u64 = 3;
@@ -117,6 +142,42 @@ impl ClusterModel {
     }
 }
 
+/// Alice's mobile sends `op` to the shard's owner (resent each tick until
+/// acknowledged).
+fn mobile_asks(s: &mut ClusterState, op: Op) -> Option<()> {
+    let n = s.alice.at?;
+    let node = &mut s.nodes[n as usize];
+    let d = node.devices[MOBILE as usize].as_mut()?;
+    node.rids += 1;
+    d.rid = node.rids;
+    d.pending = Some(op);
+    let body = Body::Req {
+        edge: n,
+        inc: node.inc,
+        rid: d.rid,
+        dev: MOBILE,
+        op,
+    };
+    if let Some((holder, _, _)) = s.kv.claim {
+        s.send(n, holder, body);
+    }
+    Some(())
+}
+
+impl ClusterModel {
+    /// Bob's session at an edge, about to subscribe to alice or not.
+    fn watcher(&self, subscribes: bool) -> Box<Watcher> {
+        let mut fanout = Fanout::new(self.config.batch_interval);
+        fanout.open(BOB_SESSION, BOB);
+        Box::new(Watcher {
+            fanout,
+            subscribed: false,
+            snap_pending: subscribes,
+            seen: (Epoch(0), 0),
+        })
+    }
+}
+
 impl Model for ClusterModel {
     type State = ClusterState;
     type Action = Action;
@@ -128,26 +189,27 @@ impl Model for ClusterModel {
                 up: true,
                 cut: false,
                 inc: 0,
-                rids: u8::from(n == b.alice_edge),
+                rids: u8::from(n == b.alice_edge) + u8::from(b.desktop && n == WATCHER_NODE),
                 renewed: 0,
                 owner: None,
-                device: (n == b.alice_edge).then_some(EdgeDevice {
-                    rid: 1,
-                    conn: 1,
-                    pending: Some(Op::Connect),
-                    then: None,
-                }),
-                watcher: (n == WATCHER_NODE).then(|| {
-                    let mut fanout = Fanout::new(self.config.batch_interval);
-                    fanout.open(BOB_SESSION, BOB);
-                    Box::new(Watcher {
-                        fanout,
-                        view: View::new(),
-                        subscribed: false,
-                        snap_pending: true,
-                        seen: (Epoch(0), 0),
-                    })
-                }),
+                devices: [
+                    (n == b.alice_edge).then_some(EdgeDevice {
+                        rid: 1,
+                        conn: 1,
+                        pending: Some(Op::Connect),
+                        then: None,
+                    }),
+                    (b.desktop && n == WATCHER_NODE).then(|| {
+                        let rid = u8::from(n == b.alice_edge) + 1;
+                        EdgeDevice {
+                            rid,
+                            conn: rid,
+                            pending: Some(Op::Connect),
+                            then: None,
+                        }
+                    }),
+                ],
+                watcher: (n == b.bob_edge).then(|| self.watcher(true)),
             })
             .collect();
         let mut s = ClusterState {
@@ -161,6 +223,12 @@ impl Model for ClusterModel {
                 prefs_epoch: Epoch(0),
                 view: None,
                 devices: Vec::new(),
+                bob_record: Some(BOB_SESSION),
+            },
+            bob: Bob {
+                view: View::new(),
+                at: Some(b.bob_edge),
+                resumed: false,
             },
             net: BTreeSet::new(),
             alice: Alice {
@@ -170,6 +238,7 @@ impl Model for ClusterModel {
                 flips: b.flips,
                 invisible_asked: false,
                 invisible_acked: false,
+                logout_asked: false,
             },
             crashes: b.crashes,
             restarts: b.restarts,
@@ -184,20 +253,24 @@ impl Model for ClusterModel {
         };
         self.claim_shard(&mut s, b.first_owner);
         // The first requests go out at once.
+        for n in 0..b.nodes {
+            for (dev, d) in s.nodes[n as usize].devices.clone().iter().enumerate() {
+                if let Some(d) = d {
+                    let req = Body::Req {
+                        edge: n,
+                        inc: 0,
+                        rid: d.rid,
+                        dev: dev as u8,
+                        op: Op::Connect,
+                    };
+                    s.send(n, b.first_owner, req);
+                }
+            }
+        }
         s.send(
-            b.alice_edge,
+            b.bob_edge,
             b.first_owner,
-            Body::Req {
-                edge: b.alice_edge,
-                inc: 0,
-                rid: 1,
-                op: Op::Connect,
-            },
-        );
-        s.send(
-            WATCHER_NODE,
-            b.first_owner,
-            Body::SnapReq { edge: WATCHER_NODE },
+            Body::SnapReq { edge: b.bob_edge },
         );
         while let Some(m) = s.local.pop_front() {
             self.deliver(&mut s, m);
@@ -248,14 +321,24 @@ impl Model for ClusterModel {
                 }
             }
         }
-        if s.alice.flips > 0
-            && s.t == b.invisible_at
-            && s.alice
-                .at
-                .and_then(|n| s.nodes[n as usize].device.as_ref())
-                .is_some_and(|d| d.pending.is_none())
-        {
+        if s.bob.at.is_none() && s.fresh {
+            for n in 0..b.nodes {
+                let node = &s.nodes[n as usize];
+                if node.up && !node.cut {
+                    actions.push(Action::BobResumes(n));
+                }
+            }
+        }
+        let mobile_idle = s
+            .alice
+            .at
+            .and_then(|n| s.nodes[n as usize].devices[MOBILE as usize].as_ref())
+            .is_some_and(|d| d.pending.is_none());
+        if s.alice.flips > 0 && s.t == b.invisible_at && mobile_idle {
             actions.push(Action::GoInvisible);
+        }
+        if b.logout_at == Some(s.t) && !s.alice.logout_asked && mobile_idle {
+            actions.push(Action::Logout);
         }
     }
 
@@ -318,7 +401,7 @@ impl Model for ClusterModel {
                 let node = &mut s.nodes[n as usize];
                 node.rids += 1;
                 let rid = node.rids;
-                node.device = Some(EdgeDevice {
+                node.devices[MOBILE as usize] = Some(EdgeDevice {
                     rid,
                     conn: rid,
                     pending: Some(Op::Connect),
@@ -328,6 +411,7 @@ impl Model for ClusterModel {
                     edge: n,
                     inc: node.inc,
                     rid,
+                    dev: MOBILE,
                     op: Op::Connect,
                 };
                 if let Some((holder, _, _)) = s.kv.claim {
@@ -338,21 +422,28 @@ impl Model for ClusterModel {
                 s.quiet_since = t;
                 s.alice.flips -= 1;
                 s.alice.invisible_asked = true;
-                let n = s.alice.at?;
-                let node = &mut s.nodes[n as usize];
-                let d = node.device.as_mut()?;
-                node.rids += 1;
-                d.rid = node.rids;
-                d.pending = Some(Op::SetInvisible(true));
-                let body = Body::Req {
-                    edge: n,
-                    inc: node.inc,
-                    rid: d.rid,
-                    op: Op::SetInvisible(true),
-                };
-                if let Some((holder, _, _)) = s.kv.claim {
-                    s.send(n, holder, body);
+                mobile_asks(&mut s, Op::SetInvisible(true))?;
+            }
+            Action::BobResumes(n) => {
+                s.quiet_since = t;
+                // The edge reads his session record: it names his session,
+                // so it subscribes him to alice again here (a snapshot from
+                // her owner) and the welcome says `resumed`. Without the
+                // record the session is fresh and his client subscribes
+                // again itself: the same subscription either way.
+                let carried = s.kv.bob_record == Some(BOB_SESSION);
+                let subscribes = !(carried && self.is(ClusterMutant::ResumeDropsSubscriptions));
+                s.nodes[n as usize].watcher = Some(self.watcher(subscribes));
+                s.bob.at = Some(n);
+                s.bob.resumed = carried;
+                if let Some((holder, _, _)) = s.kv.claim.filter(|_| subscribes) {
+                    s.send(n, holder, Body::SnapReq { edge: n });
                 }
+            }
+            Action::Logout => {
+                s.quiet_since = t;
+                s.alice.logout_asked = true;
+                mobile_asks(&mut s, Op::Logout)?;
             }
         }
         while let Some(m) = s.local.pop_front() {
@@ -380,25 +471,36 @@ impl Model for ClusterModel {
                 !has(s, "C4") && (!acked || !shown_online)
             }),
             Property::always("C5 convergence", |_, s: &ClusterState| c5(s)),
+            Property::always(AGGREGATE, |_, s: &ClusterState| !has(s, "AG")),
             Property::sometimes(FAILOVER, |_, s: &ClusterState| {
                 s.kv.epoch.0 >= 2 && s.nodes.iter().any(|n| n.owner.is_some())
             }),
             Property::sometimes(ONLINE, |_, s: &ClusterState| {
-                s.nodes[WATCHER_NODE as usize]
-                    .watcher
-                    .as_ref()
-                    .and_then(|w| w.view.get(ALICE))
-                    .is_some_and(|p| p.online)
+                s.bob.view.get(ALICE).is_some_and(|p| p.online)
             }),
             Property::sometimes(ONLINE_LATER, |_, s: &ClusterState| {
-                s.nodes[WATCHER_NODE as usize]
-                    .watcher
-                    .as_ref()
-                    .and_then(|w| w.view.get(ALICE))
+                s.bob
+                    .view
+                    .get(ALICE)
                     .is_some_and(|p| p.online && epoch_of(p.version).0 >= 2)
+            }),
+            Property::sometimes(RESUMED, |_, s: &ClusterState| {
+                s.bob.resumed
+                    && quiet(s).is_some_and(|o| {
+                        let shown = o.core.presence(ALICE);
+                        !shown.online && s.bob.view.get(ALICE) == Some(&shown)
+                    })
             }),
             Property::sometimes(STALE_WRITE, |_, s: &ClusterState| {
                 s.writes.iter().any(|w| w.epoch < s.kv.epoch)
+            }),
+            Property::sometimes(LOGGED_OUT, |_, s: &ClusterState| {
+                s.alice.logout_asked
+                    && s.alice.gone
+                    && s.nodes
+                        .iter()
+                        .filter_map(|n| n.owner.as_deref())
+                        .any(|o| o.core.presence(ALICE).online)
             }),
             Property::sometimes(QUIET, |_, s: &ClusterState| {
                 quiet(s).is_some_and(|o| o.core.presence(ALICE).version > 0)

@@ -27,9 +27,9 @@ impl ClusterModel {
                 .kv
                 .devices
                 .iter()
-                .map(|&(edge, _, _, heard)| DeviceRecord {
-                    device: DeviceId(1),
-                    kind: DeviceKind::Mobile,
+                .map(|&(edge, _, _, dev, heard)| DeviceRecord {
+                    device: device_id(dev),
+                    kind: device_kind(dev),
                     edge: NodeId(edge.into()),
                     last_heard: Millis(heard),
                     foreground: true,
@@ -39,8 +39,8 @@ impl ClusterModel {
         };
         let mut sessions = BTreeMap::new();
         if let Ok(restored) = core.restore_owned(Millis(t), ALICE, &record, Millis(t + RESYNC)) {
-            for (session, &(edge, inc, conn, _)) in restored.into_iter().zip(&s.kv.devices) {
-                sessions.insert(session, (edge, inc, conn));
+            for (session, &(edge, inc, conn, dev, _)) in restored.into_iter().zip(&s.kv.devices) {
+                sessions.insert(session, (edge, inc, conn, dev));
             }
         }
         let mut owner = OwnerState {
@@ -56,11 +56,18 @@ impl ClusterModel {
             writing: None,
         };
         // This node's own edge resends at once, without a message.
-        if let Some(conn) = s.nodes[n as usize].device.as_ref().map(|d| d.conn) {
-            let inc = s.nodes[n as usize].inc;
-            self.connect(s, &mut owner, n, inc, conn);
+        let inc = s.nodes[n as usize].inc;
+        for dev in [MOBILE, DESKTOP] {
+            if let Some(conn) = s.nodes[n as usize].devices[dev as usize].as_ref() {
+                let conn = conn.conn;
+                self.connect(s, &mut owner, n, inc, conn, dev);
+            }
         }
-        if let Some(w) = s.nodes[n as usize].watcher.as_deref_mut() {
+        if let Some(w) = s.nodes[n as usize]
+            .watcher
+            .as_deref_mut()
+            .filter(|w| w.watches())
+        {
             w.snap_pending = true;
             w.seen = w.seen.max((epoch, 0));
         }
@@ -78,7 +85,7 @@ impl ClusterModel {
     pub(super) fn drain(&self, s: &mut ClusterState, n: u8, o: &mut OwnerState) {
         while let Some(out) = o.core.poll_output() {
             if let Output::SessionEnded { session, reason } = out {
-                if let Some((edge, inc, conn)) = o.sessions.remove(&session) {
+                if let Some((edge, inc, conn, _)) = o.sessions.remove(&session) {
                     o.dirty = o.dirty.or(Some(s.t));
                     if reason == greendot_core::EndReason::Superseded {
                         s.send(n, edge, Body::Ended { inc, conn });
@@ -107,15 +114,15 @@ impl ClusterModel {
             }
             o.seq += 1;
             s.kv.view = Some(p.presence.clone());
-            s.send(
-                n,
-                WATCHER_NODE,
-                Body::View {
+            // On the shard's subject: to every edge with a watcher of it.
+            for m in watching(s) {
+                let view = Body::View {
                     epoch: o.epoch,
                     seq: o.seq,
-                    presence: Shown(p.presence),
-                },
-            );
+                    presence: Shown(p.presence.clone()),
+                };
+                s.send(n, m, view);
+            }
         }
     }
 
@@ -125,8 +132,14 @@ impl ClusterModel {
         };
         let t = s.t;
         match body {
-            Body::Req { edge, inc, rid, op } => {
-                let done = o.last_rid.get(&(edge, inc)).is_some_and(|&r| rid <= r);
+            Body::Req {
+                edge,
+                inc,
+                rid,
+                dev,
+                op,
+            } => {
+                let done = o.last_rid.get(&(edge, inc, dev)).is_some_and(|&r| rid <= r);
                 let mut reply = Some(Body::Ack {
                     epoch: o.epoch,
                     rid,
@@ -134,15 +147,30 @@ impl ClusterModel {
                 if !done {
                     match op {
                         Op::Connect => {
-                            o.last_rid.insert((edge, inc), rid);
-                            self.connect(s, &mut o, edge, inc, rid);
+                            o.last_rid.insert((edge, inc, dev), rid);
+                            self.connect(s, &mut o, edge, inc, rid, dev);
+                        }
+                        Op::Logout => {
+                            match live_session(&o, edge, inc, dev) {
+                                Some(session) => {
+                                    o.last_rid.insert((edge, inc, dev), rid);
+                                    let all: Vec<SessionId> =
+                                        if self.is(ClusterMutant::LogoutEndsUser) {
+                                            o.sessions.keys().copied().collect()
+                                        } else {
+                                            vec![session]
+                                        };
+                                    for session in all {
+                                        let _ = o.core.handle_logout(Millis(t), session);
+                                    }
+                                }
+                                // As for SetInvisible: connected first, so
+                                // the logout ends a session this owner has.
+                                None => reply = Some(Body::Unknown { rid }),
+                            }
                         }
                         Op::SetInvisible(b) => {
-                            let session = o
-                                .sessions
-                                .iter()
-                                .find(|&(&k, &(e, i, _))| (e, i) == (edge, inc) && live(&o.core, k))
-                                .map(|(&k, _)| k);
+                            let session = live_session(&o, edge, inc, dev);
                             // Hole found by the model: a new owner that has
                             // not heard of the device yet (its resync or its
                             // KV record still to come) acked without storing
@@ -151,7 +179,7 @@ impl ClusterModel {
                             match session {
                                 // Its write is on its way: the answer
                                 // comes when it lands.
-                                Some(_) if o.writing == Some((edge, inc, rid)) => reply = None,
+                                Some(_) if o.writing == Some((edge, inc, dev, rid)) => reply = None,
                                 Some(session) => {
                                     let set = o.core.handle_set_invisible(Millis(t), session, b);
                                     if set.is_ok() && !self.is(ClusterMutant::InvisibleInMemory) {
@@ -160,23 +188,23 @@ impl ClusterModel {
                                         // it: the edge asks again).
                                         reply = None;
                                         if !s.nodes[n as usize].cut {
-                                            o.writing = Some((edge, inc, rid));
+                                            o.writing = Some((edge, inc, dev, rid));
                                             s.writes.insert(Write {
                                                 sent: t,
                                                 node: n,
                                                 inc: s.nodes[n as usize].inc,
                                                 epoch: o.epoch,
-                                                request: (edge, inc, rid),
+                                                request: (edge, inc, dev, rid),
                                                 invisible: b,
                                                 held: false,
                                             });
                                         }
                                     } else {
-                                        o.last_rid.insert((edge, inc), rid);
+                                        o.last_rid.insert((edge, inc, dev), rid);
                                     }
                                 }
                                 None if self.is(ClusterMutant::AckWithoutSession) => {
-                                    o.last_rid.insert((edge, inc), rid);
+                                    o.last_rid.insert((edge, inc, dev), rid);
                                 }
                                 None => reply = Some(Body::Unknown { rid }),
                             }
@@ -204,12 +232,14 @@ impl ClusterModel {
                 edge,
                 inc,
                 epoch,
-                device,
+                devices,
                 watches,
             } if epoch == o.epoch => {
                 o.resynced |= 1 << edge;
-                if let Some(conn) = device {
-                    self.connect(s, &mut o, edge, inc, conn);
+                for (dev, conn) in devices.into_iter().enumerate() {
+                    if let Some(conn) = conn {
+                        self.connect(s, &mut o, edge, inc, conn, dev as u8);
+                    }
                 }
                 if watches {
                     if let Ok(p) = o.core.handle_snapshot(Millis(t), ALICE, false) {
@@ -238,11 +268,12 @@ impl ClusterModel {
         edge: u8,
         inc: u8,
         conn: u8,
+        dev: u8,
     ) {
         let known: Vec<SessionId> = o
             .sessions
             .iter()
-            .filter(|&(_, &e)| e == (edge, inc, conn))
+            .filter(|&(_, &e)| e == (edge, inc, conn, dev))
             .map(|(&session, _)| session)
             .collect();
         if known.iter().any(|&k| live(&o.core, k)) {
@@ -255,14 +286,14 @@ impl ClusterModel {
         }
         let c = Connect {
             user: ALICE,
-            device: DeviceId(1),
-            kind: DeviceKind::Mobile,
+            device: device_id(dev),
+            kind: device_kind(dev),
             watch: Watch::All,
             resume: None,
             foreground: true,
         };
         if let Ok(c) = o.core.handle_connect(Millis(s.t), c) {
-            o.sessions.insert(c.session, (edge, inc, conn));
+            o.sessions.insert(c.session, (edge, inc, conn, dev));
             o.dirty = o.dirty.or(Some(s.t));
         }
     }
@@ -283,7 +314,7 @@ impl ClusterModel {
         if !node.up || node.inc != w.inc {
             return; // the answer went to a process that is gone
         }
-        let (edge, inc, rid) = w.request;
+        let (edge, inc, dev, rid) = w.request;
         let owner = node.owner.as_deref_mut().filter(|o| o.epoch == w.epoch);
         let acting = owner.is_some();
         if let Some(o) = owner {
@@ -291,7 +322,7 @@ impl ClusterModel {
                 o.writing = None;
             }
             if ok {
-                o.last_rid.insert((edge, inc), rid);
+                o.last_rid.insert((edge, inc, dev), rid);
             }
         }
         if ok && (acting || self.is(ClusterMutant::AckAfterLostShard)) {
@@ -302,6 +333,26 @@ impl ClusterModel {
             s.send(w.node, edge, ack);
         }
     }
+}
+
+/// The nodes whose edge watches the shard (NATS delivers them its subject).
+pub(super) fn watching(s: &ClusterState) -> Vec<u8> {
+    (0..s.nodes.len() as u8)
+        .filter(|&m| {
+            s.nodes[m as usize]
+                .watcher
+                .as_ref()
+                .is_some_and(|w| w.watches())
+        })
+        .collect()
+}
+
+/// The Online session of alice's device `dev` at (edge, incarnation).
+fn live_session(o: &OwnerState, edge: u8, inc: u8, dev: u8) -> Option<SessionId> {
+    o.sessions
+        .iter()
+        .find(|&(&k, &(e, i, _, d))| (e, i, d) == (edge, inc, dev) && live(&o.core, k))
+        .map(|(&k, _)| k)
 }
 
 /// Whether `session` is Online in `core` (not Lingering, not gone).

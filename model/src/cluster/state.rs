@@ -7,12 +7,21 @@ use super::*;
 pub enum Op {
     Connect,
     SetInvisible(bool),
+    /// The device logs out (ends its session, no grace).
+    Logout,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Body {
-    /// Edge → owner (request/reply): a device input.
-    Req { edge: u8, inc: u8, rid: u8, op: Op },
+    /// Edge → owner (request/reply): a device input of alice's device
+    /// `dev` (`MOBILE` or `DESKTOP`).
+    Req {
+        edge: u8,
+        inc: u8,
+        rid: u8,
+        dev: u8,
+        op: Op,
+    },
     /// Owner → edge: done (after the KV write for preferences).
     Ack { epoch: Epoch, rid: u8 },
     /// Owner → edge: no live session of the device here (a new owner that
@@ -45,13 +54,13 @@ pub enum Body {
     Beacon { epoch: Epoch, seq: u32 },
     /// A new owner asks an edge to resend.
     Resync { epoch: Epoch },
-    /// Edge → owner: its live device of the shard and whether it watches.
+    /// Edge → owner: its live devices of the shard and whether it watches.
     Resynced {
         edge: u8,
         inc: u8,
         epoch: Epoch,
-        /// The connection of its device, if it holds one.
-        device: Option<u8>,
+        /// The connection of each device it holds, by device.
+        devices: [Option<u8>; 2],
         watches: bool,
     },
 }
@@ -68,11 +77,14 @@ pub struct Msg {
 pub struct OwnerState {
     pub epoch: Epoch,
     pub core: Core,
-    /// Owner-side session → (edge, incarnation, connection) holding the
-    /// device; the connection is the id of the edge's `Connect` request.
-    pub sessions: BTreeMap<SessionId, (u8, u8, u8)>,
-    /// Last request id handled per (edge, incarnation).
-    pub last_rid: BTreeMap<(u8, u8), u8>,
+    /// Owner-side session → (edge, incarnation, connection, device) holding
+    /// the device; the connection is the id of the edge's `Connect` request.
+    pub sessions: BTreeMap<SessionId, (u8, u8, u8, u8)>,
+    /// Last request id handled per (edge, incarnation, device): per device,
+    /// since two devices at one edge may have their requests (and retries)
+    /// interleaved, and one device's newer request must not make another's
+    /// pending one look done.
+    pub last_rid: BTreeMap<(u8, u8, u8), u8>,
     /// Published views of this epoch.
     pub seq: u32,
     pub resync_until: u64,
@@ -83,9 +95,9 @@ pub struct OwnerState {
     pub dirty: Option<u64>,
     /// The last tick the claim was renewed.
     pub renewed: u64,
-    /// The request (edge, incarnation, request id) whose preference write
+    /// The request (edge, incarnation, device, request id) whose preference write
     /// is on its way to the KV: answered when the write lands.
-    pub writing: Option<(u8, u8, u8)>,
+    pub writing: Option<(u8, u8, u8, u8)>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -99,11 +111,10 @@ pub struct EdgeDevice {
     pub then: Option<Op>,
 }
 
+/// Bob's session at an edge: its fanout and its watch of alice's shard.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Watcher {
     pub fanout: Fanout,
-    /// Bob's client's view (the edge → client stream is reliable).
-    pub view: View,
     pub subscribed: bool,
     pub snap_pending: bool,
     /// The highest (epoch, seq) seen on the shard's subject.
@@ -122,7 +133,8 @@ pub struct NodeState {
     /// Last successful renewal of its node lease.
     pub renewed: u64,
     pub owner: Option<Box<OwnerState>>,
-    pub device: Option<EdgeDevice>,
+    /// Alice's devices held here, by device (`MOBILE`, `DESKTOP`).
+    pub devices: [Option<EdgeDevice>; 2],
     pub watcher: Option<Box<Watcher>>,
 }
 
@@ -141,10 +153,27 @@ pub struct Kv {
     pub prefs_epoch: Epoch,
     /// Alice's last published view.
     pub view: Option<Presence>,
-    /// Alice's devices: (edge, incarnation, connection, last heard).
-    pub devices: Vec<(u8, u8, u8, u64)>,
+    /// Bob's session record (bucket `gd_sessions`): the session and its
+    /// subscriptions (alice, realtime), written before his subscribe was
+    /// answered; read by an edge he resumes on.
+    pub bob_record: Option<SessionId>,
+    /// Alice's devices: (edge, incarnation, connection, device, last heard).
+    pub devices: Vec<(u8, u8, u8, u8, u64)>,
 }
 
+/// Bob's client: its view outlives the edge it is connected to.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Bob {
+    /// Bob's client's view (the edge → client stream is reliable).
+    pub view: View,
+    /// The node whose edge holds his session (`None` after it crashed,
+    /// until he resumes elsewhere).
+    pub at: Option<u8>,
+    /// He resumed on another node and was told `resumed`.
+    pub resumed: bool,
+}
+
+/// Alice's mobile (her desktop, when modelled, stays at node 0).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Alice {
     pub at: Option<u8>,
@@ -154,6 +183,8 @@ pub struct Alice {
     pub flips: u8,
     pub invisible_asked: bool,
     pub invisible_acked: bool,
+    /// The mobile asked to log out: it does not come back.
+    pub logout_asked: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -163,6 +194,7 @@ pub struct ClusterState {
     pub kv: Kv,
     pub net: BTreeSet<Msg>,
     pub alice: Alice,
+    pub bob: Bob,
     pub crashes: u8,
     pub restarts: u8,
     pub cuts: u8,
@@ -197,11 +229,18 @@ pub struct Write {
     pub inc: u8,
     /// The epoch it acts for.
     pub epoch: Epoch,
-    /// The request it answers: (edge, edge incarnation, request id).
-    pub request: (u8, u8, u8),
+    /// The request it answers: (edge, edge incarnation, device, request id).
+    pub request: (u8, u8, u8, u8),
     pub invisible: bool,
     /// Slow: it may land after any number of ticks.
     pub held: bool,
+}
+
+impl Watcher {
+    /// Subscribed to alice, or subscribing.
+    pub fn watches(&self) -> bool {
+        self.subscribed || self.snap_pending
+    }
 }
 
 impl ClusterState {
@@ -232,6 +271,10 @@ pub enum Action {
     /// Alice's client reconnects to this node.
     Reconnect(u8),
     GoInvisible,
+    /// Alice's mobile logs out.
+    Logout,
+    /// Bob's client resumes his session on this node (his edge died).
+    BobResumes(u8),
     /// The KV applies a preference write and answers its owner.
     Store(Write),
     /// A write is slow: it lands only after a later tick (a bounded fault).

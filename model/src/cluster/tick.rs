@@ -32,11 +32,17 @@ impl ClusterModel {
                 {
                     node.owner = None;
                 }
-                if lapse(node.renewed) && node.device.is_some() {
+                if lapse(node.renewed) && node.devices[MOBILE as usize].is_some() {
                     // Cut off: close the clients before the lease runs out.
-                    node.device = None;
+                    // (The desktop's node is never cut off.)
+                    node.devices[MOBILE as usize] = None;
                     s.alice.at = None;
                     s.alice.away_since = Some(t);
+                    s.alice.gone |= s.alice.logout_asked;
+                }
+                if lapse(node.renewed) && node.watcher.is_some() {
+                    node.watcher = None;
+                    s.bob.at = None;
                 }
             }
         }
@@ -47,7 +53,11 @@ impl ClusterModel {
             let due = |o: &&mut OwnerState| o.dirty.is_some_and(|d| t >= d + 2);
             if let Some(o) = node.owner.as_deref_mut().filter(due).filter(|_| !node.cut) {
                 o.dirty = None;
-                s.kv.devices = o.sessions.values().map(|&(e, i, c)| (e, i, c, t)).collect();
+                s.kv.devices = o
+                    .sessions
+                    .values()
+                    .map(|&(e, i, c, d)| (e, i, c, d, t))
+                    .collect();
             }
         }
         // KV expiries.
@@ -73,7 +83,7 @@ impl ClusterModel {
                 let gone: Vec<(SessionId, u64)> = o
                     .sessions
                     .iter()
-                    .filter_map(|(&session, &(edge, inc, _))| {
+                    .filter_map(|(&session, &(edge, inc, _, _))| {
                         let expired = lost
                             .iter()
                             .find(|&&(e, i, _)| e == edge && i == inc)
@@ -85,9 +95,14 @@ impl ClusterModel {
                             .map(|renewed| (session, renewed))
                     })
                     .collect();
+                let takes_user = self.is(ClusterMutant::EdgeLostTakesUser);
                 for (session, renewed) in gone {
-                    o.core
-                        .handle_edge_lost(Millis(t), &[session], Millis(renewed));
+                    let all: Vec<SessionId> = if takes_user {
+                        o.sessions.keys().copied().collect()
+                    } else {
+                        vec![session]
+                    };
+                    o.core.handle_edge_lost(Millis(t), &all, Millis(renewed));
                 }
             }
             s.nodes[n as usize].owner = Some(o);
@@ -115,14 +130,13 @@ impl ClusterModel {
             // Beacons and resync retries only matter where messages get
             // lost; without losses they would only add interleavings.
             if self.bounds.drops > 0 {
-                s.send(
-                    n,
-                    WATCHER_NODE,
-                    Body::Beacon {
+                for m in watching(s) {
+                    let beacon = Body::Beacon {
                         epoch: o.epoch,
                         seq: o.seq,
-                    },
-                );
+                    };
+                    s.send(n, m, beacon);
+                }
             }
             if t < o.resync_until && self.bounds.drops > 0 {
                 for m in (0..nodes).filter(|&m| m != n) {
@@ -140,16 +154,20 @@ impl ClusterModel {
                 if !node.up {
                     continue;
                 }
-                let req = node.device.as_ref().and_then(|d| {
-                    d.pending.map(|op| Body::Req {
-                        edge: n,
-                        inc: node.inc,
-                        rid: d.rid,
-                        op,
+                let reqs: Vec<Body> = (0..2u8)
+                    .filter_map(|dev| {
+                        let d = node.devices[dev as usize].as_ref()?;
+                        d.pending.map(|op| Body::Req {
+                            edge: n,
+                            inc: node.inc,
+                            rid: d.rid,
+                            dev,
+                            op,
+                        })
                     })
-                });
+                    .collect();
                 let snap = node.watcher.as_ref().is_some_and(|w| w.snap_pending);
-                if let Some(req) = req {
+                for req in reqs {
                     s.send(n, holder, req);
                 }
                 if snap {
@@ -184,10 +202,14 @@ impl ClusterModel {
         let node = &mut s.nodes[n as usize];
         node.up = false;
         node.owner = None;
-        node.watcher = None;
-        if node.device.take().is_some() {
+        if node.watcher.take().is_some() {
+            s.bob.at = None;
+        }
+        if node.devices[MOBILE as usize].take().is_some() {
             s.alice.at = None;
             s.alice.away_since = Some(s.t);
+            s.alice.gone |= s.alice.logout_asked;
         }
+        node.devices[DESKTOP as usize] = None;
     }
 }
