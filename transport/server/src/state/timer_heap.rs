@@ -101,6 +101,7 @@ impl TimerHeap {
     }
 
     /// Live timers.
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.live
     }
