@@ -247,8 +247,17 @@ impl Driver {
         self.state.handle_timeout(now);
         self.drain();
         // Sending must not wait for a quiet moment in receiving.
-        self.io.flush();
+        self.flush();
         read
+    }
+
+    /// Sends what the socket takes of the outbox; the buffers sent go
+    /// back to the state.
+    fn flush(&mut self) {
+        self.io.flush();
+        for buf in self.io.spent() {
+            self.state.recycle(buf);
+        }
     }
 
     /// Reads datagrams until the socket has none or the budget is spent
@@ -287,6 +296,7 @@ impl Driver {
                 self.state.recycle(buf);
             }
         }
+        self.flush();
     }
 
     /// Everything the state has for the world: transmits, store requests,
@@ -419,7 +429,7 @@ impl Driver {
                 if self.io.socket.writable().await.is_err() {
                     break;
                 }
-                self.io.flush();
+                self.flush();
             }
         };
         if tokio::time::timeout(Duration::from_secs(1), flush)

@@ -262,7 +262,6 @@ impl ServerState {
             link: Link::Quic(QuicLink::new(quic)),
             session,
             serial: self.next_serial,
-            timer: None,
             touched: false,
             counted: false,
         };

@@ -56,13 +56,6 @@ impl ServerState {
                 open_ws += usize::from(conn.link.is_ws());
                 open_wt += usize::from(conn.link.is_webtransport());
             }
-            if let Some(at) = conn.timer {
-                if !self.timers.contains(&(at, ch)) {
-                    return Err(format!(
-                        "connection {ch}: its timer is not in the timer set"
-                    ));
-                }
-            }
             if conn.touched != touched.contains(&ch) {
                 return Err(format!("connection {ch}: touched mark and list disagree"));
             }
@@ -103,16 +96,10 @@ impl ServerState {
                 ));
             }
         }
-        for &(at, ch) in &self.timers {
-            let owned = self
-                .conns
-                .get(ch)
-                .and_then(|c| c.as_deref())
-                .is_some_and(|c| c.timer == Some(at));
-            if !owned {
-                return Err(format!(
-                    "a timer for connection {ch} that has no such timer"
-                ));
+        self.timers.check()?;
+        for (ch, _) in self.timers.iter() {
+            if self.conns.get(ch).and_then(|c| c.as_deref()).is_none() {
+                return Err(format!("a timer for connection {ch}, which is not open"));
             }
         }
         for (&session, &ch) in &self.sessions {

@@ -23,17 +23,12 @@ impl ServerState {
     /// first; the rest stay due for the next call).
     pub(super) fn connection_timers(&mut self, now: Instant) {
         for _ in 0..self.budget.timers {
-            let Some(&(at, ch)) = self.timers.first() else {
+            let Some(ch) = self.timers.pop_due(now) else {
                 break;
             };
-            if at > now {
-                break;
-            }
-            self.timers.pop_first();
             let Some(conn) = self.conn(ch) else {
                 continue;
             };
-            conn.timer = None;
             conn.link.handle_timeout(now);
             match conn.session.overdue(now) {
                 Some(Overdue::Close(code, text)) => self.close(ch, now, code, &text),
@@ -139,15 +134,7 @@ impl ServerState {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        if next != conn.timer {
-            if let Some(old) = conn.timer.take() {
-                self.timers.remove(&(old, ch));
-            }
-            if let Some(at) = next {
-                conn.timer = Some(at);
-                self.timers.insert((at, ch));
-            }
-        }
+        self.timers.set(ch, next);
     }
 
     /// Hands a connection's endpoint events to the endpoint; `true` once the
@@ -173,9 +160,7 @@ impl ServerState {
         self.end(ch, false, "drained".into());
         debug!(slot = ch, "connection forgotten");
         if let Some(conn) = self.conns.get_mut(ch).and_then(Option::take) {
-            if let Some(at) = conn.timer {
-                self.timers.remove(&(at, ch));
-            }
+            self.timers.set(ch, None);
             if let Link::Ws(link) = &conn.link {
                 self.ws.remove(&link.id);
                 self.ws_free.push(ch);
@@ -228,7 +213,6 @@ impl ServerState {
             link: Link::Ws(link),
             session,
             serial: self.next_serial,
-            timer: None,
             touched: false,
             counted: false,
         }));

@@ -64,6 +64,7 @@ mod pushes;
 mod requests;
 mod rng;
 mod tickets;
+mod timer_heap;
 mod tokens;
 
 use crate::cluster::{ClusterInput, ClusterLink, ClusterOutput};
@@ -95,6 +96,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tickets::Ticket;
+use timer_heap::TimerHeap;
 
 /// Maps whose iteration order is the same in every run (std's default
 /// hasher is seeded per process).
@@ -280,8 +282,6 @@ struct Conn {
     session: Session,
     /// Tells a reused slot from the connection a store ticket answers.
     serial: u64,
-    /// The instant under which this connection sits in the timer set.
-    timer: Option<Instant>,
     /// In the state's `touched` list.
     touched: bool,
     /// Counted among the open connections (and its binding's): set once
@@ -309,7 +309,8 @@ pub struct ServerState {
     session_key: u64,
     conns: Vec<Option<Box<Conn>>>,
     sessions: DetMap<SessionId, usize>,
-    pub(super) timers: BTreeSet<(Instant, usize)>,
+    /// The connections' timers, by slot.
+    pub(super) timers: TimerHeap,
     /// Connections to drive, oldest first; what a call's budget leaves is
     /// driven by the next.
     pub(super) touched: VecDeque<usize>,
@@ -472,7 +473,7 @@ impl ServerState {
             session_key,
             conns: Vec::new(),
             sessions: DetMap::default(),
-            timers: BTreeSet::new(),
+            timers: TimerHeap::default(),
             touched: VecDeque::new(),
             budget: config.pass,
             next_serial: 0,
@@ -593,7 +594,7 @@ impl ServerState {
             at = at.min(self.next_flush);
         }
         if let Some((t, _)) = self.timers.first() {
-            at = at.min(*t);
+            at = at.min(t);
         }
         if let Some(t) = self.hub.poll_timeout().and_then(|m| self.clock.instant(m)) {
             at = at.min(t);
@@ -622,7 +623,7 @@ impl ServerState {
     /// Whether the last call left work (due timers, touched connections)
     /// that the next must do without waiting.
     pub fn has_carried_work(&self, now: Instant) -> bool {
-        !self.touched.is_empty() || self.timers.first().is_some_and(|&(at, _)| at <= now)
+        !self.touched.is_empty() || self.timers.first().is_some_and(|(at, _)| at <= now)
     }
 
     /// The next datagram to send.
