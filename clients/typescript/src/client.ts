@@ -24,6 +24,7 @@ import {
   type Answer,
   CloseCode,
   type GroupCursor,
+  type GroupEntry,
   type GroupPage,
   type GroupSnapshot,
   type Push,
@@ -155,6 +156,11 @@ export type ClientEvent =
   | { type: "groupMember"; group: bigint; version: bigint; member: string; online: boolean; count: number }
   /** The group subscription is over: the user left the group, or it was removed. */
   | { type: "groupEnded"; group: bigint }
+  /**
+   * Members of a watched page (`groupWatchPage`) whose view changed, each with
+   * its latest view; batched.
+   */
+  | { type: "groupPageDelta"; group: bigint; entries: GroupEntry[] }
   /**
    * The client is finished: closed by the application, logged out, or refused
    * for good. `code` is the close code (the server's, or the one the client
@@ -694,6 +700,27 @@ export class Client {
     return expect(await this.call({ type: "groupPage", group: groupId(group), after, limit }), "groupPage").page;
   }
 
+  /**
+   * `groupPage`, and the page is watched: its members' changes come as
+   * `groupPageDelta` events until the watch expires (60 s by default) unless
+   * renewed. At most 3 pages and 600 entries per session
+   * (`TooManyWatchedPages`). Watches end with the session: after a
+   * reconnect, watch again.
+   */
+  async groupWatchPage(group: bigint | number, after: GroupCursor | null, limit: number): Promise<GroupPage> {
+    return expect(await this.call({ type: "groupWatchPage", group: groupId(group), after, limit }), "groupPage").page;
+  }
+
+  /** Renews the watch of the page asked with this `group` and `after`, without reading it. */
+  async groupRenewWatch(group: bigint | number, after: GroupCursor | null): Promise<void> {
+    expect(await this.call({ type: "groupRenewWatch", group: groupId(group), after }), "done");
+  }
+
+  /** Ends the watch of the page asked with this `group` and `after`. */
+  async groupUnwatchPage(group: bigint | number, after: GroupCursor | null): Promise<void> {
+    expect(await this.call({ type: "groupUnwatchPage", group: groupId(group), after }), "done");
+  }
+
   /** The groups the client holds a subscription to (it subscribes to them again after a fresh session). */
   groups(): bigint[] {
     return [...this.groupVersions.keys()];
@@ -818,6 +845,8 @@ export class Client {
         return this.applyGroup({ ...push });
       case "groupEnded":
         return this.applyGroup({ ...push });
+      case "groupPageDelta":
+        return this.emit({ ...push });
     }
   }
 

@@ -118,12 +118,15 @@ function readGroupSnapshot(r: Reader): GroupSnapshot {
   return { group: r.u64(), role: readGroupRole(r), version: r.u64(), count: r.u32(), members: r.u32() };
 }
 
+function writeGroupEntry(w: Writer, e: GroupEntry): void {
+  w.string(e.user);
+  writePresenceFields(w, e.presence);
+}
+const readGroupEntry = (r: Reader): GroupEntry => ({ user: r.string(), presence: readPresence(r) });
+
 function writeGroupPage(w: Writer, p: GroupPage): void {
   w.u64(p.group).u64(p.version).u32(p.count);
-  w.seq(p.entries, (w, e: GroupEntry) => {
-    w.string(e.user);
-    writePresenceFields(w, e.presence);
-  });
+  w.seq(p.entries, writeGroupEntry);
   w.option(p.next, writeGroupCursor);
 }
 function readGroupPage(r: Reader): GroupPage {
@@ -131,7 +134,7 @@ function readGroupPage(r: Reader): GroupPage {
     group: r.u64(),
     version: r.u64(),
     count: r.u32(),
-    entries: r.seq((r) => ({ user: r.string(), presence: readPresence(r) })),
+    entries: r.seq(readGroupEntry),
     next: r.option(readGroupCursor),
   };
 }
@@ -211,7 +214,12 @@ function writeRequest(w: Writer, req: Request): void {
       w.u64(req.group);
       return;
     case "groupPage":
+    case "groupWatchPage":
       w.u64(req.group).option(req.after, writeGroupCursor).u32(req.limit);
+      return;
+    case "groupRenewWatch":
+    case "groupUnwatchPage":
+      w.u64(req.group).option(req.after, writeGroupCursor);
       return;
   }
 }
@@ -247,7 +255,11 @@ function readRequest(r: Reader): Request {
     case "groupUnsubscribe":
       return { type, group: r.u64() };
     case "groupPage":
+    case "groupWatchPage":
       return { type, group: r.u64(), after: r.option(readGroupCursor), limit: r.u32() };
+    case "groupRenewWatch":
+    case "groupUnwatchPage":
+      return { type, group: r.u64(), after: r.option(readGroupCursor) };
   }
 }
 
@@ -420,6 +432,9 @@ export function encodePush(push: Push): Uint8Array {
     case "groupEnded":
       w.variant(4).u64(push.group);
       break;
+    case "groupPageDelta":
+      w.variant(5).u64(push.group).seq(push.entries, writeGroupEntry);
+      break;
   }
   return w.finish();
 }
@@ -443,6 +458,9 @@ export function decodePush(payload: Uint8Array): Push {
       break;
     case 4:
       push = { type: "groupEnded", group: r.u64() };
+      break;
+    case 5:
+      push = { type: "groupPageDelta", group: r.u64(), entries: r.seq(readGroupEntry) };
       break;
     default:
       throw new DecodeError(`unknown Push variant ${v}`);

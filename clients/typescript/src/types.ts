@@ -66,7 +66,10 @@ export type Request =
   | { type: "removeGroup"; group: bigint }
   | { type: "groupSubscribe"; group: bigint }
   | { type: "groupUnsubscribe"; group: bigint }
-  | { type: "groupPage"; group: bigint; after: GroupCursor | null; limit: number };
+  | { type: "groupPage"; group: bigint; after: GroupCursor | null; limit: number }
+  | { type: "groupWatchPage"; group: bigint; after: GroupCursor | null; limit: number }
+  | { type: "groupRenewWatch"; group: bigint; after: GroupCursor | null }
+  | { type: "groupUnwatchPage"; group: bigint; after: GroupCursor | null };
 
 /** Variant order of `Request` on the wire. */
 export const REQUEST_TYPES = [
@@ -86,6 +89,9 @@ export const REQUEST_TYPES = [
   "groupSubscribe",
   "groupUnsubscribe",
   "groupPage",
+  "groupWatchPage",
+  "groupRenewWatch",
+  "groupUnwatchPage",
 ] as const satisfies readonly Request["type"][];
 
 /** What a group subscription gets: the count (member) or each member's change too (admin). */
@@ -187,7 +193,8 @@ export type Push =
   | { type: "update"; target: string; presence: Presence }
   | { type: "groupCount"; group: bigint; version: bigint; count: number }
   | { type: "groupMember"; group: bigint; version: bigint; member: string; online: boolean; count: number }
-  | { type: "groupEnded"; group: bigint };
+  | { type: "groupEnded"; group: bigint }
+  | { type: "groupPageDelta"; group: bigint; entries: GroupEntry[] };
 
 /** `WireError.code` values (docs/protocol.md, "Error codes"). */
 export const ErrorCode = {
@@ -223,6 +230,8 @@ export const ErrorCode = {
   TooManyGroupSubscriptions: 33,
   TooManyGroups: 34,
   Unsupported: 35,
+  TooManyWatchedPages: 36,
+  PageRateLimited: 37,
 } as const;
 
 /** Close codes (docs/protocol.md, "Close codes"). */

@@ -540,6 +540,33 @@ test("groups: the requests as the server decodes them, the snapshot, pages, and 
   );
 });
 
+test("watched pages: the watch requests as the server decodes them, and each delta as an event", async () => {
+  const { client, events } = await connect();
+  const conn = await server.connection(1);
+  await client.setGroup(7, ["al", "bob"]);
+  server.groups.get(7n)!.entries = [{ user: "bob", presence: presence(3n) }];
+  const page = await client.groupWatchPage(7, null, 50);
+  assert.deepEqual(page.entries.map((e) => e.user), ["bob"]);
+  await client.groupRenewWatch(7n, null);
+  const changed = [{ user: "bob", presence: presence(4n, false) }];
+  conn.pushGroup("batched", { type: "groupPageDelta", group: 7n, entries: changed });
+  await until(() => events.some((e) => e.type === "groupPageDelta"), 2000, "groupPageDelta");
+  assert.deepEqual(
+    events.filter((e) => e.type === "groupPageDelta"),
+    [{ type: "groupPageDelta", group: 7n, entries: changed }],
+  );
+  await client.groupUnwatchPage(7, null);
+  assert.deepEqual(
+    conn.requests.map((r) => r.request).filter((r) => r.type !== "ping" && r.type !== "setGroup"),
+    [
+      { type: "groupWatchPage", group: 7n, after: null, limit: 50 },
+      { type: "groupRenewWatch", group: 7n, after: null },
+      { type: "groupUnwatchPage", group: 7n, after: null },
+    ],
+  );
+  await client.close();
+});
+
 test("groups after a reconnect: a resumed session keeps them; a fresh one subscribes again, groupEnded if refused", async () => {
   const { client, events } = await connect({ random: () => 0 });
   server.groups.set(1n, { members: new Set(["al"]), admins: new Set(), version: 40n, count: 3, entries: [] });

@@ -228,6 +228,8 @@ const groupTable: Record<string, Example> = {
   },
   "GroupCount { group: 42, version: 8, count: 4 }": { kind: "push", value: { type: "groupCount", group: 42n, version: 8n, count: 4 } },
   'WireError { code: 29, message: "" }': { kind: "wireError", value: { code: 29, message: "" } },
+  'WireError { code: 36, message: "" }': { kind: "wireError", value: { code: 36, message: "" } },
+  'WireError { code: 37, message: "" }': { kind: "wireError", value: { code: 37, message: "" } },
   "RequestFrame { id: 6, request: RemoveGroup { group: 42 } }": { kind: "request", value: { id: 6n, request: { type: "removeGroup", group: 42n } } },
   "RequestFrame { id: 7, request: GroupUnsubscribe { group: 42 } }": {
     kind: "request",
@@ -284,6 +286,31 @@ const groupTable: Record<string, Example> = {
     value: { type: "groupMember", group: 42n, version: 9n, member: "bob", online: false, count: 3 },
   },
   "GroupEnded { group: 18446744073709551615 }": { kind: "push", value: { type: "groupEnded", group: (1n << 64n) - 1n } },
+  "RequestFrame { id: 6, request: GroupWatchPage { group: 42, after: None, limit: 50 } }": {
+    kind: "request",
+    value: { id: 6n, request: { type: "groupWatchPage", group: 42n, after: null, limit: 50 } },
+  },
+  "RequestFrame { id: 7, request: GroupRenewWatch { group: 42, after: Some(GroupCursor { online: false, after: 7 }) } }": {
+    kind: "request",
+    value: { id: 7n, request: { type: "groupRenewWatch", group: 42n, after: { online: false, after: 7n } } },
+  },
+  "RequestFrame { id: 8, request: GroupUnwatchPage { group: 42, after: Some(GroupCursor { online: false, after: 7 }) } }": {
+    kind: "request",
+    value: { id: 8n, request: { type: "groupUnwatchPage", group: 42n, after: { online: false, after: 7n } } },
+  },
+  'GroupPageDelta { group: 42, entries: [GroupEntry { user: "bob", presence: Presence { version: 9, online: true, status: Available, message: None, kinds: 1, last_seen: None, invisible: false } }] }': {
+    kind: "push",
+    value: {
+      type: "groupPageDelta",
+      group: 42n,
+      entries: [
+        {
+          user: "bob",
+          presence: { version: 9n, online: true, status: "available", message: null, kinds: 1, lastSeen: null, invisible: false },
+        },
+      ],
+    },
+  },
 };
 
 test('"Groups": every row of the byte table decodes and re-encodes', () => {

@@ -276,7 +276,8 @@ export class FakeServer {
       case "groupUnsubscribe":
         answer = session.groups.delete(req.group) ? { type: "done" } : { code: 9, message: "not subscribed" };
         break;
-      case "groupPage": {
+      case "groupPage":
+      case "groupWatchPage": {
         const g = this.groups.get(req.group);
         if (g === undefined || !g.members.has("al")) {
           answer = { code: 29, message: "not a member" };

@@ -24,7 +24,10 @@ var REQUEST_TYPES = [
   "removeGroup",
   "groupSubscribe",
   "groupUnsubscribe",
-  "groupPage"
+  "groupPage",
+  "groupWatchPage",
+  "groupRenewWatch",
+  "groupUnwatchPage"
 ];
 var GROUP_ROLES = ["member", "admin"];
 var ErrorCode = {
@@ -59,7 +62,9 @@ var ErrorCode = {
   TooManyGroupAdmins: 32,
   TooManyGroupSubscriptions: 33,
   TooManyGroups: 34,
-  Unsupported: 35
+  Unsupported: 35,
+  TooManyWatchedPages: 36,
+  PageRateLimited: 37
 };
 var CloseCode = {
   Normal: 0,
@@ -344,12 +349,14 @@ function writeGroupSnapshot(w, s) {
 function readGroupSnapshot(r) {
   return { group: r.u64(), role: readGroupRole(r), version: r.u64(), count: r.u32(), members: r.u32() };
 }
+function writeGroupEntry(w, e) {
+  w.string(e.user);
+  writePresenceFields(w, e.presence);
+}
+var readGroupEntry = (r) => ({ user: r.string(), presence: readPresence(r) });
 function writeGroupPage(w, p) {
   w.u64(p.group).u64(p.version).u32(p.count);
-  w.seq(p.entries, (w2, e) => {
-    w2.string(e.user);
-    writePresenceFields(w2, e.presence);
-  });
+  w.seq(p.entries, writeGroupEntry);
   w.option(p.next, writeGroupCursor);
 }
 function readGroupPage(r) {
@@ -357,7 +364,7 @@ function readGroupPage(r) {
     group: r.u64(),
     version: r.u64(),
     count: r.u32(),
-    entries: r.seq((r2) => ({ user: r2.string(), presence: readPresence(r2) })),
+    entries: r.seq(readGroupEntry),
     next: r.option(readGroupCursor)
   };
 }
@@ -427,7 +434,12 @@ function writeRequest(w, req) {
       w.u64(req.group);
       return;
     case "groupPage":
+    case "groupWatchPage":
       w.u64(req.group).option(req.after, writeGroupCursor).u32(req.limit);
+      return;
+    case "groupRenewWatch":
+    case "groupUnwatchPage":
+      w.u64(req.group).option(req.after, writeGroupCursor);
       return;
   }
 }
@@ -462,7 +474,11 @@ function readRequest(r) {
     case "groupUnsubscribe":
       return { type, group: r.u64() };
     case "groupPage":
+    case "groupWatchPage":
       return { type, group: r.u64(), after: r.option(readGroupCursor), limit: r.u32() };
+    case "groupRenewWatch":
+    case "groupUnwatchPage":
+      return { type, group: r.u64(), after: r.option(readGroupCursor) };
   }
 }
 function encodeRequestFrame(frame) {
@@ -624,6 +640,9 @@ function encodePush(push) {
     case "groupEnded":
       w.variant(4).u64(push.group);
       break;
+    case "groupPageDelta":
+      w.variant(5).u64(push.group).seq(push.entries, writeGroupEntry);
+      break;
   }
   return w.finish();
 }
@@ -646,6 +665,9 @@ function decodePush(payload) {
       break;
     case 4:
       push = { type: "groupEnded", group: r.u64() };
+      break;
+    case 5:
+      push = { type: "groupPageDelta", group: r.u64(), entries: r.seq(readGroupEntry) };
       break;
     default:
       throw new DecodeError(`unknown Push variant ${v}`);
@@ -1530,6 +1552,24 @@ var Client = class _Client {
   async groupPage(group, after, limit) {
     return expect(await this.call({ type: "groupPage", group: groupId(group), after, limit }), "groupPage").page;
   }
+  /**
+   * `groupPage`, and the page is watched: its members' changes come as
+   * `groupPageDelta` events until the watch expires (60 s by default) unless
+   * renewed. At most 3 pages and 600 entries per session
+   * (`TooManyWatchedPages`). Watches end with the session: after a
+   * reconnect, watch again.
+   */
+  async groupWatchPage(group, after, limit) {
+    return expect(await this.call({ type: "groupWatchPage", group: groupId(group), after, limit }), "groupPage").page;
+  }
+  /** Renews the watch of the page asked with this `group` and `after`, without reading it. */
+  async groupRenewWatch(group, after) {
+    expect(await this.call({ type: "groupRenewWatch", group: groupId(group), after }), "done");
+  }
+  /** Ends the watch of the page asked with this `group` and `after`. */
+  async groupUnwatchPage(group, after) {
+    expect(await this.call({ type: "groupUnwatchPage", group: groupId(group), after }), "done");
+  }
   /** The groups the client holds a subscription to (it subscribes to them again after a fresh session). */
   groups() {
     return [...this.groupVersions.keys()];
@@ -1637,6 +1677,8 @@ var Client = class _Client {
         return this.applyGroup({ ...push });
       case "groupEnded":
         return this.applyGroup({ ...push });
+      case "groupPageDelta":
+        return this.emit({ ...push });
     }
   }
   /** Emits a group event unless it is older than what the application was told (as the Rust client). */
