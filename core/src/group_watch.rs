@@ -117,11 +117,7 @@ impl Core {
         group: GroupId,
         from: Option<PageCursor>,
     ) -> Result<(), Error> {
-        self.advance(now);
-        let id = self.online(id)?;
-        let wid = self
-            .find_watch(id, group, from)
-            .ok_or(Error::NotSubscribed)?;
+        let wid = self.held_watch(now, id, group, from)?;
         self.set_watch_expiry(wid);
         Ok(())
     }
@@ -134,11 +130,7 @@ impl Core {
         group: GroupId,
         from: Option<PageCursor>,
     ) -> Result<(), Error> {
-        self.advance(now);
-        let id = self.online(id)?;
-        let wid = self
-            .find_watch(id, group, from)
-            .ok_or(Error::NotSubscribed)?;
+        let wid = self.held_watch(now, id, group, from)?;
         self.remove_watch(wid);
         Ok(())
     }
@@ -158,6 +150,20 @@ impl Core {
                 (x.group, x.from, x.members.clone(), x.expires)
             })
             .collect()
+    }
+
+    /// The watch an Online session holds of a page, after time has moved to
+    /// `now`; `Error::NotSubscribed` when it has none (it ran out).
+    fn held_watch(
+        &mut self,
+        now: Millis,
+        id: SessionId,
+        group: GroupId,
+        from: Option<PageCursor>,
+    ) -> Result<u64, Error> {
+        self.advance(now);
+        let id = self.online(id)?;
+        self.find_watch(id, group, from).ok_or(Error::NotSubscribed)
     }
 
     fn find_watch(&self, id: SessionId, group: GroupId, from: Option<PageCursor>) -> Option<u64> {

@@ -4,25 +4,8 @@
 
 use greendot_core::*;
 
-fn connect(core: &mut Core, now: u64, user: u64, device: u64) -> SessionId {
-    core.handle_connect(
-        Millis(now),
-        Connect {
-            user: UserId(user),
-            device: DeviceId(device),
-            kind: DeviceKind::Desktop,
-            watch: Watch::All,
-            resume: None,
-            foreground: true,
-        },
-    )
-    .unwrap()
-    .session
-}
-
-fn drain(core: &mut Core) -> Vec<GroupOutput> {
-    std::iter::from_fn(|| core.poll_group_output()).collect()
-}
+mod group_setup;
+use group_setup::{connect, drain};
 
 fn settle(core: &mut Core, until: u64) {
     while let Some(due) = core.poll_timeout().filter(|d| d.0 <= until) {

@@ -4,25 +4,8 @@
 
 use greendot_core::*;
 
-fn connect(core: &mut Core, now: u64, user: u64) -> SessionId {
-    core.handle_connect(
-        Millis(now),
-        Connect {
-            user: UserId(user),
-            device: DeviceId(1),
-            kind: DeviceKind::Desktop,
-            watch: Watch::All,
-            resume: None,
-            foreground: true,
-        },
-    )
-    .unwrap()
-    .session
-}
-
-fn drain(core: &mut Core) -> Vec<GroupOutput> {
-    std::iter::from_fn(|| core.poll_group_output()).collect()
-}
+mod group_setup;
+use group_setup::{connect, drain};
 
 fn settle(core: &mut Core, until: u64) {
     while let Some(due) = core.poll_timeout().filter(|d| d.0 <= until) {
@@ -61,8 +44,8 @@ fn a_watched_page_gets_batched_deltas_of_its_members_only() {
     let mut core = Core::new(Config::default()).unwrap();
     core.handle_set_group(Millis(0), G, &users(1..=10), &[])
         .unwrap();
-    let me = connect(&mut core, 0, 1);
-    let other = connect(&mut core, 0, 9);
+    let me = connect(&mut core, 0, 1, 1);
+    let other = connect(&mut core, 0, 9, 1);
     settle(&mut core, 1000);
     // Online first: 1 and 9, then 2, 3.
     let page = core
@@ -72,9 +55,9 @@ fn a_watched_page_gets_batched_deltas_of_its_members_only() {
     assert_eq!(ids, [1, 9, 2, 3]);
     // 2 (on the page) and 5 (not on it) come online, 3 twice within the
     // batch: each change once published, one batched push at the flush.
-    connect(&mut core, 2000, 2);
-    connect(&mut core, 2000, 5);
-    connect(&mut core, 2000, 3);
+    connect(&mut core, 2000, 2, 1);
+    connect(&mut core, 2000, 5, 1);
+    connect(&mut core, 2000, 3, 1);
     settle(&mut core, 2300);
     settle(&mut core, 4299);
     assert!(deltas(&drain(&mut core)).is_empty(), "batched: not yet");
@@ -110,7 +93,7 @@ fn a_watch_runs_out_unless_renewed() {
     let mut core = Core::new(config).unwrap();
     core.handle_set_group(Millis(0), G, &users(1..=3), &[])
         .unwrap();
-    let me = connect(&mut core, 0, 1);
+    let me = connect(&mut core, 0, 1, 1);
     settle(&mut core, 1000);
     core.handle_group_watch_page(Millis(1000), me, G, None, 10)
         .unwrap();
@@ -118,13 +101,13 @@ fn a_watch_runs_out_unless_renewed() {
     settle(&mut core, 5000);
     core.handle_group_renew_watch(Millis(5000), me, G, None)
         .unwrap();
-    connect(&mut core, 7000, 2);
+    connect(&mut core, 7000, 2, 1);
     settle(&mut core, 9999);
     assert_eq!(deltas(&drain(&mut core)), vec![(me, G, vec![(2, true)])]);
     assert_eq!(core.group_watches(me).len(), 1);
     settle(&mut core, 10_000);
     assert!(core.group_watches(me).is_empty(), "ran out at 10,000");
-    connect(&mut core, 10_000, 3);
+    connect(&mut core, 10_000, 3, 1);
     settle(&mut core, 20_000);
     assert!(
         deltas(&drain(&mut core)).is_empty(),
@@ -152,7 +135,7 @@ fn watch_limits_are_checked_before_anything_is_stored() {
         core.handle_set_group(Millis(0), GroupId(g), &users(1..=10), &[])
             .unwrap();
     }
-    let me = connect(&mut core, 0, 1);
+    let me = connect(&mut core, 0, 1, 1);
     for g in 1..=3 {
         core.handle_group_watch_page(Millis(0), me, GroupId(g), None, 2)
             .unwrap();
@@ -191,7 +174,7 @@ fn leaving_the_group_or_ending_the_session_drops_the_watches() {
         .unwrap();
     core.handle_set_group(Millis(0), GroupId(2), &users(1..=3), &[])
         .unwrap();
-    let me = connect(&mut core, 0, 1);
+    let me = connect(&mut core, 0, 1, 1);
     core.handle_group_watch_page(Millis(0), me, G, None, 10)
         .unwrap();
     core.handle_group_watch_page(Millis(0), me, GroupId(2), None, 10)
@@ -200,7 +183,7 @@ fn leaving_the_group_or_ending_the_session_drops_the_watches() {
         .unwrap();
     let left: Vec<GroupId> = core.group_watches(me).iter().map(|w| w.0).collect();
     assert_eq!(left, [GroupId(2)]);
-    connect(&mut core, 10, 2);
+    connect(&mut core, 10, 2, 1);
     core.handle_logout(Millis(20), me).unwrap();
     assert!(core.group_watches(me).is_empty());
     settle(&mut core, 10_000);
@@ -215,7 +198,7 @@ fn a_change_costs_one_push_per_watcher_of_its_page_not_per_member() {
     core.handle_set_group(Millis(0), G, &members, &[]).unwrap();
     let mut watchers = Vec::new();
     for u in 1..=500 {
-        let s = connect(&mut core, 0, u);
+        let s = connect(&mut core, 0, u, 1);
         core.handle_group_subscribe(Millis(0), s, G).unwrap();
         watchers.push(s);
     }
@@ -232,8 +215,8 @@ fn a_change_costs_one_push_per_watcher_of_its_page_not_per_member() {
         assert_eq!(page.entries[0].0, UserId(501));
     }
     drain(&mut core);
-    connect(&mut core, 2000, 600);
-    connect(&mut core, 2000, 9000);
+    connect(&mut core, 2000, 600, 1);
+    connect(&mut core, 2000, 9000, 1);
     settle(&mut core, 5000);
     let got = deltas(&drain(&mut core));
     assert_eq!(got.len(), 3, "{got:?}");
@@ -252,7 +235,7 @@ fn member_pages_are_rate_limited_per_group_before_any_work() {
         .unwrap();
     core.handle_set_group(Millis(0), GroupId(2), &users(1..=3), &[])
         .unwrap();
-    let me = connect(&mut core, 0, 1);
+    let me = connect(&mut core, 0, 1, 1);
     for _ in 0..3 {
         core.handle_group_page(Millis(0), me, G, None, 10).unwrap();
     }

@@ -192,12 +192,13 @@ async fn killing_the_claims_leader_under_churn_leaves_every_shard_owned() {
             e.as_deref().unwrap_or("")
         );
     }
-    // Still whole: no shard lost its owner again, no node exited.
-    let (ok, text) = status(&urls, None);
-    assert!(
-        ok && text.contains("nodes: 3") && text.contains("unowned 0"),
-        "{text}"
-    );
+    // Still whole: no node exited, and every shard has an owner. One read
+    // may fall between a release and the next node's claim (the nodes
+    // rebalance as the restarted NATS server's view settles), so it is
+    // asked again within the same bound as after the restart.
+    if let Err(last) = placed_within(&urls, bound) {
+        panic!("shards not all owned at the end, within {bound:?}:\n{last}");
+    }
     for node in [&mut a, &mut b, &mut c] {
         assert!(
             node.proc.child.try_wait().unwrap().is_none(),

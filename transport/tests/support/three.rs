@@ -158,12 +158,20 @@ pub fn metric(node: &Node, name: &str) -> u64 {
 }
 
 pub fn status(urls: &str, shard: Option<u32>) -> (bool, String) {
-    let mut command = Command::new(BIN);
-    command.args(["cluster", "status", "--cluster", urls]);
-    if let Some(s) = shard {
-        command.args(["--shard", &s.to_string()]);
+    match shard {
+        Some(s) => status_with(urls, &["--shard", &s.to_string()]),
+        None => status_with(urls, &[]),
     }
-    let out = command.output().expect("greendot cluster status");
+}
+
+/// `greendot cluster status` with `extra` arguments: success, and its
+/// output and errors.
+fn status_with(urls: &str, extra: &[&str]) -> (bool, String) {
+    let out = Command::new(BIN)
+        .args(["cluster", "status", "--cluster", urls])
+        .args(extra)
+        .output()
+        .expect("greendot cluster status");
     let text =
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     (out.status.success(), text)
@@ -179,32 +187,23 @@ pub fn wait_placed(urls: &str) {
 /// enough: the first node up claims every shard, and until it has seen the
 /// others join it still owns theirs, so a node may own none for a moment.
 pub fn wait_placed_within(urls: &str, within: Duration) {
-    if let Err(last) = status_within(urls, within, true, at_rendezvous) {
+    if let Err(last) = status_within(urls, within, at_rendezvous) {
         panic!("shards not placed within {within:?}:\n{last}");
     }
 }
 
 /// Three nodes up and every shard owned within `within`, or the last status.
 pub fn placed_within(urls: &str, within: Duration) -> Result<(), String> {
-    status_within(urls, within, false, |_| true)
+    status_within(urls, within, |_| true)
 }
 
-/// Asks `greendot cluster status` until three nodes are up, every shard is
-/// owned and `placed` holds for the text, or `within` has passed.
-fn status_within(
-    urls: &str,
-    within: Duration,
-    each: bool,
-    placed: fn(&str) -> bool,
-) -> Result<(), String> {
+/// Asks `greendot cluster status --shards` until three nodes are up, every
+/// shard is owned and `placed` holds for the text, or `within` has passed.
+fn status_within(urls: &str, within: Duration, placed: fn(&str) -> bool) -> Result<(), String> {
     let t0 = Instant::now();
     let mut last = String::new();
     while t0.elapsed() < within {
-        let (ok, text) = if each {
-            status_of_each(urls)
-        } else {
-            status(urls, None)
-        };
+        let (ok, text) = status_with(urls, &["--shards"]);
         if ok
             && text.contains("nodes: 3")
             && text.contains(&format!("owned {SHARDS}, unowned 0"))
@@ -216,17 +215,6 @@ fn status_within(
         std::thread::sleep(Duration::from_millis(100));
     }
     Err(last)
-}
-
-/// `greendot cluster status --shards`: each node's shards with epochs.
-fn status_of_each(urls: &str) -> (bool, String) {
-    let out = Command::new(BIN)
-        .args(["cluster", "status", "--shards", "--cluster", urls])
-        .output()
-        .expect("greendot cluster status");
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    (out.status.success(), text)
 }
 
 /// Whether every shard listed under a node ("a: 0@1 5@2 …") is the one

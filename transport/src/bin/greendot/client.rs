@@ -139,7 +139,7 @@ fn status_of(name: &str) -> Result<Status, String> {
         .ok_or_else(|| format!("unknown status `{name}` (available, away, busy, do-not-disturb)"))
 }
 
-pub fn connection_event(event: &Event) -> Option<String> {
+fn connection_event(event: &Event) -> Option<String> {
     match event {
         Event::Disconnected { reason } => Some(format!("connection lost ({reason}); reconnecting")),
         Event::Reconnected { resumed, .. } => Some(if *resumed {
@@ -191,20 +191,7 @@ pub async fn run_connect(
             "log out"
         }
     ));
-    loop {
-        tokio::select! {
-            event = updates.next() => match event {
-                Some(Event::Closed { reason, .. }) => return Err(format!("closed: {reason}")),
-                Some(event) => {
-                    if let Some(text) = connection_event(&event) {
-                        eprintln!("{text}");
-                    }
-                }
-                None => return Err("the client stopped".into()),
-            },
-            _ = crate::serve::wait_for_signal() => break,
-        }
-    }
+    until_signal(&client, &mut updates, |_| Ok(())).await?;
     if no_logout {
         client.close().await;
         say("left without logging out: the device lingers for its grace");
@@ -261,23 +248,49 @@ pub async fn run_watch(
             show(target, p);
         }
     }
-    loop {
-        tokio::select! {
-            event = updates.next() => match event {
-                Some(Event::Presence { target, presence, .. }) => show(&target, &presence),
-                Some(Event::Closed { reason, .. }) => return Err(format!("closed: {reason}")),
-                Some(event) => {
-                    if let Some(text) = connection_event(&event) {
-                        eprintln!("{text}");
-                    }
-                }
-                None => return Err("the client stopped".into()),
-            },
-            _ = crate::serve::wait_for_signal() => break,
+    until_signal(&client, &mut updates, |event| {
+        if let Event::Presence {
+            target, presence, ..
+        } = event
+        {
+            show(target, presence);
         }
-    }
+        Ok(())
+    })
+    .await?;
     let _ = client.logout().await;
     Ok(())
+}
+
+/// Hands every event to `handle` until Ctrl-C or SIGTERM. Connection events
+/// are told on stderr. The client closing ends it with an error, and so
+/// does `handle` saying why to stop (the client is then closed: the device
+/// lingers for its grace).
+pub async fn until_signal(
+    client: &Client,
+    updates: &mut Updates,
+    mut handle: impl FnMut(&Event) -> Result<(), String>,
+) -> Result<(), String> {
+    loop {
+        tokio::select! {
+            event = updates.next() => {
+                let Some(event) = event else {
+                    return Err("the client stopped".into());
+                };
+                if let Event::Closed { reason, .. } = &event {
+                    return Err(format!("closed: {reason}"));
+                }
+                if let Some(text) = connection_event(&event) {
+                    eprintln!("{text}");
+                }
+                if let Err(e) = handle(&event) {
+                    client.close().await;
+                    return Err(e);
+                }
+            }
+            _ = crate::serve::wait_for_signal() => return Ok(()),
+        }
+    }
 }
 
 /// `greendot query`: answers once, then logs out.

@@ -1,7 +1,7 @@
 //! `greendot group`: write a group from files, watch its count, read its
 //! member list (docs/groups.md).
 
-use crate::client::{connect, connection_event, line, say};
+use crate::client::{connect, line, say, until_signal};
 use crate::ClientArgs;
 use greendot_client::{Event, GroupCursor, GroupRole};
 use std::path::Path;
@@ -139,34 +139,34 @@ pub async fn run_watch(args: &ClientArgs, group: u64, json: bool) -> Result<(), 
         json,
     ));
     let mut shown = snapshot.count;
-    loop {
-        tokio::select! {
-            event = updates.next() => match event {
-                Some(Event::GroupCount { group: g, count, .. }) if g == group => {
-                    if count != shown {
-                        shown = count;
-                        say(&count_line(group, count, None, None, json));
-                    }
-                }
-                Some(Event::GroupMember { group: g, member, online, count, .. }) if g == group => {
-                    say(&member_line(group, &member, online, count, json));
-                    shown = count;
-                }
-                Some(Event::GroupEnded { group: g }) if g == group => {
-                    client.close().await;
-                    return Err(format!("group {group}: the subscription ended (left or removed)"));
-                }
-                Some(Event::Closed { reason, .. }) => return Err(format!("closed: {reason}")),
-                Some(event) => {
-                    if let Some(text) = connection_event(&event) {
-                        eprintln!("{text}");
-                    }
-                }
-                None => return Err("the client stopped".into()),
-            },
-            _ = crate::serve::wait_for_signal() => break,
+    until_signal(&client, &mut updates, |event| {
+        match event {
+            Event::GroupCount {
+                group: g, count, ..
+            } if *g == group && *count != shown => {
+                shown = *count;
+                say(&count_line(group, *count, None, None, json));
+            }
+            Event::GroupMember {
+                group: g,
+                member,
+                online,
+                count,
+                ..
+            } if *g == group => {
+                shown = *count;
+                say(&member_line(group, member, *online, *count, json));
+            }
+            Event::GroupEnded { group: g } if *g == group => {
+                return Err(format!(
+                    "group {group}: the subscription ended (left or removed)"
+                ));
+            }
+            _ => {}
         }
-    }
+        Ok(())
+    })
+    .await?;
     let _ = client.logout().await;
     Ok(())
 }
