@@ -597,7 +597,7 @@ impl Core {
             self.timers.insert((hold, Timer::Debounce(user)));
             return;
         }
-        if shown.same_view(&self.users[u as usize].published) {
+        if shown.same_view(&self.users[u as usize].published) && !self.stale_epoch(u) {
             self.counters.flaps_suppressed += 1;
         } else {
             self.publish(u, shown);

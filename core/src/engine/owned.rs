@@ -59,6 +59,16 @@ impl Core {
         })
     }
 
+    /// A cluster owner whose user's published view is of an earlier
+    /// epoch (restored from the KV): it is published again under this
+    /// epoch even if unchanged, since the KV's copy is written behind and
+    /// watchers may have been shown a later view of the old owner's that
+    /// never reached it; only a version of this epoch takes that back.
+    pub(super) fn stale_epoch(&self, user: u32) -> bool {
+        self.cluster.is_some()
+            && crate::cluster::epoch_of(self.users[user as usize].published.version) < self.epoch()
+    }
+
     /// The epoch of the versions this core issues (0 on one node).
     pub fn epoch(&self) -> Epoch {
         crate::cluster::epoch_of(self.version_floor)
@@ -115,7 +125,7 @@ impl Core {
         }
         let shown = self.shown_view(u);
         let rec = &self.users[u as usize];
-        if rec.debounce_due.is_none() && !shown.same_view(&rec.published) {
+        if rec.debounce_due.is_none() && (!shown.same_view(&rec.published) || self.stale_epoch(u)) {
             let due = self.clock.plus(self.config.debounce);
             self.users[u as usize].debounce_due = Some(due);
             self.timers.insert((due, Timer::Debounce(user)));

@@ -7,7 +7,7 @@ use super::owner::{route_of, ReplyTo};
 use super::wire::{
     decode, encode, FromOwner, ResyncRequest, ToOwner, WireOp, RECORD_FOREGROUND_SINCE,
 };
-use super::{ClusterLink, Finished, RequestKind, MAX_QUEUED_OPS, RETRY_AFTER};
+use super::{ClusterLink, Finished, RequestKind, MAX_LOCAL_HOPS, MAX_QUEUED_OPS, RETRY_AFTER};
 use bytes::Bytes;
 use greendot_core::{EndReason, Millis, SessionId, UserId};
 use greendot_proto::{self as proto, ErrorCode, WireError};
@@ -21,6 +21,10 @@ pub(super) struct QueuedOp {
     pub(super) wait: Option<u64>,
     /// The client is answered with an error after this.
     pub(super) deadline: Instant,
+    /// Its owner did not know the session, which was connected again for
+    /// it: a second such answer drops it (the owner does not take the
+    /// session, so connecting it again would loop).
+    pub(super) reconnected: bool,
 }
 
 #[derive(Debug)]
@@ -55,6 +59,7 @@ impl EdgeDevice {
                 op: WireOp::SetForeground(false),
                 wait: None,
                 deadline: now,
+                reconnected: false,
             });
         }
         self.queue.push_front(self.connect(now, one_step));
@@ -79,6 +84,7 @@ impl EdgeDevice {
             op,
             wait: None,
             deadline: now,
+            reconnected: false,
         }
     }
 }
@@ -263,6 +269,12 @@ impl ClusterLink {
             return false;
         };
         let ends = matches!(op, WireOp::Logout | WireOp::Disconnect { .. });
+        if matches!(op, WireOp::Disconnect { .. })
+            && self.settings.mutant == Some(super::LinkMutant::DropEndingOp)
+        {
+            d.closed = true;
+            return true;
+        }
         if let WireOp::SetForeground(foreground) = op {
             d.background = !foreground;
         }
@@ -295,7 +307,12 @@ impl ClusterLink {
             }
             return true;
         }
-        d.queue.push_back(QueuedOp { op, wait, deadline });
+        d.queue.push_back(QueuedOp {
+            op,
+            wait,
+            deadline,
+            reconnected: false,
+        });
         if ends {
             d.closed = true;
         }
@@ -376,7 +393,45 @@ impl ClusterLink {
 
     /// Sends the op at the head of the session's queue, unless one is out.
     fn pump(&mut self, session: SessionId, now: Instant, at: Millis) {
+        if self.pumping {
+            self.pump_later.push_back(session);
+            return;
+        }
+        self.pumping = true;
+        self.pump_one(session, now, at);
+        let mut hops = 0;
+        while let Some(session) = self.pump_later.pop_front() {
+            hops += 1;
+            if hops > MAX_LOCAL_HOPS {
+                // Left to the tick: each waits as after a failure.
+                if let Some(d) = self.devices.get_mut(&session) {
+                    if d.sent.is_none() {
+                        d.not_before = Some(now + RETRY_AFTER);
+                    }
+                }
+                self.busy.insert(session);
+                continue;
+            }
+            self.pump_one(session, now, at);
+        }
+        self.pumping = false;
+    }
+
+    fn pump_one(&mut self, session: SessionId, now: Instant, at: Millis) {
         let rid = self.next_id + 1;
+        if let Some(d) = self.devices.get_mut(&session).filter(|d| d.sent.is_none()) {
+            if d.closed
+                && d.queue
+                    .iter()
+                    .any(|q| matches!(q.op, WireOp::Disconnect { .. }))
+            {
+                // A connect of a session that ended here before its owner
+                // took it is moot: taken now, it would take the device from
+                // a newer session elsewhere. Its disconnect goes alone, and
+                // ends it where an earlier copy of the connect did land.
+                d.queue.retain(|q| !connects(&q.op));
+            }
+        }
         let Some(d) = self.devices.get(&session) else {
             self.busy.remove(&session);
             return;
@@ -454,9 +509,38 @@ impl ClusterLink {
                     }
                 }
             }
+            Some(FromOwner::Unknown)
+                if d.queue.front().is_some_and(|q| {
+                    q.reconnected || (d.closed && !matches!(q.op, WireOp::Logout))
+                }) =>
+            {
+                // The owner holds nothing of the session, and will not: it
+                // ended here (what it still had queued has no session to
+                // act on, and connecting it again to deliver it would take
+                // the device from a newer session elsewhere; see
+                // `pump_one`), or it was connected again for this op and
+                // the owner did not take it (a later session of the device
+                // here took its place). Dropped; a logout is answered as
+                // landing, as at its deadline.
+                if let Some(q) = d.queue.pop_front() {
+                    if let Some(wait) = q.wait {
+                        let answer = match q.op {
+                            WireOp::Logout => Finished::Done,
+                            _ => Finished::Failed(WireError::new(
+                                ErrorCode::Stale,
+                                "the session ended before its owner took this",
+                            )),
+                        };
+                        self.finished.push_back((wait, answer));
+                    }
+                }
+            }
             Some(FromOwner::Unknown) => {
                 // The owner has no live session of the device (a new owner):
                 // connect it again first.
+                if let Some(q) = d.queue.front_mut() {
+                    q.reconnected = true;
+                }
                 self.counters.retries += 1;
                 d.connect_first(now, self.settings.protocol >= RECORD_FOREGROUND_SINCE);
                 self.next_conn += 1;

@@ -4,10 +4,11 @@
 use super::edge::InFlight;
 use super::owner::note_idle;
 use super::wire::{encode, ToOwner};
+use super::DetMap;
 use super::{ClusterLink, Finished, RequestKind, RETRY_AFTER};
 use greendot_core::{Millis, Presence, SessionId, Tier, UserId};
 use greendot_proto::{self as proto, ErrorCode, Refused, Snapshot, WireError};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 /// What a subscribe (or a resume's carry-over) asks for.
@@ -16,7 +17,7 @@ struct Wanted {
     refused: Vec<Refused>,
     tier: Tier,
     /// Targets with a tier of their own (carried over by a resume).
-    tiers: HashMap<String, Tier>,
+    tiers: DetMap<String, Tier>,
     pub(super) query: bool,
 }
 
@@ -25,7 +26,7 @@ pub(super) struct PendingSubscribe {
     pub(super) viewer: String,
     tier: Tier,
     /// Targets with a tier of their own (carried over by a resume).
-    tiers: HashMap<String, Tier>,
+    tiers: DetMap<String, Tier>,
     /// Targets in request order: their snapshot once known.
     pub(super) targets: Vec<(String, Option<Presence>)>,
     refused: Vec<Refused>,
@@ -35,7 +36,7 @@ pub(super) struct PendingSubscribe {
     /// Views of the targets that arrived before their snapshot (the shard is
     /// watched first, and a view may overtake the owner's answer, a hole
     /// the model found): the newest is what the subscribe starts from.
-    pub(super) early: HashMap<String, Presence>,
+    pub(super) early: DetMap<String, Presence>,
     /// A query: answered with the presences, nothing subscribed or watched.
     pub(super) query: bool,
 }
@@ -62,7 +63,7 @@ impl ClusterLink {
             targets,
             refused,
             tier,
-            tiers: HashMap::new(),
+            tiers: DetMap::default(),
             query,
         };
         self.start_subscribe(now, at, wait, session, viewer, wanted)
@@ -142,7 +143,7 @@ impl ClusterLink {
             refused,
             deadline: now + self.settings.request_timeout,
             asking: BTreeMap::new(),
-            early: HashMap::new(),
+            early: DetMap::default(),
             query,
         };
         // What this edge knows already (another session watches the target),

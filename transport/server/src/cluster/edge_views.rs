@@ -4,13 +4,13 @@
 
 use super::edge::InFlight;
 use super::wire::{decode, encode, Beacon, ShardView, ToOwner};
+use super::DetMap;
 use super::{
     ClusterLink, ClusterOutput, RequestKind, MAX_BEACON_SHARDS, MAX_BEACON_TRUTHS,
     MAX_SNAPSHOT_TARGETS, RETRY_AFTER,
 };
 use greendot_core::{Millis, Presence, UserId};
 use greendot_proto as proto;
-use std::collections::HashMap;
 use std::time::Instant;
 
 /// What an edge knows of the views of a shard some local session watches.
@@ -229,7 +229,7 @@ impl ClusterLink {
             return;
         }
         for own in [false, true] {
-            let due: HashMap<u32, Vec<String>> = self
+            let due: DetMap<u32, Vec<String>> = self
                 .shard_tracks(own)
                 .iter()
                 .filter(|(_, t)| t.gap && t.asking == 0 && t.not_before.is_none_or(|n| n <= now))
@@ -248,7 +248,7 @@ impl ClusterLink {
     }
 
     /// What this edge knows of the views (`own`: of the truths) of shards.
-    pub(super) fn shard_tracks(&mut self, own: bool) -> &mut HashMap<u32, ShardTrack> {
+    pub(super) fn shard_tracks(&mut self, own: bool) -> &mut DetMap<u32, ShardTrack> {
         if own {
             &mut self.truth_tracks
         } else {
@@ -260,7 +260,7 @@ impl ClusterLink {
     /// truths of every user of them with a session here).
     fn ask_repairs(
         &mut self,
-        mut due: HashMap<u32, Vec<String>>,
+        mut due: DetMap<u32, Vec<String>>,
         own: bool,
         now: Instant,
         at: Millis,

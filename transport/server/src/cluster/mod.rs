@@ -42,12 +42,19 @@ use greendot_proto::{self as proto, WireError};
 use owner::release_idle;
 use owner_requests::PendingPrefs;
 use owners::Owners;
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 pub use wire::{
     decode_device_record, Beacon, FromOwner, RecordedDevice, ResyncRequest, SessionRecord,
     ShardView, ToOwner, WireOp, WirePrefs,
 };
+
+/// Maps whose iteration order is the same in every run (std's default
+/// hasher is seeded per process): the multi-node simulator replays a run
+/// from its seed.
+type DetHasher = std::hash::BuildHasherDefault<std::collections::hash_map::DefaultHasher>;
+pub(crate) type DetMap<K, V> = std::collections::HashMap<K, V, DetHasher>;
+pub(crate) type DetSet<K> = std::collections::HashSet<K, DetHasher>;
 
 /// The largest message accepted from another node: a device input or a
 /// view is a few names and a status message; a snapshot answer carries at
@@ -71,6 +78,11 @@ const MAX_HOLDERS_REMEMBERED: usize = 262_144;
 /// Edges whose newest incarnation is remembered (the cluster's nodes; a
 /// node id past it is not tracked, and its late requests are not filtered).
 const MAX_EDGES_REMEMBERED: usize = 4_096;
+
+/// Ops one pump hands this node's own owners in a row at most; past it the
+/// devices left wait for the next tick (no loop between an edge and its
+/// own owner holds the state's loop).
+const MAX_LOCAL_HOPS: usize = 4_096;
 
 /// How long an edge waits before asking again after a refusal or a failure.
 const RETRY_AFTER: Duration = Duration::from_millis(100);
@@ -147,6 +159,33 @@ pub struct ClusterSettings {
     /// `Envelope::send_version`); the KV records it writes follow it, so a
     /// node of the previous release reads them during a rolling upgrade.
     pub protocol: u8,
+    /// A deliberately broken link, for the simulator's checks to catch
+    /// (`None` in production).
+    pub mutant: Option<LinkMutant>,
+}
+
+/// Deliberately broken cluster links: each is a bug the multi-node
+/// simulator (`greendot-sim`'s `cluster`) must catch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LinkMutant {
+    /// A preference write that lands is answered `Done` even after the
+    /// shard's claim lapsed or moved (the C4 race: the client is told
+    /// "invisible" while the new owner shows her online).
+    AckAfterShardLost,
+    /// An edge drops a device's `Disconnect` instead of forwarding it: the
+    /// device stays online at its owner (a ghost past C3's bound).
+    DropEndingOp,
+    /// An owner keeps acting past its claim's deadline: a node paused past
+    /// its lease publishes for shards that moved when it wakes (C1).
+    ActPastDeadline,
+}
+
+impl LinkMutant {
+    pub const ALL: [LinkMutant; 3] = [
+        LinkMutant::AckAfterShardLost,
+        LinkMutant::DropEndingOp,
+        LinkMutant::ActPastDeadline,
+    ];
 }
 
 /// Which of the owner's subjects a request goes to.
@@ -184,12 +223,16 @@ pub enum ClusterInput {
     /// failed.
     PrefsStored { id: u64, ok: bool },
     /// What the KV holds of the user of [`ClusterOutput::LoadUser`] `id`
-    /// (`None`: nothing, or the read failed: the user starts fresh).
+    /// (`None`: nothing: the user starts fresh).
     UserLoaded {
         id: u64,
         prefs: Option<Bytes>,
         view: Option<Bytes>,
     },
+    /// The read of [`ClusterOutput::LoadUser`] `id` failed: it is asked
+    /// again, and the user's inputs wait (started fresh, a user who chose
+    /// to be invisible would be shown online: C4).
+    UserLoadFailed { id: u64 },
     /// The put of [`ClusterOutput::PutSession`] `id` landed (`ok`) or
     /// failed.
     SessionStored { id: u64, ok: bool },
@@ -358,56 +401,64 @@ pub struct ClusterLink {
     /// The Unix time of the core's `Millis(0)`.
     unix_base_ms: u64,
     acting: BTreeMap<u32, (u64, Instant)>,
+    /// The earliest deadline in `acting`.
+    next_lapse: Option<Instant>,
     owners: Owners,
-    pending_prefs: HashMap<u64, PendingPrefs>,
+    pending_prefs: DetMap<u64, PendingPrefs>,
     /// KV reads in flight: shard, epoch, user, since.
-    pending_loads: HashMap<u64, (u32, u64, String, Instant)>,
+    pending_loads: DetMap<u64, (u32, u64, String, Instant)>,
     /// Shard record reads in flight: shard, epoch, since.
-    pending_shards: HashMap<u64, (u32, u64, Instant)>,
+    pending_shards: DetMap<u64, (u32, u64, Instant)>,
     fanout: Fanout,
     names: Interner,
     /// The edge's devices by session, while their inputs are forwarded.
-    devices: HashMap<SessionId, EdgeDevice>,
+    devices: DetMap<SessionId, EdgeDevice>,
     /// Sessions open in the fanout, with their user (whose name they hold a
     /// reference on).
-    open: HashMap<SessionId, String>,
+    open: DetMap<SessionId, String>,
     /// Shards some local subscription watches, with how many.
-    shard_watchers: HashMap<u32, u32>,
+    shard_watchers: DetMap<u32, u32>,
     /// The view numbers seen of each watched shard (the same keys).
-    tracks: HashMap<u32, ShardTrack>,
+    tracks: DetMap<u32, ShardTrack>,
     /// The numbers of the truths this edge was sent, per shard (at most
     /// one entry per shard).
-    truth_tracks: HashMap<u32, ShardTrack>,
+    truth_tracks: DetMap<u32, ShardTrack>,
     /// Per shard, the newest epoch whose resync request this edge answered
     /// (a new owner sends it again while its window is open).
-    resynced: HashMap<u32, u64>,
+    resynced: DetMap<u32, u64>,
     next_beacon: Option<Instant>,
     /// Some track has a gap to repair (what the tick looks at).
     gaps: bool,
-    subscribes: HashMap<u64, PendingSubscribe>,
-    routes: HashMap<u64, PendingRoute>,
+    subscribes: DetMap<u64, PendingSubscribe>,
+    routes: DetMap<u64, PendingRoute>,
     /// Local sessions' KV records, and the puts in flight by id.
-    records: HashMap<SessionId, SessionSync>,
-    record_puts: HashMap<u64, SessionId>,
+    records: DetMap<SessionId, SessionSync>,
+    record_puts: DetMap<u64, SessionId>,
     /// Sessions whose put failed: tried again at the tick.
-    record_retries: std::collections::HashSet<SessionId>,
+    record_retries: DetSet<SessionId>,
     /// Record reads for resumes, by id.
-    resumes: HashMap<u64, PendingResume>,
+    resumes: DetMap<u64, PendingResume>,
     /// Requests out, with when they count as unanswered (an output the NATS
     /// I/O dropped is never answered).
-    in_flight: HashMap<u64, (InFlight, Instant)>,
+    in_flight: DetMap<u64, (InFlight, Instant)>,
     /// Devices with inputs queued or a retry pending: what the tick looks at.
-    busy: std::collections::HashSet<SessionId>,
+    busy: DetSet<SessionId>,
     next_tick: Option<Instant>,
     next_id: u64,
     next_conn: u64,
     outputs: VecDeque<ClusterOutput>,
     finished: VecDeque<(u64, Finished)>,
     counters: ClusterCounters,
+    /// A pump runs: pumps it causes (an op handled by this node's own
+    /// owner, answered at once) wait here and run after it, in a loop,
+    /// not nested: nested, a device whose ops keep being answered in
+    /// process would grow the stack without a bound.
+    pumping: bool,
+    pump_later: VecDeque<SessionId>,
     /// The newest incarnation seen of each edge (from its requests and its
     /// lease): requests of older ones are dropped. At most
     /// `MAX_EDGES_REMEMBERED`: edges are the cluster's nodes.
-    incarnations: HashMap<String, u64>,
+    incarnations: DetMap<String, u64>,
     /// Publish-to-fanout delays of remote views taken, in milliseconds.
     latencies: VecDeque<u64>,
     max_name_len: usize,
@@ -434,26 +485,27 @@ impl ClusterLink {
             owner_config,
             unix_base_ms,
             acting: BTreeMap::new(),
+            next_lapse: None,
             owners: Owners::new(),
-            pending_prefs: HashMap::new(),
-            pending_loads: HashMap::new(),
-            pending_shards: HashMap::new(),
+            pending_prefs: DetMap::default(),
+            pending_loads: DetMap::default(),
+            pending_shards: DetMap::default(),
             names: Interner::new(config.max_users.saturating_mul(2)),
-            devices: HashMap::new(),
-            open: HashMap::new(),
-            shard_watchers: HashMap::new(),
-            tracks: HashMap::new(),
-            truth_tracks: HashMap::new(),
-            resynced: HashMap::new(),
+            devices: DetMap::default(),
+            open: DetMap::default(),
+            shard_watchers: DetMap::default(),
+            tracks: DetMap::default(),
+            truth_tracks: DetMap::default(),
+            resynced: DetMap::default(),
             next_beacon: None,
             gaps: false,
-            subscribes: HashMap::new(),
-            routes: HashMap::new(),
-            records: HashMap::new(),
-            record_puts: HashMap::new(),
+            subscribes: DetMap::default(),
+            routes: DetMap::default(),
+            records: DetMap::default(),
+            record_puts: DetMap::default(),
             record_retries: Default::default(),
-            resumes: HashMap::new(),
-            in_flight: HashMap::new(),
+            resumes: DetMap::default(),
+            in_flight: DetMap::default(),
             busy: Default::default(),
             next_tick: None,
             next_id: 0,
@@ -461,7 +513,9 @@ impl ClusterLink {
             outputs: VecDeque::new(),
             finished: VecDeque::new(),
             counters: ClusterCounters::default(),
-            incarnations: HashMap::new(),
+            pumping: false,
+            pump_later: VecDeque::new(),
+            incarnations: DetMap::default(),
             latencies: VecDeque::new(),
             max_name_len,
         }
@@ -525,9 +579,10 @@ impl ClusterLink {
     }
 
     fn acting_epoch(&self, shard: u32, now: Instant) -> Option<u64> {
+        let lapse_ignored = self.settings.mutant == Some(LinkMutant::ActPastDeadline);
         self.acting
             .get(&shard)
-            .filter(|(_, until)| now < *until)
+            .filter(|(_, until)| lapse_ignored || now < *until)
             .map(|(epoch, _)| *epoch)
     }
 
@@ -574,8 +629,17 @@ impl ClusterLink {
         self.owners.check();
     }
 
-    fn on_timeout(&mut self, now: Instant, at: Millis) {
-        // Stop acting at a claim's deadline, whatever the status says.
+    /// Stops acting for the shards whose claim's deadline passed, whatever
+    /// the status says: first thing at every input and timeout, so that no
+    /// owner acts past its deadline on anything (a node paused past its
+    /// lease wakes to the inputs that queued while it slept, before any
+    /// timer).
+    fn stop_lapsed(&mut self, now: Instant, at: Millis) {
+        if self.settings.mutant == Some(LinkMutant::ActPastDeadline)
+            || self.next_lapse.is_none_or(|t| now < t)
+        {
+            return;
+        }
         let lapsed: Vec<u32> = self
             .acting
             .iter()
@@ -586,6 +650,11 @@ impl ClusterLink {
             self.acting.remove(&shard);
             self.drop_owner(shard, now, at);
         }
+        self.next_lapse = self.acting.values().map(|(_, until)| *until).min();
+    }
+
+    fn on_timeout(&mut self, now: Instant, at: Millis) {
+        self.stop_lapsed(now, at);
         // Only the shards with something due (or changed since last asked).
         for shard in self.owners.due(at) {
             if let Some(o) = self.owners.get_mut(&shard) {
@@ -619,6 +688,7 @@ impl ClusterLink {
     }
 
     fn on_input(&mut self, now: Instant, at: Millis, input: ClusterInput) {
+        self.stop_lapsed(now, at);
         match input {
             ClusterInput::Status { shards } => self.set_status(now, at, shards),
             ClusterInput::ShardMessage { shard, payload } => {
@@ -635,6 +705,7 @@ impl ClusterLink {
             ClusterInput::SessionLoaded { id, record } => self.session_loaded(id, record),
             ClusterInput::Answered { id, payload } => self.answered(now, at, id, payload),
             ClusterInput::Beacon { payload } => self.beacon_message(&payload),
+            ClusterInput::UserLoadFailed { id } => self.user_load_failed(now, id),
             ClusterInput::UserLoaded { id, prefs, view } => {
                 self.user_loaded(now, at, id, prefs, view)
             }

@@ -10,13 +10,14 @@ use super::wire::{
 use super::{
     ClusterLink, ClusterOutput, BEACON_EVERY, MAX_BEACON_SHARDS, MAX_BEACON_TRUTHS, MAX_EPOCH,
     MAX_IDLE_USERS, MAX_PENDING_PREFS, MAX_RECORDED_DEVICES, RELEASE_AFTER, RESYNC_EVERY,
-    TRUTH_BEACON_FOR, WRITE_BEHIND,
+    RETRY_AFTER, TRUTH_BEACON_FOR, WRITE_BEHIND,
 };
+use super::{DetMap, DetSet};
 use crate::hub::Interner;
 use bytes::Bytes;
 use greendot_core::{Core, DeviceId, EndReason, Epoch, Millis, Output, SessionId, UserId};
 use greendot_proto as proto;
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
 
 /// Who holds a device's connection: the edge, its incarnation, its
@@ -35,21 +36,21 @@ pub(super) struct Owner {
     /// edge's wire id of it (0: restored, not connected again yet), its
     /// user, and `since` (its edge's welcome order; 0 when restored from the
     /// device record).
-    pub(super) sessions: HashMap<SessionId, (Holder, u64, u64, UserId, u64)>,
-    pub(super) by_holder: HashMap<Holder, SessionId>,
+    pub(super) sessions: DetMap<SessionId, (Holder, u64, u64, UserId, u64)>,
+    pub(super) by_holder: DetMap<Holder, SessionId>,
     /// The last request id taken per connection: a request that arrives
     /// late (after the edge gave up on it and sent the next) is not applied
     /// over a newer one.
-    pub(super) last_rid: HashMap<Holder, u64>,
+    pub(super) last_rid: DetMap<Holder, u64>,
     /// Users whose KV record was read (or is being read): the first device
     /// input of any other waits for it, so a new owner keeps the user's
     /// preferences and last published view.
-    pub(super) loaded: std::collections::HashSet<String>,
+    pub(super) loaded: DetSet<String>,
     /// Inputs waiting for their user's KV record.
-    pub(super) loading: HashMap<String, Vec<(ToOwner, ReplyTo)>>,
+    pub(super) loading: DetMap<String, Vec<(ToOwner, ReplyTo)>>,
     /// Devices of the shard's record (the previous owner's), by user, to be
     /// restored as lingering with the user.
-    recorded: HashMap<String, Vec<RecordedDevice>>,
+    recorded: DetMap<String, Vec<RecordedDevice>>,
     /// The device set changed since this instant and is not written yet.
     pub(super) dirty_since: Option<Millis>,
     /// Users that got a session at another node's edge in this step: that
@@ -64,7 +65,7 @@ pub(super) struct Owner {
     pub(super) seq: u64,
     /// Truths sent to each other edge in this epoch: the last one's number,
     /// and when it went (beacons name the recent ones).
-    truth_seq: HashMap<String, (u64, Instant)>,
+    truth_seq: DetMap<String, (u64, Instant)>,
     /// The resync request is sent again until then (it may be lost), every
     /// `RESYNC_EVERY`.
     resync_until: Instant,
@@ -157,6 +158,7 @@ impl ClusterLink {
             self.drop_owner(shard, now, at);
         }
         self.acting = shards;
+        self.next_lapse = self.acting.values().map(|(_, until)| *until).min();
         let won: Vec<(u32, u64)> = self
             .acting
             .iter()
@@ -195,17 +197,17 @@ impl ClusterLink {
                     core,
                     users: Interner::new(cap),
                     devices: Interner::new(self.owner_config.max_sessions),
-                    sessions: HashMap::new(),
-                    by_holder: HashMap::new(),
-                    last_rid: HashMap::new(),
+                    sessions: DetMap::default(),
+                    by_holder: DetMap::default(),
+                    last_rid: DetMap::default(),
                     loaded: Default::default(),
-                    loading: HashMap::new(),
-                    recorded: HashMap::new(),
+                    loading: DetMap::default(),
+                    recorded: DetMap::default(),
                     dirty_since: None,
                     greet: Vec::new(),
                     idle: VecDeque::new(),
                     seq: 0,
-                    truth_seq: HashMap::new(),
+                    truth_seq: DetMap::default(),
                     resync_until: now + self.settings.request_timeout,
                     next_resync: now + RESYNC_EVERY,
                 },
@@ -266,11 +268,11 @@ impl ClusterLink {
             .iter()
             .filter(|(s, o)| self.acting_epoch(**s, now) == Some(o.epoch))
             .collect();
-        let shards: Vec<(u32, u64, u64)> = acting
-            .iter()
-            .filter(|(_, o)| o.seq > 0)
-            .map(|(s, o)| (**s, o.epoch, o.seq))
-            .collect();
+        // Shards with nothing published yet under this epoch too: an edge
+        // that missed the last views of an earlier epoch (cut off while
+        // they went out) learns from the new epoch alone that it is behind.
+        let shards: Vec<(u32, u64, u64)> =
+            acting.iter().map(|(s, o)| (**s, o.epoch, o.seq)).collect();
         let recent = |sent: Instant| now.saturating_duration_since(sent) <= TRUTH_BEACON_FOR;
         let truths: Vec<(String, u32, u64, u64)> = acting
             .iter()
@@ -350,6 +352,16 @@ impl ClusterLink {
 
     /// A user's KV record arrived: restore it, then take the inputs that
     /// waited for it.
+    /// A user's KV read failed: asked again after [`RETRY_AFTER`] (by
+    /// `expire_pending`, which asks again what waited its timeout).
+    pub(super) fn user_load_failed(&mut self, now: Instant, id: u64) {
+        let timeout = self.settings.request_timeout;
+        if let Some((_, _, _, since)) = self.pending_loads.get_mut(&id) {
+            self.counters.retries += 1;
+            *since = (now + RETRY_AFTER).checked_sub(timeout).unwrap_or(*since);
+        }
+    }
+
     pub(super) fn user_loaded(
         &mut self,
         now: Instant,

@@ -6,13 +6,13 @@ use super::owner::{
     forget_device, forget_user_if_unknown, note_idle, route_of, Holder, Owner, ReplyTo,
 };
 use super::wire::{decode, encode, FromOwner, ToOwner, WireOp, WirePrefs};
+use super::DetMap;
 use super::{
     ClusterLink, ClusterOutput, RequestKind, MAX_EDGES_REMEMBERED, MAX_HOLDERS_REMEMBERED,
     MAX_PENDING_PREFS, MAX_QUEUED_OPS, MAX_SNAPSHOT_TARGETS,
 };
 use greendot_core::{Connect, DeviceId, DeviceKind, Millis, SessionId, UserId, Watch};
 use greendot_proto::{self as proto, ErrorCode, WireError};
-use std::collections::HashMap;
 use std::time::Instant;
 
 pub(super) struct PendingPrefs {
@@ -24,7 +24,7 @@ pub(super) struct PendingPrefs {
     rid: u64,
 }
 
-fn remember_rid(last: &mut HashMap<Holder, u64>, key: Holder, rid: u64) {
+fn remember_rid(last: &mut DetMap<Holder, u64>, key: Holder, rid: u64) {
     if last.len() >= MAX_HOLDERS_REMEMBERED && !last.contains_key(&key) {
         // Bounded memory over a perfect filter: after this, a request that
         // was in flight for a long-gone connection could be applied late.
@@ -471,11 +471,13 @@ impl ClusterLink {
             .owners
             .get_mut(&p.shard)
             .filter(|o| acting && o.epoch == p.epoch);
+        let acked_anyway = self.settings.mutant == Some(super::LinkMutant::AckAfterShardLost);
         let answer = match owner {
             Some(o) if ok => {
                 remember_rid(&mut o.last_rid, p.holder, p.rid);
                 FromOwner::Done { epoch: p.epoch }
             }
+            None if ok && acked_anyway => FromOwner::Done { epoch: p.epoch },
             // Not stored (or fenced by a newer owner's write), or
             // the shard moved: the edge asks again.
             _ => FromOwner::NotOwner,

@@ -8,9 +8,10 @@
 //! asked directly, so the answer is right whenever it is asked.
 
 use super::owner::Owner;
+use super::DetMap;
 use super::WRITE_BEHIND;
 use greendot_core::Millis;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Index;
 
 pub(super) struct Owners {
@@ -19,7 +20,7 @@ pub(super) struct Owners {
     /// and that have a deadline.
     index: BTreeSet<(Millis, u32)>,
     /// Each indexed shard's entry in `index`.
-    indexed: HashMap<u32, Millis>,
+    indexed: DetMap<u32, Millis>,
     /// Shards handed out mutably since the last `reindex`.
     touched: BTreeSet<u32>,
 }
@@ -42,7 +43,7 @@ impl Owners {
         Owners {
             map: BTreeMap::new(),
             index: BTreeSet::new(),
-            indexed: HashMap::new(),
+            indexed: DetMap::default(),
             touched: BTreeSet::new(),
         }
     }

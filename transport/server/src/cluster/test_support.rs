@@ -28,6 +28,7 @@ pub(super) fn link_as(node: &str, incarnation: u64) -> ClusterLink {
         shard_of: by_len,
         request_timeout: Duration::from_secs(5),
         protocol: RECORD_FOREGROUND_SINCE,
+        mutant: None,
     };
     ClusterLink::new(settings, &Config::default(), 0, 128)
 }

@@ -286,17 +286,22 @@ pub async fn run(
                     ClusterOutput::LoadUser { id, user } => {
                         let (c, inputs) = (cluster.clone(), inputs.clone());
                         tokio::spawn(async move {
-                            // A failed read starts the user fresh rather than
-                            // holding their inputs.
-                            let prefs = c.preferences(&user).await.unwrap_or_else(|e| {
-                                warn!(error = %e, "cannot read preferences");
-                                None
-                            });
-                            let view = c.view(&user).await.unwrap_or_else(|e| {
-                                warn!(error = %e, "cannot read the last view");
-                                None
-                            });
-                            inputs.send(ClusterInput::UserLoaded { id, prefs, view }).await;
+                            // A failed read is asked again (the user's inputs
+                            // wait): started fresh, a user who chose to be
+                            // invisible would be shown online.
+                            let read = async {
+                                let prefs = c.preferences(&user).await?;
+                                let view = c.view(&user).await?;
+                                Ok::<_, greendot_cluster::ClusterError>((prefs, view))
+                            };
+                            let input = match read.await {
+                                Ok((prefs, view)) => ClusterInput::UserLoaded { id, prefs, view },
+                                Err(e) => {
+                                    warn!(error = %e, "cannot read a user's preferences or last view: asking again");
+                                    ClusterInput::UserLoadFailed { id }
+                                }
+                            };
+                            inputs.send(input).await;
                         });
                     }
                     ClusterOutput::PutView { user, value } => {

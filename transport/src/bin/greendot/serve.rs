@@ -283,6 +283,7 @@ fn cluster_settings(
         // Long enough for a shard to change hands (its claim's TTL).
         request_timeout: config.claim_ttl.max(Duration::from_secs(2)),
         protocol,
+        mutant: None,
     })
 }
 
