@@ -38,6 +38,7 @@
 //! A failing run prints one line that replays it ([`Options::replay_line`]).
 
 pub mod client;
+pub mod cluster;
 pub mod net;
 pub mod rng;
 pub mod store;

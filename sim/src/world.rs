@@ -346,7 +346,7 @@ fn kind_of(rng: &mut Rng) -> Kind {
 /// signatures are always 64 bytes, unlike ECDSA's DER) and a self-signed
 /// certificate, so that packet sizes, and hence the run, depend on the
 /// seed only.
-fn identity(rng: &mut Rng) -> Result<Identity, String> {
+pub(crate) fn identity(rng: &mut Rng) -> Result<Identity, String> {
     let seed = rng.bytes32();
     // PKCS#8 v1 of an Ed25519 private key: a fixed prefix, then the seed.
     let mut der = vec![

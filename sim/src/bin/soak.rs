@@ -1,5 +1,6 @@
 //! A longer random run of the simulator:
-//! `cargo run --release -p greendot-sim --bin soak -- [--seeds N] [--from S] [--steps N] [--large-clock-jumps] [--mutant NAME]`.
+//! `cargo run --release -p greendot-sim --bin soak -- [--seeds N] [--from S] [--steps N] [--large-clock-jumps] [--mutant NAME]`,
+//! or of the multi-node simulation with `--nodes N` (1 to 5).
 //! Without `--from` the first seed is drawn from the time of day (printed),
 //! so each run explores new seeds; every failure prints its replay line.
 
@@ -12,6 +13,7 @@ fn main() {
     let mut from = None;
     let mut large = false;
     let mut mutant = None;
+    let mut nodes = None;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut value = || args.next().unwrap_or_default();
@@ -20,6 +22,7 @@ fn main() {
             "--steps" => steps = value().parse().expect("--steps N"),
             "--from" => from = Some(value().parse().expect("--from SEED")),
             "--large-clock-jumps" => large = true,
+            "--nodes" => nodes = Some(value().parse().expect("--nodes N (1 to 5)")),
             "--mutant" => {
                 let name = value();
                 mutant = Some(
@@ -38,6 +41,13 @@ fn main() {
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(1)
     });
+    if let Some(nodes) = nodes {
+        assert!(
+            mutant.is_none() && !large,
+            "--nodes runs the multi-node simulation alone"
+        );
+        std::process::exit(soak_cluster(from, seeds, steps, nodes));
+    }
     println!(
         "soak: seeds {from}..{} x {steps} steps",
         from.wrapping_add(seeds)
@@ -70,4 +80,38 @@ fn main() {
     if failed > 0 {
         std::process::exit(1);
     }
+}
+
+/// The multi-node simulation's seeds; the process's exit code.
+fn soak_cluster(from: u64, seeds: u64, steps: u64, nodes: usize) -> i32 {
+    use greendot_sim::cluster;
+    println!(
+        "soak: {nodes} nodes, seeds {from}..{} x {steps} steps",
+        from.wrapping_add(seeds)
+    );
+    let started = Instant::now();
+    let mut simulated = Duration::ZERO;
+    let mut faults = cluster::Faults::default();
+    let mut failed = 0;
+    for seed in from..from.wrapping_add(seeds) {
+        let mut options = cluster::Options::new(seed, steps);
+        options.nodes = nodes;
+        match cluster::run(options) {
+            Ok(report) => {
+                simulated += report.simulated;
+                faults.add(&report.faults);
+            }
+            Err(failure) => {
+                failed += 1;
+                println!("{failure}");
+            }
+        }
+    }
+    println!(
+        "soak: {seeds} seeds x {steps} steps on {nodes} nodes in {:.1} s: {:.2} simulated hours, {} faults injected ({faults:?}), {failed} failed",
+        started.elapsed().as_secs_f64(),
+        simulated.as_secs_f64() / 3600.0,
+        faults.total(),
+    );
+    i32::from(failed > 0)
 }

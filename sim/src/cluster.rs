@@ -1,0 +1,147 @@
+//! The multi-node simulation: 1 to 5 real `ServerState`s in cluster mode
+//! (each with its real `ClusterLink`), a simulated NATS bus and KV
+//! ([`bus`]), the nodes' leases and claims ([`duty`]), and WebSocket
+//! devices ([`device`]) that connect, subscribe, change status, go
+//! invisible, log out and move between nodes, all on virtual time from one
+//! seed. Faults: `kill -9` and restart, a process paused past its lease,
+//! a node cut off from the bus, whole-bus outages, lost, duplicated and
+//! delayed messages, a slow KV, and clocks skewed between nodes. What is
+//! checked after every step is in [`checks`].
+
+mod bus;
+mod checks;
+mod device;
+mod duty;
+mod world;
+
+pub use greendot_server::cluster::LinkMutant;
+pub use world::run;
+
+use std::fmt;
+use std::time::Duration;
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub seed: u64,
+    pub steps: u64,
+    /// Nodes, 1 to 5.
+    pub nodes: usize,
+    pub users: usize,
+    /// A deliberately broken cluster link.
+    pub mutant: Option<LinkMutant>,
+    pub faults: bool,
+    /// A fuzzer's input: the run's first random choices are read from it.
+    pub script: Option<std::sync::Arc<[u8]>>,
+}
+
+impl Options {
+    pub fn new(seed: u64, steps: u64) -> Options {
+        Options {
+            seed,
+            steps,
+            nodes: 3,
+            users: 6,
+            mutant: None,
+            faults: true,
+            script: None,
+        }
+    }
+
+    /// The one-line command that replays this run.
+    pub fn replay_line(&self) -> String {
+        if self.script.is_some() {
+            return "a fuzz input: RUSTC_BOOTSTRAP=1 cargo fuzz run cluster_sim <its artifact> (in fuzz/)"
+                .into();
+        }
+        let mut line = format!(
+            "GREENDOT_SIM_SEED={} GREENDOT_SIM_STEPS={} GREENDOT_SIM_NODES={}",
+            self.seed, self.steps, self.nodes
+        );
+        if let Some(m) = self.mutant {
+            line.push_str(&format!(" GREENDOT_SIM_MUTANT={m:?}"));
+        }
+        if !self.faults {
+            line.push_str(" GREENDOT_SIM_FAULTS=0");
+        }
+        line.push_str(" cargo test --release -p greendot-sim --test cluster replay -- --nocapture");
+        line
+    }
+}
+
+/// Faults injected, by kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Faults {
+    pub kills: u64,
+    pub pauses: u64,
+    /// Pauses past the lease's TTL.
+    pub long_pauses: u64,
+    pub cut_offs: u64,
+    pub outages: u64,
+    pub lossy: u64,
+    pub slow_kv: u64,
+    pub moves: u64,
+}
+
+impl Faults {
+    pub fn total(&self) -> u64 {
+        self.kills + self.pauses + self.cut_offs + self.outages + self.lossy + self.slow_kv
+    }
+
+    pub fn add(&mut self, o: &Faults) {
+        self.kills += o.kills;
+        self.pauses += o.pauses;
+        self.long_pauses += o.long_pauses;
+        self.cut_offs += o.cut_offs;
+        self.outages += o.outages;
+        self.lossy += o.lossy;
+        self.slow_kv += o.slow_kv;
+        self.moves += o.moves;
+    }
+}
+
+/// What a run did.
+#[derive(Clone, Debug)]
+pub struct Report {
+    pub seed: u64,
+    pub steps: u64,
+    pub simulated: Duration,
+    pub faults: Faults,
+    /// A hash of everything observable that happened, in order.
+    pub trace: u64,
+    pub bus_messages: u64,
+    pub welcomes: u64,
+    pub views: u64,
+    /// Views older than one the device was shown on an earlier connection
+    /// (dropped, as clients do).
+    pub stale_dropped: u64,
+    /// Shard claims taken (epochs started).
+    pub claims: u64,
+}
+
+/// A run that broke a check (or panicked).
+#[derive(Clone, Debug)]
+pub struct Failure {
+    pub options: Options,
+    pub step: u64,
+    pub at: Duration,
+    pub what: String,
+    pub log: Vec<String>,
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "seed {} failed at step {} ({:.3} s simulated): {}",
+            self.options.seed,
+            self.step,
+            self.at.as_secs_f64(),
+            self.what
+        )?;
+        for line in &self.log {
+            writeln!(f, "  {line}")?;
+        }
+        write!(f, "replay: {}", self.options.replay_line())
+    }
+}

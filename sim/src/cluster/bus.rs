@@ -1,0 +1,524 @@
+//! The simulated NATS of the multi-node simulation: shard subjects, the
+//! edge, resync and beacon subjects, requests to a shard's owner with their
+//! replies, and the KV buckets the cluster link reads and writes
+//! (preferences fenced by epoch, last views, shard device records, session
+//! records). Claims and leases are the duty's ([`super::duty`]).
+//!
+//! Every message and KV operation takes a delay drawn from the seed, so
+//! messages reorder; faults lose and duplicate messages, slow the KV down,
+//! cut a node off, or stop the whole bus. A KV write lands at one instant
+//! and its acknowledgement reaches the writer later, so a write can land
+//! after its writer lost the shard (the C4 race).
+
+use crate::rng::Rng;
+use bytes::Bytes;
+use greendot_server::cluster::{ClusterInput, ClusterOutput};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::Duration;
+
+/// How long a NATS request or KV operation waits before it fails (the
+/// cluster's `op_timeout` default).
+pub const OP_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Messages and KV operations in flight at most: past it the run fails (an
+/// unbounded queue).
+const MAX_IN_FLIGHT: usize = 200_000;
+
+/// Where a node stands with the bus, as the world tells it at each step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Reach {
+    /// The process runs (possibly paused), as this incarnation.
+    pub incarnation: Option<u64>,
+    /// Its connection to NATS carries messages now.
+    pub linked: bool,
+}
+
+/// Something the bus does at an instant.
+#[derive(Debug)]
+enum Event {
+    /// Hand `input` to node `to`, if it still runs as `incarnation`.
+    Deliver {
+        to: usize,
+        incarnation: u64,
+        input: ClusterInput,
+    },
+    /// A KV operation of node `from` lands now; its answer follows.
+    Kv {
+        from: usize,
+        incarnation: u64,
+        op: ClusterOutput,
+    },
+    /// A request still unanswered now is answered `None`.
+    ReplyDeadline { reply: u64 },
+}
+
+/// A request handed to an owner, until its reply or deadline.
+#[derive(Debug)]
+struct PendingReply {
+    shard: u32,
+    asker: usize,
+    incarnation: u64,
+    id: u64,
+}
+
+/// Counters of what the bus carried.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BusCounters {
+    pub messages: u64,
+    pub lost: u64,
+    pub duplicated: u64,
+    pub kv_ops: u64,
+    pub kv_failed: u64,
+    pub fenced: u64,
+}
+
+/// The simulated NATS and its KV.
+pub struct Bus {
+    events: BTreeMap<(Duration, u64), Event>,
+    seq: u64,
+    /// Per node, the shards it watches, with how many local watchers.
+    watching: Vec<BTreeMap<u32, u32>>,
+    replies: HashMap<u64, PendingReply>,
+    next_reply: u64,
+    /// Preferences: the epoch that wrote them, and the value.
+    prefs: HashMap<String, (u64, Bytes)>,
+    views: HashMap<String, Bytes>,
+    shard_devices: HashMap<u32, Bytes>,
+    sessions: HashMap<(String, String), Bytes>,
+    /// Message loss and duplication, while a lossy phase lasts.
+    pub loss: f64,
+    pub duplication: f64,
+    /// KV operations take up to this long while the KV is slow.
+    pub kv_slow_until: Duration,
+    pub counters: BusCounters,
+}
+
+impl Bus {
+    pub fn new(nodes: usize) -> Bus {
+        Bus {
+            events: BTreeMap::new(),
+            seq: 0,
+            watching: vec![BTreeMap::new(); nodes],
+            replies: HashMap::new(),
+            next_reply: 0,
+            prefs: HashMap::new(),
+            views: HashMap::new(),
+            shard_devices: HashMap::new(),
+            sessions: HashMap::new(),
+            loss: 0.0,
+            duplication: 0.0,
+            kv_slow_until: Duration::ZERO,
+            counters: BusCounters::default(),
+        }
+    }
+
+    pub fn next_at(&self) -> Option<Duration> {
+        self.events.keys().next().map(|(t, _)| *t)
+    }
+
+    /// The shard of request `reply`, while it waits for its answer.
+    pub fn reply_shard(&self, reply: u64) -> Option<u32> {
+        self.replies.get(&reply).map(|p| p.shard)
+    }
+
+    /// A node's process ended: its subscriptions go with its connection.
+    pub fn node_gone(&mut self, node: usize) {
+        self.watching[node].clear();
+    }
+
+    fn push(&mut self, at: Duration, event: Event) -> Result<(), String> {
+        if self.events.len() >= MAX_IN_FLIGHT {
+            return Err(format!("the bus holds {MAX_IN_FLIGHT} events: unbounded"));
+        }
+        self.seq += 1;
+        self.events.insert((at, self.seq), event);
+        Ok(())
+    }
+
+    /// A message delay: a few milliseconds, now and then a few hundred.
+    fn delay(rng: &mut Rng) -> Duration {
+        if rng.chance(0.02) {
+            Duration::from_millis(rng.range(50, 400))
+        } else {
+            Duration::from_micros(rng.range(200, 5_000))
+        }
+    }
+
+    /// Sends `input` to `to` (lost, duplicated and delayed by the seed).
+    fn send(
+        &mut self,
+        rng: &mut Rng,
+        now: Duration,
+        reach: &[Reach],
+        to: usize,
+        input: ClusterInput,
+    ) -> Result<(), String> {
+        let Some(incarnation) = reach[to].incarnation.filter(|_| reach[to].linked) else {
+            self.counters.lost += 1;
+            return Ok(());
+        };
+        self.counters.messages += 1;
+        if rng.chance(self.loss) {
+            self.counters.lost += 1;
+            return Ok(());
+        }
+        if rng.chance(self.duplication) {
+            if let Some(copy) = copy(&input) {
+                self.counters.duplicated += 1;
+                let at = now + Self::delay(rng);
+                self.push(
+                    at,
+                    Event::Deliver {
+                        to,
+                        incarnation,
+                        input: copy,
+                    },
+                )?;
+            }
+        }
+        let at = now + Self::delay(rng);
+        self.push(
+            at,
+            Event::Deliver {
+                to,
+                incarnation,
+                input,
+            },
+        )
+    }
+
+    /// Takes an output of node `from`. `serving`: per node, the shards its
+    /// last status names (who answers a shard's requests).
+    #[allow(clippy::too_many_arguments)]
+    pub fn output(
+        &mut self,
+        rng: &mut Rng,
+        now: Duration,
+        reach: &[Reach],
+        serving: &[BTreeSet<u32>],
+        names: &[String],
+        from: usize,
+        out: ClusterOutput,
+    ) -> Result<(), String> {
+        let Some(incarnation) = reach[from].incarnation else {
+            return Ok(());
+        };
+        let linked = reach[from].linked;
+        match out {
+            ClusterOutput::Watch { shard } => {
+                *self.watching[from].entry(shard).or_default() += 1;
+            }
+            ClusterOutput::Unwatch { shard } => {
+                if let Some(n) = self.watching[from].get_mut(&shard) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.watching[from].remove(&shard);
+                    }
+                }
+            }
+            _ if !linked => {
+                // Cut off: a request or KV operation fails after its
+                // timeout; anything else is lost.
+                self.counters.lost += 1;
+                let failed = match out {
+                    ClusterOutput::Request { id, .. } => {
+                        Some(ClusterInput::Answered { id, payload: None })
+                    }
+                    ClusterOutput::PutPrefs { id, .. } => {
+                        Some(ClusterInput::PrefsStored { id, ok: false })
+                    }
+                    ClusterOutput::LoadUser { id, .. } => Some(ClusterInput::UserLoadFailed { id }),
+                    ClusterOutput::LoadShard { id, .. } => {
+                        Some(ClusterInput::ShardLoaded { id, record: None })
+                    }
+                    ClusterOutput::PutSession { id, .. } => {
+                        Some(ClusterInput::SessionStored { id, ok: false })
+                    }
+                    ClusterOutput::LoadSession { id, .. } => {
+                        Some(ClusterInput::SessionLoaded { id, record: None })
+                    }
+                    _ => None,
+                };
+                if let Some(input) = failed {
+                    self.push(
+                        now + OP_TIMEOUT,
+                        Event::Deliver {
+                            to: from,
+                            incarnation,
+                            input,
+                        },
+                    )?;
+                }
+            }
+            ClusterOutput::Publish { shard, payload } => {
+                for to in 0..reach.len() {
+                    if self.watching[to].contains_key(&shard) {
+                        let input = ClusterInput::ShardMessage {
+                            shard,
+                            payload: payload.clone(),
+                        };
+                        self.send(rng, now, reach, to, input)?;
+                    }
+                }
+            }
+            ClusterOutput::PublishToEdge { node, payload } => {
+                if let Some(to) = names.iter().position(|n| *n == node) {
+                    self.send(rng, now, reach, to, ClusterInput::EdgeMessage { payload })?;
+                }
+            }
+            ClusterOutput::Resync { payload } => {
+                for to in 0..reach.len() {
+                    let input = ClusterInput::Resync {
+                        payload: payload.clone(),
+                    };
+                    self.send(rng, now, reach, to, input)?;
+                }
+            }
+            ClusterOutput::Beacon { payload } => {
+                for to in 0..reach.len() {
+                    let input = ClusterInput::Beacon {
+                        payload: payload.clone(),
+                    };
+                    self.send(rng, now, reach, to, input)?;
+                }
+            }
+            ClusterOutput::Request {
+                id,
+                shard,
+                kind,
+                payload,
+            } => {
+                // A queue subscription: one serving node takes it.
+                let owners: Vec<usize> = (0..reach.len())
+                    .filter(|&n| reach[n].linked && serving[n].contains(&shard))
+                    .collect();
+                if owners.is_empty() {
+                    // "No responders", at once.
+                    let input = ClusterInput::Answered { id, payload: None };
+                    let at = now + Self::delay(rng);
+                    return self.push(
+                        at,
+                        Event::Deliver {
+                            to: from,
+                            incarnation,
+                            input,
+                        },
+                    );
+                }
+                let to = owners[rng.index(owners.len())];
+                self.next_reply += 1;
+                let reply = self.next_reply;
+                self.replies.insert(
+                    reply,
+                    PendingReply {
+                        shard,
+                        asker: from,
+                        incarnation,
+                        id,
+                    },
+                );
+                self.push(now + OP_TIMEOUT, Event::ReplyDeadline { reply })?;
+                let input = ClusterInput::Request {
+                    shard,
+                    kind,
+                    payload,
+                    reply,
+                };
+                self.send(rng, now, reach, to, input)?;
+            }
+            ClusterOutput::Reply { reply, payload } => {
+                if let Some(p) = self.replies.remove(&reply) {
+                    if reach[p.asker].incarnation == Some(p.incarnation) {
+                        let input = ClusterInput::Answered {
+                            id: p.id,
+                            payload: Some(payload),
+                        };
+                        self.send(rng, now, reach, p.asker, input)?;
+                    }
+                }
+            }
+            op => {
+                // A KV operation: it lands after a delay (long while the KV
+                // is slow); its answer comes back after another.
+                self.counters.kv_ops += 1;
+                let latency = if now < self.kv_slow_until {
+                    Duration::from_millis(rng.range(0, 6_000))
+                } else {
+                    Duration::from_micros(rng.range(300, 20_000))
+                };
+                self.push(
+                    now + latency,
+                    Event::Kv {
+                        from,
+                        incarnation,
+                        op,
+                    },
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The next due event's delivery, if any is due at `now`: `(node,
+    /// incarnation, input)`. KV operations land here.
+    pub fn pop_due(
+        &mut self,
+        rng: &mut Rng,
+        now: Duration,
+        reach: &[Reach],
+    ) -> Result<Option<(usize, u64, ClusterInput)>, String> {
+        loop {
+            let Some(entry) = self.events.first_entry() else {
+                return Ok(None);
+            };
+            if entry.key().0 > now {
+                return Ok(None);
+            }
+            match entry.remove() {
+                Event::Deliver {
+                    to,
+                    incarnation,
+                    input,
+                } => {
+                    if reach[to].incarnation == Some(incarnation) {
+                        return Ok(Some((to, incarnation, input)));
+                    }
+                }
+                Event::ReplyDeadline { reply } => {
+                    if let Some(p) = self.replies.remove(&reply) {
+                        if reach[p.asker].incarnation == Some(p.incarnation) {
+                            let input = ClusterInput::Answered {
+                                id: p.id,
+                                payload: None,
+                            };
+                            return Ok(Some((p.asker, p.incarnation, input)));
+                        }
+                    }
+                }
+                Event::Kv {
+                    from,
+                    incarnation,
+                    op,
+                } => {
+                    // The KV (a JetStream cluster) serves only while the bus runs.
+                    let up = reach.iter().any(|r| r.linked);
+                    if let Some(answer) = self.land(from, op, up) {
+                        let at = now + Self::delay(rng);
+                        self.push(
+                            at,
+                            Event::Deliver {
+                                to: from,
+                                incarnation,
+                                input: answer,
+                            },
+                        )?;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Applies a KV operation now; its answer, if it has one.
+    fn land(&mut self, _from: usize, op: ClusterOutput, up: bool) -> Option<ClusterInput> {
+        if !up {
+            self.counters.kv_failed += 1;
+        }
+        match op {
+            ClusterOutput::PutPrefs {
+                id,
+                user,
+                epoch,
+                value,
+            } => {
+                let fenced = self.prefs.get(&user).is_some_and(|(e, _)| *e > epoch);
+                if fenced {
+                    self.counters.fenced += 1;
+                }
+                let ok = up && !fenced;
+                if ok {
+                    self.prefs.insert(user, (epoch, value));
+                }
+                Some(ClusterInput::PrefsStored { id, ok })
+            }
+            ClusterOutput::LoadUser { id, user } if up => Some(ClusterInput::UserLoaded {
+                id,
+                prefs: self.prefs.get(&user).map(|(_, v)| v.clone()),
+                view: self.views.get(&user).cloned(),
+            }),
+            ClusterOutput::LoadUser { id, .. } => Some(ClusterInput::UserLoadFailed { id }),
+            ClusterOutput::PutView { user, value } => {
+                if up {
+                    self.views.insert(user, value);
+                }
+                None
+            }
+            ClusterOutput::PutShardDevices { shard, value } => {
+                if up {
+                    self.shard_devices.insert(shard, value);
+                }
+                None
+            }
+            ClusterOutput::LoadShard { id, shard } => Some(ClusterInput::ShardLoaded {
+                id,
+                record: up
+                    .then(|| self.shard_devices.get(&shard).cloned())
+                    .flatten(),
+            }),
+            ClusterOutput::PutSession {
+                id,
+                user,
+                device,
+                value,
+            } => {
+                if up {
+                    self.sessions.insert((user, device), value);
+                }
+                Some(ClusterInput::SessionStored { id, ok: up })
+            }
+            ClusterOutput::LoadSession { id, user, device } => Some(ClusterInput::SessionLoaded {
+                id,
+                record: up
+                    .then(|| self.sessions.get(&(user, device)).cloned())
+                    .flatten(),
+            }),
+            ClusterOutput::DeleteSession { user, device } => {
+                if up {
+                    self.sessions.remove(&(user, device));
+                }
+                None
+            }
+            _ => None,
+        }
+    }
+}
+
+/// A copy of a message NATS may deliver twice (what is not a KV answer).
+fn copy(input: &ClusterInput) -> Option<ClusterInput> {
+    Some(match input {
+        ClusterInput::ShardMessage { shard, payload } => ClusterInput::ShardMessage {
+            shard: *shard,
+            payload: payload.clone(),
+        },
+        ClusterInput::EdgeMessage { payload } => ClusterInput::EdgeMessage {
+            payload: payload.clone(),
+        },
+        ClusterInput::Beacon { payload } => ClusterInput::Beacon {
+            payload: payload.clone(),
+        },
+        ClusterInput::Resync { payload } => ClusterInput::Resync {
+            payload: payload.clone(),
+        },
+        ClusterInput::Request {
+            shard,
+            kind,
+            payload,
+            reply,
+        } => ClusterInput::Request {
+            shard: *shard,
+            kind: *kind,
+            payload: payload.clone(),
+            reply: *reply,
+        },
+        _ => return None,
+    })
+}
