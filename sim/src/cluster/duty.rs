@@ -46,6 +46,9 @@ pub enum Membership {
     Lost { node: usize, renewed: Duration },
     /// `node` holds a lease as a new incarnation.
     Restarted { node: usize, incarnation: u64 },
+    /// `node` took its lease again, as the same incarnation, after it
+    /// lapsed: told to the node itself.
+    Rejoined { node: usize },
 }
 
 /// The KV's leases and claims, and each node's view of what it holds.
@@ -119,6 +122,8 @@ impl Duty {
         };
         if fresh && self.leases[node].is_none_or(|l| l.incarnation != incarnation) {
             out.push(Membership::Restarted { node, incarnation });
+        } else if fresh {
+            out.push(Membership::Rejoined { node });
         }
         self.leases[node] = Some(Lease {
             incarnation,

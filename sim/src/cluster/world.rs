@@ -557,6 +557,12 @@ impl World {
                             last_heard: heard,
                         }
                     }
+                    Membership::Rejoined { node } => {
+                        if *node != to {
+                            continue;
+                        }
+                        ClusterInput::Rejoined
+                    }
                     Membership::Restarted { node, incarnation } => {
                         if *node == to {
                             continue;

@@ -369,6 +369,20 @@ impl ClusterLink {
         }
     }
 
+    /// This node's lease lapsed and was taken again: every live device is
+    /// connected again, in case its owner dropped it with the lease.
+    pub(super) fn rejoined(&mut self, now: Instant, at: Millis) {
+        let live: Vec<SessionId> = self
+            .devices
+            .iter()
+            .filter(|(_, d)| !d.closed)
+            .map(|(s, _)| *s)
+            .collect();
+        for session in live {
+            self.resend(session, now, at);
+        }
+    }
+
     /// Connects the session's device again to its (new) owner, ahead of
     /// whatever waits.
     pub(super) fn resend(&mut self, session: SessionId, now: Instant, at: Millis) {

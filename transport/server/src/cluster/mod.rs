@@ -261,6 +261,12 @@ pub enum ClusterInput {
         incarnation: u64,
         last_heard: u64,
     },
+    /// This node took its lease again after it lapsed (NATS was away past
+    /// its renewals): owners may have dropped its devices when the lease
+    /// expired, and nothing else tells them the node is back under the
+    /// same incarnation, so the edge sends each live device's connect
+    /// again.
+    Rejoined,
 }
 
 /// What the state asks the NATS I/O to do, in order.
@@ -722,6 +728,7 @@ impl ClusterLink {
                 self.edge_lost(now, at, &node, Some(incarnation), last_heard)
             }
             ClusterInput::Resync { payload } => self.resync_message(now, at, &payload),
+            ClusterInput::Rejoined => self.rejoined(now, at),
             ClusterInput::PrefsStored { id, ok } => self.prefs_stored(now, at, id, ok),
         }
     }

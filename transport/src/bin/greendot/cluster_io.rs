@@ -130,8 +130,19 @@ pub async fn run(
     let mut pending: HashMap<u64, (OwnerRequest, Instant)> = HashMap::new();
     let mut next_reply = 0u64;
     let mut last: Option<BTreeMap<u32, (u64, Instant)>> = None;
+    let mut rejoins = status.borrow().rejoins;
     loop {
-        let shards = acting(&status.borrow_and_update());
+        let (shards, rejoined) = {
+            let now = status.borrow_and_update();
+            (acting(&now), now.rejoins)
+        };
+        if rejoined > rejoins {
+            rejoins = rejoined;
+            // Owners may have dropped this node's devices with its lease.
+            if !inputs.send(ClusterInput::Rejoined).await {
+                return;
+            }
+        }
         if last.as_ref() != Some(&shards) {
             serve_shards(&mut inbox, &shards).await;
             if !inputs
