@@ -164,18 +164,25 @@ fn regression_seeds() {
 }
 
 /// Seeds that still fail, each showing a bug found and not yet fixed (see
-/// docs/cluster.md, "Found and open"). Run with `--ignored`: it fails once
-/// one of them passes, so that the seed moves to `regression_seeds`.
+/// docs/cluster.md, "Found and open"): about 1 seed in 200 beyond the fixed
+/// ones. Run with `--ignored`; it fails once one of them passes, so that
+/// the seed moves to `regression_seeds`.
 #[test]
 #[ignore]
 fn open_findings_still_fail() {
-    // 159: a node paused past its lease wakes and connects the session of a
-    //      device that moved to another node meanwhile: it takes the device
-    //      over, and its end shows the device offline one grace later.
-    for seed in [159] {
-        match run(Options::new(seed, STEPS)) {
-            Ok(_) => panic!("seed {seed} passes now: move it to regression_seeds"),
-            Err(failure) => assert!(failure.what.starts_with("C2:"), "{failure}"),
+    // 1840, 2252, 2708: a connected device shown offline (C2) after a
+    //      paused node woke (a stale session of the device at the woken
+    //      node took it over), or right after a whole-bus outage.
+    // 2443: an invisible user shown online after the acknowledgement (C4).
+    // 1767: a ghost past the bound (C3).
+    let mut passing = Vec::new();
+    for seed in [1767, 1840, 2252, 2443, 2708] {
+        if run(Options::new(seed, STEPS)).is_ok() {
+            passing.push(seed);
         }
     }
+    assert!(
+        passing.is_empty(),
+        "passing now: {passing:?}; move them to regression_seeds"
+    );
 }

@@ -9,10 +9,12 @@
 //!   shown before: the device keeps the highest, as docs/protocol.md tells
 //!   clients (what it drops is counted as `stale_dropped`), and the checks
 //!   below judge what it keeps.
-//! - **C2, no false offline:** no watcher is shown a user offline while one
-//!   of the user's devices has been connected since [`SETTLE`] before to a
-//!   node that ran, unpaused and not cut off alone, all along (whole-bus
-//!   outages included: nobody owns then, so nobody publishes an offline).
+//! - **C2, no false offline:** no watcher that shows a user online is
+//!   shown her offline while one of her devices has been connected since
+//!   [`SETTLE`] before to a node that ran, unpaused and not cut off alone,
+//!   all along (whole-bus outages included: nobody owns then, so nobody
+//!   publishes an offline). A user shown offline before stays so until her
+//!   device's connect reaches an owner; that is no flap.
 //! - **C3, bounded ghosts:** once a user has had no connected device, and
 //!   the cluster no fault, for [`GHOST_BOUND`], every settled watcher shows
 //!   the user offline. A logged-out user's last view is therefore offline.
@@ -120,7 +122,11 @@ impl World {
         let watcher_node = conn.node;
         let now = self.now;
         let truth = &self.users[target];
-        if !presence.online && !truth.may_hide {
+        let was_online = self.devices[device]
+            .seen
+            .get(&target)
+            .is_some_and(|s| s.online);
+        if !presence.online && was_online && !truth.may_hide {
             let from = now.saturating_sub(SETTLE);
             let watcher_fine = now >= SETTLE && self.node_fine_since(watcher_node, from);
             let connected = (0..self.devices.len()).find(|&d| {

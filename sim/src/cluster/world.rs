@@ -23,6 +23,10 @@ const MAX_PASSES: usize = 10_000;
 /// A device that hears nothing (not even a ping) this long gives up its
 /// connection and connects elsewhere.
 const CLIENT_IDLE: Duration = Duration::from_secs(25);
+/// How long a `SetInvisible` unanswered with its connection may still
+/// land: its deadline at the edge (the request timeout, 15 s), a request in
+/// flight (2 s), and margin.
+const TAINTED_FOR: Duration = Duration::from_secs(30);
 /// Device ops a node may forward or retry at one instant: a few per device
 /// (a connect, a change, a disconnect) after a resync, far below a loop's.
 const MAX_OPS_AT_ONCE: u64 = 1_000;
@@ -85,6 +89,10 @@ pub(super) struct UserTruth {
     pub in_flight: u32,
     pub ambiguous: bool,
     pub invisible_acked: Option<Duration>,
+    /// A `SetInvisible` went unanswered with its connection: it may still
+    /// land until then (its deadline at the edge, and one request in
+    /// flight), so an acknowledgement before then proves nothing.
+    pub tainted_until: Duration,
     /// The last moment the user had a connected device.
     pub last_device: Duration,
 }
@@ -846,11 +854,20 @@ impl World {
                 if let Asked::SetInvisible(invisible) = asked {
                     let u = &mut self.users[user];
                     u.in_flight = u.in_flight.saturating_sub(1);
-                    let acked = invisible && ok && !u.ambiguous && u.in_flight == 0;
+                    let acked = invisible
+                        && ok
+                        && !u.ambiguous
+                        && u.in_flight == 0
+                        && self.now >= u.tainted_until;
                     if acked {
                         u.invisible_acked = Some(self.now);
                     }
-                    if u.in_flight == 0 && !invisible {
+                    if !ok {
+                        // Failed (its owner late): it may still land.
+                        u.ambiguous = true;
+                        u.invisible_acked = None;
+                        u.tainted_until = u.tainted_until.max(self.now + TAINTED_FOR);
+                    } else if u.in_flight == 0 && !invisible {
                         u.ambiguous = false;
                     }
                     if acked {
@@ -949,6 +966,7 @@ impl World {
                 u.in_flight = u.in_flight.saturating_sub(1);
                 u.ambiguous = true;
                 u.invisible_acked = None;
+                u.tainted_until = u.tainted_until.max(self.now + TAINTED_FOR);
             }
         }
         if conn.logging_out {
@@ -995,6 +1013,9 @@ impl World {
                     u.invisible_acked = None;
                 }
                 u.in_flight += 1;
+                self.note(format!(
+                    "device {device} asks u{user} invisible {invisible}"
+                ));
                 let req = Request::SetInvisible { invisible };
                 if let Some(f) = self.devices[device].request(req, Asked::SetInvisible(invisible)) {
                     self.send_frame(device, f);

@@ -136,9 +136,38 @@ impl ClusterLink {
             .into_iter()
             .partition(|&(n, _, _, deadline)| n <= stored || deadline <= now);
         r.waiting = kept;
+        let viewer = r.user.clone();
         for (_, wait, answer, _) in done {
+            let answer = self.fresh_snapshots(&viewer, answer);
             self.finished.push_back((wait, Finished::Answer(answer)));
         }
+    }
+
+    /// A held subscribe answer (or resume) with each snapshot brought up to
+    /// the newest view the fanout has: views that came while the record was
+    /// being stored are newer than the snapshots, and an invisibility among
+    /// them would otherwise be shown as online in the answer.
+    fn fresh_snapshots(&self, viewer: &str, answer: proto::Answer) -> proto::Answer {
+        let proto::Answer::Subscribed {
+            mut snapshots,
+            refused,
+        } = answer
+        else {
+            return answer;
+        };
+        if let Some(viewer) = self.names.get(viewer) {
+            for s in &mut snapshots {
+                let Some(target) = self.names.get(&s.target) else {
+                    continue;
+                };
+                if let Some(known) = self.fanout.known(UserId(viewer), UserId(target)) {
+                    if known.version > s.presence.version {
+                        s.presence = proto::Presence::from_core(known, 0);
+                    }
+                }
+            }
+        }
+        proto::Answer::Subscribed { snapshots, refused }
     }
 
     /// A hello named `wire`, which is no session of this node (another
