@@ -17,7 +17,6 @@ mod world;
 pub use greendot_server::cluster::LinkMutant;
 pub use world::run;
 
-use std::fmt;
 use std::time::Duration;
 
 /// What to run.
@@ -120,28 +119,14 @@ pub struct Report {
 }
 
 /// A run that broke a check (or panicked).
-#[derive(Clone, Debug)]
-pub struct Failure {
-    pub options: Options,
-    pub step: u64,
-    pub at: Duration,
-    pub what: String,
-    pub log: Vec<String>,
-}
+pub type Failure = crate::world::Failure<Options>;
 
-impl fmt::Display for Failure {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(
-            f,
-            "seed {} failed at step {} ({:.3} s simulated): {}",
-            self.options.seed,
-            self.step,
-            self.at.as_secs_f64(),
-            self.what
-        )?;
-        for line in &self.log {
-            writeln!(f, "  {line}")?;
-        }
-        write!(f, "replay: {}", self.options.replay_line())
+impl crate::world::Replay for Options {
+    fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    fn replay_line(&self) -> String {
+        Options::replay_line(self)
     }
 }

@@ -158,10 +158,27 @@ pub struct Report {
     pub store_commits: u64,
 }
 
+/// What a run names to replay it (both simulators' options).
+pub trait Replay: Clone + fmt::Debug {
+    fn seed(&self) -> u64;
+    /// The one-line command that replays the run.
+    fn replay_line(&self) -> String;
+}
+
+impl Replay for Options {
+    fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    fn replay_line(&self) -> String {
+        Options::replay_line(self)
+    }
+}
+
 /// A run that broke an invariant (or panicked).
 #[derive(Clone, Debug)]
-pub struct Failure {
-    pub options: Options,
+pub struct Failure<O = Options> {
+    pub options: O,
     pub step: u64,
     pub at: Duration,
     pub what: String,
@@ -169,12 +186,25 @@ pub struct Failure {
     pub log: Vec<String>,
 }
 
-impl fmt::Display for Failure {
+impl<O> Failure<O> {
+    /// A failure before the first step (or a panic, whose step is unknown).
+    pub(crate) fn at_start(options: O, what: String) -> Box<Failure<O>> {
+        Box::new(Failure {
+            options,
+            step: 0,
+            at: Duration::ZERO,
+            what,
+            log: Vec::new(),
+        })
+    }
+}
+
+impl<O: Replay> fmt::Display for Failure<O> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
             "seed {} failed at step {} ({:.3} s simulated): {}",
-            self.options.seed,
+            self.options.seed(),
             self.step,
             self.at.as_secs_f64(),
             self.what
@@ -186,22 +216,30 @@ impl fmt::Display for Failure {
     }
 }
 
+/// Runs a whole run; a panic in it is a failure too (at step 0: where it
+/// struck is in the message).
+pub(crate) fn guarded<O: Replay, R>(
+    options: O,
+    run: impl FnOnce() -> Result<R, Box<Failure<O>>>,
+) -> Result<R, Box<Failure<O>>> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)) {
+        Ok(result) => result,
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "a panic".into());
+            Err(Failure::at_start(options, format!("panic: {what}")))
+        }
+    }
+}
+
 /// Runs one seed.
 pub fn run(options: Options) -> Result<Report, Box<Failure>> {
     let opts = options.clone();
-    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
-        let mut sim = match Sim::new(opts.clone()) {
-            Ok(sim) => sim,
-            Err(what) => {
-                return Err(Box::new(Failure {
-                    options: opts,
-                    step: 0,
-                    at: Duration::ZERO,
-                    what,
-                    log: Vec::new(),
-                }))
-            }
-        };
+    guarded(options, move || {
+        let mut sim = Sim::new(opts.clone()).map_err(|what| Failure::at_start(opts, what))?;
         for step in 0..sim.opts.steps {
             sim.step = step;
             if let Err(what) = sim.step_once() {
@@ -215,24 +253,7 @@ pub fn run(options: Options) -> Result<Report, Box<Failure>> {
             }
         }
         Ok(sim.report())
-    }));
-    match outcome {
-        Ok(result) => result,
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "a panic".into());
-            Err(Box::new(Failure {
-                options,
-                step: 0,
-                at: Duration::ZERO,
-                what: format!("panic: {what}"),
-                log: Vec::new(),
-            }))
-        }
-    }
+    })
 }
 
 /// FNV-1a over what happened: the same seed must give the same value.

@@ -139,19 +139,8 @@ pub(super) struct World {
 /// Runs one seed.
 pub fn run(options: Options) -> Result<Report, Box<Failure>> {
     let opts = options.clone();
-    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
-        let mut world = match World::new(opts.clone()) {
-            Ok(w) => w,
-            Err(what) => {
-                return Err(Box::new(Failure {
-                    options: opts,
-                    step: 0,
-                    at: Duration::ZERO,
-                    what,
-                    log: Vec::new(),
-                }))
-            }
-        };
+    crate::world::guarded(options, move || {
+        let mut world = World::new(opts.clone()).map_err(|what| Failure::at_start(opts, what))?;
         for step in 0..world.opts.steps {
             if let Err(what) = world.step_once() {
                 return Err(Box::new(Failure {
@@ -164,24 +153,7 @@ pub fn run(options: Options) -> Result<Report, Box<Failure>> {
             }
         }
         Ok(world.report())
-    }));
-    match outcome {
-        Ok(result) => result,
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "a panic".into());
-            Err(Box::new(Failure {
-                options,
-                step: 0,
-                at: Duration::ZERO,
-                what: format!("panic: {what}"),
-                log: Vec::new(),
-            }))
-        }
-    }
+    })
 }
 
 impl World {
