@@ -402,7 +402,7 @@ impl Bus {
                 } => {
                     // The KV (a JetStream cluster) serves only while the bus runs.
                     let up = reach.iter().any(|r| r.linked);
-                    if let Some(answer) = self.land(from, op, up) {
+                    if let Some(answer) = self.land(op, up) {
                         let at = now + Self::delay(rng);
                         self.push(
                             at,
@@ -419,7 +419,7 @@ impl Bus {
     }
 
     /// Applies a KV operation now; its answer, if it has one.
-    fn land(&mut self, _from: usize, op: ClusterOutput, up: bool) -> Option<ClusterInput> {
+    fn land(&mut self, op: ClusterOutput, up: bool) -> Option<ClusterInput> {
         if !up {
             self.counters.kv_failed += 1;
         }

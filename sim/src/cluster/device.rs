@@ -33,8 +33,6 @@ pub struct Conn {
     pub id: u64,
     pub node: usize,
     pub welcomed: Option<Duration>,
-    /// The session the welcome named.
-    pub session: Option<u64>,
     /// Subscribed (granted) since.
     pub subscribed: Option<Duration>,
     pub pending: HashMap<u64, Asked>,
@@ -174,7 +172,6 @@ impl Device {
             return match frame {
                 ServerFrame::Welcome(w) => {
                     conn.welcomed = Some(now);
-                    conn.session = Some(w.session);
                     self.resume = Some(w.session);
                     let covered = w.resumed
                         && self.targets.iter().all(|t| {

@@ -136,9 +136,13 @@ impl Duty {
             .filter(|&n| self.leases[n].is_some_and(|l| l.expires > now))
             .map(|n| &self.names[n])
             .collect();
-        for s in 0..self.shards {
-            let desired = rendezvous_owner(ShardId(s), live.iter().copied())
-                .and_then(|d| self.names.iter().position(|n| n == d));
+        let owners: Vec<Option<usize>> = (0..self.shards)
+            .map(|s| {
+                rendezvous_owner(ShardId(s), live.iter().copied())
+                    .and_then(|d| self.names.iter().position(|n| n == d))
+            })
+            .collect();
+        for (s, desired) in (0..self.shards).zip(owners) {
             let claim = self.claims.get(&s).copied().filter(|c| c.expires > now);
             match self.held[node].get(&s).copied() {
                 Some((epoch, _)) => {
@@ -149,15 +153,7 @@ impl Duty {
                             self.claims.remove(&s);
                         }
                     } else {
-                        self.claims.insert(
-                            s,
-                            Claim {
-                                node,
-                                epoch,
-                                expires: now + TTL,
-                            },
-                        );
-                        self.held[node].insert(s, (epoch, now + TTL - MARGIN));
+                        self.write_claim(node, s, epoch, now);
                     }
                 }
                 None => {
@@ -165,20 +161,27 @@ impl Duty {
                         let epoch = self.epochs.entry(s).or_default();
                         *epoch += 1;
                         let epoch = *epoch;
-                        self.claims.insert(
-                            s,
-                            Claim {
-                                node,
-                                epoch,
-                                expires: now + TTL,
-                            },
-                        );
-                        self.held[node].insert(s, (epoch, now + TTL - MARGIN));
+                        self.write_claim(node, s, epoch, now);
                     }
                 }
             }
         }
         out
+    }
+
+    /// `node` writes shard `s`'s claim under `epoch` (a take or a renewal):
+    /// it expires a TTL from now, and the node acts until its act window.
+    fn write_claim(&mut self, node: usize, s: u32, epoch: u64, now: Duration) {
+        let expires = now + TTL;
+        self.claims.insert(
+            s,
+            Claim {
+                node,
+                epoch,
+                expires,
+            },
+        );
+        self.held[node].insert(s, (epoch, expires - MARGIN));
     }
 
     /// What `node` may act for at `now`: each held shard until the earlier

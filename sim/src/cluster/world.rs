@@ -33,7 +33,6 @@ const MAX_OPS_AT_ONCE: u64 = 1_000;
 
 /// One node: its process (if running) and what the world knows of it.
 pub(super) struct Node {
-    pub name: String,
     pub state: Option<ServerState>,
     pub incarnation: u64,
     pub skew_ms: i64,
@@ -205,8 +204,7 @@ impl World {
         }
         let nodes = names
             .iter()
-            .map(|name| Node {
-                name: name.clone(),
+            .map(|_| Node {
                 state: None,
                 incarnation: 0,
                 skew_ms: rng.range(0, 3_000) as i64 - 1_500,
@@ -362,7 +360,7 @@ impl World {
             if self.nodes[node].paused_until.is_some_and(|t| t <= now) {
                 self.nodes[node].paused_until = None;
                 self.nodes[node].troubled_at = now;
-                self.note(format!("{} wakes", self.nodes[node].name));
+                self.note(format!("{} wakes", self.names[node]));
                 let backlog: Vec<ServerInput> = self.nodes[node].backlog.drain(..).collect();
                 for input in backlog {
                     self.give(node, input);
@@ -685,10 +683,9 @@ impl World {
     }
 
     fn send_to_server(&mut self, conn: u64, node: usize, input: ServerInput) {
-        let Some(state) = self.nodes[node].state.as_ref() else {
+        if self.nodes[node].state.is_none() {
             return;
-        };
-        let _ = state;
+        }
         let incarnation = self.nodes[node].incarnation;
         let delay = Duration::from_micros(self.rng.range(500, 30_000));
         let at = self.ws_at(conn, true, delay);
@@ -891,7 +888,6 @@ impl World {
             id,
             node,
             welcomed: None,
-            session: None,
             subscribed: None,
             pending: Default::default(),
             heard: self.now,
