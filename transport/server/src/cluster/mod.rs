@@ -21,6 +21,7 @@ mod edge_views;
 mod owner;
 mod owner_requests;
 mod owners;
+mod prefs_writes;
 #[cfg(test)]
 mod test_support;
 #[cfg(test)]
@@ -42,6 +43,7 @@ use greendot_proto::{self as proto, WireError};
 use owner::release_idle;
 use owner_requests::PendingPrefs;
 use owners::Owners;
+use prefs_writes::PrefsWrites;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 pub use wire::{
@@ -411,6 +413,7 @@ pub struct ClusterLink {
     next_lapse: Option<Instant>,
     owners: Owners,
     pending_prefs: DetMap<u64, PendingPrefs>,
+    prefs_writes: PrefsWrites,
     /// KV reads in flight: shard, epoch, user, since.
     pending_loads: DetMap<u64, (u32, u64, String, Instant)>,
     /// Shard record reads in flight: shard, epoch, since.
@@ -494,6 +497,7 @@ impl ClusterLink {
             next_lapse: None,
             owners: Owners::new(),
             pending_prefs: DetMap::default(),
+            prefs_writes: PrefsWrites::default(),
             pending_loads: DetMap::default(),
             pending_shards: DetMap::default(),
             names: Interner::new(config.max_users.saturating_mul(2)),
@@ -608,6 +612,7 @@ impl ClusterLink {
             || self.gaps
             || !self.in_flight.is_empty()
             || !self.pending_prefs.is_empty()
+            || !self.prefs_writes.is_empty()
             || !self.pending_loads.is_empty()
             || !self.pending_shards.is_empty();
         // A tick, not the exact instants: finding the earliest of them
@@ -735,7 +740,8 @@ impl ClusterLink {
 
     /// What waited too long for the NATS I/O (its output dropped at a full
     /// queue, or NATS silent): requests count as unanswered (retried),
-    /// preference writes as failed, KV reads are asked again.
+    /// requests waiting on preference writes as failed, KV reads are asked
+    /// again, and a preference write never answered is given up.
     fn expire_pending(&mut self, now: Instant, at: Millis) {
         let late: Vec<u64> = self
             .in_flight
@@ -754,7 +760,17 @@ impl ClusterLink {
             .map(|(id, _)| *id)
             .collect();
         for id in late {
-            self.handle_input(now, at, ClusterInput::PrefsStored { id, ok: false });
+            self.answer_prefs(now, at, id, false);
+        }
+        // The I/O ends a write within 3 tries of a read and a
+        // compare-and-set, each within an operation timeout (at most a
+        // third of the act window; `greendot serve` sets the request
+        // timeout to the claim TTL): under twice the request timeout. A
+        // write not answered by then was dropped before it began.
+        if let Some(cutoff) = now.checked_sub(timeout * 2) {
+            for id in self.prefs_writes.lost(cutoff) {
+                self.prefs_stored(now, at, id, false);
+            }
         }
         let late: Vec<u64> = self
             .pending_loads

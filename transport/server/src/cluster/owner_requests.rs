@@ -5,6 +5,7 @@
 use super::owner::{
     forget_device, forget_user_if_unknown, note_idle, route_of, Holder, Owner, ReplyTo,
 };
+use super::prefs_writes::Waiting;
 use super::wire::{decode, encode, FromOwner, ToOwner, WireOp, WirePrefs};
 use super::DetMap;
 use super::{
@@ -435,12 +436,22 @@ impl ClusterLink {
                         rid,
                     },
                 );
-                self.outputs.push_back(ClusterOutput::PutPrefs {
-                    id,
-                    user,
+                let write = Waiting {
+                    shard,
                     epoch,
                     value,
-                });
+                    requests: vec![id],
+                };
+                let pending = &self.pending_prefs;
+                let live = |r: u64| pending.contains_key(&r);
+                if let Some(w) = self.prefs_writes.start(now, id, &user, write, live) {
+                    self.outputs.push_back(ClusterOutput::PutPrefs {
+                        id,
+                        user,
+                        epoch,
+                        value: w.value,
+                    });
+                }
             }
             self.drain_owner(shard, now, at);
             return;
@@ -455,8 +466,38 @@ impl ClusterLink {
     }
 
     /// The KV write of preferences `id` is done (`ok`) or failed: the
-    /// input that waited for it is answered.
+    /// requests it carried are answered, and the user's value that waited
+    /// for it goes out, while its epoch is still acted for.
     pub(super) fn prefs_stored(&mut self, now: Instant, at: Millis, id: u64, ok: bool) {
+        let Some(done) = self.prefs_writes.finished(id) else {
+            return;
+        };
+        for request in done.requests {
+            self.answer_prefs(now, at, request, ok);
+        }
+        let Some(next) = done.next else {
+            return;
+        };
+        if self.acting_epoch(next.shard, now) != Some(next.epoch) {
+            for request in next.requests {
+                self.answer_prefs(now, at, request, false);
+            }
+            return;
+        }
+        let write = self.id();
+        self.prefs_writes
+            .sent(now, write, &done.user, next.requests);
+        self.outputs.push_back(ClusterOutput::PutPrefs {
+            id: write,
+            user: done.user,
+            epoch: next.epoch,
+            value: next.value,
+        });
+    }
+
+    /// Answers request `id`, which waited for its preferences to be stored
+    /// (`ok`) or not.
+    pub(super) fn answer_prefs(&mut self, now: Instant, at: Millis, id: u64, ok: bool) {
         let Some(p) = self.pending_prefs.remove(&id) else {
             return;
         };

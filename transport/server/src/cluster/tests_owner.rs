@@ -4,7 +4,7 @@
 use super::test_support::*;
 use super::wire::{
     decode, decode_device_record, encode, encode_device_record, FromOwner, RecordedDevice,
-    ResyncRequest, ShardView, ToOwner, WireOp, RECORD_FOREGROUND_SINCE,
+    ResyncRequest, ShardView, ToOwner, WireOp, WirePrefs, RECORD_FOREGROUND_SINCE,
 };
 use super::{
     ClusterInput, ClusterLink, ClusterOutput, ClusterSettings, Finished, RequestKind, MAX_EPOCH,
@@ -477,6 +477,84 @@ fn a_preference_write_that_lands_after_the_shard_moved_is_not_acknowledged() {
         })
         .collect();
     assert_eq!(answers, vec![FromOwner::NotOwner]);
+}
+
+/// C4: within an epoch the KV record has no order of its own, so a user's
+/// second preference write waits for the first; the waiting changes go out
+/// as one write of the newest value, and each request is answered when the
+/// write that carries it is stored.
+#[test]
+fn a_users_preference_writes_go_out_one_at_a_time() {
+    let (mut a, mut b, now) = two_nodes();
+    let tablet = SessionId(3);
+    let kind = proto::Kind::Mobile;
+    a.connected(now, Millis(0), tablet, 1003, "alice", "tablet", kind, None);
+    exchange(&mut a, &mut b, now, Millis(0));
+    let at = Millis(400);
+    // Drains b: the writes it asked for and the answers it gave.
+    let drain = |b: &mut ClusterLink| {
+        let (mut writes, mut answers) = (Vec::new(), Vec::new());
+        while let Some(out) = b.poll_output() {
+            match out {
+                ClusterOutput::PutPrefs { id, value, .. } => {
+                    writes.push((id, decode::<WirePrefs>(&value).expect("prefs")))
+                }
+                ClusterOutput::Reply { payload, .. } => {
+                    answers.push(decode::<FromOwner>(&payload).expect("answer"))
+                }
+                _ => {}
+            }
+        }
+        (writes, answers)
+    };
+    assert!(a.input(now, at, SessionId(1), WireOp::SetInvisible(true), Some(200)));
+    for request in requests_of(&mut a) {
+        b.handle_input(now, at, request);
+    }
+    let (writes, answers) = drain(&mut b);
+    let [(first, ref prefs)] = writes[..] else {
+        panic!("one write: {writes:?}");
+    };
+    assert!(prefs.invisible && answers.is_empty());
+    // The tablet's change comes while the first write is in flight.
+    let busy = WireOp::SetStatus {
+        status: proto::Status::Busy,
+        message: None,
+    };
+    assert!(a.input(now, at, tablet, busy, Some(201)));
+    for request in requests_of(&mut a) {
+        b.handle_input(now, at, request);
+    }
+    let (writes, answers) = drain(&mut b);
+    assert!(
+        writes.is_empty() && answers.is_empty(),
+        "it waits: {writes:?}"
+    );
+    b.handle_input(
+        now,
+        at,
+        ClusterInput::PrefsStored {
+            id: first,
+            ok: true,
+        },
+    );
+    let (writes, answers) = drain(&mut b);
+    assert_eq!(answers, vec![FromOwner::Done { epoch: 1 }]);
+    let [(second, ref prefs)] = writes[..] else {
+        panic!("the waiting write: {writes:?}");
+    };
+    assert!(prefs.invisible && prefs.status == proto::Status::Busy);
+    b.handle_input(
+        now,
+        at,
+        ClusterInput::PrefsStored {
+            id: second,
+            ok: true,
+        },
+    );
+    let (writes, answers) = drain(&mut b);
+    assert!(writes.is_empty());
+    assert_eq!(answers, vec![FromOwner::Done { epoch: 1 }]);
 }
 
 #[test]
