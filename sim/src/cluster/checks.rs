@@ -14,7 +14,10 @@
 //!   [`SETTLE`] before to a node that ran, unpaused and not cut off alone,
 //!   all along (whole-bus outages included: nobody owns then, so nobody
 //!   publishes an offline). A user shown offline before stays so until her
-//!   device's connect reaches an owner; that is no flap.
+//!   device's connect reaches an owner; that is no flap. Nor is an offline
+//!   shown to a watcher that missed it or an earlier offline of hers (shown
+//!   to other watchers before the watcher's connection began): it only
+//!   says it again.
 //! - **C3, bounded ghosts:** once a user has had no connected device, and
 //!   the cluster no fault, for [`GHOST_BOUND`], every settled watcher shows
 //!   the user offline. A logged-out user's last view is therefore offline.
@@ -122,10 +125,19 @@ impl World {
         let watcher_node = conn.node;
         let now = self.now;
         let truth = &self.users[target];
-        let was_online = self.devices[device]
-            .seen
-            .get(&target)
-            .is_some_and(|s| s.online);
+        // Online as the newest view it could have: not if an offline view
+        // after it (this one, or one between) was shown to others before
+        // this connection began (the device missed it, disconnected), so
+        // that this offline only says it again, late.
+        let since = conn.welcomed.unwrap_or(now);
+        let was_online = self.devices[device].seen.get(&target).is_some_and(|s| {
+            let missed = presence.version > s.version
+                && truth
+                    .offline_shown
+                    .range(s.version + 1..=presence.version)
+                    .any(|(_, first)| *first < since);
+            s.online && !missed
+        });
         if !presence.online && was_online && !truth.may_hide {
             let from = now.saturating_sub(SETTLE);
             let watcher_fine = now >= SETTLE && self.node_fine_since(watcher_node, from);

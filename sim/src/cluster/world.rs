@@ -94,6 +94,9 @@ pub(super) struct UserTruth {
     pub tainted_until: Duration,
     /// The last moment the user had a connected device.
     pub last_device: Duration,
+    /// Versions of the offline views of the user shown to any device, and
+    /// when first.
+    pub offline_shown: BTreeMap<u64, Duration>,
 }
 
 pub(super) struct World {
@@ -811,6 +814,11 @@ impl World {
                     return Ok(());
                 }
                 self.check_view(device, target, &presence)?;
+                if !presence.online {
+                    let now = self.now;
+                    let shown = &mut self.users[target].offline_shown;
+                    shown.entry(presence.version).or_insert(now);
+                }
                 let seen = super::device::Seen {
                     version: presence.version,
                     online: presence.online,
