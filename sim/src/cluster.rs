@@ -29,6 +29,9 @@ pub struct Options {
     pub users: usize,
     /// A deliberately broken cluster link.
     pub mutant: Option<LinkMutant>,
+    /// The inter-node protocol version the nodes send: the previous one
+    /// shows what the current one fixed.
+    pub protocol: u8,
     pub faults: bool,
     /// A fuzzer's input: the run's first random choices are read from it.
     pub script: Option<std::sync::Arc<[u8]>>,
@@ -42,6 +45,7 @@ impl Options {
             nodes: 3,
             users: 6,
             mutant: None,
+            protocol: greendot_cluster::PROTOCOL_VERSION,
             faults: true,
             script: None,
         }
@@ -62,6 +66,9 @@ impl Options {
         }
         if !self.faults {
             line.push_str(" GREENDOT_SIM_FAULTS=0");
+        }
+        if self.protocol != greendot_cluster::PROTOCOL_VERSION {
+            line.push_str(&format!(" GREENDOT_SIM_PROTOCOL={}", self.protocol));
         }
         line.push_str(" cargo test --release -p greendot-sim --test cluster replay -- --nocapture");
         line

@@ -450,7 +450,7 @@ impl World {
             shard_count: SHARDS,
             shard_of: |user, shards| greendot_cluster::shard_of(user, shards).0,
             request_timeout: TTL,
-            protocol: greendot_cluster::PROTOCOL_VERSION,
+            protocol: self.opts.protocol,
             mutant: self.opts.mutant,
         });
         let seed = self.rng.next_u64();

@@ -36,7 +36,11 @@ use ring::hmac;
 /// (`ConnectInBackground`), and the shard's device record (a KV record)
 /// keeps each device's foreground flag; nodes sending 1 send and write
 /// what a node of version 1 reads.
-pub const PROTOCOL_VERSION: u8 = 2;
+///
+/// Version 3: a connect says when its edge welcomed the session
+/// (`ConnectWelcomed`), so that an owner orders a device's sessions at two
+/// nodes; nodes sending 2 send the connects of version 2.
+pub const PROTOCOL_VERSION: u8 = 3;
 
 const TAG_LEN: usize = 32;
 const HEADER_LEN: usize = 1 + TAG_LEN;

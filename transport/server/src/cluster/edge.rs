@@ -5,7 +5,8 @@
 use super::edge_records::SessionSync;
 use super::owner::{route_of, ReplyTo};
 use super::wire::{
-    decode, encode, FromOwner, ResyncRequest, ToOwner, WireOp, RECORD_FOREGROUND_SINCE,
+    decode, encode, FromOwner, ResyncRequest, ToOwner, WireOp, CONNECT_WELCOMED_SINCE,
+    RECORD_FOREGROUND_SINCE,
 };
 use super::{ClusterLink, Finished, RequestKind, MAX_LOCAL_HOPS, MAX_QUEUED_OPS, RETRY_AFTER};
 use bytes::Bytes;
@@ -37,6 +38,9 @@ pub(super) struct EdgeDevice {
     pub(super) conn: u64,
     /// When this edge run welcomed the session (its first `conn`).
     pub(super) since: u64,
+    /// When its client last connected here (a hello, new or resumed), in
+    /// Unix milliseconds.
+    pub(super) welcomed: u64,
     pub(super) queue: VecDeque<QueuedOp>,
     /// The request id of the op at the queue's head, once sent.
     sent: Option<u64>,
@@ -51,10 +55,10 @@ pub(super) struct EdgeDevice {
 
 impl EdgeDevice {
     /// Puts a connect at the head of the queue that carries the app's
-    /// state: in one step (`one_step`: protocol 2 and later), or as a
-    /// `Connect` followed by `SetForeground(false)`.
-    fn connect_first(&mut self, now: Instant, one_step: bool) {
-        if self.background && !one_step {
+    /// state: in one step (protocol 2 and later), or as a `Connect`
+    /// followed by `SetForeground(false)`.
+    fn connect_first(&mut self, now: Instant, protocol: u8) {
+        if self.background && protocol < RECORD_FOREGROUND_SINCE {
             self.queue.push_front(QueuedOp {
                 op: WireOp::SetForeground(false),
                 wait: None,
@@ -62,12 +66,21 @@ impl EdgeDevice {
                 reconnected: false,
             });
         }
-        self.queue.push_front(self.connect(now, one_step));
+        self.queue.push_front(self.connect(now, protocol));
     }
 
-    fn connect(&self, now: Instant, one_step: bool) -> QueuedOp {
+    /// The connect of the protocol sent (see [`WireOp::ConnectWelcomed`]).
+    fn connect(&self, now: Instant, protocol: u8) -> QueuedOp {
         let (kind, session, since) = (self.kind, self.wire, self.since);
-        let op = if self.background && one_step {
+        let op = if protocol >= CONNECT_WELCOMED_SINCE {
+            WireOp::ConnectWelcomed {
+                kind,
+                session,
+                since,
+                welcomed: self.welcomed,
+                foreground: !self.background,
+            }
+        } else if self.background && protocol >= RECORD_FOREGROUND_SINCE {
             WireOp::ConnectInBackground {
                 kind,
                 session,
@@ -93,7 +106,9 @@ impl EdgeDevice {
 fn connects(op: &WireOp) -> bool {
     matches!(
         op,
-        WireOp::Connect { .. } | WireOp::ConnectInBackground { .. }
+        WireOp::Connect { .. }
+            | WireOp::ConnectInBackground { .. }
+            | WireOp::ConnectWelcomed { .. }
     )
 }
 
@@ -223,13 +238,15 @@ impl ClusterLink {
             }
         }
         let conn = self.next_conn();
+        let (welcomed, protocol) = (self.to_unix(at), self.settings.protocol);
         if let Some(d) = self.devices.get_mut(&session) {
             // Resumed here after a disconnect: connected again at the owner.
             if d.closed {
                 d.closed = false;
                 d.background = false; // the new hello's state follows
                 d.conn = conn;
-                d.queue.push_back(d.connect(now, false));
+                d.welcomed = welcomed;
+                d.queue.push_back(d.connect(now, protocol));
                 self.pump(session, now, at);
             }
             return;
@@ -241,13 +258,14 @@ impl ClusterLink {
             wire,
             conn,
             since: conn,
+            welcomed,
             queue: VecDeque::new(),
             sent: None,
             not_before: None,
             closed: false,
             background: false,
         };
-        d.queue.push_back(d.connect(now, false));
+        d.queue.push_back(d.connect(now, protocol));
         self.devices.insert(session, d);
         self.pump(session, now, at);
     }
@@ -396,7 +414,7 @@ impl ClusterLink {
         d.conn = conn;
         d.sent = None;
         d.not_before = None;
-        d.connect_first(now, self.settings.protocol >= RECORD_FOREGROUND_SINCE);
+        d.connect_first(now, self.settings.protocol);
         self.pump(session, now, at);
     }
 
@@ -556,7 +574,7 @@ impl ClusterLink {
                     q.reconnected = true;
                 }
                 self.counters.retries += 1;
-                d.connect_first(now, self.settings.protocol >= RECORD_FOREGROUND_SINCE);
+                d.connect_first(now, self.settings.protocol);
                 self.next_conn += 1;
                 if let Some(d) = self.devices.get_mut(&session) {
                     d.conn = self.next_conn;

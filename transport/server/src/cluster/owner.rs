@@ -24,6 +24,23 @@ use std::time::Instant;
 /// connection.
 pub(super) type Holder = (String, u64, u64);
 
+/// A session the owner's core holds, as the edges know it.
+#[derive(Debug)]
+pub(super) struct HeldSession {
+    pub(super) holder: Holder,
+    /// The device's name id (the owner's `devices` hold one reference per
+    /// session: a name no session uses is freed).
+    pub(super) device: u64,
+    /// The edge's wire id of it (0: restored, not connected again yet).
+    pub(super) wire: u64,
+    pub(super) user: UserId,
+    /// Its edge run's welcome order (0 when restored from the device record).
+    pub(super) since: u64,
+    /// When its edge welcomed it, in Unix milliseconds, if the connect said
+    /// (protocol 3 and later).
+    pub(super) welcomed: Option<u64>,
+}
+
 /// What this node holds of a shard it acts for: the core and the names
 /// and holders of the devices in it.
 pub(super) struct Owner {
@@ -31,12 +48,7 @@ pub(super) struct Owner {
     pub(super) core: Core,
     pub(super) users: Interner,
     pub(super) devices: Interner,
-    /// Each session's holder, device name id (the owner's `devices` hold
-    /// one reference per session: a name no session uses is freed), the
-    /// edge's wire id of it (0: restored, not connected again yet), its
-    /// user, and `since` (its edge's welcome order; 0 when restored from the
-    /// device record).
-    pub(super) sessions: DetMap<SessionId, (Holder, u64, u64, UserId, u64)>,
+    pub(super) sessions: DetMap<SessionId, HeldSession>,
     pub(super) by_holder: DetMap<Holder, SessionId>,
     /// The last request id taken per connection: a request that arrives
     /// late (after the edge gave up on it and sent the next) is not applied
@@ -90,11 +102,11 @@ pub(super) fn route_of(o: &Owner, user: &str) -> Vec<proto::RouteEntry> {
         .into_iter()
         .filter_map(|s| {
             let info = o.core.session_info(s)?;
-            let (_, did, wire, ..) = o.sessions.get(&s)?;
+            let held = o.sessions.get(&s)?;
             Some(proto::RouteEntry {
-                device: o.devices.name(*did)?.to_string(),
+                device: o.devices.name(held.device)?.to_string(),
                 kind: info.kind.into(),
-                session: *wire,
+                session: held.wire,
             })
         })
         .collect()
@@ -431,7 +443,15 @@ impl ClusterLink {
                     for (session, (holder, did)) in sessions.into_iter().zip(holders) {
                         o.by_holder.insert(holder.clone(), session);
                         o.devices.acquire(did);
-                        o.sessions.insert(session, (holder, did, 0, UserId(uid), 0));
+                        let held = HeldSession {
+                            holder,
+                            device: did,
+                            wire: 0,
+                            user: UserId(uid),
+                            since: 0,
+                            welcomed: None,
+                        };
+                        o.sessions.insert(session, held);
                     }
                 }
             }
@@ -507,7 +527,8 @@ impl ClusterLink {
         let mut devices: Vec<RecordedDevice> = o
             .sessions
             .iter()
-            .filter_map(|(s, ((edge, incarnation, conn), ..))| {
+            .filter_map(|(s, held)| {
+                let (edge, incarnation, conn) = &held.holder;
                 let info = o.core.session_info(*s)?;
                 Some(RecordedDevice {
                     user: o.users.name(info.user.0)?.to_string(),
@@ -556,7 +577,8 @@ impl ClusterLink {
             let lost: Vec<SessionId> = o
                 .sessions
                 .iter()
-                .filter(|(_, (holder, ..))| {
+                .filter(|(_, held)| {
+                    let holder = &held.holder;
                     holder.0 == node && older_than.is_none_or(|i| holder.1 < i)
                 })
                 .map(|(s, _)| *s)
@@ -591,7 +613,13 @@ impl ClusterLink {
             o.dirty_since.get_or_insert(at);
         }
         for (session, reason) in ended {
-            if let Some((holder, did, _, uid, _)) = o.sessions.remove(&session) {
+            if let Some(HeldSession {
+                holder,
+                device: did,
+                user: uid,
+                ..
+            }) = o.sessions.remove(&session)
+            {
                 // The device is gone (not connected again): a resume naming
                 // its session anywhere starts fresh.
                 let names = (o.users.name(uid.0), o.devices.name(did));
@@ -655,7 +683,7 @@ impl ClusterLink {
                 let mut edges: Vec<&str> = holding
                     .iter()
                     .filter_map(|s| o.sessions.get(s))
-                    .map(|(h, ..)| h.0.as_str())
+                    .map(|held| held.holder.0.as_str())
                     .chain(greet.iter().filter(|g| g.0 == user).map(|g| g.1.as_str()))
                     .filter(|e| *e != me)
                     .collect();

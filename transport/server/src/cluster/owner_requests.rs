@@ -3,7 +3,7 @@
 //! the KV before the ack), snapshots, views and routes.
 
 use super::owner::{
-    forget_device, forget_user_if_unknown, note_idle, route_of, Holder, Owner, ReplyTo,
+    forget_device, forget_user_if_unknown, note_idle, route_of, HeldSession, Holder, Owner, ReplyTo,
 };
 use super::prefs_writes::Waiting;
 use super::wire::{decode, encode, FromOwner, ToOwner, WireOp, WirePrefs};
@@ -41,7 +41,7 @@ fn owner_connect(
     user: &str,
     device: &str,
     (kind, foreground): (DeviceKind, bool),
-    (holder, wire, since): (Holder, u64, u64),
+    (holder, wire, since, welcomed): (Holder, u64, u64, Option<u64>),
 ) -> Result<UserId, WireError> {
     let too_many = || WireError::new(ErrorCode::TooManyUsers, "the owner holds too many users");
     let uid = o.users.intern(user).ok_or_else(too_many)?;
@@ -71,19 +71,40 @@ fn owner_connect(
         }
     };
     if let Some(old) = o.by_holder.insert(holder.clone(), connected.session) {
-        if let Some((_, did, ..)) = o.sessions.remove(&old) {
-            forget_device(&mut o.devices, did);
+        if let Some(held) = o.sessions.remove(&old) {
+            forget_device(&mut o.devices, held.device);
         }
     }
     o.devices.acquire(did);
-    o.sessions
-        .insert(connected.session, (holder, did, wire, UserId(uid), since));
+    o.sessions.insert(
+        connected.session,
+        HeldSession {
+            holder,
+            device: did,
+            wire,
+            user: UserId(uid),
+            since,
+            welcomed,
+        },
+    );
     Ok(UserId(uid))
 }
 
-/// Whether `device` of `user` is online under a session that the same edge
-/// run as `holder` welcomed after `since`.
-fn welcomed_later(o: &Owner, user: &str, device: &str, holder: &Holder, since: u64) -> bool {
+/// How far apart two nodes' clocks may be: welcome times of sessions at two
+/// nodes are ordered only when they differ by more.
+const CLOCK_SKEW_MS: u64 = 2_000;
+
+/// Whether `device` of `user` is online under a session welcomed after this
+/// one (`holder`, `since`, `welcomed`): by the same edge run (`since`, its
+/// welcome order), or by another node more than [`CLOCK_SKEW_MS`] after
+/// (`welcomed`, when both connects said: protocol 3 and later).
+fn welcomed_later(
+    o: &Owner,
+    (user, device): (&str, &str),
+    holder: &Holder,
+    since: u64,
+    welcomed: Option<u64>,
+) -> bool {
     let (Some(uid), Some(did)) = (o.users.get(user), o.devices.get(device)) else {
         return false;
     };
@@ -93,8 +114,15 @@ fn welcomed_later(o: &Owner, user: &str, device: &str, holder: &Holder, since: u
             .session_info(s)
             .is_some_and(|i| i.online && i.device == DeviceId(did));
         online
-            && o.sessions.get(&s).is_some_and(|(h, _, _, _, later)| {
-                h.0 == holder.0 && h.1 == holder.1 && *later > since
+            && o.sessions.get(&s).is_some_and(|held| {
+                let h = &held.holder;
+                if h.0 == holder.0 && h.1 == holder.1 {
+                    return held.since > since;
+                }
+                match (held.welcomed, welcomed) {
+                    (Some(later), Some(this)) => later > this.saturating_add(CLOCK_SKEW_MS),
+                    _ => false,
+                }
             })
     })
 }
@@ -283,11 +311,12 @@ impl ClusterLink {
         let Some(o) = self.owners.get_mut(&shard) else {
             return self.reply(reply, FromOwner::NotOwner, now, at);
         };
-        let connects = matches!(
-            op,
-            WireOp::Connect { .. } | WireOp::ConnectInBackground { .. }
-        );
-        let foreground = !matches!(op, WireOp::ConnectInBackground { .. });
+        let (connects, foreground) = match op {
+            WireOp::Connect { .. } => (true, true),
+            WireOp::ConnectInBackground { .. } => (true, false),
+            WireOp::ConnectWelcomed { foreground, .. } => (true, foreground),
+            _ => (false, true),
+        };
         if connects && node_users >= self.owner_config.max_users && o.users.get(&user).is_none() {
             let full = WireError::new(ErrorCode::TooManyUsers, "this node holds too many users");
             return self.reply(reply, FromOwner::Refused(full), now, at);
@@ -340,18 +369,29 @@ impl ClusterLink {
                 kind,
                 session: wire,
                 since,
+            }
+            | WireOp::ConnectWelcomed {
+                kind,
+                session: wire,
+                since,
+                ..
             } => {
+                let welcomed = match op {
+                    WireOp::ConnectWelcomed { welcomed, .. } => Some(welcomed),
+                    _ => None,
+                };
+                let names = (user.as_str(), device.as_str());
                 if session.is_some_and(|s| live(o, s)) {
                     FromOwner::Done { epoch }
-                } else if welcomed_later(o, &user, &device, &holder, since) {
-                    // A session this edge run welcomed after this one holds
-                    // the device: this one was given up by its client and
-                    // must not take the device over (its end would show
-                    // the device offline while it is connected).
+                } else if welcomed_later(o, names, &holder, since, welcomed) {
+                    // A session welcomed after this one holds the device:
+                    // this one was given up by its client and must not
+                    // take the device over (its end would show the device
+                    // offline while it is connected).
                     self.counters.stale_connects += 1;
                     FromOwner::Done { epoch }
                 } else {
-                    let named = (holder.clone(), wire, since);
+                    let named = (holder.clone(), wire, since, welcomed);
                     let state = (kind.into(), foreground);
                     match owner_connect(o, at, &user, &device, state, named) {
                         Ok(uid) => {

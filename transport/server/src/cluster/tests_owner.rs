@@ -4,7 +4,8 @@
 use super::test_support::*;
 use super::wire::{
     decode, decode_device_record, encode, encode_device_record, FromOwner, RecordedDevice,
-    ResyncRequest, ShardView, ToOwner, WireOp, WirePrefs, RECORD_FOREGROUND_SINCE,
+    ResyncRequest, ShardView, ToOwner, WireOp, WirePrefs, CONNECT_WELCOMED_SINCE,
+    RECORD_FOREGROUND_SINCE,
 };
 use super::{
     ClusterInput, ClusterLink, ClusterOutput, ClusterSettings, Finished, RequestKind, MAX_EPOCH,
@@ -78,6 +79,62 @@ fn a_connect_given_up_on_arriving_late_does_not_take_the_device_over() {
         online,
         "alice shown offline while her kept session is connected"
     );
+}
+
+/// Whether alice is still online after this: her phone's session at edge
+/// `a` (welcomed at 0 s) is held up, as by a pause of its node, while her
+/// client gives up on it and connects at edge `c` (at 10 s); then `a`'s
+/// connect reaches the owner, and `a` sees its session end.
+fn online_after_a_woken_edges_stale_connect(protocol: u8) -> bool {
+    let (mut a, mut b, now) = edge_and_owner();
+    let mut c = link("c");
+    a.settings.protocol = protocol;
+    c.settings.protocol = protocol;
+    let kind = proto::Kind::Mobile;
+    let (stale, kept) = (SessionId(1), SessionId(2));
+    a.connected(now, Millis(0), stale, 1001, "alice", "phone", kind, None);
+    let held_up = requests_of(&mut a);
+    c.connected(
+        now,
+        Millis(10_000),
+        kept,
+        2001,
+        "alice",
+        "phone",
+        kind,
+        None,
+    );
+    exchange(&mut c, &mut b, now, Millis(10_000));
+    for request in held_up {
+        b.handle_input(now, Millis(10_001), request);
+    }
+    exchange(&mut a, &mut b, now, Millis(10_001));
+    let ended = WireOp::Disconnect { last_heard: 0 };
+    assert!(a.input(now, Millis(10_002), stale, ended, None));
+    a.session_ended(stale);
+    exchange(&mut a, &mut b, now, Millis(10_002));
+    // Far past grace and debounce.
+    b.handle_timeout(now, Millis(600_000));
+    exchange(&mut c, &mut b, now, Millis(600_000));
+    let o = &b.owners[&1];
+    let uid = UserId(o.users.get("alice").unwrap());
+    o.core
+        .sessions_of(uid)
+        .into_iter()
+        .any(|s| o.core.session_info(s).is_some_and(|i| i.online))
+}
+
+/// Across edges, a connect says when it was welcomed (protocol 3): the
+/// stale session of a woken node does not take the device over, and its
+/// end leaves alice online. Protocol 2 cannot tell, which is the failure.
+#[test]
+fn a_woken_edges_stale_connect_does_not_take_the_device_over() {
+    assert!(online_after_a_woken_edges_stale_connect(
+        CONNECT_WELCOMED_SINCE
+    ));
+    assert!(!online_after_a_woken_edges_stale_connect(
+        RECORD_FOREGROUND_SINCE
+    ));
 }
 
 /// alice logs out while the owner of her shard is dead: nobody answers.
@@ -794,8 +851,8 @@ fn held_by(b: &ClusterLink, shard: u32, edge: &str) -> Vec<(u64, bool)> {
     let mut held: Vec<(u64, bool)> = o
         .sessions
         .iter()
-        .filter(|(_, (h, ..))| h.0 == edge)
-        .map(|(s, (h, ..))| (h.1, o.core.session_info(*s).unwrap().online))
+        .filter(|(_, held)| held.holder.0 == edge)
+        .map(|(s, held)| (held.holder.1, o.core.session_info(*s).unwrap().online))
         .collect();
     held.sort();
     held

@@ -41,6 +41,19 @@ pub enum WireOp {
         session: u64,
         since: u64,
     },
+    /// A connect in either app state that says when its edge welcomed the
+    /// session (`welcomed`, Unix milliseconds), so that sessions of one
+    /// device at two nodes have an order: a node woken from a pause sends
+    /// the connect of a session its client gave up on and left for another
+    /// node meanwhile, which must not take the device over. Sent from
+    /// protocol 3 ([`CONNECT_WELCOMED_SINCE`]).
+    ConnectWelcomed {
+        kind: proto::Kind,
+        session: u64,
+        since: u64,
+        welcomed: u64,
+        foreground: bool,
+    },
 }
 
 /// Edge → owner, on `<prefix>.req.<shard>.<kind>`.
@@ -148,6 +161,10 @@ struct RecordedDeviceV1 {
 /// The protocol version from which owners write the shard record with the
 /// foreground flag (greendot-cluster's `PROTOCOL_VERSION` 2).
 pub const RECORD_FOREGROUND_SINCE: u8 = 2;
+
+/// The protocol version from which a connect says when it was welcomed
+/// ([`WireOp::ConnectWelcomed`]).
+pub const CONNECT_WELCOMED_SINCE: u8 = 3;
 
 /// What a shard record of the second layout begins with. A record of the
 /// first layout is a bare postcard list, which begins with 0 only when it
