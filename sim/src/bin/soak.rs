@@ -1,6 +1,7 @@
 //! A longer random run of the simulator:
 //! `cargo run --release -p greendot-sim --bin soak -- [--seeds N] [--from S] [--steps N] [--large-clock-jumps] [--mutant NAME]`,
-//! or of the multi-node simulation with `--nodes N` (1 to 5).
+//! or of the multi-node simulation with `--nodes N` (1 to 5) [`--protocol V`
+//! (the inter-node protocol version the nodes send)].
 //! Without `--from` the first seed is drawn from the time of day (printed),
 //! so each run explores new seeds; every failure prints its replay line.
 
@@ -14,6 +15,7 @@ fn main() {
     let mut large = false;
     let mut mutant = None;
     let mut nodes = None;
+    let mut protocol = None;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut value = || args.next().unwrap_or_default();
@@ -23,6 +25,7 @@ fn main() {
             "--from" => from = Some(value().parse().expect("--from SEED")),
             "--large-clock-jumps" => large = true,
             "--nodes" => nodes = Some(value().parse().expect("--nodes N (1 to 5)")),
+            "--protocol" => protocol = Some(value().parse().expect("--protocol V")),
             "--mutant" => {
                 let name = value();
                 mutant = Some(
@@ -35,6 +38,10 @@ fn main() {
             other => panic!("unknown argument {other}"),
         }
     }
+    assert!(
+        protocol.is_none() || nodes.is_some(),
+        "--protocol is the multi-node simulation's (with --nodes)"
+    );
     let from = from.unwrap_or_else(|| {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -46,7 +53,8 @@ fn main() {
             mutant.is_none() && !large,
             "--nodes runs the multi-node simulation alone"
         );
-        std::process::exit(soak_cluster(from, seeds, steps, nodes));
+        let protocol = protocol.unwrap_or(greendot_cluster::PROTOCOL_VERSION);
+        std::process::exit(soak_cluster(from, seeds, steps, (nodes, protocol)));
     }
     println!(
         "soak: seeds {from}..{} x {steps} steps",
@@ -83,7 +91,7 @@ fn main() {
 }
 
 /// The multi-node simulation's seeds; the process's exit code.
-fn soak_cluster(from: u64, seeds: u64, steps: u64, nodes: usize) -> i32 {
+fn soak_cluster(from: u64, seeds: u64, steps: u64, (nodes, protocol): (usize, u8)) -> i32 {
     use greendot_sim::cluster;
     println!(
         "soak: {nodes} nodes, seeds {from}..{} x {steps} steps",
@@ -96,6 +104,7 @@ fn soak_cluster(from: u64, seeds: u64, steps: u64, nodes: usize) -> i32 {
     for seed in from..from.wrapping_add(seeds) {
         let mut options = cluster::Options::new(seed, steps);
         options.nodes = nodes;
+        options.protocol = protocol;
         match cluster::run(options) {
             Ok(report) => {
                 simulated += report.simulated;

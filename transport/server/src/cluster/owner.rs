@@ -15,7 +15,9 @@ use super::{
 use super::{DetMap, DetSet};
 use crate::hub::Interner;
 use bytes::Bytes;
-use greendot_core::{Core, DeviceId, EndReason, Epoch, Millis, Output, SessionId, UserId};
+use greendot_core::{
+    Core, DeviceId, DeviceKind, EndReason, Epoch, Millis, Output, SessionId, UserId,
+};
 use greendot_proto as proto;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
@@ -34,6 +36,7 @@ pub(super) struct HeldSession {
     /// The edge's wire id of it (0: restored, not connected again yet).
     pub(super) wire: u64,
     pub(super) user: UserId,
+    pub(super) kind: DeviceKind,
     /// Its edge run's welcome order (0 when restored from the device record).
     pub(super) since: u64,
     /// When its edge welcomed it, in Unix milliseconds, if the connect said
@@ -63,6 +66,13 @@ pub(super) struct Owner {
     /// Devices of the shard's record (the previous owner's), by user, to be
     /// restored as lingering with the user.
     recorded: DetMap<String, Vec<RecordedDevice>>,
+    /// Devices whose session ended before their user's offline was
+    /// published (held in a resync window, or in the debounce), by user and
+    /// device. The device record keeps them until it is: a next owner, if
+    /// the shard moves first, restores and ends them, where it would
+    /// otherwise never hear of the user and leave her last view, online,
+    /// standing (a ghost, C3).
+    pub(super) ended: DetMap<(String, String), RecordedDevice>,
     /// The device set changed since this instant and is not written yet.
     pub(super) dirty_since: Option<Millis>,
     /// Users that got a session at another node's edge in this step: that
@@ -215,6 +225,7 @@ impl ClusterLink {
                     loaded: Default::default(),
                     loading: DetMap::default(),
                     recorded: DetMap::default(),
+                    ended: DetMap::default(),
                     dirty_since: None,
                     greet: Vec::new(),
                     idle: VecDeque::new(),
@@ -414,7 +425,7 @@ impl ClusterLink {
                     last_heard: Millis(d.heard).min(at),
                     foreground: d.foreground,
                 });
-                holders.push(((d.edge.clone(), d.incarnation, d.conn), did));
+                holders.push(((d.edge.clone(), d.incarnation, d.conn), did, d.kind));
             }
             if let Some(uid) = o.users.intern(&user) {
                 let record = greendot_core::cluster::OwnedRecord {
@@ -440,7 +451,7 @@ impl ClusterLink {
                     o.core
                         .restore_owned(at, UserId(uid), &record, at.plus(Millis(window)))
                 {
-                    for (session, (holder, did)) in sessions.into_iter().zip(holders) {
+                    for (session, (holder, did, kind)) in sessions.into_iter().zip(holders) {
                         o.by_holder.insert(holder.clone(), session);
                         o.devices.acquire(did);
                         let held = HeldSession {
@@ -448,6 +459,7 @@ impl ClusterLink {
                             device: did,
                             wire: 0,
                             user: UserId(uid),
+                            kind: kind.into(),
                             since: 0,
                             welcomed: None,
                         };
@@ -542,6 +554,10 @@ impl ClusterLink {
                 })
             })
             .collect();
+        // Devices of users still being read, and ended ones whose user's
+        // offline is not yet published, are the shard's as much.
+        devices.extend(o.recorded.values().flatten().cloned());
+        devices.extend(o.ended.values().cloned());
         devices.sort_by(|a, b| (&a.user, &a.device).cmp(&(&b.user, &b.device)));
         devices.truncate(MAX_RECORDED_DEVICES);
         self.outputs.push_back(ClusterOutput::PutShardDevices {
@@ -613,33 +629,53 @@ impl ClusterLink {
             o.dirty_since.get_or_insert(at);
         }
         for (session, reason) in ended {
-            if let Some(HeldSession {
-                holder,
-                device: did,
-                user: uid,
-                ..
-            }) = o.sessions.remove(&session)
-            {
+            let Some(held) = o.sessions.remove(&session) else {
+                continue;
+            };
+            let names = (o.users.name(held.user.0), o.devices.name(held.device));
+            if let (false, (Some(user), Some(device))) = (reason == EndReason::Superseded, names) {
                 // The device is gone (not connected again): a resume naming
                 // its session anywhere starts fresh.
-                let names = (o.users.name(uid.0), o.devices.name(did));
-                if let (false, (Some(user), Some(device))) =
-                    (reason == EndReason::Superseded, names)
-                {
-                    self.outputs.push_back(ClusterOutput::DeleteSession {
+                self.outputs.push_back(ClusterOutput::DeleteSession {
+                    user: user.to_string(),
+                    device: device.to_string(),
+                });
+                let shown_online = o.core.presence(held.user).online;
+                if shown_online && o.ended.len() < MAX_RECORDED_DEVICES {
+                    let (edge, incarnation, conn) = held.holder.clone();
+                    let kept = RecordedDevice {
                         user: user.to_string(),
                         device: device.to_string(),
-                    });
+                        kind: held.kind.into(),
+                        edge,
+                        incarnation,
+                        conn,
+                        // Ended: a next owner keeps it only to the end of
+                        // its resync window, with no grace of its own.
+                        heard: 0,
+                        foreground: true,
+                    };
+                    o.ended
+                        .insert((kept.user.clone(), kept.device.clone()), kept);
                 }
-                o.by_holder.remove(&holder);
-                forget_device(&mut o.devices, did);
             }
+            o.by_holder.remove(&held.holder);
+            forget_device(&mut o.devices, held.device);
         }
         // (user, own, presence, only to the greeted edges)
         let mut views = Vec::new();
         while let Some(p) = o.core.poll_published() {
             if p.own && !p.presence.online {
                 note_idle(o, p.user, at);
+            }
+            if !p.own && !p.presence.online && !o.ended.is_empty() {
+                if let Some(name) = o.users.name(p.user.0) {
+                    let before = o.ended.len();
+                    o.ended.retain(|(user, _), _| user.as_str() != &**name);
+                    if o.ended.len() != before {
+                        o.dirty_since.get_or_insert(at);
+                    }
+                }
             }
             views.push((p.user, p.own, p.presence, false));
         }

@@ -83,10 +83,12 @@ fn owner_connect(
             device: did,
             wire,
             user: UserId(uid),
+            kind,
             since,
             welcomed,
         },
     );
+    o.ended.remove(&(user.to_owned(), device.to_owned()));
     Ok(UserId(uid))
 }
 

@@ -306,6 +306,58 @@ fn a_backgrounded_device_stays_backgrounded_across_an_owner_failover() {
     );
 }
 
+/// The shard records `b` writes at `at` (decoded).
+fn records_at(b: &mut ClusterLink, now: Instant, at: Millis) -> Vec<Vec<RecordedDevice>> {
+    b.handle_timeout(now, at);
+    std::iter::from_fn(|| b.poll_output())
+        .filter_map(|out| match out {
+            ClusterOutput::PutShardDevices { shard: 1, value } => decode_device_record(&value),
+            _ => None,
+        })
+        .collect()
+}
+
+/// alice logs out in her owner's resync window, which holds her offline.
+/// The shard's record keeps her phone until the offline is published: if
+/// the shard moved first, a next owner that did not find her in the record
+/// would never hear of her, and her last view, online, would stand.
+#[test]
+fn an_ended_device_stays_in_the_record_until_its_offline_is_published() {
+    let (mut a, mut b, now) = two_nodes();
+    assert!(a.input(now, Millis(700), SessionId(1), WireOp::Logout, Some(100)));
+    exchange(&mut a, &mut b, now, Millis(700));
+    let written = records_at(&mut b, now, Millis(1_200));
+    let [record] = &written[..] else {
+        panic!("one record: {written:?}");
+    };
+    let phone = record.iter().find(|d| d.user == "alice");
+    assert!(
+        phone.is_some_and(|d| d.device == "phone" && d.heard == 0),
+        "{record:?}"
+    );
+    // The window (5 s) closes, her offline goes out, and the record is
+    // written again without her.
+    let later = now + Duration::from_secs(6);
+    b.handle_timeout(later, Millis(6_000));
+    let published: Vec<ShardView> = std::iter::from_fn(|| b.poll_output())
+        .filter_map(|out| match out {
+            ClusterOutput::Publish { payload, .. } => decode(&payload),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        published
+            .iter()
+            .any(|v| v.user == "alice" && !v.presence.online),
+        "{published:?}"
+    );
+    let written = records_at(&mut b, later, Millis(6_500));
+    assert!(
+        written.iter().all(|r| r.iter().all(|d| d.user != "alice")),
+        "{written:?}"
+    );
+}
+
 /// A new owner asks the edge to resend alice's backgrounded phone. From
 /// protocol 2 the connect carries the background in one step, so the new
 /// owner never holds her present in between; a node sending protocol 1
