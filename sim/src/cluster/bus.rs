@@ -229,7 +229,7 @@ impl Bus {
                     }
                     ClusterOutput::LoadUser { id, .. } => Some(ClusterInput::UserLoadFailed { id }),
                     ClusterOutput::LoadShard { id, .. } => {
-                        Some(ClusterInput::ShardLoaded { id, record: None })
+                        Some(ClusterInput::ShardLoadFailed { id })
                     }
                     ClusterOutput::PutSession { id, .. } => {
                         Some(ClusterInput::SessionStored { id, ok: false })
@@ -458,12 +458,11 @@ impl Bus {
                 }
                 None
             }
-            ClusterOutput::LoadShard { id, shard } => Some(ClusterInput::ShardLoaded {
+            ClusterOutput::LoadShard { id, shard } if up => Some(ClusterInput::ShardLoaded {
                 id,
-                record: up
-                    .then(|| self.shard_devices.get(&shard).cloned())
-                    .flatten(),
+                record: self.shard_devices.get(&shard).cloned(),
             }),
+            ClusterOutput::LoadShard { id, .. } => Some(ClusterInput::ShardLoadFailed { id }),
             ClusterOutput::PutSession {
                 id,
                 user,

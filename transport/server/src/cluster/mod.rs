@@ -247,8 +247,13 @@ pub enum ClusterInput {
     /// A message on the cluster's beacon subject ([`Beacon`]).
     Beacon { payload: Bytes },
     /// What the KV holds of the devices of the shard of
-    /// [`ClusterOutput::LoadShard`] `id` (`None`: nothing, or the read failed).
+    /// [`ClusterOutput::LoadShard`] `id` (`None`: nothing).
     ShardLoaded { id: u64, record: Option<Bytes> },
+    /// The read of [`ClusterOutput::LoadShard`] `id` failed: it is asked
+    /// again, and the shard's record is not written until it is read (taken
+    /// as empty, the previous owner's devices would be lost, and users of
+    /// theirs shown online would stay so: C3).
+    ShardLoadFailed { id: u64 },
     /// The lease of node `node` is gone (expired: the node died or was cut
     /// off; or released: it left). `last_heard`: Unix milliseconds of its
     /// last renewal, as near as known.
@@ -717,6 +722,7 @@ impl ClusterLink {
             ClusterInput::Answered { id, payload } => self.answered(now, at, id, payload),
             ClusterInput::Beacon { payload } => self.beacon_message(&payload),
             ClusterInput::UserLoadFailed { id } => self.user_load_failed(now, id),
+            ClusterInput::ShardLoadFailed { id } => self.shard_load_failed(now, id),
             ClusterInput::UserLoaded { id, prefs, view } => {
                 self.user_loaded(now, at, id, prefs, view)
             }

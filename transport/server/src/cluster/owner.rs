@@ -75,6 +75,9 @@ pub(super) struct Owner {
     pub(super) ended: DetMap<(String, String), RecordedDevice>,
     /// The device set changed since this instant and is not written yet.
     pub(super) dirty_since: Option<Millis>,
+    /// The previous owner's device record is being read: this one's is not
+    /// written until it is (written over, its devices would be lost).
+    pub(super) reading_record: bool,
     /// Users that got a session at another node's edge in this step: that
     /// edge is sent the user's truth even if it did not change (it may
     /// have changed while the connect was on its way).
@@ -227,6 +230,7 @@ impl ClusterLink {
                     recorded: DetMap::default(),
                     ended: DetMap::default(),
                     dirty_since: None,
+                    reading_record: true,
                     greet: Vec::new(),
                     idle: VecDeque::new(),
                     seq: 0,
@@ -385,6 +389,14 @@ impl ClusterLink {
         }
     }
 
+    pub(super) fn shard_load_failed(&mut self, now: Instant, id: u64) {
+        let timeout = self.settings.request_timeout;
+        if let Some((_, _, since)) = self.pending_shards.get_mut(&id) {
+            self.counters.retries += 1;
+            *since = (now + RETRY_AFTER).checked_sub(timeout).unwrap_or(*since);
+        }
+    }
+
     pub(super) fn user_loaded(
         &mut self,
         now: Instant,
@@ -498,6 +510,7 @@ impl ClusterLink {
         let Some(o) = self.owners.get_mut(&shard).filter(|o| o.epoch == epoch) else {
             return;
         };
+        o.reading_record = false;
         let mut users = Vec::new();
         for d in devices {
             if shard_of(&d.user, count) != shard || o.loaded.contains(&d.user) {
@@ -532,7 +545,7 @@ impl ClusterLink {
         let Some(o) = self.owners.get_mut(&shard) else {
             return;
         };
-        if o.dirty_since.is_none_or(|d| at < d.plus(WRITE_BEHIND)) {
+        if o.reading_record || o.dirty_since.is_none_or(|d| at < d.plus(WRITE_BEHIND)) {
             return;
         }
         o.dirty_since = None;

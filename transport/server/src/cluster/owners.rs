@@ -26,11 +26,14 @@ pub(super) struct Owners {
 }
 
 /// When `o` next needs `handle_timeout`: its core's timer, the write-behind
-/// of its device record, or the release of its earliest idle user.
+/// of its device record (once the previous owner's is read), or the release
+/// of its earliest idle user.
 fn deadline(o: &Owner) -> Option<Millis> {
     [
         o.core.poll_timeout(),
-        o.dirty_since.map(|d| d.plus(WRITE_BEHIND)),
+        o.dirty_since
+            .filter(|_| !o.reading_record)
+            .map(|d| d.plus(WRITE_BEHIND)),
         o.idle.front().map(|(due, _)| *due),
     ]
     .into_iter()

@@ -148,6 +148,11 @@ pub(super) fn exchange_lossy(
                     };
                     b.handle_input(now, at, loaded)
                 }
+                ClusterOutput::LoadShard { id, .. } => {
+                    // The KV holds no previous owner's record.
+                    let loaded = ClusterInput::ShardLoaded { id, record: None };
+                    b.handle_input(now, at, loaded)
+                }
                 ClusterOutput::PutView { user, value } => {
                     if let Some(v) = views.as_deref_mut() {
                         v.insert(user, value);

@@ -358,6 +358,86 @@ fn an_ended_device_stays_in_the_record_until_its_offline_is_published() {
     );
 }
 
+/// A new owner's first read of the shard's record fails; alice's phone
+/// connects meanwhile. The owner does not write its record over the
+/// previous owner's before it read it (carol's phone in it would be lost,
+/// and with it the offline a next owner owes her), and a failed read is
+/// asked again rather than taken as empty.
+#[test]
+fn a_new_owner_reads_the_previous_record_before_writing_its_own() {
+    let now = Instant::now();
+    let (mut a, mut b) = (link("a"), link("b"));
+    b.set_status(
+        now,
+        Millis(0),
+        all_shards(2, now + Duration::from_secs(3600)),
+    );
+    let mut first = None;
+    while let Some(out) = b.poll_output() {
+        if let ClusterOutput::LoadShard { id, shard } = out {
+            let input = if shard == 1 {
+                first = Some(id);
+                ClusterInput::ShardLoadFailed { id }
+            } else {
+                ClusterInput::ShardLoaded { id, record: None }
+            };
+            b.handle_input(now, Millis(0), input);
+        }
+    }
+    assert!(first.is_some(), "the new owner reads shard 1's record");
+    let kind = proto::Kind::Mobile;
+    a.connected(
+        now,
+        Millis(0),
+        SessionId(1),
+        1001,
+        "alice",
+        "phone",
+        kind,
+        None,
+    );
+    exchange(&mut a, &mut b, now, Millis(0));
+    assert!(
+        records_at(&mut b, now, Millis(2_000)).is_empty(),
+        "written before the previous record was read"
+    );
+    // Asked again after a pause.
+    let later = now + Duration::from_secs(1);
+    b.handle_timeout(later, Millis(2_000));
+    let again = std::iter::from_fn(|| b.poll_output())
+        .find_map(|out| match out {
+            ClusterOutput::LoadShard { id, shard: 1 } => Some(id),
+            _ => None,
+        })
+        .expect("the failed read is asked again");
+    let previous = vec![RecordedDevice {
+        user: "carol".into(),
+        device: "phone".into(),
+        kind,
+        edge: "c".into(),
+        incarnation: 3,
+        conn: 1,
+        heard: 0,
+        foreground: true,
+    }];
+    let record = encode_device_record(&previous, RECORD_FOREGROUND_SINCE);
+    b.handle_input(
+        later,
+        Millis(2_000),
+        ClusterInput::ShardLoaded {
+            id: again,
+            record: Some(record),
+        },
+    );
+    let written = records_at(&mut b, later, Millis(2_600));
+    let [record] = &written[..] else {
+        panic!("one record once read: {written:?}");
+    };
+    let mut users: Vec<&str> = record.iter().map(|d| d.user.as_str()).collect();
+    users.sort_unstable();
+    assert_eq!(users, ["alice", "carol"]);
+}
+
 /// A new owner asks the edge to resend alice's backgrounded phone. From
 /// protocol 2 the connect carries the background in one step, so the new
 /// owner never holds her present in between; a node sending protocol 1

@@ -334,11 +334,16 @@ pub async fn run(
                     ClusterOutput::LoadShard { id, shard } => {
                         let (c, inputs) = (cluster.clone(), inputs.clone());
                         tokio::spawn(async move {
-                            let record = c.shard_devices(ShardId(shard)).await.unwrap_or_else(|e| {
-                                warn!(shard, error = %e, "cannot read the shard's devices");
-                                None
-                            });
-                            inputs.send(ClusterInput::ShardLoaded { id, record }).await;
+                            // A failed read is asked again: taken as empty, the
+                            // previous owner's devices would be lost.
+                            let input = match c.shard_devices(ShardId(shard)).await {
+                                Ok(record) => ClusterInput::ShardLoaded { id, record },
+                                Err(e) => {
+                                    warn!(shard, error = %e, "cannot read the shard's devices: asking again");
+                                    ClusterInput::ShardLoadFailed { id }
+                                }
+                            };
+                            inputs.send(input).await;
                         });
                     }
                     ClusterOutput::PutSession { id, user, device, value } => {
