@@ -84,6 +84,12 @@ pub struct OwnedRecord {
     /// The user's devices as the old owner last wrote them (bucket
     /// `gd_devices`, written behind): restored as Lingering.
     pub devices: Vec<DeviceRecord>,
+    /// The highest version of the user this owner published before it
+    /// released them, in this epoch (0: none). The view in the KV is written
+    /// behind and may be older (a write lost in an outage, or landed before
+    /// an older one): if `published` is below this, watchers were shown
+    /// newer, so it is published again above it.
+    pub shown_before: u64,
 }
 
 impl OwnedRecord {

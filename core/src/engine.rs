@@ -358,6 +358,10 @@ pub(crate) struct User {
     pub(crate) version: u64,
     /// What others were last told; also what a new subscriber's snapshot shows.
     pub(crate) published: Presence,
+    /// `published` was restored from a KV view older than one this owner
+    /// published before it released the user: it is published again at the
+    /// next debounce, under a higher version, even if it looks the same.
+    pub(crate) behind: bool,
     /// End of the running debounce window, if any.
     pub(crate) debounce_due: Option<Millis>,
     pub(crate) watchers: Option<Box<Watchers>>,
@@ -381,6 +385,7 @@ impl User {
                 version,
                 ..Presence::default()
             },
+            behind: false,
             debounce_due: None,
             watchers: None,
         }
@@ -597,7 +602,8 @@ impl Core {
             self.timers.insert((hold, Timer::Debounce(user)));
             return;
         }
-        if shown.same_view(&self.users[u as usize].published) && !self.stale_epoch(u) {
+        let again = self.stale_epoch(u) || self.users[u as usize].behind;
+        if shown.same_view(&self.users[u as usize].published) && !again {
             self.counters.flaps_suppressed += 1;
         } else {
             self.publish(u, shown);

@@ -659,3 +659,42 @@ fn a_backgrounded_device_is_restored_in_the_background() {
     let (at, _) = restored_offline_at(true, until);
     assert!(at >= start.plus(cfg.kind(DeviceKind::Mobile).grace));
 }
+
+/// An owner reads back a user it released earlier in the epoch, and the
+/// KV's view of her is older than the one it published before the release
+/// (the later write was lost in an outage). Watchers hold the newer
+/// version and would drop the older one as stale: the restored view is
+/// published again above what they were shown, though it looks the same.
+/// Without `shown_before` it is not published at all.
+#[test]
+fn a_user_read_back_from_an_older_view_is_published_again_above_it() {
+    let published_after = |shown_before: u64| {
+        let mut owner = Core::new(config()).unwrap();
+        owner.set_publish_views(true);
+        owner.enter_epoch(Epoch(2));
+        let kv_view = Presence {
+            version: epoch_base(Epoch(2)) + 1,
+            ..Presence::default()
+        };
+        let record = OwnedRecord {
+            published: kv_view,
+            shown_before,
+            ..OwnedRecord::default()
+        };
+        let start = Millis(10_000);
+        owner
+            .restore_owned(start, UserId(1), &record, start)
+            .unwrap();
+        owner.handle_timeout(start.plus(config().debounce));
+        owner.check_invariants().unwrap();
+        std::iter::from_fn(|| owner.poll_published())
+            .filter(|p| !p.own)
+            .map(|p| p.presence)
+            .collect::<Vec<_>>()
+    };
+    let shown = epoch_base(Epoch(2)) + 5;
+    let again = published_after(shown);
+    assert_eq!(again.len(), 1, "{again:?}");
+    assert!(again[0].version > shown && !again[0].online);
+    assert!(published_after(0).is_empty());
+}

@@ -172,7 +172,9 @@ fn regression_seeds() {
     // from a pause took a device over with the session its client had left
     // for another node; 1767 and 4269 a device ended in a new owner's
     // resync window left the shard's record before its offline was
-    // published, and the shard moved on (a ghost); 3650 a new owner wrote
+    // published, and the shard moved on (a ghost); 2860 a user read back
+    // from an older view in the KV than watchers were shown (its newer
+    // write lost in an outage) was never published again; 3650 a new owner wrote
     // its shard record over the previous owner's before reading it (a
     // ghost after the next move); 5207 a late welcome's
     // snapshot was older than a view pushed meanwhile.
@@ -186,6 +188,7 @@ fn regression_seeds() {
         (1767, 3),
         (2443, 3),
         (2663, 3),
+        (2860, 3),
         (2666, 3),
         (2936, 3),
         (2966, 3),

@@ -100,7 +100,8 @@ impl Core {
         let floor = self.users[u as usize].version;
         let rec = &mut self.users[u as usize];
         let was_online = std::mem::replace(&mut rec.published, record.published.clone()).online;
-        rec.version = floor.max(record.published.version);
+        rec.version = floor.max(record.published.version).max(record.shown_before);
+        rec.behind = record.published.version < record.shown_before;
         self.group_published(user, was_online, record.published.online);
         let mut sessions = Vec::with_capacity(record.devices.len());
         for d in &record.devices {
@@ -125,7 +126,8 @@ impl Core {
         }
         let shown = self.shown_view(u);
         let rec = &self.users[u as usize];
-        if rec.debounce_due.is_none() && (!shown.same_view(&rec.published) || self.stale_epoch(u)) {
+        let again = self.stale_epoch(u) || rec.behind;
+        if rec.debounce_due.is_none() && (!shown.same_view(&rec.published) || again) {
             let due = self.clock.plus(self.config.debounce);
             self.users[u as usize].debounce_due = Some(due);
             self.timers.insert((due, Timer::Debounce(user)));

@@ -317,6 +317,7 @@ impl Core {
             shown.version = u.version;
         }
         let was_online = std::mem::replace(&mut u.published, shown).online;
+        u.behind = false;
         let (id, online) = (u.id, u.published.online);
         self.group_published(id, was_online, online);
         self.counters.publishes += 1;

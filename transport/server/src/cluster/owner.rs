@@ -73,6 +73,12 @@ pub(super) struct Owner {
     /// otherwise never hear of the user and leave her last view, online,
     /// standing (a ghost, C3).
     pub(super) ended: DetMap<(String, String), RecordedDevice>,
+    /// Users released in this epoch: the last version of each published
+    /// before the release, and the highest of those forgotten (bounded
+    /// memory). A view in the KV below it is published again when the user
+    /// is read back (its write was lost, or landed before an older one).
+    released: DetMap<String, u64>,
+    released_floor: u64,
     /// The device set changed since this instant and is not written yet.
     pub(super) dirty_since: Option<Millis>,
     /// The previous owner's device record is being read: this one's is not
@@ -146,14 +152,31 @@ pub(super) fn release_idle(o: &mut Owner, at: Millis) -> usize {
         if o.loading.contains_key(&*name) || o.recorded.contains_key(&*name) {
             continue;
         }
+        let shown = o.core.presence(user).version;
         if o.core.is_known(user) && !o.core.release_saved(user) {
             continue; // back online, or a publish pending
         }
+        remember_released(o, &name, shown);
         o.loaded.remove(&*name);
         o.users.remove(user.0);
         freed += 1;
     }
     freed
+}
+
+/// Users released in this epoch remembered at most, per shard (past it,
+/// the highest of their versions stands for them all).
+const MAX_RELEASED_REMEMBERED: usize = 65_536;
+
+/// Remembers the last version of `user` published before the release: the
+/// KV's view, read when the user is needed again, may be older.
+fn remember_released(o: &mut Owner, user: &str, version: u64) {
+    if o.released.len() >= MAX_RELEASED_REMEMBERED {
+        let highest = o.released.values().copied().max().unwrap_or(0);
+        o.released_floor = o.released_floor.max(highest);
+        o.released.clear();
+    }
+    o.released.insert(user.to_owned(), version);
 }
 
 /// A name interned for a user the core has no record of goes again.
@@ -229,6 +252,8 @@ impl ClusterLink {
                     loading: DetMap::default(),
                     recorded: DetMap::default(),
                     ended: DetMap::default(),
+                    released: DetMap::default(),
+                    released_floor: 0,
                     dirty_since: None,
                     reading_record: true,
                     greet: Vec::new(),
@@ -420,6 +445,7 @@ impl ClusterLink {
         };
         o.loaded.insert(user.clone());
         let recorded = o.recorded.remove(&user).unwrap_or_default();
+        let shown_before = o.released.remove(&user).unwrap_or(o.released_floor);
         if prefs.is_some() || view.is_some() || !recorded.is_empty() {
             // Recorded devices linger at least to the end of the resync
             // window, heard from at the record's time.
@@ -456,6 +482,7 @@ impl ClusterLink {
                         .map(Millis),
                     published: view.map(|v| v.to_core()).unwrap_or_default(),
                     devices,
+                    shown_before,
                 };
                 // Refused only for a user already online here (cannot be:
                 // their inputs waited for this), or past a limit.
