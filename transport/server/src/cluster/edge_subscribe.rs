@@ -158,7 +158,7 @@ impl ClusterLink {
             }
             let shard = (self.settings.shard_of)(target, self.settings.shard_count);
             if self.acting_epoch(shard, now).is_some() && self.owners.contains_key(&shard) {
-                if let Some(presence) = self.local_snapshot(shard, Some(viewer), target, at) {
+                if let Some(presence) = self.local_snapshot(shard, Some(viewer), target, (now, at)) {
                     *snap = Some(presence);
                     continue;
                 }
@@ -186,10 +186,10 @@ impl ClusterLink {
         shard: u32,
         viewer: Option<&str>,
         target: &str,
-        at: Millis,
+        (now, at): (Instant, Millis),
     ) -> Option<Presence> {
         let base = self.unix_base_ms;
-        if !self.load_users(shard, std::iter::once(target), Instant::now()) {
+        if !self.load_users(shard, std::iter::once(target), now) {
             return None; // asked again after the read
         }
         let o = self.owners.get_mut(&shard)?;
@@ -203,7 +203,7 @@ impl ClusterLink {
         }
         // Presences at the edge carry last seen in Unix milliseconds.
         let p = proto::Presence::from_core(&p, base).to_core();
-        self.drain_owner(shard, Instant::now(), at);
+        self.drain_owner(shard, now, at);
         let (epoch, seq) = self.published_up_to(shard);
         self.track_answer(shard, epoch, seq);
         Some(p)
@@ -230,7 +230,7 @@ impl ClusterLink {
         if self.acting_epoch(shard, now).is_some() && self.owners.contains_key(&shard) {
             let mut presences = Vec::new();
             for t in &targets {
-                match self.local_snapshot(shard, Some(&viewer), t, at) {
+                match self.local_snapshot(shard, Some(&viewer), t, (now, at)) {
                     Some(presence) => presences.push(presence),
                     None => return self.retry_snapshot(wait, shard, now),
                 }

@@ -334,7 +334,7 @@ impl ClusterLink {
         let mut presences = Vec::with_capacity(targets.len());
         for t in &targets {
             let viewer = own.then_some(t.as_str());
-            match self.local_snapshot(shard, viewer, t, at) {
+            match self.local_snapshot(shard, viewer, t, (now, at)) {
                 Some(p) => presences.push(p),
                 None => return self.repair_failed(shard, own, now),
             }
