@@ -158,7 +158,8 @@ impl ClusterLink {
             }
             let shard = (self.settings.shard_of)(target, self.settings.shard_count);
             if self.acting_epoch(shard, now).is_some() && self.owners.contains_key(&shard) {
-                if let Some(presence) = self.local_snapshot(shard, Some(viewer), target, (now, at)) {
+                if let Some(presence) = self.local_snapshot(shard, Some(viewer), target, (now, at))
+                {
                     *snap = Some(presence);
                     continue;
                 }
