@@ -4,8 +4,8 @@
 //! devices), and announcing its view numbers in beacons.
 
 use super::wire::{
-    decode, decode_device_record, encode, encode_device_record, Beacon, FromOwner, RecordedDevice,
-    ResyncRequest, ShardView, ToOwner, WirePrefs,
+    decode, decode_shard_record, encode, encode_shard_record, Beacon, FromOwner, RecordedDevice,
+    ResyncRequest, ShardRecord, ShardView, ToOwner, WirePrefs,
 };
 use super::{
     ClusterLink, ClusterOutput, BEACON_EVERY, MAX_BEACON_SHARDS, MAX_BEACON_TRUTHS, MAX_EPOCH,
@@ -490,6 +490,12 @@ impl ClusterLink {
                     o.core
                         .restore_owned(at, UserId(uid), &record, at.plus(Millis(window)))
                 {
+                    let user_id = UserId(uid);
+                    if o.core.presence(user_id).online && sessions.is_empty() {
+                        // Shown online with no device: the record owes her
+                        // offline to a next owner.
+                        o.dirty_since.get_or_insert(at);
+                    }
                     for (session, (holder, did, kind)) in sessions.into_iter().zip(holders) {
                         o.by_holder.insert(holder.clone(), session);
                         o.devices.acquire(did);
@@ -521,9 +527,10 @@ impl ClusterLink {
             return;
         };
         let max_name = self.max_name_len;
-        let devices: Vec<RecordedDevice> = record
-            .and_then(|b| decode_device_record(&b))
-            .unwrap_or_default()
+        let ShardRecord { devices, owed } = record
+            .and_then(|b| decode_shard_record(&b))
+            .unwrap_or_default();
+        let devices: Vec<RecordedDevice> = devices
             .into_iter()
             .filter(|d| {
                 [&d.user, &d.device, &d.edge]
@@ -548,6 +555,20 @@ impl ClusterLink {
                 users.push(d.user.clone());
             }
             list.push(d);
+        }
+        let owed = owed
+            .into_iter()
+            .filter(|u| !u.is_empty() && u.len() <= max_name)
+            .take(MAX_RECORDED_DEVICES);
+        for user in owed {
+            let known = o.loaded.contains(&user) || o.recorded.contains_key(&user);
+            if shard_of(&user, count) != shard || known {
+                continue;
+            }
+            // Read back with no device: shown offline once the resync
+            // window closes, unless an edge resends one.
+            o.recorded.insert(user.clone(), Vec::new());
+            users.push(user);
         }
         for user in users {
             let Some(o) = self.owners.get_mut(&shard) else {
@@ -600,9 +621,29 @@ impl ClusterLink {
         devices.extend(o.ended.values().cloned());
         devices.sort_by(|a, b| (&a.user, &a.device).cmp(&(&b.user, &b.device)));
         devices.truncate(MAX_RECORDED_DEVICES);
+        // Users shown online with no device left (restored so, or their
+        // last device ended): their offline is owed, and no device names
+        // them for the next owner.
+        let shown_alone = |name: &String| {
+            o.users.get(name).is_some_and(|uid| {
+                let user = UserId(uid);
+                o.core.presence(user).online && o.core.sessions_of(user).is_empty()
+            })
+        };
+        let unread = o.recorded.iter().filter(|(_, d)| d.is_empty());
+        let mut owed: Vec<String> = o
+            .loaded
+            .iter()
+            .filter(|name| shown_alone(name))
+            .cloned()
+            .chain(unread.map(|(user, _)| user.clone()))
+            .collect();
+        owed.sort_unstable();
+        owed.truncate(MAX_RECORDED_DEVICES);
+        let record = ShardRecord { devices, owed };
         self.outputs.push_back(ClusterOutput::PutShardDevices {
             shard,
-            value: encode_device_record(&devices, self.settings.protocol),
+            value: encode_shard_record(&record, self.settings.protocol),
         });
     }
 
@@ -708,13 +749,12 @@ impl ClusterLink {
             if p.own && !p.presence.online {
                 note_idle(o, p.user, at);
             }
-            if !p.own && !p.presence.online && !o.ended.is_empty() {
-                if let Some(name) = o.users.name(p.user.0) {
-                    let before = o.ended.len();
+            if !p.own && !p.presence.online {
+                // The record no longer owes it (an ended device, or the
+                // user in `owed`).
+                o.dirty_since.get_or_insert(at);
+                if let Some(name) = o.users.name(p.user.0).filter(|_| !o.ended.is_empty()) {
                     o.ended.retain(|(user, _), _| user.as_str() != &**name);
-                    if o.ended.len() != before {
-                        o.dirty_since.get_or_insert(at);
-                    }
                 }
             }
             views.push((p.user, p.own, p.presence, false));

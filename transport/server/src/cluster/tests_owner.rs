@@ -12,7 +12,7 @@ use super::{
     MAX_MESSAGE, MAX_SNAPSHOT_TARGETS, RELEASE_AFTER, RESYNC_EVERY, RETRY_AFTER, TICK,
 };
 use bytes::Bytes;
-use greendot_core::{Config, Millis, SessionId, UserId};
+use greendot_core::{Config, Millis, SessionId, Tier, UserId};
 use greendot_proto as proto;
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -436,6 +436,98 @@ fn a_new_owner_reads_the_previous_record_before_writing_its_own() {
     let mut users: Vec<&str> = record.iter().map(|d| d.user.as_str()).collect();
     users.sort_unstable();
     assert_eq!(users, ["alice", "carol"]);
+}
+
+/// Whether the next owner shows alice offline when the shard moves in
+/// the resync window of an owner (sending `protocol`) that read her back
+/// from an online view with no device of hers in the shard's record.
+fn next_owner_shows_her_offline(protocol: u8) -> bool {
+    let now = Instant::now();
+    let (mut a, mut b) = (link("a"), link("b"));
+    b.settings.protocol = protocol;
+    let until = now + Duration::from_secs(3600);
+    b.set_status(now, Millis(0), all_shards(2, until));
+    let online = proto::Presence {
+        version: (1 << 40) + 3,
+        online: true,
+        ..proto::Presence::default()
+    };
+    let mut views = HashMap::from([("alice".to_string(), encode(&online))]);
+    // bob subscribes to alice at a: b reads her back, online.
+    let bob = SessionId(2);
+    a.connected(
+        now,
+        Millis(0),
+        bob,
+        1002,
+        "bob",
+        "laptop",
+        proto::Kind::Desktop,
+        None,
+    );
+    let alice = vec!["alice".to_string()];
+    a.subscribe(
+        now,
+        Millis(10),
+        5,
+        bob,
+        "bob",
+        alice,
+        vec![],
+        Tier::Realtime,
+        false,
+    );
+    exchange_kv(&mut a, &mut b, now, Millis(10), Some(&mut views));
+    // Within its resync window (5 s), b writes its record and dies.
+    b.handle_timeout(now, Millis(1_000));
+    let record = std::iter::from_fn(|| b.poll_output())
+        .find_map(|out| match out {
+            ClusterOutput::PutShardDevices { shard: 1, value } => Some(value),
+            _ => None,
+        })
+        .expect("b wrote alice's shard record");
+    drop(b);
+    let mut c = link("c");
+    let t = |ms: u64| (now + Duration::from_millis(ms), Millis(ms));
+    let (claimed, at) = t(2_000);
+    c.set_status(claimed, at, all_shards(3, until));
+    for ms in (2_000..20_000).step_by(100) {
+        let (now, at) = t(ms);
+        c.handle_timeout(now, at);
+        while let Some(out) = c.poll_output() {
+            let input = match out {
+                ClusterOutput::LoadShard { id, shard } => ClusterInput::ShardLoaded {
+                    id,
+                    record: (shard == 1).then(|| record.clone()),
+                },
+                ClusterOutput::LoadUser { id, user } => ClusterInput::UserLoaded {
+                    id,
+                    prefs: None,
+                    view: views.get(&user).cloned(),
+                },
+                ClusterOutput::Publish { payload, .. } => {
+                    let view: ShardView = decode(&payload).unwrap();
+                    if view.user == "alice" && !view.presence.online {
+                        return true;
+                    }
+                    continue;
+                }
+                _ => continue,
+            };
+            c.handle_input(now, at, input);
+        }
+    }
+    false
+}
+
+/// An owner that read alice back online with no device owes her offline:
+/// from protocol 3 its shard record names her, so a next owner shows her
+/// offline if the shard moves before the window closes. The record of
+/// protocol 2 names devices only, and she stays online (a ghost).
+#[test]
+fn a_user_owed_an_offline_is_named_in_the_shard_record() {
+    assert!(next_owner_shows_her_offline(CONNECT_WELCOMED_SINCE));
+    assert!(!next_owner_shows_her_offline(RECORD_FOREGROUND_SINCE));
 }
 
 /// A new owner asks the edge to resend alice's backgrounded phone. From

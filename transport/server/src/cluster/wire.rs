@@ -163,7 +163,8 @@ struct RecordedDeviceV1 {
 pub const RECORD_FOREGROUND_SINCE: u8 = 2;
 
 /// The protocol version from which a connect says when it was welcomed
-/// ([`WireOp::ConnectWelcomed`]).
+/// ([`WireOp::ConnectWelcomed`]), and owners write the shard record with
+/// the users they owe an offline ([`ShardRecord::owed`]).
 pub const CONNECT_WELCOMED_SINCE: u8 = 3;
 
 /// What a shard record of the second layout begins with. A record of the
@@ -171,9 +172,48 @@ pub const CONNECT_WELCOMED_SINCE: u8 = 3;
 /// is empty, and then is that one byte: the two never meet.
 const RECORD_V2: &[u8] = b"\0gdD2";
 
-/// The shard's device record in the layout of protocol `version`: the
-/// first layout below [`RECORD_FOREGROUND_SINCE`], which a node of the
-/// previous release reads during a rolling upgrade (docs/cluster.md).
+/// What a shard record of the third layout begins with.
+const RECORD_V3: &[u8] = b"\0gdD3";
+
+/// A shard's record, as its owner writes it behind for the next owner.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardRecord {
+    /// The devices of the shard, online or lingering (and ended ones whose
+    /// user's offline is not published yet).
+    pub devices: Vec<RecordedDevice>,
+    /// Users shown online with no device left: their offline is not
+    /// published yet (a debounce, or a resync window holds it). The next
+    /// owner reads them back and publishes it; the devices alone would not
+    /// name them. From protocol 3.
+    pub owed: Vec<String>,
+}
+
+/// The shard's record in the layout of protocol `version`: the first
+/// layout below [`RECORD_FOREGROUND_SINCE`], which a node of the previous
+/// release reads during a rolling upgrade (docs/cluster.md), and the
+/// users owed an offline only from [`CONNECT_WELCOMED_SINCE`].
+pub fn encode_shard_record(record: &ShardRecord, version: u8) -> Bytes {
+    if version >= CONNECT_WELCOMED_SINCE {
+        let mut out = RECORD_V3.to_vec();
+        out.extend_from_slice(&encode(record));
+        return Bytes::from(out);
+    }
+    encode_device_record(&record.devices, version)
+}
+
+/// A shard's record of any layout; `None` if it is none.
+pub fn decode_shard_record(payload: &[u8]) -> Option<ShardRecord> {
+    if let Some(v3) = payload.strip_prefix(RECORD_V3) {
+        return decode(v3);
+    }
+    let devices = decode_device_record(payload)?;
+    Some(ShardRecord {
+        devices,
+        owed: Vec::new(),
+    })
+}
+
+/// The shard's device record in the layout of protocol `version` up to 2.
 pub fn encode_device_record(devices: &[RecordedDevice], version: u8) -> Bytes {
     if version >= RECORD_FOREGROUND_SINCE {
         let mut out = RECORD_V2.to_vec();
@@ -195,8 +235,11 @@ pub fn encode_device_record(devices: &[RecordedDevice], version: u8) -> Bytes {
     encode(&v1)
 }
 
-/// A shard's device record of either layout; `None` if it is neither.
+/// The devices of a shard's record of any layout; `None` if it is none.
 pub fn decode_device_record(payload: &[u8]) -> Option<Vec<RecordedDevice>> {
+    if let Some(v3) = payload.strip_prefix(RECORD_V3) {
+        return decode::<ShardRecord>(v3).map(|r| r.devices);
+    }
     if let Some(v2) = payload.strip_prefix(RECORD_V2) {
         return decode(v2);
     }
