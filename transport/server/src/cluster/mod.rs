@@ -29,6 +29,8 @@ mod tests_edge;
 #[cfg(test)]
 mod tests_owner;
 #[cfg(test)]
+mod tests_records;
+#[cfg(test)]
 mod tests_views;
 mod wire;
 
