@@ -135,6 +135,21 @@ impl Bus {
         Ok(())
     }
 
+    /// `input` reaches run `incarnation` of node `to` at `at`.
+    fn deliver(
+        &mut self,
+        at: Duration,
+        (to, incarnation): (usize, u64),
+        input: ClusterInput,
+    ) -> Result<(), String> {
+        let event = Event::Deliver {
+            to,
+            incarnation,
+            input,
+        };
+        self.push(at, event)
+    }
+
     /// A message delay: a few milliseconds, now and then a few hundred.
     fn delay(rng: &mut Rng) -> Duration {
         if rng.chance(0.02) {
@@ -166,25 +181,11 @@ impl Bus {
             if let Some(copy) = copy(&input) {
                 self.counters.duplicated += 1;
                 let at = now + Self::delay(rng);
-                self.push(
-                    at,
-                    Event::Deliver {
-                        to,
-                        incarnation,
-                        input: copy,
-                    },
-                )?;
+                self.deliver(at, (to, incarnation), copy)?;
             }
         }
         let at = now + Self::delay(rng);
-        self.push(
-            at,
-            Event::Deliver {
-                to,
-                incarnation,
-                input,
-            },
-        )
+        self.deliver(at, (to, incarnation), input)
     }
 
     /// Takes an output of node `from`. `serving`: per node, the shards its
@@ -240,14 +241,7 @@ impl Bus {
                     _ => None,
                 };
                 if let Some(input) = failed {
-                    self.push(
-                        now + OP_TIMEOUT,
-                        Event::Deliver {
-                            to: from,
-                            incarnation,
-                            input,
-                        },
-                    )?;
+                    self.deliver(now + OP_TIMEOUT, (from, incarnation), input)?;
                 }
             }
             ClusterOutput::Publish { shard, payload } => {
@@ -296,14 +290,7 @@ impl Bus {
                     // "No responders", at once.
                     let input = ClusterInput::Answered { id, payload: None };
                     let at = now + Self::delay(rng);
-                    return self.push(
-                        at,
-                        Event::Deliver {
-                            to: from,
-                            incarnation,
-                            input,
-                        },
-                    );
+                    return self.deliver(at, (from, incarnation), input);
                 }
                 let to = owners[rng.index(owners.len())];
                 self.next_reply += 1;
@@ -404,14 +391,7 @@ impl Bus {
                     let up = reach.iter().any(|r| r.linked);
                     if let Some(answer) = self.land(op, up) {
                         let at = now + Self::delay(rng);
-                        self.push(
-                            at,
-                            Event::Deliver {
-                                to: from,
-                                incarnation,
-                                input: answer,
-                            },
-                        )?;
+                        self.deliver(at, (from, incarnation), answer)?;
                     }
                 }
             }

@@ -66,6 +66,8 @@ pub(super) struct Owner {
     /// Devices of the shard's record (the previous owner's), by user, to be
     /// restored as lingering with the user.
     recorded: DetMap<String, Vec<RecordedDevice>>,
+    /// Users the previous owner's record owes an offline, not read back yet.
+    owed: DetSet<String>,
     /// Devices whose session ended before their user's offline was
     /// published (held in a resync window, or in the debounce), by user and
     /// device. The device record keeps them until it is: a next owner, if
@@ -251,6 +253,7 @@ impl ClusterLink {
                     loaded: Default::default(),
                     loading: DetMap::default(),
                     recorded: DetMap::default(),
+                    owed: Default::default(),
                     ended: DetMap::default(),
                     released: DetMap::default(),
                     released_floor: 0,
@@ -445,8 +448,12 @@ impl ClusterLink {
         };
         o.loaded.insert(user.clone());
         let recorded = o.recorded.remove(&user).unwrap_or_default();
-        let shown_before = o.released.remove(&user).unwrap_or(o.released_floor);
-        if prefs.is_some() || view.is_some() || !recorded.is_empty() {
+        // Owed an offline: watchers were shown her online, whatever the KV
+        // kept (its view may be lost): published again, above any view.
+        let owed = o.owed.remove(&user);
+        let released = o.released.remove(&user).unwrap_or(o.released_floor);
+        let shown_before = released.max(u64::from(owed));
+        if prefs.is_some() || view.is_some() || !recorded.is_empty() || owed {
             // Recorded devices linger at least to the end of the resync
             // window, heard from at the record's time.
             let window = u64::try_from(self.settings.request_timeout.as_millis()).unwrap_or(0);
@@ -562,12 +569,11 @@ impl ClusterLink {
             .take(MAX_RECORDED_DEVICES);
         for user in owed {
             let known = o.loaded.contains(&user) || o.recorded.contains_key(&user);
-            if shard_of(&user, count) != shard || known {
+            if shard_of(&user, count) != shard || known || !o.owed.insert(user.clone()) {
                 continue;
             }
             // Read back with no device: shown offline once the resync
             // window closes, unless an edge resends one.
-            o.recorded.insert(user.clone(), Vec::new());
             users.push(user);
         }
         for user in users {
@@ -630,13 +636,12 @@ impl ClusterLink {
                 o.core.presence(user).online && o.core.sessions_of(user).is_empty()
             })
         };
-        let unread = o.recorded.iter().filter(|(_, d)| d.is_empty());
         let mut owed: Vec<String> = o
             .loaded
             .iter()
             .filter(|name| shown_alone(name))
+            .chain(o.owed.iter())
             .cloned()
-            .chain(unread.map(|(user, _)| user.clone()))
             .collect();
         owed.sort_unstable();
         owed.truncate(MAX_RECORDED_DEVICES);
