@@ -130,7 +130,9 @@ pub fn serve_graced(
             std::env::var("GREENDOT_TEST_LOG").unwrap_or_else(|_| "warn".into()),
         );
     let mut proc = Proc::spawn(id, command);
-    let addr = proc.listening_addr(SLACK);
+    // A start waits for NATS and its buckets: on a loaded machine a
+    // restarted node took over 8 s once (the suite's other tests running).
+    let addr = proc.listening_addr(SLACK * 2);
     let metrics = proc.metrics_addr(SLACK);
     let pem = std::fs::read(data.join("cert.pem")).expect("the node's certificate");
     let cert = CertificateDer::from_pem_slice(&pem).expect("a PEM certificate");
