@@ -219,6 +219,30 @@ fn status_within(urls: &str, within: Duration, placed: fn(&str) -> bool) -> Resu
     Err(last)
 }
 
+/// Every shard's holder and epoch, read from `greendot cluster status
+/// --shards` ("a: 0@1 5@2 …"); panics if the status cannot be read.
+pub fn claims(urls: &str) -> std::collections::BTreeMap<u32, (String, u64)> {
+    let (ok, text) = status_with(urls, &["--shards"]);
+    assert!(ok, "cluster status failed:\n{text}");
+    let mut claims = std::collections::BTreeMap::new();
+    for line in text.lines() {
+        let Some((owner, shards)) = line.split_once(": ") else {
+            continue;
+        };
+        if !["a", "b", "c"].contains(&owner) {
+            continue;
+        }
+        for entry in shards.split_whitespace() {
+            let parsed = entry
+                .split_once('@')
+                .and_then(|(s, e)| Some((s.parse().ok()?, e.parse().ok()?)));
+            let (shard, epoch) = parsed.unwrap_or_else(|| panic!("a claim {entry:?} in:\n{text}"));
+            claims.insert(shard, (owner.to_owned(), epoch));
+        }
+    }
+    claims
+}
+
 /// Whether every shard listed under a node ("a: 0@1 5@2 …") is the one
 /// rendezvous hashing over a, b and c gives that node.
 fn at_rendezvous(text: &str) -> bool {
