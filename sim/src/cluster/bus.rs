@@ -167,15 +167,15 @@ impl Bus {
         reach: &[Reach],
         to: usize,
         input: ClusterInput,
-    ) -> Result<(), String> {
+    ) -> Result<bool, String> {
         let Some(incarnation) = reach[to].incarnation.filter(|_| reach[to].linked) else {
             self.counters.lost += 1;
-            return Ok(());
+            return Ok(false);
         };
         self.counters.messages += 1;
         if rng.chance(self.loss) {
             self.counters.lost += 1;
-            return Ok(());
+            return Ok(false);
         }
         if rng.chance(self.duplication) {
             if let Some(copy) = copy(&input) {
@@ -185,7 +185,8 @@ impl Bus {
             }
         }
         let at = now + Self::delay(rng);
-        self.deliver(at, (to, incarnation), input)
+        self.deliver(at, (to, incarnation), input)?;
+        Ok(true)
     }
 
     /// Takes an output of node `from`. `serving`: per node, the shards its
@@ -314,13 +315,20 @@ impl Bus {
                 self.send(rng, now, reach, to, input)?;
             }
             ClusterOutput::Reply { reply, payload } => {
-                if let Some(p) = self.replies.remove(&reply) {
+                if let Some(p) = self.replies.get(&reply) {
                     if reach[p.asker].incarnation == Some(p.incarnation) {
                         let input = ClusterInput::Answered {
                             id: p.id,
                             payload: Some(payload),
                         };
-                        self.send(rng, now, reach, p.asker, input)?;
+                        // A reply lost on the way leaves the request to its
+                        // deadline, as the asker's I/O, which answers every
+                        // request within the operation timeout, gives up.
+                        if self.send(rng, now, reach, p.asker, input)? {
+                            self.replies.remove(&reply);
+                        }
+                    } else {
+                        self.replies.remove(&reply);
                     }
                 }
             }
@@ -500,4 +508,76 @@ fn copy(input: &ClusterInput) -> Option<ClusterInput> {
         },
         _ => return None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use greendot_server::cluster::RequestKind;
+
+    /// The asker's I/O answers every request within the operation timeout:
+    /// a reply lost on its way back still ends the request, `None` at its
+    /// deadline, instead of leaving it to the link's own (much longer)
+    /// request timeout.
+    #[test]
+    fn a_lost_reply_is_answered_none_at_the_requests_deadline() {
+        let mut bus = Bus::new(2);
+        let mut rng = Rng::new(1);
+        let reach = [Reach {
+            incarnation: Some(1),
+            linked: true,
+        }; 2];
+        let serving = [BTreeSet::new(), BTreeSet::from([7])];
+        let names = ["n0".to_owned(), "n1".to_owned()];
+        let request = ClusterOutput::Request {
+            id: 42,
+            shard: 7,
+            kind: RequestKind::Snapshot,
+            payload: Bytes::from_static(b"views"),
+        };
+        bus.output(
+            &mut rng,
+            Duration::ZERO,
+            &reach,
+            &serving,
+            &names,
+            0,
+            request,
+        )
+        .unwrap();
+        let asked = bus
+            .pop_due(&mut rng, Duration::from_secs(1), &reach)
+            .unwrap();
+        let Some((1, 1, ClusterInput::Request { reply, .. })) = asked else {
+            panic!("the owner was not asked: {asked:?}");
+        };
+        bus.loss = 1.0;
+        let answer = ClusterOutput::Reply {
+            reply,
+            payload: Bytes::from_static(b"answer"),
+        };
+        bus.output(
+            &mut rng,
+            Duration::from_secs(1),
+            &reach,
+            &serving,
+            &names,
+            1,
+            answer,
+        )
+        .unwrap();
+        let before = bus.pop_due(&mut rng, OP_TIMEOUT - Duration::from_millis(1), &reach);
+        assert!(matches!(before, Ok(None)), "{before:?}");
+        match bus.pop_due(&mut rng, OP_TIMEOUT, &reach) {
+            Ok(Some((
+                0,
+                1,
+                ClusterInput::Answered {
+                    id: 42,
+                    payload: None,
+                },
+            ))) => {}
+            other => panic!("the asker was not told at the deadline: {other:?}"),
+        }
+    }
 }
