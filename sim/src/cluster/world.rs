@@ -30,6 +30,9 @@ const TAINTED_FOR: Duration = Duration::from_secs(30);
 /// Device ops a node may forward or retry at one instant: a few per device
 /// (a connect, a change, a disconnect) after a resync, far below a loop's.
 const MAX_OPS_AT_ONCE: u64 = 1_000;
+/// Lease changes a cut-off node may have waiting at most: past it the run
+/// fails (an unbounded queue).
+const MAX_UNHEARD: usize = 1_024;
 
 /// One node: its process (if running) and what the world knows of it.
 pub(super) struct Node {
@@ -42,6 +45,10 @@ pub(super) struct Node {
     pub cut_until: Duration,
     /// Inputs that arrived while it was paused, in order.
     backlog: VecDeque<ServerInput>,
+    /// Changes of the leases while it was cut off, in order: its lease
+    /// watch (a JetStream consumer) delivers them once it reaches NATS
+    /// again.
+    unheard: VecDeque<ClusterInput>,
     /// The status last handed to it (until in virtual time).
     pub status: BTreeMap<u32, (u64, Duration)>,
     next_duty: Duration,
@@ -215,6 +222,7 @@ impl World {
                 down_until: Some(Duration::ZERO),
                 cut_until: Duration::ZERO,
                 backlog: VecDeque::new(),
+                unheard: VecDeque::new(),
                 status: BTreeMap::new(),
                 next_duty: Duration::ZERO,
                 troubled_at: Duration::ZERO,
@@ -462,6 +470,7 @@ impl World {
         n.down_until = None;
         n.status.clear();
         n.backlog.clear();
+        n.unheard.clear();
         n.next_duty = self.now;
         n.troubled_at = self.now;
         n.ops_seen = 0;
@@ -475,8 +484,15 @@ impl World {
         let reach = self.reach();
         // Expired leases are heard of before anyone's claims of this
         // instant (the KV's order: the expiry, then the claims it frees).
+        for (node, r) in reach.iter().enumerate() {
+            if r.linked {
+                while let Some(input) = self.nodes[node].unheard.pop_front() {
+                    self.give(node, ServerInput::Cluster(input));
+                }
+            }
+        }
         let lost = self.duty.expire(now);
-        self.tell_members(lost, &reach);
+        self.tell_members(lost, &reach)?;
         let mut told = Vec::new();
         for (node, linked) in reach.iter().map(|r| r.linked).enumerate() {
             if !self.nodes[node].running() || self.nodes[node].next_duty > now {
@@ -514,13 +530,12 @@ impl World {
                 self.give(node, ServerInput::Cluster(ClusterInput::Status { shards }));
             }
         }
-        self.tell_members(told, &reach);
-        Ok(())
+        self.tell_members(told, &reach)
     }
 
-    /// Hands every other running node that reaches the bus a change of
-    /// the leases, as its lease watch would.
-    fn tell_members(&mut self, events: Vec<Membership>, reach: &[Reach]) {
+    /// Hands every other running node a change of the leases, as its
+    /// lease watch would: at once if it reaches the bus, else once it does.
+    fn tell_members(&mut self, events: Vec<Membership>, reach: &[Reach]) -> Result<(), String> {
         let now = self.now;
         for event in events {
             self.note(format!("membership: {event:?}"));
@@ -555,11 +570,21 @@ impl World {
                         }
                     }
                 };
-                if r.linked && r.incarnation.is_some() {
+                if r.incarnation.is_none() {
+                    continue;
+                }
+                if r.linked {
                     self.give(to, ServerInput::Cluster(input));
+                } else if self.nodes[to].unheard.len() < MAX_UNHEARD {
+                    self.nodes[to].unheard.push_back(input);
+                } else {
+                    return Err(format!(
+                        "{MAX_UNHEARD} lease changes wait for a cut-off node: unbounded"
+                    ));
                 }
             }
         }
+        Ok(())
     }
 
     /// Runs every running node until it is quiet at `now`.
