@@ -390,6 +390,7 @@ impl ClusterLink {
     /// This node's lease lapsed and was taken again: every live device is
     /// connected again, in case its owner dropped it with the lease.
     pub(super) fn rejoined(&mut self, now: Instant, at: Millis) {
+        self.missed_all();
         let live: Vec<SessionId> = self
             .devices
             .iter()

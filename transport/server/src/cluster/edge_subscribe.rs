@@ -147,16 +147,22 @@ impl ClusterLink {
             query,
         };
         // What this edge knows already (another session watches the target),
-        // or its own owner knows, is answered at once.
+        // or its own owner knows, is answered at once; not what it knows of
+        // a shard it may have missed a view of (it would answer a view the
+        // owner has moved past, as an invisible user shown online).
         let viewer_id = self.names.get(viewer).map(UserId);
         for (target, snap) in &mut p.targets {
+            let shard = (self.settings.shard_of)(target, self.settings.shard_count);
             if let (Some(v), Some(t)) = (viewer_id, self.names.get(target)) {
-                if let Some(known) = self.fanout.known(v, UserId(t)) {
+                if let Some(known) = self
+                    .fanout
+                    .known(v, UserId(t))
+                    .filter(|_| !self.behind_on(shard))
+                {
                     *snap = Some(known.clone());
                     continue;
                 }
             }
-            let shard = (self.settings.shard_of)(target, self.settings.shard_count);
             if self.acting_epoch(shard, now).is_some() && self.owners.contains_key(&shard) {
                 if let Some(presence) = self.local_snapshot(shard, Some(viewer), target, (now, at))
                 {

@@ -143,6 +143,30 @@ impl ClusterLink {
         }
     }
 
+    /// This node was cut off from the bus: views and truths published
+    /// meanwhile never reached it, and a later view under a newer epoch
+    /// does not show the gap (its numbers start again), so every shard
+    /// watched here is repaired.
+    pub(super) fn missed_all(&mut self) {
+        let shards: Vec<u32> = self.tracks.keys().copied().collect();
+        for shard in shards {
+            self.missed(shard);
+        }
+        for t in self.truth_tracks.values_mut().filter(|t| !t.gap) {
+            t.gap = true;
+            self.gaps = true;
+            self.counters.truth_gaps += 1;
+        }
+    }
+
+    /// Whether this edge knows it may lack a view of `shard` (a gap not
+    /// repaired yet): what it holds of the shard's users is no answer.
+    pub(super) fn behind_on(&self, shard: u32) -> bool {
+        self.tracks
+            .get(&shard)
+            .is_some_and(|t| t.gap || t.asking > 0)
+    }
+
     /// A view of `shard` may have been missed: repaired at the next tick.
     fn missed(&mut self, shard: u32) {
         if let Some(t) = self.tracks.get_mut(&shard).filter(|t| !t.gap) {
