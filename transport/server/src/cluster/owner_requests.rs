@@ -129,6 +129,32 @@ fn welcomed_later(
     })
 }
 
+/// The session of `user`'s `device` held here for an earlier session of
+/// the same edge run than `holder`'s (a smaller connection number: an
+/// edge numbers them from one counter, and a closed session never gets a
+/// new one). An edge holds one session per device, and replaces the older
+/// one without a word when a newer one is welcomed; so an ending op of
+/// the newer one, whose connect never reached this owner (lost, then
+/// dropped as moot once it ended), ends the older one. `online`: only a
+/// connected one (what a disconnect ends).
+fn replaced_at_its_edge(
+    o: &Owner,
+    (user, device): (&str, &str),
+    holder: &Holder,
+    online: bool,
+) -> Option<SessionId> {
+    let (uid, did) = (o.users.get(user)?, o.devices.get(device)?);
+    o.core.sessions_of(UserId(uid)).into_iter().find(|&s| {
+        o.core
+            .session_info(s)
+            .is_some_and(|i| i.device == DeviceId(did) && (i.online || !online))
+            && o.sessions.get(&s).is_some_and(|held| {
+                let h = &held.holder;
+                h.0 == holder.0 && h.1 == holder.1 && h.2 < holder.2
+            })
+    })
+}
+
 impl ClusterLink {
     /// A request on a shard's subject: checked, then taken as its owner.
     pub(super) fn request_message(
@@ -408,13 +434,17 @@ impl ClusterLink {
                 }
             }
             WireOp::Disconnect { last_heard } => {
-                if let Some(s) = session {
+                let names = (user.as_str(), device.as_str());
+                let ended = session.or_else(|| replaced_at_its_edge(o, names, &holder, true));
+                if let Some(s) = ended {
                     let _ = o.core.handle_disconnect(at, s, from_unix(last_heard));
                 }
                 FromOwner::Done { epoch }
             }
             WireOp::Logout => {
-                if let Some(s) = session {
+                let names = (user.as_str(), device.as_str());
+                if let Some(s) = session.or_else(|| replaced_at_its_edge(o, names, &holder, false))
+                {
                     let _ = o.core.handle_logout(at, s);
                 }
                 FromOwner::Done { epoch }

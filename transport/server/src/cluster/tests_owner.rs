@@ -80,6 +80,44 @@ fn a_connect_given_up_on_arriving_late_does_not_take_the_device_over() {
     );
 }
 
+/// alice's phone resumes at edge `a`: there the new session replaces the
+/// old one without a word (superseded), its connect is lost, and it ends
+/// before its owner heard of it, so only its disconnect goes. That ends
+/// the old session the owner still holds (seed 5070: else a ghost for as
+/// long as the edge lives).
+#[test]
+fn the_end_of_a_session_whose_connect_was_lost_ends_the_one_it_replaced() {
+    let (mut a, mut b, now) = edge_and_owner();
+    let kind = proto::Kind::Mobile;
+    let (old, new) = (SessionId(1), SessionId(2));
+    a.connected(now, Millis(0), old, 1001, "alice", "phone", kind, None);
+    exchange(&mut a, &mut b, now, Millis(0));
+    a.session_ended(old);
+    a.connected(now, Millis(1), new, 1002, "alice", "phone", kind, None);
+    let lost = requests_of(&mut a);
+    let [ClusterInput::Request { reply: id, .. }] = lost[..] else {
+        panic!("one connect: {lost:?}");
+    };
+    a.handle_input(now, Millis(2), ClusterInput::Answered { id, payload: None });
+    let ended = WireOp::Disconnect { last_heard: 0 };
+    assert!(a.input(now, Millis(3), new, ended, None));
+    a.session_ended(new);
+    let later = now + RETRY_AFTER + TICK;
+    a.handle_timeout(later, Millis(300));
+    exchange(&mut a, &mut b, later, Millis(300));
+    // Far past grace and debounce.
+    b.handle_timeout(later, Millis(600_000));
+    exchange(&mut a, &mut b, later, Millis(600_000));
+    let o = &b.owners[&1];
+    let uid = UserId(o.users.get("alice").unwrap());
+    let online = o
+        .core
+        .sessions_of(uid)
+        .into_iter()
+        .any(|s| o.core.session_info(s).is_some_and(|i| i.online));
+    assert!(!online, "alice's phone left, and she is still shown online");
+}
+
 /// Whether alice is still online after this: her phone's session at edge
 /// `a` (welcomed at 0 s) is held up, as by a pause of its node, while her
 /// client gives up on it and connects at edge `c` (at 10 s); then `a`'s
