@@ -172,11 +172,22 @@ impl Fanout {
         let known = self.known.entry(target).or_default();
         known.watchers.insert(session);
         let stream = known.stream(own);
-        match stream {
-            Some(p) if p.version >= snapshot.version => {}
-            _ => *stream = Some(snapshot),
+        if stream
+            .as_ref()
+            .is_some_and(|p| p.version >= snapshot.version)
+        {
+            return Ok(stream.clone().unwrap_or_default());
         }
-        Ok(stream.clone().unwrap_or_default())
+        let missed = stream.as_ref().is_some_and(|p| !p.same_view(&snapshot));
+        *stream = Some(snapshot.clone());
+        if missed {
+            // Newer than what the other watchers here were shown, and
+            // different (a view they missed): it is news to them too. (A
+            // truth's version moves with others' views, so a newer one
+            // alike is not.)
+            self.fan_out(target, own, snapshot.clone(), Some(session));
+        }
+        Ok(snapshot)
     }
 
     /// Stop watching `target`.
@@ -223,7 +234,28 @@ impl Fanout {
             return false; // older epoch, reordered or repeated
         }
         *stream = Some(presence.clone());
-        let watchers: Vec<SessionId> = known.watchers.iter().copied().collect();
+        self.fan_out(target, own, presence, None);
+        true
+    }
+
+    /// Pushes `presence` of `target` to the sessions here that watch it
+    /// (realtime at once, batched at their next batch), but `except`.
+    fn fan_out(
+        &mut self,
+        target: UserId,
+        own: bool,
+        presence: Presence,
+        except: Option<SessionId>,
+    ) {
+        let Some(known) = self.known.get(&target) else {
+            return;
+        };
+        let watchers: Vec<SessionId> = known
+            .watchers
+            .iter()
+            .copied()
+            .filter(|w| Some(*w) != except)
+            .collect();
         let Fanout {
             sessions,
             timers,
@@ -267,7 +299,6 @@ impl Fanout {
                 }
             }
         }
-        true
     }
 
     /// The newest view known of `target` for a session of `viewer` (a

@@ -538,6 +538,44 @@ fn one_node_publishes_nothing_for_a_cluster() {
     assert_eq!(core.epoch(), Epoch(0));
 }
 
+/// A subscribe whose snapshot (from the owner) is newer than the view the
+/// edge's other watchers of the target hold (they missed a view) pushes it
+/// to them too; else they keep the old view, and a repair bringing the
+/// same version changes nothing (seed 3187: an invisible user shown
+/// online for good on a node back from a cut-off).
+#[test]
+fn a_newer_snapshot_reaches_the_other_watchers_on_the_edge() {
+    let (bob, carol) = (SessionId(1), SessionId(2));
+    let mut edge = Fanout::new(Millis(1_000));
+    edge.open(bob, UserId(8));
+    edge.open(carol, UserId(9));
+    let seen = |version, online| Presence {
+        version,
+        online,
+        ..Presence::default()
+    };
+    edge.subscribe(Millis(0), bob, UserId(1), Tier::Realtime, seen(4, true))
+        .unwrap();
+    while edge.poll_output().is_some() {}
+    let shown = edge
+        .subscribe(Millis(5), carol, UserId(1), Tier::Realtime, seen(6, false))
+        .unwrap();
+    assert_eq!(shown.version, 6);
+    let mut pushed = Vec::new();
+    while let Some(out) = edge.poll_output() {
+        if let Output::Push { to, presence, .. } = out {
+            pushed.push((to, presence.version, presence.online));
+        }
+    }
+    assert_eq!(pushed, vec![(bob, 6, false)]);
+    // An older snapshot changes nothing for anyone.
+    let shown = edge
+        .subscribe(Millis(6), carol, UserId(1), Tier::Realtime, seen(5, true))
+        .unwrap();
+    assert_eq!(shown.version, 6);
+    assert!(edge.poll_output().is_none());
+}
+
 /// A session resumed on the same edge keeps its subscriptions and its
 /// pending batch under the new id, as on one node; the old id gets nothing.
 #[test]
@@ -658,6 +696,42 @@ fn a_backgrounded_device_is_restored_in_the_background() {
     // A foreground device, for contrast, lingers for its grace.
     let (at, _) = restored_offline_at(true, until);
     assert!(at >= start.plus(cfg.kind(DeviceKind::Mobile).grace));
+}
+
+/// A user restored offline from the KV, whose old owner may have shown
+/// watchers a later online view the KV never got (its write lost in an
+/// outage), is published again under the new epoch only once the resync
+/// window closes: an edge may yet resend the device that is connected
+/// (seed 11951: shown offline 0.4 s after the claim, connected all along).
+#[test]
+fn a_restored_offline_waits_for_the_resync_window() {
+    let mut owner = Core::new(config()).unwrap();
+    owner.set_publish_views(true);
+    owner.enter_epoch(Epoch(5));
+    let record = OwnedRecord {
+        published: Presence {
+            version: epoch_base(Epoch(3)) + 4,
+            ..Presence::default()
+        },
+        ..OwnedRecord::default()
+    };
+    let start = Millis(10_000);
+    let window_ends = start.plus(Millis(15_000));
+    owner.hold_offline_until(window_ends);
+    owner
+        .restore_owned(start, UserId(1), &record, start)
+        .unwrap();
+    owner.handle_timeout(start.plus(config().debounce));
+    let early: Vec<Published> = std::iter::from_fn(|| owner.poll_published()).collect();
+    assert!(early.is_empty(), "published in the window: {early:?}");
+    owner.handle_timeout(window_ends);
+    owner.check_invariants().unwrap();
+    let after: Vec<Presence> = std::iter::from_fn(|| owner.poll_published())
+        .filter(|p| !p.own)
+        .map(|p| p.presence)
+        .collect();
+    assert_eq!(after.len(), 1, "{after:?}");
+    assert!(!after[0].online && after[0].version > epoch_base(Epoch(5)));
 }
 
 /// An owner reads back a user it released earlier in the epoch, and the

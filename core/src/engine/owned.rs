@@ -145,11 +145,17 @@ impl Core {
         cluster.hold_offline_until = cluster.hold_offline_until.max(until);
     }
 
-    /// The end of the hold if `user`'s debounce ending now must wait for it.
+    /// The end of the hold if `user`'s debounce ending now must wait for it:
+    /// an offline after an online, or a restored offline published again
+    /// under this epoch (watchers may have been shown a later online view
+    /// of the old owner's that the KV never got, and an edge may yet resend
+    /// the device behind it).
     pub(super) fn held_until(&self, user: u32, shown: &Presence) -> Option<Millis> {
         let hold = self.cluster.as_deref()?.hold_offline_until;
         let u = &self.users[user as usize];
-        (hold > self.clock && u.published.online && !shown.online && !u.invisible).then_some(hold)
+        let restored = self.stale_epoch(user) || u.behind;
+        (hold > self.clock && (u.published.online || restored) && !shown.online && !u.invisible)
+            .then_some(hold)
     }
 
     /// An edge's node lease expired: each of `sessions` (the devices it
