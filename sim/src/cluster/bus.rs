@@ -1,7 +1,7 @@
 //! The simulated NATS of the multi-node simulation: shard subjects, the
 //! edge, resync and beacon subjects, requests to a shard's owner with their
 //! replies, and the KV buckets the cluster link reads and writes
-//! (preferences fenced by epoch, last views, shard device records, session
+//! (preferences and shard device records fenced by epoch, last views, session
 //! records). Claims and leases are the duty's ([`super::duty`]).
 //!
 //! Every message and KV operation takes a delay drawn from the seed, so
@@ -83,7 +83,8 @@ pub struct Bus {
     /// Preferences: the epoch that wrote them, and the value.
     prefs: HashMap<String, (u64, Bytes)>,
     views: HashMap<String, Bytes>,
-    shard_devices: HashMap<u32, Bytes>,
+    /// Shard device records: the epoch that wrote them, and the value.
+    shard_devices: HashMap<u32, (u64, Bytes)>,
     sessions: HashMap<(String, String), Bytes>,
     /// Message loss and duplication, while a lossy phase lasts.
     pub loss: f64,
@@ -440,15 +441,27 @@ impl Bus {
                 }
                 None
             }
-            ClusterOutput::PutShardDevices { shard, value } => {
-                if up {
-                    self.shard_devices.insert(shard, value);
+            ClusterOutput::PutShardDevices {
+                shard,
+                epoch,
+                value,
+            } => {
+                // Fenced as the real write is: not over a newer owner's
+                // record (a write without an epoch counts as epoch 0).
+                let epoch = epoch.unwrap_or(0);
+                let fenced = self
+                    .shard_devices
+                    .get(&shard)
+                    .is_some_and(|(written, _)| *written > epoch);
+                self.counters.fenced += u64::from(up && fenced);
+                if up && !fenced {
+                    self.shard_devices.insert(shard, (epoch, value));
                 }
                 None
             }
             ClusterOutput::LoadShard { id, shard } if up => Some(ClusterInput::ShardLoaded {
                 id,
-                record: self.shard_devices.get(&shard).cloned(),
+                record: self.shard_devices.get(&shard).map(|(_, v)| v.clone()),
             }),
             ClusterOutput::LoadShard { id, .. } => Some(ClusterInput::ShardLoadFailed { id }),
             ClusterOutput::PutSession {

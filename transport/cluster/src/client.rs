@@ -458,17 +458,27 @@ impl Cluster {
 
     // ---- preferences and last published views ------------------------------
 
-    /// Stores a user's preferences; returns once the replicas have them, so
-    /// the caller may then acknowledge the request.
     /// Stores a user's preferences as written by the owner of their shard
-    /// under `epoch`, fenced (C4): by compare-and-set on the record's
-    /// revision, and only if the record was not written under a newer
-    /// epoch (`Fenced`: a new owner wrote since; this one must not answer
-    /// that its write landed). Records keep the epoch in front of the value
-    /// ([`FENCED_MAGIC`], 8 bytes big-endian); a record without it (written
-    /// before fencing) counts as epoch 0.
+    /// under `epoch`, fenced (C4, [`Cluster::put_fenced`]); returns once the
+    /// replicas have them, so the caller may then acknowledge the request.
     pub async fn put_preferences(&self, user: &str, epoch: u64, value: Bytes) -> Result<u64> {
         let key = user_key(user)?;
+        self.put_fenced(&self.prefs, key, epoch, value).await
+    }
+
+    /// Writes `value` under `key` as the owner of its shard under `epoch`:
+    /// by compare-and-set on the record's revision, and only if the record
+    /// was not written under a newer epoch (`Fenced`: a new owner wrote
+    /// since, and this write, late, must not undo its). Records keep the
+    /// epoch in front of the value ([`FENCED_MAGIC`], 8 bytes big-endian);
+    /// a record without it (written before fencing) counts as epoch 0.
+    async fn put_fenced(
+        &self,
+        store: &kv::Store,
+        key: String,
+        epoch: u64,
+        value: Bytes,
+    ) -> Result<u64> {
         let mut framed = Vec::with_capacity(FENCED_MAGIC.len() + 8 + value.len());
         framed.extend_from_slice(FENCED_MAGIC);
         framed.extend_from_slice(&epoch.to_be_bytes());
@@ -477,13 +487,13 @@ impl Cluster {
         // A racing writer of the same epoch (the same owner, two changes in
         // flight) makes the compare-and-set fail: read and try again.
         for _ in 0..3 {
-            let latest = read(&self.prefs, &key, self.timeout()).await?;
+            let latest = read(store, &key, self.timeout()).await?;
             let expected = match &latest {
                 Some(e) => {
                     let written = fenced_epoch(&e.value).0;
                     if e.op == KvOp::Put && written > epoch {
                         return Err(ClusterError::Fenced {
-                            bucket: self.prefs.name.clone(),
+                            bucket: store.name.clone(),
                             key,
                             epoch,
                             newer: written,
@@ -497,13 +507,13 @@ impl Cluster {
                 value: framed.clone(),
                 ttl: None,
             };
-            match write_if(&self.js, &self.prefs, &key, expected, write, self.timeout()).await {
+            match write_if(&self.js, store, &key, expected, write, self.timeout()).await {
                 Err(ClusterError::Conflict { .. }) => continue,
                 other => return other,
             }
         }
         Err(ClusterError::Conflict {
-            bucket: self.prefs.name.clone(),
+            bucket: store.name.clone(),
             key,
             expected: 0,
         })
@@ -531,17 +541,33 @@ impl Cluster {
     }
 
     /// Stores the record of a shard's devices its owner writes behind (in
-    /// the views bucket, under `shard.<n>`, which no escaped user id is).
-    pub async fn put_shard_devices(&self, shard: ShardId, value: Bytes) -> Result<u64> {
+    /// the views bucket, under `shard.<n>`, which no escaped user id is):
+    /// fenced by the owner's `epoch` when given ([`Cluster::put_fenced`]: a
+    /// late write of an older owner would drop what a newer one recorded),
+    /// else as is (what nodes sending protocol 2 write).
+    pub async fn put_shard_devices(
+        &self,
+        shard: ShardId,
+        epoch: Option<u64>,
+        value: Bytes,
+    ) -> Result<u64> {
         check_shard(&self.config, shard)?;
         let key = format!("shard.{}", shard.0);
-        put(&self.js, &self.views, &key, value, self.timeout()).await
+        match epoch {
+            Some(epoch) => self.put_fenced(&self.views, key, epoch, value).await,
+            None => put(&self.js, &self.views, &key, value, self.timeout()).await,
+        }
     }
 
+    /// A shard's device record (without the epoch it was written under).
     pub async fn shard_devices(&self, shard: ShardId) -> Result<Option<Bytes>> {
         check_shard(&self.config, shard)?;
         let key = format!("shard.{}", shard.0);
-        latest_value(&self.views, &key, self.timeout()).await
+        let value = latest_value(&self.views, &key, self.timeout()).await?;
+        Ok(value.map(|v| {
+            let (_, at) = fenced_epoch(&v);
+            v.slice(at..)
+        }))
     }
 
     pub async fn view(&self, user: &str) -> Result<Option<Bytes>> {

@@ -692,6 +692,47 @@ async fn requests_reach_the_shard_owner_and_fail_fast_without_one() {
     }
 }
 
+/// A shard's device record is fenced by its writer's epoch: a late write
+/// of an older owner is refused and changes nothing, the record reads back
+/// without the epoch, and a write without one (a node sending protocol 2)
+/// is stored as is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_owners_shard_record_write_is_fenced_off() {
+    let nats = NatsCluster::start(3).await;
+    let a = connect(&nats.urls(), "a").await;
+    let shard = ShardId(3);
+    a.put_shard_devices(shard, Some(7), Bytes::from_static(b"newer"))
+        .await
+        .unwrap();
+    match a
+        .put_shard_devices(shard, Some(6), Bytes::from_static(b"older"))
+        .await
+    {
+        Err(ClusterError::Fenced {
+            epoch: 6, newer: 7, ..
+        }) => {}
+        other => panic!("an older owner's record write was not fenced off: {other:?}"),
+    }
+    assert_eq!(
+        a.shard_devices(shard).await.unwrap().as_deref(),
+        Some(&b"newer"[..])
+    );
+    a.put_shard_devices(shard, Some(8), Bytes::from_static(b"next"))
+        .await
+        .unwrap();
+    assert_eq!(
+        a.shard_devices(shard).await.unwrap().as_deref(),
+        Some(&b"next"[..])
+    );
+    a.put_shard_devices(shard, None, Bytes::from_static(b"plain"))
+        .await
+        .unwrap();
+    assert_eq!(
+        a.shard_devices(shard).await.unwrap().as_deref(),
+        Some(&b"plain"[..])
+    );
+}
+
 /// Preferences are fenced by the writer's epoch (C4): once a newer owner
 /// wrote a user's preferences, an older owner's write is refused and
 /// changes nothing; the same or a newer epoch writes.

@@ -309,8 +309,14 @@ pub enum ClusterOutput {
     LoadUser { id: u64, user: String },
     /// Write the last published view of a user (behind: nobody waits).
     PutView { user: String, value: Bytes },
-    /// Write a shard's device record (behind).
-    PutShardDevices { shard: u32, value: Bytes },
+    /// Write a shard's device record (behind), fenced by the owner's
+    /// `epoch` from protocol 3 ([`wire::FENCED_RECORD_SINCE`]): not over a
+    /// record a newer owner wrote.
+    PutShardDevices {
+        shard: u32,
+        epoch: Option<u64>,
+        value: Bytes,
+    },
     /// Read a shard's device record; answer with [`ClusterInput::ShardLoaded`].
     LoadShard { id: u64, shard: u32 },
     /// Write a device's [`SessionRecord`]; answer with

@@ -5,7 +5,7 @@
 
 use super::wire::{
     decode, decode_shard_record, encode, encode_shard_record, Beacon, FromOwner, RecordedDevice,
-    ResyncRequest, ShardRecord, ShardView, ToOwner, WirePrefs,
+    ResyncRequest, ShardRecord, ShardView, ToOwner, WirePrefs, FENCED_RECORD_SINCE,
 };
 use super::{
     ClusterLink, ClusterOutput, BEACON_EVERY, MAX_BEACON_SHARDS, MAX_BEACON_TRUTHS, MAX_EPOCH,
@@ -603,6 +603,7 @@ impl ClusterLink {
             return;
         }
         o.dirty_since = None;
+        let epoch = o.epoch;
         let mut devices: Vec<RecordedDevice> = o
             .sessions
             .iter()
@@ -646,8 +647,10 @@ impl ClusterLink {
         owed.sort_unstable();
         owed.truncate(MAX_RECORDED_DEVICES);
         let record = ShardRecord { devices, owed };
+        let fenced = self.settings.protocol >= FENCED_RECORD_SINCE;
         self.outputs.push_back(ClusterOutput::PutShardDevices {
             shard,
+            epoch: fenced.then_some(epoch),
             value: encode_shard_record(&record, self.settings.protocol),
         });
     }

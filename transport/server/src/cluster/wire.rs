@@ -167,6 +167,12 @@ pub const RECORD_FOREGROUND_SINCE: u8 = 2;
 /// the users they owe an offline ([`ShardRecord::owed`]).
 pub const CONNECT_WELCOMED_SINCE: u8 = 3;
 
+/// The protocol version from which owners write the shard record fenced by
+/// their epoch (a late write of an older owner does not replace a newer
+/// owner's record). A node of the previous release reads neither this nor
+/// the third layout.
+pub const FENCED_RECORD_SINCE: u8 = 3;
+
 /// What a shard record of the second layout begins with. A record of the
 /// first layout is a bare postcard list, which begins with 0 only when it
 /// is empty, and then is that one byte: the two never meet.

@@ -323,10 +323,10 @@ pub async fn run(
                             }
                         });
                     }
-                    ClusterOutput::PutShardDevices { shard, value } => {
+                    ClusterOutput::PutShardDevices { shard, epoch, value } => {
                         let c = cluster.clone();
                         tokio::spawn(async move {
-                            if let Err(e) = c.put_shard_devices(ShardId(shard), value).await {
+                            if let Err(e) = c.put_shard_devices(ShardId(shard), epoch, value).await {
                                 debug!(shard, error = %e, "cannot store the shard's devices");
                             }
                         });
