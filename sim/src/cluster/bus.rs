@@ -83,7 +83,8 @@ pub struct Bus {
     /// Preferences: the epoch that wrote them, and the value.
     prefs: HashMap<String, (u64, Bytes)>,
     views: HashMap<String, Bytes>,
-    /// Shard device records: the epoch that wrote them, and the value.
+    /// Shard device records: the fence they were written under, and the
+    /// value.
     shard_devices: HashMap<u32, (u64, Bytes)>,
     sessions: HashMap<(String, String), Bytes>,
     /// Message loss and duplication, while a lossy phase lasts.
@@ -443,19 +444,20 @@ impl Bus {
             }
             ClusterOutput::PutShardDevices {
                 shard,
-                epoch,
+                fence,
                 value,
             } => {
-                // Fenced as the real write is: not over a newer owner's
-                // record (a write without an epoch counts as epoch 0).
-                let epoch = epoch.unwrap_or(0);
+                // Fenced as the real write is: not over a record of a
+                // higher fence, a newer owner's or a later write (a write
+                // without one counts as 0).
+                let fence = fence.unwrap_or(0);
                 let fenced = self
                     .shard_devices
                     .get(&shard)
-                    .is_some_and(|(written, _)| *written > epoch);
+                    .is_some_and(|(written, _)| *written > fence);
                 self.counters.fenced += u64::from(up && fenced);
                 if up && !fenced {
-                    self.shard_devices.insert(shard, (epoch, value));
+                    self.shard_devices.insert(shard, (fence, value));
                 }
                 None
             }

@@ -542,19 +542,20 @@ impl Cluster {
 
     /// Stores the record of a shard's devices its owner writes behind (in
     /// the views bucket, under `shard.<n>`, which no escaped user id is):
-    /// fenced by the owner's `epoch` when given ([`Cluster::put_fenced`]: a
-    /// late write of an older owner would drop what a newer one recorded),
-    /// else as is (what nodes sending protocol 2 write).
+    /// fenced when given a `fence` ([`Cluster::put_fenced`]; the owner's
+    /// epoch above its count of writes: a late write of an older owner, or
+    /// an earlier one of the same owner, would drop what a later one
+    /// recorded), else as is (what nodes sending protocol 2 write).
     pub async fn put_shard_devices(
         &self,
         shard: ShardId,
-        epoch: Option<u64>,
+        fence: Option<u64>,
         value: Bytes,
     ) -> Result<u64> {
         check_shard(&self.config, shard)?;
         let key = format!("shard.{}", shard.0);
-        match epoch {
-            Some(epoch) => self.put_fenced(&self.views, key, epoch, value).await,
+        match fence {
+            Some(fence) => self.put_fenced(&self.views, key, fence, value).await,
             None => put(&self.js, &self.views, &key, value, self.timeout()).await,
         }
     }

@@ -309,12 +309,14 @@ pub enum ClusterOutput {
     LoadUser { id: u64, user: String },
     /// Write the last published view of a user (behind: nobody waits).
     PutView { user: String, value: Bytes },
-    /// Write a shard's device record (behind), fenced by the owner's
-    /// `epoch` from protocol 3 ([`wire::FENCED_RECORD_SINCE`]): not over a
-    /// record a newer owner wrote.
+    /// Write a shard's device record (behind), fenced from protocol 3
+    /// ([`wire::FENCED_RECORD_SINCE`]): not over a record written under a
+    /// higher `fence`, which is the owner's epoch in the high 32 bits and
+    /// its count of record writes in that epoch below (a newer owner's, or
+    /// this owner's later write).
     PutShardDevices {
         shard: u32,
-        epoch: Option<u64>,
+        fence: Option<u64>,
         value: Bytes,
     },
     /// Read a shard's device record; answer with [`ClusterInput::ShardLoaded`].

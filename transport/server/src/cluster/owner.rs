@@ -86,6 +86,9 @@ pub(super) struct Owner {
     /// The previous owner's device record is being read: this one's is not
     /// written until it is (written over, its devices would be lost).
     pub(super) reading_record: bool,
+    /// Shard records written under this epoch: the low half of each
+    /// write's fence, so that of two writes in flight the later wins.
+    pub(super) records_written: u32,
     /// Users that got a session at another node's edge in this step: that
     /// edge is sent the user's truth even if it did not change (it may
     /// have changed while the connect was on its way).
@@ -259,6 +262,7 @@ impl ClusterLink {
                     released_floor: 0,
                     dirty_since: None,
                     reading_record: true,
+                    records_written: 0,
                     greet: Vec::new(),
                     idle: VecDeque::new(),
                     seq: 0,
@@ -603,7 +607,10 @@ impl ClusterLink {
             return;
         }
         o.dirty_since = None;
-        let epoch = o.epoch;
+        o.records_written = o.records_written.wrapping_add(1);
+        // The epoch first: a newer owner's first write is above an older
+        // owner's every write (epochs stay below 2^24).
+        let fence = (o.epoch << 32) | u64::from(o.records_written);
         let mut devices: Vec<RecordedDevice> = o
             .sessions
             .iter()
@@ -650,7 +657,7 @@ impl ClusterLink {
         let fenced = self.settings.protocol >= FENCED_RECORD_SINCE;
         self.outputs.push_back(ClusterOutput::PutShardDevices {
             shard,
-            epoch: fenced.then_some(epoch),
+            fence: fenced.then_some(fence),
             value: encode_shard_record(&record, self.settings.protocol),
         });
     }

@@ -456,30 +456,42 @@ fn the_shard_record_is_written_in_the_layout_of_the_protocol_sent() {
 }
 
 /// From protocol 3 an owner writes the shard's record fenced by its epoch
-/// (a late write of an older owner must not replace a newer owner's
-/// record: seed 7754, a device dropped from the record and its user a
-/// ghost); a node sending protocol 2 writes it as the previous release
-/// does.
+/// and its count of writes (a late write of an older owner, or an earlier
+/// one of its own, must not replace a later record: seed 7754, a device
+/// dropped from the record and its user a ghost); a node sending protocol
+/// 2 writes it as the previous release does.
 #[test]
 fn the_shard_record_is_written_under_the_owners_epoch_from_protocol_3() {
-    let record_epoch = |protocol: u8| {
+    let fences = |protocol: u8| {
         let (mut a, mut b, now) = two_nodes();
         b.settings.protocol = protocol;
-        b.handle_timeout(now, Millis(600));
-        exchange(&mut a, &mut b, now, Millis(600));
-        let background = WireOp::SetForeground(false);
-        assert!(a.input(now, Millis(700), SessionId(1), background, None));
-        exchange(&mut a, &mut b, now, Millis(700));
-        b.handle_timeout(now, Millis(1_300));
-        std::iter::from_fn(|| b.poll_output())
-            .find_map(|out| match out {
-                ClusterOutput::PutShardDevices {
-                    shard: 1, epoch, ..
-                } => Some(epoch),
-                _ => None,
-            })
-            .expect("the owner wrote alice's shard record")
+        let mut fences = Vec::new();
+        for (ms, foreground) in [(600, false), (2_000, true)] {
+            let op = WireOp::SetForeground(foreground);
+            assert!(a.input(now, Millis(ms), SessionId(1), op, None));
+            exchange(&mut a, &mut b, now, Millis(ms));
+            b.handle_timeout(now, Millis(ms + 600));
+            fences.extend(
+                std::iter::from_fn(|| b.poll_output()).filter_map(|out| match out {
+                    ClusterOutput::PutShardDevices {
+                        shard: 1, fence, ..
+                    } => Some(fence),
+                    _ => None,
+                }),
+            );
+        }
+        fences
     };
-    assert_eq!(record_epoch(CONNECT_WELCOMED_SINCE), Some(1));
-    assert_eq!(record_epoch(RECORD_FOREGROUND_SINCE), None);
+    let fenced = fences(CONNECT_WELCOMED_SINCE);
+    assert!(fenced.len() >= 2, "{fenced:?}");
+    assert!(
+        fenced.iter().all(|f| f.is_some_and(|f| f >> 32 == 1)),
+        "epoch 1: {fenced:?}"
+    );
+    assert!(fenced.windows(2).all(|w| w[0] < w[1]), "{fenced:?}");
+    let plain = fences(RECORD_FOREGROUND_SINCE);
+    assert!(
+        !plain.is_empty() && plain.iter().all(Option::is_none),
+        "{plain:?}"
+    );
 }

@@ -323,10 +323,10 @@ pub async fn run(
                             }
                         });
                     }
-                    ClusterOutput::PutShardDevices { shard, epoch, value } => {
+                    ClusterOutput::PutShardDevices { shard, fence, value } => {
                         let c = cluster.clone();
                         tokio::spawn(async move {
-                            if let Err(e) = c.put_shard_devices(ShardId(shard), epoch, value).await {
+                            if let Err(e) = c.put_shard_devices(ShardId(shard), fence, value).await {
                                 debug!(shard, error = %e, "cannot store the shard's devices");
                             }
                         });
