@@ -398,24 +398,33 @@ impl ClusterLink {
             .map(|(s, _)| *s)
             .collect();
         for session in live {
-            self.resend(session, now, at);
+            // Also a connect already on its way: the owner may have taken
+            // it before it heard this node's lease expire, which moved the
+            // device to lingering (seed 18689: a device shown offline one
+            // grace later while connected).
+            self.resend(session, now, at, true);
         }
     }
 
     /// Connects the session's device again to its (new) owner, ahead of
-    /// whatever waits.
-    pub(super) fn resend(&mut self, session: SessionId, now: Instant, at: Millis) {
+    /// whatever waits. `again`: also when a connect is on its way already;
+    /// it goes again under a new connection number, and the answer to the
+    /// first is ignored.
+    pub(super) fn resend(&mut self, session: SessionId, now: Instant, at: Millis, again: bool) {
         let conn = self.next_conn();
         let Some(d) = self.devices.get_mut(&session) else {
             return;
         };
-        if d.queue.front().is_some_and(|q| connects(&q.op)) {
+        let connecting = d.queue.front().is_some_and(|q| connects(&q.op));
+        if connecting && !again {
             return;
         }
         d.conn = conn;
         d.sent = None;
         d.not_before = None;
-        d.connect_first(now, self.settings.protocol);
+        if !connecting {
+            d.connect_first(now, self.settings.protocol);
+        }
         self.pump(session, now, at);
     }
 
@@ -733,7 +742,7 @@ impl ClusterLink {
                     .collect();
                 self.counters.resyncs += 1;
                 for session in mine {
-                    self.resend(session, now, at);
+                    self.resend(session, now, at, false);
                 }
             }
             _ => self.counters.malformed += 1,

@@ -288,7 +288,7 @@ impl ClusterLink {
                 .map(|(s, _)| *s)
                 .collect();
             for session in mine {
-                self.resend(session, now, at);
+                self.resend(session, now, at, false);
             }
         }
     }

@@ -118,6 +118,83 @@ fn the_end_of_a_session_whose_connect_was_lost_ends_the_one_it_replaced() {
     assert!(!online, "alice's phone left, and she is still shown online");
 }
 
+/// Edge `a` lost its lease (a whole-bus outage) and rejoins under the same
+/// incarnation while alice's connect is on its way. The owner takes the
+/// connect, then hears `a`'s lease expire and moves the phone to
+/// lingering; the connect's answer reaches `a` only after its rejoin. `a`
+/// sends the connect again at the rejoin, so alice stays online (seed
+/// 18689: shown offline one grace later while connected).
+#[test]
+fn a_connect_on_its_way_at_a_rejoin_is_sent_again() {
+    let (mut a, mut b, now) = edge_and_owner();
+    let kind = proto::Kind::Mobile;
+    a.connected(
+        now,
+        Millis(0),
+        SessionId(1),
+        1001,
+        "alice",
+        "phone",
+        kind,
+        None,
+    );
+    for request in requests_of(&mut a) {
+        b.handle_input(now, Millis(1), request);
+    }
+    // The owner reads alice (and the shard's record), takes the connect,
+    // and answers; the answer is held.
+    let mut late = Vec::new();
+    loop {
+        let outs: Vec<ClusterOutput> = std::iter::from_fn(|| b.poll_output()).collect();
+        if outs.is_empty() {
+            break;
+        }
+        for out in outs {
+            let input = match out {
+                ClusterOutput::LoadUser { id, .. } => ClusterInput::UserLoaded {
+                    id,
+                    prefs: None,
+                    view: None,
+                },
+                ClusterOutput::LoadShard { id, .. } => {
+                    ClusterInput::ShardLoaded { id, record: None }
+                }
+                ClusterOutput::Reply { reply, payload } => {
+                    late.push(ClusterInput::Answered {
+                        id: reply,
+                        payload: Some(payload),
+                    });
+                    continue;
+                }
+                _ => continue,
+            };
+            b.handle_input(now, Millis(1), input);
+        }
+    }
+    assert_eq!(late.len(), 1, "the connect's answer");
+    let lost = ClusterInput::EdgeLost {
+        node: "a".into(),
+        last_heard: 0,
+    };
+    b.handle_input(now, Millis(2), lost);
+    a.handle_input(now, Millis(3), ClusterInput::Rejoined);
+    for answer in late {
+        a.handle_input(now, Millis(4), answer);
+    }
+    exchange(&mut a, &mut b, now, Millis(5));
+    // Far past grace and debounce.
+    b.handle_timeout(now, Millis(600_000));
+    exchange(&mut a, &mut b, now, Millis(600_000));
+    let o = &b.owners[&1];
+    let uid = UserId(o.users.get("alice").unwrap());
+    let online = o
+        .core
+        .sessions_of(uid)
+        .into_iter()
+        .any(|s| o.core.session_info(s).is_some_and(|i| i.online));
+    assert!(online, "alice shown offline while her phone is connected");
+}
+
 /// Whether alice is still online after this: her phone's session at edge
 /// `a` (welcomed at 0 s) is held up, as by a pause of its node, while her
 /// client gives up on it and connects at edge `c` (at 10 s); then `a`'s
