@@ -698,6 +698,36 @@ fn a_backgrounded_device_is_restored_in_the_background() {
     assert!(at >= start.plus(cfg.kind(DeviceKind::Mobile).grace));
 }
 
+/// A user read back from an older view than watchers were shown (its
+/// newer write lost) is answered to a subscribe as she shows now, at a
+/// version at least the one watchers were shown, not as the stale view:
+/// here she went invisible after the view read back showed her online
+/// (seed 13686).
+#[test]
+fn a_snapshot_of_a_user_read_back_behind_shows_her_as_she_is() {
+    let mut owner = Core::new(config()).unwrap();
+    owner.set_publish_views(true);
+    owner.enter_epoch(Epoch(4));
+    let base = epoch_base(Epoch(4));
+    let record = OwnedRecord {
+        invisible: true,
+        published: Presence {
+            version: base + 2,
+            online: true,
+            ..Presence::default()
+        },
+        shown_before: base + 4,
+        ..OwnedRecord::default()
+    };
+    let start = Millis(10_000);
+    owner
+        .restore_owned(start, UserId(1), &record, start)
+        .unwrap();
+    let snapshot = owner.handle_snapshot(start, UserId(1), false).unwrap();
+    assert!(!snapshot.online, "{snapshot:?}");
+    assert!(snapshot.version >= base + 4, "{snapshot:?}");
+}
+
 /// A user restored offline from the KV, whose old owner may have shown
 /// watchers a later online view the KV never got (its write lost in an
 /// outage), is published again under the new epoch only once the resync

@@ -42,7 +42,10 @@ impl Core {
     /// of `target`: the published view, or for `own` (the subscriber is
     /// `target` itself) the truth. Creates the record of a user never seen,
     /// as a subscribe on one node does, so its versions start at the
-    /// epoch's floor.
+    /// epoch's floor. A user read back from an older view than watchers
+    /// were shown (`behind`, published again after the debounce) is
+    /// answered with what she shows now at her current version: the view
+    /// read back is stale (it showed an invisible user online: seed 13686).
     pub fn handle_snapshot(
         &mut self,
         now: Millis,
@@ -52,10 +55,17 @@ impl Core {
         self.advance(now);
         let t = self.user_slot(target)?;
         self.counters.snapshots += 1;
+        let u = &self.users[t as usize];
         Ok(if own {
             self.own_view(t)
+        } else if u.behind {
+            let version = u.version;
+            Presence {
+                version,
+                ..self.shown_view(t)
+            }
         } else {
-            self.users[t as usize].published.clone()
+            u.published.clone()
         })
     }
 
