@@ -408,22 +408,32 @@ impl ClusterLink {
 
     /// Connects the session's device again to its (new) owner, ahead of
     /// whatever waits. `again`: also when a connect is on its way already;
-    /// it goes again under a new connection number, and the answer to the
-    /// first is ignored.
+    /// it goes again under the same connection number and a new request
+    /// id, so the owner drops the first if it comes later (a late connect
+    /// taken after the device's logout would be a ghost), and the answer to
+    /// the first is ignored here.
     pub(super) fn resend(&mut self, session: SessionId, now: Instant, at: Millis, again: bool) {
-        let conn = self.next_conn();
-        let Some(d) = self.devices.get_mut(&session) else {
-            return;
+        let connecting = match self.devices.get(&session) {
+            Some(d) => d.queue.front().is_some_and(|q| connects(&q.op)),
+            None => return,
         };
-        let connecting = d.queue.front().is_some_and(|q| connects(&q.op));
         if connecting && !again {
             return;
         }
-        d.conn = conn;
+        let conn = if connecting {
+            None
+        } else {
+            Some(self.next_conn())
+        };
+        let protocol = self.settings.protocol;
+        let Some(d) = self.devices.get_mut(&session) else {
+            return;
+        };
         d.sent = None;
         d.not_before = None;
-        if !connecting {
-            d.connect_first(now, self.settings.protocol);
+        if let Some(conn) = conn {
+            d.conn = conn;
+            d.connect_first(now, protocol);
         }
         self.pump(session, now, at);
     }

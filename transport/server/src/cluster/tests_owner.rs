@@ -195,6 +195,47 @@ fn a_connect_on_its_way_at_a_rejoin_is_sent_again() {
     assert!(online, "alice shown offline while her phone is connected");
 }
 
+/// The connect `a` sends again at its rejoin goes under the same connection
+/// number, so the first, arriving after alice's phone logged out, is
+/// dropped as a repeat instead of connecting the phone again (sim seed
+/// 13725: sent under a new number, it was a ghost).
+#[test]
+fn a_first_connect_arriving_after_the_one_sent_again_is_dropped() {
+    let (mut a, mut b, now) = edge_and_owner();
+    let kind = proto::Kind::Mobile;
+    a.connected(
+        now,
+        Millis(0),
+        SessionId(1),
+        1001,
+        "alice",
+        "phone",
+        kind,
+        None,
+    );
+    let held = requests_of(&mut a);
+    assert_eq!(held.len(), 1, "the first connect");
+    a.handle_input(now, Millis(1), ClusterInput::Rejoined);
+    exchange(&mut a, &mut b, now, Millis(1));
+    assert!(a.input(now, Millis(2), SessionId(1), WireOp::Logout, None));
+    a.session_ended(SessionId(1));
+    exchange(&mut a, &mut b, now, Millis(2));
+    for request in held {
+        b.handle_input(now, Millis(3), request);
+    }
+    exchange(&mut a, &mut b, now, Millis(3));
+    b.handle_timeout(now, Millis(600_000));
+    exchange(&mut a, &mut b, now, Millis(600_000));
+    let o = &b.owners[&1];
+    let online = o.users.get("alice").is_some_and(|uid| {
+        o.core
+            .sessions_of(UserId(uid))
+            .into_iter()
+            .any(|s| o.core.session_info(s).is_some_and(|i| i.online))
+    });
+    assert!(!online, "alice logged out and is shown online");
+}
+
 /// Whether alice is still online after this: her phone's session at edge
 /// `a` (welcomed at 0 s) is held up, as by a pause of its node, while her
 /// client gives up on it and connects at edge `c` (at 10 s); then `a`'s
