@@ -185,7 +185,10 @@ fn regression_seeds() {
     // lost left the session it replaced held (a ghost); 11951 a restored
     // offline was published inside the resync window; 3187 a newer
     // snapshot did not reach the edge's other watchers; 7754 an older
-    // owner's late record write replaced a newer one.
+    // owner's late record write replaced a newer one; 18689 a connect on
+    // its way at a rejoin was not sent again; 13725 sent again under a new
+    // connection number, the first one came after the logout; 13686 a
+    // stale view read back answered a subscribe.
     for (seed, nodes) in [
         (32, 3),
         (46, 3),
@@ -208,6 +211,9 @@ fn regression_seeds() {
         (9792, 3),
         (11260, 3),
         (11951, 3),
+        (13686, 3),
+        (13725, 3),
+        (18689, 3),
         (5070, 5),
         (5207, 5),
     ] {
@@ -232,27 +238,4 @@ fn protocol_2_lets_a_woken_nodes_stale_session_take_a_device_over() {
     let failure = run(options).expect_err("protocol 2 lets the stale session win");
     assert!(failure.what.starts_with("C2:"), "{failure}");
     assert!(run(Options::new(656, STEPS)).is_ok());
-}
-
-/// Seeds that still fail, each showing a bug found and not yet fixed (see
-/// docs/cluster.md, "Found and open"): about 1 seed in 5,000 beyond the
-/// fixed ones. Run with `--ignored`; it fails once one of them passes, so that
-/// the seed moves to `regression_seeds`.
-#[test]
-#[ignore]
-fn open_findings_still_fail() {
-    // (seed, nodes): 10485 a subscribe answered at a node back from a
-    // cut-off with the view it held before (C4; docs/cluster.md).
-    let mut passing = Vec::new();
-    for (seed, nodes) in [(10485, 3)] {
-        let mut options = Options::new(seed, STEPS);
-        options.nodes = nodes;
-        if run(options).is_ok() {
-            passing.push(seed);
-        }
-    }
-    assert!(
-        passing.is_empty(),
-        "passing now: {passing:?}; move them to regression_seeds"
-    );
 }
