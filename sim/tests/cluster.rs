@@ -233,9 +233,9 @@ fn regression_seeds() {
 /// 3's connects say when they were welcomed.
 #[test]
 fn protocol_2_lets_a_woken_nodes_stale_session_take_a_device_over() {
-    let mut options = Options::new(656, STEPS);
+    let mut options = Options::new(738, STEPS);
     options.protocol = greendot_cluster::PROTOCOL_VERSION - 1;
     let failure = run(options).expect_err("protocol 2 lets the stale session win");
     assert!(failure.what.starts_with("C2:"), "{failure}");
-    assert!(run(Options::new(656, STEPS)).is_ok());
+    assert!(run(Options::new(738, STEPS)).is_ok());
 }

@@ -522,10 +522,7 @@ impl Cluster {
     /// A user's preferences (without the epoch they were written under).
     pub async fn preferences(&self, user: &str) -> Result<Option<Bytes>> {
         let value = latest_value(&self.prefs, &user_key(user)?, self.timeout()).await?;
-        Ok(value.map(|v| {
-            let (_, at) = fenced_epoch(&v);
-            v.slice(at..)
-        }))
+        Ok(value.as_ref().map(unfenced))
     }
 
     /// Stores the last view the owner published for a user.
@@ -565,10 +562,7 @@ impl Cluster {
         check_shard(&self.config, shard)?;
         let key = format!("shard.{}", shard.0);
         let value = latest_value(&self.views, &key, self.timeout()).await?;
-        Ok(value.map(|v| {
-            let (_, at) = fenced_epoch(&v);
-            v.slice(at..)
-        }))
+        Ok(value.as_ref().map(unfenced))
     }
 
     pub async fn view(&self, user: &str) -> Result<Option<Bytes>> {
@@ -743,6 +737,12 @@ impl Cluster {
 
 /// What starts a fenced record: the epoch follows.
 pub const FENCED_MAGIC: &[u8] = b"gdE1";
+
+/// A fenced record's value, without its fence (the whole record if it has
+/// none): what a reader of the KV bucket itself needs.
+pub fn unfenced(record: &Bytes) -> Bytes {
+    record.slice(fenced_epoch(record).1..)
+}
 
 /// The epoch a record was written under and where its value starts (epoch
 /// 0 and the whole record when it is not fenced).

@@ -61,7 +61,7 @@ mod tenure;
 pub mod testing;
 
 pub use access::{NatsAccess, NatsCredentials, Secret};
-pub use client::{ClaimWatch, Cluster, MemberWatch, NodeLease, SESSION_RECORD_MAX_AGE};
+pub use client::{unfenced, ClaimWatch, Cluster, MemberWatch, NodeLease, SESSION_RECORD_MAX_AGE};
 pub use config::{ClusterConfig, ConfigError};
 pub use envelope::{DropCounts, DropReason, Envelope, MessageKey, PROTOCOL_VERSION};
 pub use error::{ClusterError, Result};

@@ -220,10 +220,16 @@ fn status_within(urls: &str, within: Duration, placed: fn(&str) -> bool) -> Resu
 }
 
 /// Every shard's holder and epoch, read from `greendot cluster status
-/// --shards` ("a: 0@1 5@2 …"); panics if the status cannot be read.
+/// --shards`; panics if the status cannot be read.
 pub fn claims(urls: &str) -> std::collections::BTreeMap<u32, (String, u64)> {
     let (ok, text) = status_with(urls, &["--shards"]);
     assert!(ok, "cluster status failed:\n{text}");
+    parse_claims(&text).unwrap_or_else(|| panic!("a claim that does not parse in:\n{text}"))
+}
+
+/// The claims a status lists under a, b and c ("a: 0@1 5@2 …"): shard to
+/// (holder, epoch); `None` if one does not parse.
+fn parse_claims(text: &str) -> Option<std::collections::BTreeMap<u32, (String, u64)>> {
     let mut claims = std::collections::BTreeMap::new();
     for line in text.lines() {
         let Some((owner, shards)) = line.split_once(": ") else {
@@ -233,14 +239,11 @@ pub fn claims(urls: &str) -> std::collections::BTreeMap<u32, (String, u64)> {
             continue;
         }
         for entry in shards.split_whitespace() {
-            let parsed = entry
-                .split_once('@')
-                .and_then(|(s, e)| Some((s.parse().ok()?, e.parse().ok()?)));
-            let (shard, epoch) = parsed.unwrap_or_else(|| panic!("a claim {entry:?} in:\n{text}"));
-            claims.insert(shard, (owner.to_owned(), epoch));
+            let (shard, epoch) = entry.split_once('@')?;
+            claims.insert(shard.parse().ok()?, (owner.to_owned(), epoch.parse().ok()?));
         }
     }
-    claims
+    Some(claims)
 }
 
 /// Whether every shard listed under a node ("a: 0@1 5@2 …") is the one
@@ -250,27 +253,15 @@ fn at_rendezvous(text: &str) -> bool {
         .into_iter()
         .map(|n| greendot_cluster::NodeId::new(n).unwrap())
         .collect();
-    let mut listed = 0;
-    for line in text.lines() {
-        let Some((owner, shards)) = line.split_once(": ") else {
-            continue;
-        };
-        if !["a", "b", "c"].contains(&owner) {
-            continue;
-        }
-        for entry in shards.split_whitespace() {
-            let Some(shard) = entry.split('@').next().and_then(|s| s.parse().ok()) else {
-                return false;
-            };
+    let Some(claims) = parse_claims(text) else {
+        return false;
+    };
+    claims.len() == SHARDS as usize
+        && claims.iter().all(|(shard, (owner, _))| {
             let desired =
-                greendot_cluster::rendezvous_owner(greendot_cluster::ShardId(shard), &live);
-            if desired.map(|n| n.as_str()) != Some(owner) {
-                return false;
-            }
-            listed += 1;
-        }
-    }
-    listed == SHARDS
+                greendot_cluster::rendezvous_owner(greendot_cluster::ShardId(*shard), &live);
+            desired.map(|n| n.as_str()) == Some(owner.as_str())
+        })
 }
 
 /// The node that owns `user`'s shard. Right after the nodes joined a shard
@@ -312,7 +303,8 @@ pub async fn wait_recorded(urls: &str, user: &str, device: &str, within: Duratio
     let recorded = tokio::time::timeout(within, async {
         while let Some(entry) = records.next().await {
             let entry = entry.expect("a record");
-            let devices = decode_device_record(&entry.value).unwrap_or_default();
+            let record = greendot_cluster::unfenced(&entry.value);
+            let devices = decode_device_record(&record).unwrap_or_default();
             if devices.iter().any(|d| d.user == user && d.device == device) {
                 return true;
             }

@@ -4,7 +4,7 @@
 use super::wire::{decode, SessionRecord, ShardView, WireOp, RECORD_FOREGROUND_SINCE};
 use super::{ClusterInput, ClusterLink, ClusterOutput, ClusterSettings};
 use bytes::Bytes;
-use greendot_core::{Config, Epoch, Millis, Output, Presence, SessionId, Tier};
+use greendot_core::{Config, Epoch, Millis, Output, Presence, SessionId, Tier, UserId};
 use greendot_proto as proto;
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
@@ -363,4 +363,16 @@ pub(super) fn set_status(
     exchange_lossy(a, b, now, Millis(at), None, lose);
     b.handle_timeout(now, Millis(at + 300));
     exchange_lossy(a, b, now, Millis(at + 300), None, lose);
+}
+
+/// Whether `b`, the owner of alice's shard (1), holds a connected session
+/// of hers.
+pub(super) fn alice_connected_at(b: &ClusterLink) -> bool {
+    let o = &b.owners[&1];
+    o.users.get("alice").is_some_and(|uid| {
+        o.core
+            .sessions_of(UserId(uid))
+            .into_iter()
+            .any(|s| o.core.session_info(s).is_some_and(|i| i.online))
+    })
 }

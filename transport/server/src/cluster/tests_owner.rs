@@ -67,13 +67,7 @@ fn a_connect_given_up_on_arriving_late_does_not_take_the_device_over() {
     // Far past grace and debounce.
     b.handle_timeout(now, Millis(600_000));
     exchange(&mut a, &mut b, now, Millis(600_000));
-    let o = &b.owners[&1];
-    let uid = UserId(o.users.get("alice").unwrap());
-    let online = o
-        .core
-        .sessions_of(uid)
-        .into_iter()
-        .any(|s| o.core.session_info(s).is_some_and(|i| i.online));
+    let online = alice_connected_at(&b);
     assert!(
         online,
         "alice shown offline while her kept session is connected"
@@ -108,13 +102,7 @@ fn the_end_of_a_session_whose_connect_was_lost_ends_the_one_it_replaced() {
     // Far past grace and debounce.
     b.handle_timeout(later, Millis(600_000));
     exchange(&mut a, &mut b, later, Millis(600_000));
-    let o = &b.owners[&1];
-    let uid = UserId(o.users.get("alice").unwrap());
-    let online = o
-        .core
-        .sessions_of(uid)
-        .into_iter()
-        .any(|s| o.core.session_info(s).is_some_and(|i| i.online));
+    let online = alice_connected_at(&b);
     assert!(!online, "alice's phone left, and she is still shown online");
 }
 
@@ -185,13 +173,7 @@ fn a_connect_on_its_way_at_a_rejoin_is_sent_again() {
     // Far past grace and debounce.
     b.handle_timeout(now, Millis(600_000));
     exchange(&mut a, &mut b, now, Millis(600_000));
-    let o = &b.owners[&1];
-    let uid = UserId(o.users.get("alice").unwrap());
-    let online = o
-        .core
-        .sessions_of(uid)
-        .into_iter()
-        .any(|s| o.core.session_info(s).is_some_and(|i| i.online));
+    let online = alice_connected_at(&b);
     assert!(online, "alice shown offline while her phone is connected");
 }
 
@@ -226,13 +208,7 @@ fn a_first_connect_arriving_after_the_one_sent_again_is_dropped() {
     exchange(&mut a, &mut b, now, Millis(3));
     b.handle_timeout(now, Millis(600_000));
     exchange(&mut a, &mut b, now, Millis(600_000));
-    let o = &b.owners[&1];
-    let online = o.users.get("alice").is_some_and(|uid| {
-        o.core
-            .sessions_of(UserId(uid))
-            .into_iter()
-            .any(|s| o.core.session_info(s).is_some_and(|i| i.online))
-    });
+    let online = alice_connected_at(&b);
     assert!(!online, "alice logged out and is shown online");
 }
 
@@ -271,12 +247,7 @@ fn online_after_a_woken_edges_stale_connect(protocol: u8) -> bool {
     // Far past grace and debounce.
     b.handle_timeout(now, Millis(600_000));
     exchange(&mut c, &mut b, now, Millis(600_000));
-    let o = &b.owners[&1];
-    let uid = UserId(o.users.get("alice").unwrap());
-    o.core
-        .sessions_of(uid)
-        .into_iter()
-        .any(|s| o.core.session_info(s).is_some_and(|i| i.online))
+    alice_connected_at(&b)
 }
 
 /// Across edges, a connect says when it was welcomed (protocol 3): the

@@ -97,18 +97,7 @@ fn a_subscribe_to_a_shard_with_a_missed_view_asks_the_owner() {
     let away = proto::Status::Away;
     set_status(&mut a, &mut b, SessionId(3), away, now, 800, |_| false);
     assert_eq!(a.counters().view_gaps, 1);
-    let targets = vec!["alice".to_owned()];
-    let answer = a.subscribe(
-        now,
-        Millis(900),
-        10,
-        SessionId(2),
-        "bob",
-        targets,
-        vec![],
-        Tier::Realtime,
-        false,
-    );
+    let answer = bob_subscribes_to_alice(&mut a, now, Millis(900), 10);
     assert!(answer.is_none(), "answered from the edge: {answer:?}");
     exchange(&mut a, &mut b, now, Millis(900));
     let answer = std::iter::from_fn(|| a.poll_finished()).find(|(wait, _)| *wait == 10);
