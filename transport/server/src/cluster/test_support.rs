@@ -376,3 +376,9 @@ pub(super) fn alice_connected_at(b: &ClusterLink) -> bool {
             .any(|s| o.core.session_info(s).is_some_and(|i| i.online))
     })
 }
+
+/// alice's phone (session 1, wire id 1001) connects at edge `a`.
+pub(super) fn alice_phone_connects(a: &mut ClusterLink, now: Instant, at: Millis) {
+    let kind = proto::Kind::Mobile;
+    a.connected(now, at, SessionId(1), 1001, "alice", "phone", kind, None);
+}

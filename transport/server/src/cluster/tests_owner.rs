@@ -115,17 +115,7 @@ fn the_end_of_a_session_whose_connect_was_lost_ends_the_one_it_replaced() {
 #[test]
 fn a_connect_on_its_way_at_a_rejoin_is_sent_again() {
     let (mut a, mut b, now) = edge_and_owner();
-    let kind = proto::Kind::Mobile;
-    a.connected(
-        now,
-        Millis(0),
-        SessionId(1),
-        1001,
-        "alice",
-        "phone",
-        kind,
-        None,
-    );
+    alice_phone_connects(&mut a, now, Millis(0));
     for request in requests_of(&mut a) {
         b.handle_input(now, Millis(1), request);
     }
@@ -184,17 +174,7 @@ fn a_connect_on_its_way_at_a_rejoin_is_sent_again() {
 #[test]
 fn a_first_connect_arriving_after_the_one_sent_again_is_dropped() {
     let (mut a, mut b, now) = edge_and_owner();
-    let kind = proto::Kind::Mobile;
-    a.connected(
-        now,
-        Millis(0),
-        SessionId(1),
-        1001,
-        "alice",
-        "phone",
-        kind,
-        None,
-    );
+    alice_phone_connects(&mut a, now, Millis(0));
     let held = requests_of(&mut a);
     assert_eq!(held.len(), 1, "the first connect");
     a.handle_input(now, Millis(1), ClusterInput::Rejoined);

@@ -8,6 +8,7 @@ use super::wire::{
     WireOp, CONNECT_WELCOMED_SINCE, RECORD_FOREGROUND_SINCE,
 };
 use super::{ClusterInput, ClusterLink, ClusterOutput};
+use bytes::Bytes;
 use greendot_core::{Millis, SessionId, Tier, UserId};
 use greendot_proto as proto;
 use std::collections::HashMap;
@@ -28,13 +29,9 @@ fn a_backgrounded_device_stays_backgrounded_across_an_owner_failover() {
     // Within the debounce: the owner has not published her offline yet, but
     // writes the shard's record behind.
     b.handle_timeout(now, Millis(1_300));
-    let record = std::iter::from_fn(|| b.poll_output())
-        .find_map(|out| match out {
-            ClusterOutput::PutShardDevices {
-                shard: 1, value, ..
-            } => Some(value),
-            _ => None,
-        })
+    let record = records_written(&mut b)
+        .into_iter()
+        .next()
         .expect("the owner wrote alice's shard record");
     let recorded = decode_device_record(&record).unwrap();
     assert_eq!(recorded.len(), 1);
@@ -93,11 +90,20 @@ fn a_backgrounded_device_stays_backgrounded_across_an_owner_failover() {
 /// The shard records `b` writes at `at` (decoded).
 fn records_at(b: &mut ClusterLink, now: Instant, at: Millis) -> Vec<Vec<RecordedDevice>> {
     b.handle_timeout(now, at);
+    records_written(b)
+        .iter()
+        .filter_map(|value| decode_device_record(value))
+        .collect()
+}
+
+/// The records of shard 1 that `b` wrote since its outputs were last
+/// taken, as written.
+fn records_written(b: &mut ClusterLink) -> Vec<Bytes> {
     std::iter::from_fn(|| b.poll_output())
         .filter_map(|out| match out {
             ClusterOutput::PutShardDevices {
                 shard: 1, value, ..
-            } => decode_device_record(&value),
+            } => Some(value),
             _ => None,
         })
         .collect()
@@ -171,17 +177,7 @@ fn a_new_owner_reads_the_previous_record_before_writing_its_own() {
         }
     }
     assert!(first.is_some(), "the new owner reads shard 1's record");
-    let kind = proto::Kind::Mobile;
-    a.connected(
-        now,
-        Millis(0),
-        SessionId(1),
-        1001,
-        "alice",
-        "phone",
-        kind,
-        None,
-    );
+    alice_phone_connects(&mut a, now, Millis(0));
     exchange(&mut a, &mut b, now, Millis(0));
     assert!(
         records_at(&mut b, now, Millis(2_000)).is_empty(),
@@ -199,7 +195,7 @@ fn a_new_owner_reads_the_previous_record_before_writing_its_own() {
     let previous = vec![RecordedDevice {
         user: "carol".into(),
         device: "phone".into(),
-        kind,
+        kind: proto::Kind::Mobile,
         edge: "c".into(),
         incarnation: 3,
         conn: 1,
@@ -268,13 +264,9 @@ fn next_owner_shows_her_offline(protocol: u8, kv_view: bool) -> bool {
     exchange_kv(&mut a, &mut b, now, Millis(10), Some(&mut views));
     // Within its resync window (5 s), b writes its record and dies.
     b.handle_timeout(now, Millis(1_000));
-    let record = std::iter::from_fn(|| b.poll_output())
-        .find_map(|out| match out {
-            ClusterOutput::PutShardDevices {
-                shard: 1, value, ..
-            } => Some(value),
-            _ => None,
-        })
+    let record = records_written(&mut b)
+        .into_iter()
+        .next()
         .expect("b wrote alice's shard record");
     drop(b);
     let mut c = link("c");
