@@ -1,7 +1,8 @@
 //! Group presence (docs/groups.md) across the FFI: a backend writes groups
 //! with a service token; a member subscribes to a group's online count
 //! (`ClientEvent::GroupCount`), an admin also gets each member's change
-//! (`ClientEvent::GroupMember`); members read the member list in pages.
+//! (`ClientEvent::GroupMember`); members read the member list in pages and
+//! may watch up to 3 of them for a while (`ClientEvent::GroupPageDelta`).
 
 use crate::{on_runtime, GreendotClient, GreendotError, Presence};
 
@@ -143,21 +144,84 @@ impl GreendotClient {
             let page = client
                 .group_page(group, after.map(Into::into), limit)
                 .await?;
-            Ok(GroupMemberPage {
-                group: page.group,
-                version: page.version,
-                count: page.count,
-                entries: page
-                    .entries
-                    .into_iter()
-                    .map(|(user, presence)| GroupMemberEntry {
-                        user,
-                        presence: presence.into(),
-                    })
-                    .collect(),
-                next: page.next.map(Into::into),
-            })
+            Ok(member_page(page))
         })
         .await
+    }
+
+    /// `group_page`, and the page is watched: when a member it lists
+    /// changes, `GroupPageDelta` events bring the new view (batched, every
+    /// batch interval, 2 s by default) until the watch runs out, 60 s
+    /// after it was asked unless renewed (`group_renew_watch`, say every
+    /// 30 s while the page is on screen). Asking the same page (`group`,
+    /// `after`) again re-reads it and renews the watch. At most 3 pages and
+    /// 600 entries per session: `Server` with code `TooManyWatchedPages`.
+    /// Watches end with the session: after `Reconnected`, watch again.
+    pub async fn group_watch_page(
+        &self,
+        group: u64,
+        after: Option<GroupCursor>,
+        limit: u32,
+    ) -> Result<GroupMemberPage, GreendotError> {
+        let client = self.client();
+        on_runtime(async move {
+            let page = client
+                .group_watch_page(group, after.map(Into::into), limit)
+                .await?;
+            Ok(member_page(page))
+        })
+        .await
+    }
+
+    /// Renews the watch of the page asked with this `group` and `after`,
+    /// without reading it. `Server` with code `NotSubscribed` when it has
+    /// run out already: watch the page again.
+    pub async fn group_renew_watch(
+        &self,
+        group: u64,
+        after: Option<GroupCursor>,
+    ) -> Result<(), GreendotError> {
+        let client = self.client();
+        on_runtime(async move {
+            Ok(client
+                .group_renew_watch(group, after.map(Into::into))
+                .await?)
+        })
+        .await
+    }
+
+    /// Ends the watch of the page asked with this `group` and `after` (the
+    /// page left the screen).
+    pub async fn group_unwatch_page(
+        &self,
+        group: u64,
+        after: Option<GroupCursor>,
+    ) -> Result<(), GreendotError> {
+        let client = self.client();
+        on_runtime(async move {
+            Ok(client
+                .group_unwatch_page(group, after.map(Into::into))
+                .await?)
+        })
+        .await
+    }
+}
+
+pub(crate) fn member_entry(
+    (user, presence): (String, greendot_core::Presence),
+) -> GroupMemberEntry {
+    GroupMemberEntry {
+        user,
+        presence: presence.into(),
+    }
+}
+
+fn member_page(page: greendot_client::GroupPage) -> GroupMemberPage {
+    GroupMemberPage {
+        group: page.group,
+        version: page.version,
+        count: page.count,
+        entries: page.entries.into_iter().map(member_entry).collect(),
+        next: page.next.map(Into::into),
     }
 }

@@ -611,6 +611,31 @@ mod tests {
     }
 
     #[test]
+    fn a_page_delta_reaches_the_app_as_page_entries() {
+        let busy = greendot_core::Presence {
+            version: 7,
+            online: true,
+            status: greendot_core::Status::Busy,
+            message: Some("in a meeting".into()),
+            ..Default::default()
+        };
+        let event = client_event(greendot_client::Event::GroupPageDelta {
+            group: 42,
+            entries: vec![("lu".into(), busy.clone())],
+        });
+        assert_eq!(
+            event,
+            Some(ClientEvent::GroupPageDelta {
+                group: 42,
+                entries: vec![GroupMemberEntry {
+                    user: "lu".into(),
+                    presence: busy.into(),
+                }],
+            })
+        );
+    }
+
+    #[test]
     fn client_errors_keep_their_kind_and_code() {
         assert!(matches!(
             GreendotError::from(ClientError::OutcomeUnknown { lost: None }),

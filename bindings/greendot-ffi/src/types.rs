@@ -6,6 +6,8 @@
 use greendot_client::{Carrier as ClientCarrier, ClientError, Event, Source};
 use greendot_core::{DeviceKind as CoreKind, Status as CoreStatus, Tier as CoreTier};
 
+use crate::groups::{member_entry, GroupMemberEntry};
+
 /// What a viewer is told about a user.
 #[derive(Clone, Debug, PartialEq, Eq, uniffi::Record)]
 pub struct Presence {
@@ -253,6 +255,16 @@ pub enum ClientEvent {
     /// The group subscription ended: the user left the group, or it was
     /// removed.
     GroupEnded { group: u64 },
+    /// Batched, to a session watching pages of `group`
+    /// (`group_watch_page`): the members of its watched pages whose view
+    /// changed, each with its latest view, as a page lists them. One event
+    /// covers every watched page of the group (the server does not say
+    /// which page a member is on: match `entries` by `user`). A member's
+    /// `presence.version` rises with each change: keep the highest.
+    GroupPageDelta {
+        group: u64,
+        entries: Vec<GroupMemberEntry>,
+    },
     /// The client is finished (closed, logged out, refused, superseded, or
     /// gave up reconnecting). The last event.
     Closed {
@@ -318,6 +330,10 @@ pub(crate) fn client_event(e: Event) -> Option<ClientEvent> {
             count,
         },
         Event::GroupEnded { group } => ClientEvent::GroupEnded { group },
+        Event::GroupPageDelta { group, entries } => ClientEvent::GroupPageDelta {
+            group,
+            entries: entries.into_iter().map(member_entry).collect(),
+        },
         Event::Closed { code, reason } => ClientEvent::Closed {
             code: code.map(|c| format!("{c:?}")),
             reason,

@@ -348,7 +348,7 @@ val cases = listOf(
         assertTrue(kept.size <= 2, "not conflated: $kept")
     },
 
-    Case("groups: counts, members and pages") {
+    Case("groups: counts, members, pages and a watched page") {
         val svc = connect("svc")
         assertEquals(1uL, svc.setGroup(7uL, listOf("kai"), listOf("lu")))
 
@@ -385,6 +385,26 @@ val cases = listOf(
         val entries = first.entries + last.entries
         assertEquals(listOf("kai", "lu"), entries.map { it.user }.sorted())
         assertTrue(entries.all { it.presence.online })
+
+        // kai watches the first page: lu's new status comes as a delta with
+        // lu's whole view, batched (after the debounce, within a batch
+        // interval of 2 s).
+        val watched = kai.groupWatchPage(7uL, null, 10u)
+        assertEquals(listOf("kai", "lu"), watched.entries.map { it.user }.sorted())
+        val was = watched.entries.single { it.user == "lu" }.presence
+        lu.setStatus(Status.BUSY, "in a meeting")
+        val pageDelta = counts.waitFor("lu's change on the watched page", DEBOUNCE_MS + 2_000 + SLACK_MS) {
+            it is ClientEvent.GroupPageDelta && it.group == 7uL &&
+                it.entries.any { m -> m.user == "lu" && m.presence.status == Status.BUSY }
+        } as ClientEvent.GroupPageDelta
+        val luNow = pageDelta.entries.single { it.user == "lu" }.presence
+        assertEquals(true to "in a meeting", luNow.online to luNow.message)
+        assertTrue(luNow.version > was.version, "$luNow after $was")
+        // Renewed while shown; unwatched when left, after which there is
+        // nothing to renew.
+        kai.groupRenewWatch(7uL, null)
+        kai.groupUnwatchPage(7uL, null)
+        assertEquals("NotSubscribed", assertFailsWith<GreendotException.Server> { kai.groupRenewWatch(7uL, null) }.code)
 
         // Not a member: a typed refusal. Only a service token writes groups.
         val mo = connect("mo")

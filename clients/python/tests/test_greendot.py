@@ -170,7 +170,7 @@ class GreendotTest(unittest.IsolatedAsyncioTestCase):
         await walt.unsubscribe("bea")
         self.assertIsNone(walt.presence("bea"))
 
-    async def test_groups_count_members_and_page(self):
+    async def test_groups_count_members_pages_and_a_watched_page(self):
         svc = await connect("svc")
         self.addAsyncCleanup(svc.close)
         self.assertEqual(await svc.set_group(7, ["kai"], ["lu"]), 1)
@@ -215,6 +215,33 @@ class GreendotTest(unittest.IsolatedAsyncioTestCase):
         entries = first.entries + last.entries
         self.assertEqual(sorted(e.user for e in entries), ["kai", "lu"])
         self.assertTrue(all(e.presence.online for e in entries))
+
+        # kai watches the first page: lu's new status comes as a delta with
+        # lu's whole view, batched (after the debounce, within a batch
+        # interval of 2 s).
+        watched = await kai.group_watch_page(7, None, 10)
+        self.assertEqual(sorted(e.user for e in watched.entries), ["kai", "lu"])
+        was = next(e.presence for e in watched.entries if e.user == "lu")
+        await lu.set_status(gd.Status.BUSY, "in a meeting")
+
+        def lu_busy(e):
+            return (
+                e.is_GROUP_PAGE_DELTA()
+                and e.group == 7
+                and any(m.user == "lu" and m.presence.status == gd.Status.BUSY for m in e.entries)
+            )
+
+        event = await counts.wait_for("lu's change on the watched page", lu_busy, DEBOUNCE + 2 + SLACK)
+        lu_now = next(m.presence for m in event.entries if m.user == "lu")
+        self.assertEqual((lu_now.online, lu_now.message), (True, "in a meeting"))
+        self.assertGreater(lu_now.version, was.version)
+        # Renewed while shown; unwatched when left, after which there is
+        # nothing to renew.
+        await kai.group_renew_watch(7, None)
+        await kai.group_unwatch_page(7, None)
+        with self.assertRaises(gd.GreendotError.Server) as caught:
+            await kai.group_renew_watch(7, None)
+        self.assertEqual(caught.exception.code, "NotSubscribed")
 
         # Not a member: a typed refusal.
         mo = await connect("mo")

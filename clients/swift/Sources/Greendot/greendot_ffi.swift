@@ -722,6 +722,13 @@ public protocol GreendotClientProtocol: AnyObject, Sendable {
     func groupPage(group: UInt64, after: GroupCursor?, limit: UInt32) async throws  -> GroupMemberPage
     
     /**
+     * Renews the watch of the page asked with this `group` and `after`,
+     * without reading it. `Server` with code `NotSubscribed` when it has
+     * run out already: watch the page again.
+     */
+    func groupRenewWatch(group: UInt64, after: GroupCursor?) async throws 
+    
+    /**
      * Subscribes to a group of which this user is a member: the count
      * now, then `GroupCount` (and for an admin `GroupMember`) events. Kept
      * across reconnects. A non-member gets `Server` with code `NotMember`.
@@ -729,6 +736,24 @@ public protocol GreendotClientProtocol: AnyObject, Sendable {
     func groupSubscribe(group: UInt64) async throws  -> GroupSubscription
     
     func groupUnsubscribe(group: UInt64) async throws 
+    
+    /**
+     * Ends the watch of the page asked with this `group` and `after` (the
+     * page left the screen).
+     */
+    func groupUnwatchPage(group: UInt64, after: GroupCursor?) async throws 
+    
+    /**
+     * `group_page`, and the page is watched: when a member it lists
+     * changes, `GroupPageDelta` events bring the new view (batched, every
+     * batch interval, 2 s by default) until the watch runs out, 60 s
+     * after it was asked unless renewed (`group_renew_watch`, say every
+     * 30 s while the page is on screen). Asking the same page (`group`,
+     * `after`) again re-reads it and renews the watch. At most 3 pages and
+     * 600 entries per session: `Server` with code `TooManyWatchedPages`.
+     * Watches end with the session: after `Reconnected`, watch again.
+     */
+    func groupWatchPage(group: UInt64, after: GroupCursor?, limit: UInt32) async throws  -> GroupMemberPage
     
     /**
      * Service tokens only: removes a group; its subscribers get `GroupEnded`.
@@ -1157,6 +1182,27 @@ open func groupPage(group: UInt64, after: GroupCursor?, limit: UInt32)async thro
 }
     
     /**
+     * Renews the watch of the page asked with this `group` and `after`,
+     * without reading it. `Server` with code `NotSubscribed` when it has
+     * run out already: watch the page again.
+     */
+open func groupRenewWatch(group: UInt64, after: GroupCursor?)async throws   {
+    return
+        try  await uniffiRustCallAsync(
+            rustFutureFunc: {
+                uniffi_greendot_ffi_fn_method_greendotclient_group_renew_watch(
+                        self.uniffiCloneHandle(),FfiConverterUInt64.lower(group),FfiConverterOptionTypeGroupCursor.lower(after)
+                )
+            },
+            pollFunc: ffi_greendot_ffi_rust_future_poll_void,
+            completeFunc: ffi_greendot_ffi_rust_future_complete_void,
+            freeFunc: ffi_greendot_ffi_rust_future_free_void,
+            liftFunc: { $0 },
+            errorHandler: FfiConverterTypeGreendotError_lift
+        )
+}
+    
+    /**
      * Subscribes to a group of which this user is a member: the count
      * now, then `GroupCount` (and for an admin `GroupMember`) events. Kept
      * across reconnects. A non-member gets `Server` with code `NotMember`.
@@ -1189,6 +1235,52 @@ open func groupUnsubscribe(group: UInt64)async throws   {
             completeFunc: ffi_greendot_ffi_rust_future_complete_void,
             freeFunc: ffi_greendot_ffi_rust_future_free_void,
             liftFunc: { $0 },
+            errorHandler: FfiConverterTypeGreendotError_lift
+        )
+}
+    
+    /**
+     * Ends the watch of the page asked with this `group` and `after` (the
+     * page left the screen).
+     */
+open func groupUnwatchPage(group: UInt64, after: GroupCursor?)async throws   {
+    return
+        try  await uniffiRustCallAsync(
+            rustFutureFunc: {
+                uniffi_greendot_ffi_fn_method_greendotclient_group_unwatch_page(
+                        self.uniffiCloneHandle(),FfiConverterUInt64.lower(group),FfiConverterOptionTypeGroupCursor.lower(after)
+                )
+            },
+            pollFunc: ffi_greendot_ffi_rust_future_poll_void,
+            completeFunc: ffi_greendot_ffi_rust_future_complete_void,
+            freeFunc: ffi_greendot_ffi_rust_future_free_void,
+            liftFunc: { $0 },
+            errorHandler: FfiConverterTypeGreendotError_lift
+        )
+}
+    
+    /**
+     * `group_page`, and the page is watched: when a member it lists
+     * changes, `GroupPageDelta` events bring the new view (batched, every
+     * batch interval, 2 s by default) until the watch runs out, 60 s
+     * after it was asked unless renewed (`group_renew_watch`, say every
+     * 30 s while the page is on screen). Asking the same page (`group`,
+     * `after`) again re-reads it and renews the watch. At most 3 pages and
+     * 600 entries per session: `Server` with code `TooManyWatchedPages`.
+     * Watches end with the session: after `Reconnected`, watch again.
+     */
+open func groupWatchPage(group: UInt64, after: GroupCursor?, limit: UInt32)async throws  -> GroupMemberPage  {
+    return
+        try  await uniffiRustCallAsync(
+            rustFutureFunc: {
+                uniffi_greendot_ffi_fn_method_greendotclient_group_watch_page(
+                        self.uniffiCloneHandle(),FfiConverterUInt64.lower(group),FfiConverterOptionTypeGroupCursor.lower(after),FfiConverterUInt32.lower(limit)
+                )
+            },
+            pollFunc: ffi_greendot_ffi_rust_future_poll_rust_buffer,
+            completeFunc: ffi_greendot_ffi_rust_future_complete_rust_buffer,
+            freeFunc: ffi_greendot_ffi_rust_future_free_rust_buffer,
+            liftFunc: FfiConverterTypeGroupMemberPage_lift,
             errorHandler: FfiConverterTypeGreendotError_lift
         )
 }
@@ -2682,6 +2774,16 @@ public enum ClientEvent: Equatable, Hashable {
     case groupEnded(group: UInt64
     )
     /**
+     * Batched, to a session watching pages of `group`
+     * (`group_watch_page`): the members of its watched pages whose view
+     * changed, each with its latest view, as a page lists them. One event
+     * covers every watched page of the group (the server does not say
+     * which page a member is on: match `entries` by `user`). A member's
+     * `presence.version` rises with each change: keep the highest.
+     */
+    case groupPageDelta(group: UInt64, entries: [GroupMemberEntry]
+    )
+    /**
      * The client is finished (closed, logged out, refused, superseded, or
      * gave up reconnecting). The last event.
      */
@@ -2729,7 +2831,10 @@ public struct FfiConverterTypeClientEvent: FfiConverterRustBuffer {
         case 7: return .groupEnded(group: try FfiConverterUInt64.read(from: &buf)
         )
         
-        case 8: return .closed(code: try FfiConverterOptionString.read(from: &buf), reason: try FfiConverterString.read(from: &buf)
+        case 8: return .groupPageDelta(group: try FfiConverterUInt64.read(from: &buf), entries: try FfiConverterSequenceTypeGroupMemberEntry.read(from: &buf)
+        )
+        
+        case 9: return .closed(code: try FfiConverterOptionString.read(from: &buf), reason: try FfiConverterString.read(from: &buf)
         )
         
         default: throw UniffiInternalError.unexpectedEnumCase
@@ -2786,8 +2891,14 @@ public struct FfiConverterTypeClientEvent: FfiConverterRustBuffer {
             FfiConverterUInt64.write(group, into: &buf)
             
         
-        case let .closed(code,reason):
+        case let .groupPageDelta(group,entries):
             writeInt(&buf, Int32(8))
+            FfiConverterUInt64.write(group, into: &buf)
+            FfiConverterSequenceTypeGroupMemberEntry.write(entries, into: &buf)
+            
+        
+        case let .closed(code,reason):
+            writeInt(&buf, Int32(9))
             FfiConverterOptionString.write(code, into: &buf)
             FfiConverterString.write(reason, into: &buf)
             
@@ -3922,10 +4033,19 @@ private let initializationResult: InitializationResult = {
     if (uniffi_greendot_ffi_checksum_method_greendotclient_group_page() != 28560) {
         return InitializationResult.apiChecksumMismatch
     }
+    if (uniffi_greendot_ffi_checksum_method_greendotclient_group_renew_watch() != 55207) {
+        return InitializationResult.apiChecksumMismatch
+    }
     if (uniffi_greendot_ffi_checksum_method_greendotclient_group_subscribe() != 55869) {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_greendot_ffi_checksum_method_greendotclient_group_unsubscribe() != 37974) {
+        return InitializationResult.apiChecksumMismatch
+    }
+    if (uniffi_greendot_ffi_checksum_method_greendotclient_group_unwatch_page() != 43640) {
+        return InitializationResult.apiChecksumMismatch
+    }
+    if (uniffi_greendot_ffi_checksum_method_greendotclient_group_watch_page() != 36911) {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_greendot_ffi_checksum_method_greendotclient_remove_group() != 14493) {
