@@ -503,6 +503,87 @@ fn the_websocket_port_is_a_setting_and_the_page_is_served() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// `greendot group page --watch` renews its watch: a page watched past
+/// the server's watch TTL (1 s here) still prints a member's change. The
+/// renewals (every 200 ms) are waited on in its log, not slept on.
+#[test]
+fn a_watched_page_outlives_the_watch_ttl_by_renewing_it() {
+    let dir = temp_dir("bin-group-renew");
+    let served = serve_with(&dir, "127.0.0.1:0", &["--group-watch-ttl", "1s"]);
+    let addr = served.addr.to_string();
+    let service = run(
+        &dir,
+        &[
+            "token",
+            "--user",
+            "backend",
+            "--device",
+            "cli",
+            "--service",
+            "--ttl",
+            "1h",
+        ],
+    );
+    std::fs::write(dir.join("members.txt"), "ann\nben\n").unwrap();
+    run(
+        &dir,
+        &[
+            "group",
+            "set",
+            "--token",
+            service.trim(),
+            "--server",
+            &addr,
+            "--group",
+            "7",
+            "--members",
+            "members.txt",
+        ],
+    );
+    let ben = token(&dir, "ben", "phone", "mobile", "");
+    let mut ben_online = client(&dir, "ben", &served, &["connect", "--token", &ben]);
+    ben_online.wait_for(SLACK, "ben online", |l| l.starts_with("online as"));
+    let ann = token(&dir, "ann", "cli", "desktop", "");
+    let mut watched = client(
+        &dir,
+        "ann's watched page",
+        &served,
+        &[
+            "group",
+            "page",
+            "--watch",
+            "--renew-every",
+            "200ms",
+            "--group",
+            "7",
+            "--token",
+            &ann,
+        ],
+    );
+    watched.wait_for(SLACK, "the watch", |l| {
+        l.contains("group 7: watching this page")
+    });
+    // Six renewals: 1.2 s and more since the page was watched.
+    for n in 1..=6 {
+        watched.wait_for(SLACK, &format!("renewal {n}"), |l| {
+            l.contains("renewed the watch of the page")
+        });
+    }
+    let busy = token(&dir, "ben", "laptop", "desktop", "");
+    let _busy = client(
+        &dir,
+        "ben busy",
+        &served,
+        &["connect", "--token", &busy, "--status", "busy"],
+    );
+    watched.wait_for(SLACK, "ben's change", |l| l.contains(" ben online busy"));
+    assert!(
+        !watched.seen.iter().any(|l| l.contains("had run out")),
+        "the watch ran out: {}",
+        watched.seen.join("\n")
+    );
+}
+
 /// `greendot group`: a group written from files with a service token, a
 /// member watching the count, an admin seeing members in realtime, the
 /// member list in pages with a cursor, and the end when the group goes.
@@ -635,7 +716,42 @@ fn the_group_commands_write_watch_and_page_a_group() {
         String::from_utf8_lossy(&bad.stderr)
     );
 
-    // Bob leaves the group: his watch ends, saying so.
+    // A watched page (from a third device of bob's): the first page as
+    // above, then a line when a member it lists changes.
+    let watcher = token(&dir, "bob", "watched-page", "other", "");
+    let mut watched = client(
+        &dir,
+        "bob's watched page",
+        &served,
+        &[
+            "group", "page", "--watch", "--json", "--group", "42", "--token", &watcher,
+        ],
+    );
+    let mut listed = Vec::new();
+    loop {
+        let l = json(&watched.wait_for(SLACK, "the watched page", |l| l.starts_with('{')));
+        if l["next"].is_string() {
+            break;
+        }
+        listed.push(l["user"].as_str().expect("a user").to_owned());
+    }
+    assert_eq!(listed, users[0..2], "the first page");
+    let member = listed[1].clone();
+    let member_token = token(&dir, &member, "status", "desktop", "");
+    let _busy = client(
+        &dir,
+        "busy",
+        &served,
+        &["connect", "--token", &member_token, "--status", "busy"],
+    );
+    let change = json(&watched.wait_for(SLACK, "the member's change", |l| {
+        l.starts_with('{') && json(l)["user"] == member.as_str() && json(l)["status"] == "busy"
+    }));
+    assert_eq!(change["group"], 42, "{change}");
+    assert_eq!(change["online"], true, "{change}");
+
+    // Bob leaves the group: his watch ends, saying so, and so does his
+    // watched page.
     let out = set(&["--members", "admins.txt"]);
     assert_eq!(
         out.trim(),
@@ -645,6 +761,10 @@ fn the_group_commands_write_watch_and_page_a_group() {
         l.contains("group 42: the subscription ended")
     });
     assert!(!bob_watch.wait_exit(SLACK).success());
+    watched.wait_for(SLACK, "the end of bob's watched page", |l| {
+        l.contains("group 42: the watch ended (no longer a member")
+    });
+    assert!(!watched.wait_exit(SLACK).success());
     // A member token cannot write groups.
     let refused = Command::new(BIN)
         .args([

@@ -83,22 +83,10 @@ fn kinds(p: &Presence) -> Vec<&'static str> {
 
 /// One line about `user`: text or JSON.
 pub fn line(user: &str, p: &Presence, json: bool) -> String {
-    let time = utc(now_ms());
     if json {
-        let value = serde_json::json!({
-            "time": time,
-            "user": user,
-            "online": p.online,
-            "status": p.status.name(),
-            "message": p.message.as_deref(),
-            "devices": kinds(p),
-            "last_seen": p.last_seen.map(|m| utc(m.0)),
-            "last_seen_ms": p.last_seen.map(|m| m.0),
-            "invisible": p.invisible,
-            "version": p.version,
-        });
-        return value.to_string();
+        return json_line(user, p).to_string();
     }
+    let time = utc(now_ms());
     let mut text = format!("{time} {user} ");
     if p.online {
         text.push_str("online");
@@ -139,7 +127,7 @@ fn status_of(name: &str) -> Result<Status, String> {
         .ok_or_else(|| format!("unknown status `{name}` (available, away, busy, do-not-disturb)"))
 }
 
-fn connection_event(event: &Event) -> Option<String> {
+pub fn connection_event(event: &Event) -> Option<String> {
     match event {
         Event::Disconnected { reason } => Some(format!("connection lost ({reason}); reconnecting")),
         Event::Reconnected { resumed, .. } => Some(if *resumed {
@@ -156,6 +144,22 @@ fn connection_event(event: &Event) -> Option<String> {
         // Presence, and whatever the client adds later.
         _ => None,
     }
+}
+
+/// `line` in JSON, as a value to add to.
+pub fn json_line(user: &str, p: &Presence) -> serde_json::Value {
+    serde_json::json!({
+        "time": utc(now_ms()),
+        "user": user,
+        "online": p.online,
+        "status": p.status.name(),
+        "message": p.message.as_deref(),
+        "devices": kinds(p),
+        "last_seen": p.last_seen.map(|m| utc(m.0)),
+        "last_seen_ms": p.last_seen.map(|m| m.0),
+        "invisible": p.invisible,
+        "version": p.version,
+    })
 }
 
 /// `greendot connect`: online until Ctrl-C or SIGTERM.

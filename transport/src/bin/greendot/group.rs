@@ -1,10 +1,14 @@
 //! `greendot group`: write a group from files, watch its count, read its
-//! member list (docs/groups.md).
+//! member list and watch a page of it (docs/groups.md).
 
-use crate::client::{connect, line, say, until_signal};
+use crate::client::{connect, connection_event, json_line, line, say, until_signal};
 use crate::ClientArgs;
-use greendot_client::{Event, GroupCursor, GroupRole};
+use greendot_client::{Client, ClientError, Event, GroupCursor, GroupPage, GroupRole};
+use greendot_core::Presence;
+use greendot_proto::ErrorCode;
+use std::collections::HashMap;
 use std::path::Path;
+use std::time::Duration;
 
 /// A cursor as the command line shows it and takes it back: `on:N` or
 /// `off:N` (the section of the page's last entry, and its place).
@@ -91,32 +95,216 @@ pub async fn run_page(
             Ok(page) => page,
             Err(e) => break Err(format!("cannot read group {group}'s members: {e}")),
         };
-        for (user, presence) in &page.entries {
-            say(&line(user, presence, json));
-        }
         match page.next {
-            Some(next) if all => after = Some(next),
-            Some(next) if json => {
-                say(&serde_json::json!({ "next": cursor_text(&next) }).to_string());
-                break Ok(());
-            }
-            Some(next) => {
-                say(&format!("next: {}", cursor_text(&next)));
-                break Ok(());
-            }
-            None => {
-                if !json {
-                    say(&format!(
-                        "group {group}: {} shown online, version {}",
-                        page.count, page.version
-                    ));
+            Some(next) if all => {
+                for (user, presence) in &page.entries {
+                    say(&line(user, presence, json));
                 }
+                after = Some(next);
+            }
+            _ => {
+                print_page(&page, json);
                 break Ok(());
             }
         }
     };
     client.close().await;
     result
+}
+
+/// A page's members as `query` prints them, then `next: CURSOR` (JSON:
+/// `{"next": CURSOR}`) or, on the last page, the count (text only).
+fn print_page(page: &GroupPage, json: bool) {
+    for (user, presence) in &page.entries {
+        say(&line(user, presence, json));
+    }
+    match &page.next {
+        Some(next) if json => say(&serde_json::json!({ "next": cursor_text(next) }).to_string()),
+        Some(next) => say(&format!("next: {}", cursor_text(next))),
+        None if json => {}
+        None => say(&format!(
+            "group {}: {} shown online, version {}",
+            page.group, page.count, page.version
+        )),
+    }
+}
+
+/// `greendot group page --watch`: prints the page as `group page` does,
+/// then a line for each change of a member it lists (JSON: with `group`),
+/// renewing the watch every `renew_every`, until Ctrl-C (which logs out)
+/// or the user leaves the group or it is removed.
+///
+/// The watch ends with the session, so after a reconnect it watches again;
+/// a renewal that finds it gone (run out while the machine slept) does the
+/// same. Each re-read prints the members whose view moved meanwhile. It
+/// also subscribes to the group, for the `GroupEnded` that says at once
+/// that the watch is over (a watch ends silently).
+pub async fn run_watch_page(
+    args: &ClientArgs,
+    group: u64,
+    after: Option<GroupCursor>,
+    limit: u32,
+    renew_every: Duration,
+    json: bool,
+) -> Result<(), String> {
+    if renew_every.is_zero() {
+        return Err("--renew-every must be more than 0".into());
+    }
+    let (client, mut updates) = connect(args).await?;
+    let result = watch_page(
+        &client,
+        &mut updates,
+        group,
+        after,
+        limit,
+        renew_every,
+        json,
+    )
+    .await;
+    match &result {
+        Ok(()) => {
+            let _ = client.logout().await;
+        }
+        Err(_) => client.close().await,
+    }
+    result
+}
+
+async fn watch_page(
+    client: &Client,
+    updates: &mut greendot_client::Updates,
+    group: u64,
+    after: Option<GroupCursor>,
+    limit: u32,
+    renew_every: Duration,
+    json: bool,
+) -> Result<(), String> {
+    client
+        .group_subscribe(group)
+        .await
+        .map_err(|e| format!("cannot subscribe to group {group}: {e}"))?;
+    let page = client
+        .group_watch_page(group, after, limit)
+        .await
+        .map_err(|e| format!("cannot watch group {group}'s members: {e}"))?;
+    print_page(&page, json);
+    let mut shown = Shown::default();
+    for (user, presence) in &page.entries {
+        shown.newer(user, presence);
+    }
+    eprintln!(
+        "group {group}: watching this page, renewed every {}; each change follows (Ctrl-C to stop)",
+        crate::settings::Dur(renew_every)
+    );
+    let mut renew =
+        tokio::time::interval_at(tokio::time::Instant::now() + renew_every, renew_every);
+    renew.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            event = updates.next() => {
+                let Some(event) = event else {
+                    return Err("the client stopped".into());
+                };
+                if let Some(text) = connection_event(&event) {
+                    eprintln!("{text}");
+                }
+                match event {
+                    Event::Closed { reason, .. } => return Err(format!("closed: {reason}")),
+                    Event::GroupPageDelta { group: g, entries } if g == group => {
+                        for (user, presence) in &entries {
+                            if shown.newer(user, presence) {
+                                say(&delta_line(group, user, presence, json));
+                            }
+                        }
+                    }
+                    Event::GroupEnded { group: g } if g == group => return Err(ended(group)),
+                    // The watch ended with the old session.
+                    Event::Reconnected { .. } => rewatch(client, group, after, limit, &mut shown, json).await?,
+                    _ => {}
+                }
+            }
+            _ = renew.tick() => match client.group_renew_watch(group, after).await {
+                Ok(()) => tracing::info!(group, "renewed the watch of the page"),
+                Err(e) if e.code() == Some(ErrorCode::NotSubscribed) => {
+                    eprintln!("group {group}: the watch had run out; watching the page again");
+                    rewatch(client, group, after, limit, &mut shown, json).await?;
+                }
+                Err(ClientError::Closed) => return Err("the client closed".into()),
+                // A renewal lost to a reconnect: the next one, or the
+                // re-watch at `Reconnected`, takes over.
+                Err(e) => eprintln!("group {group}: cannot renew the watch ({e}); trying again"),
+            },
+            _ = crate::serve::wait_for_signal() => return Ok(()),
+        }
+    }
+}
+
+/// Watches the page again (re-reading it) and prints the members whose
+/// view moved since they were last printed. Fails only when the user is no
+/// longer a member; another failure (a reconnect under way, the page
+/// budget) is told, and the next renewal, finding no watch, tries again.
+async fn rewatch(
+    client: &Client,
+    group: u64,
+    after: Option<GroupCursor>,
+    limit: u32,
+    shown: &mut Shown,
+    json: bool,
+) -> Result<(), String> {
+    match client.group_watch_page(group, after, limit).await {
+        Ok(page) => {
+            for (user, presence) in &page.entries {
+                if shown.newer(user, presence) {
+                    say(&delta_line(group, user, presence, json));
+                }
+            }
+            Ok(())
+        }
+        Err(e) if e.code() == Some(ErrorCode::NotMember) => Err(ended(group)),
+        Err(e) => {
+            eprintln!(
+                "group {group}: cannot watch the page again ({e}); trying at the next renewal"
+            );
+            Ok(())
+        }
+    }
+}
+
+fn ended(group: u64) -> String {
+    format!("group {group}: the watch ended (no longer a member, or the group was removed)")
+}
+
+/// The highest presence version printed per member: a view read again
+/// after a reconnect may be one already printed.
+#[derive(Default)]
+struct Shown(HashMap<String, u64>);
+
+impl Shown {
+    /// Whether `presence` is newer than what was printed of `user`; if so
+    /// it is noted.
+    fn newer(&mut self, user: &str, presence: &Presence) -> bool {
+        match self.0.get_mut(user) {
+            Some(v) if *v >= presence.version => false,
+            Some(v) => {
+                *v = presence.version;
+                true
+            }
+            None => {
+                self.0.insert(user.to_owned(), presence.version);
+                true
+            }
+        }
+    }
+}
+
+/// A member's change: the line `query` prints (JSON: with the group).
+fn delta_line(group: u64, user: &str, presence: &Presence, json: bool) -> String {
+    if !json {
+        return line(user, presence, false);
+    }
+    let mut value = json_line(user, presence);
+    value["group"] = group.into();
+    value.to_string()
 }
 
 /// `greendot group watch`: subscribes as a member (or admin) and prints

@@ -169,8 +169,17 @@ enum GroupCommand {
         #[arg(long, default_value_t = 100)]
         limit: u32,
         /// Every page, one after another.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "watch")]
         all: bool,
+        /// Then watch the page: print a line for each change of a member it
+        /// lists, renewing the watch, until Ctrl-C or the user leaves the
+        /// group.
+        #[arg(long)]
+        watch: bool,
+        /// How often --watch renews the watch: under the server's
+        /// --group-watch-ttl (60s by default), or the watch runs out.
+        #[arg(long, default_value = "30s", requires = "watch")]
+        renew_every: settings::Dur,
         /// JSON lines instead of text.
         #[arg(long)]
         json: bool,
@@ -746,8 +755,19 @@ async fn run_group(command: GroupCommand) -> Result<(), String> {
             after,
             limit,
             all,
+            watch: false,
             json,
+            ..
         } => group::run_page(&client, group, after, limit, all, json).await,
+        GroupCommand::Page {
+            client,
+            group,
+            after,
+            limit,
+            renew_every,
+            json,
+            ..
+        } => group::run_watch_page(&client, group, after, limit, renew_every.0, json).await,
     }
 }
 
