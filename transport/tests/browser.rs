@@ -9,7 +9,8 @@
 //!   online, changes her status, goes invisible, comes back and logs out, and
 //!   the page's row shows each change; its group panel (bob an admin of a
 //!   group written with `greendot group set`) shows the count, alice's
-//!   changes as they come, and the member list in pages of 2; screenshots
+//!   changes as they come, and the member list in pages of 2, the page
+//!   shown watched so that alice's changes update it in place; screenshots
 //!   are saved under `CARGO_TARGET_TMPDIR/browser-page/`;
 //! - the TypeScript client's suite against the same kind of server
 //!   (`clients/typescript/e2e/real-server.test.ts`): in Node over WebSocket,
@@ -346,11 +347,12 @@ fn the_page_shows_a_native_clients_changes_live_in_chromium() {
             "groupState": { "count": "2", "members": "3" },
         }),
     );
-    // The member list in pages of 2 (the server's cap here): online first.
+    // The member list in pages of 2 (the server's cap here): online first;
+    // then back on the first page, which the panel watches.
     let listed = step(
         &mut page,
         "2-group-members",
-        serde_json::json!({ "group": "42", "allMembers": true }),
+        serde_json::json!({ "group": "42", "allMembers": true, "firstPage": true }),
     );
     let members = listed["members"].as_array().expect("members");
     let mut online: Vec<&str> = members
@@ -376,6 +378,13 @@ fn the_page_shows_a_native_clients_changes_live_in_chromium() {
         serde_json::json!({ "online": "true", "status": "busy", "message": "in a meeting" }),
         None,
     );
+    // The watched page shows it too, without being read again.
+    let busy = step(
+        &mut page,
+        "3-group-member-alice-busy",
+        serde_json::json!({ "groupMember": { "user": "alice", "online": "true", "status": "busy" } }),
+    );
+    assert_eq!(busy["group"]["state"]["watched"], "true", "{busy}");
     rt.block_on(alice.set_invisible(true)).expect("invisible");
     let hidden = expect(
         &mut page,
@@ -407,6 +416,7 @@ fn the_page_shows_a_native_clients_changes_live_in_chromium() {
         serde_json::json!({
             "groupChange": { "member": "alice", "online": "false" },
             "groupState": { "count": "1" },
+            "groupMember": { "user": "alice", "online": "false" },
         }),
     );
     let seen = out["row"]["data"]["lastSeen"]

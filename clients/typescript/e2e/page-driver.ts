@@ -8,7 +8,9 @@
 //          with "group":G the page first subscribes to group G (again: a fresh count and first page);
 //          with "groupState":{data-* of #group-state} it waits until the group panel shows it;
 //          with "groupChange":{"member":U,"online":"true"} until the newest change line says so;
-//          with "allMembers":true it clicks "more" until the last page and answers "members":[[user, online]…];
+//          with "allMembers":true it reads every page ("next page" until the last) and answers "members":[[user, online]…];
+//          with "firstPage":true it then shows the first page again;
+//          with "groupMember":{"user":U,data-*} until U's entry in the page shown has them (the page is watched);
 //   stdin  {"quit":true} → the browser is closed and the driver exits.
 
 import { createInterface } from "node:readline";
@@ -69,6 +71,8 @@ try {
       groupState?: Record<string, string>;
       groupChange?: Record<string, string>;
       allMembers?: boolean;
+      firstPage?: boolean;
+      groupMember?: Record<string, string>;
     };
     if (cmd.quit) break;
     const name = cmd.name ?? "step";
@@ -111,23 +115,35 @@ try {
         );
       if (cmd.groupState) await has("#group-state", cmd.groupState);
       if (cmd.groupChange) await has("#group-changes > li:first-child", cmd.groupChange);
+      // Clicks `button` and waits for the page it shows to be read.
+      const turn = async (button: string) => {
+        const pages = await page.$eval("#group-members", (el) => (el as HTMLElement).dataset.pages ?? "0");
+        await page.click(button);
+        await page.waitForFunction(
+          (n: string) => document.getElementById("group-members")!.dataset.pages !== n,
+          { timeout: timeoutMs },
+          pages,
+        );
+      };
       let members: [string, string][] | undefined;
       if (cmd.allMembers) {
+        members = [];
         for (let clicks = 0; ; clicks++) {
           // A cursor that does not move the list on would click forever.
           if (clicks > 50) throw new Error("the member list did not end after 50 pages");
-          const pages = await page.$eval("#group-members", (el) => (el as HTMLElement).dataset.pages ?? "0");
-          if (await page.$eval("#group-more", (el) => (el as HTMLElement).hidden)) break;
-          await page.click("#group-more");
-          await page.waitForFunction(
-            (n: string) => document.getElementById("group-members")!.dataset.pages !== n,
-            { timeout: timeoutMs },
-            pages,
+          members.push(
+            ...(await page.$$eval("#group-members > li", (lis) =>
+              lis.map((li) => [(li as HTMLElement).dataset.user!, (li as HTMLElement).dataset.online!] as [string, string]),
+            )),
           );
+          if (await page.$eval("#group-more", (el) => (el as HTMLElement).hidden)) break;
+          await turn("#group-more");
         }
-        members = await page.$$eval("#group-members > li", (lis) =>
-          lis.map((li) => [(li as HTMLElement).dataset.user!, (li as HTMLElement).dataset.online!] as [string, string]),
-        );
+      }
+      if (cmd.firstPage) await turn("#group-first");
+      if (cmd.groupMember) {
+        const { user: member, ...want } = cmd.groupMember;
+        await has(`#group-members > li[data-user="${member}"]`, want);
       }
       const path = join(shots, `${name}.png`);
       await page.screenshot({ path, fullPage: true });

@@ -5,22 +5,32 @@
 // /metrics every second. Names and messages are put in with textContent only.
 //
 // The group panel subscribes to one group: its count ("N of M online"), for
-// an admin each member's change as it comes, and the member list in pages
-// (online first; "more" passes the last page's cursor).
+// an admin each member's change as it comes, and the member list one page at
+// a time (online first; "next page" passes the page's cursor). The page shown
+// is watched: its members' changes come as `groupPageDelta` events and
+// update the list in place. The watch is renewed every 30 s while the page
+// is shown (the server ends it 60 s after the last renewal), watched again
+// after a reconnect (a watch ends with its session), and unwatched when the
+// panel leaves the page.
 //
 // Query string: ?transport=websocket skips WebTransport.
 
-import { Client, KIND_BITS } from "/greendot-client.js";
+import { Client, ErrorCode, KIND_BITS, ServerError } from "/greendot-client.js";
 
 const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(location.search);
 let config = null;
 let client = null;
 const watched = new Map(); // user -> { li, presence }
-// The group the panel shows: { id (bigint), role, count, members, version, next (cursor), ended }.
+// The group the panel shows: { id (bigint), role, count, members, version,
+// after (the shown page's cursor as asked), next (cursor), watched (the
+// shown page is watched), ended }.
 let group = null;
 const GROUP_PAGE = 20;
 const GROUP_CHANGES = 50;
+// Half the server's default watch TTL (60 s): one late renewal still lands.
+const RENEW_MS = 30_000;
+let renewTimer = null;
 
 function hexToBytes(hex) {
   const out = new Uint8Array(hex.length / 2);
@@ -135,11 +145,15 @@ async function connect(token) {
     else if (event.type === "reconnected") setState(`${me.user}/${me.device} over ${event.binding}, session ${event.session}`, true);
     else if (event.type === "closed") setState(`closed (${event.code ?? "-"}: ${event.reason})`, false);
     else if (event.type === "groupCount" || event.type === "groupMember" || event.type === "groupEnded") groupEvent(event);
+    else if (event.type === "groupPageDelta") pageDelta(event);
+    // The watch ended with the old session (a resumed one too): watch again.
+    if (event.type === "reconnected" && group && !group.ended) void showPage(group.after);
   });
   setState(`${me.user}/${me.device} over ${me.binding}, session ${me.session}`, true);
   $("users").replaceChildren();
   watched.clear();
   group = null;
+  stopRenewing();
   for (const id of ["group-changes", "group-members"]) $(id).replaceChildren();
   renderGroup();
   await watch();
@@ -148,6 +162,7 @@ async function connect(token) {
 function renderGroup() {
   const el = $("group-state");
   $("group-more").hidden = !group || group.next === null;
+  $("group-first").hidden = !group || group.ended || group.after === null;
   $("group-changes-label").hidden = !group || group.role !== "admin";
   $("group-members-label").hidden = !group;
   if (!group) {
@@ -162,6 +177,7 @@ function renderGroup() {
     members: String(group.members),
     version: String(group.version),
     ended: String(group.ended),
+    watched: String(group.watched),
   });
   el.textContent = group.ended
     ? `group ${group.id}: the subscription ended (no longer a member, or the group was removed)`
@@ -179,6 +195,16 @@ function dotted(text, online) {
   return li;
 }
 
+// A member of the list: `user — status`, its view in data-* (the version
+// orders a page's entries and the deltas that follow).
+function renderMember(li, user, presence) {
+  li.dataset.online = String(presence.online);
+  li.dataset.status = presence.online ? presence.status : "";
+  li.dataset.version = String(presence.version);
+  const message = presence.online && presence.message ? ` (${presence.message})` : "";
+  li.lastElementChild.textContent = `${user}${presence.online ? ` — ${presence.status}${message}` : " — offline"}`;
+}
+
 // Subscribes to the group in the input (again: a fresh count and first page).
 async function subscribeGroup() {
   $("group-error").textContent = "";
@@ -190,36 +216,88 @@ async function subscribeGroup() {
   }
   const id = BigInt(text);
   try {
+    await leavePage();
     if (group && group.id !== id && !group.ended) await client.groupUnsubscribe(group.id).catch(() => {});
     const s = await client.groupSubscribe(id);
-    group = { id, role: s.role, count: s.count, members: s.members, version: s.version, next: null, ended: false };
+    group = { id, role: s.role, count: s.count, members: s.members, version: s.version, after: null, next: null, watched: false, ended: false };
     $("group-changes").replaceChildren();
     $("group-members").replaceChildren();
     $("group-members").dataset.pages = "0";
     renderGroup();
-    await moreMembers();
+    await showPage(null);
   } catch (e) {
     $("group-error").textContent = String(e);
   }
 }
 
-// The next page of the member list (the first one when `next` is null).
-async function moreMembers() {
+function stopRenewing() {
+  if (renewTimer !== null) clearInterval(renewTimer);
+  renewTimer = null;
+}
+
+// Stops watching the page shown (the panel moves to another page or group).
+async function leavePage() {
+  stopRenewing();
   const g = group;
-  if (!client || !g) return;
+  if (!client || !g || !g.watched) return;
+  g.watched = false;
+  if (!g.ended) await client.groupUnwatchPage(g.id, g.after).catch(() => {});
+}
+
+// Shows the page of the member list that starts at `after` (null: the
+// first), watched, in place of the one shown; read again when it is the
+// same page. Counts as a page read (data-pages).
+async function showPage(after) {
+  const g = group;
+  if (!client || !g || g.ended) return;
   try {
-    const page = await client.groupPage(g.id, g.next, GROUP_PAGE);
-    if (group !== g) return;
-    g.next = page.next;
-    for (const { user, presence } of page.entries) {
-      const li = dotted(`${user}${presence.online ? ` — ${presence.status}` : " — offline"}`, presence.online);
-      li.dataset.user = user;
-      $("group-members").append(li);
+    if (g.watched && g.after !== after) await leavePage();
+    const page = await client.groupWatchPage(g.id, after, GROUP_PAGE);
+    if (group !== g) {
+      await client.groupUnwatchPage(g.id, after).catch(() => {});
+      return;
     }
+    g.after = after;
+    g.next = page.next;
+    g.watched = true;
+    const items = page.entries.map(({ user, presence }) => {
+      const li = dotted("", presence.online);
+      li.dataset.user = user;
+      renderMember(li, user, presence);
+      return li;
+    });
+    $("group-members").replaceChildren(...items);
     $("group-members").dataset.pages = String(Number($("group-members").dataset.pages ?? 0) + 1);
+    stopRenewing();
+    renewTimer = setInterval(() => void renew(g), RENEW_MS);
     renderGroup();
   } catch (e) {
     $("group-error").textContent = String(e);
+  }
+}
+
+// Renews the shown page's watch; one that ran out (a tab the browser
+// throttled past the TTL) is watched again, re-reading the page.
+async function renew(g) {
+  if (!client || group !== g || !g.watched) return;
+  try {
+    await client.groupRenewWatch(g.id, g.after);
+  } catch (e) {
+    if (group !== g) return;
+    if (e instanceof ServerError && e.error.code === ErrorCode.NotSubscribed) await showPage(g.after);
+    else $("group-error").textContent = String(e);
+  }
+}
+
+// Members of the shown page whose view changed: updated in place when
+// newer than what the list shows.
+function pageDelta(event) {
+  if (!group || event.group !== group.id) return;
+  for (const { user, presence } of event.entries) {
+    for (const li of $("group-members").children) {
+      if (li.dataset.user !== user || BigInt(li.dataset.version) >= presence.version) continue;
+      renderMember(li, user, presence);
+    }
   }
 }
 
@@ -227,8 +305,11 @@ async function moreMembers() {
 function groupEvent(event) {
   if (!group || event.group !== group.id) return;
   if (event.type === "groupEnded") {
+    // The server ended the watch with the subscription.
     group.ended = true;
     group.next = null;
+    group.watched = false;
+    stopRenewing();
   } else {
     group.count = event.count;
     group.version = event.version;
@@ -360,7 +441,8 @@ async function start() {
     e.preventDefault();
     void subscribeGroup();
   });
-  $("group-more").addEventListener("click", () => void moreMembers());
+  $("group-more").addEventListener("click", () => group && void showPage(group.next));
+  $("group-first").addEventListener("click", () => void showPage(null));
   $("status-form").addEventListener("submit", async (e) => {
     e.preventDefault();
     if (!client) return;
