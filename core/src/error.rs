@@ -29,6 +29,9 @@ pub enum Error {
     /// (`Config::group_page_burst`): nothing was done; the next page is
     /// granted `retry_after` from now.
     PageRateLimited { retry_after: Millis },
+    /// A group change expected another membership version: the group is
+    /// at `current` (0: it does not exist), and nothing was changed.
+    VersionMismatch { current: u64 },
 }
 
 /// Which cap an input hit.
@@ -65,6 +68,9 @@ impl fmt::Display for Error {
                 "too many member pages of this group: retry after {} ms",
                 retry_after.0
             ),
+            Error::VersionMismatch { current } => {
+                write!(f, "the group is at membership version {current}")
+            }
         }
     }
 }

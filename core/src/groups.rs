@@ -62,6 +62,22 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct GroupId(pub u64);
 
+/// A change of a group's lists by difference ([`Core::handle_change_group`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GroupChange<'a> {
+    /// New members.
+    pub add: &'a [UserId],
+    /// Members who leave (admins among them leave too).
+    pub remove: &'a [UserId],
+    /// New admins (members too, whether listed in `add` or not).
+    pub add_admins: &'a [UserId],
+    /// Admins who stay members only.
+    pub remove_admins: &'a [UserId],
+    /// Change only a group at this membership version (0: a group that
+    /// does not exist).
+    pub expect: Option<u64>,
+}
+
 /// What a group subscription gets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum GroupRole {
@@ -271,7 +287,90 @@ impl Core {
         if members.len() > self.config.max_group_members {
             return Err(self.group_limit(Limit::GroupMembers));
         }
+        Ok(self.write_group(group, members, admins))
+    }
 
+    /// Changes a group's lists by difference (a backend's input): removes
+    /// `change.remove` (members and admins alike) and `change.remove_admins`
+    /// (from the admins only: they stay members), then adds `change.add` as
+    /// members and `change.add_admins` as admins (and members), so a name
+    /// both removed and added ends added. A group that does not exist is at
+    /// membership version 0 with no members, and a change creates it.
+    /// With `change.expect` set, the change is made only if the group's
+    /// membership version is that one (`Error::VersionMismatch` otherwise):
+    /// a backend writing in several steps sees a concurrent writer.
+    /// Every effect is the one `handle_set_group` has for the same
+    /// resulting lists. Limits are checked before anything is stored: each
+    /// list as given (`max_group_members` names to add or remove,
+    /// `max_group_admins` admins to add or remove), then the group's lists
+    /// after the change and `max_groups` for a new group. Returns the new
+    /// membership version.
+    pub fn handle_change_group(
+        &mut self,
+        now: Millis,
+        group: GroupId,
+        change: &GroupChange<'_>,
+    ) -> Result<u64, Error> {
+        self.advance(now);
+        if change.add_admins.len() > self.config.max_group_admins
+            || change.remove_admins.len() > self.config.max_group_admins
+        {
+            return Err(self.group_limit(Limit::GroupAdmins));
+        }
+        if change.add.len() > self.config.max_group_members
+            || change.remove.len() > self.config.max_group_members
+        {
+            return Err(self.group_limit(Limit::GroupMembers));
+        }
+        let (old_members, old_admins, current) = match self.groups.groups.get(&group) {
+            Some(g) => (&g.members[..], &g.admins[..], g.membership),
+            None => (&[][..], &[][..], 0),
+        };
+        if let Some(expected) = change.expect {
+            if expected != current {
+                return Err(Error::VersionMismatch { current });
+            }
+        }
+        let sorted = |list: &[UserId]| {
+            let mut list = list.to_vec();
+            list.sort_unstable();
+            list.dedup();
+            list
+        };
+        let (remove, remove_admins) = (sorted(change.remove), sorted(change.remove_admins));
+        let add_admins = sorted(change.add_admins);
+        let kept = |list: &[UserId], also: &[UserId]| -> Vec<UserId> {
+            list.iter()
+                .copied()
+                .filter(|u| remove.binary_search(u).is_err() && also.binary_search(u).is_err())
+                .collect()
+        };
+        let mut admins = kept(old_admins, &remove_admins);
+        admins.extend(&add_admins);
+        admins.sort_unstable();
+        admins.dedup();
+        let mut members = kept(old_members, &[]);
+        members.extend(change.add.iter().chain(&add_admins));
+        members.sort_unstable();
+        members.dedup();
+        let exists = self.groups.groups.contains_key(&group);
+        if admins.len() > self.config.max_group_admins {
+            return Err(self.group_limit(Limit::GroupAdmins));
+        }
+        if members.len() > self.config.max_group_members {
+            return Err(self.group_limit(Limit::GroupMembers));
+        }
+        if !exists && self.groups.groups.len() >= self.config.max_groups {
+            return Err(self.group_limit(Limit::Groups));
+        }
+        Ok(self.write_group(group, members, admins))
+    }
+
+    /// Stores a group's new lists (sorted, deduplicated, admins among the
+    /// members, within the limits): the online set and count, the index,
+    /// the subscriptions in their new roles, the admins' counts, the flush
+    /// and the watches. Returns the membership version.
+    fn write_group(&mut self, group: GroupId, members: Vec<UserId>, admins: Vec<UserId>) -> u64 {
         let mut groups = std::mem::take(&mut self.groups);
         let floor = groups.version_floor;
         let mut g = groups.groups.remove(&group).unwrap_or(Group {
@@ -346,7 +445,7 @@ impl Core {
         groups.groups.insert(group, g);
         self.groups = groups;
         self.watches_group_changed(group);
-        Ok(membership)
+        membership
     }
 
     /// Removes a group: its subscriptions end (`GroupOutput::Ended`).

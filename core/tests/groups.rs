@@ -44,6 +44,16 @@ enum Op {
         members: Vec<u8>,
         admins: Vec<u8>,
     },
+    /// A change by difference; `expect`: none, the current membership
+    /// version (`true`) or another (`false`).
+    ChangeGroup {
+        group: u8,
+        add: Vec<u8>,
+        remove: Vec<u8>,
+        add_admins: Vec<u8>,
+        remove_admins: Vec<u8>,
+        expect: Option<bool>,
+    },
     RemoveGroup(u8),
     Subscribe(u8, u8),
     Unsubscribe(u8, u8),
@@ -70,6 +80,22 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (any::<u8>(), any::<bool>()).prop_map(|(s, b)| Op::SetForeground(s, b)),
         3 => (group(), prop::collection::vec(user(), 1..=6), prop::collection::vec(user(), 0..=2))
             .prop_map(|(group, members, admins)| Op::SetGroup { group, members, admins }),
+        3 => (
+            group(),
+            prop::collection::vec(user(), 0..=3),
+            prop::collection::vec(user(), 0..=3),
+            prop::collection::vec(user(), 0..=3),
+            prop::collection::vec(user(), 0..=2),
+            prop::option::of(prop::bool::weighted(0.8)),
+        )
+            .prop_map(|(group, add, remove, add_admins, remove_admins, expect)| Op::ChangeGroup {
+                group,
+                add,
+                remove,
+                add_admins,
+                remove_admins,
+                expect,
+            }),
         1 => group().prop_map(Op::RemoveGroup),
         14 => (any::<u8>(), group()).prop_map(|(s, g)| Op::Subscribe(s, g)),
         1 => (any::<u8>(), group()).prop_map(|(s, g)| Op::Unsubscribe(s, g)),
@@ -175,6 +201,9 @@ struct Driver {
     /// Watched pages as the reference expects them: members and expiry.
     watches: BTreeMap<WatchKey, (BTreeSet<UserId>, u64)>,
     page_deltas: u64,
+    /// Changes by difference made, and refused for their expected version.
+    changes: u64,
+    mismatches: u64,
 }
 
 fn fail(why: String) -> TestCaseError {
@@ -199,6 +228,8 @@ impl Driver {
             pages_walked: 0,
             watches: BTreeMap::new(),
             page_deltas: 0,
+            changes: 0,
+            mismatches: 0,
         }
     }
 
@@ -599,6 +630,76 @@ impl Driver {
                 }
                 got.map(|_| ())
             }
+            Op::ChangeGroup {
+                group,
+                add,
+                remove,
+                add_admins,
+                remove_admins,
+                expect,
+            } => {
+                let group = GroupId(group.into());
+                let ids = |list: Vec<u8>| -> Vec<UserId> {
+                    list.into_iter().map(|u| UserId(u.into())).collect()
+                };
+                let (add, remove) = (ids(add), ids(remove));
+                let (add_admins, remove_admins) = (ids(add_admins), ids(remove_admins));
+                let current = self.groups.get(&group).map_or(0, |g| g.membership);
+                let expect = expect.map(|same| if same { current } else { current + 1 });
+                let change = GroupChange {
+                    add: &add,
+                    remove: &remove,
+                    add_admins: &add_admins,
+                    remove_admins: &remove_admins,
+                    expect,
+                };
+                let got = self.core.handle_change_group(at, group, &change);
+                let config = self.core.config().clone();
+                let exists = self.groups.contains_key(&group);
+                let (mut members, mut admins) = self
+                    .groups
+                    .get(&group)
+                    .map(|g| (g.members.clone(), g.admins.clone()))
+                    .unwrap_or_default();
+                for u in &remove {
+                    members.remove(u);
+                    admins.remove(u);
+                }
+                for u in &remove_admins {
+                    admins.remove(u);
+                }
+                members.extend(add.iter().chain(&add_admins));
+                admins.extend(&add_admins);
+                let want = if add_admins.len().max(remove_admins.len()) > config.max_group_admins {
+                    Err(Error::LimitExceeded(Limit::GroupAdmins))
+                } else if add.len().max(remove.len()) > config.max_group_members {
+                    Err(Error::LimitExceeded(Limit::GroupMembers))
+                } else if expect.is_some_and(|v| v != current) {
+                    Err(Error::VersionMismatch { current })
+                } else if admins.len() > config.max_group_admins {
+                    Err(Error::LimitExceeded(Limit::GroupAdmins))
+                } else if members.len() > config.max_group_members {
+                    Err(Error::LimitExceeded(Limit::GroupMembers))
+                } else if !exists && self.groups.len() >= config.max_groups {
+                    Err(Error::LimitExceeded(Limit::Groups))
+                } else {
+                    let g = self.groups.entry(group).or_default();
+                    g.membership += 1;
+                    g.members = members;
+                    g.admins = admins;
+                    Ok(g.membership)
+                };
+                prop_assert_eq!(&got, &want, "change group {:?}", group);
+                match got {
+                    Ok(_) => {
+                        self.changes += 1;
+                        self.reroles(group);
+                    }
+                    Err(Error::VersionMismatch { .. }) => self.mismatches += 1,
+                    Err(_) => {}
+                }
+                got.map(|_| ())
+            }
             Op::RemoveGroup(group) => {
                 let group = GroupId(group.into());
                 let got = self.core.handle_remove_group(at, group);
@@ -909,7 +1010,7 @@ fn run(
     config: Config,
     steps: &[(u64, Op)],
     mutant: Option<GroupMutant>,
-) -> Result<[u64; 5], TestCaseError> {
+) -> Result<[u64; 7], TestCaseError> {
     let mut d = Driver::new(config, mutant);
     for (dt, op) in steps {
         d.step(*dt, op)?;
@@ -921,6 +1022,8 @@ fn run(
         d.count_pushes,
         d.pages_walked,
         d.page_deltas,
+        d.changes,
+        d.mismatches,
     ])
 }
 
@@ -935,7 +1038,7 @@ proptest! {
 
 /// Runs `cases` cases with a fixed seed: the first failure, and the sums of
 /// G1 checks, member deltas, count pushes and pages over the passing cases.
-fn sample(cases: u32, mutant: Option<GroupMutant>) -> (Option<String>, [u64; 5]) {
+fn sample(cases: u32, mutant: Option<GroupMutant>) -> (Option<String>, [u64; 7]) {
     use proptest::test_runner::{Config as RunnerConfig, RngAlgorithm, TestRng, TestRunner};
     let mut runner = TestRunner::new_with_rng(
         RunnerConfig {
@@ -945,7 +1048,7 @@ fn sample(cases: u32, mutant: Option<GroupMutant>) -> (Option<String>, [u64; 5])
         },
         TestRng::deterministic_rng(RngAlgorithm::ChaCha),
     );
-    let sums = std::cell::Cell::new([0; 5]);
+    let sums = std::cell::Cell::new([0; 7]);
     let result = runner.run(&(config(), steps()), |(config, steps)| {
         let got = run(config, &steps, mutant)?;
         let mut total = sums.get();
@@ -961,16 +1064,17 @@ fn sample(cases: u32, mutant: Option<GroupMutant>) -> (Option<String>, [u64; 5])
 /// The generated inputs are not vacuous.
 #[test]
 fn the_group_mix_reaches_every_check() {
-    let (failure, [g1, deltas, counts, pages, page_deltas]) = sample(48, None);
+    let (failure, [g1, deltas, counts, pages, page_deltas, changes, mismatches]) = sample(48, None);
     assert_eq!(failure, None);
     println!(
         "48 cases: {g1} G1 checks, {deltas} member deltas, {counts} count pushes, {pages} pages, \
-         {page_deltas} page deltas"
+         {page_deltas} page deltas, {changes} changes, {mismatches} version mismatches"
     );
     assert!(
         g1 >= 1000 && deltas >= 100 && counts >= 100 && pages >= 100 && page_deltas >= 30,
         "{g1} {deltas} {counts} {pages} {page_deltas}"
     );
+    assert!(changes >= 100 && mismatches >= 10, "{changes} {mismatches}");
 }
 
 /// Each broken variant is caught, by the invariant it breaks.

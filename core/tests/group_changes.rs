@@ -1,0 +1,229 @@
+//! Group changes by difference (`Core::handle_change_group`, issue 28):
+//! one example per refusal (each leaves the core as it was), and the
+//! effects a change shares with `handle_set_group`. The property tests in
+//! `groups.rs` mix changes with whole writes against the reference.
+
+use greendot_core::*;
+
+mod group_setup;
+use group_setup::{connect, drain};
+
+fn u(n: u64) -> UserId {
+    UserId(n)
+}
+
+fn small() -> Core {
+    Core::new(Config {
+        max_group_members: 3,
+        max_group_admins: 1,
+        max_groups: 2,
+        ..Config::default()
+    })
+    .unwrap()
+}
+
+/// A refused change returns `want` and leaves the core exactly as it was.
+fn refused(core: &mut Core, group: u64, change: GroupChange<'_>, want: Error) {
+    let before = core.clone();
+    assert_eq!(
+        core.handle_change_group(Millis(0), GroupId(group), &change),
+        Err(want)
+    );
+    assert_eq!(core, &before, "a refused change changed the core");
+}
+
+#[test]
+fn a_change_adds_and_removes_members_and_admins() {
+    let mut core = small();
+    let g = GroupId(1);
+    let add = [u(1), u(2)];
+    let create = GroupChange {
+        add: &add,
+        expect: Some(0),
+        ..GroupChange::default()
+    };
+    assert_eq!(core.handle_change_group(Millis(0), g, &create), Ok(1));
+    let promote = GroupChange {
+        add_admins: &[u(3)],
+        remove: &[u(2)],
+        expect: Some(1),
+        ..GroupChange::default()
+    };
+    assert_eq!(core.handle_change_group(Millis(0), g, &promote), Ok(2));
+    assert_eq!(
+        core.group_members(g),
+        Some((&[u(1), u(3)][..], &[u(3)][..]))
+    );
+    // Demoted, still a member; a name both removed and added ends added.
+    let demote = GroupChange {
+        remove_admins: &[u(3)],
+        remove: &[u(1)],
+        add: &[u(1)],
+        ..GroupChange::default()
+    };
+    assert_eq!(core.handle_change_group(Millis(0), g, &demote), Ok(3));
+    assert_eq!(core.group_members(g), Some((&[u(1), u(3)][..], &[][..])));
+    core.check_invariants().unwrap();
+}
+
+#[test]
+fn an_unexpected_version_changes_nothing() {
+    let mut core = small();
+    core.handle_set_group(Millis(0), GroupId(1), &[u(1)], &[])
+        .unwrap();
+    let add = [u(2)];
+    let stale = GroupChange {
+        add: &add,
+        expect: Some(0),
+        ..GroupChange::default()
+    };
+    refused(&mut core, 1, stale, Error::VersionMismatch { current: 1 });
+    // No such group: version 0.
+    let stale = GroupChange {
+        add: &add,
+        expect: Some(1),
+        ..GroupChange::default()
+    };
+    refused(&mut core, 2, stale, Error::VersionMismatch { current: 0 });
+}
+
+#[test]
+fn a_change_past_the_members_cap_changes_nothing() {
+    let mut core = small();
+    core.handle_set_group(Millis(0), GroupId(1), &[u(1), u(2)], &[u(3)])
+        .unwrap();
+    let one_more = GroupChange {
+        add: &[u(4)],
+        ..GroupChange::default()
+    };
+    refused(
+        &mut core,
+        1,
+        one_more,
+        Error::LimitExceeded(Limit::GroupMembers),
+    );
+    // An admin added is a member added.
+    let admin_more = GroupChange {
+        add_admins: &[u(4)],
+        remove_admins: &[u(3)],
+        ..GroupChange::default()
+    };
+    refused(
+        &mut core,
+        1,
+        admin_more,
+        Error::LimitExceeded(Limit::GroupMembers),
+    );
+    // A list longer than the cap is refused as given, before any look-up.
+    let long = [u(1), u(1), u(1), u(1)];
+    let long_remove = GroupChange {
+        remove: &long,
+        ..GroupChange::default()
+    };
+    refused(
+        &mut core,
+        1,
+        long_remove,
+        Error::LimitExceeded(Limit::GroupMembers),
+    );
+    // Room made in the same change: taken.
+    let swap = GroupChange {
+        add: &[u(4)],
+        remove: &[u(1)],
+        ..GroupChange::default()
+    };
+    assert_eq!(
+        core.handle_change_group(Millis(0), GroupId(1), &swap),
+        Ok(2)
+    );
+}
+
+#[test]
+fn a_change_past_the_admins_cap_changes_nothing() {
+    let mut core = small();
+    core.handle_set_group(Millis(0), GroupId(1), &[u(1)], &[u(2)])
+        .unwrap();
+    let second = GroupChange {
+        add_admins: &[u(1)],
+        ..GroupChange::default()
+    };
+    refused(
+        &mut core,
+        1,
+        second,
+        Error::LimitExceeded(Limit::GroupAdmins),
+    );
+    let listed = GroupChange {
+        remove_admins: &[u(2), u(2)],
+        ..GroupChange::default()
+    };
+    refused(
+        &mut core,
+        1,
+        listed,
+        Error::LimitExceeded(Limit::GroupAdmins),
+    );
+}
+
+#[test]
+fn a_change_creating_a_group_past_the_groups_cap_changes_nothing() {
+    let mut core = small();
+    core.handle_set_group(Millis(0), GroupId(1), &[u(1)], &[])
+        .unwrap();
+    core.handle_set_group(Millis(0), GroupId(2), &[u(1)], &[])
+        .unwrap();
+    let create = GroupChange {
+        add: &[u(1)],
+        ..GroupChange::default()
+    };
+    refused(&mut core, 3, create, Error::LimitExceeded(Limit::Groups));
+}
+
+#[test]
+fn a_removed_member_is_told_the_end_and_admins_the_count() {
+    let mut core = Core::new(Config::default()).unwrap();
+    let g = GroupId(5);
+    core.handle_set_group(Millis(0), g, &[u(1), u(2)], &[u(9)])
+        .unwrap();
+    let admin = connect(&mut core, 0, 9, 1);
+    let one = connect(&mut core, 0, 1, 1);
+    let two = connect(&mut core, 0, 2, 1);
+    // Published online after the debounce.
+    while let Some(due) = core.poll_timeout().filter(|d| d.0 <= 1000) {
+        core.handle_timeout(due);
+    }
+    for s in [admin, one, two] {
+        core.handle_group_subscribe(Millis(1000), s, g).unwrap();
+    }
+    drain(&mut core);
+    let leave = GroupChange {
+        remove: &[u(1)],
+        expect: Some(1),
+        ..GroupChange::default()
+    };
+    assert_eq!(core.handle_change_group(Millis(1000), g, &leave), Ok(2));
+    let out = drain(&mut core);
+    assert!(
+        out.contains(&GroupOutput::Ended { to: one, group: g }),
+        "{out:?}"
+    );
+    assert!(
+        out.iter().any(|o| matches!(o,
+            GroupOutput::Count { to, count: 2, .. } if *to == admin)),
+        "the admin hears the count after the change: {out:?}"
+    );
+    assert!(!out
+        .iter()
+        .any(|o| matches!(o, GroupOutput::Ended { to, .. } if *to == two)));
+    assert_eq!(core.group_count(g), Some(2));
+    assert!(core.group_subscriptions(one).is_empty());
+    assert_eq!(core.group_subscriptions(two), vec![(g, GroupRole::Member)]);
+    // Promoted by a change: the subscription moves to the admin role.
+    let promote = GroupChange {
+        add_admins: &[u(2)],
+        ..GroupChange::default()
+    };
+    assert_eq!(core.handle_change_group(Millis(1000), g, &promote), Ok(3));
+    assert_eq!(core.group_subscriptions(two), vec![(g, GroupRole::Admin)]);
+    core.check_invariants().unwrap();
+}
