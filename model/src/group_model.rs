@@ -7,7 +7,9 @@
 //! backend may rewrite the group once: demote the admin, remove the mover,
 //! or swap the admin for user 2. Time advances one millisecond per tick, so
 //! every tick's outputs are those of one instant (debounce 1, group
-//! interval 2, grace 1).
+//! interval 2, grace 1). User 2 may also watch the group's one page (all
+//! three members), renew and end the watch, which runs out 2 ms after it
+//! was last asked for or renewed.
 //!
 //! Each transition drains the group outputs and checks, with the id in front
 //! of each violation: G1 (an interval after the count last changed, every
@@ -15,7 +17,10 @@
 //! count is the members published online; and every count pushed equals it),
 //! G3 (per session, pushes strictly rise and snapshots never go back), G4
 //! (deltas only to Online sessions holding an admin subscription of an
-//! admin; admins told every count at once). The mover's own inputs are
+//! admin; admins told every count at once), G5 (page deltas only to an
+//! Online session holding an unexpired watch of a page listing the member,
+//! each with the member's published view; the watches the core holds are
+//! the ones asked for, renewed and not run out). The mover's own inputs are
 //! bounded, so the state space is small (see `model/tests/groups.rs`).
 
 use greendot_core::{
@@ -39,6 +44,8 @@ pub struct GroupBounds {
     pub max_toggles: u8,
     /// Membership writes over the run.
     pub max_writes: u8,
+    /// User 2's watch, renew and unwatch inputs over the run.
+    pub max_watch_ops: u8,
 }
 
 impl GroupBounds {
@@ -47,6 +54,18 @@ impl GroupBounds {
         max_sessions: 3,
         max_toggles: 1,
         max_writes: 1,
+        max_watch_ops: 0,
+    };
+
+    /// Watched pages: user 2's watch, renewal and end, with every other
+    /// input of [`GroupBounds::CI`] but the membership write (user 2 stays
+    /// a member through every write, so a write adds states, not cases).
+    pub const WATCH: GroupBounds = GroupBounds {
+        max_time: 4,
+        max_sessions: 3,
+        max_toggles: 1,
+        max_writes: 0,
+        max_watch_ops: 2,
     };
 }
 
@@ -70,6 +89,7 @@ pub fn group_config() -> Config {
         batch_interval: Millis(1),
         kinds: [kind; 4],
         group_interval: Millis(2),
+        group_watch_ttl: Millis(2),
         max_sessions: 8,
         max_users: 4,
         ..Config::default()
@@ -79,11 +99,27 @@ pub fn group_config() -> Config {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum GroupAction {
     Tick,
-    Connect { dev: u8, resume: bool },
+    Connect {
+        dev: u8,
+        resume: bool,
+    },
     Disconnect(u8),
     SetInvisible(bool),
     Subscribe(u8),
     Write(u8),
+    /// User 2 watches the first page (all three members).
+    WatchPage,
+    RenewWatch,
+    Unwatch,
+}
+
+/// The watch of the first page, as the model asked for it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct PageWatchRef {
+    pub session: SessionId,
+    /// The members the page listed, sorted.
+    pub members: Vec<UserId>,
+    pub expires: Millis,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -98,9 +134,14 @@ pub struct GroupState {
     pub issued: u8,
     pub toggles: u8,
     pub writes: u8,
-    /// A member session was told a new count; an admin got a delta.
+    pub watch_ops: u8,
+    /// User 2's watch of the first page, while it lives.
+    pub watch: Option<PageWatchRef>,
+    /// A member session was told a new count; an admin got a delta; a
+    /// watcher got a page delta.
     pub counted: bool,
     pub delta: bool,
+    pub paged: bool,
     pub bad: Vec<String>,
 }
 
@@ -133,7 +174,9 @@ impl GroupModel {
         n.bad.clear();
         n.counted = false;
         n.delta = false;
+        n.paged = false;
         let now = s.core.now();
+        let ttl = s.core.config().group_watch_ttl;
         let mut snapshot = None;
         let result: Result<(), Error> = match action {
             GroupAction::Tick => {
@@ -178,6 +221,51 @@ impl GroupModel {
                     .handle_set_group(now, GROUP, &members, &admins)
                     .map(|_| ())
             }
+            GroupAction::WatchPage => {
+                n.watch_ops += 1;
+                let id = s.cur[1]?;
+                n.core
+                    .handle_group_watch_page(now, id, GROUP, None, 3)
+                    .map(|page| {
+                        let mut members: Vec<_> = page.entries.iter().map(|(u, _)| *u).collect();
+                        members.sort_unstable();
+                        n.watch = Some(PageWatchRef {
+                            session: id,
+                            members,
+                            expires: Millis(now.0 + ttl.0),
+                        });
+                    })
+            }
+            GroupAction::RenewWatch | GroupAction::Unwatch => {
+                n.watch_ops += 1;
+                let id = s.cur[1]?;
+                let renew = action == GroupAction::RenewWatch;
+                let got = if renew {
+                    n.core.handle_group_renew_watch(now, id, GROUP, None)
+                } else {
+                    n.core.handle_group_unwatch(now, id, GROUP, None)
+                };
+                let held = s
+                    .watch
+                    .as_ref()
+                    .is_some_and(|w| w.session == id && now < w.expires);
+                match (&got, held) {
+                    (Ok(()), true) if renew => {
+                        if let Some(w) = n.watch.as_mut() {
+                            w.expires = Millis(now.0 + ttl.0);
+                        }
+                    }
+                    (Ok(()), true) => n.watch = None,
+                    (Err(Error::NotSubscribed), false) => {}
+                    _ => n.bad.push(format!(
+                        "G5: {action:?} of {id} answered {got:?}, the watch held: {held}"
+                    )),
+                }
+                got.or_else(|e| match e {
+                    Error::NotSubscribed => Ok(()),
+                    e => Err(e),
+                })
+            }
         };
         if matches!(result, Err(Error::Stale | Error::UnknownSession)) {
             return None;
@@ -214,9 +302,32 @@ impl GroupModel {
                     n.told.remove(&to);
                     continue;
                 }
-                // This model watches no page.
-                GroupOutput::Page { to, .. } => {
-                    bad.push(format!("G5: a page delta to {to}, which watches no page"));
+                GroupOutput::Page { to, group, entries } => {
+                    n.paged = true;
+                    let online = n.core.session_info(to).is_some_and(|i| i.online);
+                    let watch = n
+                        .watch
+                        .as_ref()
+                        .filter(|w| w.session == to && group == GROUP && now < w.expires);
+                    if !online {
+                        bad.push(format!("G5: a page delta to {to}, not Online"));
+                    }
+                    let members = n.core.group_members(GROUP).map(|(m, _)| m.to_vec());
+                    for (member, view) in &entries {
+                        if !watch.is_some_and(|w| w.members.contains(member)) {
+                            bad.push(format!(
+                                "G5: a delta of {member:?} to {to} at {now}, no live watch lists it"
+                            ));
+                        }
+                        if !members.as_ref().is_some_and(|m| m.contains(member)) {
+                            bad.push(format!("G5: a delta of {member:?}, not a member"));
+                        }
+                        if *view != n.core.presence(*member) {
+                            bad.push(format!(
+                                "G5: a delta of {member:?} to {to}, not its published view"
+                            ));
+                        }
+                    }
                     continue;
                 }
                 GroupOutput::Member {
@@ -255,6 +366,33 @@ impl GroupModel {
                 }
             }
             n.told.insert(to, (version, pushed));
+        }
+        // A watch lives until it runs out or its session ends; then the
+        // core must hold exactly the watch asked for.
+        let core = &n.core;
+        n.watch = n
+            .watch
+            .take()
+            .filter(|w| now < w.expires && core.session_info(w.session).is_some());
+        let watchers = n
+            .watch
+            .as_ref()
+            .map(|w| w.session)
+            .into_iter()
+            .chain(s.cur[1]);
+        for sess in watchers {
+            let held = n.core.group_watches(sess);
+            let want: Vec<_> = n
+                .watch
+                .iter()
+                .filter(|w| w.session == sess)
+                .map(|w| (GROUP, None, w.members.clone(), w.expires))
+                .collect();
+            if held != want {
+                bad.push(format!(
+                    "G5: {sess} holds the watches {held:?}, asked for {want:?}"
+                ));
+            }
         }
         if Some(count) != s.core.group_count(GROUP) {
             n.since = now;
@@ -301,8 +439,11 @@ impl Model for GroupModel {
             issued: 0,
             toggles: 0,
             writes: 0,
+            watch_ops: 0,
+            watch: None,
             counted: false,
             delta: false,
+            paged: false,
             bad: Vec::new(),
         }]
     }
@@ -348,6 +489,14 @@ impl Model for GroupModel {
             } else if s.core.group_subscriptions(id).is_empty() {
                 actions.push(GroupAction::Subscribe(dev));
             }
+            if dev == 1 && s.watch_ops < b.max_watch_ops {
+                if s.core.group_watches(id).is_empty() {
+                    actions.push(GroupAction::WatchPage);
+                } else {
+                    actions.push(GroupAction::RenewWatch);
+                    actions.push(GroupAction::Unwatch);
+                }
+            }
         }
         if s.writes < b.max_writes {
             for w in 0..3 {
@@ -361,14 +510,22 @@ impl Model for GroupModel {
     }
 
     fn properties(&self) -> Vec<Property<Self>> {
-        vec![
+        let mut properties = vec![
             Property::<Self>::always("G1 exact at quiescence", |_, s| !has(s, "G1")),
             Property::<Self>::always("G2 count of published views", |_, s| !has(s, "G2")),
             Property::<Self>::always("G3 versions rise", |_, s| !has(s, "G3")),
             Property::<Self>::always("G4 deltas to live admins", |_, s| !has(s, "G4")),
+            Property::<Self>::always("G5 page deltas to live watches", |_, s| !has(s, "G5")),
             Property::<Self>::always("core structure", |_, s| !has(s, "S")),
             Property::<Self>::sometimes("member told a new count", |_, s| s.counted),
             Property::<Self>::sometimes("admin told a delta", |_, s| s.delta),
-        ]
+        ];
+        if self.bounds.max_watch_ops > 0 {
+            properties.push(Property::<Self>::sometimes(
+                "watcher told a page delta",
+                |_, s| s.paged,
+            ));
+        }
+        properties
     }
 }

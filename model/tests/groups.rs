@@ -1,6 +1,7 @@
 //! Model 1 (groups): exhaustive BFS of the core with one group at
-//! `GroupBounds::CI`, with a pinned state count, and every `GroupMutant`
-//! caught by the invariant it breaks. Apart from `models.rs`, whose pinned
+//! `GroupBounds::CI`, and with watched pages at `GroupBounds::WATCH`, each
+//! with a pinned state count, and every `GroupMutant` caught by the
+//! invariant it breaks. Apart from `models.rs`, whose pinned
 //! counts this leaves alone.
 
 use greendot_core::mutants::GroupMutant;
@@ -58,6 +59,38 @@ fn model1_groups_g1_g4_hold_at_ci_bounds() {
     assert!(states >= GROUP_STATES, "{states} states, fewer than pinned");
 }
 
+/// Unique states at `GroupBounds::WATCH`, as a lower bound: 486,901 in
+/// about 12 s on one thread.
+const WATCH_STATES: usize = 486_901;
+
+#[test]
+fn model1_groups_g5_holds_for_watched_pages() {
+    let start = Instant::now();
+    let checker = GroupModel::new(GroupBounds::WATCH)
+        .checker()
+        .threads(threads())
+        .spawn_bfs()
+        .join();
+    let states = checker.unique_state_count();
+    println!(
+        "Model 1 (groups, watched pages): {states} unique states ({} generated) in {:.1?}",
+        checker.state_count(),
+        start.elapsed()
+    );
+    for p in checker.model().properties() {
+        let found = checker.discovery(p.name);
+        if p.expectation.discovery_is_failure() {
+            if let Some(path) = found {
+                describe(&path.into_vec());
+                panic!("{} violated", p.name);
+            }
+        } else {
+            assert!(found.is_some(), "never: {}", p.name);
+        }
+    }
+    assert!(states >= WATCH_STATES, "{states} states, fewer than pinned");
+}
+
 #[test]
 fn model1_groups_catches_every_group_mutant() {
     for (m, want) in [
@@ -72,8 +105,17 @@ fn model1_groups_catches_every_group_mutant() {
             "G4 deltas to live admins",
         ),
         (GroupMutant::SubsKeptAfterEnd, "G4 deltas to live admins"),
+        (
+            GroupMutant::WatchOutlivesExpiry,
+            "G5 page deltas to live watches",
+        ),
     ] {
-        let model = GroupModel::new(GroupBounds::CI);
+        // Only the watched pages' bounds drive watches.
+        let bounds = match m {
+            GroupMutant::WatchOutlivesExpiry => GroupBounds::WATCH,
+            _ => GroupBounds::CI,
+        };
+        let model = GroupModel::new(bounds);
         let mut core = model.init.clone();
         core.set_group_mutant(Some(m));
         let checker = model
