@@ -584,6 +584,81 @@ fn a_watched_page_outlives_the_watch_ttl_by_renewing_it() {
     );
 }
 
+/// `greendot group set` writes a 10,000-member group on the server's
+/// default limits, whose `SetGroup` (about 120 KB) is larger than the
+/// default frame cap (64 KiB): it sets the first part and adds the rest,
+/// and says so. The first member's subscription counts 10,000 members,
+/// and the last one (in the last part) reads a page.
+#[test]
+fn a_group_larger_than_a_frame_is_written_in_parts() {
+    let dir = temp_dir("bin-group-parts");
+    let served = serve_with(&dir, "127.0.0.1:0", &[]);
+    let addr = served.addr.to_string();
+    let service = run(
+        &dir,
+        &[
+            "token",
+            "--user",
+            "backend",
+            "--device",
+            "cli",
+            "--service",
+            "--ttl",
+            "1h",
+        ],
+    );
+    let members: String = (1..=10_000).map(|i| format!("member{i:05}\n")).collect();
+    std::fs::write(dir.join("members.txt"), members).unwrap();
+    std::fs::write(dir.join("admins.txt"), "member00002\n").unwrap();
+    let out = run(
+        &dir,
+        &[
+            "group",
+            "set",
+            "--token",
+            service.trim(),
+            "--server",
+            &addr,
+            "--group",
+            "9",
+            "--members",
+            "members.txt",
+            "--admins",
+            "admins.txt",
+        ],
+    );
+    assert!(
+        out.trim().starts_with(
+            "group 9: version 2, 10000 members listed, 1 admins (written in 2 requests: \
+             the list is larger than the server's frame cap of 65536 bytes"
+        ),
+        "{out}"
+    );
+    let first = token(&dir, "member00001", "cli", "desktop", "");
+    let mut watch = client(
+        &dir,
+        "member00001 watch",
+        &served,
+        &[
+            "group", "watch", "--group", "9", "--json", "--token", &first,
+        ],
+    );
+    let snapshot = json(&watch.wait_for(SLACK, "the snapshot", |l| l.starts_with('{')));
+    assert_eq!(snapshot["members"], 10_000, "{snapshot}");
+    assert_eq!(snapshot["role"], "member", "{snapshot}");
+    let last = token(&dir, "member10000", "cli", "desktop", "");
+    let page = run(
+        &dir,
+        &[
+            "group", "page", "--token", &last, "--server", &addr, "--group", "9", "--json",
+        ],
+    );
+    let lines: Vec<&str> = page.lines().collect();
+    // The command's default limit: 100 entries, then the cursor.
+    assert_eq!(lines.len(), 101, "100 entries and a cursor: {page}");
+    assert!(json(lines[100])["next"].is_string(), "{}", lines[100]);
+}
+
 /// `greendot group`: a group written from files with a service token, a
 /// member watching the count, an admin seeing members in realtime, the
 /// member list in pages with a cursor, and the end when the group goes.

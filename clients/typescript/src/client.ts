@@ -23,6 +23,7 @@ import { decodePush, decodeServerFrame, encodeHello, encodeRequestFrame } from "
 import {
   type Answer,
   CloseCode,
+  type GroupChange,
   type GroupCursor,
   type GroupEntry,
   type GroupPage,
@@ -666,6 +667,29 @@ export class Client {
    */
   async setGroup(group: bigint | number, members: string[], admins: string[] = []): Promise<bigint> {
     return expect(await this.call({ type: "setGroup", group: groupId(group), members, admins }), "groupSet").version;
+  }
+
+  /**
+   * Service tokens only: changes group `group` by difference. `remove`
+   * leave (admins too), `removeAdmins` stay members only; then `add` join
+   * as members and `addAdmins` as admins (and members). Creates the group
+   * if new (a group that does not exist is at version 0). With
+   * `expectVersion`, changes only a group at that membership version, else
+   * a `ServerError` with code `VersionMismatch` (38) and nothing changes:
+   * a backend writing in several steps sees a concurrent writer. Resolves
+   * to the new membership version. The same limits as `setGroup`.
+   */
+  async changeGroup(group: bigint | number, change: GroupChange): Promise<bigint> {
+    const request = {
+      type: "changeGroup" as const,
+      group: groupId(group),
+      add: change.add ?? [],
+      remove: change.remove ?? [],
+      addAdmins: change.addAdmins ?? [],
+      removeAdmins: change.removeAdmins ?? [],
+      expectVersion: change.expectVersion === undefined || change.expectVersion === null ? null : BigInt(change.expectVersion),
+    };
+    return expect(await this.call(request), "groupSet").version;
   }
 
   /** Service tokens only: removes a group; its subscribers get `groupEnded`. */

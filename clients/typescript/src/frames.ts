@@ -221,6 +221,11 @@ function writeRequest(w: Writer, req: Request): void {
     case "groupUnwatchPage":
       w.u64(req.group).option(req.after, writeGroupCursor);
       return;
+    case "changeGroup":
+      w.u64(req.group).seq(req.add, writeString).seq(req.remove, writeString);
+      w.seq(req.addAdmins, writeString).seq(req.removeAdmins, writeString);
+      w.option(req.expectVersion, (w, v) => w.u64(v));
+      return;
   }
 }
 
@@ -260,6 +265,16 @@ function readRequest(r: Reader): Request {
     case "groupRenewWatch":
     case "groupUnwatchPage":
       return { type, group: r.u64(), after: r.option(readGroupCursor) };
+    case "changeGroup":
+      return {
+        type,
+        group: r.u64(),
+        add: r.seq(readString),
+        remove: r.seq(readString),
+        addAdmins: r.seq(readString),
+        removeAdmins: r.seq(readString),
+        expectVersion: r.option((r) => r.u64()),
+      };
   }
 }
 

@@ -69,7 +69,16 @@ export type Request =
   | { type: "groupPage"; group: bigint; after: GroupCursor | null; limit: number }
   | { type: "groupWatchPage"; group: bigint; after: GroupCursor | null; limit: number }
   | { type: "groupRenewWatch"; group: bigint; after: GroupCursor | null }
-  | { type: "groupUnwatchPage"; group: bigint; after: GroupCursor | null };
+  | { type: "groupUnwatchPage"; group: bigint; after: GroupCursor | null }
+  | {
+      type: "changeGroup";
+      group: bigint;
+      add: string[];
+      remove: string[];
+      addAdmins: string[];
+      removeAdmins: string[];
+      expectVersion: bigint | null;
+    };
 
 /** Variant order of `Request` on the wire. */
 export const REQUEST_TYPES = [
@@ -92,7 +101,18 @@ export const REQUEST_TYPES = [
   "groupWatchPage",
   "groupRenewWatch",
   "groupUnwatchPage",
+  "changeGroup",
 ] as const satisfies readonly Request["type"][];
+
+/** A change of a group by difference (`Client.changeGroup`); every list may be left out. */
+export interface GroupChange {
+  add?: string[];
+  remove?: string[];
+  addAdmins?: string[];
+  removeAdmins?: string[];
+  /** Change only a group at this membership version (0: one that does not exist). */
+  expectVersion?: bigint | number | null;
+}
 
 /** What a group subscription gets: the count (member) or each member's change too (admin). */
 export const GROUP_ROLES = ["member", "admin"] as const;
@@ -232,6 +252,7 @@ export const ErrorCode = {
   Unsupported: 35,
   TooManyWatchedPages: 36,
   PageRateLimited: 37,
+  VersionMismatch: 38,
 } as const;
 
 /** Close codes (docs/protocol.md, "Close codes"). */

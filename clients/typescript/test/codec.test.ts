@@ -286,6 +286,21 @@ const groupTable: Record<string, Example> = {
     value: { type: "groupMember", group: 42n, version: 9n, member: "bob", online: false, count: 3 },
   },
   "GroupEnded { group: 18446744073709551615 }": { kind: "push", value: { type: "groupEnded", group: (1n << 64n) - 1n } },
+  'RequestFrame { id: 10, request: ChangeGroup { group: 42, add: ["cy"], remove: ["bob"], add_admins: [], remove_admins: ["ann"], expect_version: Some(3) } }': {
+    kind: "request",
+    value: {
+      id: 10n,
+      request: { type: "changeGroup", group: 42n, add: ["cy"], remove: ["bob"], addAdmins: [], removeAdmins: ["ann"], expectVersion: 3n },
+    },
+  },
+  'RequestFrame { id: 11, request: ChangeGroup { group: 42, add: [], remove: [], add_admins: ["dee"], remove_admins: [], expect_version: None } }': {
+    kind: "request",
+    value: {
+      id: 11n,
+      request: { type: "changeGroup", group: 42n, add: [], remove: [], addAdmins: ["dee"], removeAdmins: [], expectVersion: null },
+    },
+  },
+  'WireError { code: 38, message: "" }': { kind: "wireError", value: { code: 38, message: "" } },
   "RequestFrame { id: 6, request: GroupWatchPage { group: 42, after: None, limit: 50 } }": {
     kind: "request",
     value: { id: 6n, request: { type: "groupWatchPage", group: 42n, after: null, limit: 50 } },

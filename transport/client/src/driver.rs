@@ -131,6 +131,7 @@ pub(super) async fn drive(
                 {
                     let mut state = shared.state();
                     state.session = session;
+                    state.max_frame = new.welcome.max_frame.max(1024) as usize;
                     state.stats.carrier = carrier;
                     state.stats.server = new.server;
                     match carrier {

@@ -22,6 +22,68 @@ pub use greendot_proto::{GroupCursor, GroupRole, GroupSnapshot};
 /// group subscriptions per session by default).
 const MAX_TRACKED: usize = 1024;
 
+/// A change of a group by difference ([`Client::change_group`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GroupChange {
+    /// New members.
+    pub add: Vec<String>,
+    /// Members who leave (admins among them too).
+    pub remove: Vec<String>,
+    /// New admins (members too).
+    pub add_admins: Vec<String>,
+    /// Admins who stay members only.
+    pub remove_admins: Vec<String>,
+    /// Change only a group at this membership version (0: none exists).
+    pub expect_version: Option<u64>,
+}
+
+/// What [`Client::set_group_in_parts`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct GroupWritten {
+    /// The membership version after the last request.
+    pub version: u64,
+    /// How many requests the write took (1: a single `SetGroup`).
+    pub requests: usize,
+}
+
+/// Bytes of a group request besides its names, at most: the request id
+/// and group (10 bytes each as varints), the variant, four list lengths
+/// (5 each) and the expected version (11).
+const REQUEST_OVERHEAD: usize = 64;
+
+/// Bytes a name takes in a request: its length as a varint, then its bytes.
+fn name_cost(name: &str) -> usize {
+    let len = name.len();
+    let mut varint = 1;
+    while len >> (7 * varint) != 0 {
+        varint += 1;
+    }
+    len + varint
+}
+
+/// `names` in consecutive parts of at most `budget` bytes each (a name
+/// larger than the budget goes alone: the server refuses it as too large).
+fn split<T>(names: &[T], budget: usize, cost: impl Fn(&str) -> usize) -> Vec<&[T]>
+where
+    T: AsRef<str>,
+{
+    let mut parts = Vec::new();
+    let (mut start, mut used) = (0, 0);
+    for (i, name) in names.iter().enumerate() {
+        let c = cost(name.as_ref());
+        if i > start && used + c > budget {
+            parts.push(&names[start..i]);
+            (start, used) = (i, 0);
+        }
+        used += c;
+    }
+    if start < names.len() || parts.is_empty() {
+        parts.push(&names[start..]);
+    }
+    parts
+}
+
 /// One page of a group's member list: online members first.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -131,6 +193,68 @@ impl Client {
             Answer::GroupSet { version } => Ok(version),
             other => Err(Self::unexpected(other)),
         }
+    }
+
+    /// Changes a group by difference (service tokens only): `remove`
+    /// leave (admins too), `remove_admins` stay members only, then `add`
+    /// join as members and `add_admins` as admins. Creates the group if new
+    /// (a group that does not exist is at membership version 0). With
+    /// `expect_version`, changes only a group at that membership version,
+    /// else `ErrorCode::VersionMismatch` and nothing changed. Returns the
+    /// new membership version.
+    pub async fn change_group(&self, group: u64, change: GroupChange) -> Result<u64, ClientError> {
+        let request = Request::ChangeGroup {
+            group,
+            add: change.add,
+            remove: change.remove,
+            add_admins: change.add_admins,
+            remove_admins: change.remove_admins,
+            expect_version: change.expect_version,
+        };
+        match self.call(request).await? {
+            Answer::GroupSet { version } => Ok(version),
+            other => Err(Self::unexpected(other)),
+        }
+    }
+
+    /// Writes a group whole as [`Client::set_group`] does, in as many
+    /// requests as the server's frame cap ([`Client::max_frame`]) needs:
+    /// one `SetGroup` when it fits, else a `SetGroup` of the admins and
+    /// the first members that fit, then `ChangeGroup`s adding the rest,
+    /// each expecting the version the previous one answered. A concurrent
+    /// writer stops it with `ErrorCode::VersionMismatch`, the group then
+    /// holding part of the list: write it again. Returns the membership
+    /// version and how many requests it took.
+    pub async fn set_group_in_parts<M: AsRef<str>, A: AsRef<str>>(
+        &self,
+        group: u64,
+        members: &[M],
+        admins: &[A],
+    ) -> Result<GroupWritten, ClientError> {
+        let admin_cost = admins.iter().map(|a| name_cost(a.as_ref())).sum::<usize>();
+        let budget = self.max_frame().saturating_sub(REQUEST_OVERHEAD);
+        let mut parts = split(members, budget.saturating_sub(admin_cost), name_cost);
+        if parts.len() <= 1 {
+            let version = self.set_group(group, members, admins).await?;
+            return Ok(GroupWritten {
+                version,
+                requests: 1,
+            });
+        }
+        let rest = parts.split_off(1);
+        let mut version = self.set_group(group, parts[0], admins).await?;
+        for part in &rest {
+            let change = GroupChange {
+                add: part.iter().map(|m| m.as_ref().to_owned()).collect(),
+                expect_version: Some(version),
+                ..GroupChange::default()
+            };
+            version = self.change_group(group, change).await?;
+        }
+        Ok(GroupWritten {
+            version,
+            requests: 1 + rest.len(),
+        })
     }
 
     /// Removes a group (service tokens only).
@@ -245,5 +369,25 @@ impl Client {
             }),
             other => Err(Self::unexpected(other)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{name_cost, split};
+
+    #[test]
+    fn names_are_split_into_parts_within_the_budget() {
+        assert_eq!((name_cost("ann"), name_cost(&"x".repeat(128))), (4, 130));
+        let names: Vec<String> = (0..10).map(|i| format!("member{i:05}")).collect();
+        // 12 bytes each: three fit in 36.
+        let parts = split(&names, 36, name_cost);
+        assert_eq!(
+            parts.iter().map(|p| p.len()).collect::<Vec<_>>(),
+            [3, 3, 3, 1]
+        );
+        assert_eq!(parts.concat(), names, "every name once, in order");
+        assert_eq!(split(&names, 1000, name_cost).len(), 1);
+        assert_eq!(split::<String>(&[], 10, name_cost), [&[] as &[String]]);
     }
 }

@@ -187,7 +187,7 @@ pub use error::{
     Cause, ClientError, ConfigError, ConnectError, LostReason, ProtocolError, TlsError,
 };
 pub use events::{Carrier, Event, EventStats, Source, Updates};
-pub use groups::{GroupCursor, GroupPage, GroupRole, GroupSnapshot};
+pub use groups::{GroupChange, GroupCursor, GroupPage, GroupRole, GroupSnapshot, GroupWritten};
 pub use refresh::{token_expiry, TokenRefresh};
 pub use trust::{Certificate, Trust};
 
@@ -507,6 +507,9 @@ struct State {
     wanted: BTreeMap<String, Tier>,
     /// The highest version told of each subscribed group.
     group_versions: HashMap<u64, u64>,
+    /// The server's cap on a request's payload (the latest welcome's
+    /// `max_frame`, at least 1,024 as the driver enforces it).
+    max_frame: usize,
     closed: bool,
     stats: ClientStats,
 }
@@ -795,6 +798,7 @@ impl Client {
                 ids: HashMap::new(),
                 wanted: BTreeMap::new(),
                 group_versions: HashMap::new(),
+                max_frame: welcome.max_frame.max(1024) as usize,
                 closed: false,
                 stats: ClientStats {
                     carrier,
@@ -826,6 +830,12 @@ impl Client {
 
     pub fn user(&self) -> String {
         self.shared.state().user.clone()
+    }
+
+    /// The server's cap on a request's payload, from its latest welcome: a
+    /// larger request fails with `ConfigError::RequestTooLarge`.
+    pub fn max_frame(&self) -> usize {
+        self.shared.state().max_frame
     }
 
     pub fn device(&self) -> String {

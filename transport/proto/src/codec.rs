@@ -335,7 +335,7 @@ mod tests {
         );
         let error = crate::WireError::new(ErrorCode::NotMember, "");
         assert_eq!(postcard::to_stdvec(&error).unwrap(), [29, 0]);
-        for code in 29..=37u16 {
+        for code in 29..=38u16 {
             assert_eq!(ErrorCode::from(code).code(), code);
             assert!(!matches!(ErrorCode::from(code), ErrorCode::Other(_)));
         }
@@ -440,6 +440,32 @@ mod tests {
             push(Push::GroupEnded { group: u64::MAX }),
             hex("04 ff ff ff ff ff ff ff ff ff 01")
         );
+        let change = Request::ChangeGroup {
+            group: 42,
+            add: vec!["cy".into()],
+            remove: vec!["bob".into()],
+            add_admins: Vec::new(),
+            remove_admins: vec!["ann".into()],
+            expect_version: Some(3),
+        };
+        assert_eq!(
+            request(10, change),
+            hex("0a 13 2a 01 02 63 79 01 03 62 6f 62 00 01 03 61 6e 6e 01 03")
+        );
+        let promote = Request::ChangeGroup {
+            group: 42,
+            add: Vec::new(),
+            remove: Vec::new(),
+            add_admins: vec!["dee".into()],
+            remove_admins: Vec::new(),
+            expect_version: None,
+        };
+        assert_eq!(
+            request(11, promote),
+            hex("0b 13 2a 00 00 01 03 64 65 65 00 00")
+        );
+        let error = crate::WireError::new(ErrorCode::VersionMismatch, "");
+        assert_eq!(postcard::to_stdvec(&error).unwrap(), hex("26 00"));
     }
 
     /// The watched-page examples of docs/protocol.md, byte for byte.

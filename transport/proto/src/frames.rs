@@ -129,6 +129,22 @@ pub enum Request {
         group: u64,
         after: Option<GroupCursor>,
     },
+    /// Service tokens only: changes group `group` by difference. `remove`
+    /// leave (admins too), `remove_admins` stay members only; then `add`
+    /// join as members and `add_admins` as admins (and members): a name
+    /// both removed and added ends added. Creates the group if new (a
+    /// group that does not exist is at membership version 0). With
+    /// `expect_version`, changes only a group at that membership version,
+    /// else `VersionMismatch` and nothing changes. Answered `GroupSet` with
+    /// the new membership version; the same limits and pushes as `SetGroup`.
+    ChangeGroup {
+        group: u64,
+        add: Vec<String>,
+        remove: Vec<String>,
+        add_admins: Vec<String>,
+        remove_admins: Vec<String>,
+        expect_version: Option<u64>,
+    },
 }
 
 /// Frames on the control stream, from the server.
@@ -183,8 +199,8 @@ pub enum Answer {
     Revoked {
         closed: u32,
     },
-    /// The answer to `SetGroup`: the group's membership version (1, 2, …
-    /// per write).
+    /// The answer to `SetGroup` and `ChangeGroup`: the group's membership
+    /// version (1, 2, … per write).
     GroupSet {
         version: u64,
     },
@@ -455,6 +471,10 @@ pub enum ErrorCode {
     /// done. The message ends with `retry_ms=N`: the next page of that
     /// group is granted N ms from now.
     PageRateLimited,
+    /// A `ChangeGroup` expected another membership version (another writer
+    /// changed the group); nothing was changed. The message ends with
+    /// `version=N`, the group's membership version (0: no such group).
+    VersionMismatch,
     Other(u16),
 }
 
@@ -495,6 +515,7 @@ impl ErrorCode {
             ErrorCode::Unsupported => 35,
             ErrorCode::TooManyWatchedPages => 36,
             ErrorCode::PageRateLimited => 37,
+            ErrorCode::VersionMismatch => 38,
             ErrorCode::Other(code) => code,
         }
     }
@@ -537,6 +558,7 @@ impl From<u16> for ErrorCode {
             35 => ErrorCode::Unsupported,
             36 => ErrorCode::TooManyWatchedPages,
             37 => ErrorCode::PageRateLimited,
+            38 => ErrorCode::VersionMismatch,
             other => ErrorCode::Other(other),
         }
     }
@@ -674,6 +696,13 @@ impl From<greendot_core::Error> for WireError {
                         "too many member pages of this group: retry_ms={}",
                         retry_after.0
                     ),
+                );
+            }
+            Error::VersionMismatch { current } => {
+                // `version=` last, so a backend reads the version to retry from.
+                return WireError::new(
+                    ErrorCode::VersionMismatch,
+                    format!("the group changed: version={current}"),
                 );
             }
             _ => ErrorCode::Internal,

@@ -1027,7 +1027,8 @@ impl Hub {
             | Request::GroupPage { .. }
             | Request::GroupWatchPage { .. }
             | Request::GroupRenewWatch { .. }
-            | Request::GroupUnwatchPage { .. }) => self.group_request(now, session, svc, request),
+            | Request::GroupUnwatchPage { .. }
+            | Request::ChangeGroup { .. }) => self.group_request(now, session, svc, request),
         }
     }
 

@@ -8,7 +8,9 @@
 
 use super::{Hub, HubOutput};
 use bytes::Bytes;
-use greendot_core::{GroupId, GroupOutput, Millis, PageCursor, SessionId, Tier, UserId};
+use greendot_core::{
+    GroupChange, GroupId, GroupOutput, Millis, PageCursor, SessionId, Tier, UserId,
+};
 use greendot_proto::{
     self as proto, Answer, ErrorCode, GroupCursor, GroupEntry, GroupPage, GroupSnapshot, Request,
     WireError,
@@ -31,6 +33,18 @@ impl Hub {
             } => {
                 service_only(svc, "setting a group")?;
                 self.set_group(now, GroupId(group), &members, &admins)
+            }
+            Request::ChangeGroup {
+                group,
+                add,
+                remove,
+                add_admins,
+                remove_admins,
+                expect_version,
+            } => {
+                service_only(svc, "changing a group")?;
+                let lists = [&add, &remove, &add_admins, &remove_admins];
+                self.change_group(now, GroupId(group), lists, expect_version)
             }
             Request::RemoveGroup { group } => {
                 service_only(svc, "removing a group")?;
@@ -166,11 +180,84 @@ impl Hub {
                 }
             }
         }
+        let interned: Vec<UserId> = member_ids.iter().chain(&admin_ids).copied().collect();
+        self.write_group(group, &interned, |core| {
+            core.handle_set_group(now, group, &member_ids, &admin_ids)
+        })
+    }
+
+    /// Changes a group by difference (`lists`: add, remove, add_admins,
+    /// remove_admins), checked as `set_group` is. Names to remove that
+    /// were never interned are no members: they are skipped, not interned.
+    fn change_group(
+        &mut self,
+        now: Millis,
+        group: GroupId,
+        lists: [&Vec<String>; 4],
+        expect: Option<u64>,
+    ) -> Result<Answer, WireError> {
+        let [add, remove, add_admins, remove_admins] = lists;
+        let config = self.core.config();
+        if add_admins.len().max(remove_admins.len()) > config.max_group_admins {
+            return Err(WireError::new(
+                ErrorCode::TooManyGroupAdmins,
+                format!(
+                    "at most {} admins per group (and per list)",
+                    config.max_group_admins
+                ),
+            ));
+        }
+        if add.len().max(remove.len()) > config.max_group_members {
+            return Err(WireError::new(
+                ErrorCode::TooManyGroupMembers,
+                format!(
+                    "at most {} members per group (and per list), admins included",
+                    config.max_group_members
+                ),
+            ));
+        }
+        for name in lists.into_iter().flatten() {
+            self.name_ok(name, "member")?;
+        }
+        let known = |hub: &Hub, names: &[String]| -> Vec<UserId> {
+            names.iter().filter_map(|n| hub.user_id(n)).collect()
+        };
+        let remove_ids = known(self, remove);
+        let remove_admin_ids = known(self, remove_admins);
+        let mut interned = Vec::with_capacity(add.len() + add_admins.len());
+        for name in add.iter().chain(add_admins) {
+            match self.intern_user(name) {
+                Ok(id) => interned.push(id),
+                Err(e) => {
+                    self.idle.extend(&interned);
+                    return Err(e);
+                }
+            }
+        }
+        let (add_ids, add_admin_ids) = interned.split_at(add.len());
+        let change = GroupChange {
+            add: add_ids,
+            remove: &remove_ids,
+            add_admins: add_admin_ids,
+            remove_admins: &remove_admin_ids,
+            expect,
+        };
+        self.write_group(group, &interned, |core| {
+            core.handle_change_group(now, group, &change)
+        })
+    }
+
+    /// Runs a membership write of the core and moves the names' references
+    /// from the old members to the new. `interned`: the names the request
+    /// interned, noted idle when the core refuses it (nothing holds them).
+    fn write_group(
+        &mut self,
+        group: GroupId,
+        interned: &[UserId],
+        write: impl FnOnce(&mut greendot_core::Core) -> Result<u64, greendot_core::Error>,
+    ) -> Result<Answer, WireError> {
         let old = self.group_member_ids(group);
-        match self
-            .core
-            .handle_set_group(now, group, &member_ids, &admin_ids)
-        {
+        match write(&mut self.core) {
             Ok(version) => {
                 // The new references first: a member who stays never drops to 0.
                 for id in self.group_member_ids(group) {
@@ -180,7 +267,7 @@ impl Hub {
                 Ok(Answer::GroupSet { version })
             }
             Err(e) => {
-                self.idle.extend(member_ids.iter().chain(&admin_ids));
+                self.idle.extend(interned);
                 Err(e.into())
             }
         }
@@ -300,7 +387,7 @@ mod tests {
     use super::super::{Hub, HubLimits};
     use crate::token::{Claims, WatchClaim};
     use greendot_core::{Millis, SessionId};
-    use greendot_proto::{Answer, Kind, Request};
+    use greendot_proto::{Answer, ErrorCode, Kind, Request};
     use std::time::Duration;
 
     /// A member name is never freed (its id given to another name) while
@@ -339,5 +426,60 @@ mod tests {
         assert_eq!(hub.request(Millis(4), svc, remove).unwrap(), Answer::Done);
         sweep(&mut hub);
         assert_eq!(hub.user_id("bob"), None);
+    }
+
+    /// A change by difference moves the names' references as a whole
+    /// write does, a refused one leaves no name behind, and only a service
+    /// token may change a group.
+    #[test]
+    fn a_change_holds_the_names_it_adds_and_frees_the_ones_it_removes() {
+        let mut hub = Hub::new(Default::default(), HubLimits::default(), 0).unwrap();
+        let claims = |user: &str| {
+            Claims::new(
+                user,
+                "b",
+                Kind::Other,
+                WatchClaim::all(),
+                Duration::from_secs(60),
+            )
+        };
+        let svc = hub
+            .hello(Millis(1), &claims("backend").service(), None, true)
+            .unwrap();
+        let svc = SessionId(svc.session);
+        let names = |list: &[&str]| list.iter().map(|m| m.to_string()).collect::<Vec<_>>();
+        let change = |add: &[&str], remove: &[&str], expect| Request::ChangeGroup {
+            group: 7,
+            add: names(add),
+            remove: names(remove),
+            add_admins: Vec::new(),
+            remove_admins: names(&["never-seen"]),
+            expect_version: expect,
+        };
+        let sweep = |hub: &mut Hub| {
+            hub.release_idle();
+            hub.sweep(1_000);
+        };
+        let answer = hub.request(Millis(2), svc, change(&["ann", "bob"], &[], Some(0)));
+        assert_eq!(answer.unwrap(), Answer::GroupSet { version: 1 });
+        assert_eq!(hub.user_id("never-seen"), None, "a removal interns nothing");
+        let stale = hub.request(Millis(3), svc, change(&["cy"], &["ann"], Some(0)));
+        assert_eq!(stale.unwrap_err().code, ErrorCode::VersionMismatch);
+        // Told at once, not found later by the sweep.
+        hub.release_idle();
+        assert_eq!(hub.user_id("cy"), None, "a refused change leaves no name");
+        assert!(hub.user_id("ann").is_some(), "ann is still a member: held");
+        let answer = hub.request(Millis(4), svc, change(&[], &["ann"], Some(1)));
+        assert_eq!(answer.unwrap(), Answer::GroupSet { version: 2 });
+        sweep(&mut hub);
+        assert_eq!(hub.user_id("ann"), None, "ann left: her name goes");
+        assert!(hub.user_id("bob").is_some());
+        let user = hub.hello(Millis(5), &claims("bob"), None, true).unwrap();
+        let refused = hub.request(
+            Millis(5),
+            SessionId(user.session),
+            change(&["x"], &[], None),
+        );
+        assert_eq!(refused.unwrap_err().code, ErrorCode::ServiceOnly);
     }
 }

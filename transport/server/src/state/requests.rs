@@ -106,7 +106,8 @@ impl ServerState {
                     | proto::Request::GroupPage { .. }
                     | proto::Request::GroupWatchPage { .. }
                     | proto::Request::GroupRenewWatch { .. }
-                    | proto::Request::GroupUnwatchPage { .. },
+                    | proto::Request::GroupUnwatchPage { .. }
+                    | proto::Request::ChangeGroup { .. },
                 ..
             } = &step
             {

@@ -56,14 +56,32 @@ pub async fn run_set(
     let members = read_users(members)?;
     let admins = admins.map(read_users).transpose()?.unwrap_or_default();
     let (client, _updates) = connect(args).await?;
-    let result = client.set_group(group, &members, &admins).await;
+    let max_frame = client.max_frame();
+    let result = client.set_group_in_parts(group, &members, &admins).await;
     client.close().await;
-    let version = result.map_err(|e| format!("cannot set group {group}: {e}"))?;
-    say(&format!(
-        "group {group}: version {version}, {} members listed, {} admins",
+    let written = result.map_err(|e| match &e {
+        ClientError::Server(w) if w.code == ErrorCode::VersionMismatch => format!(
+            "cannot set group {group}: another writer changed it while it was written in \
+             parts ({e}); it holds part of the list: run again"
+        ),
+        _ => format!("cannot set group {group}: {e}"),
+    })?;
+    let mut said = format!(
+        "group {group}: version {}, {} members listed, {} admins",
+        written.version,
         members.len(),
         admins.len()
-    ));
+    );
+    if written.requests > 1 {
+        // Why the version is not 1 for a new group, and why it took long.
+        said.push_str(&format!(
+            " (written in {} requests: the list is larger than the server's frame cap of \
+             {max_frame} bytes, so the first part was set and the rest added in parts, \
+             each expecting the version before it)",
+            written.requests
+        ));
+    }
+    say(&said);
     Ok(())
 }
 

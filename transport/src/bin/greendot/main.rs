@@ -123,7 +123,9 @@ enum Command {
 #[derive(Subcommand, Debug)]
 enum GroupCommand {
     /// Write a group whole from files of user ids, one per line ('#'
-    /// starts a comment); needs a service token. Prints its version.
+    /// starts a comment); needs a service token. Prints its version. A
+    /// list larger than the server's frame cap is written in parts (the
+    /// first part set, the rest added), and it says so.
     Set {
         #[command(flatten)]
         client: ClientArgs,

@@ -27,7 +27,8 @@ var REQUEST_TYPES = [
   "groupPage",
   "groupWatchPage",
   "groupRenewWatch",
-  "groupUnwatchPage"
+  "groupUnwatchPage",
+  "changeGroup"
 ];
 var GROUP_ROLES = ["member", "admin"];
 var ErrorCode = {
@@ -64,7 +65,8 @@ var ErrorCode = {
   TooManyGroups: 34,
   Unsupported: 35,
   TooManyWatchedPages: 36,
-  PageRateLimited: 37
+  PageRateLimited: 37,
+  VersionMismatch: 38
 };
 var CloseCode = {
   Normal: 0,
@@ -441,6 +443,11 @@ function writeRequest(w, req) {
     case "groupUnwatchPage":
       w.u64(req.group).option(req.after, writeGroupCursor);
       return;
+    case "changeGroup":
+      w.u64(req.group).seq(req.add, writeString).seq(req.remove, writeString);
+      w.seq(req.addAdmins, writeString).seq(req.removeAdmins, writeString);
+      w.option(req.expectVersion, (w2, v) => w2.u64(v));
+      return;
   }
 }
 function readRequest(r) {
@@ -479,6 +486,16 @@ function readRequest(r) {
     case "groupRenewWatch":
     case "groupUnwatchPage":
       return { type, group: r.u64(), after: r.option(readGroupCursor) };
+    case "changeGroup":
+      return {
+        type,
+        group: r.u64(),
+        add: r.seq(readString),
+        remove: r.seq(readString),
+        addAdmins: r.seq(readString),
+        removeAdmins: r.seq(readString),
+        expectVersion: r.option((r2) => r2.u64())
+      };
   }
 }
 function encodeRequestFrame(frame) {
@@ -1524,6 +1541,28 @@ var Client = class _Client {
    */
   async setGroup(group, members, admins = []) {
     return expect(await this.call({ type: "setGroup", group: groupId(group), members, admins }), "groupSet").version;
+  }
+  /**
+   * Service tokens only: changes group `group` by difference. `remove`
+   * leave (admins too), `removeAdmins` stay members only; then `add` join
+   * as members and `addAdmins` as admins (and members). Creates the group
+   * if new (a group that does not exist is at version 0). With
+   * `expectVersion`, changes only a group at that membership version, else
+   * a `ServerError` with code `VersionMismatch` (38) and nothing changes:
+   * a backend writing in several steps sees a concurrent writer. Resolves
+   * to the new membership version. The same limits as `setGroup`.
+   */
+  async changeGroup(group, change) {
+    const request = {
+      type: "changeGroup",
+      group: groupId(group),
+      add: change.add ?? [],
+      remove: change.remove ?? [],
+      addAdmins: change.addAdmins ?? [],
+      removeAdmins: change.removeAdmins ?? [],
+      expectVersion: change.expectVersion === void 0 || change.expectVersion === null ? null : BigInt(change.expectVersion)
+    };
+    return expect(await this.call(request), "groupSet").version;
   }
   /** Service tokens only: removes a group; its subscribers get `groupEnded`. */
   async removeGroup(group) {
