@@ -105,7 +105,9 @@ impl Hub {
         watch: bool,
     ) -> Result<Answer, WireError> {
         let from = cursor(after);
-        let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+        let limit = usize::try_from(limit)
+            .unwrap_or(usize::MAX)
+            .min(self.page_entries_that_fit());
         let group = GroupId(group);
         let page = if watch {
             self.core
@@ -124,6 +126,24 @@ impl Hub {
                 after: c.after.0,
             }),
         }))
+    }
+
+    /// How many entries a member page may hold so that its answer always
+    /// fits the server frames clients accept (`proto::MAX_SERVER_FRAME`),
+    /// every entry at its largest: the longest name, the longest status
+    /// message, every number at its widest. Past it (a large configured
+    /// page size or message cap) the page answers fewer entries, its
+    /// cursor after the last one sent. At the defaults (200 entries of at
+    /// most about 420 bytes) it is about 40,000: no cut.
+    fn page_entries_that_fit(&self) -> usize {
+        fn string(len: usize) -> usize {
+            len + VARINT_MAX
+        }
+        let message = 1 + string(self.core.config().max_message_len);
+        // version, online, status, message, kinds, last_seen, invisible.
+        let presence = VARINT_MAX + 1 + 1 + message + 1 + 1 + VARINT_MAX + 1;
+        let entry = string(self.limits.max_name_len) + presence;
+        (proto::MAX_SERVER_FRAME.saturating_sub(PAGE_OVERHEAD) / entry).max(1)
     }
 
     fn group_entries(&self, entries: &[(UserId, greendot_core::Presence)]) -> Vec<GroupEntry> {
@@ -364,6 +384,13 @@ impl Hub {
     }
 }
 
+/// The widest varint (a `u64`).
+const VARINT_MAX: usize = 10;
+
+/// Bytes of a page's answer besides its entries, at most: the reply's tags
+/// and id, the group, version, count, the entries' length and the cursor.
+const PAGE_OVERHEAD: usize = 64;
+
 fn cursor(after: Option<GroupCursor>) -> Option<PageCursor> {
     after.map(|c| PageCursor {
         online: c.online,
@@ -426,6 +453,94 @@ mod tests {
         assert_eq!(hub.request(Millis(4), svc, remove).unwrap(), Answer::Done);
         sweep(&mut hub);
         assert_eq!(hub.user_id("bob"), None);
+    }
+
+    /// A member page whose entries at their largest would pass the server
+    /// frame clients accept (a page size of 1,000 and 64 KiB messages)
+    /// answers fewer entries, within the cap, and its cursor goes on
+    /// after the last one sent: the next page lists the rest.
+    #[test]
+    fn a_page_that_would_pass_the_frame_cap_answers_fewer_entries() {
+        use greendot_proto::{GroupEntry, ServerFrame, Status, MAX_SERVER_FRAME};
+        let config = greendot_core::Config {
+            max_message_len: 65_536,
+            group_page_size: 1_000,
+            ..Default::default()
+        };
+        let mut hub = Hub::new(config, HubLimits::default(), 0).unwrap();
+        let claims = |user: &str| {
+            Claims::new(
+                user,
+                "d",
+                Kind::Other,
+                WatchClaim::all(),
+                Duration::from_secs(60),
+            )
+        };
+        let svc = hub
+            .hello(Millis(1), &claims("backend").service(), None, true)
+            .unwrap();
+        let names: Vec<String> = (0..300)
+            .map(|i| format!("{i:03}{}", "x".repeat(125)))
+            .collect();
+        let set = Request::SetGroup {
+            group: 3,
+            members: names.clone(),
+            admins: Vec::new(),
+        };
+        hub.request(Millis(2), SessionId(svc.session), set).unwrap();
+        let mut sessions = Vec::new();
+        for name in &names {
+            let welcome = hub.hello(Millis(3), &claims(name), None, true).unwrap();
+            let session = SessionId(welcome.session);
+            let status = Request::SetStatus {
+                status: Status::Busy,
+                message: Some("m".repeat(65_536)),
+            };
+            hub.request(Millis(3), session, status).unwrap();
+            sessions.push(session);
+        }
+        // Published after the debounce.
+        hub.handle_timeout(Millis(10_000));
+        let mut listed: Vec<GroupEntry> = Vec::new();
+        let mut after = None;
+        let mut pages = 0;
+        loop {
+            let ask = Request::GroupPage {
+                group: 3,
+                after,
+                limit: 1_000,
+            };
+            let Answer::GroupPage(page) = hub.request(Millis(10_000), sessions[0], ask).unwrap()
+            else {
+                panic!("not a page");
+            };
+            pages += 1;
+            let entries = page.entries.len();
+            let frame = greendot_proto::encode_frame(&ServerFrame::Reply {
+                id: u64::MAX,
+                result: Ok(Answer::GroupPage(page.clone())),
+            })
+            .unwrap();
+            assert!(
+                frame.len() - 4 <= MAX_SERVER_FRAME,
+                "a page of {entries} entries is {} bytes",
+                frame.len()
+            );
+            listed.extend(page.entries);
+            match page.next {
+                Some(next) => after = Some(next),
+                None => break,
+            }
+        }
+        assert!(pages >= 2, "one page held all 300");
+        assert!(listed
+            .iter()
+            .all(|e| e.presence.online
+                && e.presence.message.as_deref().map(str::len) == Some(65_536)));
+        let mut users: Vec<String> = listed.into_iter().map(|e| e.user).collect();
+        users.sort();
+        assert_eq!(users, names, "every member once");
     }
 
     /// A change by difference moves the names' references as a whole
