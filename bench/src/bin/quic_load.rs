@@ -34,6 +34,14 @@
 //! whichever core the server runs, and pinning the generator to one core
 //! would take from it the 0.75 of a core the cap leaves free.
 //!
+//! `-- --server-keep-alive 15 --server-idle-timeout 45` set the server's
+//! QUIC keep-alive and idle timeout in seconds (its defaults), and
+//! `-- --keep-alive 10` gives the devices a keep-alive of their own (none
+//! by default: they answer the server's, as the client library does when
+//! its own is off). quinn restarts a side's keep-alive timer at every
+//! packet it receives, so the shorter of the two sets the pace: what a calm
+//! session costs against the keep-alive (docs/benchmarks.md).
+//!
 //! `-- --server-nice -10` runs the server process at that nice value (a
 //! negative one needs root): the scheduler then gives the server the CPU
 //! it asks for before the load generator, as on a machine of its own,
@@ -67,6 +75,14 @@ fn unhex(s: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
+/// Seconds as given on the command line; a bad value stops the run.
+fn secs(s: f64) -> Duration {
+    Duration::try_from_secs_f64(s).unwrap_or_else(|e| {
+        eprintln!("quic_load: {s} is not a number of seconds: {e}");
+        std::process::exit(2);
+    })
+}
+
 /// The child: a server on 127.0.0.1, until its standard input closes.
 fn serve() {
     let max: usize = arg("--max-connections", 110_000);
@@ -97,6 +113,11 @@ fn serve() {
         if flag("--websocket") {
             config.websocket = Some("127.0.0.1:0".parse().unwrap_or_else(|e| panic!("{e}")));
         }
+        config.keep_alive = secs(arg("--server-keep-alive", config.keep_alive.as_secs_f64()));
+        config.idle_timeout = secs(arg(
+            "--server-idle-timeout",
+            config.idle_timeout.as_secs_f64(),
+        ));
         let server = Server::bind(config).unwrap_or_else(|e| panic!("server: {e}"));
         println!("ADDR {}", server.local_addr());
         if let Some(ws) = server.websocket_addr() {
@@ -185,8 +206,13 @@ fn start_server_with(n: usize, websocket: bool) -> Result<Started, String> {
     let max = (n + n / 5 + 1000).to_string();
     let mut args = vec!["--serve", "--max-connections", &max];
     // Passed on to the server process as given.
-    let passed =
-        ["--max-handshakes-per-sec", "--server-nice"].map(|name| (name, arg(name, String::new())));
+    let passed = [
+        "--max-handshakes-per-sec",
+        "--server-nice",
+        "--server-keep-alive",
+        "--server-idle-timeout",
+    ]
+    .map(|name| (name, arg(name, String::new())));
     for (name, value) in &passed {
         if !value.is_empty() {
             args.extend([*name, value.as_str()]);
@@ -387,6 +413,15 @@ fn main() {
         baseline / 1e6
     );
     eprintln!("open-file limit {nofile}; N = {ns:?}, {duration:?} of churn at {churn} per second");
+    eprintln!(
+        "keep-alive: the server's {} s (jittered over 0.75-1 of it), idle timeout {} s; the devices' {}",
+        arg("--server-keep-alive", 15.0f64),
+        arg("--server-idle-timeout", 45.0f64),
+        match arg("--keep-alive", 0.0f64) {
+            0.0 => "none (they answer)".to_string(),
+            s => format!("{s} s"),
+        }
+    );
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -412,6 +447,10 @@ fn main() {
         opts.connect_concurrency = concurrency;
         opts.ramp_timeout = ramp_timeout;
         opts.burst = burst;
+        opts.keep_alive = match arg("--keep-alive", 0.0f64) {
+            0.0 => None,
+            s => Some(secs(s)),
+        };
         let report = runtime.block_on(loadgen::run(opts));
         eprintln!("{}\n{report}", LoadReport::header());
         eprintln!(

@@ -385,8 +385,7 @@ pub(crate) fn device_rng(i: usize) -> impl FnMut() -> f64 {
 pub(crate) fn client_endpoint(opts: &LoadOptions, index: usize) -> Result<quinn::Endpoint, String> {
     let crypto = tls::client_crypto(&opts.roots, proto::ALPN).map_err(|e| e.to_string())?;
     let mut transport = quinn::TransportConfig::default();
-    // The server's keep-alive is the heartbeat; the client only answers it.
-    transport.keep_alive_interval(None);
+    transport.keep_alive_interval(opts.keep_alive);
     transport.max_idle_timeout(Some(
         Duration::from_secs(120)
             .try_into()

@@ -93,6 +93,11 @@ pub struct LoadOptions {
     /// A mass reconnect, or a step of new connections, inside the measured
     /// window (QUIC only). Default `None`.
     pub burst: Option<Burst>,
+    /// The devices' own QUIC keep-alive. Default `None`: the server's
+    /// keep-alive paces the connection and a device only answers it (quinn
+    /// restarts a side's keep-alive timer at every packet it receives, so the
+    /// shorter of the two sets the pace). The client library's is 10 s.
+    pub keep_alive: Option<Duration>,
 }
 
 /// Devices `0..sessions` close their connection `after` into the measured
@@ -113,7 +118,8 @@ pub struct Burst {
 
 impl LoadOptions {
     /// Defaults: 8 endpoints, 20 realtime contacts, 1% churn per second (half
-    /// reconnects), 30 s, 256 handshakes in flight, debounce 300 ms.
+    /// reconnects), 30 s, 256 handshakes in flight, debounce 300 ms, no
+    /// keep-alive of the devices' own.
     pub fn new(
         server: SocketAddr,
         roots: Vec<CertificateDer<'static>>,
@@ -141,6 +147,7 @@ impl LoadOptions {
             user_prefix: "lg".into(),
             websocket: None,
             burst: None,
+            keep_alive: None,
         }
     }
 }

@@ -97,7 +97,9 @@ impl LoadReport {
             "| {} | {} | {} | {} | {} | {} | {} |",
             self.target,
             opt_f(self.server_cap, 2),
-            opt_f(self.server_cpu_window, 2),
+            // Clock ticks of 10 ms over the window: at 30 s, 0.001 of a
+            // core is 3 ticks, so the third digit means something.
+            opt_f(self.server_cpu_window, 3),
             self.server_throttled.map_or("-".into(), |(t, p)| format!(
                 "{t} of {p} ({:.0}%)",
                 t as f64 * 100.0 / p.max(1) as f64
