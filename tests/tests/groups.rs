@@ -8,7 +8,7 @@
 //! deltas of its members and runs out unless renewed; a 4th watch and a
 //! page past the budget are refused clearly.
 
-use greendot_client::{Client, ClientError, ConfigError, Event, Source};
+use greendot_client::{Client, ClientError, ConfigError, Event, GroupChange, Source};
 use greendot_core::Millis;
 use greendot_proto::{ErrorCode, GroupRole, Kind};
 use greendot_tests::{Recorder, Relay, TestServer, SLACK};
@@ -212,6 +212,84 @@ async fn a_non_member_is_refused() {
     let refused = nora.group_unsubscribe(GROUP).await.unwrap_err();
     assert_eq!(refused.code(), Some(ErrorCode::NotSubscribed), "{refused}");
     nora.ping().await.unwrap();
+}
+
+/// A backend changes a group by difference through a real server: a
+/// member added subscribes, an admin hears the count of each change, a
+/// stale expected version is refused with the group's version and changes
+/// nothing, a member removed gets `GroupEnded`, and only a service token
+/// may change a group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_changed_by_difference_tells_its_subscribers() {
+    let ts = TestServer::start(|c| c.core.group_interval = Millis(30_000));
+    let svc = service(&ts).await;
+    let add = |names: &[&str], expect| GroupChange {
+        add: names.iter().map(|n| n.to_string()).collect(),
+        expect_version: expect,
+        ..GroupChange::default()
+    };
+    assert_eq!(
+        svc.change_group(GROUP, add(&["ann"], Some(0)))
+            .await
+            .unwrap(),
+        1
+    );
+    let promote = GroupChange {
+        add_admins: vec!["ada".into()],
+        ..GroupChange::default()
+    };
+    assert_eq!(svc.change_group(GROUP, promote).await.unwrap(), 2);
+    let (ada, mut ada_seen) = ts.connect("ada", "laptop", Kind::Desktop).await;
+    assert_eq!(
+        ada.group_subscribe(GROUP).await.unwrap().role,
+        GroupRole::Admin
+    );
+    let (bob, mut bob_seen) = ts.connect("bob", "phone", Kind::Mobile).await;
+    let refused = bob.group_subscribe(GROUP).await.unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::NotMember), "{refused}");
+    assert_eq!(
+        svc.change_group(GROUP, add(&["bob"], Some(2)))
+            .await
+            .unwrap(),
+        3
+    );
+    let snap = bob.group_subscribe(GROUP).await.unwrap();
+    assert_eq!((snap.role, snap.members), (GroupRole::Member, 3));
+    // The admin is told a count after the change, at once.
+    let told = ada_seen
+        .wait_for(SLACK, |e| {
+            matches!(e, Event::GroupCount { group: GROUP, .. })
+        })
+        .await;
+    assert!(told.is_some(), "{:?}", ada_seen.seen);
+    let stale = svc
+        .change_group(GROUP, add(&["cy"], Some(2)))
+        .await
+        .unwrap_err();
+    assert_eq!(stale.code(), Some(ErrorCode::VersionMismatch), "{stale}");
+    assert!(stale.to_string().ends_with("version=3"), "{stale}");
+    let (cy, _) = ts.connect("cy", "phone", Kind::Mobile).await;
+    let refused = cy.group_subscribe(GROUP).await.unwrap_err();
+    assert_eq!(
+        refused.code(),
+        Some(ErrorCode::NotMember),
+        "nothing changed"
+    );
+    let leave = GroupChange {
+        remove: vec!["bob".into()],
+        expect_version: Some(3),
+        ..GroupChange::default()
+    };
+    assert_eq!(svc.change_group(GROUP, leave).await.unwrap(), 4);
+    let ended = bob_seen
+        .wait_for(SLACK, |e| matches!(e, Event::GroupEnded { group: GROUP }))
+        .await;
+    assert!(ended.is_some(), "{:?}", bob_seen.seen);
+    let refused = bob
+        .change_group(GROUP, add(&["bob"], None))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::ServiceOnly), "{refused}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
