@@ -100,6 +100,15 @@ enum Req {
         group: u8,
         after: Option<(bool, u64)>,
     },
+    ChangeGroup {
+        group: u8,
+        add: Vec<u8>,
+        remove: Vec<u8>,
+        add_admins: Vec<u8>,
+        remove_admins: Vec<u8>,
+        junk: Option<String>,
+        expect_version: Option<u8>,
+    },
 }
 
 fn cursor(after: Option<(bool, u64)>) -> Option<proto::GroupCursor> {
@@ -192,6 +201,23 @@ fn request(r: Req) -> Request {
         Req::GroupUnwatchPage { group, after } => Request::GroupUnwatchPage {
             group: u64::from(group % 4),
             after: cursor(after),
+        },
+        // Small expected versions, so that some match.
+        Req::ChangeGroup {
+            group,
+            add,
+            remove,
+            add_admins,
+            remove_admins,
+            junk,
+            expect_version,
+        } => Request::ChangeGroup {
+            group: u64::from(group % 4),
+            add: add.into_iter().map(name).chain(junk).collect(),
+            remove: remove.into_iter().map(name).collect(),
+            add_admins: add_admins.into_iter().map(name).collect(),
+            remove_admins: remove_admins.into_iter().map(name).collect(),
+            expect_version: expect_version.map(|v| u64::from(v % 8)),
         },
     }
 }
