@@ -101,6 +101,33 @@ impl GreendotClient {
         on_runtime(async move { Ok(client.set_group(group, &members, &admins).await?) }).await
     }
 
+    /// Service tokens only (a backend): changes a group by difference.
+    /// `remove` leave (admins too), `remove_admins` stay members only; then
+    /// `add` join as members and `add_admins` as admins (and members).
+    /// Creates the group if new (a group that does not exist is at version
+    /// 0). With `expect_version`, changes only a group at that membership
+    /// version, else `Server` with code `VersionMismatch` and nothing
+    /// changed. Returns the new membership version.
+    pub async fn change_group(
+        &self,
+        group: u64,
+        add: Vec<String>,
+        remove: Vec<String>,
+        add_admins: Vec<String>,
+        remove_admins: Vec<String>,
+        expect_version: Option<u64>,
+    ) -> Result<u64, GreendotError> {
+        let client = self.client();
+        let change = greendot_client::GroupChange {
+            add,
+            remove,
+            add_admins,
+            remove_admins,
+            expect_version,
+        };
+        on_runtime(async move { Ok(client.change_group(group, change).await?) }).await
+    }
+
     /// Service tokens only: removes a group; its subscribers get `GroupEnded`.
     pub async fn remove_group(&self, group: u64) -> Result<(), GreendotError> {
         let client = self.client();

@@ -411,8 +411,14 @@ val cases = listOf(
         assertEquals("NotMember", assertFailsWith<GreendotException.Server> { mo.groupSubscribe(7uL) }.code)
         assertFailsWith<GreendotException.Server> { kai.setGroup(7uL, listOf("kai"), emptyList()) }
 
-        // kai leaves the group: his subscription ends; removing it ends lu's.
-        assertEquals(2uL, svc.setGroup(7uL, listOf("lu"), emptyList()))
+        // kai leaves the group, by difference: his subscription ends. A
+        // change expecting another version is refused and changes nothing.
+        // Removing the group ends lu's.
+        val stale = assertFailsWith<GreendotException.Server> {
+            svc.changeGroup(7uL, emptyList(), listOf("kai"), emptyList(), emptyList(), 0uL)
+        }
+        assertEquals("VersionMismatch", stale.code)
+        assertEquals(2uL, svc.changeGroup(7uL, emptyList(), listOf("kai"), emptyList(), emptyList(), 1uL))
         counts.waitFor("the end of kai's") { it is ClientEvent.GroupEnded && it.group == 7uL }
         svc.removeGroup(7uL)
         deltas.waitFor("the end of lu's") { it is ClientEvent.GroupEnded && it.group == 7uL }

@@ -253,8 +253,12 @@ class GreendotTest(unittest.IsolatedAsyncioTestCase):
         with self.assertRaises(gd.GreendotError.Server):
             await kai.set_group(7, ["kai"], [])
 
-        # kai leaves the group: his subscription ends.
-        self.assertEqual(await svc.set_group(7, ["lu"], []), 2)
+        # kai leaves the group, by difference: his subscription ends. A
+        # change expecting another version is refused and changes nothing.
+        with self.assertRaises(gd.GreendotError.Server) as caught:
+            await svc.change_group(7, [], ["kai"], [], [], 0)
+        self.assertEqual(caught.exception.code, "VersionMismatch")
+        self.assertEqual(await svc.change_group(7, [], ["kai"], [], [], 1), 2)
         await counts.wait_for("the end", lambda e: e.is_GROUP_ENDED() and e.group == 7)
         await svc.remove_group(7)
         await deltas.wait_for("the end", lambda e: e.is_GROUP_ENDED() and e.group == 7)

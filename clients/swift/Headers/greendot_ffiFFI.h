@@ -374,6 +374,11 @@ uint64_t uniffi_greendot_ffi_fn_method_greendotclient_unsubscribe(uint64_t ptr, 
 RustBuffer uniffi_greendot_ffi_fn_method_greendotclient_user(uint64_t ptr, RustCallStatus *_Nonnull out_status
 );
 #endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_GREENDOT_FFI_FN_METHOD_GREENDOTCLIENT_CHANGE_GROUP
+#define UNIFFI_FFIDEF_UNIFFI_GREENDOT_FFI_FN_METHOD_GREENDOTCLIENT_CHANGE_GROUP
+uint64_t uniffi_greendot_ffi_fn_method_greendotclient_change_group(uint64_t ptr, uint64_t group, RustBuffer add, RustBuffer remove, RustBuffer add_admins, RustBuffer remove_admins, RustBuffer expect_version
+);
+#endif
 #ifndef UNIFFI_FFIDEF_UNIFFI_GREENDOT_FFI_FN_METHOD_GREENDOTCLIENT_GROUP_PAGE
 #define UNIFFI_FFIDEF_UNIFFI_GREENDOT_FFI_FN_METHOD_GREENDOTCLIENT_GROUP_PAGE
 uint64_t uniffi_greendot_ffi_fn_method_greendotclient_group_page(uint64_t ptr, uint64_t group, RustBuffer after, uint32_t limit
@@ -843,6 +848,12 @@ uint16_t uniffi_greendot_ffi_checksum_method_greendotclient_unsubscribe(void
 #ifndef UNIFFI_FFIDEF_UNIFFI_GREENDOT_FFI_CHECKSUM_METHOD_GREENDOTCLIENT_USER
 #define UNIFFI_FFIDEF_UNIFFI_GREENDOT_FFI_CHECKSUM_METHOD_GREENDOTCLIENT_USER
 uint16_t uniffi_greendot_ffi_checksum_method_greendotclient_user(void
+    
+);
+#endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_GREENDOT_FFI_CHECKSUM_METHOD_GREENDOTCLIENT_CHANGE_GROUP
+#define UNIFFI_FFIDEF_UNIFFI_GREENDOT_FFI_CHECKSUM_METHOD_GREENDOTCLIENT_CHANGE_GROUP
+uint16_t uniffi_greendot_ffi_checksum_method_greendotclient_change_group(void
     
 );
 #endif

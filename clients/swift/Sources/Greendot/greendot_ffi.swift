@@ -715,6 +715,17 @@ public protocol GreendotClientProtocol: AnyObject, Sendable {
     func user()  -> String
     
     /**
+     * Service tokens only (a backend): changes a group by difference.
+     * `remove` leave (admins too), `remove_admins` stay members only; then
+     * `add` join as members and `add_admins` as admins (and members).
+     * Creates the group if new (a group that does not exist is at version
+     * 0). With `expect_version`, changes only a group at that membership
+     * version, else `Server` with code `VersionMismatch` and nothing
+     * changed. Returns the new membership version.
+     */
+    func changeGroup(group: UInt64, add: [String], remove: [String], addAdmins: [String], removeAdmins: [String], expectVersion: UInt64?) async throws  -> UInt64
+    
+    /**
      * A page of the member list (members only): `after` is the previous
      * page's `next` (`None`: the first page); at most `limit` entries
      * (the server caps it, at 200 by default).
@@ -1158,6 +1169,31 @@ open func user() -> String  {
             self.uniffiCloneHandle(),uniffiCallStatus
     )
 })
+}
+    
+    /**
+     * Service tokens only (a backend): changes a group by difference.
+     * `remove` leave (admins too), `remove_admins` stay members only; then
+     * `add` join as members and `add_admins` as admins (and members).
+     * Creates the group if new (a group that does not exist is at version
+     * 0). With `expect_version`, changes only a group at that membership
+     * version, else `Server` with code `VersionMismatch` and nothing
+     * changed. Returns the new membership version.
+     */
+open func changeGroup(group: UInt64, add: [String], remove: [String], addAdmins: [String], removeAdmins: [String], expectVersion: UInt64?)async throws  -> UInt64  {
+    return
+        try  await uniffiRustCallAsync(
+            rustFutureFunc: {
+                uniffi_greendot_ffi_fn_method_greendotclient_change_group(
+                        self.uniffiCloneHandle(),FfiConverterUInt64.lower(group),FfiConverterSequenceString.lower(add),FfiConverterSequenceString.lower(remove),FfiConverterSequenceString.lower(addAdmins),FfiConverterSequenceString.lower(removeAdmins),FfiConverterOptionUInt64.lower(expectVersion)
+                )
+            },
+            pollFunc: ffi_greendot_ffi_rust_future_poll_u64,
+            completeFunc: ffi_greendot_ffi_rust_future_complete_u64,
+            freeFunc: ffi_greendot_ffi_rust_future_free_u64,
+            liftFunc: FfiConverterUInt64.lift,
+            errorHandler: FfiConverterTypeGreendotError_lift
+        )
 }
     
     /**
@@ -4028,6 +4064,9 @@ private let initializationResult: InitializationResult = {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_greendot_ffi_checksum_method_greendotclient_user() != 1753) {
+        return InitializationResult.apiChecksumMismatch
+    }
+    if (uniffi_greendot_ffi_checksum_method_greendotclient_change_group() != 44222) {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_greendot_ffi_checksum_method_greendotclient_group_page() != 28560) {
