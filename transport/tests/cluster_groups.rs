@@ -9,6 +9,7 @@ mod three;
 use std::time::Duration;
 use three::*;
 
+use greendot_client::GroupChange;
 use greendot_proto::{ErrorCode, Kind};
 use greendot_server::token::{Claims, WatchClaim};
 
@@ -42,6 +43,9 @@ async fn a_cluster_node_refuses_group_requests_clearly() {
     )
     .await;
     for refused in [
+        svc.change_group(7, GroupChange::default())
+            .await
+            .unwrap_err(),
         ann.group_subscribe(7).await.unwrap_err(),
         ann.group_page(7, None, 10).await.unwrap_err(),
         ann.group_unsubscribe(7).await.unwrap_err(),
