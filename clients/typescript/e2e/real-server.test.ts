@@ -258,6 +258,16 @@ test("Node over WebSocket: groups of a real server: a member sees the count chan
   const last = await carol.groupPage(group, offline.next, 2);
   assert.deepEqual(last.entries.map((e) => [e.user, e.presence.online]), [["bob", false]]);
 
+  // By difference: a change expecting another version is refused (38) and
+  // changes nothing; one expecting the current version adds dee.
+  await assert.rejects(
+    service.changeGroup(group, { remove: ["carol"], expectVersion: 0 }),
+    (e: Error & { error?: { code: number; message: string } }) => e.error?.code === 38 && e.error.message.endsWith("version=1"),
+  );
+  assert.equal(await service.changeGroup(group, { add: ["dee"], expectVersion: 1n }), 2n);
+  const again = await carol.groupSubscribe(group);
+  assert.deepEqual([again.role, again.members], ["member", 4], "carol stayed, dee joined");
+
   await service.removeGroup(group);
   await until("both subscriptions end", () =>
     [alEvents, carolEvents].every((events) => events.some((e) => e.type === "groupEnded" && e.group === group)),
