@@ -4,7 +4,11 @@
 //! Each slot keeps its current deadline and a generation; the heap holds
 //! `(deadline, slot, generation)` entries. Moving or clearing a deadline
 //! only bumps the slot's generation: the old entry stays in the heap,
-//! stale, and is skipped when it reaches the top. The top entry is always
+//! stale, and is skipped when it reaches the top. An entry is 16 bytes:
+//! the deadline as signed nanoseconds from the first deadline set (exact,
+//! and ordered as the instants are), the slot and generation as `u32`s.
+//! Popping walks the heap from the root to a leaf, so a small entry keeps
+//! more of its levels in cache (a calm server holds one per connection). The top entry is always
 //! live (stale ones are popped as soon as they surface), so the earliest
 //! deadline is read without a mutable borrow. When stale entries outnumber
 //! twice the live ones (past a floor), the heap is rebuilt from the live
@@ -25,9 +29,10 @@ use std::time::Instant;
 /// small heap would happen too often to pay for itself).
 const REBUILD_FLOOR: usize = 64;
 
-/// A heap entry: ordered by deadline, then slot (the generation never
-/// decides between live entries: a slot has at most one).
-type Entry = (Instant, usize, u32);
+/// A heap entry: ordered by deadline (nanoseconds from
+/// [`TimerHeap::origin`]), then slot (the generation never decides between
+/// live entries: a slot has at most one).
+type Entry = (i64, u32, u32);
 
 #[derive(Clone, Copy, Default)]
 struct Slot {
@@ -40,6 +45,8 @@ pub(crate) struct TimerHeap {
     heap: BinaryHeap<Reverse<Entry>>,
     slots: Vec<Slot>,
     live: usize,
+    /// The first deadline set: entries count from it.
+    origin: Option<Instant>,
 }
 
 impl TimerHeap {
@@ -68,7 +75,10 @@ impl TimerHeap {
             _ => {}
         }
         if let Some(at) = at {
-            self.heap.push(Reverse((at, slot, generation)));
+            let key = self.key(at);
+            // Slots are connection indexes, far below 2^32.
+            let slot = u32::try_from(slot).expect("a timer slot past u32::MAX");
+            self.heap.push(Reverse((key, slot, generation)));
         }
         let stale = self.heap.len() - self.live;
         if stale > REBUILD_FLOOR && stale > 2 * self.live {
@@ -81,7 +91,10 @@ impl TimerHeap {
     /// The earliest deadline and its slot (the lowest slot among equal
     /// deadlines).
     pub fn first(&self) -> Option<(Instant, usize)> {
-        self.heap.peek().map(|Reverse((at, slot, _))| (*at, *slot))
+        let Reverse((_, slot, _)) = self.heap.peek()?;
+        let slot = *slot as usize;
+        // The top entry is live: its slot holds its deadline.
+        self.slots[slot].at.map(|at| (at, slot))
     }
 
     /// Takes the earliest timer if it is due at `now`: clears its slot and
@@ -130,7 +143,15 @@ impl TimerHeap {
         let mut entries = vec![0usize; self.slots.len()];
         for Reverse(entry) in self.heap.iter() {
             if self.is_live(entry) {
-                entries[entry.1] += 1;
+                let slot = entry.1 as usize;
+                let at = self.slots[slot]
+                    .at
+                    .zip(self.origin)
+                    .map(|(at, o)| offset(o, at));
+                if at != Some(entry.0) {
+                    return Err(format!("slot {slot}: its entry is not at its deadline"));
+                }
+                entries[slot] += 1;
             }
         }
         for (slot, s) in self.slots.iter().enumerate() {
@@ -152,10 +173,19 @@ impl TimerHeap {
         Ok(())
     }
 
-    fn is_live(&self, &(at, slot, generation): &Entry) -> bool {
+    /// A slot's every change bumps its generation, so an entry of its
+    /// current generation holds its current deadline.
+    fn is_live(&self, &(_, slot, generation): &Entry) -> bool {
         self.slots
-            .get(slot)
-            .is_some_and(|s| s.at == Some(at) && s.generation == generation)
+            .get(slot as usize)
+            .is_some_and(|s| s.at.is_some() && s.generation == generation)
+    }
+
+    /// `at` as signed nanoseconds from the first deadline set: exact for
+    /// deadlines within 292 years of it either way, and in their order.
+    fn key(&mut self, at: Instant) -> i64 {
+        let origin = *self.origin.get_or_insert(at);
+        offset(origin, at)
     }
 
     fn skip_stale(&mut self) {
@@ -169,9 +199,19 @@ impl TimerHeap {
 
     fn rebuild(&mut self) {
         let slots = &self.slots;
-        self.heap.retain(|Reverse((at, slot, generation))| {
-            slots[*slot].at == Some(*at) && slots[*slot].generation == *generation
+        self.heap.retain(|Reverse((_, slot, generation))| {
+            let s = &slots[*slot as usize];
+            s.at.is_some() && s.generation == *generation
         });
+    }
+}
+
+/// Signed nanoseconds from `origin` to `at`.
+fn offset(origin: Instant, at: Instant) -> i64 {
+    let nanos = |d: std::time::Duration| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX);
+    match at.checked_duration_since(origin) {
+        Some(after) => nanos(after),
+        None => -nanos(origin - at),
     }
 }
 
@@ -201,6 +241,12 @@ mod tests {
         let mut heap = TimerHeap::default();
         let mut model: BTreeSet<(Instant, usize)> = BTreeSet::new();
         let mut model_at: Vec<Option<Instant>> = vec![None; 50];
+        // The first deadline is an hour ahead: every later one counts back
+        // from it.
+        let far = base + Duration::from_secs(3600);
+        heap.set(49, Some(far));
+        model.insert((far, 49));
+        model_at[49] = Some(far);
         let mut g = Gen(0x9e37_79b9_7f4a_7c15);
         let mut now = base;
         let mut popped = 0;
