@@ -80,6 +80,24 @@ fn token(dir: &Path, user: &str, device: &str, kind: &str, watch: &str) -> Strin
     jwt
 }
 
+/// A service token for user `backend` (groups are written with one).
+fn service_token(dir: &Path) -> String {
+    let out = run(
+        dir,
+        &[
+            "token",
+            "--user",
+            "backend",
+            "--device",
+            "cli",
+            "--service",
+            "--ttl",
+            "1h",
+        ],
+    );
+    out.trim().to_owned()
+}
+
 fn json(line: &str) -> serde_json::Value {
     serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"))
 }
@@ -511,19 +529,7 @@ fn a_watched_page_outlives_the_watch_ttl_by_renewing_it() {
     let dir = temp_dir("bin-group-renew");
     let served = serve_with(&dir, "127.0.0.1:0", &["--group-watch-ttl", "1s"]);
     let addr = served.addr.to_string();
-    let service = run(
-        &dir,
-        &[
-            "token",
-            "--user",
-            "backend",
-            "--device",
-            "cli",
-            "--service",
-            "--ttl",
-            "1h",
-        ],
-    );
+    let service = service_token(&dir);
     std::fs::write(dir.join("members.txt"), "ann\nben\n").unwrap();
     run(
         &dir,
@@ -594,19 +600,7 @@ fn a_group_larger_than_a_frame_is_written_in_parts() {
     let dir = temp_dir("bin-group-parts");
     let served = serve_with(&dir, "127.0.0.1:0", &[]);
     let addr = served.addr.to_string();
-    let service = run(
-        &dir,
-        &[
-            "token",
-            "--user",
-            "backend",
-            "--device",
-            "cli",
-            "--service",
-            "--ttl",
-            "1h",
-        ],
-    );
+    let service = service_token(&dir);
     let members: String = (1..=10_000).map(|i| format!("member{i:05}\n")).collect();
     std::fs::write(dir.join("members.txt"), members).unwrap();
     std::fs::write(dir.join("admins.txt"), "member00002\n").unwrap();
@@ -671,19 +665,7 @@ fn the_group_commands_write_watch_and_page_a_group() {
         &["--group-interval", "300ms", "--group-page-size", "2"],
     );
     let addr = served.addr.to_string();
-    let service = run(
-        &dir,
-        &[
-            "token",
-            "--user",
-            "backend",
-            "--device",
-            "cli",
-            "--service",
-            "--ttl",
-            "1h",
-        ],
-    );
+    let service = service_token(&dir);
     let service = service.trim();
     std::fs::write(
         dir.join("members.txt"),

@@ -417,6 +417,17 @@ mod tests {
     use greendot_proto::{Answer, ErrorCode, Kind, Request};
     use std::time::Duration;
 
+    /// A token of `user` on device `d`, watching anyone, for a minute.
+    fn claims(user: &str) -> Claims {
+        Claims::new(
+            user,
+            "d",
+            Kind::Other,
+            WatchClaim::all(),
+            Duration::from_secs(60),
+        )
+    }
+
     /// A member name is never freed (its id given to another name) while
     /// it is in a group, and is freed once no group holds it.
     #[test]
@@ -468,15 +479,6 @@ mod tests {
             ..Default::default()
         };
         let mut hub = Hub::new(config, HubLimits::default(), 0).unwrap();
-        let claims = |user: &str| {
-            Claims::new(
-                user,
-                "d",
-                Kind::Other,
-                WatchClaim::all(),
-                Duration::from_secs(60),
-            )
-        };
         let svc = hub
             .hello(Millis(1), &claims("backend").service(), None, true)
             .unwrap();
@@ -549,15 +551,6 @@ mod tests {
     #[test]
     fn a_change_holds_the_names_it_adds_and_frees_the_ones_it_removes() {
         let mut hub = Hub::new(Default::default(), HubLimits::default(), 0).unwrap();
-        let claims = |user: &str| {
-            Claims::new(
-                user,
-                "b",
-                Kind::Other,
-                WatchClaim::all(),
-                Duration::from_secs(60),
-            )
-        };
         let svc = hub
             .hello(Millis(1), &claims("backend").service(), None, true)
             .unwrap();
