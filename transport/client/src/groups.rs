@@ -223,8 +223,12 @@ impl Client {
     /// the first members that fit, then `ChangeGroup`s adding the rest,
     /// each expecting the version the previous one answered. A concurrent
     /// writer stops it with `ErrorCode::VersionMismatch`, the group then
-    /// holding part of the list: write it again. Returns the membership
-    /// version and how many requests it took.
+    /// holding part of the list: write it again. In parts, a group that
+    /// exists loses, until the request that adds them back, the members
+    /// listed only in a later part: their subscriptions end
+    /// ([`Event::GroupEnded`]); change an existing large group with
+    /// [`Client::change_group`] instead. Returns the membership version
+    /// and how many requests it took.
     pub async fn set_group_in_parts<M: AsRef<str>, A: AsRef<str>>(
         &self,
         group: u64,
