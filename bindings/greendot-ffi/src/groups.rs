@@ -25,6 +25,15 @@ impl From<greendot_client::GroupRole> for GroupRole {
     }
 }
 
+/// The answer to `set_group_in_parts`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, uniffi::Record)]
+pub struct GroupWritten {
+    /// The membership version after the last request.
+    pub version: u64,
+    /// How many requests the write took (1 when it fit one frame).
+    pub requests: u32,
+}
+
 /// The answer to `group_subscribe`. The member list is not in it: read it
 /// with `group_page`.
 #[derive(Clone, Debug, PartialEq, Eq, uniffi::Record)]
@@ -99,6 +108,32 @@ impl GreendotClient {
     ) -> Result<u64, GreendotError> {
         let client = self.client();
         on_runtime(async move { Ok(client.set_group(group, &members, &admins).await?) }).await
+    }
+
+    /// `set_group` for a list of any size: one request when it fits the
+    /// server's frame cap, else a `set_group` of the admins and the first
+    /// members that fit, then `change_group`s adding the rest, each
+    /// expecting the version before it (`Server` with code
+    /// `VersionMismatch` if another writer changed the group meanwhile:
+    /// it then holds part of the list; write it again). A group that
+    /// exists loses the later parts' members until they are added back
+    /// (their subscriptions end): change an existing large group with
+    /// `change_group` instead.
+    pub async fn set_group_in_parts(
+        &self,
+        group: u64,
+        members: Vec<String>,
+        admins: Vec<String>,
+    ) -> Result<GroupWritten, GreendotError> {
+        let client = self.client();
+        on_runtime(async move {
+            let written = client.set_group_in_parts(group, &members, &admins).await?;
+            Ok(GroupWritten {
+                version: written.version,
+                requests: u32::try_from(written.requests).unwrap_or(u32::MAX),
+            })
+        })
+        .await
     }
 
     /// Service tokens only (a backend): changes a group by difference.

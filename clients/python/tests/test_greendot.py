@@ -263,6 +263,15 @@ class GreendotTest(unittest.IsolatedAsyncioTestCase):
         await svc.remove_group(7)
         await deltas.wait_for("the end", lambda e: e.is_GROUP_ENDED() and e.group == 7)
 
+        # A list larger than one frame (64 KiB by default) is written in
+        # parts; lu, listed last, is a member: her subscription counts all.
+        names = [f"member{i:05}-{'x' * 20}" for i in range(3000)] + ["lu"]
+        written = await svc.set_group_in_parts(8, names, [])
+        self.assertGreaterEqual(written.requests, 2, written)
+        self.assertEqual(written.version, written.requests)
+        sub = await lu.group_subscribe(8)
+        self.assertEqual(sub.members, 3001)
+
     async def test_a_refused_request_raises_a_typed_error(self):
         hal = await connect("hal")
         self.addAsyncCleanup(hal.close)

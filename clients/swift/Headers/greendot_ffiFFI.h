@@ -419,6 +419,11 @@ uint64_t uniffi_greendot_ffi_fn_method_greendotclient_remove_group(uint64_t ptr,
 uint64_t uniffi_greendot_ffi_fn_method_greendotclient_set_group(uint64_t ptr, uint64_t group, RustBuffer members, RustBuffer admins
 );
 #endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_GREENDOT_FFI_FN_METHOD_GREENDOTCLIENT_SET_GROUP_IN_PARTS
+#define UNIFFI_FFIDEF_UNIFFI_GREENDOT_FFI_FN_METHOD_GREENDOTCLIENT_SET_GROUP_IN_PARTS
+uint64_t uniffi_greendot_ffi_fn_method_greendotclient_set_group_in_parts(uint64_t ptr, uint64_t group, RustBuffer members, RustBuffer admins
+);
+#endif
 #ifndef UNIFFI_FFIDEF_UNIFFI_GREENDOT_FFI_FN_CLONE_LISTENERHANDLE
 #define UNIFFI_FFIDEF_UNIFFI_GREENDOT_FFI_FN_CLONE_LISTENERHANDLE
 uint64_t uniffi_greendot_ffi_fn_clone_listenerhandle(uint64_t handle, RustCallStatus *_Nonnull out_status
@@ -902,6 +907,12 @@ uint16_t uniffi_greendot_ffi_checksum_method_greendotclient_remove_group(void
 #ifndef UNIFFI_FFIDEF_UNIFFI_GREENDOT_FFI_CHECKSUM_METHOD_GREENDOTCLIENT_SET_GROUP
 #define UNIFFI_FFIDEF_UNIFFI_GREENDOT_FFI_CHECKSUM_METHOD_GREENDOTCLIENT_SET_GROUP
 uint16_t uniffi_greendot_ffi_checksum_method_greendotclient_set_group(void
+    
+);
+#endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_GREENDOT_FFI_CHECKSUM_METHOD_GREENDOTCLIENT_SET_GROUP_IN_PARTS
+#define UNIFFI_FFIDEF_UNIFFI_GREENDOT_FFI_CHECKSUM_METHOD_GREENDOTCLIENT_SET_GROUP_IN_PARTS
+uint16_t uniffi_greendot_ffi_checksum_method_greendotclient_set_group_in_parts(void
     
 );
 #endif

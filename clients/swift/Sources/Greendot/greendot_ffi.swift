@@ -779,6 +779,19 @@ public protocol GreendotClientProtocol: AnyObject, Sendable {
      */
     func setGroup(group: UInt64, members: [String], admins: [String]) async throws  -> UInt64
     
+    /**
+     * `set_group` for a list of any size: one request when it fits the
+     * server's frame cap, else a `set_group` of the admins and the first
+     * members that fit, then `change_group`s adding the rest, each
+     * expecting the version before it (`Server` with code
+     * `VersionMismatch` if another writer changed the group meanwhile:
+     * it then holds part of the list; write it again). A group that
+     * exists loses the later parts' members until they are added back
+     * (their subscriptions end): change an existing large group with
+     * `change_group` instead.
+     */
+    func setGroupInParts(group: UInt64, members: [String], admins: [String]) async throws  -> GroupWritten
+    
 }
 /**
  * A connected client. Requests are async; the lifecycle calls return at
@@ -1358,6 +1371,33 @@ open func setGroup(group: UInt64, members: [String], admins: [String])async thro
             completeFunc: ffi_greendot_ffi_rust_future_complete_u64,
             freeFunc: ffi_greendot_ffi_rust_future_free_u64,
             liftFunc: FfiConverterUInt64.lift,
+            errorHandler: FfiConverterTypeGreendotError_lift
+        )
+}
+    
+    /**
+     * `set_group` for a list of any size: one request when it fits the
+     * server's frame cap, else a `set_group` of the admins and the first
+     * members that fit, then `change_group`s adding the rest, each
+     * expecting the version before it (`Server` with code
+     * `VersionMismatch` if another writer changed the group meanwhile:
+     * it then holds part of the list; write it again). A group that
+     * exists loses the later parts' members until they are added back
+     * (their subscriptions end): change an existing large group with
+     * `change_group` instead.
+     */
+open func setGroupInParts(group: UInt64, members: [String], admins: [String])async throws  -> GroupWritten  {
+    return
+        try  await uniffiRustCallAsync(
+            rustFutureFunc: {
+                uniffi_greendot_ffi_fn_method_greendotclient_set_group_in_parts(
+                        self.uniffiCloneHandle(),FfiConverterUInt64.lower(group),FfiConverterSequenceString.lower(members),FfiConverterSequenceString.lower(admins)
+                )
+            },
+            pollFunc: ffi_greendot_ffi_rust_future_poll_rust_buffer,
+            completeFunc: ffi_greendot_ffi_rust_future_complete_rust_buffer,
+            freeFunc: ffi_greendot_ffi_rust_future_free_rust_buffer,
+            liftFunc: FfiConverterTypeGroupWritten_lift,
             errorHandler: FfiConverterTypeGreendotError_lift
         )
 }
@@ -2251,6 +2291,75 @@ public func FfiConverterTypeGroupSubscription_lift(_ buf: RustBuffer) throws -> 
 #endif
 public func FfiConverterTypeGroupSubscription_lower(_ value: GroupSubscription) -> RustBuffer {
     return FfiConverterTypeGroupSubscription.lower(value)
+}
+
+
+/**
+ * The answer to `set_group_in_parts`.
+ */
+public struct GroupWritten: Equatable, Hashable {
+    /**
+     * The membership version after the last request.
+     */
+    public var version: UInt64
+    /**
+     * How many requests the write took (1 when it fit one frame).
+     */
+    public var requests: UInt32
+
+    // Default memberwise initializers are never public by default, so we
+    // declare one manually.
+    public init(
+        /**
+         * The membership version after the last request.
+         */version: UInt64, 
+        /**
+         * How many requests the write took (1 when it fit one frame).
+         */requests: UInt32) {
+        self.version = version
+        self.requests = requests
+    }
+
+    
+
+    
+}
+
+#if compiler(>=6)
+extension GroupWritten: Sendable {}
+#endif
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public struct FfiConverterTypeGroupWritten: FfiConverterRustBuffer {
+    public static func read(from buf: inout (data: Data, offset: Data.Index)) throws -> GroupWritten {
+        return
+            try GroupWritten(
+                version: FfiConverterUInt64.read(from: &buf), 
+                requests: FfiConverterUInt32.read(from: &buf)
+        )
+    }
+
+    public static func write(_ value: GroupWritten, into buf: inout [UInt8]) {
+        FfiConverterUInt64.write(value.version, into: &buf)
+        FfiConverterUInt32.write(value.requests, into: &buf)
+    }
+}
+
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeGroupWritten_lift(_ buf: RustBuffer) throws -> GroupWritten {
+    return try FfiConverterTypeGroupWritten.lift(buf)
+}
+
+#if swift(>=5.8)
+@_documentation(visibility: private)
+#endif
+public func FfiConverterTypeGroupWritten_lower(_ value: GroupWritten) -> RustBuffer {
+    return FfiConverterTypeGroupWritten.lower(value)
 }
 
 
@@ -4091,6 +4200,9 @@ private let initializationResult: InitializationResult = {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_greendot_ffi_checksum_method_greendotclient_set_group() != 28989) {
+        return InitializationResult.apiChecksumMismatch
+    }
+    if (uniffi_greendot_ffi_checksum_method_greendotclient_set_group_in_parts() != 43107) {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_greendot_ffi_checksum_method_listenerhandle_cancel() != 28151) {
