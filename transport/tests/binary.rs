@@ -98,6 +98,15 @@ fn service_token(dir: &Path) -> String {
     out.trim().to_owned()
 }
 
+/// `greendot group set` of `group` at `addr`, with `extra` arguments.
+fn group_set(dir: &Path, addr: &str, service: &str, group: &str, extra: &[&str]) -> String {
+    let mut args = vec![
+        "group", "set", "--token", service, "--server", addr, "--group", group,
+    ];
+    args.extend(extra);
+    run(dir, &args)
+}
+
 fn json(line: &str) -> serde_json::Value {
     serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"))
 }
@@ -531,21 +540,7 @@ fn a_watched_page_outlives_the_watch_ttl_by_renewing_it() {
     let addr = served.addr.to_string();
     let service = service_token(&dir);
     std::fs::write(dir.join("members.txt"), "ann\nben\n").unwrap();
-    run(
-        &dir,
-        &[
-            "group",
-            "set",
-            "--token",
-            service.trim(),
-            "--server",
-            &addr,
-            "--group",
-            "7",
-            "--members",
-            "members.txt",
-        ],
-    );
+    group_set(&dir, &addr, &service, "7", &["--members", "members.txt"]);
     let ben = token(&dir, "ben", "phone", "mobile", "");
     let mut ben_online = client(&dir, "ben", &served, &["connect", "--token", &ben]);
     ben_online.wait_for(SLACK, "ben online", |l| l.starts_with("online as"));
@@ -604,22 +599,12 @@ fn a_group_larger_than_a_frame_is_written_in_parts() {
     let members: String = (1..=10_000).map(|i| format!("member{i:05}\n")).collect();
     std::fs::write(dir.join("members.txt"), members).unwrap();
     std::fs::write(dir.join("admins.txt"), "member00002\n").unwrap();
-    let out = run(
+    let out = group_set(
         &dir,
-        &[
-            "group",
-            "set",
-            "--token",
-            service.trim(),
-            "--server",
-            &addr,
-            "--group",
-            "9",
-            "--members",
-            "members.txt",
-            "--admins",
-            "admins.txt",
-        ],
+        &addr,
+        &service,
+        "9",
+        &["--members", "members.txt", "--admins", "admins.txt"],
     );
     assert!(
         out.trim().starts_with(
@@ -666,20 +651,13 @@ fn the_group_commands_write_watch_and_page_a_group() {
     );
     let addr = served.addr.to_string();
     let service = service_token(&dir);
-    let service = service.trim();
     std::fs::write(
         dir.join("members.txt"),
         "# the team\nalice\n\n bob \ncarol\n",
     )
     .unwrap();
     std::fs::write(dir.join("admins.txt"), "alice\n").unwrap();
-    let set = |extra: &[&str]| {
-        let mut args = vec![
-            "group", "set", "--token", service, "--server", &addr, "--group", "42",
-        ];
-        args.extend(extra);
-        run(&dir, &args)
-    };
+    let set = |extra: &[&str]| group_set(&dir, &addr, &service, "42", extra);
     let out = set(&["--members", "members.txt", "--admins", "admins.txt"]);
     assert_eq!(
         out.trim(),
@@ -839,7 +817,7 @@ fn the_group_commands_write_watch_and_page_a_group() {
     let out = run(
         &dir,
         &[
-            "group", "remove", "--token", service, "--server", &addr, "--group", "42",
+            "group", "remove", "--token", &service, "--server", &addr, "--group", "42",
         ],
     );
     assert_eq!(out.trim(), "group 42: removed");

@@ -43,7 +43,7 @@ impl Hub {
                 expect_version,
             } => {
                 service_only(svc, "changing a group")?;
-                let lists = [&add, &remove, &add_admins, &remove_admins];
+                let lists = [&add[..], &remove, &add_admins, &remove_admins];
                 self.change_group(now, GroupId(group), lists, expect_version)
             }
             Request::RemoveGroup { group } => {
@@ -165,44 +165,11 @@ impl Hub {
         members: &[String],
         admins: &[String],
     ) -> Result<Answer, WireError> {
-        let config = self.core.config();
-        if admins.len() > config.max_group_admins {
-            return Err(WireError::new(
-                ErrorCode::TooManyGroupAdmins,
-                format!("at most {} admins per group", config.max_group_admins),
-            ));
-        }
-        if members.len() > config.max_group_members {
-            return Err(WireError::new(
-                ErrorCode::TooManyGroupMembers,
-                format!(
-                    "at most {} members per group, admins included",
-                    config.max_group_members
-                ),
-            ));
-        }
-        for name in members.iter().chain(admins) {
-            self.name_ok(name, "member")?;
-        }
-        let mut member_ids = Vec::with_capacity(members.len());
-        let mut admin_ids = Vec::with_capacity(admins.len());
-        for (name, is_admin) in members
-            .iter()
-            .map(|m| (m, false))
-            .chain(admins.iter().map(|a| (a, true)))
-        {
-            match self.intern_user(name) {
-                Ok(id) if is_admin => admin_ids.push(id),
-                Ok(id) => member_ids.push(id),
-                Err(e) => {
-                    self.idle.extend(member_ids.iter().chain(&admin_ids));
-                    return Err(e);
-                }
-            }
-        }
-        let interned: Vec<UserId> = member_ids.iter().chain(&admin_ids).copied().collect();
+        self.check_lists(&[members], &[admins])?;
+        let interned = self.intern_all(members.iter().chain(admins))?;
+        let (member_ids, admin_ids) = interned.split_at(members.len());
         self.write_group(group, &interned, |core| {
-            core.handle_set_group(now, group, &member_ids, &admin_ids)
+            core.handle_set_group(now, group, member_ids, admin_ids)
         })
     }
 
@@ -213,47 +180,17 @@ impl Hub {
         &mut self,
         now: Millis,
         group: GroupId,
-        lists: [&Vec<String>; 4],
+        lists: [&[String]; 4],
         expect: Option<u64>,
     ) -> Result<Answer, WireError> {
         let [add, remove, add_admins, remove_admins] = lists;
-        let config = self.core.config();
-        if add_admins.len().max(remove_admins.len()) > config.max_group_admins {
-            return Err(WireError::new(
-                ErrorCode::TooManyGroupAdmins,
-                format!(
-                    "at most {} admins per group (and per list)",
-                    config.max_group_admins
-                ),
-            ));
-        }
-        if add.len().max(remove.len()) > config.max_group_members {
-            return Err(WireError::new(
-                ErrorCode::TooManyGroupMembers,
-                format!(
-                    "at most {} members per group (and per list), admins included",
-                    config.max_group_members
-                ),
-            ));
-        }
-        for name in lists.into_iter().flatten() {
-            self.name_ok(name, "member")?;
-        }
+        self.check_lists(&[add, remove], &[add_admins, remove_admins])?;
         let known = |hub: &Hub, names: &[String]| -> Vec<UserId> {
             names.iter().filter_map(|n| hub.user_id(n)).collect()
         };
         let remove_ids = known(self, remove);
         let remove_admin_ids = known(self, remove_admins);
-        let mut interned = Vec::with_capacity(add.len() + add_admins.len());
-        for name in add.iter().chain(add_admins) {
-            match self.intern_user(name) {
-                Ok(id) => interned.push(id),
-                Err(e) => {
-                    self.idle.extend(&interned);
-                    return Err(e);
-                }
-            }
-        }
+        let interned = self.intern_all(add.iter().chain(add_admins))?;
         let (add_ids, add_admin_ids) = interned.split_at(add.len());
         let change = GroupChange {
             add: add_ids,
@@ -265,6 +202,51 @@ impl Hub {
         self.write_group(group, &interned, |core| {
             core.handle_change_group(now, group, &change)
         })
+    }
+
+    /// The limits of a membership write's lists, checked before any name
+    /// is interned: each list of members (or admins) within the group's
+    /// limit, and every name valid.
+    fn check_lists(&self, members: &[&[String]], admins: &[&[String]]) -> Result<(), WireError> {
+        let config = self.core.config();
+        if admins.iter().any(|l| l.len() > config.max_group_admins) {
+            return Err(WireError::new(
+                ErrorCode::TooManyGroupAdmins,
+                format!("at most {} admins per group", config.max_group_admins),
+            ));
+        }
+        if members.iter().any(|l| l.len() > config.max_group_members) {
+            return Err(WireError::new(
+                ErrorCode::TooManyGroupMembers,
+                format!(
+                    "at most {} members per group, admins included",
+                    config.max_group_members
+                ),
+            ));
+        }
+        for name in members.iter().chain(admins).copied().flatten() {
+            self.name_ok(name, "member")?;
+        }
+        Ok(())
+    }
+
+    /// Interns `names` in order; on a refusal the ones interned so far are
+    /// noted idle (nothing holds them) and nothing is kept.
+    fn intern_all<'a>(
+        &mut self,
+        names: impl Iterator<Item = &'a String>,
+    ) -> Result<Vec<UserId>, WireError> {
+        let mut interned = Vec::with_capacity(names.size_hint().0);
+        for name in names {
+            match self.intern_user(name) {
+                Ok(id) => interned.push(id),
+                Err(e) => {
+                    self.idle.extend(&interned);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(interned)
     }
 
     /// Runs a membership write of the core and moves the names' references
