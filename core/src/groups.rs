@@ -548,6 +548,36 @@ impl Core {
         Ok(())
     }
 
+    /// Brings back a group a previous process stored, at the membership
+    /// version it had, so a backend's `expect_version` still matches after a
+    /// restart. Checked and written as `handle_set_group` is; a group already
+    /// held is refused (`Error::VersionMismatch`, as a change expecting no
+    /// group would be): restoring is for a fresh core.
+    pub fn handle_restore_group(
+        &mut self,
+        now: Millis,
+        group: GroupId,
+        members: &[UserId],
+        admins: &[UserId],
+        membership: u64,
+    ) -> Result<(), Error> {
+        if let Some(g) = self.groups.groups.get(&group) {
+            return Err(Error::VersionMismatch {
+                current: g.membership,
+            });
+        }
+        self.handle_set_group(now, group, members, admins)?;
+        if let Some(g) = self.groups.groups.get_mut(&group) {
+            g.membership = g.membership.max(membership);
+        }
+        Ok(())
+    }
+
+    /// The group's membership version, or `None` for no such group.
+    pub fn group_membership(&self, group: GroupId) -> Option<u64> {
+        self.groups.groups.get(&group).map(|g| g.membership)
+    }
+
     /// Members published online, or `None` for no such group.
     pub fn group_count(&self, group: GroupId) -> Option<u32> {
         self.groups.groups.get(&group).map(|g| g.count)

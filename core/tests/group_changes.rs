@@ -227,3 +227,37 @@ fn a_removed_member_is_told_the_end_and_admins_the_count() {
     assert_eq!(core.group_subscriptions(two), vec![(g, GroupRole::Admin)]);
     core.check_invariants().unwrap();
 }
+
+/// A group restored from a store keeps its membership version, so a writer
+/// expecting it after a restart goes on; a restore over a held group, or
+/// past a limit, changes nothing.
+#[test]
+fn a_restored_group_keeps_its_membership_version() {
+    let mut core = small();
+    let g = GroupId(1);
+    core.handle_restore_group(Millis(0), g, &[u(1), u(2)], &[u(2)], 7)
+        .unwrap();
+    assert_eq!(core.group_membership(g), Some(7));
+    assert_eq!(
+        core.group_members(g),
+        Some((&[u(1), u(2)][..], &[u(2)][..]))
+    );
+    let add = [u(3)];
+    let next = GroupChange {
+        add: &add,
+        expect: Some(7),
+        ..GroupChange::default()
+    };
+    assert_eq!(core.handle_change_group(Millis(0), g, &next), Ok(8));
+    let before = core.clone();
+    assert_eq!(
+        core.handle_restore_group(Millis(0), g, &[u(1)], &[], 3),
+        Err(Error::VersionMismatch { current: 8 })
+    );
+    assert_eq!(
+        core.handle_restore_group(Millis(0), GroupId(2), &[u(1), u(2), u(3), u(4)], &[], 3),
+        Err(Error::LimitExceeded(Limit::GroupMembers))
+    );
+    assert_eq!(core, before, "a refused restore changed the core");
+    core.check_invariants().unwrap();
+}

@@ -825,3 +825,91 @@ fn the_group_commands_write_watch_and_page_a_group() {
         l.contains("group 42: the subscription ended")
     });
 }
+
+/// Groups are committed before their writes are answered: after `kill -9`
+/// of the server right after the answers and a restart on the same data
+/// directory, a written group is back with its members and membership
+/// version (the next write is version 3, not 1), and a removed group stays
+/// removed.
+#[test]
+fn a_written_group_survives_kill_9_of_the_server() {
+    let dir = temp_dir("bin-group-stored");
+    let mut served = serve_with(&dir, "127.0.0.1:0", &[]);
+    let addr = served.addr.to_string();
+    let service = service_token(&dir);
+    std::fs::write(dir.join("two.txt"), "alice\nbob\n").unwrap();
+    std::fs::write(dir.join("three.txt"), "alice\nbob\ncarol\n").unwrap();
+    std::fs::write(dir.join("admins.txt"), "alice\n").unwrap();
+    std::fs::write(dir.join("xena.txt"), "xena\n").unwrap();
+    let set = |addr: &str, group: &str, members: &str| {
+        group_set(
+            &dir,
+            addr,
+            &service,
+            group,
+            &["--members", members, "--admins", "admins.txt"],
+        )
+    };
+    let out = set(&addr, "42", "two.txt");
+    assert_eq!(
+        out.trim(),
+        "group 42: version 1, 2 members listed, 1 admins"
+    );
+    let out = set(&addr, "42", "three.txt");
+    assert_eq!(
+        out.trim(),
+        "group 42: version 2, 3 members listed, 1 admins"
+    );
+    let out = group_set(&dir, &addr, &service, "43", &["--members", "xena.txt"]);
+    assert_eq!(
+        out.trim(),
+        "group 43: version 1, 1 members listed, 0 admins"
+    );
+    let out = run(
+        &dir,
+        &[
+            "group", "remove", "--token", &service, "--server", &addr, "--group", "43",
+        ],
+    );
+    assert_eq!(out.trim(), "group 43: removed");
+    served.proc.kill9();
+
+    let served = serve_with(&dir, "127.0.0.1:0", &[]);
+    let addr = served.addr.to_string();
+    let carol = token(&dir, "carol", "cli", "desktop", "");
+    let mut watch = client(
+        &dir,
+        "carol watch",
+        &served,
+        &[
+            "group", "watch", "--group", "42", "--json", "--token", &carol,
+        ],
+    );
+    let snapshot = json(&watch.wait_for(SLACK, "carol's snapshot", |l| l.starts_with('{')));
+    assert_eq!(snapshot["members"], 3, "{snapshot}");
+    assert_eq!(snapshot["role"], "member", "{snapshot}");
+    let out = set(&addr, "42", "two.txt");
+    assert_eq!(
+        out.trim(),
+        "group 42: version 3, 2 members listed, 1 admins",
+        "the membership version goes on from the stored one"
+    );
+    watch.wait_for(SLACK, "the end of carol's subscription", |l| {
+        l.contains("group 42: the subscription ended")
+    });
+    let xena = token(&dir, "xena", "cli", "desktop", "");
+    let refused = Command::new(BIN)
+        .args([
+            "group", "watch", "--token", &xena, "--server", &addr, "--group", "43",
+        ])
+        .current_dir(&dir)
+        .output()
+        .expect("greendot runs");
+    assert!(!refused.status.success(), "removed group 43 came back");
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("not a member"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

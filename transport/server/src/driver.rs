@@ -320,10 +320,12 @@ impl Driver {
                         continue;
                     };
                     let tx = self.shared.control.clone();
-                    // The wait (for room in the writer's queue, then for the
-                    // commit) is this task's, never the loop's.
+                    // Handed over here, in the order made; the wait (for
+                    // room in the writer's queue, then for the commit) is
+                    // this task's, never the loop's.
+                    let written = store.write_durable(batch, timeout);
                     tokio::spawn(async move {
-                        let result = store.write_durable(batch, timeout).await;
+                        let result = written.await;
                         let _ = tx.send(Control::StoreDone { ticket, result }).await;
                     });
                 }

@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 #[path = "hub_groups.rs"]
 mod groups;
+pub use groups::{GroupWrite, StoredGroup};
 #[path = "hub_tokens.rs"]
 mod tokens;
 
@@ -32,7 +33,7 @@ pub enum RestoreError {
     /// A saved name is not valid under the current limits, or past the cap.
     #[error("saved name refused: {}", .0.message)]
     Name(WireError),
-    #[error("the core refused the saved state")]
+    #[error("the core refused the saved state: {0}")]
     Core(#[from] greendot_core::Error),
 }
 
@@ -279,6 +280,8 @@ pub struct Hub {
     credentials: Credentials,
     /// The last group push encoded, and its frame.
     group_frame: Option<(proto::Push, Bytes)>,
+    /// Group writes since [`Hub::take_group_writes`], in order.
+    group_writes: Vec<GroupWrite>,
 }
 
 impl Hub {
@@ -302,6 +305,7 @@ impl Hub {
             restored: Vec::new(),
             credentials: Credentials::new(unix_base_ms, 0, limits.max_revocations),
             group_frame: None,
+            group_writes: Vec::new(),
         })
     }
 

@@ -6,7 +6,7 @@
 //! it is in the group, so the id is never freed and given to another name
 //! (which would silently make a stranger a member).
 
-use super::{Hub, HubOutput};
+use super::{Hub, HubOutput, RestoreError};
 use bytes::Bytes;
 use greendot_core::{
     GroupChange, GroupId, GroupOutput, Millis, PageCursor, SessionId, Tier, UserId,
@@ -15,6 +15,34 @@ use greendot_proto::{
     self as proto, Answer, ErrorCode, GroupCursor, GroupEntry, GroupPage, GroupSnapshot, Request,
     WireError,
 };
+
+/// A group as a store keeps it: names, not this process's ids, and the
+/// membership version a backend's `expect_version` names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredGroup {
+    pub group: u64,
+    pub membership: u64,
+    /// Sorted, admins included.
+    pub members: Vec<String>,
+    /// Sorted.
+    pub admins: Vec<String>,
+}
+
+/// A group write for a driver that stores groups, in the order made.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GroupWrite {
+    Set(StoredGroup),
+    Removed(u64),
+}
+
+impl GroupWrite {
+    pub fn group(&self) -> u64 {
+        match self {
+            GroupWrite::Set(g) => g.group,
+            GroupWrite::Removed(group) => *group,
+        }
+    }
+}
 
 impl Hub {
     /// One group request of `session` (`svc`: it holds a service token).
@@ -51,6 +79,7 @@ impl Hub {
                 let old = self.group_member_ids(GroupId(group));
                 self.core.handle_remove_group(now, GroupId(group))?;
                 self.drop_member_refs(&old);
+                self.group_writes.push(GroupWrite::Removed(group));
                 Ok(Answer::Done)
             }
             Request::GroupSubscribe { group } => {
@@ -266,10 +295,63 @@ impl Hub {
                     self.users.acquire(id.0);
                 }
                 self.drop_member_refs(&old);
+                if let Some(stored) = self.stored_group(group) {
+                    self.group_writes.push(GroupWrite::Set(stored));
+                }
                 Ok(Answer::GroupSet { version })
             }
             Err(e) => {
                 self.idle.extend(interned);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// `group` as a store keeps it, `None` for no such group.
+    fn stored_group(&self, group: GroupId) -> Option<StoredGroup> {
+        let (members, admins) = self.core.group_members(group)?;
+        let names = |ids: &[UserId]| -> Vec<String> {
+            ids.iter()
+                .filter_map(|&id| self.user_name(id).map(str::to_owned))
+                .collect()
+        };
+        Some(StoredGroup {
+            group: group.0,
+            membership: self.core.group_membership(group)?,
+            members: names(members),
+            admins: names(admins),
+        })
+    }
+
+    /// Group writes made since the last call, in order, for a driver that
+    /// stores them (before it answers the request that made them).
+    pub fn take_group_writes(&mut self) -> Vec<GroupWrite> {
+        std::mem::take(&mut self.group_writes)
+    }
+
+    /// A group a previous process stored: before connections. Checked as a
+    /// `SetGroup` is, so a group over a lowered limit is refused (the
+    /// caller says so and goes on: the stored record stays until written).
+    pub fn restore_group(&mut self, now: Millis, stored: &StoredGroup) -> Result<(), RestoreError> {
+        let group = GroupId(stored.group);
+        self.check_lists(&[&stored.members], &[&stored.admins])
+            .map_err(RestoreError::Name)?;
+        let interned = self
+            .intern_all(stored.members.iter().chain(&stored.admins))
+            .map_err(RestoreError::Name)?;
+        let (members, admins) = interned.split_at(stored.members.len());
+        match self
+            .core
+            .handle_restore_group(now, group, members, admins, stored.membership)
+        {
+            Ok(()) => {
+                for id in self.group_member_ids(group) {
+                    self.users.acquire(id.0);
+                }
+                Ok(())
+            }
+            Err(e) => {
+                self.idle.extend(&interned);
                 Err(e.into())
             }
         }

@@ -15,19 +15,28 @@
 //!   device of the user): tokens issued before the stored Unix second are
 //!   refused. Committed before a revocation is answered; bounded by the
 //!   list's cap, checked before storing.
+//! - `groups`: each group's members, admins and membership version, by
+//!   group id. Committed before a `SetGroup`, `ChangeGroup` or `RemoveGroup`
+//!   is answered; bounded by the groups cap and the members cap, both
+//!   checked before storing.
 //!
 //! Every commit is redb's default `Durability::Immediate`: on disk when
 //! `commit` returns. One writer thread groups whatever is queued into one
 //! transaction, so many acknowledgements share one fsync.
 //!
-//! Bounded: durable requests queue in a channel of [`DURABLE_QUEUE`] (a
+//! Order: every batch, durable or written behind, is merged into the
+//! pending set when it is handed over (the newest record of a key wins), so
+//! a commit never carries an older record of a user or group than one
+//! already committed, whatever order the waits for commits run in.
+//!
+//! Bounded: durable waits queue in a channel of [`DURABLE_QUEUE`] (a
 //! sender waits for room, with the server's `store_timeout`); write-behind
 //! batches are not queued but merged into one pending batch (one record per
 //! user, the newest), so a slow disk costs memory per dirty user, not per
 //! flush. A batch that fails to commit is merged back under what came since
 //! and written with the next one: a failure loses no dirty user.
 
-use crate::hub::LiveDevice;
+use crate::hub::{GroupWrite, LiveDevice, StoredGroup};
 use crate::tokens::Revocation;
 use greendot_core::{Millis, Saved};
 use greendot_proto::{Kind, Status};
@@ -48,6 +57,7 @@ const USERS: TableDefinition<&str, &[u8]> = TableDefinition::new("users");
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const DRAINED: TableDefinition<(&str, &str), &[u8]> = TableDefinition::new("drained");
 const REVOKED: TableDefinition<(&str, &str), u64> = TableDefinition::new("revoked");
+const GROUPS: TableDefinition<u64, &[u8]> = TableDefinition::new("groups");
 
 /// Why the store failed. `Clone` because one commit answers every request
 /// that waited on it, so sources are shared.
@@ -67,6 +77,14 @@ pub enum StoreError {
     #[error("unreadable record of user {user:?}")]
     Unreadable {
         user: String,
+        #[source]
+        source: postcard::Error,
+    },
+    /// Fail closed: the group's members would be refused their
+    /// subscriptions, and a backend's expected version would not match.
+    #[error("unreadable record of group {group}")]
+    UnreadableGroup {
+        group: u64,
         #[source]
         source: postcard::Error,
     },
@@ -135,6 +153,16 @@ impl Record {
     }
 }
 
+/// What is kept of one group (postcard; the enum tag is the format version).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+enum GroupRecord {
+    V1 {
+        membership: u64,
+        members: Vec<String>,
+        admins: Vec<String>,
+    },
+}
+
 /// What a starting server finds.
 #[derive(Clone, Debug, Default)]
 pub struct Loaded {
@@ -146,6 +174,8 @@ pub struct Loaded {
     pub drained: Vec<LiveDevice>,
     /// The token revocations.
     pub revocations: Vec<Revocation>,
+    /// The groups, by id.
+    pub groups: Vec<StoredGroup>,
 }
 
 /// One transaction's worth of writes.
@@ -157,6 +187,8 @@ pub struct Batch {
     pub drained: Option<Vec<LiveDevice>>,
     /// Token revocations (for one user and device, the latest `before` wins).
     pub revocations: Vec<Revocation>,
+    /// Group writes, in the order made (for one group, the last wins).
+    pub groups: Vec<GroupWrite>,
 }
 
 fn kind_code(kind: Kind) -> u8 {
@@ -249,6 +281,29 @@ impl Store {
                 Err(redb::TableError::TableDoesNotExist(_)) => {}
                 Err(e) => return Err(err(e)),
             }
+            match read.open_table(GROUPS) {
+                Ok(table) => {
+                    for item in table.iter().map_err(err)? {
+                        let (k, v) = item.map_err(err)?;
+                        let group = k.value();
+                        let record = postcard::from_bytes::<GroupRecord>(v.value())
+                            .map_err(|source| StoreError::UnreadableGroup { group, source })?;
+                        let GroupRecord::V1 {
+                            membership,
+                            members,
+                            admins,
+                        } = record;
+                        loaded.groups.push(StoredGroup {
+                            group,
+                            membership,
+                            members,
+                            admins,
+                        });
+                    }
+                }
+                Err(redb::TableError::TableDoesNotExist(_)) => {}
+                Err(e) => return Err(err(e)),
+            }
             if loaded.clean {
                 match read.open_table(DRAINED) {
                     Ok(table) => {
@@ -297,6 +352,26 @@ impl Store {
                     revoked.insert(key, &before).map_err(err)?;
                 }
             }
+            if !batch.groups.is_empty() {
+                let mut groups = write.open_table(GROUPS).map_err(err)?;
+                for w in &batch.groups {
+                    match w {
+                        GroupWrite::Set(g) => {
+                            let record = GroupRecord::V1 {
+                                membership: g.membership,
+                                members: g.members.clone(),
+                                admins: g.admins.clone(),
+                            };
+                            let bytes =
+                                postcard::to_allocvec(&record).map_err(StoreError::Encode)?;
+                            groups.insert(g.group, bytes.as_slice()).map_err(err)?;
+                        }
+                        GroupWrite::Removed(group) => {
+                            groups.remove(*group).map_err(err)?;
+                        }
+                    }
+                }
+            }
             let mut meta = write.open_table(META).map_err(err)?;
             if let Some(at) = batch.alive_at {
                 meta.insert("alive_at", &at).map_err(err)?;
@@ -333,16 +408,14 @@ pub struct StoreFaults {
     pub refused: AtomicU64,
 }
 
+/// A wait for the commit of a durable batch, which is already pending.
 struct Job {
-    batch: Batch,
-    /// When it was handed over (see [`Pending`]).
-    seq: u64,
     done: oneshot::Sender<Result<(), StoreError>>,
 }
 
-/// Batches merged for the next commit: one record per user, the one handed
-/// over last (by sequence number: a durable job and a write-behind batch
-/// may reach the writer in another order than they were made).
+/// Batches merged for the next commit: one record per user or group, the
+/// one handed over last (by sequence number: a failed commit is merged
+/// back under what was handed over since).
 #[derive(Default)]
 struct Pending {
     users: HashMap<String, (u64, Record)>,
@@ -351,6 +424,8 @@ struct Pending {
     drained: Option<(u64, Vec<LiveDevice>)>,
     /// By user and device: the latest `before` (order does not matter).
     revocations: HashMap<(String, Option<String>), u64>,
+    /// By group: the last write.
+    groups: HashMap<u64, (u64, GroupWrite)>,
 }
 
 impl Pending {
@@ -376,6 +451,14 @@ impl Pending {
         for r in batch.revocations {
             let before = self.revocations.entry((r.user, r.device)).or_insert(0);
             *before = (*before).max(r.before);
+        }
+        for w in batch.groups {
+            match self.groups.get(&w.group()) {
+                Some((newer, _)) if *newer > seq => {}
+                _ => {
+                    self.groups.insert(w.group(), (seq, w));
+                }
+            }
         }
     }
 
@@ -413,6 +496,15 @@ impl Pending {
             let slot = self.revocations.entry((user, device)).or_insert(0);
             *slot = (*slot).max(before);
         }
+        for (_, (seq, w)) in other.groups {
+            self.merge(
+                Batch {
+                    groups: vec![w],
+                    ..Batch::default()
+                },
+                seq,
+            );
+        }
     }
 
     fn is_empty(&self) -> bool {
@@ -420,6 +512,7 @@ impl Pending {
             && self.alive_at.is_none()
             && self.drained.is_none()
             && self.revocations.is_empty()
+            && self.groups.is_empty()
     }
 
     fn batch(&self) -> Batch {
@@ -440,6 +533,7 @@ impl Pending {
                     before,
                 })
                 .collect(),
+            groups: self.groups.values().map(|(_, w)| w.clone()).collect(),
         }
     }
 }
@@ -482,33 +576,46 @@ impl StoreWriter {
         })
     }
 
-    /// Merges a write-behind batch into the pending one and wakes the writer.
-    pub fn write_behind(&self, batch: Batch) {
+    /// Merges a batch into the pending one, in the order handed over.
+    fn hand_over(&self, batch: Batch) {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         self.pending
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .merge(batch, seq);
+    }
+
+    /// Merges a write-behind batch into the pending one and wakes the writer.
+    pub fn write_behind(&self, batch: Batch) {
+        self.hand_over(batch);
         // Full: the writer has work queued and takes the pending batch with it.
         let _ = self.tx.try_send(None);
     }
 
-    /// Writes a batch durably: `Ok` once it is on disk. Waits for room in
-    /// the queue and for the commit, each within `timeout` in all.
-    pub async fn write_durable(&self, batch: Batch, timeout: Duration) -> Result<(), StoreError> {
-        let (done, rx) = oneshot::channel();
-        let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        let job = Job { batch, seq, done };
-        let wait = async {
-            self.tx
-                .send(Some(job))
-                .await
-                .map_err(|_| StoreError::WriterStopped)?;
-            rx.await.map_err(|_| StoreError::WriterStopped)?
-        };
-        match tokio::time::timeout(timeout, wait).await {
-            Ok(result) => result,
-            Err(_) => Err(StoreError::Timeout(timeout)),
+    /// Writes a batch durably: the batch is pending when this returns (so
+    /// later batches win over it), and the future is `Ok` once it is on
+    /// disk. The future waits for room in the queue and for the commit,
+    /// each within `timeout` in all; on an error the batch stays pending
+    /// and goes out with a later commit.
+    pub fn write_durable(
+        &self,
+        batch: Batch,
+        timeout: Duration,
+    ) -> impl std::future::Future<Output = Result<(), StoreError>> + Send + 'static {
+        self.hand_over(batch);
+        let tx = self.tx.clone();
+        async move {
+            let (done, rx) = oneshot::channel();
+            let wait = async {
+                tx.send(Some(Job { done }))
+                    .await
+                    .map_err(|_| StoreError::WriterStopped)?;
+                rx.await.map_err(|_| StoreError::WriterStopped)?
+            };
+            match tokio::time::timeout(timeout, wait).await {
+                Ok(result) => result,
+                Err(_) => Err(StoreError::Timeout(timeout)),
+            }
         }
     }
 }
@@ -523,29 +630,30 @@ fn write_loop(
     loop {
         let first = rx.blocking_recv();
         let stopping = first.is_none();
-        // Group commit: what is pending and every durable job already queued
-        // go in the same transaction.
-        let mut commit = std::mem::take(&mut *lock());
-        let mut waiting = Vec::new();
-        for job in first
+        // Group commit: every durable wait already queued is answered by
+        // one transaction of everything pending. The waits are taken first:
+        // each one's batch was pending before it was queued.
+        let waiting: Vec<_> = first
             .into_iter()
             .chain(std::iter::from_fn(|| rx.try_recv().ok()))
             .flatten()
-        {
-            commit.merge(job.batch, job.seq);
-            waiting.push(job.done);
-        }
+            .map(|job| job.done)
+            .collect();
+        let commit = std::mem::take(&mut *lock());
+        // Nothing pending: the waits' batches went out with an earlier
+        // commit that succeeded (a failed one merges them back).
+        let mut result = Ok(());
         if !commit.is_empty() {
             let batch = commit.batch();
-            let result = write_with_faults(&store, &batch, faults.as_deref());
+            result = write_with_faults(&store, &batch, faults.as_deref());
             if let Err(e) = &result {
                 error!(error = %e, users = batch.users.len(), "store write failed; kept for the next flush");
                 // Merged with whatever came meanwhile: the newest record wins.
                 lock().merge_pending(commit);
             }
-            for done in waiting {
-                let _ = done.send(result.clone());
-            }
+        }
+        for done in waiting {
+            let _ = done.send(result.clone());
         }
         if stopping {
             return;
@@ -621,6 +729,7 @@ mod tests {
                             before: 9,
                         },
                     ],
+                    groups: Vec::new(),
                 })
                 .unwrap();
         }
@@ -647,6 +756,97 @@ mod tests {
         let loaded = store.load_and_begin(4_000).unwrap();
         assert!(!loaded.clean && loaded.drained.is_empty());
         assert_eq!(loaded.alive_at, Some(3_000));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn group(group: u64, membership: u64, members: &[&str]) -> GroupWrite {
+        GroupWrite::Set(StoredGroup {
+            group,
+            membership,
+            members: members.iter().map(|&m| m.to_owned()).collect(),
+            admins: vec![members[0].to_owned()],
+        })
+    }
+
+    fn temp_store(name: &str) -> (std::path::PathBuf, Store) {
+        let dir = std::env::temp_dir().join(format!("greendot-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let store = Store::open(&dir.join("t.redb")).unwrap();
+        store.load_and_begin(0).unwrap();
+        (dir, store)
+    }
+
+    #[test]
+    fn groups_survive_reopen_and_a_removed_one_is_gone() {
+        let (dir, store) = temp_store("store-groups");
+        let written = Batch {
+            groups: vec![
+                group(1, 1, &["ann", "bob"]),
+                group(2, 4, &["cy"]),
+                group(1, 2, &["ann", "bob", "dee"]),
+                group(3, 1, &["eve"]),
+                GroupWrite::Removed(3),
+            ],
+            ..Batch::default()
+        };
+        store.write(&written).unwrap();
+        drop(store);
+        let store = Store::open(&dir.join("t.redb")).unwrap();
+        let mut loaded = store.load_and_begin(1).unwrap().groups;
+        loaded.sort_by_key(|g| g.group);
+        let want: Vec<GroupWrite> = loaded.into_iter().map(GroupWrite::Set).collect();
+        assert_eq!(
+            want,
+            [group(1, 2, &["ann", "bob", "dee"]), group(2, 4, &["cy"])],
+            "the last write of each group, and no removed one"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A durable batch is pending from the call, so two writes of one user
+    /// land in the order they were made even when the second's wait runs
+    /// first (as two spawned tasks may), and the first's wait, finding its
+    /// batch already committed, is answered `Ok`.
+    #[tokio::test]
+    async fn durable_writes_land_in_the_order_made_whatever_order_they_wait_in() {
+        let (dir, store) = temp_store("store-order");
+        let faults = Arc::new(StoreFaults::default());
+        let writer = StoreWriter::spawn_with_faults(store, Some(faults.clone())).unwrap();
+        let timeout = Duration::from_secs(10);
+        let record = |status| {
+            let saved = Saved {
+                status,
+                ..Saved::default()
+            };
+            Record::new(&saved, true)
+        };
+        let (away, busy) = (
+            record(greendot_core::Status::Away),
+            record(greendot_core::Status::Busy),
+        );
+        let older = writer.write_durable(
+            Batch {
+                users: vec![("ann".into(), away)],
+                ..Batch::default()
+            },
+            timeout,
+        );
+        let newer = writer.write_durable(
+            Batch {
+                users: vec![("ann".into(), busy.clone())],
+                ..Batch::default()
+            },
+            timeout,
+        );
+        newer.await.unwrap();
+        older.await.unwrap();
+        let committed = faults.committed.lock().unwrap().clone();
+        assert_eq!(
+            committed.last(),
+            Some(&("ann".to_owned(), busy)),
+            "the older record was committed last: {committed:?}"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -6,7 +6,7 @@ use crate::hub::Hub;
 use crate::store::{Batch, Loaded};
 use crate::{readmit_ms, record, ServerConfig, ServerError};
 use greendot_core::{Millis, UserId};
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 /// User names checked per lease-renewal tick by [`Hub::sweep`].
 pub(super) const SWEEP_BUDGET: usize = 4096;
@@ -91,11 +91,23 @@ pub(super) fn restore(
             }
         }
     }
+    let mut groups = 0usize;
+    for g in &loaded.groups {
+        match hub.restore_group(now, g) {
+            Ok(()) => groups += 1,
+            // Over a lowered limit: the record stays stored until the group
+            // is written again, and the limit can be raised to bring it back.
+            Err(e) => {
+                error!(group = g.group, members = g.members.len(), error = %e, "a stored group was not restored")
+            }
+        }
+    }
     hub.handle_timeout(now);
     while hub.poll_output().is_some() {}
     hub.take_touched();
     info!(
         users = restored,
+        groups,
         lingering,
         clean = loaded.clean,
         "restored the saved state"

@@ -142,6 +142,7 @@ impl ServerState {
             self.after_refresh(at, s, &mut handled);
         }
         let revocations = self.hub.take_revocations();
+        let group_writes = self.hub.take_group_writes();
         if let Some(s) = handled.welcomed {
             let elsewhere = match self.cluster {
                 Some(_) => self.cluster_welcome(now, s, resume, &mut handled),
@@ -174,11 +175,11 @@ impl ServerState {
         let pending = durable
             .filter(|_| answered_ok && self.stored)
             .and_then(|user| record(&self.hub, user));
-        let revocations = match answered_ok && self.stored {
-            true => revocations,
-            false => Vec::new(),
+        let (revocations, group_writes) = match answered_ok && self.stored {
+            true => (revocations, group_writes),
+            false => (Vec::new(), Vec::new()),
         };
-        match (pending, revocations.is_empty()) {
+        match (pending, revocations.is_empty() && group_writes.is_empty()) {
             (None, true) => self.answer(ch, now, handled),
             // On disk before it is acknowledged; later frames wait.
             (user, _) => {
@@ -197,6 +198,7 @@ impl ServerState {
                 let batch = Batch {
                     users: user.into_iter().collect(),
                     revocations,
+                    groups: group_writes,
                     ..Batch::default()
                 };
                 self.outputs
