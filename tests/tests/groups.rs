@@ -680,3 +680,74 @@ async fn member_pages_are_rate_limited_with_a_retry_after() {
     mona.group_page(GROUP + 1, None, 10).await.unwrap();
     mona.ping().await.unwrap();
 }
+
+/// A server on `store` with the quick test settings and `tweak`, once the
+/// previous server on it has let the file go.
+async fn restart_on(
+    store: &std::path::Path,
+    tweak: impl Fn(&mut greendot_server::ServerConfig),
+) -> TestServer {
+    let mut restarted = None;
+    let reopened = greendot_tests::eventually(SLACK, || {
+        if restarted.is_none() {
+            let mut c = greendot_tests::quick_config();
+            c.store = Some(store.to_owned());
+            tweak(&mut c);
+            restarted = greendot_server::Server::bind(c).ok();
+        }
+        restarted.is_some()
+    })
+    .await;
+    assert!(reopened, "the store did not reopen");
+    TestServer {
+        server: restarted.unwrap(),
+    }
+}
+
+/// Groups are saved: after a restart on the same store a member subscribes
+/// again and a change expecting the stored version is made. A group over a
+/// cap lowered meanwhile is not restored (the server starts without it) but
+/// stays stored, and is back once the cap is raised again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn saved_groups_come_back_after_a_restart_and_one_over_a_lowered_cap_waits() {
+    let dir = std::env::temp_dir().join(format!("greendot-groups-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("store.redb");
+    let ts = restart_on(&path, |_| {}).await;
+    let svc = service(&ts).await;
+    assert_eq!(
+        svc.set_group(GROUP, &["ann", "bob", "cy"], &["ann"])
+            .await
+            .unwrap(),
+        1
+    );
+    svc.set_group(GROUP + 1, &["ann"], NONE).await.unwrap();
+    drop(svc);
+    ts.server.shutdown().await;
+
+    let ts = restart_on(&path, |c| c.core.max_group_members = 2).await;
+    let (bob, _) = ts.connect("bob", "phone", Kind::Mobile).await;
+    let refused = bob.group_subscribe(GROUP).await.unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::NotMember), "{refused}");
+    let (ann, _) = ts.connect("ann", "phone", Kind::Mobile).await;
+    let small = ann.group_subscribe(GROUP + 1).await.unwrap();
+    assert_eq!((small.role, small.members), (GroupRole::Member, 1));
+    drop((bob, ann));
+    ts.server.shutdown().await;
+
+    let ts = restart_on(&path, |_| {}).await;
+    let (bob, _) = ts.connect("bob", "phone", Kind::Mobile).await;
+    let snap = bob.group_subscribe(GROUP).await.unwrap();
+    assert_eq!((snap.role, snap.members), (GroupRole::Member, 3));
+    let svc = service(&ts).await;
+    let add = GroupChange {
+        add: vec!["dee".into()],
+        expect_version: Some(1),
+        ..GroupChange::default()
+    };
+    assert_eq!(svc.change_group(GROUP, add).await.unwrap(), 2);
+    drop((bob, svc));
+    ts.server.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
