@@ -39,14 +39,17 @@ async fn a_member_sees_the_count_batched_at_most_once_per_interval() {
     let interval = Duration::from_millis(1000);
     let ts = TestServer::start(|c| c.core.group_interval = Millis(1000));
     let svc = service(&ts).await;
+    // A 1,000-member group: eight members who come online, mona, and 991
+    // who stay away.
     let users: Vec<String> = (0..8).map(|i| format!("u{i}")).collect();
     let mut members = users.clone();
     members.push("mona".into());
+    members.extend((0..991).map(|i| format!("away{i}")));
     svc.set_group(GROUP, &members, NONE).await.unwrap();
     let (mona, mut seen) = ts.connect("mona", "phone", Kind::Mobile).await;
     let snapshot = mona.group_subscribe(GROUP).await.unwrap();
     assert_eq!(snapshot.role, GroupRole::Member);
-    assert_eq!(snapshot.members, 9);
+    assert_eq!(snapshot.members, 1_000);
     // Eight members come online one after the other, quickly: one count
     // per change would be eight pushes tens of ms apart.
     let mut clients = Vec::new();
