@@ -705,7 +705,7 @@ impl Core {
         let before = self.views(user);
 
         let mut carried = Vec::new();
-        let mut carried_groups = Vec::new();
+        let mut carried_groups = None;
         let mut resumed = false;
         let mut superseded = None;
         if let Some(old) = old {
@@ -716,7 +716,7 @@ impl Core {
                 resumed = true;
                 self.counters.resumed += 1;
                 carried = self.detach_subs(old);
-                carried_groups = self.group_take(old);
+                carried_groups = Some(self.group_take(old));
             }
             if was_online {
                 superseded = Some(old);
@@ -737,7 +737,9 @@ impl Core {
                 snapshots.push(snapshot);
             }
         }
-        self.group_carry(id, carried_groups);
+        if let Some(taken) = carried_groups {
+            self.group_carry(id, taken);
+        }
         self.after_change(user, before);
         Ok(Connected {
             session: id,

@@ -3,8 +3,15 @@
 //! resumed.
 
 use crate::engine::Core;
+use crate::group_watch::CarriedWatches;
 use crate::groups::{arm_flush, group_mutant, is_online, GroupId, GroupOutput, GroupRole};
 use crate::types::{SessionId, UserId};
+
+/// What a resumed session takes over from the one it resumes.
+pub(crate) struct CarriedGroups {
+    groups: Vec<GroupId>,
+    watches: CarriedWatches,
+}
 
 impl Core {
     /// `user`'s published view changed (from `was_online` to `online`):
@@ -88,24 +95,30 @@ impl Core {
         }
     }
 
-    /// A resume: takes `old`'s group subscriptions, for `group_carry`.
-    pub(crate) fn group_take(&mut self, old: SessionId) -> Vec<GroupId> {
+    /// A resume: takes `old`'s group subscriptions and watched pages, for
+    /// `group_carry`.
+    pub(crate) fn group_take(&mut self, old: SessionId) -> CarriedGroups {
         let taken = self.groups.by_session.remove(&old).unwrap_or_default();
         for group in &taken {
             if let Some(g) = self.groups.groups.get_mut(group) {
                 g.unsubscribe(old);
             }
         }
-        taken
+        CarriedGroups {
+            groups: taken,
+            watches: self.watches_take(old),
+        }
     }
 
     /// A resume: the new session `id` holds the taken subscriptions, in the
-    /// roles its user has now, and is told each count at once.
-    pub(crate) fn group_carry(&mut self, id: SessionId, taken: Vec<GroupId>) {
+    /// roles its user has now, and is told each count at once; it holds the
+    /// taken watches too.
+    pub(crate) fn group_carry(&mut self, id: SessionId, taken: CarriedGroups) {
         let Some(user) = self.session_user(id) else {
             return;
         };
-        for group in taken {
+        self.watches_carry(id, taken.watches);
+        for group in taken.groups {
             let Some(g) = self.groups.groups.get_mut(&group) else {
                 continue;
             };

@@ -67,6 +67,12 @@ pub(crate) struct PageWatch {
     pub(crate) expires: Millis,
 }
 
+/// A resumed session's watches (ids) and page budgets (group, when full).
+pub(crate) struct CarriedWatches {
+    watches: Vec<u64>,
+    budgets: Vec<(GroupId, Millis)>,
+}
+
 /// Deltas waiting for a session's flush.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub(crate) struct PendingDeltas {
@@ -410,6 +416,62 @@ impl Core {
             return;
         }
         self.remove_watch(wid);
+    }
+
+    /// A resume: detaches `old`'s watches and page budgets, so that the end
+    /// of `old` leaves them, for [`Core::watches_carry`]. Its queued deltas
+    /// go: the carried watches queue every member they list again.
+    pub(crate) fn watches_take(&mut self, old: SessionId) -> CarriedWatches {
+        let w = &mut self.groups.watches;
+        let watches = w.by_session.remove(&old).unwrap_or_default();
+        let budgets: Vec<_> = w
+            .budgets
+            .range((old, GroupId(0))..=(old, GroupId(u64::MAX)))
+            .map(|(&(_, group), &full)| (group, full))
+            .collect();
+        for (group, _) in &budgets {
+            w.budgets.remove(&(old, *group));
+        }
+        if let Some(p) = w.pending.remove(&old) {
+            if let Some(due) = p.due {
+                self.timers.remove(&(due, Timer::PageFlush(old)));
+            }
+        }
+        CarriedWatches { watches, budgets }
+    }
+
+    /// A resume: the new session `id` (of the same user) holds the taken
+    /// watches, with their expiry, and page budgets. Every member a watch
+    /// lists is queued, so the first flush brings each one's current view:
+    /// nothing was sent while the old session was away.
+    pub(crate) fn watches_carry(&mut self, id: SessionId, taken: CarriedWatches) {
+        let w = &mut self.groups.watches;
+        for (group, full) in taken.budgets {
+            w.budgets.insert((id, group), full);
+        }
+        if taken.watches.is_empty() {
+            return;
+        }
+        let mut queued = BTreeSet::new();
+        for &wid in &taken.watches {
+            if let Some(x) = w.all.get_mut(&wid) {
+                x.session = id;
+                queued.extend(x.members.iter().map(|&m| (x.group, m)));
+            }
+        }
+        w.by_session.insert(id, taken.watches);
+        if queued.is_empty() {
+            return;
+        }
+        let due = self.clock.plus(self.config.batch_interval);
+        w.pending.insert(
+            id,
+            PendingDeltas {
+                due: Some(due),
+                members: queued,
+            },
+        );
+        self.timers.insert((due, Timer::PageFlush(id)));
     }
 
     /// A session ended: its watches, queued deltas and page budgets go.

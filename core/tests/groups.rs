@@ -14,7 +14,8 @@
 //! - G5: page deltas reach only Online sessions with a live, unexpired
 //!   watch of a page of that group listing that member, and carry its
 //!   published view; the watches held are exactly the reference's (asked,
-//!   renewed, unwatched, run out, dropped with the session or membership),
+//!   renewed, unwatched, run out, carried over a resume, dropped with the
+//!   session or membership),
 //!   and the watch limits refuse exactly when the reference says.
 //!
 //! Each `GroupMutant` is shown caught.
@@ -572,6 +573,21 @@ impl Driver {
                         }
                         if !carried.is_empty() {
                             self.subs.insert(connected.session, carried);
+                        }
+                        // Watched pages carry over too, if not run out.
+                        let old = old.unwrap();
+                        let moved: Vec<WatchKey> = self
+                            .watches
+                            .keys()
+                            .filter(|k| k.0 == old)
+                            .copied()
+                            .collect();
+                        for key in moved {
+                            let (set, expires) = self.watches.remove(&key).unwrap();
+                            if at.0 < expires {
+                                let key = (connected.session, key.1, key.2);
+                                self.watches.insert(key, (set, expires));
+                            }
                         }
                     }
                 }

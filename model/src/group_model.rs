@@ -9,7 +9,7 @@
 //! every tick's outputs are those of one instant (debounce 1, group
 //! interval 2, grace 1). User 2 may also watch the group's one page (all
 //! three members), renew and end the watch, which runs out 2 ms after it
-//! was last asked for or renewed.
+//! was last asked for or renewed; a resume carries the watch over.
 //!
 //! Each transition drains the group outputs and checks, with the id in front
 //! of each violation: G1 (an interval after the count last changed, every
@@ -20,7 +20,8 @@
 //! admin; admins told every count at once), G5 (page deltas only to an
 //! Online session holding an unexpired watch of a page listing the member,
 //! each with the member's published view; the watches the core holds are
-//! the ones asked for, renewed and not run out). The mover's own inputs are
+//! the ones asked for, renewed, carried over a resume and not run out). The
+//! mover's own inputs are
 //! bounded, so the state space is small (see `model/tests/groups.rs`).
 
 use greendot_core::{
@@ -194,7 +195,15 @@ impl GroupModel {
                 };
                 let connected = n.core.handle_connect(now, c).ok()?;
                 n.issued += 1;
-                n.cur[dev as usize] = Some(connected.session);
+                let old = n.cur[dev as usize].replace(connected.session);
+                // A resumed session holds the watch of the one it resumed.
+                if let Some(w) = n
+                    .watch
+                    .as_mut()
+                    .filter(|w| connected.resumed && Some(w.session) == old)
+                {
+                    w.session = connected.session;
+                }
                 Ok(())
             }
             GroupAction::Disconnect(dev) => {

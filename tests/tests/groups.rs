@@ -754,3 +754,46 @@ async fn saved_groups_come_back_after_a_restart_and_one_over_a_lowered_cap_waits
     ts.server.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A resume carries a watched page over. mona's connection dies (migration
+/// refused) right after she watched the page, and bob comes online: once
+/// she has resumed, bob's view reaches her as a delta without her watching
+/// again, and the watch is there to renew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resumed_session_keeps_its_watched_page() {
+    let ts = TestServer::start(|c| {
+        c.migration = false;
+        c.core.batch_interval = Millis(200);
+    });
+    let svc = service(&ts).await;
+    svc.set_group(GROUP, &["mona", "bob"], NONE).await.unwrap();
+    let (mona, mut seen) = ts.connect("mona", "phone", Kind::Mobile).await;
+    let page = mona.group_watch_page(GROUP, None, 10).await.unwrap();
+    assert_eq!(page.entries.len(), 2);
+    mona.rebind(std::net::UdpSocket::bind("127.0.0.1:0").unwrap())
+        .unwrap();
+    let _bob = ts.connect("bob", "phone", Kind::Mobile).await;
+    let reconnect_bound = ts.config().idle_timeout * 2 + SLACK;
+    let (_, back) = seen
+        .wait_for(reconnect_bound, |e| matches!(e, Event::Reconnected { .. }))
+        .await
+        .expect("mona reconnects");
+    assert!(
+        matches!(back, Event::Reconnected { resumed: true, .. }),
+        "{back:?}"
+    );
+    // The dying connection may have brought bob's change already; the
+    // resumed session's first flush brings every member its watch lists.
+    assert!(
+        seen.wait_for(Duration::from_millis(200) + SLACK, |e| delta_of(
+            e, GROUP, "bob", true
+        ))
+        .await
+        .is_some(),
+        "no delta of bob after the resume: {:?}",
+        seen.seen
+    );
+    mona.group_renew_watch(GROUP, None)
+        .await
+        .expect("the watch was carried over");
+}

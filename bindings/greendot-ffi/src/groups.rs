@@ -218,7 +218,9 @@ impl GreendotClient {
     /// 30 s while the page is on screen). Asking the same page (`group`,
     /// `after`) again re-reads it and renews the watch. At most 3 pages and
     /// 600 entries per session: `Server` with code `TooManyWatchedPages`.
-    /// Watches end with the session: after `Reconnected`, watch again.
+    /// A resumed session keeps its watches; after `Reconnected` with
+    /// `resumed: false`, watch again (watching a watched page again only
+    /// renews it).
     pub async fn group_watch_page(
         &self,
         group: u64,

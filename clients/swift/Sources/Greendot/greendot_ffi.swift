@@ -762,7 +762,9 @@ public protocol GreendotClientProtocol: AnyObject, Sendable {
      * 30 s while the page is on screen). Asking the same page (`group`,
      * `after`) again re-reads it and renews the watch. At most 3 pages and
      * 600 entries per session: `Server` with code `TooManyWatchedPages`.
-     * Watches end with the session: after `Reconnected`, watch again.
+     * A resumed session keeps its watches; after `Reconnected` with
+     * `resumed: false`, watch again (watching a watched page again only
+     * renews it).
      */
     func groupWatchPage(group: UInt64, after: GroupCursor?, limit: UInt32) async throws  -> GroupMemberPage
     
@@ -1316,7 +1318,9 @@ open func groupUnwatchPage(group: UInt64, after: GroupCursor?)async throws   {
      * 30 s while the page is on screen). Asking the same page (`group`,
      * `after`) again re-reads it and renews the watch. At most 3 pages and
      * 600 entries per session: `Server` with code `TooManyWatchedPages`.
-     * Watches end with the session: after `Reconnected`, watch again.
+     * A resumed session keeps its watches; after `Reconnected` with
+     * `resumed: false`, watch again (watching a watched page again only
+     * renews it).
      */
 open func groupWatchPage(group: UInt64, after: GroupCursor?, limit: UInt32)async throws  -> GroupMemberPage  {
     return
@@ -4193,7 +4197,7 @@ private let initializationResult: InitializationResult = {
     if (uniffi_greendot_ffi_checksum_method_greendotclient_group_unwatch_page() != 43640) {
         return InitializationResult.apiChecksumMismatch
     }
-    if (uniffi_greendot_ffi_checksum_method_greendotclient_group_watch_page() != 36911) {
+    if (uniffi_greendot_ffi_checksum_method_greendotclient_group_watch_page() != 56738) {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_greendot_ffi_checksum_method_greendotclient_remove_group() != 14493) {

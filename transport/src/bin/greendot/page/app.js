@@ -146,7 +146,7 @@ async function connect(token) {
     else if (event.type === "closed") setState(`closed (${event.code ?? "-"}: ${event.reason})`, false);
     else if (event.type === "groupCount" || event.type === "groupMember" || event.type === "groupEnded") groupEvent(event);
     else if (event.type === "groupPageDelta") pageDelta(event);
-    // The watch ended with the old session (a resumed one too): watch again.
+    // The watch ended with the old session, or (resumed) is renewed by this.
     if (event.type === "reconnected" && group && !group.ended) void showPage(group.after);
   });
   setState(`${me.user}/${me.device} over ${me.binding}, session ${me.session}`, true);

@@ -1595,8 +1595,9 @@ var Client = class _Client {
    * `groupPage`, and the page is watched: its members' changes come as
    * `groupPageDelta` events until the watch expires (60 s by default) unless
    * renewed. At most 3 pages and 600 entries per session
-   * (`TooManyWatchedPages`). Watches end with the session: after a
-   * reconnect, watch again.
+   * (`TooManyWatchedPages`). A resumed session keeps its watches; after a
+   * reconnect that did not resume, watch again (watching a watched page
+   * again only renews it).
    */
   async groupWatchPage(group, after, limit) {
     return expect(await this.call({ type: "groupWatchPage", group: groupId(group), after, limit }), "groupPage").page;
