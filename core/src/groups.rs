@@ -78,6 +78,42 @@ pub struct GroupChange<'a> {
     pub expect: Option<u64>,
 }
 
+/// A group's lists after a change by difference, as
+/// [`Core::handle_change_group`] makes it: from `old` (members, admins
+/// included, and admins, both sorted), `change` = [add, remove, add_admins,
+/// remove_admins] removes `remove` (members and admins alike) and
+/// `remove_admins` (from the admins only), then adds `add` as members and
+/// `add_admins` as admins and members; a name both removed and added ends
+/// added. Returns the new (members, admins), sorted and deduplicated.
+/// Generic so that a node of a cluster changes a group's names the same way.
+pub fn changed_lists<T: Ord + Clone>(old: (&[T], &[T]), change: [&[T]; 4]) -> (Vec<T>, Vec<T>) {
+    let (old_members, old_admins) = old;
+    let [add, remove, add_admins, remove_admins] = change;
+    let sorted = |list: &[T]| {
+        let mut list = list.to_vec();
+        list.sort_unstable();
+        list.dedup();
+        list
+    };
+    let (remove, remove_admins) = (sorted(remove), sorted(remove_admins));
+    let add_admins = sorted(add_admins);
+    let kept = |list: &[T], also: &[T]| -> Vec<T> {
+        list.iter()
+            .filter(|u| remove.binary_search(u).is_err() && also.binary_search(u).is_err())
+            .cloned()
+            .collect()
+    };
+    let mut admins = kept(old_admins, &remove_admins);
+    admins.extend(add_admins.iter().cloned());
+    admins.sort_unstable();
+    admins.dedup();
+    let mut members = kept(old_members, &[]);
+    members.extend(add.iter().chain(&add_admins).cloned());
+    members.sort_unstable();
+    members.dedup();
+    (members, admins)
+}
+
 /// What a group subscription gets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum GroupRole {
@@ -331,28 +367,15 @@ impl Core {
                 return Err(Error::VersionMismatch { current });
             }
         }
-        let sorted = |list: &[UserId]| {
-            let mut list = list.to_vec();
-            list.sort_unstable();
-            list.dedup();
-            list
-        };
-        let (remove, remove_admins) = (sorted(change.remove), sorted(change.remove_admins));
-        let add_admins = sorted(change.add_admins);
-        let kept = |list: &[UserId], also: &[UserId]| -> Vec<UserId> {
-            list.iter()
-                .copied()
-                .filter(|u| remove.binary_search(u).is_err() && also.binary_search(u).is_err())
-                .collect()
-        };
-        let mut admins = kept(old_admins, &remove_admins);
-        admins.extend(&add_admins);
-        admins.sort_unstable();
-        admins.dedup();
-        let mut members = kept(old_members, &[]);
-        members.extend(change.add.iter().chain(&add_admins));
-        members.sort_unstable();
-        members.dedup();
+        let (members, admins) = changed_lists(
+            (old_members, old_admins),
+            [
+                change.add,
+                change.remove,
+                change.add_admins,
+                change.remove_admins,
+            ],
+        );
         let exists = self.groups.groups.contains_key(&group);
         if admins.len() > self.config.max_group_admins {
             return Err(self.group_limit(Limit::GroupAdmins));

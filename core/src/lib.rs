@@ -82,7 +82,7 @@ pub use error::{Error, Limit};
 pub use fanout::Fanout;
 pub use group_pages::{GroupPage, PageCursor};
 pub use group_watch::PAGE_DELTA_ENTRIES;
-pub use groups::{GroupChange, GroupId, GroupOutput, GroupRole, GroupSnapshot};
+pub use groups::{changed_lists, GroupChange, GroupId, GroupOutput, GroupRole, GroupSnapshot};
 pub use output::{EndReason, Output};
 pub use types::{
     DeviceId, DeviceKind, Kinds, Millis, Presence, SessionId, Status, Tier, UserId, Watch,

@@ -261,3 +261,43 @@ fn a_restored_group_keeps_its_membership_version() {
     assert_eq!(core, before, "a refused restore changed the core");
     core.check_invariants().unwrap();
 }
+
+/// The list arithmetic on names, as a node of a cluster uses it, agrees
+/// with the core's on ids.
+#[test]
+fn changed_lists_on_names_is_the_cores_change() {
+    let s = |names: &[&str]| -> Vec<String> { names.iter().map(|n| n.to_string()).collect() };
+    let (members, admins) = (s(&["ann", "bob", "cy"]), s(&["bob", "cy"]));
+    let change = [
+        &s(&["dee", "ann"])[..],
+        &s(&["ann", "cy", "zed"]),
+        &s(&["eve"]),
+        &s(&["bob"]),
+    ];
+    let got = changed_lists((&members, &admins), change);
+    assert_eq!(got, (s(&["ann", "bob", "dee", "eve"]), s(&["eve"])));
+
+    // The same change on ids through the core.
+    let id = |n: &str| u(u64::from(n.as_bytes()[0]));
+    let ids = |names: &[String]| -> Vec<UserId> { names.iter().map(|n| id(n)).collect() };
+    let mut core = Core::new(Config::default()).unwrap();
+    let g = GroupId(1);
+    core.handle_set_group(Millis(0), g, &ids(&members), &ids(&admins))
+        .unwrap();
+    let (add, remove, add_admins, remove_admins) = (
+        ids(change[0]),
+        ids(change[1]),
+        ids(change[2]),
+        ids(change[3]),
+    );
+    let by_ids = GroupChange {
+        add: &add,
+        remove: &remove,
+        add_admins: &add_admins,
+        remove_admins: &remove_admins,
+        expect: None,
+    };
+    core.handle_change_group(Millis(0), g, &by_ids).unwrap();
+    let (m, a) = core.group_members(g).unwrap();
+    assert_eq!((m.to_vec(), a.to_vec()), (ids(&got.0), ids(&got.1)));
+}
