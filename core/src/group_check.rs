@@ -43,19 +43,30 @@ impl Core {
                     g.members.len()
                 )
             })?;
-            ensure(
-                g.online.len() == online
-                    && g.online
-                        .iter()
-                        .all(|&m| g.members.binary_search(&m).is_ok() && self.published_online(m)),
-                || format!("G2: {id:?} keeps another online set than its members published online"),
-            )?;
-            ensure(g.count as usize == online, || {
-                format!(
-                    "G2: {id:?} counts {} but {online} are published online",
-                    g.count
-                )
-            })?;
+            if self.groups.fed {
+                // Fed counts: the count source's, and no online set.
+                ensure(g.online.is_empty(), || {
+                    format!("{id:?}: fed counts, but an online set is kept")
+                })?;
+            } else {
+                ensure(
+                    g.online.len() == online
+                        && g.online.iter().all(|&m| {
+                            g.members.binary_search(&m).is_ok() && self.published_online(m)
+                        }),
+                    || {
+                        format!(
+                            "G2: {id:?} keeps another online set than its members published online"
+                        )
+                    },
+                )?;
+                ensure(g.count as usize == online, || {
+                    format!(
+                        "G2: {id:?} counts {} but {online} are published online",
+                        g.count
+                    )
+                })?;
+            }
             for m in &g.members {
                 index += 1;
                 ensure(

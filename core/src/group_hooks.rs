@@ -19,6 +19,10 @@ impl Core {
     /// the count of each of their groups moves by one and the admins are
     /// told.
     pub(crate) fn group_published(&mut self, user: UserId, was_online: bool, online: bool) {
+        // Fed counts come from outside, and so do the views pages list.
+        if self.groups.fed {
+            return;
+        }
         // Watched pages list any change of a published view.
         self.watch_published(user);
         if was_online == online || !self.groups.member_of.contains_key(&user) {

@@ -224,6 +224,9 @@ pub(crate) struct Groups {
     pub(crate) outputs: VecDeque<GroupOutput>,
     /// Watched pages and page budgets (the `group_watch` module).
     pub(crate) watches: crate::group_watch::Watches,
+    /// Counts come from outside (the `group_fed` module), not from this
+    /// core's published views.
+    pub(crate) fed: bool,
     #[cfg(feature = "mutants")]
     pub(crate) mutant: Option<crate::mutants::GroupMutant>,
 }
@@ -404,15 +407,33 @@ impl Core {
         g.admins = admins;
         update_index(&mut groups.member_of, group, &old, &g.members);
         let old_count = g.count;
-        g.online = g
-            .members
-            .iter()
-            .copied()
-            .filter(|&m| self.published_online(m))
-            .collect();
-        g.count = g.online.len() as u32;
+        // Fed counts: the source sends the count after this write under a
+        // version of its own. Until then the count is the last one fed, cut
+        // to the members, told under a version between the source's.
+        let mut told = true;
+        if groups.fed {
+            g.count = g.count.min(g.members.len() as u32);
+            if !(g.version + 1).is_multiple_of(crate::group_fed::FED_VERSION_STEP) {
+                g.version += 1;
+            } else {
+                // No version left to tell it under: everyone hears it with
+                // the source's next count.
+                told = false;
+                if let Some(due) = g.flush_due.take() {
+                    self.timers.remove(&(due, Timer::Group(group)));
+                }
+            }
+        } else {
+            g.online = g
+                .members
+                .iter()
+                .copied()
+                .filter(|&m| self.published_online(m))
+                .collect();
+            g.count = g.online.len() as u32;
+            g.version += 1;
+        }
         g.membership += 1;
-        g.version += 1;
 
         // Subscriptions in their new roles; leavers end.
         let mut ended = Vec::new();
@@ -435,9 +456,11 @@ impl Core {
                 Some(GroupRole::Admin) => {}
                 Some(GroupRole::Member) if keep_admins => {}
                 Some(GroupRole::Member) => {
-                    // Admins were told every count: this one knew `old_count`.
+                    // Admins were told every count: this one knew `old_count`
+                    // (if this write could not be told, it knows none).
                     g.unsubscribe(id);
-                    g.counted.insert(id, old_count);
+                    g.counted
+                        .insert(id, if told { old_count } else { u32::MAX });
                 }
                 None => ended.push(id),
             }
@@ -451,7 +474,7 @@ impl Core {
                     .push_back(GroupOutput::Ended { to: id, group });
             }
         }
-        for &to in &g.admin_subs {
+        for &to in g.admin_subs.iter().filter(|_| told) {
             if is_online(&self.slots, to) {
                 groups.outputs.push_back(GroupOutput::Count {
                     to,
@@ -461,7 +484,7 @@ impl Core {
                 });
             }
         }
-        if g.count != old_count && !group_mutant!(groups, MembershipNotFlushed) {
+        if told && g.count != old_count && !group_mutant!(groups, MembershipNotFlushed) {
             arm_flush(group, &mut g, self);
         }
         let membership = g.membership;

@@ -54,6 +54,8 @@ mod engine;
 mod error;
 mod fanout;
 mod foreground;
+mod group_fed;
+pub use group_fed::FED_VERSION_STEP;
 mod group_hooks;
 mod group_pages;
 mod group_watch;

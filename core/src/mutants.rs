@@ -54,15 +54,19 @@ pub enum GroupMutant {
     SubsKeptAfterEnd,
     /// A page watch that runs out is kept, and its deltas go on (G5).
     WatchOutlivesExpiry,
+    /// A fed count is taken whatever its version, so a late or repeated
+    /// one sends versions back (G3; `tests/group_fed.rs`).
+    FedOlderCountTaken,
 }
 
 impl GroupMutant {
-    pub const ALL: [GroupMutant; 6] = [
+    pub const ALL: [GroupMutant; 7] = [
         GroupMutant::CountMissesOffline,
         GroupMutant::MembershipNotFlushed,
         GroupMutant::VersionNotBumped,
         GroupMutant::AdminKeptAfterDemotion,
         GroupMutant::SubsKeptAfterEnd,
         GroupMutant::WatchOutlivesExpiry,
+        GroupMutant::FedOlderCountTaken,
     ];
 }
