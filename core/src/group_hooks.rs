@@ -40,6 +40,9 @@ impl Core {
             } else {
                 g.online.remove(&user);
             }
+            if let Some(changed) = &mut groups.changed {
+                changed.insert(group);
+            }
             if online {
                 g.count += 1;
             } else if !missed {

@@ -227,6 +227,9 @@ pub(crate) struct Groups {
     /// Counts come from outside (the `group_fed` module), not from this
     /// core's published views.
     pub(crate) fed: bool,
+    /// Groups whose online members changed, while tracked (the
+    /// `group_changes` module: a shard owner's partial counts).
+    pub(crate) changed: Option<BTreeSet<GroupId>>,
     #[cfg(feature = "mutants")]
     pub(crate) mutant: Option<crate::mutants::GroupMutant>,
 }
@@ -235,6 +238,12 @@ impl Groups {
     #[cfg(feature = "mutants")]
     pub(crate) fn is(&self, m: crate::mutants::GroupMutant) -> bool {
         self.mutant == Some(m)
+    }
+
+    pub(crate) fn note_changed(&mut self, group: GroupId) {
+        if let Some(changed) = &mut self.changed {
+            changed.insert(group);
+        }
     }
 
     pub(crate) fn unlink_session(&mut self, id: SessionId, group: GroupId) {
@@ -488,6 +497,7 @@ impl Core {
             arm_flush(group, &mut g, self);
         }
         let membership = g.membership;
+        groups.note_changed(group);
         groups.groups.insert(group, g);
         self.groups = groups;
         self.watches_group_changed(group);
@@ -514,6 +524,7 @@ impl Core {
             }
         }
         self.groups.version_floor = self.groups.version_floor.max(g.version);
+        self.groups.note_changed(group);
         self.watches_group_changed(group);
         Ok(())
     }

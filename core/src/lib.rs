@@ -54,6 +54,7 @@ mod engine;
 mod error;
 mod fanout;
 mod foreground;
+mod group_changes;
 mod group_fed;
 pub use group_fed::FED_VERSION_STEP;
 mod group_hooks;
