@@ -54,6 +54,9 @@ pub struct Cluster {
     prefs: kv::Store,
     views: kv::Store,
     sessions: kv::Store,
+    /// `<prefix>_groups`, opened on first use: nothing uses group
+    /// definitions yet, so a node that never touches them makes no bucket.
+    groups: std::sync::Arc<tokio::sync::OnceCell<kv::Store>>,
 }
 
 impl Cluster {
@@ -104,6 +107,7 @@ impl Cluster {
             prefs,
             views,
             sessions,
+            groups: Default::default(),
         })
     }
 
@@ -129,8 +133,19 @@ impl Cluster {
         &self.envelope
     }
 
-    fn timeout(&self) -> Duration {
+    pub(crate) fn timeout(&self) -> Duration {
         self.config.op_timeout
+    }
+
+    pub(crate) fn js(&self) -> &jetstream::Context {
+        &self.js
+    }
+
+    /// The groups bucket, created or opened on the first call.
+    pub(crate) async fn groups_store(&self) -> Result<&kv::Store> {
+        self.groups
+            .get_or_try_init(|| bucket(&self.js, &self.config, "groups", None, Duration::ZERO))
+            .await
     }
 
     /// The revision a compare-and-set creating `key` must expect: 0 if the key

@@ -32,6 +32,8 @@ pub struct ClusterConfig {
     pub channel_capacity: usize,
     /// Credentials and TLS of the connection to NATS.
     pub nats: crate::access::NatsAccess,
+    /// How large a group definition in the groups bucket may be.
+    pub groups: crate::groups::GroupLimits,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -54,6 +56,10 @@ pub enum ConfigError {
     BadOpTimeout { op: Duration, window: Duration },
     #[error("channel_capacity must be 1..=1048576, got {0}")]
     BadChannelCapacity(usize),
+    #[error(
+        "groups.max_members {0} does not fit in the groups bucket's chunks at the longest names"
+    )]
+    BadGroupLimits(u32),
 }
 
 impl ClusterConfig {
@@ -75,6 +81,7 @@ impl ClusterConfig {
             op_timeout: Duration::from_secs(2),
             channel_capacity: 4096,
             nats: crate::access::NatsAccess::default(),
+            groups: crate::groups::GroupLimits::default(),
         }
     }
 
@@ -124,6 +131,9 @@ impl ClusterConfig {
         }
         if !(1..=1 << 20).contains(&self.channel_capacity) {
             return Err(ConfigError::BadChannelCapacity(self.channel_capacity));
+        }
+        if !self.groups.fit_in_chunks() {
+            return Err(ConfigError::BadGroupLimits(self.groups.max_members));
         }
         Ok(())
     }
@@ -213,6 +223,9 @@ mod tests {
         let mut c = config();
         c.prefix = "a.b".into();
         assert!(matches!(c.validate(), Err(ConfigError::BadPrefix(_))));
+        let mut c = config();
+        c.groups.max_members = 1_000_000;
+        assert!(matches!(c.validate(), Err(ConfigError::BadGroupLimits(_))));
         let mut c = config();
         c.shard_count = 0;
         assert!(matches!(c.validate(), Err(ConfigError::BadShardCount(0))));

@@ -133,6 +133,37 @@ pub enum ClusterError {
         #[source]
         source: async_nats::jetstream::context::KeyValueError,
     },
+    /// A group definition over the limits or against its rules: refused
+    /// before anything is stored.
+    #[error("group {group} refused: {reason}")]
+    GroupRefused {
+        group: u64,
+        #[source]
+        reason: crate::groups::GroupLimitError,
+    },
+    /// A stored group definition that does not open (forged header,
+    /// chunks that do not match, over the limits).
+    #[error("{bucket}/{key}: {reason}")]
+    GroupCorrupt {
+        bucket: String,
+        key: String,
+        #[source]
+        reason: crate::groups::GroupDefect,
+    },
+    #[error("purging {subject} from {bucket}")]
+    Purge {
+        bucket: String,
+        subject: String,
+        #[source]
+        source: async_nats::jetstream::stream::PurgeError,
+    },
+    /// The groups bucket's watch could not start, or broke.
+    #[error("watching {bucket}")]
+    GroupWatch {
+        bucket: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     #[error("request to {subject}")]
     Request {
         subject: String,

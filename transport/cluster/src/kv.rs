@@ -55,7 +55,7 @@ impl From<async_nats::jetstream::kv::Entry> for KvEntry {
     }
 }
 
-fn op_from_headers(headers: &HeaderMap) -> KvOp {
+pub(crate) fn op_from_headers(headers: &HeaderMap) -> KvOp {
     if let Some(op) = headers.get("KV-Operation") {
         return match op.as_str() {
             "DEL" => KvOp::Delete,

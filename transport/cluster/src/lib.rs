@@ -21,7 +21,9 @@
 //! epochs),
 //! `<prefix>_prefs` and `<prefix>_views` (key: escaped user id),
 //! `<prefix>_sessions` (key: escaped user id `.` escaped device id; every
-//! record dropped [`SESSION_RECORD_MAX_AGE`] after its last write).
+//! record dropped [`SESSION_RECORD_MAX_AGE`] after its last write),
+//! `<prefix>_groups` (group definitions, opened on first use and not
+//! wired into the server yet: see `groups`).
 //!
 //! What nats-server 2.15.1 with `async-nats` 0.51 does (checked live by
 //! `tests/live.rs` on a 3-node cluster, R3 buckets):
@@ -46,6 +48,8 @@ mod client;
 mod config;
 mod envelope;
 mod error;
+mod group_store;
+mod groups;
 mod hashing;
 mod ids;
 mod interest;
@@ -65,6 +69,11 @@ pub use client::{unfenced, ClaimWatch, Cluster, MemberWatch, NodeLease, SESSION_
 pub use config::{ClusterConfig, ConfigError};
 pub use envelope::{DropCounts, DropReason, Envelope, MessageKey, PROTOCOL_VERSION};
 pub use error::{ClusterError, Result};
+pub use group_store::{GroupEvent, GroupWatch};
+pub use groups::{
+    check_def, GroupDef, GroupDefect, GroupLimitError, GroupLimits, MAX_GROUP_CHUNKS,
+    MAX_GROUP_CHUNK_BYTES,
+};
 pub use hashing::{rendezvous_owner, shard_of};
 pub use ids::{device_key, user_key, IdError, NodeId, ShardId, MAX_NODE_ID_LEN, MAX_USER_ID_LEN};
 pub use interest::ShardInterest;
