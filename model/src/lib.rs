@@ -9,6 +9,8 @@
 //!   using the core's `View`, over a network that loses, reorders and
 //!   duplicates messages, with reconnects that resume.
 //! - [`group_model`] (Model 1, groups): the core with one group, G1–G4;
+//! - [`sum_model`] (Model 4): a group's count across a cluster, the real
+//!   `GroupSum` at the aggregator under lossy delivery and failovers, G1–G3;
 //! - [`cluster`] (Model 3): nodes that are edges and owners, a KV with
 //!   leases and compare-and-set, a lossy network, crashes, restarts and
 //!   cut-offs, with the real core in every owner and the real `Fanout` and
@@ -21,6 +23,7 @@ pub mod cluster;
 pub mod core_model;
 pub mod group_model;
 pub mod protocol;
+pub mod sum_model;
 
 pub use core_model::{Bounds, CoreModel, CoreState};
 pub use protocol::{protocol_model, protocol_model_with, ProtocolBounds, ProtocolModel};
