@@ -42,6 +42,10 @@ use ring::hmac;
 /// nodes; nodes sending 2 send the connects of version 2.
 pub const PROTOCOL_VERSION: u8 = 3;
 
+/// The version byte of sealed KV records ([`Envelope::seal_record`]): never
+/// a protocol version, which count up from 1.
+pub const RECORD_SEAL: u8 = 0xff;
+
 const TAG_LEN: usize = 32;
 const HEADER_LEN: usize = 1 + TAG_LEN;
 /// What the message key is derived under: a key of its own, so that a tag
@@ -100,7 +104,7 @@ pub struct DropCounts {
 }
 
 impl DropCounts {
-    fn count(&self, reason: DropReason) {
+    pub(crate) fn count(&self, reason: DropReason) {
         let counter = match reason {
             DropReason::Forged => &self.forged,
             DropReason::Version => &self.version,
@@ -213,12 +217,38 @@ impl Envelope {
 
     /// The message to publish on `subject`.
     pub fn seal(&self, subject: &str, payload: &[u8]) -> Bytes {
-        let tag = self.tag(self.send, subject, payload);
+        self.seal_as(self.send, subject, payload)
+    }
+
+    fn seal_as(&self, version: u8, subject: &str, payload: &[u8]) -> Bytes {
+        let tag = self.tag(version, subject, payload);
         let mut out = BytesMut::with_capacity(HEADER_LEN + payload.len());
-        out.put_u8(self.send);
+        out.put_u8(version);
         out.put_slice(tag.as_ref());
         out.put_slice(payload);
         out.freeze()
+    }
+
+    /// A record to store under KV key `key`, sealed under
+    /// [`RECORD_SEAL`] whatever this node sends: a record is read until it
+    /// is rewritten, across any number of protocol versions, so its seal
+    /// must not depend on them (its payload carries its own format
+    /// version). The distinct version byte keeps records and messages
+    /// apart: neither opens as the other.
+    pub fn seal_record(&self, key: &str, payload: &[u8]) -> Bytes {
+        self.seal_as(RECORD_SEAL, key, payload)
+    }
+
+    /// The payload of a record stored under `key`, or why it does not open.
+    /// Counts nothing.
+    pub fn check_record(&self, key: &str, record: &Bytes) -> Result<Bytes, DropReason> {
+        if record.len() < HEADER_LEN {
+            return Err(DropReason::Malformed);
+        }
+        if record[0] != RECORD_SEAL {
+            return Err(DropReason::Version);
+        }
+        self.verify(RECORD_SEAL, key, record)
     }
 
     /// The payload of a message received on `subject`, or why it is dropped.
@@ -231,6 +261,12 @@ impl Envelope {
         if !self.reads(version) {
             return Err(DropReason::Version);
         }
+        self.verify(version, subject, message)
+            .map(|payload| (version, payload))
+    }
+
+    /// The payload after the tag, if the tag is `version`'s over `subject`.
+    fn verify(&self, version: u8, subject: &str, message: &Bytes) -> Result<Bytes, DropReason> {
         let expected = self.tag(version, subject, &message[HEADER_LEN..]);
         // Every byte compared whatever the first difference: the time taken
         // tells a forger nothing of the right tag.
@@ -242,7 +278,7 @@ impl Envelope {
         if diff != 0 {
             return Err(DropReason::Forged);
         }
-        Ok((version, message.slice(HEADER_LEN..)))
+        Ok(message.slice(HEADER_LEN..))
     }
 
     /// [`Envelope::check`], counting a drop.

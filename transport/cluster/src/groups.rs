@@ -313,7 +313,7 @@ pub fn encode(
         removed: def.removed,
     };
     let payload = postcard::to_allocvec(&header).unwrap_or_default();
-    let sealed = envelope.seal(&header_key(def.group), &payload);
+    let sealed = envelope.seal_record(&header_key(def.group), &payload);
     Ok(EncodedGroup {
         header,
         sealed,
@@ -330,11 +330,11 @@ pub fn open_header(
     envelope: &Envelope,
     limits: &GroupLimits,
 ) -> Result<GroupHeader, GroupDefect> {
-    let payload = match envelope.check(key, sealed) {
-        Ok((_, payload)) => payload,
+    let payload = match envelope.check_record(key, sealed) {
+        Ok(payload) => payload,
         Err(reason) => {
             // Counted as every other drop is.
-            let _ = envelope.open(key, sealed);
+            envelope.drops().count(reason);
             return Err(GroupDefect::Dropped(reason.label()));
         }
     };
@@ -510,6 +510,24 @@ mod tests {
         ));
     }
 
+    /// A header is read until it is rewritten, so its seal does not
+    /// depend on the protocol versions its writer and reader speak.
+    #[test]
+    fn a_header_opens_whatever_protocol_versions_the_nodes_speak() {
+        let limits = GroupLimits::default();
+        let key = || MessageKey::derive(b"greendot test secret");
+        let old = Envelope::speaking(key(), 3);
+        let enc = encode(&def(1, 3, 8), 3, &limits, &old).unwrap();
+        for own in [3, 4, 7] {
+            let reader = Envelope::speaking(key(), own);
+            assert_eq!(
+                open_header("g.1", &enc.sealed, &reader, &limits).map(|h| h.membership),
+                Ok(enc.header.membership),
+                "a node of protocol {own}"
+            );
+        }
+    }
+
     #[test]
     fn a_forged_or_moved_header_does_not_open() {
         let limits = GroupLimits::default();
@@ -529,13 +547,18 @@ mod tests {
         );
         // A payload sealed on the right key that names another group.
         let payload = postcard::to_allocvec(&enc.header).unwrap();
-        let moved = e.seal("g.2", &payload);
+        let moved = e.seal_record("g.2", &payload);
         assert_eq!(
             open_header("g.2", &moved, &e, &limits),
             Err(GroupDefect::WrongGroup { found: 1 })
         );
+        // Sealed as a message on the key, not as a record: refused.
+        assert_eq!(
+            open_header("g.1", &e.seal("g.1", &payload), &e, &limits),
+            Err(GroupDefect::Dropped("version"))
+        );
         // Garbage that is sealed: undecodable, not a panic.
-        let junk = e.seal("g.1", b"\xff\xff\xff");
+        let junk = e.seal_record("g.1", b"\xff\xff\xff");
         assert_eq!(
             open_header("g.1", &junk, &e, &limits),
             Err(GroupDefect::Undecodable { chunk: None })

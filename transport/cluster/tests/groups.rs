@@ -191,7 +191,7 @@ async fn a_tombstone_keeps_membership_and_the_watch_syncs_then_follows() {
     let other = Envelope::new(MessageKey::derive(b"not this cluster's secret"));
     let js = async_nats::jetstream::new(a.client().clone());
     let store = js.get_key_value("gd_groups").await.unwrap();
-    let forged = other.seal("g.9", b"whatever the forger likes");
+    let forged = other.seal_record("g.9", b"whatever the forger likes");
     store.put("g.9", forged).await.unwrap();
     match b.read_group(9).await {
         Err(ClusterError::GroupCorrupt { key, reason, .. }) => {
