@@ -829,8 +829,9 @@ fn the_group_commands_write_watch_and_page_a_group() {
 /// Groups are committed before their writes are answered: after `kill -9`
 /// of the server right after the answers and a restart on the same data
 /// directory, a written group is back with its members and membership
-/// version (the next write is version 3, not 1), and a removed group stays
-/// removed.
+/// version (the next write is version 3, not 1; `group change` expecting 3
+/// makes 4, and expecting 3 again is refused clearly), and a removed group
+/// stays removed.
 #[test]
 fn a_written_group_survives_kill_9_of_the_server() {
     let dir = temp_dir("bin-group-stored");
@@ -897,6 +898,51 @@ fn a_written_group_survives_kill_9_of_the_server() {
     watch.wait_for(SLACK, "the end of carol's subscription", |l| {
         l.contains("group 42: the subscription ended")
     });
+    // `group change` goes on from the restored version, and refuses a
+    // stale one clearly.
+    let change = |extra: &[&str]| {
+        let mut args = vec![
+            "group", "change", "--token", &service, "--server", &addr, "--group", "42",
+        ];
+        args.extend(extra);
+        Command::new(BIN)
+            .args(&args)
+            .current_dir(&dir)
+            .output()
+            .expect("greendot runs")
+    };
+    let out = change(&[
+        "--add",
+        "dee",
+        "--add-admin",
+        "bob",
+        "--expect-version",
+        "3",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "group 42: version 4"
+    );
+    let stale = change(&["--remove", "dee", "--expect-version", "3"]);
+    assert!(!stale.status.success());
+    let said = String::from_utf8_lossy(&stale.stderr);
+    assert!(
+        said.contains("cannot change group 42: it is not at the expected version")
+            && said.contains("version=4"),
+        "{said}"
+    );
+    let nothing = change(&[]);
+    assert!(!nothing.status.success());
+    assert!(
+        String::from_utf8_lossy(&nothing.stderr).contains("nothing to change"),
+        "{}",
+        String::from_utf8_lossy(&nothing.stderr)
+    );
     let xena = token(&dir, "xena", "cli", "desktop", "");
     let refused = Command::new(BIN)
         .args([

@@ -3,7 +3,7 @@
 
 use crate::client::{connect, connection_event, json_line, line, say, until_signal};
 use crate::ClientArgs;
-use greendot_client::{Client, ClientError, Event, GroupCursor, GroupPage, GroupRole};
+use greendot_client::{Client, ClientError, Event, GroupChange, GroupCursor, GroupPage, GroupRole};
 use greendot_core::Presence;
 use greendot_proto::ErrorCode;
 use std::collections::HashMap;
@@ -86,6 +86,31 @@ pub async fn run_set(
 }
 
 /// `greendot group remove` (a service token).
+/// `greendot group change`: one `ChangeGroup`; prints the new version.
+pub async fn run_change(args: &ClientArgs, group: u64, change: GroupChange) -> Result<(), String> {
+    if change.add.is_empty()
+        && change.remove.is_empty()
+        && change.add_admins.is_empty()
+        && change.remove_admins.is_empty()
+    {
+        return Err(
+            "nothing to change: give --add, --remove, --add-admin or --remove-admin".into(),
+        );
+    }
+    let (client, _updates) = connect(args).await?;
+    let result = client.change_group(group, change).await;
+    client.close().await;
+    let version = result.map_err(|e| match &e {
+        ClientError::Server(w) if w.code == ErrorCode::VersionMismatch => format!(
+            "cannot change group {group}: it is not at the expected version ({e}); read it \
+             again and decide"
+        ),
+        _ => format!("cannot change group {group}: {e}"),
+    })?;
+    say(&format!("group {group}: version {version}"));
+    Ok(())
+}
+
 pub async fn run_remove(args: &ClientArgs, group: u64) -> Result<(), String> {
     let (client, _updates) = connect(args).await?;
     let result = client.remove_group(group).await;

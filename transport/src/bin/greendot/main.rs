@@ -139,6 +139,32 @@ enum GroupCommand {
         #[arg(long)]
         admins: Option<PathBuf>,
     },
+    /// Change a group by difference, without sending its whole list; needs
+    /// a service token. Prints its new version. Each flag may be given
+    /// many times; removals come first, so a user both removed and added
+    /// ends added.
+    Change {
+        #[command(flatten)]
+        client: ClientArgs,
+        #[arg(long)]
+        group: u64,
+        /// A user who joins.
+        #[arg(long, value_name = "USER")]
+        add: Vec<String>,
+        /// A user who leaves (an admin too).
+        #[arg(long, value_name = "USER")]
+        remove: Vec<String>,
+        /// A user who becomes an admin (and a member).
+        #[arg(long, value_name = "USER")]
+        add_admin: Vec<String>,
+        /// An admin who stays a member only.
+        #[arg(long, value_name = "USER")]
+        remove_admin: Vec<String>,
+        /// Change the group only at this version (0: only if it does not
+        /// exist yet), as printed by `set` and `change`.
+        #[arg(long)]
+        expect_version: Option<u64>,
+    },
     /// Remove a group; needs a service token.
     Remove {
         #[command(flatten)]
@@ -745,6 +771,24 @@ async fn run_group(command: GroupCommand) -> Result<(), String> {
             members,
             admins,
         } => group::run_set(&client, group, &members, admins.as_deref()).await,
+        GroupCommand::Change {
+            client,
+            group,
+            add,
+            remove,
+            add_admin,
+            remove_admin,
+            expect_version,
+        } => {
+            let change = greendot_client::GroupChange {
+                add,
+                remove,
+                add_admins: add_admin,
+                remove_admins: remove_admin,
+                expect_version,
+            };
+            group::run_change(&client, group, change).await
+        }
         GroupCommand::Remove { client, group } => group::run_remove(&client, group).await,
         GroupCommand::Watch {
             client,
