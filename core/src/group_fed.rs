@@ -57,7 +57,8 @@ impl Core {
     /// The count of `group` from the count source, under its `version`:
     /// taken (`Ok(true)`) only above the group's version; admins get it at
     /// once, members at the next flush if it changed. `Ok(false)`: an older
-    /// or repeated one, dropped. `Error::UnknownGroup` for a group this core
+    /// or repeated one, or one within [`FED_VERSION_STEP`] of `u64::MAX`,
+    /// dropped. `Error::UnknownGroup` for a group this core
     /// does not hold, `Error::NotAllowed` when counts are not fed.
     pub fn handle_group_count(
         &mut self,
@@ -103,7 +104,10 @@ impl Core {
             self.groups = groups;
             return Err(Error::UnknownGroup);
         };
-        if version <= g.version && !any_version {
+        // A version with no room above it for this core's writes is not a
+        // count source's (they start from an epoch's base).
+        let no_room = version > u64::MAX - FED_VERSION_STEP;
+        if (version <= g.version && !any_version) || no_room {
             self.groups = groups;
             return Ok(false);
         }

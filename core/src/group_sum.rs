@@ -185,7 +185,7 @@ impl<M: Ord + Clone> GroupSum<M> {
             self.online.remove(&member)
         };
         if changed && self.waiting.is_none() {
-            self.version += FED_VERSION_STEP;
+            self.version = self.version.saturating_add(FED_VERSION_STEP);
             self.outputs.push_back(SumOutput::Member {
                 version: self.version,
                 member,
@@ -220,7 +220,7 @@ impl<M: Ord + Clone> GroupSum<M> {
     }
 
     fn tell_count(&mut self) {
-        self.version += FED_VERSION_STEP;
+        self.version = self.version.saturating_add(FED_VERSION_STEP);
         self.outputs.push_back(SumOutput::Count {
             version: self.version,
             count: self.count(),

@@ -17,9 +17,10 @@
 //! for or renewed ([`Core::handle_group_renew_watch`]), then ends on its own
 //! (a core timer), so a backgrounded phone that stops renewing stops
 //! costing. It also ends on [`Core::handle_group_unwatch`], with its
-//! session (logout, expiry, supersede, resume), when the session's user
-//! leaves the group, and when the group is removed. A lingering session's
-//! watches get no deltas (nothing is sent while it lingers).
+//! session (logout, expiry, supersede), when the session's user leaves the
+//! group, and when the group is removed. A resume carries it over, and the
+//! first flush after it lists every member it watches. A lingering
+//! session's watches get no deltas (nothing is sent while it lingers).
 //!
 //! Limits, checked before anything is stored: at most
 //! `Config::max_watched_pages` watches (3) and `Config::max_watched_entries`
@@ -445,6 +446,7 @@ impl Core {
     /// lists is queued, so the first flush brings each one's current view:
     /// nothing was sent while the old session was away.
     pub(crate) fn watches_carry(&mut self, id: SessionId, taken: CarriedWatches) {
+        let groups_fed = self.groups.fed;
         let w = &mut self.groups.watches;
         for (group, full) in taken.budgets {
             w.budgets.insert((id, group), full);
@@ -460,7 +462,8 @@ impl Core {
             }
         }
         w.by_session.insert(id, taken.watches);
-        if queued.is_empty() {
+        // Fed counts send no page deltas from this core's views.
+        if queued.is_empty() || groups_fed {
             return;
         }
         let due = self.clock.plus(self.config.batch_interval);

@@ -221,6 +221,11 @@ pub(crate) struct Groups {
     /// The highest version a removed group reached: a group created again
     /// starts above it.
     pub(crate) version_floor: u64,
+    /// The highest membership version a removed group reached: a group
+    /// created afterwards starts above it, so no membership version of a
+    /// group id repeats (a backend's expected version never matches a
+    /// group that was removed and written again).
+    pub(crate) membership_floor: u64,
     pub(crate) outputs: VecDeque<GroupOutput>,
     /// Watched pages and page budgets (the `group_watch` module).
     pub(crate) watches: crate::group_watch::Watches,
@@ -410,6 +415,7 @@ impl Core {
         let floor = groups.version_floor;
         let mut g = groups.groups.remove(&group).unwrap_or(Group {
             version: floor,
+            membership: groups.membership_floor,
             ..Group::default()
         });
         let old = std::mem::replace(&mut g.members, members);
@@ -524,6 +530,7 @@ impl Core {
             }
         }
         self.groups.version_floor = self.groups.version_floor.max(g.version);
+        self.groups.membership_floor = self.groups.membership_floor.max(g.membership);
         self.groups.note_changed(group);
         self.watches_group_changed(group);
         Ok(())
@@ -625,9 +632,21 @@ impl Core {
         }
         self.handle_set_group(now, group, members, admins)?;
         if let Some(g) = self.groups.groups.get_mut(&group) {
-            g.membership = g.membership.max(membership);
+            g.membership = membership;
         }
         Ok(())
+    }
+
+    /// The membership version every group created from now on starts
+    /// above (the highest a removed group reached).
+    pub fn group_membership_floor(&self) -> u64 {
+        self.groups.membership_floor
+    }
+
+    /// Raises [`Core::group_membership_floor`] to `floor` (a restart: the
+    /// stored floor, and the versions of stored groups not restored).
+    pub fn raise_group_membership_floor(&mut self, floor: u64) {
+        self.groups.membership_floor = self.groups.membership_floor.max(floor);
     }
 
     /// The group's membership version, or `None` for no such group.

@@ -301,3 +301,38 @@ fn changed_lists_on_names_is_the_cores_change() {
     let (m, a) = core.group_members(g).unwrap();
     assert_eq!((m.to_vec(), a.to_vec()), (ids(&got.0), ids(&got.1)));
 }
+
+/// A membership version never repeats for a group id: a group created
+/// after a removal starts above the highest version a removed group
+/// reached, and a restore keeps a group's own version.
+#[test]
+fn a_group_written_again_after_a_removal_goes_on_above_its_version() {
+    let mut core = small();
+    let g = GroupId(1);
+    core.handle_set_group(Millis(0), g, &[u(1)], &[]).unwrap();
+    let add = [u(2)];
+    let change = GroupChange {
+        add: &add,
+        ..GroupChange::default()
+    };
+    assert_eq!(core.handle_change_group(Millis(0), g, &change), Ok(2));
+    core.handle_remove_group(Millis(0), g).unwrap();
+    assert_eq!(core.group_membership_floor(), 2);
+    assert_eq!(core.handle_set_group(Millis(0), g, &[u(1)], &[]), Ok(3));
+    // Another group created now starts above the floor too.
+    assert_eq!(
+        core.handle_set_group(Millis(0), GroupId(2), &[u(1)], &[]),
+        Ok(3)
+    );
+    // A restarted core: the floor raised, a stored group keeps its own.
+    let mut core = small();
+    core.handle_restore_group(Millis(0), g, &[u(1)], &[], 2)
+        .unwrap();
+    core.raise_group_membership_floor(5);
+    assert_eq!(core.group_membership(g), Some(2));
+    assert_eq!(
+        core.handle_set_group(Millis(0), GroupId(2), &[u(1)], &[]),
+        Ok(6)
+    );
+    core.check_invariants().unwrap();
+}

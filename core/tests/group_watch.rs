@@ -283,3 +283,49 @@ fn member_pages_are_rate_limited_per_group_before_any_work() {
     .contains("retry after 250 ms"));
     core.check_invariants().unwrap();
 }
+
+/// A resume carries the page budget over: reconnecting does not buy a
+/// fresh burst of pages. A session that does not resume starts afresh.
+#[test]
+fn a_resume_keeps_the_page_budget() {
+    let config = Config {
+        group_page_burst: 2,
+        group_page_refill: Millis(1000),
+        ..Config::default()
+    };
+    let mut core = Core::new(config).unwrap();
+    core.handle_set_group(Millis(0), G, &users(1..=3), &[])
+        .unwrap();
+    let first = connect(&mut core, 0, 1, 1);
+    for _ in 0..2 {
+        core.handle_group_page(Millis(0), first, G, None, 10)
+            .unwrap();
+    }
+    core.handle_disconnect(Millis(10), first, Millis(10))
+        .unwrap();
+    let resumed = core
+        .handle_connect(
+            Millis(20),
+            Connect {
+                user: UserId(1),
+                device: DeviceId(1),
+                kind: DeviceKind::Desktop,
+                watch: Watch::All,
+                resume: Some(first),
+                foreground: true,
+            },
+        )
+        .unwrap();
+    assert!(resumed.resumed);
+    assert_eq!(
+        core.handle_group_page(Millis(20), resumed.session, G, None, 10),
+        Err(Error::PageRateLimited {
+            retry_after: Millis(980)
+        })
+    );
+    // A fresh session (no resume) has its own budget.
+    let fresh = connect(&mut core, 30, 1, 1);
+    core.handle_group_page(Millis(30), fresh, G, None, 10)
+        .unwrap();
+    core.check_invariants().unwrap();
+}

@@ -3,7 +3,7 @@
 //! until the stall ends or the process restarts, and keeps what a real store
 //! would hold durably, from which a restarted server is built.
 
-use greendot_server::{Batch, Loaded, Record, StoreError};
+use greendot_server::{Batch, GroupWrite, Loaded, Record, StoreError, StoredGroup};
 use greendot_server::{LiveDevice, StoreRequest};
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
@@ -25,10 +25,11 @@ pub enum Mode {
     },
 }
 
+/// A durable write's wait: its batch is pending from the request on, as
+/// the real writer merges it when it is handed over.
 #[derive(Debug)]
 pub struct Waiting {
     pub ticket: u64,
-    pub batch: Batch,
     /// Answered no earlier than this.
     pub at: Duration,
 }
@@ -40,14 +41,16 @@ pub struct Disk {
     pub alive_at: Option<u64>,
     pub clean: bool,
     pub drained: Vec<LiveDevice>,
+    pub groups: BTreeMap<u64, StoredGroup>,
+    pub group_membership_floor: u64,
 }
 
 #[derive(Debug)]
 pub struct SimStore {
     pub disk: Disk,
     pub mode: Mode,
-    /// Write-behind records not yet committed (merged, newest wins), as the
-    /// real writer keeps a failed batch for the next commit.
+    /// Records not yet committed, durable or written behind (merged in the
+    /// order handed over, newest wins), as the real writer keeps them.
     pending: Batch,
     pub waiting: VecDeque<Waiting>,
     pub commits: u64,
@@ -66,6 +69,10 @@ fn merge(into: &mut Batch, batch: Batch) {
     }
     if batch.drained.is_some() {
         into.drained = batch.drained;
+    }
+    for write in batch.groups {
+        into.groups.retain(|w| w.group() != write.group());
+        into.groups.push(write);
     }
 }
 
@@ -107,9 +114,9 @@ impl SimStore {
                 }
             }
             StoreRequest::Durable { ticket, batch, .. } => {
+                merge(&mut self.pending, batch);
                 self.waiting.push_back(Waiting {
                     ticket,
-                    batch,
                     at: now + latency,
                 });
                 if self.waiting.len() > MAX_WAITING {
@@ -125,7 +132,11 @@ impl SimStore {
 
     fn commit_pending(&mut self) {
         let batch = std::mem::take(&mut self.pending);
-        if batch.users.is_empty() && batch.alive_at.is_none() && batch.drained.is_none() {
+        if batch.users.is_empty()
+            && batch.alive_at.is_none()
+            && batch.drained.is_none()
+            && batch.groups.is_empty()
+        {
             return;
         }
         self.apply(batch);
@@ -144,6 +155,21 @@ impl SimStore {
             drained.sort_by(|a, b| (&a.user, &a.device).cmp(&(&b.user, &b.device)));
             self.disk.clean = true;
             self.disk.drained = drained;
+        }
+        for write in batch.groups {
+            match write {
+                GroupWrite::Set(g) => {
+                    self.disk.groups.insert(g.group, g);
+                }
+                GroupWrite::Removed {
+                    group,
+                    membership_floor,
+                } => {
+                    self.disk.groups.remove(&group);
+                    self.disk.group_membership_floor =
+                        self.disk.group_membership_floor.max(membership_floor);
+                }
+            }
         }
     }
 
@@ -167,16 +193,13 @@ impl SimStore {
             Mode::Failing { .. } => {
                 let w = self.waiting.pop_front()?;
                 self.failures += 1;
-                // Merged back under what came since, as the real writer does.
-                let pending = std::mem::take(&mut self.pending);
-                self.pending = w.batch;
-                merge(&mut self.pending, pending);
+                // Its batch stays pending for a later commit, as the real
+                // writer merges a failed commit back.
                 Some((w.ticket, Err(StoreError::Injected)))
             }
             Mode::Healthy => {
                 let w = self.waiting.pop_front()?;
                 self.commit_pending();
-                self.apply(w.batch);
                 Some((w.ticket, Ok(())))
             }
         }
@@ -210,6 +233,8 @@ impl SimStore {
             clean: self.disk.clean,
             // The simulated clients revoke nothing.
             revocations: Vec::new(),
+            groups: self.disk.groups.values().cloned().collect(),
+            group_membership_floor: self.disk.group_membership_floor,
             drained: if self.disk.clean {
                 self.disk.drained.clone()
             } else {

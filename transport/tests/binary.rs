@@ -831,7 +831,7 @@ fn the_group_commands_write_watch_and_page_a_group() {
 /// directory, a written group is back with its members and membership
 /// version (the next write is version 3, not 1; `group change` expecting 3
 /// makes 4, and expecting 3 again is refused clearly), and a removed group
-/// stays removed.
+/// stays removed and, written again, goes on above its version.
 #[test]
 fn a_written_group_survives_kill_9_of_the_server() {
     let dir = temp_dir("bin-group-stored");
@@ -956,6 +956,12 @@ fn a_written_group_survives_kill_9_of_the_server() {
         String::from_utf8_lossy(&refused.stderr).contains("not a member"),
         "{}",
         String::from_utf8_lossy(&refused.stderr)
+    );
+    // Written again, group 43 goes on above the version it was removed at.
+    let out = group_set(&dir, &addr, &service, "43", &["--members", "xena.txt"]);
+    assert_eq!(
+        out.trim(),
+        "group 43: version 2, 1 members listed, 0 admins"
     );
     std::fs::remove_dir_all(&dir).ok();
 }

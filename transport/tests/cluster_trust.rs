@@ -101,6 +101,11 @@ async fn connect(nodes: &[&Node], at: &Node, user: &str, device: &str) -> (Clien
         WatchClaim::all(),
         Duration::from_secs(3600),
     );
+    connect_with(nodes, at, claims).await
+}
+
+async fn connect_with(nodes: &[&Node], at: &Node, claims: Claims) -> (Client, Updates) {
+    let (user, device) = (claims.sub.clone(), claims.dev.clone());
     let token = TokenKeys::new(SECRET.as_bytes(), Duration::ZERO)
         .mint(&claims)
         .unwrap();
@@ -454,7 +459,8 @@ async fn a_node_joins_a_nats_that_requires_a_password_given_it() {
 
 /// The NATS account of docs/cluster.md ("Trust boundary"), read from the
 /// document itself with these passwords: two nodes as user `node` join,
-/// own every shard and carry alice's presence from one to the other;
+/// own every shard and carry alice's presence from one to the other, and a
+/// group written at one is changed at the other;
 /// `greendot cluster status` runs as the read-only `status`; NATS refuses
 /// `app` a publish on greendot's subjects; and NATS logs no permission
 /// violation of `node` or `status`.
@@ -519,6 +525,25 @@ async fn the_documented_nats_permissions_suffice_and_keep_others_out() {
         wait_alice(&mut updates, SLACK, "alice online", |p| p.online).await;
         watchers.push((client, updates));
     }
+
+    // A backend writes a group at a and changes it at b: the groups bucket.
+    let service = Claims::new(
+        "backend",
+        "svc",
+        Kind::Other,
+        WatchClaim::all(),
+        Duration::from_secs(3600),
+    )
+    .service();
+    let (svc_a, _) = connect_with(&nodes, &a, service.clone()).await;
+    let (svc_b, _) = connect_with(&nodes, &b, service).await;
+    assert_eq!(svc_a.set_group(7, &["alice"], &["bob"]).await.unwrap(), 1);
+    let carol = greendot_client::GroupChange {
+        add: vec!["carol".into()],
+        expect_version: Some(1),
+        ..Default::default()
+    };
+    assert_eq!(svc_b.change_group(7, carol).await.unwrap(), 2);
 
     // `app`, in the same account, may not publish on greendot's subjects.
     let app = async_nats::ConnectOptions::new()

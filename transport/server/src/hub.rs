@@ -280,8 +280,10 @@ pub struct Hub {
     credentials: Credentials,
     /// The last group push encoded, and its frame.
     group_frame: Option<(proto::Push, Bytes)>,
-    /// Group writes since [`Hub::take_group_writes`], in order.
+    /// Group writes since [`Hub::take_group_writes`], in order, while
+    /// `store_groups`.
     group_writes: Vec<GroupWrite>,
+    store_groups: bool,
 }
 
 impl Hub {
@@ -306,7 +308,15 @@ impl Hub {
             credentials: Credentials::new(unix_base_ms, 0, limits.max_revocations),
             group_frame: None,
             group_writes: Vec::new(),
+            store_groups: false,
         })
+    }
+
+    /// Records the group writes for a driver that stores them
+    /// ([`Hub::take_group_writes`]); without, none are kept.
+    pub fn with_stored_groups(mut self) -> Hub {
+        self.store_groups = true;
+        self
     }
 
     /// Session ids on the wire become the core's XOR `key` (default 0). A

@@ -32,14 +32,19 @@ pub struct StoredGroup {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum GroupWrite {
     Set(StoredGroup),
-    Removed(u64),
+    /// The group is gone; groups created from now on start above
+    /// `membership_floor` (the core's, after the removal).
+    Removed {
+        group: u64,
+        membership_floor: u64,
+    },
 }
 
 impl GroupWrite {
     pub fn group(&self) -> u64 {
         match self {
             GroupWrite::Set(g) => g.group,
-            GroupWrite::Removed(group) => *group,
+            GroupWrite::Removed { group, .. } => *group,
         }
     }
 }
@@ -79,7 +84,12 @@ impl Hub {
                 let old = self.group_member_ids(GroupId(group));
                 self.core.handle_remove_group(now, GroupId(group))?;
                 self.drop_member_refs(&old);
-                self.group_writes.push(GroupWrite::Removed(group));
+                if self.store_groups {
+                    self.group_writes.push(GroupWrite::Removed {
+                        group,
+                        membership_floor: self.core.group_membership_floor(),
+                    });
+                }
                 Ok(Answer::Done)
             }
             Request::GroupSubscribe { group } => {
@@ -233,6 +243,33 @@ impl Hub {
         })
     }
 
+    /// What a membership write (`SetGroup`, `ChangeGroup`, `RemoveGroup`)
+    /// must pass before it goes anywhere: a service token, and its lists
+    /// (as `check_lists`). A node of a cluster checks this before it writes
+    /// the group to the cluster's store.
+    pub(crate) fn check_group_write(&self, svc: bool, request: &Request) -> Result<(), WireError> {
+        match request {
+            Request::SetGroup {
+                members, admins, ..
+            } => {
+                service_only(svc, "setting a group")?;
+                self.check_lists(&[members], &[admins])
+            }
+            Request::ChangeGroup {
+                add,
+                remove,
+                add_admins,
+                remove_admins,
+                ..
+            } => {
+                service_only(svc, "changing a group")?;
+                self.check_lists(&[add, remove], &[add_admins, remove_admins])
+            }
+            Request::RemoveGroup { .. } => service_only(svc, "removing a group"),
+            _ => Err(WireError::new(ErrorCode::Internal, "not a group write")),
+        }
+    }
+
     /// The limits of a membership write's lists, checked before any name
     /// is interned: each list of members (or admins) within the group's
     /// limit, and every name valid.
@@ -295,7 +332,7 @@ impl Hub {
                     self.users.acquire(id.0);
                 }
                 self.drop_member_refs(&old);
-                if let Some(stored) = self.stored_group(group) {
+                if let Some(stored) = self.stored_group(group).filter(|_| self.store_groups) {
                     self.group_writes.push(GroupWrite::Set(stored));
                 }
                 Ok(Answer::GroupSet { version })
@@ -324,9 +361,16 @@ impl Hub {
     }
 
     /// Group writes made since the last call, in order, for a driver that
-    /// stores them (before it answers the request that made them).
+    /// stores them (before it answers the request that made them); only
+    /// after [`Hub::with_stored_groups`].
     pub fn take_group_writes(&mut self) -> Vec<GroupWrite> {
         std::mem::take(&mut self.group_writes)
+    }
+
+    /// Groups created from now on start above `floor` (a restart: the
+    /// stored floor, and the versions of stored groups not restored).
+    pub fn raise_group_membership_floor(&mut self, floor: u64) {
+        self.core.raise_group_membership_floor(floor);
     }
 
     /// A group a previous process stored: before connections. Checked as a

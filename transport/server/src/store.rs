@@ -18,7 +18,9 @@
 //! - `groups`: each group's members, admins and membership version, by
 //!   group id. Committed before a `SetGroup`, `ChangeGroup` or `RemoveGroup`
 //!   is answered; bounded by the groups cap and the members cap, both
-//!   checked before storing.
+//!   checked before storing. `meta`'s `group_membership_floor` keeps the
+//!   highest membership version a removed group reached, so a group
+//!   written again after a restart starts above it too.
 //!
 //! Every commit is redb's default `Durability::Immediate`: on disk when
 //! `commit` returns. One writer thread groups whatever is queued into one
@@ -30,11 +32,13 @@
 //! already committed, whatever order the waits for commits run in.
 //!
 //! Bounded: durable waits queue in a channel of [`DURABLE_QUEUE`] (a
-//! sender waits for room, with the server's `store_timeout`); write-behind
-//! batches are not queued but merged into one pending batch (one record per
-//! user, the newest), so a slow disk costs memory per dirty user, not per
-//! flush. A batch that fails to commit is merged back under what came since
-//! and written with the next one: a failure loses no dirty user.
+//! sender waits for room, with the server's `store_timeout`); batches are
+//! not queued but merged into one pending set (one record per user or
+//! group, the newest), so a slow disk costs memory per dirty user or group
+//! (a group's record is its whole list, up to about 1.3 MB at the default
+//! caps), not per flush. A batch that fails to commit is merged back under
+//! what came since and written with the next one: a failure loses no dirty
+//! user or group.
 
 use crate::hub::{GroupWrite, LiveDevice, StoredGroup};
 use crate::tokens::Revocation;
@@ -176,6 +180,8 @@ pub struct Loaded {
     pub revocations: Vec<Revocation>,
     /// The groups, by id.
     pub groups: Vec<StoredGroup>,
+    /// The highest membership version a removed group reached.
+    pub group_membership_floor: u64,
 }
 
 /// One transaction's worth of writes.
@@ -258,6 +264,10 @@ impl Store {
             match read.open_table(META) {
                 Ok(table) => {
                     loaded.alive_at = table.get("alive_at").map_err(err)?.map(|v| v.value());
+                    loaded.group_membership_floor = table
+                        .get("group_membership_floor")
+                        .map_err(err)?
+                        .map_or(0, |v| v.value());
                     loaded.clean = table
                         .get("clean")
                         .map_err(err)?
@@ -366,8 +376,16 @@ impl Store {
                                 postcard::to_allocvec(&record).map_err(StoreError::Encode)?;
                             groups.insert(g.group, bytes.as_slice()).map_err(err)?;
                         }
-                        GroupWrite::Removed(group) => {
+                        GroupWrite::Removed {
+                            group,
+                            membership_floor,
+                        } => {
                             groups.remove(*group).map_err(err)?;
+                            let mut meta = write.open_table(META).map_err(err)?;
+                            let key = "group_membership_floor";
+                            let stored = meta.get(key).map_err(err)?.map_or(0, |v| v.value());
+                            meta.insert(key, &stored.max(*membership_floor))
+                                .map_err(err)?;
                         }
                     }
                 }
@@ -538,8 +556,9 @@ impl Pending {
     }
 }
 
-/// The writer thread's mailbox. Never blocks the caller: durable batches
-/// are sent by the task that waits for them; write-behind merges.
+/// The writer thread's mailbox. Never blocks the caller: every batch is
+/// merged when handed over; a durable write's wait is sent by the task that
+/// waits for it.
 #[derive(Clone)]
 pub struct StoreWriter {
     tx: mpsc::Sender<Option<Job>>,
@@ -578,11 +597,10 @@ impl StoreWriter {
 
     /// Merges a batch into the pending one, in the order handed over.
     fn hand_over(&self, batch: Batch) {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        // Numbered under the lock: the order numbered is the order merged.
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
-        self.pending
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .merge(batch, seq);
+        pending.merge(batch, seq);
     }
 
     /// Merges a write-behind batch into the pending one and wakes the writer.
@@ -786,7 +804,10 @@ mod tests {
                 group(2, 4, &["cy"]),
                 group(1, 2, &["ann", "bob", "dee"]),
                 group(3, 1, &["eve"]),
-                GroupWrite::Removed(3),
+                GroupWrite::Removed {
+                    group: 3,
+                    membership_floor: 1,
+                },
             ],
             ..Batch::default()
         };
@@ -800,6 +821,66 @@ mod tests {
             want,
             [group(1, 2, &["ann", "bob", "dee"]), group(2, 4, &["cy"])],
             "the last write of each group, and no removed one"
+        );
+        let floor = |store: &Store| store.load_and_begin(1).unwrap().group_membership_floor;
+        assert_eq!(floor(&store), 1, "the removed group's version");
+        // The floor only rises.
+        let lower = Batch {
+            groups: vec![GroupWrite::Removed {
+                group: 2,
+                membership_floor: 0,
+            }],
+            ..Batch::default()
+        };
+        store.write(&lower).unwrap();
+        assert_eq!(floor(&store), 1);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A group write whose commit failed is kept and goes out with the
+    /// next commit, under what was handed over since.
+    #[tokio::test]
+    async fn a_group_write_that_failed_to_commit_goes_out_with_the_next() {
+        let (dir, store) = temp_store("store-group-retry");
+        let path = dir.join("t.redb");
+        let faults = Arc::new(StoreFaults::default());
+        let writer = StoreWriter::spawn_with_faults(store, Some(faults.clone())).unwrap();
+        let timeout = Duration::from_secs(10);
+        let batch = |writes| Batch {
+            groups: writes,
+            ..Batch::default()
+        };
+        faults.fail.store(true, Ordering::Relaxed);
+        let failed = writer
+            .write_durable(
+                batch(vec![group(1, 1, &["ann"]), group(3, 1, &["cy"])]),
+                timeout,
+            )
+            .await;
+        assert!(failed.is_err());
+        faults.fail.store(false, Ordering::Relaxed);
+        let removed = GroupWrite::Removed {
+            group: 3,
+            membership_floor: 1,
+        };
+        writer
+            .write_durable(batch(vec![group(2, 1, &["bob"]), removed]), timeout)
+            .await
+            .unwrap();
+        drop(writer);
+        // The writer thread lets the file go when it ends, just after.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let mut reopened = Store::open(&path);
+        while reopened.is_err() && std::time::Instant::now() < deadline {
+            std::thread::yield_now();
+            reopened = Store::open(&path);
+        }
+        let mut loaded = reopened.unwrap().load_and_begin(1).unwrap().groups;
+        loaded.sort_by_key(|g| g.group);
+        assert_eq!(
+            loaded.into_iter().map(GroupWrite::Set).collect::<Vec<_>>(),
+            [group(1, 1, &["ann"]), group(2, 1, &["bob"])],
+            "the failed write kept, and the later removal of group 3 over it"
         );
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -18,6 +18,7 @@ mod edge;
 mod edge_records;
 mod edge_subscribe;
 mod edge_views;
+mod group_dir;
 mod owner;
 mod owner_requests;
 mod owners;
@@ -26,6 +27,8 @@ mod prefs_writes;
 mod test_support;
 #[cfg(test)]
 mod tests_edge;
+#[cfg(test)]
+mod tests_groups;
 #[cfg(test)]
 mod tests_owner;
 #[cfg(test)]
@@ -42,6 +45,8 @@ use edge_subscribe::PendingSubscribe;
 use edge_views::ShardTrack;
 use greendot_core::{Config, Fanout, Millis, Output, SessionId, Tier, UserId};
 use greendot_proto::{self as proto, WireError};
+use group_dir::GroupDirectory;
+pub use group_dir::{GroupDef, GroupLimits, GroupWrite, GroupWriteOutcome, MAX_WRITE_TRIES};
 use owner::release_idle;
 use owner_requests::PendingPrefs;
 use owners::Owners;
@@ -276,6 +281,24 @@ pub enum ClusterInput {
     /// same incarnation, so the edge sends each live device's connect
     /// again.
     Rejoined,
+    /// A group's definition from the groups bucket's watch, at `revision`
+    /// (`None`: its header was deleted).
+    GroupChanged {
+        group: u64,
+        revision: u64,
+        def: Option<GroupDef>,
+    },
+    /// The watch has delivered everything the bucket held when it started.
+    GroupsSynced,
+    /// What the store did with [`ClusterOutput::WriteGroup`] `id`.
+    GroupWritten { id: u64, outcome: GroupWriteOutcome },
+    /// What the store holds of the group of [`ClusterOutput::ReadGroup`]
+    /// `id`: its revision (0: never written) and definition, or why the
+    /// read failed.
+    GroupRead {
+        id: u64,
+        read: Result<(u64, Option<GroupDef>), String>,
+    },
 }
 
 /// What the state asks the NATS I/O to do, in order.
@@ -343,6 +366,17 @@ pub enum ClusterOutput {
     Resync { payload: Bytes },
     /// Publish on the cluster's beacon subject (every node listens).
     Beacon { payload: Bytes },
+    /// Store a group's definition if its stored revision is still
+    /// `expected` (0: never written); answer with
+    /// [`ClusterInput::GroupWritten`].
+    WriteGroup {
+        id: u64,
+        def: GroupDef,
+        expected: u64,
+    },
+    /// Read a group's definition from the store (the stream's leader);
+    /// answer with [`ClusterInput::GroupRead`].
+    ReadGroup { id: u64, group: u64 },
     /// Subscribe to a shard's subject (one more local watcher of it).
     Watch { shard: u32 },
     /// The last local watcher of the shard left.
@@ -487,6 +521,8 @@ pub struct ClusterLink {
     latencies: VecDeque<u64>,
     max_name_len: usize,
     max_subscriptions: usize,
+    /// The cluster's groups and this node's writes of them.
+    groups: GroupDirectory,
 }
 
 impl ClusterLink {
@@ -543,6 +579,7 @@ impl ClusterLink {
             incarnations: DetMap::default(),
             latencies: VecDeque::new(),
             max_name_len,
+            groups: GroupDirectory::default(),
         }
     }
 
@@ -629,7 +666,8 @@ impl ClusterLink {
             || !self.pending_prefs.is_empty()
             || !self.prefs_writes.is_empty()
             || !self.pending_loads.is_empty()
-            || !self.pending_shards.is_empty();
+            || !self.pending_shards.is_empty()
+            || self.groups.busy();
         // A tick, not the exact instants: finding the earliest of them
         // would walk every device at every pass of the server's loop.
         // Not `Instant::now()`: that is always after the caller's `now`,
@@ -704,6 +742,7 @@ impl ClusterLink {
         self.retry_routes(now);
         self.retry_records(now);
         self.tick_subscribes(now, at);
+        self.retry_group_writes(now);
     }
 
     pub fn handle_input(&mut self, now: Instant, at: Millis, input: ClusterInput) {
@@ -751,6 +790,14 @@ impl ClusterLink {
             ClusterInput::Resync { payload } => self.resync_message(now, at, &payload),
             ClusterInput::Rejoined => self.rejoined(now, at),
             ClusterInput::PrefsStored { id, ok } => self.prefs_stored(now, at, id, ok),
+            ClusterInput::GroupChanged {
+                group,
+                revision,
+                def,
+            } => self.group_changed(group, revision, def),
+            ClusterInput::GroupsSynced => self.groups_synced(),
+            ClusterInput::GroupWritten { id, outcome } => self.group_written(id, outcome, now),
+            ClusterInput::GroupRead { id, read } => self.group_read(id, read),
         }
     }
 

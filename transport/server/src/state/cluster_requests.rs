@@ -5,7 +5,7 @@
 
 use super::tickets::Ticket;
 use super::{ServerOutput, ServerState};
-use crate::cluster::{ClusterInput, ClusterLink, Finished, WireOp};
+use crate::cluster::{ClusterInput, ClusterLink, Finished, GroupWrite, WireOp};
 use crate::conn::{Handled, Step};
 use bytes::Bytes;
 use greendot_core::{SessionId, Tier};
@@ -350,6 +350,62 @@ impl ServerState {
             }
             _ => {}
         }
+    }
+
+    /// A group write in a cluster: checked as one node checks it, then
+    /// written to the cluster's store, answered once stored.
+    pub(super) fn cluster_group_write(&mut self, ch: usize, now: Instant, step: Step) {
+        let Step::Request {
+            session,
+            id,
+            request,
+        } = step
+        else {
+            return;
+        };
+        let reply = |result| Handled {
+            reply: Some(ServerFrame::Reply { id, result }),
+            ..Handled::default()
+        };
+        if self.hub.session_user(session).is_none() {
+            let stale =
+                proto::WireError::new(proto::ErrorCode::Stale, "session is no longer current");
+            return self.answer(ch, now, reply(Err(stale)));
+        }
+        let svc = self.hub.is_service(session);
+        if let Err(error) = self.hub.check_group_write(svc, &request) {
+            return self.answer(ch, now, reply(Err(error)));
+        }
+        let (group, write) = match request {
+            proto::Request::SetGroup {
+                group,
+                members,
+                admins,
+            } => (group, GroupWrite::Set { members, admins }),
+            proto::Request::ChangeGroup {
+                group,
+                add,
+                remove,
+                add_admins,
+                remove_admins,
+                expect_version,
+            } => (
+                group,
+                GroupWrite::Change {
+                    add,
+                    remove,
+                    add_admins,
+                    remove_admins,
+                    expect: expect_version,
+                },
+            ),
+            proto::Request::RemoveGroup { group } => (group, GroupWrite::Remove),
+            _ => return,
+        };
+        self.cluster_ask(ch, now, id, |c, wait| {
+            c.group_write(now, wait, group, write);
+            None
+        });
     }
 
     /// Runs a cluster request of connection `ch` (its request `id`): the

@@ -441,6 +441,9 @@ impl ServerState {
             .with_session_key(session_key)
             .with_token_leeway(config.token_leeway);
         let stored = restored.is_some();
+        if stored {
+            hub = hub.with_stored_groups();
+        }
         let cluster = config.cluster.clone().map(|settings| {
             Box::new(ClusterLink::new(
                 settings,

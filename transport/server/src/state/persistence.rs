@@ -97,11 +97,15 @@ pub(super) fn restore(
             Ok(()) => groups += 1,
             // Over a lowered limit: the record stays stored until the group
             // is written again, and the limit can be raised to bring it back.
+            // A write meanwhile starts above its version.
             Err(e) => {
+                hub.raise_group_membership_floor(g.membership);
                 error!(group = g.group, members = g.members.len(), error = %e, "a stored group was not restored")
             }
         }
     }
+    // After the groups: those restored keep their own versions.
+    hub.raise_group_membership_floor(loaded.group_membership_floor);
     hub.handle_timeout(now);
     while hub.poll_output().is_some() {}
     hub.take_touched();

@@ -97,17 +97,24 @@ impl ServerState {
         }
         if self.cluster.is_some() {
             if let Step::Request {
-                id,
                 request:
                     proto::Request::SetGroup { .. }
-                    | proto::Request::RemoveGroup { .. }
-                    | proto::Request::GroupSubscribe { .. }
+                    | proto::Request::ChangeGroup { .. }
+                    | proto::Request::RemoveGroup { .. },
+                ..
+            } = &step
+            {
+                return self.cluster_group_write(ch, now, step);
+            }
+            if let Step::Request {
+                id,
+                request:
+                    proto::Request::GroupSubscribe { .. }
                     | proto::Request::GroupUnsubscribe { .. }
                     | proto::Request::GroupPage { .. }
                     | proto::Request::GroupWatchPage { .. }
                     | proto::Request::GroupRenewWatch { .. }
-                    | proto::Request::GroupUnwatchPage { .. }
-                    | proto::Request::ChangeGroup { .. },
+                    | proto::Request::GroupUnwatchPage { .. },
                 ..
             } = &step
             {
@@ -115,7 +122,8 @@ impl ServerState {
                 // cluster their counts would be wrong (docs/groups.md).
                 let error = proto::WireError::new(
                     proto::ErrorCode::Unsupported,
-                    "groups are served by a single node only for now (not with --cluster)",
+                    "group subscriptions and member pages are served by a single node only for \
+                     now (not with --cluster); groups are written to the cluster",
                 );
                 let handled = Handled {
                     reply: Some(ServerFrame::Reply {

@@ -4,11 +4,13 @@
 //! greendot-cluster, and hands the state what NATS brings (`ClusterInput`).
 //! No presence logic lives here.
 
-use greendot_cluster::{Cluster, MemberEvent, NodeStatus, OwnerRequest, RequestKind, ShardId};
+use greendot_cluster::{
+    Cluster, ClusterError, GroupEvent, MemberEvent, NodeStatus, OwnerRequest, RequestKind, ShardId,
+};
 use greendot_server::cluster::{self as gc, ClusterInput, ClusterOutput};
 use greendot_server::ClusterInputs;
 use std::collections::{BTreeMap, HashMap};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, warn};
 
@@ -85,12 +87,71 @@ async fn edge_restarted(inputs: &ClusterInputs, node: String, incarnation: u64) 
     inputs.send(input).await
 }
 
+fn def_to_state(d: greendot_cluster::GroupDef) -> gc::GroupDef {
+    gc::GroupDef {
+        group: d.group,
+        membership: d.membership,
+        next_ordinal: d.next_ordinal,
+        members: d.members,
+        admins: d.admins,
+        removed: d.removed,
+    }
+}
+
+fn def_from_state(d: gc::GroupDef) -> greendot_cluster::GroupDef {
+    greendot_cluster::GroupDef {
+        group: d.group,
+        membership: d.membership,
+        next_ordinal: d.next_ordinal,
+        members: d.members,
+        admins: d.admins,
+        removed: d.removed,
+    }
+}
+
+/// Hands the state the groups bucket's definitions as they change, making
+/// the watch again (a second later) when it ends or cannot be made: the
+/// state keeps the newest revision of each.
+async fn feed_groups(cluster: Cluster, inputs: ClusterInputs) {
+    loop {
+        match cluster.watch_groups().await {
+            Ok(mut watch) => {
+                while let Some(event) = watch.next().await {
+                    let input = match event {
+                        Ok(GroupEvent::Changed {
+                            group,
+                            revision,
+                            def,
+                        }) => ClusterInput::GroupChanged {
+                            group,
+                            revision,
+                            def: def.map(def_to_state),
+                        },
+                        Ok(GroupEvent::Synced) => ClusterInput::GroupsSynced,
+                        Err(e) => {
+                            warn!(error = %e, "a group definition that does not open was skipped");
+                            continue;
+                        }
+                    };
+                    if !inputs.send(input).await {
+                        return;
+                    }
+                }
+                warn!("the groups watch ended: made again");
+            }
+            Err(e) => warn!(error = %e, "cannot watch the cluster's groups: tried again"),
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
 pub async fn run(
     cluster: Cluster,
     mut status: watch::Receiver<NodeStatus>,
     mut outputs: mpsc::Receiver<ClusterOutput>,
     inputs: ClusterInputs,
 ) {
+    tokio::spawn(feed_groups(cluster.clone(), inputs.clone()));
     let mut feed = cluster.view_feed();
     let mut inbox = cluster.owner_inbox();
     // Every node hears every new owner's resync request (one subscription).
@@ -357,6 +418,35 @@ pub async fn run(
                                 }
                             };
                             inputs.send(ClusterInput::SessionStored { id, ok }).await;
+                        });
+                    }
+                    ClusterOutput::WriteGroup { id, def, expected } => {
+                        let (c, inputs) = (cluster.clone(), inputs.clone());
+                        tokio::spawn(async move {
+                            let group = def.group;
+                            let outcome = match c.write_group_if(&def_from_state(def), expected).await {
+                                Ok(revision) => gc::GroupWriteOutcome::Written { revision },
+                                Err(ClusterError::Conflict { .. }) => gc::GroupWriteOutcome::Conflict,
+                                Err(e) => {
+                                    warn!(group, error = %e, "cannot store a group");
+                                    gc::GroupWriteOutcome::Failed(e.to_string())
+                                }
+                            };
+                            inputs.send(ClusterInput::GroupWritten { id, outcome }).await;
+                        });
+                    }
+                    ClusterOutput::ReadGroup { id, group } => {
+                        let (c, inputs) = (cluster.clone(), inputs.clone());
+                        tokio::spawn(async move {
+                            let read = match c.read_group(group).await {
+                                Ok(Some((revision, def))) => Ok((revision, Some(def_to_state(def)))),
+                                Ok(None) => Ok((0, None)),
+                                Err(e) => {
+                                    warn!(group, error = %e, "cannot read a group");
+                                    Err(e.to_string())
+                                }
+                            };
+                            inputs.send(ClusterInput::GroupRead { id, read }).await;
                         });
                     }
                     ClusterOutput::LoadSession { id, user, device } => {

@@ -511,6 +511,11 @@ impl Settings {
         c.margin = self.cluster_lease_ttl.0 / 5;
         c.op_timeout = (c.claim_timing().act_window() / 3).min(Duration::from_secs(2));
         c.nats = self.nats_access()?;
+        // Group definitions in the cluster's store follow the core's limits.
+        c.groups = greendot_cluster::GroupLimits {
+            max_members: u32::try_from(self.max_group_members).unwrap_or(u32::MAX),
+            max_admins: u32::try_from(self.max_group_admins).unwrap_or(u32::MAX),
+        };
         c.validate().map_err(|e| format!("cluster settings: {e}"))?;
         Ok(Some((urls.clone(), c)))
     }
