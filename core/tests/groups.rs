@@ -205,6 +205,8 @@ struct Driver {
     /// Changes by difference made, and refused for their expected version.
     changes: u64,
     mismatches: u64,
+    /// The highest membership version a removed group reached.
+    membership_floor: u64,
 }
 
 fn fail(why: String) -> TestCaseError {
@@ -231,6 +233,7 @@ impl Driver {
             page_deltas: 0,
             changes: 0,
             mismatches: 0,
+            membership_floor: 0,
         }
     }
 
@@ -634,7 +637,11 @@ impl Driver {
                 } else if union.len() > config.max_group_members {
                     Err(Error::LimitExceeded(Limit::GroupMembers))
                 } else {
-                    let g = self.groups.entry(group).or_default();
+                    let floor = self.membership_floor;
+                    let g = self.groups.entry(group).or_insert_with(|| RefGroup {
+                        membership: floor,
+                        ..RefGroup::default()
+                    });
                     g.membership += 1;
                     g.members = union;
                     g.admins = admins.iter().copied().collect();
@@ -699,7 +706,11 @@ impl Driver {
                 } else if !exists && self.groups.len() >= config.max_groups {
                     Err(Error::LimitExceeded(Limit::Groups))
                 } else {
-                    let g = self.groups.entry(group).or_default();
+                    let floor = self.membership_floor;
+                    let g = self.groups.entry(group).or_insert_with(|| RefGroup {
+                        membership: floor,
+                        ..RefGroup::default()
+                    });
                     g.membership += 1;
                     g.members = members;
                     g.admins = admins;
@@ -719,7 +730,9 @@ impl Driver {
             Op::RemoveGroup(group) => {
                 let group = GroupId(group.into());
                 let got = self.core.handle_remove_group(at, group);
-                if self.groups.remove(&group).is_some() {
+                if let Some(g) = self.groups.remove(&group) {
+                    // A group created later starts above this one's version.
+                    self.membership_floor = self.membership_floor.max(g.membership);
                     prop_assert_eq!(got, Ok(()));
                     self.drop_subs_of(group, true);
                 } else {
