@@ -23,6 +23,9 @@
 
 use greendot_core::mutants::GroupMutant;
 use greendot_core::*;
+
+mod group_setup;
+use group_setup::{connect, drain};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -294,24 +297,18 @@ impl Run {
         }
         self.edge.check_invariants()?;
         self.one.check_invariants()?;
-        let ended = |c: &mut Core| -> BTreeSet<SessionId> {
-            std::iter::from_fn(|| c.poll_group_output())
+        let ended = |outputs: &[GroupOutput]| -> BTreeSet<SessionId> {
+            outputs
+                .iter()
                 .filter_map(|o| match o {
-                    GroupOutput::Ended { to, .. } => Some(to),
+                    GroupOutput::Ended { to, .. } => Some(*to),
                     _ => None,
                 })
                 .collect()
         };
-        let outputs: Vec<GroupOutput> =
-            std::iter::from_fn(|| self.edge.poll_group_output()).collect();
-        let edge_ended: BTreeSet<SessionId> = outputs
-            .iter()
-            .filter_map(|o| match o {
-                GroupOutput::Ended { to, .. } => Some(*to),
-                _ => None,
-            })
-            .collect();
-        let one_ended = ended(&mut self.one);
+        let outputs = drain(&mut self.edge);
+        let edge_ended = ended(&outputs);
+        let one_ended = ended(&drain(&mut self.one));
         if one_ended != edge_ended {
             return Err(format!(
                 "{op:?}: Ended to {one_ended:?} on one node, {edge_ended:?} fed"
@@ -458,22 +455,7 @@ fn a_fed_count_taken_whatever_its_version_is_caught_by_g3() {
 fn a_fed_core_takes_counts_by_version() {
     let mut edge = Core::new(config()).unwrap();
     assert!(edge.set_group_counts_fed());
-    let connect = |core: &mut Core, user: u64| {
-        core.handle_connect(
-            Millis(0),
-            Connect {
-                user: UserId(user),
-                device: DeviceId(1),
-                kind: DeviceKind::Desktop,
-                watch: Watch::All,
-                resume: None,
-                foreground: true,
-            },
-        )
-        .unwrap()
-        .session
-    };
-    let (ann, bob) = (connect(&mut edge, 1), connect(&mut edge, 2));
+    let (ann, bob) = (connect(&mut edge, 0, 1, 1), connect(&mut edge, 0, 2, 1));
     edge.handle_set_group(
         Millis(0),
         GROUP,
@@ -493,7 +475,7 @@ fn a_fed_core_takes_counts_by_version() {
         edge.handle_group_member(Millis(10), GROUP, 5, UserId(3), true, 1),
         Ok(true)
     );
-    let out: Vec<_> = std::iter::from_fn(|| edge.poll_group_output()).collect();
+    let out = drain(&mut edge);
     assert_eq!(
         out,
         [GroupOutput::Member {
@@ -512,7 +494,7 @@ fn a_fed_core_takes_counts_by_version() {
     );
     assert_eq!(edge.poll_group_output(), None);
     edge.handle_timeout(Millis(10 + 300));
-    let out: Vec<_> = std::iter::from_fn(|| edge.poll_group_output()).collect();
+    let out = drain(&mut edge);
     assert_eq!(
         out,
         [GroupOutput::Count {
@@ -532,14 +514,14 @@ fn a_fed_core_takes_counts_by_version() {
         version,
         count,
     };
-    let out: Vec<_> = std::iter::from_fn(|| edge.poll_group_output()).collect();
+    let out = drain(&mut edge);
     assert_eq!(out, [count(ann, 6, 1)]);
     let next = 5 + FED_VERSION_STEP;
     assert_eq!(
         edge.handle_group_count(Millis(410), GROUP, next, 0),
         Ok(true)
     );
-    let out: Vec<_> = std::iter::from_fn(|| edge.poll_group_output()).collect();
+    let out = drain(&mut edge);
     assert_eq!(out, [count(ann, next, 0)]);
     // Counts of more members than the core holds are cut to its members.
     let later = next + FED_VERSION_STEP;
@@ -556,9 +538,9 @@ fn a_fed_core_takes_counts_by_version() {
         edge.handle_group_count(Millis(500), GROUP, 4 * FED_VERSION_STEP - 1, 1),
         Ok(true)
     );
-    std::iter::from_fn(|| edge.poll_group_output()).for_each(drop);
+    drain(&mut edge);
     edge.handle_timeout(Millis(1000));
-    std::iter::from_fn(|| edge.poll_group_output()).for_each(drop);
+    drain(&mut edge);
     edge.handle_set_group(Millis(1000), GROUP, &[UserId(1), UserId(2)], &[])
         .unwrap();
     assert_eq!(
@@ -572,7 +554,7 @@ fn a_fed_core_takes_counts_by_version() {
     );
     assert_eq!(edge.poll_group_output(), None, "no admins left");
     edge.handle_timeout(Millis(1010 + 300));
-    let out: Vec<_> = std::iter::from_fn(|| edge.poll_group_output()).collect();
+    let out = drain(&mut edge);
     assert_eq!(
         out,
         [count(ann, 4 * FED_VERSION_STEP + 5, 1)],

@@ -265,29 +265,11 @@ impl ServerState {
     /// Subscribe and unsubscribe in a cluster: through the fanout, with
     /// snapshots from the targets' owners.
     pub(super) fn cluster_subscription(&mut self, ch: usize, now: Instant, step: Step) {
-        let Step::Request {
-            session,
-            id,
-            request,
-        } = step
-        else {
+        let Some((session, id, request, viewer)) = self.current_request(ch, now, step) else {
             return;
         };
         let at = self.clock.at(now);
-        let reply = |result| Handled {
-            reply: Some(ServerFrame::Reply { id, result }),
-            ..Handled::default()
-        };
-        let viewer = self
-            .hub
-            .session_user(session)
-            .and_then(|u| self.hub.user_name(u))
-            .map(str::to_owned);
-        let Some(viewer) = viewer else {
-            let stale =
-                proto::WireError::new(proto::ErrorCode::Stale, "session is no longer current");
-            return self.answer(ch, now, reply(Err(stale)));
-        };
+        let reply = |result| reply(id, result);
         match request {
             request @ (proto::Request::Subscribe { .. } | proto::Request::Query { .. }) => {
                 let (targets, tier, query) = match request {
@@ -355,26 +337,12 @@ impl ServerState {
     /// A group write in a cluster: checked as one node checks it, then
     /// written to the cluster's store, answered once stored.
     pub(super) fn cluster_group_write(&mut self, ch: usize, now: Instant, step: Step) {
-        let Step::Request {
-            session,
-            id,
-            request,
-        } = step
-        else {
+        let Some((session, id, request, _)) = self.current_request(ch, now, step) else {
             return;
         };
-        let reply = |result| Handled {
-            reply: Some(ServerFrame::Reply { id, result }),
-            ..Handled::default()
-        };
-        if self.hub.session_user(session).is_none() {
-            let stale =
-                proto::WireError::new(proto::ErrorCode::Stale, "session is no longer current");
-            return self.answer(ch, now, reply(Err(stale)));
-        }
         let svc = self.hub.is_service(session);
         if let Err(error) = self.hub.check_group_write(svc, &request) {
-            return self.answer(ch, now, reply(Err(error)));
+            return self.answer(ch, now, reply(id, Err(error)));
         }
         let (group, write) = match request {
             proto::Request::SetGroup {
@@ -408,6 +376,36 @@ impl ServerState {
         });
     }
 
+    /// A request's session, id and request, with its user's name; `None`
+    /// when it is not a request, or when its session is no longer current
+    /// (then answered `Stale`).
+    fn current_request(
+        &mut self,
+        ch: usize,
+        now: Instant,
+        step: Step,
+    ) -> Option<(SessionId, u64, proto::Request, String)> {
+        let Step::Request {
+            session,
+            id,
+            request,
+        } = step
+        else {
+            return None;
+        };
+        let user = self
+            .hub
+            .session_user(session)
+            .and_then(|u| self.hub.user_name(u))
+            .map(str::to_owned);
+        if user.is_none() {
+            let stale =
+                proto::WireError::new(proto::ErrorCode::Stale, "session is no longer current");
+            self.answer(ch, now, reply(id, Err(stale)));
+        }
+        Some((session, id, request, user?))
+    }
+
     /// Runs a cluster request of connection `ch` (its request `id`): the
     /// answer now, or the connection waits for it under a ticket.
     pub(super) fn cluster_ask(
@@ -417,10 +415,7 @@ impl ServerState {
         id: u64,
         ask: impl FnOnce(&mut ClusterLink, u64) -> Option<proto::Answer>,
     ) {
-        let reply = |result| Handled {
-            reply: Some(ServerFrame::Reply { id, result }),
-            ..Handled::default()
-        };
+        let reply = |result| reply(id, result);
         let held = reply(Ok(proto::Answer::Done));
         let Some((wait, backstop)) = self.cluster_ticket(ch, now, held) else {
             return;
@@ -487,4 +482,12 @@ pub(super) fn forwarded_op(step: &Step) -> Option<(SessionId, WireOp)> {
         _ => return None,
     };
     Some((*session, op))
+}
+
+/// The reply to request `id`.
+fn reply(id: u64, result: Result<proto::Answer, proto::WireError>) -> Handled {
+    Handled {
+        reply: Some(ServerFrame::Reply { id, result }),
+        ..Handled::default()
+    }
 }
