@@ -19,8 +19,10 @@
 //!   flush if it changed) under the next version after the group's; the
 //!   source then sends the count after the write. So the source's versions
 //!   rise by at least [`FED_VERSION_STEP`] per message, leaving the ones
-//!   between to the core's writes (past 255 writes between two of the
-//!   source's messages, a write is told with the source's next count);
+//!   between to the core's writes (past the last version before the next
+//!   multiple of the step, 255 writes after a message of `GroupSum`, whose
+//!   versions are multiples of it, a write is told with the source's next
+//!   count);
 //! - its published views count for nothing, and watched pages get no deltas
 //!   from them.
 //!

@@ -84,6 +84,8 @@ impl<M: Ord + Clone> GroupSum<M> {
     /// (`shards`); outputs are held until each of those shards has sent a
     /// partial, or until `deadline`.
     pub fn new(members: BTreeSet<M>, shards: BTreeSet<u32>, floor: u64, deadline: Millis) -> Self {
+        // An epoch's base is one; the edges' cores use the versions between.
+        debug_assert!(floor.is_multiple_of(FED_VERSION_STEP), "floor {floor}");
         GroupSum {
             members,
             parts: BTreeMap::new(),

@@ -33,6 +33,9 @@ pub enum RestoreError {
     /// A saved name is not valid under the current limits, or past the cap.
     #[error("saved name refused: {}", .0.message)]
     Name(WireError),
+    /// A saved group is refused under the current limits.
+    #[error("saved group refused: {}", .0.message)]
+    Group(WireError),
     #[error("the core refused the saved state: {0}")]
     Core(#[from] greendot_core::Error),
 }

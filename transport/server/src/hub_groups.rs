@@ -22,9 +22,9 @@ use greendot_proto::{
 pub struct StoredGroup {
     pub group: u64,
     pub membership: u64,
-    /// Sorted, admins included.
+    /// Admins included, in the order of this process's ids.
     pub members: Vec<String>,
-    /// Sorted.
+    /// In the order of this process's ids.
     pub admins: Vec<String>,
 }
 
@@ -207,7 +207,7 @@ impl Hub {
         self.check_lists(&[members], &[admins])?;
         let interned = self.intern_all(members.iter().chain(admins))?;
         let (member_ids, admin_ids) = interned.split_at(members.len());
-        self.write_group(group, &interned, |core| {
+        self.write_group(group, &interned, true, |core| {
             core.handle_set_group(now, group, member_ids, admin_ids)
         })
     }
@@ -238,7 +238,7 @@ impl Hub {
             remove_admins: &remove_admin_ids,
             expect,
         };
-        self.write_group(group, &interned, |core| {
+        self.write_group(group, &interned, true, |core| {
             core.handle_change_group(now, group, &change)
         })
     }
@@ -318,10 +318,12 @@ impl Hub {
     /// Runs a membership write of the core and moves the names' references
     /// from the old members to the new. `interned`: the names the request
     /// interned, noted idle when the core refuses it (nothing holds them).
+    /// `record`: a write for the store (a restore is not one).
     fn write_group(
         &mut self,
         group: GroupId,
         interned: &[UserId],
+        record: bool,
         write: impl FnOnce(&mut greendot_core::Core) -> Result<u64, greendot_core::Error>,
     ) -> Result<Answer, WireError> {
         let old = self.group_member_ids(group);
@@ -332,7 +334,8 @@ impl Hub {
                     self.users.acquire(id.0);
                 }
                 self.drop_member_refs(&old);
-                if let Some(stored) = self.stored_group(group).filter(|_| self.store_groups) {
+                let record = record && self.store_groups;
+                if let Some(stored) = self.stored_group(group).filter(|_| record) {
                     self.group_writes.push(GroupWrite::Set(stored));
                 }
                 Ok(Answer::GroupSet { version })
@@ -379,26 +382,18 @@ impl Hub {
     pub fn restore_group(&mut self, now: Millis, stored: &StoredGroup) -> Result<(), RestoreError> {
         let group = GroupId(stored.group);
         self.check_lists(&[&stored.members], &[&stored.admins])
-            .map_err(RestoreError::Name)?;
+            .map_err(RestoreError::Group)?;
         let interned = self
             .intern_all(stored.members.iter().chain(&stored.admins))
-            .map_err(RestoreError::Name)?;
+            .map_err(RestoreError::Group)?;
         let (members, admins) = interned.split_at(stored.members.len());
-        match self
-            .core
-            .handle_restore_group(now, group, members, admins, stored.membership)
-        {
-            Ok(()) => {
-                for id in self.group_member_ids(group) {
-                    self.users.acquire(id.0);
-                }
-                Ok(())
-            }
-            Err(e) => {
-                self.idle.extend(&interned);
-                Err(e.into())
-            }
-        }
+        let membership = stored.membership;
+        self.write_group(group, &interned, false, |core| {
+            core.handle_restore_group(now, group, members, admins, membership)
+                .map(|()| membership)
+        })
+        .map(|_| ())
+        .map_err(RestoreError::Group)
     }
 
     /// The members of `group` (admins included), none for no such group.
