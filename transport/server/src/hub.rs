@@ -315,13 +315,6 @@ impl Hub {
         })
     }
 
-    /// Records the group writes for a driver that stores them
-    /// ([`Hub::take_group_writes`]); without, none are kept.
-    pub fn with_stored_groups(mut self) -> Hub {
-        self.store_groups = true;
-        self
-    }
-
     /// Session ids on the wire become the core's XOR `key` (default 0). A
     /// server picks a random key per process, so that a client resuming a
     /// session of a previous process never names one of this process.

@@ -363,6 +363,13 @@ impl Hub {
         })
     }
 
+    /// Records the group writes for a driver that stores them
+    /// ([`Hub::take_group_writes`]); without, none are kept.
+    pub fn with_stored_groups(mut self) -> Hub {
+        self.store_groups = true;
+        self
+    }
+
     /// Group writes made since the last call, in order, for a driver that
     /// stores them (before it answers the request that made them); only
     /// after [`Hub::with_stored_groups`].
