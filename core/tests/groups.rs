@@ -444,6 +444,25 @@ impl Driver {
         Ok(())
     }
 
+    /// The reference's membership write: a new group starts above the
+    /// highest version a removed group reached. Returns the new version.
+    fn write_ref(
+        &mut self,
+        group: GroupId,
+        members: BTreeSet<UserId>,
+        admins: BTreeSet<UserId>,
+    ) -> u64 {
+        let floor = self.membership_floor;
+        let g = self.groups.entry(group).or_insert_with(|| RefGroup {
+            membership: floor,
+            ..RefGroup::default()
+        });
+        g.membership += 1;
+        g.members = members;
+        g.admins = admins;
+        g.membership
+    }
+
     fn forget_dead(&mut self) {
         let dead: Vec<SessionId> = self
             .subs
@@ -637,15 +656,7 @@ impl Driver {
                 } else if union.len() > config.max_group_members {
                     Err(Error::LimitExceeded(Limit::GroupMembers))
                 } else {
-                    let floor = self.membership_floor;
-                    let g = self.groups.entry(group).or_insert_with(|| RefGroup {
-                        membership: floor,
-                        ..RefGroup::default()
-                    });
-                    g.membership += 1;
-                    g.members = union;
-                    g.admins = admins.iter().copied().collect();
-                    Ok(g.membership)
+                    Ok(self.write_ref(group, union, admins.iter().copied().collect()))
                 };
                 prop_assert_eq!(&got, &want, "set group {:?}", group);
                 if got.is_ok() {
@@ -706,15 +717,7 @@ impl Driver {
                 } else if !exists && self.groups.len() >= config.max_groups {
                     Err(Error::LimitExceeded(Limit::Groups))
                 } else {
-                    let floor = self.membership_floor;
-                    let g = self.groups.entry(group).or_insert_with(|| RefGroup {
-                        membership: floor,
-                        ..RefGroup::default()
-                    });
-                    g.membership += 1;
-                    g.members = members;
-                    g.admins = admins;
-                    Ok(g.membership)
+                    Ok(self.write_ref(group, members, admins))
                 };
                 prop_assert_eq!(&got, &want, "change group {:?}", group);
                 match got {

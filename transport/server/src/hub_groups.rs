@@ -58,15 +58,18 @@ impl Hub {
         svc: bool,
         request: Request,
     ) -> Result<Answer, WireError> {
+        if matches!(
+            request,
+            Request::SetGroup { .. } | Request::ChangeGroup { .. } | Request::RemoveGroup { .. }
+        ) {
+            self.check_group_write(svc, &request)?;
+        }
         match request {
             Request::SetGroup {
                 group,
                 members,
                 admins,
-            } => {
-                service_only(svc, "setting a group")?;
-                self.set_group(now, GroupId(group), &members, &admins)
-            }
+            } => self.set_group(now, GroupId(group), &members, &admins),
             Request::ChangeGroup {
                 group,
                 add,
@@ -75,12 +78,10 @@ impl Hub {
                 remove_admins,
                 expect_version,
             } => {
-                service_only(svc, "changing a group")?;
                 let lists = [&add[..], &remove, &add_admins, &remove_admins];
                 self.change_group(now, GroupId(group), lists, expect_version)
             }
             Request::RemoveGroup { group } => {
-                service_only(svc, "removing a group")?;
                 let old = self.group_member_ids(GroupId(group));
                 self.core.handle_remove_group(now, GroupId(group))?;
                 self.drop_member_refs(&old);
@@ -195,8 +196,8 @@ impl Hub {
             .collect()
     }
 
-    /// Writes a group: every limit and name is checked before any name is
-    /// interned, and a write the core refuses leaves no name behind.
+    /// Writes a group, its lists checked already (`check_group_write`): a
+    /// write the core refuses leaves no name behind.
     fn set_group(
         &mut self,
         now: Millis,
@@ -204,7 +205,6 @@ impl Hub {
         members: &[String],
         admins: &[String],
     ) -> Result<Answer, WireError> {
-        self.check_lists(&[members], &[admins])?;
         let interned = self.intern_all(members.iter().chain(admins))?;
         let (member_ids, admin_ids) = interned.split_at(members.len());
         self.write_group(group, &interned, true, |core| {
@@ -213,7 +213,7 @@ impl Hub {
     }
 
     /// Changes a group by difference (`lists`: add, remove, add_admins,
-    /// remove_admins), checked as `set_group` is. Names to remove that
+    /// remove_admins), checked already as `set_group`'s. Names to remove that
     /// were never interned are no members: they are skipped, not interned.
     fn change_group(
         &mut self,
@@ -223,7 +223,6 @@ impl Hub {
         expect: Option<u64>,
     ) -> Result<Answer, WireError> {
         let [add, remove, add_admins, remove_admins] = lists;
-        self.check_lists(&[add, remove], &[add_admins, remove_admins])?;
         let known = |hub: &Hub, names: &[String]| -> Vec<UserId> {
             names.iter().filter_map(|n| hub.user_id(n)).collect()
         };

@@ -449,12 +449,7 @@ struct Pending {
 impl Pending {
     fn merge(&mut self, batch: Batch, seq: u64) {
         for (name, record) in batch.users {
-            match self.users.get(&name) {
-                Some((newer, _)) if *newer > seq => {}
-                _ => {
-                    self.users.insert(name, (seq, record));
-                }
-            }
+            keep_newest(&mut self.users, name, seq, record);
         }
         if let Some(at) = batch.alive_at {
             if self.alive_at.is_none_or(|(newer, _)| newer <= seq) {
@@ -471,12 +466,7 @@ impl Pending {
             *before = (*before).max(r.before);
         }
         for w in batch.groups {
-            match self.groups.get(&w.group()) {
-                Some((newer, _)) if *newer > seq => {}
-                _ => {
-                    self.groups.insert(w.group(), (seq, w));
-                }
-            }
+            keep_newest(&mut self.groups, w.group(), seq, w);
         }
     }
 
@@ -553,6 +543,19 @@ impl Pending {
                 .collect(),
             groups: self.groups.values().map(|(_, w)| w.clone()).collect(),
         }
+    }
+}
+
+/// Keeps `value` under `key` unless a record handed over later (a higher
+/// `seq`) is there.
+fn keep_newest<K: Eq + std::hash::Hash, V>(
+    map: &mut HashMap<K, (u64, V)>,
+    key: K,
+    seq: u64,
+    value: V,
+) {
+    if map.get(&key).is_none_or(|(newer, _)| *newer <= seq) {
+        map.insert(key, (seq, value));
     }
 }
 
