@@ -147,3 +147,26 @@ impl Core {
         Ok(true)
     }
 }
+
+impl Core {
+    /// A group's definition as the cluster holds it, at its membership
+    /// version `membership` (a cluster's edge, from the directory every node
+    /// keeps): written as `handle_set_group` writes it (leavers' sessions
+    /// ended, roles moved, the count kept and cut to the members), whether
+    /// the core holds the group or not, then given the directory's
+    /// membership version instead of one of its own.
+    pub fn handle_define_group(
+        &mut self,
+        now: Millis,
+        group: GroupId,
+        members: &[UserId],
+        admins: &[UserId],
+        membership: u64,
+    ) -> Result<(), Error> {
+        self.handle_set_group(now, group, members, admins)?;
+        if let Some(g) = self.groups.groups.get_mut(&group) {
+            g.membership = membership;
+        }
+        Ok(())
+    }
+}

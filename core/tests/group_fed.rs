@@ -571,3 +571,32 @@ fn a_fed_core_takes_counts_by_version() {
     );
     assert!(!one.set_group_counts_fed(), "a group exists already");
 }
+
+/// A definition from a cluster's directory takes the directory's
+/// membership version, on a new group and on one held, and is written as
+/// `handle_set_group` writes it: a leaver's subscription ends.
+#[test]
+fn a_defined_group_takes_the_directorys_membership_version() {
+    let mut edge = Core::new(config()).unwrap();
+    assert!(edge.set_group_counts_fed());
+    let bob = connect(&mut edge, 0, 2, 1);
+    edge.handle_define_group(Millis(0), GROUP, &[UserId(1), UserId(2)], &[UserId(1)], 7)
+        .unwrap();
+    assert_eq!(edge.group_membership(GROUP), Some(7));
+    edge.handle_group_subscribe(Millis(0), bob, GROUP).unwrap();
+    assert_eq!(
+        edge.handle_group_count(Millis(1), GROUP, FED_VERSION_STEP, 2),
+        Ok(true)
+    );
+    edge.handle_define_group(Millis(2), GROUP, &[UserId(1)], &[UserId(1)], 9)
+        .unwrap();
+    assert_eq!(edge.group_membership(GROUP), Some(9));
+    assert_eq!(edge.group_count(GROUP), Some(1), "cut to the members");
+    let out = drain(&mut edge);
+    assert!(
+        out.iter()
+            .any(|o| matches!(o, GroupOutput::Ended { to, .. } if *to == bob)),
+        "{out:?}"
+    );
+    edge.check_invariants().unwrap();
+}

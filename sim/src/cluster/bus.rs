@@ -279,6 +279,14 @@ impl Bus {
                     self.send(rng, now, reach, to, input)?;
                 }
             }
+            ClusterOutput::GroupCounts { payload } => {
+                for to in 0..reach.len() {
+                    let input = ClusterInput::GroupCounts {
+                        payload: payload.clone(),
+                    };
+                    self.send(rng, now, reach, to, input)?;
+                }
+            }
             ClusterOutput::Request {
                 id,
                 shard,
@@ -505,6 +513,9 @@ fn copy(input: &ClusterInput) -> Option<ClusterInput> {
             payload: payload.clone(),
         },
         ClusterInput::Beacon { payload } => ClusterInput::Beacon {
+            payload: payload.clone(),
+        },
+        ClusterInput::GroupCounts { payload } => ClusterInput::GroupCounts {
             payload: payload.clone(),
         },
         ClusterInput::Resync { payload } => ClusterInput::Resync {

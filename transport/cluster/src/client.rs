@@ -649,6 +649,19 @@ impl Cluster {
         self.subject_feed(self.config.beacon_subject()).await
     }
 
+    /// Publishes on `<prefix>.groups`, which every node listens to
+    /// ([`Cluster::group_counts_feed`]): the counts of the groups whose
+    /// home shard the publisher owns.
+    pub async fn publish_group_counts(&self, payload: Bytes) -> Result<()> {
+        self.publish_on(self.config.group_counts_subject(), payload)
+            .await
+    }
+
+    /// The messages on `<prefix>.groups` (one subscription per node).
+    pub async fn group_counts_feed(&self) -> Result<SubjectFeed> {
+        self.subject_feed(self.config.group_counts_subject()).await
+    }
+
     /// Sends a user's truth to the edge of `node`, which holds devices of
     /// that user ([`Cluster::edge_feed`]).
     pub async fn publish_to_edge(&self, node: &NodeId, payload: Bytes) -> Result<()> {

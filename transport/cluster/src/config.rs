@@ -166,6 +166,12 @@ impl ClusterConfig {
         format!("{}.beacon", self.prefix)
     }
 
+    /// Where the owners of groups' home shards publish the groups' counts
+    /// (every node listens).
+    pub fn group_counts_subject(&self) -> String {
+        format!("{}.groups", self.prefix)
+    }
+
     /// Where owners send the truths of users with devices at `node`'s edge
     /// (the view others see goes on the shard's subject).
     pub fn edge_subject(&self, node: &crate::NodeId) -> String {

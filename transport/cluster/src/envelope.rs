@@ -40,7 +40,12 @@ use ring::hmac;
 /// Version 3: a connect says when its edge welcomed the session
 /// (`ConnectWelcomed`), so that an owner orders a device's sessions at two
 /// nodes; nodes sending 2 send the connects of version 2.
-pub const PROTOCOL_VERSION: u8 = 3;
+///
+/// Version 4: group counts across nodes. Owners send their partial counts
+/// to the owner of the group's home shard (a request a node of version 3
+/// cannot decode), which publishes the sums on `<prefix>.groups`; nodes
+/// sending 3 send neither and serve no group subscription.
+pub const PROTOCOL_VERSION: u8 = 4;
 
 /// The version byte of sealed KV records ([`Envelope::seal_record`]): never
 /// a protocol version, which count up from 1.

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 #[path = "hub_groups.rs"]
 mod groups;
-pub use groups::{GroupWrite, StoredGroup};
+pub use groups::{GroupFeed, GroupWrite, StoredGroup};
 #[path = "hub_tokens.rs"]
 mod tokens;
 

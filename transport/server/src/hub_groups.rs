@@ -518,6 +518,91 @@ fn service_only(svc: bool, what: &str) -> Result<(), WireError> {
     }
 }
 
+/// What a cluster's edge learns of groups, for the hub's core (fed counts,
+/// `Hub::set_group_counts_fed`): definitions from the directory every node
+/// keeps, and counts from the owner of each group's home shard.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GroupFeed {
+    Define {
+        group: u64,
+        membership: u64,
+        /// Admins included.
+        members: Vec<String>,
+        admins: Vec<String>,
+    },
+    Remove {
+        group: u64,
+    },
+    /// A count under the home owner's version, with the member whose
+    /// change made it, if one did.
+    Count {
+        group: u64,
+        version: u64,
+        count: u32,
+        change: Option<(String, bool)>,
+    },
+}
+
+impl Hub {
+    /// Switches the core to group counts fed from a cluster (before any
+    /// group is written; `false` if one was).
+    pub fn set_group_counts_fed(&mut self) -> bool {
+        self.core.set_group_counts_fed()
+    }
+
+    /// Takes what the cluster says of a group: its pushes follow as the
+    /// hub's outputs. A definition over this node's limits is refused, and
+    /// the group is left as it was (the caller logs it).
+    pub fn group_feed(&mut self, now: Millis, feed: GroupFeed) -> Result<(), WireError> {
+        match feed {
+            GroupFeed::Define {
+                group,
+                membership,
+                members,
+                admins,
+            } => {
+                self.check_lists(&[&members], &[&admins])?;
+                let interned = self.intern_all(members.iter().chain(&admins))?;
+                let (members, admins) = interned.split_at(members.len());
+                let group = GroupId(group);
+                self.write_group(group, &interned, false, |core| {
+                    core.handle_define_group(now, group, members, admins, membership)
+                        .map(|()| membership)
+                })
+                .map(|_| ())
+            }
+            GroupFeed::Remove { group } => {
+                let old = self.group_member_ids(GroupId(group));
+                match self.core.handle_remove_group(now, GroupId(group)) {
+                    Ok(()) => self.drop_member_refs(&old),
+                    Err(greendot_core::Error::UnknownGroup) => {}
+                    Err(e) => return Err(e.into()),
+                }
+                Ok(())
+            }
+            GroupFeed::Count {
+                group,
+                version,
+                count,
+                change,
+            } => {
+                let group = GroupId(group);
+                let member = change.and_then(|(name, online)| Some((self.user_id(&name)?, online)));
+                let taken = match member {
+                    Some((member, online)) => self
+                        .core
+                        .handle_group_member(now, group, version, member, online, count),
+                    None => self.core.handle_group_count(now, group, version, count),
+                };
+                match taken {
+                    Ok(_) | Err(greendot_core::Error::UnknownGroup) => Ok(()),
+                    Err(e) => Err(e.into()),
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::{Hub, HubLimits};

@@ -99,7 +99,7 @@ use conn::{Handled, Step};
 pub use conn::{RateLimit, RATE_LIMIT_PATIENCE};
 use hub::Hub;
 pub use hub::HubLimits;
-pub use hub::{GroupWrite, LiveDevice, RestoreError, StoredGroup};
+pub use hub::{GroupFeed, GroupWrite, LiveDevice, RestoreError, StoredGroup};
 pub use metrics::MetricsSnapshot;
 pub use state::{
     Census, Datagram, ServerInput, ServerMutant, ServerOutput, ServerState, StoreRequest, Transmit,

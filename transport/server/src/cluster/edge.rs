@@ -171,6 +171,11 @@ pub(super) enum InFlight {
     Route {
         wait: u64,
     },
+    /// Partials of this node's owners, as (shard, group), sent to a home
+    /// shard's owner.
+    Partials {
+        sent: Vec<(u32, u64)>,
+    },
 }
 
 fn owner_late() -> WireError {
@@ -663,6 +668,12 @@ impl ClusterLink {
         });
         match what {
             InFlight::Device { session, rid } => self.device_answer(session, rid, answer, now, at),
+            InFlight::Partials { sent } => {
+                if !matches!(answer, Some(FromOwner::Done { .. })) {
+                    self.counters.retries += 1;
+                    self.partials_failed(&sent, now);
+                }
+            }
             InFlight::Snapshot { wait, shard } => match answer {
                 Some(FromOwner::Snapshot {
                     presences,
@@ -736,6 +747,10 @@ impl ClusterLink {
             {
                 if r.owner == self.settings.node {
                     return; // resent in process when the claim was won
+                }
+                // The shard's new owner sums the groups homed there anew.
+                if self.resynced.get(&r.shard).is_none_or(|e| *e < r.epoch) {
+                    self.home_changed(r.shard, now);
                 }
                 // Sent again while the owner's window is open: once is
                 // enough (the resent connects are retried until taken).

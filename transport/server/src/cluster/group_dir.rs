@@ -18,7 +18,7 @@
 //! so a group written again goes on from it (one node starts again at 1).
 
 use super::{ClusterLink, ClusterOutput, DetMap, Finished, RETRY_AFTER};
-use greendot_core::{changed_lists, Error, Limit};
+use greendot_core::{changed_lists, Error, Limit, Millis};
 use greendot_proto::{self as proto, ErrorCode, WireError};
 use std::time::Instant;
 
@@ -126,14 +126,25 @@ impl GroupDirectory {
         !self.writes.is_empty()
     }
 
-    /// A definition from the watch: kept if newer than the copy held.
-    fn changed(&mut self, group: u64, revision: u64, def: Option<GroupDef>) {
+    /// Whether the watch has delivered what the bucket held at its start.
+    pub(super) fn is_synced(&self) -> bool {
+        self.synced
+    }
+
+    /// The definitions of the groups not removed.
+    pub(super) fn live_defs(&self) -> impl Iterator<Item = &GroupDef> {
+        self.groups.values().map(|(_, d)| d).filter(|d| !d.removed)
+    }
+
+    /// A definition from the watch: kept if newer than the copy held;
+    /// whether it was.
+    fn changed(&mut self, group: u64, revision: u64, def: Option<GroupDef>) -> bool {
         if self.groups.get(&group).is_some_and(|(r, _)| *r >= revision) {
-            return;
+            return false;
         }
         match def {
             // Not this group's: the bucket's reader refuses these already.
-            Some(def) if def.group != group => {}
+            Some(def) if def.group != group => return false,
             Some(def) => {
                 self.groups.insert(group, (revision, def));
             }
@@ -142,6 +153,7 @@ impl GroupDirectory {
                 self.groups.remove(&group);
             }
         }
+        true
     }
 }
 
@@ -412,18 +424,35 @@ impl ClusterLink {
         }
     }
 
-    /// A definition from the groups bucket's watch.
-    pub(super) fn group_changed(&mut self, group: u64, revision: u64, def: Option<GroupDef>) {
-        self.groups.changed(group, revision, def);
+    /// A definition from the groups bucket's watch: this node's edge, its
+    /// owners' slices and its sums follow it.
+    pub(super) fn group_changed(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        group: u64,
+        revision: u64,
+        def: Option<GroupDef>,
+    ) {
+        if !self.groups.changed(group, revision, def) {
+            return;
+        }
+        self.feed_definition(group);
+        self.slices_follow(group, now, at);
+        self.sum_follows(group, now, at);
     }
 
     /// The watch has delivered everything the bucket held when it started:
-    /// the writes that waited for it go out.
-    pub(super) fn groups_synced(&mut self) {
+    /// the writes that waited for it go out, and the owners take their
+    /// slices and sums.
+    pub(super) fn groups_synced(&mut self, now: Instant, at: Millis) {
         if self.groups.synced {
             return;
         }
         self.groups.synced = true;
+        let owned: Vec<u32> = self.owners.keys().copied().collect();
+        self.load_slices(&owned, now, at);
+        self.load_sums(&owned, now, at);
         let mut waiting: Vec<u64> = self.groups.writes.keys().copied().collect();
         waiting.sort_unstable();
         for id in waiting {

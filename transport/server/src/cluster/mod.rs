@@ -18,7 +18,10 @@ mod edge;
 mod edge_records;
 mod edge_subscribe;
 mod edge_views;
+mod group_agg;
 mod group_dir;
+mod group_edge;
+mod group_owner;
 mod owner;
 mod owner_requests;
 mod owners;
@@ -27,6 +30,8 @@ mod prefs_writes;
 mod test_support;
 #[cfg(test)]
 mod tests_edge;
+#[cfg(test)]
+mod tests_group_counts;
 #[cfg(test)]
 mod tests_groups;
 #[cfg(test)]
@@ -37,7 +42,7 @@ mod tests_records;
 mod tests_views;
 mod wire;
 
-use crate::hub::Interner;
+use crate::hub::{GroupFeed, Interner};
 use bytes::Bytes;
 use edge::{EdgeDevice, InFlight, PendingRoute};
 use edge_records::{PendingResume, SessionSync};
@@ -54,8 +59,8 @@ use prefs_writes::PrefsWrites;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 pub use wire::{
-    decode_device_record, Beacon, FromOwner, RecordedDevice, ResyncRequest, SessionRecord,
-    ShardView, ToOwner, WireOp, WirePrefs,
+    decode_device_record, Beacon, FromOwner, GroupCount, GroupCounts, GroupPartial, RecordedDevice,
+    ResyncRequest, SessionRecord, ShardView, ToOwner, WireOp, WirePrefs, GROUPS_SINCE,
 };
 
 /// Maps whose iteration order is the same in every run (std's default
@@ -290,6 +295,8 @@ pub enum ClusterInput {
     },
     /// The watch has delivered everything the bucket held when it started.
     GroupsSynced,
+    /// A message on the cluster's groups subject ([`GroupCounts`]).
+    GroupCounts { payload: Bytes },
     /// What the store did with [`ClusterOutput::WriteGroup`] `id`.
     GroupWritten { id: u64, outcome: GroupWriteOutcome },
     /// What the store holds of the group of [`ClusterOutput::ReadGroup`]
@@ -377,6 +384,8 @@ pub enum ClusterOutput {
     /// Read a group's definition from the store (the stream's leader);
     /// answer with [`ClusterInput::GroupRead`].
     ReadGroup { id: u64, group: u64 },
+    /// Publish on the cluster's groups subject (every node listens).
+    GroupCounts { payload: Bytes },
     /// Subscribe to a shard's subject (one more local watcher of it).
     Watch { shard: u32 },
     /// The last local watcher of the shard left.
@@ -523,6 +532,12 @@ pub struct ClusterLink {
     max_subscriptions: usize,
     /// The cluster's groups and this node's writes of them.
     groups: GroupDirectory,
+    /// What the hub's core learns of groups (`group_edge`).
+    group_feed: VecDeque<GroupFeed>,
+    /// The newest count of each group: version and count.
+    fed_counts: DetMap<u64, (u64, u32)>,
+    /// When the owners' next partial is due, if one is.
+    partials_next: Option<Instant>,
 }
 
 impl ClusterLink {
@@ -580,6 +595,9 @@ impl ClusterLink {
             latencies: VecDeque::new(),
             max_name_len,
             groups: GroupDirectory::default(),
+            group_feed: VecDeque::new(),
+            fed_counts: DetMap::default(),
+            partials_next: None,
         }
     }
 
@@ -743,6 +761,8 @@ impl ClusterLink {
         self.retry_records(now);
         self.tick_subscribes(now, at);
         self.retry_group_writes(now);
+        self.send_partials(now, at);
+        self.tick_sums(now, at);
     }
 
     pub fn handle_input(&mut self, now: Instant, at: Millis, input: ClusterInput) {
@@ -794,8 +814,9 @@ impl ClusterLink {
                 group,
                 revision,
                 def,
-            } => self.group_changed(group, revision, def),
-            ClusterInput::GroupsSynced => self.groups_synced(),
+            } => self.group_changed(now, at, group, revision, def),
+            ClusterInput::GroupsSynced => self.groups_synced(now, at),
+            ClusterInput::GroupCounts { payload } => self.group_counts_message(&payload),
             ClusterInput::GroupWritten { id, outcome } => self.group_written(id, outcome, now),
             ClusterInput::GroupRead { id, read } => self.group_read(id, read),
         }

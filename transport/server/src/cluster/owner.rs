@@ -3,6 +3,8 @@
 //! on the shard's subject (and each truth to the edges holding the user's
 //! devices), and announcing its view numbers in beacons.
 
+use super::group_agg::Sums;
+use super::group_owner::{Partials, Slice};
 use super::wire::{
     decode, decode_shard_record, encode, encode_shard_record, Beacon, FromOwner, RecordedDevice,
     ResyncRequest, ShardRecord, ShardView, ToOwner, WirePrefs, FENCED_RECORD_SINCE,
@@ -106,6 +108,12 @@ pub(super) struct Owner {
     /// `RESYNC_EVERY`.
     resync_until: Instant,
     next_resync: Instant,
+    /// The slice of each group with members in the shard (`group_owner`).
+    pub(super) slices: DetMap<u64, Slice>,
+    /// The partials of those groups to send (`group_owner`).
+    pub(super) partials: Partials,
+    /// The sums of the groups whose home shard this is (`group_agg`).
+    pub(super) sums: Sums,
 }
 
 /// Where an owner's answer goes.
@@ -163,7 +171,10 @@ pub(super) fn release_idle(o: &mut Owner, at: Millis) -> usize {
         }
         remember_released(o, &name, shown);
         o.loaded.remove(&*name);
-        o.users.remove(user.0);
+        // A group's slice keeps the name (and her id) for when she is back.
+        if o.users.refs(user.0) == 0 {
+            o.users.remove(user.0);
+        }
         freed += 1;
     }
     freed
@@ -184,9 +195,10 @@ fn remember_released(o: &mut Owner, user: &str, version: u64) {
     o.released.insert(user.to_owned(), version);
 }
 
-/// A name interned for a user the core has no record of goes again.
+/// A name interned for a user the core has no record of goes again, unless
+/// a group's slice holds it.
 pub(super) fn forget_user_if_unknown(o: &mut Owner, uid: u64) {
-    if !o.core.is_known(UserId(uid)) {
+    if !o.core.is_known(UserId(uid)) && o.users.refs(uid) == 0 {
         o.users.remove(uid);
     }
 }
@@ -231,11 +243,13 @@ impl ClusterLink {
             })
             .map(|(s, (e, _))| (*s, *e))
             .collect();
+        let mut taken = Vec::new();
         for (shard, epoch) in won {
             let Ok(mut core) = Core::new(self.owner_config.clone()) else {
                 continue; // the same config the hub's core took
             };
             core.set_publish_views(true);
+            core.set_track_group_changes(self.serves_groups());
             core.enter_epoch(Epoch(u32::try_from(epoch).unwrap_or(u32::MAX)));
             // Until the edges resent their devices, nobody restored from the
             // KV goes offline (C2).
@@ -269,6 +283,9 @@ impl ClusterLink {
                     truth_seq: DetMap::default(),
                     resync_until: now + self.settings.request_timeout,
                     next_resync: now + RESYNC_EVERY,
+                    slices: DetMap::default(),
+                    partials: Partials::default(),
+                    sums: Sums::default(),
                 },
             );
             // The previous owner's devices: restored as lingering, so that
@@ -290,6 +307,15 @@ impl ClusterLink {
             for session in mine {
                 self.resend(session, now, at, false);
             }
+            taken.push(shard);
+        }
+        // Groups: the slices of the shards taken, the sums of the groups
+        // homed there, and this node's partials for those (the new sums
+        // hold none).
+        self.load_slices(&taken, now, at);
+        self.load_sums(&taken, now, at);
+        for shard in taken {
+            self.home_changed(shard, now);
         }
     }
 
@@ -857,5 +883,6 @@ impl ClusterLink {
         for v in local {
             self.apply_view(at, &v.user, v.own, v.presence.to_core());
         }
+        self.note_changed_groups(shard, now);
     }
 }

@@ -174,6 +174,7 @@ impl ClusterLink {
                         | (ToOwner::Snapshot { .. }, RequestKind::Snapshot)
                         | (ToOwner::Views { .. }, RequestKind::Snapshot)
                         | (ToOwner::Route { .. }, RequestKind::Snapshot)
+                        | (ToOwner::GroupPartials { .. }, RequestKind::Snapshot)
                 );
                 if !matches_kind {
                     self.counters.malformed += 1;
@@ -213,6 +214,10 @@ impl ClusterLink {
                 targets.len() <= MAX_SNAPSHOT_TARGETS && targets.iter().all(|t| ok(t))
             }
             ToOwner::Route { user } => ok(user),
+            ToOwner::GroupPartials { parts } => parts.iter().all(|p| {
+                p.shard < self.settings.shard_count
+                    && p.online.len() <= self.owner_config.max_group_members
+            }),
         }
     }
 
@@ -221,6 +226,14 @@ impl ClusterLink {
             self.outputs.push_back(ClusterOutput::Reply {
                 reply,
                 payload: encode(&FromOwner::NotOwner),
+            });
+            return;
+        }
+        if let ToOwner::GroupPartials { parts } = msg {
+            let answer = self.take_partials(shard, parts, now, at);
+            self.outputs.push_back(ClusterOutput::Reply {
+                reply,
+                payload: encode(&answer),
             });
             return;
         }

@@ -83,6 +83,49 @@ pub enum ToOwner {
     Views { targets: Vec<String>, own: bool },
     /// The user's Online devices, for a service's `Route`.
     Route { user: String },
+    /// Owners' partial counts of groups whose home shard this is, for the
+    /// home shard's owner to sum (from protocol [`GROUPS_SINCE`]).
+    GroupPartials { parts: Vec<GroupPartial> },
+}
+
+/// The protocol version from which owners send partial counts and the
+/// owners of home shards publish group counts: a node sending less serves
+/// no group subscription (a node of version 3 cannot decode them).
+pub const GROUPS_SINCE: u8 = 4;
+
+/// A shard's owner's count of one group's members in its shard: the
+/// ordinals (the group definition's) of those published online, an
+/// absolute set that replaces the shard's previous one at the sum.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupPartial {
+    pub group: u64,
+    pub shard: u32,
+    /// The owner's claim epoch of `shard`: a newer owner's partial wins.
+    pub epoch: u64,
+    /// Rises with each partial of the group the owner sends in the epoch.
+    pub seq: u64,
+    /// Sorted.
+    pub online: Vec<u32>,
+}
+
+/// On `<prefix>.groups`: counts of groups whose home shard `home` the
+/// sender owns under `epoch`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupCounts {
+    pub home: u32,
+    pub epoch: u64,
+    pub counts: Vec<GroupCount>,
+}
+
+/// One group's count under the home owner's `version` (taken only above
+/// the last one taken), with the member whose change made it, if one did
+/// (admins get the change itself).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupCount {
+    pub group: u64,
+    pub version: u64,
+    pub count: u32,
+    pub change: Option<(String, bool)>,
 }
 
 /// Owner → edge (a reply).

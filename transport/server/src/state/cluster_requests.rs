@@ -24,10 +24,12 @@ impl ServerState {
 
     /// The fanout's pushes, the answers the cluster finished, and what it
     /// asks of the NATS I/O.
-    pub(super) fn route_cluster(&mut self, now: Instant) {
+    /// Whether the hub's core was fed groups (its outputs are to route).
+    pub(super) fn route_cluster(&mut self, now: Instant) -> bool {
+        let mut fed = false;
         loop {
             let Some(c) = self.cluster.as_deref_mut() else {
-                return;
+                return fed;
             };
             if let Some(out) = c.poll_fanout() {
                 if let greendot_core::Output::Push {
@@ -47,6 +49,15 @@ impl ServerState {
                 }
                 continue;
             }
+            if let Some(feed) = c.poll_group_feed() {
+                let at = self.clock.at(now);
+                if let Err(e) = self.hub.group_feed(at, feed) {
+                    // Over this node's limits (lower than the writer's).
+                    tracing::warn!(error = %e, "a group from the cluster was not taken");
+                }
+                fed = true;
+                continue;
+            }
             if let Some(ms) = c.poll_latency() {
                 self.stats
                     .cluster_latency
@@ -59,7 +70,7 @@ impl ServerState {
             }
             match c.poll_output() {
                 Some(out) => self.outputs.push_back(ServerOutput::Cluster(out)),
-                None => return,
+                None => return fed,
             }
         }
     }

@@ -452,6 +452,10 @@ impl ServerState {
                 config.limits.max_name_len,
             ))
         });
+        // A cluster's edge serves groups with counts summed across nodes.
+        if cluster.as_ref().is_some_and(|c| c.serves_groups()) {
+            hub.set_group_counts_fed();
+        }
         if let Some(mut loaded) = restored {
             hub.restore_revocations(std::mem::take(&mut loaded.revocations));
             restore(&mut hub, loaded, clock.at(now), &config)?;

@@ -92,7 +92,19 @@ pub(super) fn restore(
         }
     }
     let mut groups = 0usize;
-    for g in &loaded.groups {
+    // A cluster's groups live in its groups bucket: these are from a time
+    // the node ran alone, and stay stored untouched.
+    let saved_groups = match config.cluster {
+        Some(_) if !loaded.groups.is_empty() => {
+            warn!(
+                groups = loaded.groups.len(),
+                "groups saved while running alone are not served in a cluster"
+            );
+            &[][..]
+        }
+        _ => &loaded.groups[..],
+    };
+    for g in saved_groups {
         match hub.restore_group(now, g) {
             Ok(()) => groups += 1,
             // Over a lowered limit: the record stays stored until the group

@@ -16,19 +16,22 @@ impl ServerState {
     /// Sends every output of the hub (and, in a cluster, of the edge's
     /// fanout and the cluster link) where it goes.
     pub(super) fn route(&mut self, now: Instant) {
-        while let Some(output) = self.hub.poll_output() {
-            match output {
-                HubOutput::Push {
-                    session,
-                    tier,
-                    frame,
-                } => self.deliver(now, session, tier, frame),
-                HubOutput::End { session, reason } => self.session_ended(now, session, reason),
+        loop {
+            while let Some(output) = self.hub.poll_output() {
+                match output {
+                    HubOutput::Push {
+                        session,
+                        tier,
+                        frame,
+                    } => self.deliver(now, session, tier, frame),
+                    HubOutput::End { session, reason } => self.session_ended(now, session, reason),
+                }
             }
-        }
-        self.close_for_tokens(now);
-        if self.cluster.is_some() {
-            self.route_cluster(now);
+            self.close_for_tokens(now);
+            // Groups fed to the hub's core: their pushes are the hub's.
+            if !(self.cluster.is_some() && self.route_cluster(now)) {
+                break;
+            }
         }
         self.within_budget(now);
     }

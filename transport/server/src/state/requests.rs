@@ -106,24 +106,45 @@ impl ServerState {
             {
                 return self.cluster_group_write(ch, now, step);
             }
-            if let Step::Request {
-                id,
-                request:
-                    proto::Request::GroupSubscribe { .. }
-                    | proto::Request::GroupUnsubscribe { .. }
-                    | proto::Request::GroupPage { .. }
-                    | proto::Request::GroupWatchPage { .. }
-                    | proto::Request::GroupRenewWatch { .. }
-                    | proto::Request::GroupUnwatchPage { .. },
-                ..
-            } = &step
+            // Subscriptions go to the hub's core, fed with counts summed
+            // across the cluster; member pages need every node's views,
+            // which the hub's core does not hold (docs/groups.md).
+            let fed = self.cluster.as_ref().is_some_and(|c| c.serves_groups());
+            let subscription = matches!(
+                &step,
+                Step::Request {
+                    request: proto::Request::GroupSubscribe { .. }
+                        | proto::Request::GroupUnsubscribe { .. },
+                    ..
+                }
+            );
+            if let (
+                false,
+                Step::Request {
+                    id,
+                    request:
+                        proto::Request::GroupSubscribe { .. }
+                        | proto::Request::GroupUnsubscribe { .. }
+                        | proto::Request::GroupPage { .. }
+                        | proto::Request::GroupWatchPage { .. }
+                        | proto::Request::GroupRenewWatch { .. }
+                        | proto::Request::GroupUnwatchPage { .. },
+                    ..
+                },
+            ) = (fed && subscription, &step)
             {
-                // The core's groups see only this node's users: in a
-                // cluster their counts would be wrong (docs/groups.md).
                 let error = proto::WireError::new(
                     proto::ErrorCode::Unsupported,
-                    "group subscriptions and member pages are served by a single node only for \
-                     now (not with --cluster); groups are written to the cluster",
+                    match fed {
+                        true => {
+                            "member pages are served by a single node only for now (not \
+                                 with --cluster); group subscriptions and writes are served"
+                        }
+                        false => {
+                            "groups are served in a cluster from protocol 4 \
+                                  (cluster_protocol); group writes are"
+                        }
+                    },
                 );
                 let handled = Handled {
                     reply: Some(ServerFrame::Reply {

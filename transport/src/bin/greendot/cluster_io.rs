@@ -170,6 +170,14 @@ pub async fn run(
             None
         }
     };
+    // Every node hears every group count (one subscription).
+    let mut group_counts = match cluster.group_counts_feed().await {
+        Ok(sub) => Some(sub),
+        Err(e) => {
+            warn!(error = %e, "cannot subscribe to group counts: group subscriptions here see no count change");
+            None
+        }
+    };
     // Owners send the truths of users with devices here to this one subject.
     let mut truths = match cluster.edge_feed().await {
         Ok(sub) => Some(sub),
@@ -273,6 +281,11 @@ pub async fn run(
             }
             Some(payload) = next_on(&mut beacons) => {
                 if !inputs.send(ClusterInput::Beacon { payload }).await {
+                    return;
+                }
+            }
+            Some(payload) = next_on(&mut group_counts) => {
+                if !inputs.send(ClusterInput::GroupCounts { payload }).await {
                     return;
                 }
             }
@@ -477,6 +490,12 @@ pub async fn run(
                     ClusterOutput::Beacon { payload } => {
                         if let Err(e) = cluster.publish_beacon(payload).await {
                             debug!(error = %e, "cannot publish a beacon");
+                        }
+                    }
+                    ClusterOutput::GroupCounts { payload } => {
+                        // A lost one is published again within a group interval.
+                        if let Err(e) = cluster.publish_group_counts(payload).await {
+                            debug!(error = %e, "cannot publish group counts");
                         }
                     }
                     ClusterOutput::Watch { shard } => {

@@ -1,0 +1,267 @@
+//! A group's aggregator across a cluster (issue 28, docs/groups.md "Across
+//! a cluster"): the owner of the group's home shard.
+//!
+//! It keeps one `GroupSum` per group homed at its shard, built from the
+//! directory (the members' ordinals, and the shards holding them), with
+//! versions from its epoch's base, so a later owner's are above an earlier
+//! one's. Owners' partials replace each shard's last one by (epoch,
+//! sequence); each member who goes online or offline by a partial is one
+//! count with the change (admins get it at once), and each membership
+//! write one count. They go on `<prefix>.groups` while the node acts for
+//! the home shard (C1), and to this node's own edge in process. Every group
+//! interval the owner publishes every count it holds again, so an edge that
+//! missed one, or started since, has it within an interval; edges take a
+//! count only above the version they hold.
+//!
+//! A new owner of the home shard holds no partial: each sum waits for
+//! every shard holding members, or for the request timeout, before it
+//! tells a count (the owners send theirs on its resync request).
+
+use super::wire::{encode, FromOwner, GroupCount, GroupCounts, GroupPartial};
+use super::{ClusterLink, ClusterOutput, MAX_MESSAGE};
+use greendot_core::cluster::epoch_base;
+use greendot_core::{Epoch, GroupSum, Millis, SumOutput};
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+/// Counts one message carries at most (each under 30 bytes without a
+/// member's name, and a name is at most `max_name_len`).
+const COUNTS_PER_MESSAGE: usize = 2_048;
+
+/// The sums an owner holds for the groups homed at its shard.
+#[derive(Default)]
+pub(super) struct Sums {
+    by_group: BTreeMap<u64, GroupSum<u32>>,
+    /// Groups whose sum holds its outputs (a new owner's wait).
+    waiting: BTreeSet<u64>,
+    next_refresh: Option<Instant>,
+}
+
+impl ClusterLink {
+    /// Sums for every group homed at `shards` (claims won, or the
+    /// directory's first pass done).
+    pub(super) fn load_sums(&mut self, shards: &[u32], now: Instant, at: Millis) {
+        if !self.serves_groups() || !self.groups.is_synced() || shards.is_empty() {
+            return;
+        }
+        let groups: Vec<u64> = self
+            .groups
+            .live_defs()
+            .map(|d| d.group)
+            .filter(|g| shards.contains(&self.home_shard(*g)))
+            .collect();
+        for group in groups {
+            self.sum_follows(group, now, at);
+        }
+    }
+
+    /// A definition changed: its sum, if this node owns its home shard,
+    /// follows (a removed group's goes).
+    pub(super) fn sum_follows(&mut self, group: u64, now: Instant, at: Millis) {
+        if !self.serves_groups() || !self.groups.is_synced() {
+            return;
+        }
+        let home = self.home_shard(group);
+        if !self.owners.contains_key(&home) {
+            return;
+        }
+        let (shard_of, count) = (self.settings.shard_of, self.settings.shard_count);
+        let def = self.groups.get(group).1.filter(|d| !d.removed);
+        let Some(def) = def else {
+            if let Some(o) = self.owners.get_mut(&home) {
+                o.sums.by_group.remove(&group);
+                o.sums.waiting.remove(&group);
+            }
+            return;
+        };
+        let members: BTreeSet<u32> = def.members.iter().map(|(_, o)| *o).collect();
+        let shards: BTreeSet<u32> = def
+            .members
+            .iter()
+            .map(|(n, _)| shard_of(n, count))
+            .collect();
+        let wait = Millis(u64::try_from(self.settings.request_timeout.as_millis()).unwrap_or(0));
+        let Some(o) = self.owners.get_mut(&home) else {
+            return;
+        };
+        match o.sums.by_group.get_mut(&group) {
+            Some(sum) => sum.handle_members(at, members, shards),
+            None => {
+                let epoch = Epoch(u32::try_from(o.epoch).unwrap_or(u32::MAX));
+                let sum = GroupSum::new(members, shards, epoch_base(epoch), at.plus(wait));
+                o.sums.by_group.insert(group, sum);
+            }
+        }
+        self.drain_sums(home, &[group], now);
+    }
+
+    /// Owners' partials for groups homed at `home`: each replaces its
+    /// shard's last one at the group's sum.
+    pub(super) fn take_partials(
+        &mut self,
+        home: u32,
+        parts: Vec<GroupPartial>,
+        now: Instant,
+        at: Millis,
+    ) -> FromOwner {
+        let Some(epoch) = self.acting_epoch(home, now) else {
+            return FromOwner::NotOwner;
+        };
+        if self.owners.get(&home).is_none_or(|o| o.epoch != epoch) {
+            return FromOwner::NotOwner;
+        }
+        if !self.groups.is_synced() {
+            return FromOwner::Loading;
+        }
+        let mut touched = Vec::new();
+        let mut unknown = false;
+        for part in parts {
+            if self.home_shard(part.group) != home {
+                self.counters.malformed += 1;
+                continue;
+            }
+            // A group this node's directory has not seen yet: the sender
+            // asks again (a removed one is summed no more).
+            if self.groups.get(part.group).1.is_none() {
+                unknown = true;
+                continue;
+            }
+            let Some(o) = self.owners.get_mut(&home) else {
+                break;
+            };
+            let Some(sum) = o.sums.by_group.get_mut(&part.group) else {
+                continue;
+            };
+            let online: BTreeSet<u32> = part.online.into_iter().collect();
+            if sum.handle_partial(at, part.shard, part.epoch, part.seq, online) {
+                touched.push(part.group);
+            }
+        }
+        self.drain_sums(home, &touched, now);
+        match unknown {
+            true => FromOwner::Loading,
+            false => FromOwner::Done { epoch },
+        }
+    }
+
+    /// The outputs of the sums of `groups` at `home`'s owner: published
+    /// while this node acts for `home`, and taken by this node's edge.
+    fn drain_sums(&mut self, home: u32, groups: &[u64], now: Instant) {
+        let acting = self.acting_epoch(home, now);
+        let Some(o) = self.owners.get_mut(&home) else {
+            return;
+        };
+        let mut counts = Vec::new();
+        for group in groups {
+            let Some(sum) = o.sums.by_group.get_mut(group) else {
+                continue;
+            };
+            match sum.is_waiting() {
+                true => o.sums.waiting.insert(*group),
+                false => o.sums.waiting.remove(group),
+            };
+            let def = self.groups.get(*group).1;
+            while let Some(out) = sum.poll_output() {
+                counts.push(match out {
+                    SumOutput::Count { version, count } => GroupCount {
+                        group: *group,
+                        version,
+                        count,
+                        change: None,
+                    },
+                    SumOutput::Member {
+                        version,
+                        member,
+                        online,
+                        count,
+                    } => GroupCount {
+                        group: *group,
+                        version,
+                        count,
+                        change: def
+                            .and_then(|d| name_of(&d.members, member))
+                            .map(|n| (n, online)),
+                    },
+                });
+            }
+        }
+        let epoch = o.epoch;
+        if acting == Some(epoch) {
+            self.publish_counts(home, epoch, counts);
+        }
+    }
+
+    fn publish_counts(&mut self, home: u32, epoch: u64, counts: Vec<GroupCount>) {
+        for chunk in counts.chunks(COUNTS_PER_MESSAGE) {
+            let msg = GroupCounts {
+                home,
+                epoch,
+                counts: chunk.to_vec(),
+            };
+            let payload = encode(&msg);
+            if payload.len() > MAX_MESSAGE {
+                continue; // not with names within the limit
+            }
+            self.outputs
+                .push_back(ClusterOutput::GroupCounts { payload });
+            // This node's own edge, in process (the copy NATS brings back
+            // is dropped by version).
+            self.take_group_counts(msg);
+        }
+    }
+
+    /// The sums' waits that ended, and every count again once a group
+    /// interval passed since the last time.
+    pub(super) fn tick_sums(&mut self, now: Instant, at: Millis) {
+        if !self.serves_groups() {
+            return;
+        }
+        let every = Duration::from_millis(self.owner_config.group_interval.0);
+        let shards: Vec<u32> = self.owners.keys().copied().collect();
+        for shard in shards {
+            let Some(o) = self.owners.get_mut(&shard) else {
+                continue;
+            };
+            let waiting: Vec<u64> = o.sums.waiting.iter().copied().collect();
+            for group in &waiting {
+                if let Some(sum) = o.sums.by_group.get_mut(group) {
+                    sum.handle_timeout(at);
+                }
+            }
+            if !waiting.is_empty() {
+                self.drain_sums(shard, &waiting, now);
+            }
+            let Some(o) = self.owners.get_mut(&shard) else {
+                continue;
+            };
+            if o.sums.by_group.is_empty() || o.sums.next_refresh.is_some_and(|t| now < t) {
+                continue;
+            }
+            o.sums.next_refresh = Some(now + every);
+            let counts: Vec<GroupCount> = o
+                .sums
+                .by_group
+                .iter()
+                .filter(|(_, s)| !s.is_waiting())
+                .map(|(group, s)| GroupCount {
+                    group: *group,
+                    version: s.version(),
+                    count: s.count(),
+                    change: None,
+                })
+                .collect();
+            let epoch = o.epoch;
+            if self.acting_epoch(shard, now) == Some(epoch) {
+                self.publish_counts(shard, epoch, counts);
+            }
+        }
+    }
+}
+
+/// The name of the member of ordinal `ordinal` (members are by ordinal).
+fn name_of(members: &[(String, u32)], ordinal: u32) -> Option<String> {
+    members
+        .binary_search_by_key(&ordinal, |(_, o)| *o)
+        .ok()
+        .map(|i| members[i].0.clone())
+}

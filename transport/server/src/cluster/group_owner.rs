@@ -1,0 +1,366 @@
+//! A shard owner's share of group counts across a cluster (issue 28,
+//! docs/groups.md "Across a cluster").
+//!
+//! Each owner core holds the **slice** of every group in its shard: the
+//! group's members whose user is in the shard, written with
+//! `handle_set_group` from the directory every node keeps. The core counts
+//! the slice from its published views as one node counts a whole group,
+//! and notes each group whose online members change. The owner sends the
+//! group's **partial** to the owner of the group's home shard: the
+//! ordinals (the definition's) of the slice's members shown online, an
+//! absolute set tagged with the owner's epoch and a sequence number, at
+//! once after a quiet second and at most once a second while it changes.
+//! It sends nothing while the previous owner's record is being read (its
+//! users are not restored yet, so the partial would be too low), and sends
+//! every partial again when the home shard gets a new owner (its resync
+//! request), which holds none.
+//!
+//! Slice members' names hold a reference in the owner's names, so a member
+//! freed while idle keeps her id, and the slice counts her when she comes
+//! back.
+
+use super::edge::InFlight;
+use super::owner::{forget_user_if_unknown, Owner};
+use super::wire::{encode, FromOwner, GroupPartial, ToOwner, GROUPS_SINCE};
+use super::{ClusterLink, DetMap, RequestKind, MAX_MESSAGE, RETRY_AFTER};
+use greendot_core::{GroupId, Millis, UserId};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+/// A group's partial goes at most this often while it changes.
+pub(super) const PARTIAL_EVERY: Duration = Duration::from_secs(1);
+
+/// The bytes of partials one request carries at most (a partial of a
+/// 10,000-member slice is at most 50 KB of ordinals).
+const PARTIALS_BYTES: usize = MAX_MESSAGE / 2;
+
+/// A slice: each member's name id in the owner's names, with her ordinal.
+pub(super) type Slice = BTreeMap<u64, u32>;
+
+/// When a group's partial goes next, and its last sequence number.
+#[derive(Debug, Default)]
+pub(super) struct PartialState {
+    seq: u64,
+    last_sent: Option<Instant>,
+    due: Option<Instant>,
+}
+
+impl PartialState {
+    /// Due at once after a quiet [`PARTIAL_EVERY`], else a second after the
+    /// last went; an earlier due time stays.
+    fn mark(&mut self, now: Instant) {
+        let at = self
+            .last_sent
+            .map_or(now, |last| (last + PARTIAL_EVERY).max(now));
+        self.due = Some(self.due.map_or(at, |due| due.min(at)));
+    }
+}
+
+/// The name of `uid` no longer held by a slice: freed if nothing else
+/// holds it.
+fn release_slice_name(o: &mut Owner, uid: u64) {
+    if o.users.drop_ref(uid) == 0 {
+        forget_user_if_unknown(o, uid);
+    }
+}
+
+impl ClusterLink {
+    /// Whether this node takes part in group counts (it sends protocol
+    /// [`GROUPS_SINCE`] or later, so every node reads what it sends).
+    pub fn serves_groups(&self) -> bool {
+        self.settings.protocol >= GROUPS_SINCE
+    }
+
+    /// The home shard of `group`: its owner sums the group's partials.
+    /// Placement only, so a key that a user could also be named collides
+    /// harmlessly.
+    pub(super) fn home_shard(&self, group: u64) -> u32 {
+        (self.settings.shard_of)(&format!("group/{group}"), self.settings.shard_count)
+    }
+
+    /// Gives the owners of `shards` the slice of every group (a claim won,
+    /// or the directory's first pass done), in one pass over the directory.
+    pub(super) fn load_slices(&mut self, shards: &[u32], now: Instant, at: Millis) {
+        if !self.serves_groups() || !self.groups.is_synced() || shards.is_empty() {
+            return;
+        }
+        let (shard_of, count) = (self.settings.shard_of, self.settings.shard_count);
+        let mut slices: BTreeMap<(u32, u64), Vec<(String, u32)>> = BTreeMap::new();
+        for def in self.groups.live_defs() {
+            for (name, ordinal) in &def.members {
+                let shard = shard_of(name, count);
+                if shards.contains(&shard) {
+                    slices
+                        .entry((shard, def.group))
+                        .or_default()
+                        .push((name.clone(), *ordinal));
+                }
+            }
+        }
+        for ((shard, group), slice) in slices {
+            self.set_slice(shard, group, slice, at);
+        }
+        for &shard in shards {
+            self.note_changed_groups(shard, now);
+        }
+    }
+
+    /// A definition changed: the slices this node's owners hold of it
+    /// follow (an empty slice, or a removed group, is no slice).
+    pub(super) fn slices_follow(&mut self, group: u64, now: Instant, at: Millis) {
+        if !self.serves_groups() || !self.groups.is_synced() {
+            return;
+        }
+        let (shard_of, count) = (self.settings.shard_of, self.settings.shard_count);
+        let mut slices: BTreeMap<u32, Vec<(String, u32)>> =
+            self.owners.keys().map(|s| (*s, Vec::new())).collect();
+        if let (_, Some(def)) = self.groups.get(group) {
+            for (name, ordinal) in def.members.iter().filter(|_| !def.removed) {
+                if let Some(slice) = slices.get_mut(&shard_of(name, count)) {
+                    slice.push((name.clone(), *ordinal));
+                }
+            }
+        }
+        for (shard, slice) in slices {
+            self.set_slice(shard, group, slice, at);
+            self.note_changed_groups(shard, now);
+        }
+    }
+
+    /// Writes the slice of `group` into the core of `shard`'s owner.
+    fn set_slice(&mut self, shard: u32, group: u64, slice: Vec<(String, u32)>, at: Millis) {
+        let Some(o) = self.owners.get_mut(&shard) else {
+            return;
+        };
+        if slice.is_empty() && !o.slices.contains_key(&group) {
+            return;
+        }
+        let mut new = Slice::new();
+        for (name, ordinal) in slice {
+            let Some(uid) = o.users.intern(&name) else {
+                // The owner's names are full: the member is not counted
+                // until a write of the group finds room.
+                tracing::warn!(
+                    group,
+                    shard,
+                    "no room for a group member's name at its owner"
+                );
+                continue;
+            };
+            if new.insert(uid, ordinal).is_none() {
+                o.users.acquire(uid);
+            }
+        }
+        let ids: Vec<UserId> = new.keys().map(|&u| UserId(u)).collect();
+        let id = GroupId(group);
+        let written = if ids.is_empty() {
+            match o.core.handle_remove_group(at, id) {
+                Err(greendot_core::Error::UnknownGroup) => Ok(()),
+                other => other,
+            }
+        } else {
+            o.core.handle_set_group(at, id, &ids, &[]).map(|_| ())
+        };
+        if let Err(e) = written {
+            // Over the owner core's limits (a node of lower limits than
+            // the writer's): the previous slice stays.
+            tracing::warn!(group, shard, error = %e, "a group's slice was not taken");
+            for uid in new.into_keys() {
+                release_slice_name(o, uid);
+            }
+            return;
+        }
+        let old = if new.is_empty() {
+            o.slices.remove(&group)
+        } else {
+            o.slices.insert(group, new)
+        };
+        for uid in old.into_iter().flat_map(Slice::into_keys) {
+            release_slice_name(o, uid);
+        }
+    }
+
+    /// The groups whose slice changed at `shard`'s core since last asked
+    /// get their partial due.
+    pub(super) fn note_changed_groups(&mut self, shard: u32, now: Instant) {
+        let Some(o) = self.owners.get_mut(&shard) else {
+            return;
+        };
+        let changed = o.core.take_changed_groups();
+        for group in &changed {
+            o.partials.entry(group.0).or_default().mark(now);
+        }
+        if !changed.is_empty() {
+            self.partial_due_by(now);
+        }
+    }
+
+    /// The home shard `home` has a new owner, which holds no partial: every
+    /// slice homed there is due again.
+    pub(super) fn home_changed(&mut self, home: u32, now: Instant) {
+        if !self.serves_groups() {
+            return;
+        }
+        let shards: Vec<u32> = self.owners.keys().copied().collect();
+        for shard in shards {
+            let groups: Vec<u64> = self.owners[&shard].slices.keys().copied().collect();
+            let homed: Vec<u64> = groups
+                .into_iter()
+                .filter(|g| self.home_shard(*g) == home)
+                .collect();
+            if let Some(o) = self.owners.get_mut(&shard) {
+                for group in homed {
+                    o.partials.entry(group).or_default().mark(now);
+                }
+            }
+        }
+        self.partial_due_by(now);
+    }
+
+    /// Sends the partials that are due, batched per home shard (in process
+    /// when this node owns it).
+    pub(super) fn send_partials(&mut self, now: Instant, at: Millis) {
+        if !self.serves_groups() || self.partials_next.is_none_or(|t| now < t) {
+            return;
+        }
+        self.partials_next = None;
+        let mut by_home: BTreeMap<u32, Vec<GroupPartial>> = BTreeMap::new();
+        let shards: Vec<u32> = self.owners.keys().copied().collect();
+        for shard in shards {
+            let acting = self.acting_epoch(shard, now);
+            let o = &self.owners[&shard];
+            if o.reading_record || acting != Some(o.epoch) {
+                continue;
+            }
+            let due: Vec<u64> = o
+                .partials
+                .iter()
+                .filter(|(_, p)| p.due.is_some_and(|d| d <= now))
+                .map(|(g, _)| *g)
+                .collect();
+            for group in due {
+                let home = self.home_shard(group);
+                let Some(o) = self.owners.get_mut(&shard) else {
+                    continue;
+                };
+                let Some(slice) = o.slices.get(&group) else {
+                    // Not in the shard any more: its last partial (empty,
+                    // sent when the slice went) stands.
+                    o.partials.remove(&group);
+                    continue;
+                };
+                let mut online: Vec<u32> = o
+                    .core
+                    .group_online(GroupId(group))
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|u| slice.get(&u.0).copied())
+                    .collect();
+                online.sort_unstable();
+                let p = o.partials.entry(group).or_default();
+                p.due = None;
+                p.seq += 1;
+                p.last_sent = Some(now);
+                by_home.entry(home).or_default().push(GroupPartial {
+                    group,
+                    shard,
+                    epoch: o.epoch,
+                    seq: p.seq,
+                    online,
+                });
+            }
+        }
+        // Those not sent (a record being read, a claim lapsing) stay due.
+        let next = self
+            .owners
+            .keys()
+            .filter_map(|s| self.owners.get(s))
+            .flat_map(|o| o.partials.values().filter_map(|p| p.due))
+            .min();
+        if let Some(next) = next {
+            self.partial_due_by(next.max(now + super::TICK));
+        }
+        for (home, parts) in by_home {
+            for batch in batches(parts) {
+                if self.owners.contains_key(&home) {
+                    let answer = self.take_partials(home, batch.clone(), now, at);
+                    if !matches!(answer, FromOwner::Done { .. }) {
+                        self.partials_failed(&batch, now);
+                    }
+                    continue;
+                }
+                let sent: Vec<(u32, u64)> = batch.iter().map(|p| (p.shard, p.group)).collect();
+                let payload = encode(&ToOwner::GroupPartials { parts: batch });
+                self.request(
+                    now,
+                    InFlight::Partials { sent },
+                    home,
+                    RequestKind::Snapshot,
+                    payload,
+                );
+            }
+        }
+    }
+
+    /// The home owner did not take these partials (no owner yet, not
+    /// synced, or no answer): sent again, with the latest sets.
+    pub(super) fn partials_failed<P: PartialKey>(&mut self, sent: &[P], now: Instant) {
+        for p in sent {
+            let (shard, group) = p.key();
+            if let Some(state) = self
+                .owners
+                .get_mut(&shard)
+                .filter(|o| o.slices.contains_key(&group))
+                .and_then(|o| o.partials.get_mut(&group))
+            {
+                let retry = now + RETRY_AFTER;
+                state.due = Some(state.due.map_or(retry, |d| d.min(retry)));
+            }
+        }
+        self.partial_due_by(now + RETRY_AFTER);
+    }
+
+    /// Some partial is due at `at` or before: the tick sends it.
+    fn partial_due_by(&mut self, at: Instant) {
+        self.partials_next = Some(self.partials_next.map_or(at, |t| t.min(at)));
+    }
+}
+
+/// What names a partial for a retry: its shard and group.
+pub(super) trait PartialKey {
+    fn key(&self) -> (u32, u64);
+}
+
+impl PartialKey for GroupPartial {
+    fn key(&self) -> (u32, u64) {
+        (self.shard, self.group)
+    }
+}
+
+impl PartialKey for (u32, u64) {
+    fn key(&self) -> (u32, u64) {
+        *self
+    }
+}
+
+/// Partials cut into requests under [`PARTIALS_BYTES`] each (an ordinal is
+/// at most 5 bytes, the rest of a partial at most 40).
+fn batches(parts: Vec<GroupPartial>) -> Vec<Vec<GroupPartial>> {
+    let mut out: Vec<Vec<GroupPartial>> = Vec::new();
+    let mut bytes = usize::MAX;
+    for p in parts {
+        let size = 40 + 5 * p.online.len();
+        if bytes.saturating_add(size) > PARTIALS_BYTES {
+            out.push(Vec::new());
+            bytes = 0;
+        }
+        bytes += size;
+        if let Some(last) = out.last_mut() {
+            last.push(p);
+        }
+    }
+    out
+}
+
+/// Partial states by group, kept by each owner.
+pub(super) type Partials = DetMap<u64, PartialState>;
