@@ -25,6 +25,7 @@ pub const LEASE_TTL: Duration = Duration::from_secs(2);
 pub const DEBOUNCE: Duration = Duration::from_millis(300);
 pub const GRACE: Duration = Duration::from_secs(1);
 pub const BATCH: Duration = Duration::from_secs(1);
+pub const GROUP_INTERVAL: Duration = Duration::from_secs(1);
 /// A loaded 2-core machine, NATS round trips, process start.
 pub const SLACK: Duration = Duration::from_secs(8);
 /// Tokens' lifetime.
@@ -123,6 +124,10 @@ pub fn serve_graced(
         .args(["--debounce", &format!("{}ms", DEBOUNCE.as_millis())])
         .args(["--grace", &format!("{}ms", grace.as_millis())])
         .args(["--batch-interval", &format!("{}ms", BATCH.as_millis())])
+        .args([
+            "--group-interval",
+            &format!("{}ms", GROUP_INTERVAL.as_millis()),
+        ])
         .args(["--idle-timeout", "1s", "--keep-alive", "250ms"])
         // GREENDOT_TEST_LOG (e.g. `warn,greendot_cluster=info`) for more.
         .env(

@@ -18,7 +18,7 @@
 //! so a group written again goes on from it (one node starts again at 1).
 
 use super::{ClusterLink, ClusterOutput, DetMap, Finished, RETRY_AFTER};
-use greendot_core::{changed_lists, Error, Limit, Millis};
+use greendot_core::{changed_lists, Error, Limit, Millis, SessionId};
 use greendot_proto::{self as proto, ErrorCode, WireError};
 use std::time::Instant;
 
@@ -105,6 +105,11 @@ pub(super) struct GroupDirectory {
     synced: bool,
     /// Writes in flight, by their output id.
     writes: DetMap<u64, PendingWrite>,
+    /// Group subscribes refused on this node's copy, waiting for a read of
+    /// the group from the store, by the read's id: the request's wait, its
+    /// session, the group, and when the read counts as lost (the I/O
+    /// dropped it).
+    confirms: DetMap<u64, (u64, SessionId, u64, Instant)>,
 }
 
 impl GroupDirectory {
@@ -123,7 +128,7 @@ impl GroupDirectory {
 
     /// Whether writes are in flight (what the tick looks at).
     pub(super) fn busy(&self) -> bool {
-        !self.writes.is_empty()
+        !self.writes.is_empty() || !self.confirms.is_empty()
     }
 
     /// Whether the watch has delivered what the bucket held at its start.
@@ -339,7 +344,23 @@ impl ClusterLink {
     /// The store's definition of the group of write `id` (read to confirm a
     /// refusal found on this node's copy): held, and the write computed
     /// again from it.
-    pub(super) fn group_read(&mut self, id: u64, read: Result<(u64, Option<GroupDef>), String>) {
+    pub(super) fn group_read(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        id: u64,
+        read: Result<(u64, Option<GroupDef>), String>,
+    ) {
+        if let Some((wait, session, group, _)) = self.groups.confirms.remove(&id) {
+            if let Ok((revision @ 1.., def)) = read {
+                self.group_changed(now, at, group, revision, def);
+            }
+            // Whatever the read found, the hub's core now holds at least
+            // what the store held when the subscribe was refused.
+            let again = Finished::GroupSubscribeAgain { session, group };
+            self.finished.push_back((wait, again));
+            return;
+        }
         let Some(w) = self.groups.writes.get(&id) else {
             return;
         };
@@ -347,7 +368,7 @@ impl ClusterLink {
             Ok((revision, def)) => {
                 let group = w.group;
                 if revision > 0 {
-                    self.groups.changed(group, revision, def);
+                    self.group_changed(now, at, group, revision, def);
                 }
                 self.send_group_write(id);
             }
@@ -360,7 +381,13 @@ impl ClusterLink {
     }
 
     /// What the store did with write `id`.
-    pub(super) fn group_written(&mut self, id: u64, outcome: GroupWriteOutcome, now: Instant) {
+    pub(super) fn group_written(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        id: u64,
+        outcome: GroupWriteOutcome,
+    ) {
         let Some(w) = self.groups.writes.get_mut(&id) else {
             return;
         };
@@ -374,8 +401,8 @@ impl ClusterLink {
                     },
                 };
                 // The watch brings it too; this node's next write must
-                // start from it already.
-                self.groups.changed(w.group, revision, Some(w.def));
+                // start from it already (and its edge and owners follow).
+                self.group_changed(now, at, w.group, revision, Some(w.def));
                 self.finished.push_back((w.wait, Finished::Answer(answer)));
             }
             GroupWriteOutcome::Conflict if w.tries < MAX_WRITE_TRIES => {
@@ -397,7 +424,7 @@ impl ClusterLink {
     /// At the tick: writes that lost a compare-and-set are computed again
     /// from the newer copy once their wait is over; writes the I/O never
     /// answered are given up.
-    pub(super) fn retry_group_writes(&mut self, now: Instant) {
+    pub(super) fn retry_group_writes(&mut self, now: Instant, at: Millis) {
         let lost: Vec<u64> = self
             .groups
             .writes
@@ -410,7 +437,7 @@ impl ClusterLink {
                 true => "no answer in time",
                 false => "this node could not read the cluster's groups in time",
             };
-            self.group_written(id, GroupWriteOutcome::Failed(why.into()), now);
+            self.group_written(now, at, id, GroupWriteOutcome::Failed(why.into()));
         }
         let due: Vec<u64> = self
             .groups
@@ -421,6 +448,19 @@ impl ClusterLink {
             .collect();
         for id in due {
             self.send_group_write(id);
+        }
+        let lost: Vec<u64> = self
+            .groups
+            .confirms
+            .iter()
+            .filter(|(_, c)| c.3 <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in lost {
+            if let Some((wait, session, group, _)) = self.groups.confirms.remove(&id) {
+                let again = Finished::GroupSubscribeAgain { session, group };
+                self.finished.push_back((wait, again));
+            }
         }
     }
 
@@ -458,6 +498,21 @@ impl ClusterLink {
         for id in waiting {
             self.send_group_write(id);
         }
+    }
+
+    /// A group subscribe the hub's core refused (no such group, not a
+    /// member): this node's copy of the directory may lag a write made at
+    /// another node, so the group is read from the store, and the request
+    /// `wait` is finished with [`Finished::GroupSubscribeAgain`] once this
+    /// node holds what the store does (or the read failed).
+    pub fn confirm_group(&mut self, now: Instant, wait: u64, session: SessionId, group: u64) {
+        let id = self.id();
+        let lost = now + self.settings.request_timeout;
+        self.groups
+            .confirms
+            .insert(id, (wait, session, group, lost));
+        self.outputs
+            .push_back(ClusterOutput::ReadGroup { id, group });
     }
 
     /// The definition of `group` this node holds, and its revision.

@@ -458,6 +458,10 @@ pub enum Finished {
     Answer(proto::Answer),
     /// Answer with this error.
     Failed(WireError),
+    /// Run the group subscribe of `session` through the hub again and
+    /// answer what it answers: the hub's core holds the group as the store
+    /// does now ([`ClusterLink::confirm_group`]).
+    GroupSubscribeAgain { session: SessionId, group: u64 },
 }
 
 /// The cluster side of one node (see the module docs).
@@ -760,7 +764,7 @@ impl ClusterLink {
         self.retry_routes(now);
         self.retry_records(now);
         self.tick_subscribes(now, at);
-        self.retry_group_writes(now);
+        self.retry_group_writes(now, at);
         self.send_partials(now, at);
         self.tick_sums(now, at);
     }
@@ -817,8 +821,8 @@ impl ClusterLink {
             } => self.group_changed(now, at, group, revision, def),
             ClusterInput::GroupsSynced => self.groups_synced(now, at),
             ClusterInput::GroupCounts { payload } => self.group_counts_message(&payload),
-            ClusterInput::GroupWritten { id, outcome } => self.group_written(id, outcome, now),
-            ClusterInput::GroupRead { id, read } => self.group_read(id, read),
+            ClusterInput::GroupWritten { id, outcome } => self.group_written(now, at, id, outcome),
+            ClusterInput::GroupRead { id, read } => self.group_read(now, at, id, read),
         }
     }
 

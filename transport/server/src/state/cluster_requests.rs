@@ -24,7 +24,8 @@ impl ServerState {
 
     /// The fanout's pushes, the answers the cluster finished, and what it
     /// asks of the NATS I/O.
-    /// Whether the hub's core was fed groups (its outputs are to route).
+    /// Whether the hub may have outputs to route since (groups fed to its
+    /// core, requests finished).
     pub(super) fn route_cluster(&mut self, now: Instant) -> bool {
         let mut fed = false;
         loop {
@@ -66,6 +67,8 @@ impl ServerState {
             }
             if let Some((wait, finished)) = c.poll_finished() {
                 self.cluster_finished(now, wait, finished);
+                // A subscribe run again may have made the hub push.
+                fed = true;
                 continue;
             }
             match c.poll_output() {
@@ -91,6 +94,12 @@ impl ServerState {
 
     /// The cluster is done with the request behind `wait`.
     pub(super) fn cluster_finished(&mut self, now: Instant, wait: u64, finished: Finished) {
+        let finished = match finished {
+            Finished::GroupSubscribeAgain { session, group } => {
+                self.group_subscribe_again(now, session, group)
+            }
+            other => other,
+        };
         if let Finished::Carry {
             session,
             subscriptions,
@@ -115,7 +124,7 @@ impl ServerState {
             return;
         };
         let result = match finished {
-            Finished::Done | Finished::Carry { .. } => None,
+            Finished::Done | Finished::Carry { .. } | Finished::GroupSubscribeAgain { .. } => None,
             Finished::Answer(answer) => Some(Ok(answer)),
             Finished::Failed(error) => Some(Err(error)),
         };
@@ -385,6 +394,43 @@ impl ServerState {
             c.group_write(now, wait, group, write);
             None
         });
+    }
+
+    /// A group subscribe the hub's core refused in a cluster (no such
+    /// group, not a member): this node's copy of the directory may lag a
+    /// write made at another node, so the refusal waits for a read of the
+    /// group from the store, and the subscribe is tried again then
+    /// (`handled`, the refusal, answers at the backstop).
+    pub(super) fn confirm_group_subscribe(
+        &mut self,
+        ch: usize,
+        now: Instant,
+        (session, group): (SessionId, u64),
+        handled: Handled,
+    ) {
+        let Some((wait, _)) = self.cluster_ticket(ch, now, handled) else {
+            return;
+        };
+        if let Some(c) = self.cluster.as_deref_mut() {
+            c.confirm_group(now, wait, session, group);
+        }
+        self.hold_for(ch, wait);
+    }
+
+    /// The subscribe of a refusal being confirmed, once this node holds the
+    /// group as the store does: what the hub answers now.
+    fn group_subscribe_again(&mut self, now: Instant, session: SessionId, group: u64) -> Finished {
+        let at = self.clock.at(now);
+        let step = Step::Request {
+            session,
+            id: 0,
+            request: proto::Request::GroupSubscribe { group },
+        };
+        match self.hub.apply(at, step).reply {
+            Some(ServerFrame::Reply { result: Ok(a), .. }) => Finished::Answer(a),
+            Some(ServerFrame::Reply { result: Err(e), .. }) => Finished::Failed(e),
+            _ => Finished::Done,
+        }
     }
 
     /// A request's session, id and request, with its user's name; `None`

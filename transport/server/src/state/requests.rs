@@ -166,7 +166,25 @@ impl ServerState {
             Step::Refresh { session, .. } => Some(*session),
             _ => None,
         };
+        let subscribing = match (&step, self.cluster.as_ref()) {
+            (
+                Step::Request {
+                    session,
+                    request: proto::Request::GroupSubscribe { group },
+                    ..
+                },
+                Some(c),
+            ) if c.serves_groups() => Some((*session, *group)),
+            _ => None,
+        };
         let mut handled = self.hub.apply(at, step);
+        if let (Some(subscribe), Some(ServerFrame::Reply { result: Err(e), .. })) =
+            (subscribing, &handled.reply)
+        {
+            if e.code == proto::ErrorCode::NotMember {
+                return self.confirm_group_subscribe(ch, now, subscribe, handled);
+            }
+        }
         if let Some(s) = refreshed {
             self.after_refresh(at, s, &mut handled);
         }
