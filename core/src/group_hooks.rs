@@ -5,7 +5,7 @@
 use crate::engine::Core;
 use crate::group_watch::CarriedWatches;
 use crate::groups::{arm_flush, group_mutant, is_online, GroupId, GroupOutput, GroupRole};
-use crate::types::{SessionId, UserId};
+use crate::types::{Millis, SessionId, UserId};
 
 /// What a resumed session takes over from the one it resumes.
 pub(crate) struct CarriedGroups {
@@ -115,6 +115,36 @@ impl Core {
             groups: taken,
             watches: self.watches_take(old),
         }
+    }
+
+    /// A resume on another node of a cluster: the new session `id` holds
+    /// the group subscriptions its previous session's record lists, in the
+    /// roles its user has now, and is told each count at once, as a resume
+    /// on one node is. A listed group it does not hold (removed, or its user
+    /// left it while it was away) is told `Ended`; those are returned.
+    pub fn handle_group_carry(
+        &mut self,
+        now: Millis,
+        id: SessionId,
+        groups: &[GroupId],
+    ) -> Vec<GroupId> {
+        self.advance(now);
+        let user = self.session_user(id);
+        let (held, gone): (Vec<GroupId>, Vec<GroupId>) = groups.iter().partition(|group| {
+            let g = self.groups.groups.get(group);
+            user.is_some_and(|u| g.is_some_and(|g| g.role_of(u).is_some()))
+        });
+        let taken = CarriedGroups {
+            groups: held,
+            watches: CarriedWatches::default(),
+        };
+        self.group_carry(id, taken);
+        for &group in gone.iter().filter(|_| user.is_some()) {
+            self.groups
+                .outputs
+                .push_back(GroupOutput::Ended { to: id, group });
+        }
+        gone
     }
 
     /// A resume: the new session `id` holds the taken subscriptions, in the

@@ -69,6 +69,7 @@ pub(crate) struct PageWatch {
 }
 
 /// A resumed session's watches (ids) and page budgets (group, when full).
+#[derive(Default)]
 pub(crate) struct CarriedWatches {
     watches: Vec<u64>,
     budgets: Vec<(GroupId, Millis)>,

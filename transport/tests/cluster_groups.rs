@@ -146,7 +146,7 @@ async fn a_groups_count_is_exact_across_nodes_and_after_kill_9_of_its_summing_no
     };
     let nodes = [&cluster.a, &cluster.b, &cluster.c];
     let (svc, _) = connect_as(&nodes, x, service()).await;
-    let members = ["ann", "bob", "cy", "dee", "eve", "kim"];
+    let members = ["ann", "bob", "cy", "dee", "eve", "kim", "lee"];
     svc.set_group(7, &members, &["ann"]).await.unwrap();
     let phone = Kind::Mobile;
     let (ann, mut admin) = connect(&nodes, x, "ann", "phone", phone, WatchClaim::all()).await;
@@ -155,19 +155,23 @@ async fn a_groups_count_is_exact_across_nodes_and_after_kill_9_of_its_summing_no
     // directory lags reads the group from the store before it refuses.
     let snapshot = bob.group_subscribe(7).await.unwrap();
     assert_eq!(snapshot.role, GroupRole::Member);
-    assert_eq!(snapshot.members, 6);
+    assert_eq!(snapshot.members, 7);
     let admin_snapshot = ann.group_subscribe(7).await.unwrap();
     assert_eq!(admin_snapshot.role, GroupRole::Admin);
     let (_cy, _) = connect(&nodes, y, "cy", "phone", phone, WatchClaim::all()).await;
     let (dee, _) = connect(&nodes, x, "dee", "phone", phone, WatchClaim::all()).await;
     let (_kim, _) = connect(&nodes, agg, "kim", "phone", phone, WatchClaim::all()).await;
+    // lee subscribes at the node that sums the group: her session's record
+    // carries the subscription to the node she resumes on.
+    let (lee, _) = connect(&nodes, agg, "lee", "phone", phone, WatchClaim::all()).await;
+    lee.group_subscribe(7).await.unwrap();
     let (eve, _) = connect(&nodes, y, "eve", "phone", phone, WatchClaim::all()).await;
     eve.set_invisible(true).await.unwrap();
-    // ann, bob, cy, dee and kim; eve is invisible. Counts move by a
+    // ann, bob, cy, dee, kim and lee; eve is invisible. Counts move by a
     // partial a second at most, summed and published at once, and reach a
     // member at the next group interval (1 s here).
     let settle = DEBOUNCE + Duration::from_secs(3) + SLACK;
-    count_until(&mut member, settle, "five online", 5).await;
+    count_until(&mut member, settle, "six online", 6).await;
     // The admin heard the changes one by one, in realtime.
     let deadline = tokio::time::Instant::now() + SLACK;
     let mut admin_changes = 0;
@@ -180,7 +184,7 @@ async fn a_groups_count_is_exact_across_nodes_and_after_kill_9_of_its_summing_no
     }
     // eve stays uncounted.
     let later = counts_during(&mut member, GROUP_INTERVAL * 3).await;
-    assert!(later.iter().all(|c| *c == 5), "eve counted: {later:?}");
+    assert!(later.iter().all(|c| *c == 6), "eve counted: {later:?}");
     // A non-member is refused (after the store confirmed it).
     let (zed, _) = connect(&nodes, y, "zed", "phone", phone, WatchClaim::all()).await;
     let refused = zed.group_subscribe(7).await.unwrap_err();
@@ -191,18 +195,40 @@ async fn a_groups_count_is_exact_across_nodes_and_after_kill_9_of_its_summing_no
     assert_eq!(refused.code(), Some(ErrorCode::Unsupported), "{refused}");
     assert!(refused.to_string().contains("single node"), "{refused}");
 
-    // kill -9 of the node summing the group: kim's phone goes with it.
+    // kill -9 of the node summing the group: kim's phone goes with it;
+    // lee's client resumes her session at another node, whose welcome
+    // carries her group subscription over (she never subscribes again).
+    let lee_session = lee.session();
     let killed = summing.clone();
     for n in [&mut cluster.a, &mut cluster.b, &mut cluster.c] {
         if n.id == killed {
             n.proc.kill9();
         }
     }
+    let (x, y) = {
+        let mut live = [&cluster.a, &cluster.b, &cluster.c]
+            .into_iter()
+            .filter(|n| n.id != killed);
+        (live.next().unwrap(), live.next().unwrap())
+    };
+    let nodes = [x, y];
+    let claims = Claims::new("lee", "phone", phone, WatchClaim::all(), HOUR);
+    let (_lee, mut lee_counts) = connect_resuming(&nodes, x, claims, Some(lee_session)).await;
+    assert_eq!(metric(x, "greendot_cluster_resumed_elsewhere_total"), 1);
+    let deadline = tokio::time::Instant::now() + SLACK;
+    loop {
+        match tokio::time::timeout_at(deadline, lee_counts.next()).await {
+            Ok(Some(Event::GroupCount { group: 7, .. })) => break,
+            Ok(Some(_)) => {}
+            other => panic!("lee's carried subscription told no count: {other:?}"),
+        }
+    }
     // Her shard's next owner shows her offline past the lease and her
     // grace; the home shard's next owner sums again from the partials.
     let failover = LEASE_TTL * 2 + GRACE + DEBOUNCE + Duration::from_secs(4) + SLACK;
-    count_until(&mut member, failover, "kim gone", 4).await;
+    count_until(&mut member, failover, "kim gone", 5).await;
     dee.logout().await.unwrap();
-    count_until(&mut member, settle, "dee gone", 3).await;
+    count_until(&mut member, settle, "dee gone", 4).await;
+    count_until(&mut lee_counts, settle, "dee gone, at lee", 4).await;
     bob.ping().await.unwrap();
 }

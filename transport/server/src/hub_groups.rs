@@ -544,6 +544,18 @@ pub enum GroupFeed {
 }
 
 impl Hub {
+    /// A session resumed from another node's record holds the group
+    /// subscriptions it lists (each told its count at once); returns those
+    /// it does not hold, which are told `Ended`.
+    pub fn carry_groups(&mut self, now: Millis, session: SessionId, groups: &[u64]) -> Vec<u64> {
+        let ids: Vec<GroupId> = groups.iter().map(|&g| GroupId(g)).collect();
+        self.core
+            .handle_group_carry(now, session, &ids)
+            .into_iter()
+            .map(|g| g.0)
+            .collect()
+    }
+
     /// Switches the core to group counts fed from a cluster (before any
     /// group is written; `false` if one was).
     pub fn set_group_counts_fed(&mut self) -> bool {

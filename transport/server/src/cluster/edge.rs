@@ -239,6 +239,7 @@ impl ClusterLink {
                     putting: None,
                     retry: false,
                     waiting: Vec::new(),
+                    groups: Default::default(),
                 });
             }
         }

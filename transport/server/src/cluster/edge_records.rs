@@ -1,11 +1,12 @@
 //! Session records (resume on any node): the KV copy of each local
 //! session's subscriptions, and the reads of a resumed session's record.
 
-use super::wire::{decode, encode, SessionRecord};
+use super::wire::{decode_session_record, encode_session_record, SessionRecord};
 use super::{ClusterLink, ClusterOutput, Finished};
 use bytes::Bytes;
 use greendot_core::{SessionId, UserId};
 use greendot_proto::{self as proto, Snapshot};
+use std::collections::BTreeSet;
 use std::time::Instant;
 
 /// The KV copy of a local session's subscriptions ([`SessionRecord`]): one
@@ -24,6 +25,8 @@ pub(super) struct SessionSync {
     pub(super) retry: bool,
     /// Answers waiting for change `n` to be stored, with their deadline.
     pub(super) waiting: Vec<(u64, u64, proto::Answer, Instant)>,
+    /// The session's group subscriptions (the hub's core serves them).
+    pub(super) groups: BTreeSet<u64>,
 }
 
 /// A hello naming a session this node does not hold: its device's record is
@@ -40,6 +43,34 @@ impl ClusterLink {
         if let Some(r) = self.records.get_mut(&session) {
             r.changed += 1;
             self.store_record(session);
+        }
+    }
+
+    /// A group subscription of `session` began (`subscribed`) or ended:
+    /// `answer` goes once the record that has it landed, as a subscribe's.
+    pub fn group_subscription_changed(
+        &mut self,
+        session: SessionId,
+        group: u64,
+        subscribed: bool,
+        (wait, answer, deadline): (u64, proto::Answer, Instant),
+    ) -> Option<proto::Answer> {
+        let Some(r) = self.records.get_mut(&session) else {
+            return Some(answer);
+        };
+        match subscribed {
+            true => r.groups.insert(group),
+            false => r.groups.remove(&group),
+        };
+        self.when_recorded(session, wait, answer, deadline)
+    }
+
+    /// A resumed session holds these group subscriptions of its record (the
+    /// others ended while it was away): its record says so.
+    pub fn groups_carried(&mut self, session: SessionId, groups: &[u64]) {
+        if let Some(r) = self.records.get_mut(&session) {
+            r.groups = groups.iter().copied().collect();
+            self.record_changed(session);
         }
     }
 
@@ -74,10 +105,12 @@ impl ClusterLink {
             .into_iter()
             .filter_map(|(t, tier)| Some((self.names.name(t.0)?.to_string(), tier.into())))
             .collect();
-        let value = encode(&SessionRecord {
+        let record = SessionRecord {
             wire: r.wire,
             subscriptions,
-        });
+        };
+        let groups: Vec<u64> = r.groups.iter().copied().collect();
+        let value = encode_session_record(&record, &groups, self.settings.protocol);
         let (user, device, changed) = (r.user.clone(), r.device.clone(), r.changed);
         let id = self.id();
         if let Some(r) = self.records.get_mut(&session) {
@@ -203,14 +236,16 @@ impl ClusterLink {
         let Some(p) = self.resumes.remove(&id) else {
             return;
         };
+        let max_groups = self.owner_config.max_group_subscriptions_per_session;
         let record = record
             .as_deref()
-            .and_then(decode::<SessionRecord>)
-            .filter(|r| r.wire == p.wire)
-            .filter(|r| r.subscriptions.len() <= self.max_subscriptions)
+            .and_then(decode_session_record)
+            .filter(|(r, _)| r.wire == p.wire)
+            .filter(|(r, _)| r.subscriptions.len() <= self.max_subscriptions)
+            .filter(|(_, groups)| groups.len() <= max_groups)
             .filter(|_| self.open.contains_key(&p.session));
         let finished = match record {
-            Some(r) => {
+            Some((r, groups)) => {
                 self.counters.resumed_elsewhere += 1;
                 let subscriptions = r
                     .subscriptions
@@ -220,6 +255,7 @@ impl ClusterLink {
                 Finished::Carry {
                     session: p.session,
                     subscriptions,
+                    groups,
                 }
             }
             None => Finished::Done,

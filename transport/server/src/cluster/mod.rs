@@ -453,6 +453,8 @@ pub enum Finished {
     Carry {
         session: SessionId,
         subscriptions: Vec<(String, Tier)>,
+        /// Its group subscriptions (from protocol 4).
+        groups: Vec<u64>,
     },
     /// Answer with this instead.
     Answer(proto::Answer),

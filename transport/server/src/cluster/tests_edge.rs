@@ -464,6 +464,7 @@ fn a_session_resumed_on_another_node_carries_its_subscriptions() {
         Finished::Carry {
             session,
             subscriptions,
+            groups,
         },
     )) = c.poll_finished()
     else {
@@ -471,6 +472,7 @@ fn a_session_resumed_on_another_node_carries_its_subscriptions() {
     };
     assert_eq!(session, laptop);
     assert_eq!(subscriptions, vec![("alice".to_string(), Tier::Realtime)]);
+    assert!(groups.is_empty());
     assert!(c
         .carry_over(now, at, 4, laptop, "bob", subscriptions)
         .is_none());

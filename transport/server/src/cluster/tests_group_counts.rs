@@ -49,6 +49,9 @@ fn def(membership: u64, members: &[&str]) -> GroupDef {
     }
 }
 
+/// A count an edge fed its hub's core: version, count, change.
+type Fed = (u64, u32, Option<(String, bool)>);
+
 /// Nodes on one simulated NATS: requests go to the node acting for the
 /// shard, publishes on the groups subject to every node, KV reads find
 /// nothing and writes land.
@@ -216,7 +219,7 @@ impl Bus {
 
     /// The counts node `n` fed its hub's core since last asked:
     /// (version, count, change).
-    fn fed(&mut self, n: usize) -> Vec<(u64, u32, Option<(String, bool)>)> {
+    fn fed(&mut self, n: usize) -> Vec<Fed> {
         std::iter::from_fn(|| self.links[n].poll_group_feed())
             .filter_map(|f| match f {
                 GroupFeed::Count {
@@ -337,4 +340,33 @@ fn a_member_freed_while_idle_is_counted_when_back() {
     bus.pass(70_000, 73_000);
     let fed = bus.fed(0);
     assert_eq!(fed.last().map(|f| f.1), Some(3), "{fed:?}");
+}
+
+/// A session record lists its group subscriptions from protocol 4, in a
+/// layout a record without groups never has; sending 3, and with none, a
+/// node writes the layout of version 3, which reads with no groups.
+#[test]
+fn a_session_record_lists_group_subscriptions_from_protocol_4() {
+    use super::wire::{decode_session_record, encode_session_record, SessionRecord};
+    let record = SessionRecord {
+        wire: 1002,
+        subscriptions: vec![("alice".into(), proto::Tier::Realtime)],
+    };
+    let with = encode_session_record(&record, &[7, 9], GROUPS_SINCE);
+    assert_eq!(
+        decode_session_record(&with),
+        Some((record.clone(), vec![7, 9]))
+    );
+    // A node of version 3 does not read it as this session's.
+    assert!(decode::<SessionRecord>(&with).is_none_or(|r| r.wire != record.wire));
+    for plain in [
+        encode_session_record(&record, &[7], GROUPS_SINCE - 1),
+        encode_session_record(&record, &[], GROUPS_SINCE),
+    ] {
+        assert_eq!(decode::<SessionRecord>(&plain), Some(record.clone()));
+        assert_eq!(
+            decode_session_record(&plain),
+            Some((record.clone(), vec![]))
+        );
+    }
 }

@@ -319,6 +319,46 @@ pub struct SessionRecord {
     pub subscriptions: Vec<(String, proto::Tier)>,
 }
 
+/// What a session record that lists group subscriptions begins with (from
+/// protocol [`GROUPS_SINCE`]). A record without begins with its wire id (a
+/// session id under the process's random key), so the two meet only for a
+/// wire id of 0, and a record that does not decode with groups is read
+/// without. A node of version 3 reads one with groups as a record of
+/// another session, and the resume starts fresh.
+const SESSION_GROUPS: &[u8] = b"\0gdS4";
+
+#[derive(Serialize, Deserialize)]
+struct GroupedSessionRecord {
+    record: SessionRecord,
+    groups: Vec<u64>,
+}
+
+/// A session's record with its group subscriptions, in the layout of
+/// protocol `version` (below [`GROUPS_SINCE`] groups are not recorded: no
+/// node of that version serves them).
+pub fn encode_session_record(record: &SessionRecord, groups: &[u64], version: u8) -> Bytes {
+    if groups.is_empty() || version < GROUPS_SINCE {
+        return encode(record);
+    }
+    let mut out = SESSION_GROUPS.to_vec();
+    out.extend_from_slice(&encode(&GroupedSessionRecord {
+        record: record.clone(),
+        groups: groups.to_vec(),
+    }));
+    Bytes::from(out)
+}
+
+/// A session's record of either layout, with its group subscriptions.
+pub fn decode_session_record(payload: &[u8]) -> Option<(SessionRecord, Vec<u64>)> {
+    let grouped = payload
+        .strip_prefix(SESSION_GROUPS)
+        .and_then(decode::<GroupedSessionRecord>);
+    match grouped {
+        Some(g) => Some((g.record, g.groups)),
+        None => decode::<SessionRecord>(payload).map(|r| (r, Vec::new())),
+    }
+}
+
 /// On the resync subject: the new owner of `shard` asks every edge to
 /// resend its live devices of the shard.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

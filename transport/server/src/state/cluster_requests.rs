@@ -96,16 +96,21 @@ impl ServerState {
     pub(super) fn cluster_finished(&mut self, now: Instant, wait: u64, finished: Finished) {
         let finished = match finished {
             Finished::GroupSubscribeAgain { session, group } => {
-                self.group_subscribe_again(now, session, group)
+                match self.group_subscribe_again(now, wait, session, group) {
+                    Some(finished) => finished,
+                    None => return, // answered once recorded
+                }
             }
             other => other,
         };
         if let Finished::Carry {
             session,
             subscriptions,
+            groups,
         } = finished
         {
             if self.tickets.contains_key(&wait) {
+                self.carry_groups(now, session, &groups);
                 self.carry_over(now, wait, session, subscriptions);
             }
             return;
@@ -253,6 +258,62 @@ impl ServerState {
             c.resume_elsewhere(wait, session, &user, &device, wire);
         }
         self.hold_for(ch, wait);
+    }
+
+    /// A resume's record named the session: its group subscriptions go on
+    /// in the hub's core (each told its count at once; one its user left
+    /// while away is told `Ended`), and the record keeps those held.
+    fn carry_groups(&mut self, now: Instant, session: SessionId, groups: &[u64]) {
+        if groups.is_empty() {
+            return;
+        }
+        let at = self.clock.at(now);
+        let gone = self.hub.carry_groups(at, session, groups);
+        let held: Vec<u64> = groups
+            .iter()
+            .copied()
+            .filter(|g| !gone.contains(g))
+            .collect();
+        if let Some(c) = self.cluster.as_deref_mut() {
+            c.groups_carried(session, &held);
+        }
+    }
+
+    /// A group subscribe or unsubscribe the hub's core answered `handled`
+    /// in a cluster: answered once the session's record has it, so that a
+    /// resume on another node carries it over.
+    pub(super) fn record_group_subscription(
+        &mut self,
+        ch: usize,
+        now: Instant,
+        (session, group, subscribed): (SessionId, u64, bool),
+        handled: Handled,
+    ) {
+        let Some(ServerFrame::Reply {
+            id,
+            result: Ok(answer),
+        }) = &handled.reply
+        else {
+            return self.answer(ch, now, handled);
+        };
+        let (id, answer) = (*id, answer.clone());
+        let Some((wait, backstop)) = self.cluster_ticket(ch, now, handled) else {
+            return;
+        };
+        let Some(c) = self.cluster.as_deref_mut() else {
+            return;
+        };
+        // Past it the answer goes anyway (the subscription holds here; a
+        // resume elsewhere would miss it), before the ticket's backstop.
+        let deadline = backstop - Duration::from_secs(1);
+        match c.group_subscription_changed(session, group, subscribed, (wait, answer, deadline)) {
+            Some(answer) => {
+                self.tickets.remove(&wait);
+                self.ticket_deadlines.remove(&(backstop, wait));
+                self.answer(ch, now, reply(id, Ok(answer)));
+            }
+            None => self.hold_for(ch, wait),
+        }
     }
 
     /// A resume's record named the session: what the new credentials still
@@ -419,18 +480,30 @@ impl ServerState {
 
     /// The subscribe of a refusal being confirmed, once this node holds the
     /// group as the store does: what the hub answers now.
-    fn group_subscribe_again(&mut self, now: Instant, session: SessionId, group: u64) -> Finished {
+    /// `None`: taken, and answered under `wait` once the session's record
+    /// has it.
+    fn group_subscribe_again(
+        &mut self,
+        now: Instant,
+        wait: u64,
+        session: SessionId,
+        group: u64,
+    ) -> Option<Finished> {
         let at = self.clock.at(now);
         let step = Step::Request {
             session,
             id: 0,
             request: proto::Request::GroupSubscribe { group },
         };
-        match self.hub.apply(at, step).reply {
-            Some(ServerFrame::Reply { result: Ok(a), .. }) => Finished::Answer(a),
-            Some(ServerFrame::Reply { result: Err(e), .. }) => Finished::Failed(e),
-            _ => Finished::Done,
-        }
+        let answer = match self.hub.apply(at, step).reply {
+            Some(ServerFrame::Reply { result: Ok(a), .. }) => a,
+            Some(ServerFrame::Reply { result: Err(e), .. }) => return Some(Finished::Failed(e)),
+            _ => return Some(Finished::Done),
+        };
+        let deadline = self.tickets.get(&wait)?.deadline() - Duration::from_secs(1);
+        let c = self.cluster.as_deref_mut()?;
+        c.group_subscription_changed(session, group, true, (wait, answer, deadline))
+            .map(Finished::Answer)
     }
 
     /// A request's session, id and request, with its user's name; `None`

@@ -166,24 +166,35 @@ impl ServerState {
             Step::Refresh { session, .. } => Some(*session),
             _ => None,
         };
-        let subscribing = match (&step, self.cluster.as_ref()) {
+        // A group subscription in a cluster: (session, group, subscribe?).
+        let group_sub = match (&step, self.cluster.as_ref()) {
             (
                 Step::Request {
-                    session,
-                    request: proto::Request::GroupSubscribe { group },
-                    ..
+                    session, request, ..
                 },
                 Some(c),
-            ) if c.serves_groups() => Some((*session, *group)),
+            ) if c.serves_groups() => match request {
+                proto::Request::GroupSubscribe { group } => Some((*session, *group, true)),
+                proto::Request::GroupUnsubscribe { group } => Some((*session, *group, false)),
+                _ => None,
+            },
             _ => None,
         };
         let mut handled = self.hub.apply(at, step);
-        if let (Some(subscribe), Some(ServerFrame::Reply { result: Err(e), .. })) =
-            (subscribing, &handled.reply)
-        {
-            if e.code == proto::ErrorCode::NotMember {
-                return self.confirm_group_subscribe(ch, now, subscribe, handled);
-            }
+        if let Some((session, group, subscribe)) = group_sub {
+            let refused = match &handled.reply {
+                Some(ServerFrame::Reply { result: Err(e), .. }) => Some(e.code),
+                _ => None,
+            };
+            return match refused {
+                Some(proto::ErrorCode::NotMember) if subscribe => {
+                    self.confirm_group_subscribe(ch, now, (session, group), handled)
+                }
+                Some(_) => self.answer(ch, now, handled),
+                None => {
+                    self.record_group_subscription(ch, now, (session, group, subscribe), handled)
+                }
+            };
         }
         if let Some(s) = refreshed {
             self.after_refresh(at, s, &mut handled);
