@@ -461,8 +461,8 @@ pub enum ErrorCode {
     TooManyGroupSubscriptions,
     /// The server holds as many groups as it may.
     TooManyGroups,
-    /// This server does not serve that request in its configuration (group
-    /// requests on a node of a cluster).
+    /// This server does not serve that request in its configuration
+    /// (member pages and watches on a node of a cluster).
     Unsupported,
     /// A session watches as many member pages (3), or entries (600), as
     /// it may: the message says which.
