@@ -185,14 +185,17 @@ pub(super) fn release_idle(o: &mut Owner, at: Millis) -> usize {
 const MAX_RELEASED_REMEMBERED: usize = 65_536;
 
 /// Remembers the last version of `user` published before the release: the
-/// KV's view, read when the user is needed again, may be older.
+/// KV's view, read when the user is needed again, may be older. The
+/// highest stays: a user whose name a group's slice keeps may come up for
+/// release again once freed (a later idle note), unknown to the core then.
 fn remember_released(o: &mut Owner, user: &str, version: u64) {
     if o.released.len() >= MAX_RELEASED_REMEMBERED {
         let highest = o.released.values().copied().max().unwrap_or(0);
         o.released_floor = o.released_floor.max(highest);
         o.released.clear();
     }
-    o.released.insert(user.to_owned(), version);
+    let held = o.released.entry(user.to_owned()).or_insert(version);
+    *held = (*held).max(version);
 }
 
 /// A name interned for a user the core has no record of goes again, unless

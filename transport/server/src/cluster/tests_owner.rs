@@ -937,3 +937,90 @@ fn an_owner_past_its_claim_deadline_stops_answering() {
     };
     assert_eq!(decode::<FromOwner>(&payload), Some(FromOwner::NotOwner));
 }
+
+/// A user freed while offline comes back, and the KV's view of her is the
+/// online one before her offline (whose write was lost in an outage): her
+/// owner publishes her online again above the offline watchers hold, or
+/// they would show her offline while she is connected (found by the
+/// simulator's group counts: seed 7000 on one node).
+#[test]
+fn a_user_freed_over_a_lost_offline_is_shown_online_again_when_back() {
+    for in_a_group in [false, true] {
+        freed_over_a_lost_offline(in_a_group);
+    }
+}
+
+fn freed_over_a_lost_offline(in_a_group: bool) {
+    let (mut a, mut b, now) = two_nodes();
+    if in_a_group {
+        // A group's slice at her owner holds her name while she is freed.
+        for l in [&mut a, &mut b] {
+            l.settings.protocol = super::GROUPS_SINCE;
+            let def = super::GroupDef {
+                group: 9,
+                membership: 1,
+                next_ordinal: 2,
+                members: vec![("alice".into(), 0), ("bob".into(), 1)],
+                admins: Vec::new(),
+                removed: false,
+            };
+            let changed = ClusterInput::GroupChanged {
+                group: 9,
+                revision: 1,
+                def: Some(def),
+            };
+            l.handle_input(now, Millis(1), changed);
+            l.handle_input(now, Millis(1), ClusterInput::GroupsSynced);
+        }
+    }
+    let mut views = HashMap::new();
+    b.handle_timeout(now, Millis(300));
+    exchange_kv(&mut a, &mut b, now, Millis(300), Some(&mut views));
+    let online_view = views.get("alice").cloned().expect("her online view");
+    assert!(a.input(now, Millis(6_000), SessionId(1), WireOp::Logout, Some(1)));
+    exchange_kv(&mut a, &mut b, now, Millis(6_000), Some(&mut views));
+    b.handle_timeout(now, Millis(6_400));
+    exchange_kv(&mut a, &mut b, now, Millis(6_400), Some(&mut views));
+    let uid = UserId(b.owners[&1].users.get("alice").unwrap());
+    let offline = b.owners[&1].core.presence(uid);
+    assert!(!offline.online);
+    // bob subscribes to her a second later: her owner notes her idle again.
+    let at = Millis(7_000);
+    bob_subscribes_to_alice(&mut a, now, at, 100);
+    exchange_kv(&mut a, &mut b, now, at, Some(&mut views));
+    // The offline's write was lost: the KV keeps the online view.
+    views.insert("alice".into(), online_view);
+    b.handle_timeout(now, Millis(7_000 + RELEASE_AFTER.0));
+    assert!(b.counters().users_released >= 1);
+    assert!(!b.owners[&1].core.is_known(uid), "freed");
+    // Her phone connects again.
+    let at = Millis(70_000);
+    alice_phone_connects(&mut a, now, at);
+    exchange_kv(&mut a, &mut b, now, at, Some(&mut views));
+    let mut published = Vec::new();
+    for ms in [70_300, 70_600, 71_000, 80_000] {
+        b.handle_timeout(now, Millis(ms));
+        published.extend(exchange_kv(
+            &mut a,
+            &mut b,
+            now,
+            Millis(ms),
+            Some(&mut views),
+        ));
+    }
+    let shown: Vec<proto::Presence> = published
+        .iter()
+        .filter_map(|o| match o {
+            ClusterOutput::Publish { payload, .. } => decode::<ShardView>(payload),
+            _ => None,
+        })
+        .filter(|v| v.user == "alice")
+        .map(|v| v.presence)
+        .collect();
+    assert!(
+        shown
+            .iter()
+            .any(|p| p.online && p.version > offline.version),
+        "in a group: {in_a_group}; alice is connected, watchers hold {offline:?}, published since: {shown:?}"
+    );
+}
