@@ -802,3 +802,53 @@ fn a_user_read_back_from_an_older_view_is_published_again_above_it() {
     assert!(again[0].version > shown && !again[0].online);
     assert!(published_after(0).is_empty());
 }
+
+/// A user freed by her owner comes back online while the KV's view of her
+/// is older than the offline the owner published before freeing her (its
+/// write lost in an outage) and shows her online: her device's connect
+/// arrives while the restored view is debounced, and what she shows then
+/// equals the stale view. It is published again above the offline
+/// watchers hold, or they would show her offline while she is connected.
+#[test]
+fn a_user_back_online_over_an_older_online_view_is_published_again() {
+    let mut owner = Core::new(config()).unwrap();
+    owner.set_publish_views(true);
+    owner.enter_epoch(Epoch(2));
+    let base = epoch_base(Epoch(2));
+    let record = OwnedRecord {
+        published: Presence {
+            version: base + 2,
+            online: true,
+            ..Presence::default()
+        },
+        shown_before: base + 4,
+        ..OwnedRecord::default()
+    };
+    let start = Millis(100_000);
+    owner
+        .restore_owned(start, UserId(1), &record, start)
+        .unwrap();
+    owner
+        .handle_connect(
+            start,
+            Connect {
+                user: UserId(1),
+                device: DeviceId(1),
+                kind: DeviceKind::Desktop,
+                watch: Watch::All,
+                resume: None,
+                foreground: true,
+            },
+        )
+        .unwrap();
+    owner.handle_timeout(start.plus(config().debounce));
+    owner.check_invariants().unwrap();
+    let views: Vec<Presence> = std::iter::from_fn(|| owner.poll_published())
+        .filter(|p| !p.own)
+        .map(|p| p.presence)
+        .collect();
+    assert!(
+        views.iter().any(|p| p.online && p.version > base + 4),
+        "{views:?}"
+    );
+}

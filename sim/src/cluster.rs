@@ -6,12 +6,14 @@
 //! seed. Faults: `kill -9` and restart, a process paused past its lease,
 //! a node cut off from the bus, whole-bus outages, lost, duplicated and
 //! delayed messages, a slow KV, and clocks skewed between nodes. What is
-//! checked after every step is in [`checks`].
+//! checked after every step is in [`checks`] (and, with groups, in
+//! [`groups`]).
 
 mod bus;
 mod checks;
 mod device;
 mod duty;
+mod groups;
 mod world;
 
 pub use greendot_server::cluster::LinkMutant;
@@ -33,6 +35,10 @@ pub struct Options {
     /// shows what the current one fixed.
     pub protocol: u8,
     pub faults: bool,
+    /// One group of every user, which every device subscribes to, checked
+    /// by G1–G4 (`groups`). Off, the runs are what they were before groups
+    /// (the regression seeds keep their traces).
+    pub groups: bool,
     /// A fuzzer's input: the run's first random choices are read from it.
     pub script: Option<std::sync::Arc<[u8]>>,
 }
@@ -47,6 +53,7 @@ impl Options {
             mutant: None,
             protocol: greendot_cluster::PROTOCOL_VERSION,
             faults: true,
+            groups: false,
             script: None,
         }
     }
@@ -66,6 +73,12 @@ impl Options {
         }
         if !self.faults {
             line.push_str(" GREENDOT_SIM_FAULTS=0");
+        }
+        if self.groups {
+            line.push_str(" GREENDOT_SIM_GROUPS=1");
+        }
+        if self.users != 6 {
+            line.push_str(&format!(" GREENDOT_SIM_USERS={}", self.users));
         }
         if self.protocol != greendot_cluster::PROTOCOL_VERSION {
             line.push_str(&format!(" GREENDOT_SIM_PROTOCOL={}", self.protocol));
@@ -123,6 +136,8 @@ pub struct Report {
     pub stale_dropped: u64,
     /// Shard claims taken (epochs started).
     pub claims: u64,
+    /// Steps at which G1 judged a group subscriber's count (at quiescence).
+    pub group_judged: u64,
 }
 
 /// A run that broke a check (or panicked).

@@ -1,7 +1,8 @@
 //! A longer random run of the simulator:
 //! `cargo run --release -p greendot-sim --bin soak -- [--seeds N] [--from S] [--steps N] [--large-clock-jumps] [--mutant NAME]`,
 //! or of the multi-node simulation with `--nodes N` (1 to 5) [`--protocol V`
-//! (the inter-node protocol version the nodes send)].
+//! (the inter-node protocol version the nodes send)] [`--groups` (a group
+//! of every user, 12 users, checked by G1–G4)].
 //! Without `--from` the first seed is drawn from the time of day (printed),
 //! so each run explores new seeds; every failure prints its replay line.
 
@@ -16,6 +17,7 @@ fn main() {
     let mut mutant = None;
     let mut nodes = None;
     let mut protocol = None;
+    let mut groups = false;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut value = || args.next().unwrap_or_default();
@@ -26,6 +28,7 @@ fn main() {
             "--large-clock-jumps" => large = true,
             "--nodes" => nodes = Some(value().parse().expect("--nodes N (1 to 5)")),
             "--protocol" => protocol = Some(value().parse().expect("--protocol V")),
+            "--groups" => groups = true,
             "--mutant" => {
                 let name = value();
                 mutant = Some(
@@ -39,8 +42,8 @@ fn main() {
         }
     }
     assert!(
-        protocol.is_none() || nodes.is_some(),
-        "--protocol is the multi-node simulation's (with --nodes)"
+        (protocol.is_none() && !groups) || nodes.is_some(),
+        "--protocol and --groups are the multi-node simulation's (with --nodes)"
     );
     let from = from.unwrap_or_else(|| {
         std::time::SystemTime::now()
@@ -54,7 +57,7 @@ fn main() {
             "--nodes runs the multi-node simulation alone"
         );
         let protocol = protocol.unwrap_or(greendot_cluster::PROTOCOL_VERSION);
-        std::process::exit(soak_cluster(from, seeds, steps, (nodes, protocol)));
+        std::process::exit(soak_cluster(from, seeds, steps, (nodes, protocol, groups)));
     }
     println!(
         "soak: seeds {from}..{} x {steps} steps",
@@ -91,7 +94,12 @@ fn main() {
 }
 
 /// The multi-node simulation's seeds; the process's exit code.
-fn soak_cluster(from: u64, seeds: u64, steps: u64, (nodes, protocol): (usize, u8)) -> i32 {
+fn soak_cluster(
+    from: u64,
+    seeds: u64,
+    steps: u64,
+    (nodes, protocol, groups): (usize, u8, bool),
+) -> i32 {
     use greendot_sim::cluster;
     println!(
         "soak: {nodes} nodes, seeds {from}..{} x {steps} steps",
@@ -105,6 +113,10 @@ fn soak_cluster(from: u64, seeds: u64, steps: u64, (nodes, protocol): (usize, u8
         let mut options = cluster::Options::new(seed, steps);
         options.nodes = nodes;
         options.protocol = protocol;
+        if groups {
+            options.groups = true;
+            options.users = 12;
+        }
         match cluster::run(options) {
             Ok(report) => {
                 simulated += report.simulated;

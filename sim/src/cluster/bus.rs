@@ -12,7 +12,7 @@
 
 use crate::rng::Rng;
 use bytes::Bytes;
-use greendot_server::cluster::{ClusterInput, ClusterOutput};
+use greendot_server::cluster::{ClusterInput, ClusterOutput, GroupDef, GroupWriteOutcome};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
@@ -87,6 +87,9 @@ pub struct Bus {
     /// value.
     shard_devices: HashMap<u32, (u64, Bytes)>,
     sessions: HashMap<(String, String), Bytes>,
+    /// The groups bucket: per group, its revision and definition (written
+    /// before the run; nodes read it at their start).
+    pub groups: BTreeMap<u64, (u64, GroupDef)>,
     /// Message loss and duplication, while a lossy phase lasts.
     pub loss: f64,
     pub duplication: f64,
@@ -107,6 +110,7 @@ impl Bus {
             views: HashMap::new(),
             shard_devices: HashMap::new(),
             sessions: HashMap::new(),
+            groups: BTreeMap::new(),
             loss: 0.0,
             duplication: 0.0,
             kv_slow_until: Duration::ZERO,
@@ -241,6 +245,14 @@ impl Bus {
                     ClusterOutput::LoadSession { id, .. } => {
                         Some(ClusterInput::SessionLoaded { id, record: None })
                     }
+                    ClusterOutput::ReadGroup { id, .. } => Some(ClusterInput::GroupRead {
+                        id,
+                        read: Err("NATS unreachable".into()),
+                    }),
+                    ClusterOutput::WriteGroup { id, .. } => Some(ClusterInput::GroupWritten {
+                        id,
+                        outcome: GroupWriteOutcome::Failed("NATS unreachable".into()),
+                    }),
                     _ => None,
                 };
                 if let Some(input) = failed {
@@ -497,6 +509,21 @@ impl Bus {
                 }
                 None
             }
+            ClusterOutput::ReadGroup { id, group } => Some(ClusterInput::GroupRead {
+                id,
+                read: match up {
+                    true => Ok(self
+                        .groups
+                        .get(&group)
+                        .map_or((0, None), |(rev, def)| (*rev, Some(def.clone())))),
+                    false => Err("the KV is down".into()),
+                },
+            }),
+            // Nothing in the simulation writes groups (no service token).
+            ClusterOutput::WriteGroup { id, .. } => Some(ClusterInput::GroupWritten {
+                id,
+                outcome: GroupWriteOutcome::Failed("not simulated".into()),
+            }),
             _ => None,
         }
     }

@@ -14,6 +14,8 @@ use std::time::Duration;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Asked {
     Subscribe,
+    /// The group every user is a member of (`super::groups::GROUP`).
+    GroupSubscribe,
     SetStatus,
     SetInvisible(bool),
     Logout,
@@ -42,6 +44,19 @@ pub struct Conn {
     pub logging_out: bool,
     /// Per push stream and target, the highest version it pushed.
     pub versions: BTreeMap<(u8, usize), u64>,
+    /// Its group subscription, once answered (or carried over by a resume).
+    pub group: Option<GroupSub>,
+}
+
+/// A connection's subscription to the group, and what it was told.
+#[derive(Debug, Default)]
+pub struct GroupSub {
+    /// Answered then (a subscribe is sent at each welcome).
+    pub since: Option<Duration>,
+    /// The last count told, if any.
+    pub count: Option<u32>,
+    /// Per push stream, the highest version pushed.
+    pub versions: BTreeMap<u8, u64>,
 }
 
 /// A device and what it saw.
@@ -59,6 +74,11 @@ pub struct Device {
     /// on any connection (docs/protocol.md: keep the highest, drop older).
     pub seen: BTreeMap<usize, Seen>,
     pub next_id: u64,
+    /// Its session holds the group subscription (so a resume carries it).
+    pub group_held: bool,
+    /// The servers do not serve group subscriptions (a cluster sending
+    /// protocol 3): not asked again.
+    pub groups_unsupported: bool,
 }
 
 /// What a device learned from one server message.
@@ -75,6 +95,17 @@ pub enum Heard {
         asked: Asked,
         ok: bool,
     },
+    /// A group subscribe's answer: the snapshot's version and count, or
+    /// the refusal's code.
+    GroupAnswer(Result<(u64, u32), proto::ErrorCode>),
+    /// A group push: the count (and the member change, to an admin).
+    GroupPush {
+        stream: u8,
+        version: u64,
+        count: u32,
+        member: Option<(usize, bool)>,
+    },
+    GroupEnded,
     /// `stream`: 0 for a snapshot (control stream), else the push stream.
     View {
         target: usize,
@@ -110,6 +141,8 @@ impl Device {
             targets,
             seen: BTreeMap::new(),
             next_id: 0,
+            group_held: false,
+            groups_unsupported: false,
         }
     }
 
@@ -143,6 +176,11 @@ impl Device {
             },
             Asked::Subscribe,
         )
+    }
+
+    pub fn group_subscribe(&mut self) -> Option<Vec<u8>> {
+        let group = super::groups::GROUP;
+        self.request(Request::GroupSubscribe { group }, Asked::GroupSubscribe)
     }
 
     pub fn set_status(&mut self, status: Status) -> Option<Vec<u8>> {
@@ -202,6 +240,18 @@ impl Device {
                     let Some(asked) = conn.pending.remove(&id) else {
                         return vec![Heard::Error(format!("a reply to {id}, never asked"))];
                     };
+                    if asked == Asked::GroupSubscribe {
+                        let answer = match result {
+                            Ok(Answer::GroupSubscribed(s)) => Ok((s.version, s.count)),
+                            Ok(other) => {
+                                return vec![Heard::Error(format!(
+                                    "a group subscribe answered {other:?}"
+                                ))]
+                            }
+                            Err(e) => Err(e.code),
+                        };
+                        return vec![Heard::GroupAnswer(answer)];
+                    }
                     let mut out = Vec::new();
                     if let Ok(Answer::Subscribed { snapshots, .. }) = &result {
                         conn.subscribed = Some(now);
@@ -233,6 +283,37 @@ impl Device {
                 }],
                 None => vec![Heard::Error(format!("a push about {target}"))],
             },
+            Ok(Push::GroupCount {
+                group: super::groups::GROUP,
+                version,
+                count,
+            }) => vec![Heard::GroupPush {
+                stream,
+                version,
+                count,
+                member: None,
+            }],
+            Ok(Push::GroupMember {
+                group: super::groups::GROUP,
+                version,
+                member,
+                online,
+                count,
+            }) => match user_index(&member) {
+                Some(m) => vec![Heard::GroupPush {
+                    stream,
+                    version,
+                    count,
+                    member: Some((m, online)),
+                }],
+                None => vec![Heard::Error(format!("a group change of {member}"))],
+            },
+            Ok(Push::GroupEnded {
+                group: super::groups::GROUP,
+            }) => vec![Heard::GroupEnded],
+            Ok(Push::GroupCount { .. } | Push::GroupMember { .. } | Push::GroupEnded { .. }) => {
+                vec![Heard::Error("a push of a group never subscribed".into())]
+            }
             Ok(_) => vec![Heard::Nothing],
             Err(e) => vec![Heard::Error(format!("push frame: {e}"))],
         }

@@ -4,6 +4,7 @@
 use super::bus::{Bus, Reach};
 use super::device::{user_name, Asked, Device, Heard};
 use super::duty::{Duty, Membership, DUTY_EVERY, TTL};
+use super::groups::{group_def, GroupTruth, GROUP};
 use super::{Failure, Faults, Options, Report};
 use crate::rng::Rng;
 use greendot_proto::{Request, Status};
@@ -17,7 +18,7 @@ use std::time::{Duration, Instant};
 const SECRET: &[u8] = b"greendot simulation secret, not for production use";
 const TOKEN_EXP: u64 = 4_000_000_000;
 const WALL_START_MS: u64 = 1_767_225_600_000;
-const SHARDS: u32 = 8;
+pub(super) const SHARDS: u32 = 8;
 /// `handle_timeout` calls one node may ask for at one instant, at most.
 const MAX_PASSES: usize = 10_000;
 /// A device that hears nothing (not even a ping) this long gives up its
@@ -143,6 +144,8 @@ pub(super) struct World {
     pub stale_dropped: u64,
     pub claims: u64,
     verbose: bool,
+    /// What the nodes published of the group's members (G1's truth).
+    pub group_truth: GroupTruth,
 }
 
 /// Runs one seed.
@@ -229,9 +232,13 @@ impl World {
                 ops_seen: 0,
             })
             .collect();
+        let mut bus = Bus::new(opts.nodes);
+        if opts.groups {
+            bus.groups.insert(GROUP, (1, group_def(users)));
+        }
         Ok(World {
             duty: Duty::new(&names, SHARDS),
-            bus: Bus::new(opts.nodes),
+            bus,
             opts,
             rng,
             base: Instant::now(),
@@ -260,6 +267,7 @@ impl World {
             stale_dropped: 0,
             claims: 0,
             verbose: std::env::var("GREENDOT_SIM_VERBOSE").is_ok_and(|v| v == "1"),
+            group_truth: GroupTruth::new(),
         })
     }
 
@@ -275,6 +283,7 @@ impl World {
             views: self.views,
             stale_dropped: self.stale_dropped,
             claims: self.claims,
+            group_judged: self.group_truth.judged,
         }
     }
 
@@ -411,13 +420,16 @@ impl World {
                 self.drop_conn(i, true);
             }
         }
+        let quiet = self.group_quiet();
         if self.next_action <= now {
-            self.act();
+            if !quiet {
+                self.act();
+            }
             let gap = self.rng.range(100, 3_000);
             self.next_action = now + Duration::from_millis(gap);
         }
         if self.next_fault <= now {
-            if self.opts.faults {
+            if self.opts.faults && !quiet {
                 self.fault();
             }
             // Faults come in stormy phases with calm ones between, so that
@@ -430,11 +442,12 @@ impl World {
             self.next_fault = now + Duration::from_millis(gap);
         }
         self.drive()?;
-        self.check_state()
+        self.check_state()?;
+        self.check_groups()
     }
 
     /// Hands a node an input now, or keeps it until the node wakes.
-    fn give(&mut self, node: usize, input: ServerInput) {
+    pub(super) fn give(&mut self, node: usize, input: ServerInput) {
         let instant = self.instant();
         let n = &mut self.nodes[node];
         if n.state.is_none() {
@@ -475,6 +488,7 @@ impl World {
         n.troubled_at = self.now;
         n.ops_seen = 0;
         self.note(format!("{} up as {incarnation}", self.names[node]));
+        self.give_groups(node);
         Ok(())
     }
 
@@ -656,6 +670,7 @@ impl World {
                     );
                 }
                 self.check_output(node, &out)?;
+                self.note_published(&out);
                 let reach = self.reach();
                 let serving = self.serving();
                 self.bus
@@ -800,6 +815,7 @@ impl World {
                 self.note(format!(
                     "device {device} welcomed (session {session}, resumed {resumed})"
                 ));
+                self.group_welcomed(device);
                 // What did not carry over is asked for (as clients do).
                 if !covered && !self.devices[device].targets.is_empty() {
                     if let Some(frame) = self.devices[device].subscribe() {
@@ -888,11 +904,15 @@ impl World {
             }
             Heard::Error(e) => return Err(format!("device {device}: {e}")),
             Heard::Nothing => {}
+            group @ (Heard::GroupAnswer(_) | Heard::GroupPush { .. } | Heard::GroupEnded) => {
+                self.group_heard(device, group)?
+            }
         }
         Ok(())
     }
 
-    fn send_frame(&mut self, device: usize, frame: Vec<u8>) {
+    pub(super) fn send_frame(&mut self, device: usize, frame: Vec<u8>) {
+        self.group_truth.input_at = self.now;
         let Some(conn) = &self.devices[device].conn else {
             return;
         };
@@ -906,6 +926,7 @@ impl World {
 
     /// Connects a device to a running node (resuming its last session).
     fn connect(&mut self, device: usize) {
+        self.group_truth.input_at = self.now;
         let up: Vec<usize> = (0..self.nodes.len())
             .filter(|&n| self.nodes[n].state.is_some())
             .collect();
@@ -926,6 +947,7 @@ impl World {
             heard: self.now,
             logging_out: false,
             versions: BTreeMap::new(),
+            group: None,
         });
         let remote =
             SocketAddr::from((Ipv4Addr::new(10, 1, 0, device as u8 + 1), 1000 + id as u16));
@@ -948,6 +970,7 @@ impl World {
     /// The device's connection ends; `tell`: the device closes it (the
     /// node hears of it). It comes back later, resuming.
     fn drop_conn(&mut self, device: usize, tell: bool) {
+        self.group_truth.input_at = self.now;
         let Some(conn) = self.devices[device].conn.take() else {
             return;
         };
@@ -1116,7 +1139,7 @@ impl World {
         self.calm_since = self.calm_since.max(end);
     }
 
-    fn kill(&mut self, node: usize) {
+    pub(super) fn kill(&mut self, node: usize) {
         self.nodes[node].state = None;
         self.nodes[node].paused_until = None;
         self.nodes[node].backlog.clear();

@@ -198,7 +198,8 @@ impl ClusterLink {
     /// The home shard `home` has a new owner, which holds no partial: every
     /// slice homed there is due again.
     pub(super) fn home_changed(&mut self, home: u32, now: Instant) {
-        if !self.serves_groups() {
+        let mutant = self.settings.mutant == Some(super::LinkMutant::PartialsNotResent);
+        if !self.serves_groups() || mutant {
             return;
         }
         let shards: Vec<u32> = self.owners.keys().copied().collect();

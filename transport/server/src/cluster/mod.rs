@@ -192,13 +192,18 @@ pub enum LinkMutant {
     /// An owner keeps acting past its claim's deadline: a node paused past
     /// its lease publishes for shards that moved when it wakes (C1).
     ActPastDeadline,
+    /// Owners never send their partial counts again to a new owner of a
+    /// group's home shard: its sum lacks the shards whose members did not
+    /// change since (G1).
+    PartialsNotResent,
 }
 
 impl LinkMutant {
-    pub const ALL: [LinkMutant; 3] = [
+    pub const ALL: [LinkMutant; 4] = [
         LinkMutant::AckAfterShardLost,
         LinkMutant::DropEndingOp,
         LinkMutant::ActPastDeadline,
+        LinkMutant::PartialsNotResent,
     ];
 }
 
