@@ -102,6 +102,7 @@ impl Core {
         }
         let mut groups = std::mem::take(&mut self.groups);
         let any_version = group_mutant!(groups, FedOlderCountTaken);
+        let members_too = group_mutant!(groups, DeltasToMembers);
         let Some(g) = groups.groups.get_mut(&group) else {
             self.groups = groups;
             return Err(Error::UnknownGroup);
@@ -117,7 +118,8 @@ impl Core {
         g.version = version;
         g.count = count.min(g.members.len() as u32);
         let listed = change.filter(|(m, _)| g.members.binary_search(m).is_ok());
-        for &to in &g.admin_subs {
+        let counted = g.counted.keys().filter(|_| members_too);
+        for &to in g.admin_subs.iter().chain(counted) {
             if !is_online(&self.slots, to) {
                 continue;
             }

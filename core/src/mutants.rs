@@ -57,10 +57,14 @@ pub enum GroupMutant {
     /// A fed count is taken whatever its version, so a late or repeated
     /// one sends versions back (G3; `tests/group_fed.rs`).
     FedOlderCountTaken,
+    /// A fed member change goes to the members' sessions too, not only to
+    /// the admins' (G4; `tests/group_fed.rs`, and the multi-node
+    /// simulator's groups).
+    DeltasToMembers,
 }
 
 impl GroupMutant {
-    pub const ALL: [GroupMutant; 7] = [
+    pub const ALL: [GroupMutant; 8] = [
         GroupMutant::CountMissesOffline,
         GroupMutant::MembershipNotFlushed,
         GroupMutant::VersionNotBumped,
@@ -68,5 +72,6 @@ impl GroupMutant {
         GroupMutant::SubsKeptAfterEnd,
         GroupMutant::WatchOutlivesExpiry,
         GroupMutant::FedOlderCountTaken,
+        GroupMutant::DeltasToMembers,
     ];
 }

@@ -19,7 +19,8 @@
 //! - the same `Ended` as the counting core, step by step (membership and
 //!   sessions decide them, not counts).
 //!
-//! `GroupMutant::FedOlderCountTaken` is caught by G3.
+//! `GroupMutant::FedOlderCountTaken` is caught by G3, `DeltasToMembers` by
+//! G4.
 
 use greendot_core::mutants::GroupMutant;
 use greendot_core::*;
@@ -439,6 +440,13 @@ fn the_fed_mix_reaches_its_checks() {
     assert_eq!(failure, None);
     println!("64 cases: {checked} G1 checks, {pushes} pushes");
     assert!(checked >= 30 && pushes >= 300, "{checked} {pushes}");
+}
+
+#[test]
+fn a_fed_member_change_told_to_members_is_caught_by_g4() {
+    let (failure, _) = sample(128, Some(GroupMutant::DeltasToMembers));
+    let failure = failure.expect("DeltasToMembers went unnoticed");
+    assert!(failure.contains("G4"), "caught, but not by G4: {failure}");
 }
 
 #[test]

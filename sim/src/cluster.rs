@@ -16,6 +16,7 @@ mod duty;
 mod groups;
 mod world;
 
+pub use greendot_core::mutants::GroupMutant;
 pub use greendot_server::cluster::LinkMutant;
 pub use world::run;
 
@@ -31,6 +32,9 @@ pub struct Options {
     pub users: usize,
     /// A deliberately broken cluster link.
     pub mutant: Option<LinkMutant>,
+    /// Deliberately broken group presence in every node's hub core (with
+    /// `groups`).
+    pub group_mutant: Option<GroupMutant>,
     /// The inter-node protocol version the nodes send: the previous one
     /// shows what the current one fixed.
     pub protocol: u8,
@@ -51,6 +55,7 @@ impl Options {
             nodes: 3,
             users: 6,
             mutant: None,
+            group_mutant: None,
             protocol: greendot_cluster::PROTOCOL_VERSION,
             faults: true,
             groups: false,
@@ -70,6 +75,9 @@ impl Options {
         );
         if let Some(m) = self.mutant {
             line.push_str(&format!(" GREENDOT_SIM_MUTANT={m:?}"));
+        }
+        if let Some(m) = self.group_mutant {
+            line.push_str(&format!(" GREENDOT_SIM_GROUP_MUTANT={m:?}"));
         }
         if !self.faults {
             line.push_str(" GREENDOT_SIM_FAULTS=0");

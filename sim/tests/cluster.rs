@@ -1,7 +1,7 @@
 //! The multi-node simulation's fixed seeds, its determinism, the cluster
 //! mutants it must catch, and the replay of one seed from the environment.
 
-use greendot_sim::cluster::{run, Faults, LinkMutant, Options};
+use greendot_sim::cluster::{run, Faults, GroupMutant, LinkMutant, Options};
 
 /// Seeds × steps of 3-node runs by `cargo test` (CI).
 const SEEDS: u64 = 32;
@@ -34,6 +34,12 @@ fn replay() {
     });
     options.faults = env("GREENDOT_SIM_FAULTS").as_deref() != Some("0");
     options.groups = env("GREENDOT_SIM_GROUPS").as_deref() == Some("1");
+    options.group_mutant = env("GREENDOT_SIM_GROUP_MUTANT").map(|name| {
+        GroupMutant::ALL
+            .into_iter()
+            .find(|m| format!("{m:?}") == name)
+            .expect("GREENDOT_SIM_GROUP_MUTANT names a GroupMutant")
+    });
     if let Some(v) = env("GREENDOT_SIM_USERS") {
         options.users = v.parse().expect("GREENDOT_SIM_USERS");
     }
@@ -223,6 +229,38 @@ fn mutant_partials_not_resent_is_caught() {
     // group's home shard: its count lacks the shards whose members did not
     // change since, and stays wrong at quiescence.
     caught(LinkMutant::PartialsNotResent, "G1:");
+}
+
+/// Broken group presence, each caught by the group check it breaks: a
+/// count taken whatever its version by the edges and their hub cores (the
+/// owners publish each count again every interval: G3), and a member's
+/// change told to members (G4).
+#[test]
+fn group_mutants_are_caught() {
+    for (link, mutant, expect) in [
+        (
+            Some(LinkMutant::CountsAnyVersion),
+            GroupMutant::FedOlderCountTaken,
+            "G3:",
+        ),
+        (None, GroupMutant::DeltasToMembers, "G4:"),
+    ] {
+        let caught = (0..MUTANT_SEEDS).find_map(|seed| {
+            let mut options = Options::new(seed, GROUP_STEPS);
+            options.groups = true;
+            options.users = GROUP_USERS;
+            options.mutant = link;
+            options.group_mutant = Some(mutant);
+            run(options).err().map(|f| (seed, f))
+        });
+        let (seed, failure) =
+            caught.unwrap_or_else(|| panic!("{mutant:?} survived {MUTANT_SEEDS} seeds"));
+        assert!(
+            failure.what.starts_with(expect),
+            "{mutant:?} caught by an unexpected check: {failure}"
+        );
+        println!("{mutant:?} caught at seed {seed}: {}", failure.what);
+    }
 }
 
 /// Bugs of the cluster code the simulator found, each with the seed that

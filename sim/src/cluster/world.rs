@@ -475,8 +475,9 @@ impl World {
             mutant: self.opts.mutant,
         });
         let seed = self.rng.next_u64();
-        let state = ServerState::new(config, self.instant(), self.wall(node), seed, None)
+        let mut state = ServerState::new(config, self.instant(), self.wall(node), seed, None)
             .map_err(|e| format!("node start: {e}"))?;
+        state.set_group_mutant(self.opts.group_mutant);
         let n = &mut self.nodes[node];
         n.state = Some(state);
         n.incarnation = incarnation;

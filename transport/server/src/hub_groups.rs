@@ -556,6 +556,13 @@ impl Hub {
             .collect()
     }
 
+    /// Switches on one deliberate bug of group presence in the core
+    /// (feature `mutants`).
+    #[cfg(feature = "mutants")]
+    pub fn set_group_mutant(&mut self, mutant: Option<greendot_core::mutants::GroupMutant>) {
+        self.core.set_group_mutant(mutant);
+    }
+
     /// Switches the core to group counts fed from a cluster (before any
     /// group is written; `false` if one was).
     pub fn set_group_counts_fed(&mut self) -> bool {

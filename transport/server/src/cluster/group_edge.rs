@@ -44,7 +44,8 @@ impl ClusterLink {
             let known = self.groups.get(c.group).1.is_some_and(|d| !d.removed);
             let home = self.home_shard(c.group);
             let held = self.fed_counts.get(&c.group);
-            let newer = held.is_none_or(|(v, _)| c.version > *v);
+            let any = self.settings.mutant == Some(super::LinkMutant::CountsAnyVersion);
+            let newer = any || held.is_none_or(|(v, _)| c.version > *v);
             // Kept for a definition still on its way, within the groups a
             // node holds.
             let room =

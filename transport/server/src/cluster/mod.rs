@@ -196,14 +196,19 @@ pub enum LinkMutant {
     /// group's home shard: its sum lacks the shards whose members did not
     /// change since (G1).
     PartialsNotResent,
+    /// An edge feeds its hub's core every group count it hears, whatever
+    /// its version (with the core's `FedOlderCountTaken`, a repeated count
+    /// reaches admins again: G3).
+    CountsAnyVersion,
 }
 
 impl LinkMutant {
-    pub const ALL: [LinkMutant; 4] = [
+    pub const ALL: [LinkMutant; 5] = [
         LinkMutant::AckAfterShardLost,
         LinkMutant::DropEndingOp,
         LinkMutant::ActPastDeadline,
         LinkMutant::PartialsNotResent,
+        LinkMutant::CountsAnyVersion,
     ];
 }
 

@@ -8,6 +8,13 @@ use std::net::IpAddr;
 use std::sync::atomic::Ordering;
 
 impl ServerState {
+    /// Switches on one deliberate bug of group presence in the hub's core
+    /// (feature `mutants`): what a simulator's group checks must catch.
+    #[cfg(feature = "mutants")]
+    pub fn set_group_mutant(&mut self, mutant: Option<greendot_core::mutants::GroupMutant>) {
+        self.hub.set_group_mutant(mutant);
+    }
+
     /// Checks the state's own bookkeeping against itself (for simulators
     /// and tests; it walks every connection): the byte counts of the push
     /// queues, the session and handshake tables, the open-connection count,
