@@ -630,11 +630,7 @@ impl Core {
                 current: g.membership,
             });
         }
-        self.handle_set_group(now, group, members, admins)?;
-        if let Some(g) = self.groups.groups.get_mut(&group) {
-            g.membership = membership;
-        }
-        Ok(())
+        self.handle_define_group(now, group, members, admins, membership)
     }
 
     /// The membership version every group created from now on starts

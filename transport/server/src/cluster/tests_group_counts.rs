@@ -217,6 +217,14 @@ impl Bus {
         self.run(ms);
     }
 
+    /// Session `s` at node `n`'s edge logs out.
+    fn logout(&mut self, ms: u64, n: usize, s: u64) {
+        let now = self.now(ms);
+        let op = super::WireOp::Logout;
+        assert!(self.links[n].input(now, Millis(ms), SessionId(s), op, None));
+        self.run(ms);
+    }
+
     /// The counts node `n` fed its hub's core since last asked:
     /// (version, count, change).
     fn fed(&mut self, n: usize) -> Vec<Fed> {
@@ -270,15 +278,7 @@ fn a_groups_count_is_summed_from_every_owner_and_fed_to_every_edge() {
 fn a_member_going_offline_replaces_her_owners_partial() {
     let mut bus = summed();
     bus.fed(0);
-    let now = bus.now(3_000);
-    assert!(bus.links[0].input(
-        now,
-        Millis(3_000),
-        SessionId(1),
-        super::WireOp::Logout,
-        None
-    ));
-    bus.run(3_000);
+    bus.logout(3_000, 0, 1);
     bus.pass(3_000, 6_000);
     let fed = bus.fed(0);
     assert_eq!(
@@ -324,15 +324,7 @@ fn nodes_sending_protocol_3_sum_nothing() {
 #[test]
 fn a_member_freed_while_idle_is_counted_when_back() {
     let mut bus = summed();
-    let now = bus.now(3_000);
-    assert!(bus.links[0].input(
-        now,
-        Millis(3_000),
-        SessionId(1),
-        super::WireOp::Logout,
-        None
-    ));
-    bus.run(3_000);
+    bus.logout(3_000, 0, 1);
     bus.pass(3_000, 70_000);
     assert!(bus.links[0].counters().users_released > 0, "carl was freed");
     bus.fed(0);
