@@ -130,6 +130,10 @@ impl Core {
     ) -> Vec<GroupId> {
         self.advance(now);
         let user = self.session_user(id);
+        // A record read from outside may name a group twice.
+        let mut groups = groups.to_vec();
+        groups.sort_unstable();
+        groups.dedup();
         let (held, gone): (Vec<GroupId>, Vec<GroupId>) = groups.iter().partition(|group| {
             let g = self.groups.groups.get(group);
             user.is_some_and(|u| g.is_some_and(|g| g.role_of(u).is_some()))

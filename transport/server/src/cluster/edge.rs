@@ -749,10 +749,6 @@ impl ClusterLink {
                 if r.owner == self.settings.node {
                     return; // resent in process when the claim was won
                 }
-                // The shard's new owner sums the groups homed there anew.
-                if self.resynced.get(&r.shard).is_none_or(|e| *e < r.epoch) {
-                    self.home_changed(r.shard, now);
-                }
                 // Sent again while the owner's window is open: once is
                 // enough (the resent connects are retried until taken).
                 let answered = self.resynced.entry(r.shard).or_insert(0);
@@ -760,6 +756,8 @@ impl ClusterLink {
                     return;
                 }
                 *answered = r.epoch;
+                // The shard's new owner sums the groups homed there anew.
+                self.home_changed(r.shard, now);
                 let mine: Vec<SessionId> = self
                     .devices
                     .iter()

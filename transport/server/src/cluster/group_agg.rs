@@ -24,17 +24,35 @@ use greendot_core::{Epoch, GroupSum, Millis, SumOutput};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-/// Counts one message carries at most (each under 30 bytes without a
-/// member's name, and a name is at most `max_name_len`).
-const COUNTS_PER_MESSAGE: usize = 2_048;
+/// The bytes of counts one message carries at most (a count is under 40
+/// bytes with the member's name's length).
+const COUNTS_BYTES: usize = MAX_MESSAGE / 2;
 
 /// The sums an owner holds for the groups homed at its shard.
 #[derive(Default)]
 pub(super) struct Sums {
     by_group: BTreeMap<u64, GroupSum<u32>>,
-    /// Groups whose sum holds its outputs (a new owner's wait).
+    /// Groups whose sum holds its outputs (a new owner's wait), and the
+    /// earliest end of their waits.
     waiting: BTreeSet<u64>,
+    wait_ends: Option<Millis>,
     next_refresh: Option<Instant>,
+    /// The highest version a removed group's sum reached in this epoch: a
+    /// group written again under its id goes on above it (edges drop
+    /// counts below what they hold).
+    removed_floor: u64,
+}
+
+impl Sums {
+    /// The earliest end of a wait still held.
+    fn wait_again(&mut self) {
+        let by_group = &self.by_group;
+        self.wait_ends = self
+            .waiting
+            .iter()
+            .filter_map(|g| by_group.get(g)?.poll_timeout())
+            .min();
+    }
 }
 
 impl ClusterLink {
@@ -69,7 +87,9 @@ impl ClusterLink {
         let def = self.groups.get(group).1.filter(|d| !d.removed);
         let Some(def) = def else {
             if let Some(o) = self.owners.get_mut(&home) {
-                o.sums.by_group.remove(&group);
+                if let Some(sum) = o.sums.by_group.remove(&group) {
+                    o.sums.removed_floor = o.sums.removed_floor.max(sum.version());
+                }
                 o.sums.waiting.remove(&group);
             }
             return;
@@ -80,7 +100,9 @@ impl ClusterLink {
             .iter()
             .map(|(n, _)| shard_of(n, count))
             .collect();
-        let wait = Millis(u64::try_from(self.settings.request_timeout.as_millis()).unwrap_or(0));
+        let wait = Millis(
+            u64::try_from(self.settings.request_timeout.as_millis()).unwrap_or(u64::MAX / 4),
+        );
         let Some(o) = self.owners.get_mut(&home) else {
             return;
         };
@@ -88,7 +110,8 @@ impl ClusterLink {
             Some(sum) => sum.handle_members(at, members, shards),
             None => {
                 let epoch = Epoch(u32::try_from(o.epoch).unwrap_or(u32::MAX));
-                let sum = GroupSum::new(members, shards, epoch_base(epoch), at.plus(wait));
+                let floor = epoch_base(epoch).max(o.sums.removed_floor);
+                let sum = GroupSum::new(members, shards, floor, at.plus(wait));
                 o.sums.by_group.insert(group, sum);
             }
         }
@@ -160,6 +183,9 @@ impl ClusterLink {
                 true => o.sums.waiting.insert(*group),
                 false => o.sums.waiting.remove(group),
             };
+            if let Some(end) = sum.poll_timeout() {
+                o.sums.wait_ends = Some(o.sums.wait_ends.map_or(end, |e| e.min(end)));
+            }
             let def = self.groups.get(*group).1;
             while let Some(out) = sum.poll_output() {
                 counts.push(match out {
@@ -185,6 +211,9 @@ impl ClusterLink {
                 });
             }
         }
+        if o.sums.waiting.is_empty() {
+            o.sums.wait_ends = None;
+        }
         let epoch = o.epoch;
         if acting == Some(epoch) {
             self.publish_counts(home, epoch, counts);
@@ -192,18 +221,28 @@ impl ClusterLink {
     }
 
     fn publish_counts(&mut self, home: u32, epoch: u64, counts: Vec<GroupCount>) {
-        for chunk in counts.chunks(COUNTS_PER_MESSAGE) {
+        let mut chunks: Vec<Vec<GroupCount>> = Vec::new();
+        let mut bytes = usize::MAX;
+        for c in counts {
+            let size = 40 + c.change.as_ref().map_or(0, |(name, _)| name.len());
+            if bytes.saturating_add(size) > COUNTS_BYTES {
+                chunks.push(Vec::new());
+                bytes = 0;
+            }
+            bytes += size;
+            if let Some(last) = chunks.last_mut() {
+                last.push(c);
+            }
+        }
+        for counts in chunks {
             let msg = GroupCounts {
                 home,
                 epoch,
-                counts: chunk.to_vec(),
+                counts,
             };
-            let payload = encode(&msg);
-            if payload.len() > MAX_MESSAGE {
-                continue; // not with names within the limit
-            }
-            self.outputs
-                .push_back(ClusterOutput::GroupCounts { payload });
+            self.outputs.push_back(ClusterOutput::GroupCounts {
+                payload: encode(&msg),
+            });
             // This node's own edge, in process (the copy NATS brings back
             // is dropped by version).
             self.take_group_counts(msg);
@@ -222,19 +261,24 @@ impl ClusterLink {
             let Some(o) = self.owners.get_mut(&shard) else {
                 continue;
             };
-            let waiting: Vec<u64> = o.sums.waiting.iter().copied().collect();
-            for group in &waiting {
-                if let Some(sum) = o.sums.by_group.get_mut(group) {
-                    sum.handle_timeout(at);
+            if o.sums.wait_ends.is_some_and(|end| end <= at) {
+                let waiting: Vec<u64> = o.sums.waiting.iter().copied().collect();
+                for group in &waiting {
+                    if let Some(sum) = o.sums.by_group.get_mut(group) {
+                        sum.handle_timeout(at);
+                    }
+                }
+                self.drain_sums(shard, &waiting, now);
+                if let Some(o) = self.owners.get_mut(&shard) {
+                    o.sums.wait_again();
                 }
             }
-            if !waiting.is_empty() {
-                self.drain_sums(shard, &waiting, now);
-            }
+            let acting = self.acting_epoch(shard, now);
             let Some(o) = self.owners.get_mut(&shard) else {
                 continue;
             };
-            if o.sums.by_group.is_empty() || o.sums.next_refresh.is_some_and(|t| now < t) {
+            let due = o.sums.next_refresh.is_none_or(|t| now >= t);
+            if o.sums.by_group.is_empty() || !due || acting != Some(o.epoch) {
                 continue;
             }
             o.sums.next_refresh = Some(now + every);
@@ -251,9 +295,7 @@ impl ClusterLink {
                 })
                 .collect();
             let epoch = o.epoch;
-            if self.acting_epoch(shard, now) == Some(epoch) {
-                self.publish_counts(shard, epoch, counts);
-            }
+            self.publish_counts(shard, epoch, counts);
         }
     }
 }

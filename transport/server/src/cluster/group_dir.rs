@@ -105,11 +105,18 @@ pub(super) struct GroupDirectory {
     synced: bool,
     /// Writes in flight, by their output id.
     writes: DetMap<u64, PendingWrite>,
-    /// Group subscribes refused on this node's copy, waiting for a read of
-    /// the group from the store, by the read's id: the request's wait, its
-    /// session, the group, and when the read counts as lost (the I/O
-    /// dropped it).
-    confirms: DetMap<u64, (u64, SessionId, u64, Instant)>,
+    /// Reads of groups from the store that refused subscribes wait for, by
+    /// the read's id (one read in flight per group).
+    confirms: DetMap<u64, Confirm>,
+}
+
+/// A read of a group from the store, and the refused subscribes waiting for
+/// it: each request's wait and session.
+struct Confirm {
+    group: u64,
+    /// The read counts as lost then (the I/O dropped it).
+    lost: Instant,
+    waiting: Vec<(u64, SessionId)>,
 }
 
 impl GroupDirectory {
@@ -351,14 +358,13 @@ impl ClusterLink {
         id: u64,
         read: Result<(u64, Option<GroupDef>), String>,
     ) {
-        if let Some((wait, session, group, _)) = self.groups.confirms.remove(&id) {
+        if let Some(c) = self.groups.confirms.remove(&id) {
             if let Ok((revision @ 1.., def)) = read {
-                self.group_changed(now, at, group, revision, def);
+                self.group_changed(now, at, c.group, revision, def);
             }
             // Whatever the read found, the hub's core now holds at least
-            // what the store held when the subscribe was refused.
-            let again = Finished::GroupSubscribeAgain { session, group };
-            self.finished.push_back((wait, again));
+            // what the store held when the subscribes were refused.
+            self.subscribe_again(c);
             return;
         }
         let Some(w) = self.groups.writes.get(&id) else {
@@ -453,14 +459,23 @@ impl ClusterLink {
             .groups
             .confirms
             .iter()
-            .filter(|(_, c)| c.3 <= now)
+            .filter(|(_, c)| c.lost <= now)
             .map(|(id, _)| *id)
             .collect();
         for id in lost {
-            if let Some((wait, session, group, _)) = self.groups.confirms.remove(&id) {
-                let again = Finished::GroupSubscribeAgain { session, group };
-                self.finished.push_back((wait, again));
+            if let Some(c) = self.groups.confirms.remove(&id) {
+                self.subscribe_again(c);
             }
+        }
+    }
+
+    fn subscribe_again(&mut self, c: Confirm) {
+        for (wait, session) in c.waiting {
+            let again = Finished::GroupSubscribeAgain {
+                session,
+                group: c.group,
+            };
+            self.finished.push_back((wait, again));
         }
     }
 
@@ -505,12 +520,19 @@ impl ClusterLink {
     /// another node, so the group is read from the store, and the request
     /// `wait` is finished with [`Finished::GroupSubscribeAgain`] once this
     /// node holds what the store does (or the read failed).
+    /// Subscribes refused for one group at once share one read.
     pub fn confirm_group(&mut self, now: Instant, wait: u64, session: SessionId, group: u64) {
+        if let Some(c) = self.groups.confirms.values_mut().find(|c| c.group == group) {
+            c.waiting.push((wait, session));
+            return;
+        }
         let id = self.id();
-        let lost = now + self.settings.request_timeout;
-        self.groups
-            .confirms
-            .insert(id, (wait, session, group, lost));
+        let confirm = Confirm {
+            group,
+            lost: now + self.settings.request_timeout,
+            waiting: vec![(wait, session)],
+        };
+        self.groups.confirms.insert(id, confirm);
         self.outputs
             .push_back(ClusterOutput::ReadGroup { id, group });
     }

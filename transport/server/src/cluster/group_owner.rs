@@ -22,9 +22,9 @@
 use super::edge::InFlight;
 use super::owner::{forget_user_if_unknown, Owner};
 use super::wire::{encode, FromOwner, GroupPartial, ToOwner, GROUPS_SINCE};
-use super::{ClusterLink, DetMap, RequestKind, MAX_MESSAGE, RETRY_AFTER};
+use super::{ClusterLink, DetMap, GroupDef, RequestKind, MAX_MESSAGE, RETRY_AFTER};
 use greendot_core::{GroupId, Millis, UserId};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 /// A group's partial goes at most this often while it changes.
@@ -37,10 +37,9 @@ const PARTIALS_BYTES: usize = MAX_MESSAGE / 2;
 /// A slice: each member's name id in the owner's names, with her ordinal.
 pub(super) type Slice = BTreeMap<u64, u32>;
 
-/// When a group's partial goes next, and its last sequence number.
+/// When a group's partial goes next.
 #[derive(Debug, Default)]
 pub(super) struct PartialState {
-    seq: u64,
     last_sent: Option<Instant>,
     due: Option<Instant>,
 }
@@ -52,8 +51,13 @@ impl PartialState {
         let at = self
             .last_sent
             .map_or(now, |last| (last + PARTIAL_EVERY).max(now));
-        self.due = Some(self.due.map_or(at, |due| due.min(at)));
+        earliest(&mut self.due, at);
     }
+}
+
+/// `slot` becomes `at` if that is earlier (or it held none).
+fn earliest(slot: &mut Option<Instant>, at: Instant) {
+    *slot = Some(slot.map_or(at, |t| t.min(at)));
 }
 
 /// The name of `uid` no longer held by a slice: freed if nothing else
@@ -84,20 +88,14 @@ impl ClusterLink {
         if !self.serves_groups() || !self.groups.is_synced() || shards.is_empty() {
             return;
         }
-        let (shard_of, count) = (self.settings.shard_of, self.settings.shard_count);
-        let mut slices: BTreeMap<(u32, u64), Vec<(String, u32)>> = BTreeMap::new();
+        let taken: BTreeSet<u32> = shards.iter().copied().collect();
+        let mut slices = Vec::new();
         for def in self.groups.live_defs() {
-            for (name, ordinal) in &def.members {
-                let shard = shard_of(name, count);
-                if shards.contains(&shard) {
-                    slices
-                        .entry((shard, def.group))
-                        .or_default()
-                        .push((name.clone(), *ordinal));
-                }
+            for (shard, slice) in self.slices_of(def, |s| taken.contains(&s)) {
+                slices.push((shard, def.group, slice));
             }
         }
-        for ((shard, group), slice) in slices {
+        for (shard, group, slice) in slices {
             self.set_slice(shard, group, slice, at);
         }
         for &shard in shards {
@@ -111,20 +109,38 @@ impl ClusterLink {
         if !self.serves_groups() || !self.groups.is_synced() {
             return;
         }
-        let (shard_of, count) = (self.settings.shard_of, self.settings.shard_count);
         let mut slices: BTreeMap<u32, Vec<(String, u32)>> =
             self.owners.keys().map(|s| (*s, Vec::new())).collect();
         if let (_, Some(def)) = self.groups.get(group) {
-            for (name, ordinal) in def.members.iter().filter(|_| !def.removed) {
-                if let Some(slice) = slices.get_mut(&shard_of(name, count)) {
-                    slice.push((name.clone(), *ordinal));
-                }
+            if !def.removed {
+                slices.extend(self.slices_of(def, |s| self.owners.contains_key(&s)));
             }
         }
         for (shard, slice) in slices {
             self.set_slice(shard, group, slice, at);
             self.note_changed_groups(shard, now);
         }
+    }
+
+    /// The members of `def` in each shard `wanted` picks (those with any),
+    /// with their ordinals.
+    fn slices_of(
+        &self,
+        def: &GroupDef,
+        wanted: impl Fn(u32) -> bool,
+    ) -> BTreeMap<u32, Vec<(String, u32)>> {
+        let (shard_of, count) = (self.settings.shard_of, self.settings.shard_count);
+        let mut slices: BTreeMap<u32, Vec<(String, u32)>> = BTreeMap::new();
+        for (name, ordinal) in &def.members {
+            let shard = shard_of(name, count);
+            if wanted(shard) {
+                slices
+                    .entry(shard)
+                    .or_default()
+                    .push((name.clone(), *ordinal));
+            }
+        }
+        slices
     }
 
     /// Writes the slice of `group` into the core of `shard`'s owner.
@@ -244,38 +260,44 @@ impl ClusterLink {
                 let Some(o) = self.owners.get_mut(&shard) else {
                     continue;
                 };
-                let Some(slice) = o.slices.get(&group) else {
-                    // Not in the shard any more: its last partial (empty,
-                    // sent when the slice went) stands.
-                    o.partials.remove(&group);
-                    continue;
+                // A slice gone from the shard sends an empty partial once,
+                // which replaces its last at the sum.
+                let mut online: Vec<u32> = match o.slices.get(&group) {
+                    Some(slice) => o
+                        .core
+                        .group_online(GroupId(group))
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|u| slice.get(&u.0).copied())
+                        .collect(),
+                    None => Vec::new(),
                 };
-                let mut online: Vec<u32> = o
-                    .core
-                    .group_online(GroupId(group))
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|u| slice.get(&u.0).copied())
-                    .collect();
                 online.sort_unstable();
-                let p = o.partials.entry(group).or_default();
-                p.due = None;
-                p.seq += 1;
-                p.last_sent = Some(now);
+                if o.slices.contains_key(&group) {
+                    let p = o.partials.entry(group).or_default();
+                    p.due = None;
+                    p.last_sent = Some(now);
+                } else {
+                    o.partials.remove(&group);
+                }
+                // One sequence for all of the owner's partials in its
+                // epoch: a slice that empties and comes back goes on above.
+                o.partial_seq += 1;
                 by_home.entry(home).or_default().push(GroupPartial {
                     group,
                     shard,
                     epoch: o.epoch,
-                    seq: p.seq,
+                    seq: o.partial_seq,
                     online,
                 });
             }
         }
-        // Those not sent (a record being read, a claim lapsing) stay due.
+        // Those of owners that can send stay due; an owner reading its
+        // predecessor's record asks again once it is read.
         let next = self
             .owners
-            .keys()
-            .filter_map(|s| self.owners.get(s))
+            .values()
+            .filter(|o| !o.reading_record)
             .flat_map(|o| o.partials.values().filter_map(|p| p.due))
             .min();
         if let Some(next) = next {
@@ -308,22 +330,20 @@ impl ClusterLink {
     pub(super) fn partials_failed<P: PartialKey>(&mut self, sent: &[P], now: Instant) {
         for p in sent {
             let (shard, group) = p.key();
-            if let Some(state) = self
-                .owners
-                .get_mut(&shard)
-                .filter(|o| o.slices.contains_key(&group))
-                .and_then(|o| o.partials.get_mut(&group))
-            {
-                let retry = now + RETRY_AFTER;
-                state.due = Some(state.due.map_or(retry, |d| d.min(retry)));
+            // Also a slice gone since: its empty partial goes again.
+            if let Some(o) = self.owners.get_mut(&shard) {
+                earliest(
+                    &mut o.partials.entry(group).or_default().due,
+                    now + RETRY_AFTER,
+                );
             }
         }
         self.partial_due_by(now + RETRY_AFTER);
     }
 
     /// Some partial is due at `at` or before: the tick sends it.
-    fn partial_due_by(&mut self, at: Instant) {
-        self.partials_next = Some(self.partials_next.map_or(at, |t| t.min(at)));
+    pub(super) fn partial_due_by(&mut self, at: Instant) {
+        earliest(&mut self.partials_next, at);
     }
 }
 

@@ -114,6 +114,8 @@ pub(super) struct Owner {
     pub(super) partials: Partials,
     /// The sums of the groups whose home shard this is (`group_agg`).
     pub(super) sums: Sums,
+    /// The last partial's sequence number in this epoch (`group_owner`).
+    pub(super) partial_seq: u64,
 }
 
 /// Where an owner's answer goes.
@@ -289,6 +291,7 @@ impl ClusterLink {
                     slices: DetMap::default(),
                     partials: Partials::default(),
                     sums: Sums::default(),
+                    partial_seq: 0,
                 },
             );
             // The previous owner's devices: restored as lingering, so that
@@ -585,6 +588,11 @@ impl ClusterLink {
             return;
         };
         o.reading_record = false;
+        // Its partials, held while the record was read, may go now.
+        self.partial_due_by(now);
+        let Some(o) = self.owners.get_mut(&shard) else {
+            return;
+        };
         let mut users = Vec::new();
         for d in devices {
             if shard_of(&d.user, count) != shard || o.loaded.contains(&d.user) {

@@ -362,3 +362,25 @@ fn a_session_record_lists_group_subscriptions_from_protocol_4() {
         );
     }
 }
+
+/// A shard's slice that empties (its only member left the group) and comes
+/// back (another user of the shard joined) is counted again: the owner's
+/// partials rise in one sequence across its groups, so the new slice's
+/// first partial is above the last one the sum took for the shard.
+#[test]
+fn a_slice_that_empties_and_comes_back_is_counted() {
+    let mut bus = summed();
+    // carl, alone in shard 0, leaves the group.
+    bus.define(3_000, 2, &def(2, &["ann", "bo", "dave1"]));
+    bus.pass(3_000, 6_000);
+    assert_eq!(bus.fed(0).last().map(|f| f.1), Some(2));
+    // cyd1 (shard 0 too) joins, and connects at a.
+    let mut with_cyd = def(3, &["ann", "bo", "dave1"]);
+    with_cyd.members.push(("cyd1".into(), 4));
+    with_cyd.next_ordinal = 5;
+    bus.define(6_000, 3, &with_cyd);
+    bus.connect(6_000, 0, 4, "cyd1");
+    bus.pass(6_000, 9_000);
+    let fed = bus.fed(0);
+    assert_eq!(fed.last().map(|f| f.1), Some(3), "{fed:?}");
+}

@@ -303,9 +303,7 @@ impl ServerState {
         let Some(c) = self.cluster.as_deref_mut() else {
             return;
         };
-        // Past it the answer goes anyway (the subscription holds here; a
-        // resume elsewhere would miss it), before the ticket's backstop.
-        let deadline = backstop - Duration::from_secs(1);
+        let deadline = recorded_by(backstop);
         match c.group_subscription_changed(session, group, subscribed, (wait, answer, deadline)) {
             Some(answer) => {
                 self.tickets.remove(&wait);
@@ -500,7 +498,7 @@ impl ServerState {
             Some(ServerFrame::Reply { result: Err(e), .. }) => return Some(Finished::Failed(e)),
             _ => return Some(Finished::Done),
         };
-        let deadline = self.tickets.get(&wait)?.deadline() - Duration::from_secs(1);
+        let deadline = recorded_by(self.tickets.get(&wait)?.deadline());
         let c = self.cluster.as_deref_mut()?;
         c.group_subscription_changed(session, group, true, (wait, answer, deadline))
             .map(Finished::Answer)
@@ -620,4 +618,13 @@ fn reply(id: u64, result: Result<proto::Answer, proto::WireError>) -> Handled {
         reply: Some(ServerFrame::Reply { id, result }),
         ..Handled::default()
     }
+}
+
+/// When a group subscription's answer goes even if its record has not
+/// landed (the subscription holds here; a resume elsewhere would miss it):
+/// before the ticket's backstop answers it with the hub's answer alone.
+fn recorded_by(backstop: Instant) -> Instant {
+    backstop
+        .checked_sub(Duration::from_secs(1))
+        .unwrap_or(backstop)
 }

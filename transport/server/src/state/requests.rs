@@ -110,14 +110,7 @@ impl ServerState {
             // across the cluster; member pages need every node's views,
             // which the hub's core does not hold (docs/groups.md).
             let fed = self.cluster.as_ref().is_some_and(|c| c.serves_groups());
-            let subscription = matches!(
-                &step,
-                Step::Request {
-                    request: proto::Request::GroupSubscribe { .. }
-                        | proto::Request::GroupUnsubscribe { .. },
-                    ..
-                }
-            );
+            let subscription = group_subscription(&step).is_some();
             if let (
                 false,
                 Step::Request {
@@ -166,20 +159,8 @@ impl ServerState {
             Step::Refresh { session, .. } => Some(*session),
             _ => None,
         };
-        // A group subscription in a cluster: (session, group, subscribe?).
-        let group_sub = match (&step, self.cluster.as_ref()) {
-            (
-                Step::Request {
-                    session, request, ..
-                },
-                Some(c),
-            ) if c.serves_groups() => match request {
-                proto::Request::GroupSubscribe { group } => Some((*session, *group, true)),
-                proto::Request::GroupUnsubscribe { group } => Some((*session, *group, false)),
-                _ => None,
-            },
-            _ => None,
-        };
+        let fed = self.cluster.as_ref().is_some_and(|c| c.serves_groups());
+        let group_sub = group_subscription(&step).filter(|_| fed);
         let mut handled = self.hub.apply(at, step);
         if let Some((session, group, subscribe)) = group_sub {
             let refused = match &handled.reply {
@@ -353,5 +334,20 @@ impl ServerState {
         if let Flushed::Close(code, text) = conn.session.write_answers(&mut conn.link) {
             self.close(ch, now, code, &text);
         }
+    }
+}
+
+/// A group subscribe or unsubscribe: (session, group, subscribe?).
+fn group_subscription(step: &Step) -> Option<(SessionId, u64, bool)> {
+    let Step::Request {
+        session, request, ..
+    } = step
+    else {
+        return None;
+    };
+    match request {
+        proto::Request::GroupSubscribe { group } => Some((*session, *group, true)),
+        proto::Request::GroupUnsubscribe { group } => Some((*session, *group, false)),
+        _ => None,
     }
 }
