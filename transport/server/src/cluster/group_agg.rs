@@ -17,6 +17,7 @@
 //! every shard holding members, or for the request timeout, before it
 //! tells a count (the owners send theirs on its resync request).
 
+use super::group_owner::batches;
 use super::wire::{encode, FromOwner, GroupCount, GroupCounts, GroupPartial};
 use super::{ClusterLink, ClusterOutput, MAX_MESSAGE};
 use greendot_core::cluster::epoch_base;
@@ -221,19 +222,8 @@ impl ClusterLink {
     }
 
     fn publish_counts(&mut self, home: u32, epoch: u64, counts: Vec<GroupCount>) {
-        let mut chunks: Vec<Vec<GroupCount>> = Vec::new();
-        let mut bytes = usize::MAX;
-        for c in counts {
-            let size = 40 + c.change.as_ref().map_or(0, |(name, _)| name.len());
-            if bytes.saturating_add(size) > COUNTS_BYTES {
-                chunks.push(Vec::new());
-                bytes = 0;
-            }
-            bytes += size;
-            if let Some(last) = chunks.last_mut() {
-                last.push(c);
-            }
-        }
+        let size = |c: &GroupCount| 40 + c.change.as_ref().map_or(0, |(name, _)| name.len());
+        let chunks = batches(counts, COUNTS_BYTES, size);
         for counts in chunks {
             let msg = GroupCounts {
                 home,
@@ -256,7 +246,19 @@ impl ClusterLink {
             return;
         }
         let every = Duration::from_millis(self.owner_config.group_interval.0);
-        let shards: Vec<u32> = self.owners.keys().copied().collect();
+        // Only the owners with a wait ended or a refresh due: one handed out
+        // mutably is indexed again (its core's timers), every tick.
+        let shards: Vec<u32> = self
+            .owners
+            .iter()
+            .filter(|(_, o)| {
+                let s = &o.sums;
+                !s.by_group.is_empty()
+                    && (s.wait_ends.is_some_and(|end| end <= at)
+                        || s.next_refresh.is_none_or(|t| now >= t))
+            })
+            .map(|(s, _)| *s)
+            .collect();
         for shard in shards {
             let Some(o) = self.owners.get_mut(&shard) else {
                 continue;

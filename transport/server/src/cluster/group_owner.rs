@@ -225,6 +225,9 @@ impl ClusterLink {
                 .into_iter()
                 .filter(|g| self.home_shard(*g) == home)
                 .collect();
+            if homed.is_empty() {
+                continue;
+            }
             if let Some(o) = self.owners.get_mut(&shard) {
                 for group in homed {
                     o.partials.entry(group).or_default().mark(now);
@@ -304,15 +307,17 @@ impl ClusterLink {
             self.partial_due_by(next.max(now + super::TICK));
         }
         for (home, parts) in by_home {
-            for batch in batches(parts) {
+            // An ordinal is at most 5 bytes, the rest of a partial at most 40.
+            let cut = batches(parts, PARTIALS_BYTES, |p| 40 + 5 * p.online.len());
+            for batch in cut {
+                let sent: Vec<(u32, u64)> = batch.iter().map(|p| (p.shard, p.group)).collect();
                 if self.owners.contains_key(&home) {
-                    let answer = self.take_partials(home, batch.clone(), now, at);
+                    let answer = self.take_partials(home, batch, now, at);
                     if !matches!(answer, FromOwner::Done { .. }) {
-                        self.partials_failed(&batch, now);
+                        self.partials_failed(&sent, now);
                     }
                     continue;
                 }
-                let sent: Vec<(u32, u64)> = batch.iter().map(|p| (p.shard, p.group)).collect();
                 let payload = encode(&ToOwner::GroupPartials { parts: batch });
                 self.request(
                     now,
@@ -327,9 +332,8 @@ impl ClusterLink {
 
     /// The home owner did not take these partials (no owner yet, not
     /// synced, or no answer): sent again, with the latest sets.
-    pub(super) fn partials_failed<P: PartialKey>(&mut self, sent: &[P], now: Instant) {
-        for p in sent {
-            let (shard, group) = p.key();
+    pub(super) fn partials_failed(&mut self, sent: &[(u32, u64)], now: Instant) {
+        for &(shard, group) in sent {
             // Also a slice gone since: its empty partial goes again.
             if let Some(o) = self.owners.get_mut(&shard) {
                 earliest(
@@ -347,37 +351,20 @@ impl ClusterLink {
     }
 }
 
-/// What names a partial for a retry: its shard and group.
-pub(super) trait PartialKey {
-    fn key(&self) -> (u32, u64);
-}
-
-impl PartialKey for GroupPartial {
-    fn key(&self) -> (u32, u64) {
-        (self.shard, self.group)
-    }
-}
-
-impl PartialKey for (u32, u64) {
-    fn key(&self) -> (u32, u64) {
-        *self
-    }
-}
-
-/// Partials cut into requests under [`PARTIALS_BYTES`] each (an ordinal is
-/// at most 5 bytes, the rest of a partial at most 40).
-fn batches(parts: Vec<GroupPartial>) -> Vec<Vec<GroupPartial>> {
-    let mut out: Vec<Vec<GroupPartial>> = Vec::new();
+/// `items` cut into runs of at most `limit` bytes by `size`'s estimate (an
+/// item larger than the limit goes alone).
+pub(super) fn batches<T>(items: Vec<T>, limit: usize, size: impl Fn(&T) -> usize) -> Vec<Vec<T>> {
+    let mut out: Vec<Vec<T>> = Vec::new();
     let mut bytes = usize::MAX;
-    for p in parts {
-        let size = 40 + 5 * p.online.len();
-        if bytes.saturating_add(size) > PARTIALS_BYTES {
+    for item in items {
+        let n = size(&item);
+        if bytes.saturating_add(n) > limit {
             out.push(Vec::new());
             bytes = 0;
         }
-        bytes += size;
+        bytes += n;
         if let Some(last) = out.last_mut() {
-            last.push(p);
+            last.push(item);
         }
     }
     out

@@ -297,21 +297,10 @@ impl ServerState {
             return self.answer(ch, now, handled);
         };
         let (id, answer) = (*id, answer.clone());
-        let Some((wait, backstop)) = self.cluster_ticket(ch, now, handled) else {
-            return;
-        };
-        let Some(c) = self.cluster.as_deref_mut() else {
-            return;
-        };
-        let deadline = recorded_by(backstop);
-        match c.group_subscription_changed(session, group, subscribed, (wait, answer, deadline)) {
-            Some(answer) => {
-                self.tickets.remove(&wait);
-                self.ticket_deadlines.remove(&(backstop, wait));
-                self.answer(ch, now, reply(id, Ok(answer)));
-            }
-            None => self.hold_for(ch, wait),
-        }
+        let deadline = recorded_by(self.cluster_backstop(now));
+        self.cluster_ask_holding(ch, now, (id, handled), |c, wait| {
+            c.group_subscription_changed(session, group, subscribed, (wait, answer, deadline))
+        });
     }
 
     /// A resume's record named the session: what the new credentials still
@@ -467,13 +456,13 @@ impl ServerState {
         (session, group): (SessionId, u64),
         handled: Handled,
     ) {
-        let Some((wait, _)) = self.cluster_ticket(ch, now, handled) else {
-            return;
+        let Some(ServerFrame::Reply { id, .. }) = handled.reply else {
+            return self.answer(ch, now, handled);
         };
-        if let Some(c) = self.cluster.as_deref_mut() {
+        self.cluster_ask_holding(ch, now, (id, handled), |c, wait| {
             c.confirm_group(now, wait, session, group);
-        }
-        self.hold_for(ch, wait);
+            None
+        });
     }
 
     /// The subscribe of a refusal being confirmed, once this node holds the
@@ -543,8 +532,19 @@ impl ServerState {
         id: u64,
         ask: impl FnOnce(&mut ClusterLink, u64) -> Option<proto::Answer>,
     ) {
+        let held = reply(id, Ok(proto::Answer::Done));
+        self.cluster_ask_holding(ch, now, (id, held), ask);
+    }
+
+    /// [`ServerState::cluster_ask`], answering `held` at the backstop.
+    fn cluster_ask_holding(
+        &mut self,
+        ch: usize,
+        now: Instant,
+        (id, held): (u64, Handled),
+        ask: impl FnOnce(&mut ClusterLink, u64) -> Option<proto::Answer>,
+    ) {
         let reply = |result| reply(id, result);
-        let held = reply(Ok(proto::Answer::Done));
         let Some((wait, backstop)) = self.cluster_ticket(ch, now, held) else {
             return;
         };
