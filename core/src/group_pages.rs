@@ -17,6 +17,7 @@ use crate::engine::Core;
 use crate::error::Error;
 use crate::groups::GroupId;
 use crate::types::{Millis, Presence, SessionId, UserId};
+use std::collections::BTreeSet;
 use std::ops::Bound;
 
 /// Where a page starts: after this entry of the list.
@@ -57,8 +58,32 @@ impl Core {
         self.page_request(now, id, group, from, limit, false)
     }
 
+    /// A page read elsewhere, for a core whose counts are fed (a cluster's
+    /// edge): the aggregator of the group holds who is online, so this core
+    /// checks the session, its membership and the page budget as for a page
+    /// of its own, spends the token, and returns the limit to ask for.
+    /// `Error::NotAllowed` when counts are not fed. Watched pages are not
+    /// served this way.
+    pub fn handle_fed_group_page(
+        &mut self,
+        now: Millis,
+        id: SessionId,
+        group: GroupId,
+        limit: usize,
+    ) -> Result<usize, Error> {
+        if !self.groups.fed {
+            return Err(Error::NotAllowed);
+        }
+        let (id, limit, _) = self.page_checks(now, id, group, limit)?;
+        let budget = self.page_budget(id, group)?;
+        self.groups.watches.budgets.insert((id, group), budget);
+        Ok(limit)
+    }
+
     /// A page, watched or not: membership, then the budget, then the watch
     /// limits, all before the page is read; nothing is stored on an error.
+    /// A core whose counts are fed holds no one's view but its own users',
+    /// so it reads no page (`Error::NotAllowed`).
     pub(crate) fn page_request(
         &mut self,
         now: Millis,
@@ -68,18 +93,10 @@ impl Core {
         limit: usize,
         watch: bool,
     ) -> Result<GroupPage, Error> {
-        self.advance(now);
-        let id = self.online(id)?;
-        let user = self.session_user(id).ok_or(Error::Stale)?;
-        let members = self
-            .groups
-            .groups
-            .get(&group)
-            .filter(|g| g.members.binary_search(&user).is_ok())
-            .ok_or(Error::NotMember)?
-            .members
-            .len();
-        let limit = limit.clamp(1, self.config.group_page_size);
+        if self.groups.fed {
+            return Err(Error::NotAllowed);
+        }
+        let (id, limit, members) = self.page_checks(now, id, group, limit)?;
         let budget = self.page_budget(id, group)?;
         let renewed = if watch {
             self.watch_room(id, group, from, limit.min(members))?
@@ -94,53 +111,45 @@ impl Core {
         Ok(page)
     }
 
+    /// The session (Online, of a member of `group`), the limit capped by
+    /// the page size, and the group's members.
+    fn page_checks(
+        &mut self,
+        now: Millis,
+        id: SessionId,
+        group: GroupId,
+        limit: usize,
+    ) -> Result<(SessionId, usize, usize), Error> {
+        self.advance(now);
+        let id = self.online(id)?;
+        let user = self.session_user(id).ok_or(Error::Stale)?;
+        let members = self
+            .groups
+            .groups
+            .get(&group)
+            .filter(|g| g.members.binary_search(&user).is_ok())
+            .ok_or(Error::NotMember)?
+            .members
+            .len();
+        Ok((id, limit.clamp(1, self.config.group_page_size), members))
+    }
+
     fn read_page(&self, group: GroupId, from: Option<PageCursor>, limit: usize) -> GroupPage {
         let g = &self.groups.groups[&group];
-        // One more than asked, to know whether a next page exists.
-        let mut picked: Vec<(bool, UserId)> = Vec::with_capacity(limit + 1);
-        let offline_from = match from {
-            Some(PageCursor {
-                online: false,
-                after,
-            }) => Bound::Excluded(after),
-            _ => {
-                let start = match from {
-                    Some(c) => Bound::Excluded(c.after),
-                    None => Bound::Unbounded,
-                };
-                picked.extend(
-                    g.online
-                        .range((start, Bound::Unbounded))
-                        .take(limit + 1)
-                        .map(|&u| (true, u)),
-                );
-                Bound::Unbounded
-            }
-        };
-        if picked.len() <= limit {
-            let start = match offline_from {
-                Bound::Excluded(after) => g.members.partition_point(|&m| m <= after),
-                _ => 0,
-            };
-            let room = limit + 1 - picked.len();
-            picked.extend(
-                g.members[start..]
-                    .iter()
-                    .filter(|m| !g.online.contains(m))
-                    .take(room)
-                    .map(|&u| (false, u)),
-            );
-        }
-        let more = picked.len() > limit;
-        picked.truncate(limit);
-        let next = more.then(|| {
-            let &(online, after) = picked.last().expect("limit is at least 1");
-            PageCursor { online, after }
-        });
+        let (picked, next) = pick_page(
+            &g.online,
+            |after| {
+                let start = after.map_or(0, |a| g.members.partition_point(|&m| m <= a));
+                g.members[start..].iter().copied()
+            },
+            from.map(|c| (c.online, c.after)),
+            limit,
+        );
+        let next = next.map(|(online, after)| PageCursor { online, after });
         let (version, count) = (g.version, g.count);
         let entries = picked
             .into_iter()
-            .map(|(_, u)| (u, self.presence(u)))
+            .map(|(u, _)| (u, self.presence(u)))
             .collect();
         GroupPage {
             group,
@@ -150,4 +159,56 @@ impl Core {
             next,
         }
     }
+}
+
+/// The keys of one page: up to `limit` (at least 1) of the members online
+/// after `from` (by key), then of the others, each with whether it was
+/// taken from the online section; and the cursor of the next page, `None`
+/// on the last. `members_after(a)` lists every member above `a` (`None`:
+/// all) in order; `online` is a subset of the members. Shared by one
+/// node's pages and a cluster's aggregator, whose keys are ordinals.
+pub(crate) fn pick_page<M, I>(
+    online: &BTreeSet<M>,
+    members_after: impl FnOnce(Option<M>) -> I,
+    from: Option<(bool, M)>,
+    limit: usize,
+) -> (Vec<(M, bool)>, Option<(bool, M)>)
+where
+    M: Ord + Copy,
+    I: Iterator<Item = M>,
+{
+    let limit = limit.max(1);
+    // One more than asked, to know whether a next page exists.
+    let mut picked: Vec<(M, bool)> = Vec::with_capacity(limit + 1);
+    let offline_after = match from {
+        Some((false, after)) => Some(after),
+        _ => {
+            let start = match from {
+                Some((_, after)) => Bound::Excluded(after),
+                None => Bound::Unbounded,
+            };
+            picked.extend(
+                online
+                    .range((start, Bound::Unbounded))
+                    .take(limit + 1)
+                    .map(|&m| (m, true)),
+            );
+            None
+        }
+    };
+    if picked.len() <= limit {
+        let room = limit + 1 - picked.len();
+        picked.extend(
+            members_after(offline_after)
+                .filter(|m| !online.contains(m))
+                .take(room)
+                .map(|m| (m, false)),
+        );
+    }
+    let more = picked.len() > limit;
+    picked.truncate(limit);
+    let next = more
+        .then(|| picked.last().map(|&(m, online)| (online, m)))
+        .flatten();
+    (picked, next)
 }

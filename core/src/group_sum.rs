@@ -29,6 +29,7 @@
 use crate::group_fed::FED_VERSION_STEP;
 use crate::types::Millis;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::ops::Bound;
 
 /// What the aggregator sends the edges, in order.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -76,6 +77,25 @@ pub struct GroupSum<M: Ord + Clone> {
     outputs: VecDeque<SumOutput<M>>,
     #[cfg(feature = "mutants")]
     mutant: Option<SumMutant>,
+}
+
+impl<M: Ord + Copy> GroupSum<M> {
+    /// The keys of a member page by the latest partials: up to `limit` of
+    /// the members online after `from`, then of the others, in key order,
+    /// each with whether it is online, and the next page's cursor (`None`
+    /// on the last). The same order as one node's pages (the
+    /// `group_pages` module), over the aggregator's keys.
+    pub fn page(
+        &self,
+        from: Option<(bool, M)>,
+        limit: usize,
+    ) -> (Vec<(M, bool)>, Option<(bool, M)>) {
+        let after = |a: Option<M>| {
+            let start = a.map_or(Bound::Unbounded, Bound::Excluded);
+            self.members.range((start, Bound::Unbounded)).copied()
+        };
+        crate::group_pages::pick_page(&self.online, after, from, limit)
+    }
 }
 
 impl<M: Ord + Clone> GroupSum<M> {

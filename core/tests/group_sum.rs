@@ -378,3 +378,36 @@ fn a_new_aggregator_waits_for_every_shard_or_its_deadline() {
         })
     );
 }
+
+/// The aggregator's pages list the members online by the latest partials
+/// first, then the others, each section by key, every member exactly once
+/// across the pages, and a cursor stays valid when a member joins before
+/// it.
+#[test]
+fn the_sums_pages_list_online_members_first_and_each_member_once() {
+    let members: BTreeSet<u32> = (0..10).collect();
+    let mut sum = GroupSum::new(members, [0, 1].into(), 0, Millis(500));
+    assert!(sum.handle_partial(Millis(0), 0, 1, 1, [2, 7].into()));
+    assert!(sum.handle_partial(Millis(0), 1, 1, 1, [5].into()));
+    let mut listed = Vec::new();
+    let mut from = None;
+    loop {
+        let (keys, next) = sum.page(from, 3);
+        assert!(!keys.is_empty() && keys.len() <= 3, "{keys:?}");
+        listed.extend(keys);
+        match next {
+            Some(c) => from = Some(c),
+            None => break,
+        }
+    }
+    let online = [(2, true), (5, true), (7, true)];
+    let offline = [0, 1, 3, 4, 6, 8, 9].map(|m| (m, false));
+    let expected: Vec<(u32, bool)> = online.into_iter().chain(offline).collect();
+    assert_eq!(listed, expected);
+    // The cursor after 3 (offline) goes on at 4, whoever joined below it.
+    let members: BTreeSet<u32> = (0..12).collect();
+    sum.handle_members(Millis(1), members, [0, 1].into());
+    assert_eq!(sum.page(Some((false, 3)), 2), (vec![(4, false), (6, false)], Some((false, 6))));
+    // A limit of 0 lists one.
+    assert_eq!(sum.page(None, 0).0, vec![(2, true)]);
+}

@@ -156,7 +156,7 @@ fn group_counts_hold_g1_to_g4_through_faults() {
 fn group_subscriptions_are_refused_at_protocol_3() {
     let mut options = Options::new(0, STEPS);
     options.groups = true;
-    options.protocol = greendot_cluster::PROTOCOL_VERSION - 1;
+    options.protocol = 3;
     let report = run(options).unwrap_or_else(|f| panic!("{f}"));
     assert_eq!(report.group_judged, 0);
     assert!(report.welcomes > 0);

@@ -4,7 +4,8 @@
 //! an expected version that moved on is refused as on one node, and a group
 //! written again after its removal goes on above its version. A group's
 //! count is summed across the nodes, and is exact again after `kill -9` of
-//! the node that sums it.
+//! the node that sums it; its member pages list the members online across
+//! the nodes first, before and after that kill.
 
 mod support;
 #[path = "support/three.rs"]
@@ -120,13 +121,38 @@ async fn counts_during(updates: &mut Updates, window: Duration) -> Vec<u32> {
     counts
 }
 
+/// Every page of group 7, `limit` entries at a time: (name, online).
+async fn pages_of(client: &greendot_client::Client, limit: u32) -> Vec<(String, bool)> {
+    let mut entries = Vec::new();
+    let mut after = None;
+    loop {
+        let page = client.group_page(7, after, limit).await.unwrap();
+        assert!(page.entries.len() <= limit as usize, "{page:?}");
+        let listed = page.entries.iter().map(|(user, p)| (user.clone(), p.online));
+        entries.extend(listed);
+        match page.next {
+            Some(next) => after = Some(next),
+            None => return entries,
+        }
+    }
+}
+
+/// `online` then `offline`, as pages list them.
+fn listed(online: &[&str], offline: &[&str]) -> Vec<(String, bool)> {
+    let on = online.iter().map(|n| (n.to_string(), true));
+    on.chain(offline.iter().map(|n| (n.to_string(), false)))
+        .collect()
+}
+
 /// A group's members are counted across the three nodes wherever they
 /// are connected and wherever their shards are owned: a member sees the
 /// count on the batched stream, the admin each change in realtime, an
 /// invisible member is not counted, and after `kill -9` of the node that
 /// sums the group (the owner of its home shard) the count is exact again:
 /// the member connected there is gone, and a logout after it is counted.
-/// Member pages are still answered `Unsupported`, saying why.
+/// Member pages list the members online first (eve, invisible, among the
+/// others), before and after the kill; a watched page is still answered
+/// `Unsupported`, saying why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_groups_count_is_exact_across_nodes_and_after_kill_9_of_its_summing_node() {
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
@@ -190,8 +216,13 @@ async fn a_groups_count_is_exact_across_nodes_and_after_kill_9_of_its_summing_no
     let refused = zed.group_subscribe(7).await.unwrap_err();
     assert_eq!(refused.code(), Some(ErrorCode::NotMember), "{refused}");
     zed.ping().await.unwrap();
-    // Pages need every node's views: refused, saying why; the session goes on.
-    let refused = bob.group_page(7, None, 10).await.unwrap_err();
+    // Pages of three, online members first, each section by the order of
+    // their joining; eve is invisible, so offline.
+    let online = ["ann", "bob", "cy", "dee", "kim", "lee"];
+    assert_eq!(pages_of(&bob, 3).await, listed(&online, &["eve"]));
+    // A watched page needs every node's views: refused, saying why; the
+    // session goes on.
+    let refused = bob.group_watch_page(7, None, 10).await.unwrap_err();
     assert_eq!(refused.code(), Some(ErrorCode::Unsupported), "{refused}");
     assert!(refused.to_string().contains("single node"), "{refused}");
 
@@ -227,6 +258,9 @@ async fn a_groups_count_is_exact_across_nodes_and_after_kill_9_of_its_summing_no
     // grace; the home shard's next owner sums again from the partials.
     let failover = LEASE_TTL * 2 + GRACE + DEBOUNCE + Duration::from_secs(4) + SLACK;
     count_until(&mut member, failover, "kim gone", 5).await;
+    // The home shard's next owner answers pages: kim is offline.
+    let online = ["ann", "bob", "cy", "dee", "lee"];
+    assert_eq!(pages_of(&bob, 4).await, listed(&online, &["eve", "kim"]));
     dee.logout().await.unwrap();
     count_until(&mut member, settle, "dee gone", 4).await;
     count_until(&mut lee_counts, settle, "dee gone, at lee", 4).await;

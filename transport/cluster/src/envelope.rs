@@ -45,7 +45,11 @@ use ring::hmac;
 /// to the owner of the group's home shard (a request a node of version 3
 /// cannot decode), which publishes the sums on `<prefix>.groups`; nodes
 /// sending 3 send neither and serve no group subscription.
-pub const PROTOCOL_VERSION: u8 = 4;
+///
+/// Version 5: member pages across nodes. An edge asks the owner of the
+/// group's home shard for a page's keys (a request a node of version 4
+/// cannot decode); nodes sending 4 serve no member page.
+pub const PROTOCOL_VERSION: u8 = 5;
 
 /// The version byte of sealed KV records ([`Envelope::seal_record`]): never
 /// a protocol version, which count up from 1.

@@ -168,6 +168,25 @@ impl Hub {
         }))
     }
 
+    /// A member page read by the cluster (counts fed): checks the session,
+    /// its membership and its page budget as for a page of its own, spends
+    /// the token, and returns how many entries to ask for.
+    pub fn fed_group_page(
+        &mut self,
+        now: Millis,
+        session: SessionId,
+        group: u64,
+        limit: u32,
+    ) -> Result<u32, WireError> {
+        let limit = usize::try_from(limit)
+            .unwrap_or(usize::MAX)
+            .min(self.page_entries_that_fit());
+        let limit = self
+            .core
+            .handle_fed_group_page(now, session, GroupId(group), limit)?;
+        Ok(u32::try_from(limit).unwrap_or(u32::MAX))
+    }
+
     /// How many entries a member page may hold so that its answer always
     /// fits the server frames clients accept (`proto::MAX_SERVER_FRAME`),
     /// every entry at its largest: the longest name, the longest status

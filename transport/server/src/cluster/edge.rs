@@ -176,6 +176,10 @@ pub(super) enum InFlight {
     Partials {
         sent: Vec<(u32, u64)>,
     },
+    /// The keys of a member page, asked of the group's aggregator.
+    PageKeys {
+        wait: u64,
+    },
 }
 
 fn owner_late() -> WireError {
@@ -610,6 +614,7 @@ impl ClusterLink {
             | Some(FromOwner::Snapshot { .. })
             | Some(FromOwner::Route(_))
             | Some(FromOwner::Loading)
+            | Some(FromOwner::GroupPageKeys { .. })
             | None => {
                 self.counters.retries += 1;
                 d.not_before = Some(now + RETRY_AFTER);
@@ -669,6 +674,11 @@ impl ClusterLink {
         });
         match what {
             InFlight::Device { session, rid } => self.device_answer(session, rid, answer, now, at),
+            InFlight::PageKeys { wait } => {
+                if let Some(answer) = self.page_keys_answer(wait, answer, now, at) {
+                    self.finished.push_back((wait, Finished::Answer(answer)));
+                }
+            }
             InFlight::Partials { sent } => {
                 if !matches!(answer, Some(FromOwner::Done { .. })) {
                     self.counters.retries += 1;

@@ -1,5 +1,6 @@
 //! The edge's subscribes (and a resume's carry-over): snapshots from the
-//! targets' owners, then subscribed in the fanout.
+//! targets' owners, then subscribed in the fanout. Queries and member
+//! pages read the same snapshots and subscribe nothing.
 
 use super::edge::InFlight;
 use super::owner::note_idle;
@@ -19,6 +20,17 @@ struct Wanted {
     /// Targets with a tier of their own (carried over by a resume).
     tiers: DetMap<String, Tier>,
     pub(super) query: bool,
+    /// A member page's read (a query of what others are shown).
+    page: Option<PageRead>,
+}
+
+/// A member page whose keys came: its members' views are read, then it is
+/// answered in the keys' order.
+pub(super) struct PageRead {
+    pub(super) group: u64,
+    pub(super) version: u64,
+    pub(super) count: u32,
+    pub(super) next: Option<proto::GroupCursor>,
 }
 
 pub(super) struct PendingSubscribe {
@@ -39,6 +51,9 @@ pub(super) struct PendingSubscribe {
     pub(super) early: DetMap<String, Presence>,
     /// A query: answered with the presences, nothing subscribed or watched.
     pub(super) query: bool,
+    /// A query for a member page: what others are shown of each target,
+    /// answered as the page.
+    page: Option<PageRead>,
 }
 
 impl ClusterLink {
@@ -65,8 +80,32 @@ impl ClusterLink {
             tier,
             tiers: DetMap::default(),
             query,
+            page: None,
         };
         self.start_subscribe(now, at, wait, session, viewer, wanted)
+    }
+
+    /// Reads the views of a member page's members (`names`, in page order)
+    /// from their owners; answered as the page, now (`Some`) or under
+    /// `wait`.
+    pub(super) fn read_page(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        wait: u64,
+        session: SessionId,
+        names: Vec<String>,
+        read: PageRead,
+    ) -> Option<proto::Answer> {
+        let wanted = Wanted {
+            targets: names,
+            refused: Vec::new(),
+            tier: Tier::Batched,
+            tiers: DetMap::default(),
+            query: true,
+            page: Some(read),
+        };
+        self.start_subscribe(now, at, wait, session, "", wanted)
     }
 
     /// What a resume carries over (checked against the new credentials),
@@ -87,6 +126,7 @@ impl ClusterLink {
             tier: Tier::Realtime,
             tiers: subscriptions.into_iter().collect(),
             query: false,
+            page: None,
         };
         self.start_subscribe(now, at, wait, session, viewer, wanted)
     }
@@ -106,6 +146,7 @@ impl ClusterLink {
             tier,
             tiers,
             query,
+            page,
         } = wanted;
         let held = self.fanout.subscriptions(session);
         let mut room = self.max_subscriptions.saturating_sub(held.len());
@@ -145,12 +186,14 @@ impl ClusterLink {
             asking: BTreeMap::new(),
             early: DetMap::default(),
             query,
+            page,
         };
         // What this edge knows already (another session watches the target),
         // or its own owner knows, is answered at once; not what it knows of
         // a shard it may have missed a view of (it would answer a view the
         // owner has moved past, as an invisible user shown online).
-        let viewer_id = self.names.get(viewer).map(UserId);
+        let viewer_id = self.names.get(viewer).map(UserId).filter(|_| p.page.is_none());
+        let shown_to = p.page.is_none().then_some(viewer);
         for (target, snap) in &mut p.targets {
             let shard = (self.settings.shard_of)(target, self.settings.shard_count);
             if let (Some(v), Some(t)) = (viewer_id, self.names.get(target)) {
@@ -164,8 +207,7 @@ impl ClusterLink {
                 }
             }
             if self.acting_epoch(shard, now).is_some() && self.owners.contains_key(&shard) {
-                if let Some(presence) = self.local_snapshot(shard, Some(viewer), target, (now, at))
-                {
+                if let Some(presence) = self.local_snapshot(shard, shown_to, target, (now, at)) {
                     *snap = Some(presence);
                     continue;
                 }
@@ -233,11 +275,12 @@ impl ClusterLink {
             return;
         }
         p.asking.insert(shard, None);
-        let viewer = p.viewer.clone();
+        // A page's entries are what others are shown, the viewer's own too.
+        let viewer = p.page.is_none().then(|| p.viewer.clone());
         if self.acting_epoch(shard, now).is_some() && self.owners.contains_key(&shard) {
             let mut presences = Vec::new();
             for t in &targets {
-                match self.local_snapshot(shard, Some(&viewer), t, (now, at)) {
+                match self.local_snapshot(shard, viewer.as_deref(), t, (now, at)) {
                     Some(presence) => presences.push(presence),
                     None => return self.retry_snapshot(wait, shard, now),
                 }
@@ -245,7 +288,13 @@ impl ClusterLink {
             self.snapshot_answer(wait, shard, &targets, presences, at);
             return;
         }
-        let payload = encode(&ToOwner::Snapshot { viewer, targets });
+        let payload = match viewer {
+            Some(viewer) => encode(&ToOwner::Snapshot { viewer, targets }),
+            None => encode(&ToOwner::Views {
+                targets,
+                own: false,
+            }),
+        };
         self.request(
             now,
             InFlight::Snapshot { wait, shard },
@@ -296,15 +345,32 @@ impl ClusterLink {
             return None;
         }
         let p = self.subscribes.remove(&wait)?;
+        if let Some(read) = p.page {
+            let entries = p
+                .targets
+                .into_iter()
+                .map(|(user, snap)| {
+                    let presence = newest(snap, p.early.get(&user));
+                    proto::GroupEntry {
+                        user,
+                        presence: proto::Presence::from_core(&presence, 0),
+                    }
+                })
+                .collect();
+            return Some(proto::Answer::GroupPage(proto::GroupPage {
+                group: read.group,
+                version: read.version,
+                count: read.count,
+                entries,
+                next: read.next,
+            }));
+        }
         if p.query {
             let mut results: Vec<proto::QueryResult> = p
                 .targets
                 .into_iter()
                 .map(|(target, snap)| {
-                    let presence = match (snap, p.early.get(&target)) {
-                        (Some(s), Some(e)) if e.version > s.version => e.clone(),
-                        (snap, _) => snap.unwrap_or_default(),
-                    };
+                    let presence = newest(snap, p.early.get(&target));
                     proto::QueryResult {
                         target,
                         result: Ok(proto::Presence::from_core(&presence, 0)),
@@ -425,5 +491,14 @@ impl ClusterLink {
         // never one too few.
         self.record_changed(session);
         true
+    }
+}
+
+/// A query's answer for a target: its snapshot, or a view that came after
+/// it with a higher version.
+fn newest(snap: Option<Presence>, early: Option<&Presence>) -> Presence {
+    match (snap, early) {
+        (Some(s), Some(e)) if e.version > s.version => e.clone(),
+        (snap, _) => snap.unwrap_or_default(),
     }
 }

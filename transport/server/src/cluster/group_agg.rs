@@ -45,6 +45,11 @@ pub(super) struct Sums {
 }
 
 impl Sums {
+    /// The sum of `group`, if it is homed here.
+    pub(super) fn get(&self, group: u64) -> Option<&GroupSum<u32>> {
+        self.by_group.get(&group)
+    }
+
     /// The earliest end of a wait still held.
     fn wait_again(&mut self) {
         let by_group = &self.by_group;

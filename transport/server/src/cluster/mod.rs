@@ -22,6 +22,7 @@ mod group_agg;
 mod group_dir;
 mod group_edge;
 mod group_owner;
+mod group_pages;
 mod owner;
 mod owner_requests;
 mod owners;
@@ -47,6 +48,7 @@ use bytes::Bytes;
 use edge::{EdgeDevice, InFlight, PendingRoute};
 use edge_records::{PendingResume, SessionSync};
 use edge_subscribe::PendingSubscribe;
+use group_pages::PendingPage;
 use edge_views::ShardTrack;
 use greendot_core::{Config, Fanout, Millis, Output, SessionId, Tier, UserId};
 use greendot_proto::{self as proto, WireError};
@@ -514,6 +516,8 @@ pub struct ClusterLink {
     gaps: bool,
     subscribes: DetMap<u64, PendingSubscribe>,
     routes: DetMap<u64, PendingRoute>,
+    /// Member pages whose keys are asked of their group's aggregator.
+    pages: DetMap<u64, PendingPage>,
     /// Local sessions' KV records, and the puts in flight by id.
     records: DetMap<SessionId, SessionSync>,
     record_puts: DetMap<u64, SessionId>,
@@ -593,6 +597,7 @@ impl ClusterLink {
             gaps: false,
             subscribes: DetMap::default(),
             routes: DetMap::default(),
+            pages: DetMap::default(),
             records: DetMap::default(),
             record_puts: DetMap::default(),
             record_retries: Default::default(),
@@ -693,6 +698,7 @@ impl ClusterLink {
             || !self.busy.is_empty()
             || !self.subscribes.is_empty()
             || !self.routes.is_empty()
+            || !self.pages.is_empty()
             || !self.record_retries.is_empty()
             || !self.resumes.is_empty()
             || self.gaps
@@ -774,6 +780,7 @@ impl ClusterLink {
         self.repair_gaps(now, at);
         self.tick_devices(now, at);
         self.retry_routes(now);
+        self.retry_pages(now, at);
         self.retry_records(now);
         self.tick_subscribes(now, at);
         self.retry_group_writes(now, at);

@@ -175,6 +175,7 @@ impl ClusterLink {
                         | (ToOwner::Views { .. }, RequestKind::Snapshot)
                         | (ToOwner::Route { .. }, RequestKind::Snapshot)
                         | (ToOwner::GroupPartials { .. }, RequestKind::Snapshot)
+                        | (ToOwner::GroupPage { .. }, RequestKind::Snapshot)
                 );
                 if !matches_kind {
                     self.counters.malformed += 1;
@@ -218,6 +219,7 @@ impl ClusterLink {
                 p.shard < self.settings.shard_count
                     && p.online.len() <= self.owner_config.max_group_members
             }),
+            ToOwner::GroupPage { .. } => true,
         }
     }
 
@@ -229,14 +231,24 @@ impl ClusterLink {
             });
             return;
         }
-        if let ToOwner::GroupPartials { parts } = msg {
-            let answer = self.take_partials(shard, parts, now, at);
-            self.outputs.push_back(ClusterOutput::Reply {
-                reply,
-                payload: encode(&answer),
-            });
-            return;
-        }
+        let answer = match msg {
+            ToOwner::GroupPartials { parts } => self.take_partials(shard, parts, now, at),
+            ToOwner::GroupPage {
+                group,
+                after,
+                limit,
+            } => self.page_keys(shard, group, after, limit, now),
+            msg => return self.view_request(shard, msg, reply, now, at),
+        };
+        self.outputs.push_back(ClusterOutput::Reply {
+            reply,
+            payload: encode(&answer),
+        });
+    }
+
+    /// Views, snapshots, routes and device inputs to an owner acting for
+    /// `shard`.
+    fn view_request(&mut self, shard: u32, msg: ToOwner, reply: u64, now: Instant, at: Millis) {
         // Whether each target gets its truth: the viewer's own, or all.
         let (viewer, all_own, targets) = match msg {
             ToOwner::Snapshot { viewer, targets } => (Some(viewer), false, targets),

@@ -3,12 +3,14 @@
 //! sent to the owner of the group's home shard, which sums the partials and
 //! publishes the count; every edge feeds it to its hub's core. A new owner
 //! of the home shard sums again from the partials the owners send on its
-//! resync request, under versions above the previous owner's.
+//! resync request, under versions above the previous owner's. Member
+//! pages take their keys from that owner and their entries from the
+//! members' owners.
 
 use super::group_dir::GroupDef;
 use super::test_support::{by_len, SHARDS};
-use super::wire::{decode, GroupCounts, GROUPS_SINCE};
-use super::{ClusterInput, ClusterLink, ClusterOutput, ClusterSettings};
+use super::wire::{decode, GroupCounts, GROUPS_SINCE, PAGES_SINCE};
+use super::{ClusterInput, ClusterLink, ClusterOutput, ClusterSettings, Finished};
 use crate::hub::GroupFeed;
 use greendot_core::{Config, Millis, SessionId};
 use greendot_proto as proto;
@@ -245,7 +247,7 @@ impl Bus {
 /// a owns shards 0 and 1, b owns 2 and 3 (the group's home); carl (0) and
 /// bo (2) connect at a, ann (3) at b.
 fn summed() -> Bus {
-    let mut bus = Bus::new(GROUPS_SINCE);
+    let mut bus = Bus::new(PAGES_SINCE);
     bus.own(0, 0, &[0, 1], 1);
     bus.own(0, 1, &[2, 3], 1);
     bus.define(0, 1, &def(1, &MEMBERS));
@@ -383,4 +385,68 @@ fn a_slice_that_empties_and_comes_back_is_counted() {
     bus.pass(6_000, 9_000);
     let fed = bus.fed(0);
     assert_eq!(fed.last().map(|f| f.1), Some(3), "{fed:?}");
+}
+
+impl Bus {
+    /// A member page asked at node `n`'s edge for session `s`, answered
+    /// within the bus's passes: (entries as (name, online), next).
+    fn page(
+        &mut self,
+        ms: u64,
+        n: usize,
+        after: Option<proto::GroupCursor>,
+        limit: u32,
+    ) -> (Vec<(String, bool)>, Option<proto::GroupCursor>) {
+        let now = self.now(ms);
+        let wait = 1_000 + ms;
+        let sid = SessionId(50);
+        let mut answer = self.links[n].group_page(now, Millis(ms), wait, sid, GROUP, after, limit);
+        self.run(ms);
+        self.pass(ms, ms + 200);
+        while let Some((w, finished)) = self.links[n].poll_finished() {
+            match finished {
+                Finished::Answer(a) if w == wait => answer = Some(a),
+                Finished::Failed(e) if w == wait => panic!("page failed: {e}"),
+                _ => {}
+            }
+        }
+        match answer {
+            Some(proto::Answer::GroupPage(p)) => {
+                assert_eq!((p.group, p.count), (GROUP, 3), "{p:?}");
+                let entries = p.entries.into_iter();
+                (entries.map(|e| (e.user, e.presence.online)).collect(), p.next)
+            }
+            other => panic!("not a page: {other:?}"),
+        }
+    }
+}
+
+/// Pages list the members online by the partials first, then the others,
+/// each by ordinal, with each member's published view from her owner,
+/// asked at an edge that holds none of them and at the aggregator itself;
+/// an invisible member is listed offline, in the online section she was
+/// counted in until her owner's next partial.
+#[test]
+fn member_pages_list_online_members_first_from_every_owner() {
+    let mut bus = summed();
+    let online = |n: &str, o: bool| (n.to_string(), o);
+    for n in 0..2 {
+        let (first, next) = bus.page(3_000, n, None, 2);
+        assert_eq!(first, vec![online("ann", true), online("bo", true)]);
+        let cursor = proto::GroupCursor {
+            online: true,
+            after: 1,
+        };
+        assert_eq!(next, Some(cursor));
+        let (second, next) = bus.page(3_500, n, next, 2);
+        assert_eq!(second, vec![online("carl", true), online("dave1", false)]);
+        assert_eq!(next, None);
+    }
+    // bo (at a) goes invisible: her view is offline at once.
+    let now = bus.now(4_000);
+    let op = super::WireOp::SetInvisible(true);
+    assert!(bus.links[0].input(now, Millis(4_000), SessionId(2), op, None));
+    bus.run(4_000);
+    let (page, _) = bus.page(4_000, 1, None, 4);
+    assert!(page.contains(&online("bo", false)), "{page:?}");
 }

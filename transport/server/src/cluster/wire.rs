@@ -86,12 +86,27 @@ pub enum ToOwner {
     /// Owners' partial counts of groups whose home shard this is, for the
     /// home shard's owner to sum (from protocol [`GROUPS_SINCE`]).
     GroupPartials { parts: Vec<GroupPartial> },
+    /// The keys of a page of `group`'s member list, for the owner of the
+    /// group's home shard (its aggregator): up to `limit` members online
+    /// after `after`, then the others, by ordinal (from protocol
+    /// [`PAGES_SINCE`]).
+    GroupPage {
+        group: u64,
+        /// The previous page's last entry: (online section, ordinal).
+        after: Option<(bool, u32)>,
+        limit: u32,
+    },
 }
 
 /// The protocol version from which owners send partial counts and the
 /// owners of home shards publish group counts: a node sending less serves
 /// no group subscription (a node of version 3 cannot decode them).
 pub const GROUPS_SINCE: u8 = 4;
+
+/// The protocol version from which edges ask a group's aggregator for the
+/// keys of a member page: a node sending less serves no member page (a
+/// node of version 4 cannot decode the request).
+pub const PAGES_SINCE: u8 = 5;
 
 /// A shard's owner's count of one group's members in its shard: the
 /// ordinals (the group definition's) of those published online, an
@@ -152,6 +167,16 @@ pub enum FromOwner {
     /// Some targets' KV records are being read (users the owner freed, or
     /// has not met since it took the shard): ask again shortly.
     Loading,
+    /// The keys of a member page (`ToOwner::GroupPage`): the members' names
+    /// in page order, each with whether it is online by the latest
+    /// partials; the count and version of the sum when answered; the next
+    /// page's cursor, `None` on the last.
+    GroupPageKeys {
+        version: u64,
+        count: u32,
+        keys: Vec<(String, bool)>,
+        next: Option<(bool, u32)>,
+    },
 }
 
 /// On `<prefix>.shard.<n>`: a view the owner published (on an edge's

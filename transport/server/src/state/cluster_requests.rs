@@ -402,6 +402,30 @@ impl ServerState {
         }
     }
 
+    /// A member page in a cluster: the hub's core checks the session, its
+    /// membership and its page budget; the keys come from the group's
+    /// aggregator and the entries from the members' owners.
+    pub(super) fn cluster_group_page(&mut self, ch: usize, now: Instant, step: Step) {
+        let Some((session, id, request, _)) = self.current_request(ch, now, step) else {
+            return;
+        };
+        let proto::Request::GroupPage {
+            group,
+            after,
+            limit,
+        } = request
+        else {
+            return;
+        };
+        let at = self.clock.at(now);
+        match self.hub.fed_group_page(at, session, group, limit) {
+            Err(error) => self.answer(ch, now, reply(id, Err(error))),
+            Ok(limit) => self.cluster_ask(ch, now, id, |c, wait| {
+                c.group_page(now, at, wait, session, group, after, limit)
+            }),
+        }
+    }
+
     /// A group write in a cluster: checked as one node checks it, then
     /// written to the cluster's store, answered once stored.
     pub(super) fn cluster_group_write(&mut self, ch: usize, now: Instant, step: Step) {

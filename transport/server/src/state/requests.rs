@@ -107,10 +107,20 @@ impl ServerState {
                 return self.cluster_group_write(ch, now, step);
             }
             // Subscriptions go to the hub's core, fed with counts summed
-            // across the cluster; member pages need every node's views,
-            // which the hub's core does not hold (docs/groups.md).
-            let fed = self.cluster.as_ref().is_some_and(|c| c.serves_groups());
-            let subscription = group_subscription(&step).is_some();
+            // across the cluster; member pages are read from the group's
+            // aggregator and the members' owners; watched pages need every
+            // node's views of their members, which the hub's core does not
+            // hold (docs/groups.md).
+            let link = self.cluster.as_deref();
+            let fed = link.is_some_and(|c| c.serves_groups());
+            let pages = link.is_some_and(|c| c.serves_pages());
+            let served = match &step {
+                Step::Request {
+                    request: proto::Request::GroupPage { .. },
+                    ..
+                } => pages,
+                _ => fed && group_subscription(&step).is_some(),
+            };
             if let (
                 false,
                 Step::Request {
@@ -124,21 +134,23 @@ impl ServerState {
                         | proto::Request::GroupUnwatchPage { .. },
                     ..
                 },
-            ) = (fed && subscription, &step)
+            ) = (served, &step)
             {
-                let error = proto::WireError::new(
-                    proto::ErrorCode::Unsupported,
-                    match fed {
-                        true => {
-                            "member pages are served by a single node only for now (not \
-                                 with --cluster); group subscriptions and writes are served"
-                        }
-                        false => {
-                            "groups are served in a cluster from protocol 4 \
-                                  (cluster_protocol); group writes are"
-                        }
-                    },
-                );
+                let message = match (fed, pages) {
+                    (_, true) => {
+                        "watched member pages are served by a single node only for now (not \
+                         with --cluster); group subscriptions, member pages and writes are served"
+                    }
+                    (true, false) => {
+                        "member pages are served in a cluster from protocol 5 \
+                         (cluster_protocol); group subscriptions and writes are"
+                    }
+                    (false, _) => {
+                        "groups are served in a cluster from protocol 4 \
+                         (cluster_protocol); group writes are"
+                    }
+                };
+                let error = proto::WireError::new(proto::ErrorCode::Unsupported, message);
                 let handled = Handled {
                     reply: Some(ServerFrame::Reply {
                         id: *id,
@@ -147,6 +159,13 @@ impl ServerState {
                     ..Handled::default()
                 };
                 return self.answer(ch, now, handled);
+            }
+            if let Step::Request {
+                request: proto::Request::GroupPage { .. },
+                ..
+            } = &step
+            {
+                return self.cluster_group_page(ch, now, step);
             }
         }
         let forward = self.cluster.as_ref().and_then(|_| forwarded_op(&step));

@@ -1,0 +1,217 @@
+//! Member pages across a cluster (issue 28, docs/groups.md "Across a
+//! cluster").
+//!
+//! The hub's core at the edge checks the session, its membership and its
+//! page budget, as one node does. The owner of the group's home shard, the
+//! group's aggregator, knows who is online by the latest partials: it
+//! answers the page's **keys**, the members' names in page order (online
+//! first, then the others, each section by ordinal) with the next page's
+//! cursor. The edge then reads those members' published views from their
+//! owners, as a query does (what others are shown: an invisible member is
+//! offline), and answers the page. Ordinals are never reused, so a cursor
+//! (section, ordinal) stays valid across membership writes.
+//!
+//! A page costs one request to the aggregator and one per shard holding
+//! the page's members, at most the page size, within the page budget.
+
+use super::edge::InFlight;
+use super::edge_subscribe::PageRead;
+use super::wire::{encode, FromOwner, ToOwner, PAGES_SINCE};
+use super::{ClusterLink, Finished, RequestKind, MAX_MESSAGE, MAX_SNAPSHOT_TARGETS, RETRY_AFTER};
+use greendot_core::Millis;
+use greendot_proto::{self as proto, ErrorCode, WireError};
+use std::time::Instant;
+
+/// A page whose keys are asked of the group's aggregator.
+pub(super) struct PendingPage {
+    session: greendot_core::SessionId,
+    group: u64,
+    after: Option<(bool, u32)>,
+    limit: u32,
+    deadline: Instant,
+    /// Ask again then (after a refusal or a failure).
+    retry_at: Option<Instant>,
+}
+
+impl ClusterLink {
+    /// Whether this node serves member pages: only while it sends a
+    /// protocol whose nodes all answer a page's keys.
+    pub fn serves_pages(&self) -> bool {
+        self.settings.protocol >= PAGES_SINCE
+    }
+
+    /// A page of `group`'s members for `session`, whose membership and page
+    /// budget the hub's core checked, with at most `limit` entries.
+    /// Answered now (`Some`) when everything is at hand here, else through
+    /// [`ClusterLink::poll_finished`] under `wait`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn group_page(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        wait: u64,
+        session: greendot_core::SessionId,
+        group: u64,
+        after: Option<proto::GroupCursor>,
+        limit: u32,
+    ) -> Option<proto::Answer> {
+        // An ordinal is a u32: a larger cursor is past every member.
+        let after = after.map(|c| (c.online, u32::try_from(c.after).unwrap_or(u32::MAX)));
+        let p = PendingPage {
+            session,
+            group,
+            after,
+            limit: limit.max(1),
+            deadline: now + self.settings.request_timeout,
+            retry_at: None,
+        };
+        self.pages.insert(wait, p);
+        self.ask_page_keys(wait, now, at)
+    }
+
+    fn ask_page_keys(&mut self, wait: u64, now: Instant, at: Millis) -> Option<proto::Answer> {
+        let p = self.pages.get_mut(&wait)?;
+        p.retry_at = None;
+        let (group, after, limit) = (p.group, p.after, p.limit);
+        let home = self.home_shard(group);
+        if self.acting_epoch(home, now).is_some() && self.owners.contains_key(&home) {
+            let keys = self.page_keys(home, group, after, limit, now);
+            return self.page_keys_answer(wait, Some(keys), now, at);
+        }
+        let payload = encode(&ToOwner::GroupPage {
+            group,
+            after,
+            limit,
+        });
+        self.request(
+            now,
+            InFlight::PageKeys { wait },
+            home,
+            RequestKind::Snapshot,
+            payload,
+        );
+        None
+    }
+
+    /// The aggregator's answer to a page's keys (see the module docs):
+    /// `Loading` while it cannot tell who is online (its directory has not
+    /// seen the group, or its sum waits for partials after a failover).
+    pub(super) fn page_keys(
+        &mut self,
+        home: u32,
+        group: u64,
+        after: Option<(bool, u32)>,
+        limit: u32,
+        now: Instant,
+    ) -> FromOwner {
+        let Some(epoch) = self.acting_epoch(home, now) else {
+            return FromOwner::NotOwner;
+        };
+        if self.home_shard(group) != home || self.owners.get(&home).is_none_or(|o| o.epoch != epoch)
+        {
+            return FromOwner::NotOwner;
+        }
+        if !self.groups.is_synced() {
+            return FromOwner::Loading;
+        }
+        let def = self.groups.get(group).1.filter(|d| !d.removed);
+        let sum = self.owners.get(&home).and_then(|o| o.sums.get(group));
+        let (Some(def), Some(sum)) = (def, sum) else {
+            return FromOwner::Loading;
+        };
+        if sum.is_waiting() {
+            return FromOwner::Loading;
+        }
+        let limit = usize::try_from(limit)
+            .unwrap_or(usize::MAX)
+            .min(self.page_keys_that_fit());
+        let (keys, next) = sum.page(after, limit);
+        let keys = keys
+            .into_iter()
+            .filter_map(|(ordinal, online)| {
+                let i = def
+                    .members
+                    .binary_search_by_key(&ordinal, |(_, o)| *o)
+                    .ok()?;
+                Some((def.members[i].0.clone(), online))
+            })
+            .collect();
+        FromOwner::GroupPageKeys {
+            version: sum.version(),
+            count: sum.count(),
+            keys,
+            next,
+        }
+    }
+
+    /// Keys one answer holds at most, every name at its longest.
+    fn page_keys_that_fit(&self) -> usize {
+        let key = self.max_name_len + 12;
+        (MAX_MESSAGE / 2 / key).clamp(1, MAX_SNAPSHOT_TARGETS)
+    }
+
+    /// The keys came (or the aggregator refused, or did not answer): the
+    /// members' views are read next, or the keys asked again shortly.
+    pub(super) fn page_keys_answer(
+        &mut self,
+        wait: u64,
+        answer: Option<FromOwner>,
+        now: Instant,
+        at: Millis,
+    ) -> Option<proto::Answer> {
+        let p = self.pages.get_mut(&wait)?;
+        let ok = |s: &str| !s.is_empty() && s.len() <= self.max_name_len;
+        match answer {
+            Some(FromOwner::GroupPageKeys {
+                version,
+                count,
+                keys,
+                next,
+            }) if keys.len() <= p.limit as usize && keys.iter().all(|(n, _)| ok(n)) => {
+                let p = self.pages.remove(&wait)?;
+                let read = PageRead {
+                    group: p.group,
+                    version,
+                    count,
+                    next: next.map(|(online, after)| proto::GroupCursor {
+                        online,
+                        after: u64::from(after),
+                    }),
+                };
+                let names = keys.into_iter().map(|(n, _)| n).collect();
+                self.read_page(now, at, wait, p.session, names, read)
+            }
+            _ => {
+                self.counters.retries += 1;
+                p.retry_at = Some(now + RETRY_AFTER);
+                None
+            }
+        }
+    }
+
+    /// Pages past their deadline fail; keys due are asked again.
+    pub(super) fn retry_pages(&mut self, now: Instant, at: Millis) {
+        let mut again = Vec::new();
+        let mut late = Vec::new();
+        for (wait, p) in &self.pages {
+            if p.deadline <= now {
+                late.push(*wait);
+            } else if p.retry_at.is_some_and(|t| t <= now) {
+                again.push(*wait);
+            }
+        }
+        for wait in late {
+            self.pages.remove(&wait);
+            let error = WireError::new(
+                ErrorCode::Internal,
+                "the group's aggregator did not answer in time",
+            );
+            self.finished.push_back((wait, Finished::Failed(error)));
+        }
+        for wait in again {
+            if let Some(answer) = self.ask_page_keys(wait, now, at) {
+                self.finished.push_back((wait, Finished::Answer(answer)));
+            }
+        }
+    }
+}
