@@ -58,28 +58,6 @@ impl Core {
         self.page_request(now, id, group, from, limit, false)
     }
 
-    /// A page read elsewhere, for a core whose counts are fed (a cluster's
-    /// edge): the aggregator of the group holds who is online, so this core
-    /// checks the session, its membership and the page budget as for a page
-    /// of its own, spends the token, and returns the limit to ask for.
-    /// `Error::NotAllowed` when counts are not fed. Watched pages are not
-    /// served this way.
-    pub fn handle_fed_group_page(
-        &mut self,
-        now: Millis,
-        id: SessionId,
-        group: GroupId,
-        limit: usize,
-    ) -> Result<usize, Error> {
-        if !self.groups.fed {
-            return Err(Error::NotAllowed);
-        }
-        let (id, limit, _) = self.page_checks(now, id, group, limit)?;
-        let budget = self.page_budget(id, group)?;
-        self.groups.watches.budgets.insert((id, group), budget);
-        Ok(limit)
-    }
-
     /// A page, watched or not: membership, then the budget, then the watch
     /// limits, all before the page is read; nothing is stored on an error.
     /// A core whose counts are fed holds no one's view but its own users',
@@ -113,7 +91,7 @@ impl Core {
 
     /// The session (Online, of a member of `group`), the limit capped by
     /// the page size, and the group's members.
-    fn page_checks(
+    pub(crate) fn page_checks(
         &mut self,
         now: Millis,
         id: SessionId,

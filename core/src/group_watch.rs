@@ -48,6 +48,7 @@
 
 use crate::engine::Core;
 use crate::error::{Error, Limit};
+use crate::group_fed_watch::FedViews;
 use crate::group_pages::{GroupPage, PageCursor};
 use crate::groups::{group_mutant, is_online, GroupId, GroupOutput};
 use crate::timers::Timer;
@@ -94,6 +95,9 @@ pub(crate) struct Watches {
     pub(crate) pending: BTreeMap<SessionId, PendingDeltas>,
     /// (session, group) → when its page bucket is full again.
     pub(crate) budgets: BTreeMap<(SessionId, GroupId), Millis>,
+    /// With fed counts: the views fed of the members watches list (the
+    /// `group_fed_watch` module).
+    pub(crate) fed: FedViews,
 }
 
 impl Core {
@@ -274,9 +278,14 @@ impl Core {
                 wid
             }
         };
+        let fed = self.groups.fed;
         let w = &mut self.groups.watches;
         for &m in &members {
-            w.by_member.entry((group, m)).or_default().push(wid);
+            let ids = w.by_member.entry((group, m)).or_default();
+            if ids.is_empty() && fed {
+                w.fed.listed(m);
+            }
+            ids.push(wid);
         }
         w.all.get_mut(&wid).unwrap().members = members;
         if let Some(old) = old {
@@ -294,12 +303,13 @@ impl Core {
     }
 
     fn unindex_members(&mut self, wid: u64, group: GroupId, members: &[UserId]) {
-        let by_member = &mut self.groups.watches.by_member;
+        let w = &mut self.groups.watches;
         for &m in members {
-            if let Some(list) = by_member.get_mut(&(group, m)) {
+            if let Some(list) = w.by_member.get_mut(&(group, m)) {
                 list.retain(|&x| x != wid);
                 if list.is_empty() {
-                    by_member.remove(&(group, m));
+                    w.by_member.remove(&(group, m));
+                    w.fed.unlisted(m);
                 }
             }
         }
@@ -399,7 +409,7 @@ impl Core {
             by_group
                 .entry(group)
                 .or_default()
-                .push((user, self.presence(user)));
+                .push((user, self.page_view(user)));
         }
         for (group, entries) in by_group {
             for chunk in entries.chunks(PAGE_DELTA_ENTRIES) {
@@ -447,7 +457,6 @@ impl Core {
     /// lists is queued, so the first flush brings each one's current view:
     /// nothing was sent while the old session was away.
     pub(crate) fn watches_carry(&mut self, id: SessionId, taken: CarriedWatches) {
-        let groups_fed = self.groups.fed;
         let w = &mut self.groups.watches;
         for (group, full) in taken.budgets {
             w.budgets.insert((id, group), full);
@@ -463,8 +472,7 @@ impl Core {
             }
         }
         w.by_session.insert(id, taken.watches);
-        // Fed counts send no page deltas from this core's views.
-        if queued.is_empty() || groups_fed {
+        if queued.is_empty() {
             return;
         }
         let due = self.clock.plus(self.config.batch_interval);
@@ -590,6 +598,7 @@ impl Core {
         if indexed != by_member {
             return Err("the member → watches index is not the watches' members".into());
         }
+        w.fed.check(self.groups.fed, &w.by_member)?;
         for (s, list) in &by_session {
             let entries: usize = list.iter().map(|wid| w.all[wid].members.len()).sum();
             if list.len() > self.config.max_watched_pages

@@ -56,6 +56,7 @@ mod fanout;
 mod foreground;
 mod group_changes;
 mod group_fed;
+mod group_fed_watch;
 mod group_hooks;
 mod group_pages;
 mod group_sum;

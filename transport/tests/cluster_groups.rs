@@ -5,7 +5,8 @@
 //! written again after its removal goes on above its version. A group's
 //! count is summed across the nodes, and is exact again after `kill -9` of
 //! the node that sums it; its member pages list the members online across
-//! the nodes first, before and after that kill.
+//! the nodes first, before and after that kill, and a watched page brings
+//! the changes of its members wherever they are connected.
 
 mod support;
 #[path = "support/three.rs"]
@@ -15,6 +16,7 @@ use std::time::Duration;
 use three::*;
 
 use greendot_client::{Event, GroupChange, GroupRole, Updates};
+use greendot_core::{Presence, Status};
 use greendot_proto::{ErrorCode, Kind};
 use greendot_server::token::{Claims, WatchClaim};
 
@@ -121,6 +123,28 @@ async fn counts_during(updates: &mut Updates, window: Duration) -> Vec<u32> {
     counts
 }
 
+/// Waits for a page delta of group 7 with an entry that `wanted` accepts.
+async fn delta_until(
+    updates: &mut Updates,
+    within: Duration,
+    what: &str,
+    wanted: impl Fn(&str, &Presence) -> bool,
+) {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match tokio::time::timeout_at(deadline, updates.next()).await {
+            Ok(Some(Event::GroupPageDelta { group: 7, entries }))
+                if entries.iter().any(|(u, p)| wanted(u, p)) =>
+            {
+                return
+            }
+            Ok(Some(_)) => {}
+            Ok(None) => panic!("{what}: the client ended"),
+            Err(_) => panic!("{what}: not within {within:?}"),
+        }
+    }
+}
+
 /// Every page of group 7, `limit` entries at a time: (name, online).
 async fn pages_of(client: &greendot_client::Client, limit: u32) -> Vec<(String, bool)> {
     let mut entries = Vec::new();
@@ -151,8 +175,8 @@ fn listed(online: &[&str], offline: &[&str]) -> Vec<(String, bool)> {
 /// sums the group (the owner of its home shard) the count is exact again:
 /// the member connected there is gone, and a logout after it is counted.
 /// Member pages list the members online first (eve, invisible, among the
-/// others), before and after the kill; a watched page is still answered
-/// `Unsupported`, saying why.
+/// others), before and after the kill; a watched page brings a member's
+/// change at another node.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_groups_count_is_exact_across_nodes_and_after_kill_9_of_its_summing_node() {
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
@@ -184,7 +208,7 @@ async fn a_groups_count_is_exact_across_nodes_and_after_kill_9_of_its_summing_no
     assert_eq!(snapshot.members, 7);
     let admin_snapshot = ann.group_subscribe(7).await.unwrap();
     assert_eq!(admin_snapshot.role, GroupRole::Admin);
-    let (_cy, _) = connect(&nodes, y, "cy", "phone", phone, WatchClaim::all()).await;
+    let (cy, _) = connect(&nodes, y, "cy", "phone", phone, WatchClaim::all()).await;
     let (dee, _) = connect(&nodes, x, "dee", "phone", phone, WatchClaim::all()).await;
     let (_kim, _) = connect(&nodes, agg, "kim", "phone", phone, WatchClaim::all()).await;
     // lee subscribes at the node that sums the group: her session's record
@@ -220,11 +244,20 @@ async fn a_groups_count_is_exact_across_nodes_and_after_kill_9_of_its_summing_no
     // their joining; eve is invisible, so offline.
     let online = ["ann", "bob", "cy", "dee", "kim", "lee"];
     assert_eq!(pages_of(&bob, 3).await, listed(&online, &["eve"]));
-    // A watched page needs every node's views: refused, saying why; the
-    // session goes on.
-    let refused = bob.group_watch_page(7, None, 10).await.unwrap_err();
-    assert_eq!(refused.code(), Some(ErrorCode::Unsupported), "{refused}");
-    assert!(refused.to_string().contains("single node"), "{refused}");
+    // A watched page: cy's change (at another node than bob's, her shard
+    // owned wherever it is) comes to bob as a page delta on his batched
+    // stream; the watch is renewed, then ended.
+    let watched = bob.group_watch_page(7, None, 10).await.unwrap();
+    assert_eq!(watched.entries.len(), 7, "{watched:?}");
+    cy.set_status(Status::Busy, Some("on a call")).await.unwrap();
+    delta_until(&mut member, settle, "cy busy", |user, p| {
+        user == "cy" && p.status == Status::Busy
+    })
+    .await;
+    bob.group_renew_watch(7, None).await.unwrap();
+    bob.group_unwatch_page(7, None).await.unwrap();
+    let gone = bob.group_renew_watch(7, None).await.unwrap_err();
+    assert_eq!(gone.code(), Some(ErrorCode::NotSubscribed), "{gone}");
 
     // kill -9 of the node summing the group: kim's phone goes with it;
     // lee's client resumes her session at another node, whose welcome

@@ -287,6 +287,9 @@ pub struct Hub {
     /// `store_groups`.
     group_writes: Vec<GroupWrite>,
     store_groups: bool,
+    /// Members no watched page lists any more, named before a membership
+    /// write may free their names (counts fed).
+    fed_unlisted: std::collections::VecDeque<String>,
 }
 
 impl Hub {
@@ -312,6 +315,7 @@ impl Hub {
             group_frame: None,
             group_writes: Vec::new(),
             store_groups: false,
+            fed_unlisted: std::collections::VecDeque::new(),
         })
     }
 

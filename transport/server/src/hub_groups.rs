@@ -169,22 +169,74 @@ impl Hub {
     }
 
     /// A member page read by the cluster (counts fed): checks the session,
-    /// its membership and its page budget as for a page of its own, spends
-    /// the token, and returns how many entries to ask for.
+    /// its membership and its page budget as for a page of its own (and the
+    /// watch limits, for a page to be watched), spends the token, and
+    /// returns how many entries to ask for.
     pub fn fed_group_page(
         &mut self,
         now: Millis,
         session: SessionId,
         group: u64,
-        limit: u32,
+        (after, limit): (Option<GroupCursor>, u32),
+        watch: bool,
     ) -> Result<u32, WireError> {
         let limit = usize::try_from(limit)
             .unwrap_or(usize::MAX)
             .min(self.page_entries_that_fit());
-        let limit = self
-            .core
-            .handle_fed_group_page(now, session, GroupId(group), limit)?;
+        let watch = watch.then(|| cursor(after));
+        let limit =
+            self.core
+                .handle_fed_group_page(now, session, GroupId(group), limit, watch)?;
         Ok(u32::try_from(limit).unwrap_or(u32::MAX))
+    }
+
+    /// A page the cluster read, to be watched: its members' views come
+    /// through [`Hub::fed_view`] while a watch lists them. Fed views keep
+    /// the edge's Unix milliseconds; their deltas are framed as they are.
+    pub fn fed_watched_page(
+        &mut self,
+        now: Millis,
+        session: SessionId,
+        group: u64,
+        after: Option<GroupCursor>,
+        entries: &[GroupEntry],
+    ) -> Result<(), WireError> {
+        let entries = entries
+            .iter()
+            .filter_map(|e| Some((self.user_id(&e.user)?, e.presence.to_core())))
+            .collect();
+        self.core
+            .handle_fed_watched_page(now, session, GroupId(group), cursor(after), entries)?;
+        Ok(())
+    }
+
+    /// A published view of `user`, from the cluster (Unix milliseconds),
+    /// for the watched pages that list her.
+    pub fn fed_view(&mut self, now: Millis, user: &str, presence: greendot_core::Presence) {
+        if let Some(id) = self.user_id(user) {
+            self.core.handle_fed_view(now, id, presence);
+        }
+    }
+
+    /// A member no watched page lists any more (the cluster stops following
+    /// her views).
+    pub fn poll_fed_unlisted(&mut self) -> Option<String> {
+        self.name_unlisted();
+        self.fed_unlisted.pop_front()
+    }
+
+    fn name_unlisted(&mut self) {
+        while let Some(id) = self.core.poll_fed_unlisted() {
+            if let Some(name) = self.user_name(id) {
+                self.fed_unlisted.push_back(name.to_owned());
+            }
+        }
+    }
+
+    /// Whether a watched page lists `user`.
+    pub fn is_fed_listed(&self, user: &str) -> bool {
+        self.user_id(user)
+            .is_some_and(|id| self.core.is_fed_listed(id))
     }
 
     /// How many entries a member page may hold so that its answer always
@@ -206,11 +258,16 @@ impl Hub {
     }
 
     fn group_entries(&self, entries: &[(UserId, greendot_core::Presence)]) -> Vec<GroupEntry> {
+        // Fed views carry the cluster's Unix milliseconds already.
+        let base = match self.core.group_counts_fed() {
+            true => 0,
+            false => self.unix_base_ms,
+        };
         entries
             .iter()
             .map(|(user, presence)| GroupEntry {
                 user: self.user_name(*user).unwrap_or_default().to_owned(),
-                presence: proto::Presence::from_core(presence, self.unix_base_ms),
+                presence: proto::Presence::from_core(presence, base),
             })
             .collect()
     }
@@ -430,6 +487,7 @@ impl Hub {
     }
 
     fn drop_member_refs(&mut self, old: &[UserId]) {
+        self.name_unlisted();
         for &id in old {
             if self.users.drop_ref(id.0) == 0 {
                 self.idle.push(id);

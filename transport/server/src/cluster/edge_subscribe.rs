@@ -28,6 +28,11 @@ struct Wanted {
 /// answered in the keys' order.
 pub(super) struct PageRead {
     pub(super) group: u64,
+    /// The cursor it was asked from.
+    pub(super) after: Option<proto::GroupCursor>,
+    /// To be watched: the members' shards are watched from the start, and
+    /// the members followed once read.
+    pub(super) watch: bool,
     pub(super) version: u64,
     pub(super) count: u32,
     pub(super) next: Option<proto::GroupCursor>,
@@ -216,7 +221,8 @@ impl ClusterLink {
         }
         // Watch the shards before asking (so no view published after the
         // snapshot is missed).
-        for (target, _) in p.targets.iter().filter(|_| !query) {
+        let watched = !query || p.page.as_ref().is_some_and(|r| r.watch);
+        for (target, _) in p.targets.iter().filter(|_| watched) {
             let shard = self.shard(target);
             self.watch_shard(shard);
         }
@@ -346,24 +352,41 @@ impl ClusterLink {
         }
         let p = self.subscribes.remove(&wait)?;
         if let Some(read) = p.page {
-            let entries = p
+            let views: Vec<(String, Presence)> = p
                 .targets
                 .into_iter()
                 .map(|(user, snap)| {
                     let presence = newest(snap, p.early.get(&user));
-                    proto::GroupEntry {
-                        user,
-                        presence: proto::Presence::from_core(&presence, 0),
-                    }
+                    (user, presence)
                 })
                 .collect();
-            return Some(proto::Answer::GroupPage(proto::GroupPage {
+            if read.watch {
+                self.follow_page_members(at, &views);
+            }
+            let entries = views
+                .into_iter()
+                .map(|(user, presence)| proto::GroupEntry {
+                    user,
+                    presence: proto::Presence::from_core(&presence, 0),
+                })
+                .collect();
+            let page = proto::GroupPage {
                 group: read.group,
                 version: read.version,
                 count: read.count,
                 entries,
                 next: read.next,
-            }));
+            };
+            if !read.watch {
+                return Some(proto::Answer::GroupPage(page));
+            }
+            let watched = Finished::WatchedPage {
+                session: p.session,
+                after: read.after,
+                page,
+            };
+            self.finished.push_back((wait, watched));
+            return None;
         }
         if p.query {
             let mut results: Vec<proto::QueryResult> = p
@@ -440,7 +463,8 @@ impl ClusterLink {
     }
 
     fn fail_subscribe(&mut self, wait: u64, p: PendingSubscribe) {
-        for (target, _) in p.targets.iter().filter(|_| !p.query) {
+        let watched = !p.query || p.page.as_ref().is_some_and(|r| r.watch);
+        for (target, _) in p.targets.iter().filter(|_| watched) {
             let shard = self.shard(target);
             self.unwatch_shard(shard);
         }

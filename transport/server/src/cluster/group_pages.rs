@@ -13,21 +13,37 @@
 //!
 //! A page costs one request to the aggregator and one per shard holding
 //! the page's members, at most the page size, within the page budget.
+//!
+//! **A watched page** is read the same way, with the members' shards
+//! watched from before the read (no view published after it is missed).
+//! Its members are then followed in the fanout by one subscriber of this
+//! node's own, [`PAGE_WATCHER`], in realtime; its pushes go to the hub's
+//! core ([`ClusterLink::poll_fanout`] is read by the server), which keeps
+//! the watches as one node does and batches their deltas per session. The
+//! core says when no watch lists a member any more, and she is no longer
+//! followed ([`ClusterLink::unfollow_page_member`]).
 
 use super::edge::InFlight;
 use super::edge_subscribe::PageRead;
 use super::wire::{encode, FromOwner, ToOwner, PAGES_SINCE};
 use super::{ClusterLink, Finished, RequestKind, MAX_MESSAGE, MAX_SNAPSHOT_TARGETS, RETRY_AFTER};
-use greendot_core::Millis;
+use greendot_core::Presence;
+use greendot_core::{Millis, SessionId, Tier, UserId};
 use greendot_proto::{self as proto, ErrorCode, WireError};
 use std::time::Instant;
 
+/// The fanout's subscriber that follows the members of this node's
+/// watched pages (no session has this id; its user is no user's).
+pub const PAGE_WATCHER: SessionId = SessionId(u64::MAX);
+const PAGE_WATCHER_USER: UserId = UserId(u64::MAX);
+
 /// A page whose keys are asked of the group's aggregator.
 pub(super) struct PendingPage {
-    session: greendot_core::SessionId,
+    session: SessionId,
     group: u64,
-    after: Option<(bool, u32)>,
+    after: Option<proto::GroupCursor>,
     limit: u32,
+    watch: bool,
     deadline: Instant,
     /// Ask again then (after a refusal or a failure).
     retry_at: Option<Instant>,
@@ -43,25 +59,25 @@ impl ClusterLink {
     /// A page of `group`'s members for `session`, whose membership and page
     /// budget the hub's core checked, with at most `limit` entries.
     /// Answered now (`Some`) when everything is at hand here, else through
-    /// [`ClusterLink::poll_finished`] under `wait`.
+    /// [`ClusterLink::poll_finished`] under `wait`; a page to be watched
+    /// (`watch`) always through [`Finished::WatchedPage`].
     #[allow(clippy::too_many_arguments)]
     pub fn group_page(
         &mut self,
         now: Instant,
         at: Millis,
         wait: u64,
-        session: greendot_core::SessionId,
+        session: SessionId,
         group: u64,
-        after: Option<proto::GroupCursor>,
-        limit: u32,
+        (after, limit): (Option<proto::GroupCursor>, u32),
+        watch: bool,
     ) -> Option<proto::Answer> {
-        // An ordinal is a u32: a larger cursor is past every member.
-        let after = after.map(|c| (c.online, u32::try_from(c.after).unwrap_or(u32::MAX)));
         let p = PendingPage {
             session,
             group,
             after,
             limit: limit.max(1),
+            watch,
             deadline: now + self.settings.request_timeout,
             retry_at: None,
         };
@@ -72,7 +88,11 @@ impl ClusterLink {
     fn ask_page_keys(&mut self, wait: u64, now: Instant, at: Millis) -> Option<proto::Answer> {
         let p = self.pages.get_mut(&wait)?;
         p.retry_at = None;
-        let (group, after, limit) = (p.group, p.after, p.limit);
+        // An ordinal is a u32: a larger cursor is past every member.
+        let after = p
+            .after
+            .map(|c| (c.online, u32::try_from(c.after).unwrap_or(u32::MAX)));
+        let (group, limit) = (p.group, p.limit);
         let home = self.home_shard(group);
         if self.acting_epoch(home, now).is_some() && self.owners.contains_key(&home) {
             let keys = self.page_keys(home, group, after, limit, now);
@@ -171,6 +191,8 @@ impl ClusterLink {
                 let p = self.pages.remove(&wait)?;
                 let read = PageRead {
                     group: p.group,
+                    after: p.after,
+                    watch: p.watch,
                     version,
                     count,
                     next: next.map(|(online, after)| proto::GroupCursor {
@@ -186,6 +208,55 @@ impl ClusterLink {
                 p.retry_at = Some(now + RETRY_AFTER);
                 None
             }
+        }
+    }
+
+    /// Follows the members of a watched page just read (their shards are
+    /// watched already, one reference each), from the views read.
+    pub(super) fn follow_page_members(&mut self, at: Millis, read: &[(String, Presence)]) {
+        self.fanout.open(PAGE_WATCHER, PAGE_WATCHER_USER);
+        let held: Vec<UserId> = self
+            .fanout
+            .subscriptions(PAGE_WATCHER)
+            .into_iter()
+            .map(|(t, _)| t)
+            .collect();
+        for (name, presence) in read {
+            let shard = self.shard(name);
+            let Some(id) = self.names.intern(name) else {
+                self.unwatch_shard(shard);
+                continue;
+            };
+            let again = held.contains(&UserId(id));
+            let subscribed = self.fanout.subscribe(
+                at,
+                PAGE_WATCHER,
+                UserId(id),
+                Tier::Realtime,
+                presence.clone(),
+            );
+            match (subscribed, again) {
+                // Counted once per followed member.
+                (Ok(_), true) => self.unwatch_shard(shard),
+                (Ok(_), false) => self.names.acquire(id),
+                (Err(_), _) => {
+                    self.unwatch_shard(shard);
+                    if self.names.refs(id) == 0 {
+                        self.names.remove(id);
+                    }
+                }
+            }
+        }
+    }
+
+    /// No watched page here lists `member` any more: she is no longer
+    /// followed.
+    pub fn unfollow_page_member(&mut self, at: Millis, member: &str) {
+        let Some(id) = self.names.get(member) else {
+            return;
+        };
+        if self.fanout.unsubscribe(at, PAGE_WATCHER, UserId(id)).is_ok() {
+            self.forget_target(UserId(id));
         }
     }
 

@@ -49,6 +49,7 @@ use edge::{EdgeDevice, InFlight, PendingRoute};
 use edge_records::{PendingResume, SessionSync};
 use edge_subscribe::PendingSubscribe;
 use group_pages::PendingPage;
+pub use group_pages::PAGE_WATCHER;
 use edge_views::ShardTrack;
 use greendot_core::{Config, Fanout, Millis, Output, SessionId, Tier, UserId};
 use greendot_proto::{self as proto, WireError};
@@ -476,6 +477,14 @@ pub enum Finished {
     /// answer what it answers: the hub's core holds the group as the store
     /// does now ([`ClusterLink::confirm_group`]).
     GroupSubscribeAgain { session: SessionId, group: u64 },
+    /// A page read to be watched: watched in the hub's core, then answered
+    /// (or the core's refusal); the members no watch lists are then no
+    /// longer followed ([`ClusterLink::unfollow_page_member`]).
+    WatchedPage {
+        session: SessionId,
+        after: Option<proto::GroupCursor>,
+        page: proto::GroupPage,
+    },
 }
 
 /// The cluster side of one node (see the module docs).

@@ -5,7 +5,7 @@
 
 use super::tickets::Ticket;
 use super::{ServerOutput, ServerState};
-use crate::cluster::{ClusterInput, ClusterLink, Finished, GroupWrite, WireOp};
+use crate::cluster::{ClusterInput, ClusterLink, Finished, GroupWrite, WireOp, PAGE_WATCHER};
 use crate::conn::{Handled, Step};
 use bytes::Bytes;
 use greendot_core::{SessionId, Tier};
@@ -32,8 +32,24 @@ impl ServerState {
             let Some(c) = self.cluster.as_deref_mut() else {
                 return fed;
             };
+            // Members no watched page lists: no longer followed.
+            while let Some(member) = self.hub.poll_fed_unlisted() {
+                c.unfollow_page_member(self.clock.at(now), &member);
+            }
             if let Some(out) = c.poll_fanout() {
                 if let greendot_core::Output::Push {
+                    to: PAGE_WATCHER,
+                    target,
+                    presence,
+                    ..
+                } = out
+                {
+                    // A member of a watched page: the hub's core batches it
+                    // for the sessions watching her.
+                    let name = c.user_name(target).unwrap_or_default().to_owned();
+                    self.hub.fed_view(self.clock.at(now), &name, presence);
+                    fed = true;
+                } else if let greendot_core::Output::Push {
                     to,
                     target,
                     tier,
@@ -95,6 +111,11 @@ impl ServerState {
     /// The cluster is done with the request behind `wait`.
     pub(super) fn cluster_finished(&mut self, now: Instant, wait: u64, finished: Finished) {
         let finished = match finished {
+            Finished::WatchedPage {
+                session,
+                after,
+                page,
+            } => self.watched_page_read(now, wait, session, after, page),
             Finished::GroupSubscribeAgain { session, group } => {
                 match self.group_subscribe_again(now, wait, session, group) {
                     Some(finished) => finished,
@@ -129,7 +150,10 @@ impl ServerState {
             return;
         };
         let result = match finished {
-            Finished::Done | Finished::Carry { .. } | Finished::GroupSubscribeAgain { .. } => None,
+            Finished::Done
+            | Finished::Carry { .. }
+            | Finished::GroupSubscribeAgain { .. }
+            | Finished::WatchedPage { .. } => None,
             Finished::Answer(answer) => Some(Ok(answer)),
             Finished::Failed(error) => Some(Err(error)),
         };
@@ -402,27 +426,67 @@ impl ServerState {
         }
     }
 
-    /// A member page in a cluster: the hub's core checks the session, its
-    /// membership and its page budget; the keys come from the group's
-    /// aggregator and the entries from the members' owners.
+    /// A member page in a cluster, watched or not: the hub's core checks the
+    /// session, its membership, its page budget and its watch limits; the
+    /// keys come from the group's aggregator and the entries from the
+    /// members' owners; a watched page is then watched in the hub's core.
     pub(super) fn cluster_group_page(&mut self, ch: usize, now: Instant, step: Step) {
         let Some((session, id, request, _)) = self.current_request(ch, now, step) else {
             return;
         };
-        let proto::Request::GroupPage {
-            group,
-            after,
-            limit,
-        } = request
-        else {
-            return;
+        let (group, after, limit, watch) = match request {
+            proto::Request::GroupPage {
+                group,
+                after,
+                limit,
+            } => (group, after, limit, false),
+            proto::Request::GroupWatchPage {
+                group,
+                after,
+                limit,
+            } => (group, after, limit, true),
+            _ => return,
         };
         let at = self.clock.at(now);
-        match self.hub.fed_group_page(at, session, group, limit) {
+        match self.hub.fed_group_page(at, session, group, (after, limit), watch) {
             Err(error) => self.answer(ch, now, reply(id, Err(error))),
             Ok(limit) => self.cluster_ask(ch, now, id, |c, wait| {
-                c.group_page(now, at, wait, session, group, after, limit)
+                c.group_page(now, at, wait, session, group, (after, limit), watch)
             }),
+        }
+    }
+
+    /// A page read to be watched: watched in the hub's core if its request
+    /// still waits, then answered (or the core's refusal); its members that
+    /// no watch lists are no longer followed.
+    fn watched_page_read(
+        &mut self,
+        now: Instant,
+        wait: u64,
+        session: SessionId,
+        after: Option<proto::GroupCursor>,
+        page: proto::GroupPage,
+    ) -> Finished {
+        let at = self.clock.at(now);
+        let stored = match self.tickets.contains_key(&wait) {
+            true => self
+                .hub
+                .fed_watched_page(at, session, page.group, after, &page.entries),
+            false => Err(proto::WireError::new(
+                proto::ErrorCode::Internal,
+                "answered already",
+            )),
+        };
+        if let Some(c) = self.cluster.as_deref_mut() {
+            for e in &page.entries {
+                if !self.hub.is_fed_listed(&e.user) {
+                    c.unfollow_page_member(at, &e.user);
+                }
+            }
+        }
+        match stored {
+            Ok(()) => Finished::Answer(proto::Answer::GroupPage(page)),
+            Err(error) => Finished::Failed(error),
         }
     }
 

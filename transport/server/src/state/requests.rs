@@ -106,17 +106,20 @@ impl ServerState {
             {
                 return self.cluster_group_write(ch, now, step);
             }
-            // Subscriptions go to the hub's core, fed with counts summed
-            // across the cluster; member pages are read from the group's
-            // aggregator and the members' owners; watched pages need every
-            // node's views of their members, which the hub's core does not
-            // hold (docs/groups.md).
+            // Subscriptions and watches go to the hub's core, fed with
+            // counts summed across the cluster and with the views of the
+            // members its watched pages list; pages are read from the
+            // group's aggregator and the members' owners (docs/groups.md).
             let link = self.cluster.as_deref();
             let fed = link.is_some_and(|c| c.serves_groups());
             let pages = link.is_some_and(|c| c.serves_pages());
             let served = match &step {
                 Step::Request {
-                    request: proto::Request::GroupPage { .. },
+                    request:
+                        proto::Request::GroupPage { .. }
+                        | proto::Request::GroupWatchPage { .. }
+                        | proto::Request::GroupRenewWatch { .. }
+                        | proto::Request::GroupUnwatchPage { .. },
                     ..
                 } => pages,
                 _ => fed && group_subscription(&step).is_some(),
@@ -136,16 +139,12 @@ impl ServerState {
                 },
             ) = (served, &step)
             {
-                let message = match (fed, pages) {
-                    (_, true) => {
-                        "watched member pages are served by a single node only for now (not \
-                         with --cluster); group subscriptions, member pages and writes are served"
-                    }
-                    (true, false) => {
+                let message = match fed {
+                    true => {
                         "member pages are served in a cluster from protocol 5 \
                          (cluster_protocol); group subscriptions and writes are"
                     }
-                    (false, _) => {
+                    false => {
                         "groups are served in a cluster from protocol 4 \
                          (cluster_protocol); group writes are"
                     }
@@ -161,7 +160,7 @@ impl ServerState {
                 return self.answer(ch, now, handled);
             }
             if let Step::Request {
-                request: proto::Request::GroupPage { .. },
+                request: proto::Request::GroupPage { .. } | proto::Request::GroupWatchPage { .. },
                 ..
             } = &step
             {
