@@ -21,7 +21,7 @@ use crate::error::Error;
 use crate::group_pages::{GroupPage, PageCursor};
 use crate::groups::GroupId;
 use crate::types::{Millis, Presence, SessionId, UserId};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 
 /// The views fed for watched pages.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
@@ -29,8 +29,10 @@ pub(crate) struct FedViews {
     /// Member → the (group, member) keys of watches listing her, and her
     /// latest view fed (`None` until one comes).
     pub(crate) listed: BTreeMap<UserId, (u32, Option<Presence>)>,
-    /// Members no watch lists any more, for the edge.
-    pub(crate) unlisted: VecDeque<UserId>,
+    /// Members no watch lists any more, for the edge (a member listed
+    /// again before the edge asked is taken out: a page renewed lists
+    /// again at once what it listed).
+    pub(crate) unlisted: BTreeSet<UserId>,
 }
 
 impl Core {
@@ -109,7 +111,7 @@ impl Core {
 
     /// A member no watch lists any more: the edge stops following her.
     pub fn poll_fed_unlisted(&mut self) -> Option<UserId> {
-        self.groups.watches.fed.unlisted.pop_front()
+        self.groups.watches.fed.unlisted.pop_first()
     }
 
     /// Whether a watch lists `user` (the edge follows her views).
@@ -144,6 +146,7 @@ impl Core {
 impl FedViews {
     /// A (group, member) key of the watch index was made.
     pub(crate) fn listed(&mut self, user: UserId) {
+        self.unlisted.remove(&user);
         self.listed.entry(user).or_default().0 += 1;
     }
 
@@ -153,7 +156,7 @@ impl FedViews {
             *keys -= 1;
             if *keys == 0 {
                 self.listed.remove(&user);
-                self.unlisted.push_back(user);
+                self.unlisted.insert(user);
             }
         }
     }

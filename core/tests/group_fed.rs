@@ -608,3 +608,76 @@ fn a_defined_group_takes_the_directorys_membership_version() {
     );
     edge.check_invariants().unwrap();
 }
+
+/// A presence fed for a watched page: online, under `version`.
+fn fed_online(version: u64, status: Status) -> Presence {
+    Presence {
+        version,
+        online: true,
+        status,
+        ..Presence::default()
+    }
+}
+
+/// A watched page with fed counts (the `group_fed_watch` module): the page
+/// read elsewhere is watched as on one node; each newer view fed of a
+/// listed member comes in the session's next flush, an older one never;
+/// asking the same page again renews it without letting go of its
+/// members; the end of the watch lets go of them, and a view fed then is
+/// no one's. A fed core reads no page itself.
+#[test]
+fn a_fed_watched_page_batches_the_views_fed_of_its_members() {
+    let mut edge = Core::new(config()).unwrap();
+    assert!(edge.set_group_counts_fed());
+    let ann = connect(&mut edge, 0, 1, 1);
+    let (bob, cy) = (UserId(2), UserId(3));
+    edge.handle_define_group(Millis(0), GROUP, &[UserId(1), bob, cy], &[UserId(1)], 1)
+        .unwrap();
+    assert_eq!(
+        edge.handle_group_page(Millis(0), ann, GROUP, None, 10),
+        Err(Error::NotAllowed),
+        "a fed core holds no one's view but its own users'"
+    );
+    let limit = edge.handle_fed_group_page(Millis(0), ann, GROUP, 500, Some(None));
+    assert_eq!(limit, Ok(Config::default().group_page_size));
+    let read = vec![
+        (bob, fed_online(5, Status::Available)),
+        (cy, Presence::default()),
+        (UserId(9), Presence::default()),
+    ];
+    edge.handle_fed_watched_page(Millis(10), ann, GROUP, None, read)
+        .unwrap();
+    assert!(edge.is_fed_listed(bob) && edge.is_fed_listed(cy));
+    assert!(!edge.is_fed_listed(UserId(9)), "not a member: left out");
+    // An older view than the page's is dropped; a newer one is flushed.
+    edge.handle_fed_view(Millis(20), bob, fed_online(4, Status::Busy));
+    edge.handle_fed_view(Millis(20), bob, fed_online(6, Status::Away));
+    let flush = Millis(20 + Config::default().batch_interval.0);
+    edge.handle_timeout(flush);
+    let out = drain(&mut edge);
+    let expected = GroupOutput::Page {
+        to: ann,
+        group: GROUP,
+        entries: vec![(bob, fed_online(6, Status::Away))],
+    };
+    assert_eq!(out, vec![expected], "{out:?}");
+    // The same page again renews it: nobody is let go.
+    edge.handle_fed_group_page(flush, ann, GROUP, 10, Some(None))
+        .unwrap();
+    let read = vec![
+        (bob, fed_online(6, Status::Away)),
+        (cy, Presence::default()),
+    ];
+    edge.handle_fed_watched_page(flush, ann, GROUP, None, read)
+        .unwrap();
+    assert_eq!(edge.poll_fed_unlisted(), None);
+    edge.check_invariants().unwrap();
+    // Unwatched: both let go, and a view fed then is no one's.
+    edge.handle_group_unwatch(flush, ann, GROUP, None).unwrap();
+    let unlisted: Vec<UserId> = std::iter::from_fn(|| edge.poll_fed_unlisted()).collect();
+    assert_eq!(unlisted, vec![bob, cy]);
+    edge.handle_fed_view(flush, bob, fed_online(7, Status::Busy));
+    edge.handle_timeout(Millis(flush.0 * 3));
+    assert_eq!(drain(&mut edge), vec![]);
+    edge.check_invariants().unwrap();
+}

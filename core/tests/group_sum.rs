@@ -407,7 +407,10 @@ fn the_sums_pages_list_online_members_first_and_each_member_once() {
     // The cursor after 3 (offline) goes on at 4, whoever joined below it.
     let members: BTreeSet<u32> = (0..12).collect();
     sum.handle_members(Millis(1), members, [0, 1].into());
-    assert_eq!(sum.page(Some((false, 3)), 2), (vec![(4, false), (6, false)], Some((false, 6))));
+    assert_eq!(
+        sum.page(Some((false, 3)), 2),
+        (vec![(4, false), (6, false)], Some((false, 6)))
+    );
     // A limit of 0 lists one.
     assert_eq!(sum.page(None, 0).0, vec![(2, true)]);
 }

@@ -152,7 +152,10 @@ async fn pages_of(client: &greendot_client::Client, limit: u32) -> Vec<(String, 
     loop {
         let page = client.group_page(7, after, limit).await.unwrap();
         assert!(page.entries.len() <= limit as usize, "{page:?}");
-        let listed = page.entries.iter().map(|(user, p)| (user.clone(), p.online));
+        let listed = page
+            .entries
+            .iter()
+            .map(|(user, p)| (user.clone(), p.online));
         entries.extend(listed);
         match page.next {
             Some(next) => after = Some(next),
@@ -249,7 +252,9 @@ async fn a_groups_count_is_exact_across_nodes_and_after_kill_9_of_its_summing_no
     // stream; the watch is renewed, then ended.
     let watched = bob.group_watch_page(7, None, 10).await.unwrap();
     assert_eq!(watched.entries.len(), 7, "{watched:?}");
-    cy.set_status(Status::Busy, Some("on a call")).await.unwrap();
+    cy.set_status(Status::Busy, Some("on a call"))
+        .await
+        .unwrap();
     delta_until(&mut member, settle, "cy busy", |user, p| {
         user == "cy" && p.status == Status::Busy
     })

@@ -184,9 +184,9 @@ impl Hub {
             .unwrap_or(usize::MAX)
             .min(self.page_entries_that_fit());
         let watch = watch.then(|| cursor(after));
-        let limit =
-            self.core
-                .handle_fed_group_page(now, session, GroupId(group), limit, watch)?;
+        let limit = self
+            .core
+            .handle_fed_group_page(now, session, GroupId(group), limit, watch)?;
         Ok(u32::try_from(limit).unwrap_or(u32::MAX))
     }
 

@@ -197,7 +197,11 @@ impl ClusterLink {
         // or its own owner knows, is answered at once; not what it knows of
         // a shard it may have missed a view of (it would answer a view the
         // owner has moved past, as an invisible user shown online).
-        let viewer_id = self.names.get(viewer).map(UserId).filter(|_| p.page.is_none());
+        let viewer_id = self
+            .names
+            .get(viewer)
+            .map(UserId)
+            .filter(|_| p.page.is_none());
         let shown_to = p.page.is_none().then_some(viewer);
         for (target, snap) in &mut p.targets {
             let shard = (self.settings.shard_of)(target, self.settings.shard_count);

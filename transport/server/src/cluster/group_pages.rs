@@ -255,7 +255,11 @@ impl ClusterLink {
         let Some(id) = self.names.get(member) else {
             return;
         };
-        if self.fanout.unsubscribe(at, PAGE_WATCHER, UserId(id)).is_ok() {
+        if self
+            .fanout
+            .unsubscribe(at, PAGE_WATCHER, UserId(id))
+            .is_ok()
+        {
             self.forget_target(UserId(id));
         }
     }

@@ -10,9 +10,9 @@
 use super::group_dir::GroupDef;
 use super::test_support::{by_len, SHARDS};
 use super::wire::{decode, GroupCounts, GROUPS_SINCE, PAGES_SINCE};
-use super::{ClusterInput, ClusterLink, ClusterOutput, ClusterSettings, Finished};
+use super::{ClusterInput, ClusterLink, ClusterOutput, ClusterSettings, Finished, PAGE_WATCHER};
 use crate::hub::GroupFeed;
-use greendot_core::{Config, Millis, SessionId};
+use greendot_core::{Config, Millis, Output, SessionId, UserId};
 use greendot_proto as proto;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -169,6 +169,15 @@ impl Bus {
                         payload: payload.clone(),
                     };
                     self.input(ms, n, counts);
+                }
+            }
+            ClusterOutput::Publish { shard, payload } => {
+                for n in 0..self.links.len() {
+                    let view = ClusterInput::ShardMessage {
+                        shard,
+                        payload: payload.clone(),
+                    };
+                    self.input(ms, n, view);
                 }
             }
             ClusterOutput::Resync { payload } => {
@@ -400,7 +409,8 @@ impl Bus {
         let now = self.now(ms);
         let wait = 1_000 + ms;
         let sid = SessionId(50);
-        let mut answer = self.links[n].group_page(now, Millis(ms), wait, sid, GROUP, after, limit);
+        let link = &mut self.links[n];
+        let mut answer = link.group_page(now, Millis(ms), wait, sid, GROUP, (after, limit), false);
         self.run(ms);
         self.pass(ms, ms + 200);
         while let Some((w, finished)) = self.links[n].poll_finished() {
@@ -414,7 +424,10 @@ impl Bus {
             Some(proto::Answer::GroupPage(p)) => {
                 assert_eq!((p.group, p.count), (GROUP, 3), "{p:?}");
                 let entries = p.entries.into_iter();
-                (entries.map(|e| (e.user, e.presence.online)).collect(), p.next)
+                (
+                    entries.map(|e| (e.user, e.presence.online)).collect(),
+                    p.next,
+                )
             }
             other => panic!("not a page: {other:?}"),
         }
@@ -449,4 +462,46 @@ fn member_pages_list_online_members_first_from_every_owner() {
     bus.run(4_000);
     let (page, _) = bus.page(4_000, 1, None, 4);
     assert!(page.contains(&online("bo", false)), "{page:?}");
+}
+
+/// A watched page's members are followed by the node's page watcher from
+/// their read on: a change of one of them is pushed to it. Let go of, they
+/// are followed no more, and the shards watched only for them are not
+/// watched any more.
+#[test]
+fn a_watched_pages_members_are_followed_until_let_go() {
+    let mut bus = summed();
+    let (now, at) = (bus.now(3_000), Millis(3_000));
+    let wait = 77;
+    let sid = SessionId(50);
+    let asked = bus.links[0].group_page(now, at, wait, sid, GROUP, (None, 10), true);
+    assert!(asked.is_none(), "a watched page is always finished later");
+    bus.run(3_000);
+    bus.pass(3_000, 3_200);
+    let mut read = None;
+    while let Some((w, finished)) = bus.links[0].poll_finished() {
+        if let (true, Finished::WatchedPage { session, page, .. }) = (w == wait, finished) {
+            read = Some((session, page));
+        }
+    }
+    let (session, page) = read.expect("the watched page was read");
+    assert_eq!((session, page.entries.len()), (sid, 4), "{page:?}");
+    let link = &mut bus.links[0];
+    assert_eq!(link.fanout.subscriptions(PAGE_WATCHER).len(), 4);
+    while link.poll_fanout().is_some() {}
+    // ann (at b, in b's shard 3) logs out: pushed to a's page watcher.
+    bus.logout(3_500, 1, 3);
+    bus.pass(3_500, 6_000);
+    let link = &mut bus.links[0];
+    let ann = link.names.get("ann").map(UserId).unwrap();
+    let pushed = std::iter::from_fn(|| link.poll_fanout()).any(|o| {
+        matches!(o, Output::Push { to, target, presence, .. }
+            if to == PAGE_WATCHER && target == ann && !presence.online)
+    });
+    assert!(pushed, "ann's logout was not pushed to the page watcher");
+    for member in MEMBERS {
+        link.unfollow_page_member(Millis(6_000), member);
+    }
+    assert!(link.fanout.subscriptions(PAGE_WATCHER).is_empty());
+    assert!(link.shard_watchers.is_empty(), "{:?}", link.shard_watchers);
 }

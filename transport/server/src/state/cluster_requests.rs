@@ -448,7 +448,10 @@ impl ServerState {
             _ => return,
         };
         let at = self.clock.at(now);
-        match self.hub.fed_group_page(at, session, group, (after, limit), watch) {
+        match self
+            .hub
+            .fed_group_page(at, session, group, (after, limit), watch)
+        {
             Err(error) => self.answer(ch, now, reply(id, Err(error))),
             Ok(limit) => self.cluster_ask(ch, now, id, |c, wait| {
                 c.group_page(now, at, wait, session, group, (after, limit), watch)
