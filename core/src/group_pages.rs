@@ -139,6 +139,10 @@ impl Core {
     }
 }
 
+/// The keys of a page, each with whether it is online, and the cursor of
+/// the next page (section, key), `None` on the last.
+pub type PageKeys<M> = (Vec<(M, bool)>, Option<(bool, M)>);
+
 /// The keys of one page: up to `limit` (at least 1) of the members online
 /// after `from` (by key), then of the others, each with whether it was
 /// taken from the online section; and the cursor of the next page, `None`
@@ -150,7 +154,7 @@ pub(crate) fn pick_page<M, I>(
     members_after: impl FnOnce(Option<M>) -> I,
     from: Option<(bool, M)>,
     limit: usize,
-) -> (Vec<(M, bool)>, Option<(bool, M)>)
+) -> PageKeys<M>
 where
     M: Ord + Copy,
     I: Iterator<Item = M>,

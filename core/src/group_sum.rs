@@ -89,7 +89,7 @@ impl<M: Ord + Copy> GroupSum<M> {
         &self,
         from: Option<(bool, M)>,
         limit: usize,
-    ) -> (Vec<(M, bool)>, Option<(bool, M)>) {
+    ) -> crate::group_pages::PageKeys<M> {
         let after = |a: Option<M>| {
             let start = a.map_or(Bound::Unbounded, Bound::Excluded);
             self.members.range((start, Bound::Unbounded)).copied()

@@ -85,7 +85,7 @@ pub use engine::{Connect, Connected, Core, Counters, Input, Reply, Saved, Sessio
 pub use error::{Error, Limit};
 pub use fanout::Fanout;
 pub use group_fed::FED_VERSION_STEP;
-pub use group_pages::{GroupPage, PageCursor};
+pub use group_pages::{GroupPage, PageCursor, PageKeys};
 pub use group_sum::{GroupSum, SumMutant, SumOutput};
 pub use group_watch::PAGE_DELTA_ENTRIES;
 pub use groups::{changed_lists, GroupChange, GroupId, GroupOutput, GroupRole, GroupSnapshot};
