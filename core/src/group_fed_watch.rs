@@ -52,12 +52,7 @@ impl Core {
         if !self.groups.fed {
             return Err(Error::NotAllowed);
         }
-        let (id, limit, members) = self.page_checks(now, id, group, limit)?;
-        let budget = self.page_budget(id, group)?;
-        if let Some(from) = watch {
-            self.watch_room(id, group, from, limit.min(members))?;
-        }
-        self.groups.watches.budgets.insert((id, group), budget);
+        let (_, limit, _) = self.admit_page(now, id, group, limit, watch)?;
         Ok(limit)
     }
 

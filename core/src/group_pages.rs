@@ -74,19 +74,34 @@ impl Core {
         if self.groups.fed {
             return Err(Error::NotAllowed);
         }
-        let (id, limit, members) = self.page_checks(now, id, group, limit)?;
-        let budget = self.page_budget(id, group)?;
-        let renewed = if watch {
-            self.watch_room(id, group, from, limit.min(members))?
-        } else {
-            None
-        };
+        let (id, limit, renewed) = self.admit_page(now, id, group, limit, watch.then_some(from))?;
         let page = self.read_page(group, from, limit);
-        self.groups.watches.budgets.insert((id, group), budget);
         if watch {
             self.store_watch(id, &page, from, renewed);
         }
         Ok(page)
+    }
+
+    /// Admits a page: the session (Online, of a member of `group`), the
+    /// page budget, and for a page to be watched from `watch`'s cursor the
+    /// watch limits; then spends the budget's token. Returns the session,
+    /// the limit capped by the page size, and the watch the page renews.
+    pub(crate) fn admit_page(
+        &mut self,
+        now: Millis,
+        id: SessionId,
+        group: GroupId,
+        limit: usize,
+        watch: Option<Option<PageCursor>>,
+    ) -> Result<(SessionId, usize, Option<u64>), Error> {
+        let (id, limit, members) = self.page_checks(now, id, group, limit)?;
+        let budget = self.page_budget(id, group)?;
+        let renewed = match watch {
+            Some(from) => self.watch_room(id, group, from, limit.min(members))?,
+            None => None,
+        };
+        self.groups.watches.budgets.insert((id, group), budget);
+        Ok((id, limit, renewed))
     }
 
     /// The session (Online, of a member of `group`), the limit capped by

@@ -85,11 +85,7 @@ impl<M: Ord + Copy> GroupSum<M> {
     /// each with whether it is online, and the next page's cursor (`None`
     /// on the last). The same order as one node's pages (the
     /// `group_pages` module), over the aggregator's keys.
-    pub fn page(
-        &self,
-        from: Option<(bool, M)>,
-        limit: usize,
-    ) -> crate::group_pages::PageKeys<M> {
+    pub fn page(&self, from: Option<(bool, M)>, limit: usize) -> crate::group_pages::PageKeys<M> {
         let after = |a: Option<M>| {
             let start = a.map_or(Bound::Unbounded, Bound::Excluded);
             self.members.range((start, Bound::Unbounded)).copied()

@@ -514,7 +514,9 @@ impl Core {
     }
 
     /// After a membership write or a removal of `group`: watches of
-    /// sessions whose user is no longer a member end.
+    /// sessions whose user is no longer a member end. With fed counts,
+    /// members who left are taken out of the watches that stay, so the edge
+    /// stops following them (their names may be freed).
     pub(crate) fn watches_group_changed(&mut self, group: GroupId) {
         let ids: Vec<u64> = self
             .groups
@@ -533,8 +535,29 @@ impl Core {
             });
             if !member {
                 self.remove_watch(wid);
+            } else if self.groups.fed {
+                self.drop_leavers(wid, group);
             }
         }
+    }
+
+    /// Takes the members who left `group` out of watch `wid`.
+    fn drop_leavers(&mut self, wid: u64, group: GroupId) {
+        let Some(g) = self.groups.groups.get(&group) else {
+            return;
+        };
+        let x = &self.groups.watches.all[&wid];
+        let (kept, left): (Vec<UserId>, Vec<UserId>) = x
+            .members
+            .iter()
+            .partition(|m| g.members.binary_search(m).is_ok());
+        if left.is_empty() {
+            return;
+        }
+        let session = x.session;
+        self.groups.watches.all.get_mut(&wid).unwrap().members = kept;
+        self.unindex_members(wid, group, &left);
+        self.prune_pending(session, group, &left);
     }
 }
 

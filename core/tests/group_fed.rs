@@ -623,8 +623,8 @@ fn fed_online(version: u64, status: Status) -> Presence {
 /// read elsewhere is watched as on one node; each newer view fed of a
 /// listed member comes in the session's next flush, an older one never;
 /// asking the same page again renews it without letting go of its
-/// members; the end of the watch lets go of them, and a view fed then is
-/// no one's. A fed core reads no page itself.
+/// members; a member who leaves the group is let go at once; the end of
+/// the watch lets go of the others, and a view fed then is no one's. A fed core reads no page itself.
 #[test]
 fn a_fed_watched_page_batches_the_views_fed_of_its_members() {
     let mut edge = Core::new(config()).unwrap();
@@ -672,10 +672,16 @@ fn a_fed_watched_page_batches_the_views_fed_of_its_members() {
         .unwrap();
     assert_eq!(edge.poll_fed_unlisted(), None);
     edge.check_invariants().unwrap();
-    // Unwatched: both let go, and a view fed then is no one's.
+    // bob leaves the group: let go at once, while the watch lives on.
+    edge.handle_define_group(flush, GROUP, &[UserId(1), cy], &[UserId(1)], 2)
+        .unwrap();
+    assert_eq!(edge.poll_fed_unlisted(), Some(bob));
+    assert!(edge.is_fed_listed(cy));
+    edge.check_invariants().unwrap();
+    // Unwatched: cy let go, and a view fed then is no one's.
     edge.handle_group_unwatch(flush, ann, GROUP, None).unwrap();
     let unlisted: Vec<UserId> = std::iter::from_fn(|| edge.poll_fed_unlisted()).collect();
-    assert_eq!(unlisted, vec![bob, cy]);
+    assert_eq!(unlisted, vec![cy]);
     edge.handle_fed_view(flush, bob, fed_online(7, Status::Busy));
     edge.handle_timeout(Millis(flush.0 * 3));
     assert_eq!(drain(&mut edge), vec![]);

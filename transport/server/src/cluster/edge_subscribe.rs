@@ -1,6 +1,8 @@
 //! The edge's subscribes (and a resume's carry-over): snapshots from the
 //! targets' owners, then subscribed in the fanout. Queries and member
-//! pages read the same snapshots and subscribe nothing.
+//! pages read the same snapshots and subscribe no session; a watched
+//! page's members are then followed by the node's page watcher (the
+//! `group_pages` module).
 
 use super::edge::InFlight;
 use super::owner::note_idle;
@@ -33,6 +35,8 @@ pub(super) struct PageRead {
     /// To be watched: the members' shards are watched from the start, and
     /// the members followed once read.
     pub(super) watch: bool,
+    /// When the page fails, from when it was asked.
+    pub(super) deadline: Instant,
     pub(super) version: u64,
     pub(super) count: u32,
     pub(super) next: Option<proto::GroupCursor>,
@@ -54,7 +58,8 @@ pub(super) struct PendingSubscribe {
     /// watched first, and a view may overtake the owner's answer, a hole
     /// the model found): the newest is what the subscribe starts from.
     pub(super) early: DetMap<String, Presence>,
-    /// A query: answered with the presences, nothing subscribed or watched.
+    /// A query: answered with the presences, no session subscribed (nor a
+    /// shard watched, but for a watched page).
     pub(super) query: bool,
     /// A query for a member page: what others are shown of each target,
     /// answered as the page.
@@ -187,7 +192,9 @@ impl ClusterLink {
             targets: wanted,
             tiers,
             refused,
-            deadline: now + self.settings.request_timeout,
+            deadline: page
+                .as_ref()
+                .map_or(now + self.settings.request_timeout, |r| r.deadline),
             asking: BTreeMap::new(),
             early: DetMap::default(),
             query,
@@ -356,7 +363,7 @@ impl ClusterLink {
         }
         let p = self.subscribes.remove(&wait)?;
         if let Some(read) = p.page {
-            let views: Vec<(String, Presence)> = p
+            let mut views: Vec<(String, Presence)> = p
                 .targets
                 .into_iter()
                 .map(|(user, snap)| {
@@ -364,9 +371,10 @@ impl ClusterLink {
                     (user, presence)
                 })
                 .collect();
-            if read.watch {
-                self.follow_page_members(at, &views);
-            }
+            let (followed, refused) = match read.watch {
+                true => self.follow_page_members(at, &mut views),
+                false => (Vec::new(), None),
+            };
             let entries = views
                 .into_iter()
                 .map(|(user, presence)| proto::GroupEntry {
@@ -388,6 +396,8 @@ impl ClusterLink {
                 session: p.session,
                 after: read.after,
                 page,
+                followed,
+                refused,
             };
             self.finished.push_back((wait, watched));
             return None;
@@ -419,51 +429,58 @@ impl ClusterLink {
             .map(|(t, _)| t)
             .collect();
         for (target, snap) in p.targets {
-            let shard = self.shard(&target);
-            let snap = match (snap, p.early.get(&target)) {
-                (Some(s), Some(e)) if e.version > s.version => Some(e.clone()),
-                (snap, _) => snap,
-            };
-            let Some(id) = self.names.intern(&target) else {
-                self.unwatch_shard(shard);
-                refused.push(Refused {
-                    target,
-                    error: WireError::new(ErrorCode::TooManyUsers, "too many user names"),
-                });
-                continue;
-            };
-            let again = held.contains(&UserId(id));
+            let snap = newest(snap, p.early.get(&target));
             let tier = p.tiers.get(&target).copied().unwrap_or(p.tier);
-            match self
-                .fanout
-                .subscribe(at, p.session, UserId(id), tier, snap.unwrap_or_default())
-            {
-                Ok(presence) => {
-                    if again {
-                        self.unwatch_shard(shard); // counted once per subscription
-                    } else {
-                        self.names.acquire(id);
-                    }
-                    snapshots.push(Snapshot {
-                        target,
-                        tier: tier.into(),
-                        presence: proto::Presence::from_core(&presence, 0),
-                    });
-                }
-                Err(e) => {
-                    self.unwatch_shard(shard);
-                    if self.names.refs(id) == 0 {
-                        self.names.remove(id);
-                    }
-                    refused.push(Refused {
-                        target,
-                        error: e.into(),
-                    });
-                }
+            match self.fanout_subscribe(at, p.session, &target, (tier, snap), &held) {
+                Ok(presence) => snapshots.push(Snapshot {
+                    target,
+                    tier: tier.into(),
+                    presence: proto::Presence::from_core(&presence, 0),
+                }),
+                Err(error) => refused.push(Refused { target, error }),
             }
         }
         let answer = proto::Answer::Subscribed { snapshots, refused };
         self.when_recorded(p.session, wait, answer, p.deadline)
+    }
+
+    /// Subscribes `session` to `target` in the fanout in `tier` from
+    /// `snap`, the target's shard watched already (one reference, which
+    /// only a new subscription keeps; `held`: what the session held
+    /// before), its name held here. Returns the snapshot to show.
+    pub(super) fn fanout_subscribe(
+        &mut self,
+        at: Millis,
+        session: SessionId,
+        target: &str,
+        (tier, snap): (Tier, Presence),
+        held: &[UserId],
+    ) -> Result<Presence, WireError> {
+        let shard = self.shard(target);
+        let Some(id) = self.names.intern(target) else {
+            self.unwatch_shard(shard);
+            return Err(WireError::new(
+                ErrorCode::TooManyUsers,
+                "too many user names",
+            ));
+        };
+        match self.fanout.subscribe(at, session, UserId(id), tier, snap) {
+            Ok(presence) => {
+                if held.contains(&UserId(id)) {
+                    self.unwatch_shard(shard); // counted once per subscription
+                } else {
+                    self.names.acquire(id);
+                }
+                Ok(presence)
+            }
+            Err(e) => {
+                self.unwatch_shard(shard);
+                if self.names.refs(id) == 0 {
+                    self.names.remove(id);
+                }
+                Err(e.into())
+            }
+        }
     }
 
     fn fail_subscribe(&mut self, wait: u64, p: PendingSubscribe) {

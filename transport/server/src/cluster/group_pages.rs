@@ -187,12 +187,16 @@ impl ClusterLink {
                 count,
                 keys,
                 next,
-            }) if keys.len() <= p.limit as usize && keys.iter().all(|(n, _)| ok(n)) => {
+            }) if keys.len() <= p.limit as usize
+                && keys.iter().all(|(n, _)| ok(n))
+                && distinct(&keys) =>
+            {
                 let p = self.pages.remove(&wait)?;
                 let read = PageRead {
                     group: p.group,
                     after: p.after,
                     watch: p.watch,
+                    deadline: p.deadline,
                     version,
                     count,
                     next: next.map(|(online, after)| proto::GroupCursor {
@@ -212,8 +216,15 @@ impl ClusterLink {
     }
 
     /// Follows the members of a watched page just read (their shards are
-    /// watched already, one reference each), from the views read.
-    pub(super) fn follow_page_members(&mut self, at: Millis, read: &[(String, Presence)]) {
+    /// watched already, one reference each), from the views read, each
+    /// made the newest the fanout knows. Returns the members followed, each
+    /// held until the read is settled ([`ClusterLink::settle_page_read`]),
+    /// and the error of any that could not be.
+    pub(super) fn follow_page_members(
+        &mut self,
+        at: Millis,
+        read: &mut [(String, Presence)],
+    ) -> (Vec<String>, Option<WireError>) {
         self.fanout.open(PAGE_WATCHER, PAGE_WATCHER_USER);
         let held: Vec<UserId> = self
             .fanout
@@ -221,37 +232,52 @@ impl ClusterLink {
             .into_iter()
             .map(|(t, _)| t)
             .collect();
-        for (name, presence) in read {
-            let shard = self.shard(name);
-            let Some(id) = self.names.intern(name) else {
-                self.unwatch_shard(shard);
+        let mut followed = Vec::with_capacity(read.len());
+        let mut refused = None;
+        for (name, presence) in read.iter_mut() {
+            let snap = (Tier::Realtime, presence.clone());
+            match self.fanout_subscribe(at, PAGE_WATCHER, name, snap, &held) {
+                Ok(newest) => {
+                    *presence = newest;
+                    *self.page_reads.entry(name.clone()).or_default() += 1;
+                    followed.push(name.clone());
+                }
+                Err(e) => refused = Some(e),
+            }
+        }
+        (followed, refused)
+    }
+
+    /// A watched page's read was handed to the hub's core: of the members
+    /// it followed, those no watch lists (`listed` says) and no other read
+    /// holds are no longer followed.
+    pub fn settle_page_read(
+        &mut self,
+        at: Millis,
+        followed: &[String],
+        listed: impl Fn(&str) -> bool,
+    ) {
+        for name in followed {
+            let Some(reads) = self.page_reads.get_mut(name) else {
                 continue;
             };
-            let again = held.contains(&UserId(id));
-            let subscribed = self.fanout.subscribe(
-                at,
-                PAGE_WATCHER,
-                UserId(id),
-                Tier::Realtime,
-                presence.clone(),
-            );
-            match (subscribed, again) {
-                // Counted once per followed member.
-                (Ok(_), true) => self.unwatch_shard(shard),
-                (Ok(_), false) => self.names.acquire(id),
-                (Err(_), _) => {
-                    self.unwatch_shard(shard);
-                    if self.names.refs(id) == 0 {
-                        self.names.remove(id);
-                    }
+            *reads -= 1;
+            if *reads == 0 {
+                self.page_reads.remove(name);
+                if !listed(name) {
+                    self.unfollow_page_member(at, name);
                 }
             }
         }
     }
 
     /// No watched page here lists `member` any more: she is no longer
-    /// followed.
+    /// followed, unless a read not yet handed to the hub's core holds her
+    /// (its settling decides).
     pub fn unfollow_page_member(&mut self, at: Millis, member: &str) {
+        if self.page_reads.contains_key(member) {
+            return;
+        }
         let Some(id) = self.names.get(member) else {
             return;
         };
@@ -289,4 +315,10 @@ impl ClusterLink {
             }
         }
     }
+}
+
+/// Whether no member is listed twice (each is followed once per read).
+fn distinct(keys: &[(String, bool)]) -> bool {
+    let mut seen = std::collections::BTreeSet::new();
+    keys.iter().all(|(n, _)| seen.insert(n.as_str()))
 }

@@ -477,13 +477,15 @@ pub enum Finished {
     /// answer what it answers: the hub's core holds the group as the store
     /// does now ([`ClusterLink::confirm_group`]).
     GroupSubscribeAgain { session: SessionId, group: u64 },
-    /// A page read to be watched: watched in the hub's core, then answered
-    /// (or the core's refusal); the members no watch lists are then no
-    /// longer followed ([`ClusterLink::unfollow_page_member`]).
+    /// A page read to be watched: watched in the hub's core (unless
+    /// `refused`: answer that), then answered (or the core's refusal); then
+    /// settled ([`ClusterLink::settle_page_read`] with `followed`).
     WatchedPage {
         session: SessionId,
         after: Option<proto::GroupCursor>,
         page: proto::GroupPage,
+        followed: Vec<String>,
+        refused: Option<WireError>,
     },
 }
 
@@ -527,6 +529,9 @@ pub struct ClusterLink {
     routes: DetMap<u64, PendingRoute>,
     /// Member pages whose keys are asked of their group's aggregator.
     pages: DetMap<u64, PendingPage>,
+    /// Members followed for watched pages read but not yet handed to the
+    /// hub's core, with how many such reads hold each.
+    page_reads: DetMap<String, u32>,
     /// Local sessions' KV records, and the puts in flight by id.
     records: DetMap<SessionId, SessionSync>,
     record_puts: DetMap<u64, SessionId>,
@@ -607,6 +612,7 @@ impl ClusterLink {
             subscribes: DetMap::default(),
             routes: DetMap::default(),
             pages: DetMap::default(),
+            page_reads: DetMap::default(),
             records: DetMap::default(),
             record_puts: DetMap::default(),
             record_retries: Default::default(),

@@ -465,9 +465,11 @@ fn member_pages_list_online_members_first_from_every_owner() {
 }
 
 /// A watched page's members are followed by the node's page watcher from
-/// their read on: a change of one of them is pushed to it. Let go of, they
-/// are followed no more, and the shards watched only for them are not
-/// watched any more.
+/// their read on: a change of one of them is pushed to it. A member let go
+/// of while a read not yet handed over holds her stays followed; once it is
+/// handed over, those no watch lists are let go. Let go of, members are
+/// followed no more, and the shards watched only for them are not watched
+/// any more.
 #[test]
 fn a_watched_pages_members_are_followed_until_let_go() {
     let mut bus = summed();
@@ -480,14 +482,29 @@ fn a_watched_pages_members_are_followed_until_let_go() {
     bus.pass(3_000, 3_200);
     let mut read = None;
     while let Some((w, finished)) = bus.links[0].poll_finished() {
-        if let (true, Finished::WatchedPage { session, page, .. }) = (w == wait, finished) {
-            read = Some((session, page));
+        if let (
+            true,
+            Finished::WatchedPage {
+                session,
+                page,
+                followed,
+                ..
+            },
+        ) = (w == wait, finished)
+        {
+            read = Some((session, page, followed));
         }
     }
-    let (session, page) = read.expect("the watched page was read");
+    let (session, page, followed) = read.expect("the watched page was read");
     assert_eq!((session, page.entries.len()), (sid, 4), "{page:?}");
     let link = &mut bus.links[0];
     assert_eq!(link.fanout.subscriptions(PAGE_WATCHER).len(), 4);
+    // Let go of (another watch ended) before the read is handed over: the
+    // read holds her; handed over, bo is not listed and is let go.
+    link.unfollow_page_member(Millis(3_200), "ann");
+    assert_eq!(link.fanout.subscriptions(PAGE_WATCHER).len(), 4);
+    link.settle_page_read(Millis(3_200), &followed, |name| name != "bo");
+    assert_eq!(link.fanout.subscriptions(PAGE_WATCHER).len(), 3);
     while link.poll_fanout().is_some() {}
     // ann (at b, in b's shard 3) logs out: pushed to a's page watcher.
     bus.logout(3_500, 1, 3);

@@ -115,7 +115,12 @@ impl ServerState {
                 session,
                 after,
                 page,
-            } => self.watched_page_read(now, wait, session, after, page),
+                followed,
+                refused,
+            } => {
+                let read = (page, refused);
+                self.watched_page_read(now, wait, (session, after), read, &followed)
+            }
             Finished::GroupSubscribeAgain { session, group } => {
                 match self.group_subscribe_again(now, wait, session, group) {
                     Some(finished) => finished,
@@ -460,32 +465,32 @@ impl ServerState {
     }
 
     /// A page read to be watched: watched in the hub's core if its request
-    /// still waits, then answered (or the core's refusal); its members that
-    /// no watch lists are no longer followed.
+    /// still waits and every member could be followed, then answered (or
+    /// the refusal); then settled, so the members no watch lists are no
+    /// longer followed.
     fn watched_page_read(
         &mut self,
         now: Instant,
         wait: u64,
-        session: SessionId,
-        after: Option<proto::GroupCursor>,
-        page: proto::GroupPage,
+        (session, after): (SessionId, Option<proto::GroupCursor>),
+        (page, refused): (proto::GroupPage, Option<proto::WireError>),
+        followed: &[String],
     ) -> Finished {
         let at = self.clock.at(now);
-        let stored = match self.tickets.contains_key(&wait) {
-            true => self
-                .hub
-                .fed_watched_page(at, session, page.group, after, &page.entries),
-            false => Err(proto::WireError::new(
+        let stored = match (refused, self.tickets.contains_key(&wait)) {
+            (Some(error), _) => Err(error),
+            (None, true) => {
+                self.hub
+                    .fed_watched_page(at, session, page.group, after, &page.entries)
+            }
+            (None, false) => Err(proto::WireError::new(
                 proto::ErrorCode::Internal,
                 "answered already",
             )),
         };
         if let Some(c) = self.cluster.as_deref_mut() {
-            for e in &page.entries {
-                if !self.hub.is_fed_listed(&e.user) {
-                    c.unfollow_page_member(at, &e.user);
-                }
-            }
+            let hub = &self.hub;
+            c.settle_page_read(at, followed, |name| hub.is_fed_listed(name));
         }
         match stored {
             Ok(()) => Finished::Answer(proto::Answer::GroupPage(page)),
