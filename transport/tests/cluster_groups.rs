@@ -90,15 +90,29 @@ async fn a_group_written_at_one_node_is_changed_at_another_and_removed_at_a_thir
     }
 }
 
-/// Waits for a count of group 7 equal to `count`.
-async fn count_until(updates: &mut Updates, within: Duration, what: &str, count: u32) {
+/// When each count of group 7 arrived, and the count.
+type Arrivals = Vec<(tokio::time::Instant, u32)>;
+
+/// Waits for a count of group 7 equal to `count`, noting the counts'
+/// arrivals.
+async fn count_until(
+    updates: &mut Updates,
+    arrivals: &mut Arrivals,
+    within: Duration,
+    (what, count): (&str, u32),
+) {
     let deadline = tokio::time::Instant::now() + within;
     loop {
         match tokio::time::timeout_at(deadline, updates.next()).await {
             Ok(Some(Event::GroupCount {
                 group: 7, count: c, ..
-            }))
-            | Ok(Some(Event::GroupMember {
+            })) => {
+                arrivals.push((tokio::time::Instant::now(), c));
+                if c == count {
+                    return;
+                }
+            }
+            Ok(Some(Event::GroupMember {
                 group: 7, count: c, ..
             })) if c == count => return,
             Ok(Some(_)) => {}
@@ -108,8 +122,12 @@ async fn count_until(updates: &mut Updates, within: Duration, what: &str, count:
     }
 }
 
-/// The counts of group 7 `updates` brings within `window`.
-async fn counts_during(updates: &mut Updates, window: Duration) -> Vec<u32> {
+/// The counts of group 7 `updates` brings within `window`, noted.
+async fn counts_during(
+    updates: &mut Updates,
+    arrivals: &mut Arrivals,
+    window: Duration,
+) -> Vec<u32> {
     let deadline = tokio::time::Instant::now() + window;
     let mut counts = Vec::new();
     while let Ok(Some(event)) = tokio::time::timeout_at(deadline, updates.next()).await {
@@ -117,10 +135,24 @@ async fn counts_during(updates: &mut Updates, window: Duration) -> Vec<u32> {
             group: 7, count, ..
         } = event
         {
+            arrivals.push((tokio::time::Instant::now(), count));
             counts.push(count);
         }
     }
     counts
+}
+
+/// A member's counts come at most once per group interval (arrivals
+/// jitter a little), each a change.
+fn once_per_interval(arrivals: &Arrivals) {
+    for pair in arrivals.windows(2) {
+        let gap = pair[1].0 - pair[0].0;
+        assert!(
+            gap >= GROUP_INTERVAL / 2,
+            "two counts {gap:?} apart: {arrivals:?}"
+        );
+        assert_ne!(pair[0].1, pair[1].1, "an unchanged count: {arrivals:?}");
+    }
 }
 
 /// Waits for a page delta of group 7 with an entry that `wanted` accepts.
@@ -171,15 +203,17 @@ fn listed(online: &[&str], offline: &[&str]) -> Vec<(String, bool)> {
         .collect()
 }
 
-/// A group's members are counted across the three nodes wherever they
+/// A 1,000-member group (seven who connect) on three nodes. Its members
+/// are counted across the three nodes wherever they
 /// are connected and wherever their shards are owned: a member sees the
 /// count on the batched stream, the admin each change in realtime, an
 /// invisible member is not counted, and after `kill -9` of the node that
 /// sums the group (the owner of its home shard) the count is exact again:
 /// the member connected there is gone, and a logout after it is counted.
-/// Member pages list the members online first (eve, invisible, among the
-/// others), before and after the kill; a watched page brings a member's
-/// change at another node.
+/// Member pages of 200 list the members online first (eve, invisible,
+/// among the others), before and after the kill; a watched page brings a
+/// member's change at another node. The member's counts came at most once
+/// per group interval, each a change.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_groups_count_is_exact_across_nodes_and_after_kill_9_of_its_summing_node() {
     let _one_at_a_time = ONE_AT_A_TIME.lock().await;
@@ -199,8 +233,15 @@ async fn a_groups_count_is_exact_across_nodes_and_after_kill_9_of_its_summing_no
     };
     let nodes = [&cluster.a, &cluster.b, &cluster.c];
     let (svc, _) = connect_as(&nodes, x, service()).await;
-    let members = ["ann", "bob", "cy", "dee", "eve", "kim", "lee"];
+    // 1,000 members: these seven, and 993 who never connect.
+    let named = ["ann", "bob", "cy", "dee", "eve", "kim", "lee"];
+    let idle: Vec<String> = (0..993).map(|i| format!("z{i:03}")).collect();
+    let members: Vec<&str> = named
+        .into_iter()
+        .chain(idle.iter().map(String::as_str))
+        .collect();
     svc.set_group(7, &members, &["ann"]).await.unwrap();
+    let mut arrivals = Arrivals::new();
     let phone = Kind::Mobile;
     let (ann, mut admin) = connect(&nodes, x, "ann", "phone", phone, WatchClaim::all()).await;
     let (bob, mut member) = connect(&nodes, y, "bob", "phone", phone, WatchClaim::all()).await;
@@ -208,7 +249,7 @@ async fn a_groups_count_is_exact_across_nodes_and_after_kill_9_of_its_summing_no
     // directory lags reads the group from the store before it refuses.
     let snapshot = bob.group_subscribe(7).await.unwrap();
     assert_eq!(snapshot.role, GroupRole::Member);
-    assert_eq!(snapshot.members, 7);
+    assert_eq!(snapshot.members, 1_000);
     let admin_snapshot = ann.group_subscribe(7).await.unwrap();
     assert_eq!(admin_snapshot.role, GroupRole::Admin);
     let (cy, _) = connect(&nodes, y, "cy", "phone", phone, WatchClaim::all()).await;
@@ -224,7 +265,7 @@ async fn a_groups_count_is_exact_across_nodes_and_after_kill_9_of_its_summing_no
     // partial a second at most, summed and published at once, and reach a
     // member at the next group interval (1 s here).
     let settle = DEBOUNCE + Duration::from_secs(3) + SLACK;
-    count_until(&mut member, settle, "six online", 6).await;
+    count_until(&mut member, &mut arrivals, settle, ("six online", 6)).await;
     // The admin heard the changes one by one, in realtime.
     let deadline = tokio::time::Instant::now() + SLACK;
     let mut admin_changes = 0;
@@ -236,22 +277,26 @@ async fn a_groups_count_is_exact_across_nodes_and_after_kill_9_of_its_summing_no
         }
     }
     // eve stays uncounted.
-    let later = counts_during(&mut member, GROUP_INTERVAL * 3).await;
+    let later = counts_during(&mut member, &mut arrivals, GROUP_INTERVAL * 3).await;
     assert!(later.iter().all(|c| *c == 6), "eve counted: {later:?}");
     // A non-member is refused (after the store confirmed it).
     let (zed, _) = connect(&nodes, y, "zed", "phone", phone, WatchClaim::all()).await;
     let refused = zed.group_subscribe(7).await.unwrap_err();
     assert_eq!(refused.code(), Some(ErrorCode::NotMember), "{refused}");
     zed.ping().await.unwrap();
-    // Pages of three, online members first, each section by the order of
+    // Pages of 200, online members first, each section by the order of
     // their joining; eve is invisible, so offline.
     let online = ["ann", "bob", "cy", "dee", "kim", "lee"];
-    assert_eq!(pages_of(&bob, 3).await, listed(&online, &["eve"]));
+    let offline: Vec<&str> = ["eve"]
+        .into_iter()
+        .chain(idle.iter().map(String::as_str))
+        .collect();
+    assert_eq!(pages_of(&bob, 200).await, listed(&online, &offline));
     // A watched page: cy's change (at another node than bob's, her shard
     // owned wherever it is) comes to bob as a page delta on his batched
     // stream; the watch is renewed, then ended.
     let watched = bob.group_watch_page(7, None, 10).await.unwrap();
-    assert_eq!(watched.entries.len(), 7, "{watched:?}");
+    assert_eq!(watched.entries.len(), 10, "{watched:?}");
     cy.set_status(Status::Busy, Some("on a call"))
         .await
         .unwrap();
@@ -295,12 +340,19 @@ async fn a_groups_count_is_exact_across_nodes_and_after_kill_9_of_its_summing_no
     // Her shard's next owner shows her offline past the lease and her
     // grace; the home shard's next owner sums again from the partials.
     let failover = LEASE_TTL * 2 + GRACE + DEBOUNCE + Duration::from_secs(4) + SLACK;
-    count_until(&mut member, failover, "kim gone", 5).await;
+    count_until(&mut member, &mut arrivals, failover, ("kim gone", 5)).await;
     // The home shard's next owner answers pages: kim is offline.
     let online = ["ann", "bob", "cy", "dee", "lee"];
-    assert_eq!(pages_of(&bob, 4).await, listed(&online, &["eve", "kim"]));
+    let offline: Vec<&str> = ["eve", "kim"]
+        .into_iter()
+        .chain(idle.iter().map(String::as_str))
+        .collect();
+    assert_eq!(pages_of(&bob, 200).await, listed(&online, &offline));
     dee.logout().await.unwrap();
-    count_until(&mut member, settle, "dee gone", 4).await;
-    count_until(&mut lee_counts, settle, "dee gone, at lee", 4).await;
+    count_until(&mut member, &mut arrivals, settle, ("dee gone", 4)).await;
+    once_per_interval(&arrivals);
+    let mut at_lee = Arrivals::new();
+    let dee_gone = ("dee gone, at lee", 4);
+    count_until(&mut lee_counts, &mut at_lee, settle, dee_gone).await;
     bob.ping().await.unwrap();
 }
