@@ -45,6 +45,10 @@ enum Op {
     SetGroup(u8, u8),
     Subscribe(u64),
     Unsubscribe(u64),
+    /// Watches the group's first page (read from the counting core, as an
+    /// edge reads it from the owners).
+    Watch(u64),
+    Unwatch(u64),
     Advance(u64),
     /// Delivers the in-flight message at this index (mod their number).
     Deliver(usize),
@@ -61,7 +65,9 @@ fn op() -> impl Strategy<Value = Op> {
         // Most writes keep most users members: subscriptions then live on.
         2 => (prop_oneof![0u8..16, Just(15u8)], 0u8..16).prop_map(|(m, a)| Op::SetGroup(m, a)),
         5 => user.clone().prop_map(Op::Subscribe),
-        1 => user.prop_map(Op::Unsubscribe),
+        1 => user.clone().prop_map(Op::Unsubscribe),
+        2 => user.clone().prop_map(Op::Watch),
+        1 => user.prop_map(Op::Unwatch),
         4 => (1u64..400).prop_map(Op::Advance),
         4 => (0usize..8).prop_map(Op::Deliver),
         1 => (0usize..8).prop_map(Op::Repeat),
@@ -87,6 +93,7 @@ fn config() -> Config {
     Config {
         debounce: Millis(100),
         group_interval: Millis(300),
+        batch_interval: Millis(300),
         kinds: [KindConfig {
             heartbeat_timeout: Millis(60_000),
             grace: Millis(200),
@@ -115,6 +122,9 @@ struct Run {
     /// Per fed-core session: the last version and count it was told.
     told: BTreeMap<SessionId, (u64, u32)>,
     pushes: u64,
+    /// Per (fed-core session, member): the last view a page delta told.
+    deltas: BTreeMap<(SessionId, UserId), u64>,
+    page_entries: u64,
 }
 
 impl Run {
@@ -133,6 +143,8 @@ impl Run {
             inflight: Vec::new(),
             told: BTreeMap::new(),
             pushes: 0,
+            deltas: BTreeMap::new(),
+            page_entries: 0,
         }
     }
 
@@ -211,6 +223,29 @@ impl Run {
                     return Ok(());
                 };
                 both(self, &|c| c.handle_group_unsubscribe(now, s, GROUP))?;
+            }
+            Op::Watch(user) => {
+                let Some(&s) = self.session.get(&user) else {
+                    return Ok(());
+                };
+                let a = self.one.handle_group_watch_page(now, s, GROUP, None, 10);
+                let b = self
+                    .edge
+                    .handle_fed_group_page(now, s, GROUP, 10, Some(None));
+                match (a, b) {
+                    (Ok(page), Ok(_)) => self
+                        .edge
+                        .handle_fed_watched_page(now, s, GROUP, None, page.entries)
+                        .map_err(|e| format!("{op:?}: the read page refused: {e:?}"))?,
+                    (Err(a), Err(b)) if a == b => {}
+                    (a, b) => return Err(format!("{op:?}: {:?} and {b:?}", a.map(|_| ()))),
+                }
+            }
+            Op::Unwatch(user) => {
+                let Some(&s) = self.session.get(&user) else {
+                    return Ok(());
+                };
+                both(self, &|c| c.handle_group_unwatch(now, s, GROUP, None))?;
             }
             Op::Advance(ms) => {
                 self.now += ms;
@@ -296,6 +331,19 @@ impl Run {
                 ));
             }
         }
+        // The views of the members the fed core's watches list, as their
+        // owners publish them; those it lets go of are listed no more.
+        for u in (1..=USERS).map(UserId) {
+            if self.edge.is_fed_listed(u) {
+                let now = Millis(self.now);
+                self.edge.handle_fed_view(now, u, self.one.presence(u));
+            }
+        }
+        while let Some(u) = self.edge.poll_fed_unlisted() {
+            if self.edge.is_fed_listed(u) {
+                return Err(format!("{u:?} let go of while a watch lists her"));
+            }
+        }
         self.edge.check_invariants()?;
         self.one.check_invariants()?;
         let ended = |outputs: &[GroupOutput]| -> BTreeSet<SessionId> {
@@ -345,7 +393,10 @@ impl Run {
                 GroupOutput::Count {
                     to, version, count, ..
                 } => (to, version, count),
-                GroupOutput::Page { .. } => return Err("a page delta from fed counts".into()),
+                GroupOutput::Page { to, entries, .. } => {
+                    self.page_delta(to, &entries)?;
+                    continue;
+                }
             };
             self.pushes += 1;
             if let Some(&(last, _)) = self.told.get(&to) {
@@ -354,6 +405,27 @@ impl Run {
                 }
             }
             self.told.insert(to, (version, count));
+        }
+        Ok(())
+    }
+
+    /// A fed page delta: to an Online session, each member's view never
+    /// older than one it was told, and never ahead of what the member's
+    /// owner (the counting core) published.
+    fn page_delta(&mut self, to: SessionId, entries: &[(UserId, Presence)]) -> Result<(), String> {
+        if !self.edge.session_info(to).is_some_and(|i| i.online) {
+            return Err(format!("G5: a page delta to {to}, not Online"));
+        }
+        for (m, p) in entries {
+            let published = self.one.presence(*m).version;
+            let last = self.deltas.insert((to, *m), p.version).unwrap_or(0);
+            if p.version < last || p.version > published {
+                return Err(format!(
+                    "a page delta of {m:?} to {to} at version {} (told {last}, published {published})",
+                    p.version
+                ));
+            }
+            self.page_entries += 1;
         }
         Ok(())
     }
@@ -393,13 +465,13 @@ impl Run {
     }
 }
 
-fn run(ops: &[Op], mutant: Option<GroupMutant>) -> Result<(u64, u64), String> {
+fn run(ops: &[Op], mutant: Option<GroupMutant>) -> Result<(u64, u64, u64), String> {
     let mut run = Run::new(mutant);
     for op in ops {
         run.step(op)?;
     }
     let checked = run.settle()?;
-    Ok((checked, run.pushes))
+    Ok((checked, run.pushes, run.page_entries))
 }
 
 proptest! {
@@ -412,8 +484,8 @@ proptest! {
 }
 
 /// Runs `cases` generated cases from a fixed seed: the first failure, and
-/// the G1 checks and pushes made.
-fn sample(cases: u32, mutant: Option<GroupMutant>) -> (Option<String>, (u64, u64)) {
+/// the G1 checks, count pushes and page delta entries made.
+fn sample(cases: u32, mutant: Option<GroupMutant>) -> (Option<String>, (u64, u64, u64)) {
     use proptest::test_runner::{Config as RunnerConfig, RngAlgorithm, TestRng, TestRunner};
     let mut runner = TestRunner::new_with_rng(
         RunnerConfig {
@@ -423,11 +495,11 @@ fn sample(cases: u32, mutant: Option<GroupMutant>) -> (Option<String>, (u64, u64
         },
         TestRng::deterministic_rng(RngAlgorithm::ChaCha),
     );
-    let sums = std::cell::Cell::new((0, 0));
+    let sums = std::cell::Cell::new((0, 0, 0));
     let result = runner.run(&prop::collection::vec(op(), 1..120), |ops| {
-        let (checked, pushes) = run(&ops, mutant).map_err(TestCaseError::fail)?;
-        let (c, p) = sums.get();
-        sums.set((c + checked, p + pushes));
+        let (checked, pushes, pages) = run(&ops, mutant).map_err(TestCaseError::fail)?;
+        let (c, p, e) = sums.get();
+        sums.set((c + checked, p + pushes, e + pages));
         Ok(())
     });
     (result.err().map(|e| e.to_string()), sums.get())
@@ -436,10 +508,11 @@ fn sample(cases: u32, mutant: Option<GroupMutant>) -> (Option<String>, (u64, u64
 /// The generated runs check G1 and push often enough to mean something.
 #[test]
 fn the_fed_mix_reaches_its_checks() {
-    let (failure, (checked, pushes)) = sample(64, None);
+    let (failure, (checked, pushes, pages)) = sample(64, None);
     assert_eq!(failure, None);
-    println!("64 cases: {checked} G1 checks, {pushes} pushes");
+    println!("64 cases: {checked} G1 checks, {pushes} pushes, {pages} page delta entries");
     assert!(checked >= 30 && pushes >= 300, "{checked} {pushes}");
+    assert!(pages >= 50, "{pages} page delta entries");
 }
 
 #[test]
