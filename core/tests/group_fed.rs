@@ -697,10 +697,16 @@ fn fed_online(version: u64, status: Status) -> Presence {
 /// listed member comes in the session's next flush, an older one never;
 /// asking the same page again renews it without letting go of its
 /// members; a member who leaves the group is let go at once; the end of
-/// the watch lets go of the others, and a view fed then is no one's. A fed core reads no page itself.
+/// the watch lets go of the others, and a view fed then is no one's; a
+/// watch never renewed runs out and lets go of its members. A fed core reads no page itself.
 #[test]
 fn a_fed_watched_page_batches_the_views_fed_of_its_members() {
-    let mut edge = Core::new(config()).unwrap();
+    let ttl = Millis(1_000);
+    let mut edge = Core::new(Config {
+        group_watch_ttl: ttl,
+        ..config()
+    })
+    .unwrap();
     assert!(edge.set_group_counts_fed());
     let ann = connect(&mut edge, 0, 1, 1);
     let (bob, cy) = (UserId(2), UserId(3));
@@ -725,7 +731,7 @@ fn a_fed_watched_page_batches_the_views_fed_of_its_members() {
     // An older view than the page's is dropped; a newer one is flushed.
     edge.handle_fed_view(Millis(20), bob, fed_online(4, Status::Busy));
     edge.handle_fed_view(Millis(20), bob, fed_online(6, Status::Away));
-    let flush = Millis(20 + Config::default().batch_interval.0);
+    let flush = Millis(20 + config().batch_interval.0);
     edge.handle_timeout(flush);
     let out = drain(&mut edge);
     let expected = GroupOutput::Page {
@@ -758,5 +764,20 @@ fn a_fed_watched_page_batches_the_views_fed_of_its_members() {
     edge.handle_fed_view(flush, bob, fed_online(7, Status::Busy));
     edge.handle_timeout(Millis(flush.0 * 3));
     assert_eq!(drain(&mut edge), vec![]);
+    edge.check_invariants().unwrap();
+    // Watched again and never renewed: it runs out, and lets go of cy.
+    let at = Millis(flush.0 * 3);
+    edge.handle_fed_group_page(at, ann, GROUP, 10, Some(None))
+        .unwrap();
+    let read = vec![(cy, Presence::default())];
+    edge.handle_fed_watched_page(at, ann, GROUP, None, read)
+        .unwrap();
+    assert!(edge.is_fed_listed(cy));
+    edge.handle_timeout(at.plus(ttl));
+    assert_eq!(edge.poll_fed_unlisted(), Some(cy));
+    assert_eq!(
+        edge.handle_group_renew_watch(at.plus(ttl), ann, GROUP, None),
+        Err(Error::NotSubscribed)
+    );
     edge.check_invariants().unwrap();
 }
