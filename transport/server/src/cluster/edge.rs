@@ -51,6 +51,9 @@ pub(super) struct EdgeDevice {
     /// The app is in the background (I12): a connect sent again (to a new
     /// owner) says so.
     background: bool,
+    /// A newer session of the device, welcomed here, ended this one: its
+    /// connect is moot (see `pump_one`).
+    superseded: bool,
 }
 
 impl EdgeDevice {
@@ -274,6 +277,7 @@ impl ClusterLink {
             not_before: None,
             closed: false,
             background: false,
+            superseded: false,
         };
         d.queue.push_back(d.connect(now, protocol));
         self.devices.insert(session, d);
@@ -350,6 +354,16 @@ impl ClusterLink {
 
     /// The session is over here (ended by the local core, or its connection
     /// is gone and its device already told): its subscriptions end.
+    /// A newer session of the same device, welcomed here, ended `session`
+    /// (the hub's `Superseded`): as [`ClusterLink::session_ended`], and a
+    /// connect of it still to send is moot.
+    pub fn session_superseded(&mut self, session: SessionId) {
+        if let Some(d) = self.devices.get_mut(&session) {
+            d.superseded = true;
+        }
+        self.session_ended(session);
+    }
+
     pub fn session_ended(&mut self, session: SessionId) {
         let subs = self.fanout.subscriptions(session);
         // The fanout's own `SessionEnded` is skipped by the driver.
@@ -483,14 +497,18 @@ impl ClusterLink {
         let rid = self.next_id + 1;
         if let Some(d) = self.devices.get_mut(&session).filter(|d| d.sent.is_none()) {
             if d.closed
-                && d.queue
-                    .iter()
-                    .any(|q| matches!(q.op, WireOp::Disconnect { .. }))
+                && (d.superseded
+                    || d.queue
+                        .iter()
+                        .any(|q| matches!(q.op, WireOp::Disconnect { .. })))
             {
                 // A connect of a session that ended here before its owner
                 // took it is moot: taken now, it would take the device from
-                // a newer session elsewhere. Its disconnect goes alone, and
-                // ends it where an earlier copy of the connect did land.
+                // a newer session, here or elsewhere. Its disconnect goes
+                // alone, and ends it where an earlier copy of the connect
+                // did land; a session superseded here has none, and the
+                // newer session's connect replaces it at the owner (taken
+                // after the newer one ended, it would be a ghost).
                 d.queue.retain(|q| !connects(&q.op));
             }
         }

@@ -525,3 +525,49 @@ fn a_session_resumed_on_the_same_node_keeps_its_subscriptions() {
     assert!(to.contains(&new), "{to:?}");
     assert!(!to.contains(&old), "{to:?}");
 }
+
+/// A session superseded here (its device resumed at this node) before its
+/// owner took its connect: the connect is moot. The newer session connects
+/// and later ends; when the owner is reached again, the old connect is not
+/// sent, so it cannot take the device after the newer session's end and
+/// leave a ghost (found by the simulator, seed 1628 with other changes).
+#[test]
+fn a_connect_of_a_session_superseded_here_is_not_sent_again() {
+    let (mut a, mut b, now) = edge_and_owner();
+    alice_phone_connects(&mut a, now, Millis(0));
+    // Lost on the way: the owner never hears it.
+    let lost = requests_of(&mut a);
+    assert_eq!(lost.len(), 1);
+    // Her phone resumes here as session 2; the hub ends session 1.
+    let kind = proto::Kind::Mobile;
+    let old = Some(SessionId(1));
+    a.connected(
+        now,
+        Millis(100),
+        SessionId(2),
+        1002,
+        "alice",
+        "phone",
+        kind,
+        old,
+    );
+    a.session_superseded(SessionId(1));
+    exchange(&mut a, &mut b, now, Millis(100));
+    assert!(alice_connected_at(&b), "the newer session's connect landed");
+    // The newer session ends too (its device closed).
+    let op = WireOp::Disconnect { last_heard: 150 };
+    assert!(a.input(now, Millis(150), SessionId(2), op, None));
+    a.session_ended(SessionId(2));
+    exchange(&mut a, &mut b, now, Millis(150));
+    // The lost request counts as unanswered, and retries come due.
+    for step in 1..=20u64 {
+        let later = now + Duration::from_millis(500 * step);
+        a.handle_timeout(later, Millis(150 + 500 * step));
+        exchange(&mut a, &mut b, later, Millis(150 + 500 * step));
+    }
+    assert!(
+        !alice_connected_at(&b),
+        "the superseded session's connect took the device"
+    );
+    assert!(a.devices.is_empty() && a.busy.is_empty());
+}

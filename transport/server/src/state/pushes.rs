@@ -39,7 +39,10 @@ impl ServerState {
     /// The core ended a session: its connection is closed with the reason.
     pub(super) fn session_ended(&mut self, now: Instant, session: SessionId, reason: EndReason) {
         if let Some(c) = self.cluster.as_deref_mut() {
-            c.session_ended(session);
+            match reason {
+                EndReason::Superseded => c.session_superseded(session),
+                _ => c.session_ended(session),
+            }
         }
         let Some(&ch) = self.sessions.get(&session) else {
             return;
