@@ -146,6 +146,8 @@ pub struct Report {
     pub claims: u64,
     /// Steps at which G1 judged a group subscriber's count (at quiescence).
     pub group_judged: u64,
+    /// Group subscribes answered `Unsupported` (nodes sending protocol 3).
+    pub groups_refused: u64,
 }
 
 /// A run that broke a check (or panicked).

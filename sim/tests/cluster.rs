@@ -159,6 +159,7 @@ fn group_subscriptions_are_refused_at_protocol_3() {
     options.protocol = 3;
     let report = run(options).unwrap_or_else(|f| panic!("{f}"));
     assert_eq!(report.group_judged, 0);
+    assert!(report.groups_refused > 0, "{report:?}");
     assert!(report.welcomes > 0);
 }
 

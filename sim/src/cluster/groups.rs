@@ -21,7 +21,7 @@ use super::checks::{violation, GHOST_BOUND};
 use super::device::{user_name, Device, GroupSub, Heard};
 use super::world::{World, SHARDS};
 use greendot_proto as proto;
-use greendot_server::cluster::{ClusterInput, ClusterOutput, GroupDef, ShardView};
+use greendot_server::cluster::{home_key, ClusterInput, ClusterOutput, GroupDef, ShardView};
 use greendot_server::ServerInput;
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -52,6 +52,8 @@ pub struct GroupTruth {
     pub changed_at: Duration,
     /// Steps at which G1 judged a connection's count.
     pub judged: u64,
+    /// Group subscribes answered `Unsupported`.
+    pub refused: u64,
     /// When a device last sent a frame, connected or closed.
     pub input_at: Duration,
     /// Devices act and faults are injected only outside quiet phases, so
@@ -83,6 +85,7 @@ impl GroupTruth {
             published: BTreeMap::new(),
             changed_at: Duration::ZERO,
             judged: 0,
+            refused: 0,
             input_at: Duration::ZERO,
             quiet_until: Duration::ZERO,
             // After the devices came and subscribed.
@@ -125,7 +128,7 @@ impl World {
     /// sum starts with no partial, and the count must be exact again once
     /// the quiet lasted [`GROUP_BOUND`].
     fn fail_summing_node(&mut self) {
-        let home = greendot_cluster::shard_of(&format!("group/{GROUP}"), SHARDS).0;
+        let home = greendot_cluster::shard_of(&home_key(GROUP), SHARDS).0;
         let up = self.nodes.iter().filter(|n| n.state.is_some()).count();
         let summing = (0..self.nodes.len())
             .find(|&n| self.nodes[n].running() && self.nodes[n].status.contains_key(&home));
@@ -229,6 +232,7 @@ impl World {
                 d.group_held = false;
                 if code == proto::ErrorCode::Unsupported {
                     d.groups_unsupported = true;
+                    self.group_truth.refused += 1;
                 }
                 self.note(format!(
                     "device {device}: group subscribe refused: {code:?}"
@@ -317,5 +321,15 @@ impl World {
         }
         self.group_truth.judged += u64::from(judged);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The bound's interval is the core's default, which the nodes run.
+    #[test]
+    fn the_group_interval_is_the_cores() {
+        let core = greendot_core::Config::default().group_interval;
+        assert_eq!(super::GROUP_INTERVAL.as_millis(), u128::from(core.0));
     }
 }

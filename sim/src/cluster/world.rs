@@ -284,6 +284,7 @@ impl World {
             stale_dropped: self.stale_dropped,
             claims: self.claims,
             group_judged: self.group_truth.judged,
+            groups_refused: self.group_truth.refused,
         }
     }
 

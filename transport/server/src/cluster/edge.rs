@@ -185,6 +185,23 @@ pub(super) enum InFlight {
     },
 }
 
+/// Of requests waiting under ids, with their deadlines and when each is
+/// asked again: those past their deadline, and those to ask again now.
+pub(super) fn due_waits(
+    pending: impl Iterator<Item = (u64, Instant, Option<Instant>)>,
+    now: Instant,
+) -> (Vec<u64>, Vec<u64>) {
+    let (mut late, mut again) = (Vec::new(), Vec::new());
+    for (wait, deadline, retry_at) in pending {
+        if deadline <= now {
+            late.push(wait);
+        } else if retry_at.is_some_and(|t| t <= now) {
+            again.push(wait);
+        }
+    }
+    (late, again)
+}
+
 fn owner_late() -> WireError {
     WireError::new(
         ErrorCode::Internal,
@@ -836,15 +853,11 @@ impl ClusterLink {
     }
 
     pub(super) fn retry_routes(&mut self, now: Instant) {
-        let mut again = Vec::new();
-        let mut late = Vec::new();
-        for (wait, p) in &self.routes {
-            if p.deadline <= now {
-                late.push(*wait);
-            } else if p.retry_at.is_some_and(|t| t <= now) {
-                again.push(*wait);
-            }
-        }
+        let pending = self
+            .routes
+            .iter()
+            .map(|(w, p)| (*w, p.deadline, p.retry_at));
+        let (late, again) = due_waits(pending, now);
         for wait in late {
             self.routes.remove(&wait);
             self.finished

@@ -42,12 +42,12 @@ impl ClusterLink {
     pub(super) fn take_group_counts(&mut self, msg: GroupCounts) {
         for c in msg.counts {
             let def = self.groups.get(c.group).1;
-            let known = def.is_some_and(|d| !d.removed);
             // A late count of a removed group is no count of one written
             // again under its id.
             if def.is_some_and(|d| d.removed) {
                 continue;
             }
+            let known = def.is_some();
             let home = self.home_shard(c.group);
             let held = self.fed_counts.get(&c.group);
             let any = self.settings.mutant == Some(super::LinkMutant::CountsAnyVersion);

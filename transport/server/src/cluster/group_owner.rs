@@ -34,6 +34,11 @@ pub(super) const PARTIAL_EVERY: Duration = Duration::from_secs(1);
 /// 10,000-member slice is at most 50 KB of ordinals).
 const PARTIALS_BYTES: usize = MAX_MESSAGE / 2;
 
+/// The name whose shard is group `group`'s home shard (its sum's owner).
+pub fn home_key(group: u64) -> String {
+    format!("group/{group}")
+}
+
 /// A slice: each member's name id in the owner's names, with her ordinal.
 pub(super) type Slice = BTreeMap<u64, u32>;
 
@@ -79,7 +84,7 @@ impl ClusterLink {
     /// Placement only, so a key that a user could also be named collides
     /// harmlessly.
     pub(super) fn home_shard(&self, group: u64) -> u32 {
-        (self.settings.shard_of)(&format!("group/{group}"), self.settings.shard_count)
+        (self.settings.shard_of)(&home_key(group), self.settings.shard_count)
     }
 
     /// Gives the owners of `shards` the slice of every group (a claim won,
@@ -220,15 +225,14 @@ impl ClusterLink {
         }
         let shards: Vec<u32> = self.owners.keys().copied().collect();
         for shard in shards {
-            let groups: Vec<u64> = self.owners[&shard].slices.keys().copied().collect();
-            let homed: Vec<u64> = groups
-                .into_iter()
+            let homed: Vec<u64> = self.owners[&shard]
+                .slices
+                .keys()
+                .copied()
                 .filter(|g| self.home_shard(*g) == home)
                 .collect();
-            if homed.is_empty() {
-                continue;
-            }
-            if let Some(o) = self.owners.get_mut(&shard) {
+            // Only an owner with such a slice is touched (and indexed again).
+            if let Some(o) = self.owners.get_mut(&shard).filter(|_| !homed.is_empty()) {
                 for group in homed {
                     o.partials.entry(group).or_default().mark(now);
                 }
@@ -266,23 +270,23 @@ impl ClusterLink {
                 // A slice gone from the shard sends an empty partial once,
                 // which replaces its last at the sum.
                 let mut online: Vec<u32> = match o.slices.get(&group) {
-                    Some(slice) => o
-                        .core
-                        .group_online(GroupId(group))
-                        .into_iter()
-                        .flatten()
-                        .filter_map(|u| slice.get(&u.0).copied())
-                        .collect(),
-                    None => Vec::new(),
+                    Some(slice) => {
+                        let p = o.partials.entry(group).or_default();
+                        p.due = None;
+                        p.last_sent = Some(now);
+                        o.core
+                            .group_online(GroupId(group))
+                            .into_iter()
+                            .flatten()
+                            .filter_map(|u| slice.get(&u.0).copied())
+                            .collect()
+                    }
+                    None => {
+                        o.partials.remove(&group);
+                        Vec::new()
+                    }
                 };
                 online.sort_unstable();
-                if o.slices.contains_key(&group) {
-                    let p = o.partials.entry(group).or_default();
-                    p.due = None;
-                    p.last_sent = Some(now);
-                } else {
-                    o.partials.remove(&group);
-                }
                 // One sequence for all of the owner's partials in its
                 // epoch: a slice that empties and comes back goes on above.
                 o.partial_seq += 1;

@@ -23,7 +23,7 @@
 //! core says when no watch lists a member any more, and she is no longer
 //! followed ([`ClusterLink::unfollow_page_member`]).
 
-use super::edge::InFlight;
+use super::edge::{due_waits, InFlight};
 use super::edge_subscribe::PageRead;
 use super::wire::{encode, FromOwner, ToOwner, PAGES_SINCE};
 use super::{ClusterLink, Finished, RequestKind, MAX_MESSAGE, MAX_SNAPSHOT_TARGETS, RETRY_AFTER};
@@ -292,15 +292,8 @@ impl ClusterLink {
 
     /// Pages past their deadline fail; keys due are asked again.
     pub(super) fn retry_pages(&mut self, now: Instant, at: Millis) {
-        let mut again = Vec::new();
-        let mut late = Vec::new();
-        for (wait, p) in &self.pages {
-            if p.deadline <= now {
-                late.push(*wait);
-            } else if p.retry_at.is_some_and(|t| t <= now) {
-                again.push(*wait);
-            }
-        }
+        let pending = self.pages.iter().map(|(w, p)| (*w, p.deadline, p.retry_at));
+        let (late, again) = due_waits(pending, now);
         for wait in late {
             self.pages.remove(&wait);
             let error = WireError::new(

@@ -53,6 +53,7 @@ use greendot_core::{Config, Fanout, Millis, Output, SessionId, Tier, UserId};
 use greendot_proto::{self as proto, WireError};
 use group_dir::GroupDirectory;
 pub use group_dir::{GroupDef, GroupLimits, GroupWrite, GroupWriteOutcome, MAX_WRITE_TRIES};
+pub use group_owner::home_key;
 use group_pages::PendingPage;
 pub use group_pages::PAGE_WATCHER;
 use owner::release_idle;

@@ -38,26 +38,23 @@ impl ServerState {
             }
             if let Some(out) = c.poll_fanout() {
                 if let greendot_core::Output::Push {
-                    to: PAGE_WATCHER,
-                    target,
-                    presence,
-                    ..
-                } = out
-                {
-                    // A member of a watched page: the hub's core batches it
-                    // for the sessions watching her.
-                    let name = c.user_name(target).unwrap_or_default().to_owned();
-                    self.hub.fed_view(self.clock.at(now), &name, presence);
-                    fed = true;
-                } else if let greendot_core::Output::Push {
                     to,
                     target,
                     tier,
                     presence,
                 } = out
                 {
+                    let name = c.user_name(target).unwrap_or_default();
+                    if to == PAGE_WATCHER {
+                        // A member of a watched page: the hub's core
+                        // batches it for the sessions watching her.
+                        let name = name.to_owned();
+                        self.hub.fed_view(self.clock.at(now), &name, presence);
+                        fed = true;
+                        continue;
+                    }
                     let push = proto::Push::Update {
-                        target: c.user_name(target).unwrap_or_default().to_owned(),
+                        target: name.to_owned(),
                         // Presences at the edge carry Unix milliseconds.
                         presence: proto::Presence::from_core(&presence, 0),
                     };

@@ -110,36 +110,24 @@ impl ServerState {
             // counts summed across the cluster and with the views of the
             // members its watched pages list; pages are read from the
             // group's aggregator and the members' owners (docs/groups.md).
+            // Each is served from the protocol whose nodes all answer it.
             let link = self.cluster.as_deref();
-            let fed = link.is_some_and(|c| c.serves_groups());
+            let groups = link.is_some_and(|c| c.serves_groups());
             let pages = link.is_some_and(|c| c.serves_pages());
-            let served = match &step {
-                Step::Request {
-                    request:
-                        proto::Request::GroupPage { .. }
-                        | proto::Request::GroupWatchPage { .. }
-                        | proto::Request::GroupRenewWatch { .. }
-                        | proto::Request::GroupUnwatchPage { .. },
-                    ..
-                } => pages,
-                _ => fed && group_subscription(&step).is_some(),
-            };
-            if let (
-                false,
-                Step::Request {
-                    id,
-                    request:
-                        proto::Request::GroupSubscribe { .. }
-                        | proto::Request::GroupUnsubscribe { .. }
-                        | proto::Request::GroupPage { .. }
-                        | proto::Request::GroupWatchPage { .. }
-                        | proto::Request::GroupRenewWatch { .. }
-                        | proto::Request::GroupUnwatchPage { .. },
-                    ..
+            let unserved = match &step {
+                Step::Request { id, request, .. } => match request {
+                    proto::Request::GroupSubscribe { .. }
+                    | proto::Request::GroupUnsubscribe { .. } => (!groups).then_some(*id),
+                    proto::Request::GroupPage { .. }
+                    | proto::Request::GroupWatchPage { .. }
+                    | proto::Request::GroupRenewWatch { .. }
+                    | proto::Request::GroupUnwatchPage { .. } => (!pages).then_some(*id),
+                    _ => None,
                 },
-            ) = (served, &step)
-            {
-                let message = match fed {
+                _ => None,
+            };
+            if let Some(id) = unserved {
+                let message = match groups {
                     true => {
                         "member pages are served in a cluster from protocol 5 \
                          (cluster_protocol); group subscriptions and writes are"
@@ -152,7 +140,7 @@ impl ServerState {
                 let error = proto::WireError::new(proto::ErrorCode::Unsupported, message);
                 let handled = Handled {
                     reply: Some(ServerFrame::Reply {
-                        id: *id,
+                        id,
                         result: Err(error),
                     }),
                     ..Handled::default()
