@@ -349,6 +349,26 @@ fn regression_seed_of_the_group_checks() {
     }
 }
 
+/// Stale copies at an edge, with a group of every user: 20294 an owner
+/// cut off right after a view the edge lost left its copy of an invisible
+/// user online, shown to a session resumed there (a watched shard whose
+/// owner is silent now counts as missed, and a resume here waits for the
+/// owners); 20212 a welcome that waited was sent with snapshots taken
+/// before views that came meanwhile.
+#[test]
+fn regression_seeds_of_stale_copies() {
+    let mut failures = Vec::new();
+    for seed in [20294, 20212] {
+        let mut options = Options::new(seed, GROUP_STEPS);
+        options.groups = true;
+        options.users = GROUP_USERS;
+        if let Err(failure) = run(options) {
+            failures.push(failure.to_string());
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
 /// Protocol 2 has no order between a device's sessions at two nodes: a
 /// node woken from a pause sends the connect of a session its client left
 /// for another node meanwhile, the owner lets it take the device over, and

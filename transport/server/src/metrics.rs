@@ -520,6 +520,13 @@ impl MetricsSnapshot {
             );
             metric(
                 &mut out,
+                "greendot_cluster_silent_shards_total",
+                "counter",
+                "Times a watched shard's owner was not heard of for 3 s (no view, beacon or answer): this edge asked for the shard's views again, answering none from what it held until then.",
+                &[("", c.silent_shards)],
+            );
+            metric(
+                &mut out,
                 "greendot_cluster_truth_gaps_total",
                 "counter",
                 "Times this edge missed a truth an owner sent it (a gap in their numbers, or a beacon ahead) and asked for the truths of the shard's users with a session here again.",

@@ -726,7 +726,7 @@ impl ClusterLink {
                     epoch,
                     seq,
                 }) if self.messages_fit(&presences) => {
-                    self.track_answer(shard, epoch, seq);
+                    self.track_answer(shard, epoch, seq, at);
                     let targets: Vec<String> = self
                         .subscribes
                         .get(&wait)

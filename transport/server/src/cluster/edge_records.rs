@@ -263,6 +263,25 @@ impl ClusterLink {
         self.finished.push_back((p.wait, finished));
     }
 
+    /// Brings `snapshots` up to what this edge knows now: a welcome that
+    /// waited (for owners' answers, or for the session's record) is not
+    /// sent with views older than ones that came while it waited.
+    pub fn refresh_snapshots(&self, viewer: &str, snapshots: &mut [Snapshot]) {
+        let Some(viewer) = self.names.get(viewer).map(UserId) else {
+            return;
+        };
+        for s in snapshots {
+            let known = self
+                .names
+                .get(&s.target)
+                .and_then(|t| self.fanout.known(viewer, UserId(t)))
+                .filter(|p| p.version > s.presence.version);
+            if let Some(p) = known {
+                s.presence = proto::Presence::from_core(p, 0);
+            }
+        }
+    }
+
     /// The session's subscriptions with what this edge knows of each (for a
     /// resumed session's welcome).
     pub fn snapshots(&self, session: SessionId, viewer: &str) -> Vec<Snapshot> {

@@ -271,7 +271,7 @@ impl ClusterLink {
         let p = proto::Presence::from_core(&p, base).to_core();
         self.drain_owner(shard, now, at);
         let (epoch, seq) = self.published_up_to(shard);
-        self.track_answer(shard, epoch, seq);
+        self.track_answer(shard, epoch, seq, at);
         Some(p)
     }
 

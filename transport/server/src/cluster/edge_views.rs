@@ -26,7 +26,17 @@ pub(super) struct ShardTrack {
     pub(super) asking: u32,
     /// Not before this (after a failed repair).
     pub(super) not_before: Option<Instant>,
+    /// When the shard's owner was last heard of: a view on the shard's
+    /// subject, a beacon naming the shard at or past `seen`, an answer.
+    heard: Option<Millis>,
 }
+
+/// A watched shard whose owner is not heard of for this long (beacons go
+/// every second) counts as missed: its owner may have been cut off right
+/// after a view this edge lost, with no later view or beacon to show the
+/// gap, so what this edge holds of the shard's users is no answer until
+/// an owner answers again.
+pub(super) const STALE_AFTER: Millis = Millis(3_000);
 
 impl ClusterLink {
     pub(super) fn watch_shard(&mut self, shard: u32) {
@@ -62,7 +72,7 @@ impl ClusterLink {
                     && shard.map_or(v.own, |s| self.shard(&v.user) == s) =>
             {
                 match (shard, v.own) {
-                    (Some(shard), false) => self.track_view(shard, v.epoch, v.seq),
+                    (Some(shard), false) => self.track_view(shard, v.epoch, v.seq, at),
                     (None, true) if v.seq > 0 => {
                         let shard = self.shard(&v.user);
                         self.track_truth(shard, v.epoch, v.seq, false);
@@ -126,10 +136,11 @@ impl ClusterLink {
 
     /// View `seq` of `epoch` came on `shard`'s subject. Views of an epoch
     /// come in order from its one owner; a new owner numbers from 1.
-    fn track_view(&mut self, shard: u32, epoch: u64, seq: u64) {
+    fn track_view(&mut self, shard: u32, epoch: u64, seq: u64, at: Millis) {
         let Some(t) = self.tracks.get_mut(&shard) else {
             return;
         };
+        t.heard = Some(at);
         match t.seen {
             None => t.seen = Some((epoch, seq)),
             Some(seen) if (epoch, seq) <= seen => {}
@@ -200,10 +211,11 @@ impl ClusterLink {
     /// An answer older than a view seen since may miss what that view
     /// carried, when it was about a target being subscribed and the view
     /// was lost: the shard is asked again.
-    pub(super) fn track_answer(&mut self, shard: u32, epoch: u64, seq: u64) {
+    pub(super) fn track_answer(&mut self, shard: u32, epoch: u64, seq: u64, at: Millis) {
         let Some(t) = self.tracks.get_mut(&shard) else {
             return;
         };
+        t.heard = Some(at);
         match t.seen {
             None => t.seen = Some((epoch, seq)),
             Some(seen) if seen > (epoch, seq) => self.missed(shard),
@@ -212,7 +224,7 @@ impl ClusterLink {
     }
 
     /// A message on the beacon subject, checked against the limits.
-    pub(super) fn beacon_message(&mut self, payload: &[u8]) {
+    pub(super) fn beacon_message(&mut self, payload: &[u8], at: Millis) {
         match decode::<Beacon>(payload) {
             Some(b)
                 if b.owner.len() <= self.max_name_len
@@ -220,13 +232,13 @@ impl ClusterLink {
                     && b.truths.len() <= MAX_BEACON_TRUTHS
                     && b.truths.iter().all(|t| t.0.len() <= self.max_name_len) =>
             {
-                self.beacon(b)
+                self.beacon(b, at)
             }
             _ => self.counters.malformed += 1,
         }
     }
 
-    fn beacon(&mut self, b: Beacon) {
+    fn beacon(&mut self, b: Beacon, at: Millis) {
         for (edge, shard, epoch, seq) in b.truths {
             if edge == self.settings.node && shard < self.settings.shard_count {
                 self.track_truth(shard, epoch, seq, true);
@@ -239,6 +251,9 @@ impl ClusterLink {
             // Not seen anything yet: the pending subscribe's answer will
             // carry the owner's number.
             let Some(seen) = t.seen else { continue };
+            if (epoch, seq) >= seen {
+                t.heard = Some(at);
+            }
             if (epoch, seq) > seen {
                 t.seen = Some((epoch, seq));
                 self.missed(shard);
@@ -249,6 +264,7 @@ impl ClusterLink {
     /// Asks the owners of shards with a view missed for the views of every
     /// target watched here (and of those being subscribed).
     pub(super) fn repair_gaps(&mut self, now: Instant, at: Millis) {
+        self.mark_stale(at);
         if !self.gaps {
             return;
         }
@@ -269,6 +285,32 @@ impl ClusterLink {
             .values()
             .chain(self.truth_tracks.values())
             .any(|t| t.gap);
+    }
+
+    /// Watched shards whose owner was not heard of for [`STALE_AFTER`]
+    /// count as missed (see there).
+    fn mark_stale(&mut self, at: Millis) {
+        let stale: Vec<u32> = self
+            .tracks
+            .iter()
+            .filter(|(_, t)| {
+                !t.gap && t.asking == 0 && t.heard.is_some_and(|h| at >= h.plus(STALE_AFTER))
+            })
+            .map(|(s, _)| *s)
+            .collect();
+        for shard in stale {
+            if let Some(t) = self.tracks.get_mut(&shard) {
+                t.gap = true;
+                self.gaps = true;
+                self.counters.silent_shards += 1;
+            }
+        }
+    }
+
+    /// Whether this edge may answer what it holds of `target` (her shard's
+    /// owner heard of lately, no view known to be missed).
+    pub fn is_fresh(&self, target: &str) -> bool {
+        !self.behind_on(self.shard(target))
     }
 
     /// What this edge knows of the views (`own`: of the truths) of shards.
@@ -393,6 +435,7 @@ impl ClusterLink {
         if let Some(t) = self.tracks.get_mut(&shard).filter(|_| !own) {
             // Views up to the answer's are in it.
             t.seen = t.seen.max(Some(published));
+            t.heard = Some(at);
         }
     }
 }

@@ -445,6 +445,11 @@ pub struct ClusterCounters {
     /// a beacon ahead of the last one seen): each asks the owner for the
     /// views of the shard's watched users again.
     pub view_gaps: u64,
+    /// Watched shards whose owner this edge did not hear of for 3 s (no
+    /// view, beacon or answer): each asks the owner for the views of the
+    /// shard's watched users again, and answers none from what it holds
+    /// until then.
+    pub silent_shards: u64,
     /// Truths this edge missed (a gap in the numbers an owner gives the
     /// truths it sends here, or a beacon ahead): each asks for the truths
     /// of the shard's users with a session here again.
@@ -828,7 +833,7 @@ impl ClusterLink {
             ClusterInput::SessionStored { id, ok } => self.session_stored(now, id, ok),
             ClusterInput::SessionLoaded { id, record } => self.session_loaded(id, record),
             ClusterInput::Answered { id, payload } => self.answered(now, at, id, payload),
-            ClusterInput::Beacon { payload } => self.beacon_message(&payload),
+            ClusterInput::Beacon { payload } => self.beacon_message(&payload, at),
             ClusterInput::UserLoadFailed { id } => self.user_load_failed(now, id),
             ClusterInput::ShardLoadFailed { id } => self.shard_load_failed(now, id),
             ClusterInput::UserLoaded { id, prefs, view } => {

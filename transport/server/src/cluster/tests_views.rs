@@ -1,6 +1,7 @@
 //! Tests of views at the edge: lost views and truths noticed (gaps,
 //! beacons) and asked for again.
 
+use super::edge_views::STALE_AFTER;
 use super::test_support::*;
 use super::wire::{decode, encode, Beacon, ShardView};
 use super::{
@@ -9,7 +10,7 @@ use super::{
 };
 use greendot_core::{Millis, SessionId, Tier};
 use greendot_proto as proto;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 fn is_view(out: &ClusterOutput) -> bool {
     matches!(out, ClusterOutput::Publish { .. })
@@ -126,6 +127,29 @@ fn a_lost_last_view_is_noticed_by_the_owners_beacon() {
     a.handle_timeout(again, Millis(2_300));
     assert_eq!(exchange(&mut a, &mut b, again, Millis(2_300)), 0);
     assert_eq!(a.counters().view_gaps, 1);
+}
+
+/// An owner cut off right after a view this edge lost sends no later view
+/// or beacon to show the gap (seed 20294: an invisible user's cached
+/// online view shown to a session resumed here). A watched shard whose
+/// owner is not heard of for `STALE_AFTER` counts as missed: what the edge
+/// holds of it answers nothing until the owner is asked again.
+#[test]
+fn a_watched_shard_whose_owner_went_silent_is_asked_again() {
+    let (mut a, mut b, now) = bob_misses_alices_busy();
+    assert!(a.is_fresh("alice"), "nothing shows the gap yet");
+    a.handle_timeout(now + TICK, Millis(1_000));
+    assert_eq!(a.counters().silent_shards, 0, "heard of lately");
+    // The owner's beacons are lost from here on.
+    let later = now + Duration::from_millis(STALE_AFTER.0);
+    let at = Millis(400 + STALE_AFTER.0);
+    a.handle_timeout(later, at);
+    assert_eq!(a.counters().silent_shards, 1);
+    assert!(!a.is_fresh("alice"));
+    a.handle_timeout(later + TICK, at.plus(Millis(50)));
+    exchange(&mut a, &mut b, later + TICK, at.plus(Millis(50)));
+    assert!(busy_pushed_to_bob(&mut a), "bob still sees alice available");
+    assert!(a.is_fresh("alice"), "the owner answered");
 }
 
 /// Nothing in the numbers tells a node that was cut off what it missed:

@@ -131,7 +131,8 @@ impl ServerState {
                     handled,
                     ..
                 } => {
-                    let handled = not_saved(handled, "the owner of this user did not answer");
+                    let mut handled = not_saved(handled, "the owner of this user did not answer");
+                    self.refresh_welcome(&mut handled);
                     self.saved(now, ch, serial, ticket, handled, None);
                 }
                 Ticket::Stop { .. } => {
