@@ -349,24 +349,20 @@ fn regression_seed_of_the_group_checks() {
     }
 }
 
-/// Stale copies at an edge, with a group of every user: 20294 an owner
-/// cut off right after a view the edge lost left its copy of an invisible
-/// user online, shown to a session resumed there (a watched shard whose
-/// owner is silent now counts as missed, and a resume here waits for the
-/// owners); 20212 a welcome that waited was sent with snapshots taken
-/// before views that came meanwhile.
+/// A bug the group checks' runs found: a view of a user going invisible
+/// was lost on its way to one edge, and her owner was cut off right after,
+/// so no later view or beacon showed the edge it was behind; a device that
+/// resumed there was shown her older online view from the edge's copy
+/// (C4). A watched shard whose owner is silent for 3 s now counts as
+/// missed, and the repair reaches the next owner first.
 #[test]
-fn regression_seeds_of_stale_copies() {
-    let mut failures = Vec::new();
-    for seed in [20294, 20212] {
-        let mut options = Options::new(seed, GROUP_STEPS);
-        options.groups = true;
-        options.users = GROUP_USERS;
-        if let Err(failure) = run(options) {
-            failures.push(failure.to_string());
-        }
+fn regression_seed_of_a_silent_owner() {
+    let mut options = Options::new(20294, GROUP_STEPS);
+    options.groups = true;
+    options.users = GROUP_USERS;
+    if let Err(failure) = run(options) {
+        panic!("{failure}");
     }
-    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
 
 /// Protocol 2 has no order between a device's sessions at two nodes: a
@@ -376,11 +372,11 @@ fn regression_seeds_of_stale_copies() {
 /// 3's connects say when they were welcomed.
 #[test]
 fn protocol_2_lets_a_woken_nodes_stale_session_take_a_device_over() {
-    let mut options = Options::new(738, STEPS);
+    let mut options = Options::new(213, STEPS);
     // The simulated nodes send what they are told (no envelope), so a
     // version two behind the build's still runs here.
     options.protocol = 2;
     let failure = run(options).expect_err("protocol 2 lets the stale session win");
     assert!(failure.what.starts_with("C2:"), "{failure}");
-    assert!(run(Options::new(738, STEPS)).is_ok());
+    assert!(run(Options::new(213, STEPS)).is_ok());
 }

@@ -170,8 +170,9 @@ impl ClusterLink {
         }
     }
 
-    /// Whether this edge knows it may lack a view of `shard` (a gap not
-    /// repaired yet): what it holds of the shard's users is no answer.
+    /// Whether this edge knows it may lack a view of `shard` (a gap, or an
+    /// owner silent for [`STALE_AFTER`], not repaired yet): what it holds
+    /// of the shard's users is no answer.
     pub(super) fn behind_on(&self, shard: u32) -> bool {
         self.tracks
             .get(&shard)
@@ -305,12 +306,6 @@ impl ClusterLink {
                 self.counters.silent_shards += 1;
             }
         }
-    }
-
-    /// Whether this edge may answer what it holds of `target` (her shard's
-    /// owner heard of lately, no view known to be missed).
-    pub fn is_fresh(&self, target: &str) -> bool {
-        !self.behind_on(self.shard(target))
     }
 
     /// What this edge knows of the views (`own`: of the truths) of shards.

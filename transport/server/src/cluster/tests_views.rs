@@ -131,13 +131,14 @@ fn a_lost_last_view_is_noticed_by_the_owners_beacon() {
 
 /// An owner cut off right after a view this edge lost sends no later view
 /// or beacon to show the gap (seed 20294: an invisible user's cached
-/// online view shown to a session resumed here). A watched shard whose
-/// owner is not heard of for `STALE_AFTER` counts as missed: what the edge
-/// holds of it answers nothing until the owner is asked again.
+/// online view kept there until her next change). A watched shard whose
+/// owner is not heard of for `STALE_AFTER` counts as missed: its views are
+/// asked for again, and what the edge holds of it answers no subscribe
+/// until the owner answers.
 #[test]
 fn a_watched_shard_whose_owner_went_silent_is_asked_again() {
     let (mut a, mut b, now) = bob_misses_alices_busy();
-    assert!(a.is_fresh("alice"), "nothing shows the gap yet");
+    assert!(!a.behind_on(1), "nothing shows the gap yet");
     a.handle_timeout(now + TICK, Millis(1_000));
     assert_eq!(a.counters().silent_shards, 0, "heard of lately");
     // The owner's beacons are lost from here on.
@@ -145,11 +146,11 @@ fn a_watched_shard_whose_owner_went_silent_is_asked_again() {
     let at = Millis(400 + STALE_AFTER.0);
     a.handle_timeout(later, at);
     assert_eq!(a.counters().silent_shards, 1);
-    assert!(!a.is_fresh("alice"));
+    assert!(a.behind_on(1));
     a.handle_timeout(later + TICK, at.plus(Millis(50)));
     exchange(&mut a, &mut b, later + TICK, at.plus(Millis(50)));
     assert!(busy_pushed_to_bob(&mut a), "bob still sees alice available");
-    assert!(a.is_fresh("alice"), "the owner answered");
+    assert!(!a.behind_on(1), "the owner answered");
 }
 
 /// Nothing in the numbers tells a node that was cut off what it missed:
@@ -305,4 +306,34 @@ fn the_largest_beacon_fits_in_a_message() {
     let len = encode(&beacon).len();
     assert!(len <= MAX_MESSAGE, "{len} bytes");
     assert!(decode::<Beacon>(&encode(&beacon)).is_some());
+}
+
+/// A welcome that waited (for its record or the owners) carries snapshots
+/// taken when it began waiting; views that came meanwhile replace the
+/// older ones before it goes, and a snapshot newer than what the edge
+/// holds stays as it is.
+#[test]
+fn a_waited_welcomes_snapshots_are_brought_up_to_what_the_edge_holds() {
+    let (mut a, mut b, now) = two_nodes();
+    b.handle_timeout(now, Millis(300));
+    exchange(&mut a, &mut b, now, Millis(300));
+    assert!(bob_subscribes_to_alice(&mut a, now, Millis(400), 9).is_none());
+    exchange(&mut a, &mut b, now, Millis(400));
+    let answer = std::iter::from_fn(|| a.poll_finished()).find(|(wait, _)| *wait == 9);
+    let Some((_, Finished::Answer(proto::Answer::Subscribed { snapshots, .. }))) = answer else {
+        panic!("no answer: {answer:?}");
+    };
+    let taken = snapshots[0].clone();
+    assert_eq!(taken.presence.status, proto::Status::Available);
+    let busy = proto::Status::Busy;
+    set_status(&mut a, &mut b, SessionId(1), busy, now, 500, |_| false);
+    let mut welcome = vec![taken.clone()];
+    a.refresh_snapshots("bob", &mut welcome);
+    assert_eq!(welcome[0].presence.status, busy);
+    assert!(welcome[0].presence.version > taken.presence.version);
+    let mut ahead = taken.clone();
+    ahead.presence.version = u64::MAX;
+    let mut welcome = vec![ahead.clone()];
+    a.refresh_snapshots("bob", &mut welcome);
+    assert_eq!(welcome[0], ahead);
 }

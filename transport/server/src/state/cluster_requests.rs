@@ -226,17 +226,15 @@ impl ServerState {
     /// A welcome in a cluster: the device goes to its owner. A session
     /// resumed here keeps its subscriptions (they live in the fanout, not
     /// the hub's core) except what the new credentials no longer allow.
-    /// Says what the welcome waits for, if anything: the record of the
-    /// session the hello named if it is no session here (perhaps another
-    /// node's), or the owners' answers for subscriptions whose shard this
-    /// edge may be behind on (its copy is no answer then).
+    /// Returns the wire id the hello named if it is no session here (so
+    /// perhaps another node's: its record is read before the welcome).
     pub(super) fn cluster_welcome(
         &mut self,
         now: Instant,
         session: SessionId,
         resume: Option<u64>,
         handled: &mut Handled,
-    ) -> WelcomeWaits {
+    ) -> Option<u64> {
         let at = self.clock.at(now);
         let kind = self.hub.session_kind(session);
         let foreground = self.hub.session_foreground(session).unwrap_or(true);
@@ -244,7 +242,7 @@ impl ServerState {
         let (Some(c), Some(ServerFrame::Welcome(w)), Some(kind)) =
             (self.cluster.as_deref_mut(), handled.reply.as_mut(), kind)
         else {
-            return WelcomeWaits::Nothing;
+            return None;
         };
         let carried_from = carried_from.filter(|_| w.resumed);
         c.connected(
@@ -263,7 +261,7 @@ impl ServerState {
             c.input(now, at, session, WireOp::SetForeground(false), None);
         }
         if !w.resumed {
-            return resume.map_or(WelcomeWaits::Nothing, WelcomeWaits::Record);
+            return resume;
         }
         let (kept, refused): (Vec<_>, Vec<_>) = c
             .snapshots(session, &w.user)
@@ -272,37 +270,8 @@ impl ServerState {
         for s in refused {
             c.unsubscribe(at, session, &s.target);
         }
-        if kept.iter().all(|s| c.is_fresh(&s.target)) {
-            w.snapshots = kept;
-            return WelcomeWaits::Nothing;
-        }
-        let subscriptions = kept
-            .iter()
-            .map(|s| (s.target.clone(), s.tier.into()))
-            .collect();
-        // What it holds, if no owner answers in time.
         w.snapshots = kept;
-        WelcomeWaits::Owners(subscriptions)
-    }
-
-    /// A session resumed here whose subscriptions include users of shards
-    /// this edge may be behind on: the welcome waits for their owners'
-    /// answers (what this edge holds of the others), as a resume from
-    /// another node's record does.
-    pub(super) fn resume_here_from_owners(
-        &mut self,
-        ch: usize,
-        now: Instant,
-        session: SessionId,
-        subscriptions: Vec<(String, Tier)>,
-        handled: Handled,
-    ) {
-        let Some((wait, _)) = self.cluster_ticket(ch, now, handled) else {
-            return;
-        };
-        // Answered through the ticket, now or when the owners answer.
-        self.hold_for(ch, wait);
-        self.carry_over(now, wait, session, subscriptions);
+        None
     }
 
     /// The hello named `wire`, no session of this node: the welcome waits
@@ -724,17 +693,6 @@ impl ServerState {
             conn.session.wait_for(wait);
         }
     }
-}
-
-/// What a welcome in a cluster waits for.
-pub(super) enum WelcomeWaits {
-    Nothing,
-    /// The record of the session the hello named (its wire id), no
-    /// session here.
-    Record(u64),
-    /// The owners' answers for these subscriptions of a session resumed
-    /// here.
-    Owners(Vec<(String, Tier)>),
 }
 
 /// The device input a request is in a cluster, forwarded to the owner of

@@ -2,7 +2,7 @@
 //! channel, handed to the hub (or the cluster, or a durable write), the
 //! welcome, and the answers written back in order.
 
-use super::cluster_requests::{forwarded_op, WelcomeWaits};
+use super::cluster_requests::forwarded_op;
 use super::tickets::Ticket;
 use super::{slot, ServerMutant, ServerOutput, ServerState, StoreRequest};
 use crate::conn::{Handled, Step};
@@ -189,9 +189,9 @@ impl ServerState {
         let revocations = self.hub.take_revocations();
         let group_writes = self.hub.take_group_writes();
         if let Some(s) = handled.welcomed {
-            let waits = match self.cluster {
+            let elsewhere = match self.cluster {
                 Some(_) => self.cluster_welcome(now, s, resume, &mut handled),
-                None => WelcomeWaits::Nothing,
+                None => None,
             };
             self.welcome(ch, now, s, &handled);
             // The welcome may have closed the connection (no push streams):
@@ -199,14 +199,8 @@ impl ServerState {
             if self.conn(ch).is_none_or(|c| c.session.is_ended()) {
                 return;
             }
-            match waits {
-                WelcomeWaits::Nothing => {}
-                WelcomeWaits::Record(wire) => {
-                    return self.resume_elsewhere(ch, now, s, wire, handled)
-                }
-                WelcomeWaits::Owners(subscriptions) => {
-                    return self.resume_here_from_owners(ch, now, s, subscriptions, handled)
-                }
+            if let Some(wire) = elsewhere {
+                return self.resume_elsewhere(ch, now, s, wire, handled);
             }
         } else if let Some(ServerFrame::Error(e)) = &handled.reply {
             self.stats.reject(&reason_label(e));
