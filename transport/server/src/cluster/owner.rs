@@ -489,7 +489,14 @@ impl ClusterLink {
         let owed = o.owed.remove(&user);
         let released = o.released.remove(&user).unwrap_or(o.released_floor);
         let shown_before = released.max(u64::from(owed));
-        if prefs.is_some() || view.is_some() || !recorded.is_empty() || owed {
+        // Read in the resync window, a user the KV holds nothing of may be
+        // one whose last view the previous owner published as it lost the
+        // shard, its write behind not landed yet: restored from nothing (a
+        // view of no epoch), her first view under this epoch is published
+        // whatever it is, or watchers keep the old owner's (an invisible
+        // user shown online).
+        let unsettled = now < o.resync_until;
+        if prefs.is_some() || view.is_some() || !recorded.is_empty() || owed || unsettled {
             // Recorded devices linger at least to the end of the resync
             // window, heard from at the record's time.
             let window = u64::try_from(self.settings.request_timeout.as_millis()).unwrap_or(0);

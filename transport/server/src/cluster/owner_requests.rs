@@ -94,7 +94,7 @@ fn owner_connect(
 
 /// How far apart two nodes' clocks may be: welcome times of sessions at two
 /// nodes are ordered only when they differ by more.
-const CLOCK_SKEW_MS: u64 = 2_000;
+const CLOCK_SKEW_MS: u64 = 3_000;
 
 /// Whether `device` of `user` is online under a session welcomed after this
 /// one (`holder`, `since`, `welcomed`): by the same edge run (`since`, its

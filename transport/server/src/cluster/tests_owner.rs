@@ -1024,3 +1024,34 @@ fn freed_over_a_lost_offline(in_a_group: bool) {
         "in a group: {in_a_group}; alice is connected, watchers hold {offline:?}, published since: {shown:?}"
     );
 }
+
+/// A new owner reads a user in its resync window and the KV holds nothing
+/// of her: the previous owner's last view of her, published as it lost the
+/// shard and written behind, may not have landed yet. She connects and
+/// goes invisible inside one debounce, so what she shows looks like a user
+/// never seen; it is published anyway under the new epoch, or watchers
+/// keep the old owner's online view (the race behind simulator seed 20347
+/// of a build that made same-node resumes wait for owners).
+#[test]
+fn a_user_read_of_nothing_in_the_resync_window_is_published_under_the_new_epoch() {
+    let (mut a, mut b, now) = edge_and_owner();
+    let at = Millis(1_000);
+    alice_phone_connects(&mut a, now, at);
+    exchange(&mut a, &mut b, now, at);
+    let op = WireOp::SetInvisible(true);
+    assert!(a.input(now, Millis(1_100), SessionId(1), op, Some(1)));
+    exchange(&mut a, &mut b, now, Millis(1_100));
+    b.handle_timeout(now, Millis(1_500));
+    let published = exchange_seen(&mut a, &mut b, now, Millis(1_500));
+    let shown: Vec<proto::Presence> = published
+        .iter()
+        .filter_map(|o| match o {
+            ClusterOutput::Publish { payload, .. } => decode::<ShardView>(payload),
+            _ => None,
+        })
+        .filter(|v| v.user == "alice")
+        .map(|v| v.presence)
+        .collect();
+    assert_eq!(shown.len(), 1, "{shown:?}");
+    assert!(!shown[0].online && shown[0].version > epoch_base_of(1));
+}
