@@ -382,3 +382,15 @@ pub(super) fn alice_phone_connects(a: &mut ClusterLink, now: Instant, at: Millis
     let kind = proto::Kind::Mobile;
     a.connected(now, at, SessionId(1), 1001, "alice", "phone", kind, None);
 }
+
+/// The views of `user` published on shard subjects among `outs`.
+pub(super) fn published_views(outs: &[ClusterOutput], user: &str) -> Vec<proto::Presence> {
+    outs.iter()
+        .filter_map(|o| match o {
+            ClusterOutput::Publish { payload, .. } => decode::<ShardView>(payload),
+            _ => None,
+        })
+        .filter(|v| v.user == user)
+        .map(|v| v.presence)
+        .collect()
+}

@@ -1008,15 +1008,7 @@ fn freed_over_a_lost_offline(in_a_group: bool) {
             Some(&mut views),
         ));
     }
-    let shown: Vec<proto::Presence> = published
-        .iter()
-        .filter_map(|o| match o {
-            ClusterOutput::Publish { payload, .. } => decode::<ShardView>(payload),
-            _ => None,
-        })
-        .filter(|v| v.user == "alice")
-        .map(|v| v.presence)
-        .collect();
+    let shown = published_views(&published, "alice");
     assert!(
         shown
             .iter()
@@ -1043,15 +1035,7 @@ fn a_user_read_of_nothing_in_the_resync_window_is_published_under_the_new_epoch(
     exchange(&mut a, &mut b, now, Millis(1_100));
     b.handle_timeout(now, Millis(1_500));
     let published = exchange_seen(&mut a, &mut b, now, Millis(1_500));
-    let shown: Vec<proto::Presence> = published
-        .iter()
-        .filter_map(|o| match o {
-            ClusterOutput::Publish { payload, .. } => decode::<ShardView>(payload),
-            _ => None,
-        })
-        .filter(|v| v.user == "alice")
-        .map(|v| v.presence)
-        .collect();
+    let shown = published_views(&published, "alice");
     assert_eq!(shown.len(), 1, "{shown:?}");
     assert!(!shown[0].online && shown[0].version > epoch_base_of(1));
 }
