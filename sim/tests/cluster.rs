@@ -294,9 +294,7 @@ fn regression_seeds() {
     // owner's late record write replaced a newer one; 18689 a connect on
     // its way at a rejoin was not sent again; 13725 sent again under a new
     // connection number, the first one came after the logout; 13686 a
-    // stale view read back answered a subscribe; 43 (five nodes) two
-    // nodes' clocks 2.8 s apart, past the 2 s the owner allowed, made a
-    // device's newer session at another node look given up.
+    // stale view read back answered a subscribe.
     for (seed, nodes) in [
         (32, 3),
         (46, 3),
@@ -324,7 +322,6 @@ fn regression_seeds() {
         (18689, 3),
         (5070, 5),
         (5207, 5),
-        (43, 5),
     ] {
         let mut options = Options::new(seed, STEPS);
         options.nodes = nodes;
@@ -352,22 +349,6 @@ fn regression_seed_of_the_group_checks() {
     }
 }
 
-/// A bug the group checks' runs found: a view of a user going invisible
-/// was lost on its way to one edge, and her owner was cut off right after,
-/// so no later view or beacon showed the edge it was behind; a device that
-/// resumed there was shown her older online view from the edge's copy
-/// (C4). A watched shard whose owner is silent for 3 s now counts as
-/// missed, and the repair reaches the next owner first.
-#[test]
-fn regression_seed_of_a_silent_owner() {
-    let mut options = Options::new(20294, GROUP_STEPS);
-    options.groups = true;
-    options.users = GROUP_USERS;
-    if let Err(failure) = run(options) {
-        panic!("{failure}");
-    }
-}
-
 /// Protocol 2 has no order between a device's sessions at two nodes: a
 /// node woken from a pause sends the connect of a session its client left
 /// for another node meanwhile, the owner lets it take the device over, and
@@ -375,11 +356,11 @@ fn regression_seed_of_a_silent_owner() {
 /// 3's connects say when they were welcomed.
 #[test]
 fn protocol_2_lets_a_woken_nodes_stale_session_take_a_device_over() {
-    let mut options = Options::new(213, STEPS);
+    let mut options = Options::new(2660, STEPS);
     // The simulated nodes send what they are told (no envelope), so a
     // version two behind the build's still runs here.
     options.protocol = 2;
     let failure = run(options).expect_err("protocol 2 lets the stale session win");
     assert!(failure.what.starts_with("C2:"), "{failure}");
-    assert!(run(Options::new(213, STEPS)).is_ok());
+    assert!(run(Options::new(2660, STEPS)).is_ok());
 }

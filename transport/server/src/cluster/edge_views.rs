@@ -6,7 +6,7 @@ use super::edge::InFlight;
 use super::wire::{decode, encode, Beacon, ShardView, ToOwner};
 use super::DetMap;
 use super::{
-    ClusterLink, ClusterOutput, RequestKind, MAX_BEACON_SHARDS, MAX_BEACON_TRUTHS,
+    ClusterLink, ClusterOutput, RequestKind, BEACON_EVERY, MAX_BEACON_SHARDS, MAX_BEACON_TRUTHS,
     MAX_SNAPSHOT_TARGETS, RETRY_AFTER,
 };
 use greendot_core::{Millis, Presence, UserId};
@@ -26,6 +26,10 @@ pub(super) struct ShardTrack {
     pub(super) asking: u32,
     /// Not before this (after a failed repair).
     pub(super) not_before: Option<Instant>,
+    /// Repairs failed in a row: each waits twice as long as the one before,
+    /// up to a beacon interval (a dead owner's shards are silent until its
+    /// lease lapses, and nobody answers for them until then).
+    failed: u32,
     /// When the shard's owner was last heard of: a view on the shard's
     /// subject, a beacon naming the shard at or past `seen`, an answer.
     heard: Option<Millis>,
@@ -250,8 +254,11 @@ impl ClusterLink {
                 continue;
             };
             // Not seen anything yet: the pending subscribe's answer will
-            // carry the owner's number.
-            let Some(seen) = t.seen else { continue };
+            // carry the owner's number. The owner is heard of all the same.
+            let Some(seen) = t.seen else {
+                t.heard = Some(at);
+                continue;
+            };
             if (epoch, seq) >= seen {
                 t.heard = Some(at);
             }
@@ -407,8 +414,10 @@ impl ClusterLink {
     pub(super) fn repair_failed(&mut self, shard: u32, own: bool, now: Instant) {
         self.counters.retries += 1;
         if let Some(t) = self.shard_tracks(own).get_mut(&shard) {
+            let wait = RETRY_AFTER.saturating_mul(1 << t.failed.min(4));
+            t.failed = t.failed.saturating_add(1);
             t.gap = true;
-            t.not_before = Some(now + RETRY_AFTER);
+            t.not_before = Some(now + wait.min(BEACON_EVERY));
             self.gaps = true;
         }
     }
@@ -431,6 +440,9 @@ impl ClusterLink {
             // Views up to the answer's are in it.
             t.seen = t.seen.max(Some(published));
             t.heard = Some(at);
+        }
+        if let Some(t) = self.shard_tracks(own).get_mut(&shard) {
+            t.failed = 0;
         }
     }
 }

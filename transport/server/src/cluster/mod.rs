@@ -723,6 +723,8 @@ impl ClusterLink {
             || !self.record_retries.is_empty()
             || !self.resumes.is_empty()
             || self.gaps
+            // Watched shards: an owner gone silent is noticed at a tick.
+            || !self.tracks.is_empty()
             || !self.in_flight.is_empty()
             || !self.pending_prefs.is_empty()
             || !self.prefs_writes.is_empty()

@@ -469,7 +469,7 @@ impl ClusterLink {
         prefs: Option<Bytes>,
         view: Option<Bytes>,
     ) {
-        let Some((shard, epoch, user, _)) = self.pending_loads.remove(&id) else {
+        let Some((shard, epoch, user, asked)) = self.pending_loads.remove(&id) else {
             return;
         };
         let max_message = self.owner_config.max_message_len;
@@ -489,13 +489,19 @@ impl ClusterLink {
         let owed = o.owed.remove(&user);
         let released = o.released.remove(&user).unwrap_or(o.released_floor);
         let shown_before = released.max(u64::from(owed));
-        // Read in the resync window, a user the KV holds nothing of may be
-        // one whose last view the previous owner published as it lost the
-        // shard, its write behind not landed yet: restored from nothing (a
-        // view of no epoch), her first view under this epoch is published
-        // whatever it is, or watchers keep the old owner's (an invisible
-        // user shown online).
-        let unsettled = now < o.resync_until;
+        // Read in the resync window for a device's input, a user the KV
+        // holds nothing of may be one whose last view the previous owner
+        // published as it lost the shard, its write behind not landed yet:
+        // restored from nothing (a view of no epoch), her first view under
+        // this epoch is published whatever it is, or watchers keep the old
+        // owner's (an invisible user shown online). A user only looked up
+        // (a snapshot) stays fresh: nothing of hers is written for it.
+        let unsettled = asked < o.resync_until
+            && o.loading.get(&user).is_some_and(|waiting| {
+                waiting
+                    .iter()
+                    .any(|(msg, _)| matches!(msg, ToOwner::Device { .. }))
+            });
         if prefs.is_some() || view.is_some() || !recorded.is_empty() || owed || unsettled {
             // Recorded devices linger at least to the end of the resync
             // window, heard from at the record's time.

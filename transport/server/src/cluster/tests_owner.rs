@@ -1039,3 +1039,38 @@ fn a_user_read_of_nothing_in_the_resync_window_is_published_under_the_new_epoch(
     assert_eq!(shown.len(), 1, "{shown:?}");
     assert!(!shown[0].online && shown[0].version > epoch_base_of(1));
 }
+
+/// Two nodes' clocks may be up to 3 s apart (the simulator's seed 43): a
+/// device moves from `a` to `c` within milliseconds, and `c`'s clock is
+/// 2.8 s behind `a`'s. The newer session at `c` is not taken for one its
+/// client gave up, so the end of the one at `a` leaves alice online.
+#[test]
+fn a_newer_session_at_a_node_whose_clock_is_behind_takes_the_device() {
+    let (mut a, mut b, now) = edge_and_owner();
+    let mut c = link("c");
+    a.settings.protocol = CONNECT_WELCOMED_SINCE;
+    c.settings.protocol = CONNECT_WELCOMED_SINCE;
+    let kind = proto::Kind::Mobile;
+    let (moved, kept) = (SessionId(1), SessionId(2));
+    a.connected(
+        now,
+        Millis(2_800),
+        moved,
+        1001,
+        "alice",
+        "phone",
+        kind,
+        None,
+    );
+    exchange(&mut a, &mut b, now, Millis(2_800));
+    c.connected(now, Millis(20), kept, 2001, "alice", "phone", kind, None);
+    exchange(&mut c, &mut b, now, Millis(2_820));
+    let ended = WireOp::Disconnect { last_heard: 0 };
+    assert!(a.input(now, Millis(2_830), moved, ended, None));
+    a.session_ended(moved);
+    exchange(&mut a, &mut b, now, Millis(2_830));
+    // Far past grace and debounce.
+    b.handle_timeout(now, Millis(600_000));
+    exchange(&mut c, &mut b, now, Millis(600_000));
+    assert!(alice_connected_at(&b));
+}

@@ -139,6 +139,8 @@ fn a_lost_last_view_is_noticed_by_the_owners_beacon() {
 fn a_watched_shard_whose_owner_went_silent_is_asked_again() {
     let (mut a, mut b, now) = bob_misses_alices_busy();
     assert!(!a.behind_on(1), "nothing shows the gap yet");
+    // a acts for no shard: it ticks for the shards it watches.
+    assert!(a.poll_deadline(now).is_some());
     a.handle_timeout(now + TICK, Millis(1_000));
     assert_eq!(a.counters().silent_shards, 0, "heard of lately");
     // The owner's beacons are lost from here on.
@@ -151,6 +153,29 @@ fn a_watched_shard_whose_owner_went_silent_is_asked_again() {
     exchange(&mut a, &mut b, later + TICK, at.plus(Millis(50)));
     assert!(busy_pushed_to_bob(&mut a), "bob still sees alice available");
     assert!(!a.behind_on(1), "the owner answered");
+}
+
+/// An owner heard of only through its beacons, naming the last view the
+/// edge saw, is not silent: nothing is asked for again.
+#[test]
+fn an_owner_heard_of_by_its_beacons_is_not_silent() {
+    let (mut a, mut b, now) = two_nodes();
+    b.handle_timeout(now, Millis(300));
+    exchange(&mut a, &mut b, now, Millis(300));
+    assert!(bob_subscribes_to_alice(&mut a, now, Millis(400), 9).is_none());
+    exchange(&mut a, &mut b, now, Millis(400));
+    for second in 1..=8u64 {
+        let later = now + BEACON_EVERY * second as u32;
+        let at = Millis(400 + 1_000 * second);
+        b.handle_timeout(later, at);
+        exchange(&mut a, &mut b, later, at);
+        a.handle_timeout(later, at);
+        let asked = std::iter::from_fn(|| a.poll_output())
+            .filter(|o| matches!(o, ClusterOutput::Request { .. }))
+            .count();
+        assert_eq!(asked, 0, "asked again at {at:?}");
+    }
+    assert_eq!(a.counters().silent_shards, 0);
 }
 
 /// Nothing in the numbers tells a node that was cut off what it missed:
