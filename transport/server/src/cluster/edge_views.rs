@@ -298,20 +298,16 @@ impl ClusterLink {
     /// Watched shards whose owner was not heard of for [`STALE_AFTER`]
     /// count as missed (see there).
     fn mark_stale(&mut self, at: Millis) {
-        let stale: Vec<u32> = self
-            .tracks
-            .iter()
-            .filter(|(_, t)| {
-                !t.gap && t.asking == 0 && t.heard.is_some_and(|h| at >= h.plus(STALE_AFTER))
-            })
-            .map(|(s, _)| *s)
-            .collect();
-        for shard in stale {
-            if let Some(t) = self.tracks.get_mut(&shard) {
+        let mut marked = 0;
+        for t in self.tracks.values_mut() {
+            if !t.gap && t.asking == 0 && t.heard.is_some_and(|h| at >= h.plus(STALE_AFTER)) {
                 t.gap = true;
-                self.gaps = true;
-                self.counters.silent_shards += 1;
+                marked += 1;
             }
+        }
+        if marked > 0 {
+            self.gaps = true;
+            self.counters.silent_shards += marked;
         }
     }
 
