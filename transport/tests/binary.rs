@@ -204,7 +204,9 @@ fn metrics(at: SocketAddr) -> String {
 #[test]
 fn the_binary_serves_survives_kill_9_and_drains() {
     let dir = temp_dir("bin");
-    let mut server = serve(&dir, "127.0.0.1:0");
+    // A port the kernel never hands a client meanwhile: the server restarts on it.
+    let port = support::port_outside_ephemeral_range();
+    let mut server = serve(&dir, &format!("127.0.0.1:{port}"));
     let first = server.proc.seen.join("\n");
     assert!(first.contains("created greendot-data/cert.pem"), "{first}");
     assert!(first.contains("certificate SHA-256: "), "{first}");

@@ -495,7 +495,12 @@ async fn edge_restarted_within_its_lease_ttl_leaves_no_ghost() {
         mut a,
         b,
         c,
-    } = three_nodes("restart").await;
+    } = {
+        // Ports the kernel never hands out meanwhile: `a` restarts on them.
+        let listen = format!("127.0.0.1:{}", support::port_outside_ephemeral_range());
+        let metrics = format!("127.0.0.1:{}", support::port_outside_ephemeral_range());
+        three_nodes_with_a_on("restart", &listen, &metrics).await
+    };
     let nodes = [&a, &b, &c];
     let alice = user_owned_by(&urls, "b", "alice");
     let dave = user_owned_by(&urls, "c", "dave");

@@ -180,3 +180,32 @@ pub fn temp_dir(name: &str) -> PathBuf {
     std::fs::create_dir_all(&dir).expect("temp dir");
     dir
 }
+
+/// A loopback port free for UDP and TCP now, below the kernel's ephemeral
+/// range (`ip_local_port_range`), for a server a test restarts on its old
+/// address: a port from the range can be handed to a client's socket bound
+/// meanwhile, and the restart then fails with "Address already in use".
+pub fn port_outside_ephemeral_range() -> u16 {
+    let first_ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let low = 10_000u16.min(first_ephemeral / 2);
+    let span = u32::from(first_ephemeral - low);
+    // A start that differs between processes and calls, so two tests that
+    // run at once rarely try the same ports.
+    static CALLS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let calls = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let start = (std::process::id().wrapping_mul(7919) ^ nanos).wrapping_add(calls * 101) % span;
+    (0..span)
+        .map(|i| low + ((start + i) % span) as u16)
+        .find(|&port| {
+            std::net::UdpSocket::bind(("127.0.0.1", port)).is_ok()
+                && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
+        })
+        .expect("a free loopback port below the ephemeral range")
+}

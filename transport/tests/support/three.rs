@@ -59,10 +59,16 @@ pub struct Three {
 }
 
 pub async fn three_nodes(test: &str) -> Three {
+    three_nodes_with_a_on(test, "127.0.0.1:0", "127.0.0.1:0").await
+}
+
+/// [`three_nodes`] with `a` listening on `listen` (QUIC) and `metrics`
+/// (HTTP), for a test that restarts it on the same addresses.
+pub async fn three_nodes_with_a_on(test: &str, listen: &str, metrics: &str) -> Three {
     let nats = NatsCluster::start(3).await;
     let urls = nats.urls();
     let dir = temp_dir(test);
-    let a = serve(&dir, &urls, "a");
+    let a = serve_on(&dir, Some((&urls, LEASE_TTL)), "a", listen, metrics);
     let b = serve(&dir, &urls, "b");
     let c = serve(&dir, &urls, "c");
     wait_placed(&urls);
