@@ -508,7 +508,7 @@ impl MetricsSnapshot {
                 &mut out,
                 "greendot_cluster_stale_connects_total",
                 "counter",
-                "Connects of a session its client gave up on that reached the owner after a session of the same device welcomed later at the same node: not taken.",
+                "Connects that reached the owner after a later session of the same device (welcomed later at the same node, or more than 3 s later at another): not taken.",
                 &[("", c.stale_connects)],
             );
             metric(

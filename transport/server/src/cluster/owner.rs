@@ -59,6 +59,13 @@ pub(super) struct Owner {
     /// late (after the edge gave up on it and sent the next) is not applied
     /// over a newer one.
     pub(super) last_rid: DetMap<Holder, u64>,
+    /// The newest connection of each device heard of here, by user and
+    /// device: a connect of an older connection of the same edge run that
+    /// lands after it (delayed on the bus, or resent from a client's
+    /// buffer after a reconnect to NATS) is stale, and taken it would hold
+    /// a device its edge already ended (a ghost). Kept past the session's
+    /// end, until the user is released.
+    pub(super) newest_conn: DetMap<String, Vec<(String, Holder)>>,
     /// Users whose KV record was read (or is being read): the first device
     /// input of any other waits for it, so a new owner keeps the user's
     /// preferences and last published view.
@@ -173,6 +180,7 @@ pub(super) fn release_idle(o: &mut Owner, at: Millis) -> usize {
         }
         remember_released(o, &name, shown);
         o.loaded.remove(&*name);
+        o.newest_conn.remove(&*name);
         // A group's slice keeps the name (and her id) for when she is back.
         if o.users.refs(user.0) == 0 {
             o.users.remove(user.0);
@@ -272,6 +280,7 @@ impl ClusterLink {
                     sessions: DetMap::default(),
                     by_holder: DetMap::default(),
                     last_rid: DetMap::default(),
+                    newest_conn: DetMap::default(),
                     loaded: Default::default(),
                     loading: DetMap::default(),
                     recorded: DetMap::default(),

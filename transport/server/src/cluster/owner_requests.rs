@@ -92,6 +92,35 @@ fn owner_connect(
     Ok(UserId(uid))
 }
 
+/// Notes `holder` as the newest connection of `user`'s `device` heard of,
+/// unless a later one of the same edge run was (connections are numbered
+/// in welcome order, from one counter per edge run). Whether an older one
+/// of the same run was heard of first: this one is stale.
+fn heard_newer_conn(o: &mut Owner, user: &str, device: &str, holder: &Holder) -> bool {
+    let same_run = |h: &Holder| h.0 == holder.0 && h.1 == holder.1;
+    if !o.newest_conn.contains_key(user) && o.newest_conn.len() >= MAX_HOLDERS_REMEMBERED {
+        // Bounded memory over a perfect filter, as for request ids.
+        o.newest_conn.clear();
+    }
+    let devices = o.newest_conn.entry(user.to_owned()).or_default();
+    match devices.iter_mut().find(|(d, _)| d == device) {
+        Some((_, h)) if same_run(h) && h.2 > holder.2 => true,
+        Some((_, h)) => {
+            h.clone_from(holder);
+            false
+        }
+        None => {
+            if devices.len() < MAX_DEVICES_REMEMBERED {
+                devices.push((device.to_owned(), holder.clone()));
+            }
+            false
+        }
+    }
+}
+
+/// Devices of one user whose newest connection is remembered.
+const MAX_DEVICES_REMEMBERED: usize = 64;
+
 /// How far apart two nodes' clocks may be: welcome times of sessions at two
 /// nodes are ordered only when they differ by more.
 const CLOCK_SKEW_MS: u64 = 3_000;
@@ -410,6 +439,8 @@ impl ClusterLink {
             return self.reply(reply, FromOwner::Done { epoch }, now, at);
         }
         let session = o.by_holder.get(&holder).copied();
+        let ends = matches!(op, WireOp::Disconnect { .. } | WireOp::Logout);
+        let stale = (connects || ends) && heard_newer_conn(o, &user, &device, &holder);
         let live = |o: &Owner, s: SessionId| o.core.session_info(s).is_some_and(|i| i.online);
         let mut prefs = false;
         let answer = match op {
@@ -436,7 +467,7 @@ impl ClusterLink {
                 let names = (user.as_str(), device.as_str());
                 if session.is_some_and(|s| live(o, s)) {
                     FromOwner::Done { epoch }
-                } else if welcomed_later(o, names, &holder, since, welcomed) {
+                } else if stale || welcomed_later(o, names, &holder, since, welcomed) {
                     // A session welcomed after this one holds the device:
                     // this one was given up by its client and must not
                     // take the device over (its end would show the device

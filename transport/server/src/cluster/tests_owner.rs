@@ -106,6 +106,65 @@ fn the_end_of_a_session_whose_connect_was_lost_ends_the_one_it_replaced() {
     assert!(!online, "alice's phone left, and she is still shown online");
 }
 
+/// A connect of alice's first session at edge `a` is delayed on the bus
+/// past her second session at `a`: its connect, its disconnect and, in a
+/// second run, its whole grace. The owner does not let the older session
+/// take the phone when the delayed connect lands (a ghost nobody holds:
+/// the edge ended that session long ago).
+#[test]
+fn a_delayed_connect_older_than_a_later_session_of_its_edge_run_is_not_taken() {
+    for past_grace in [false, true] {
+        let (mut a, mut b, now) = edge_and_owner();
+        let kind = proto::Kind::Mobile;
+        let (old, new) = (SessionId(1), SessionId(2));
+        a.connected(now, Millis(0), old, 1001, "alice", "phone", kind, None);
+        let delayed = requests_of(&mut a);
+        assert_eq!(delayed.len(), 1, "one connect: {delayed:?}");
+        a.connected(
+            now,
+            Millis(100),
+            new,
+            1002,
+            "alice",
+            "phone",
+            kind,
+            Some(old),
+        );
+        a.session_superseded(old);
+        exchange(&mut a, &mut b, now, Millis(100));
+        assert!(alice_connected_at(&b), "the newer session's connect landed");
+        let op = WireOp::Disconnect { last_heard: 150 };
+        assert!(a.input(now, Millis(150), new, op, None));
+        a.session_ended(new);
+        exchange(&mut a, &mut b, now, Millis(150));
+        let landed = if past_grace {
+            // The second session's grace ran out and its device ended.
+            b.handle_timeout(now, Millis(600_000));
+            exchange(&mut a, &mut b, now, Millis(600_000));
+            Millis(600_001)
+        } else {
+            Millis(200)
+        };
+        let stale = b.counters().stale_connects;
+        for request in delayed {
+            b.handle_input(now, landed, request);
+        }
+        exchange(&mut a, &mut b, now, landed);
+        assert_eq!(
+            b.counters().stale_connects,
+            stale + 1,
+            "past grace: {past_grace}"
+        );
+        // Far past grace and debounce.
+        b.handle_timeout(now, Millis(1_200_000));
+        exchange(&mut a, &mut b, now, Millis(1_200_000));
+        assert!(
+            !alice_connected_at(&b),
+            "the delayed connect of a session her edge ended took her phone (past grace: {past_grace})"
+        );
+    }
+}
+
 /// Edge `a` lost its lease (a whole-bus outage) and rejoins under the same
 /// incarnation while alice's connect is on its way. The owner takes the
 /// connect, then hears `a`'s lease expire and moves the phone to
