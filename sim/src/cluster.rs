@@ -43,6 +43,10 @@ pub struct Options {
     /// by G1–G4 (`groups`). Off, the runs are what they were before groups
     /// (the regression seeds keep their traces).
     pub groups: bool,
+    /// A cut-off node's messages and requests are held by its NATS client
+    /// and sent once it is linked again (`bus::Bus::buffered`). Off, they
+    /// are lost, and the regression seeds keep their traces.
+    pub buffered: bool,
     /// A fuzzer's input: the run's first random choices are read from it.
     pub script: Option<std::sync::Arc<[u8]>>,
 }
@@ -59,6 +63,7 @@ impl Options {
             protocol: greendot_cluster::PROTOCOL_VERSION,
             faults: true,
             groups: false,
+            buffered: false,
             script: None,
         }
     }
@@ -84,6 +89,9 @@ impl Options {
         }
         if self.groups {
             line.push_str(" GREENDOT_SIM_GROUPS=1");
+        }
+        if self.buffered {
+            line.push_str(" GREENDOT_SIM_BUFFERED=1");
         }
         if self.users != 6 {
             line.push_str(&format!(" GREENDOT_SIM_USERS={}", self.users));
@@ -137,6 +145,9 @@ pub struct Report {
     /// A hash of everything observable that happened, in order.
     pub trace: u64,
     pub bus_messages: u64,
+    /// Messages and requests held by a cut-off node's client and sent when
+    /// it was back (with `buffered`).
+    pub sent_late: u64,
     pub welcomes: u64,
     pub views: u64,
     /// Views older than one the device was shown on an earlier connection

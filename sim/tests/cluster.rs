@@ -34,6 +34,7 @@ fn replay() {
     });
     options.faults = env("GREENDOT_SIM_FAULTS").as_deref() != Some("0");
     options.groups = env("GREENDOT_SIM_GROUPS").as_deref() == Some("1");
+    options.buffered = env("GREENDOT_SIM_BUFFERED").as_deref() == Some("1");
     options.group_mutant = env("GREENDOT_SIM_GROUP_MUTANT").map(|name| {
         GroupMutant::ALL
             .into_iter()
@@ -363,4 +364,22 @@ fn protocol_2_lets_a_woken_nodes_stale_session_take_a_device_over() {
     let failure = run(options).expect_err("protocol 2 lets the stale session win");
     assert!(failure.what.starts_with("C2:"), "{failure}");
     assert!(run(Options::new(2660, STEPS)).is_ok());
+}
+
+/// A NATS client that queues what it is handed while its connection is
+/// down, and sends it after the reconnect (`buffered`: what async-nats
+/// does unless greendot-cluster refuses such sends, `Cluster::connected`).
+/// At seed 1631 an edge cut off from the bus retries a device's connect
+/// into that queue; the device moves to another node, which the owner
+/// takes, then the queued connect lands, takes the device back for the
+/// session the first edge already ended, and its disconnect shows the
+/// device offline while it is connected (C2). The same seed passes with
+/// the sends refused while the bus is away (the default).
+#[test]
+fn a_client_that_queues_while_cut_off_shows_a_connected_device_offline() {
+    let mut options = Options::new(1631, STEPS);
+    options.buffered = true;
+    let failure = run(options).expect_err("a queued connect takes the device");
+    assert!(failure.what.starts_with("C2:"), "{failure}");
+    assert!(run(Options::new(1631, STEPS)).is_ok());
 }

@@ -2,7 +2,9 @@
 //! `cargo run --release -p greendot-sim --bin soak -- [--seeds N] [--from S] [--steps N] [--large-clock-jumps] [--mutant NAME]`,
 //! or of the multi-node simulation with `--nodes N` (1 to 5) [`--protocol V`
 //! (the inter-node protocol version the nodes send)] [`--groups` (a group
-//! of every user, 12 users, checked by G1–G4)].
+//! of every user, 12 users, checked by G1–G4)] [`--buffered` (a cut-off
+//! node's messages and requests are held by its NATS client and sent once
+//! it is back)].
 //! Without `--from` the first seed is drawn from the time of day (printed),
 //! so each run explores new seeds; every failure prints its replay line.
 
@@ -18,6 +20,7 @@ fn main() {
     let mut nodes = None;
     let mut protocol = None;
     let mut groups = false;
+    let mut buffered = false;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut value = || args.next().unwrap_or_default();
@@ -29,6 +32,7 @@ fn main() {
             "--nodes" => nodes = Some(value().parse().expect("--nodes N (1 to 5)")),
             "--protocol" => protocol = Some(value().parse().expect("--protocol V")),
             "--groups" => groups = true,
+            "--buffered" => buffered = true,
             "--mutant" => {
                 let name = value();
                 mutant = Some(
@@ -42,8 +46,8 @@ fn main() {
         }
     }
     assert!(
-        (protocol.is_none() && !groups) || nodes.is_some(),
-        "--protocol and --groups are the multi-node simulation's (with --nodes)"
+        (protocol.is_none() && !groups && !buffered) || nodes.is_some(),
+        "--protocol, --groups and --buffered are the multi-node simulation's (with --nodes)"
     );
     let from = from.unwrap_or_else(|| {
         std::time::SystemTime::now()
@@ -57,7 +61,12 @@ fn main() {
             "--nodes runs the multi-node simulation alone"
         );
         let protocol = protocol.unwrap_or(greendot_cluster::PROTOCOL_VERSION);
-        std::process::exit(soak_cluster(from, seeds, steps, (nodes, protocol, groups)));
+        std::process::exit(soak_cluster(
+            from,
+            seeds,
+            steps,
+            (nodes, protocol, groups, buffered),
+        ));
     }
     println!(
         "soak: seeds {from}..{} x {steps} steps",
@@ -98,7 +107,7 @@ fn soak_cluster(
     from: u64,
     seeds: u64,
     steps: u64,
-    (nodes, protocol, groups): (usize, u8, bool),
+    (nodes, protocol, groups, buffered): (usize, u8, bool, bool),
 ) -> i32 {
     use greendot_sim::cluster;
     println!(
@@ -109,10 +118,12 @@ fn soak_cluster(
     let mut simulated = Duration::ZERO;
     let mut faults = cluster::Faults::default();
     let mut failed = 0;
+    let mut sent_late = 0;
     for seed in from..from.wrapping_add(seeds) {
         let mut options = cluster::Options::new(seed, steps);
         options.nodes = nodes;
         options.protocol = protocol;
+        options.buffered = buffered;
         if groups {
             options.groups = true;
             options.users = 12;
@@ -121,6 +132,7 @@ fn soak_cluster(
             Ok(report) => {
                 simulated += report.simulated;
                 faults.add(&report.faults);
+                sent_late += report.sent_late;
             }
             Err(failure) => {
                 failed += 1;
@@ -129,7 +141,7 @@ fn soak_cluster(
         }
     }
     println!(
-        "soak: {seeds} seeds x {steps} steps on {nodes} nodes in {:.1} s: {:.2} simulated hours, {} faults injected ({faults:?}), {failed} failed",
+        "soak: {seeds} seeds x {steps} steps on {nodes} nodes in {:.1} s: {:.2} simulated hours, {} faults injected ({faults:?}), {sent_late} messages sent late by cut-off nodes, {failed} failed",
         started.elapsed().as_secs_f64(),
         simulated.as_secs_f64() / 3600.0,
         faults.total(),

@@ -13,7 +13,7 @@
 use crate::rng::Rng;
 use bytes::Bytes;
 use greendot_server::cluster::{ClusterInput, ClusterOutput, GroupDef, GroupWriteOutcome};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::Duration;
 
 /// How long a NATS request or KV operation waits before it fails (the
@@ -70,7 +70,14 @@ pub struct BusCounters {
     pub kv_ops: u64,
     pub kv_failed: u64,
     pub fenced: u64,
+    /// Messages and requests a cut-off node's client held and sent once
+    /// it was linked again (with `buffered`).
+    pub sent_late: u64,
 }
+
+/// What a cut-off node's NATS client holds at most (async-nats queues
+/// commands on a bounded channel while it reconnects).
+const MAX_HELD: usize = 256;
 
 /// The simulated NATS and its KV.
 pub struct Bus {
@@ -96,6 +103,13 @@ pub struct Bus {
     /// KV operations take up to this long while the KV is slow.
     pub kv_slow_until: Duration,
     pub counters: BusCounters,
+    /// A cut-off node's messages and requests are held by its client and
+    /// sent when it is linked again, as async-nats sends the commands it
+    /// queued while reconnecting; off, they are lost. A request held so
+    /// still fails at its asker after its timeout, and lands later anyway.
+    pub buffered: bool,
+    /// Per node, what its client holds: (incarnation, output).
+    held: Vec<VecDeque<(u64, ClusterOutput)>>,
 }
 
 impl Bus {
@@ -115,6 +129,8 @@ impl Bus {
             duplication: 0.0,
             kv_slow_until: Duration::ZERO,
             counters: BusCounters::default(),
+            buffered: false,
+            held: vec![VecDeque::new(); nodes],
         }
     }
 
@@ -154,6 +170,31 @@ impl Bus {
             input,
         };
         self.push(at, event)
+    }
+
+    /// Sends what node `from`'s client held while it was cut off, now that
+    /// it is linked again (the same run of it: a killed process's queue
+    /// died with it).
+    #[allow(clippy::too_many_arguments)]
+    pub fn send_held(
+        &mut self,
+        rng: &mut Rng,
+        now: Duration,
+        reach: &[Reach],
+        serving: &[BTreeSet<u32>],
+        names: &[String],
+        from: usize,
+    ) -> Result<(), String> {
+        if !reach[from].linked || self.held[from].is_empty() {
+            return Ok(());
+        }
+        for (incarnation, out) in std::mem::take(&mut self.held[from]) {
+            if reach[from].incarnation == Some(incarnation) {
+                self.counters.sent_late += 1;
+                self.output(rng, now, reach, serving, names, from, out)?;
+            }
+        }
+        Ok(())
     }
 
     /// A message delay: a few milliseconds, now and then a few hundred.
@@ -226,8 +267,11 @@ impl Bus {
             }
             _ if !linked => {
                 // Cut off: a request or KV operation fails after its
-                // timeout; anything else is lost.
+                // timeout; anything else is lost, or held by the client.
                 self.counters.lost += 1;
+                if self.buffered && is_message(&out) && self.held[from].len() < MAX_HELD {
+                    self.held[from].push_back((incarnation, out.clone()));
+                }
                 let failed = match out {
                     ClusterOutput::Request { id, .. } => {
                         Some(ClusterInput::Answered { id, payload: None })
@@ -530,6 +574,20 @@ impl Bus {
 }
 
 /// A copy of a message NATS may deliver twice (what is not a KV answer).
+/// A message or request, not a KV operation (whose own stream is not
+/// modelled as held).
+fn is_message(out: &ClusterOutput) -> bool {
+    matches!(
+        out,
+        ClusterOutput::Publish { .. }
+            | ClusterOutput::PublishToEdge { .. }
+            | ClusterOutput::Resync { .. }
+            | ClusterOutput::Beacon { .. }
+            | ClusterOutput::GroupCounts { .. }
+            | ClusterOutput::Request { .. }
+    )
+}
+
 fn copy(input: &ClusterInput) -> Option<ClusterInput> {
     Some(match input {
         ClusterInput::ShardMessage { shard, payload } => ClusterInput::ShardMessage {

@@ -233,6 +233,7 @@ impl World {
             })
             .collect();
         let mut bus = Bus::new(opts.nodes);
+        bus.buffered = opts.buffered;
         if opts.groups {
             bus.groups.insert(GROUP, (1, group_def(users)));
         }
@@ -279,6 +280,7 @@ impl World {
             faults: self.faults,
             trace: self.trace,
             bus_messages: self.bus.counters.messages,
+            sent_late: self.bus.counters.sent_late,
             welcomes: self.welcomes,
             views: self.views,
             stale_dropped: self.stale_dropped,
@@ -505,6 +507,13 @@ impl World {
                 while let Some(input) = self.nodes[node].unheard.pop_front() {
                     self.give(node, ServerInput::Cluster(input));
                 }
+            }
+        }
+        if self.opts.buffered {
+            let serving = self.serving();
+            for node in 0..reach.len() {
+                self.bus
+                    .send_held(&mut self.rng, now, &reach, &serving, &self.names, node)?;
             }
         }
         let lost = self.duty.expire(now);

@@ -137,6 +137,28 @@ impl Cluster {
         self.config.op_timeout
     }
 
+    /// Whether the client is connected to NATS now (not making its
+    /// connection again).
+    pub fn is_connected(&self) -> bool {
+        self.client.connection_state() == async_nats::connection::State::Connected
+    }
+
+    /// `Reconnecting` unless the client is connected now. async-nats
+    /// queues what it is handed while it reconnects and sends it once it
+    /// is back: a request whose asker gave up long ago, a view, a record
+    /// write. A device's connect sent so from an edge cut off from NATS
+    /// took the device from the edge that held it by then, and its end
+    /// showed the device offline while it was connected (the simulator's
+    /// `--buffered` runs, seed 1631). The data path's sends fail at once
+    /// instead, as a timeout would, and are retried by the link.
+    fn connected(&self, op: &'static str) -> Result<()> {
+        if self.is_connected() {
+            Ok(())
+        } else {
+            Err(ClusterError::Reconnecting { op })
+        }
+    }
+
     pub(crate) fn js(&self) -> &jetstream::Context {
         &self.js
     }
@@ -494,6 +516,7 @@ impl Cluster {
         epoch: u64,
         value: Bytes,
     ) -> Result<u64> {
+        self.connected("a fenced KV write")?;
         let mut framed = Vec::with_capacity(FENCED_MAGIC.len() + 8 + value.len());
         framed.extend_from_slice(FENCED_MAGIC);
         framed.extend_from_slice(&epoch.to_be_bytes());
@@ -542,6 +565,7 @@ impl Cluster {
 
     /// Stores the last view the owner published for a user.
     pub async fn put_view(&self, user: &str, value: Bytes) -> Result<u64> {
+        self.connected("a view's KV write")?;
         put(
             &self.js,
             &self.views,
@@ -589,6 +613,7 @@ impl Cluster {
     /// Stores the record of a device's current session; returns its
     /// revision once the replicas have it.
     pub async fn put_session(&self, user: &str, device: &str, value: Bytes) -> Result<u64> {
+        self.connected("a session record's KV write")?;
         let key = device_key(user, device)?;
         put(&self.js, &self.sessions, &key, value, self.timeout()).await
     }
@@ -600,6 +625,7 @@ impl Cluster {
     /// Deletes the record (the device ended: a resume naming it starts
     /// fresh).
     pub async fn delete_session(&self, user: &str, device: &str) -> Result<()> {
+        self.connected("a session record's KV delete")?;
         let key = device_key(user, device)?;
         let after = self.timeout();
         match tokio::time::timeout(after, self.sessions.delete(&key)).await {
@@ -670,6 +696,7 @@ impl Cluster {
     }
 
     async fn publish_on(&self, subject: String, payload: Bytes) -> Result<()> {
+        self.connected("a publish")?;
         let sealed = self.envelope.seal(&subject, &payload);
         self.client
             .publish(subject.clone(), sealed)
@@ -723,6 +750,7 @@ impl Cluster {
         payload: Bytes,
     ) -> Result<Bytes> {
         check_shard(&self.config, shard)?;
+        self.connected("a request to a shard owner")?;
         use async_nats::RequestErrorKind;
         let subject = self.config.request_subject(shard, kind);
         let sealed = self.envelope.seal(&subject, &payload);

@@ -117,6 +117,11 @@ pub enum ClusterError {
         #[source]
         source: async_nats::client::FlushError,
     },
+    /// The client is not connected to NATS (it is making the connection
+    /// again): nothing is handed to it, because it would queue it and send
+    /// it after the reconnect, when its asker has given up on it.
+    #[error("{op} not sent: the NATS connection is down")]
+    Reconnecting { op: &'static str },
     /// Nobody serves the shard right now (no owner, or it is changing):
     /// retry once the claims settle.
     #[error("no owner answers for shard {shard}")]

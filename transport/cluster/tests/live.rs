@@ -768,6 +768,63 @@ async fn an_older_owners_preference_write_is_fenced_off() {
     );
 }
 
+/// Waits until `cond` holds, or panics after `within` (a NATS client's
+/// connection state changes on its own task; nothing signals it here).
+async fn until(within: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !cond() {
+        assert!(Instant::now() < deadline, "{what}: not within {within:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A write handed to a client whose NATS connection is down is refused
+/// at once: async-nats would queue it and send it after the reconnect,
+/// when the link has long taken it as failed (a view written late over a
+/// newer one, a device's connect taking the device from a newer session).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_is_queued_for_after_a_reconnect() {
+    let mut nats = NatsCluster::start(1).await;
+    let mut one = config("a");
+    one.replicas = 1;
+    let a = greendot_cluster::testing::connect_retrying(&nats.url(0), one, STARTUP).await;
+    let view = |v: &'static str| Bytes::from_static(v.as_bytes());
+    retry(STARTUP, || a.put_view("alice", view("before"))).await;
+
+    nats.kill(0);
+    until(Duration::from_secs(10), "a sees its NATS gone", || {
+        !a.is_connected()
+    })
+    .await;
+    let during = a.put_view("alice", view("during")).await;
+    assert!(
+        matches!(during, Err(ClusterError::Reconnecting { .. })),
+        "{during:?}"
+    );
+    let asked = a
+        .request(ShardId(1), RequestKind::Input, view("during"))
+        .await;
+    assert!(
+        matches!(asked, Err(ClusterError::Reconnecting { .. })),
+        "{asked:?}"
+    );
+
+    nats.restart(0);
+    until(Duration::from_secs(30), "a connected again", || {
+        a.is_connected()
+    })
+    .await;
+    // A write after the reconnect, acknowledged: one queued before it on
+    // the same connection and stream would have landed first.
+    retry(ELECTION_BOUND, || a.put_view("marker", view("after"))).await;
+    let alice = retry(ELECTION_BOUND, || a.view("alice")).await;
+    assert_eq!(
+        alice.as_deref(),
+        Some(&b"before"[..]),
+        "a write queued while down landed"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_of_a_nats_node_and_kv_and_claims_keep_working() {
     let mut nats = NatsCluster::start(3).await;
