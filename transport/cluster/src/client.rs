@@ -143,15 +143,34 @@ impl Cluster {
         self.client.connection_state() == async_nats::connection::State::Connected
     }
 
-    /// `Reconnecting` unless the client is connected now. async-nats
-    /// queues what it is handed while it reconnects and sends it once it
-    /// is back: a request whose asker gave up long ago, a view, a record
-    /// write. A device's connect sent so from an edge cut off from NATS
-    /// took the device from the edge that held it by then, and its end
-    /// showed the device offline while it was connected (the simulator's
-    /// `--buffered` runs, seed 1631). The data path's sends fail at once
-    /// instead, as a timeout would, and are retried by the link.
-    fn connected(&self, op: &'static str) -> Result<()> {
+    /// Waits up to half an operation's timeout for the client to be
+    /// connected; `Reconnecting` if it is not by then. async-nats queues
+    /// what it is handed while it reconnects and sends it once it is back:
+    /// a request whose asker gave up long ago, a view, a record write. A
+    /// device's connect sent so from an edge cut off from NATS took the
+    /// device from the edge that held it by then, and its end showed the
+    /// device offline while it was connected (the simulator's `--buffered`
+    /// runs, seed 1631). Such a send fails instead, once half its timeout
+    /// passed with no connection: failing later keeps the link's pace (it
+    /// retries a failed record write at its next tick, and logs each). A
+    /// send whose connection comes back in time goes out with half its
+    /// timeout left.
+    async fn connected(&self, op: &'static str) -> Result<()> {
+        let deadline = tokio::time::Instant::now() + self.timeout() / 2;
+        while self.connected_now(op).is_err() {
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return Err(ClusterError::Reconnecting { op });
+            }
+            // async-nats publishes its state on a channel of its own only.
+            tokio::time::sleep((deadline - now).min(Duration::from_millis(20))).await;
+        }
+        Ok(())
+    }
+
+    /// [`Cluster::connected`] without the wait, for the publishes the I/O
+    /// loop makes inline (a lost publish is repaired by the beacons).
+    fn connected_now(&self, op: &'static str) -> Result<()> {
         if self.is_connected() {
             Ok(())
         } else {
@@ -516,7 +535,7 @@ impl Cluster {
         epoch: u64,
         value: Bytes,
     ) -> Result<u64> {
-        self.connected("a fenced KV write")?;
+        self.connected("a fenced KV write").await?;
         let mut framed = Vec::with_capacity(FENCED_MAGIC.len() + 8 + value.len());
         framed.extend_from_slice(FENCED_MAGIC);
         framed.extend_from_slice(&epoch.to_be_bytes());
@@ -565,7 +584,7 @@ impl Cluster {
 
     /// Stores the last view the owner published for a user.
     pub async fn put_view(&self, user: &str, value: Bytes) -> Result<u64> {
-        self.connected("a view's KV write")?;
+        self.connected("a view's KV write").await?;
         put(
             &self.js,
             &self.views,
@@ -613,7 +632,7 @@ impl Cluster {
     /// Stores the record of a device's current session; returns its
     /// revision once the replicas have it.
     pub async fn put_session(&self, user: &str, device: &str, value: Bytes) -> Result<u64> {
-        self.connected("a session record's KV write")?;
+        self.connected("a session record's KV write").await?;
         let key = device_key(user, device)?;
         put(&self.js, &self.sessions, &key, value, self.timeout()).await
     }
@@ -625,7 +644,7 @@ impl Cluster {
     /// Deletes the record (the device ended: a resume naming it starts
     /// fresh).
     pub async fn delete_session(&self, user: &str, device: &str) -> Result<()> {
-        self.connected("a session record's KV delete")?;
+        self.connected("a session record's KV delete").await?;
         let key = device_key(user, device)?;
         let after = self.timeout();
         match tokio::time::timeout(after, self.sessions.delete(&key)).await {
@@ -696,7 +715,7 @@ impl Cluster {
     }
 
     async fn publish_on(&self, subject: String, payload: Bytes) -> Result<()> {
-        self.connected("a publish")?;
+        self.connected_now("a publish")?;
         let sealed = self.envelope.seal(&subject, &payload);
         self.client
             .publish(subject.clone(), sealed)
@@ -750,7 +769,7 @@ impl Cluster {
         payload: Bytes,
     ) -> Result<Bytes> {
         check_shard(&self.config, shard)?;
-        self.connected("a request to a shard owner")?;
+        self.connected("a request to a shard owner").await?;
         use async_nats::RequestErrorKind;
         let subject = self.config.request_subject(shard, kind);
         let sealed = self.envelope.seal(&subject, &payload);

@@ -323,8 +323,13 @@ pub async fn run(
                 let Some(out) = out else { return };
                 match out {
                     ClusterOutput::Publish { shard, payload } => {
-                        if let Err(e) = cluster.publish_view(ShardId(shard), payload).await {
-                            warn!(shard, error = %e, "cannot publish a view");
+                        match cluster.publish_view(ShardId(shard), payload).await {
+                            // Down: NATS's own reconnect logs it, once.
+                            Err(e @ ClusterError::Reconnecting { .. }) => {
+                                debug!(shard, error = %e, "cannot publish a view");
+                            }
+                            Err(e) => warn!(shard, error = %e, "cannot publish a view"),
+                            Ok(()) => {}
                         }
                     }
                     ClusterOutput::PublishToEdge { node, payload } => {
