@@ -573,7 +573,6 @@ impl Bus {
     }
 }
 
-/// A copy of a message NATS may deliver twice (what is not a KV answer).
 /// A message or request, not a KV operation (whose own stream is not
 /// modelled as held).
 fn is_message(out: &ClusterOutput) -> bool {
@@ -588,6 +587,7 @@ fn is_message(out: &ClusterOutput) -> bool {
     )
 }
 
+/// A copy of a message NATS may deliver twice (what is not a KV answer).
 fn copy(input: &ClusterInput) -> Option<ClusterInput> {
     Some(match input {
         ClusterInput::ShardMessage { shard, payload } => ClusterInput::ShardMessage {

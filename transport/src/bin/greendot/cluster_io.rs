@@ -324,7 +324,8 @@ pub async fn run(
                 match out {
                     ClusterOutput::Publish { shard, payload } => {
                         match cluster.publish_view(ShardId(shard), payload).await {
-                            // Down: NATS's own reconnect logs it, once.
+                            // Down: the failed lease and claim renewals
+                            // say so; a line per view would flood the log.
                             Err(e @ ClusterError::Reconnecting { .. }) => {
                                 debug!(shard, error = %e, "cannot publish a view");
                             }
