@@ -57,6 +57,10 @@ pub struct Cluster {
     /// `<prefix>_groups`, opened on first use: nothing uses group
     /// definitions yet, so a node that never touches them makes no bucket.
     groups: std::sync::Arc<tokio::sync::OnceCell<kv::Store>>,
+    /// Whether NATS last said the client connected (`true`) or
+    /// disconnected, from its connection events: what a send waiting for
+    /// the connection wakes on.
+    linked: tokio::sync::watch::Receiver<bool>,
 }
 
 impl Cluster {
@@ -77,6 +81,22 @@ impl Cluster {
             .apply(options)
             .await
             .map_err(|source| ClusterError::Credentials { source })?;
+        let (linked_tx, linked) = tokio::sync::watch::channel(true);
+        let linked_tx = std::sync::Arc::new(linked_tx);
+        let options = options.event_callback(move |event| {
+            let linked_tx = linked_tx.clone();
+            async move {
+                match event {
+                    async_nats::Event::Connected => {
+                        linked_tx.send_replace(true);
+                    }
+                    async_nats::Event::Disconnected => {
+                        linked_tx.send_replace(false);
+                    }
+                    _ => {}
+                }
+            }
+        });
         let servers: Vec<&str> = urls
             .split(',')
             .map(str::trim)
@@ -108,6 +128,7 @@ impl Cluster {
             views,
             sessions,
             groups: Default::default(),
+            linked,
         })
     }
 
@@ -143,6 +164,12 @@ impl Cluster {
         self.client.connection_state() == async_nats::connection::State::Connected
     }
 
+    /// NATS's connection events as they come: `true` once it said the
+    /// client connected, `false` once it said it disconnected.
+    pub fn connection(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.linked.clone()
+    }
+
     /// Waits up to half an operation's timeout for the client to be
     /// connected; `Reconnecting` if it is not by then. async-nats queues
     /// what it is handed while it reconnects and sends it once it is back:
@@ -157,13 +184,16 @@ impl Cluster {
     /// timeout left.
     async fn connected(&self, op: &'static str) -> Result<()> {
         let deadline = tokio::time::Instant::now() + self.timeout() / 2;
+        let mut events = self.linked.clone();
         while self.connected_now(op).is_err() {
-            let now = tokio::time::Instant::now();
-            if now >= deadline {
-                return Err(ClusterError::Reconnecting { op });
+            // The state is the client's; its next connection event is the
+            // moment to look again. async-nats sends the event just before
+            // it sets the state: a wake that finds it unset waits for the
+            // deadline, and the link retries.
+            match tokio::time::timeout_at(deadline, events.changed()).await {
+                Ok(Ok(())) => {}
+                _ => return Err(ClusterError::Reconnecting { op }),
             }
-            // async-nats publishes its state on a channel of its own only.
-            tokio::time::sleep((deadline - now).min(Duration::from_millis(20))).await;
         }
         Ok(())
     }

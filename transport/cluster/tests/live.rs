@@ -768,14 +768,15 @@ async fn an_older_owners_preference_write_is_fenced_off() {
     );
 }
 
-/// Waits until `cond` holds, or panics after `within` (a NATS client's
-/// connection state changes on its own task; nothing signals it here).
-async fn until(within: Duration, what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + within;
-    while !cond() {
-        assert!(Instant::now() < deadline, "{what}: not within {within:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+/// Waits until NATS's connection events say `a` is connected (`up`) or
+/// not, or panics after `within`.
+async fn until_connected(a: &Cluster, up: bool, within: Duration) {
+    let mut events = a.connection();
+    let said = tokio::time::timeout(within, events.wait_for(|c| *c == up)).await;
+    assert!(
+        matches!(said, Ok(Ok(_))),
+        "no connection event saying connected: {up} within {within:?}"
+    );
 }
 
 /// A write handed to a client whose NATS connection is down is refused
@@ -792,10 +793,7 @@ async fn nothing_is_queued_for_after_a_reconnect() {
     retry(STARTUP, || a.put_view("alice", view("before"))).await;
 
     nats.kill(0);
-    until(Duration::from_secs(10), "a sees its NATS gone", || {
-        !a.is_connected()
-    })
-    .await;
+    until_connected(&a, false, Duration::from_secs(10)).await;
     let during = a.put_view("alice", view("during")).await;
     assert!(
         matches!(during, Err(ClusterError::Reconnecting { .. })),
@@ -810,10 +808,7 @@ async fn nothing_is_queued_for_after_a_reconnect() {
     );
 
     nats.restart(0);
-    until(Duration::from_secs(30), "a connected again", || {
-        a.is_connected()
-    })
-    .await;
+    until_connected(&a, true, Duration::from_secs(30)).await;
     // A write after the reconnect, acknowledged: one queued before it on
     // the same connection and stream would have landed first.
     retry(ELECTION_BOUND, || a.put_view("marker", view("after"))).await;

@@ -432,13 +432,13 @@ impl ClusterLink {
             self.apply_view(at, target, own, presence.clone());
             self.keep_early(target, own, presence);
         }
-        if let Some(t) = self.tracks.get_mut(&shard).filter(|_| !own) {
-            // Views up to the answer's are in it.
-            t.seen = t.seen.max(Some(published));
-            t.heard = Some(at);
-        }
         if let Some(t) = self.shard_tracks(own).get_mut(&shard) {
             t.failed = 0;
+            if !own {
+                // Views up to the answer's are in it.
+                t.seen = t.seen.max(Some(published));
+                t.heard = Some(at);
+            }
         }
     }
 }

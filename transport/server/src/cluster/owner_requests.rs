@@ -97,25 +97,23 @@ fn owner_connect(
 /// in welcome order, from one counter per edge run). Whether an older one
 /// of the same run was heard of first: this one is stale.
 fn heard_newer_conn(o: &mut Owner, user: &str, device: &str, holder: &Holder) -> bool {
-    let same_run = |h: &Holder| h.0 == holder.0 && h.1 == holder.1;
-    if !o.newest_conn.contains_key(user) && o.newest_conn.len() >= MAX_HOLDERS_REMEMBERED {
+    if let Some(devices) = o.newest_conn.get_mut(user) {
+        let full = devices.len() >= MAX_DEVICES_REMEMBERED;
+        match devices.iter_mut().find(|(d, _)| d == device) {
+            Some((_, h)) if h.0 == holder.0 && h.1 == holder.1 && h.2 > holder.2 => return true,
+            Some((_, h)) => h.clone_from(holder),
+            None if !full => devices.push((device.to_owned(), holder.clone())),
+            None => {}
+        }
+        return false;
+    }
+    if o.newest_conn.len() >= MAX_HOLDERS_REMEMBERED {
         // Bounded memory over a perfect filter, as for request ids.
         o.newest_conn.clear();
     }
-    let devices = o.newest_conn.entry(user.to_owned()).or_default();
-    match devices.iter_mut().find(|(d, _)| d == device) {
-        Some((_, h)) if same_run(h) && h.2 > holder.2 => true,
-        Some((_, h)) => {
-            h.clone_from(holder);
-            false
-        }
-        None => {
-            if devices.len() < MAX_DEVICES_REMEMBERED {
-                devices.push((device.to_owned(), holder.clone()));
-            }
-            false
-        }
-    }
+    let devices = vec![(device.to_owned(), holder.clone())];
+    o.newest_conn.insert(user.to_owned(), devices);
+    false
 }
 
 /// Devices of one user whose newest connection is remembered.
