@@ -182,23 +182,8 @@ impl Harness {
     /// environment, doing what it asks of the relay, and asserts that it
     /// passed, that it ran `defined` tests (its stderr says `Ran N tests`)
     /// and skipped none. Fails with its output otherwise.
-    pub async fn run_suite(&self, language: &str, mut suite: Command, defined: usize) {
-        suite
-            .env("GREENDOT_ADDRESS", self.ts.addr().to_string())
-            .env("GREENDOT_RELAY", self.relay.addr.to_string())
-            .env("GREENDOT_CA_DER", &self.ca)
-            .env("GREENDOT_TOKENS", &self.tokens)
-            .env(
-                "GREENDOT_DEBOUNCE_MS",
-                self.ts.config().core.debounce.0.to_string(),
-            )
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let relay = self.relay.clone();
-        let (status, stdout, stderr) = tokio::task::spawn_blocking(move || run(suite, &relay))
-            .await
-            .unwrap();
+    pub async fn run_suite(&self, language: &str, suite: Command, defined: usize) {
+        let (status, stdout, stderr) = self.run(suite).await;
         let ran = stderr
             .lines()
             .find_map(|l| l.strip_prefix("Ran "))
@@ -217,6 +202,28 @@ impl Harness {
             !stderr.contains("skipped"),
             "a {language} test was skipped:\n{stderr}"
         );
+    }
+
+    /// Runs `suite` with the suite's environment, doing what it asks of the
+    /// relay; returns its exit status (`None` if the watchdog killed it),
+    /// its other stdout and its stderr.
+    pub async fn run(&self, mut suite: Command) -> (Option<ExitStatus>, String, String) {
+        suite
+            .env("GREENDOT_ADDRESS", self.ts.addr().to_string())
+            .env("GREENDOT_RELAY", self.relay.addr.to_string())
+            .env("GREENDOT_CA_DER", &self.ca)
+            .env("GREENDOT_TOKENS", &self.tokens)
+            .env(
+                "GREENDOT_DEBOUNCE_MS",
+                self.ts.config().core.debounce.0.to_string(),
+            )
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let relay = self.relay.clone();
+        tokio::task::spawn_blocking(move || run(suite, &relay))
+            .await
+            .unwrap()
     }
 }
 

@@ -25,3 +25,45 @@ async fn python_client_suite_passes() {
     python.arg(&suite).env("GREENDOT_BINDINGS", &dir);
     harness.run_suite("Python", python, defined).await;
 }
+
+/// An app's interpreter exits while a thread of the library's is in
+/// Python: the runtime's (the continuation waking an async call's
+/// coroutine) or a listener's (`on_event`). With `shutdown` registered with
+/// `atexit` the process exits with 0; without it (the broken variant) the
+/// thread is ended under the library and the process aborts after the test
+/// passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_interpreter_exits_cleanly_while_the_library_calls_into_it() {
+    let (library, bindgen) = tokio::task::spawn_blocking(ffi::build).await.unwrap();
+    let dir = library.parent().unwrap().join("python-exit-bindings");
+    ffi::generate(&bindgen, &library, "python", &dir);
+    std::fs::copy(&library, dir.join(library.file_name().unwrap())).unwrap();
+    let harness = ffi::Harness::start(&dir).await;
+
+    let script = ffi::workspace().join("clients/python/tests/exit_while_called.py");
+    for case in [
+        "test_a_call_completes_as_the_interpreter_exits",
+        "test_a_listener_runs_as_the_interpreter_exits",
+    ] {
+        for registered in [true, false] {
+            let mut python = Command::new("python3");
+            python
+                .arg(&script)
+                .arg(format!("ExitTest.{case}"))
+                .env("GREENDOT_BINDINGS", &dir);
+            if !registered {
+                python.env("GREENDOT_EXIT_WITHOUT_SHUTDOWN", "1");
+            }
+            let (status, stdout, stderr) = harness.run(python).await;
+            assert!(
+                stderr.contains("Ran 1 test") && stderr.contains("\nOK"),
+                "{case} failed before the exit ({status:?}):\n{stderr}\n{stdout}"
+            );
+            assert_eq!(
+                status.is_some_and(|s| s.success()),
+                registered,
+                "{case}, shutdown registered: {registered}; exit status {status:?}:\n{stderr}"
+            );
+        }
+    }
+}

@@ -20,10 +20,15 @@
 //! - Errors are [`GreendotError`]; nothing panics across the FFI (uniffi
 //!   turns a panic into an internal error, and a listener's exception is
 //!   caught on the listener's thread).
+//! - [`shutdown`] ends every call into the app before the process exits
+//!   (Python's `atexit`: a finalizing interpreter ends a thread that asks
+//!   for the GIL, and the process aborts if that thread is the library's).
 
+mod exit;
 mod groups;
 mod types;
 
+pub use exit::shutdown;
 pub use groups::*;
 pub use types::*;
 
@@ -52,11 +57,12 @@ fn runtime() -> &'static tokio::runtime::Runtime {
 }
 
 /// Runs `future` on [`runtime`] and waits for it from any executor (the
-/// join handle needs no runtime of the caller's).
+/// join handle needs no runtime of the caller's). Its completion wakes the
+/// caller only until [`shutdown`].
 async fn on_runtime<T: Send + 'static>(
     future: impl Future<Output = Result<T, GreendotError>> + Send + 'static,
 ) -> Result<T, GreendotError> {
-    match runtime().spawn(future).await {
+    match exit::gated(|| runtime().spawn(future)).await? {
         Ok(result) => result,
         Err(e) => Err(GreendotError::Internal {
             detail: format!("the request's task failed: {e}"),
@@ -340,12 +346,16 @@ impl GreendotClient {
         let queue = self.queue.clone();
         let this = handle.clone();
         // A thread of its own: the listener's code never stalls the runtime.
-        let spawned = std::thread::Builder::new()
-            .name("greendot-listener".into())
-            .spawn(move || runtime().block_on(deliver(queue, this, listener)));
-        match spawned {
-            Ok(thread) => *lock(&handle.thread) = Some(thread),
-            Err(e) => warn(&format!("cannot start a listener's thread: {e}")),
+        let started = exit::start_listener(&handle, || {
+            std::thread::Builder::new()
+                .name("greendot-listener".into())
+                .spawn(move || runtime().block_on(deliver(queue, this, listener)))
+                .map_err(|e| warn(&format!("cannot start a listener's thread: {e}")))
+                .ok()
+        });
+        if !started {
+            handle.cancelled.store(true, Ordering::Release);
+            warn("listen after shutdown: the listener is never called");
         }
         handle
     }
@@ -524,9 +534,9 @@ impl ListenerHandle {
     /// No `on_event` starts after this returns, none is running, and the
     /// library holds the listener no more: it waits for the listener's
     /// thread to end, so for an `on_event` in progress to return (called
-    /// from inside an `on_event`, it returns at once instead). An app (or a
-    /// Python interpreter about to exit) that cancels its listeners is
-    /// never called into again. Safe to call twice.
+    /// from inside an `on_event`, it returns at once instead). Safe to call
+    /// twice. A process about to exit calls [`shutdown`] instead, which
+    /// cancels every listener.
     pub fn cancel(&self) {
         if !self.cancelled.swap(true, Ordering::AcqRel) {
             // A permit if the loop is not waiting yet: it will not miss it.

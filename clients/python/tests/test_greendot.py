@@ -19,6 +19,7 @@ Every wait is on an event, with a deadline; nothing sleeps to synchronise.
 """
 
 import asyncio
+import atexit
 import base64
 import json
 import os
@@ -29,6 +30,10 @@ import unittest
 
 sys.path.insert(0, os.environ["GREENDOT_BINDINGS"])
 import greendot_ffi as gd  # noqa: E402
+
+# As the README asks of every app: no thread of the library's calls into
+# the interpreter once it finalizes.
+atexit.register(gd.shutdown)
 
 ADDRESS = os.environ["GREENDOT_ADDRESS"]
 RELAY = os.environ["GREENDOT_RELAY"]
@@ -110,18 +115,6 @@ class Recorder(gd.PresenceListener):
         return [e.presence for e in self.seen() if e.is_PRESENCE_CHANGED() and e.target == target]
 
 
-# Every listener the suite registered: cancelled before the interpreter
-# exits, so none is called into a finalizing interpreter (which ends the
-# calling thread under the library and aborts the process).
-HANDLES = []
-
-
-def listen(client, listener):
-    handle = client.listen(listener)
-    HANDLES.append(handle)
-    return handle
-
-
 async def connect(name, **settings):
     return await gd.connect(
         gd.ConnectConfig(addresses=[ADDRESS], token=TOKENS[name], ca_certificates_pem=CA, **settings)
@@ -133,7 +126,7 @@ async def watch(test, target):
     walt = await connect("walt")
     test.addAsyncCleanup(walt.close)
     seen = Recorder(asyncio.get_running_loop())
-    listen(walt, seen)
+    walt.listen(seen)
     answer = await walt.subscribe([target], gd.Tier.REALTIME)
     test.assertEqual([s.target for s in answer.snapshots], [target])
     test.assertEqual(answer.refused, [])
@@ -180,7 +173,7 @@ class GreendotTest(unittest.IsolatedAsyncioTestCase):
         kai = await connect("kai")
         self.addAsyncCleanup(kai.close)
         counts = Recorder(asyncio.get_running_loop())
-        listen(kai, counts)
+        kai.listen(counts)
         sub = await kai.group_subscribe(7)
         self.assertEqual((sub.role, sub.members), (gd.GroupRole.MEMBER, 2))
 
@@ -195,7 +188,7 @@ class GreendotTest(unittest.IsolatedAsyncioTestCase):
         lu = await connect("lu")
         self.addAsyncCleanup(lu.close)
         deltas = Recorder(asyncio.get_running_loop())
-        listen(lu, deltas)
+        lu.listen(deltas)
         sub = await lu.group_subscribe(7)
         self.assertEqual(sub.role, gd.GroupRole.ADMIN)
         delta = await deltas.wait_for(
@@ -297,7 +290,7 @@ class GreendotTest(unittest.IsolatedAsyncioTestCase):
         walt = await connect("walt")
         self.addAsyncCleanup(walt.close)
         seen = Raising(asyncio.get_running_loop())
-        listen(walt, seen)
+        walt.listen(seen)
         await walt.subscribe(["ida"], gd.Tier.REALTIME)
         await seen.wait_presence("ida", lambda p: p.online)
         await ida.set_status(gd.Status.BUSY, None)
@@ -391,7 +384,7 @@ class GreendotTest(unittest.IsolatedAsyncioTestCase):
         )
         self.addAsyncCleanup(gus.close)
         events = Recorder(asyncio.get_running_loop())
-        handle = listen(gus, events)
+        handle = gus.listen(events)
         # A live connection: the network changes, requests go on.
         gus.network_changed()
         await gus.ping()
@@ -417,7 +410,7 @@ class GreendotTest(unittest.IsolatedAsyncioTestCase):
         events.reset()
         later = Recorder(asyncio.get_running_loop())
         await gus.logout()
-        listen(gus, later)
+        gus.listen(later)
         closed = await later.wait_for("closed", lambda e: e.is_CLOSED())
         self.assertEqual(closed.code, "Logout")
         self.assertEqual(events.seen(), [], "a cancelled listener was called")
@@ -441,7 +434,7 @@ class GreendotTest(unittest.IsolatedAsyncioTestCase):
             await seen.wait_presence("jo", lambda p, i=i: p.message == f"change {i}")
         newest = seen.presences_of("jo")[-1]
         late = Recorder(asyncio.get_running_loop())
-        listen(wes, late)
+        wes.listen(late)
         p = await late.wait_presence("jo", lambda p: p.message == f"change {len(changes) - 1}")
         self.assertEqual(p, newest)
         self.assertEqual(wes.presence("jo"), newest)
@@ -452,7 +445,4 @@ class GreendotTest(unittest.IsolatedAsyncioTestCase):
 
 
 if __name__ == "__main__":
-    run = unittest.main(verbosity=2, exit=False)
-    for handle in HANDLES:
-        handle.cancel()
-    sys.exit(0 if run.result.wasSuccessful() else 1)
+    unittest.main(verbosity=2)

@@ -464,6 +464,12 @@ void uniffi_greendot_ffi_fn_method_presencelistener_on_event(uint64_t ptr, RustB
 uint64_t uniffi_greendot_ffi_fn_func_connect(RustBuffer config
 );
 #endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_GREENDOT_FFI_FN_FUNC_SHUTDOWN
+#define UNIFFI_FFIDEF_UNIFFI_GREENDOT_FFI_FN_FUNC_SHUTDOWN
+void uniffi_greendot_ffi_fn_func_shutdown(RustCallStatus *_Nonnull out_status
+    
+);
+#endif
 #ifndef UNIFFI_FFIDEF_FFI_GREENDOT_FFI_RUSTBUFFER_ALLOC
 #define UNIFFI_FFIDEF_FFI_GREENDOT_FFI_RUSTBUFFER_ALLOC
 RustBuffer ffi_greendot_ffi_rustbuffer_alloc(uint64_t size, RustCallStatus *_Nonnull out_status
@@ -727,6 +733,12 @@ void ffi_greendot_ffi_rust_future_complete_void(uint64_t handle, RustCallStatus 
 #ifndef UNIFFI_FFIDEF_UNIFFI_GREENDOT_FFI_CHECKSUM_FUNC_CONNECT
 #define UNIFFI_FFIDEF_UNIFFI_GREENDOT_FFI_CHECKSUM_FUNC_CONNECT
 uint16_t uniffi_greendot_ffi_checksum_func_connect(void
+    
+);
+#endif
+#ifndef UNIFFI_FFIDEF_UNIFFI_GREENDOT_FFI_CHECKSUM_FUNC_SHUTDOWN
+#define UNIFFI_FFIDEF_UNIFFI_GREENDOT_FFI_CHECKSUM_FUNC_SHUTDOWN
+uint16_t uniffi_greendot_ffi_checksum_func_shutdown(void
     
 );
 #endif

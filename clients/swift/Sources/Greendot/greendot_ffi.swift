@@ -1465,9 +1465,9 @@ public protocol ListenerHandleProtocol: AnyObject, Sendable {
      * No `on_event` starts after this returns, none is running, and the
      * library holds the listener no more: it waits for the listener's
      * thread to end, so for an `on_event` in progress to return (called
-     * from inside an `on_event`, it returns at once instead). An app (or a
-     * Python interpreter about to exit) that cancels its listeners is
-     * never called into again. Safe to call twice.
+     * from inside an `on_event`, it returns at once instead). Safe to call
+     * twice. A process about to exit calls [`shutdown`] instead, which
+     * cancels every listener.
      */
     func cancel() 
     
@@ -1532,9 +1532,9 @@ open class ListenerHandle: ListenerHandleProtocol, @unchecked Sendable {
      * No `on_event` starts after this returns, none is running, and the
      * library holds the listener no more: it waits for the listener's
      * thread to end, so for an `on_event` in progress to return (called
-     * from inside an `on_event`, it returns at once instead). An app (or a
-     * Python interpreter about to exit) that cancels its listeners is
-     * never called into again. Safe to call twice.
+     * from inside an `on_event`, it returns at once instead). Safe to call
+     * twice. A process about to exit calls [`shutdown`] instead, which
+     * cancels every listener.
      */
 open func cancel()  {try! rustCall() {
         uniffiCallStatus in
@@ -4097,6 +4097,24 @@ public func connect(config: ConnectConfig)async throws  -> GreendotClient  {
             errorHandler: FfiConverterTypeGreendotError_lift
         )
 }
+/**
+ * Ends every call of this library into the app, for a process about to
+ * exit: cancels every listener (waiting for an `on_event` in progress to
+ * return) and waits for the async calls' completions in progress. After
+ * it no listener is called, a new listener is never called, a new async
+ * call fails with `Closed`, and an async call still waiting never
+ * returns. Connections are left to the process's exit (the server keeps
+ * the devices for their grace, as after `close`).
+ *
+ * Python must call it before the interpreter finalizes:
+ * `atexit.register(greendot_ffi.shutdown)`. Safe to call twice.
+ */
+public func shutdown()  {try! rustCall() {
+        uniffiCallStatus in
+    uniffi_greendot_ffi_fn_func_shutdown(uniffiCallStatus
+    )
+}
+}
 
 private enum InitializationResult {
     case ok
@@ -4114,6 +4132,9 @@ private let initializationResult: InitializationResult = {
         return InitializationResult.contractVersionMismatch
     }
     if (uniffi_greendot_ffi_checksum_func_connect() != 52268) {
+        return InitializationResult.apiChecksumMismatch
+    }
+    if (uniffi_greendot_ffi_checksum_func_shutdown() != 55314) {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_greendot_ffi_checksum_method_greendotclient_app_backgrounded() != 18574) {
@@ -4209,7 +4230,7 @@ private let initializationResult: InitializationResult = {
     if (uniffi_greendot_ffi_checksum_method_greendotclient_set_group_in_parts() != 43107) {
         return InitializationResult.apiChecksumMismatch
     }
-    if (uniffi_greendot_ffi_checksum_method_listenerhandle_cancel() != 28151) {
+    if (uniffi_greendot_ffi_checksum_method_listenerhandle_cancel() != 15812) {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_greendot_ffi_checksum_method_presencelistener_on_event() != 3007) {
