@@ -218,9 +218,6 @@ impl QuicLink {
                 if self.control == Some(id) {
                     return Some(Happened::AnswersDelivered);
                 }
-                if wt.is_connect(id) {
-                    wt.connect_delivered(quic, now);
-                }
                 None
             }
             Event::DatagramReceived => {

@@ -438,7 +438,10 @@ impl WebTransport {
                 }
             }
             Phase::Over => {
-                read(quic, id, usize::MAX, None);
+                // The client's answer to our close: its side ends.
+                if !matches!(read(quic, id, usize::MAX, None), End::Open) {
+                    self.close_now(quic, now);
+                }
                 None
             }
         }
@@ -505,8 +508,13 @@ impl WebTransport {
     }
 
     /// Closes the session with a close capsule; the QUIC connection closes
-    /// once the client has it (or after [`CLOSE_LINGER`]). Before the
-    /// session is established there is no capsule to send: `false`.
+    /// once the client has ended its side of the CONNECT stream, which it
+    /// does after taking in the capsule (or after [`CLOSE_LINGER`]). Closing
+    /// when the capsule is acknowledged is too early: a browser acknowledges
+    /// it before its page has the close code, and a page told of a
+    /// connection close first sees a lost connection, not the close code.
+    /// Before the session is established there is no capsule to send:
+    /// `false`.
     pub fn close(&mut self, quic: &mut Connection, now: Instant, code: u32, text: &[u8]) -> bool {
         if self.phase != Phase::Established || self.connect.is_none() {
             return false;
@@ -525,13 +533,6 @@ impl WebTransport {
         self.closing = Some((now + CLOSE_LINGER, text.to_vec()));
         self.write_connect(quic, now);
         true
-    }
-
-    /// The CONNECT stream's end reached the client: a close can complete.
-    pub fn connect_delivered(&mut self, quic: &mut Connection, now: Instant) {
-        if self.closing.is_some() {
-            self.close_now(quic, now);
-        }
     }
 
     fn close_now(&mut self, quic: &mut Connection, now: Instant) {

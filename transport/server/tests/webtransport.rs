@@ -357,11 +357,40 @@ async fn the_server_closes_a_session_with_the_greendot_close_code() {
         greendot_proto::CloseCode::Superseded.code(),
         "{reason}"
     );
-    // Then the QUIC connection closes too.
+    // The connection carries on until the client has ended its side of the
+    // session stream (a browser's page has the close code only once it has
+    // taken in the capsule): a stream it opens now is still answered (here
+    // refused), not lost with the connection.
+    let mut uni = first.conn.open_uni().await.unwrap();
+    uni.write_all(&varint(StreamUni::WEBTRANSPORT.0.into_inner()))
+        .await
+        .unwrap();
+    let stopped = tokio::time::timeout(WAIT, uni.stopped())
+        .await
+        .expect("a stream opened after the close capsule was never answered");
+    assert!(matches!(stopped, Ok(Some(_))), "{stopped:?}");
+    // The client ends its side: then the QUIC connection closes.
+    first.session_send.take().unwrap().finish().unwrap();
     tokio::time::timeout(WAIT, first.conn.closed())
         .await
-        .expect("the connection stayed open after the close capsule");
+        .expect("the connection stayed open after the client ended the session");
     let _ = first.session;
+}
+
+#[tokio::test]
+async fn a_client_that_never_answers_a_close_capsule_is_closed_after_a_linger() {
+    let server = server();
+    let mut first = Wt::open(&server, token(&server, "gil", "browser")).await;
+    let _second = Wt::open(&server, token(&server, "gil", "browser")).await;
+    first.server_close().await;
+    // The client keeps its side of the session stream open.
+    let closed = tokio::time::timeout(WAIT, first.conn.closed())
+        .await
+        .expect("the connection stayed open past the linger");
+    assert!(
+        matches!(closed, quinn::ConnectionError::ApplicationClosed(_)),
+        "{closed:?}"
+    );
 }
 
 #[tokio::test]
