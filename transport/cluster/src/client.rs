@@ -182,7 +182,7 @@ impl Cluster {
     /// retries a failed record write at its next tick, and logs each). A
     /// send whose connection comes back in time goes out with half its
     /// timeout left.
-    async fn connected(&self, op: &'static str) -> Result<()> {
+    pub(crate) async fn connected(&self, op: &'static str) -> Result<()> {
         let deadline = tokio::time::Instant::now() + self.timeout() / 2;
         let mut events = self.linked.clone();
         while self.connected_now(op).is_err() {

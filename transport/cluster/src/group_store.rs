@@ -56,8 +56,11 @@ impl Cluster {
     /// purged again. After a successful write the previous header's chunks
     /// are purged (best effort: a failure leaves orphans, logged). A write
     /// that fails otherwise (a timeout) may still land, so its chunks stay.
-    /// `GroupRefused` before anything is stored when `def` breaks the
-    /// configured limits or its own rules ([`crate::groups::check_def`]).
+    /// `Reconnecting` when the connection is down at the start or before the
+    /// header (nothing is handed to a client that would send it after the
+    /// reconnect). `GroupRefused` before anything is stored when `def`
+    /// breaks the configured limits or its own rules
+    /// ([`crate::groups::check_def`]).
     pub async fn write_group_if(&self, def: &GroupDef, expected_revision: u64) -> Result<u64> {
         let nonce = random_nonce();
         let encoded =
@@ -68,6 +71,7 @@ impl Cluster {
                 }
             })?;
         let store = self.groups_store().await?;
+        self.connected("group write").await?;
         let key = header_key(def.group);
         // The nonce whose chunks this write replaces; a header that does
         // not open names nothing we trust. Opened under no size limits: a
@@ -103,6 +107,10 @@ impl Cluster {
                 self.purge_chunks(store, def.group, nonce).await;
                 return Err(e);
             }
+        }
+        if let Err(e) = self.connected("group write").await {
+            self.purge_chunks(store, def.group, nonce).await;
+            return Err(e);
         }
         let write = Write::Put {
             value: encoded.sealed,

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use greendot_cluster::testing::NatsCluster;
 use greendot_cluster::{
-    ClaimState, Cluster, ClusterConfig, ClusterError, KvOp, MemberEvent, NodeId, Ownership,
-    RequestKind, ShardId,
+    ClaimState, Cluster, ClusterConfig, ClusterError, GroupDef, KvOp, MemberEvent, NodeId,
+    Ownership, RequestKind, ShardId,
 };
 
 const LEASE_TTL: Duration = Duration::from_secs(2);
@@ -791,6 +791,16 @@ async fn nothing_is_queued_for_after_a_reconnect() {
     let a = greendot_cluster::testing::connect_retrying(&nats.url(0), one, STARTUP).await;
     let view = |v: &'static str| Bytes::from_static(v.as_bytes());
     retry(STARTUP, || a.put_view("alice", view("before"))).await;
+    let group = |member: &str| GroupDef {
+        group: 7,
+        membership: 1,
+        next_ordinal: 2,
+        members: vec![(member.to_owned(), 1)],
+        admins: vec![],
+        removed: false,
+    };
+    let before = group("before");
+    let group_revision = retry(STARTUP, || a.write_group_if(&before, 0)).await;
 
     nats.kill(0);
     until_connected(&a, false, Duration::from_secs(10)).await;
@@ -806,6 +816,11 @@ async fn nothing_is_queued_for_after_a_reconnect() {
         matches!(asked, Err(ClusterError::Reconnecting { .. })),
         "{asked:?}"
     );
+    let written = a.write_group_if(&group("during"), group_revision).await;
+    assert!(
+        matches!(written, Err(ClusterError::Reconnecting { .. })),
+        "{written:?}"
+    );
 
     nats.restart(0);
     until_connected(&a, true, Duration::from_secs(30)).await;
@@ -817,6 +832,12 @@ async fn nothing_is_queued_for_after_a_reconnect() {
         alice.as_deref(),
         Some(&b"before"[..]),
         "a write queued while down landed"
+    );
+    let stored = retry(ELECTION_BOUND, || a.read_group(7)).await;
+    assert_eq!(
+        stored,
+        Some((group_revision, group("before"))),
+        "a group write queued while down landed"
     );
 }
 
