@@ -6,16 +6,23 @@
 //! when fewer tests ran than the file defines.
 
 use greendot_tests::ffi;
+use std::path::PathBuf;
 use std::process::Command;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn python_client_suite_passes() {
+/// The Python module and a copy of the library in `<target>/<profile>/<name>`
+/// (one directory per test: they run at once), and a server for them.
+async fn python_bindings(name: &str) -> (PathBuf, ffi::Harness) {
     let (library, bindgen) = tokio::task::spawn_blocking(ffi::build).await.unwrap();
-    let dir = library.parent().unwrap().join("python-bindings");
+    let dir = library.parent().unwrap().join(name);
     ffi::generate(&bindgen, &library, "python", &dir);
     std::fs::copy(&library, dir.join(library.file_name().unwrap())).unwrap();
     let harness = ffi::Harness::start(&dir).await;
+    (dir, harness)
+}
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_client_suite_passes() {
+    let (dir, harness) = python_bindings("python-bindings").await;
     let suite = ffi::workspace().join("clients/python/tests/test_greendot.py");
     let defined = std::fs::read_to_string(&suite)
         .unwrap()
@@ -34,12 +41,7 @@ async fn python_client_suite_passes() {
 /// passed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_interpreter_exits_cleanly_while_the_library_calls_into_it() {
-    let (library, bindgen) = tokio::task::spawn_blocking(ffi::build).await.unwrap();
-    let dir = library.parent().unwrap().join("python-exit-bindings");
-    ffi::generate(&bindgen, &library, "python", &dir);
-    std::fs::copy(&library, dir.join(library.file_name().unwrap())).unwrap();
-    let harness = ffi::Harness::start(&dir).await;
-
+    let (dir, harness) = python_bindings("python-exit-bindings").await;
     let script = ffi::workspace().join("clients/python/tests/exit_while_called.py");
     for case in [
         "test_a_call_completes_as_the_interpreter_exits",

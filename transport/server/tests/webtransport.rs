@@ -237,6 +237,19 @@ impl Wt {
         }
     }
 
+    /// Opens a WebTransport stream of the client's, which the server
+    /// refuses (STOP_SENDING): an answer that needs the connection up.
+    async fn a_client_stream_is_refused(&self) {
+        let mut uni = self.conn.open_uni().await.unwrap();
+        uni.write_all(&varint(StreamUni::WEBTRANSPORT.0.into_inner()))
+            .await
+            .unwrap();
+        let stopped = tokio::time::timeout(WAIT, uni.stopped())
+            .await
+            .expect("a client WebTransport stream was never answered");
+        assert!(matches!(stopped, Ok(Some(_))), "{stopped:?}");
+    }
+
     async fn client_close(&mut self, code: u32) {
         let mut send = self.session_send.take().unwrap();
         let mut bytes = Vec::new();
@@ -361,14 +374,7 @@ async fn the_server_closes_a_session_with_the_greendot_close_code() {
     // session stream (a browser's page has the close code only once it has
     // taken in the capsule): a stream it opens now is still answered (here
     // refused), not lost with the connection.
-    let mut uni = first.conn.open_uni().await.unwrap();
-    uni.write_all(&varint(StreamUni::WEBTRANSPORT.0.into_inner()))
-        .await
-        .unwrap();
-    let stopped = tokio::time::timeout(WAIT, uni.stopped())
-        .await
-        .expect("a stream opened after the close capsule was never answered");
-    assert!(matches!(stopped, Ok(Some(_))), "{stopped:?}");
+    first.a_client_stream_is_refused().await;
     // The client ends its side: then the QUIC connection closes.
     first.session_send.take().unwrap().finish().unwrap();
     tokio::time::timeout(WAIT, first.conn.closed())
@@ -420,14 +426,7 @@ async fn client_unidirectional_streams_are_refused() {
     // (A second control stream cannot even be opened: the stream limit of a
     // WebTransport connection is its CONNECT and control streams.)
     let mut wt = Wt::open(&server, token(&server, "fay", "browser")).await;
-    let mut uni = wt.conn.open_uni().await.unwrap();
-    uni.write_all(&varint(StreamUni::WEBTRANSPORT.0.into_inner()))
-        .await
-        .unwrap();
-    let stopped = tokio::time::timeout(WAIT, uni.stopped())
-        .await
-        .expect("a client WebTransport stream was not stopped");
-    assert!(stopped.unwrap().is_some());
+    wt.a_client_stream_is_refused().await;
     // The session carries on.
     assert_eq!(wt.request(1, Request::Ping).await, Answer::Done);
 }
