@@ -5,9 +5,11 @@
 //! with python3. Fails with Python's output when a Python test fails, and
 //! when fewer tests ran than the file defines.
 
+use greendot_server::ServerEvent;
 use greendot_tests::ffi;
 use std::path::PathBuf;
 use std::process::Command;
+use std::time::Duration;
 
 /// The Python module and a copy of the library in `<target>/<profile>/<name>`
 /// (one directory per test: they run at once), and a server for them.
@@ -67,5 +69,54 @@ async fn the_interpreter_exits_cleanly_while_the_library_calls_into_it() {
                 "{case}, shutdown registered: {registered}; exit status {status:?}:\n{stderr}"
             );
         }
+    }
+}
+
+/// A client the app never closed: `shutdown` at the exit closes it, so the
+/// server hears the client's close at once. Without `shutdown` (the broken
+/// variant) the server finds the silence at its idle timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_exit_closes_every_client_the_app_left_open() {
+    let (dir, harness) = python_bindings("python-close-bindings").await;
+    let script = ffi::workspace().join("clients/python/tests/exit_while_called.py");
+    for registered in [true, false] {
+        let mut events = harness.ts.server.events();
+        let mut python = Command::new("python3");
+        python
+            .arg(&script)
+            .arg("ExitTest.test_a_client_left_open_at_the_exit")
+            .env("GREENDOT_BINDINGS", &dir);
+        if !registered {
+            python.env("GREENDOT_EXIT_WITHOUT_SHUTDOWN", "1");
+        }
+        let (status, _, stderr) = harness.run(python).await;
+        assert!(status.is_some_and(|s| s.success()), "{status:?}:\n{stderr}");
+        let reason = tokio::time::timeout(Duration::from_secs(10), async {
+            let mut session = None;
+            loop {
+                match events.recv().await.expect("the server's events") {
+                    ServerEvent::Connected {
+                        session: s, user, ..
+                    } if user == "cy" => {
+                        session = Some(s);
+                    }
+                    ServerEvent::Closed {
+                        session: Some(s),
+                        reason,
+                        ..
+                    } if Some(s) == session => return reason,
+                    _ => {}
+                }
+            }
+        })
+        .await
+        .expect("the server never heard cy's connection end");
+        // Without it the connection times out, or, if the process lives
+        // long enough after the client is freed, ends with the drop's close.
+        assert_eq!(
+            reason.contains("closed by the application"),
+            registered,
+            "shutdown registered: {registered}; the connection ended with {reason:?}"
+        );
     }
 }

@@ -9,15 +9,18 @@
 //! through uniffi's continuation, which releases the GIL and takes it back
 //! while it schedules the coroutine). [`shutdown`], run before the
 //! interpreter finalizes (Python's `atexit`), cancels every listener and
-//! waits for every wake in progress; after it none starts.
+//! waits for every wake in progress; after it none starts. It also closes
+//! the clients the app left open, while the runtime can still send the
+//! close.
 
-use crate::{lock, GreendotError, ListenerHandle};
+use crate::{lock, runtime, GreendotClient, GreendotError, ListenerHandle};
 use std::cell::Cell;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::task::{Context, Poll, Wake, Waker};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 struct Calls {
     /// `shutdown` has not been called.
@@ -26,13 +29,18 @@ struct Calls {
     running: usize,
     /// Every listener started (dead ones pruned as new ones come).
     listeners: Vec<Weak<ListenerHandle>>,
+    /// Every client connected (the same).
+    clients: Vec<Weak<GreendotClient>>,
 }
 
 static CALLS: Mutex<Calls> = Mutex::new(Calls {
     open: true,
     running: 0,
     listeners: Vec::new(),
+    clients: Vec::new(),
 });
+/// How long `shutdown` waits for the clients' closes to go out.
+const CLOSE_WAIT: Duration = Duration::from_secs(1);
 /// Signalled when `running` drops to zero.
 static ENDED: Condvar = Condvar::new();
 
@@ -125,25 +133,59 @@ pub(crate) fn start_listener(
     true
 }
 
+/// Keeps `client` for `shutdown`; false after it.
+pub(crate) fn keep_client(client: &Arc<GreendotClient>) -> bool {
+    let mut calls = lock(&CALLS);
+    if !calls.open {
+        return false;
+    }
+    calls.clients.retain(|c| c.strong_count() > 0);
+    calls.clients.push(Arc::downgrade(client));
+    true
+}
+
 /// Ends every call of this library into the app, for a process about to
 /// exit: cancels every listener (waiting for an `on_event` in progress to
-/// return) and waits for the async calls' completions in progress. After
-/// it no listener is called, a new listener is never called, a new async
-/// call fails with `Closed`, and an async call still waiting never
-/// returns. Connections are left to the process's exit (the server keeps
-/// the devices for their grace, as after `close`).
+/// return), closes every client as `close` does (the server keeps the
+/// devices for their grace, instead of noticing a silent connection only
+/// at its idle timeout; it waits up to 1 s for the closes to go out), and
+/// waits for the async calls' completions in progress. After it no
+/// listener is called, a new listener is never called, a new async call
+/// fails with `Closed`, and an async call still waiting never returns.
 ///
 /// Python must call it before the interpreter finalizes:
 /// `atexit.register(greendot_ffi.shutdown)`. Safe to call twice.
 #[uniffi::export]
 pub fn shutdown() {
-    let listeners = {
+    let (listeners, clients) = {
         let mut calls = lock(&CALLS);
         calls.open = false;
-        std::mem::take(&mut calls.listeners)
+        (
+            std::mem::take(&mut calls.listeners),
+            std::mem::take(&mut calls.clients),
+        )
     };
     for listener in listeners.iter().filter_map(Weak::upgrade) {
         listener.cancel();
+    }
+    let clients: Vec<_> = clients
+        .iter()
+        .filter_map(Weak::upgrade)
+        .map(|c| c.client.clone())
+        .collect();
+    if !clients.is_empty() {
+        // Waited for from here, not with `block_on`: this may be a thread
+        // of the runtime's (a listener's).
+        let (closed, wait) = std::sync::mpsc::channel();
+        runtime().spawn(async move {
+            let mut closing = tokio::task::JoinSet::new();
+            for client in clients {
+                closing.spawn(async move { client.close().await });
+            }
+            while closing.join_next().await.is_some() {}
+            let _ = closed.send(());
+        });
+        let _ = wait.recv_timeout(CLOSE_WAIT);
     }
     let own = usize::from(IN_WAKE.with(|w| w.get()));
     let mut calls = lock(&CALLS);

@@ -217,14 +217,20 @@ pub async fn connect(config: ConnectConfig) -> Result<Arc<GreendotClient>, Green
     on_runtime(async move {
         let config = client_config(config)?;
         let (client, updates) = Client::connect(config).await?;
-        Ok(Arc::new(GreendotClient {
+        let client = Arc::new(GreendotClient {
             client,
             queue: Arc::new(tokio::sync::Mutex::new(Queue {
                 updates,
                 held: None,
             })),
             listener: Mutex::new(None),
-        }))
+        });
+        if !exit::keep_client(&client) {
+            // `shutdown` came while it connected.
+            client.client.close().await;
+            return Err(GreendotError::Closed);
+        }
+        Ok(client)
     })
     .await
 }

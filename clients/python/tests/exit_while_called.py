@@ -117,6 +117,9 @@ class SlowListener(gd.PresenceListener):
             stay_in_python()
 
 
+LEFT_OPEN = []
+
+
 class ExitTest(unittest.IsolatedAsyncioTestCase):
     async def test_a_call_completes_as_the_interpreter_exits(self):
         client = await connect("svc")
@@ -124,6 +127,10 @@ class ExitTest(unittest.IsolatedAsyncioTestCase):
         await client.ping()
         # The runtime's thread woke this coroutine and is still in Python.
         self.assertTrue(in_app.wait(4.0), "the ping completed on this thread")
+
+    async def test_a_client_left_open_at_the_exit(self):
+        # Kept and never closed, as by an app that exits with it connected.
+        LEFT_OPEN.append(await connect("cy"))
 
     async def test_a_listener_runs_as_the_interpreter_exits(self):
         client = await connect("walt")

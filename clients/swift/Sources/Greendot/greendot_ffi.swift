@@ -4100,11 +4100,12 @@ public func connect(config: ConnectConfig)async throws  -> GreendotClient  {
 /**
  * Ends every call of this library into the app, for a process about to
  * exit: cancels every listener (waiting for an `on_event` in progress to
- * return) and waits for the async calls' completions in progress. After
- * it no listener is called, a new listener is never called, a new async
- * call fails with `Closed`, and an async call still waiting never
- * returns. Connections are left to the process's exit (the server keeps
- * the devices for their grace, as after `close`).
+ * return), closes every client as `close` does (the server keeps the
+ * devices for their grace, instead of noticing a silent connection only
+ * at its idle timeout; it waits up to 1 s for the closes to go out), and
+ * waits for the async calls' completions in progress. After it no
+ * listener is called, a new listener is never called, a new async call
+ * fails with `Closed`, and an async call still waiting never returns.
  *
  * Python must call it before the interpreter finalizes:
  * `atexit.register(greendot_ffi.shutdown)`. Safe to call twice.
@@ -4134,7 +4135,7 @@ private let initializationResult: InitializationResult = {
     if (uniffi_greendot_ffi_checksum_func_connect() != 52268) {
         return InitializationResult.apiChecksumMismatch
     }
-    if (uniffi_greendot_ffi_checksum_func_shutdown() != 55314) {
+    if (uniffi_greendot_ffi_checksum_func_shutdown() != 47828) {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_greendot_ffi_checksum_method_greendotclient_app_backgrounded() != 18574) {
