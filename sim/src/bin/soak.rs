@@ -9,7 +9,30 @@
 //! so each run explores new seeds; every failure prints its replay line.
 
 use greendot_sim::{run, Faults, Options, ServerMutant};
+use std::str::FromStr;
 use std::time::{Duration, Instant};
+
+const USAGE: &str = "usage: soak [--seeds N] [--from SEED] [--steps N]
+            [--large-clock-jumps] [--mutant PushAfterLogout|LeaseNotRenewedOnTraffic|MigrationAsDisconnect]
+       soak --nodes N (1 to 5) [--seeds N] [--from SEED] [--steps N]
+            [--protocol V] [--groups] [--buffered]
+Without --from the first seed comes from the time of day. Every failure
+prints its replay line.";
+
+/// Says what is wrong, with the usage, and exits with 2.
+fn refuse(problem: &str) -> ! {
+    eprintln!("soak: {problem}\n{USAGE}");
+    std::process::exit(2);
+}
+
+/// The value after `flag`, parsed.
+fn value<T: FromStr>(args: &mut impl Iterator<Item = String>, flag: &str) -> T {
+    let Some(text) = args.next() else {
+        refuse(&format!("{flag} needs a value"))
+    };
+    text.parse()
+        .unwrap_or_else(|_| refuse(&format!("{flag} {text}: not a valid value")))
+}
 
 fn main() {
     let mut seeds = 64u64;
@@ -23,32 +46,47 @@ fn main() {
     let mut buffered = false;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
-        let mut value = || args.next().unwrap_or_default();
         match arg.as_str() {
-            "--seeds" => seeds = value().parse().expect("--seeds N"),
-            "--steps" => steps = value().parse().expect("--steps N"),
-            "--from" => from = Some(value().parse().expect("--from SEED")),
+            "--seeds" => seeds = value(&mut args, "--seeds"),
+            "--steps" => steps = value(&mut args, "--steps"),
+            "--from" => from = Some(value(&mut args, "--from")),
             "--large-clock-jumps" => large = true,
-            "--nodes" => nodes = Some(value().parse().expect("--nodes N (1 to 5)")),
-            "--protocol" => protocol = Some(value().parse().expect("--protocol V")),
+            "--nodes" => {
+                let n: usize = value(&mut args, "--nodes");
+                if !(1..=5).contains(&n) {
+                    refuse(&format!("--nodes {n}: from 1 to 5"));
+                }
+                nodes = Some(n);
+            }
+            "--protocol" => protocol = Some(value(&mut args, "--protocol")),
             "--groups" => groups = true,
             "--buffered" => buffered = true,
             "--mutant" => {
-                let name = value();
+                let name: String = value(&mut args, "--mutant");
                 mutant = Some(
                     ServerMutant::ALL
                         .into_iter()
                         .find(|m| format!("{m:?}") == name)
-                        .expect("--mutant PushAfterLogout|LeaseNotRenewedOnTraffic|MigrationAsDisconnect"),
+                        .unwrap_or_else(|| refuse(&format!("--mutant {name}: no such mutant"))),
                 );
             }
-            other => panic!("unknown argument {other}"),
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                return;
+            }
+            other => refuse(&format!("unknown argument {other}")),
         }
     }
-    assert!(
-        (protocol.is_none() && !groups && !buffered) || nodes.is_some(),
-        "--protocol, --groups and --buffered are the multi-node simulation's (with --nodes)"
-    );
+    if nodes.is_none() && (protocol.is_some() || groups || buffered) {
+        refuse(
+            "--protocol, --groups and --buffered are the multi-node simulation's (with --nodes)",
+        );
+    }
+    if nodes.is_some() && (mutant.is_some() || large) {
+        refuse(
+            "--nodes runs the multi-node simulation alone (no --mutant, no --large-clock-jumps)",
+        );
+    }
     let from = from.unwrap_or_else(|| {
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -56,10 +94,6 @@ fn main() {
             .unwrap_or(1)
     });
     if let Some(nodes) = nodes {
-        assert!(
-            mutant.is_none() && !large,
-            "--nodes runs the multi-node simulation alone"
-        );
         let protocol = protocol.unwrap_or(greendot_cluster::PROTOCOL_VERSION);
         std::process::exit(soak_cluster(
             from,
