@@ -267,7 +267,7 @@ fn group_mutants_are_caught() {
 
 /// Bugs of the cluster code the simulator found, each with the seed that
 /// failed before its fix (beyond the fixed seeds, which found the others;
-/// see docs/cluster.md, "The multi-node simulator").
+/// see docs/cluster-simulator.md).
 #[test]
 fn regression_seeds() {
     let mut failures = Vec::new();
