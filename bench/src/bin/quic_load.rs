@@ -40,7 +40,8 @@
 //! by default: they answer the server's, as the client library does when
 //! its own is off). quinn restarts a side's keep-alive timer at every
 //! packet it receives, so the shorter of the two sets the pace: what a calm
-//! session costs against the keep-alive (docs/benchmarks.md).
+//! session costs against the keep-alive (docs/benchmarks-overload.md,
+//! "what keep-alive costs").
 //!
 //! `-- --server-nice -10` runs the server process at that nice value (a
 //! negative one needs root): the scheduler then gives the server the CPU

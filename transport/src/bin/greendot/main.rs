@@ -26,7 +26,7 @@ use std::time::Duration;
 
 // The server's packets allocate and free small buffers all the time:
 // mimalloc takes about 13% less CPU and handshakes 17% faster than glibc's
-// malloc (docs/benchmarks.md, section 5), for about 8% more memory.
+// malloc (docs/benchmarks-overload.md), for about 8% more memory.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
