@@ -33,10 +33,8 @@ const COUNTS_BYTES: usize = MAX_MESSAGE / 2;
 #[derive(Default)]
 pub(super) struct Sums {
     by_group: BTreeMap<u64, GroupSum<u32>>,
-    /// Groups whose sum holds its outputs (a new owner's wait), and the
-    /// earliest end of their waits.
+    /// Groups whose sum holds its outputs (a new owner's wait).
     waiting: BTreeSet<u64>,
-    wait_ends: Option<Millis>,
     next_refresh: Option<Instant>,
     /// The highest version a removed group's sum reached in this epoch: a
     /// group written again under its id goes on above it (edges drop
@@ -50,14 +48,12 @@ impl Sums {
         self.by_group.get(&group)
     }
 
-    /// The earliest end of a wait still held.
-    fn wait_again(&mut self) {
-        let by_group = &self.by_group;
-        self.wait_ends = self
-            .waiting
+    /// Whether a wait still held has ended by `at`.
+    fn wait_ended(&self, at: Millis) -> bool {
+        self.waiting
             .iter()
-            .filter_map(|g| by_group.get(g)?.poll_timeout())
-            .min();
+            .filter_map(|g| self.by_group.get(g)?.poll_timeout())
+            .any(|end| end <= at)
     }
 }
 
@@ -189,9 +185,6 @@ impl ClusterLink {
                 true => o.sums.waiting.insert(*group),
                 false => o.sums.waiting.remove(group),
             };
-            if let Some(end) = sum.poll_timeout() {
-                o.sums.wait_ends = Some(o.sums.wait_ends.map_or(end, |e| e.min(end)));
-            }
             let def = self.groups.get(*group).1;
             while let Some(out) = sum.poll_output() {
                 counts.push(match out {
@@ -216,9 +209,6 @@ impl ClusterLink {
                     },
                 });
             }
-        }
-        if o.sums.waiting.is_empty() {
-            o.sums.wait_ends = None;
         }
         let epoch = o.epoch;
         if acting == Some(epoch) {
@@ -251,16 +241,18 @@ impl ClusterLink {
             return;
         }
         let every = Duration::from_millis(self.owner_config.group_interval.0);
-        // Only the owners with a wait ended or a refresh due: one handed out
-        // mutably is indexed again (its core's timers), every tick.
+        // Only the owners with a wait ended, or a refresh due while acting
+        // (one that is not publishes nothing): one handed out mutably is
+        // indexed again (its core's timers), every tick.
         let shards: Vec<u32> = self
             .owners
             .iter()
-            .filter(|(_, o)| {
+            .filter(|(shard, o)| {
                 let s = &o.sums;
                 !s.by_group.is_empty()
-                    && (s.wait_ends.is_some_and(|end| end <= at)
-                        || s.next_refresh.is_none_or(|t| now >= t))
+                    && (s.wait_ended(at)
+                        || (s.next_refresh.is_none_or(|t| now >= t)
+                            && self.acting_epoch(**shard, now) == Some(o.epoch)))
             })
             .map(|(s, _)| *s)
             .collect();
@@ -268,7 +260,7 @@ impl ClusterLink {
             let Some(o) = self.owners.get_mut(&shard) else {
                 continue;
             };
-            if o.sums.wait_ends.is_some_and(|end| end <= at) {
+            if o.sums.wait_ended(at) {
                 let waiting: Vec<u64> = o.sums.waiting.iter().copied().collect();
                 for group in &waiting {
                     if let Some(sum) = o.sums.by_group.get_mut(group) {
@@ -276,9 +268,6 @@ impl ClusterLink {
                     }
                 }
                 self.drain_sums(shard, &waiting, now);
-                if let Some(o) = self.owners.get_mut(&shard) {
-                    o.sums.wait_again();
-                }
             }
             let acting = self.acting_epoch(shard, now);
             let Some(o) = self.owners.get_mut(&shard) else {
