@@ -68,6 +68,7 @@ mod timer_heap;
 mod tokens;
 
 use crate::cluster::{ClusterInput, ClusterLink, ClusterOutput};
+use crate::config::validate;
 use crate::hub::Hub;
 use crate::session::Session;
 use crate::store::{Batch, Loaded, StoreError};
@@ -75,8 +76,8 @@ use crate::tls::{self, Identity};
 use crate::token::TokenKeys;
 use crate::ws::{WsId, WsMessage};
 use crate::{
-    transport_config, validate, PassBudget, ServerConfig, ServerError, ServerEvent, SettingError,
-    Stats, StatsInner, KEEP_ALIVE_STEPS,
+    transport_config, PassBudget, ServerConfig, ServerError, ServerEvent, SettingError, Stats,
+    StatsInner, KEEP_ALIVE_STEPS,
 };
 pub(crate) use admission::Pacer;
 use admission::{Accept, Admission, HOLD_TICK};
