@@ -154,7 +154,9 @@ pub(crate) fn keep_client(client: &Arc<GreendotClient>) -> bool {
 /// fails with `Closed`, and an async call still waiting never returns.
 ///
 /// Python must call it before the interpreter finalizes:
-/// `atexit.register(greendot_ffi.shutdown)`. Safe to call twice.
+/// `atexit.register(greendot_ffi.shutdown)`. Safe to call twice. Called
+/// from inside an `on_event` it cannot wait for the listeners' threads
+/// (one of them is the caller): call it from the app's own thread.
 #[uniffi::export]
 pub fn shutdown() {
     let (listeners, clients) = {

@@ -4108,7 +4108,9 @@ public func connect(config: ConnectConfig)async throws  -> GreendotClient  {
  * fails with `Closed`, and an async call still waiting never returns.
  *
  * Python must call it before the interpreter finalizes:
- * `atexit.register(greendot_ffi.shutdown)`. Safe to call twice.
+ * `atexit.register(greendot_ffi.shutdown)`. Safe to call twice. Called
+ * from inside an `on_event` it cannot wait for the listeners' threads
+ * (one of them is the caller): call it from the app's own thread.
  */
 public func shutdown()  {try! rustCall() {
         uniffiCallStatus in
@@ -4135,7 +4137,7 @@ private let initializationResult: InitializationResult = {
     if (uniffi_greendot_ffi_checksum_func_connect() != 52268) {
         return InitializationResult.apiChecksumMismatch
     }
-    if (uniffi_greendot_ffi_checksum_func_shutdown() != 47828) {
+    if (uniffi_greendot_ffi_checksum_func_shutdown() != 11226) {
         return InitializationResult.apiChecksumMismatch
     }
     if (uniffi_greendot_ffi_checksum_method_greendotclient_app_backgrounded() != 18574) {
