@@ -353,7 +353,8 @@ impl Binding for QuicLink {
     fn close(&mut self, now: Instant, code: CloseCode, text: &[u8]) {
         if let Some(wt) = self.wt.as_mut() {
             // A session's close is a capsule (its code the greendot code);
-            // the QUIC connection closes once the client has it.
+            // the QUIC connection closes once the client has ended its side
+            // of the session stream, or at the linger.
             if wt.close(&mut self.quic, now, code.code(), text) {
                 return;
             }
