@@ -125,8 +125,7 @@ pub(crate) fn start_listener(
     if !calls.open {
         return false;
     }
-    calls.listeners.retain(|l| l.strong_count() > 0);
-    calls.listeners.push(Arc::downgrade(handle));
+    remember(&mut calls.listeners, handle);
     // Under the lock: a `shutdown` that comes next finds the thread to
     // wait for.
     *lock(&handle.thread) = start();
@@ -139,9 +138,14 @@ pub(crate) fn keep_client(client: &Arc<GreendotClient>) -> bool {
     if !calls.open {
         return false;
     }
-    calls.clients.retain(|c| c.strong_count() > 0);
-    calls.clients.push(Arc::downgrade(client));
+    remember(&mut calls.clients, client);
     true
+}
+
+/// Adds `item` to `list`, dropping the entries no longer alive.
+fn remember<T>(list: &mut Vec<Weak<T>>, item: &Arc<T>) {
+    list.retain(|l| l.strong_count() > 0);
+    list.push(Arc::downgrade(item));
 }
 
 /// Ends every call of this library into the app, for a process about to

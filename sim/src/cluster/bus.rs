@@ -33,6 +33,15 @@ pub struct Reach {
     pub linked: bool,
 }
 
+/// What the bus knows of the nodes when one of them sends: where each
+/// stands, the shards each serves (its last status) and their names.
+#[derive(Clone, Copy)]
+pub struct Nodes<'a> {
+    pub reach: &'a [Reach],
+    pub serving: &'a [BTreeSet<u32>],
+    pub names: &'a [String],
+}
+
 /// Something the bus does at an instant.
 #[derive(Debug)]
 enum Event {
@@ -175,23 +184,21 @@ impl Bus {
     /// Sends what node `from`'s client held while it was cut off, now that
     /// it is linked again (the same run of it: a killed process's queue
     /// died with it).
-    #[allow(clippy::too_many_arguments)]
     pub fn send_held(
         &mut self,
         rng: &mut Rng,
         now: Duration,
-        reach: &[Reach],
-        serving: &[BTreeSet<u32>],
-        names: &[String],
+        nodes: Nodes,
         from: usize,
     ) -> Result<(), String> {
-        if !reach[from].linked || self.held[from].is_empty() {
+        let reach = nodes.reach[from];
+        if !reach.linked || self.held[from].is_empty() {
             return Ok(());
         }
         for (incarnation, out) in std::mem::take(&mut self.held[from]) {
-            if reach[from].incarnation == Some(incarnation) {
+            if reach.incarnation == Some(incarnation) {
                 self.counters.sent_late += 1;
-                self.output(rng, now, reach, serving, names, from, out)?;
+                self.output(rng, now, nodes, from, out)?;
             }
         }
         Ok(())
@@ -236,19 +243,21 @@ impl Bus {
         Ok(true)
     }
 
-    /// Takes an output of node `from`. `serving`: per node, the shards its
-    /// last status names (who answers a shard's requests).
-    #[allow(clippy::too_many_arguments)]
+    /// Takes an output of node `from` (a shard's requests go to a node
+    /// serving it).
     pub fn output(
         &mut self,
         rng: &mut Rng,
         now: Duration,
-        reach: &[Reach],
-        serving: &[BTreeSet<u32>],
-        names: &[String],
+        nodes: Nodes,
         from: usize,
         out: ClusterOutput,
     ) -> Result<(), String> {
+        let Nodes {
+            reach,
+            serving,
+            names,
+        } = nodes;
         let Some(incarnation) = reach[from].incarnation else {
             return Ok(());
         };
@@ -646,16 +655,13 @@ mod tests {
             kind: RequestKind::Snapshot,
             payload: Bytes::from_static(b"views"),
         };
-        bus.output(
-            &mut rng,
-            Duration::ZERO,
-            &reach,
-            &serving,
-            &names,
-            0,
-            request,
-        )
-        .unwrap();
+        let nodes = Nodes {
+            reach: &reach,
+            serving: &serving,
+            names: &names,
+        };
+        bus.output(&mut rng, Duration::ZERO, nodes, 0, request)
+            .unwrap();
         let asked = bus
             .pop_due(&mut rng, Duration::from_secs(1), &reach)
             .unwrap();
@@ -667,16 +673,8 @@ mod tests {
             reply,
             payload: Bytes::from_static(b"answer"),
         };
-        bus.output(
-            &mut rng,
-            Duration::from_secs(1),
-            &reach,
-            &serving,
-            &names,
-            1,
-            answer,
-        )
-        .unwrap();
+        bus.output(&mut rng, Duration::from_secs(1), nodes, 1, answer)
+            .unwrap();
         let before = bus.pop_due(&mut rng, OP_TIMEOUT - Duration::from_millis(1), &reach);
         assert!(matches!(before, Ok(None)), "{before:?}");
         match bus.pop_due(&mut rng, OP_TIMEOUT, &reach) {

@@ -1,7 +1,7 @@
 //! The multi-node world: nodes, the bus, the duty, the devices and the
 //! WebSocket links between them, stepped on virtual time.
 
-use super::bus::{Bus, Reach};
+use super::bus::{Bus, Nodes, Reach};
 use super::device::{user_name, Asked, Device, Heard};
 use super::duty::{Duty, Membership, DUTY_EVERY, TTL};
 use super::groups::{group_def, GroupTruth, GROUP};
@@ -511,9 +511,13 @@ impl World {
         }
         if self.opts.buffered {
             let serving = self.serving();
+            let nodes = Nodes {
+                reach: &reach,
+                serving: &serving,
+                names: &self.names,
+            };
             for node in 0..reach.len() {
-                self.bus
-                    .send_held(&mut self.rng, now, &reach, &serving, &self.names, node)?;
+                self.bus.send_held(&mut self.rng, now, nodes, node)?;
             }
         }
         let lost = self.duty.expire(now);
@@ -684,8 +688,12 @@ impl World {
                 self.note_published(&out);
                 let reach = self.reach();
                 let serving = self.serving();
-                self.bus
-                    .output(&mut self.rng, now, &reach, &serving, &self.names, node, out)?;
+                let nodes = Nodes {
+                    reach: &reach,
+                    serving: &serving,
+                    names: &self.names,
+                };
+                self.bus.output(&mut self.rng, now, nodes, node, out)?;
             }
             ServerOutput::WsSend { id, bytes } => {
                 let len = bytes.len();

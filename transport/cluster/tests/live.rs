@@ -780,7 +780,8 @@ async fn until_connected(a: &Cluster, up: bool, within: Duration) {
 }
 
 /// A write handed to a client whose NATS connection is down is refused
-/// at once: async-nats would queue it and send it after the reconnect,
+/// (once half its timeout passed with the connection still down):
+/// async-nats would queue it and send it after the reconnect,
 /// when the link has long taken it as failed (a view written late over a
 /// newer one, a device's connect taking the device from a newer session).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
