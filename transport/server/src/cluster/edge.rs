@@ -2,18 +2,111 @@
 //! forwarded to the owner of their user's shard one at a time (retried until
 //! taken), the answers to the requests out, resyncs, and routes.
 
-use super::edge_records::SessionSync;
+use super::edge_records::{PendingResume, SessionSync};
+use super::edge_subscribe::PendingSubscribe;
+use super::edge_views::ShardTrack;
+use super::group_pages::PendingPage;
 use super::owner::{route_of, ReplyTo};
 use super::wire::{
     decode, encode, FromOwner, ResyncRequest, ToOwner, WireOp, CONNECT_WELCOMED_SINCE,
     RECORD_FOREGROUND_SINCE,
 };
-use super::{ClusterLink, Finished, RequestKind, MAX_LOCAL_HOPS, MAX_QUEUED_OPS, RETRY_AFTER};
+use super::{
+    ClusterLink, DetMap, DetSet, Finished, RequestKind, MAX_LOCAL_HOPS, MAX_QUEUED_OPS, RETRY_AFTER,
+};
+use crate::hub::{GroupFeed, Interner};
 use bytes::Bytes;
-use greendot_core::{EndReason, Millis, SessionId, UserId};
+use greendot_core::{Config, EndReason, Fanout, Millis, SessionId, UserId};
 use greendot_proto::{self as proto, ErrorCode, WireError};
 use std::collections::VecDeque;
 use std::time::Instant;
+
+/// What serves this node's sessions: their devices and the fanout of views
+/// to them, the shards they watch, their records for resume, and the
+/// requests they wait on.
+pub(super) struct Edge {
+    pub(super) fanout: Fanout,
+    pub(super) names: Interner,
+    /// The edge's devices by session, while their inputs are forwarded.
+    pub(super) devices: DetMap<SessionId, EdgeDevice>,
+    /// Sessions open in the fanout, with their user (whose name they hold a
+    /// reference on).
+    pub(super) open: DetMap<SessionId, String>,
+    /// Shards some local subscription watches, with how many.
+    pub(super) shard_watchers: DetMap<u32, u32>,
+    /// The view numbers seen of each watched shard (the same keys).
+    pub(super) tracks: DetMap<u32, ShardTrack>,
+    /// The numbers of the truths this edge was sent, per shard (at most
+    /// one entry per shard).
+    pub(super) truth_tracks: DetMap<u32, ShardTrack>,
+    /// Per shard, the newest epoch whose resync request this edge answered
+    /// (a new owner sends it again while its window is open).
+    pub(super) resynced: DetMap<u32, u64>,
+    /// Some track has a gap to repair (what the tick looks at).
+    pub(super) gaps: bool,
+    pub(super) subscribes: DetMap<u64, PendingSubscribe>,
+    pub(super) routes: DetMap<u64, PendingRoute>,
+    /// Member pages whose keys are asked of their group's aggregator.
+    pub(super) pages: DetMap<u64, PendingPage>,
+    /// Members followed for watched pages read but not yet handed to the
+    /// hub's core, with how many such reads hold each.
+    pub(super) page_reads: DetMap<String, u32>,
+    /// Local sessions' KV records, and the puts in flight by id.
+    pub(super) records: DetMap<SessionId, SessionSync>,
+    pub(super) record_puts: DetMap<u64, SessionId>,
+    /// Sessions whose put failed: tried again at the tick.
+    pub(super) record_retries: DetSet<SessionId>,
+    /// Record reads for resumes, by id.
+    pub(super) resumes: DetMap<u64, PendingResume>,
+    /// Devices with inputs queued or a retry pending: what the tick looks at.
+    pub(super) busy: DetSet<SessionId>,
+    pub(super) next_conn: u64,
+    /// A pump runs: pumps it causes (an op handled by this node's own
+    /// owner, answered at once) wait here and run after it, in a loop,
+    /// not nested: nested, a device whose ops keep being answered in
+    /// process would grow the stack without a bound.
+    pub(super) pumping: bool,
+    pub(super) pump_later: VecDeque<SessionId>,
+    /// Publish-to-fanout delays of remote views taken, in milliseconds.
+    pub(super) latencies: VecDeque<u64>,
+    pub(super) max_subscriptions: usize,
+    /// What the hub's core learns of groups (`group_edge`).
+    pub(super) group_feed: VecDeque<GroupFeed>,
+    /// The newest count of each group: version and count.
+    pub(super) fed_counts: DetMap<u64, (u64, u32)>,
+}
+
+impl Edge {
+    pub(super) fn new(config: &Config) -> Edge {
+        Edge {
+            fanout: Fanout::new(config.batch_interval),
+            names: Interner::new(config.max_users.saturating_mul(2)),
+            devices: DetMap::default(),
+            open: DetMap::default(),
+            shard_watchers: DetMap::default(),
+            tracks: DetMap::default(),
+            truth_tracks: DetMap::default(),
+            resynced: DetMap::default(),
+            gaps: false,
+            subscribes: DetMap::default(),
+            routes: DetMap::default(),
+            pages: DetMap::default(),
+            page_reads: DetMap::default(),
+            records: DetMap::default(),
+            record_puts: DetMap::default(),
+            record_retries: DetSet::default(),
+            resumes: DetMap::default(),
+            busy: DetSet::default(),
+            next_conn: 0,
+            pumping: false,
+            pump_later: VecDeque::new(),
+            latencies: VecDeque::new(),
+            max_subscriptions: config.max_subscriptions_per_session,
+            group_feed: VecDeque::new(),
+            fed_counts: DetMap::default(),
+        }
+    }
+}
 
 #[derive(Debug)]
 pub(super) struct QueuedOp {
@@ -224,52 +317,55 @@ impl ClusterLink {
         kind: proto::Kind,
         carried_from: Option<SessionId>,
     ) {
-        if !self.open.contains_key(&session) {
-            let Some(uid) = self.names.intern(user) else {
+        if !self.edge.open.contains_key(&session) {
+            let Some(uid) = self.edge.names.intern(user) else {
                 return; // at the cap: this session gets no cluster pushes
             };
-            self.names.acquire(uid);
-            self.fanout.open(session, UserId(uid));
-            self.open.insert(session, user.to_owned());
+            self.edge.names.acquire(uid);
+            self.edge.fanout.open(session, UserId(uid));
+            self.edge.open.insert(session, user.to_owned());
         }
         // A resume here: the subscriptions (in the fanout, not the hub's
         // core) and the record carry over to the new session, whose wire
         // id the record now names.
         let old = carried_from.filter(|&old| old != session);
         if let Some(old) = old {
-            self.fanout.carry(old, session);
+            self.edge.fanout.carry(old, session);
         }
-        match old.and_then(|old| self.records.remove(&old).map(|r| (old, r))) {
+        match old.and_then(|old| self.edge.records.remove(&old).map(|r| (old, r))) {
             Some((old, mut r)) => {
-                for id in self.record_puts.values_mut() {
+                for id in self.edge.record_puts.values_mut() {
                     if *id == old {
                         *id = session;
                     }
                 }
-                if self.record_retries.remove(&old) {
-                    self.record_retries.insert(session);
+                if self.edge.record_retries.remove(&old) {
+                    self.edge.record_retries.insert(session);
                 }
                 r.wire = wire;
-                self.records.insert(session, r);
+                self.edge.records.insert(session, r);
                 self.record_changed(session);
             }
             None => {
-                self.records.entry(session).or_insert_with(|| SessionSync {
-                    user: user.to_owned(),
-                    device: device.to_owned(),
-                    wire,
-                    changed: 0,
-                    stored: 0,
-                    putting: None,
-                    retry: false,
-                    waiting: Vec::new(),
-                    groups: Default::default(),
-                });
+                self.edge
+                    .records
+                    .entry(session)
+                    .or_insert_with(|| SessionSync {
+                        user: user.to_owned(),
+                        device: device.to_owned(),
+                        wire,
+                        changed: 0,
+                        stored: 0,
+                        putting: None,
+                        retry: false,
+                        waiting: Vec::new(),
+                        groups: Default::default(),
+                    });
             }
         }
-        let conn = self.next_conn();
+        let conn = self.edge.next_conn();
         let (welcomed, protocol) = (self.to_unix(at), self.settings.protocol);
-        if let Some(d) = self.devices.get_mut(&session) {
+        if let Some(d) = self.edge.devices.get_mut(&session) {
             // Resumed here after a disconnect: connected again at the owner.
             if d.closed {
                 d.closed = false;
@@ -297,7 +393,7 @@ impl ClusterLink {
             superseded: false,
         };
         d.queue.push_back(d.connect(now, protocol));
-        self.devices.insert(session, d);
+        self.edge.devices.insert(session, d);
         self.pump(session, now, at);
     }
 
@@ -314,7 +410,7 @@ impl ClusterLink {
         wait: Option<u64>,
     ) -> bool {
         let deadline = now + self.settings.request_timeout;
-        let Some(d) = self.devices.get_mut(&session).filter(|d| !d.closed) else {
+        let Some(d) = self.edge.devices.get_mut(&session).filter(|d| !d.closed) else {
             return false;
         };
         let ends = matches!(op, WireOp::Logout | WireOp::Disconnect { .. });
@@ -375,56 +471,48 @@ impl ClusterLink {
     /// (the hub's `Superseded`): as [`ClusterLink::session_ended`], and a
     /// connect of it still to send is moot.
     pub fn session_superseded(&mut self, session: SessionId) {
-        if let Some(d) = self.devices.get_mut(&session) {
+        if let Some(d) = self.edge.devices.get_mut(&session) {
             d.superseded = true;
         }
         self.session_ended(session);
     }
 
     pub fn session_ended(&mut self, session: SessionId) {
-        let subs = self.fanout.subscriptions(session);
+        let subs = self.edge.fanout.subscriptions(session);
         // The fanout's own `SessionEnded` is skipped by the driver.
-        self.fanout.close(session, EndReason::LoggedOut);
+        self.edge.fanout.close(session, EndReason::LoggedOut);
         for (target, _) in subs {
             self.forget_target(target);
         }
-        if let Some(user) = self.open.remove(&session) {
-            self.drop_name(&user);
+        if let Some(user) = self.edge.open.remove(&session) {
+            self.edge.drop_name(&user);
         }
         // Its record stays for a resume elsewhere until the owner sees the
         // device end (and deletes it).
-        self.record_retries.remove(&session);
-        if let Some(r) = self.records.remove(&session) {
+        self.edge.record_retries.remove(&session);
+        if let Some(r) = self.edge.records.remove(&session) {
             for (_, wait, answer, _) in r.waiting {
                 self.finished.push_back((wait, Finished::Answer(answer)));
             }
         }
-        if let Some(d) = self.devices.get_mut(&session) {
+        if let Some(d) = self.edge.devices.get_mut(&session) {
             d.closed = true;
             if d.queue.is_empty() && d.sent.is_none() {
-                self.devices.remove(&session);
-                self.busy.remove(&session);
-            }
-        }
-    }
-
-    fn drop_name(&mut self, user: &str) {
-        if let Some(id) = self.names.get(user) {
-            if self.names.drop_ref(id) == 0 {
-                self.names.remove(id);
+                self.edge.devices.remove(&session);
+                self.edge.busy.remove(&session);
             }
         }
     }
 
     /// Fanout user id `target` lost a subscription.
     pub(super) fn forget_target(&mut self, target: UserId) {
-        let Some(name) = self.names.name(target.0).cloned() else {
+        let Some(name) = self.edge.names.name(target.0).cloned() else {
             return;
         };
         let shard = self.shard(&name);
         self.unwatch_shard(shard);
-        if self.names.drop_ref(target.0) == 0 {
-            self.names.remove(target.0);
+        if self.edge.names.drop_ref(target.0) == 0 {
+            self.edge.names.remove(target.0);
         }
     }
 
@@ -433,6 +521,7 @@ impl ClusterLink {
     pub(super) fn rejoined(&mut self, now: Instant, at: Millis) {
         self.missed_all();
         let live: Vec<SessionId> = self
+            .edge
             .devices
             .iter()
             .filter(|(_, d)| !d.closed)
@@ -454,7 +543,7 @@ impl ClusterLink {
     /// taken after the device's logout would be a ghost), and the answer to
     /// the first is ignored here.
     pub(super) fn resend(&mut self, session: SessionId, now: Instant, at: Millis, again: bool) {
-        let connecting = match self.devices.get(&session) {
+        let connecting = match self.edge.devices.get(&session) {
             Some(d) => d.queue.front().is_some_and(|q| connects(&q.op)),
             None => return,
         };
@@ -464,10 +553,10 @@ impl ClusterLink {
         let conn = if connecting {
             None
         } else {
-            Some(self.next_conn())
+            Some(self.edge.next_conn())
         };
         let protocol = self.settings.protocol;
-        let Some(d) = self.devices.get_mut(&session) else {
+        let Some(d) = self.edge.devices.get_mut(&session) else {
             return;
         };
         d.sent = None;
@@ -479,40 +568,40 @@ impl ClusterLink {
         self.pump(session, now, at);
     }
 
-    fn next_conn(&mut self) -> u64 {
-        self.next_conn += 1;
-        self.next_conn
-    }
-
     /// Sends the op at the head of the session's queue, unless one is out.
     fn pump(&mut self, session: SessionId, now: Instant, at: Millis) {
-        if self.pumping {
-            self.pump_later.push_back(session);
+        if self.edge.pumping {
+            self.edge.pump_later.push_back(session);
             return;
         }
-        self.pumping = true;
+        self.edge.pumping = true;
         self.pump_one(session, now, at);
         let mut hops = 0;
-        while let Some(session) = self.pump_later.pop_front() {
+        while let Some(session) = self.edge.pump_later.pop_front() {
             hops += 1;
             if hops > MAX_LOCAL_HOPS {
                 // Left to the tick: each waits as after a failure.
-                if let Some(d) = self.devices.get_mut(&session) {
+                if let Some(d) = self.edge.devices.get_mut(&session) {
                     if d.sent.is_none() {
                         d.not_before = Some(now + RETRY_AFTER);
                     }
                 }
-                self.busy.insert(session);
+                self.edge.busy.insert(session);
                 continue;
             }
             self.pump_one(session, now, at);
         }
-        self.pumping = false;
+        self.edge.pumping = false;
     }
 
     fn pump_one(&mut self, session: SessionId, now: Instant, at: Millis) {
         let rid = self.next_id + 1;
-        if let Some(d) = self.devices.get_mut(&session).filter(|d| d.sent.is_none()) {
+        if let Some(d) = self
+            .edge
+            .devices
+            .get_mut(&session)
+            .filter(|d| d.sent.is_none())
+        {
             if d.closed
                 && (d.superseded
                     || d.queue
@@ -529,22 +618,22 @@ impl ClusterLink {
                 d.queue.retain(|q| !connects(&q.op));
             }
         }
-        let Some(d) = self.devices.get(&session) else {
-            self.busy.remove(&session);
+        let Some(d) = self.edge.devices.get(&session) else {
+            self.edge.busy.remove(&session);
             return;
         };
         if d.sent.is_some() || d.not_before.is_some() {
-            self.busy.insert(session);
+            self.edge.busy.insert(session);
             return;
         }
         let Some(head) = d.queue.front() else {
-            self.busy.remove(&session);
+            self.edge.busy.remove(&session);
             if d.closed {
-                self.devices.remove(&session);
+                self.edge.devices.remove(&session);
             }
             return;
         };
-        self.busy.insert(session);
+        self.edge.busy.insert(session);
         let msg = ToOwner::Device {
             edge: self.settings.node.clone(),
             incarnation: self.settings.incarnation,
@@ -556,10 +645,10 @@ impl ClusterLink {
         };
         let shard = self.shard(&d.user);
         self.next_id = rid;
-        if let Some(d) = self.devices.get_mut(&session) {
+        if let Some(d) = self.edge.devices.get_mut(&session) {
             d.sent = Some(rid);
         }
-        if self.owners.contains_key(&shard) && self.acting_epoch(shard, now).is_some() {
+        if self.shards.owners.contains_key(&shard) && self.acting_epoch(shard, now).is_some() {
             self.counters.forwarded_local += 1;
             self.owner_input(shard, msg, ReplyTo::Local(session, rid), now, at);
         } else {
@@ -584,7 +673,7 @@ impl ClusterLink {
         now: Instant,
         at: Millis,
     ) {
-        let Some(d) = self.devices.get_mut(&session) else {
+        let Some(d) = self.edge.devices.get_mut(&session) else {
             return;
         };
         if d.sent != Some(rid) {
@@ -640,9 +729,9 @@ impl ClusterLink {
                 }
                 self.counters.retries += 1;
                 d.connect_first(now, self.settings.protocol);
-                self.next_conn += 1;
-                if let Some(d) = self.devices.get_mut(&session) {
-                    d.conn = self.next_conn;
+                self.edge.next_conn += 1;
+                if let Some(d) = self.edge.devices.get_mut(&session) {
+                    d.conn = self.edge.next_conn;
                 }
             }
             Some(FromOwner::NotOwner)
@@ -653,7 +742,7 @@ impl ClusterLink {
             | None => {
                 self.counters.retries += 1;
                 d.not_before = Some(now + RETRY_AFTER);
-                self.busy.insert(session);
+                self.edge.busy.insert(session);
                 return;
             }
         }
@@ -662,9 +751,9 @@ impl ClusterLink {
 
     /// Client requests past their deadline, and retries due.
     pub(super) fn tick_devices(&mut self, now: Instant, at: Millis) {
-        let sessions: Vec<SessionId> = self.busy.iter().copied().collect();
+        let sessions: Vec<SessionId> = self.edge.busy.iter().copied().collect();
         for session in sessions {
-            if let Some(d) = self.devices.get_mut(&session) {
+            if let Some(d) = self.edge.devices.get_mut(&session) {
                 for q in &mut d.queue {
                     if q.deadline <= now {
                         if let Some(wait) = q.wait.take() {
@@ -682,11 +771,12 @@ impl ClusterLink {
                 }
             }
             let due = self
+                .edge
                 .devices
                 .get(&session)
                 .is_some_and(|d| d.not_before.is_some_and(|t| t <= now));
             if due {
-                if let Some(d) = self.devices.get_mut(&session) {
+                if let Some(d) = self.edge.devices.get_mut(&session) {
                     d.not_before = None;
                     d.sent = None;
                 }
@@ -728,6 +818,7 @@ impl ClusterLink {
                 }) if self.messages_fit(&presences) => {
                     self.track_answer(shard, epoch, seq, at);
                     let targets: Vec<String> = self
+                        .edge
                         .subscribes
                         .get(&wait)
                         .map(|p| {
@@ -749,14 +840,14 @@ impl ClusterLink {
                         .iter()
                         .all(|e| !e.device.is_empty() && e.device.len() <= self.max_name_len) =>
                 {
-                    if self.routes.remove(&wait).is_some() {
+                    if self.edge.routes.remove(&wait).is_some() {
                         let answer = proto::Answer::Route(entries);
                         self.finished.push_back((wait, Finished::Answer(answer)));
                     }
                 }
                 _ => {
                     self.counters.retries += 1;
-                    if let Some(p) = self.routes.get_mut(&wait) {
+                    if let Some(p) = self.edge.routes.get_mut(&wait) {
                         p.retry_at = Some(now + RETRY_AFTER);
                     }
                 }
@@ -766,7 +857,7 @@ impl ClusterLink {
                 targets,
                 own,
             } => {
-                if let Some(t) = self.shard_tracks(own).get_mut(&shard) {
+                if let Some(t) = self.edge.shard_tracks(own).get_mut(&shard) {
                     t.asking = t.asking.saturating_sub(1);
                 }
                 match answer {
@@ -796,7 +887,7 @@ impl ClusterLink {
                 }
                 // Sent again while the owner's window is open: once is
                 // enough (the resent connects are retried until taken).
-                let answered = self.resynced.entry(r.shard).or_insert(0);
+                let answered = self.edge.resynced.entry(r.shard).or_insert(0);
                 if *answered >= r.epoch {
                     return;
                 }
@@ -804,6 +895,7 @@ impl ClusterLink {
                 // The shard's new owner sums the groups homed there anew.
                 self.home_changed(r.shard, now);
                 let mine: Vec<SessionId> = self
+                    .edge
                     .devices
                     .iter()
                     .filter(|(_, d)| !d.closed && self.shard(&d.user) == r.shard)
@@ -825,7 +917,7 @@ impl ClusterLink {
     pub fn route(&mut self, now: Instant, wait: u64, user: &str) -> Option<proto::Answer> {
         let shard = self.shard(user);
         if self.acting_epoch(shard, now).is_some() {
-            if let Some(o) = self.owners.get(&shard) {
+            if let Some(o) = self.shards.owners.get(&shard) {
                 return Some(proto::Answer::Route(route_of(o, user)));
             }
         }
@@ -834,13 +926,13 @@ impl ClusterLink {
             deadline: now + self.settings.request_timeout,
             retry_at: None,
         };
-        self.routes.insert(wait, p);
+        self.edge.routes.insert(wait, p);
         self.ask_route(wait, now);
         None
     }
 
     fn ask_route(&mut self, wait: u64, now: Instant) {
-        let Some(p) = self.routes.get_mut(&wait) else {
+        let Some(p) = self.edge.routes.get_mut(&wait) else {
             return;
         };
         p.retry_at = None;
@@ -854,17 +946,33 @@ impl ClusterLink {
 
     pub(super) fn retry_routes(&mut self, now: Instant) {
         let pending = self
+            .edge
             .routes
             .iter()
             .map(|(w, p)| (*w, p.deadline, p.retry_at));
         let (late, again) = due_waits(pending, now);
         for wait in late {
-            self.routes.remove(&wait);
+            self.edge.routes.remove(&wait);
             self.finished
                 .push_back((wait, Finished::Failed(owner_late())));
         }
         for wait in again {
             self.ask_route(wait, now);
         }
+    }
+}
+
+impl Edge {
+    pub(super) fn drop_name(&mut self, user: &str) {
+        if let Some(id) = self.names.get(user) {
+            if self.names.drop_ref(id) == 0 {
+                self.names.remove(id);
+            }
+        }
+    }
+
+    pub(super) fn next_conn(&mut self) -> u64 {
+        self.next_conn += 1;
+        self.next_conn
     }
 }

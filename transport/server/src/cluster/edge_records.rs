@@ -1,6 +1,7 @@
 //! Session records (resume on any node): the KV copy of each local
 //! session's subscriptions, and the reads of a resumed session's record.
 
+use super::edge::Edge;
 use super::wire::{decode_session_record, encode_session_record, SessionRecord};
 use super::{ClusterLink, ClusterOutput, Finished};
 use bytes::Bytes;
@@ -40,7 +41,7 @@ pub(super) struct PendingResume {
 impl ClusterLink {
     /// The session's subscriptions changed: its record is written again.
     pub(super) fn record_changed(&mut self, session: SessionId) {
-        if let Some(r) = self.records.get_mut(&session) {
+        if let Some(r) = self.edge.records.get_mut(&session) {
             r.changed += 1;
             self.store_record(session);
         }
@@ -55,7 +56,7 @@ impl ClusterLink {
         subscribed: bool,
         (wait, answer, deadline): (u64, proto::Answer, Instant),
     ) -> Option<proto::Answer> {
-        let Some(r) = self.records.get_mut(&session) else {
+        let Some(r) = self.edge.records.get_mut(&session) else {
             return Some(answer);
         };
         match subscribed {
@@ -68,7 +69,7 @@ impl ClusterLink {
     /// A resumed session holds these group subscriptions of its record (the
     /// others ended while it was away): its record says so.
     pub fn groups_carried(&mut self, session: SessionId, groups: &[u64]) {
-        if let Some(r) = self.records.get_mut(&session) {
+        if let Some(r) = self.edge.records.get_mut(&session) {
             r.groups = groups.iter().copied().collect();
             self.record_changed(session);
         }
@@ -83,7 +84,7 @@ impl ClusterLink {
         answer: proto::Answer,
         deadline: Instant,
     ) -> Option<proto::Answer> {
-        let Some(r) = self.records.get_mut(&session) else {
+        let Some(r) = self.edge.records.get_mut(&session) else {
             return Some(answer);
         };
         r.changed += 1;
@@ -93,17 +94,18 @@ impl ClusterLink {
     }
 
     fn store_record(&mut self, session: SessionId) {
-        let Some(r) = self.records.get(&session) else {
+        let Some(r) = self.edge.records.get(&session) else {
             return;
         };
         if r.putting.is_some() || r.retry || r.changed == r.stored {
             return;
         }
         let subscriptions = self
+            .edge
             .fanout
             .subscriptions(session)
             .into_iter()
-            .filter_map(|(t, tier)| Some((self.names.name(t.0)?.to_string(), tier.into())))
+            .filter_map(|(t, tier)| Some((self.edge.names.name(t.0)?.to_string(), tier.into())))
             .collect();
         let record = SessionRecord {
             wire: r.wire,
@@ -113,10 +115,10 @@ impl ClusterLink {
         let value = encode_session_record(&record, &groups, self.settings.protocol);
         let (user, device, changed) = (r.user.clone(), r.device.clone(), r.changed);
         let id = self.id();
-        if let Some(r) = self.records.get_mut(&session) {
+        if let Some(r) = self.edge.records.get_mut(&session) {
             r.putting = Some((id, changed));
         }
-        self.record_puts.insert(id, session);
+        self.edge.record_puts.insert(id, session);
         self.outputs.push_back(ClusterOutput::PutSession {
             id,
             user,
@@ -126,10 +128,10 @@ impl ClusterLink {
     }
 
     pub(super) fn session_stored(&mut self, now: Instant, id: u64, ok: bool) {
-        let Some(session) = self.record_puts.remove(&id) else {
+        let Some(session) = self.edge.record_puts.remove(&id) else {
             return;
         };
-        let Some(r) = self.records.get_mut(&session) else {
+        let Some(r) = self.edge.records.get_mut(&session) else {
             return;
         };
         let Some((_, covers)) = r.putting.take() else {
@@ -140,16 +142,16 @@ impl ClusterLink {
         } else {
             self.counters.session_writes_failed += 1;
             r.retry = true;
-            self.record_retries.insert(session);
+            self.edge.record_retries.insert(session);
         }
         self.release_answers(session, now);
         self.store_record(session);
     }
 
     pub(super) fn retry_records(&mut self, now: Instant) {
-        let due: Vec<SessionId> = self.record_retries.drain().collect();
+        let due: Vec<SessionId> = self.edge.record_retries.drain().collect();
         for session in due {
-            if let Some(r) = self.records.get_mut(&session) {
+            if let Some(r) = self.edge.records.get_mut(&session) {
                 r.retry = false;
                 self.release_answers(session, now);
                 self.store_record(session);
@@ -161,7 +163,7 @@ impl ClusterLink {
     /// deadline, anyway (the subscription holds here; a resume elsewhere
     /// would miss it).
     fn release_answers(&mut self, session: SessionId, now: Instant) {
-        let Some(r) = self.records.get_mut(&session) else {
+        let Some(r) = self.edge.records.get_mut(&session) else {
             return;
         };
         let stored = r.stored;
@@ -171,16 +173,105 @@ impl ClusterLink {
         r.waiting = kept;
         let viewer = r.user.clone();
         for (_, wait, answer, _) in done {
-            let answer = self.fresh_snapshots(&viewer, answer);
+            let answer = self.edge.fresh_snapshots(&viewer, answer);
             self.finished.push_back((wait, Finished::Answer(answer)));
         }
     }
 
+    /// A hello named `wire`, which is no session of this node (another
+    /// node's, or a previous process's): the device's record is read, and
+    /// if it names `wire` its subscriptions come back as
+    /// [`Finished::Carry`] under `wait`; if not, [`Finished::Done`] (the
+    /// session is fresh).
+    pub fn resume_elsewhere(
+        &mut self,
+        wait: u64,
+        session: SessionId,
+        user: &str,
+        device: &str,
+        wire: u64,
+    ) {
+        let id = self.id();
+        self.edge.resumes.insert(
+            id,
+            PendingResume {
+                wait,
+                session,
+                wire,
+            },
+        );
+        self.outputs.push_back(ClusterOutput::LoadSession {
+            id,
+            user: user.to_owned(),
+            device: device.to_owned(),
+        });
+    }
+
+    pub(super) fn session_loaded(&mut self, id: u64, record: Option<Bytes>) {
+        let Some(p) = self.edge.resumes.remove(&id) else {
+            return;
+        };
+        let max_groups = self.owner_config.max_group_subscriptions_per_session;
+        let record = record
+            .as_deref()
+            .and_then(decode_session_record)
+            .filter(|(r, _)| r.wire == p.wire)
+            .filter(|(r, _)| r.subscriptions.len() <= self.edge.max_subscriptions)
+            .filter(|(_, groups)| groups.len() <= max_groups)
+            .filter(|_| self.edge.open.contains_key(&p.session));
+        let finished = match record {
+            Some((r, groups)) => {
+                self.counters.resumed_elsewhere += 1;
+                let subscriptions = r
+                    .subscriptions
+                    .into_iter()
+                    .map(|(t, tier)| (t, tier.into()))
+                    .collect();
+                Finished::Carry {
+                    session: p.session,
+                    subscriptions,
+                    groups,
+                }
+            }
+            None => Finished::Done,
+        };
+        self.finished.push_back((p.wait, finished));
+    }
+
+    /// Brings a waited welcome's `snapshots` up to what this edge holds now.
+    pub fn refresh_snapshots(&self, viewer: &str, snapshots: &mut [Snapshot]) {
+        self.edge.refresh_snapshots(viewer, snapshots)
+    }
+
+    /// The session's subscriptions with what this edge knows of each (for a
+    /// resumed session's welcome).
+    pub fn snapshots(&self, session: SessionId, viewer: &str) -> Vec<Snapshot> {
+        let viewer = self.edge.names.get(viewer).map(UserId);
+        self.edge
+            .fanout
+            .subscriptions(session)
+            .into_iter()
+            .filter_map(|(t, tier)| {
+                let presence = viewer
+                    .and_then(|v| self.edge.fanout.known(v, t))
+                    .cloned()
+                    .unwrap_or_default();
+                Some(Snapshot {
+                    target: self.user_name(t)?.to_owned(),
+                    tier: tier.into(),
+                    presence: proto::Presence::from_core(&presence, 0),
+                })
+            })
+            .collect()
+    }
+}
+
+impl Edge {
     /// A held subscribe answer (or resume) with each snapshot brought up to
     /// the newest view the fanout has: views that came while the record was
     /// being stored are newer than the snapshots, and an invisibility among
     /// them would otherwise be shown as online in the answer.
-    fn fresh_snapshots(&self, viewer: &str, answer: proto::Answer) -> proto::Answer {
+    pub(super) fn fresh_snapshots(&self, viewer: &str, answer: proto::Answer) -> proto::Answer {
         let proto::Answer::Subscribed {
             mut snapshots,
             refused,
@@ -203,70 +294,10 @@ impl ClusterLink {
         proto::Answer::Subscribed { snapshots, refused }
     }
 
-    /// A hello named `wire`, which is no session of this node (another
-    /// node's, or a previous process's): the device's record is read, and
-    /// if it names `wire` its subscriptions come back as
-    /// [`Finished::Carry`] under `wait`; if not, [`Finished::Done`] (the
-    /// session is fresh).
-    pub fn resume_elsewhere(
-        &mut self,
-        wait: u64,
-        session: SessionId,
-        user: &str,
-        device: &str,
-        wire: u64,
-    ) {
-        let id = self.id();
-        self.resumes.insert(
-            id,
-            PendingResume {
-                wait,
-                session,
-                wire,
-            },
-        );
-        self.outputs.push_back(ClusterOutput::LoadSession {
-            id,
-            user: user.to_owned(),
-            device: device.to_owned(),
-        });
-    }
-
-    pub(super) fn session_loaded(&mut self, id: u64, record: Option<Bytes>) {
-        let Some(p) = self.resumes.remove(&id) else {
-            return;
-        };
-        let max_groups = self.owner_config.max_group_subscriptions_per_session;
-        let record = record
-            .as_deref()
-            .and_then(decode_session_record)
-            .filter(|(r, _)| r.wire == p.wire)
-            .filter(|(r, _)| r.subscriptions.len() <= self.max_subscriptions)
-            .filter(|(_, groups)| groups.len() <= max_groups)
-            .filter(|_| self.open.contains_key(&p.session));
-        let finished = match record {
-            Some((r, groups)) => {
-                self.counters.resumed_elsewhere += 1;
-                let subscriptions = r
-                    .subscriptions
-                    .into_iter()
-                    .map(|(t, tier)| (t, tier.into()))
-                    .collect();
-                Finished::Carry {
-                    session: p.session,
-                    subscriptions,
-                    groups,
-                }
-            }
-            None => Finished::Done,
-        };
-        self.finished.push_back((p.wait, finished));
-    }
-
     /// Brings `snapshots` up to what this edge knows now: a welcome that
     /// waited (for owners' answers, or for the session's record) is not
     /// sent with views older than ones that came while it waited.
-    pub fn refresh_snapshots(&self, viewer: &str, snapshots: &mut [Snapshot]) {
+    pub(super) fn refresh_snapshots(&self, viewer: &str, snapshots: &mut [Snapshot]) {
         let Some(viewer) = self.names.get(viewer).map(UserId) else {
             return;
         };
@@ -280,26 +311,5 @@ impl ClusterLink {
                 s.presence = proto::Presence::from_core(p, 0);
             }
         }
-    }
-
-    /// The session's subscriptions with what this edge knows of each (for a
-    /// resumed session's welcome).
-    pub fn snapshots(&self, session: SessionId, viewer: &str) -> Vec<Snapshot> {
-        let viewer = self.names.get(viewer).map(UserId);
-        self.fanout
-            .subscriptions(session)
-            .into_iter()
-            .filter_map(|(t, tier)| {
-                let presence = viewer
-                    .and_then(|v| self.fanout.known(v, t))
-                    .cloned()
-                    .unwrap_or_default();
-                Some(Snapshot {
-                    target: self.user_name(t)?.to_owned(),
-                    tier: tier.into(),
-                    presence: proto::Presence::from_core(&presence, 0),
-                })
-            })
-            .collect()
     }
 }

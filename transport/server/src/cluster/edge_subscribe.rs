@@ -158,8 +158,8 @@ impl ClusterLink {
             query,
             page,
         } = wanted;
-        let held = self.fanout.subscriptions(session);
-        let mut room = self.max_subscriptions.saturating_sub(held.len());
+        let held = self.edge.fanout.subscriptions(session);
+        let mut room = self.edge.max_subscriptions.saturating_sub(held.len());
         let mut wanted = Vec::new();
         for target in targets {
             if query {
@@ -167,6 +167,7 @@ impl ClusterLink {
                 continue;
             }
             let already = self
+                .edge
                 .names
                 .get(&target)
                 .is_some_and(|id| held.iter().any(|(t, _)| t.0 == id));
@@ -205,6 +206,7 @@ impl ClusterLink {
         // a shard it may have missed a view of (it would answer a view the
         // owner has moved past, as an invisible user shown online).
         let viewer_id = self
+            .edge
             .names
             .get(viewer)
             .map(UserId)
@@ -212,17 +214,18 @@ impl ClusterLink {
         let shown_to = p.page.is_none().then_some(viewer);
         for (target, snap) in &mut p.targets {
             let shard = (self.settings.shard_of)(target, self.settings.shard_count);
-            if let (Some(v), Some(t)) = (viewer_id, self.names.get(target)) {
+            if let (Some(v), Some(t)) = (viewer_id, self.edge.names.get(target)) {
                 if let Some(known) = self
+                    .edge
                     .fanout
                     .known(v, UserId(t))
-                    .filter(|_| !self.behind_on(shard))
+                    .filter(|_| !self.edge.behind_on(shard))
                 {
                     *snap = Some(known.clone());
                     continue;
                 }
             }
-            if self.acting_epoch(shard, now).is_some() && self.owners.contains_key(&shard) {
+            if self.acting_epoch(shard, now).is_some() && self.shards.owners.contains_key(&shard) {
                 if let Some(presence) = self.local_snapshot(shard, shown_to, target, (now, at)) {
                     *snap = Some(presence);
                     continue;
@@ -237,8 +240,8 @@ impl ClusterLink {
             let shard = self.shard(target);
             self.watch_shard(shard);
         }
-        self.subscribes.insert(wait, p);
-        let shards: Vec<u32> = self.subscribes[&wait].asking.keys().copied().collect();
+        self.edge.subscribes.insert(wait, p);
+        let shards: Vec<u32> = self.edge.subscribes[&wait].asking.keys().copied().collect();
         for shard in shards {
             self.ask_snapshot(wait, shard, now, at);
         }
@@ -258,7 +261,7 @@ impl ClusterLink {
         if !self.load_users(shard, std::iter::once(target), now) {
             return None; // asked again after the read
         }
-        let o = self.owners.get_mut(&shard)?;
+        let o = self.shards.owners.get_mut(&shard)?;
         let uid = o.users.intern(target)?;
         let p = o
             .core
@@ -270,13 +273,13 @@ impl ClusterLink {
         // Presences at the edge carry last seen in Unix milliseconds.
         let p = proto::Presence::from_core(&p, base).to_core();
         self.drain_owner(shard, now, at);
-        let (epoch, seq) = self.published_up_to(shard);
+        let (epoch, seq) = self.shards.published_up_to(shard);
         self.track_answer(shard, epoch, seq, at);
         Some(p)
     }
 
     fn ask_snapshot(&mut self, wait: u64, shard: u32, now: Instant, at: Millis) {
-        let Some(p) = self.subscribes.get_mut(&wait) else {
+        let Some(p) = self.edge.subscribes.get_mut(&wait) else {
             return;
         };
         let targets: Vec<String> = p
@@ -294,7 +297,7 @@ impl ClusterLink {
         p.asking.insert(shard, None);
         // A page's entries are what others are shown, the viewer's own too.
         let viewer = p.page.is_none().then(|| p.viewer.clone());
-        if self.acting_epoch(shard, now).is_some() && self.owners.contains_key(&shard) {
+        if self.acting_epoch(shard, now).is_some() && self.shards.owners.contains_key(&shard) {
             let mut presences = Vec::new();
             for t in &targets {
                 match self.local_snapshot(shard, viewer.as_deref(), t, (now, at)) {
@@ -323,7 +326,7 @@ impl ClusterLink {
 
     pub(super) fn retry_snapshot(&mut self, wait: u64, shard: u32, now: Instant) {
         self.counters.retries += 1;
-        if let Some(p) = self.subscribes.get_mut(&wait) {
+        if let Some(p) = self.edge.subscribes.get_mut(&wait) {
             p.asking.insert(shard, Some(now + RETRY_AFTER));
         }
     }
@@ -336,7 +339,7 @@ impl ClusterLink {
         presences: Vec<Presence>,
         at: Millis,
     ) {
-        let Some(p) = self.subscribes.get_mut(&wait) else {
+        let Some(p) = self.edge.subscribes.get_mut(&wait) else {
             return;
         };
         if presences.len() != targets.len() {
@@ -357,11 +360,11 @@ impl ClusterLink {
 
     /// Subscribes in the fanout once every snapshot is in.
     fn try_finish_subscribe(&mut self, wait: u64, at: Millis) -> Option<proto::Answer> {
-        let p = self.subscribes.get(&wait)?;
+        let p = self.edge.subscribes.get(&wait)?;
         if p.targets.iter().any(|(_, s)| s.is_none()) {
             return None;
         }
-        let p = self.subscribes.remove(&wait)?;
+        let p = self.edge.subscribes.remove(&wait)?;
         if let Some(read) = p.page {
             let mut views: Vec<(String, Presence)> = p
                 .targets
@@ -423,6 +426,7 @@ impl ClusterLink {
         let mut snapshots = Vec::new();
         let mut refused = p.refused;
         let held: Vec<UserId> = self
+            .edge
             .fanout
             .subscriptions(p.session)
             .into_iter()
@@ -457,26 +461,30 @@ impl ClusterLink {
         held: &[UserId],
     ) -> Result<Presence, WireError> {
         let shard = self.shard(target);
-        let Some(id) = self.names.intern(target) else {
+        let Some(id) = self.edge.names.intern(target) else {
             self.unwatch_shard(shard);
             return Err(WireError::new(
                 ErrorCode::TooManyUsers,
                 "too many user names",
             ));
         };
-        match self.fanout.subscribe(at, session, UserId(id), tier, snap) {
+        match self
+            .edge
+            .fanout
+            .subscribe(at, session, UserId(id), tier, snap)
+        {
             Ok(presence) => {
                 if held.contains(&UserId(id)) {
                     self.unwatch_shard(shard); // counted once per subscription
                 } else {
-                    self.names.acquire(id);
+                    self.edge.names.acquire(id);
                 }
                 Ok(presence)
             }
             Err(e) => {
                 self.unwatch_shard(shard);
-                if self.names.refs(id) == 0 {
-                    self.names.remove(id);
+                if self.edge.names.refs(id) == 0 {
+                    self.edge.names.remove(id);
                 }
                 Err(e.into())
             }
@@ -500,13 +508,13 @@ impl ClusterLink {
 
     /// Subscribes past their deadline fail; snapshots due are asked again.
     pub(super) fn tick_subscribes(&mut self, now: Instant, at: Millis) {
-        let waits: Vec<u64> = self.subscribes.keys().copied().collect();
+        let waits: Vec<u64> = self.edge.subscribes.keys().copied().collect();
         for wait in waits {
-            let Some(p) = self.subscribes.get_mut(&wait) else {
+            let Some(p) = self.edge.subscribes.get_mut(&wait) else {
                 continue;
             };
             if p.deadline <= now {
-                if let Some(p) = self.subscribes.remove(&wait) {
+                if let Some(p) = self.edge.subscribes.remove(&wait) {
                     self.fail_subscribe(wait, p);
                 }
                 continue;
@@ -525,10 +533,15 @@ impl ClusterLink {
 
     /// Stops watching `target`. `false`: not subscribed.
     pub fn unsubscribe(&mut self, at: Millis, session: SessionId, target: &str) -> bool {
-        let Some(id) = self.names.get(target) else {
+        let Some(id) = self.edge.names.get(target) else {
             return false;
         };
-        if self.fanout.unsubscribe(at, session, UserId(id)).is_err() {
+        if self
+            .edge
+            .fanout
+            .unsubscribe(at, session, UserId(id))
+            .is_err()
+        {
             return false;
         }
         self.forget_target(UserId(id));

@@ -2,7 +2,7 @@
 //! numbers tracked per shard (and the truths' per edge), so a view missed
 //! (a gap, or a beacon ahead) is asked for again.
 
-use super::edge::InFlight;
+use super::edge::{Edge, InFlight};
 use super::wire::{decode, encode, Beacon, ShardView, ToOwner};
 use super::DetMap;
 use super::{
@@ -44,20 +44,20 @@ pub(super) const STALE_AFTER: Millis = Millis(3_000);
 
 impl ClusterLink {
     pub(super) fn watch_shard(&mut self, shard: u32) {
-        let n = self.shard_watchers.entry(shard).or_insert(0);
+        let n = self.edge.shard_watchers.entry(shard).or_insert(0);
         *n += 1;
         if *n == 1 {
-            self.tracks.insert(shard, ShardTrack::default());
+            self.edge.tracks.insert(shard, ShardTrack::default());
             self.outputs.push_back(ClusterOutput::Watch { shard });
         }
     }
 
     pub(super) fn unwatch_shard(&mut self, shard: u32) {
-        if let Some(n) = self.shard_watchers.get_mut(&shard) {
+        if let Some(n) = self.edge.shard_watchers.get_mut(&shard) {
             *n -= 1;
             if *n == 0 {
-                self.shard_watchers.remove(&shard);
-                self.tracks.remove(&shard);
+                self.edge.shard_watchers.remove(&shard);
+                self.edge.tracks.remove(&shard);
                 self.outputs.push_back(ClusterOutput::Unwatch { shard });
             }
         }
@@ -84,33 +84,17 @@ impl ClusterLink {
                     _ => {}
                 }
                 let presence = v.presence.to_core();
-                if self.apply_view(at, &v.user, v.own, presence.clone()) {
+                if self.edge.apply_view(at, &v.user, v.own, presence.clone()) {
                     self.counters.views_applied += 1;
-                    if self.latencies.len() < 1024 {
-                        self.latencies
+                    if self.edge.latencies.len() < 1024 {
+                        self.edge
+                            .latencies
                             .push_back(at.0.saturating_sub(v.published_ms));
                     }
                 }
-                self.keep_early(&v.user, v.own, presence);
+                self.edge.keep_early(&v.user, v.own, presence);
             }
             _ => self.counters.malformed += 1,
-        }
-    }
-
-    /// A view of a target some subscribe here still waits the snapshot of.
-    fn keep_early(&mut self, user: &str, own: bool, presence: Presence) {
-        for p in self.subscribes.values_mut() {
-            let wanted = (p.viewer == user) == own && p.targets.iter().any(|(t, _)| t == user);
-            if !wanted {
-                continue;
-            }
-            let newer = p
-                .early
-                .get(user)
-                .is_none_or(|e| e.version < presence.version);
-            if newer {
-                p.early.insert(user.to_owned(), presence.clone());
-            }
         }
     }
 
@@ -123,25 +107,10 @@ impl ClusterLink {
         })
     }
 
-    /// A view from an owner (remote, or this node's own in process) for the
-    /// local sessions that watch `user`.
-    pub(super) fn apply_view(
-        &mut self,
-        at: Millis,
-        user: &str,
-        own: bool,
-        presence: Presence,
-    ) -> bool {
-        let Some(id) = self.names.get(user) else {
-            return false; // nobody here watches
-        };
-        self.fanout.apply(at, UserId(id), own, presence)
-    }
-
     /// View `seq` of `epoch` came on `shard`'s subject. Views of an epoch
     /// come in order from its one owner; a new owner numbers from 1.
     fn track_view(&mut self, shard: u32, epoch: u64, seq: u64, at: Millis) {
-        let Some(t) = self.tracks.get_mut(&shard) else {
+        let Some(t) = self.edge.tracks.get_mut(&shard) else {
             return;
         };
         t.heard = Some(at);
@@ -163,31 +132,22 @@ impl ClusterLink {
     /// does not show the gap (its numbers start again), so every shard
     /// watched here is repaired.
     pub(super) fn missed_all(&mut self) {
-        let shards: Vec<u32> = self.tracks.keys().copied().collect();
+        let shards: Vec<u32> = self.edge.tracks.keys().copied().collect();
         for shard in shards {
             self.missed(shard);
         }
-        for t in self.truth_tracks.values_mut().filter(|t| !t.gap) {
+        for t in self.edge.truth_tracks.values_mut().filter(|t| !t.gap) {
             t.gap = true;
-            self.gaps = true;
+            self.edge.gaps = true;
             self.counters.truth_gaps += 1;
         }
     }
 
-    /// Whether this edge knows it may lack a view of `shard` (a gap, or an
-    /// owner silent for [`STALE_AFTER`], not repaired yet): what it holds
-    /// of the shard's users is no answer.
-    pub(super) fn behind_on(&self, shard: u32) -> bool {
-        self.tracks
-            .get(&shard)
-            .is_some_and(|t| t.gap || t.asking > 0)
-    }
-
     /// A view of `shard` may have been missed: repaired at the next tick.
     fn missed(&mut self, shard: u32) {
-        if let Some(t) = self.tracks.get_mut(&shard).filter(|t| !t.gap) {
+        if let Some(t) = self.edge.tracks.get_mut(&shard).filter(|t| !t.gap) {
             t.gap = true;
-            self.gaps = true;
+            self.edge.gaps = true;
             self.counters.view_gaps += 1;
         }
     }
@@ -197,7 +157,7 @@ impl ClusterLink {
     /// never came, means this edge missed a truth, and the truths of its
     /// users of the shard are asked for again.
     fn track_truth(&mut self, shard: u32, epoch: u64, seq: u64, announced: bool) {
-        let t = self.truth_tracks.entry(shard).or_default();
+        let t = self.edge.truth_tracks.entry(shard).or_default();
         let missed = match t.seen {
             // The first heard of: only a beacon says one was missed.
             None => announced,
@@ -207,7 +167,7 @@ impl ClusterLink {
         t.seen = t.seen.max(Some((epoch, seq)));
         if missed && !t.gap {
             t.gap = true;
-            self.gaps = true;
+            self.edge.gaps = true;
             self.counters.truth_gaps += 1;
         }
     }
@@ -217,7 +177,7 @@ impl ClusterLink {
     /// carried, when it was about a target being subscribed and the view
     /// was lost: the shard is asked again.
     pub(super) fn track_answer(&mut self, shard: u32, epoch: u64, seq: u64, at: Millis) {
-        let Some(t) = self.tracks.get_mut(&shard) else {
+        let Some(t) = self.edge.tracks.get_mut(&shard) else {
             return;
         };
         t.heard = Some(at);
@@ -250,7 +210,7 @@ impl ClusterLink {
             }
         }
         for (shard, epoch, seq) in b.shards {
-            let Some(t) = self.tracks.get_mut(&shard) else {
+            let Some(t) = self.edge.tracks.get_mut(&shard) else {
                 continue;
             };
             // Not seen anything yet: the pending subscribe's answer will
@@ -273,11 +233,12 @@ impl ClusterLink {
     /// target watched here (and of those being subscribed).
     pub(super) fn repair_gaps(&mut self, now: Instant, at: Millis) {
         self.mark_stale(at);
-        if !self.gaps {
+        if !self.edge.gaps {
             return;
         }
         for own in [false, true] {
             let due: DetMap<u32, Vec<String>> = self
+                .edge
                 .shard_tracks(own)
                 .iter()
                 .filter(|(_, t)| t.gap && t.asking == 0 && t.not_before.is_none_or(|n| n <= now))
@@ -288,10 +249,11 @@ impl ClusterLink {
             }
         }
         // Those waiting (a repair out, or a pause after a failure) keep it.
-        self.gaps = self
+        self.edge.gaps = self
+            .edge
             .tracks
             .values()
-            .chain(self.truth_tracks.values())
+            .chain(self.edge.truth_tracks.values())
             .any(|t| t.gap);
     }
 
@@ -299,24 +261,15 @@ impl ClusterLink {
     /// count as missed (see there).
     fn mark_stale(&mut self, at: Millis) {
         let mut marked = 0;
-        for t in self.tracks.values_mut() {
+        for t in self.edge.tracks.values_mut() {
             if !t.gap && t.asking == 0 && t.heard.is_some_and(|h| at >= h.plus(STALE_AFTER)) {
                 t.gap = true;
                 marked += 1;
             }
         }
         if marked > 0 {
-            self.gaps = true;
+            self.edge.gaps = true;
             self.counters.silent_shards += marked;
-        }
-    }
-
-    /// What this edge knows of the views (`own`: of the truths) of shards.
-    pub(super) fn shard_tracks(&mut self, own: bool) -> &mut DetMap<u32, ShardTrack> {
-        if own {
-            &mut self.truth_tracks
-        } else {
-            &mut self.tracks
         }
     }
 
@@ -330,13 +283,15 @@ impl ClusterLink {
         at: Millis,
     ) {
         let names: Vec<String> = if own {
-            self.open.values().cloned().collect()
+            self.edge.open.values().cloned().collect()
         } else {
             let watched = self
+                .edge
                 .fanout
                 .watched()
-                .filter_map(|u| self.names.name(u.0).map(|n| n.to_string()));
+                .filter_map(|u| self.edge.names.name(u.0).map(|n| n.to_string()));
             let subscribing = self
+                .edge
                 .subscribes
                 .values()
                 .filter(|p| !p.query)
@@ -352,16 +307,16 @@ impl ClusterLink {
         for (shard, mut targets) in due {
             targets.sort_unstable();
             targets.dedup();
-            if let Some(t) = self.shard_tracks(own).get_mut(&shard) {
+            if let Some(t) = self.edge.shard_tracks(own).get_mut(&shard) {
                 t.gap = false;
                 t.not_before = None;
             }
-            if self.acting_epoch(shard, now).is_some() && self.owners.contains_key(&shard) {
+            if self.acting_epoch(shard, now).is_some() && self.shards.owners.contains_key(&shard) {
                 self.repair_locally(shard, targets, own, now, at);
                 continue;
             }
             for chunk in targets.chunks(MAX_SNAPSHOT_TARGETS) {
-                if let Some(t) = self.shard_tracks(own).get_mut(&shard) {
+                if let Some(t) = self.edge.shard_tracks(own).get_mut(&shard) {
                     t.asking += 1;
                 }
                 let targets = chunk.to_vec();
@@ -403,18 +358,18 @@ impl ClusterLink {
                 None => return self.repair_failed(shard, own, now),
             }
         }
-        let (epoch, seq) = self.published_up_to(shard);
+        let (epoch, seq) = self.shards.published_up_to(shard);
         self.repaired(shard, &targets, presences, (epoch, seq), own, at);
     }
 
     pub(super) fn repair_failed(&mut self, shard: u32, own: bool, now: Instant) {
         self.counters.retries += 1;
-        if let Some(t) = self.shard_tracks(own).get_mut(&shard) {
+        if let Some(t) = self.edge.shard_tracks(own).get_mut(&shard) {
             let wait = RETRY_AFTER.saturating_mul(1 << t.failed.min(4));
             t.failed = t.failed.saturating_add(1);
             t.gap = true;
             t.not_before = Some(now + wait.min(BEACON_EVERY));
-            self.gaps = true;
+            self.edge.gaps = true;
         }
     }
 
@@ -429,16 +384,68 @@ impl ClusterLink {
         at: Millis,
     ) {
         for (target, presence) in targets.iter().zip(presences) {
-            self.apply_view(at, target, own, presence.clone());
-            self.keep_early(target, own, presence);
+            self.edge.apply_view(at, target, own, presence.clone());
+            self.edge.keep_early(target, own, presence);
         }
-        if let Some(t) = self.shard_tracks(own).get_mut(&shard) {
+        if let Some(t) = self.edge.shard_tracks(own).get_mut(&shard) {
             t.failed = 0;
             if !own {
                 // Views up to the answer's are in it.
                 t.seen = t.seen.max(Some(published));
                 t.heard = Some(at);
             }
+        }
+    }
+}
+
+impl Edge {
+    /// A view of a target some subscribe here still waits the snapshot of.
+    pub(super) fn keep_early(&mut self, user: &str, own: bool, presence: Presence) {
+        for p in self.subscribes.values_mut() {
+            let wanted = (p.viewer == user) == own && p.targets.iter().any(|(t, _)| t == user);
+            if !wanted {
+                continue;
+            }
+            let newer = p
+                .early
+                .get(user)
+                .is_none_or(|e| e.version < presence.version);
+            if newer {
+                p.early.insert(user.to_owned(), presence.clone());
+            }
+        }
+    }
+
+    /// A view from an owner (remote, or this node's own in process) for the
+    /// local sessions that watch `user`.
+    pub(super) fn apply_view(
+        &mut self,
+        at: Millis,
+        user: &str,
+        own: bool,
+        presence: Presence,
+    ) -> bool {
+        let Some(id) = self.names.get(user) else {
+            return false; // nobody here watches
+        };
+        self.fanout.apply(at, UserId(id), own, presence)
+    }
+
+    /// Whether this edge knows it may lack a view of `shard` (a gap, or an
+    /// owner silent for [`STALE_AFTER`], not repaired yet): what it holds
+    /// of the shard's users is no answer.
+    pub(super) fn behind_on(&self, shard: u32) -> bool {
+        self.tracks
+            .get(&shard)
+            .is_some_and(|t| t.gap || t.asking > 0)
+    }
+
+    /// What this edge knows of the views (`own`: of the truths) of shards.
+    pub(super) fn shard_tracks(&mut self, own: bool) -> &mut DetMap<u32, ShardTrack> {
+        if own {
+            &mut self.truth_tracks
+        } else {
+            &mut self.tracks
         }
     }
 }

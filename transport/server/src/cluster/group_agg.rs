@@ -82,13 +82,13 @@ impl ClusterLink {
             return;
         }
         let home = self.home_shard(group);
-        if !self.owners.contains_key(&home) {
+        if !self.shards.owners.contains_key(&home) {
             return;
         }
         let (shard_of, count) = (self.settings.shard_of, self.settings.shard_count);
         let def = self.groups.get(group).1.filter(|d| !d.removed);
         let Some(def) = def else {
-            if let Some(o) = self.owners.get_mut(&home) {
+            if let Some(o) = self.shards.owners.get_mut(&home) {
                 if let Some(sum) = o.sums.by_group.remove(&group) {
                     o.sums.removed_floor = o.sums.removed_floor.max(sum.version());
                 }
@@ -105,7 +105,7 @@ impl ClusterLink {
         let wait = Millis(
             u64::try_from(self.settings.request_timeout.as_millis()).unwrap_or(u64::MAX / 4),
         );
-        let Some(o) = self.owners.get_mut(&home) else {
+        let Some(o) = self.shards.owners.get_mut(&home) else {
             return;
         };
         match o.sums.by_group.get_mut(&group) {
@@ -132,7 +132,12 @@ impl ClusterLink {
         let Some(epoch) = self.acting_epoch(home, now) else {
             return FromOwner::NotOwner;
         };
-        if self.owners.get(&home).is_none_or(|o| o.epoch != epoch) {
+        if self
+            .shards
+            .owners
+            .get(&home)
+            .is_none_or(|o| o.epoch != epoch)
+        {
             return FromOwner::NotOwner;
         }
         if !self.groups.is_synced() {
@@ -151,7 +156,7 @@ impl ClusterLink {
                 unknown = true;
                 continue;
             }
-            let Some(o) = self.owners.get_mut(&home) else {
+            let Some(o) = self.shards.owners.get_mut(&home) else {
                 break;
             };
             let Some(sum) = o.sums.by_group.get_mut(&part.group) else {
@@ -173,7 +178,7 @@ impl ClusterLink {
     /// while this node acts for `home`, and taken by this node's edge.
     fn drain_sums(&mut self, home: u32, groups: &[u64], now: Instant) {
         let acting = self.acting_epoch(home, now);
-        let Some(o) = self.owners.get_mut(&home) else {
+        let Some(o) = self.shards.owners.get_mut(&home) else {
             return;
         };
         let mut counts = Vec::new();
@@ -245,6 +250,7 @@ impl ClusterLink {
         // (one that is not publishes nothing): one handed out mutably is
         // indexed again (its core's timers), every tick.
         let shards: Vec<u32> = self
+            .shards
             .owners
             .iter()
             .filter(|(shard, o)| {
@@ -257,7 +263,7 @@ impl ClusterLink {
             .map(|(s, _)| *s)
             .collect();
         for shard in shards {
-            let Some(o) = self.owners.get_mut(&shard) else {
+            let Some(o) = self.shards.owners.get_mut(&shard) else {
                 continue;
             };
             if o.sums.wait_ended(at) {
@@ -270,7 +276,7 @@ impl ClusterLink {
                 self.drain_sums(shard, &waiting, now);
             }
             let acting = self.acting_epoch(shard, now);
-            let Some(o) = self.owners.get_mut(&shard) else {
+            let Some(o) = self.shards.owners.get_mut(&shard) else {
                 continue;
             };
             let due = o.sums.next_refresh.is_none_or(|t| now >= t);

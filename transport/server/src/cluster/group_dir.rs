@@ -505,7 +505,7 @@ impl ClusterLink {
             return;
         }
         self.groups.synced = true;
-        let owned: Vec<u32> = self.owners.keys().copied().collect();
+        let owned: Vec<u32> = self.shards.owners.keys().copied().collect();
         self.load_slices(&owned, now, at);
         self.load_sums(&owned, now, at);
         let mut waiting: Vec<u64> = self.groups.writes.keys().copied().collect();

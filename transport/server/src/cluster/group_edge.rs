@@ -15,7 +15,7 @@ use crate::hub::GroupFeed;
 impl ClusterLink {
     /// What the hub's core learns of groups next: apply in order.
     pub fn poll_group_feed(&mut self) -> Option<GroupFeed> {
-        self.group_feed.pop_front()
+        self.edge.group_feed.pop_front()
     }
 
     /// A message on `<prefix>.groups`.
@@ -49,21 +49,22 @@ impl ClusterLink {
             }
             let known = def.is_some();
             let home = self.home_shard(c.group);
-            let held = self.fed_counts.get(&c.group);
+            let held = self.edge.fed_counts.get(&c.group);
             let any = self.settings.mutant == Some(super::LinkMutant::CountsAnyVersion);
             let newer = any || held.is_none_or(|(v, _)| c.version > *v);
             // Kept for a definition still on its way, within the groups a
             // node holds.
-            let room =
-                known || held.is_some() || self.fed_counts.len() < self.owner_config.max_groups;
+            let room = known
+                || held.is_some()
+                || self.edge.fed_counts.len() < self.owner_config.max_groups;
             if home != msg.home || !newer || !room {
                 continue;
             }
-            self.fed_counts.insert(c.group, (c.version, c.count));
+            self.edge.fed_counts.insert(c.group, (c.version, c.count));
             if !known {
                 continue;
             }
-            self.group_feed.push_back(GroupFeed::Count {
+            self.edge.group_feed.push_back(GroupFeed::Count {
                 group: c.group,
                 version: c.version,
                 count: c.count,
@@ -80,14 +81,14 @@ impl ClusterLink {
         }
         match self.groups.get(group).1.filter(|d| !d.removed) {
             Some(def) => {
-                self.group_feed.push_back(GroupFeed::Define {
+                self.edge.group_feed.push_back(GroupFeed::Define {
                     group,
                     membership: def.membership,
                     members: def.members.iter().map(|(n, _)| n.clone()).collect(),
                     admins: def.admins.clone(),
                 });
-                if let Some(&(version, count)) = self.fed_counts.get(&group) {
-                    self.group_feed.push_back(GroupFeed::Count {
+                if let Some(&(version, count)) = self.edge.fed_counts.get(&group) {
+                    self.edge.group_feed.push_back(GroupFeed::Count {
                         group,
                         version,
                         count,
@@ -96,8 +97,8 @@ impl ClusterLink {
                 }
             }
             None => {
-                self.fed_counts.remove(&group);
-                self.group_feed.push_back(GroupFeed::Remove { group });
+                self.edge.fed_counts.remove(&group);
+                self.edge.group_feed.push_back(GroupFeed::Remove { group });
             }
         }
     }

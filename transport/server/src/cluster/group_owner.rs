@@ -21,6 +21,7 @@
 
 use super::edge::InFlight;
 use super::owner::{forget_user_if_unknown, Owner};
+use super::owners::OwnedShards;
 use super::wire::{encode, FromOwner, GroupPartial, ToOwner, GROUPS_SINCE};
 use super::{ClusterLink, DetMap, GroupDef, RequestKind, MAX_MESSAGE, RETRY_AFTER};
 use greendot_core::{GroupId, Millis, UserId};
@@ -101,7 +102,7 @@ impl ClusterLink {
             }
         }
         for (shard, group, slice) in slices {
-            self.set_slice(shard, group, slice, at);
+            self.shards.set_slice(shard, group, slice, at);
         }
         for &shard in shards {
             self.note_changed_groups(shard, now);
@@ -114,15 +115,19 @@ impl ClusterLink {
         if !self.serves_groups() || !self.groups.is_synced() {
             return;
         }
-        let mut slices: BTreeMap<u32, Vec<(String, u32)>> =
-            self.owners.keys().map(|s| (*s, Vec::new())).collect();
+        let mut slices: BTreeMap<u32, Vec<(String, u32)>> = self
+            .shards
+            .owners
+            .keys()
+            .map(|s| (*s, Vec::new()))
+            .collect();
         if let (_, Some(def)) = self.groups.get(group) {
             if !def.removed {
-                slices.extend(self.slices_of(def, |s| self.owners.contains_key(&s)));
+                slices.extend(self.slices_of(def, |s| self.shards.owners.contains_key(&s)));
             }
         }
         for (shard, slice) in slices {
-            self.set_slice(shard, group, slice, at);
+            self.shards.set_slice(shard, group, slice, at);
             self.note_changed_groups(shard, now);
         }
     }
@@ -148,8 +153,192 @@ impl ClusterLink {
         slices
     }
 
+    /// The groups whose slice changed at `shard`'s core since last asked
+    /// get their partial due.
+    pub(super) fn note_changed_groups(&mut self, shard: u32, now: Instant) {
+        let Some(o) = self.shards.owners.get_mut(&shard) else {
+            return;
+        };
+        let changed = o.core.take_changed_groups();
+        for group in &changed {
+            o.partials.entry(group.0).or_default().mark(now);
+        }
+        if !changed.is_empty() {
+            self.shards.partial_due_by(now);
+        }
+    }
+
+    /// The home shard `home` has a new owner, which holds no partial: every
+    /// slice homed there is due again.
+    pub(super) fn home_changed(&mut self, home: u32, now: Instant) {
+        let mutant = self.settings.mutant == Some(super::LinkMutant::PartialsNotResent);
+        if !self.serves_groups() || mutant {
+            return;
+        }
+        let shards: Vec<u32> = self.shards.owners.keys().copied().collect();
+        for shard in shards {
+            let homed: Vec<u64> = self.shards.owners[&shard]
+                .slices
+                .keys()
+                .copied()
+                .filter(|g| self.home_shard(*g) == home)
+                .collect();
+            // Only an owner with such a slice is touched (and indexed again).
+            if let Some(o) = self
+                .shards
+                .owners
+                .get_mut(&shard)
+                .filter(|_| !homed.is_empty())
+            {
+                for group in homed {
+                    o.partials.entry(group).or_default().mark(now);
+                }
+            }
+        }
+        self.shards.partial_due_by(now);
+    }
+
+    /// Sends the partials that are due, batched per home shard (in process
+    /// when this node owns it).
+    pub(super) fn send_partials(&mut self, now: Instant, at: Millis) {
+        if !self.serves_groups() || self.shards.partials_next.is_none_or(|t| now < t) {
+            return;
+        }
+        self.shards.partials_next = None;
+        let mut by_home: BTreeMap<u32, Vec<GroupPartial>> = BTreeMap::new();
+        let shards: Vec<u32> = self.shards.owners.keys().copied().collect();
+        for shard in shards {
+            let acting = self.acting_epoch(shard, now);
+            let o = &self.shards.owners[&shard];
+            if o.reading_record || acting != Some(o.epoch) {
+                continue;
+            }
+            let due: Vec<u64> = o
+                .partials
+                .iter()
+                .filter(|(_, p)| p.due.is_some_and(|d| d <= now))
+                .map(|(g, _)| *g)
+                .collect();
+            for group in due {
+                let home = self.home_shard(group);
+                let Some(o) = self.shards.owners.get_mut(&shard) else {
+                    continue;
+                };
+                // A slice gone from the shard sends an empty partial once,
+                // which replaces its last at the sum.
+                let mut online: Vec<u32> = match o.slices.get(&group) {
+                    Some(slice) => {
+                        let p = o.partials.entry(group).or_default();
+                        p.due = None;
+                        p.last_sent = Some(now);
+                        o.core
+                            .group_online(GroupId(group))
+                            .into_iter()
+                            .flatten()
+                            .filter_map(|u| slice.get(&u.0).copied())
+                            .collect()
+                    }
+                    None => {
+                        o.partials.remove(&group);
+                        Vec::new()
+                    }
+                };
+                online.sort_unstable();
+                // One sequence for all of the owner's partials in its
+                // epoch: a slice that empties and comes back goes on above.
+                o.partial_seq += 1;
+                by_home.entry(home).or_default().push(GroupPartial {
+                    group,
+                    shard,
+                    epoch: o.epoch,
+                    seq: o.partial_seq,
+                    online,
+                });
+            }
+        }
+        // Those of owners that can send stay due; an owner reading its
+        // predecessor's record asks again once it is read.
+        let next = self
+            .shards
+            .owners
+            .values()
+            .filter(|o| !o.reading_record)
+            .flat_map(|o| o.partials.values().filter_map(|p| p.due))
+            .min();
+        if let Some(next) = next {
+            self.shards.partial_due_by(next.max(now + super::TICK));
+        }
+        for (home, parts) in by_home {
+            // An ordinal is at most 5 bytes, the rest of a partial at most 40.
+            let cut = batches(parts, PARTIALS_BYTES, |p| 40 + 5 * p.online.len());
+            for batch in cut {
+                let sent: Vec<(u32, u64)> = batch.iter().map(|p| (p.shard, p.group)).collect();
+                if self.shards.owners.contains_key(&home) {
+                    let answer = self.take_partials(home, batch, now, at);
+                    if !matches!(answer, FromOwner::Done { .. }) {
+                        self.partials_failed(&sent, now);
+                    }
+                    continue;
+                }
+                let payload = encode(&ToOwner::GroupPartials { parts: batch });
+                self.request(
+                    now,
+                    InFlight::Partials { sent },
+                    home,
+                    RequestKind::Snapshot,
+                    payload,
+                );
+            }
+        }
+    }
+
+    /// The home owner did not take these partials (no owner yet, not
+    /// synced, or no answer): sent again, with the latest sets.
+    pub(super) fn partials_failed(&mut self, sent: &[(u32, u64)], now: Instant) {
+        for &(shard, group) in sent {
+            // Also a slice gone since: its empty partial goes again.
+            if let Some(o) = self.shards.owners.get_mut(&shard) {
+                earliest(
+                    &mut o.partials.entry(group).or_default().due,
+                    now + RETRY_AFTER,
+                );
+            }
+        }
+        self.shards.partial_due_by(now + RETRY_AFTER);
+    }
+}
+
+/// `items` cut into runs of at most `limit` bytes by `size`'s estimate (an
+/// item larger than the limit goes alone).
+pub(super) fn batches<T>(items: Vec<T>, limit: usize, size: impl Fn(&T) -> usize) -> Vec<Vec<T>> {
+    let mut out: Vec<Vec<T>> = Vec::new();
+    let mut bytes = usize::MAX;
+    for item in items {
+        let n = size(&item);
+        if bytes.saturating_add(n) > limit {
+            out.push(Vec::new());
+            bytes = 0;
+        }
+        bytes += n;
+        if let Some(last) = out.last_mut() {
+            last.push(item);
+        }
+    }
+    out
+}
+
+/// Partial states by group, kept by each owner.
+pub(super) type Partials = DetMap<u64, PartialState>;
+
+impl OwnedShards {
     /// Writes the slice of `group` into the core of `shard`'s owner.
-    fn set_slice(&mut self, shard: u32, group: u64, slice: Vec<(String, u32)>, at: Millis) {
+    pub(super) fn set_slice(
+        &mut self,
+        shard: u32,
+        group: u64,
+        slice: Vec<(String, u32)>,
+        at: Millis,
+    ) {
         let Some(o) = self.owners.get_mut(&shard) else {
             return;
         };
@@ -201,178 +390,8 @@ impl ClusterLink {
         }
     }
 
-    /// The groups whose slice changed at `shard`'s core since last asked
-    /// get their partial due.
-    pub(super) fn note_changed_groups(&mut self, shard: u32, now: Instant) {
-        let Some(o) = self.owners.get_mut(&shard) else {
-            return;
-        };
-        let changed = o.core.take_changed_groups();
-        for group in &changed {
-            o.partials.entry(group.0).or_default().mark(now);
-        }
-        if !changed.is_empty() {
-            self.partial_due_by(now);
-        }
-    }
-
-    /// The home shard `home` has a new owner, which holds no partial: every
-    /// slice homed there is due again.
-    pub(super) fn home_changed(&mut self, home: u32, now: Instant) {
-        let mutant = self.settings.mutant == Some(super::LinkMutant::PartialsNotResent);
-        if !self.serves_groups() || mutant {
-            return;
-        }
-        let shards: Vec<u32> = self.owners.keys().copied().collect();
-        for shard in shards {
-            let homed: Vec<u64> = self.owners[&shard]
-                .slices
-                .keys()
-                .copied()
-                .filter(|g| self.home_shard(*g) == home)
-                .collect();
-            // Only an owner with such a slice is touched (and indexed again).
-            if let Some(o) = self.owners.get_mut(&shard).filter(|_| !homed.is_empty()) {
-                for group in homed {
-                    o.partials.entry(group).or_default().mark(now);
-                }
-            }
-        }
-        self.partial_due_by(now);
-    }
-
-    /// Sends the partials that are due, batched per home shard (in process
-    /// when this node owns it).
-    pub(super) fn send_partials(&mut self, now: Instant, at: Millis) {
-        if !self.serves_groups() || self.partials_next.is_none_or(|t| now < t) {
-            return;
-        }
-        self.partials_next = None;
-        let mut by_home: BTreeMap<u32, Vec<GroupPartial>> = BTreeMap::new();
-        let shards: Vec<u32> = self.owners.keys().copied().collect();
-        for shard in shards {
-            let acting = self.acting_epoch(shard, now);
-            let o = &self.owners[&shard];
-            if o.reading_record || acting != Some(o.epoch) {
-                continue;
-            }
-            let due: Vec<u64> = o
-                .partials
-                .iter()
-                .filter(|(_, p)| p.due.is_some_and(|d| d <= now))
-                .map(|(g, _)| *g)
-                .collect();
-            for group in due {
-                let home = self.home_shard(group);
-                let Some(o) = self.owners.get_mut(&shard) else {
-                    continue;
-                };
-                // A slice gone from the shard sends an empty partial once,
-                // which replaces its last at the sum.
-                let mut online: Vec<u32> = match o.slices.get(&group) {
-                    Some(slice) => {
-                        let p = o.partials.entry(group).or_default();
-                        p.due = None;
-                        p.last_sent = Some(now);
-                        o.core
-                            .group_online(GroupId(group))
-                            .into_iter()
-                            .flatten()
-                            .filter_map(|u| slice.get(&u.0).copied())
-                            .collect()
-                    }
-                    None => {
-                        o.partials.remove(&group);
-                        Vec::new()
-                    }
-                };
-                online.sort_unstable();
-                // One sequence for all of the owner's partials in its
-                // epoch: a slice that empties and comes back goes on above.
-                o.partial_seq += 1;
-                by_home.entry(home).or_default().push(GroupPartial {
-                    group,
-                    shard,
-                    epoch: o.epoch,
-                    seq: o.partial_seq,
-                    online,
-                });
-            }
-        }
-        // Those of owners that can send stay due; an owner reading its
-        // predecessor's record asks again once it is read.
-        let next = self
-            .owners
-            .values()
-            .filter(|o| !o.reading_record)
-            .flat_map(|o| o.partials.values().filter_map(|p| p.due))
-            .min();
-        if let Some(next) = next {
-            self.partial_due_by(next.max(now + super::TICK));
-        }
-        for (home, parts) in by_home {
-            // An ordinal is at most 5 bytes, the rest of a partial at most 40.
-            let cut = batches(parts, PARTIALS_BYTES, |p| 40 + 5 * p.online.len());
-            for batch in cut {
-                let sent: Vec<(u32, u64)> = batch.iter().map(|p| (p.shard, p.group)).collect();
-                if self.owners.contains_key(&home) {
-                    let answer = self.take_partials(home, batch, now, at);
-                    if !matches!(answer, FromOwner::Done { .. }) {
-                        self.partials_failed(&sent, now);
-                    }
-                    continue;
-                }
-                let payload = encode(&ToOwner::GroupPartials { parts: batch });
-                self.request(
-                    now,
-                    InFlight::Partials { sent },
-                    home,
-                    RequestKind::Snapshot,
-                    payload,
-                );
-            }
-        }
-    }
-
-    /// The home owner did not take these partials (no owner yet, not
-    /// synced, or no answer): sent again, with the latest sets.
-    pub(super) fn partials_failed(&mut self, sent: &[(u32, u64)], now: Instant) {
-        for &(shard, group) in sent {
-            // Also a slice gone since: its empty partial goes again.
-            if let Some(o) = self.owners.get_mut(&shard) {
-                earliest(
-                    &mut o.partials.entry(group).or_default().due,
-                    now + RETRY_AFTER,
-                );
-            }
-        }
-        self.partial_due_by(now + RETRY_AFTER);
-    }
-
     /// Some partial is due at `at` or before: the tick sends it.
     pub(super) fn partial_due_by(&mut self, at: Instant) {
         earliest(&mut self.partials_next, at);
     }
 }
-
-/// `items` cut into runs of at most `limit` bytes by `size`'s estimate (an
-/// item larger than the limit goes alone).
-pub(super) fn batches<T>(items: Vec<T>, limit: usize, size: impl Fn(&T) -> usize) -> Vec<Vec<T>> {
-    let mut out: Vec<Vec<T>> = Vec::new();
-    let mut bytes = usize::MAX;
-    for item in items {
-        let n = size(&item);
-        if bytes.saturating_add(n) > limit {
-            out.push(Vec::new());
-            bytes = 0;
-        }
-        bytes += n;
-        if let Some(last) = out.last_mut() {
-            last.push(item);
-        }
-    }
-    out
-}
-
-/// Partial states by group, kept by each owner.
-pub(super) type Partials = DetMap<u64, PartialState>;

@@ -81,12 +81,12 @@ impl ClusterLink {
             deadline: now + self.settings.request_timeout,
             retry_at: None,
         };
-        self.pages.insert(wait, p);
+        self.edge.pages.insert(wait, p);
         self.ask_page_keys(wait, now, at)
     }
 
     fn ask_page_keys(&mut self, wait: u64, now: Instant, at: Millis) -> Option<proto::Answer> {
-        let p = self.pages.get_mut(&wait)?;
+        let p = self.edge.pages.get_mut(&wait)?;
         p.retry_at = None;
         // An ordinal is a u32: a larger cursor is past every member.
         let after = p
@@ -94,7 +94,7 @@ impl ClusterLink {
             .map(|c| (c.online, u32::try_from(c.after).unwrap_or(u32::MAX)));
         let (group, limit) = (p.group, p.limit);
         let home = self.home_shard(group);
-        if self.acting_epoch(home, now).is_some() && self.owners.contains_key(&home) {
+        if self.acting_epoch(home, now).is_some() && self.shards.owners.contains_key(&home) {
             let keys = self.page_keys(home, group, after, limit, now);
             return self.page_keys_answer(wait, Some(keys), now, at);
         }
@@ -127,7 +127,12 @@ impl ClusterLink {
         let Some(epoch) = self.acting_epoch(home, now) else {
             return FromOwner::NotOwner;
         };
-        if self.home_shard(group) != home || self.owners.get(&home).is_none_or(|o| o.epoch != epoch)
+        if self.home_shard(group) != home
+            || self
+                .shards
+                .owners
+                .get(&home)
+                .is_none_or(|o| o.epoch != epoch)
         {
             return FromOwner::NotOwner;
         }
@@ -135,7 +140,11 @@ impl ClusterLink {
             return FromOwner::Loading;
         }
         let def = self.groups.get(group).1.filter(|d| !d.removed);
-        let sum = self.owners.get(&home).and_then(|o| o.sums.get(group));
+        let sum = self
+            .shards
+            .owners
+            .get(&home)
+            .and_then(|o| o.sums.get(group));
         let (Some(def), Some(sum)) = (def, sum) else {
             return FromOwner::Loading;
         };
@@ -179,7 +188,7 @@ impl ClusterLink {
         now: Instant,
         at: Millis,
     ) -> Option<proto::Answer> {
-        let p = self.pages.get_mut(&wait)?;
+        let p = self.edge.pages.get_mut(&wait)?;
         let ok = |s: &str| !s.is_empty() && s.len() <= self.max_name_len;
         match answer {
             Some(FromOwner::GroupPageKeys {
@@ -191,7 +200,7 @@ impl ClusterLink {
                 && keys.iter().all(|(n, _)| ok(n))
                 && distinct(&keys) =>
             {
-                let p = self.pages.remove(&wait)?;
+                let p = self.edge.pages.remove(&wait)?;
                 let read = PageRead {
                     group: p.group,
                     after: p.after,
@@ -225,8 +234,9 @@ impl ClusterLink {
         at: Millis,
         read: &mut [(String, Presence)],
     ) -> (Vec<String>, Option<WireError>) {
-        self.fanout.open(PAGE_WATCHER, PAGE_WATCHER_USER);
+        self.edge.fanout.open(PAGE_WATCHER, PAGE_WATCHER_USER);
         let held: Vec<UserId> = self
+            .edge
             .fanout
             .subscriptions(PAGE_WATCHER)
             .into_iter()
@@ -239,7 +249,7 @@ impl ClusterLink {
             match self.fanout_subscribe(at, PAGE_WATCHER, name, snap, &held) {
                 Ok(newest) => {
                     *presence = newest;
-                    *self.page_reads.entry(name.clone()).or_default() += 1;
+                    *self.edge.page_reads.entry(name.clone()).or_default() += 1;
                     followed.push(name.clone());
                 }
                 Err(e) => refused = Some(e),
@@ -258,12 +268,12 @@ impl ClusterLink {
         listed: impl Fn(&str) -> bool,
     ) {
         for name in followed {
-            let Some(reads) = self.page_reads.get_mut(name) else {
+            let Some(reads) = self.edge.page_reads.get_mut(name) else {
                 continue;
             };
             *reads -= 1;
             if *reads == 0 {
-                self.page_reads.remove(name);
+                self.edge.page_reads.remove(name);
                 if !listed(name) {
                     self.unfollow_page_member(at, name);
                 }
@@ -275,13 +285,14 @@ impl ClusterLink {
     /// followed, unless a read not yet handed to the hub's core holds her
     /// (its settling decides).
     pub fn unfollow_page_member(&mut self, at: Millis, member: &str) {
-        if self.page_reads.contains_key(member) {
+        if self.edge.page_reads.contains_key(member) {
             return;
         }
-        let Some(id) = self.names.get(member) else {
+        let Some(id) = self.edge.names.get(member) else {
             return;
         };
         if self
+            .edge
             .fanout
             .unsubscribe(at, PAGE_WATCHER, UserId(id))
             .is_ok()
@@ -292,10 +303,14 @@ impl ClusterLink {
 
     /// Pages past their deadline fail; keys due are asked again.
     pub(super) fn retry_pages(&mut self, now: Instant, at: Millis) {
-        let pending = self.pages.iter().map(|(w, p)| (*w, p.deadline, p.retry_at));
+        let pending = self
+            .edge
+            .pages
+            .iter()
+            .map(|(w, p)| (*w, p.deadline, p.retry_at));
         let (late, again) = due_waits(pending, now);
         for wait in late {
-            self.pages.remove(&wait);
+            self.edge.pages.remove(&wait);
             let error = WireError::new(
                 ErrorCode::Internal,
                 "the group's aggregator did not answer in time",

@@ -43,23 +43,16 @@ mod tests_records;
 mod tests_views;
 mod wire;
 
-use crate::hub::{GroupFeed, Interner};
 use bytes::Bytes;
-use edge::{EdgeDevice, InFlight, PendingRoute};
-use edge_records::{PendingResume, SessionSync};
-use edge_subscribe::PendingSubscribe;
-use edge_views::ShardTrack;
-use greendot_core::{Config, Fanout, Millis, Output, SessionId, Tier, UserId};
+use edge::{Edge, InFlight};
+use greendot_core::{Config, Millis, Output, SessionId, Tier, UserId};
 use greendot_proto::{self as proto, WireError};
 use group_dir::GroupDirectory;
 pub use group_dir::{GroupDef, GroupLimits, GroupWrite, GroupWriteOutcome, MAX_WRITE_TRIES};
 pub use group_owner::home_key;
-use group_pages::PendingPage;
 pub use group_pages::PAGE_WATCHER;
 use owner::release_idle;
-use owner_requests::PendingPrefs;
-use owners::Owners;
-use prefs_writes::PrefsWrites;
+use owners::OwnedShards;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 pub use wire::{
@@ -501,83 +494,21 @@ pub struct ClusterLink {
     owner_config: Config,
     /// The Unix time of the core's `Millis(0)`.
     unix_base_ms: u64,
-    acting: BTreeMap<u32, (u64, Instant)>,
-    /// The earliest deadline in `acting`.
-    next_lapse: Option<Instant>,
-    owners: Owners,
-    pending_prefs: DetMap<u64, PendingPrefs>,
-    prefs_writes: PrefsWrites,
-    /// KV reads in flight: shard, epoch, user, since.
-    pending_loads: DetMap<u64, (u32, u64, String, Instant)>,
-    /// Shard record reads in flight: shard, epoch, since.
-    pending_shards: DetMap<u64, (u32, u64, Instant)>,
-    fanout: Fanout,
-    names: Interner,
-    /// The edge's devices by session, while their inputs are forwarded.
-    devices: DetMap<SessionId, EdgeDevice>,
-    /// Sessions open in the fanout, with their user (whose name they hold a
-    /// reference on).
-    open: DetMap<SessionId, String>,
-    /// Shards some local subscription watches, with how many.
-    shard_watchers: DetMap<u32, u32>,
-    /// The view numbers seen of each watched shard (the same keys).
-    tracks: DetMap<u32, ShardTrack>,
-    /// The numbers of the truths this edge was sent, per shard (at most
-    /// one entry per shard).
-    truth_tracks: DetMap<u32, ShardTrack>,
-    /// Per shard, the newest epoch whose resync request this edge answered
-    /// (a new owner sends it again while its window is open).
-    resynced: DetMap<u32, u64>,
-    next_beacon: Option<Instant>,
-    /// Some track has a gap to repair (what the tick looks at).
-    gaps: bool,
-    subscribes: DetMap<u64, PendingSubscribe>,
-    routes: DetMap<u64, PendingRoute>,
-    /// Member pages whose keys are asked of their group's aggregator.
-    pages: DetMap<u64, PendingPage>,
-    /// Members followed for watched pages read but not yet handed to the
-    /// hub's core, with how many such reads hold each.
-    page_reads: DetMap<String, u32>,
-    /// Local sessions' KV records, and the puts in flight by id.
-    records: DetMap<SessionId, SessionSync>,
-    record_puts: DetMap<u64, SessionId>,
-    /// Sessions whose put failed: tried again at the tick.
-    record_retries: DetSet<SessionId>,
-    /// Record reads for resumes, by id.
-    resumes: DetMap<u64, PendingResume>,
+    /// What serves this node's sessions.
+    edge: Edge,
+    /// The shards this node acts for, and what serves only them.
+    shards: OwnedShards,
     /// Requests out, with when they count as unanswered (an output the NATS
     /// I/O dropped is never answered).
     in_flight: DetMap<u64, (InFlight, Instant)>,
-    /// Devices with inputs queued or a retry pending: what the tick looks at.
-    busy: DetSet<SessionId>,
     next_tick: Option<Instant>,
     next_id: u64,
-    next_conn: u64,
     outputs: VecDeque<ClusterOutput>,
     finished: VecDeque<(u64, Finished)>,
     counters: ClusterCounters,
-    /// A pump runs: pumps it causes (an op handled by this node's own
-    /// owner, answered at once) wait here and run after it, in a loop,
-    /// not nested: nested, a device whose ops keep being answered in
-    /// process would grow the stack without a bound.
-    pumping: bool,
-    pump_later: VecDeque<SessionId>,
-    /// The newest incarnation seen of each edge (from its requests and its
-    /// lease): requests of older ones are dropped. At most
-    /// `MAX_EDGES_REMEMBERED`: edges are the cluster's nodes.
-    incarnations: DetMap<String, u64>,
-    /// Publish-to-fanout delays of remote views taken, in milliseconds.
-    latencies: VecDeque<u64>,
     max_name_len: usize,
-    max_subscriptions: usize,
     /// The cluster's groups and this node's writes of them.
     groups: GroupDirectory,
-    /// What the hub's core learns of groups (`group_edge`).
-    group_feed: VecDeque<GroupFeed>,
-    /// The newest count of each group: version and count.
-    fed_counts: DetMap<u64, (u64, u32)>,
-    /// When the owners' next partial is due, if one is.
-    partials_next: Option<Instant>,
 }
 
 impl ClusterLink {
@@ -595,51 +526,18 @@ impl ClusterLink {
         }
         ClusterLink {
             settings,
-            max_subscriptions: config.max_subscriptions_per_session,
-            fanout: Fanout::new(config.batch_interval),
+            edge: Edge::new(config),
+            shards: OwnedShards::default(),
             owner_config,
             unix_base_ms,
-            acting: BTreeMap::new(),
-            next_lapse: None,
-            owners: Owners::new(),
-            pending_prefs: DetMap::default(),
-            prefs_writes: PrefsWrites::default(),
-            pending_loads: DetMap::default(),
-            pending_shards: DetMap::default(),
-            names: Interner::new(config.max_users.saturating_mul(2)),
-            devices: DetMap::default(),
-            open: DetMap::default(),
-            shard_watchers: DetMap::default(),
-            tracks: DetMap::default(),
-            truth_tracks: DetMap::default(),
-            resynced: DetMap::default(),
-            next_beacon: None,
-            gaps: false,
-            subscribes: DetMap::default(),
-            routes: DetMap::default(),
-            pages: DetMap::default(),
-            page_reads: DetMap::default(),
-            records: DetMap::default(),
-            record_puts: DetMap::default(),
-            record_retries: Default::default(),
-            resumes: DetMap::default(),
             in_flight: DetMap::default(),
-            busy: Default::default(),
             next_tick: None,
             next_id: 0,
-            next_conn: 0,
             outputs: VecDeque::new(),
             finished: VecDeque::new(),
             counters: ClusterCounters::default(),
-            pumping: false,
-            pump_later: VecDeque::new(),
-            incarnations: DetMap::default(),
-            latencies: VecDeque::new(),
             max_name_len,
             groups: GroupDirectory::default(),
-            group_feed: VecDeque::new(),
-            fed_counts: DetMap::default(),
-            partials_next: None,
         }
     }
 
@@ -658,17 +556,17 @@ impl ClusterLink {
 
     /// The delay of a remote view this edge took (milliseconds).
     pub fn poll_latency(&mut self) -> Option<u64> {
-        self.latencies.pop_front()
+        self.edge.latencies.pop_front()
     }
 
     /// A push for a local session: the fanout's outputs.
     pub fn poll_fanout(&mut self) -> Option<Output> {
-        self.fanout.poll_output()
+        self.edge.fanout.poll_output()
     }
 
     /// The name behind a fanout user id.
     pub fn user_name(&self, user: UserId) -> Option<&str> {
-        self.names.name(user.0).map(|n| &**n)
+        self.edge.names.name(user.0).map(|n| &**n)
     }
 
     fn shard(&self, user: &str) -> u32 {
@@ -702,7 +600,8 @@ impl ClusterLink {
 
     fn acting_epoch(&self, shard: u32, now: Instant) -> Option<u64> {
         let lapse_ignored = self.settings.mutant == Some(LinkMutant::ActPastDeadline);
-        self.acting
+        self.shards
+            .acting
             .get(&shard)
             .filter(|(_, until)| lapse_ignored || now < *until)
             .map(|(epoch, _)| *epoch)
@@ -715,21 +614,21 @@ impl ClusterLink {
     /// The earliest instant something here is due, besides the cores';
     /// `now` (the caller's) when the first tick is still to come.
     pub fn poll_deadline(&self, now: Instant) -> Option<Instant> {
-        let work = !self.acting.is_empty()
-            || !self.busy.is_empty()
-            || !self.subscribes.is_empty()
-            || !self.routes.is_empty()
-            || !self.pages.is_empty()
-            || !self.record_retries.is_empty()
-            || !self.resumes.is_empty()
-            || self.gaps
+        let work = !self.shards.acting.is_empty()
+            || !self.edge.busy.is_empty()
+            || !self.edge.subscribes.is_empty()
+            || !self.edge.routes.is_empty()
+            || !self.edge.pages.is_empty()
+            || !self.edge.record_retries.is_empty()
+            || !self.edge.resumes.is_empty()
+            || self.edge.gaps
             // Watched shards: an owner gone silent is noticed at a tick.
-            || !self.tracks.is_empty()
+            || !self.edge.tracks.is_empty()
             || !self.in_flight.is_empty()
-            || !self.pending_prefs.is_empty()
-            || !self.prefs_writes.is_empty()
-            || !self.pending_loads.is_empty()
-            || !self.pending_shards.is_empty()
+            || !self.shards.pending_prefs.is_empty()
+            || !self.shards.prefs_writes.is_empty()
+            || !self.shards.pending_loads.is_empty()
+            || !self.shards.pending_shards.is_empty()
             || self.groups.busy();
         // A tick, not the exact instants: finding the earliest of them
         // would walk every device at every pass of the server's loop.
@@ -741,19 +640,20 @@ impl ClusterLink {
 
     /// The earliest core timer (owners' and the fanout's).
     pub fn poll_timeout(&self) -> Option<Millis> {
-        self.owners
+        self.shards
+            .owners
             .poll_timeout()
             .into_iter()
-            .chain(self.fanout.poll_timeout())
+            .chain(self.edge.fanout.poll_timeout())
             .min()
     }
 
     /// Runs what is due: core timers at `at`, deadlines and retries at `now`.
     pub fn handle_timeout(&mut self, now: Instant, at: Millis) {
         self.on_timeout(now, at);
-        self.owners.reindex();
+        self.shards.owners.reindex();
         #[cfg(test)]
-        self.owners.check();
+        self.shards.owners.check();
     }
 
     /// Stops acting for the shards whose claim's deadline passed, whatever
@@ -763,37 +663,38 @@ impl ClusterLink {
     /// timer).
     fn stop_lapsed(&mut self, now: Instant, at: Millis) {
         if self.settings.mutant == Some(LinkMutant::ActPastDeadline)
-            || self.next_lapse.is_none_or(|t| now < t)
+            || self.shards.next_lapse.is_none_or(|t| now < t)
         {
             return;
         }
         let lapsed: Vec<u32> = self
+            .shards
             .acting
             .iter()
             .filter(|(_, (_, until))| now >= *until)
             .map(|(s, _)| *s)
             .collect();
         for shard in lapsed {
-            self.acting.remove(&shard);
+            self.shards.acting.remove(&shard);
             self.drop_owner(shard, now, at);
         }
-        self.next_lapse = self.acting.values().map(|(_, until)| *until).min();
+        self.shards.next_lapse = self.shards.acting.values().map(|(_, until)| *until).min();
     }
 
     fn on_timeout(&mut self, now: Instant, at: Millis) {
         self.stop_lapsed(now, at);
         // Only the shards with something due (or changed since last asked).
-        for shard in self.owners.due(at) {
-            if let Some(o) = self.owners.get_mut(&shard) {
+        for shard in self.shards.owners.due(at) {
+            if let Some(o) = self.shards.owners.get_mut(&shard) {
                 o.core.handle_timeout(at);
             }
             self.drain_owner(shard, now, at);
             self.write_devices(shard, at);
-            if let Some(o) = self.owners.get_mut(&shard) {
+            if let Some(o) = self.shards.owners.get_mut(&shard) {
                 self.counters.users_released += release_idle(o, at) as u64;
             }
         }
-        self.fanout.handle_timeout(at);
+        self.edge.fanout.handle_timeout(at);
         if self.next_tick.is_some_and(|t| now < t) {
             return;
         }
@@ -813,9 +714,9 @@ impl ClusterLink {
 
     pub fn handle_input(&mut self, now: Instant, at: Millis, input: ClusterInput) {
         self.on_input(now, at, input);
-        self.owners.reindex();
+        self.shards.owners.reindex();
         #[cfg(test)]
-        self.owners.check();
+        self.shards.owners.check();
     }
 
     fn on_input(&mut self, now: Instant, at: Millis, input: ClusterInput) {
@@ -850,7 +751,7 @@ impl ClusterLink {
                 incarnation,
                 last_heard,
             } => {
-                self.saw_incarnation(&node, incarnation);
+                self.shards.saw_incarnation(&node, incarnation);
                 self.edge_lost(now, at, &node, Some(incarnation), last_heard)
             }
             ClusterInput::Resync { payload } => self.resync_message(now, at, &payload),
@@ -884,6 +785,7 @@ impl ClusterLink {
         }
         let timeout = self.settings.request_timeout;
         let late: Vec<u64> = self
+            .shards
             .pending_prefs
             .iter()
             .filter(|(_, p)| p.since + timeout <= now)
@@ -898,36 +800,39 @@ impl ClusterLink {
         // timeout to the claim TTL): under twice the request timeout. A
         // write not answered by then was dropped before it began.
         if let Some(cutoff) = now.checked_sub(timeout * 2) {
-            for id in self.prefs_writes.lost(cutoff) {
+            for id in self.shards.prefs_writes.lost(cutoff) {
                 self.prefs_stored(now, at, id, false);
             }
         }
         let late: Vec<u64> = self
+            .shards
             .pending_loads
             .iter()
             .filter(|(_, (_, _, _, since))| *since + timeout <= now)
             .map(|(id, _)| *id)
             .collect();
         for id in late {
-            if let Some((shard, epoch, user, _)) = self.pending_loads.remove(&id) {
+            if let Some((shard, epoch, user, _)) = self.shards.pending_loads.remove(&id) {
                 self.next_id += 1;
                 let id = self.next_id;
-                self.pending_loads
+                self.shards
+                    .pending_loads
                     .insert(id, (shard, epoch, user.clone(), now));
                 self.outputs.push_back(ClusterOutput::LoadUser { id, user });
             }
         }
         let late: Vec<u64> = self
+            .shards
             .pending_shards
             .iter()
             .filter(|(_, (_, _, since))| *since + timeout <= now)
             .map(|(id, _)| *id)
             .collect();
         for id in late {
-            if let Some((shard, epoch, _)) = self.pending_shards.remove(&id) {
+            if let Some((shard, epoch, _)) = self.shards.pending_shards.remove(&id) {
                 self.next_id += 1;
                 let id = self.next_id;
-                self.pending_shards.insert(id, (shard, epoch, now));
+                self.shards.pending_shards.insert(id, (shard, epoch, now));
                 self.outputs
                     .push_back(ClusterOutput::LoadShard { id, shard });
             }

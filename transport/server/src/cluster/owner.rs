@@ -5,6 +5,7 @@
 
 use super::group_agg::Sums;
 use super::group_owner::{Partials, Slice};
+use super::owners::OwnedShards;
 use super::wire::{
     decode, decode_shard_record, encode, encode_shard_record, Beacon, FromOwner, RecordedDevice,
     ResyncRequest, ShardRecord, ShardView, ToOwner, WirePrefs, FENCED_RECORD_SINCE,
@@ -227,6 +228,7 @@ impl ClusterLink {
     pub fn set_status(&mut self, now: Instant, at: Millis, shards: BTreeMap<u32, (u64, Instant)>) {
         // Shards lost, or won under a new epoch: their old cores go.
         let gone: Vec<u32> = self
+            .shards
             .owners
             .iter()
             .filter(|(s, o)| shards.get(s).is_none_or(|(e, _)| *e != o.epoch))
@@ -235,12 +237,13 @@ impl ClusterLink {
         for shard in gone {
             self.drop_owner(shard, now, at);
         }
-        self.acting = shards;
-        self.next_lapse = self.acting.values().map(|(_, until)| *until).min();
+        self.shards.acting = shards;
+        self.shards.next_lapse = self.shards.acting.values().map(|(_, until)| *until).min();
         let won: Vec<(u32, u64)> = self
+            .shards
             .acting
             .iter()
-            .filter(|(s, (_, until))| now < *until && !self.owners.contains_key(s))
+            .filter(|(s, (_, until))| now < *until && !self.shards.owners.contains_key(s))
             .filter(|(s, (e, _))| {
                 // An epoch past the last whose versions fit would wrap them:
                 // not acted for (the claim side refuses it first).
@@ -270,7 +273,7 @@ impl ClusterLink {
                 u64::try_from(self.settings.request_timeout.as_millis()).unwrap_or(u64::MAX),
             )));
             let cap = self.owner_config.max_users;
-            self.owners.insert(
+            self.shards.owners.insert(
                 shard,
                 Owner {
                     epoch,
@@ -308,12 +311,13 @@ impl ClusterLink {
             // with the owner, C3).
             self.next_id += 1;
             let id = self.next_id;
-            self.pending_shards.insert(id, (shard, epoch, now));
+            self.shards.pending_shards.insert(id, (shard, epoch, now));
             self.outputs
                 .push_back(ClusterOutput::LoadShard { id, shard });
             self.ask_resync(shard, epoch);
             // This node's own edge resends its devices of the shard at once.
             let mine: Vec<SessionId> = self
+                .edge
                 .devices
                 .iter()
                 .filter(|(_, d)| !d.closed && self.shard(&d.user) == shard)
@@ -348,22 +352,24 @@ impl ClusterLink {
     /// is open, and the beacon.
     pub(super) fn announce(&mut self, now: Instant) {
         let again: Vec<(u32, u64)> = self
+            .shards
             .owners
             .iter()
             .filter(|(_, o)| now < o.resync_until && now >= o.next_resync)
             .map(|(s, o)| (*s, o.epoch))
             .collect();
         for (shard, epoch) in again {
-            if let Some(o) = self.owners.get_mut(&shard) {
+            if let Some(o) = self.shards.owners.get_mut(&shard) {
                 o.next_resync = now + RESYNC_EVERY;
             }
             self.ask_resync(shard, epoch);
         }
-        if self.next_beacon.is_some_and(|t| now < t) {
+        if self.shards.next_beacon.is_some_and(|t| now < t) {
             return;
         }
-        self.next_beacon = Some(now + BEACON_EVERY);
+        self.shards.next_beacon = Some(now + BEACON_EVERY);
         let acting: Vec<(&u32, &Owner)> = self
+            .shards
             .owners
             .iter()
             .filter(|(s, o)| self.acting_epoch(**s, now) == Some(o.epoch))
@@ -402,7 +408,7 @@ impl ClusterLink {
     /// The node stops acting for `shard`: its core goes, and this node's
     /// own inputs that waited in it are refused (the edge looks again).
     pub(super) fn drop_owner(&mut self, shard: u32, now: Instant, at: Millis) {
-        let Some(o) = self.owners.remove(&shard) else {
+        let Some(o) = self.shards.owners.remove(&shard) else {
             return;
         };
         for (_, waiting) in o.loading {
@@ -424,7 +430,7 @@ impl ClusterLink {
         users: impl Iterator<Item = &'a str>,
         now: Instant,
     ) -> bool {
-        let Some(o) = self.owners.get_mut(&shard) else {
+        let Some(o) = self.shards.owners.get_mut(&shard) else {
             return false;
         };
         let epoch = o.epoch;
@@ -434,13 +440,15 @@ impl ClusterLink {
                 continue;
             }
             all = false;
-            if o.loading.contains_key(user) || self.pending_loads.len() >= MAX_PENDING_PREFS {
+            if o.loading.contains_key(user) || self.shards.pending_loads.len() >= MAX_PENDING_PREFS
+            {
                 continue;
             }
             o.loading.insert(user.to_owned(), Vec::new());
             self.next_id += 1;
             let id = self.next_id;
-            self.pending_loads
+            self.shards
+                .pending_loads
                 .insert(id, (shard, epoch, user.to_owned(), now));
             self.outputs.push_back(ClusterOutput::LoadUser {
                 id,
@@ -456,7 +464,7 @@ impl ClusterLink {
     /// `expire_pending`, which asks again what waited its timeout).
     pub(super) fn user_load_failed(&mut self, now: Instant, id: u64) {
         let timeout = self.settings.request_timeout;
-        if let Some((_, _, _, since)) = self.pending_loads.get_mut(&id) {
+        if let Some((_, _, _, since)) = self.shards.pending_loads.get_mut(&id) {
             self.counters.retries += 1;
             *since = (now + RETRY_AFTER).checked_sub(timeout).unwrap_or(*since);
         }
@@ -464,7 +472,7 @@ impl ClusterLink {
 
     pub(super) fn shard_load_failed(&mut self, now: Instant, id: u64) {
         let timeout = self.settings.request_timeout;
-        if let Some((_, _, since)) = self.pending_shards.get_mut(&id) {
+        if let Some((_, _, since)) = self.shards.pending_shards.get_mut(&id) {
             self.counters.retries += 1;
             *since = (now + RETRY_AFTER).checked_sub(timeout).unwrap_or(*since);
         }
@@ -478,7 +486,7 @@ impl ClusterLink {
         prefs: Option<Bytes>,
         view: Option<Bytes>,
     ) {
-        let Some((shard, epoch, user, asked)) = self.pending_loads.remove(&id) else {
+        let Some((shard, epoch, user, asked)) = self.shards.pending_loads.remove(&id) else {
             return;
         };
         let max_message = self.owner_config.max_message_len;
@@ -488,7 +496,12 @@ impl ClusterLink {
         let view = view
             .and_then(|b| decode::<proto::Presence>(&b))
             .filter(|p| p.message.as_ref().is_none_or(|m| m.len() <= max_message));
-        let Some(o) = self.owners.get_mut(&shard).filter(|o| o.epoch == epoch) else {
+        let Some(o) = self
+            .shards
+            .owners
+            .get_mut(&shard)
+            .filter(|o| o.epoch == epoch)
+        else {
             return; // the owner is gone; its waiting inputs were refused then
         };
         o.loaded.insert(user.clone());
@@ -588,7 +601,7 @@ impl ClusterLink {
     /// The previous owner's device record of a shard arrived: each user in
     /// it is restored (preferences, view, devices as lingering) at once.
     pub(super) fn shard_loaded(&mut self, now: Instant, id: u64, record: Option<Bytes>) {
-        let Some((shard, epoch, _)) = self.pending_shards.remove(&id) else {
+        let Some((shard, epoch, _)) = self.shards.pending_shards.remove(&id) else {
             return;
         };
         let max_name = self.max_name_len;
@@ -606,13 +619,18 @@ impl ClusterLink {
             .collect();
         let shard_of = self.settings.shard_of;
         let count = self.settings.shard_count;
-        let Some(o) = self.owners.get_mut(&shard).filter(|o| o.epoch == epoch) else {
+        let Some(o) = self
+            .shards
+            .owners
+            .get_mut(&shard)
+            .filter(|o| o.epoch == epoch)
+        else {
             return;
         };
         o.reading_record = false;
         // Its partials, held while the record was read, may go now.
-        self.partial_due_by(now);
-        let Some(o) = self.owners.get_mut(&shard) else {
+        self.shards.partial_due_by(now);
+        let Some(o) = self.shards.owners.get_mut(&shard) else {
             return;
         };
         let mut users = Vec::new();
@@ -640,7 +658,7 @@ impl ClusterLink {
             users.push(user);
         }
         for user in users {
-            let Some(o) = self.owners.get_mut(&shard) else {
+            let Some(o) = self.shards.owners.get_mut(&shard) else {
                 return;
             };
             if o.loading.contains_key(&user) {
@@ -649,7 +667,8 @@ impl ClusterLink {
             o.loading.insert(user.clone(), Vec::new());
             self.next_id += 1;
             let id = self.next_id;
-            self.pending_loads
+            self.shards
+                .pending_loads
                 .insert(id, (shard, epoch, user.clone(), now));
             self.outputs.push_back(ClusterOutput::LoadUser { id, user });
         }
@@ -659,7 +678,7 @@ impl ClusterLink {
     /// since the first change not written.
     pub(super) fn write_devices(&mut self, shard: u32, at: Millis) {
         let base = self.unix_base_ms;
-        let Some(o) = self.owners.get_mut(&shard) else {
+        let Some(o) = self.shards.owners.get_mut(&shard) else {
             return;
         };
         if o.reading_record || o.dirty_since.is_none_or(|d| at < d.plus(WRITE_BEHIND)) {
@@ -740,9 +759,9 @@ impl ClusterLink {
         }
         // Unix ms (from the lease) on the core's clock.
         let last_heard = Millis(last_heard.saturating_sub(self.unix_base_ms)).min(at);
-        let shards: Vec<u32> = self.owners.keys().copied().collect();
+        let shards: Vec<u32> = self.shards.owners.keys().copied().collect();
         for shard in shards {
-            let Some(o) = self.owners.get_mut(&shard) else {
+            let Some(o) = self.shards.owners.get_mut(&shard) else {
                 continue;
             };
             let lost: Vec<SessionId> = o
@@ -763,15 +782,10 @@ impl ClusterLink {
         }
     }
 
-    /// This node's owner of `shard`: its epoch and last view's number.
-    pub(super) fn published_up_to(&self, shard: u32) -> (u64, u64) {
-        self.owners.get(&shard).map_or((0, 0), |o| (o.epoch, o.seq))
-    }
-
     /// Publishes what the owner's core published, and forgets ended sessions.
     pub(super) fn drain_owner(&mut self, shard: u32, now: Instant, at: Millis) {
         let base = self.unix_base_ms;
-        let Some(o) = self.owners.get_mut(&shard) else {
+        let Some(o) = self.shards.owners.get_mut(&shard) else {
             return;
         };
         let mut ended = Vec::new();
@@ -914,8 +928,16 @@ impl ClusterLink {
         // This node's own sessions, in process (the copy NATS brings back
         // on the shard's subject is dropped by version).
         for v in local {
-            self.apply_view(at, &v.user, v.own, v.presence.to_core());
+            self.edge
+                .apply_view(at, &v.user, v.own, v.presence.to_core());
         }
         self.note_changed_groups(shard, now);
+    }
+}
+
+impl OwnedShards {
+    /// This node's owner of `shard`: its epoch and last view's number.
+    pub(super) fn published_up_to(&self, shard: u32) -> (u64, u64) {
+        self.owners.get(&shard).map_or((0, 0), |o| (o.epoch, o.seq))
     }
 }

@@ -5,6 +5,7 @@
 use super::owner::{
     forget_device, forget_user_if_unknown, note_idle, route_of, HeldSession, Holder, Owner, ReplyTo,
 };
+use super::owners::OwnedShards;
 use super::prefs_writes::Waiting;
 use super::wire::{decode, encode, FromOwner, ToOwner, WireOp, WirePrefs};
 use super::DetMap;
@@ -251,7 +252,7 @@ impl ClusterLink {
     }
 
     fn owner_request(&mut self, shard: u32, msg: ToOwner, reply: u64, now: Instant, at: Millis) {
-        if self.acting_epoch(shard, now).is_none() || !self.owners.contains_key(&shard) {
+        if self.acting_epoch(shard, now).is_none() || !self.shards.owners.contains_key(&shard) {
             self.outputs.push_back(ClusterOutput::Reply {
                 reply,
                 payload: encode(&FromOwner::NotOwner),
@@ -285,7 +286,7 @@ impl ClusterLink {
                     self.counters.malformed += 1;
                     return;
                 }
-                let entries = self.owners.get(&shard).map(|o| route_of(o, &user));
+                let entries = self.shards.owners.get(&shard).map(|o| route_of(o, &user));
                 self.outputs.push_back(ClusterOutput::Reply {
                     reply,
                     payload: encode(&FromOwner::Route(entries.unwrap_or_default())),
@@ -311,7 +312,7 @@ impl ClusterLink {
         let mut presences = Vec::with_capacity(targets.len());
         let base = self.unix_base_ms;
         for t in &targets {
-            let Some(o) = self.owners.get_mut(&shard) else {
+            let Some(o) = self.shards.owners.get_mut(&shard) else {
                 return;
             };
             let Some(uid) = o.users.intern(t) else {
@@ -330,7 +331,7 @@ impl ClusterLink {
             }
         }
         self.drain_owner(shard, now, at);
-        let (epoch, seq) = self.published_up_to(shard);
+        let (epoch, seq) = self.shards.published_up_to(shard);
         self.outputs.push_back(ClusterOutput::Reply {
             reply,
             payload: encode(&FromOwner::Snapshot {
@@ -376,7 +377,7 @@ impl ClusterLink {
             self.counters.malformed += 1;
             return;
         }
-        if !self.saw_incarnation(&edge, incarnation) {
+        if !self.shards.saw_incarnation(&edge, incarnation) {
             // Sent by a run of the edge that is gone (a `kill -9` just
             // after it sent): applied, it would connect a device nobody
             // holds, a ghost until the next owner change.
@@ -384,11 +385,11 @@ impl ClusterLink {
             return;
         }
         let from_unix = |unix: u64| Millis(unix.saturating_sub(self.unix_base_ms)).min(at);
-        let loads = self.pending_loads.len();
+        let loads = self.shards.pending_loads.len();
         // `max_users` is the node's, over all the shards it owns: a user
         // new to every owner core here is refused at it.
-        let node_users: usize = self.owners.values().map(|o| o.users.len()).sum();
-        let Some(o) = self.owners.get_mut(&shard) else {
+        let node_users: usize = self.shards.owners.values().map(|o| o.users.len()).sum();
+        let Some(o) = self.shards.owners.get_mut(&shard) else {
             return self.reply(reply, FromOwner::NotOwner, now, at);
         };
         let (connects, foreground) = match op {
@@ -427,7 +428,8 @@ impl ClusterLink {
             o.loading.insert(user.clone(), vec![(msg, reply)]);
             self.next_id += 1;
             let id = self.next_id;
-            self.pending_loads
+            self.shards
+                .pending_loads
                 .insert(id, (shard, epoch, user.clone(), now));
             self.outputs.push_back(ClusterOutput::LoadUser { id, user });
             return;
@@ -549,9 +551,9 @@ impl ClusterLink {
                 invisible: saved.invisible,
                 last_seen: saved.last_seen.map(|m| self.to_unix(m)),
             });
-            if self.pending_prefs.len() < MAX_PENDING_PREFS {
+            if self.shards.pending_prefs.len() < MAX_PENDING_PREFS {
                 let id = self.id();
-                self.pending_prefs.insert(
+                self.shards.pending_prefs.insert(
                     id,
                     PendingPrefs {
                         reply,
@@ -568,9 +570,9 @@ impl ClusterLink {
                     value,
                     requests: vec![id],
                 };
-                let pending = &self.pending_prefs;
+                let pending = &self.shards.pending_prefs;
                 let live = |r: u64| pending.contains_key(&r);
-                if let Some(w) = self.prefs_writes.start(now, id, &user, write, live) {
+                if let Some(w) = self.shards.prefs_writes.start(now, id, &user, write, live) {
                     self.outputs.push_back(ClusterOutput::PutPrefs {
                         id,
                         user,
@@ -583,7 +585,7 @@ impl ClusterLink {
             return;
         }
         if matches!(answer, FromOwner::Done { .. }) {
-            if let Some(o) = self.owners.get_mut(&shard) {
+            if let Some(o) = self.shards.owners.get_mut(&shard) {
                 remember_rid(&mut o.last_rid, key_rid, rid);
             }
         }
@@ -595,7 +597,7 @@ impl ClusterLink {
     /// requests it carried are answered, and the user's value that waited
     /// for it goes out, while its epoch is still acted for.
     pub(super) fn prefs_stored(&mut self, now: Instant, at: Millis, id: u64, ok: bool) {
-        let Some(done) = self.prefs_writes.finished(id) else {
+        let Some(done) = self.shards.prefs_writes.finished(id) else {
             return;
         };
         for request in done.requests {
@@ -611,7 +613,8 @@ impl ClusterLink {
             return;
         }
         let write = self.id();
-        self.prefs_writes
+        self.shards
+            .prefs_writes
             .sent(now, write, &done.user, next.requests);
         self.outputs.push_back(ClusterOutput::PutPrefs {
             id: write,
@@ -624,17 +627,19 @@ impl ClusterLink {
     /// Answers request `id`, which waited for its preferences to be stored
     /// (`ok`) or not.
     pub(super) fn answer_prefs(&mut self, now: Instant, at: Millis, id: u64, ok: bool) {
-        let Some(p) = self.pending_prefs.remove(&id) else {
+        let Some(p) = self.shards.pending_prefs.remove(&id) else {
             return;
         };
         // Done only while this node still acts for the epoch it
         // wrote under (C4): after the shard moved, the new owner may
         // show otherwise, so the edge asks it again.
         let acting = self
+            .shards
             .acting
             .get(&p.shard)
             .is_some_and(|(epoch, until)| *epoch == p.epoch && now < *until);
         let owner = self
+            .shards
             .owners
             .get_mut(&p.shard)
             .filter(|o| acting && o.epoch == p.epoch);
@@ -651,7 +656,9 @@ impl ClusterLink {
         };
         self.reply(p.reply, answer, now, at);
     }
+}
 
+impl OwnedShards {
     /// Remembers `incarnation` as the edge's newest if it is; `false` if a
     /// newer one of the edge is known (`incarnation` is a dead run's).
     pub(super) fn saw_incarnation(&mut self, edge: &str, incarnation: u64) -> bool {

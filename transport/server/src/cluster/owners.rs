@@ -8,12 +8,41 @@
 //! asked directly, so the answer is right whenever it is asked.
 
 use super::owner::Owner;
+use super::owner_requests::PendingPrefs;
+use super::prefs_writes::PrefsWrites;
 use super::DetMap;
 use super::WRITE_BEHIND;
 use greendot_core::Millis;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Index;
+use std::time::Instant;
 
+/// The shards this node acts for, with what serves only them: their
+/// claims, preference writes, KV and shard record reads, and the edges'
+/// incarnations their requests carry.
+#[derive(Default)]
+pub(super) struct OwnedShards {
+    /// Per shard acted for: the epoch, and until when the claim holds.
+    pub(super) acting: BTreeMap<u32, (u64, Instant)>,
+    /// The earliest deadline in `acting`.
+    pub(super) next_lapse: Option<Instant>,
+    pub(super) owners: Owners,
+    pub(super) pending_prefs: DetMap<u64, PendingPrefs>,
+    pub(super) prefs_writes: PrefsWrites,
+    /// KV reads in flight: shard, epoch, user, since.
+    pub(super) pending_loads: DetMap<u64, (u32, u64, String, Instant)>,
+    /// Shard record reads in flight: shard, epoch, since.
+    pub(super) pending_shards: DetMap<u64, (u32, u64, Instant)>,
+    /// The newest incarnation seen of each edge (from its requests and its
+    /// lease): requests of older ones are dropped. At most
+    /// `MAX_EDGES_REMEMBERED`: edges are the cluster's nodes.
+    pub(super) incarnations: DetMap<String, u64>,
+    pub(super) next_beacon: Option<Instant>,
+    /// When the owners' next partial is due, if one is.
+    pub(super) partials_next: Option<Instant>,
+}
+
+#[derive(Default)]
 pub(super) struct Owners {
     map: BTreeMap<u32, Owner>,
     /// (deadline, shard) of the shards not touched since they were indexed
@@ -42,15 +71,6 @@ fn deadline(o: &Owner) -> Option<Millis> {
 }
 
 impl Owners {
-    pub(super) fn new() -> Owners {
-        Owners {
-            map: BTreeMap::new(),
-            index: BTreeSet::new(),
-            indexed: DetMap::default(),
-            touched: BTreeSet::new(),
-        }
-    }
-
     pub(super) fn get(&self, shard: &u32) -> Option<&Owner> {
         self.map.get(shard)
     }

@@ -368,7 +368,7 @@ pub(super) fn set_status(
 /// Whether `b`, the owner of alice's shard (1), holds a connected session
 /// of hers.
 pub(super) fn alice_connected_at(b: &ClusterLink) -> bool {
-    let o = &b.owners[&1];
+    let o = &b.shards.owners[&1];
     o.users.get("alice").is_some_and(|uid| {
         o.core
             .sessions_of(UserId(uid))

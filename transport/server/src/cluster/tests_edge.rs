@@ -79,7 +79,7 @@ fn an_ending_op_is_never_refused_behind_a_full_queue() {
         };
         assert!(a.input(now, Millis(400), alice, op, Some(100 + i)));
     }
-    let queued = &a.devices[&alice].queue;
+    let queued = &a.edge.devices[&alice].queue;
     assert_eq!(queued.len(), MAX_QUEUED_OPS, "full");
     let last_invisible = queued
         .iter()
@@ -92,7 +92,7 @@ fn an_ending_op_is_never_refused_behind_a_full_queue() {
     while a.poll_finished().is_some() {}
 
     assert!(a.input(now, Millis(401), alice, WireOp::Logout, Some(600)));
-    let d = &a.devices[&alice];
+    let d = &a.edge.devices[&alice];
     assert!(d.closed, "the device ends at its owner");
     let ops: Vec<&WireOp> = d.queue.iter().map(|q| &q.op).collect();
     assert_eq!(ops.last(), Some(&&WireOp::Logout), "{ops:?}");
@@ -339,13 +339,13 @@ fn a_request_the_io_never_answered_is_sent_again() {
             .any(|(w, f)| *w == 3 && matches!(f, Finished::Done)),
         "the client was told in time: {answers:?}"
     );
-    let o = &b.owners[&1];
+    let o = &b.shards.owners[&1];
     let alice = UserId(o.users.get("alice").unwrap());
     assert!(
         !o.core.truth(alice).online,
         "the logout got through at last"
     );
-    assert!(a.in_flight.is_empty() && a.busy.is_empty());
+    assert!(a.in_flight.is_empty() && a.edge.busy.is_empty());
 }
 
 /// [`exchange`], holding `a`'s session record puts instead of landing
@@ -569,5 +569,5 @@ fn a_connect_of_a_session_superseded_here_is_not_sent_again() {
         !alice_connected_at(&b),
         "the superseded session's connect took the device"
     );
-    assert!(a.devices.is_empty() && a.busy.is_empty());
+    assert!(a.edge.devices.is_empty() && a.edge.busy.is_empty());
 }

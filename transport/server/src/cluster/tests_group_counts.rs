@@ -498,19 +498,19 @@ fn a_watched_pages_members_are_followed_until_let_go() {
     let (session, page, followed) = read.expect("the watched page was read");
     assert_eq!((session, page.entries.len()), (sid, 4), "{page:?}");
     let link = &mut bus.links[0];
-    assert_eq!(link.fanout.subscriptions(PAGE_WATCHER).len(), 4);
+    assert_eq!(link.edge.fanout.subscriptions(PAGE_WATCHER).len(), 4);
     // Let go of (another watch ended) before the read is handed over: the
     // read holds her; handed over, bo is not listed and is let go.
     link.unfollow_page_member(Millis(3_200), "ann");
-    assert_eq!(link.fanout.subscriptions(PAGE_WATCHER).len(), 4);
+    assert_eq!(link.edge.fanout.subscriptions(PAGE_WATCHER).len(), 4);
     link.settle_page_read(Millis(3_200), &followed, |name| name != "bo");
-    assert_eq!(link.fanout.subscriptions(PAGE_WATCHER).len(), 3);
+    assert_eq!(link.edge.fanout.subscriptions(PAGE_WATCHER).len(), 3);
     while link.poll_fanout().is_some() {}
     // ann (at b, in b's shard 3) logs out: pushed to a's page watcher.
     bus.logout(3_500, 1, 3);
     bus.pass(3_500, 6_000);
     let link = &mut bus.links[0];
-    let ann = link.names.get("ann").map(UserId).unwrap();
+    let ann = link.edge.names.get("ann").map(UserId).unwrap();
     let pushed = std::iter::from_fn(|| link.poll_fanout()).any(|o| {
         matches!(o, Output::Push { to, target, presence, .. }
             if to == PAGE_WATCHER && target == ann && !presence.online)
@@ -519,6 +519,10 @@ fn a_watched_pages_members_are_followed_until_let_go() {
     for member in MEMBERS {
         link.unfollow_page_member(Millis(6_000), member);
     }
-    assert!(link.fanout.subscriptions(PAGE_WATCHER).is_empty());
-    assert!(link.shard_watchers.is_empty(), "{:?}", link.shard_watchers);
+    assert!(link.edge.fanout.subscriptions(PAGE_WATCHER).is_empty());
+    assert!(
+        link.edge.shard_watchers.is_empty(),
+        "{:?}",
+        link.edge.shard_watchers
+    );
 }

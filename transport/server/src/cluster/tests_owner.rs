@@ -318,7 +318,7 @@ fn a_logout_during_an_owner_failover_reaches_the_next_owner() {
         kind: proto::Kind::Mobile,
         edge: "a".into(),
         incarnation: 7,
-        conn: a.devices[&alice].conn,
+        conn: a.edge.devices[&alice].conn,
         heard: 600,
         foreground: true,
     }];
@@ -372,7 +372,7 @@ fn a_logout_during_an_owner_failover_reaches_the_next_owner() {
         a.handle_timeout(now, at);
         c.handle_timeout(now, at);
         exchange(&mut a, &mut c, now, at);
-        let o = &c.owners[&1];
+        let o = &c.shards.owners[&1];
         let uid = o.users.get("alice").map(UserId);
         let gone = uid.is_some_and(|u| o.core.is_known(u) && !o.core.is_online(u));
         if gone {
@@ -436,9 +436,13 @@ fn max_users_is_the_nodes_over_all_its_shards() {
         );
         exchange(&mut a, &mut b, now, Millis(0));
     }
-    let owned: usize = b.owners.values().map(|o| o.users.len()).sum();
+    let owned: usize = b.shards.owners.values().map(|o| o.users.len()).sum();
     assert_eq!(owned, 2, "the third user is refused");
-    let carl = b.owners.values().any(|o| o.users.get("carl").is_some());
+    let carl = b
+        .shards
+        .owners
+        .values()
+        .any(|o| o.users.get("carl").is_some());
     assert!(!carl);
 }
 
@@ -646,8 +650,8 @@ fn an_owner_frees_a_user_gone_a_while_and_reads_them_back_for_a_snapshot() {
     assert!(matches!(a.poll_finished(), Some((1, Finished::Done))));
     b.handle_timeout(now, Millis(6_400));
     exchange_kv(&mut a, &mut b, now, Millis(6_400), Some(&mut views));
-    let uid = UserId(b.owners[&1].users.get("alice").unwrap());
-    let shown = b.owners[&1].core.presence(uid);
+    let uid = UserId(b.shards.owners[&1].users.get("alice").unwrap());
+    let shown = b.shards.owners[&1].core.presence(uid);
     assert!(
         !shown.online && shown.last_seen == Some(Millis(6_000)),
         "{shown:?}"
@@ -657,10 +661,10 @@ fn an_owner_frees_a_user_gone_a_while_and_reads_them_back_for_a_snapshot() {
     assert_eq!(b.counters().users_released, 0);
     b.handle_timeout(now, Millis(6_000 + RELEASE_AFTER.0));
     assert_eq!(b.counters().users_released, 1);
-    assert!(!b.owners[&1].core.is_known(uid));
-    assert_eq!(b.owners[&1].users.get("alice"), None);
+    assert!(!b.shards.owners[&1].core.is_known(uid));
+    assert_eq!(b.shards.owners[&1].users.get("alice"), None);
     assert_eq!(
-        b.owners[&1].devices.get("phone"),
+        b.shards.owners[&1].devices.get("phone"),
         None,
         "her device name too"
     );
@@ -747,7 +751,7 @@ fn a_new_owner_that_never_heard_of_the_device_gets_it_connected_again() {
     exchange(&mut a, &mut b, now, Millis(10));
     assert!(matches!(a.poll_finished(), Some((9, Finished::Done))));
     assert!(a.counters().retries >= 1, "answered Unknown first");
-    let o = &b.owners[&1];
+    let o = &b.shards.owners[&1];
     let alice = UserId(o.users.get("alice").unwrap());
     assert!(o.core.saved(alice).invisible);
     assert!(o.core.truth(alice).online, "her device was connected again");
@@ -790,7 +794,7 @@ fn a_late_request_is_not_applied_over_a_newer_one() {
             reply: 77,
         },
     );
-    let o = &b.owners[&1];
+    let o = &b.shards.owners[&1];
     let uid = UserId(o.users.get("alice").unwrap());
     assert!(!o.core.saved(uid).invisible, "the late copy was applied");
     let reply = b.poll_output();
@@ -803,7 +807,7 @@ fn a_late_request_is_not_applied_over_a_newer_one() {
 /// Whether each of the owner's sessions held by `edge` is online, by
 /// the holder's incarnation.
 fn held_by(b: &ClusterLink, shard: u32, edge: &str) -> Vec<(u64, bool)> {
-    let o = &b.owners[&shard];
+    let o = &b.shards.owners[&shard];
     let mut held: Vec<(u64, bool)> = o
         .sessions
         .iter()
@@ -876,7 +880,7 @@ fn a_restarted_edge_loses_only_the_devices_of_its_older_incarnations() {
     let later = Millis(200 + grace.0 + Config::default().debounce.0 + 100);
     let later_instant = now + Duration::from_millis(later.0);
     b.handle_timeout(later_instant, later);
-    let o = &b.owners[&1];
+    let o = &b.shards.owners[&1];
     assert!(!o.core.truth(UserId(o.users.get("alice").unwrap())).online);
     assert!(o.core.truth(UserId(o.users.get("carol").unwrap())).online);
 }
@@ -884,7 +888,7 @@ fn a_restarted_edge_loses_only_the_devices_of_its_older_incarnations() {
 #[test]
 fn malformed_messages_are_counted_and_dropped() {
     let (mut a, mut b, now) = two_nodes();
-    let users_before = b.owners[&1].users.len();
+    let users_before = b.shards.owners[&1].users.len();
     let garbage = [
         Bytes::from_static(b"\xff\xff\xff\xff\xff\xff\xff\xff\xff"),
         Bytes::from(vec![0u8; MAX_MESSAGE + 1]),
@@ -960,8 +964,16 @@ fn malformed_messages_are_counted_and_dropped() {
     assert_eq!(a.counters().malformed, 5);
     assert_eq!(b.counters().malformed, 5);
     assert_eq!(b.poll_output(), None, "nothing answered");
-    assert_eq!(b.owners[&1].users.len(), users_before, "nothing stored");
-    assert_eq!(b.owners[&1].core.session_count(), 1, "alice's phone only");
+    assert_eq!(
+        b.shards.owners[&1].users.len(),
+        users_before,
+        "nothing stored"
+    );
+    assert_eq!(
+        b.shards.owners[&1].core.session_count(),
+        1,
+        "alice's phone only"
+    );
 }
 
 #[test]
@@ -970,7 +982,10 @@ fn an_owner_past_its_claim_deadline_stops_answering() {
     let until = now + Duration::from_millis(50);
     b.set_status(now, Millis(1), all_shards(1, until));
     b.handle_timeout(until, Millis(50));
-    assert!(b.owners.is_empty(), "the cores are gone at the deadline");
+    assert!(
+        b.shards.owners.is_empty(),
+        "the cores are gone at the deadline"
+    );
     a.input(until, Millis(50), SessionId(1), WireOp::Logout, None);
     let Some(ClusterOutput::Request {
         id,
@@ -1040,8 +1055,8 @@ fn freed_over_a_lost_offline(in_a_group: bool) {
     exchange_kv(&mut a, &mut b, now, Millis(6_000), Some(&mut views));
     b.handle_timeout(now, Millis(6_400));
     exchange_kv(&mut a, &mut b, now, Millis(6_400), Some(&mut views));
-    let uid = UserId(b.owners[&1].users.get("alice").unwrap());
-    let offline = b.owners[&1].core.presence(uid);
+    let uid = UserId(b.shards.owners[&1].users.get("alice").unwrap());
+    let offline = b.shards.owners[&1].core.presence(uid);
     assert!(!offline.online);
     // bob subscribes to her a second later: her owner notes her idle again.
     let at = Millis(7_000);
@@ -1051,7 +1066,7 @@ fn freed_over_a_lost_offline(in_a_group: bool) {
     views.insert("alice".into(), online_view);
     b.handle_timeout(now, Millis(7_000 + RELEASE_AFTER.0));
     assert!(b.counters().users_released >= 1);
-    assert!(!b.owners[&1].core.is_known(uid), "freed");
+    assert!(!b.shards.owners[&1].core.is_known(uid), "freed");
     // Her phone connects again.
     let at = Millis(70_000);
     alice_phone_connects(&mut a, now, at);

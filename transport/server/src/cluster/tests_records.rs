@@ -384,7 +384,7 @@ fn a_backgrounded_device_is_resent_in_the_background() {
                     }
                 }
                 if let Some(op) = alice {
-                    let o = &c.owners[&1];
+                    let o = &c.shards.owners[&1];
                     let uid = UserId(o.users.get("alice").unwrap());
                     let present = o.core.sessions_of(uid).into_iter().any(|s| {
                         o.core

@@ -138,7 +138,7 @@ fn a_lost_last_view_is_noticed_by_the_owners_beacon() {
 #[test]
 fn a_watched_shard_whose_owner_went_silent_is_asked_again() {
     let (mut a, mut b, now) = bob_misses_alices_busy();
-    assert!(!a.behind_on(1), "nothing shows the gap yet");
+    assert!(!a.edge.behind_on(1), "nothing shows the gap yet");
     // a acts for no shard: it ticks for the shards it watches.
     assert!(a.poll_deadline(now).is_some());
     a.handle_timeout(now + TICK, Millis(1_000));
@@ -148,11 +148,11 @@ fn a_watched_shard_whose_owner_went_silent_is_asked_again() {
     let at = Millis(400 + STALE_AFTER.0);
     a.handle_timeout(later, at);
     assert_eq!(a.counters().silent_shards, 1);
-    assert!(a.behind_on(1));
+    assert!(a.edge.behind_on(1));
     a.handle_timeout(later + TICK, at.plus(Millis(50)));
     exchange(&mut a, &mut b, later + TICK, at.plus(Millis(50)));
     assert!(busy_pushed_to_bob(&mut a), "bob still sees alice available");
-    assert!(!a.behind_on(1), "the owner answered");
+    assert!(!a.edge.behind_on(1), "the owner answered");
 }
 
 /// An owner heard of only through its beacons, naming the last view the
