@@ -364,7 +364,7 @@ impl ClusterLink {
             }
         }
         let conn = self.edge.next_conn();
-        let (welcomed, protocol) = (self.to_unix(at), self.settings.protocol);
+        let (welcomed, protocol) = (self.shared.to_unix(at), self.shared.settings.protocol);
         if let Some(d) = self.edge.devices.get_mut(&session) {
             // Resumed here after a disconnect: connected again at the owner.
             if d.closed {
@@ -409,13 +409,13 @@ impl ClusterLink {
         op: WireOp,
         wait: Option<u64>,
     ) -> bool {
-        let deadline = now + self.settings.request_timeout;
+        let deadline = now + self.shared.settings.request_timeout;
         let Some(d) = self.edge.devices.get_mut(&session).filter(|d| !d.closed) else {
             return false;
         };
         let ends = matches!(op, WireOp::Logout | WireOp::Disconnect { .. });
         if matches!(op, WireOp::Disconnect { .. })
-            && self.settings.mutant == Some(super::LinkMutant::DropEndingOp)
+            && self.shared.settings.mutant == Some(super::LinkMutant::DropEndingOp)
         {
             d.closed = true;
             return true;
@@ -509,7 +509,7 @@ impl ClusterLink {
         let Some(name) = self.edge.names.name(target.0).cloned() else {
             return;
         };
-        let shard = self.shard(&name);
+        let shard = self.shared.shard(&name);
         self.unwatch_shard(shard);
         if self.edge.names.drop_ref(target.0) == 0 {
             self.edge.names.remove(target.0);
@@ -555,7 +555,7 @@ impl ClusterLink {
         } else {
             Some(self.edge.next_conn())
         };
-        let protocol = self.settings.protocol;
+        let protocol = self.shared.settings.protocol;
         let Some(d) = self.edge.devices.get_mut(&session) else {
             return;
         };
@@ -595,7 +595,7 @@ impl ClusterLink {
     }
 
     fn pump_one(&mut self, session: SessionId, now: Instant, at: Millis) {
-        let rid = self.next_id + 1;
+        let rid = self.shared.next_id + 1;
         if let Some(d) = self
             .edge
             .devices
@@ -635,26 +635,36 @@ impl ClusterLink {
         };
         self.edge.busy.insert(session);
         let msg = ToOwner::Device {
-            edge: self.settings.node.clone(),
-            incarnation: self.settings.incarnation,
+            edge: self.shared.settings.node.clone(),
+            incarnation: self.shared.settings.incarnation,
             rid,
             conn: d.conn,
             user: d.user.clone(),
             device: d.device.clone(),
             op: head.op.clone(),
         };
-        let shard = self.shard(&d.user);
-        self.next_id = rid;
+        let shard = self.shared.shard(&d.user);
+        self.shared.next_id = rid;
         if let Some(d) = self.edge.devices.get_mut(&session) {
             d.sent = Some(rid);
         }
-        if self.shards.owners.contains_key(&shard) && self.acting_epoch(shard, now).is_some() {
-            self.counters.forwarded_local += 1;
-            self.owner_input(shard, msg, ReplyTo::Local(session, rid), now, at);
+        if self.shards.owners.contains_key(&shard)
+            && self.shards.acting_epoch(&self.shared, shard, now).is_some()
+        {
+            self.shared.counters.forwarded_local += 1;
+            self.shards.owner_input(
+                &mut self.shared,
+                shard,
+                msg,
+                ReplyTo::Local(session, rid),
+                now,
+                at,
+            );
+            self.deliver_local();
         } else {
-            self.counters.forwarded += 1;
+            self.shared.counters.forwarded += 1;
             let payload = encode(&msg);
-            self.request(
+            self.shared.request(
                 now,
                 InFlight::Device { session, rid },
                 shard,
@@ -727,8 +737,8 @@ impl ClusterLink {
                 if let Some(q) = d.queue.front_mut() {
                     q.reconnected = true;
                 }
-                self.counters.retries += 1;
-                d.connect_first(now, self.settings.protocol);
+                self.shared.counters.retries += 1;
+                d.connect_first(now, self.shared.settings.protocol);
                 self.edge.next_conn += 1;
                 if let Some(d) = self.edge.devices.get_mut(&session) {
                     d.conn = self.edge.next_conn;
@@ -740,7 +750,7 @@ impl ClusterLink {
             | Some(FromOwner::Loading)
             | Some(FromOwner::GroupPageKeys { .. })
             | None => {
-                self.counters.retries += 1;
+                self.shared.counters.retries += 1;
                 d.not_before = Some(now + RETRY_AFTER);
                 self.edge.busy.insert(session);
                 return;
@@ -787,13 +797,13 @@ impl ClusterLink {
 
     /// The owner's answer to request `id` (`None`: unanswered).
     pub(super) fn answered(&mut self, now: Instant, at: Millis, id: u64, payload: Option<Bytes>) {
-        let Some((what, _)) = self.in_flight.remove(&id) else {
+        let Some((what, _)) = self.shared.in_flight.remove(&id) else {
             return;
         };
         let answer = payload.and_then(|p| {
             let a = decode::<FromOwner>(&p);
             if a.is_none() {
-                self.counters.malformed += 1;
+                self.shared.counters.malformed += 1;
             }
             a
         });
@@ -806,8 +816,8 @@ impl ClusterLink {
             }
             InFlight::Partials { sent } => {
                 if !matches!(answer, Some(FromOwner::Done { .. })) {
-                    self.counters.retries += 1;
-                    self.partials_failed(&sent, now);
+                    self.shared.counters.retries += 1;
+                    self.shards.partials_failed(&sent, now);
                 }
             }
             InFlight::Snapshot { wait, shard } => match answer {
@@ -824,7 +834,7 @@ impl ClusterLink {
                         .map(|p| {
                             p.targets
                                 .iter()
-                                .filter(|(t, s)| s.is_none() && self.shard(t) == shard)
+                                .filter(|(t, s)| s.is_none() && self.shared.shard(t) == shard)
                                 .map(|(t, _)| t.clone())
                                 .collect()
                         })
@@ -836,9 +846,9 @@ impl ClusterLink {
             },
             InFlight::Route { wait } => match answer {
                 Some(FromOwner::Route(entries))
-                    if entries
-                        .iter()
-                        .all(|e| !e.device.is_empty() && e.device.len() <= self.max_name_len) =>
+                    if entries.iter().all(|e| {
+                        !e.device.is_empty() && e.device.len() <= self.shared.max_name_len
+                    }) =>
                 {
                     if self.edge.routes.remove(&wait).is_some() {
                         let answer = proto::Answer::Route(entries);
@@ -846,7 +856,7 @@ impl ClusterLink {
                     }
                 }
                 _ => {
-                    self.counters.retries += 1;
+                    self.shared.counters.retries += 1;
                     if let Some(p) = self.edge.routes.get_mut(&wait) {
                         p.retry_at = Some(now + RETRY_AFTER);
                     }
@@ -880,9 +890,10 @@ impl ClusterLink {
     pub(super) fn resync_message(&mut self, now: Instant, at: Millis, payload: &[u8]) {
         match decode::<ResyncRequest>(payload) {
             Some(r)
-                if r.owner.len() <= self.max_name_len && r.shard < self.settings.shard_count =>
+                if r.owner.len() <= self.shared.max_name_len
+                    && r.shard < self.shared.settings.shard_count =>
             {
-                if r.owner == self.settings.node {
+                if r.owner == self.shared.settings.node {
                     return; // resent in process when the claim was won
                 }
                 // Sent again while the owner's window is open: once is
@@ -893,20 +904,20 @@ impl ClusterLink {
                 }
                 *answered = r.epoch;
                 // The shard's new owner sums the groups homed there anew.
-                self.home_changed(r.shard, now);
+                self.shards.home_changed(&mut self.shared, r.shard, now);
                 let mine: Vec<SessionId> = self
                     .edge
                     .devices
                     .iter()
-                    .filter(|(_, d)| !d.closed && self.shard(&d.user) == r.shard)
+                    .filter(|(_, d)| !d.closed && self.shared.shard(&d.user) == r.shard)
                     .map(|(s, _)| *s)
                     .collect();
-                self.counters.resyncs += 1;
+                self.shared.counters.resyncs += 1;
                 for session in mine {
                     self.resend(session, now, at, false);
                 }
             }
-            _ => self.counters.malformed += 1,
+            _ => self.shared.counters.malformed += 1,
         }
     }
 
@@ -915,15 +926,15 @@ impl ClusterLink {
     /// the user's shard, else through [`ClusterLink::poll_finished`] under
     /// `wait`.
     pub fn route(&mut self, now: Instant, wait: u64, user: &str) -> Option<proto::Answer> {
-        let shard = self.shard(user);
-        if self.acting_epoch(shard, now).is_some() {
+        let shard = self.shared.shard(user);
+        if self.shards.acting_epoch(&self.shared, shard, now).is_some() {
             if let Some(o) = self.shards.owners.get(&shard) {
                 return Some(proto::Answer::Route(route_of(o, user)));
             }
         }
         let p = PendingRoute {
             user: user.to_owned(),
-            deadline: now + self.settings.request_timeout,
+            deadline: now + self.shared.settings.request_timeout,
             retry_at: None,
         };
         self.edge.routes.insert(wait, p);
@@ -936,12 +947,13 @@ impl ClusterLink {
             return;
         };
         p.retry_at = None;
-        let shard = (self.settings.shard_of)(&p.user, self.settings.shard_count);
+        let shard = (self.shared.settings.shard_of)(&p.user, self.shared.settings.shard_count);
         let payload = encode(&ToOwner::Route {
             user: p.user.clone(),
         });
         let waiting = InFlight::Route { wait };
-        self.request(now, waiting, shard, RequestKind::Snapshot, payload);
+        self.shared
+            .request(now, waiting, shard, RequestKind::Snapshot, payload);
     }
 
     pub(super) fn retry_routes(&mut self, now: Instant) {

@@ -112,14 +112,14 @@ impl ClusterLink {
             subscriptions,
         };
         let groups: Vec<u64> = r.groups.iter().copied().collect();
-        let value = encode_session_record(&record, &groups, self.settings.protocol);
+        let value = encode_session_record(&record, &groups, self.shared.settings.protocol);
         let (user, device, changed) = (r.user.clone(), r.device.clone(), r.changed);
-        let id = self.id();
+        let id = self.shared.id();
         if let Some(r) = self.edge.records.get_mut(&session) {
             r.putting = Some((id, changed));
         }
         self.edge.record_puts.insert(id, session);
-        self.outputs.push_back(ClusterOutput::PutSession {
+        self.shared.outputs.push_back(ClusterOutput::PutSession {
             id,
             user,
             device,
@@ -140,7 +140,7 @@ impl ClusterLink {
         if ok {
             r.stored = r.stored.max(covers);
         } else {
-            self.counters.session_writes_failed += 1;
+            self.shared.counters.session_writes_failed += 1;
             r.retry = true;
             self.edge.record_retries.insert(session);
         }
@@ -191,7 +191,7 @@ impl ClusterLink {
         device: &str,
         wire: u64,
     ) {
-        let id = self.id();
+        let id = self.shared.id();
         self.edge.resumes.insert(
             id,
             PendingResume {
@@ -200,7 +200,7 @@ impl ClusterLink {
                 wire,
             },
         );
-        self.outputs.push_back(ClusterOutput::LoadSession {
+        self.shared.outputs.push_back(ClusterOutput::LoadSession {
             id,
             user: user.to_owned(),
             device: device.to_owned(),
@@ -211,7 +211,7 @@ impl ClusterLink {
         let Some(p) = self.edge.resumes.remove(&id) else {
             return;
         };
-        let max_groups = self.owner_config.max_group_subscriptions_per_session;
+        let max_groups = self.shared.owner_config.max_group_subscriptions_per_session;
         let record = record
             .as_deref()
             .and_then(decode_session_record)
@@ -221,7 +221,7 @@ impl ClusterLink {
             .filter(|_| self.edge.open.contains_key(&p.session));
         let finished = match record {
             Some((r, groups)) => {
-                self.counters.resumed_elsewhere += 1;
+                self.shared.counters.resumed_elsewhere += 1;
                 let subscriptions = r
                     .subscriptions
                     .into_iter()

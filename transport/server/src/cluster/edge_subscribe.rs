@@ -195,7 +195,7 @@ impl ClusterLink {
             refused,
             deadline: page
                 .as_ref()
-                .map_or(now + self.settings.request_timeout, |r| r.deadline),
+                .map_or(now + self.shared.settings.request_timeout, |r| r.deadline),
             asking: BTreeMap::new(),
             early: DetMap::default(),
             query,
@@ -213,7 +213,7 @@ impl ClusterLink {
             .filter(|_| p.page.is_none());
         let shown_to = p.page.is_none().then_some(viewer);
         for (target, snap) in &mut p.targets {
-            let shard = (self.settings.shard_of)(target, self.settings.shard_count);
+            let shard = (self.shared.settings.shard_of)(target, self.shared.settings.shard_count);
             if let (Some(v), Some(t)) = (viewer_id, self.edge.names.get(target)) {
                 if let Some(known) = self
                     .edge
@@ -225,7 +225,9 @@ impl ClusterLink {
                     continue;
                 }
             }
-            if self.acting_epoch(shard, now).is_some() && self.shards.owners.contains_key(&shard) {
+            if self.shards.acting_epoch(&self.shared, shard, now).is_some()
+                && self.shards.owners.contains_key(&shard)
+            {
                 if let Some(presence) = self.local_snapshot(shard, shown_to, target, (now, at)) {
                     *snap = Some(presence);
                     continue;
@@ -237,7 +239,7 @@ impl ClusterLink {
         // snapshot is missed).
         let watched = !query || p.page.as_ref().is_some_and(|r| r.watch);
         for (target, _) in p.targets.iter().filter(|_| watched) {
-            let shard = self.shard(target);
+            let shard = self.shared.shard(target);
             self.watch_shard(shard);
         }
         self.edge.subscribes.insert(wait, p);
@@ -257,8 +259,11 @@ impl ClusterLink {
         target: &str,
         (now, at): (Instant, Millis),
     ) -> Option<Presence> {
-        let base = self.unix_base_ms;
-        if !self.load_users(shard, std::iter::once(target), now) {
+        let base = self.shared.unix_base_ms;
+        if !self
+            .shards
+            .load_users(&mut self.shared, shard, std::iter::once(target), now)
+        {
             return None; // asked again after the read
         }
         let o = self.shards.owners.get_mut(&shard)?;
@@ -272,7 +277,8 @@ impl ClusterLink {
         }
         // Presences at the edge carry last seen in Unix milliseconds.
         let p = proto::Presence::from_core(&p, base).to_core();
-        self.drain_owner(shard, now, at);
+        self.shards.drain_owner(&mut self.shared, shard, now, at);
+        self.deliver_local();
         let (epoch, seq) = self.shards.published_up_to(shard);
         self.track_answer(shard, epoch, seq, at);
         Some(p)
@@ -286,7 +292,8 @@ impl ClusterLink {
             .targets
             .iter()
             .filter(|(t, snap)| {
-                snap.is_none() && (self.settings.shard_of)(t, self.settings.shard_count) == shard
+                snap.is_none()
+                    && (self.shared.settings.shard_of)(t, self.shared.settings.shard_count) == shard
             })
             .map(|(t, _)| t.clone())
             .collect();
@@ -297,7 +304,9 @@ impl ClusterLink {
         p.asking.insert(shard, None);
         // A page's entries are what others are shown, the viewer's own too.
         let viewer = p.page.is_none().then(|| p.viewer.clone());
-        if self.acting_epoch(shard, now).is_some() && self.shards.owners.contains_key(&shard) {
+        if self.shards.acting_epoch(&self.shared, shard, now).is_some()
+            && self.shards.owners.contains_key(&shard)
+        {
             let mut presences = Vec::new();
             for t in &targets {
                 match self.local_snapshot(shard, viewer.as_deref(), t, (now, at)) {
@@ -315,7 +324,7 @@ impl ClusterLink {
                 own: false,
             }),
         };
-        self.request(
+        self.shared.request(
             now,
             InFlight::Snapshot { wait, shard },
             shard,
@@ -325,7 +334,7 @@ impl ClusterLink {
     }
 
     pub(super) fn retry_snapshot(&mut self, wait: u64, shard: u32, now: Instant) {
-        self.counters.retries += 1;
+        self.shared.counters.retries += 1;
         if let Some(p) = self.edge.subscribes.get_mut(&wait) {
             p.asking.insert(shard, Some(now + RETRY_AFTER));
         }
@@ -460,7 +469,7 @@ impl ClusterLink {
         (tier, snap): (Tier, Presence),
         held: &[UserId],
     ) -> Result<Presence, WireError> {
-        let shard = self.shard(target);
+        let shard = self.shared.shard(target);
         let Some(id) = self.edge.names.intern(target) else {
             self.unwatch_shard(shard);
             return Err(WireError::new(
@@ -494,7 +503,7 @@ impl ClusterLink {
     fn fail_subscribe(&mut self, wait: u64, p: PendingSubscribe) {
         let watched = !p.query || p.page.as_ref().is_some_and(|r| r.watch);
         for (target, _) in p.targets.iter().filter(|_| watched) {
-            let shard = self.shard(target);
+            let shard = self.shared.shard(target);
             self.unwatch_shard(shard);
         }
         self.finished.push_back((

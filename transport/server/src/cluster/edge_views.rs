@@ -48,7 +48,9 @@ impl ClusterLink {
         *n += 1;
         if *n == 1 {
             self.edge.tracks.insert(shard, ShardTrack::default());
-            self.outputs.push_back(ClusterOutput::Watch { shard });
+            self.shared
+                .outputs
+                .push_back(ClusterOutput::Watch { shard });
         }
     }
 
@@ -58,7 +60,9 @@ impl ClusterLink {
             if *n == 0 {
                 self.edge.shard_watchers.remove(&shard);
                 self.edge.tracks.remove(&shard);
-                self.outputs.push_back(ClusterOutput::Unwatch { shard });
+                self.shared
+                    .outputs
+                    .push_back(ClusterOutput::Unwatch { shard });
             }
         }
     }
@@ -68,24 +72,24 @@ impl ClusterLink {
     pub(super) fn view_message(&mut self, at: Millis, payload: &[u8], shard: Option<u32>) {
         match decode::<ShardView>(payload) {
             Some(v)
-                if v.user.len() <= self.max_name_len
+                if v.user.len() <= self.shared.max_name_len
                     && v.presence
                         .message
                         .as_ref()
-                        .is_none_or(|m| m.len() <= self.owner_config.max_message_len)
-                    && shard.map_or(v.own, |s| self.shard(&v.user) == s) =>
+                        .is_none_or(|m| m.len() <= self.shared.owner_config.max_message_len)
+                    && shard.map_or(v.own, |s| self.shared.shard(&v.user) == s) =>
             {
                 match (shard, v.own) {
                     (Some(shard), false) => self.track_view(shard, v.epoch, v.seq, at),
                     (None, true) if v.seq > 0 => {
-                        let shard = self.shard(&v.user);
+                        let shard = self.shared.shard(&v.user);
                         self.track_truth(shard, v.epoch, v.seq, false);
                     }
                     _ => {}
                 }
                 let presence = v.presence.to_core();
                 if self.edge.apply_view(at, &v.user, v.own, presence.clone()) {
-                    self.counters.views_applied += 1;
+                    self.shared.counters.views_applied += 1;
                     if self.edge.latencies.len() < 1024 {
                         self.edge
                             .latencies
@@ -94,7 +98,7 @@ impl ClusterLink {
                 }
                 self.edge.keep_early(&v.user, v.own, presence);
             }
-            _ => self.counters.malformed += 1,
+            _ => self.shared.counters.malformed += 1,
         }
     }
 
@@ -103,7 +107,7 @@ impl ClusterLink {
         presences.iter().all(|p| {
             p.message
                 .as_ref()
-                .is_none_or(|m| m.len() <= self.owner_config.max_message_len)
+                .is_none_or(|m| m.len() <= self.shared.owner_config.max_message_len)
         })
     }
 
@@ -139,7 +143,7 @@ impl ClusterLink {
         for t in self.edge.truth_tracks.values_mut().filter(|t| !t.gap) {
             t.gap = true;
             self.edge.gaps = true;
-            self.counters.truth_gaps += 1;
+            self.shared.counters.truth_gaps += 1;
         }
     }
 
@@ -148,7 +152,7 @@ impl ClusterLink {
         if let Some(t) = self.edge.tracks.get_mut(&shard).filter(|t| !t.gap) {
             t.gap = true;
             self.edge.gaps = true;
-            self.counters.view_gaps += 1;
+            self.shared.counters.view_gaps += 1;
         }
     }
 
@@ -168,7 +172,7 @@ impl ClusterLink {
         if missed && !t.gap {
             t.gap = true;
             self.edge.gaps = true;
-            self.counters.truth_gaps += 1;
+            self.shared.counters.truth_gaps += 1;
         }
     }
 
@@ -192,20 +196,22 @@ impl ClusterLink {
     pub(super) fn beacon_message(&mut self, payload: &[u8], at: Millis) {
         match decode::<Beacon>(payload) {
             Some(b)
-                if b.owner.len() <= self.max_name_len
+                if b.owner.len() <= self.shared.max_name_len
                     && b.shards.len() <= MAX_BEACON_SHARDS
                     && b.truths.len() <= MAX_BEACON_TRUTHS
-                    && b.truths.iter().all(|t| t.0.len() <= self.max_name_len) =>
+                    && b.truths
+                        .iter()
+                        .all(|t| t.0.len() <= self.shared.max_name_len) =>
             {
                 self.beacon(b, at)
             }
-            _ => self.counters.malformed += 1,
+            _ => self.shared.counters.malformed += 1,
         }
     }
 
     fn beacon(&mut self, b: Beacon, at: Millis) {
         for (edge, shard, epoch, seq) in b.truths {
-            if edge == self.settings.node && shard < self.settings.shard_count {
+            if edge == self.shared.settings.node && shard < self.shared.settings.shard_count {
                 self.track_truth(shard, epoch, seq, true);
             }
         }
@@ -269,7 +275,7 @@ impl ClusterLink {
         }
         if marked > 0 {
             self.edge.gaps = true;
-            self.counters.silent_shards += marked;
+            self.shared.counters.silent_shards += marked;
         }
     }
 
@@ -298,7 +304,10 @@ impl ClusterLink {
                 .flat_map(|p| p.targets.iter().map(|(t, _)| t.clone()));
             watched.chain(subscribing).collect()
         };
-        let (shard_of, count) = (self.settings.shard_of, self.settings.shard_count);
+        let (shard_of, count) = (
+            self.shared.settings.shard_of,
+            self.shared.settings.shard_count,
+        );
         for name in names {
             if let Some(targets) = due.get_mut(&shard_of(&name, count)) {
                 targets.push(name);
@@ -311,7 +320,9 @@ impl ClusterLink {
                 t.gap = false;
                 t.not_before = None;
             }
-            if self.acting_epoch(shard, now).is_some() && self.shards.owners.contains_key(&shard) {
+            if self.shards.acting_epoch(&self.shared, shard, now).is_some()
+                && self.shards.owners.contains_key(&shard)
+            {
                 self.repair_locally(shard, targets, own, now, at);
                 continue;
             }
@@ -324,7 +335,7 @@ impl ClusterLink {
                     targets: targets.clone(),
                     own,
                 });
-                self.request(
+                self.shared.request(
                     now,
                     InFlight::Repair {
                         shard,
@@ -363,7 +374,7 @@ impl ClusterLink {
     }
 
     pub(super) fn repair_failed(&mut self, shard: u32, own: bool, now: Instant) {
-        self.counters.retries += 1;
+        self.shared.counters.retries += 1;
         if let Some(t) = self.edge.shard_tracks(own).get_mut(&shard) {
             let wait = RETRY_AFTER.saturating_mul(1 << t.failed.min(4));
             t.failed = t.failed.saturating_add(1);

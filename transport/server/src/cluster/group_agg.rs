@@ -18,8 +18,11 @@
 //! tells a count (the owners send theirs on its resync request).
 
 use super::group_owner::batches;
+use super::owners::OwnedShards;
+use super::shared::Shared;
+use super::to_edge::ToEdge;
 use super::wire::{encode, FromOwner, GroupCount, GroupCounts, GroupPartial};
-use super::{ClusterLink, ClusterOutput, MAX_MESSAGE};
+use super::{ClusterOutput, MAX_MESSAGE};
 use greendot_core::cluster::epoch_base;
 use greendot_core::{Epoch, GroupSum, Millis, SumOutput};
 use std::collections::{BTreeMap, BTreeSet};
@@ -57,38 +60,46 @@ impl Sums {
     }
 }
 
-impl ClusterLink {
+/// The name of the member of ordinal `ordinal` (members are by ordinal).
+fn name_of(members: &[(String, u32)], ordinal: u32) -> Option<String> {
+    members
+        .binary_search_by_key(&ordinal, |(_, o)| *o)
+        .ok()
+        .map(|i| members[i].0.clone())
+}
+
+impl OwnedShards {
     /// Sums for every group homed at `shards` (claims won, or the
     /// directory's first pass done).
-    pub(super) fn load_sums(&mut self, shards: &[u32], now: Instant, at: Millis) {
-        if !self.serves_groups() || !self.groups.is_synced() || shards.is_empty() {
+    pub(super) fn load_sums(&mut self, sh: &mut Shared, shards: &[u32], now: Instant, at: Millis) {
+        if !sh.serves_groups() || !sh.groups.is_synced() || shards.is_empty() {
             return;
         }
-        let groups: Vec<u64> = self
+        let groups: Vec<u64> = sh
             .groups
             .live_defs()
             .map(|d| d.group)
-            .filter(|g| shards.contains(&self.home_shard(*g)))
+            .filter(|g| shards.contains(&sh.home_shard(*g)))
             .collect();
         for group in groups {
-            self.sum_follows(group, now, at);
+            self.sum_follows(sh, group, now, at);
         }
     }
 
     /// A definition changed: its sum, if this node owns its home shard,
     /// follows (a removed group's goes).
-    pub(super) fn sum_follows(&mut self, group: u64, now: Instant, at: Millis) {
-        if !self.serves_groups() || !self.groups.is_synced() {
+    pub(super) fn sum_follows(&mut self, sh: &mut Shared, group: u64, now: Instant, at: Millis) {
+        if !sh.serves_groups() || !sh.groups.is_synced() {
             return;
         }
-        let home = self.home_shard(group);
-        if !self.shards.owners.contains_key(&home) {
+        let home = sh.home_shard(group);
+        if !self.owners.contains_key(&home) {
             return;
         }
-        let (shard_of, count) = (self.settings.shard_of, self.settings.shard_count);
-        let def = self.groups.get(group).1.filter(|d| !d.removed);
+        let (shard_of, count) = (sh.settings.shard_of, sh.settings.shard_count);
+        let def = sh.groups.get(group).1.filter(|d| !d.removed);
         let Some(def) = def else {
-            if let Some(o) = self.shards.owners.get_mut(&home) {
+            if let Some(o) = self.owners.get_mut(&home) {
                 if let Some(sum) = o.sums.by_group.remove(&group) {
                     o.sums.removed_floor = o.sums.removed_floor.max(sum.version());
                 }
@@ -102,10 +113,9 @@ impl ClusterLink {
             .iter()
             .map(|(n, _)| shard_of(n, count))
             .collect();
-        let wait = Millis(
-            u64::try_from(self.settings.request_timeout.as_millis()).unwrap_or(u64::MAX / 4),
-        );
-        let Some(o) = self.shards.owners.get_mut(&home) else {
+        let wait =
+            Millis(u64::try_from(sh.settings.request_timeout.as_millis()).unwrap_or(u64::MAX / 4));
+        let Some(o) = self.owners.get_mut(&home) else {
             return;
         };
         match o.sums.by_group.get_mut(&group) {
@@ -117,46 +127,42 @@ impl ClusterLink {
                 o.sums.by_group.insert(group, sum);
             }
         }
-        self.drain_sums(home, &[group], now);
+        self.drain_sums(sh, home, &[group], now);
     }
 
     /// Owners' partials for groups homed at `home`: each replaces its
     /// shard's last one at the group's sum.
     pub(super) fn take_partials(
         &mut self,
+        sh: &mut Shared,
         home: u32,
         parts: Vec<GroupPartial>,
         now: Instant,
         at: Millis,
     ) -> FromOwner {
-        let Some(epoch) = self.acting_epoch(home, now) else {
+        let Some(epoch) = self.acting_epoch(sh, home, now) else {
             return FromOwner::NotOwner;
         };
-        if self
-            .shards
-            .owners
-            .get(&home)
-            .is_none_or(|o| o.epoch != epoch)
-        {
+        if self.owners.get(&home).is_none_or(|o| o.epoch != epoch) {
             return FromOwner::NotOwner;
         }
-        if !self.groups.is_synced() {
+        if !sh.groups.is_synced() {
             return FromOwner::Loading;
         }
         let mut touched = Vec::new();
         let mut unknown = false;
         for part in parts {
-            if self.home_shard(part.group) != home {
-                self.counters.malformed += 1;
+            if sh.home_shard(part.group) != home {
+                sh.counters.malformed += 1;
                 continue;
             }
             // A group this node's directory has not seen yet: the sender
             // asks again (a removed one is summed no more).
-            if self.groups.get(part.group).1.is_none() {
+            if sh.groups.get(part.group).1.is_none() {
                 unknown = true;
                 continue;
             }
-            let Some(o) = self.shards.owners.get_mut(&home) else {
+            let Some(o) = self.owners.get_mut(&home) else {
                 break;
             };
             let Some(sum) = o.sums.by_group.get_mut(&part.group) else {
@@ -167,7 +173,7 @@ impl ClusterLink {
                 touched.push(part.group);
             }
         }
-        self.drain_sums(home, &touched, now);
+        self.drain_sums(sh, home, &touched, now);
         match unknown {
             true => FromOwner::Loading,
             false => FromOwner::Done { epoch },
@@ -176,9 +182,9 @@ impl ClusterLink {
 
     /// The outputs of the sums of `groups` at `home`'s owner: published
     /// while this node acts for `home`, and taken by this node's edge.
-    fn drain_sums(&mut self, home: u32, groups: &[u64], now: Instant) {
-        let acting = self.acting_epoch(home, now);
-        let Some(o) = self.shards.owners.get_mut(&home) else {
+    pub(super) fn drain_sums(&mut self, sh: &mut Shared, home: u32, groups: &[u64], now: Instant) {
+        let acting = self.acting_epoch(sh, home, now);
+        let Some(o) = self.owners.get_mut(&home) else {
             return;
         };
         let mut counts = Vec::new();
@@ -190,7 +196,7 @@ impl ClusterLink {
                 true => o.sums.waiting.insert(*group),
                 false => o.sums.waiting.remove(group),
             };
-            let def = self.groups.get(*group).1;
+            let def = sh.groups.get(*group).1;
             while let Some(out) = sum.poll_output() {
                 counts.push(match out {
                     SumOutput::Count { version, count } => GroupCount {
@@ -217,11 +223,17 @@ impl ClusterLink {
         }
         let epoch = o.epoch;
         if acting == Some(epoch) {
-            self.publish_counts(home, epoch, counts);
+            self.publish_counts(sh, home, epoch, counts);
         }
     }
 
-    fn publish_counts(&mut self, home: u32, epoch: u64, counts: Vec<GroupCount>) {
+    pub(super) fn publish_counts(
+        &mut self,
+        sh: &mut Shared,
+        home: u32,
+        epoch: u64,
+        counts: Vec<GroupCount>,
+    ) {
         let size = |c: &GroupCount| 40 + c.change.as_ref().map_or(0, |(name, _)| name.len());
         let chunks = batches(counts, COUNTS_BYTES, size);
         for counts in chunks {
@@ -230,27 +242,26 @@ impl ClusterLink {
                 epoch,
                 counts,
             };
-            self.outputs.push_back(ClusterOutput::GroupCounts {
+            sh.outputs.push_back(ClusterOutput::GroupCounts {
                 payload: encode(&msg),
             });
             // This node's own edge, in process (the copy NATS brings back
             // is dropped by version).
-            self.take_group_counts(msg);
+            sh.to_edge.push_back(ToEdge::Counts(msg));
         }
     }
 
     /// The sums' waits that ended, and every count again once a group
     /// interval passed since the last time.
-    pub(super) fn tick_sums(&mut self, now: Instant, at: Millis) {
-        if !self.serves_groups() {
+    pub(super) fn tick_sums(&mut self, sh: &mut Shared, now: Instant, at: Millis) {
+        if !sh.serves_groups() {
             return;
         }
-        let every = Duration::from_millis(self.owner_config.group_interval.0);
+        let every = Duration::from_millis(sh.owner_config.group_interval.0);
         // Only the owners with a wait ended, or a refresh due while acting
         // (one that is not publishes nothing): one handed out mutably is
         // indexed again (its core's timers), every tick.
         let shards: Vec<u32> = self
-            .shards
             .owners
             .iter()
             .filter(|(shard, o)| {
@@ -258,12 +269,12 @@ impl ClusterLink {
                 !s.by_group.is_empty()
                     && (s.wait_ended(at)
                         || (s.next_refresh.is_none_or(|t| now >= t)
-                            && self.acting_epoch(**shard, now) == Some(o.epoch)))
+                            && self.acting_epoch(sh, **shard, now) == Some(o.epoch)))
             })
             .map(|(s, _)| *s)
             .collect();
         for shard in shards {
-            let Some(o) = self.shards.owners.get_mut(&shard) else {
+            let Some(o) = self.owners.get_mut(&shard) else {
                 continue;
             };
             if o.sums.wait_ended(at) {
@@ -273,10 +284,10 @@ impl ClusterLink {
                         sum.handle_timeout(at);
                     }
                 }
-                self.drain_sums(shard, &waiting, now);
+                self.drain_sums(sh, shard, &waiting, now);
             }
-            let acting = self.acting_epoch(shard, now);
-            let Some(o) = self.shards.owners.get_mut(&shard) else {
+            let acting = self.acting_epoch(sh, shard, now);
+            let Some(o) = self.owners.get_mut(&shard) else {
                 continue;
             };
             let due = o.sums.next_refresh.is_none_or(|t| now >= t);
@@ -297,15 +308,7 @@ impl ClusterLink {
                 })
                 .collect();
             let epoch = o.epoch;
-            self.publish_counts(shard, epoch, counts);
+            self.publish_counts(sh, shard, epoch, counts);
         }
     }
-}
-
-/// The name of the member of ordinal `ordinal` (members are by ordinal).
-fn name_of(members: &[(String, u32)], ordinal: u32) -> Option<String> {
-    members
-        .binary_search_by_key(&ordinal, |(_, o)| *o)
-        .ok()
-        .map(|i| members[i].0.clone())
 }

@@ -270,9 +270,9 @@ fn not_stored(group: u64, why: &str) -> WireError {
 impl ClusterLink {
     fn group_limits(&self) -> GroupLimits {
         GroupLimits {
-            max_members: self.owner_config.max_group_members,
-            max_admins: self.owner_config.max_group_admins,
-            max_groups: self.owner_config.max_groups,
+            max_members: self.shared.owner_config.max_group_members,
+            max_admins: self.shared.owner_config.max_group_admins,
+            max_groups: self.shared.owner_config.max_groups,
         }
     }
 
@@ -281,7 +281,7 @@ impl ClusterLink {
     /// Until this node has read the cluster's groups it waits (a node just
     /// started), up to its deadline.
     pub fn group_write(&mut self, now: Instant, wait: u64, group: u64, write: GroupWrite) {
-        let id = self.id();
+        let id = self.shared.id();
         let pending = PendingWrite {
             wait,
             group,
@@ -296,11 +296,11 @@ impl ClusterLink {
             },
             tries: 0,
             retry_at: None,
-            deadline: now + self.settings.request_timeout,
+            deadline: now + self.shared.settings.request_timeout,
             confirmed: false,
         };
-        self.groups.writes.insert(id, pending);
-        if self.groups.synced {
+        self.shared.groups.writes.insert(id, pending);
+        if self.shared.groups.synced {
             self.send_group_write(id);
         }
     }
@@ -308,18 +308,18 @@ impl ClusterLink {
     /// Computes the write `id` from the copy held and asks the store.
     fn send_group_write(&mut self, id: u64) {
         let limits = self.group_limits();
-        let live = self.groups.live();
-        let Some(w) = self.groups.writes.get(&id) else {
+        let live = self.shared.groups.live();
+        let Some(w) = self.shared.groups.writes.get(&id) else {
             return;
         };
-        let (revision, current) = self.groups.get(w.group);
+        let (revision, current) = self.shared.groups.get(w.group);
         match next_def(current, w.group, &w.write, &limits, live) {
             Ok(def) => {
-                let w = self.groups.writes.get_mut(&id).expect("held");
+                let w = self.shared.groups.writes.get_mut(&id).expect("held");
                 w.tries += 1;
                 w.retry_at = None;
                 w.def = def.clone();
-                self.outputs.push_back(ClusterOutput::WriteGroup {
+                self.shared.outputs.push_back(ClusterOutput::WriteGroup {
                     id,
                     def,
                     expected: revision,
@@ -335,14 +335,15 @@ impl ClusterLink {
                     ) =>
             {
                 let group = w.group;
-                let w = self.groups.writes.get_mut(&id).expect("held");
+                let w = self.shared.groups.writes.get_mut(&id).expect("held");
                 w.confirmed = true;
                 w.retry_at = None;
-                self.outputs
+                self.shared
+                    .outputs
                     .push_back(ClusterOutput::ReadGroup { id, group });
             }
             Err(error) => {
-                let w = self.groups.writes.remove(&id).expect("held");
+                let w = self.shared.groups.writes.remove(&id).expect("held");
                 self.finished.push_back((w.wait, Finished::Failed(error)));
             }
         }
@@ -358,7 +359,7 @@ impl ClusterLink {
         id: u64,
         read: Result<(u64, Option<GroupDef>), String>,
     ) {
-        if let Some(c) = self.groups.confirms.remove(&id) {
+        if let Some(c) = self.shared.groups.confirms.remove(&id) {
             if let Ok((revision @ 1.., def)) = read {
                 self.group_changed(now, at, c.group, revision, def);
             }
@@ -367,7 +368,7 @@ impl ClusterLink {
             self.subscribe_again(c);
             return;
         }
-        let Some(w) = self.groups.writes.get(&id) else {
+        let Some(w) = self.shared.groups.writes.get(&id) else {
             return;
         };
         match read {
@@ -379,7 +380,7 @@ impl ClusterLink {
                 self.send_group_write(id);
             }
             Err(why) => {
-                let w = self.groups.writes.remove(&id).expect("held");
+                let w = self.shared.groups.writes.remove(&id).expect("held");
                 let error = not_stored(w.group, &why);
                 self.finished.push_back((w.wait, Finished::Failed(error)));
             }
@@ -394,12 +395,12 @@ impl ClusterLink {
         id: u64,
         outcome: GroupWriteOutcome,
     ) {
-        let Some(w) = self.groups.writes.get_mut(&id) else {
+        let Some(w) = self.shared.groups.writes.get_mut(&id) else {
             return;
         };
         match outcome {
             GroupWriteOutcome::Written { revision } => {
-                let w = self.groups.writes.remove(&id).expect("held");
+                let w = self.shared.groups.writes.remove(&id).expect("held");
                 let answer = match w.write {
                     GroupWrite::Remove => proto::Answer::Done,
                     _ => proto::Answer::GroupSet {
@@ -415,12 +416,12 @@ impl ClusterLink {
                 w.retry_at = Some(now + RETRY_AFTER);
             }
             GroupWriteOutcome::Conflict => {
-                let w = self.groups.writes.remove(&id).expect("held");
+                let w = self.shared.groups.writes.remove(&id).expect("held");
                 let error = not_stored(w.group, "other nodes kept writing it; try again");
                 self.finished.push_back((w.wait, Finished::Failed(error)));
             }
             GroupWriteOutcome::Failed(why) => {
-                let w = self.groups.writes.remove(&id).expect("held");
+                let w = self.shared.groups.writes.remove(&id).expect("held");
                 let error = not_stored(w.group, &why);
                 self.finished.push_back((w.wait, Finished::Failed(error)));
             }
@@ -432,6 +433,7 @@ impl ClusterLink {
     /// answered are given up.
     pub(super) fn retry_group_writes(&mut self, now: Instant, at: Millis) {
         let lost: Vec<u64> = self
+            .shared
             .groups
             .writes
             .iter()
@@ -439,13 +441,14 @@ impl ClusterLink {
             .map(|(id, _)| *id)
             .collect();
         for id in lost {
-            let why = match self.groups.synced {
+            let why = match self.shared.groups.synced {
                 true => "no answer in time",
                 false => "this node could not read the cluster's groups in time",
             };
             self.group_written(now, at, id, GroupWriteOutcome::Failed(why.into()));
         }
         let due: Vec<u64> = self
+            .shared
             .groups
             .writes
             .iter()
@@ -456,6 +459,7 @@ impl ClusterLink {
             self.send_group_write(id);
         }
         let lost: Vec<u64> = self
+            .shared
             .groups
             .confirms
             .iter()
@@ -463,7 +467,7 @@ impl ClusterLink {
             .map(|(id, _)| *id)
             .collect();
         for id in lost {
-            if let Some(c) = self.groups.confirms.remove(&id) {
+            if let Some(c) = self.shared.groups.confirms.remove(&id) {
                 self.subscribe_again(c);
             }
         }
@@ -489,26 +493,28 @@ impl ClusterLink {
         revision: u64,
         def: Option<GroupDef>,
     ) {
-        if !self.groups.changed(group, revision, def) {
+        if !self.shared.groups.changed(group, revision, def) {
             return;
         }
         self.feed_definition(group);
-        self.slices_follow(group, now, at);
-        self.sum_follows(group, now, at);
+        self.shards.slices_follow(&mut self.shared, group, now, at);
+        self.shards.sum_follows(&mut self.shared, group, now, at);
+        self.deliver_local();
     }
 
     /// The watch has delivered everything the bucket held when it started:
     /// the writes that waited for it go out, and the owners take their
     /// slices and sums.
     pub(super) fn groups_synced(&mut self, now: Instant, at: Millis) {
-        if self.groups.synced {
+        if self.shared.groups.synced {
             return;
         }
-        self.groups.synced = true;
+        self.shared.groups.synced = true;
         let owned: Vec<u32> = self.shards.owners.keys().copied().collect();
-        self.load_slices(&owned, now, at);
-        self.load_sums(&owned, now, at);
-        let mut waiting: Vec<u64> = self.groups.writes.keys().copied().collect();
+        self.shards.load_slices(&mut self.shared, &owned, now, at);
+        self.shards.load_sums(&mut self.shared, &owned, now, at);
+        self.deliver_local();
+        let mut waiting: Vec<u64> = self.shared.groups.writes.keys().copied().collect();
         waiting.sort_unstable();
         for id in waiting {
             self.send_group_write(id);
@@ -522,23 +528,30 @@ impl ClusterLink {
     /// node holds what the store does (or the read failed).
     /// Subscribes refused for one group at once share one read.
     pub fn confirm_group(&mut self, now: Instant, wait: u64, session: SessionId, group: u64) {
-        if let Some(c) = self.groups.confirms.values_mut().find(|c| c.group == group) {
+        if let Some(c) = self
+            .shared
+            .groups
+            .confirms
+            .values_mut()
+            .find(|c| c.group == group)
+        {
             c.waiting.push((wait, session));
             return;
         }
-        let id = self.id();
+        let id = self.shared.id();
         let confirm = Confirm {
             group,
-            lost: now + self.settings.request_timeout,
+            lost: now + self.shared.settings.request_timeout,
             waiting: vec![(wait, session)],
         };
-        self.groups.confirms.insert(id, confirm);
-        self.outputs
+        self.shared.groups.confirms.insert(id, confirm);
+        self.shared
+            .outputs
             .push_back(ClusterOutput::ReadGroup { id, group });
     }
 
     /// The definition of `group` this node holds, and its revision.
     pub fn group_def(&self, group: u64) -> (u64, Option<&GroupDef>) {
-        self.groups.get(group)
+        self.shared.groups.get(group)
     }
 }

@@ -20,20 +20,22 @@ impl ClusterLink {
 
     /// A message on `<prefix>.groups`.
     pub(super) fn group_counts_message(&mut self, payload: &[u8]) {
-        if !self.serves_groups() {
+        if !self.shared.serves_groups() {
             return;
         }
-        let max_name = self.max_name_len;
+        let max_name = self.shared.max_name_len;
         let fits = |c: &GroupCount| {
             c.change
                 .as_ref()
                 .is_none_or(|(n, _)| !n.is_empty() && n.len() <= max_name)
         };
         match decode::<GroupCounts>(payload) {
-            Some(msg) if msg.home < self.settings.shard_count && msg.counts.iter().all(fits) => {
+            Some(msg)
+                if msg.home < self.shared.settings.shard_count && msg.counts.iter().all(fits) =>
+            {
                 self.take_group_counts(msg)
             }
-            _ => self.counters.malformed += 1,
+            _ => self.shared.counters.malformed += 1,
         }
     }
 
@@ -41,22 +43,22 @@ impl ClusterLink {
     /// goes to the hub's core.
     pub(super) fn take_group_counts(&mut self, msg: GroupCounts) {
         for c in msg.counts {
-            let def = self.groups.get(c.group).1;
+            let def = self.shared.groups.get(c.group).1;
             // A late count of a removed group is no count of one written
             // again under its id.
             if def.is_some_and(|d| d.removed) {
                 continue;
             }
             let known = def.is_some();
-            let home = self.home_shard(c.group);
+            let home = self.shared.home_shard(c.group);
             let held = self.edge.fed_counts.get(&c.group);
-            let any = self.settings.mutant == Some(super::LinkMutant::CountsAnyVersion);
+            let any = self.shared.settings.mutant == Some(super::LinkMutant::CountsAnyVersion);
             let newer = any || held.is_none_or(|(v, _)| c.version > *v);
             // Kept for a definition still on its way, within the groups a
             // node holds.
             let room = known
                 || held.is_some()
-                || self.edge.fed_counts.len() < self.owner_config.max_groups;
+                || self.edge.fed_counts.len() < self.shared.owner_config.max_groups;
             if home != msg.home || !newer || !room {
                 continue;
             }
@@ -76,10 +78,10 @@ impl ClusterLink {
     /// A definition the directory took: the hub's core follows it, and
     /// hears the newest count of it.
     pub(super) fn feed_definition(&mut self, group: u64) {
-        if !self.serves_groups() {
+        if !self.shared.serves_groups() {
             return;
         }
-        match self.groups.get(group).1.filter(|d| !d.removed) {
+        match self.shared.groups.get(group).1.filter(|d| !d.removed) {
             Some(def) => {
                 self.edge.group_feed.push_back(GroupFeed::Define {
                     group,

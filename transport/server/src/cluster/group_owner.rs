@@ -22,6 +22,7 @@
 use super::edge::InFlight;
 use super::owner::{forget_user_if_unknown, Owner};
 use super::owners::OwnedShards;
+use super::shared::Shared;
 use super::wire::{encode, FromOwner, GroupPartial, ToOwner, GROUPS_SINCE};
 use super::{ClusterLink, DetMap, GroupDef, RequestKind, MAX_MESSAGE, RETRY_AFTER};
 use greendot_core::{GroupId, Millis, UserId};
@@ -75,236 +76,9 @@ fn release_slice_name(o: &mut Owner, uid: u64) {
 }
 
 impl ClusterLink {
-    /// Whether this node takes part in group counts (it sends protocol
-    /// [`GROUPS_SINCE`] or later, so every node reads what it sends).
+    /// Whether the cluster's protocol carries groups.
     pub fn serves_groups(&self) -> bool {
-        self.settings.protocol >= GROUPS_SINCE
-    }
-
-    /// The home shard of `group`: its owner sums the group's partials.
-    /// Placement only, so a key that a user could also be named collides
-    /// harmlessly.
-    pub(super) fn home_shard(&self, group: u64) -> u32 {
-        (self.settings.shard_of)(&home_key(group), self.settings.shard_count)
-    }
-
-    /// Gives the owners of `shards` the slice of every group (a claim won,
-    /// or the directory's first pass done), in one pass over the directory.
-    pub(super) fn load_slices(&mut self, shards: &[u32], now: Instant, at: Millis) {
-        if !self.serves_groups() || !self.groups.is_synced() || shards.is_empty() {
-            return;
-        }
-        let taken: BTreeSet<u32> = shards.iter().copied().collect();
-        let mut slices = Vec::new();
-        for def in self.groups.live_defs() {
-            for (shard, slice) in self.slices_of(def, |s| taken.contains(&s)) {
-                slices.push((shard, def.group, slice));
-            }
-        }
-        for (shard, group, slice) in slices {
-            self.shards.set_slice(shard, group, slice, at);
-        }
-        for &shard in shards {
-            self.note_changed_groups(shard, now);
-        }
-    }
-
-    /// A definition changed: the slices this node's owners hold of it
-    /// follow (an empty slice, or a removed group, is no slice).
-    pub(super) fn slices_follow(&mut self, group: u64, now: Instant, at: Millis) {
-        if !self.serves_groups() || !self.groups.is_synced() {
-            return;
-        }
-        let mut slices: BTreeMap<u32, Vec<(String, u32)>> = self
-            .shards
-            .owners
-            .keys()
-            .map(|s| (*s, Vec::new()))
-            .collect();
-        if let (_, Some(def)) = self.groups.get(group) {
-            if !def.removed {
-                slices.extend(self.slices_of(def, |s| self.shards.owners.contains_key(&s)));
-            }
-        }
-        for (shard, slice) in slices {
-            self.shards.set_slice(shard, group, slice, at);
-            self.note_changed_groups(shard, now);
-        }
-    }
-
-    /// The members of `def` in each shard `wanted` picks (those with any),
-    /// with their ordinals.
-    fn slices_of(
-        &self,
-        def: &GroupDef,
-        wanted: impl Fn(u32) -> bool,
-    ) -> BTreeMap<u32, Vec<(String, u32)>> {
-        let (shard_of, count) = (self.settings.shard_of, self.settings.shard_count);
-        let mut slices: BTreeMap<u32, Vec<(String, u32)>> = BTreeMap::new();
-        for (name, ordinal) in &def.members {
-            let shard = shard_of(name, count);
-            if wanted(shard) {
-                slices
-                    .entry(shard)
-                    .or_default()
-                    .push((name.clone(), *ordinal));
-            }
-        }
-        slices
-    }
-
-    /// The groups whose slice changed at `shard`'s core since last asked
-    /// get their partial due.
-    pub(super) fn note_changed_groups(&mut self, shard: u32, now: Instant) {
-        let Some(o) = self.shards.owners.get_mut(&shard) else {
-            return;
-        };
-        let changed = o.core.take_changed_groups();
-        for group in &changed {
-            o.partials.entry(group.0).or_default().mark(now);
-        }
-        if !changed.is_empty() {
-            self.shards.partial_due_by(now);
-        }
-    }
-
-    /// The home shard `home` has a new owner, which holds no partial: every
-    /// slice homed there is due again.
-    pub(super) fn home_changed(&mut self, home: u32, now: Instant) {
-        let mutant = self.settings.mutant == Some(super::LinkMutant::PartialsNotResent);
-        if !self.serves_groups() || mutant {
-            return;
-        }
-        let shards: Vec<u32> = self.shards.owners.keys().copied().collect();
-        for shard in shards {
-            let homed: Vec<u64> = self.shards.owners[&shard]
-                .slices
-                .keys()
-                .copied()
-                .filter(|g| self.home_shard(*g) == home)
-                .collect();
-            // Only an owner with such a slice is touched (and indexed again).
-            if let Some(o) = self
-                .shards
-                .owners
-                .get_mut(&shard)
-                .filter(|_| !homed.is_empty())
-            {
-                for group in homed {
-                    o.partials.entry(group).or_default().mark(now);
-                }
-            }
-        }
-        self.shards.partial_due_by(now);
-    }
-
-    /// Sends the partials that are due, batched per home shard (in process
-    /// when this node owns it).
-    pub(super) fn send_partials(&mut self, now: Instant, at: Millis) {
-        if !self.serves_groups() || self.shards.partials_next.is_none_or(|t| now < t) {
-            return;
-        }
-        self.shards.partials_next = None;
-        let mut by_home: BTreeMap<u32, Vec<GroupPartial>> = BTreeMap::new();
-        let shards: Vec<u32> = self.shards.owners.keys().copied().collect();
-        for shard in shards {
-            let acting = self.acting_epoch(shard, now);
-            let o = &self.shards.owners[&shard];
-            if o.reading_record || acting != Some(o.epoch) {
-                continue;
-            }
-            let due: Vec<u64> = o
-                .partials
-                .iter()
-                .filter(|(_, p)| p.due.is_some_and(|d| d <= now))
-                .map(|(g, _)| *g)
-                .collect();
-            for group in due {
-                let home = self.home_shard(group);
-                let Some(o) = self.shards.owners.get_mut(&shard) else {
-                    continue;
-                };
-                // A slice gone from the shard sends an empty partial once,
-                // which replaces its last at the sum.
-                let mut online: Vec<u32> = match o.slices.get(&group) {
-                    Some(slice) => {
-                        let p = o.partials.entry(group).or_default();
-                        p.due = None;
-                        p.last_sent = Some(now);
-                        o.core
-                            .group_online(GroupId(group))
-                            .into_iter()
-                            .flatten()
-                            .filter_map(|u| slice.get(&u.0).copied())
-                            .collect()
-                    }
-                    None => {
-                        o.partials.remove(&group);
-                        Vec::new()
-                    }
-                };
-                online.sort_unstable();
-                // One sequence for all of the owner's partials in its
-                // epoch: a slice that empties and comes back goes on above.
-                o.partial_seq += 1;
-                by_home.entry(home).or_default().push(GroupPartial {
-                    group,
-                    shard,
-                    epoch: o.epoch,
-                    seq: o.partial_seq,
-                    online,
-                });
-            }
-        }
-        // Those of owners that can send stay due; an owner reading its
-        // predecessor's record asks again once it is read.
-        let next = self
-            .shards
-            .owners
-            .values()
-            .filter(|o| !o.reading_record)
-            .flat_map(|o| o.partials.values().filter_map(|p| p.due))
-            .min();
-        if let Some(next) = next {
-            self.shards.partial_due_by(next.max(now + super::TICK));
-        }
-        for (home, parts) in by_home {
-            // An ordinal is at most 5 bytes, the rest of a partial at most 40.
-            let cut = batches(parts, PARTIALS_BYTES, |p| 40 + 5 * p.online.len());
-            for batch in cut {
-                let sent: Vec<(u32, u64)> = batch.iter().map(|p| (p.shard, p.group)).collect();
-                if self.shards.owners.contains_key(&home) {
-                    let answer = self.take_partials(home, batch, now, at);
-                    if !matches!(answer, FromOwner::Done { .. }) {
-                        self.partials_failed(&sent, now);
-                    }
-                    continue;
-                }
-                let payload = encode(&ToOwner::GroupPartials { parts: batch });
-                self.request(
-                    now,
-                    InFlight::Partials { sent },
-                    home,
-                    RequestKind::Snapshot,
-                    payload,
-                );
-            }
-        }
-    }
-
-    /// The home owner did not take these partials (no owner yet, not
-    /// synced, or no answer): sent again, with the latest sets.
-    pub(super) fn partials_failed(&mut self, sent: &[(u32, u64)], now: Instant) {
-        for &(shard, group) in sent {
-            // Also a slice gone since: its empty partial goes again.
-            if let Some(o) = self.shards.owners.get_mut(&shard) {
-                earliest(
-                    &mut o.partials.entry(group).or_default().due,
-                    now + RETRY_AFTER,
-                );
-            }
-        }
-        self.shards.partial_due_by(now + RETRY_AFTER);
+        self.shared.serves_groups()
     }
 }
 
@@ -393,5 +167,236 @@ impl OwnedShards {
     /// Some partial is due at `at` or before: the tick sends it.
     pub(super) fn partial_due_by(&mut self, at: Instant) {
         earliest(&mut self.partials_next, at);
+    }
+
+    /// Gives the owners of `shards` the slice of every group (a claim won,
+    /// or the directory's first pass done), in one pass over the directory.
+    pub(super) fn load_slices(
+        &mut self,
+        sh: &mut Shared,
+        shards: &[u32],
+        now: Instant,
+        at: Millis,
+    ) {
+        if !sh.serves_groups() || !sh.groups.is_synced() || shards.is_empty() {
+            return;
+        }
+        let taken: BTreeSet<u32> = shards.iter().copied().collect();
+        let mut slices = Vec::new();
+        for def in sh.groups.live_defs() {
+            for (shard, slice) in self.slices_of(sh, def, |s| taken.contains(&s)) {
+                slices.push((shard, def.group, slice));
+            }
+        }
+        for (shard, group, slice) in slices {
+            self.set_slice(shard, group, slice, at);
+        }
+        for &shard in shards {
+            self.note_changed_groups(shard, now);
+        }
+    }
+
+    /// A definition changed: the slices this node's owners hold of it
+    /// follow (an empty slice, or a removed group, is no slice).
+    pub(super) fn slices_follow(&mut self, sh: &mut Shared, group: u64, now: Instant, at: Millis) {
+        if !sh.serves_groups() || !sh.groups.is_synced() {
+            return;
+        }
+        let mut slices: BTreeMap<u32, Vec<(String, u32)>> =
+            self.owners.keys().map(|s| (*s, Vec::new())).collect();
+        if let (_, Some(def)) = sh.groups.get(group) {
+            if !def.removed {
+                slices.extend(self.slices_of(sh, def, |s| self.owners.contains_key(&s)));
+            }
+        }
+        for (shard, slice) in slices {
+            self.set_slice(shard, group, slice, at);
+            self.note_changed_groups(shard, now);
+        }
+    }
+
+    /// The members of `def` in each shard `wanted` picks (those with any),
+    /// with their ordinals.
+    pub(super) fn slices_of(
+        &self,
+        sh: &Shared,
+        def: &GroupDef,
+        wanted: impl Fn(u32) -> bool,
+    ) -> BTreeMap<u32, Vec<(String, u32)>> {
+        let (shard_of, count) = (sh.settings.shard_of, sh.settings.shard_count);
+        let mut slices: BTreeMap<u32, Vec<(String, u32)>> = BTreeMap::new();
+        for (name, ordinal) in &def.members {
+            let shard = shard_of(name, count);
+            if wanted(shard) {
+                slices
+                    .entry(shard)
+                    .or_default()
+                    .push((name.clone(), *ordinal));
+            }
+        }
+        slices
+    }
+
+    /// The groups whose slice changed at `shard`'s core since last asked
+    /// get their partial due.
+    pub(super) fn note_changed_groups(&mut self, shard: u32, now: Instant) {
+        let Some(o) = self.owners.get_mut(&shard) else {
+            return;
+        };
+        let changed = o.core.take_changed_groups();
+        for group in &changed {
+            o.partials.entry(group.0).or_default().mark(now);
+        }
+        if !changed.is_empty() {
+            self.partial_due_by(now);
+        }
+    }
+
+    /// The home shard `home` has a new owner, which holds no partial: every
+    /// slice homed there is due again.
+    pub(super) fn home_changed(&mut self, sh: &mut Shared, home: u32, now: Instant) {
+        let mutant = sh.settings.mutant == Some(super::LinkMutant::PartialsNotResent);
+        if !sh.serves_groups() || mutant {
+            return;
+        }
+        let shards: Vec<u32> = self.owners.keys().copied().collect();
+        for shard in shards {
+            let homed: Vec<u64> = self.owners[&shard]
+                .slices
+                .keys()
+                .copied()
+                .filter(|g| sh.home_shard(*g) == home)
+                .collect();
+            // Only an owner with such a slice is touched (and indexed again).
+            if let Some(o) = self.owners.get_mut(&shard).filter(|_| !homed.is_empty()) {
+                for group in homed {
+                    o.partials.entry(group).or_default().mark(now);
+                }
+            }
+        }
+        self.partial_due_by(now);
+    }
+
+    /// Sends the partials that are due, batched per home shard (in process
+    /// when this node owns it).
+    pub(super) fn send_partials(&mut self, sh: &mut Shared, now: Instant, at: Millis) {
+        if !sh.serves_groups() || self.partials_next.is_none_or(|t| now < t) {
+            return;
+        }
+        self.partials_next = None;
+        let mut by_home: BTreeMap<u32, Vec<GroupPartial>> = BTreeMap::new();
+        let shards: Vec<u32> = self.owners.keys().copied().collect();
+        for shard in shards {
+            let acting = self.acting_epoch(sh, shard, now);
+            let o = &self.owners[&shard];
+            if o.reading_record || acting != Some(o.epoch) {
+                continue;
+            }
+            let due: Vec<u64> = o
+                .partials
+                .iter()
+                .filter(|(_, p)| p.due.is_some_and(|d| d <= now))
+                .map(|(g, _)| *g)
+                .collect();
+            for group in due {
+                let home = sh.home_shard(group);
+                let Some(o) = self.owners.get_mut(&shard) else {
+                    continue;
+                };
+                // A slice gone from the shard sends an empty partial once,
+                // which replaces its last at the sum.
+                let mut online: Vec<u32> = match o.slices.get(&group) {
+                    Some(slice) => {
+                        let p = o.partials.entry(group).or_default();
+                        p.due = None;
+                        p.last_sent = Some(now);
+                        o.core
+                            .group_online(GroupId(group))
+                            .into_iter()
+                            .flatten()
+                            .filter_map(|u| slice.get(&u.0).copied())
+                            .collect()
+                    }
+                    None => {
+                        o.partials.remove(&group);
+                        Vec::new()
+                    }
+                };
+                online.sort_unstable();
+                // One sequence for all of the owner's partials in its
+                // epoch: a slice that empties and comes back goes on above.
+                o.partial_seq += 1;
+                by_home.entry(home).or_default().push(GroupPartial {
+                    group,
+                    shard,
+                    epoch: o.epoch,
+                    seq: o.partial_seq,
+                    online,
+                });
+            }
+        }
+        // Those of owners that can send stay due; an owner reading its
+        // predecessor's record asks again once it is read.
+        let next = self
+            .owners
+            .values()
+            .filter(|o| !o.reading_record)
+            .flat_map(|o| o.partials.values().filter_map(|p| p.due))
+            .min();
+        if let Some(next) = next {
+            self.partial_due_by(next.max(now + super::TICK));
+        }
+        for (home, parts) in by_home {
+            // An ordinal is at most 5 bytes, the rest of a partial at most 40.
+            let cut = batches(parts, PARTIALS_BYTES, |p| 40 + 5 * p.online.len());
+            for batch in cut {
+                let sent: Vec<(u32, u64)> = batch.iter().map(|p| (p.shard, p.group)).collect();
+                if self.owners.contains_key(&home) {
+                    let answer = self.take_partials(sh, home, batch, now, at);
+                    if !matches!(answer, FromOwner::Done { .. }) {
+                        self.partials_failed(&sent, now);
+                    }
+                    continue;
+                }
+                let payload = encode(&ToOwner::GroupPartials { parts: batch });
+                sh.request(
+                    now,
+                    InFlight::Partials { sent },
+                    home,
+                    RequestKind::Snapshot,
+                    payload,
+                );
+            }
+        }
+    }
+
+    /// The home owner did not take these partials (no owner yet, not
+    /// synced, or no answer): sent again, with the latest sets.
+    pub(super) fn partials_failed(&mut self, sent: &[(u32, u64)], now: Instant) {
+        for &(shard, group) in sent {
+            // Also a slice gone since: its empty partial goes again.
+            if let Some(o) = self.owners.get_mut(&shard) {
+                earliest(
+                    &mut o.partials.entry(group).or_default().due,
+                    now + RETRY_AFTER,
+                );
+            }
+        }
+        self.partial_due_by(now + RETRY_AFTER);
+    }
+}
+
+impl Shared {
+    /// Whether this node takes part in group counts (it sends protocol
+    /// [`GROUPS_SINCE`] or later, so every node reads what it sends).
+    pub(super) fn serves_groups(&self) -> bool {
+        self.settings.protocol >= GROUPS_SINCE
+    }
+
+    /// The home shard of `group`: its owner sums the group's partials.
+    /// Placement only, so a key that a user could also be named collides
+    /// harmlessly.
+    pub(super) fn home_shard(&self, group: u64) -> u32 {
+        (self.settings.shard_of)(&home_key(group), self.settings.shard_count)
     }
 }

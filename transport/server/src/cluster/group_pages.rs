@@ -25,6 +25,8 @@
 
 use super::edge::{due_waits, InFlight};
 use super::edge_subscribe::PageRead;
+use super::owners::OwnedShards;
+use super::shared::Shared;
 use super::wire::{encode, FromOwner, ToOwner, PAGES_SINCE};
 use super::{ClusterLink, Finished, RequestKind, MAX_MESSAGE, MAX_SNAPSHOT_TARGETS, RETRY_AFTER};
 use greendot_core::Presence;
@@ -53,7 +55,7 @@ impl ClusterLink {
     /// Whether this node serves member pages: only while it sends a
     /// protocol whose nodes all answer a page's keys.
     pub fn serves_pages(&self) -> bool {
-        self.settings.protocol >= PAGES_SINCE
+        self.shared.settings.protocol >= PAGES_SINCE
     }
 
     /// A page of `group`'s members for `session`, whose membership and page
@@ -78,7 +80,7 @@ impl ClusterLink {
             after,
             limit: limit.max(1),
             watch,
-            deadline: now + self.settings.request_timeout,
+            deadline: now + self.shared.settings.request_timeout,
             retry_at: None,
         };
         self.edge.pages.insert(wait, p);
@@ -93,9 +95,13 @@ impl ClusterLink {
             .after
             .map(|c| (c.online, u32::try_from(c.after).unwrap_or(u32::MAX)));
         let (group, limit) = (p.group, p.limit);
-        let home = self.home_shard(group);
-        if self.acting_epoch(home, now).is_some() && self.shards.owners.contains_key(&home) {
-            let keys = self.page_keys(home, group, after, limit, now);
+        let home = self.shared.home_shard(group);
+        if self.shards.acting_epoch(&self.shared, home, now).is_some()
+            && self.shards.owners.contains_key(&home)
+        {
+            let keys = self
+                .shards
+                .page_keys(&mut self.shared, home, group, after, limit, now);
             return self.page_keys_answer(wait, Some(keys), now, at);
         }
         let payload = encode(&ToOwner::GroupPage {
@@ -103,7 +109,7 @@ impl ClusterLink {
             after,
             limit,
         });
-        self.request(
+        self.shared.request(
             now,
             InFlight::PageKeys { wait },
             home,
@@ -111,72 +117,6 @@ impl ClusterLink {
             payload,
         );
         None
-    }
-
-    /// The aggregator's answer to a page's keys (see the module docs):
-    /// `Loading` while it cannot tell who is online (its directory has not
-    /// seen the group, or its sum waits for partials after a failover).
-    pub(super) fn page_keys(
-        &mut self,
-        home: u32,
-        group: u64,
-        after: Option<(bool, u32)>,
-        limit: u32,
-        now: Instant,
-    ) -> FromOwner {
-        let Some(epoch) = self.acting_epoch(home, now) else {
-            return FromOwner::NotOwner;
-        };
-        if self.home_shard(group) != home
-            || self
-                .shards
-                .owners
-                .get(&home)
-                .is_none_or(|o| o.epoch != epoch)
-        {
-            return FromOwner::NotOwner;
-        }
-        if !self.groups.is_synced() {
-            return FromOwner::Loading;
-        }
-        let def = self.groups.get(group).1.filter(|d| !d.removed);
-        let sum = self
-            .shards
-            .owners
-            .get(&home)
-            .and_then(|o| o.sums.get(group));
-        let (Some(def), Some(sum)) = (def, sum) else {
-            return FromOwner::Loading;
-        };
-        if sum.is_waiting() {
-            return FromOwner::Loading;
-        }
-        let limit = usize::try_from(limit)
-            .unwrap_or(usize::MAX)
-            .min(self.page_keys_that_fit());
-        let (keys, next) = sum.page(after, limit);
-        let keys = keys
-            .into_iter()
-            .filter_map(|(ordinal, online)| {
-                let i = def
-                    .members
-                    .binary_search_by_key(&ordinal, |(_, o)| *o)
-                    .ok()?;
-                Some((def.members[i].0.clone(), online))
-            })
-            .collect();
-        FromOwner::GroupPageKeys {
-            version: sum.version(),
-            count: sum.count(),
-            keys,
-            next,
-        }
-    }
-
-    /// Keys one answer holds at most, every name at its longest.
-    fn page_keys_that_fit(&self) -> usize {
-        let key = self.max_name_len + 12;
-        (MAX_MESSAGE / 2 / key).clamp(1, MAX_SNAPSHOT_TARGETS)
     }
 
     /// The keys came (or the aggregator refused, or did not answer): the
@@ -189,7 +129,7 @@ impl ClusterLink {
         at: Millis,
     ) -> Option<proto::Answer> {
         let p = self.edge.pages.get_mut(&wait)?;
-        let ok = |s: &str| !s.is_empty() && s.len() <= self.max_name_len;
+        let ok = |s: &str| !s.is_empty() && s.len() <= self.shared.max_name_len;
         match answer {
             Some(FromOwner::GroupPageKeys {
                 version,
@@ -217,7 +157,7 @@ impl ClusterLink {
                 self.read_page(now, at, wait, p.session, names, read)
             }
             _ => {
-                self.counters.retries += 1;
+                self.shared.counters.retries += 1;
                 p.retry_at = Some(now + RETRY_AFTER);
                 None
             }
@@ -329,4 +269,65 @@ impl ClusterLink {
 fn distinct(keys: &[(String, bool)]) -> bool {
     let mut seen = std::collections::BTreeSet::new();
     keys.iter().all(|(n, _)| seen.insert(n.as_str()))
+}
+
+impl OwnedShards {
+    /// The aggregator's answer to a page's keys (see the module docs):
+    /// `Loading` while it cannot tell who is online (its directory has not
+    /// seen the group, or its sum waits for partials after a failover).
+    pub(super) fn page_keys(
+        &mut self,
+        sh: &mut Shared,
+        home: u32,
+        group: u64,
+        after: Option<(bool, u32)>,
+        limit: u32,
+        now: Instant,
+    ) -> FromOwner {
+        let Some(epoch) = self.acting_epoch(sh, home, now) else {
+            return FromOwner::NotOwner;
+        };
+        if sh.home_shard(group) != home || self.owners.get(&home).is_none_or(|o| o.epoch != epoch) {
+            return FromOwner::NotOwner;
+        }
+        if !sh.groups.is_synced() {
+            return FromOwner::Loading;
+        }
+        let def = sh.groups.get(group).1.filter(|d| !d.removed);
+        let sum = self.owners.get(&home).and_then(|o| o.sums.get(group));
+        let (Some(def), Some(sum)) = (def, sum) else {
+            return FromOwner::Loading;
+        };
+        if sum.is_waiting() {
+            return FromOwner::Loading;
+        }
+        let limit = usize::try_from(limit)
+            .unwrap_or(usize::MAX)
+            .min(sh.page_keys_that_fit());
+        let (keys, next) = sum.page(after, limit);
+        let keys = keys
+            .into_iter()
+            .filter_map(|(ordinal, online)| {
+                let i = def
+                    .members
+                    .binary_search_by_key(&ordinal, |(_, o)| *o)
+                    .ok()?;
+                Some((def.members[i].0.clone(), online))
+            })
+            .collect();
+        FromOwner::GroupPageKeys {
+            version: sum.version(),
+            count: sum.count(),
+            keys,
+            next,
+        }
+    }
+}
+
+impl Shared {
+    /// Keys one answer holds at most, every name at its longest.
+    pub(super) fn page_keys_that_fit(&self) -> usize {
+        let key = self.max_name_len + 12;
+        (MAX_MESSAGE / 2 / key).clamp(1, MAX_SNAPSHOT_TARGETS)
+    }
 }

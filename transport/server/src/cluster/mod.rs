@@ -4,6 +4,14 @@
 //! its sessions through a `Fanout`) and as an **owner** (one `Core` per shard
 //! it acts for, publishing each view once on the shard's subject).
 //!
+//! [`ClusterLink`] holds the two apart: the edge's state is an `Edge`
+//! (`edge*.rs`), the owners' an `OwnedShards` (`owners.rs`, with their
+//! methods in `owner*.rs` and `group_owner.rs`, `group_agg.rs`), and what
+//! both use (settings, request ids, the outputs, counters, the group
+//! directory) is `Shared`. Owners never call into the edge: what they send
+//! this node's own edge is queued (`to_edge.rs`) and delivered when their
+//! step returns, as a remote owner's message arrives after its step.
+//!
 //! Everything that leaves a node is named by strings (user, device, edge
 //! node), never by the hub's interned ids, which are this process's own.
 //! Messages are postcard-encoded; a message from NATS is checked against
@@ -27,6 +35,7 @@ mod owner;
 mod owner_requests;
 mod owners;
 mod prefs_writes;
+mod shared;
 #[cfg(test)]
 mod test_support;
 #[cfg(test)]
@@ -41,10 +50,11 @@ mod tests_owner;
 mod tests_records;
 #[cfg(test)]
 mod tests_views;
+mod to_edge;
 mod wire;
 
 use bytes::Bytes;
-use edge::{Edge, InFlight};
+use edge::Edge;
 use greendot_core::{Config, Millis, Output, SessionId, Tier, UserId};
 use greendot_proto::{self as proto, WireError};
 use group_dir::GroupDirectory;
@@ -53,6 +63,7 @@ pub use group_owner::home_key;
 pub use group_pages::PAGE_WATCHER;
 use owner::release_idle;
 use owners::OwnedShards;
+use shared::Shared;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 pub use wire::{
@@ -490,25 +501,14 @@ pub enum Finished {
 
 /// The cluster side of one node (see the module docs).
 pub struct ClusterLink {
-    settings: ClusterSettings,
-    owner_config: Config,
-    /// The Unix time of the core's `Millis(0)`.
-    unix_base_ms: u64,
+    /// Settings, request ids and the outputs to the NATS I/O.
+    shared: Shared,
     /// What serves this node's sessions.
     edge: Edge,
     /// The shards this node acts for, and what serves only them.
     shards: OwnedShards,
-    /// Requests out, with when they count as unanswered (an output the NATS
-    /// I/O dropped is never answered).
-    in_flight: DetMap<u64, (InFlight, Instant)>,
     next_tick: Option<Instant>,
-    next_id: u64,
-    outputs: VecDeque<ClusterOutput>,
     finished: VecDeque<(u64, Finished)>,
-    counters: ClusterCounters,
-    max_name_len: usize,
-    /// The cluster's groups and this node's writes of them.
-    groups: GroupDirectory,
 }
 
 impl ClusterLink {
@@ -525,28 +525,33 @@ impl ClusterLink {
             kind.heartbeat_timeout = Millis(u64::MAX / 4);
         }
         ClusterLink {
-            settings,
+            shared: Shared {
+                settings,
+                owner_config,
+                unix_base_ms,
+                max_name_len,
+                next_id: 0,
+                in_flight: DetMap::default(),
+                outputs: VecDeque::new(),
+                counters: ClusterCounters::default(),
+                groups: GroupDirectory::default(),
+                to_edge: VecDeque::new(),
+            },
             edge: Edge::new(config),
             shards: OwnedShards::default(),
-            owner_config,
-            unix_base_ms,
-            in_flight: DetMap::default(),
             next_tick: None,
-            next_id: 0,
-            outputs: VecDeque::new(),
             finished: VecDeque::new(),
-            counters: ClusterCounters::default(),
-            max_name_len,
-            groups: GroupDirectory::default(),
         }
     }
 
     pub fn counters(&self) -> ClusterCounters {
-        self.counters
+        self.shared.counters
     }
 
     pub fn poll_output(&mut self) -> Option<ClusterOutput> {
-        self.outputs.pop_front()
+        #[cfg(any(test, feature = "check"))]
+        self.check_delivered();
+        self.shared.outputs.pop_front()
     }
 
     /// A client request the cluster is done with: its wait id and answer.
@@ -569,48 +574,6 @@ impl ClusterLink {
         self.edge.names.name(user.0).map(|n| &**n)
     }
 
-    fn shard(&self, user: &str) -> u32 {
-        (self.settings.shard_of)(user, self.settings.shard_count)
-    }
-
-    fn id(&mut self) -> u64 {
-        self.next_id += 1;
-        self.next_id
-    }
-
-    /// A request to `shard`'s owner, waited for until the request timeout.
-    fn request(
-        &mut self,
-        now: Instant,
-        waiting: InFlight,
-        shard: u32,
-        kind: RequestKind,
-        payload: Bytes,
-    ) {
-        let id = self.id();
-        let deadline = now + self.settings.request_timeout;
-        self.in_flight.insert(id, (waiting, deadline));
-        self.outputs.push_back(ClusterOutput::Request {
-            id,
-            shard,
-            kind,
-            payload,
-        });
-    }
-
-    fn acting_epoch(&self, shard: u32, now: Instant) -> Option<u64> {
-        let lapse_ignored = self.settings.mutant == Some(LinkMutant::ActPastDeadline);
-        self.shards
-            .acting
-            .get(&shard)
-            .filter(|(_, until)| lapse_ignored || now < *until)
-            .map(|(epoch, _)| *epoch)
-    }
-
-    fn to_unix(&self, at: Millis) -> u64 {
-        self.unix_base_ms.saturating_add(at.0)
-    }
-
     /// The earliest instant something here is due, besides the cores';
     /// `now` (the caller's) when the first tick is still to come.
     pub fn poll_deadline(&self, now: Instant) -> Option<Instant> {
@@ -624,12 +587,12 @@ impl ClusterLink {
             || self.edge.gaps
             // Watched shards: an owner gone silent is noticed at a tick.
             || !self.edge.tracks.is_empty()
-            || !self.in_flight.is_empty()
+            || !self.shared.in_flight.is_empty()
             || !self.shards.pending_prefs.is_empty()
             || !self.shards.prefs_writes.is_empty()
             || !self.shards.pending_loads.is_empty()
             || !self.shards.pending_shards.is_empty()
-            || self.groups.busy();
+            || self.shared.groups.busy();
         // A tick, not the exact instants: finding the earliest of them
         // would walk every device at every pass of the server's loop.
         // Not `Instant::now()`: that is always after the caller's `now`,
@@ -654,44 +617,23 @@ impl ClusterLink {
         self.shards.owners.reindex();
         #[cfg(test)]
         self.shards.owners.check();
-    }
-
-    /// Stops acting for the shards whose claim's deadline passed, whatever
-    /// the status says: first thing at every input and timeout, so that no
-    /// owner acts past its deadline on anything (a node paused past its
-    /// lease wakes to the inputs that queued while it slept, before any
-    /// timer).
-    fn stop_lapsed(&mut self, now: Instant, at: Millis) {
-        if self.settings.mutant == Some(LinkMutant::ActPastDeadline)
-            || self.shards.next_lapse.is_none_or(|t| now < t)
-        {
-            return;
-        }
-        let lapsed: Vec<u32> = self
-            .shards
-            .acting
-            .iter()
-            .filter(|(_, (_, until))| now >= *until)
-            .map(|(s, _)| *s)
-            .collect();
-        for shard in lapsed {
-            self.shards.acting.remove(&shard);
-            self.drop_owner(shard, now, at);
-        }
-        self.shards.next_lapse = self.shards.acting.values().map(|(_, until)| *until).min();
+        #[cfg(any(test, feature = "check"))]
+        self.check_delivered();
     }
 
     fn on_timeout(&mut self, now: Instant, at: Millis) {
-        self.stop_lapsed(now, at);
+        self.shards.stop_lapsed(&mut self.shared, now, at);
+        self.deliver_local();
         // Only the shards with something due (or changed since last asked).
         for shard in self.shards.owners.due(at) {
             if let Some(o) = self.shards.owners.get_mut(&shard) {
                 o.core.handle_timeout(at);
             }
-            self.drain_owner(shard, now, at);
-            self.write_devices(shard, at);
+            self.shards.drain_owner(&mut self.shared, shard, now, at);
+            self.deliver_local();
+            self.shards.write_devices(&mut self.shared, shard, at);
             if let Some(o) = self.shards.owners.get_mut(&shard) {
-                self.counters.users_released += release_idle(o, at) as u64;
+                self.shared.counters.users_released += release_idle(o, at) as u64;
             }
         }
         self.edge.fanout.handle_timeout(at);
@@ -700,7 +642,7 @@ impl ClusterLink {
         }
         self.next_tick = Some(now + TICK);
         self.expire_pending(now, at);
-        self.announce(now);
+        self.shards.announce(&mut self.shared, now);
         self.repair_gaps(now, at);
         self.tick_devices(now, at);
         self.retry_routes(now);
@@ -708,8 +650,10 @@ impl ClusterLink {
         self.retry_records(now);
         self.tick_subscribes(now, at);
         self.retry_group_writes(now, at);
-        self.send_partials(now, at);
-        self.tick_sums(now, at);
+        self.shards.send_partials(&mut self.shared, now, at);
+        self.deliver_local();
+        self.shards.tick_sums(&mut self.shared, now, at);
+        self.deliver_local();
     }
 
     pub fn handle_input(&mut self, now: Instant, at: Millis, input: ClusterInput) {
@@ -717,10 +661,13 @@ impl ClusterLink {
         self.shards.owners.reindex();
         #[cfg(test)]
         self.shards.owners.check();
+        #[cfg(any(test, feature = "check"))]
+        self.check_delivered();
     }
 
     fn on_input(&mut self, now: Instant, at: Millis, input: ClusterInput) {
-        self.stop_lapsed(now, at);
+        self.shards.stop_lapsed(&mut self.shared, now, at);
+        self.deliver_local();
         match input {
             ClusterInput::Status { shards } => self.set_status(now, at, shards),
             ClusterInput::ShardMessage { shard, payload } => {
@@ -732,19 +679,30 @@ impl ClusterLink {
                 kind,
                 payload,
                 reply,
-            } => self.request_message(now, at, shard, kind, &payload, reply),
+            } => {
+                self.shards
+                    .request_message(&mut self.shared, now, at, shard, kind, &payload, reply)
+            }
             ClusterInput::SessionStored { id, ok } => self.session_stored(now, id, ok),
             ClusterInput::SessionLoaded { id, record } => self.session_loaded(id, record),
             ClusterInput::Answered { id, payload } => self.answered(now, at, id, payload),
             ClusterInput::Beacon { payload } => self.beacon_message(&payload, at),
-            ClusterInput::UserLoadFailed { id } => self.user_load_failed(now, id),
-            ClusterInput::ShardLoadFailed { id } => self.shard_load_failed(now, id),
-            ClusterInput::UserLoaded { id, prefs, view } => {
-                self.user_loaded(now, at, id, prefs, view)
+            ClusterInput::UserLoadFailed { id } => {
+                self.shards.user_load_failed(&mut self.shared, now, id)
             }
-            ClusterInput::ShardLoaded { id, record } => self.shard_loaded(now, id, record),
+            ClusterInput::ShardLoadFailed { id } => {
+                self.shards.shard_load_failed(&mut self.shared, now, id)
+            }
+            ClusterInput::UserLoaded { id, prefs, view } => {
+                self.shards
+                    .user_loaded(&mut self.shared, now, at, id, prefs, view)
+            }
+            ClusterInput::ShardLoaded { id, record } => {
+                self.shards.shard_loaded(&mut self.shared, now, id, record)
+            }
             ClusterInput::EdgeLost { node, last_heard } => {
-                self.edge_lost(now, at, &node, None, last_heard)
+                self.shards
+                    .edge_lost(&mut self.shared, now, at, &node, None, last_heard)
             }
             ClusterInput::EdgeRestarted {
                 node,
@@ -752,11 +710,20 @@ impl ClusterLink {
                 last_heard,
             } => {
                 self.shards.saw_incarnation(&node, incarnation);
-                self.edge_lost(now, at, &node, Some(incarnation), last_heard)
+                self.shards.edge_lost(
+                    &mut self.shared,
+                    now,
+                    at,
+                    &node,
+                    Some(incarnation),
+                    last_heard,
+                )
             }
             ClusterInput::Resync { payload } => self.resync_message(now, at, &payload),
             ClusterInput::Rejoined => self.rejoined(now, at),
-            ClusterInput::PrefsStored { id, ok } => self.prefs_stored(now, at, id, ok),
+            ClusterInput::PrefsStored { id, ok } => {
+                self.shards.prefs_stored(&mut self.shared, now, at, id, ok)
+            }
             ClusterInput::GroupChanged {
                 group,
                 revision,
@@ -767,6 +734,7 @@ impl ClusterLink {
             ClusterInput::GroupWritten { id, outcome } => self.group_written(now, at, id, outcome),
             ClusterInput::GroupRead { id, read } => self.group_read(now, at, id, read),
         }
+        self.deliver_local();
     }
 
     /// What waited too long for the NATS I/O (its output dropped at a full
@@ -775,6 +743,7 @@ impl ClusterLink {
     /// again, and a preference write never answered is given up.
     fn expire_pending(&mut self, now: Instant, at: Millis) {
         let late: Vec<u64> = self
+            .shared
             .in_flight
             .iter()
             .filter(|(_, (_, deadline))| *deadline <= now)
@@ -783,7 +752,7 @@ impl ClusterLink {
         for id in late {
             self.handle_input(now, at, ClusterInput::Answered { id, payload: None });
         }
-        let timeout = self.settings.request_timeout;
+        let timeout = self.shared.settings.request_timeout;
         let late: Vec<u64> = self
             .shards
             .pending_prefs
@@ -792,7 +761,9 @@ impl ClusterLink {
             .map(|(id, _)| *id)
             .collect();
         for id in late {
-            self.answer_prefs(now, at, id, false);
+            self.shards
+                .answer_prefs(&mut self.shared, now, at, id, false);
+            self.deliver_local();
         }
         // The I/O ends a write within 3 tries of a read and a
         // compare-and-set, each within an operation timeout (at most a
@@ -801,7 +772,9 @@ impl ClusterLink {
         // write not answered by then was dropped before it began.
         if let Some(cutoff) = now.checked_sub(timeout * 2) {
             for id in self.shards.prefs_writes.lost(cutoff) {
-                self.prefs_stored(now, at, id, false);
+                self.shards
+                    .prefs_stored(&mut self.shared, now, at, id, false);
+                self.deliver_local();
             }
         }
         let late: Vec<u64> = self
@@ -813,12 +786,14 @@ impl ClusterLink {
             .collect();
         for id in late {
             if let Some((shard, epoch, user, _)) = self.shards.pending_loads.remove(&id) {
-                self.next_id += 1;
-                let id = self.next_id;
+                self.shared.next_id += 1;
+                let id = self.shared.next_id;
                 self.shards
                     .pending_loads
                     .insert(id, (shard, epoch, user.clone(), now));
-                self.outputs.push_back(ClusterOutput::LoadUser { id, user });
+                self.shared
+                    .outputs
+                    .push_back(ClusterOutput::LoadUser { id, user });
             }
         }
         let late: Vec<u64> = self
@@ -830,10 +805,11 @@ impl ClusterLink {
             .collect();
         for id in late {
             if let Some((shard, epoch, _)) = self.shards.pending_shards.remove(&id) {
-                self.next_id += 1;
-                let id = self.next_id;
+                self.shared.next_id += 1;
+                let id = self.shared.next_id;
                 self.shards.pending_shards.insert(id, (shard, epoch, now));
-                self.outputs
+                self.shared
+                    .outputs
                     .push_back(ClusterOutput::LoadShard { id, shard });
             }
         }

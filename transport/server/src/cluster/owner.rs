@@ -6,6 +6,8 @@
 use super::group_agg::Sums;
 use super::group_owner::{Partials, Slice};
 use super::owners::OwnedShards;
+use super::shared::Shared;
+use super::to_edge::ToEdge;
 use super::wire::{
     decode, decode_shard_record, encode, encode_shard_record, Beacon, FromOwner, RecordedDevice,
     ResyncRequest, ShardRecord, ShardView, ToOwner, WirePrefs, FENCED_RECORD_SINCE,
@@ -225,6 +227,9 @@ pub(super) fn forget_device(devices: &mut Interner, did: u64) {
 }
 
 impl ClusterLink {
+    /// The shards this node may act for now, from its claims: the owners of
+    /// shards lost go, owners of shards won start, and this node's edge
+    /// resends its devices of those to them.
     pub fn set_status(&mut self, now: Instant, at: Millis, shards: BTreeMap<u32, (u64, Instant)>) {
         // Shards lost, or won under a new epoch: their old cores go.
         let gone: Vec<u32> = self
@@ -235,15 +240,52 @@ impl ClusterLink {
             .map(|(s, _)| *s)
             .collect();
         for shard in gone {
-            self.drop_owner(shard, now, at);
+            self.shards.drop_owner(&mut self.shared, shard, now, at);
+            self.deliver_local();
         }
-        self.shards.acting = shards;
-        self.shards.next_lapse = self.shards.acting.values().map(|(_, until)| *until).min();
+        let taken = self.shards.take_claims(&mut self.shared, now, at, shards);
+        for &shard in &taken {
+            // This node's own edge resends its devices of the shard at once.
+            let mine: Vec<SessionId> = self
+                .edge
+                .devices
+                .iter()
+                .filter(|(_, d)| !d.closed && self.shared.shard(&d.user) == shard)
+                .map(|(s, _)| *s)
+                .collect();
+            for session in mine {
+                self.resend(session, now, at, false);
+            }
+        }
+        // Groups: the slices of the shards taken, the sums of the groups
+        // homed there, and this node's partials for those (the new sums
+        // hold none).
+        self.shards.load_slices(&mut self.shared, &taken, now, at);
+        self.shards.load_sums(&mut self.shared, &taken, now, at);
+        self.deliver_local();
+        for shard in taken {
+            self.shards.home_changed(&mut self.shared, shard, now);
+        }
+    }
+}
+
+impl OwnedShards {
+    /// Takes the claims `shards` as the shards acted for, and an owner for
+    /// each won since (its previous owner's record read, the edges asked to
+    /// resync): the shards taken.
+    pub(super) fn take_claims(
+        &mut self,
+        sh: &mut Shared,
+        now: Instant,
+        at: Millis,
+        shards: BTreeMap<u32, (u64, Instant)>,
+    ) -> Vec<u32> {
+        self.acting = shards;
+        self.next_lapse = self.acting.values().map(|(_, until)| *until).min();
         let won: Vec<(u32, u64)> = self
-            .shards
             .acting
             .iter()
-            .filter(|(s, (_, until))| now < *until && !self.shards.owners.contains_key(s))
+            .filter(|(s, (_, until))| now < *until && !self.owners.contains_key(s))
             .filter(|(s, (e, _))| {
                 // An epoch past the last whose versions fit would wrap them:
                 // not acted for (the claim side refuses it first).
@@ -261,25 +303,25 @@ impl ClusterLink {
             .collect();
         let mut taken = Vec::new();
         for (shard, epoch) in won {
-            let Ok(mut core) = Core::new(self.owner_config.clone()) else {
+            let Ok(mut core) = Core::new(sh.owner_config.clone()) else {
                 continue; // the same config the hub's core took
             };
             core.set_publish_views(true);
-            core.set_track_group_changes(self.serves_groups());
+            core.set_track_group_changes(sh.serves_groups());
             core.enter_epoch(Epoch(u32::try_from(epoch).unwrap_or(u32::MAX)));
             // Until the edges resent their devices, nobody restored from the
             // KV goes offline (C2).
             core.hold_offline_until(at.plus(Millis(
-                u64::try_from(self.settings.request_timeout.as_millis()).unwrap_or(u64::MAX),
+                u64::try_from(sh.settings.request_timeout.as_millis()).unwrap_or(u64::MAX),
             )));
-            let cap = self.owner_config.max_users;
-            self.shards.owners.insert(
+            let cap = sh.owner_config.max_users;
+            self.owners.insert(
                 shard,
                 Owner {
                     epoch,
                     core,
                     users: Interner::new(cap),
-                    devices: Interner::new(self.owner_config.max_sessions),
+                    devices: Interner::new(sh.owner_config.max_sessions),
                     sessions: DetMap::default(),
                     by_holder: DetMap::default(),
                     last_rid: DetMap::default(),
@@ -298,7 +340,7 @@ impl ClusterLink {
                     idle: VecDeque::new(),
                     seq: 0,
                     truth_seq: DetMap::default(),
-                    resync_until: now + self.settings.request_timeout,
+                    resync_until: now + sh.settings.request_timeout,
                     next_resync: now + RESYNC_EVERY,
                     slices: DetMap::default(),
                     partials: Partials::default(),
@@ -309,70 +351,54 @@ impl ClusterLink {
             // The previous owner's devices: restored as lingering, so that
             // those nobody resends go offline (no ghost when the edge died
             // with the owner, C3).
-            self.next_id += 1;
-            let id = self.next_id;
-            self.shards.pending_shards.insert(id, (shard, epoch, now));
-            self.outputs
-                .push_back(ClusterOutput::LoadShard { id, shard });
-            self.ask_resync(shard, epoch);
-            // This node's own edge resends its devices of the shard at once.
-            let mine: Vec<SessionId> = self
-                .edge
-                .devices
-                .iter()
-                .filter(|(_, d)| !d.closed && self.shard(&d.user) == shard)
-                .map(|(s, _)| *s)
-                .collect();
-            for session in mine {
-                self.resend(session, now, at, false);
-            }
+            sh.next_id += 1;
+            let id = sh.next_id;
+            self.pending_shards.insert(id, (shard, epoch, now));
+            sh.outputs.push_back(ClusterOutput::LoadShard { id, shard });
+            self.ask_resync(sh, shard, epoch);
             taken.push(shard);
         }
-        // Groups: the slices of the shards taken, the sums of the groups
-        // homed there, and this node's partials for those (the new sums
-        // hold none).
-        self.load_slices(&taken, now, at);
-        self.load_sums(&taken, now, at);
-        for shard in taken {
-            self.home_changed(shard, now);
-        }
+        taken
     }
 
-    fn ask_resync(&mut self, shard: u32, epoch: u64) {
-        self.outputs.push_back(ClusterOutput::Resync {
+    /// This node's owner of `shard`: its epoch and last view's number.
+    pub(super) fn published_up_to(&self, shard: u32) -> (u64, u64) {
+        self.owners.get(&shard).map_or((0, 0), |o| (o.epoch, o.seq))
+    }
+
+    pub(super) fn ask_resync(&mut self, sh: &mut Shared, shard: u32, epoch: u64) {
+        sh.outputs.push_back(ClusterOutput::Resync {
             payload: encode(&ResyncRequest {
                 shard,
                 epoch,
-                owner: self.settings.node.clone(),
+                owner: sh.settings.node.clone(),
             }),
         });
     }
 
     /// Owners' periodic messages: the resync request again while its window
     /// is open, and the beacon.
-    pub(super) fn announce(&mut self, now: Instant) {
+    pub(super) fn announce(&mut self, sh: &mut Shared, now: Instant) {
         let again: Vec<(u32, u64)> = self
-            .shards
             .owners
             .iter()
             .filter(|(_, o)| now < o.resync_until && now >= o.next_resync)
             .map(|(s, o)| (*s, o.epoch))
             .collect();
         for (shard, epoch) in again {
-            if let Some(o) = self.shards.owners.get_mut(&shard) {
+            if let Some(o) = self.owners.get_mut(&shard) {
                 o.next_resync = now + RESYNC_EVERY;
             }
-            self.ask_resync(shard, epoch);
+            self.ask_resync(sh, shard, epoch);
         }
-        if self.shards.next_beacon.is_some_and(|t| now < t) {
+        if self.next_beacon.is_some_and(|t| now < t) {
             return;
         }
-        self.shards.next_beacon = Some(now + BEACON_EVERY);
+        self.next_beacon = Some(now + BEACON_EVERY);
         let acting: Vec<(&u32, &Owner)> = self
-            .shards
             .owners
             .iter()
-            .filter(|(s, o)| self.acting_epoch(**s, now) == Some(o.epoch))
+            .filter(|(s, o)| self.acting_epoch(sh, **s, now) == Some(o.epoch))
             .collect();
         // Shards with nothing published yet under this epoch too: an edge
         // that missed the last views of an earlier epoch (cut off while
@@ -395,9 +421,9 @@ impl ClusterLink {
             .max(truths.len().div_ceil(MAX_BEACON_TRUTHS));
         for i in 0..chunks {
             let part = |len: usize, max: usize| (i * max).min(len)..((i + 1) * max).min(len);
-            self.outputs.push_back(ClusterOutput::Beacon {
+            sh.outputs.push_back(ClusterOutput::Beacon {
                 payload: encode(&Beacon {
-                    owner: self.settings.node.clone(),
+                    owner: sh.settings.node.clone(),
                     shards: shards[part(shards.len(), MAX_BEACON_SHARDS)].to_vec(),
                     truths: truths[part(truths.len(), MAX_BEACON_TRUTHS)].to_vec(),
                 }),
@@ -407,14 +433,14 @@ impl ClusterLink {
 
     /// The node stops acting for `shard`: its core goes, and this node's
     /// own inputs that waited in it are refused (the edge looks again).
-    pub(super) fn drop_owner(&mut self, shard: u32, now: Instant, at: Millis) {
-        let Some(o) = self.shards.owners.remove(&shard) else {
+    pub(super) fn drop_owner(&mut self, sh: &mut Shared, shard: u32, now: Instant, at: Millis) {
+        let Some(o) = self.owners.remove(&shard) else {
             return;
         };
         for (_, waiting) in o.loading {
             for (_, reply) in waiting {
                 if let ReplyTo::Local(..) = reply {
-                    self.reply(reply, FromOwner::NotOwner, now, at);
+                    self.reply(sh, reply, FromOwner::NotOwner, now, at);
                 }
             }
         }
@@ -426,11 +452,12 @@ impl ClusterLink {
     /// view).
     pub(super) fn load_users<'a>(
         &mut self,
+        sh: &mut Shared,
         shard: u32,
         users: impl Iterator<Item = &'a str>,
         now: Instant,
     ) -> bool {
-        let Some(o) = self.shards.owners.get_mut(&shard) else {
+        let Some(o) = self.owners.get_mut(&shard) else {
             return false;
         };
         let epoch = o.epoch;
@@ -440,17 +467,15 @@ impl ClusterLink {
                 continue;
             }
             all = false;
-            if o.loading.contains_key(user) || self.shards.pending_loads.len() >= MAX_PENDING_PREFS
-            {
+            if o.loading.contains_key(user) || self.pending_loads.len() >= MAX_PENDING_PREFS {
                 continue;
             }
             o.loading.insert(user.to_owned(), Vec::new());
-            self.next_id += 1;
-            let id = self.next_id;
-            self.shards
-                .pending_loads
+            sh.next_id += 1;
+            let id = sh.next_id;
+            self.pending_loads
                 .insert(id, (shard, epoch, user.to_owned(), now));
-            self.outputs.push_back(ClusterOutput::LoadUser {
+            sh.outputs.push_back(ClusterOutput::LoadUser {
                 id,
                 user: user.to_owned(),
             });
@@ -462,46 +487,42 @@ impl ClusterLink {
     /// waited for it.
     /// A user's KV read failed: asked again after [`RETRY_AFTER`] (by
     /// `expire_pending`, which asks again what waited its timeout).
-    pub(super) fn user_load_failed(&mut self, now: Instant, id: u64) {
-        let timeout = self.settings.request_timeout;
-        if let Some((_, _, _, since)) = self.shards.pending_loads.get_mut(&id) {
-            self.counters.retries += 1;
+    pub(super) fn user_load_failed(&mut self, sh: &mut Shared, now: Instant, id: u64) {
+        let timeout = sh.settings.request_timeout;
+        if let Some((_, _, _, since)) = self.pending_loads.get_mut(&id) {
+            sh.counters.retries += 1;
             *since = (now + RETRY_AFTER).checked_sub(timeout).unwrap_or(*since);
         }
     }
 
-    pub(super) fn shard_load_failed(&mut self, now: Instant, id: u64) {
-        let timeout = self.settings.request_timeout;
-        if let Some((_, _, since)) = self.shards.pending_shards.get_mut(&id) {
-            self.counters.retries += 1;
+    pub(super) fn shard_load_failed(&mut self, sh: &mut Shared, now: Instant, id: u64) {
+        let timeout = sh.settings.request_timeout;
+        if let Some((_, _, since)) = self.pending_shards.get_mut(&id) {
+            sh.counters.retries += 1;
             *since = (now + RETRY_AFTER).checked_sub(timeout).unwrap_or(*since);
         }
     }
 
     pub(super) fn user_loaded(
         &mut self,
+        sh: &mut Shared,
         now: Instant,
         at: Millis,
         id: u64,
         prefs: Option<Bytes>,
         view: Option<Bytes>,
     ) {
-        let Some((shard, epoch, user, asked)) = self.shards.pending_loads.remove(&id) else {
+        let Some((shard, epoch, user, asked)) = self.pending_loads.remove(&id) else {
             return;
         };
-        let max_message = self.owner_config.max_message_len;
+        let max_message = sh.owner_config.max_message_len;
         let prefs = prefs
             .and_then(|b| decode::<WirePrefs>(&b))
             .filter(|p| p.message.as_ref().is_none_or(|m| m.len() <= max_message));
         let view = view
             .and_then(|b| decode::<proto::Presence>(&b))
             .filter(|p| p.message.as_ref().is_none_or(|m| m.len() <= max_message));
-        let Some(o) = self
-            .shards
-            .owners
-            .get_mut(&shard)
-            .filter(|o| o.epoch == epoch)
-        else {
+        let Some(o) = self.owners.get_mut(&shard).filter(|o| o.epoch == epoch) else {
             return; // the owner is gone; its waiting inputs were refused then
         };
         o.loaded.insert(user.clone());
@@ -527,7 +548,7 @@ impl ClusterLink {
         if prefs.is_some() || view.is_some() || !recorded.is_empty() || owed || unsettled {
             // Recorded devices linger at least to the end of the resync
             // window, heard from at the record's time.
-            let window = u64::try_from(self.settings.request_timeout.as_millis()).unwrap_or(0);
+            let window = u64::try_from(sh.settings.request_timeout.as_millis()).unwrap_or(0);
             let mut devices = Vec::new();
             let mut holders = Vec::new();
             for d in &recorded {
@@ -593,18 +614,24 @@ impl ClusterLink {
         }
         let waiting = o.loading.remove(&user).unwrap_or_default();
         for (msg, reply) in waiting {
-            self.owner_input(shard, msg, reply, now, at);
+            self.owner_input(sh, shard, msg, reply, now, at);
         }
-        self.drain_owner(shard, now, at);
+        self.drain_owner(sh, shard, now, at);
     }
 
     /// The previous owner's device record of a shard arrived: each user in
     /// it is restored (preferences, view, devices as lingering) at once.
-    pub(super) fn shard_loaded(&mut self, now: Instant, id: u64, record: Option<Bytes>) {
-        let Some((shard, epoch, _)) = self.shards.pending_shards.remove(&id) else {
+    pub(super) fn shard_loaded(
+        &mut self,
+        sh: &mut Shared,
+        now: Instant,
+        id: u64,
+        record: Option<Bytes>,
+    ) {
+        let Some((shard, epoch, _)) = self.pending_shards.remove(&id) else {
             return;
         };
-        let max_name = self.max_name_len;
+        let max_name = sh.max_name_len;
         let ShardRecord { devices, owed } = record
             .and_then(|b| decode_shard_record(&b))
             .unwrap_or_default();
@@ -617,20 +644,15 @@ impl ClusterLink {
             })
             .take(MAX_RECORDED_DEVICES)
             .collect();
-        let shard_of = self.settings.shard_of;
-        let count = self.settings.shard_count;
-        let Some(o) = self
-            .shards
-            .owners
-            .get_mut(&shard)
-            .filter(|o| o.epoch == epoch)
-        else {
+        let shard_of = sh.settings.shard_of;
+        let count = sh.settings.shard_count;
+        let Some(o) = self.owners.get_mut(&shard).filter(|o| o.epoch == epoch) else {
             return;
         };
         o.reading_record = false;
         // Its partials, held while the record was read, may go now.
-        self.shards.partial_due_by(now);
-        let Some(o) = self.shards.owners.get_mut(&shard) else {
+        self.partial_due_by(now);
+        let Some(o) = self.owners.get_mut(&shard) else {
             return;
         };
         let mut users = Vec::new();
@@ -658,27 +680,26 @@ impl ClusterLink {
             users.push(user);
         }
         for user in users {
-            let Some(o) = self.shards.owners.get_mut(&shard) else {
+            let Some(o) = self.owners.get_mut(&shard) else {
                 return;
             };
             if o.loading.contains_key(&user) {
                 continue; // its read is on the way; the devices go with it
             }
             o.loading.insert(user.clone(), Vec::new());
-            self.next_id += 1;
-            let id = self.next_id;
-            self.shards
-                .pending_loads
+            sh.next_id += 1;
+            let id = sh.next_id;
+            self.pending_loads
                 .insert(id, (shard, epoch, user.clone(), now));
-            self.outputs.push_back(ClusterOutput::LoadUser { id, user });
+            sh.outputs.push_back(ClusterOutput::LoadUser { id, user });
         }
     }
 
     /// Writes the shard's device record behind once `WRITE_BEHIND` passed
     /// since the first change not written.
-    pub(super) fn write_devices(&mut self, shard: u32, at: Millis) {
-        let base = self.unix_base_ms;
-        let Some(o) = self.shards.owners.get_mut(&shard) else {
+    pub(super) fn write_devices(&mut self, sh: &mut Shared, shard: u32, at: Millis) {
+        let base = sh.unix_base_ms;
+        let Some(o) = self.owners.get_mut(&shard) else {
             return;
         };
         if o.reading_record || o.dirty_since.is_none_or(|d| at < d.plus(WRITE_BEHIND)) {
@@ -732,11 +753,11 @@ impl ClusterLink {
         owed.sort_unstable();
         owed.truncate(MAX_RECORDED_DEVICES);
         let record = ShardRecord { devices, owed };
-        let fenced = self.settings.protocol >= FENCED_RECORD_SINCE;
-        self.outputs.push_back(ClusterOutput::PutShardDevices {
+        let fenced = sh.settings.protocol >= FENCED_RECORD_SINCE;
+        sh.outputs.push_back(ClusterOutput::PutShardDevices {
             shard,
             fence: fenced.then_some(fence),
-            value: encode_shard_record(&record, self.settings.protocol),
+            value: encode_shard_record(&record, sh.settings.protocol),
         });
     }
 
@@ -748,20 +769,21 @@ impl ClusterLink {
     /// it are lost (the edge restarted under that incarnation).
     pub(super) fn edge_lost(
         &mut self,
+        sh: &mut Shared,
         now: Instant,
         at: Millis,
         node: &str,
         older_than: Option<u64>,
         last_heard: u64,
     ) {
-        if node == self.settings.node {
+        if node == sh.settings.node {
             return; // its own lease: the node is being cut off, not lost
         }
         // Unix ms (from the lease) on the core's clock.
-        let last_heard = Millis(last_heard.saturating_sub(self.unix_base_ms)).min(at);
-        let shards: Vec<u32> = self.shards.owners.keys().copied().collect();
+        let last_heard = Millis(last_heard.saturating_sub(sh.unix_base_ms)).min(at);
+        let shards: Vec<u32> = self.owners.keys().copied().collect();
         for shard in shards {
-            let Some(o) = self.shards.owners.get_mut(&shard) else {
+            let Some(o) = self.owners.get_mut(&shard) else {
                 continue;
             };
             let lost: Vec<SessionId> = o
@@ -777,15 +799,15 @@ impl ClusterLink {
                 continue;
             }
             let n = o.core.handle_edge_lost(at, &lost, last_heard);
-            self.counters.edge_lost_devices += n as u64;
-            self.drain_owner(shard, now, at);
+            sh.counters.edge_lost_devices += n as u64;
+            self.drain_owner(sh, shard, now, at);
         }
     }
 
     /// Publishes what the owner's core published, and forgets ended sessions.
-    pub(super) fn drain_owner(&mut self, shard: u32, now: Instant, at: Millis) {
-        let base = self.unix_base_ms;
-        let Some(o) = self.shards.owners.get_mut(&shard) else {
+    pub(super) fn drain_owner(&mut self, sh: &mut Shared, shard: u32, now: Instant, at: Millis) {
+        let base = sh.unix_base_ms;
+        let Some(o) = self.owners.get_mut(&shard) else {
             return;
         };
         let mut ended = Vec::new();
@@ -805,7 +827,7 @@ impl ClusterLink {
             if let (false, (Some(user), Some(device))) = (reason == EndReason::Superseded, names) {
                 // The device is gone (not connected again): a resume naming
                 // its session anywhere starts fresh.
-                self.outputs.push_back(ClusterOutput::DeleteSession {
+                sh.outputs.push_back(ClusterOutput::DeleteSession {
                     user: user.to_string(),
                     device: device.to_string(),
                 });
@@ -855,7 +877,7 @@ impl ClusterLink {
                 views.push((user, true, o.core.truth(user), true));
             }
         }
-        let me = self.settings.node.as_str();
+        let me = sh.settings.node.as_str();
         let mut out = Vec::new();
         let mut local = Vec::new();
         for (user, own, presence, greet_only) in views {
@@ -919,25 +941,17 @@ impl ClusterLink {
         o.greet = greet;
         for output in out {
             match output {
-                ClusterOutput::Publish { .. } => self.counters.published += 1,
-                ClusterOutput::PublishToEdge { .. } => self.counters.truths_sent += 1,
+                ClusterOutput::Publish { .. } => sh.counters.published += 1,
+                ClusterOutput::PublishToEdge { .. } => sh.counters.truths_sent += 1,
                 _ => {}
             }
-            self.outputs.push_back(output);
+            sh.outputs.push_back(output);
         }
         // This node's own sessions, in process (the copy NATS brings back
         // on the shard's subject is dropped by version).
-        for v in local {
-            self.edge
-                .apply_view(at, &v.user, v.own, v.presence.to_core());
+        for view in local {
+            sh.to_edge.push_back(ToEdge::View { at, view });
         }
         self.note_changed_groups(shard, now);
-    }
-}
-
-impl OwnedShards {
-    /// This node's owner of `shard`: its epoch and last view's number.
-    pub(super) fn published_up_to(&self, shard: u32) -> (u64, u64) {
-        self.owners.get(&shard).map_or((0, 0), |o| (o.epoch, o.seq))
     }
 }

@@ -7,11 +7,13 @@ use super::owner::{
 };
 use super::owners::OwnedShards;
 use super::prefs_writes::Waiting;
+use super::shared::Shared;
+use super::to_edge::ToEdge;
 use super::wire::{decode, encode, FromOwner, ToOwner, WireOp, WirePrefs};
 use super::DetMap;
 use super::{
-    ClusterLink, ClusterOutput, RequestKind, MAX_EDGES_REMEMBERED, MAX_HOLDERS_REMEMBERED,
-    MAX_PENDING_PREFS, MAX_QUEUED_OPS, MAX_SNAPSHOT_TARGETS,
+    ClusterOutput, RequestKind, MAX_EDGES_REMEMBERED, MAX_HOLDERS_REMEMBERED, MAX_PENDING_PREFS,
+    MAX_QUEUED_OPS, MAX_SNAPSHOT_TARGETS,
 };
 use greendot_core::{Connect, DeviceId, DeviceKind, Millis, SessionId, UserId, Watch};
 use greendot_proto::{self as proto, ErrorCode, WireError};
@@ -183,10 +185,30 @@ fn replaced_at_its_edge(
     })
 }
 
-impl ClusterLink {
+impl OwnedShards {
+    /// Remembers `incarnation` as the edge's newest if it is; `false` if a
+    /// newer one of the edge is known (`incarnation` is a dead run's).
+    pub(super) fn saw_incarnation(&mut self, edge: &str, incarnation: u64) -> bool {
+        match self.incarnations.get_mut(edge) {
+            Some(newest) if *newest > incarnation => false,
+            Some(newest) => {
+                *newest = incarnation;
+                true
+            }
+            None => {
+                if self.incarnations.len() < MAX_EDGES_REMEMBERED {
+                    self.incarnations.insert(edge.to_owned(), incarnation);
+                }
+                true
+            }
+        }
+    }
+
     /// A request on a shard's subject: checked, then taken as its owner.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn request_message(
         &mut self,
+        sh: &mut Shared,
         now: Instant,
         at: Millis,
         shard: u32,
@@ -195,7 +217,7 @@ impl ClusterLink {
         reply: u64,
     ) {
         match decode::<ToOwner>(payload) {
-            Some(msg) if self.well_formed(&msg) => {
+            Some(msg) if self.well_formed(sh, &msg) => {
                 let matches_kind = matches!(
                     (&msg, kind),
                     (ToOwner::Device { .. }, RequestKind::Input)
@@ -206,18 +228,18 @@ impl ClusterLink {
                         | (ToOwner::GroupPage { .. }, RequestKind::Snapshot)
                 );
                 if !matches_kind {
-                    self.counters.malformed += 1;
+                    sh.counters.malformed += 1;
                     return;
                 }
-                self.owner_request(shard, msg, reply, now, at);
+                self.owner_request(sh, shard, msg, reply, now, at);
             }
-            _ => self.counters.malformed += 1,
+            _ => sh.counters.malformed += 1,
         }
     }
 
     /// Names within the limits (checked before anything is interned).
-    fn well_formed(&self, msg: &ToOwner) -> bool {
-        let ok = |s: &str| !s.is_empty() && s.len() <= self.max_name_len;
+    pub(super) fn well_formed(&self, sh: &Shared, msg: &ToOwner) -> bool {
+        let ok = |s: &str| !s.is_empty() && s.len() <= sh.max_name_len;
         match msg {
             ToOwner::Device {
                 edge,
@@ -232,7 +254,7 @@ impl ClusterLink {
                     && match op {
                         WireOp::SetStatus {
                             message: Some(m), ..
-                        } => m.len() <= self.owner_config.max_message_len,
+                        } => m.len() <= sh.owner_config.max_message_len,
                         _ => true,
                     }
             }
@@ -244,31 +266,39 @@ impl ClusterLink {
             }
             ToOwner::Route { user } => ok(user),
             ToOwner::GroupPartials { parts } => parts.iter().all(|p| {
-                p.shard < self.settings.shard_count
-                    && p.online.len() <= self.owner_config.max_group_members
+                p.shard < sh.settings.shard_count
+                    && p.online.len() <= sh.owner_config.max_group_members
             }),
             ToOwner::GroupPage { .. } => true,
         }
     }
 
-    fn owner_request(&mut self, shard: u32, msg: ToOwner, reply: u64, now: Instant, at: Millis) {
-        if self.acting_epoch(shard, now).is_none() || !self.shards.owners.contains_key(&shard) {
-            self.outputs.push_back(ClusterOutput::Reply {
+    pub(super) fn owner_request(
+        &mut self,
+        sh: &mut Shared,
+        shard: u32,
+        msg: ToOwner,
+        reply: u64,
+        now: Instant,
+        at: Millis,
+    ) {
+        if self.acting_epoch(sh, shard, now).is_none() || !self.owners.contains_key(&shard) {
+            sh.outputs.push_back(ClusterOutput::Reply {
                 reply,
                 payload: encode(&FromOwner::NotOwner),
             });
             return;
         }
         let answer = match msg {
-            ToOwner::GroupPartials { parts } => self.take_partials(shard, parts, now, at),
+            ToOwner::GroupPartials { parts } => self.take_partials(sh, shard, parts, now, at),
             ToOwner::GroupPage {
                 group,
                 after,
                 limit,
-            } => self.page_keys(shard, group, after, limit, now),
-            msg => return self.view_request(shard, msg, reply, now, at),
+            } => self.page_keys(sh, shard, group, after, limit, now),
+            msg => return self.view_request(sh, shard, msg, reply, now, at),
         };
-        self.outputs.push_back(ClusterOutput::Reply {
+        sh.outputs.push_back(ClusterOutput::Reply {
             reply,
             payload: encode(&answer),
         });
@@ -276,43 +306,51 @@ impl ClusterLink {
 
     /// Views, snapshots, routes and device inputs to an owner acting for
     /// `shard`.
-    fn view_request(&mut self, shard: u32, msg: ToOwner, reply: u64, now: Instant, at: Millis) {
+    pub(super) fn view_request(
+        &mut self,
+        sh: &mut Shared,
+        shard: u32,
+        msg: ToOwner,
+        reply: u64,
+        now: Instant,
+        at: Millis,
+    ) {
         // Whether each target gets its truth: the viewer's own, or all.
         let (viewer, all_own, targets) = match msg {
             ToOwner::Snapshot { viewer, targets } => (Some(viewer), false, targets),
             ToOwner::Views { targets, own } => (None, own, targets),
             ToOwner::Route { user } => {
-                if self.shard(&user) != shard {
-                    self.counters.malformed += 1;
+                if sh.shard(&user) != shard {
+                    sh.counters.malformed += 1;
                     return;
                 }
-                let entries = self.shards.owners.get(&shard).map(|o| route_of(o, &user));
-                self.outputs.push_back(ClusterOutput::Reply {
+                let entries = self.owners.get(&shard).map(|o| route_of(o, &user));
+                sh.outputs.push_back(ClusterOutput::Reply {
                     reply,
                     payload: encode(&FromOwner::Route(entries.unwrap_or_default())),
                 });
                 return;
             }
             device => {
-                self.counters.owner_inputs += 1;
-                return self.owner_input(shard, device, ReplyTo::Remote(reply), now, at);
+                sh.counters.owner_inputs += 1;
+                return self.owner_input(sh, shard, device, ReplyTo::Remote(reply), now, at);
             }
         };
-        if targets.iter().any(|t| self.shard(t) != shard) {
-            self.counters.malformed += 1;
+        if targets.iter().any(|t| sh.shard(t) != shard) {
+            sh.counters.malformed += 1;
             return;
         }
-        if !self.load_users(shard, targets.iter().map(String::as_str), now) {
-            self.outputs.push_back(ClusterOutput::Reply {
+        if !self.load_users(sh, shard, targets.iter().map(String::as_str), now) {
+            sh.outputs.push_back(ClusterOutput::Reply {
                 reply,
                 payload: encode(&FromOwner::Loading),
             });
             return;
         }
         let mut presences = Vec::with_capacity(targets.len());
-        let base = self.unix_base_ms;
+        let base = sh.unix_base_ms;
         for t in &targets {
-            let Some(o) = self.shards.owners.get_mut(&shard) else {
+            let Some(o) = self.owners.get_mut(&shard) else {
                 return;
             };
             let Some(uid) = o.users.intern(t) else {
@@ -330,9 +368,9 @@ impl ClusterLink {
                 note_idle(o, UserId(uid), at);
             }
         }
-        self.drain_owner(shard, now, at);
-        let (epoch, seq) = self.shards.published_up_to(shard);
-        self.outputs.push_back(ClusterOutput::Reply {
+        self.drain_owner(sh, shard, now, at);
+        let (epoch, seq) = self.published_up_to(shard);
+        sh.outputs.push_back(ClusterOutput::Reply {
             reply,
             payload: encode(&FromOwner::Snapshot {
                 presences,
@@ -342,19 +380,33 @@ impl ClusterLink {
         });
     }
 
-    pub(super) fn reply(&mut self, to: ReplyTo, answer: FromOwner, now: Instant, at: Millis) {
+    pub(super) fn reply(
+        &mut self,
+        sh: &mut Shared,
+        to: ReplyTo,
+        answer: FromOwner,
+        now: Instant,
+        at: Millis,
+    ) {
         match to {
-            ReplyTo::Remote(reply) => self.outputs.push_back(ClusterOutput::Reply {
+            ReplyTo::Remote(reply) => sh.outputs.push_back(ClusterOutput::Reply {
                 reply,
                 payload: encode(&answer),
             }),
-            ReplyTo::Local(session, rid) => self.device_answer(session, rid, Some(answer), now, at),
+            ReplyTo::Local(session, rid) => sh.to_edge.push_back(ToEdge::Answer {
+                session,
+                rid,
+                answer,
+                now,
+                at,
+            }),
         }
     }
 
     /// A device input at the owner of `shard`.
     pub(super) fn owner_input(
         &mut self,
+        sh: &mut Shared,
         shard: u32,
         msg: ToOwner,
         reply: ReplyTo,
@@ -373,24 +425,24 @@ impl ClusterLink {
         else {
             return;
         };
-        if self.shard(&user) != shard {
-            self.counters.malformed += 1;
+        if sh.shard(&user) != shard {
+            sh.counters.malformed += 1;
             return;
         }
-        if !self.shards.saw_incarnation(&edge, incarnation) {
+        if !self.saw_incarnation(&edge, incarnation) {
             // Sent by a run of the edge that is gone (a `kill -9` just
             // after it sent): applied, it would connect a device nobody
             // holds, a ghost until the next owner change.
-            self.counters.stale_incarnation += 1;
+            sh.counters.stale_incarnation += 1;
             return;
         }
-        let from_unix = |unix: u64| Millis(unix.saturating_sub(self.unix_base_ms)).min(at);
-        let loads = self.shards.pending_loads.len();
+        let from_unix = |unix: u64| Millis(unix.saturating_sub(sh.unix_base_ms)).min(at);
+        let loads = self.pending_loads.len();
         // `max_users` is the node's, over all the shards it owns: a user
         // new to every owner core here is refused at it.
-        let node_users: usize = self.shards.owners.values().map(|o| o.users.len()).sum();
-        let Some(o) = self.shards.owners.get_mut(&shard) else {
-            return self.reply(reply, FromOwner::NotOwner, now, at);
+        let node_users: usize = self.owners.values().map(|o| o.users.len()).sum();
+        let Some(o) = self.owners.get_mut(&shard) else {
+            return self.reply(sh, reply, FromOwner::NotOwner, now, at);
         };
         let (connects, foreground) = match op {
             WireOp::Connect { .. } => (true, true),
@@ -398,9 +450,9 @@ impl ClusterLink {
             WireOp::ConnectWelcomed { foreground, .. } => (true, foreground),
             _ => (false, true),
         };
-        if connects && node_users >= self.owner_config.max_users && o.users.get(&user).is_none() {
+        if connects && node_users >= sh.owner_config.max_users && o.users.get(&user).is_none() {
             let full = WireError::new(ErrorCode::TooManyUsers, "this node holds too many users");
-            return self.reply(reply, FromOwner::Refused(full), now, at);
+            return self.reply(sh, reply, FromOwner::Refused(full), now, at);
         }
         let epoch = o.epoch;
         if !o.loaded.contains(&user) {
@@ -423,20 +475,19 @@ impl ClusterLink {
                 return;
             }
             if loads >= MAX_PENDING_PREFS {
-                return self.reply(reply, FromOwner::NotOwner, now, at);
+                return self.reply(sh, reply, FromOwner::NotOwner, now, at);
             }
             o.loading.insert(user.clone(), vec![(msg, reply)]);
-            self.next_id += 1;
-            let id = self.next_id;
-            self.shards
-                .pending_loads
+            sh.next_id += 1;
+            let id = sh.next_id;
+            self.pending_loads
                 .insert(id, (shard, epoch, user.clone(), now));
-            self.outputs.push_back(ClusterOutput::LoadUser { id, user });
+            sh.outputs.push_back(ClusterOutput::LoadUser { id, user });
             return;
         }
         let holder = (edge, incarnation, conn);
         if o.last_rid.get(&holder).is_some_and(|&r| rid <= r) {
-            return self.reply(reply, FromOwner::Done { epoch }, now, at);
+            return self.reply(sh, reply, FromOwner::Done { epoch }, now, at);
         }
         let session = o.by_holder.get(&holder).copied();
         let ends = matches!(op, WireOp::Disconnect { .. } | WireOp::Logout);
@@ -472,7 +523,7 @@ impl ClusterLink {
                     // this one was given up by its client and must not
                     // take the device over (its end would show the device
                     // offline while it is connected).
-                    self.counters.stale_connects += 1;
+                    sh.counters.stale_connects += 1;
                     FromOwner::Done { epoch }
                 } else {
                     let named = (holder.clone(), wire, since, welcomed);
@@ -480,7 +531,7 @@ impl ClusterLink {
                     match owner_connect(o, at, &user, &device, state, named) {
                         Ok(uid) => {
                             o.dirty_since.get_or_insert(at);
-                            if holder.0 != self.settings.node {
+                            if holder.0 != sh.settings.node {
                                 o.greet.push((uid, holder.0.clone()));
                             }
                             FromOwner::Done { epoch }
@@ -549,11 +600,11 @@ impl ClusterLink {
                 status: saved.status.into(),
                 message: saved.message.as_deref().map(str::to_owned),
                 invisible: saved.invisible,
-                last_seen: saved.last_seen.map(|m| self.to_unix(m)),
+                last_seen: saved.last_seen.map(|m| sh.to_unix(m)),
             });
-            if self.shards.pending_prefs.len() < MAX_PENDING_PREFS {
-                let id = self.id();
-                self.shards.pending_prefs.insert(
+            if self.pending_prefs.len() < MAX_PENDING_PREFS {
+                let id = sh.id();
+                self.pending_prefs.insert(
                     id,
                     PendingPrefs {
                         reply,
@@ -570,10 +621,10 @@ impl ClusterLink {
                     value,
                     requests: vec![id],
                 };
-                let pending = &self.shards.pending_prefs;
+                let pending = &self.pending_prefs;
                 let live = |r: u64| pending.contains_key(&r);
-                if let Some(w) = self.shards.prefs_writes.start(now, id, &user, write, live) {
-                    self.outputs.push_back(ClusterOutput::PutPrefs {
+                if let Some(w) = self.prefs_writes.start(now, id, &user, write, live) {
+                    sh.outputs.push_back(ClusterOutput::PutPrefs {
                         id,
                         user,
                         epoch,
@@ -581,42 +632,48 @@ impl ClusterLink {
                     });
                 }
             }
-            self.drain_owner(shard, now, at);
+            self.drain_owner(sh, shard, now, at);
             return;
         }
         if matches!(answer, FromOwner::Done { .. }) {
-            if let Some(o) = self.shards.owners.get_mut(&shard) {
+            if let Some(o) = self.owners.get_mut(&shard) {
                 remember_rid(&mut o.last_rid, key_rid, rid);
             }
         }
-        self.drain_owner(shard, now, at);
-        self.reply(reply, answer, now, at);
+        self.drain_owner(sh, shard, now, at);
+        self.reply(sh, reply, answer, now, at);
     }
 
     /// The KV write of preferences `id` is done (`ok`) or failed: the
     /// requests it carried are answered, and the user's value that waited
     /// for it goes out, while its epoch is still acted for.
-    pub(super) fn prefs_stored(&mut self, now: Instant, at: Millis, id: u64, ok: bool) {
-        let Some(done) = self.shards.prefs_writes.finished(id) else {
+    pub(super) fn prefs_stored(
+        &mut self,
+        sh: &mut Shared,
+        now: Instant,
+        at: Millis,
+        id: u64,
+        ok: bool,
+    ) {
+        let Some(done) = self.prefs_writes.finished(id) else {
             return;
         };
         for request in done.requests {
-            self.answer_prefs(now, at, request, ok);
+            self.answer_prefs(sh, now, at, request, ok);
         }
         let Some(next) = done.next else {
             return;
         };
-        if self.acting_epoch(next.shard, now) != Some(next.epoch) {
+        if self.acting_epoch(sh, next.shard, now) != Some(next.epoch) {
             for request in next.requests {
-                self.answer_prefs(now, at, request, false);
+                self.answer_prefs(sh, now, at, request, false);
             }
             return;
         }
-        let write = self.id();
-        self.shards
-            .prefs_writes
+        let write = sh.id();
+        self.prefs_writes
             .sent(now, write, &done.user, next.requests);
-        self.outputs.push_back(ClusterOutput::PutPrefs {
+        sh.outputs.push_back(ClusterOutput::PutPrefs {
             id: write,
             user: done.user,
             epoch: next.epoch,
@@ -626,24 +683,29 @@ impl ClusterLink {
 
     /// Answers request `id`, which waited for its preferences to be stored
     /// (`ok`) or not.
-    pub(super) fn answer_prefs(&mut self, now: Instant, at: Millis, id: u64, ok: bool) {
-        let Some(p) = self.shards.pending_prefs.remove(&id) else {
+    pub(super) fn answer_prefs(
+        &mut self,
+        sh: &mut Shared,
+        now: Instant,
+        at: Millis,
+        id: u64,
+        ok: bool,
+    ) {
+        let Some(p) = self.pending_prefs.remove(&id) else {
             return;
         };
         // Done only while this node still acts for the epoch it
         // wrote under (C4): after the shard moved, the new owner may
         // show otherwise, so the edge asks it again.
         let acting = self
-            .shards
             .acting
             .get(&p.shard)
             .is_some_and(|(epoch, until)| *epoch == p.epoch && now < *until);
         let owner = self
-            .shards
             .owners
             .get_mut(&p.shard)
             .filter(|o| acting && o.epoch == p.epoch);
-        let acked_anyway = self.settings.mutant == Some(super::LinkMutant::AckAfterShardLost);
+        let acked_anyway = sh.settings.mutant == Some(super::LinkMutant::AckAfterShardLost);
         let answer = match owner {
             Some(o) if ok => {
                 remember_rid(&mut o.last_rid, p.holder, p.rid);
@@ -654,26 +716,6 @@ impl ClusterLink {
             // the shard moved: the edge asks again.
             _ => FromOwner::NotOwner,
         };
-        self.reply(p.reply, answer, now, at);
-    }
-}
-
-impl OwnedShards {
-    /// Remembers `incarnation` as the edge's newest if it is; `false` if a
-    /// newer one of the edge is known (`incarnation` is a dead run's).
-    pub(super) fn saw_incarnation(&mut self, edge: &str, incarnation: u64) -> bool {
-        match self.incarnations.get_mut(edge) {
-            Some(newest) if *newest > incarnation => false,
-            Some(newest) => {
-                *newest = incarnation;
-                true
-            }
-            None => {
-                if self.incarnations.len() < MAX_EDGES_REMEMBERED {
-                    self.incarnations.insert(edge.to_owned(), incarnation);
-                }
-                true
-            }
-        }
+        self.reply(sh, p.reply, answer, now, at);
     }
 }

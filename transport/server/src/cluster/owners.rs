@@ -1,6 +1,7 @@
-//! The shards this node acts for, with an index of when each is next due
-//! for `handle_timeout`, so the server's loop finds the earliest owner timer
-//! without asking every owner core on every pass.
+//! The shards this node acts for: their claims, what serves only them,
+//! and an index of when each is next due for `handle_timeout`, so the
+//! server's loop finds the earliest owner timer without asking every owner
+//! core on every pass.
 //!
 //! A shard handed out mutably may have changed its timers: it is marked
 //! touched and left out of the index until [`Owners::reindex`] (at the end of
@@ -10,8 +11,8 @@
 use super::owner::Owner;
 use super::owner_requests::PendingPrefs;
 use super::prefs_writes::PrefsWrites;
-use super::DetMap;
-use super::WRITE_BEHIND;
+use super::shared::Shared;
+use super::{DetMap, LinkMutant, WRITE_BEHIND};
 use greendot_core::Millis;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Index;
@@ -40,6 +41,40 @@ pub(super) struct OwnedShards {
     pub(super) next_beacon: Option<Instant>,
     /// When the owners' next partial is due, if one is.
     pub(super) partials_next: Option<Instant>,
+}
+
+impl OwnedShards {
+    pub(super) fn acting_epoch(&self, sh: &Shared, shard: u32, now: Instant) -> Option<u64> {
+        let lapse_ignored = sh.settings.mutant == Some(LinkMutant::ActPastDeadline);
+        self.acting
+            .get(&shard)
+            .filter(|(_, until)| lapse_ignored || now < *until)
+            .map(|(epoch, _)| *epoch)
+    }
+
+    /// Stops acting for the shards whose claim's deadline passed, whatever
+    /// the status says: first thing at every input and timeout, so that no
+    /// owner acts past its deadline on anything (a node paused past its
+    /// lease wakes to the inputs that queued while it slept, before any
+    /// timer).
+    pub(super) fn stop_lapsed(&mut self, sh: &mut Shared, now: Instant, at: Millis) {
+        if sh.settings.mutant == Some(LinkMutant::ActPastDeadline)
+            || self.next_lapse.is_none_or(|t| now < t)
+        {
+            return;
+        }
+        let lapsed: Vec<u32> = self
+            .acting
+            .iter()
+            .filter(|(_, (_, until))| now >= *until)
+            .map(|(s, _)| *s)
+            .collect();
+        for shard in lapsed {
+            self.acting.remove(&shard);
+            self.drop_owner(sh, shard, now, at);
+        }
+        self.next_lapse = self.acting.values().map(|(_, until)| *until).min();
+    }
 }
 
 #[derive(Default)]

@@ -170,7 +170,7 @@ pub(super) fn exchange_lossy(
                     ref node,
                     ref payload,
                 } => {
-                    let to_a = *node == a.settings.node;
+                    let to_a = *node == a.shared.settings.node;
                     let payload = payload.clone();
                     published.push(out);
                     if to_a {

@@ -345,7 +345,7 @@ fn a_request_the_io_never_answered_is_sent_again() {
         !o.core.truth(alice).online,
         "the logout got through at last"
     );
-    assert!(a.in_flight.is_empty() && a.edge.busy.is_empty());
+    assert!(a.shared.in_flight.is_empty() && a.edge.busy.is_empty());
 }
 
 /// [`exchange`], holding `a`'s session record puts instead of landing

@@ -270,7 +270,7 @@ fn summed() -> Bus {
 #[test]
 fn a_groups_count_is_summed_from_every_owner_and_fed_to_every_edge() {
     let mut bus = summed();
-    assert_eq!(bus.links[0].home_shard(GROUP), 3);
+    assert_eq!(bus.links[0].shared.home_shard(GROUP), 3);
     for n in 0..2 {
         let fed = bus.fed(n);
         let last = fed.last().unwrap_or_else(|| panic!("node {n} fed nothing"));

@@ -258,8 +258,8 @@ fn a_first_connect_arriving_after_the_one_sent_again_is_dropped() {
 fn online_after_a_woken_edges_stale_connect(protocol: u8) -> bool {
     let (mut a, mut b, now) = edge_and_owner();
     let mut c = link("c");
-    a.settings.protocol = protocol;
-    c.settings.protocol = protocol;
+    a.shared.settings.protocol = protocol;
+    c.shared.settings.protocol = protocol;
     let kind = proto::Kind::Mobile;
     let (stale, kept) = (SessionId(1), SessionId(2));
     a.connected(now, Millis(0), stale, 1001, "alice", "phone", kind, None);
@@ -1029,7 +1029,7 @@ fn freed_over_a_lost_offline(in_a_group: bool) {
     if in_a_group {
         // A group's slice at her owner holds her name while she is freed.
         for l in [&mut a, &mut b] {
-            l.settings.protocol = super::GROUPS_SINCE;
+            l.shared.settings.protocol = super::GROUPS_SINCE;
             let def = super::GroupDef {
                 group: 9,
                 membership: 1,
@@ -1122,8 +1122,8 @@ fn a_user_read_of_nothing_in_the_resync_window_is_published_under_the_new_epoch(
 fn a_newer_session_at_a_node_whose_clock_is_behind_takes_the_device() {
     let (mut a, mut b, now) = edge_and_owner();
     let mut c = link("c");
-    a.settings.protocol = CONNECT_WELCOMED_SINCE;
-    c.settings.protocol = CONNECT_WELCOMED_SINCE;
+    a.shared.settings.protocol = CONNECT_WELCOMED_SINCE;
+    c.shared.settings.protocol = CONNECT_WELCOMED_SINCE;
     let kind = proto::Kind::Mobile;
     let (moved, kept) = (SessionId(1), SessionId(2));
     a.connected(

@@ -228,7 +228,7 @@ fn a_new_owner_reads_the_previous_record_before_writing_its_own() {
 fn next_owner_shows_her_offline(protocol: u8, kv_view: bool) -> bool {
     let now = Instant::now();
     let (mut a, mut b) = (link("a"), link("b"));
-    b.settings.protocol = protocol;
+    b.shared.settings.protocol = protocol;
     let until = now + Duration::from_secs(3600);
     b.set_status(now, Millis(0), all_shards(2, until));
     let online = proto::Presence {
@@ -322,7 +322,7 @@ fn a_user_owed_an_offline_is_named_in_the_shard_record() {
 fn a_backgrounded_device_is_resent_in_the_background() {
     for protocol in [RECORD_FOREGROUND_SINCE - 1, RECORD_FOREGROUND_SINCE] {
         let (mut a, mut b, now) = two_nodes();
-        a.settings.protocol = protocol;
+        a.shared.settings.protocol = protocol;
         exchange(&mut a, &mut b, now, Millis(600));
         let background = WireOp::SetForeground(false);
         assert!(a.input(now, Millis(700), SessionId(1), background, None));
@@ -456,7 +456,7 @@ fn the_shard_record_is_written_in_the_layout_of_the_protocol_sent() {
 fn the_shard_record_is_written_under_the_owners_epoch_from_protocol_3() {
     let fences = |protocol: u8| {
         let (mut a, mut b, now) = two_nodes();
-        b.settings.protocol = protocol;
+        b.shared.settings.protocol = protocol;
         let mut fences = Vec::new();
         for (ms, foreground) in [(600, false), (2_000, true)] {
             let op = WireOp::SetForeground(foreground);

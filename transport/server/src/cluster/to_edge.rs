@@ -1,0 +1,62 @@
+//! What this node's owners send its own edge, in process: the views and
+//! truths they publish, answers to the edge's own device inputs, and group
+//! counts. Each is queued by the owner and delivered once the owner's step
+//! returns, in order: the owner never calls into the edge, as a remote
+//! owner cannot.
+
+use super::wire::{FromOwner, GroupCounts, ShardView};
+use super::ClusterLink;
+use greendot_core::{Millis, SessionId};
+use std::time::Instant;
+
+#[derive(Debug)]
+pub(super) enum ToEdge {
+    /// A view or truth published at `at` (the copy NATS brings back is
+    /// dropped by version).
+    View { at: Millis, view: ShardView },
+    /// The answer to an input the edge's device `session` sent as `rid`.
+    Answer {
+        session: SessionId,
+        rid: u64,
+        answer: FromOwner,
+        now: Instant,
+        at: Millis,
+    },
+    /// Counts of groups homed at one of this node's shards.
+    Counts(GroupCounts),
+}
+
+impl ClusterLink {
+    /// Hands the edge what this node's owners sent it. An answer may pump
+    /// the device's next input to its owner, which queues more: the loop
+    /// takes those too.
+    pub(super) fn deliver_local(&mut self) {
+        while let Some(msg) = self.shared.to_edge.pop_front() {
+            match msg {
+                ToEdge::View { at, view } => {
+                    self.edge
+                        .apply_view(at, &view.user, view.own, view.presence.to_core());
+                }
+                ToEdge::Answer {
+                    session,
+                    rid,
+                    answer,
+                    now,
+                    at,
+                } => self.device_answer(session, rid, Some(answer), now, at),
+                ToEdge::Counts(counts) => self.take_group_counts(counts),
+            }
+        }
+    }
+
+    /// Every step delivers what it queued before it returns: a message
+    /// left here would reach the edge late, or never.
+    #[cfg(any(test, feature = "check"))]
+    pub(super) fn check_delivered(&self) {
+        assert!(
+            self.shared.to_edge.is_empty(),
+            "owners' messages left undelivered: {:?}",
+            self.shared.to_edge
+        );
+    }
+}
