@@ -6,7 +6,7 @@ use super::edge_records::{PendingResume, SessionSync};
 use super::edge_subscribe::PendingSubscribe;
 use super::edge_views::ShardTrack;
 use super::group_pages::PendingPage;
-use super::owner::{route_of, ReplyTo};
+use super::owner::ReplyTo;
 use super::wire::{
     decode, encode, FromOwner, ResyncRequest, ToOwner, WireOp, CONNECT_WELCOMED_SINCE,
     RECORD_FOREGROUND_SINCE,
@@ -77,6 +77,21 @@ pub(super) struct Edge {
 }
 
 impl Edge {
+    /// Something of the edge is looked at by the tick: devices with
+    /// inputs queued, requests waiting, records to put again, gaps to
+    /// repair, or watched shards (an owner gone silent is noticed at a
+    /// tick).
+    pub(super) fn waits_on_tick(&self) -> bool {
+        !self.busy.is_empty()
+            || !self.subscribes.is_empty()
+            || !self.routes.is_empty()
+            || !self.pages.is_empty()
+            || !self.record_retries.is_empty()
+            || !self.resumes.is_empty()
+            || self.gaps
+            || !self.tracks.is_empty()
+    }
+
     pub(super) fn new(config: &Config) -> Edge {
         Edge {
             fanout: Fanout::new(config.batch_interval),
@@ -648,9 +663,7 @@ impl ClusterLink {
         if let Some(d) = self.edge.devices.get_mut(&session) {
             d.sent = Some(rid);
         }
-        if self.shards.owners.contains_key(&shard)
-            && self.shards.acting_epoch(&self.shared, shard, now).is_some()
-        {
+        if self.shards.serves(&self.shared, shard, now) {
             self.shared.counters.forwarded_local += 1;
             self.shards.owner_input(
                 &mut self.shared,
@@ -927,10 +940,8 @@ impl ClusterLink {
     /// `wait`.
     pub fn route(&mut self, now: Instant, wait: u64, user: &str) -> Option<proto::Answer> {
         let shard = self.shared.shard(user);
-        if self.shards.acting_epoch(&self.shared, shard, now).is_some() {
-            if let Some(o) = self.shards.owners.get(&shard) {
-                return Some(proto::Answer::Route(route_of(o, user)));
-            }
+        if let Some(route) = self.shards.route(&self.shared, shard, user, now) {
+            return Some(proto::Answer::Route(route));
         }
         let p = PendingRoute {
             user: user.to_owned(),

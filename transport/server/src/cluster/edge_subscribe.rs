@@ -5,7 +5,6 @@
 //! `group_pages` module).
 
 use super::edge::InFlight;
-use super::owner::note_idle;
 use super::wire::{encode, ToOwner};
 use super::DetMap;
 use super::{ClusterLink, Finished, RequestKind, RETRY_AFTER};
@@ -225,9 +224,7 @@ impl ClusterLink {
                     continue;
                 }
             }
-            if self.shards.acting_epoch(&self.shared, shard, now).is_some()
-                && self.shards.owners.contains_key(&shard)
-            {
+            if self.shards.serves(&self.shared, shard, now) {
                 if let Some(presence) = self.local_snapshot(shard, shown_to, target, (now, at)) {
                     *snap = Some(presence);
                     continue;
@@ -259,26 +256,11 @@ impl ClusterLink {
         target: &str,
         (now, at): (Instant, Millis),
     ) -> Option<Presence> {
-        let base = self.shared.unix_base_ms;
-        if !self
+        let p = self
             .shards
-            .load_users(&mut self.shared, shard, std::iter::once(target), now)
-        {
-            return None; // asked again after the read
-        }
-        let o = self.shards.owners.get_mut(&shard)?;
-        let uid = o.users.intern(target)?;
-        let p = o
-            .core
-            .handle_snapshot(at, UserId(uid), viewer == Some(target))
-            .ok()?;
-        if !o.core.is_online(UserId(uid)) {
-            note_idle(o, UserId(uid), at);
-        }
-        // Presences at the edge carry last seen in Unix milliseconds.
-        let p = proto::Presence::from_core(&p, base).to_core();
-        self.shards.drain_owner(&mut self.shared, shard, now, at);
+            .snapshot(&mut self.shared, shard, viewer, target, (now, at));
         self.deliver_local();
+        let p = p?;
         let (epoch, seq) = self.shards.published_up_to(shard);
         self.track_answer(shard, epoch, seq, at);
         Some(p)
@@ -304,9 +286,7 @@ impl ClusterLink {
         p.asking.insert(shard, None);
         // A page's entries are what others are shown, the viewer's own too.
         let viewer = p.page.is_none().then(|| p.viewer.clone());
-        if self.shards.acting_epoch(&self.shared, shard, now).is_some()
-            && self.shards.owners.contains_key(&shard)
-        {
+        if self.shards.serves(&self.shared, shard, now) {
             let mut presences = Vec::new();
             for t in &targets {
                 match self.local_snapshot(shard, viewer.as_deref(), t, (now, at)) {

@@ -320,9 +320,7 @@ impl ClusterLink {
                 t.gap = false;
                 t.not_before = None;
             }
-            if self.shards.acting_epoch(&self.shared, shard, now).is_some()
-                && self.shards.owners.contains_key(&shard)
-            {
+            if self.shards.serves(&self.shared, shard, now) {
                 self.repair_locally(shard, targets, own, now, at);
                 continue;
             }

@@ -96,9 +96,7 @@ impl ClusterLink {
             .map(|c| (c.online, u32::try_from(c.after).unwrap_or(u32::MAX)));
         let (group, limit) = (p.group, p.limit);
         let home = self.shared.home_shard(group);
-        if self.shards.acting_epoch(&self.shared, home, now).is_some()
-            && self.shards.owners.contains_key(&home)
-        {
+        if self.shards.serves(&self.shared, home, now) {
             let keys = self
                 .shards
                 .page_keys(&mut self.shared, home, group, after, limit, now);

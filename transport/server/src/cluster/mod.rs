@@ -61,7 +61,6 @@ use group_dir::GroupDirectory;
 pub use group_dir::{GroupDef, GroupLimits, GroupWrite, GroupWriteOutcome, MAX_WRITE_TRIES};
 pub use group_owner::home_key;
 pub use group_pages::PAGE_WATCHER;
-use owner::release_idle;
 use owners::OwnedShards;
 use shared::Shared;
 use std::collections::{BTreeMap, VecDeque};
@@ -577,21 +576,9 @@ impl ClusterLink {
     /// The earliest instant something here is due, besides the cores';
     /// `now` (the caller's) when the first tick is still to come.
     pub fn poll_deadline(&self, now: Instant) -> Option<Instant> {
-        let work = !self.shards.acting.is_empty()
-            || !self.edge.busy.is_empty()
-            || !self.edge.subscribes.is_empty()
-            || !self.edge.routes.is_empty()
-            || !self.edge.pages.is_empty()
-            || !self.edge.record_retries.is_empty()
-            || !self.edge.resumes.is_empty()
-            || self.edge.gaps
-            // Watched shards: an owner gone silent is noticed at a tick.
-            || !self.edge.tracks.is_empty()
+        let work = self.shards.waits_on_tick()
+            || self.edge.waits_on_tick()
             || !self.shared.in_flight.is_empty()
-            || !self.shards.pending_prefs.is_empty()
-            || !self.shards.prefs_writes.is_empty()
-            || !self.shards.pending_loads.is_empty()
-            || !self.shards.pending_shards.is_empty()
             || self.shared.groups.busy();
         // A tick, not the exact instants: finding the earliest of them
         // would walk every device at every pass of the server's loop.
@@ -624,18 +611,8 @@ impl ClusterLink {
     fn on_timeout(&mut self, now: Instant, at: Millis) {
         self.shards.stop_lapsed(&mut self.shared, now, at);
         self.deliver_local();
-        // Only the shards with something due (or changed since last asked).
-        for shard in self.shards.owners.due(at) {
-            if let Some(o) = self.shards.owners.get_mut(&shard) {
-                o.core.handle_timeout(at);
-            }
-            self.shards.drain_owner(&mut self.shared, shard, now, at);
-            self.deliver_local();
-            self.shards.write_devices(&mut self.shared, shard, at);
-            if let Some(o) = self.shards.owners.get_mut(&shard) {
-                self.shared.counters.users_released += release_idle(o, at) as u64;
-            }
-        }
+        self.shards.handle_timeout(&mut self.shared, now, at);
+        self.deliver_local();
         self.edge.fanout.handle_timeout(at);
         if self.next_tick.is_some_and(|t| now < t) {
             return;
@@ -752,66 +729,7 @@ impl ClusterLink {
         for id in late {
             self.handle_input(now, at, ClusterInput::Answered { id, payload: None });
         }
-        let timeout = self.shared.settings.request_timeout;
-        let late: Vec<u64> = self
-            .shards
-            .pending_prefs
-            .iter()
-            .filter(|(_, p)| p.since + timeout <= now)
-            .map(|(id, _)| *id)
-            .collect();
-        for id in late {
-            self.shards
-                .answer_prefs(&mut self.shared, now, at, id, false);
-            self.deliver_local();
-        }
-        // The I/O ends a write within 3 tries of a read and a
-        // compare-and-set, each within an operation timeout (at most a
-        // third of the act window; `greendot serve` sets the request
-        // timeout to the claim TTL): under twice the request timeout. A
-        // write not answered by then was dropped before it began.
-        if let Some(cutoff) = now.checked_sub(timeout * 2) {
-            for id in self.shards.prefs_writes.lost(cutoff) {
-                self.shards
-                    .prefs_stored(&mut self.shared, now, at, id, false);
-                self.deliver_local();
-            }
-        }
-        let late: Vec<u64> = self
-            .shards
-            .pending_loads
-            .iter()
-            .filter(|(_, (_, _, _, since))| *since + timeout <= now)
-            .map(|(id, _)| *id)
-            .collect();
-        for id in late {
-            if let Some((shard, epoch, user, _)) = self.shards.pending_loads.remove(&id) {
-                self.shared.next_id += 1;
-                let id = self.shared.next_id;
-                self.shards
-                    .pending_loads
-                    .insert(id, (shard, epoch, user.clone(), now));
-                self.shared
-                    .outputs
-                    .push_back(ClusterOutput::LoadUser { id, user });
-            }
-        }
-        let late: Vec<u64> = self
-            .shards
-            .pending_shards
-            .iter()
-            .filter(|(_, (_, _, since))| *since + timeout <= now)
-            .map(|(id, _)| *id)
-            .collect();
-        for id in late {
-            if let Some((shard, epoch, _)) = self.shards.pending_shards.remove(&id) {
-                self.shared.next_id += 1;
-                let id = self.shared.next_id;
-                self.shards.pending_shards.insert(id, (shard, epoch, now));
-                self.shared
-                    .outputs
-                    .push_back(ClusterOutput::LoadShard { id, shard });
-            }
-        }
+        self.shards.expire_pending(&mut self.shared, now, at);
+        self.deliver_local();
     }
 }

@@ -15,7 +15,7 @@ use super::{
     ClusterOutput, RequestKind, MAX_EDGES_REMEMBERED, MAX_HOLDERS_REMEMBERED, MAX_PENDING_PREFS,
     MAX_QUEUED_OPS, MAX_SNAPSHOT_TARGETS,
 };
-use greendot_core::{Connect, DeviceId, DeviceKind, Millis, SessionId, UserId, Watch};
+use greendot_core::{Connect, DeviceId, DeviceKind, Millis, Presence, SessionId, UserId, Watch};
 use greendot_proto::{self as proto, ErrorCode, WireError};
 use std::time::Instant;
 
@@ -186,6 +186,35 @@ fn replaced_at_its_edge(
 }
 
 impl OwnedShards {
+    /// `target`'s presence for this node's own edge, answered in process:
+    /// `None` while her record is read (the edge asks again after), or if
+    /// no room is left for her. Presences at the edge carry last seen in
+    /// Unix milliseconds.
+    pub(super) fn snapshot(
+        &mut self,
+        sh: &mut Shared,
+        shard: u32,
+        viewer: Option<&str>,
+        target: &str,
+        (now, at): (Instant, Millis),
+    ) -> Option<Presence> {
+        if !self.load_users(sh, shard, std::iter::once(target), now) {
+            return None;
+        }
+        let o = self.owners.get_mut(&shard)?;
+        let uid = o.users.intern(target)?;
+        let p = o
+            .core
+            .handle_snapshot(at, UserId(uid), viewer == Some(target))
+            .ok()?;
+        if !o.core.is_online(UserId(uid)) {
+            note_idle(o, UserId(uid), at);
+        }
+        let p = proto::Presence::from_core(&p, sh.unix_base_ms).to_core();
+        self.drain_owner(sh, shard, now, at);
+        Some(p)
+    }
+
     /// Remembers `incarnation` as the edge's newest if it is; `false` if a
     /// newer one of the edge is known (`incarnation` is a dead run's).
     pub(super) fn saw_incarnation(&mut self, edge: &str, incarnation: u64) -> bool {

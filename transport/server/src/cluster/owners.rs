@@ -8,11 +8,11 @@
 //! each of the link's steps) computes its deadline again. Until then it is
 //! asked directly, so the answer is right whenever it is asked.
 
-use super::owner::Owner;
+use super::owner::{release_idle, Owner};
 use super::owner_requests::PendingPrefs;
 use super::prefs_writes::PrefsWrites;
 use super::shared::Shared;
-use super::{DetMap, LinkMutant, WRITE_BEHIND};
+use super::{ClusterOutput, DetMap, LinkMutant, WRITE_BEHIND};
 use greendot_core::Millis;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Index;
@@ -44,6 +44,94 @@ pub(super) struct OwnedShards {
 }
 
 impl OwnedShards {
+    /// What of the owners waited too long for the NATS I/O: requests
+    /// waiting on preference writes fail, a preference write never answered
+    /// is given up, and KV reads are asked again.
+    pub(super) fn expire_pending(&mut self, sh: &mut Shared, now: Instant, at: Millis) {
+        let timeout = sh.settings.request_timeout;
+        let late: Vec<u64> = self
+            .pending_prefs
+            .iter()
+            .filter(|(_, p)| p.since + timeout <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in late {
+            self.answer_prefs(sh, now, at, id, false);
+        }
+        // The I/O ends a write within 3 tries of a read and a
+        // compare-and-set, each within an operation timeout (at most a
+        // third of the act window; `greendot serve` sets the request
+        // timeout to the claim TTL): under twice the request timeout. A
+        // write not answered by then was dropped before it began.
+        if let Some(cutoff) = now.checked_sub(timeout * 2) {
+            for id in self.prefs_writes.lost(cutoff) {
+                self.prefs_stored(sh, now, at, id, false);
+            }
+        }
+        let late: Vec<u64> = self
+            .pending_loads
+            .iter()
+            .filter(|(_, (_, _, _, since))| *since + timeout <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in late {
+            if let Some((shard, epoch, user, _)) = self.pending_loads.remove(&id) {
+                sh.next_id += 1;
+                let id = sh.next_id;
+                self.pending_loads
+                    .insert(id, (shard, epoch, user.clone(), now));
+                sh.outputs.push_back(ClusterOutput::LoadUser { id, user });
+            }
+        }
+        let late: Vec<u64> = self
+            .pending_shards
+            .iter()
+            .filter(|(_, (_, _, since))| *since + timeout <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in late {
+            if let Some((shard, epoch, _)) = self.pending_shards.remove(&id) {
+                sh.next_id += 1;
+                let id = sh.next_id;
+                self.pending_shards.insert(id, (shard, epoch, now));
+                sh.outputs.push_back(ClusterOutput::LoadShard { id, shard });
+            }
+        }
+    }
+
+    /// Whether this node's owner of `shard` takes requests now: the edge
+    /// asks it in process, not over NATS.
+    pub(super) fn serves(&self, sh: &Shared, shard: u32, now: Instant) -> bool {
+        self.owners.contains_key(&shard) && self.acting_epoch(sh, shard, now).is_some()
+    }
+
+    /// Something of the owners is looked at by the tick: claims (their
+    /// owners' resyncs and beacons), or preference writes and KV reads that
+    /// may have to be asked again.
+    pub(super) fn waits_on_tick(&self) -> bool {
+        !self.acting.is_empty()
+            || !self.pending_prefs.is_empty()
+            || !self.prefs_writes.is_empty()
+            || !self.pending_loads.is_empty()
+            || !self.pending_shards.is_empty()
+    }
+
+    /// Runs the owners with something due at `at` (or changed since last
+    /// asked): their cores' timers, the views they publish, their device
+    /// records written behind, and their idle users released.
+    pub(super) fn handle_timeout(&mut self, sh: &mut Shared, now: Instant, at: Millis) {
+        for shard in self.owners.due(at) {
+            if let Some(o) = self.owners.get_mut(&shard) {
+                o.core.handle_timeout(at);
+            }
+            self.drain_owner(sh, shard, now, at);
+            self.write_devices(sh, shard, at);
+            if let Some(o) = self.owners.get_mut(&shard) {
+                sh.counters.users_released += release_idle(o, at) as u64;
+            }
+        }
+    }
+
     pub(super) fn acting_epoch(&self, sh: &Shared, shard: u32, now: Instant) -> Option<u64> {
         let lapse_ignored = sh.settings.mutant == Some(LinkMutant::ActPastDeadline);
         self.acting
