@@ -311,7 +311,7 @@ impl OwnedShards {
         now: Instant,
         at: Millis,
     ) {
-        if self.acting_epoch(sh, shard, now).is_none() || !self.owners.contains_key(&shard) {
+        if !self.serves(sh, shard, now) {
             sh.outputs.push_back(ClusterOutput::Reply {
                 reply,
                 payload: encode(&FromOwner::NotOwner),
