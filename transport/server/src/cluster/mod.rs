@@ -5,10 +5,9 @@
 //! it acts for, publishing each view once on the shard's subject).
 //!
 //! [`ClusterLink`] holds the two apart: the edge's state is an `Edge`
-//! (`edge*.rs`), the owners' an `OwnedShards` (`owners.rs`, with their
-//! methods in `owner*.rs` and `group_owner.rs`, `group_agg.rs`), and what
-//! both use (settings, request ids, the outputs, counters, the group
-//! directory) is `Shared`. Owners never call into the edge: what they send
+//! (the `edge` folder), the owners' an `OwnedShards` (the `owner` folder),
+//! and what both use (settings, request ids, the outputs, counters, the
+//! group directory) is `Shared`. Owners never call into the edge: what they send
 //! this node's own edge is queued (`to_edge.rs`) and delivered when their
 //! step returns, as a remote owner's message arrives after its step.
 //!
@@ -23,18 +22,8 @@
 //! subscriptions, and what NATS delivers into [`ClusterInput`]s.
 
 mod edge;
-mod edge_records;
-mod edge_subscribe;
-mod edge_views;
-mod group_agg;
 mod group_dir;
-mod group_edge;
-mod group_owner;
-mod group_pages;
 mod owner;
-mod owner_requests;
-mod owners;
-mod prefs_writes;
 mod shared;
 #[cfg(test)]
 mod test_support;
@@ -54,14 +43,14 @@ mod to_edge;
 mod wire;
 
 use bytes::Bytes;
+pub use edge::group_pages::PAGE_WATCHER;
 use edge::Edge;
 use greendot_core::{Config, Millis, Output, SessionId, Tier, UserId};
 use greendot_proto::{self as proto, WireError};
 use group_dir::GroupDirectory;
 pub use group_dir::{GroupDef, GroupLimits, GroupWrite, GroupWriteOutcome, MAX_WRITE_TRIES};
-pub use group_owner::home_key;
-pub use group_pages::PAGE_WATCHER;
-use owners::OwnedShards;
+pub use owner::group_slices::home_key;
+use owner::OwnedShards;
 use shared::Shared;
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};

@@ -2,10 +2,13 @@
 //! the requests out, the outputs to the NATS I/O, the counters, the group
 //! directory, and what the owners send this node's edge.
 
-use super::edge::InFlight;
+use super::edge::devices::InFlight;
 use super::group_dir::GroupDirectory;
 use super::to_edge::ToEdge;
-use super::{ClusterCounters, ClusterOutput, ClusterSettings, DetMap, RequestKind};
+use super::{
+    ClusterCounters, ClusterOutput, ClusterSettings, DetMap, RequestKind, MAX_MESSAGE,
+    MAX_SNAPSHOT_TARGETS,
+};
 use bytes::Bytes;
 use greendot_core::{Config, Millis};
 use std::collections::VecDeque;
@@ -63,5 +66,11 @@ impl Shared {
 
     pub(super) fn to_unix(&self, at: Millis) -> u64 {
         self.unix_base_ms.saturating_add(at.0)
+    }
+
+    /// Keys one answer holds at most, every name at its longest.
+    pub(super) fn page_keys_that_fit(&self) -> usize {
+        let key = self.max_name_len + 12;
+        (MAX_MESSAGE / 2 / key).clamp(1, MAX_SNAPSHOT_TARGETS)
     }
 }

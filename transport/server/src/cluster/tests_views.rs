@@ -1,7 +1,7 @@
 //! Tests of views at the edge: lost views and truths noticed (gaps,
 //! beacons) and asked for again.
 
-use super::edge_views::STALE_AFTER;
+use super::edge::views::STALE_AFTER;
 use super::test_support::*;
 use super::wire::{decode, encode, Beacon, ShardView};
 use super::{

@@ -8,8 +8,8 @@
 //! so a definition that arrives after its group's count (the directory's
 //! watch and the counts travel apart) is told the count at once.
 
-use super::wire::{decode, GroupCount, GroupCounts};
-use super::ClusterLink;
+use crate::cluster::wire::{decode, GroupCount, GroupCounts};
+use crate::cluster::ClusterLink;
 use crate::hub::GroupFeed;
 
 impl ClusterLink {
@@ -19,7 +19,7 @@ impl ClusterLink {
     }
 
     /// A message on `<prefix>.groups`.
-    pub(super) fn group_counts_message(&mut self, payload: &[u8]) {
+    pub(in crate::cluster) fn group_counts_message(&mut self, payload: &[u8]) {
         if !self.shared.serves_groups() {
             return;
         }
@@ -41,7 +41,7 @@ impl ClusterLink {
 
     /// Counts from a home shard's owner: each one above the version held
     /// goes to the hub's core.
-    pub(super) fn take_group_counts(&mut self, msg: GroupCounts) {
+    pub(in crate::cluster) fn take_group_counts(&mut self, msg: GroupCounts) {
         for c in msg.counts {
             let def = self.shared.groups.get(c.group).1;
             // A late count of a removed group is no count of one written
@@ -52,7 +52,8 @@ impl ClusterLink {
             let known = def.is_some();
             let home = self.shared.home_shard(c.group);
             let held = self.edge.fed_counts.get(&c.group);
-            let any = self.shared.settings.mutant == Some(super::LinkMutant::CountsAnyVersion);
+            let any =
+                self.shared.settings.mutant == Some(crate::cluster::LinkMutant::CountsAnyVersion);
             let newer = any || held.is_none_or(|(v, _)| c.version > *v);
             // Kept for a definition still on its way, within the groups a
             // node holds.
@@ -77,7 +78,7 @@ impl ClusterLink {
 
     /// A definition the directory took: the hub's core follows it, and
     /// hears the newest count of it.
-    pub(super) fn feed_definition(&mut self, group: u64) {
+    pub(in crate::cluster) fn feed_definition(&mut self, group: u64) {
         if !self.shared.serves_groups() {
             return;
         }

@@ -4,10 +4,10 @@
 //! page's members are then followed by the node's page watcher (the
 //! `group_pages` module).
 
-use super::edge::InFlight;
-use super::wire::{encode, ToOwner};
-use super::DetMap;
-use super::{ClusterLink, Finished, RequestKind, RETRY_AFTER};
+use crate::cluster::edge::devices::InFlight;
+use crate::cluster::wire::{encode, ToOwner};
+use crate::cluster::DetMap;
+use crate::cluster::{ClusterLink, Finished, RequestKind, RETRY_AFTER};
 use greendot_core::{Millis, Presence, SessionId, Tier, UserId};
 use greendot_proto::{self as proto, ErrorCode, Refused, Snapshot, WireError};
 use std::collections::BTreeMap;
@@ -15,51 +15,51 @@ use std::time::Instant;
 
 /// What a subscribe (or a resume's carry-over) asks for.
 struct Wanted {
-    pub(super) targets: Vec<String>,
+    pub(in crate::cluster) targets: Vec<String>,
     refused: Vec<Refused>,
     tier: Tier,
     /// Targets with a tier of their own (carried over by a resume).
     tiers: DetMap<String, Tier>,
-    pub(super) query: bool,
+    pub(in crate::cluster) query: bool,
     /// A member page's read (a query of what others are shown).
     page: Option<PageRead>,
 }
 
 /// A member page whose keys came: its members' views are read, then it is
 /// answered in the keys' order.
-pub(super) struct PageRead {
-    pub(super) group: u64,
+pub(in crate::cluster) struct PageRead {
+    pub(in crate::cluster) group: u64,
     /// The cursor it was asked from.
-    pub(super) after: Option<proto::GroupCursor>,
+    pub(in crate::cluster) after: Option<proto::GroupCursor>,
     /// To be watched: the members' shards are watched from the start, and
     /// the members followed once read.
-    pub(super) watch: bool,
+    pub(in crate::cluster) watch: bool,
     /// When the page fails, from when it was asked.
-    pub(super) deadline: Instant,
-    pub(super) version: u64,
-    pub(super) count: u32,
-    pub(super) next: Option<proto::GroupCursor>,
+    pub(in crate::cluster) deadline: Instant,
+    pub(in crate::cluster) version: u64,
+    pub(in crate::cluster) count: u32,
+    pub(in crate::cluster) next: Option<proto::GroupCursor>,
 }
 
-pub(super) struct PendingSubscribe {
-    pub(super) session: SessionId,
-    pub(super) viewer: String,
+pub(in crate::cluster) struct PendingSubscribe {
+    pub(in crate::cluster) session: SessionId,
+    pub(in crate::cluster) viewer: String,
     tier: Tier,
     /// Targets with a tier of their own (carried over by a resume).
     tiers: DetMap<String, Tier>,
     /// Targets in request order: their snapshot once known.
-    pub(super) targets: Vec<(String, Option<Presence>)>,
+    pub(in crate::cluster) targets: Vec<(String, Option<Presence>)>,
     refused: Vec<Refused>,
-    pub(super) deadline: Instant,
+    pub(in crate::cluster) deadline: Instant,
     /// Shards still to answer, and when to ask each again.
-    pub(super) asking: BTreeMap<u32, Option<Instant>>,
+    pub(in crate::cluster) asking: BTreeMap<u32, Option<Instant>>,
     /// Views of the targets that arrived before their snapshot (the shard is
     /// watched first, and a view may overtake the owner's answer, a hole
     /// the model found): the newest is what the subscribe starts from.
-    pub(super) early: DetMap<String, Presence>,
+    pub(in crate::cluster) early: DetMap<String, Presence>,
     /// A query: answered with the presences, no session subscribed (nor a
     /// shard watched, but for a watched page).
-    pub(super) query: bool,
+    pub(in crate::cluster) query: bool,
     /// A query for a member page: what others are shown of each target,
     /// answered as the page.
     page: Option<PageRead>,
@@ -97,7 +97,7 @@ impl ClusterLink {
     /// Reads the views of a member page's members (`names`, in page order)
     /// from their owners; answered as the page, now (`Some`) or under
     /// `wait`.
-    pub(super) fn read_page(
+    pub(in crate::cluster) fn read_page(
         &mut self,
         now: Instant,
         at: Millis,
@@ -249,7 +249,7 @@ impl ClusterLink {
 
     /// What the owner core of `shard` here shows `viewer` (`None`: others)
     /// of `target`.
-    pub(super) fn local_snapshot(
+    pub(in crate::cluster) fn local_snapshot(
         &mut self,
         shard: u32,
         viewer: Option<&str>,
@@ -313,14 +313,14 @@ impl ClusterLink {
         );
     }
 
-    pub(super) fn retry_snapshot(&mut self, wait: u64, shard: u32, now: Instant) {
+    pub(in crate::cluster) fn retry_snapshot(&mut self, wait: u64, shard: u32, now: Instant) {
         self.shared.counters.retries += 1;
         if let Some(p) = self.edge.subscribes.get_mut(&wait) {
             p.asking.insert(shard, Some(now + RETRY_AFTER));
         }
     }
 
-    pub(super) fn snapshot_answer(
+    pub(in crate::cluster) fn snapshot_answer(
         &mut self,
         wait: u64,
         shard: u32,
@@ -441,7 +441,7 @@ impl ClusterLink {
     /// `snap`, the target's shard watched already (one reference, which
     /// only a new subscription keeps; `held`: what the session held
     /// before), its name held here. Returns the snapshot to show.
-    pub(super) fn fanout_subscribe(
+    pub(in crate::cluster) fn fanout_subscribe(
         &mut self,
         at: Millis,
         session: SessionId,
@@ -496,7 +496,7 @@ impl ClusterLink {
     }
 
     /// Subscribes past their deadline fail; snapshots due are asked again.
-    pub(super) fn tick_subscribes(&mut self, now: Instant, at: Millis) {
+    pub(in crate::cluster) fn tick_subscribes(&mut self, now: Instant, at: Millis) {
         let waits: Vec<u64> = self.edge.subscribes.keys().copied().collect();
         for wait in waits {
             let Some(p) = self.edge.subscribes.get_mut(&wait) else {

@@ -17,12 +17,12 @@
 //! every shard holding members, or for the request timeout, before it
 //! tells a count (the owners send theirs on its resync request).
 
-use super::group_owner::batches;
-use super::owners::OwnedShards;
-use super::shared::Shared;
-use super::to_edge::ToEdge;
-use super::wire::{encode, FromOwner, GroupCount, GroupCounts, GroupPartial};
-use super::{ClusterOutput, MAX_MESSAGE};
+use crate::cluster::owner::group_slices::batches;
+use crate::cluster::owner::OwnedShards;
+use crate::cluster::shared::Shared;
+use crate::cluster::to_edge::ToEdge;
+use crate::cluster::wire::{encode, FromOwner, GroupCount, GroupCounts, GroupPartial};
+use crate::cluster::{ClusterOutput, MAX_MESSAGE};
 use greendot_core::cluster::epoch_base;
 use greendot_core::{Epoch, GroupSum, Millis, SumOutput};
 use std::collections::{BTreeMap, BTreeSet};
@@ -34,7 +34,7 @@ const COUNTS_BYTES: usize = MAX_MESSAGE / 2;
 
 /// The sums an owner holds for the groups homed at its shard.
 #[derive(Default)]
-pub(super) struct Sums {
+pub(in crate::cluster) struct Sums {
     by_group: BTreeMap<u64, GroupSum<u32>>,
     /// Groups whose sum holds its outputs (a new owner's wait).
     waiting: BTreeSet<u64>,
@@ -47,7 +47,7 @@ pub(super) struct Sums {
 
 impl Sums {
     /// The sum of `group`, if it is homed here.
-    pub(super) fn get(&self, group: u64) -> Option<&GroupSum<u32>> {
+    pub(in crate::cluster) fn get(&self, group: u64) -> Option<&GroupSum<u32>> {
         self.by_group.get(&group)
     }
 
@@ -71,7 +71,13 @@ fn name_of(members: &[(String, u32)], ordinal: u32) -> Option<String> {
 impl OwnedShards {
     /// Sums for every group homed at `shards` (claims won, or the
     /// directory's first pass done).
-    pub(super) fn load_sums(&mut self, sh: &mut Shared, shards: &[u32], now: Instant, at: Millis) {
+    pub(in crate::cluster) fn load_sums(
+        &mut self,
+        sh: &mut Shared,
+        shards: &[u32],
+        now: Instant,
+        at: Millis,
+    ) {
         if !sh.serves_groups() || !sh.groups.is_synced() || shards.is_empty() {
             return;
         }
@@ -88,7 +94,13 @@ impl OwnedShards {
 
     /// A definition changed: its sum, if this node owns its home shard,
     /// follows (a removed group's goes).
-    pub(super) fn sum_follows(&mut self, sh: &mut Shared, group: u64, now: Instant, at: Millis) {
+    pub(in crate::cluster) fn sum_follows(
+        &mut self,
+        sh: &mut Shared,
+        group: u64,
+        now: Instant,
+        at: Millis,
+    ) {
         if !sh.serves_groups() || !sh.groups.is_synced() {
             return;
         }
@@ -132,7 +144,7 @@ impl OwnedShards {
 
     /// Owners' partials for groups homed at `home`: each replaces its
     /// shard's last one at the group's sum.
-    pub(super) fn take_partials(
+    pub(in crate::cluster) fn take_partials(
         &mut self,
         sh: &mut Shared,
         home: u32,
@@ -182,7 +194,13 @@ impl OwnedShards {
 
     /// The outputs of the sums of `groups` at `home`'s owner: published
     /// while this node acts for `home`, and taken by this node's edge.
-    pub(super) fn drain_sums(&mut self, sh: &mut Shared, home: u32, groups: &[u64], now: Instant) {
+    pub(in crate::cluster) fn drain_sums(
+        &mut self,
+        sh: &mut Shared,
+        home: u32,
+        groups: &[u64],
+        now: Instant,
+    ) {
         let acting = self.acting_epoch(sh, home, now);
         let Some(o) = self.owners.get_mut(&home) else {
             return;
@@ -227,7 +245,7 @@ impl OwnedShards {
         }
     }
 
-    pub(super) fn publish_counts(
+    pub(in crate::cluster) fn publish_counts(
         &mut self,
         sh: &mut Shared,
         home: u32,
@@ -253,7 +271,7 @@ impl OwnedShards {
 
     /// The sums' waits that ended, and every count again once a group
     /// interval passed since the last time.
-    pub(super) fn tick_sums(&mut self, sh: &mut Shared, now: Instant, at: Millis) {
+    pub(in crate::cluster) fn tick_sums(&mut self, sh: &mut Shared, now: Instant, at: Millis) {
         if !sh.serves_groups() {
             return;
         }
@@ -309,6 +327,57 @@ impl OwnedShards {
                 .collect();
             let epoch = o.epoch;
             self.publish_counts(sh, shard, epoch, counts);
+        }
+    }
+
+    /// The aggregator's answer to a page's keys (see the module docs):
+    /// `Loading` while it cannot tell who is online (its directory has not
+    /// seen the group, or its sum waits for partials after a failover).
+    pub(in crate::cluster) fn page_keys(
+        &mut self,
+        sh: &mut Shared,
+        home: u32,
+        group: u64,
+        after: Option<(bool, u32)>,
+        limit: u32,
+        now: Instant,
+    ) -> FromOwner {
+        let Some(epoch) = self.acting_epoch(sh, home, now) else {
+            return FromOwner::NotOwner;
+        };
+        if sh.home_shard(group) != home || self.owners.get(&home).is_none_or(|o| o.epoch != epoch) {
+            return FromOwner::NotOwner;
+        }
+        if !sh.groups.is_synced() {
+            return FromOwner::Loading;
+        }
+        let def = sh.groups.get(group).1.filter(|d| !d.removed);
+        let sum = self.owners.get(&home).and_then(|o| o.sums.get(group));
+        let (Some(def), Some(sum)) = (def, sum) else {
+            return FromOwner::Loading;
+        };
+        if sum.is_waiting() {
+            return FromOwner::Loading;
+        }
+        let limit = usize::try_from(limit)
+            .unwrap_or(usize::MAX)
+            .min(sh.page_keys_that_fit());
+        let (keys, next) = sum.page(after, limit);
+        let keys = keys
+            .into_iter()
+            .filter_map(|(ordinal, online)| {
+                let i = def
+                    .members
+                    .binary_search_by_key(&ordinal, |(_, o)| *o)
+                    .ok()?;
+                Some((def.members[i].0.clone(), online))
+            })
+            .collect();
+        FromOwner::GroupPageKeys {
+            version: sum.version(),
+            count: sum.count(),
+            keys,
+            next,
         }
     }
 }

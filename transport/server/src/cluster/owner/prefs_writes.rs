@@ -9,7 +9,7 @@
 //! the waiting changes go out as one write of the newest value (it holds
 //! every earlier change).
 
-use super::DetMap;
+use crate::cluster::DetMap;
 use bytes::Bytes;
 use std::time::Instant;
 
@@ -21,24 +21,24 @@ struct InFlight {
 }
 
 /// The newest value of a user, waiting for the write in flight.
-pub(super) struct Waiting {
-    pub(super) shard: u32,
-    pub(super) epoch: u64,
-    pub(super) value: Bytes,
+pub(in crate::cluster) struct Waiting {
+    pub(in crate::cluster) shard: u32,
+    pub(in crate::cluster) epoch: u64,
+    pub(in crate::cluster) value: Bytes,
     /// The requests answered when this value is stored.
-    pub(super) requests: Vec<u64>,
+    pub(in crate::cluster) requests: Vec<u64>,
 }
 
 /// A write done: the requests it answers, and the user's next value if
 /// one waited for it.
-pub(super) struct Finished {
-    pub(super) requests: Vec<u64>,
-    pub(super) user: String,
-    pub(super) next: Option<Waiting>,
+pub(in crate::cluster) struct Finished {
+    pub(in crate::cluster) requests: Vec<u64>,
+    pub(in crate::cluster) user: String,
+    pub(in crate::cluster) next: Option<Waiting>,
 }
 
 #[derive(Default)]
-pub(super) struct PrefsWrites {
+pub(in crate::cluster) struct PrefsWrites {
     /// By write id (the id of its `PutPrefs`).
     in_flight: DetMap<u64, InFlight>,
     /// By user: the id of the write in flight.
@@ -51,7 +51,7 @@ impl PrefsWrites {
     /// theirs in flight); if not, `value` waits, replacing an older one
     /// that waited. `live` tells which request ids still wait for an
     /// answer: the others (timed out) are not kept.
-    pub(super) fn start(
+    pub(in crate::cluster) fn start(
         &mut self,
         now: Instant,
         id: u64,
@@ -75,7 +75,13 @@ impl PrefsWrites {
     }
 
     /// Write `id` of `user` went out, answering `requests` when stored.
-    pub(super) fn sent(&mut self, now: Instant, id: u64, user: &str, requests: Vec<u64>) {
+    pub(in crate::cluster) fn sent(
+        &mut self,
+        now: Instant,
+        id: u64,
+        user: &str,
+        requests: Vec<u64>,
+    ) {
         self.writing.insert(user.to_owned(), id);
         self.in_flight.insert(
             id,
@@ -89,7 +95,7 @@ impl PrefsWrites {
 
     /// The KV answered write `id` (or it was given up): what it answers,
     /// and what waited behind it. `None` for an unknown id.
-    pub(super) fn finished(&mut self, id: u64) -> Option<Finished> {
+    pub(in crate::cluster) fn finished(&mut self, id: u64) -> Option<Finished> {
         let done = self.in_flight.remove(&id)?;
         self.writing.remove(&done.user);
         let next = self.waiting.remove(&done.user);
@@ -103,7 +109,7 @@ impl PrefsWrites {
     /// Writes in flight since before `cutoff`: the I/O lost them (an
     /// output dropped at a full queue), since its own timeouts end every
     /// write sooner.
-    pub(super) fn lost(&self, cutoff: Instant) -> Vec<u64> {
+    pub(in crate::cluster) fn lost(&self, cutoff: Instant) -> Vec<u64> {
         let mut ids: Vec<u64> = self
             .in_flight
             .iter()
@@ -114,7 +120,7 @@ impl PrefsWrites {
         ids
     }
 
-    pub(super) fn is_empty(&self) -> bool {
+    pub(in crate::cluster) fn is_empty(&self) -> bool {
         self.in_flight.is_empty()
     }
 }

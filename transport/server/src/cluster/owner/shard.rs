@@ -3,21 +3,21 @@
 //! on the shard's subject (and each truth to the edges holding the user's
 //! devices), and announcing its view numbers in beacons.
 
-use super::group_agg::Sums;
-use super::group_owner::{Partials, Slice};
-use super::owners::OwnedShards;
-use super::shared::Shared;
-use super::to_edge::ToEdge;
-use super::wire::{
+use crate::cluster::owner::group_slices::{Partials, Slice};
+use crate::cluster::owner::group_sums::Sums;
+use crate::cluster::owner::OwnedShards;
+use crate::cluster::shared::Shared;
+use crate::cluster::to_edge::ToEdge;
+use crate::cluster::wire::{
     decode, decode_shard_record, encode, encode_shard_record, Beacon, FromOwner, RecordedDevice,
     ResyncRequest, ShardRecord, ShardView, ToOwner, WirePrefs, FENCED_RECORD_SINCE,
 };
-use super::{
+use crate::cluster::{
     ClusterLink, ClusterOutput, BEACON_EVERY, MAX_BEACON_SHARDS, MAX_BEACON_TRUTHS, MAX_EPOCH,
     MAX_IDLE_USERS, MAX_PENDING_PREFS, MAX_RECORDED_DEVICES, RELEASE_AFTER, RESYNC_EVERY,
     RETRY_AFTER, TRUTH_BEACON_FOR, WRITE_BEHIND,
 };
-use super::{DetMap, DetSet};
+use crate::cluster::{DetMap, DetSet};
 use crate::hub::Interner;
 use bytes::Bytes;
 use greendot_core::{
@@ -29,52 +29,52 @@ use std::time::Instant;
 
 /// Who holds a device's connection: the edge, its incarnation, its
 /// connection.
-pub(super) type Holder = (String, u64, u64);
+pub(in crate::cluster) type Holder = (String, u64, u64);
 
 /// A session the owner's core holds, as the edges know it.
 #[derive(Debug)]
-pub(super) struct HeldSession {
-    pub(super) holder: Holder,
+pub(in crate::cluster) struct HeldSession {
+    pub(in crate::cluster) holder: Holder,
     /// The device's name id (the owner's `devices` hold one reference per
     /// session: a name no session uses is freed).
-    pub(super) device: u64,
+    pub(in crate::cluster) device: u64,
     /// The edge's wire id of it (0: restored, not connected again yet).
-    pub(super) wire: u64,
-    pub(super) user: UserId,
-    pub(super) kind: DeviceKind,
+    pub(in crate::cluster) wire: u64,
+    pub(in crate::cluster) user: UserId,
+    pub(in crate::cluster) kind: DeviceKind,
     /// Its edge run's welcome order (0 when restored from the device record).
-    pub(super) since: u64,
+    pub(in crate::cluster) since: u64,
     /// When its edge welcomed it, in Unix milliseconds, if the connect said
     /// (protocol 3 and later).
-    pub(super) welcomed: Option<u64>,
+    pub(in crate::cluster) welcomed: Option<u64>,
 }
 
 /// What this node holds of a shard it acts for: the core and the names
 /// and holders of the devices in it.
-pub(super) struct Owner {
-    pub(super) epoch: u64,
-    pub(super) core: Core,
-    pub(super) users: Interner,
-    pub(super) devices: Interner,
-    pub(super) sessions: DetMap<SessionId, HeldSession>,
-    pub(super) by_holder: DetMap<Holder, SessionId>,
+pub(in crate::cluster) struct Owner {
+    pub(in crate::cluster) epoch: u64,
+    pub(in crate::cluster) core: Core,
+    pub(in crate::cluster) users: Interner,
+    pub(in crate::cluster) devices: Interner,
+    pub(in crate::cluster) sessions: DetMap<SessionId, HeldSession>,
+    pub(in crate::cluster) by_holder: DetMap<Holder, SessionId>,
     /// The last request id taken per connection: a request that arrives
     /// late (after the edge gave up on it and sent the next) is not applied
     /// over a newer one.
-    pub(super) last_rid: DetMap<Holder, u64>,
+    pub(in crate::cluster) last_rid: DetMap<Holder, u64>,
     /// The newest connection of each device heard of here, by user and
     /// device: a connect of an older connection of the same edge run that
     /// lands after it (delayed on the bus, or resent from a client's
     /// buffer after a reconnect to NATS) is stale, and taken it would hold
     /// a device its edge already ended (a ghost). Kept past the session's
     /// end, until the user is released.
-    pub(super) newest_conn: DetMap<String, Vec<(String, Holder)>>,
+    pub(in crate::cluster) newest_conn: DetMap<String, Vec<(String, Holder)>>,
     /// Users whose KV record was read (or is being read): the first device
     /// input of any other waits for it, so a new owner keeps the user's
     /// preferences and last published view.
-    pub(super) loaded: DetSet<String>,
+    pub(in crate::cluster) loaded: DetSet<String>,
     /// Inputs waiting for their user's KV record.
-    pub(super) loading: DetMap<String, Vec<(ToOwner, ReplyTo)>>,
+    pub(in crate::cluster) loading: DetMap<String, Vec<(ToOwner, ReplyTo)>>,
     /// Devices of the shard's record (the previous owner's), by user, to be
     /// restored as lingering with the user.
     recorded: DetMap<String, Vec<RecordedDevice>>,
@@ -86,7 +86,7 @@ pub(super) struct Owner {
     /// the shard moves first, restores and ends them, where it would
     /// otherwise never hear of the user and leave her last view, online,
     /// standing (a ghost, C3).
-    pub(super) ended: DetMap<(String, String), RecordedDevice>,
+    pub(in crate::cluster) ended: DetMap<(String, String), RecordedDevice>,
     /// Users released in this epoch: the last version of each published
     /// before the release, and the highest of those forgotten (bounded
     /// memory). A view in the KV below it is published again when the user
@@ -94,23 +94,23 @@ pub(super) struct Owner {
     released: DetMap<String, u64>,
     released_floor: u64,
     /// The device set changed since this instant and is not written yet.
-    pub(super) dirty_since: Option<Millis>,
+    pub(in crate::cluster) dirty_since: Option<Millis>,
     /// The previous owner's device record is being read: this one's is not
     /// written until it is (written over, its devices would be lost).
-    pub(super) reading_record: bool,
+    pub(in crate::cluster) reading_record: bool,
     /// Shard records written under this epoch: the low half of each
     /// write's fence, so that of two writes in flight the later wins.
-    pub(super) records_written: u32,
+    pub(in crate::cluster) records_written: u32,
     /// Users that got a session at another node's edge in this step: that
     /// edge is sent the user's truth even if it did not change (it may
     /// have changed while the connect was on its way).
-    pub(super) greet: Vec<(UserId, String)>,
+    pub(in crate::cluster) greet: Vec<(UserId, String)>,
     /// Users that went offline (or were only looked at), by when to free
     /// them if they still hold nothing.
-    pub(super) idle: VecDeque<(Millis, UserId)>,
+    pub(in crate::cluster) idle: VecDeque<(Millis, UserId)>,
     /// Views published on the shard's subject in this epoch: the last
     /// one's number.
-    pub(super) seq: u64,
+    pub(in crate::cluster) seq: u64,
     /// Truths sent to each other edge in this epoch: the last one's number,
     /// and when it went (beacons name the recent ones).
     truth_seq: DetMap<String, (u64, Instant)>,
@@ -119,25 +119,25 @@ pub(super) struct Owner {
     resync_until: Instant,
     next_resync: Instant,
     /// The slice of each group with members in the shard (`group_owner`).
-    pub(super) slices: DetMap<u64, Slice>,
+    pub(in crate::cluster) slices: DetMap<u64, Slice>,
     /// The partials of those groups to send (`group_owner`).
-    pub(super) partials: Partials,
+    pub(in crate::cluster) partials: Partials,
     /// The sums of the groups whose home shard this is (`group_agg`).
-    pub(super) sums: Sums,
+    pub(in crate::cluster) sums: Sums,
     /// The last partial's sequence number in this epoch (`group_owner`).
-    pub(super) partial_seq: u64,
+    pub(in crate::cluster) partial_seq: u64,
 }
 
 /// Where an owner's answer goes.
 #[derive(Debug, Clone, Copy)]
-pub(super) enum ReplyTo {
+pub(in crate::cluster) enum ReplyTo {
     Remote(u64),
     /// This node's own edge, in process: the op `rid` of a session.
     Local(SessionId, u64),
 }
 
 /// The user's Online devices at this owner, with the edges' session ids.
-pub(super) fn route_of(o: &Owner, user: &str) -> Vec<proto::RouteEntry> {
+pub(in crate::cluster) fn route_of(o: &Owner, user: &str) -> Vec<proto::RouteEntry> {
     let Some(uid) = o.users.get(user) else {
         return Vec::new();
     };
@@ -156,7 +156,7 @@ pub(super) fn route_of(o: &Owner, user: &str) -> Vec<proto::RouteEntry> {
         .collect()
 }
 
-pub(super) fn note_idle(o: &mut Owner, user: UserId, at: Millis) {
+pub(in crate::cluster) fn note_idle(o: &mut Owner, user: UserId, at: Millis) {
     if o.idle.len() < MAX_IDLE_USERS {
         o.idle.push_back((at.plus(RELEASE_AFTER), user));
     }
@@ -164,7 +164,7 @@ pub(super) fn note_idle(o: &mut Owner, user: UserId, at: Millis) {
 
 /// Frees the users whose wait is over and who still hold nothing but what
 /// the KV keeps; how many.
-pub(super) fn release_idle(o: &mut Owner, at: Millis) -> usize {
+pub(in crate::cluster) fn release_idle(o: &mut Owner, at: Millis) -> usize {
     let mut freed = 0;
     while let Some(&(due, user)) = o.idle.front() {
         if due > at {
@@ -213,14 +213,14 @@ fn remember_released(o: &mut Owner, user: &str, version: u64) {
 
 /// A name interned for a user the core has no record of goes again, unless
 /// a group's slice holds it.
-pub(super) fn forget_user_if_unknown(o: &mut Owner, uid: u64) {
+pub(in crate::cluster) fn forget_user_if_unknown(o: &mut Owner, uid: u64) {
     if !o.core.is_known(UserId(uid)) && o.users.refs(uid) == 0 {
         o.users.remove(uid);
     }
 }
 
 /// A session of device name `did` is gone: the name goes with its last.
-pub(super) fn forget_device(devices: &mut Interner, did: u64) {
+pub(in crate::cluster) fn forget_device(devices: &mut Interner, did: u64) {
     if devices.drop_ref(did) == 0 {
         devices.remove(did);
     }
@@ -272,7 +272,7 @@ impl ClusterLink {
 impl OwnedShards {
     /// `user`'s Online devices on every node, if this node acts for
     /// `shard`.
-    pub(super) fn route(
+    pub(in crate::cluster) fn route(
         &self,
         sh: &Shared,
         shard: u32,
@@ -286,7 +286,7 @@ impl OwnedShards {
     /// Takes the claims `shards` as the shards acted for, and an owner for
     /// each won since (its previous owner's record read, the edges asked to
     /// resync): the shards taken.
-    pub(super) fn take_claims(
+    pub(in crate::cluster) fn take_claims(
         &mut self,
         sh: &mut Shared,
         now: Instant,
@@ -375,11 +375,11 @@ impl OwnedShards {
     }
 
     /// This node's owner of `shard`: its epoch and last view's number.
-    pub(super) fn published_up_to(&self, shard: u32) -> (u64, u64) {
+    pub(in crate::cluster) fn published_up_to(&self, shard: u32) -> (u64, u64) {
         self.owners.get(&shard).map_or((0, 0), |o| (o.epoch, o.seq))
     }
 
-    pub(super) fn ask_resync(&mut self, sh: &mut Shared, shard: u32, epoch: u64) {
+    pub(in crate::cluster) fn ask_resync(&mut self, sh: &mut Shared, shard: u32, epoch: u64) {
         sh.outputs.push_back(ClusterOutput::Resync {
             payload: encode(&ResyncRequest {
                 shard,
@@ -391,7 +391,7 @@ impl OwnedShards {
 
     /// Owners' periodic messages: the resync request again while its window
     /// is open, and the beacon.
-    pub(super) fn announce(&mut self, sh: &mut Shared, now: Instant) {
+    pub(in crate::cluster) fn announce(&mut self, sh: &mut Shared, now: Instant) {
         let again: Vec<(u32, u64)> = self
             .owners
             .iter()
@@ -446,7 +446,13 @@ impl OwnedShards {
 
     /// The node stops acting for `shard`: its core goes, and this node's
     /// own inputs that waited in it are refused (the edge looks again).
-    pub(super) fn drop_owner(&mut self, sh: &mut Shared, shard: u32, now: Instant, at: Millis) {
+    pub(in crate::cluster) fn drop_owner(
+        &mut self,
+        sh: &mut Shared,
+        shard: u32,
+        now: Instant,
+        at: Millis,
+    ) {
         let Some(o) = self.owners.remove(&shard) else {
             return;
         };
@@ -463,7 +469,7 @@ impl OwnedShards {
     /// if not, reads those not asked for yet (a snapshot taken before
     /// would miss a freed user's last seen, or a new owner's predecessor's
     /// view).
-    pub(super) fn load_users<'a>(
+    pub(in crate::cluster) fn load_users<'a>(
         &mut self,
         sh: &mut Shared,
         shard: u32,
@@ -500,7 +506,7 @@ impl OwnedShards {
     /// waited for it.
     /// A user's KV read failed: asked again after [`RETRY_AFTER`] (by
     /// `expire_pending`, which asks again what waited its timeout).
-    pub(super) fn user_load_failed(&mut self, sh: &mut Shared, now: Instant, id: u64) {
+    pub(in crate::cluster) fn user_load_failed(&mut self, sh: &mut Shared, now: Instant, id: u64) {
         let timeout = sh.settings.request_timeout;
         if let Some((_, _, _, since)) = self.pending_loads.get_mut(&id) {
             sh.counters.retries += 1;
@@ -508,7 +514,7 @@ impl OwnedShards {
         }
     }
 
-    pub(super) fn shard_load_failed(&mut self, sh: &mut Shared, now: Instant, id: u64) {
+    pub(in crate::cluster) fn shard_load_failed(&mut self, sh: &mut Shared, now: Instant, id: u64) {
         let timeout = sh.settings.request_timeout;
         if let Some((_, _, since)) = self.pending_shards.get_mut(&id) {
             sh.counters.retries += 1;
@@ -516,7 +522,7 @@ impl OwnedShards {
         }
     }
 
-    pub(super) fn user_loaded(
+    pub(in crate::cluster) fn user_loaded(
         &mut self,
         sh: &mut Shared,
         now: Instant,
@@ -634,7 +640,7 @@ impl OwnedShards {
 
     /// The previous owner's device record of a shard arrived: each user in
     /// it is restored (preferences, view, devices as lingering) at once.
-    pub(super) fn shard_loaded(
+    pub(in crate::cluster) fn shard_loaded(
         &mut self,
         sh: &mut Shared,
         now: Instant,
@@ -710,7 +716,7 @@ impl OwnedShards {
 
     /// Writes the shard's device record behind once `WRITE_BEHIND` passed
     /// since the first change not written.
-    pub(super) fn write_devices(&mut self, sh: &mut Shared, shard: u32, at: Millis) {
+    pub(in crate::cluster) fn write_devices(&mut self, sh: &mut Shared, shard: u32, at: Millis) {
         let base = sh.unix_base_ms;
         let Some(o) = self.owners.get_mut(&shard) else {
             return;
@@ -780,7 +786,7 @@ impl OwnedShards {
     /// and one that does not is shown offline after grace and debounce (C3).
     /// With `older_than`, only the devices of the edge's incarnations below
     /// it are lost (the edge restarted under that incarnation).
-    pub(super) fn edge_lost(
+    pub(in crate::cluster) fn edge_lost(
         &mut self,
         sh: &mut Shared,
         now: Instant,
@@ -818,7 +824,13 @@ impl OwnedShards {
     }
 
     /// Publishes what the owner's core published, and forgets ended sessions.
-    pub(super) fn drain_owner(&mut self, sh: &mut Shared, shard: u32, now: Instant, at: Millis) {
+    pub(in crate::cluster) fn drain_owner(
+        &mut self,
+        sh: &mut Shared,
+        shard: u32,
+        now: Instant,
+        at: Millis,
+    ) {
         let base = sh.unix_base_ms;
         let Some(o) = self.owners.get_mut(&shard) else {
             return;

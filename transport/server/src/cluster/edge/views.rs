@@ -2,10 +2,11 @@
 //! numbers tracked per shard (and the truths' per edge), so a view missed
 //! (a gap, or a beacon ahead) is asked for again.
 
-use super::edge::{Edge, InFlight};
-use super::wire::{decode, encode, Beacon, ShardView, ToOwner};
-use super::DetMap;
-use super::{
+use crate::cluster::edge::devices::InFlight;
+use crate::cluster::edge::Edge;
+use crate::cluster::wire::{decode, encode, Beacon, ShardView, ToOwner};
+use crate::cluster::DetMap;
+use crate::cluster::{
     ClusterLink, ClusterOutput, RequestKind, BEACON_EVERY, MAX_BEACON_SHARDS, MAX_BEACON_TRUTHS,
     MAX_SNAPSHOT_TARGETS, RETRY_AFTER,
 };
@@ -15,7 +16,7 @@ use std::time::Instant;
 
 /// What an edge knows of the views of a shard some local session watches.
 #[derive(Debug, Default)]
-pub(super) struct ShardTrack {
+pub(in crate::cluster) struct ShardTrack {
     /// (epoch, seq) of the newest view of the shard taken from its subject,
     /// or announced by a beacon, or of the owner's answer that came first.
     seen: Option<(u64, u64)>,
@@ -23,9 +24,9 @@ pub(super) struct ShardTrack {
     /// for again.
     gap: bool,
     /// Repair requests out.
-    pub(super) asking: u32,
+    pub(in crate::cluster) asking: u32,
     /// Not before this (after a failed repair).
-    pub(super) not_before: Option<Instant>,
+    pub(in crate::cluster) not_before: Option<Instant>,
     /// Repairs failed in a row: each waits twice as long as the one before,
     /// up to a beacon interval (a dead owner's shards are silent until its
     /// lease lapses, and nobody answers for them until then).
@@ -40,10 +41,10 @@ pub(super) struct ShardTrack {
 /// after a view this edge lost, with no later view or beacon to show the
 /// gap, so what this edge holds of the shard's users is no answer until
 /// an owner answers again.
-pub(super) const STALE_AFTER: Millis = Millis(3_000);
+pub(in crate::cluster) const STALE_AFTER: Millis = Millis(3_000);
 
 impl ClusterLink {
-    pub(super) fn watch_shard(&mut self, shard: u32) {
+    pub(in crate::cluster) fn watch_shard(&mut self, shard: u32) {
         let n = self.edge.shard_watchers.entry(shard).or_insert(0);
         *n += 1;
         if *n == 1 {
@@ -54,7 +55,7 @@ impl ClusterLink {
         }
     }
 
-    pub(super) fn unwatch_shard(&mut self, shard: u32) {
+    pub(in crate::cluster) fn unwatch_shard(&mut self, shard: u32) {
         if let Some(n) = self.edge.shard_watchers.get_mut(&shard) {
             *n -= 1;
             if *n == 0 {
@@ -69,7 +70,12 @@ impl ClusterLink {
 
     /// A view from NATS: on `shard`'s subject (views, and the truths older
     /// owners sent there), or on this edge's subject (`None`: truths only).
-    pub(super) fn view_message(&mut self, at: Millis, payload: &[u8], shard: Option<u32>) {
+    pub(in crate::cluster) fn view_message(
+        &mut self,
+        at: Millis,
+        payload: &[u8],
+        shard: Option<u32>,
+    ) {
         match decode::<ShardView>(payload) {
             Some(v)
                 if v.user.len() <= self.shared.max_name_len
@@ -103,7 +109,7 @@ impl ClusterLink {
     }
 
     /// Status messages of an owner's answer within the limit.
-    pub(super) fn messages_fit(&self, presences: &[proto::Presence]) -> bool {
+    pub(in crate::cluster) fn messages_fit(&self, presences: &[proto::Presence]) -> bool {
         presences.iter().all(|p| {
             p.message
                 .as_ref()
@@ -135,7 +141,7 @@ impl ClusterLink {
     /// meanwhile never reached it, and a later view under a newer epoch
     /// does not show the gap (its numbers start again), so every shard
     /// watched here is repaired.
-    pub(super) fn missed_all(&mut self) {
+    pub(in crate::cluster) fn missed_all(&mut self) {
         let shards: Vec<u32> = self.edge.tracks.keys().copied().collect();
         for shard in shards {
             self.missed(shard);
@@ -180,7 +186,13 @@ impl ClusterLink {
     /// An answer older than a view seen since may miss what that view
     /// carried, when it was about a target being subscribed and the view
     /// was lost: the shard is asked again.
-    pub(super) fn track_answer(&mut self, shard: u32, epoch: u64, seq: u64, at: Millis) {
+    pub(in crate::cluster) fn track_answer(
+        &mut self,
+        shard: u32,
+        epoch: u64,
+        seq: u64,
+        at: Millis,
+    ) {
         let Some(t) = self.edge.tracks.get_mut(&shard) else {
             return;
         };
@@ -193,7 +205,7 @@ impl ClusterLink {
     }
 
     /// A message on the beacon subject, checked against the limits.
-    pub(super) fn beacon_message(&mut self, payload: &[u8], at: Millis) {
+    pub(in crate::cluster) fn beacon_message(&mut self, payload: &[u8], at: Millis) {
         match decode::<Beacon>(payload) {
             Some(b)
                 if b.owner.len() <= self.shared.max_name_len
@@ -237,7 +249,7 @@ impl ClusterLink {
 
     /// Asks the owners of shards with a view missed for the views of every
     /// target watched here (and of those being subscribed).
-    pub(super) fn repair_gaps(&mut self, now: Instant, at: Millis) {
+    pub(in crate::cluster) fn repair_gaps(&mut self, now: Instant, at: Millis) {
         self.mark_stale(at);
         if !self.edge.gaps {
             return;
@@ -371,7 +383,7 @@ impl ClusterLink {
         self.repaired(shard, &targets, presences, (epoch, seq), own, at);
     }
 
-    pub(super) fn repair_failed(&mut self, shard: u32, own: bool, now: Instant) {
+    pub(in crate::cluster) fn repair_failed(&mut self, shard: u32, own: bool, now: Instant) {
         self.shared.counters.retries += 1;
         if let Some(t) = self.edge.shard_tracks(own).get_mut(&shard) {
             let wait = RETRY_AFTER.saturating_mul(1 << t.failed.min(4));
@@ -383,7 +395,7 @@ impl ClusterLink {
     }
 
     /// `published`: the shard's last view when the owner answered.
-    pub(super) fn repaired(
+    pub(in crate::cluster) fn repaired(
         &mut self,
         shard: u32,
         targets: &[String],
@@ -409,7 +421,7 @@ impl ClusterLink {
 
 impl Edge {
     /// A view of a target some subscribe here still waits the snapshot of.
-    pub(super) fn keep_early(&mut self, user: &str, own: bool, presence: Presence) {
+    pub(in crate::cluster) fn keep_early(&mut self, user: &str, own: bool, presence: Presence) {
         for p in self.subscribes.values_mut() {
             let wanted = (p.viewer == user) == own && p.targets.iter().any(|(t, _)| t == user);
             if !wanted {
@@ -427,7 +439,7 @@ impl Edge {
 
     /// A view from an owner (remote, or this node's own in process) for the
     /// local sessions that watch `user`.
-    pub(super) fn apply_view(
+    pub(in crate::cluster) fn apply_view(
         &mut self,
         at: Millis,
         user: &str,
@@ -443,14 +455,14 @@ impl Edge {
     /// Whether this edge knows it may lack a view of `shard` (a gap, or an
     /// owner silent for [`STALE_AFTER`], not repaired yet): what it holds
     /// of the shard's users is no answer.
-    pub(super) fn behind_on(&self, shard: u32) -> bool {
+    pub(in crate::cluster) fn behind_on(&self, shard: u32) -> bool {
         self.tracks
             .get(&shard)
             .is_some_and(|t| t.gap || t.asking > 0)
     }
 
     /// What this edge knows of the views (`own`: of the truths) of shards.
-    pub(super) fn shard_tracks(&mut self, own: bool) -> &mut DetMap<u32, ShardTrack> {
+    pub(in crate::cluster) fn shard_tracks(&mut self, own: bool) -> &mut DetMap<u32, ShardTrack> {
         if own {
             &mut self.truth_tracks
         } else {

@@ -19,18 +19,18 @@
 //! freed while idle keeps her id, and the slice counts her when she comes
 //! back.
 
-use super::edge::InFlight;
-use super::owner::{forget_user_if_unknown, Owner};
-use super::owners::OwnedShards;
-use super::shared::Shared;
-use super::wire::{encode, FromOwner, GroupPartial, ToOwner, GROUPS_SINCE};
-use super::{ClusterLink, DetMap, GroupDef, RequestKind, MAX_MESSAGE, RETRY_AFTER};
+use crate::cluster::edge::devices::InFlight;
+use crate::cluster::owner::shard::{forget_user_if_unknown, Owner};
+use crate::cluster::owner::OwnedShards;
+use crate::cluster::shared::Shared;
+use crate::cluster::wire::{encode, FromOwner, GroupPartial, ToOwner, GROUPS_SINCE};
+use crate::cluster::{ClusterLink, DetMap, GroupDef, RequestKind, MAX_MESSAGE, RETRY_AFTER};
 use greendot_core::{GroupId, Millis, UserId};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 /// A group's partial goes at most this often while it changes.
-pub(super) const PARTIAL_EVERY: Duration = Duration::from_secs(1);
+pub(in crate::cluster) const PARTIAL_EVERY: Duration = Duration::from_secs(1);
 
 /// The bytes of partials one request carries at most (a partial of a
 /// 10,000-member slice is at most 50 KB of ordinals).
@@ -42,11 +42,11 @@ pub fn home_key(group: u64) -> String {
 }
 
 /// A slice: each member's name id in the owner's names, with her ordinal.
-pub(super) type Slice = BTreeMap<u64, u32>;
+pub(in crate::cluster) type Slice = BTreeMap<u64, u32>;
 
 /// When a group's partial goes next.
 #[derive(Debug, Default)]
-pub(super) struct PartialState {
+pub(in crate::cluster) struct PartialState {
     last_sent: Option<Instant>,
     due: Option<Instant>,
 }
@@ -84,7 +84,11 @@ impl ClusterLink {
 
 /// `items` cut into runs of at most `limit` bytes by `size`'s estimate (an
 /// item larger than the limit goes alone).
-pub(super) fn batches<T>(items: Vec<T>, limit: usize, size: impl Fn(&T) -> usize) -> Vec<Vec<T>> {
+pub(in crate::cluster) fn batches<T>(
+    items: Vec<T>,
+    limit: usize,
+    size: impl Fn(&T) -> usize,
+) -> Vec<Vec<T>> {
     let mut out: Vec<Vec<T>> = Vec::new();
     let mut bytes = usize::MAX;
     for item in items {
@@ -102,11 +106,11 @@ pub(super) fn batches<T>(items: Vec<T>, limit: usize, size: impl Fn(&T) -> usize
 }
 
 /// Partial states by group, kept by each owner.
-pub(super) type Partials = DetMap<u64, PartialState>;
+pub(in crate::cluster) type Partials = DetMap<u64, PartialState>;
 
 impl OwnedShards {
     /// Writes the slice of `group` into the core of `shard`'s owner.
-    pub(super) fn set_slice(
+    pub(in crate::cluster) fn set_slice(
         &mut self,
         shard: u32,
         group: u64,
@@ -165,13 +169,13 @@ impl OwnedShards {
     }
 
     /// Some partial is due at `at` or before: the tick sends it.
-    pub(super) fn partial_due_by(&mut self, at: Instant) {
+    pub(in crate::cluster) fn partial_due_by(&mut self, at: Instant) {
         earliest(&mut self.partials_next, at);
     }
 
     /// Gives the owners of `shards` the slice of every group (a claim won,
     /// or the directory's first pass done), in one pass over the directory.
-    pub(super) fn load_slices(
+    pub(in crate::cluster) fn load_slices(
         &mut self,
         sh: &mut Shared,
         shards: &[u32],
@@ -198,7 +202,13 @@ impl OwnedShards {
 
     /// A definition changed: the slices this node's owners hold of it
     /// follow (an empty slice, or a removed group, is no slice).
-    pub(super) fn slices_follow(&mut self, sh: &mut Shared, group: u64, now: Instant, at: Millis) {
+    pub(in crate::cluster) fn slices_follow(
+        &mut self,
+        sh: &mut Shared,
+        group: u64,
+        now: Instant,
+        at: Millis,
+    ) {
         if !sh.serves_groups() || !sh.groups.is_synced() {
             return;
         }
@@ -217,7 +227,7 @@ impl OwnedShards {
 
     /// The members of `def` in each shard `wanted` picks (those with any),
     /// with their ordinals.
-    pub(super) fn slices_of(
+    pub(in crate::cluster) fn slices_of(
         &self,
         sh: &Shared,
         def: &GroupDef,
@@ -239,7 +249,7 @@ impl OwnedShards {
 
     /// The groups whose slice changed at `shard`'s core since last asked
     /// get their partial due.
-    pub(super) fn note_changed_groups(&mut self, shard: u32, now: Instant) {
+    pub(in crate::cluster) fn note_changed_groups(&mut self, shard: u32, now: Instant) {
         let Some(o) = self.owners.get_mut(&shard) else {
             return;
         };
@@ -254,8 +264,8 @@ impl OwnedShards {
 
     /// The home shard `home` has a new owner, which holds no partial: every
     /// slice homed there is due again.
-    pub(super) fn home_changed(&mut self, sh: &mut Shared, home: u32, now: Instant) {
-        let mutant = sh.settings.mutant == Some(super::LinkMutant::PartialsNotResent);
+    pub(in crate::cluster) fn home_changed(&mut self, sh: &mut Shared, home: u32, now: Instant) {
+        let mutant = sh.settings.mutant == Some(crate::cluster::LinkMutant::PartialsNotResent);
         if !sh.serves_groups() || mutant {
             return;
         }
@@ -279,7 +289,7 @@ impl OwnedShards {
 
     /// Sends the partials that are due, batched per home shard (in process
     /// when this node owns it).
-    pub(super) fn send_partials(&mut self, sh: &mut Shared, now: Instant, at: Millis) {
+    pub(in crate::cluster) fn send_partials(&mut self, sh: &mut Shared, now: Instant, at: Millis) {
         if !sh.serves_groups() || self.partials_next.is_none_or(|t| now < t) {
             return;
         }
@@ -344,7 +354,7 @@ impl OwnedShards {
             .flat_map(|o| o.partials.values().filter_map(|p| p.due))
             .min();
         if let Some(next) = next {
-            self.partial_due_by(next.max(now + super::TICK));
+            self.partial_due_by(next.max(now + crate::cluster::TICK));
         }
         for (home, parts) in by_home {
             // An ordinal is at most 5 bytes, the rest of a partial at most 40.
@@ -372,7 +382,7 @@ impl OwnedShards {
 
     /// The home owner did not take these partials (no owner yet, not
     /// synced, or no answer): sent again, with the latest sets.
-    pub(super) fn partials_failed(&mut self, sent: &[(u32, u64)], now: Instant) {
+    pub(in crate::cluster) fn partials_failed(&mut self, sent: &[(u32, u64)], now: Instant) {
         for &(shard, group) in sent {
             // Also a slice gone since: its empty partial goes again.
             if let Some(o) = self.owners.get_mut(&shard) {
@@ -389,14 +399,14 @@ impl OwnedShards {
 impl Shared {
     /// Whether this node takes part in group counts (it sends protocol
     /// [`GROUPS_SINCE`] or later, so every node reads what it sends).
-    pub(super) fn serves_groups(&self) -> bool {
+    pub(in crate::cluster) fn serves_groups(&self) -> bool {
         self.settings.protocol >= GROUPS_SINCE
     }
 
     /// The home shard of `group`: its owner sums the group's partials.
     /// Placement only, so a key that a user could also be named collides
     /// harmlessly.
-    pub(super) fn home_shard(&self, group: u64) -> u32 {
+    pub(in crate::cluster) fn home_shard(&self, group: u64) -> u32 {
         (self.settings.shard_of)(&home_key(group), self.settings.shard_count)
     }
 }

@@ -21,14 +21,13 @@
 //! core ([`ClusterLink::poll_fanout`] is read by the server), which keeps
 //! the watches as one node does and batches their deltas per session. The
 //! core says when no watch lists a member any more, and she is no longer
-//! followed ([`ClusterLink::unfollow_page_member`]).
+//! followed ([`ClusterLink::unfollow_page_member`]). The aggregator's side,
+//! the keys of a page, is `OwnedShards::page_keys` (`owner::group_sums`).
 
-use super::edge::{due_waits, InFlight};
-use super::edge_subscribe::PageRead;
-use super::owners::OwnedShards;
-use super::shared::Shared;
-use super::wire::{encode, FromOwner, ToOwner, PAGES_SINCE};
-use super::{ClusterLink, Finished, RequestKind, MAX_MESSAGE, MAX_SNAPSHOT_TARGETS, RETRY_AFTER};
+use crate::cluster::edge::devices::{due_waits, InFlight};
+use crate::cluster::edge::subscribe::PageRead;
+use crate::cluster::wire::{encode, FromOwner, ToOwner, PAGES_SINCE};
+use crate::cluster::{ClusterLink, Finished, RequestKind, RETRY_AFTER};
 use greendot_core::Presence;
 use greendot_core::{Millis, SessionId, Tier, UserId};
 use greendot_proto::{self as proto, ErrorCode, WireError};
@@ -40,7 +39,7 @@ pub const PAGE_WATCHER: SessionId = SessionId(u64::MAX);
 const PAGE_WATCHER_USER: UserId = UserId(u64::MAX);
 
 /// A page whose keys are asked of the group's aggregator.
-pub(super) struct PendingPage {
+pub(in crate::cluster) struct PendingPage {
     session: SessionId,
     group: u64,
     after: Option<proto::GroupCursor>,
@@ -119,7 +118,7 @@ impl ClusterLink {
 
     /// The keys came (or the aggregator refused, or did not answer): the
     /// members' views are read next, or the keys asked again shortly.
-    pub(super) fn page_keys_answer(
+    pub(in crate::cluster) fn page_keys_answer(
         &mut self,
         wait: u64,
         answer: Option<FromOwner>,
@@ -167,7 +166,7 @@ impl ClusterLink {
     /// made the newest the fanout knows. Returns the members followed, each
     /// held until the read is settled ([`ClusterLink::settle_page_read`]),
     /// and the error of any that could not be.
-    pub(super) fn follow_page_members(
+    pub(in crate::cluster) fn follow_page_members(
         &mut self,
         at: Millis,
         read: &mut [(String, Presence)],
@@ -240,7 +239,7 @@ impl ClusterLink {
     }
 
     /// Pages past their deadline fail; keys due are asked again.
-    pub(super) fn retry_pages(&mut self, now: Instant, at: Millis) {
+    pub(in crate::cluster) fn retry_pages(&mut self, now: Instant, at: Millis) {
         let pending = self
             .edge
             .pages
@@ -267,65 +266,4 @@ impl ClusterLink {
 fn distinct(keys: &[(String, bool)]) -> bool {
     let mut seen = std::collections::BTreeSet::new();
     keys.iter().all(|(n, _)| seen.insert(n.as_str()))
-}
-
-impl OwnedShards {
-    /// The aggregator's answer to a page's keys (see the module docs):
-    /// `Loading` while it cannot tell who is online (its directory has not
-    /// seen the group, or its sum waits for partials after a failover).
-    pub(super) fn page_keys(
-        &mut self,
-        sh: &mut Shared,
-        home: u32,
-        group: u64,
-        after: Option<(bool, u32)>,
-        limit: u32,
-        now: Instant,
-    ) -> FromOwner {
-        let Some(epoch) = self.acting_epoch(sh, home, now) else {
-            return FromOwner::NotOwner;
-        };
-        if sh.home_shard(group) != home || self.owners.get(&home).is_none_or(|o| o.epoch != epoch) {
-            return FromOwner::NotOwner;
-        }
-        if !sh.groups.is_synced() {
-            return FromOwner::Loading;
-        }
-        let def = sh.groups.get(group).1.filter(|d| !d.removed);
-        let sum = self.owners.get(&home).and_then(|o| o.sums.get(group));
-        let (Some(def), Some(sum)) = (def, sum) else {
-            return FromOwner::Loading;
-        };
-        if sum.is_waiting() {
-            return FromOwner::Loading;
-        }
-        let limit = usize::try_from(limit)
-            .unwrap_or(usize::MAX)
-            .min(sh.page_keys_that_fit());
-        let (keys, next) = sum.page(after, limit);
-        let keys = keys
-            .into_iter()
-            .filter_map(|(ordinal, online)| {
-                let i = def
-                    .members
-                    .binary_search_by_key(&ordinal, |(_, o)| *o)
-                    .ok()?;
-                Some((def.members[i].0.clone(), online))
-            })
-            .collect();
-        FromOwner::GroupPageKeys {
-            version: sum.version(),
-            count: sum.count(),
-            keys,
-            next,
-        }
-    }
-}
-
-impl Shared {
-    /// Keys one answer holds at most, every name at its longest.
-    pub(super) fn page_keys_that_fit(&self) -> usize {
-        let key = self.max_name_len + 12;
-        (MAX_MESSAGE / 2 / key).clamp(1, MAX_SNAPSHOT_TARGETS)
-    }
 }

@@ -2,160 +2,54 @@
 //! forwarded to the owner of their user's shard one at a time (retried until
 //! taken), the answers to the requests out, resyncs, and routes.
 
-use super::edge_records::{PendingResume, SessionSync};
-use super::edge_subscribe::PendingSubscribe;
-use super::edge_views::ShardTrack;
-use super::group_pages::PendingPage;
-use super::owner::ReplyTo;
-use super::wire::{
+use crate::cluster::edge::records::SessionSync;
+use crate::cluster::owner::shard::ReplyTo;
+use crate::cluster::wire::{
     decode, encode, FromOwner, ResyncRequest, ToOwner, WireOp, CONNECT_WELCOMED_SINCE,
     RECORD_FOREGROUND_SINCE,
 };
-use super::{
-    ClusterLink, DetMap, DetSet, Finished, RequestKind, MAX_LOCAL_HOPS, MAX_QUEUED_OPS, RETRY_AFTER,
+use crate::cluster::{
+    ClusterLink, Finished, RequestKind, MAX_LOCAL_HOPS, MAX_QUEUED_OPS, RETRY_AFTER,
 };
-use crate::hub::{GroupFeed, Interner};
 use bytes::Bytes;
-use greendot_core::{Config, EndReason, Fanout, Millis, SessionId, UserId};
+use greendot_core::{EndReason, Millis, SessionId, UserId};
 use greendot_proto::{self as proto, ErrorCode, WireError};
 use std::collections::VecDeque;
 use std::time::Instant;
 
-/// What serves this node's sessions: their devices and the fanout of views
-/// to them, the shards they watch, their records for resume, and the
-/// requests they wait on.
-pub(super) struct Edge {
-    pub(super) fanout: Fanout,
-    pub(super) names: Interner,
-    /// The edge's devices by session, while their inputs are forwarded.
-    pub(super) devices: DetMap<SessionId, EdgeDevice>,
-    /// Sessions open in the fanout, with their user (whose name they hold a
-    /// reference on).
-    pub(super) open: DetMap<SessionId, String>,
-    /// Shards some local subscription watches, with how many.
-    pub(super) shard_watchers: DetMap<u32, u32>,
-    /// The view numbers seen of each watched shard (the same keys).
-    pub(super) tracks: DetMap<u32, ShardTrack>,
-    /// The numbers of the truths this edge was sent, per shard (at most
-    /// one entry per shard).
-    pub(super) truth_tracks: DetMap<u32, ShardTrack>,
-    /// Per shard, the newest epoch whose resync request this edge answered
-    /// (a new owner sends it again while its window is open).
-    pub(super) resynced: DetMap<u32, u64>,
-    /// Some track has a gap to repair (what the tick looks at).
-    pub(super) gaps: bool,
-    pub(super) subscribes: DetMap<u64, PendingSubscribe>,
-    pub(super) routes: DetMap<u64, PendingRoute>,
-    /// Member pages whose keys are asked of their group's aggregator.
-    pub(super) pages: DetMap<u64, PendingPage>,
-    /// Members followed for watched pages read but not yet handed to the
-    /// hub's core, with how many such reads hold each.
-    pub(super) page_reads: DetMap<String, u32>,
-    /// Local sessions' KV records, and the puts in flight by id.
-    pub(super) records: DetMap<SessionId, SessionSync>,
-    pub(super) record_puts: DetMap<u64, SessionId>,
-    /// Sessions whose put failed: tried again at the tick.
-    pub(super) record_retries: DetSet<SessionId>,
-    /// Record reads for resumes, by id.
-    pub(super) resumes: DetMap<u64, PendingResume>,
-    /// Devices with inputs queued or a retry pending: what the tick looks at.
-    pub(super) busy: DetSet<SessionId>,
-    pub(super) next_conn: u64,
-    /// A pump runs: pumps it causes (an op handled by this node's own
-    /// owner, answered at once) wait here and run after it, in a loop,
-    /// not nested: nested, a device whose ops keep being answered in
-    /// process would grow the stack without a bound.
-    pub(super) pumping: bool,
-    pub(super) pump_later: VecDeque<SessionId>,
-    /// Publish-to-fanout delays of remote views taken, in milliseconds.
-    pub(super) latencies: VecDeque<u64>,
-    pub(super) max_subscriptions: usize,
-    /// What the hub's core learns of groups (`group_edge`).
-    pub(super) group_feed: VecDeque<GroupFeed>,
-    /// The newest count of each group: version and count.
-    pub(super) fed_counts: DetMap<u64, (u64, u32)>,
-}
-
-impl Edge {
-    /// Something of the edge is looked at by the tick: devices with
-    /// inputs queued, requests waiting, records to put again, gaps to
-    /// repair, or watched shards (an owner gone silent is noticed at a
-    /// tick).
-    pub(super) fn waits_on_tick(&self) -> bool {
-        !self.busy.is_empty()
-            || !self.subscribes.is_empty()
-            || !self.routes.is_empty()
-            || !self.pages.is_empty()
-            || !self.record_retries.is_empty()
-            || !self.resumes.is_empty()
-            || self.gaps
-            || !self.tracks.is_empty()
-    }
-
-    pub(super) fn new(config: &Config) -> Edge {
-        Edge {
-            fanout: Fanout::new(config.batch_interval),
-            names: Interner::new(config.max_users.saturating_mul(2)),
-            devices: DetMap::default(),
-            open: DetMap::default(),
-            shard_watchers: DetMap::default(),
-            tracks: DetMap::default(),
-            truth_tracks: DetMap::default(),
-            resynced: DetMap::default(),
-            gaps: false,
-            subscribes: DetMap::default(),
-            routes: DetMap::default(),
-            pages: DetMap::default(),
-            page_reads: DetMap::default(),
-            records: DetMap::default(),
-            record_puts: DetMap::default(),
-            record_retries: DetSet::default(),
-            resumes: DetMap::default(),
-            busy: DetSet::default(),
-            next_conn: 0,
-            pumping: false,
-            pump_later: VecDeque::new(),
-            latencies: VecDeque::new(),
-            max_subscriptions: config.max_subscriptions_per_session,
-            group_feed: VecDeque::new(),
-            fed_counts: DetMap::default(),
-        }
-    }
-}
-
 #[derive(Debug)]
-pub(super) struct QueuedOp {
-    pub(super) op: WireOp,
+pub(in crate::cluster) struct QueuedOp {
+    pub(in crate::cluster) op: WireOp,
     /// The client request waiting for it, if any.
-    pub(super) wait: Option<u64>,
+    pub(in crate::cluster) wait: Option<u64>,
     /// The client is answered with an error after this.
-    pub(super) deadline: Instant,
+    pub(in crate::cluster) deadline: Instant,
     /// Its owner did not know the session, which was connected again for
     /// it: a second such answer drops it (the owner does not take the
     /// session, so connecting it again would loop).
-    pub(super) reconnected: bool,
+    pub(in crate::cluster) reconnected: bool,
 }
 
 #[derive(Debug)]
-pub(super) struct EdgeDevice {
-    pub(super) user: String,
-    pub(super) device: String,
-    pub(super) kind: proto::Kind,
+pub(in crate::cluster) struct EdgeDevice {
+    pub(in crate::cluster) user: String,
+    pub(in crate::cluster) device: String,
+    pub(in crate::cluster) kind: proto::Kind,
     /// The session's wire id.
-    pub(super) wire: u64,
-    pub(super) conn: u64,
+    pub(in crate::cluster) wire: u64,
+    pub(in crate::cluster) conn: u64,
     /// When this edge run welcomed the session (its first `conn`).
-    pub(super) since: u64,
+    pub(in crate::cluster) since: u64,
     /// When its client last connected here (a hello, new or resumed), in
     /// Unix milliseconds.
-    pub(super) welcomed: u64,
-    pub(super) queue: VecDeque<QueuedOp>,
+    pub(in crate::cluster) welcomed: u64,
+    pub(in crate::cluster) queue: VecDeque<QueuedOp>,
     /// The request id of the op at the queue's head, once sent.
     sent: Option<u64>,
     /// Not before this instant (a retry's pause).
-    pub(super) not_before: Option<Instant>,
+    pub(in crate::cluster) not_before: Option<Instant>,
     /// The session is over here: forget the device once its queue is empty.
-    pub(super) closed: bool,
+    pub(in crate::cluster) closed: bool,
     /// The app is in the background (I12): a connect sent again (to a new
     /// owner) says so.
     background: bool,
@@ -256,14 +150,14 @@ fn compact_queue(queue: &mut VecDeque<QueuedOp>) -> Vec<u64> {
     dropped
 }
 
-pub(super) struct PendingRoute {
-    pub(super) user: String,
-    pub(super) deadline: Instant,
+pub(in crate::cluster) struct PendingRoute {
+    pub(in crate::cluster) user: String,
+    pub(in crate::cluster) deadline: Instant,
     /// Ask again then (after a refusal or a failure).
     retry_at: Option<Instant>,
 }
 
-pub(super) enum InFlight {
+pub(in crate::cluster) enum InFlight {
     Device {
         session: SessionId,
         rid: u64,
@@ -295,7 +189,7 @@ pub(super) enum InFlight {
 
 /// Of requests waiting under ids, with their deadlines and when each is
 /// asked again: those past their deadline, and those to ask again now.
-pub(super) fn due_waits(
+pub(in crate::cluster) fn due_waits(
     pending: impl Iterator<Item = (u64, Instant, Option<Instant>)>,
     now: Instant,
 ) -> (Vec<u64>, Vec<u64>) {
@@ -430,7 +324,7 @@ impl ClusterLink {
         };
         let ends = matches!(op, WireOp::Logout | WireOp::Disconnect { .. });
         if matches!(op, WireOp::Disconnect { .. })
-            && self.shared.settings.mutant == Some(super::LinkMutant::DropEndingOp)
+            && self.shared.settings.mutant == Some(crate::cluster::LinkMutant::DropEndingOp)
         {
             d.closed = true;
             return true;
@@ -520,7 +414,7 @@ impl ClusterLink {
     }
 
     /// Fanout user id `target` lost a subscription.
-    pub(super) fn forget_target(&mut self, target: UserId) {
+    pub(in crate::cluster) fn forget_target(&mut self, target: UserId) {
         let Some(name) = self.edge.names.name(target.0).cloned() else {
             return;
         };
@@ -533,7 +427,7 @@ impl ClusterLink {
 
     /// This node's lease lapsed and was taken again: every live device is
     /// connected again, in case its owner dropped it with the lease.
-    pub(super) fn rejoined(&mut self, now: Instant, at: Millis) {
+    pub(in crate::cluster) fn rejoined(&mut self, now: Instant, at: Millis) {
         self.missed_all();
         let live: Vec<SessionId> = self
             .edge
@@ -557,7 +451,13 @@ impl ClusterLink {
     /// id, so the owner drops the first if it comes later (a late connect
     /// taken after the device's logout would be a ghost), and the answer to
     /// the first is ignored here.
-    pub(super) fn resend(&mut self, session: SessionId, now: Instant, at: Millis, again: bool) {
+    pub(in crate::cluster) fn resend(
+        &mut self,
+        session: SessionId,
+        now: Instant,
+        at: Millis,
+        again: bool,
+    ) {
         let connecting = match self.edge.devices.get(&session) {
             Some(d) => d.queue.front().is_some_and(|q| connects(&q.op)),
             None => return,
@@ -688,7 +588,7 @@ impl ClusterLink {
     }
 
     /// The owner's answer to the session's op `rid`.
-    pub(super) fn device_answer(
+    pub(in crate::cluster) fn device_answer(
         &mut self,
         session: SessionId,
         rid: u64,
@@ -773,7 +673,7 @@ impl ClusterLink {
     }
 
     /// Client requests past their deadline, and retries due.
-    pub(super) fn tick_devices(&mut self, now: Instant, at: Millis) {
+    pub(in crate::cluster) fn tick_devices(&mut self, now: Instant, at: Millis) {
         let sessions: Vec<SessionId> = self.edge.busy.iter().copied().collect();
         for session in sessions {
             if let Some(d) = self.edge.devices.get_mut(&session) {
@@ -809,7 +709,13 @@ impl ClusterLink {
     }
 
     /// The owner's answer to request `id` (`None`: unanswered).
-    pub(super) fn answered(&mut self, now: Instant, at: Millis, id: u64, payload: Option<Bytes>) {
+    pub(in crate::cluster) fn answered(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        id: u64,
+        payload: Option<Bytes>,
+    ) {
         let Some((what, _)) = self.shared.in_flight.remove(&id) else {
             return;
         };
@@ -900,7 +806,7 @@ impl ClusterLink {
 
     /// A new owner's resync request: this edge resends its devices of the
     /// shard.
-    pub(super) fn resync_message(&mut self, now: Instant, at: Millis, payload: &[u8]) {
+    pub(in crate::cluster) fn resync_message(&mut self, now: Instant, at: Millis, payload: &[u8]) {
         match decode::<ResyncRequest>(payload) {
             Some(r)
                 if r.owner.len() <= self.shared.max_name_len
@@ -967,7 +873,7 @@ impl ClusterLink {
             .request(now, waiting, shard, RequestKind::Snapshot, payload);
     }
 
-    pub(super) fn retry_routes(&mut self, now: Instant) {
+    pub(in crate::cluster) fn retry_routes(&mut self, now: Instant) {
         let pending = self
             .edge
             .routes
@@ -982,20 +888,5 @@ impl ClusterLink {
         for wait in again {
             self.ask_route(wait, now);
         }
-    }
-}
-
-impl Edge {
-    pub(super) fn drop_name(&mut self, user: &str) {
-        if let Some(id) = self.names.get(user) {
-            if self.names.drop_ref(id) == 0 {
-                self.names.remove(id);
-            }
-        }
-    }
-
-    pub(super) fn next_conn(&mut self) -> u64 {
-        self.next_conn += 1;
-        self.next_conn
     }
 }

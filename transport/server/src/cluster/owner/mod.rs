@@ -8,11 +8,17 @@
 //! each of the link's steps) computes its deadline again. Until then it is
 //! asked directly, so the answer is right whenever it is asked.
 
-use super::owner::{release_idle, Owner};
-use super::owner_requests::PendingPrefs;
-use super::prefs_writes::PrefsWrites;
-use super::shared::Shared;
-use super::{ClusterOutput, DetMap, LinkMutant, WRITE_BEHIND};
+pub(in crate::cluster) mod group_slices;
+pub(in crate::cluster) mod group_sums;
+pub(in crate::cluster) mod prefs_writes;
+pub(in crate::cluster) mod requests;
+pub(in crate::cluster) mod shard;
+
+use crate::cluster::owner::prefs_writes::PrefsWrites;
+use crate::cluster::owner::requests::PendingPrefs;
+use crate::cluster::owner::shard::{release_idle, Owner};
+use crate::cluster::shared::Shared;
+use crate::cluster::{ClusterOutput, DetMap, LinkMutant, WRITE_BEHIND};
 use greendot_core::Millis;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Index;
@@ -22,32 +28,32 @@ use std::time::Instant;
 /// claims, preference writes, KV and shard record reads, and the edges'
 /// incarnations their requests carry.
 #[derive(Default)]
-pub(super) struct OwnedShards {
+pub(in crate::cluster) struct OwnedShards {
     /// Per shard acted for: the epoch, and until when the claim holds.
-    pub(super) acting: BTreeMap<u32, (u64, Instant)>,
+    pub(in crate::cluster) acting: BTreeMap<u32, (u64, Instant)>,
     /// The earliest deadline in `acting`.
-    pub(super) next_lapse: Option<Instant>,
-    pub(super) owners: Owners,
-    pub(super) pending_prefs: DetMap<u64, PendingPrefs>,
-    pub(super) prefs_writes: PrefsWrites,
+    pub(in crate::cluster) next_lapse: Option<Instant>,
+    pub(in crate::cluster) owners: Owners,
+    pub(in crate::cluster) pending_prefs: DetMap<u64, PendingPrefs>,
+    pub(in crate::cluster) prefs_writes: PrefsWrites,
     /// KV reads in flight: shard, epoch, user, since.
-    pub(super) pending_loads: DetMap<u64, (u32, u64, String, Instant)>,
+    pub(in crate::cluster) pending_loads: DetMap<u64, (u32, u64, String, Instant)>,
     /// Shard record reads in flight: shard, epoch, since.
-    pub(super) pending_shards: DetMap<u64, (u32, u64, Instant)>,
+    pub(in crate::cluster) pending_shards: DetMap<u64, (u32, u64, Instant)>,
     /// The newest incarnation seen of each edge (from its requests and its
     /// lease): requests of older ones are dropped. At most
     /// `MAX_EDGES_REMEMBERED`: edges are the cluster's nodes.
-    pub(super) incarnations: DetMap<String, u64>,
-    pub(super) next_beacon: Option<Instant>,
+    pub(in crate::cluster) incarnations: DetMap<String, u64>,
+    pub(in crate::cluster) next_beacon: Option<Instant>,
     /// When the owners' next partial is due, if one is.
-    pub(super) partials_next: Option<Instant>,
+    pub(in crate::cluster) partials_next: Option<Instant>,
 }
 
 impl OwnedShards {
     /// What of the owners waited too long for the NATS I/O: requests
     /// waiting on preference writes fail, a preference write never answered
     /// is given up, and KV reads are asked again.
-    pub(super) fn expire_pending(&mut self, sh: &mut Shared, now: Instant, at: Millis) {
+    pub(in crate::cluster) fn expire_pending(&mut self, sh: &mut Shared, now: Instant, at: Millis) {
         let timeout = sh.settings.request_timeout;
         let late: Vec<u64> = self
             .pending_prefs
@@ -101,14 +107,14 @@ impl OwnedShards {
 
     /// Whether this node's owner of `shard` takes requests now: the edge
     /// asks it in process, not over NATS.
-    pub(super) fn serves(&self, sh: &Shared, shard: u32, now: Instant) -> bool {
+    pub(in crate::cluster) fn serves(&self, sh: &Shared, shard: u32, now: Instant) -> bool {
         self.owners.contains_key(&shard) && self.acting_epoch(sh, shard, now).is_some()
     }
 
     /// Something of the owners is looked at by the tick: claims (their
     /// owners' resyncs and beacons), or preference writes and KV reads that
     /// may have to be asked again.
-    pub(super) fn waits_on_tick(&self) -> bool {
+    pub(in crate::cluster) fn waits_on_tick(&self) -> bool {
         !self.acting.is_empty()
             || !self.pending_prefs.is_empty()
             || !self.prefs_writes.is_empty()
@@ -119,7 +125,7 @@ impl OwnedShards {
     /// Runs the owners with something due at `at` (or changed since last
     /// asked): their cores' timers, the views they publish, their device
     /// records written behind, and their idle users released.
-    pub(super) fn handle_timeout(&mut self, sh: &mut Shared, now: Instant, at: Millis) {
+    pub(in crate::cluster) fn handle_timeout(&mut self, sh: &mut Shared, now: Instant, at: Millis) {
         for shard in self.owners.due(at) {
             if let Some(o) = self.owners.get_mut(&shard) {
                 o.core.handle_timeout(at);
@@ -132,7 +138,12 @@ impl OwnedShards {
         }
     }
 
-    pub(super) fn acting_epoch(&self, sh: &Shared, shard: u32, now: Instant) -> Option<u64> {
+    pub(in crate::cluster) fn acting_epoch(
+        &self,
+        sh: &Shared,
+        shard: u32,
+        now: Instant,
+    ) -> Option<u64> {
         let lapse_ignored = sh.settings.mutant == Some(LinkMutant::ActPastDeadline);
         self.acting
             .get(&shard)
@@ -145,7 +156,7 @@ impl OwnedShards {
     /// owner acts past its deadline on anything (a node paused past its
     /// lease wakes to the inputs that queued while it slept, before any
     /// timer).
-    pub(super) fn stop_lapsed(&mut self, sh: &mut Shared, now: Instant, at: Millis) {
+    pub(in crate::cluster) fn stop_lapsed(&mut self, sh: &mut Shared, now: Instant, at: Millis) {
         if sh.settings.mutant == Some(LinkMutant::ActPastDeadline)
             || self.next_lapse.is_none_or(|t| now < t)
         {
@@ -166,7 +177,7 @@ impl OwnedShards {
 }
 
 #[derive(Default)]
-pub(super) struct Owners {
+pub(in crate::cluster) struct Owners {
     map: BTreeMap<u32, Owner>,
     /// (deadline, shard) of the shards not touched since they were indexed
     /// and that have a deadline.
@@ -194,46 +205,46 @@ fn deadline(o: &Owner) -> Option<Millis> {
 }
 
 impl Owners {
-    pub(super) fn get(&self, shard: &u32) -> Option<&Owner> {
+    pub(in crate::cluster) fn get(&self, shard: &u32) -> Option<&Owner> {
         self.map.get(shard)
     }
 
-    pub(super) fn get_mut(&mut self, shard: &u32) -> Option<&mut Owner> {
+    pub(in crate::cluster) fn get_mut(&mut self, shard: &u32) -> Option<&mut Owner> {
         if self.map.contains_key(shard) {
             self.touch(*shard);
         }
         self.map.get_mut(shard)
     }
 
-    pub(super) fn contains_key(&self, shard: &u32) -> bool {
+    pub(in crate::cluster) fn contains_key(&self, shard: &u32) -> bool {
         self.map.contains_key(shard)
     }
 
-    pub(super) fn insert(&mut self, shard: u32, owner: Owner) -> Option<Owner> {
+    pub(in crate::cluster) fn insert(&mut self, shard: u32, owner: Owner) -> Option<Owner> {
         self.touch(shard);
         self.map.insert(shard, owner)
     }
 
-    pub(super) fn remove(&mut self, shard: &u32) -> Option<Owner> {
+    pub(in crate::cluster) fn remove(&mut self, shard: &u32) -> Option<Owner> {
         self.unindex(*shard);
         self.touched.remove(shard);
         self.map.remove(shard)
     }
 
-    pub(super) fn keys(&self) -> impl Iterator<Item = &u32> {
+    pub(in crate::cluster) fn keys(&self) -> impl Iterator<Item = &u32> {
         self.map.keys()
     }
 
-    pub(super) fn values(&self) -> impl Iterator<Item = &Owner> {
+    pub(in crate::cluster) fn values(&self) -> impl Iterator<Item = &Owner> {
         self.map.values()
     }
 
     #[cfg(test)]
-    pub(super) fn is_empty(&self) -> bool {
+    pub(in crate::cluster) fn is_empty(&self) -> bool {
         self.map.is_empty()
     }
 
-    pub(super) fn iter(&self) -> impl Iterator<Item = (&u32, &Owner)> {
+    pub(in crate::cluster) fn iter(&self) -> impl Iterator<Item = (&u32, &Owner)> {
         self.map.iter()
     }
 
@@ -249,7 +260,7 @@ impl Owners {
     }
 
     /// Puts the touched shards back in the index at their new deadlines.
-    pub(super) fn reindex(&mut self) {
+    pub(in crate::cluster) fn reindex(&mut self) {
         for shard in std::mem::take(&mut self.touched) {
             if let Some(due) = self.map.get(&shard).and_then(deadline) {
                 self.index.insert((due, shard));
@@ -259,7 +270,7 @@ impl Owners {
     }
 
     /// The earliest deadline of any shard.
-    pub(super) fn poll_timeout(&self) -> Option<Millis> {
+    pub(in crate::cluster) fn poll_timeout(&self) -> Option<Millis> {
         let touched = self
             .touched
             .iter()
@@ -274,7 +285,7 @@ impl Owners {
 
     /// The shards due at `at`, and the touched ones (whose deadline is not
     /// known without asking).
-    pub(super) fn due(&self, at: Millis) -> Vec<u32> {
+    pub(in crate::cluster) fn due(&self, at: Millis) -> Vec<u32> {
         let mut due: Vec<u32> = self
             .index
             .range(..=(at, u32::MAX))
@@ -288,7 +299,7 @@ impl Owners {
     /// the earliest is what walking every owner finds (run after every step
     /// of the link in the unit tests).
     #[cfg(test)]
-    pub(super) fn check(&self) {
+    pub(in crate::cluster) fn check(&self) {
         for (shard, o) in &self.map {
             if !self.touched.contains(shard) {
                 assert_eq!(

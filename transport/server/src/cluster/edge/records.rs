@@ -1,9 +1,9 @@
 //! Session records (resume on any node): the KV copy of each local
 //! session's subscriptions, and the reads of a resumed session's record.
 
-use super::edge::Edge;
-use super::wire::{decode_session_record, encode_session_record, SessionRecord};
-use super::{ClusterLink, ClusterOutput, Finished};
+use crate::cluster::edge::Edge;
+use crate::cluster::wire::{decode_session_record, encode_session_record, SessionRecord};
+use crate::cluster::{ClusterLink, ClusterOutput, Finished};
 use bytes::Bytes;
 use greendot_core::{SessionId, UserId};
 use greendot_proto::{self as proto, Snapshot};
@@ -13,34 +13,34 @@ use std::time::Instant;
 /// The KV copy of a local session's subscriptions ([`SessionRecord`]): one
 /// put in flight at a time (so they land in order), subscribe answers held
 /// until a put that covers them landed.
-pub(super) struct SessionSync {
-    pub(super) user: String,
-    pub(super) device: String,
-    pub(super) wire: u64,
+pub(in crate::cluster) struct SessionSync {
+    pub(in crate::cluster) user: String,
+    pub(in crate::cluster) device: String,
+    pub(in crate::cluster) wire: u64,
     /// Changes made to the subscriptions, and how many the KV has.
-    pub(super) changed: u64,
-    pub(super) stored: u64,
+    pub(in crate::cluster) changed: u64,
+    pub(in crate::cluster) stored: u64,
     /// The put in flight: its id and the changes it covers.
-    pub(super) putting: Option<(u64, u64)>,
+    pub(in crate::cluster) putting: Option<(u64, u64)>,
     /// A failed put is tried again at the tick.
-    pub(super) retry: bool,
+    pub(in crate::cluster) retry: bool,
     /// Answers waiting for change `n` to be stored, with their deadline.
-    pub(super) waiting: Vec<(u64, u64, proto::Answer, Instant)>,
+    pub(in crate::cluster) waiting: Vec<(u64, u64, proto::Answer, Instant)>,
     /// The session's group subscriptions (the hub's core serves them).
-    pub(super) groups: BTreeSet<u64>,
+    pub(in crate::cluster) groups: BTreeSet<u64>,
 }
 
 /// A hello naming a session this node does not hold: its device's record is
 /// being read.
-pub(super) struct PendingResume {
-    pub(super) wait: u64,
-    pub(super) session: SessionId,
-    pub(super) wire: u64,
+pub(in crate::cluster) struct PendingResume {
+    pub(in crate::cluster) wait: u64,
+    pub(in crate::cluster) session: SessionId,
+    pub(in crate::cluster) wire: u64,
 }
 
 impl ClusterLink {
     /// The session's subscriptions changed: its record is written again.
-    pub(super) fn record_changed(&mut self, session: SessionId) {
+    pub(in crate::cluster) fn record_changed(&mut self, session: SessionId) {
         if let Some(r) = self.edge.records.get_mut(&session) {
             r.changed += 1;
             self.store_record(session);
@@ -77,7 +77,7 @@ impl ClusterLink {
 
     /// `answer` (to a subscribe of `session`) once the record that has it
     /// landed, so that a resume anywhere after the answer carries it over.
-    pub(super) fn when_recorded(
+    pub(in crate::cluster) fn when_recorded(
         &mut self,
         session: SessionId,
         wait: u64,
@@ -127,7 +127,7 @@ impl ClusterLink {
         });
     }
 
-    pub(super) fn session_stored(&mut self, now: Instant, id: u64, ok: bool) {
+    pub(in crate::cluster) fn session_stored(&mut self, now: Instant, id: u64, ok: bool) {
         let Some(session) = self.edge.record_puts.remove(&id) else {
             return;
         };
@@ -148,7 +148,7 @@ impl ClusterLink {
         self.store_record(session);
     }
 
-    pub(super) fn retry_records(&mut self, now: Instant) {
+    pub(in crate::cluster) fn retry_records(&mut self, now: Instant) {
         let due: Vec<SessionId> = self.edge.record_retries.drain().collect();
         for session in due {
             if let Some(r) = self.edge.records.get_mut(&session) {
@@ -207,7 +207,7 @@ impl ClusterLink {
         });
     }
 
-    pub(super) fn session_loaded(&mut self, id: u64, record: Option<Bytes>) {
+    pub(in crate::cluster) fn session_loaded(&mut self, id: u64, record: Option<Bytes>) {
         let Some(p) = self.edge.resumes.remove(&id) else {
             return;
         };
@@ -271,7 +271,11 @@ impl Edge {
     /// the newest view the fanout has: views that came while the record was
     /// being stored are newer than the snapshots, and an invisibility among
     /// them would otherwise be shown as online in the answer.
-    pub(super) fn fresh_snapshots(&self, viewer: &str, answer: proto::Answer) -> proto::Answer {
+    pub(in crate::cluster) fn fresh_snapshots(
+        &self,
+        viewer: &str,
+        answer: proto::Answer,
+    ) -> proto::Answer {
         let proto::Answer::Subscribed {
             mut snapshots,
             refused,
@@ -297,7 +301,7 @@ impl Edge {
     /// Brings `snapshots` up to what this edge knows now: a welcome that
     /// waited (for owners' answers, or for the session's record) is not
     /// sent with views older than ones that came while it waited.
-    pub(super) fn refresh_snapshots(&self, viewer: &str, snapshots: &mut [Snapshot]) {
+    pub(in crate::cluster) fn refresh_snapshots(&self, viewer: &str, snapshots: &mut [Snapshot]) {
         let Some(viewer) = self.names.get(viewer).map(UserId) else {
             return;
         };

@@ -2,16 +2,16 @@
 //! inputs (filtered by incarnation and request id, preferences written to
 //! the KV before the ack), snapshots, views and routes.
 
-use super::owner::{
+use crate::cluster::owner::prefs_writes::Waiting;
+use crate::cluster::owner::shard::{
     forget_device, forget_user_if_unknown, note_idle, route_of, HeldSession, Holder, Owner, ReplyTo,
 };
-use super::owners::OwnedShards;
-use super::prefs_writes::Waiting;
-use super::shared::Shared;
-use super::to_edge::ToEdge;
-use super::wire::{decode, encode, FromOwner, ToOwner, WireOp, WirePrefs};
-use super::DetMap;
-use super::{
+use crate::cluster::owner::OwnedShards;
+use crate::cluster::shared::Shared;
+use crate::cluster::to_edge::ToEdge;
+use crate::cluster::wire::{decode, encode, FromOwner, ToOwner, WireOp, WirePrefs};
+use crate::cluster::DetMap;
+use crate::cluster::{
     ClusterOutput, RequestKind, MAX_EDGES_REMEMBERED, MAX_HOLDERS_REMEMBERED, MAX_PENDING_PREFS,
     MAX_QUEUED_OPS, MAX_SNAPSHOT_TARGETS,
 };
@@ -19,11 +19,11 @@ use greendot_core::{Connect, DeviceId, DeviceKind, Millis, Presence, SessionId, 
 use greendot_proto::{self as proto, ErrorCode, WireError};
 use std::time::Instant;
 
-pub(super) struct PendingPrefs {
-    pub(super) reply: ReplyTo,
-    pub(super) since: Instant,
-    pub(super) shard: u32,
-    pub(super) epoch: u64,
+pub(in crate::cluster) struct PendingPrefs {
+    pub(in crate::cluster) reply: ReplyTo,
+    pub(in crate::cluster) since: Instant,
+    pub(in crate::cluster) shard: u32,
+    pub(in crate::cluster) epoch: u64,
     holder: Holder,
     rid: u64,
 }
@@ -190,7 +190,7 @@ impl OwnedShards {
     /// `None` while her record is read (the edge asks again after), or if
     /// no room is left for her. Presences at the edge carry last seen in
     /// Unix milliseconds.
-    pub(super) fn snapshot(
+    pub(in crate::cluster) fn snapshot(
         &mut self,
         sh: &mut Shared,
         shard: u32,
@@ -217,7 +217,7 @@ impl OwnedShards {
 
     /// Remembers `incarnation` as the edge's newest if it is; `false` if a
     /// newer one of the edge is known (`incarnation` is a dead run's).
-    pub(super) fn saw_incarnation(&mut self, edge: &str, incarnation: u64) -> bool {
+    pub(in crate::cluster) fn saw_incarnation(&mut self, edge: &str, incarnation: u64) -> bool {
         match self.incarnations.get_mut(edge) {
             Some(newest) if *newest > incarnation => false,
             Some(newest) => {
@@ -235,7 +235,7 @@ impl OwnedShards {
 
     /// A request on a shard's subject: checked, then taken as its owner.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn request_message(
+    pub(in crate::cluster) fn request_message(
         &mut self,
         sh: &mut Shared,
         now: Instant,
@@ -267,7 +267,7 @@ impl OwnedShards {
     }
 
     /// Names within the limits (checked before anything is interned).
-    pub(super) fn well_formed(&self, sh: &Shared, msg: &ToOwner) -> bool {
+    pub(in crate::cluster) fn well_formed(&self, sh: &Shared, msg: &ToOwner) -> bool {
         let ok = |s: &str| !s.is_empty() && s.len() <= sh.max_name_len;
         match msg {
             ToOwner::Device {
@@ -302,7 +302,7 @@ impl OwnedShards {
         }
     }
 
-    pub(super) fn owner_request(
+    pub(in crate::cluster) fn owner_request(
         &mut self,
         sh: &mut Shared,
         shard: u32,
@@ -335,7 +335,7 @@ impl OwnedShards {
 
     /// Views, snapshots, routes and device inputs to an owner acting for
     /// `shard`.
-    pub(super) fn view_request(
+    pub(in crate::cluster) fn view_request(
         &mut self,
         sh: &mut Shared,
         shard: u32,
@@ -409,7 +409,7 @@ impl OwnedShards {
         });
     }
 
-    pub(super) fn reply(
+    pub(in crate::cluster) fn reply(
         &mut self,
         sh: &mut Shared,
         to: ReplyTo,
@@ -433,7 +433,7 @@ impl OwnedShards {
     }
 
     /// A device input at the owner of `shard`.
-    pub(super) fn owner_input(
+    pub(in crate::cluster) fn owner_input(
         &mut self,
         sh: &mut Shared,
         shard: u32,
@@ -676,7 +676,7 @@ impl OwnedShards {
     /// The KV write of preferences `id` is done (`ok`) or failed: the
     /// requests it carried are answered, and the user's value that waited
     /// for it goes out, while its epoch is still acted for.
-    pub(super) fn prefs_stored(
+    pub(in crate::cluster) fn prefs_stored(
         &mut self,
         sh: &mut Shared,
         now: Instant,
@@ -712,7 +712,7 @@ impl OwnedShards {
 
     /// Answers request `id`, which waited for its preferences to be stored
     /// (`ok`) or not.
-    pub(super) fn answer_prefs(
+    pub(in crate::cluster) fn answer_prefs(
         &mut self,
         sh: &mut Shared,
         now: Instant,
@@ -734,7 +734,8 @@ impl OwnedShards {
             .owners
             .get_mut(&p.shard)
             .filter(|o| acting && o.epoch == p.epoch);
-        let acked_anyway = sh.settings.mutant == Some(super::LinkMutant::AckAfterShardLost);
+        let acked_anyway =
+            sh.settings.mutant == Some(crate::cluster::LinkMutant::AckAfterShardLost);
         let answer = match owner {
             Some(o) if ok => {
                 remember_rid(&mut o.last_rid, p.holder, p.rid);
