@@ -140,6 +140,10 @@ impl Fanout {
         for target in s.subs.keys() {
             self.unwatch(*target, session);
         }
+        // Pushes still queued for it would go out after its end, naming
+        // targets the edge may have forgotten with its subscriptions.
+        self.outputs
+            .retain(|o| !matches!(o, Output::Push { to, .. } if *to == session));
         self.outputs
             .push_back(Output::SessionEnded { session, reason });
         true

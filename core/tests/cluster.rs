@@ -576,6 +576,35 @@ fn a_newer_snapshot_reaches_the_other_watchers_on_the_edge() {
     assert!(edge.poll_output().is_none());
 }
 
+/// A push still queued when its session closes is not sent after the end:
+/// the edge forgets the targets with the session's subscriptions.
+#[test]
+fn a_push_queued_for_a_closing_session_is_dropped() {
+    let (bob, carol) = (SessionId(1), SessionId(2));
+    let mut edge = Fanout::new(Millis(1_000));
+    edge.open(bob, UserId(8));
+    edge.open(carol, UserId(9));
+    for s in [bob, carol] {
+        edge.subscribe(Millis(0), s, UserId(1), Tier::Realtime, Presence::default())
+            .unwrap();
+    }
+    while edge.poll_output().is_some() {}
+    let offline = Presence {
+        version: 3,
+        ..Presence::default()
+    };
+    edge.apply(Millis(10), UserId(1), false, offline);
+    edge.close(bob, EndReason::LoggedOut);
+    let mut seen = Vec::new();
+    while let Some(out) = edge.poll_output() {
+        match out {
+            Output::Push { to, .. } => seen.push(format!("push to {}", to.0)),
+            Output::SessionEnded { session, .. } => seen.push(format!("end of {}", session.0)),
+        }
+    }
+    assert_eq!(seen, ["push to 2", "end of 1"]);
+}
+
 /// A session resumed on the same edge keeps its subscriptions and its
 /// pending batch under the new id, as on one node; the old id gets nothing.
 #[test]

@@ -295,7 +295,9 @@ fn regression_seeds() {
     // owner's late record write replaced a newer one; 18689 a connect on
     // its way at a rejoin was not sent again; 13725 sent again under a new
     // connection number, the first one came after the logout; 13686 a
-    // stale view read back answered a subscribe.
+    // stale view read back answered a subscribe; 50081 (one node) a push
+    // queued for a session that ended in the same step went out after its
+    // end, naming a target the edge had forgotten.
     for (seed, nodes) in [
         (32, 3),
         (46, 3),
@@ -323,6 +325,7 @@ fn regression_seeds() {
         (18689, 3),
         (5070, 5),
         (5207, 5),
+        (50081, 1),
     ] {
         let mut options = Options::new(seed, STEPS);
         options.nodes = nodes;

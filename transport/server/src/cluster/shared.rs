@@ -64,6 +64,15 @@ impl Shared {
         });
     }
 
+    /// A request to this node's own owner, waited for as one over NATS is:
+    /// its id, for the owner's `ReplyTo::Loopback`.
+    pub(super) fn loopback(&mut self, now: Instant, waiting: InFlight) -> u64 {
+        let id = self.id();
+        let deadline = now + self.settings.request_timeout;
+        self.in_flight.insert(id, (waiting, deadline));
+        id
+    }
+
     pub(super) fn to_unix(&self, at: Millis) -> u64 {
         self.unix_base_ms.saturating_add(at.0)
     }

@@ -1,12 +1,11 @@
 //! What this node's owners send its own edge, in process: the views and
-//! truths they publish, answers to the edge's own device inputs, and group
-//! counts. Each is queued by the owner and delivered once the owner's step
+//! truths they publish, answers to the edge's requests, and group counts. Each is queued by the owner and delivered once the owner's step
 //! returns, in order: the owner never calls into the edge, as a remote
 //! owner cannot.
 
 use super::wire::{FromOwner, GroupCounts, ShardView};
 use super::ClusterLink;
-use greendot_core::{Millis, SessionId};
+use greendot_core::Millis;
 use std::time::Instant;
 
 #[derive(Debug)]
@@ -14,10 +13,9 @@ pub(super) enum ToEdge {
     /// A view or truth published at `at` (the copy NATS brings back is
     /// dropped by version).
     View { at: Millis, view: ShardView },
-    /// The answer to an input the edge's device `session` sent as `rid`.
+    /// The answer to the edge's request `id` (see `Shared::loopback`).
     Answer {
-        session: SessionId,
-        rid: u64,
+        id: u64,
         answer: FromOwner,
         now: Instant,
         at: Millis,
@@ -38,12 +36,11 @@ impl ClusterLink {
                         .apply_view(at, &view.user, view.own, view.presence.to_core());
                 }
                 ToEdge::Answer {
-                    session,
-                    rid,
+                    id,
                     answer,
                     now,
                     at,
-                } => self.device_answer(session, rid, Some(answer), now, at),
+                } => self.take_answer(now, at, id, Some(answer)),
                 ToEdge::Counts(counts) => self.take_group_counts(counts),
             }
         }

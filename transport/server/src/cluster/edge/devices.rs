@@ -565,25 +565,32 @@ impl ClusterLink {
         }
         if self.shards.serves(&self.shared, shard, now) {
             self.shared.counters.forwarded_local += 1;
-            self.shards.owner_input(
-                &mut self.shared,
-                shard,
-                msg,
-                ReplyTo::Local(session, rid),
-                now,
-                at,
-            );
-            self.deliver_local();
         } else {
             self.shared.counters.forwarded += 1;
-            let payload = encode(&msg);
-            self.shared.request(
-                now,
-                InFlight::Device { session, rid },
-                shard,
-                RequestKind::Input,
-                payload,
-            );
+        }
+        let waiting = InFlight::Device { session, rid };
+        self.ask_owner((now, at), waiting, shard, RequestKind::Input, msg);
+    }
+
+    /// Sends `msg` to the owner of `shard`: in process when this node acts
+    /// for it, else over NATS. Either way its answer comes to
+    /// `take_answer` under one id, waited for until the request timeout.
+    pub(in crate::cluster) fn ask_owner(
+        &mut self,
+        (now, at): (Instant, Millis),
+        waiting: InFlight,
+        shard: u32,
+        kind: RequestKind,
+        msg: ToOwner,
+    ) {
+        if self.shards.serves(&self.shared, shard, now) {
+            let id = self.shared.loopback(now, waiting);
+            let reply = ReplyTo::Loopback(id);
+            self.shards
+                .owner_request(&mut self.shared, shard, msg, reply, now, at);
+            self.deliver_local();
+        } else {
+            self.shared.request(now, waiting, shard, kind, encode(&msg));
         }
     }
 
@@ -716,9 +723,9 @@ impl ClusterLink {
         id: u64,
         payload: Option<Bytes>,
     ) {
-        let Some((what, _)) = self.shared.in_flight.remove(&id) else {
+        if !self.shared.in_flight.contains_key(&id) {
             return;
-        };
+        }
         let answer = payload.and_then(|p| {
             let a = decode::<FromOwner>(&p);
             if a.is_none() {
@@ -726,6 +733,21 @@ impl ClusterLink {
             }
             a
         });
+        self.take_answer(now, at, id, answer);
+    }
+
+    /// The answer to request `id` (`None`: no answer in time, or one that
+    /// did not decode), from a remote owner or this node's own.
+    pub(in crate::cluster) fn take_answer(
+        &mut self,
+        now: Instant,
+        at: Millis,
+        id: u64,
+        answer: Option<FromOwner>,
+    ) {
+        let Some((what, _)) = self.shared.in_flight.remove(&id) else {
+            return;
+        };
         match what {
             InFlight::Device { session, rid } => self.device_answer(session, rid, answer, now, at),
             InFlight::PageKeys { wait } => {

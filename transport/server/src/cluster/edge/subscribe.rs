@@ -5,7 +5,7 @@
 //! `group_pages` module).
 
 use crate::cluster::edge::devices::InFlight;
-use crate::cluster::wire::{encode, ToOwner};
+use crate::cluster::wire::ToOwner;
 use crate::cluster::DetMap;
 use crate::cluster::{ClusterLink, Finished, RequestKind, RETRY_AFTER};
 use greendot_core::{Millis, Presence, SessionId, Tier, UserId};
@@ -200,17 +200,18 @@ impl ClusterLink {
             query,
             page,
         };
-        // What this edge knows already (another session watches the target),
-        // or its own owner knows, is answered at once; not what it knows of
-        // a shard it may have missed a view of (it would answer a view the
-        // owner has moved past, as an invisible user shown online).
+        // What this edge knows already (another session watches the target)
+        // is answered at once; not what it knows of a shard it may have
+        // missed a view of (it would answer a view the owner has moved past,
+        // as an invisible user shown online). The rest is asked of the
+        // targets' owners, this node's own in process (answered before this
+        // returns, unless a record must be read first).
         let viewer_id = self
             .edge
             .names
             .get(viewer)
             .map(UserId)
             .filter(|_| p.page.is_none());
-        let shown_to = p.page.is_none().then_some(viewer);
         for (target, snap) in &mut p.targets {
             let shard = (self.shared.settings.shard_of)(target, self.shared.settings.shard_count);
             if let (Some(v), Some(t)) = (viewer_id, self.edge.names.get(target)) {
@@ -221,12 +222,6 @@ impl ClusterLink {
                     .filter(|_| !self.edge.behind_on(shard))
                 {
                     *snap = Some(known.clone());
-                    continue;
-                }
-            }
-            if self.shards.serves(&self.shared, shard, now) {
-                if let Some(presence) = self.local_snapshot(shard, shown_to, target, (now, at)) {
-                    *snap = Some(presence);
                     continue;
                 }
             }
@@ -245,25 +240,6 @@ impl ClusterLink {
             self.ask_snapshot(wait, shard, now, at);
         }
         self.try_finish_subscribe(wait, at)
-    }
-
-    /// What the owner core of `shard` here shows `viewer` (`None`: others)
-    /// of `target`.
-    pub(in crate::cluster) fn local_snapshot(
-        &mut self,
-        shard: u32,
-        viewer: Option<&str>,
-        target: &str,
-        (now, at): (Instant, Millis),
-    ) -> Option<Presence> {
-        let p = self
-            .shards
-            .snapshot(&mut self.shared, shard, viewer, target, (now, at));
-        self.deliver_local();
-        let p = p?;
-        let (epoch, seq) = self.shards.published_up_to(shard);
-        self.track_answer(shard, epoch, seq, at);
-        Some(p)
     }
 
     fn ask_snapshot(&mut self, wait: u64, shard: u32, now: Instant, at: Millis) {
@@ -286,31 +262,15 @@ impl ClusterLink {
         p.asking.insert(shard, None);
         // A page's entries are what others are shown, the viewer's own too.
         let viewer = p.page.is_none().then(|| p.viewer.clone());
-        if self.shards.serves(&self.shared, shard, now) {
-            let mut presences = Vec::new();
-            for t in &targets {
-                match self.local_snapshot(shard, viewer.as_deref(), t, (now, at)) {
-                    Some(presence) => presences.push(presence),
-                    None => return self.retry_snapshot(wait, shard, now),
-                }
-            }
-            self.snapshot_answer(wait, shard, &targets, presences, at);
-            return;
-        }
-        let payload = match viewer {
-            Some(viewer) => encode(&ToOwner::Snapshot { viewer, targets }),
-            None => encode(&ToOwner::Views {
+        let msg = match viewer {
+            Some(viewer) => ToOwner::Snapshot { viewer, targets },
+            None => ToOwner::Views {
                 targets,
                 own: false,
-            }),
+            },
         };
-        self.shared.request(
-            now,
-            InFlight::Snapshot { wait, shard },
-            shard,
-            RequestKind::Snapshot,
-            payload,
-        );
+        let waiting = InFlight::Snapshot { wait, shard };
+        self.ask_owner((now, at), waiting, shard, RequestKind::Snapshot, msg);
     }
 
     pub(in crate::cluster) fn retry_snapshot(&mut self, wait: u64, shard: u32, now: Instant) {

@@ -4,7 +4,7 @@
 
 use crate::cluster::edge::devices::InFlight;
 use crate::cluster::edge::Edge;
-use crate::cluster::wire::{decode, encode, Beacon, ShardView, ToOwner};
+use crate::cluster::wire::{decode, Beacon, ShardView, ToOwner};
 use crate::cluster::DetMap;
 use crate::cluster::{
     ClusterLink, ClusterOutput, RequestKind, BEACON_EVERY, MAX_BEACON_SHARDS, MAX_BEACON_TRUTHS,
@@ -332,55 +332,23 @@ impl ClusterLink {
                 t.gap = false;
                 t.not_before = None;
             }
-            if self.shards.serves(&self.shared, shard, now) {
-                self.repair_locally(shard, targets, own, now, at);
-                continue;
-            }
             for chunk in targets.chunks(MAX_SNAPSHOT_TARGETS) {
                 if let Some(t) = self.edge.shard_tracks(own).get_mut(&shard) {
                     t.asking += 1;
                 }
                 let targets = chunk.to_vec();
-                let payload = encode(&ToOwner::Views {
+                let msg = ToOwner::Views {
                     targets: targets.clone(),
                     own,
-                });
-                self.shared.request(
-                    now,
-                    InFlight::Repair {
-                        shard,
-                        targets,
-                        own,
-                    },
+                };
+                let waiting = InFlight::Repair {
                     shard,
-                    RequestKind::Snapshot,
-                    payload,
-                );
+                    targets,
+                    own,
+                };
+                self.ask_owner((now, at), waiting, shard, RequestKind::Snapshot, msg);
             }
         }
-    }
-
-    /// A repair of a shard this node acts for (its NATS copy of a view was
-    /// lost; the in-process one was not, but what came from the previous
-    /// owner may have been).
-    fn repair_locally(
-        &mut self,
-        shard: u32,
-        targets: Vec<String>,
-        own: bool,
-        now: Instant,
-        at: Millis,
-    ) {
-        let mut presences = Vec::with_capacity(targets.len());
-        for t in &targets {
-            let viewer = own.then_some(t.as_str());
-            match self.local_snapshot(shard, viewer, t, (now, at)) {
-                Some(p) => presences.push(p),
-                None => return self.repair_failed(shard, own, now),
-            }
-        }
-        let (epoch, seq) = self.shards.published_up_to(shard);
-        self.repaired(shard, &targets, presences, (epoch, seq), own, at);
     }
 
     pub(in crate::cluster) fn repair_failed(&mut self, shard: u32, own: bool, now: Instant) {

@@ -15,7 +15,7 @@ use crate::cluster::{
     ClusterOutput, RequestKind, MAX_EDGES_REMEMBERED, MAX_HOLDERS_REMEMBERED, MAX_PENDING_PREFS,
     MAX_QUEUED_OPS, MAX_SNAPSHOT_TARGETS,
 };
-use greendot_core::{Connect, DeviceId, DeviceKind, Millis, Presence, SessionId, UserId, Watch};
+use greendot_core::{Connect, DeviceId, DeviceKind, Millis, SessionId, UserId, Watch};
 use greendot_proto::{self as proto, ErrorCode, WireError};
 use std::time::Instant;
 
@@ -186,35 +186,6 @@ fn replaced_at_its_edge(
 }
 
 impl OwnedShards {
-    /// `target`'s presence for this node's own edge, answered in process:
-    /// `None` while her record is read (the edge asks again after), or if
-    /// no room is left for her. Presences at the edge carry last seen in
-    /// Unix milliseconds.
-    pub(in crate::cluster) fn snapshot(
-        &mut self,
-        sh: &mut Shared,
-        shard: u32,
-        viewer: Option<&str>,
-        target: &str,
-        (now, at): (Instant, Millis),
-    ) -> Option<Presence> {
-        if !self.load_users(sh, shard, std::iter::once(target), now) {
-            return None;
-        }
-        let o = self.owners.get_mut(&shard)?;
-        let uid = o.users.intern(target)?;
-        let p = o
-            .core
-            .handle_snapshot(at, UserId(uid), viewer == Some(target))
-            .ok()?;
-        if !o.core.is_online(UserId(uid)) {
-            note_idle(o, UserId(uid), at);
-        }
-        let p = proto::Presence::from_core(&p, sh.unix_base_ms).to_core();
-        self.drain_owner(sh, shard, now, at);
-        Some(p)
-    }
-
     /// Remembers `incarnation` as the edge's newest if it is; `false` if a
     /// newer one of the edge is known (`incarnation` is a dead run's).
     pub(in crate::cluster) fn saw_incarnation(&mut self, edge: &str, incarnation: u64) -> bool {
@@ -260,7 +231,7 @@ impl OwnedShards {
                     sh.counters.malformed += 1;
                     return;
                 }
-                self.owner_request(sh, shard, msg, reply, now, at);
+                self.owner_request(sh, shard, msg, ReplyTo::Remote(reply), now, at);
             }
             _ => sh.counters.malformed += 1,
         }
@@ -307,15 +278,12 @@ impl OwnedShards {
         sh: &mut Shared,
         shard: u32,
         msg: ToOwner,
-        reply: u64,
+        reply: ReplyTo,
         now: Instant,
         at: Millis,
     ) {
         if !self.serves(sh, shard, now) {
-            sh.outputs.push_back(ClusterOutput::Reply {
-                reply,
-                payload: encode(&FromOwner::NotOwner),
-            });
+            self.reply(sh, reply, FromOwner::NotOwner, now, at);
             return;
         }
         let answer = match msg {
@@ -327,10 +295,7 @@ impl OwnedShards {
             } => self.page_keys(sh, shard, group, after, limit, now),
             msg => return self.view_request(sh, shard, msg, reply, now, at),
         };
-        sh.outputs.push_back(ClusterOutput::Reply {
-            reply,
-            payload: encode(&answer),
-        });
+        self.reply(sh, reply, answer, now, at);
     }
 
     /// Views, snapshots, routes and device inputs to an owner acting for
@@ -340,7 +305,7 @@ impl OwnedShards {
         sh: &mut Shared,
         shard: u32,
         msg: ToOwner,
-        reply: u64,
+        reply: ReplyTo,
         now: Instant,
         at: Millis,
     ) {
@@ -354,15 +319,20 @@ impl OwnedShards {
                     return;
                 }
                 let entries = self.owners.get(&shard).map(|o| route_of(o, &user));
-                sh.outputs.push_back(ClusterOutput::Reply {
+                self.reply(
+                    sh,
                     reply,
-                    payload: encode(&FromOwner::Route(entries.unwrap_or_default())),
-                });
+                    FromOwner::Route(entries.unwrap_or_default()),
+                    now,
+                    at,
+                );
                 return;
             }
             device => {
-                sh.counters.owner_inputs += 1;
-                return self.owner_input(sh, shard, device, ReplyTo::Remote(reply), now, at);
+                if let ReplyTo::Remote(_) = reply {
+                    sh.counters.owner_inputs += 1;
+                }
+                return self.owner_input(sh, shard, device, reply, now, at);
             }
         };
         if targets.iter().any(|t| sh.shard(t) != shard) {
@@ -370,10 +340,7 @@ impl OwnedShards {
             return;
         }
         if !self.load_users(sh, shard, targets.iter().map(String::as_str), now) {
-            sh.outputs.push_back(ClusterOutput::Reply {
-                reply,
-                payload: encode(&FromOwner::Loading),
-            });
+            self.reply(sh, reply, FromOwner::Loading, now, at);
             return;
         }
         let mut presences = Vec::with_capacity(targets.len());
@@ -399,14 +366,17 @@ impl OwnedShards {
         }
         self.drain_owner(sh, shard, now, at);
         let (epoch, seq) = self.published_up_to(shard);
-        sh.outputs.push_back(ClusterOutput::Reply {
+        self.reply(
+            sh,
             reply,
-            payload: encode(&FromOwner::Snapshot {
+            FromOwner::Snapshot {
                 presences,
                 epoch,
                 seq,
-            }),
-        });
+            },
+            now,
+            at,
+        );
     }
 
     pub(in crate::cluster) fn reply(
@@ -422,9 +392,8 @@ impl OwnedShards {
                 reply,
                 payload: encode(&answer),
             }),
-            ReplyTo::Local(session, rid) => sh.to_edge.push_back(ToEdge::Answer {
-                session,
-                rid,
+            ReplyTo::Loopback(id) => sh.to_edge.push_back(ToEdge::Answer {
+                id,
                 answer,
                 now,
                 at,

@@ -131,9 +131,11 @@ pub(in crate::cluster) struct Owner {
 /// Where an owner's answer goes.
 #[derive(Debug, Clone, Copy)]
 pub(in crate::cluster) enum ReplyTo {
+    /// A request over NATS: its reply handle.
     Remote(u64),
-    /// This node's own edge, in process: the op `rid` of a session.
-    Local(SessionId, u64),
+    /// A request of this node's own edge, in process: its id, answered
+    /// as a remote owner's answer is (see `to_edge.rs`).
+    Loopback(u64),
 }
 
 /// The user's Online devices at this owner, with the edges' session ids.
@@ -458,7 +460,7 @@ impl OwnedShards {
         };
         for (_, waiting) in o.loading {
             for (_, reply) in waiting {
-                if let ReplyTo::Local(..) = reply {
+                if let ReplyTo::Loopback(..) = reply {
                     self.reply(sh, reply, FromOwner::NotOwner, now, at);
                 }
             }
