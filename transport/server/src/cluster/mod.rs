@@ -611,7 +611,7 @@ impl ClusterLink {
         self.shards.announce(&mut self.shared, now);
         self.repair_gaps(now, at);
         self.tick_devices(now, at);
-        self.retry_routes(now);
+        self.retry_routes(now, at);
         self.retry_pages(now, at);
         self.retry_records(now);
         self.tick_subscribes(now, at);

@@ -292,20 +292,23 @@ fn a_route_lists_the_devices_on_every_node() {
         r.sort_by(|x, y| x.device.cmp(&y.device));
         r
     };
-    // At the owner's node: answered at once.
-    let Some(proto::Answer::Route(route)) = b.route(now, 1, "alice") else {
+    // At the owner's node: answered in process, before `route` returns.
+    b.route(now, Millis(5), 1, "alice");
+    let Some((1, Finished::Answer(proto::Answer::Route(route)))) = b.poll_finished() else {
         panic!("the owner answers at once");
     };
     assert_eq!(sorted(route), both);
     // Elsewhere: asked of the owner.
-    assert!(a.route(now, 2, "alice").is_none());
+    a.route(now, Millis(5), 2, "alice");
+    assert!(a.poll_finished().is_none());
     exchange(&mut a, &mut b, now, Millis(6));
     let Some((2, Finished::Answer(proto::Answer::Route(route)))) = a.poll_finished() else {
         panic!("no route answer");
     };
     assert_eq!(sorted(route), both);
     // An owner that does not answer: an error once the request times out.
-    assert!(a.route(now, 3, "alice").is_none());
+    a.route(now, Millis(6), 3, "alice");
+    assert!(a.poll_finished().is_none());
     while a.poll_output().is_some() {}
     let late = now + Duration::from_secs(6);
     a.handle_timeout(late, Millis(6_000));

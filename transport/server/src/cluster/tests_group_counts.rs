@@ -410,7 +410,8 @@ impl Bus {
         let wait = 1_000 + ms;
         let sid = SessionId(50);
         let link = &mut self.links[n];
-        let mut answer = link.group_page(now, Millis(ms), wait, sid, GROUP, (after, limit), false);
+        link.group_page(now, Millis(ms), wait, sid, GROUP, (after, limit), false);
+        let mut answer = None;
         self.run(ms);
         self.pass(ms, ms + 200);
         while let Some((w, finished)) = self.links[n].poll_finished() {
@@ -476,8 +477,7 @@ fn a_watched_pages_members_are_followed_until_let_go() {
     let (now, at) = (bus.now(3_000), Millis(3_000));
     let wait = 77;
     let sid = SessionId(50);
-    let asked = bus.links[0].group_page(now, at, wait, sid, GROUP, (None, 10), true);
-    assert!(asked.is_none(), "a watched page is always finished later");
+    bus.links[0].group_page(now, at, wait, sid, GROUP, (None, 10), true);
     bus.run(3_000);
     bus.pass(3_000, 3_200);
     let mut read = None;

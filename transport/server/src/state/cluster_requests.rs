@@ -419,7 +419,10 @@ impl ServerState {
                 if let Err(error) = self.hub.may_route(svc, &user) {
                     return self.answer(ch, now, reply(Err(error)));
                 }
-                self.cluster_ask(ch, now, id, |c, wait| c.route(now, wait, &user));
+                self.cluster_ask(ch, now, id, |c, wait| {
+                    c.route(now, at, wait, &user);
+                    None
+                });
             }
             proto::Request::Unsubscribe { target } => {
                 let done = self
@@ -468,7 +471,8 @@ impl ServerState {
         {
             Err(error) => self.answer(ch, now, reply(id, Err(error))),
             Ok(limit) => self.cluster_ask(ch, now, id, |c, wait| {
-                c.group_page(now, at, wait, session, group, (after, limit), watch)
+                c.group_page(now, at, wait, session, group, (after, limit), watch);
+                None
             }),
         }
     }

@@ -863,39 +863,33 @@ impl ClusterLink {
     }
 
     /// A service's `Route` of `user`: their owner lists their Online
-    /// devices on every node. Answered now (`Some`) when this node acts for
-    /// the user's shard, else through [`ClusterLink::poll_finished`] under
-    /// `wait`.
-    pub fn route(&mut self, now: Instant, wait: u64, user: &str) -> Option<proto::Answer> {
-        let shard = self.shared.shard(user);
-        if let Some(route) = self.shards.route(&self.shared, shard, user, now) {
-            return Some(proto::Answer::Route(route));
-        }
+    /// devices on every node. Answered through
+    /// [`ClusterLink::poll_finished`] under `wait` (before this returns
+    /// when this node acts for the user's shard).
+    pub fn route(&mut self, now: Instant, at: Millis, wait: u64, user: &str) {
         let p = PendingRoute {
             user: user.to_owned(),
             deadline: now + self.shared.settings.request_timeout,
             retry_at: None,
         };
         self.edge.routes.insert(wait, p);
-        self.ask_route(wait, now);
-        None
+        self.ask_route(wait, now, at);
     }
 
-    fn ask_route(&mut self, wait: u64, now: Instant) {
+    fn ask_route(&mut self, wait: u64, now: Instant, at: Millis) {
         let Some(p) = self.edge.routes.get_mut(&wait) else {
             return;
         };
         p.retry_at = None;
         let shard = (self.shared.settings.shard_of)(&p.user, self.shared.settings.shard_count);
-        let payload = encode(&ToOwner::Route {
+        let msg = ToOwner::Route {
             user: p.user.clone(),
-        });
+        };
         let waiting = InFlight::Route { wait };
-        self.shared
-            .request(now, waiting, shard, RequestKind::Snapshot, payload);
+        self.ask_owner((now, at), waiting, shard, RequestKind::Snapshot, msg);
     }
 
-    pub(in crate::cluster) fn retry_routes(&mut self, now: Instant) {
+    pub(in crate::cluster) fn retry_routes(&mut self, now: Instant, at: Millis) {
         let pending = self
             .edge
             .routes
@@ -908,7 +902,7 @@ impl ClusterLink {
                 .push_back((wait, Finished::Failed(owner_late())));
         }
         for wait in again {
-            self.ask_route(wait, now);
+            self.ask_route(wait, now, at);
         }
     }
 }

@@ -26,7 +26,7 @@
 
 use crate::cluster::edge::devices::{due_waits, InFlight};
 use crate::cluster::edge::subscribe::PageRead;
-use crate::cluster::wire::{encode, FromOwner, ToOwner, PAGES_SINCE};
+use crate::cluster::wire::{FromOwner, ToOwner, PAGES_SINCE};
 use crate::cluster::{ClusterLink, Finished, RequestKind, RETRY_AFTER};
 use greendot_core::Presence;
 use greendot_core::{Millis, SessionId, Tier, UserId};
@@ -59,9 +59,9 @@ impl ClusterLink {
 
     /// A page of `group`'s members for `session`, whose membership and page
     /// budget the hub's core checked, with at most `limit` entries.
-    /// Answered now (`Some`) when everything is at hand here, else through
-    /// [`ClusterLink::poll_finished`] under `wait`; a page to be watched
-    /// (`watch`) always through [`Finished::WatchedPage`].
+    /// Answered through [`ClusterLink::poll_finished`] under `wait` (before
+    /// this returns when everything is at hand here); a page to be watched
+    /// (`watch`) through [`Finished::WatchedPage`].
     #[allow(clippy::too_many_arguments)]
     pub fn group_page(
         &mut self,
@@ -72,7 +72,7 @@ impl ClusterLink {
         group: u64,
         (after, limit): (Option<proto::GroupCursor>, u32),
         watch: bool,
-    ) -> Option<proto::Answer> {
+    ) {
         let p = PendingPage {
             session,
             group,
@@ -86,8 +86,10 @@ impl ClusterLink {
         self.ask_page_keys(wait, now, at)
     }
 
-    fn ask_page_keys(&mut self, wait: u64, now: Instant, at: Millis) -> Option<proto::Answer> {
-        let p = self.edge.pages.get_mut(&wait)?;
+    fn ask_page_keys(&mut self, wait: u64, now: Instant, at: Millis) {
+        let Some(p) = self.edge.pages.get_mut(&wait) else {
+            return;
+        };
         p.retry_at = None;
         // An ordinal is a u32: a larger cursor is past every member.
         let after = p
@@ -95,25 +97,13 @@ impl ClusterLink {
             .map(|c| (c.online, u32::try_from(c.after).unwrap_or(u32::MAX)));
         let (group, limit) = (p.group, p.limit);
         let home = self.shared.home_shard(group);
-        if self.shards.serves(&self.shared, home, now) {
-            let keys = self
-                .shards
-                .page_keys(&mut self.shared, home, group, after, limit, now);
-            return self.page_keys_answer(wait, Some(keys), now, at);
-        }
-        let payload = encode(&ToOwner::GroupPage {
+        let msg = ToOwner::GroupPage {
             group,
             after,
             limit,
-        });
-        self.shared.request(
-            now,
-            InFlight::PageKeys { wait },
-            home,
-            RequestKind::Snapshot,
-            payload,
-        );
-        None
+        };
+        let waiting = InFlight::PageKeys { wait };
+        self.ask_owner((now, at), waiting, home, RequestKind::Snapshot, msg);
     }
 
     /// The keys came (or the aggregator refused, or did not answer): the
@@ -255,9 +245,7 @@ impl ClusterLink {
             self.finished.push_back((wait, Finished::Failed(error)));
         }
         for wait in again {
-            if let Some(answer) = self.ask_page_keys(wait, now, at) {
-                self.finished.push_back((wait, Finished::Answer(answer)));
-            }
+            self.ask_page_keys(wait, now, at);
         }
     }
 }

@@ -272,19 +272,6 @@ impl ClusterLink {
 }
 
 impl OwnedShards {
-    /// `user`'s Online devices on every node, if this node acts for
-    /// `shard`.
-    pub(in crate::cluster) fn route(
-        &self,
-        sh: &Shared,
-        shard: u32,
-        user: &str,
-        now: Instant,
-    ) -> Option<Vec<proto::RouteEntry>> {
-        self.acting_epoch(sh, shard, now)?;
-        Some(route_of(self.owners.get(&shard)?, user))
-    }
-
     /// Takes the claims `shards` as the shards acted for, and an owner for
     /// each won since (its previous owner's record read, the edges asked to
     /// resync): the shards taken.
