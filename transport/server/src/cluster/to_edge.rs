@@ -1,5 +1,6 @@
 //! What this node's owners send its own edge, in process: the views and
-//! truths they publish, answers to the edge's requests, and group counts. Each is queued by the owner and delivered once the owner's step
+//! truths they publish, answers to the edge's requests, and group counts.
+//! Each is queued by the owner and delivered once the owner's step
 //! returns, in order: the owner never calls into the edge, as a remote
 //! owner cannot.
 

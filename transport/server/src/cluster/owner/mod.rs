@@ -14,12 +14,12 @@ pub(in crate::cluster) mod prefs_writes;
 pub(in crate::cluster) mod requests;
 pub(in crate::cluster) mod shard;
 
-use crate::cluster::owner::prefs_writes::PrefsWrites;
-use crate::cluster::owner::requests::PendingPrefs;
-use crate::cluster::owner::shard::{release_idle, Owner};
 use crate::cluster::shared::Shared;
 use crate::cluster::{ClusterOutput, DetMap, LinkMutant, WRITE_BEHIND};
 use greendot_core::Millis;
+use prefs_writes::PrefsWrites;
+use requests::PendingPrefs;
+use shard::{release_idle, Owner};
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Index;
 use std::time::Instant;
