@@ -101,17 +101,34 @@ pub(crate) async fn gated<F: Future + Unpin>(
     if !lock(&CALLS).open {
         return Err(GreendotError::Closed);
     }
-    Ok(Gated(start()).await)
+    Ok(Gated {
+        future: start(),
+        waker: None,
+    }
+    .await)
 }
 
-struct Gated<F>(F);
+struct Gated<F> {
+    future: F,
+    /// The gated waker of the last poll, made again only when the
+    /// caller's waker changes.
+    waker: Option<(Waker, Waker)>,
+}
 
 impl<F: Future + Unpin> Future for Gated<F> {
     type Output = F::Output;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        let waker = Waker::from(Arc::new(GatedWaker(cx.waker().clone())));
-        Pin::new(&mut self.0).poll(&mut Context::from_waker(&waker))
+        let this = &mut *self;
+        let waker = match &this.waker {
+            Some((outer, gated)) if outer.will_wake(cx.waker()) => gated.clone(),
+            _ => {
+                let gated = Waker::from(Arc::new(GatedWaker(cx.waker().clone())));
+                this.waker = Some((cx.waker().clone(), gated.clone()));
+                gated
+            }
+        };
+        Pin::new(&mut this.future).poll(&mut Context::from_waker(&waker))
     }
 }
 

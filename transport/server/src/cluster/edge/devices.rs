@@ -563,17 +563,16 @@ impl ClusterLink {
         if let Some(d) = self.edge.devices.get_mut(&session) {
             d.sent = Some(rid);
         }
-        if self.shards.serves(&self.shared, shard, now) {
+        let waiting = InFlight::Device { session, rid };
+        if self.ask_owner((now, at), waiting, shard, RequestKind::Input, msg) {
             self.shared.counters.forwarded_local += 1;
         } else {
             self.shared.counters.forwarded += 1;
         }
-        let waiting = InFlight::Device { session, rid };
-        self.ask_owner((now, at), waiting, shard, RequestKind::Input, msg);
     }
 
     /// Sends `msg` to the owner of `shard`: in process when this node acts
-    /// for it, else over NATS. Either way its answer comes to
+    /// for it (true), else over NATS. Either way its answer comes to
     /// `take_answer` under one id, waited for until the request timeout.
     pub(in crate::cluster) fn ask_owner(
         &mut self,
@@ -582,8 +581,9 @@ impl ClusterLink {
         shard: u32,
         kind: RequestKind,
         msg: ToOwner,
-    ) {
-        if self.shards.serves(&self.shared, shard, now) {
+    ) -> bool {
+        let local = self.shards.serves(&self.shared, shard, now);
+        if local {
             let id = self.shared.loopback(now, waiting);
             let reply = ReplyTo::Loopback(id);
             self.shards
@@ -592,6 +592,7 @@ impl ClusterLink {
         } else {
             self.shared.request(now, waiting, shard, kind, encode(&msg));
         }
+        local
     }
 
     /// The owner's answer to the session's op `rid`.
