@@ -35,6 +35,9 @@ pub fn quick_config() -> ServerConfig {
         grace: Millis(2000),
     }; 4];
     config.token_leeway = Duration::ZERO;
+    // The one-node suite runs on the cluster path too, as a cluster of one
+    // (docs/cluster.md "A cluster of one").
+    config.cluster_of_one = std::env::var_os("GREENDOT_TEST_CLUSTER_OF_ONE").is_some();
     config
 }
 

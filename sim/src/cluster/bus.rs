@@ -11,8 +11,8 @@
 //! after its writer lost the shard (the C4 race).
 
 use crate::rng::Rng;
-use bytes::Bytes;
-use greendot_server::cluster::{ClusterInput, ClusterOutput, GroupDef, GroupWriteOutcome};
+use greendot_server::cluster::local::LocalKv;
+use greendot_server::cluster::{ClusterInput, ClusterOutput, GroupWriteOutcome};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::Duration;
 
@@ -96,16 +96,10 @@ pub struct Bus {
     watching: Vec<BTreeMap<u32, u32>>,
     replies: HashMap<u64, PendingReply>,
     next_reply: u64,
-    /// Preferences: the epoch that wrote them, and the value.
-    prefs: HashMap<String, (u64, Bytes)>,
-    views: HashMap<String, Bytes>,
-    /// Shard device records: the fence they were written under, and the
-    /// value.
-    shard_devices: HashMap<u32, (u64, Bytes)>,
-    sessions: HashMap<(String, String), Bytes>,
-    /// The groups bucket: per group, its revision and definition (written
-    /// before the run; nodes read it at their start).
-    pub groups: BTreeMap<u64, (u64, GroupDef)>,
+    /// The KV buckets, as a cluster of one keeps them (preferences and
+    /// shard device records fenced, last views, session records, groups);
+    /// the bus adds their latency and failures.
+    pub kv: LocalKv,
     /// Message loss and duplication, while a lossy phase lasts.
     pub loss: f64,
     pub duplication: f64,
@@ -129,11 +123,7 @@ impl Bus {
             watching: vec![BTreeMap::new(); nodes],
             replies: HashMap::new(),
             next_reply: 0,
-            prefs: HashMap::new(),
-            views: HashMap::new(),
-            shard_devices: HashMap::new(),
-            sessions: HashMap::new(),
-            groups: BTreeMap::new(),
+            kv: LocalKv::default(),
             loss: 0.0,
             duplication: 0.0,
             kv_slow_until: Duration::ZERO,
@@ -485,100 +475,35 @@ impl Bus {
     fn land(&mut self, op: ClusterOutput, up: bool) -> Option<ClusterInput> {
         if !up {
             self.counters.kv_failed += 1;
+            return match op {
+                ClusterOutput::PutPrefs { id, .. } => {
+                    Some(ClusterInput::PrefsStored { id, ok: false })
+                }
+                ClusterOutput::LoadUser { id, .. } => Some(ClusterInput::UserLoadFailed { id }),
+                ClusterOutput::LoadShard { id, .. } => Some(ClusterInput::ShardLoadFailed { id }),
+                ClusterOutput::PutSession { id, .. } => {
+                    Some(ClusterInput::SessionStored { id, ok: false })
+                }
+                ClusterOutput::LoadSession { id, .. } => {
+                    Some(ClusterInput::SessionLoaded { id, record: None })
+                }
+                ClusterOutput::ReadGroup { id, .. } => Some(ClusterInput::GroupRead {
+                    id,
+                    read: Err("the KV is down".into()),
+                }),
+                ClusterOutput::WriteGroup { id, .. } => Some(ClusterInput::GroupWritten {
+                    id,
+                    outcome: GroupWriteOutcome::Failed("the KV is down".into()),
+                }),
+                _ => None,
+            };
         }
-        match op {
-            ClusterOutput::PutPrefs {
-                id,
-                user,
-                epoch,
-                value,
-            } => {
-                let fenced = self.prefs.get(&user).is_some_and(|(e, _)| *e > epoch);
-                if fenced {
-                    self.counters.fenced += 1;
-                }
-                let ok = up && !fenced;
-                if ok {
-                    self.prefs.insert(user, (epoch, value));
-                }
-                Some(ClusterInput::PrefsStored { id, ok })
-            }
-            ClusterOutput::LoadUser { id, user } if up => Some(ClusterInput::UserLoaded {
-                id,
-                prefs: self.prefs.get(&user).map(|(_, v)| v.clone()),
-                view: self.views.get(&user).cloned(),
-            }),
-            ClusterOutput::LoadUser { id, .. } => Some(ClusterInput::UserLoadFailed { id }),
-            ClusterOutput::PutView { user, value } => {
-                if up {
-                    self.views.insert(user, value);
-                }
-                None
-            }
-            ClusterOutput::PutShardDevices {
-                shard,
-                fence,
-                value,
-            } => {
-                // Fenced as the real write is: not over a record of a
-                // higher fence, a newer owner's or a later write (a write
-                // without one counts as 0).
-                let fence = fence.unwrap_or(0);
-                let fenced = self
-                    .shard_devices
-                    .get(&shard)
-                    .is_some_and(|(written, _)| *written > fence);
-                self.counters.fenced += u64::from(up && fenced);
-                if up && !fenced {
-                    self.shard_devices.insert(shard, (fence, value));
-                }
-                None
-            }
-            ClusterOutput::LoadShard { id, shard } if up => Some(ClusterInput::ShardLoaded {
-                id,
-                record: self.shard_devices.get(&shard).map(|(_, v)| v.clone()),
-            }),
-            ClusterOutput::LoadShard { id, .. } => Some(ClusterInput::ShardLoadFailed { id }),
-            ClusterOutput::PutSession {
-                id,
-                user,
-                device,
-                value,
-            } => {
-                if up {
-                    self.sessions.insert((user, device), value);
-                }
-                Some(ClusterInput::SessionStored { id, ok: up })
-            }
-            ClusterOutput::LoadSession { id, user, device } => Some(ClusterInput::SessionLoaded {
-                id,
-                record: up
-                    .then(|| self.sessions.get(&(user, device)).cloned())
-                    .flatten(),
-            }),
-            ClusterOutput::DeleteSession { user, device } => {
-                if up {
-                    self.sessions.remove(&(user, device));
-                }
-                None
-            }
-            ClusterOutput::ReadGroup { id, group } => Some(ClusterInput::GroupRead {
-                id,
-                read: match up {
-                    true => Ok(self
-                        .groups
-                        .get(&group)
-                        .map_or((0, None), |(rev, def)| (*rev, Some(def.clone())))),
-                    false => Err("the KV is down".into()),
-                },
-            }),
-            // Nothing in the simulation writes groups (no service token).
-            ClusterOutput::WriteGroup { id, .. } => Some(ClusterInput::GroupWritten {
-                id,
-                outcome: GroupWriteOutcome::Failed("not simulated".into()),
-            }),
-            _ => None,
-        }
+        // Nothing in the simulation writes groups (no service token), so no
+        // write's watch event is left to deliver: one answer at most.
+        let mut answers = VecDeque::new();
+        let _not_kv = self.kv.apply(op, &mut answers);
+        self.counters.fenced = self.kv.fenced;
+        answers.pop_front()
     }
 }
 
@@ -633,6 +558,7 @@ fn copy(input: &ClusterInput) -> Option<ClusterInput> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
     use greendot_server::cluster::RequestKind;
 
     /// The asker's I/O answers every request within the operation timeout:

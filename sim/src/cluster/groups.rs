@@ -154,9 +154,9 @@ impl World {
         }
         let groups: Vec<(u64, GroupDef)> = self
             .bus
-            .groups
-            .iter()
-            .map(|(_, (rev, def))| (*rev, def.clone()))
+            .kv
+            .groups()
+            .map(|(rev, def)| (rev, def.clone()))
             .collect();
         for (revision, def) in groups {
             let changed = ClusterInput::GroupChanged {

@@ -4,7 +4,7 @@
 use super::bus::{Bus, Nodes, Reach};
 use super::device::{user_name, Asked, Device, Heard};
 use super::duty::{Duty, Membership, DUTY_EVERY, TTL};
-use super::groups::{group_def, GroupTruth, GROUP};
+use super::groups::{group_def, GroupTruth};
 use super::{Failure, Faults, Options, Report};
 use crate::rng::Rng;
 use greendot_proto::{Request, Status};
@@ -235,7 +235,7 @@ impl World {
         let mut bus = Bus::new(opts.nodes);
         bus.buffered = opts.buffered;
         if opts.groups {
-            bus.groups.insert(GROUP, (1, group_def(users)));
+            bus.kv.insert_group(group_def(users));
         }
         Ok(World {
             duty: Duty::new(&names, SHARDS),
@@ -474,6 +474,7 @@ impl World {
             shard_count: SHARDS,
             shard_of: |user, shards| greendot_cluster::shard_of(user, shards).0,
             request_timeout: TTL,
+            resync_window: TTL,
             protocol: self.opts.protocol,
             mutant: self.opts.mutant,
         });

@@ -123,6 +123,11 @@ pub struct ServerConfig {
     /// owner of their user's shard, views come from it. `None` (the
     /// default): one node, and no cluster code runs.
     pub cluster: Option<cluster::ClusterSettings>,
+    /// Runs this one node as a cluster of one (docs/cluster.md "A cluster
+    /// of one"): the edge and owner path of a cluster, over an in-process
+    /// bus and KV, in place of the hub's own presence. Ignored with
+    /// [`ServerConfig::cluster`]. Default `false`.
+    pub cluster_of_one: bool,
 }
 
 /// What one pass of the server's loop does at most; what is left is carried
@@ -184,6 +189,7 @@ impl ServerConfig {
             max_udp_payload: 1200,
             mutant: None,
             cluster: None,
+            cluster_of_one: false,
         }
     }
 

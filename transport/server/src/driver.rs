@@ -91,6 +91,8 @@ pub(super) struct Driver {
     next_wall_read: Instant,
     /// To the cluster's NATS I/O (with a cluster only).
     pub(super) cluster: Option<mpsc::Sender<crate::cluster::ClusterOutput>>,
+    /// A cluster of one's bus and KV, in place of the NATS I/O.
+    pub(super) local_bus: Option<crate::cluster::local::LocalBus>,
     load: LoadWindow,
 }
 
@@ -127,6 +129,7 @@ impl Driver {
             ws: None,
             next_wall_read: Instant::now() + WALL_READ_EVERY,
             cluster: None,
+            local_bus: None,
             load: LoadWindow {
                 since: Instant::now(),
                 busy: Duration::ZERO,
@@ -300,8 +303,28 @@ impl Driver {
     }
 
     /// Everything the state has for the world: transmits, store requests,
-    /// events.
+    /// events; in a cluster of one, what its bus hands back goes in at once,
+    /// until the bus has nothing more (an owner's view reaches the node's
+    /// own watchers in the same pass).
     fn drain(&mut self) {
+        loop {
+            self.drain_outputs();
+            let Some(bus) = &mut self.local_bus else {
+                return;
+            };
+            let mut fed = false;
+            while let Some(input) = bus.poll_input() {
+                let now = Instant::now();
+                self.state.handle_input(now, ServerInput::Cluster(input));
+                fed = true;
+            }
+            if !fed {
+                return;
+            }
+        }
+    }
+
+    fn drain_outputs(&mut self) {
         self.send_transmits();
         while let Some(output) = self.state.poll_output() {
             match output {
@@ -348,6 +371,11 @@ impl Driver {
                 ServerOutput::WsCredit { id, bytes } => {
                     if let Some(ws) = &self.ws {
                         ws.credit(id, bytes);
+                    }
+                }
+                ServerOutput::Cluster(out) if self.local_bus.is_some() => {
+                    if let Some(bus) = &mut self.local_bus {
+                        bus.handle_output(out);
                     }
                 }
                 ServerOutput::Cluster(out) => {

@@ -502,7 +502,12 @@ impl Server {
 
     /// Everything [`Server::bind`] makes, the driver not yet running (tests
     /// run its passes by hand). Must be called inside a tokio runtime.
-    fn build(config: ServerConfig) -> Result<Built, ServerError> {
+    fn build(mut config: ServerConfig) -> Result<Built, ServerError> {
+        if config.cluster_of_one && config.cluster.is_none() {
+            config.cluster = Some(cluster::local::settings(unix_now_ms()));
+        } else {
+            config.cluster_of_one = false;
+        }
         config::validate(&config)?;
         // Bound first (a taken port fails before the store is touched).
         let socket = std::net::UdpSocket::bind(config.listen)?;
@@ -591,11 +596,18 @@ impl Server {
         };
         let mut driver = driver::Driver::new(shared.clone(), io, state, writer);
         driver.ws = ws;
-        let cluster = shared.config.cluster.as_ref().map(|_| {
-            let (tx, rx) = mpsc::channel(CLUSTER_QUEUE);
-            driver.cluster = Some(tx);
-            rx
-        });
+        let cluster = match &shared.config.cluster {
+            Some(settings) if shared.config.cluster_of_one => {
+                driver.local_bus = Some(cluster::local::LocalBus::new(settings, now));
+                None
+            }
+            Some(_) => {
+                let (tx, rx) = mpsc::channel(CLUSTER_QUEUE);
+                driver.cluster = Some(tx);
+                Some(rx)
+            }
+            None => None,
+        };
         Ok(Built {
             local_addr,
             websocket_addr,

@@ -23,6 +23,7 @@
 
 mod edge;
 mod group_dir;
+pub mod local;
 mod owner;
 mod shared;
 #[cfg(test)]
@@ -165,6 +166,11 @@ pub struct ClusterSettings {
     /// the client (the edge still delivers device inputs that have no client
     /// waiting, retrying until the owner takes them).
     pub request_timeout: Duration,
+    /// How long a new owner of a shard holds its users' offlines: the edges
+    /// resend their live devices of the shard meanwhile (C2). A cluster of
+    /// one has no other edge, and its own resends before anything can go
+    /// offline: none.
+    pub resync_window: Duration,
     /// The inter-node protocol version this node sends (greendot-cluster's
     /// `Envelope::send_version`); the KV records it writes follow it, so a
     /// node of the previous release reads them during a rolling upgrade.

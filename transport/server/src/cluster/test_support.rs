@@ -27,6 +27,7 @@ pub(super) fn link_as(node: &str, incarnation: u64) -> ClusterLink {
         shard_count: SHARDS,
         shard_of: by_len,
         request_timeout: Duration::from_secs(5),
+        resync_window: Duration::from_secs(5),
         protocol: RECORD_FOREGROUND_SINCE,
         mutant: None,
     };

@@ -30,6 +30,7 @@ fn link(node: &str, protocol: u8) -> ClusterLink {
         shard_count: SHARDS,
         shard_of: by_len,
         request_timeout: Duration::from_secs(5),
+        resync_window: Duration::from_secs(5),
         protocol,
         mutant: None,
     };

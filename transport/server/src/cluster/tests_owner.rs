@@ -407,6 +407,7 @@ fn max_users_is_the_nodes_over_all_its_shards() {
         shard_count: SHARDS,
         shard_of: by_len,
         request_timeout: Duration::from_secs(5),
+        resync_window: Duration::from_secs(5),
         protocol: RECORD_FOREGROUND_SINCE,
         mutant: None,
     };

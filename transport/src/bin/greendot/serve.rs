@@ -282,6 +282,8 @@ fn cluster_settings(
         shard_of: |user, shards| greendot_cluster::shard_of(user, shards).0,
         // Long enough for a shard to change hands (its claim's TTL).
         request_timeout: config.claim_ttl.max(Duration::from_secs(2)),
+        // The edges resend their devices within a request's time.
+        resync_window: config.claim_ttl.max(Duration::from_secs(2)),
         protocol,
         mutant: None,
     })

@@ -313,9 +313,10 @@ impl OwnedShards {
             core.enter_epoch(Epoch(u32::try_from(epoch).unwrap_or(u32::MAX)));
             // Until the edges resent their devices, nobody restored from the
             // KV goes offline (C2).
-            core.hold_offline_until(at.plus(Millis(
-                u64::try_from(sh.settings.request_timeout.as_millis()).unwrap_or(u64::MAX),
-            )));
+            let window = sh.settings.resync_window.as_millis();
+            if window > 0 {
+                core.hold_offline_until(at.plus(Millis(u64::try_from(window).unwrap_or(u64::MAX))));
+            }
             let cap = sh.owner_config.max_users;
             self.owners.insert(
                 shard,
