@@ -3,7 +3,7 @@
 //! the in-process bus, and watchers see what one node shows them.
 
 use greendot_core::{DeviceKind, Tier};
-use greendot_proto::Kind;
+use greendot_proto::{ErrorCode, Kind};
 use greendot_server::token::WatchClaim;
 use greendot_tests::{Doomed, TestServer, SLACK};
 use std::time::Duration;
@@ -90,4 +90,19 @@ async fn a_client_gone_silent_is_shown_offline_after_its_grace() {
     seen.wait_presence("kim", bound, |p| !p.online)
         .await
         .unwrap_or_else(|| panic!("kim still shown online {:?} after dying", t0.elapsed()));
+}
+
+/// A name no user can have is refused as a bad request by the cluster's
+/// unsubscribe too, as by one node's, not answered "not subscribed".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unsubscribing_from_a_bad_name_is_a_bad_request() {
+    let ts = TestServer::start(|c| c.cluster_of_one = true);
+    let (client, _) = ts.connect("walt", "laptop", Kind::Desktop).await;
+    let too_long = "x".repeat(ts.config().limits.max_name_len + 1);
+    for name in ["", "bell\u{7}", too_long.as_str()] {
+        let error = client.unsubscribe(name).await.unwrap_err();
+        assert_eq!(error.code(), Some(ErrorCode::BadRequest), "{name:?}");
+    }
+    let error = client.unsubscribe("nobody").await.unwrap_err();
+    assert_eq!(error.code(), Some(ErrorCode::NotSubscribed));
 }

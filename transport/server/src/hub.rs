@@ -638,7 +638,7 @@ impl Hub {
         self.name_ok(user, "user")
     }
 
-    fn name_ok(&self, name: &str, what: &str) -> Result<(), WireError> {
+    pub(crate) fn name_ok(&self, name: &str, what: &str) -> Result<(), WireError> {
         if name.is_empty() || name.len() > self.limits.max_name_len {
             return Err(WireError::new(
                 ErrorCode::BadRequest,

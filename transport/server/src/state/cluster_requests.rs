@@ -425,6 +425,10 @@ impl ServerState {
                 });
             }
             proto::Request::Unsubscribe { target } => {
+                // A name no user can have is a bad request, as on one node.
+                if let Err(error) = self.hub.name_ok(&target, "user") {
+                    return self.answer(ch, now, reply(Err(error)));
+                }
                 let done = self
                     .cluster
                     .as_deref_mut()
