@@ -43,6 +43,10 @@
 //! session costs against the keep-alive (docs/benchmarks-overload.md,
 //! "what keep-alive costs").
 //!
+//! `-- --cluster-of-one` runs the server as a cluster of one
+//! (`ServerConfig::cluster_of_one`, docs/cluster.md): its presence through
+//! the cluster's edge and owner path, for a before/after against the hub's.
+//!
 //! `-- --server-nice -10` runs the server process at that nice value (a
 //! negative one needs root): the scheduler then gives the server the CPU
 //! it asks for before the load generator, as on a machine of its own,
@@ -111,6 +115,7 @@ fn serve() {
         config.max_connections = max;
         config.max_handshakes_per_sec =
             arg("--max-handshakes-per-sec", config.max_handshakes_per_sec);
+        config.cluster_of_one = flag("--cluster-of-one");
         if flag("--websocket") {
             config.websocket = Some("127.0.0.1:0".parse().unwrap_or_else(|e| panic!("{e}")));
         }
@@ -221,6 +226,9 @@ fn start_server_with(n: usize, websocket: bool) -> Result<Started, String> {
     }
     if websocket {
         args.push("--websocket");
+    }
+    if flag("--cluster-of-one") {
+        args.push("--cluster-of-one");
     }
     // Made before the server starts, so that a missing cgroup file system
     // or root stops the run before any work.
