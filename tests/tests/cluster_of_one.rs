@@ -106,3 +106,46 @@ async fn unsubscribing_from_a_bad_name_is_a_bad_request() {
     let error = client.unsubscribe("nobody").await.unwrap_err();
     assert_eq!(error.code(), Some(ErrorCode::NotSubscribed));
 }
+
+/// Users shown online through the node and logged out are forgotten by
+/// its edge (their owner keeps what is saved of them): the census returns
+/// to where it started. The edge's core used to keep each such user for
+/// good, as its copy of her last seen was not the default.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn users_shown_online_then_logged_out_are_forgotten_by_the_edge() {
+    let ts = TestServer::start(|c| c.cluster_of_one = true);
+    let wait = Duration::from_millis(ts.config().core.debounce.0) + SLACK;
+    let monitor = ts.server.monitor();
+    let start = monitor.metrics().await.unwrap();
+    let (watcher, mut seen) = ts.connect("walt", "laptop", Kind::Desktop).await;
+    for i in 0..4 {
+        let name = format!("user-{i}");
+        let (client, _) = ts.connect(&name, "phone", Kind::Mobile).await;
+        watcher.subscribe(&[&name], Tier::Realtime).await.unwrap();
+        seen.wait_presence(&name, wait, |p| p.online)
+            .await
+            .expect("shown online");
+        client.logout().await.unwrap();
+        let (_, p) = seen
+            .wait_presence(&name, wait, |p| !p.online)
+            .await
+            .expect("shown offline");
+        assert!(p.last_seen.is_some(), "{p:?}");
+        watcher.unsubscribe(&name).await.unwrap();
+    }
+    watcher.logout().await.unwrap();
+    // Freed by the server's sweep, which runs at each lease renewal (a
+    // third of the heartbeat timeout: several within this wait).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut end = monitor.metrics().await.unwrap();
+    while (end.names, end.users_known) != (start.names, start.users_known)
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        end = monitor.metrics().await.unwrap();
+    }
+    assert_eq!(
+        (end.names, end.users_known),
+        (start.names, start.users_known)
+    );
+}

@@ -273,6 +273,9 @@ pub struct Hub {
     retry: Vec<UserId>,
     /// Where [`Hub::sweep`] goes on in the user names.
     sweep_at: usize,
+    /// A cluster's edge ([`Hub::set_cluster_edge`]): the users' owners keep
+    /// their saved state, so the core's copy does not hold a user here.
+    cluster_edge: bool,
     /// Push frames encoded since the outputs were last drained, by target
     /// and view: a publish to many subscribers is encoded once.
     encoded: HashMap<(UserId, greendot_core::Presence), Bytes>,
@@ -309,6 +312,7 @@ impl Hub {
             idle: Vec::new(),
             retry: Vec::new(),
             sweep_at: 0,
+            cluster_edge: false,
             encoded: HashMap::new(),
             restored: Vec::new(),
             credentials: Credentials::new(unix_base_ms, 0, limits.max_revocations),
@@ -694,10 +698,24 @@ impl Hub {
             return false;
         }
         // A name without a core record (only ever in a watch list) goes too.
-        if self.core.is_known(user) && !self.core.release(user) {
+        let released = match self.cluster_edge {
+            true => self.core.release_saved(user),
+            false => self.core.release(user),
+        };
+        if self.core.is_known(user) && !released {
             return false;
         }
         self.users.remove(user.0)
+    }
+
+    /// Makes this hub a cluster's edge: its core keeps the node's sessions,
+    /// and the owners of their users keep what is saved of them (status,
+    /// message, invisibility, last seen) in the cluster's KV. A user with
+    /// no session, subscriber or watch list here is then freed whatever
+    /// the core's copy of that state says, or every user who was ever
+    /// shown online through this node would stay in its memory.
+    pub fn set_cluster_edge(&mut self) {
+        self.cluster_edge = true;
     }
 
     /// Frees the users noted since the last call that hold nothing (no
@@ -712,7 +730,7 @@ impl Hub {
                 freed += 1;
             } else if self.users.name(user.0).is_some()
                 && !self.core.is_online(user)
-                && self.core.saved(user) == Saved::default()
+                && (self.cluster_edge || self.core.saved(user) == Saved::default())
             {
                 self.retry.push(user);
             }

@@ -453,6 +453,9 @@ impl ServerState {
                 config.limits.max_name_len,
             ))
         });
+        if cluster.is_some() {
+            hub.set_cluster_edge();
+        }
         // A cluster's edge serves groups with counts summed across nodes.
         if cluster.as_ref().is_some_and(|c| c.serves_groups()) {
             hub.set_group_counts_fed();
