@@ -19,21 +19,34 @@ use std::time::{Duration, Instant};
 /// The node's name in its own messages.
 pub const NODE: &str = "local";
 
-/// The shards of a cluster of one: a single owner core, as one node had.
-pub const SHARDS: u32 = 1;
+/// The shards of a cluster of one. An owner writes the device record of a
+/// shard whole, at most every half second while its devices change: more
+/// shards keep each write (and the loop pass it lengthens) small.
+pub const SHARDS: u32 = 64;
+
+/// A user's shard: FNV-1a of the name (stable across releases, so that a
+/// store kept across restarts finds its users where it left them).
+fn shard_of(user: &str, shards: u32) -> u32 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in user.bytes() {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    (hash % u64::from(shards.max(1))) as u32
+}
 
 /// How long the node may act for its shards: nothing revokes them, so the
 /// deadline only has to lie past any run.
 const ACT_FOR: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
 
 /// The settings of a cluster of one started at `incarnation` (Unix
-/// milliseconds): one shard, every message at the newest protocol.
+/// milliseconds): [`SHARDS`] shards, every message at the newest protocol.
 pub fn settings(incarnation: u64) -> ClusterSettings {
     ClusterSettings {
         node: NODE.to_string(),
         incarnation,
         shard_count: SHARDS,
-        shard_of: |_, _| 0,
+        shard_of,
         // Nothing in process is lost; a request unanswered this long is an
         // owner that waits on its own KV read, which answers at once here.
         request_timeout: Duration::from_secs(10),
@@ -282,7 +295,7 @@ mod tests {
     fn bus() -> LocalBus {
         let mut bus = LocalBus::new(&settings(1), Instant::now());
         assert!(
-            matches!(bus.poll_input(), Some(ClusterInput::Status { shards }) if shards.len() == 1)
+            matches!(bus.poll_input(), Some(ClusterInput::Status { shards }) if shards.len() == SHARDS as usize)
         );
         assert!(matches!(bus.poll_input(), Some(ClusterInput::GroupsSynced)));
         assert!(bus.poll_input().is_none());
