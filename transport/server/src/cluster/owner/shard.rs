@@ -623,7 +623,11 @@ impl OwnedShards {
         }
         let waiting = o.loading.remove(&user).unwrap_or_default();
         for (msg, reply) in waiting {
-            self.owner_input(sh, shard, msg, reply, now, at);
+            match msg {
+                ToOwner::Device { .. } => self.owner_input(sh, shard, msg, reply, now, at),
+                // A snapshot held for this read (and perhaps another).
+                _ => self.view_request(sh, shard, msg, reply, now, at),
+            }
         }
         self.drain_owner(sh, shard, now, at);
     }
