@@ -340,26 +340,7 @@ impl OwnedShards {
             return;
         }
         if !self.load_users(sh, shard, targets.iter().map(String::as_str), now) {
-            // Held with a target whose read is on the way, and taken again
-            // once it is in, instead of answered `Loading`: the asker would
-            // wait `RETRY_AFTER` to ask again.
-            let queue = self.owners.get_mut(&shard).and_then(|o| {
-                let user = targets.iter().find(|t| {
-                    !o.loaded.contains(t.as_str()) && o.loading.contains_key(t.as_str())
-                })?;
-                o.loading.get_mut(user)
-            });
-            let msg = match viewer {
-                Some(viewer) => ToOwner::Snapshot { viewer, targets },
-                None => ToOwner::Views {
-                    targets,
-                    own: all_own,
-                },
-            };
-            match queue {
-                Some(queue) if queue.len() < MAX_QUEUED_OPS * 4 => queue.push((msg, reply)),
-                _ => self.reply(sh, reply, FromOwner::Loading, now, at),
-            }
+            self.reply(sh, reply, FromOwner::Loading, now, at);
             return;
         }
         let mut presences = Vec::with_capacity(targets.len());

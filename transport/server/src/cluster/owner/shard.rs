@@ -623,11 +623,7 @@ impl OwnedShards {
         }
         let waiting = o.loading.remove(&user).unwrap_or_default();
         for (msg, reply) in waiting {
-            match msg {
-                ToOwner::Device { .. } => self.owner_input(sh, shard, msg, reply, now, at),
-                // A snapshot held for this read (and perhaps another).
-                _ => self.view_request(sh, shard, msg, reply, now, at),
-            }
+            self.owner_input(sh, shard, msg, reply, now, at);
         }
         self.drain_owner(sh, shard, now, at);
     }
