@@ -19,10 +19,11 @@ use std::time::{Duration, Instant};
 /// The node's name in its own messages.
 pub const NODE: &str = "local";
 
-/// The shards of a cluster of one. An owner writes the device record of a
-/// shard whole, at most every half second while its devices change: more
-/// shards keep each write (and the loop pass it lengthens) small.
-pub const SHARDS: u32 = 64;
+/// The shards of a cluster of one: one owner core, as the hub has one core.
+/// With more, a watcher subscribed to users never seen missed some of
+/// their first views (docs/cluster.md "A cluster of one"), though fewer
+/// rows per device record write would shorten the loop's passes.
+pub const SHARDS: u32 = 1;
 
 /// A user's shard: FNV-1a of the name (stable across releases, so that a
 /// store kept across restarts finds its users where it left them).
