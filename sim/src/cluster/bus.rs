@@ -271,33 +271,7 @@ impl Bus {
                 if self.buffered && is_message(&out) && self.held[from].len() < MAX_HELD {
                     self.held[from].push_back((incarnation, out.clone()));
                 }
-                let failed = match out {
-                    ClusterOutput::Request { id, .. } => {
-                        Some(ClusterInput::Answered { id, payload: None })
-                    }
-                    ClusterOutput::PutPrefs { id, .. } => {
-                        Some(ClusterInput::PrefsStored { id, ok: false })
-                    }
-                    ClusterOutput::LoadUser { id, .. } => Some(ClusterInput::UserLoadFailed { id }),
-                    ClusterOutput::LoadShard { id, .. } => {
-                        Some(ClusterInput::ShardLoadFailed { id })
-                    }
-                    ClusterOutput::PutSession { id, .. } => {
-                        Some(ClusterInput::SessionStored { id, ok: false })
-                    }
-                    ClusterOutput::LoadSession { id, .. } => {
-                        Some(ClusterInput::SessionLoaded { id, record: None })
-                    }
-                    ClusterOutput::ReadGroup { id, .. } => Some(ClusterInput::GroupRead {
-                        id,
-                        read: Err("NATS unreachable".into()),
-                    }),
-                    ClusterOutput::WriteGroup { id, .. } => Some(ClusterInput::GroupWritten {
-                        id,
-                        outcome: GroupWriteOutcome::Failed("NATS unreachable".into()),
-                    }),
-                    _ => None,
-                };
+                let failed = failure(out, "NATS unreachable");
                 if let Some(input) = failed {
                     self.deliver(now + OP_TIMEOUT, (from, incarnation), input)?;
                 }
@@ -475,28 +449,7 @@ impl Bus {
     fn land(&mut self, op: ClusterOutput, up: bool) -> Option<ClusterInput> {
         if !up {
             self.counters.kv_failed += 1;
-            return match op {
-                ClusterOutput::PutPrefs { id, .. } => {
-                    Some(ClusterInput::PrefsStored { id, ok: false })
-                }
-                ClusterOutput::LoadUser { id, .. } => Some(ClusterInput::UserLoadFailed { id }),
-                ClusterOutput::LoadShard { id, .. } => Some(ClusterInput::ShardLoadFailed { id }),
-                ClusterOutput::PutSession { id, .. } => {
-                    Some(ClusterInput::SessionStored { id, ok: false })
-                }
-                ClusterOutput::LoadSession { id, .. } => {
-                    Some(ClusterInput::SessionLoaded { id, record: None })
-                }
-                ClusterOutput::ReadGroup { id, .. } => Some(ClusterInput::GroupRead {
-                    id,
-                    read: Err("the KV is down".into()),
-                }),
-                ClusterOutput::WriteGroup { id, .. } => Some(ClusterInput::GroupWritten {
-                    id,
-                    outcome: GroupWriteOutcome::Failed("the KV is down".into()),
-                }),
-                _ => None,
-            };
+            return failure(op, "the KV is down");
         }
         // Nothing in the simulation writes groups (no service token), so no
         // write's watch event is left to deliver: one answer at most.
@@ -504,6 +457,30 @@ impl Bus {
         let _not_kv = self.kv.apply(op, &mut answers);
         self.counters.fenced = self.kv.fenced;
         answers.pop_front()
+    }
+}
+
+/// The answer of a request or KV operation that failed for `why`; `None`
+/// for what nobody waits on.
+fn failure(op: ClusterOutput, why: &str) -> Option<ClusterInput> {
+    match op {
+        ClusterOutput::Request { id, .. } => Some(ClusterInput::Answered { id, payload: None }),
+        ClusterOutput::PutPrefs { id, .. } => Some(ClusterInput::PrefsStored { id, ok: false }),
+        ClusterOutput::LoadUser { id, .. } => Some(ClusterInput::UserLoadFailed { id }),
+        ClusterOutput::LoadShard { id, .. } => Some(ClusterInput::ShardLoadFailed { id }),
+        ClusterOutput::PutSession { id, .. } => Some(ClusterInput::SessionStored { id, ok: false }),
+        ClusterOutput::LoadSession { id, .. } => {
+            Some(ClusterInput::SessionLoaded { id, record: None })
+        }
+        ClusterOutput::ReadGroup { id, .. } => Some(ClusterInput::GroupRead {
+            id,
+            read: Err(why.into()),
+        }),
+        ClusterOutput::WriteGroup { id, .. } => Some(ClusterInput::GroupWritten {
+            id,
+            outcome: GroupWriteOutcome::Failed(why.into()),
+        }),
+        _ => None,
     }
 }
 
