@@ -719,7 +719,8 @@ impl Hub {
     }
 
     /// Frees the users noted since the last call that hold nothing (no
-    /// session, no watcher, no watch list naming them, default saved state);
+    /// session, no watcher, no watch list naming them, default saved state
+    /// but at a cluster's edge);
     /// how many were freed. A driver that persists users calls it only after
     /// it took their records (a freed user's record cannot be read).
     pub fn release_idle(&mut self) -> usize {
