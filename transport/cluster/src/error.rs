@@ -196,3 +196,16 @@ impl ClusterError {
 }
 
 pub type Result<T, E = ClusterError> = std::result::Result<T, E>;
+
+/// An error and its sources, on one line: what a log needs to say why
+/// (a `Read` error's own text names only the key).
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}

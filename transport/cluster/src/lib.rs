@@ -68,7 +68,7 @@ pub use access::{NatsAccess, NatsCredentials, Secret};
 pub use client::{unfenced, ClaimWatch, Cluster, MemberWatch, NodeLease, SESSION_RECORD_MAX_AGE};
 pub use config::{ClusterConfig, ConfigError};
 pub use envelope::{DropCounts, DropReason, Envelope, MessageKey, PROTOCOL_VERSION};
-pub use error::{ClusterError, Result};
+pub use error::{chain, ClusterError, Result};
 pub use group_store::{GroupEvent, GroupWatch};
 pub use groups::{
     check_def, GroupDef, GroupDefect, GroupLimitError, GroupLimits, MAX_GROUP_CHUNKS,

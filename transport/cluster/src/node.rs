@@ -151,18 +151,20 @@ pub struct NodeStatus {
 }
 
 impl NodeStatus {
-    /// Whether the node has held its lease steadily: for at least one act
-    /// window, and renewed within the last half of it. This tells a
-    /// cut-off node whether only it lost NATS. A node whose NATS works
-    /// renews every third of the window, so it has; a peer that shares the
+    /// Whether the node has held its lease steadily: since at least
+    /// `held_for` ago (never less than one act window), and renewed within
+    /// the last half of the window. This tells a cut-off node whether only
+    /// it lost NATS, when it passes how long it has been cut off: a node
+    /// whose NATS works renews every third of the window and has held its
+    /// lease since before the asker's cut-off; a peer that shares the
     /// outage renewed at the latest when the outage began, two thirds of a
     /// window or more before the asker's cut-off; and a peer that rejoined
-    /// after the outage has held its new lease for less than a window, the
-    /// time the asker has to rejoin as well.
-    pub fn steadily_holding(&self, now: Instant) -> bool {
+    /// after the outage took its lease after the asker was cut off, however
+    /// long the asker then takes to rejoin as well.
+    pub fn steadily_holding(&self, now: Instant, held_for: Duration) -> bool {
         self.acting(now)
             && self.lease_until.saturating_duration_since(now) > self.act_window / 2
-            && now.saturating_duration_since(self.held_since) >= self.act_window
+            && now.saturating_duration_since(self.held_since) >= held_for.max(self.act_window)
     }
 
     /// Whether the node may serve at `now`.
@@ -631,14 +633,15 @@ impl Duty {
         self.publish(NodePhase::CutOff);
         let since = Instant::now();
         let bound = self.cluster.config().op_timeout * 2;
-        // At most a renewal period apart: each try is one KV read and
-        // write, and a node back late after NATS is would be sent away by
-        // peers that rejoined (see `NodeStatus::steadily_holding`).
+        // Tries start at most a renewal period apart, and one that timed
+        // out is followed at once: each try is one KV read and write, and
+        // the node's clients wait for it to rejoin.
         let longest = self.retry_delay();
         let mut delay = self.retry_delay() / 4;
         let mut attempts = 0u32;
         loop {
             attempts += 1;
+            let started = Instant::now();
             let attempt = tokio::select! {
                 biased;
                 _ = &mut *leave => None,
@@ -673,7 +676,7 @@ impl Duty {
                     self.publish(NodePhase::Active);
                     return None;
                 }
-                Ok(Err(e)) => e.to_string(),
+                Ok(Err(e)) => crate::error::chain(&e),
                 Err(_) => format!("no answer from NATS within {bound:?}"),
             };
             // Loud at first, then once in ten: an outage is long to read.
@@ -688,7 +691,7 @@ impl Duty {
                     self.publish(NodePhase::Left);
                     return Some(NodeExit::Left);
                 }
-                _ = tokio::time::sleep(delay) => {}
+                _ = tokio::time::sleep(delay.saturating_sub(started.elapsed())) => {}
             }
             delay = (delay * 2).min(longest);
         }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use greendot_cluster::testing::{connect_retrying, envelope, NatsCluster};
 use greendot_cluster::{
-    Cluster, ClusterConfig, ClusterError, DropReason, Envelope, MessageKey, NatsCredentials,
+    chain, Cluster, ClusterConfig, ClusterError, DropReason, Envelope, MessageKey, NatsCredentials,
     NodeId, RequestKind, Secret, ShardId,
 };
 
@@ -46,18 +46,6 @@ async fn barrier(client: &async_nats::Client) {
         matches!(&answer, Err(e) if e.kind() == async_nats::RequestErrorKind::NoResponders),
         "{answer:?}"
     );
-}
-
-/// An error and its sources, on one line.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,6 +1,6 @@
 //! `greendot cluster status`: what the cluster's KV says now.
 
-use greendot_cluster::{observe, unix_ms, ClusterView, ShardId};
+use greendot_cluster::{chain, observe, unix_ms, ClusterView, ShardId};
 use std::fmt::Write;
 use std::time::Duration;
 
@@ -115,16 +115,4 @@ pub async fn status(
         .map_err(|e| format!("cannot read the cluster at {urls}: {}", chain(&e)))?;
     print!("{}", render(&view, shard, each, unix_ms()));
     Ok(())
-}
-
-/// An error and its sources, on one line.
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }

@@ -589,14 +589,14 @@ async fn join(
             Err(e) if e.is_permanent() => {
                 return Err(format!(
                     "cannot join the cluster at {urls}: {}",
-                    crate::cluster::chain(&e)
+                    greendot_cluster::chain(&e)
                 ))
             }
             Err(e) => warn!(
                 attempts,
                 retry_in = ?delay,
                 "cannot join the cluster at {urls} yet: {}",
-                crate::cluster::chain(&e)
+                greendot_cluster::chain(&e)
             ),
         }
         tokio::select! {
