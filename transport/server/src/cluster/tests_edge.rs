@@ -197,6 +197,61 @@ fn a_subscribe_at_the_owners_own_edge_waits_for_the_targets_record() {
     assert_eq!(snapshots[0].presence.last_seen, Some(4_000));
 }
 
+/// The read a subscribe waits on at this node's own owner lands: the
+/// subscribe is answered in the same step, not at a retry after
+/// `RETRY_AFTER` (what a cluster of one, whose reads land in process,
+/// would otherwise pay on every subscribe to a user not read yet).
+#[test]
+fn a_subscribe_at_the_owners_own_edge_is_answered_when_the_read_lands() {
+    let (_a, mut b, now) = two_nodes();
+    b.connected(
+        now,
+        Millis(10),
+        SessionId(50),
+        1050,
+        "dave",
+        "phone",
+        proto::Kind::Mobile,
+        None,
+    );
+    while b.poll_output().is_some() {}
+    let targets = vec!["zed".into()];
+    let answer = b.subscribe(
+        now,
+        Millis(20),
+        7,
+        SessionId(50),
+        "dave",
+        targets,
+        vec![],
+        Tier::Realtime,
+        false,
+    );
+    assert!(answer.is_none(), "answered before zed's record was read");
+    let loads: Vec<u64> = std::iter::from_fn(|| b.poll_output())
+        .filter_map(|out| match out {
+            ClusterOutput::LoadUser { id, .. } => Some(id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(loads.len(), 1);
+    let loaded = ClusterInput::UserLoaded {
+        id: loads[0],
+        prefs: None,
+        view: None,
+    };
+    b.handle_input(now, Millis(20), loaded);
+    store_records(&mut b, now, Millis(20));
+    assert!(
+        matches!(
+            b.poll_finished(),
+            Some((7, Finished::Answer(proto::Answer::Subscribed { .. })))
+        ),
+        "the subscribe waits for a retry"
+    );
+    assert!(b.edge.awaiting_load.is_empty());
+}
+
 /// Like `exchange`, noting whether a `PutPrefs` went out.
 fn exchange_until_prefs(
     a: &mut ClusterLink,

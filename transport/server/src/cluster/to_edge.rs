@@ -23,6 +23,13 @@ pub(super) enum ToEdge {
     },
     /// Counts of groups homed at one of this node's shards.
     Counts(GroupCounts),
+    /// The owner of `shard` read a user or the shard's record: what it
+    /// answered `Loading` may be asked again.
+    Loaded {
+        shard: u32,
+        now: Instant,
+        at: Millis,
+    },
 }
 
 impl ClusterLink {
@@ -43,6 +50,7 @@ impl ClusterLink {
                     at,
                 } => self.take_answer(now, at, id, Some(answer)),
                 ToEdge::Counts(counts) => self.take_group_counts(counts),
+                ToEdge::Loaded { shard, now, at } => self.loaded_here(shard, now, at),
             }
         }
     }

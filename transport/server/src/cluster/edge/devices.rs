@@ -784,6 +784,10 @@ impl ClusterLink {
                     let presences = presences.iter().map(|p| p.to_core()).collect();
                     self.snapshot_answer(wait, shard, &targets, presences, at);
                 }
+                Some(FromOwner::Loading) if self.shards.serves(&self.shared, shard, now) => {
+                    self.retry_snapshot(wait, shard, now);
+                    self.edge.awaiting_load.entry(shard).or_default().push(wait);
+                }
                 _ => self.retry_snapshot(wait, shard, now),
             },
             InFlight::Route { wait } => match answer {

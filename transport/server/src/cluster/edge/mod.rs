@@ -45,6 +45,10 @@ pub(in crate::cluster) struct Edge {
     /// Some track has a gap to repair (what the tick looks at).
     pub(in crate::cluster) gaps: bool,
     pub(in crate::cluster) subscribes: DetMap<u64, PendingSubscribe>,
+    /// Subscribes this node's own owner of a shard answered `Loading`, by
+    /// shard: asked again as soon as that owner has read a user, not after
+    /// `RETRY_AFTER`.
+    pub(in crate::cluster) awaiting_load: DetMap<u32, Vec<u64>>,
     pub(in crate::cluster) routes: DetMap<u64, PendingRoute>,
     /// Member pages whose keys are asked of their group's aggregator.
     pub(in crate::cluster) pages: DetMap<u64, PendingPage>,
@@ -104,6 +108,7 @@ impl Edge {
             resynced: DetMap::default(),
             gaps: false,
             subscribes: DetMap::default(),
+            awaiting_load: DetMap::default(),
             routes: DetMap::default(),
             pages: DetMap::default(),
             page_reads: DetMap::default(),

@@ -5,6 +5,7 @@
 //! `group_pages` module).
 
 use crate::cluster::edge::devices::InFlight;
+use crate::cluster::edge::Edge;
 use crate::cluster::wire::ToOwner;
 use crate::cluster::DetMap;
 use crate::cluster::{ClusterLink, Finished, RequestKind, RETRY_AFTER};
@@ -280,6 +281,26 @@ impl ClusterLink {
         }
     }
 
+    /// This node's owner of `shard` read a user (or the shard's record):
+    /// the subscribes it answered `Loading` are asked again at once, so a
+    /// node's own reads cost no retry delay. One still loading is answered
+    /// `Loading` again and waits for the next read.
+    pub(in crate::cluster) fn loaded_here(&mut self, shard: u32, now: Instant, at: Millis) {
+        let Some(waits) = self.edge.awaiting_load.remove(&shard) else {
+            return;
+        };
+        for wait in waits {
+            let retrying = self
+                .edge
+                .subscribes
+                .get(&wait)
+                .is_some_and(|p| matches!(p.asking.get(&shard), Some(Some(_))));
+            if retrying {
+                self.ask_snapshot(wait, shard, now, at);
+            }
+        }
+    }
+
     pub(in crate::cluster) fn snapshot_answer(
         &mut self,
         wait: u64,
@@ -457,6 +478,17 @@ impl ClusterLink {
 
     /// Subscribes past their deadline fail; snapshots due are asked again.
     pub(in crate::cluster) fn tick_subscribes(&mut self, now: Instant, at: Millis) {
+        // Those no longer waiting (answered, failed, or their shard's
+        // owner gone from this node) are forgotten.
+        let Edge {
+            awaiting_load,
+            subscribes,
+            ..
+        } = &mut self.edge;
+        awaiting_load.retain(|_, waits| {
+            waits.retain(|w| subscribes.contains_key(w));
+            !waits.is_empty()
+        });
         let waits: Vec<u64> = self.edge.subscribes.keys().copied().collect();
         for wait in waits {
             let Some(p) = self.edge.subscribes.get_mut(&wait) else {

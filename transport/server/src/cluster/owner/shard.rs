@@ -626,6 +626,7 @@ impl OwnedShards {
             self.owner_input(sh, shard, msg, reply, now, at);
         }
         self.drain_owner(sh, shard, now, at);
+        sh.to_edge.push_back(ToEdge::Loaded { shard, now, at });
     }
 
     /// The previous owner's device record of a shard arrived: each user in
