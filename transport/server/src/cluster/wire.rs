@@ -262,17 +262,25 @@ pub struct ShardRecord {
     pub owed: Vec<String>,
 }
 
-/// The shard's record in the layout of protocol `version`: the first
-/// layout below [`RECORD_FOREGROUND_SINCE`], which a node of the previous
-/// release reads during a rolling upgrade (docs/cluster.md), and the
-/// users owed an offline only from [`CONNECT_WELCOMED_SINCE`].
-pub fn encode_shard_record(record: &ShardRecord, version: u8) -> Bytes {
+/// The shard's record, given by its parts (borrowed: an owner writes it
+/// from the rows it keeps, not copied), in the layout of protocol
+/// `version`: the first layout below [`RECORD_FOREGROUND_SINCE`], which a
+/// node of the previous release reads during a rolling upgrade
+/// (docs/cluster.md), and the users owed an offline only from
+/// [`CONNECT_WELCOMED_SINCE`]. Decoded as a [`ShardRecord`].
+pub fn encode_shard_record(devices: &[&RecordedDevice], owed: &[&String], version: u8) -> Bytes {
+    #[derive(Serialize)]
+    struct Parts<'a> {
+        devices: &'a [&'a RecordedDevice],
+        owed: &'a [&'a String],
+    }
     if version >= CONNECT_WELCOMED_SINCE {
         let mut out = RECORD_V3.to_vec();
-        out.extend_from_slice(&encode(record));
+        out.extend_from_slice(&encode(&Parts { devices, owed }));
         return Bytes::from(out);
     }
-    encode_device_record(&record.devices, version)
+    let devices: Vec<RecordedDevice> = devices.iter().map(|d| (*d).clone()).collect();
+    encode_device_record(&devices, version)
 }
 
 /// A shard's record of any layout; `None` if it is none.

@@ -8,6 +8,7 @@
 //! each of the link's steps) computes its deadline again. Until then it is
 //! asked directly, so the answer is right whenever it is asked.
 
+pub(in crate::cluster) mod device_record;
 pub(in crate::cluster) mod group_slices;
 pub(in crate::cluster) mod group_sums;
 pub(in crate::cluster) mod prefs_writes;

@@ -75,9 +75,11 @@ fn owner_connect(
     };
     if let Some(old) = o.by_holder.insert(holder.clone(), connected.session) {
         if let Some(held) = o.sessions.remove(&old) {
+            o.record.changed(held.user);
             forget_device(&mut o.devices, held.device);
         }
     }
+    o.record.changed(UserId(uid));
     o.devices.acquire(did);
     o.sessions.insert(
         connected.session,
@@ -581,6 +583,9 @@ impl OwnedShards {
                 None => FromOwner::Unknown,
                 Some(s) => match o.core.handle_set_foreground(at, s, foreground) {
                     Ok(()) => {
+                        if let Some(held) = o.sessions.get(&s) {
+                            o.record.changed(held.user);
+                        }
                         // Last seen may move: written behind, like a connect.
                         o.dirty_since.get_or_insert(at);
                         FromOwner::Done { epoch }

@@ -3,19 +3,20 @@
 //! on the shard's subject (and each truth to the edges holding the user's
 //! devices), and announcing its view numbers in beacons.
 
+use crate::cluster::owner::device_record::RecordRows;
 use crate::cluster::owner::group_slices::{Partials, Slice};
 use crate::cluster::owner::group_sums::Sums;
 use crate::cluster::owner::OwnedShards;
 use crate::cluster::shared::Shared;
 use crate::cluster::to_edge::ToEdge;
 use crate::cluster::wire::{
-    decode, decode_shard_record, encode, encode_shard_record, Beacon, FromOwner, RecordedDevice,
-    ResyncRequest, ShardRecord, ShardView, ToOwner, WirePrefs, FENCED_RECORD_SINCE,
+    decode, decode_shard_record, encode, Beacon, FromOwner, RecordedDevice, ResyncRequest,
+    ShardRecord, ShardView, ToOwner, WirePrefs,
 };
 use crate::cluster::{
     ClusterLink, ClusterOutput, BEACON_EVERY, MAX_BEACON_SHARDS, MAX_BEACON_TRUTHS, MAX_EPOCH,
     MAX_IDLE_USERS, MAX_PENDING_PREFS, MAX_RECORDED_DEVICES, RELEASE_AFTER, RESYNC_EVERY,
-    RETRY_AFTER, TRUTH_BEACON_FOR, WRITE_BEHIND,
+    RETRY_AFTER, TRUTH_BEACON_FOR,
 };
 use crate::cluster::{DetMap, DetSet};
 use crate::hub::Interner;
@@ -77,9 +78,9 @@ pub(in crate::cluster) struct Owner {
     pub(in crate::cluster) loading: DetMap<String, Vec<(ToOwner, ReplyTo)>>,
     /// Devices of the shard's record (the previous owner's), by user, to be
     /// restored as lingering with the user.
-    recorded: DetMap<String, Vec<RecordedDevice>>,
+    pub(in crate::cluster) recorded: DetMap<String, Vec<RecordedDevice>>,
     /// Users the previous owner's record owes an offline, not read back yet.
-    owed: DetSet<String>,
+    pub(in crate::cluster) owed: DetSet<String>,
     /// Devices whose session ended before their user's offline was
     /// published (held in a resync window, or in the debounce), by user and
     /// device. The device record keeps them until it is: a next owner, if
@@ -95,6 +96,8 @@ pub(in crate::cluster) struct Owner {
     released_floor: u64,
     /// The device set changed since this instant and is not written yet.
     pub(in crate::cluster) dirty_since: Option<Millis>,
+    /// The device record's rows, kept between writes.
+    pub(in crate::cluster) record: RecordRows,
     /// The previous owner's device record is being read: this one's is not
     /// written until it is (written over, its devices would be lost).
     pub(in crate::cluster) reading_record: bool,
@@ -185,6 +188,7 @@ pub(in crate::cluster) fn release_idle(o: &mut Owner, at: Millis) -> usize {
         }
         remember_released(o, &name, shown);
         o.loaded.remove(&*name);
+        o.record.released(&name);
         o.newest_conn.remove(&*name);
         // A group's slice keeps the name (and her id) for when she is back.
         if o.users.refs(user.0) == 0 {
@@ -337,6 +341,7 @@ impl OwnedShards {
                     released: DetMap::default(),
                     released_floor: 0,
                     dirty_since: None,
+                    record: RecordRows::default(),
                     reading_record: true,
                     records_written: 0,
                     greet: Vec::new(),
@@ -599,6 +604,7 @@ impl OwnedShards {
                         .restore_owned(at, UserId(uid), &record, at.plus(Millis(window)))
                 {
                     let user_id = UserId(uid);
+                    o.record.changed(user_id);
                     if o.core.presence(user_id).online && sessions.is_empty() {
                         // Shown online with no device: the record owes her
                         // offline to a next owner.
@@ -705,72 +711,6 @@ impl OwnedShards {
         }
     }
 
-    /// Writes the shard's device record behind once `WRITE_BEHIND` passed
-    /// since the first change not written.
-    pub(in crate::cluster) fn write_devices(&mut self, sh: &mut Shared, shard: u32, at: Millis) {
-        let base = sh.unix_base_ms;
-        let Some(o) = self.owners.get_mut(&shard) else {
-            return;
-        };
-        if o.reading_record || o.dirty_since.is_none_or(|d| at < d.plus(WRITE_BEHIND)) {
-            return;
-        }
-        o.dirty_since = None;
-        o.records_written = o.records_written.wrapping_add(1);
-        // The epoch first: a newer owner's first write is above an older
-        // owner's every write (epochs stay below 2^24).
-        let fence = (o.epoch << 32) | u64::from(o.records_written);
-        let mut devices: Vec<RecordedDevice> = o
-            .sessions
-            .iter()
-            .filter_map(|(s, held)| {
-                let (edge, incarnation, conn) = &held.holder;
-                let info = o.core.session_info(*s)?;
-                Some(RecordedDevice {
-                    user: o.users.name(info.user.0)?.to_string(),
-                    device: o.devices.name(info.device.0)?.to_string(),
-                    kind: info.kind.into(),
-                    edge: edge.clone(),
-                    incarnation: *incarnation,
-                    conn: *conn,
-                    heard: base.saturating_add(at.0),
-                    foreground: info.foreground,
-                })
-            })
-            .collect();
-        // Devices of users still being read, and ended ones whose user's
-        // offline is not yet published, are the shard's as much.
-        devices.extend(o.recorded.values().flatten().cloned());
-        devices.extend(o.ended.values().cloned());
-        devices.sort_by(|a, b| (&a.user, &a.device).cmp(&(&b.user, &b.device)));
-        devices.truncate(MAX_RECORDED_DEVICES);
-        // Users shown online with no device left (restored so, or their
-        // last device ended): their offline is owed, and no device names
-        // them for the next owner.
-        let shown_alone = |name: &String| {
-            o.users.get(name).is_some_and(|uid| {
-                let user = UserId(uid);
-                o.core.presence(user).online && o.core.sessions_of(user).is_empty()
-            })
-        };
-        let mut owed: Vec<String> = o
-            .loaded
-            .iter()
-            .filter(|name| shown_alone(name))
-            .chain(o.owed.iter())
-            .cloned()
-            .collect();
-        owed.sort_unstable();
-        owed.truncate(MAX_RECORDED_DEVICES);
-        let record = ShardRecord { devices, owed };
-        let fenced = sh.settings.protocol >= FENCED_RECORD_SINCE;
-        sh.outputs.push_back(ClusterOutput::PutShardDevices {
-            shard,
-            fence: fenced.then_some(fence),
-            value: encode_shard_record(&record, sh.settings.protocol),
-        });
-    }
-
     /// An edge's lease is gone: the devices it held, at every shard this
     /// node owns, are lost as by a disconnect at its last renewal, so a
     /// device that reconnects to another edge within grace resumes unseen,
@@ -839,6 +779,7 @@ impl OwnedShards {
             let Some(held) = o.sessions.remove(&session) else {
                 continue;
             };
+            o.record.changed(held.user);
             let names = (o.users.name(held.user.0), o.devices.name(held.device));
             if let (false, (Some(user), Some(device))) = (reason == EndReason::Superseded, names) {
                 // The device is gone (not connected again): a resume naming
@@ -874,6 +815,10 @@ impl OwnedShards {
         while let Some(p) = o.core.poll_published() {
             if p.own && !p.presence.online {
                 note_idle(o, p.user, at);
+            }
+            if !p.own {
+                // Shown online or offline: owed an offline or not.
+                o.record.changed(p.user);
             }
             if !p.own && !p.presence.online {
                 // The record no longer owes it (an ended device, or the
