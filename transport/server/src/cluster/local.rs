@@ -19,11 +19,10 @@ use std::time::{Duration, Instant};
 /// The node's name in its own messages.
 pub const NODE: &str = "local";
 
-/// The shards of a cluster of one: one owner core, as the hub has one core.
-/// With more, a watcher subscribed to users never seen missed some of
-/// their first views (docs/cluster.md "A cluster of one"), though fewer
-/// rows per device record write would shorten the loop's passes.
-pub const SHARDS: u32 = 1;
+/// The shards of a cluster of one: as many as a cluster has by default, so
+/// an owner's step, its device record and its timers stay small (and the
+/// shards could one day run on threads of their own).
+pub const SHARDS: u32 = 64;
 
 /// A user's shard: FNV-1a of the name (stable across releases, so that a
 /// store kept across restarts finds its users where it left them).
