@@ -82,6 +82,7 @@ mod conn;
 mod driver;
 pub mod http;
 mod hub;
+mod interner;
 pub mod metrics;
 mod quic;
 mod session;
