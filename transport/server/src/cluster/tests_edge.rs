@@ -132,10 +132,10 @@ fn the_first_tick_is_due_at_the_callers_now() {
     assert_eq!(a.poll_deadline(later), Some(later + TICK));
 }
 
-#[test]
-fn a_subscribe_at_the_owners_own_edge_waits_for_the_targets_record() {
-    let (_a, mut b, now) = two_nodes();
-    // dave on b, the owner of zed's shard, subscribes to zed (never seen).
+/// dave, on `b` (the owner of zed's shard), subscribes to zed, never seen
+/// (wait 7): not answered before zed's record is read. Returns the read's
+/// id.
+fn dave_subscribes_to_zed(b: &mut ClusterLink, now: Instant) -> u64 {
     b.connected(
         now,
         Millis(10),
@@ -168,6 +168,13 @@ fn a_subscribe_at_the_owners_own_edge_waits_for_the_targets_record() {
     assert_eq!(loads.len(), 1, "{loads:?}");
     let (id, user) = loads.pop().unwrap();
     assert_eq!(user, "zed");
+    id
+}
+
+#[test]
+fn a_subscribe_at_the_owners_own_edge_waits_for_the_targets_record() {
+    let (_a, mut b, now) = two_nodes();
+    let id = dave_subscribes_to_zed(&mut b, now);
     let seen = proto::Presence {
         version: 5,
         last_seen: Some(4_000),
@@ -204,39 +211,9 @@ fn a_subscribe_at_the_owners_own_edge_waits_for_the_targets_record() {
 #[test]
 fn a_subscribe_at_the_owners_own_edge_is_answered_when_the_read_lands() {
     let (_a, mut b, now) = two_nodes();
-    b.connected(
-        now,
-        Millis(10),
-        SessionId(50),
-        1050,
-        "dave",
-        "phone",
-        proto::Kind::Mobile,
-        None,
-    );
-    while b.poll_output().is_some() {}
-    let targets = vec!["zed".into()];
-    let answer = b.subscribe(
-        now,
-        Millis(20),
-        7,
-        SessionId(50),
-        "dave",
-        targets,
-        vec![],
-        Tier::Realtime,
-        false,
-    );
-    assert!(answer.is_none(), "answered before zed's record was read");
-    let loads: Vec<u64> = std::iter::from_fn(|| b.poll_output())
-        .filter_map(|out| match out {
-            ClusterOutput::LoadUser { id, .. } => Some(id),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(loads.len(), 1);
+    let id = dave_subscribes_to_zed(&mut b, now);
     let loaded = ClusterInput::UserLoaded {
-        id: loads[0],
+        id,
         prefs: None,
         view: None,
     };

@@ -417,13 +417,10 @@ fn a_backgrounded_device_is_resent_in_the_background() {
     }
 }
 
-/// The shard record's two layouts: a node sending protocol 1 writes the
-/// first (no foreground flag), which every node reads as foreground; the
-/// second keeps the flag; the two never read as each other.
-#[test]
-fn the_shard_record_is_written_in_the_layout_of_the_protocol_sent() {
-    let device = |foreground| RecordedDevice {
-        user: "alice".into(),
+/// `user`'s phone as a record holds it, on edge a.
+fn phone(user: &str, foreground: bool) -> RecordedDevice {
+    RecordedDevice {
+        user: user.into(),
         device: "phone".into(),
         kind: proto::Kind::Mobile,
         edge: "a".into(),
@@ -431,7 +428,15 @@ fn the_shard_record_is_written_in_the_layout_of_the_protocol_sent() {
         conn: 1,
         heard: 600,
         foreground,
-    };
+    }
+}
+
+/// The shard record's two layouts: a node sending protocol 1 writes the
+/// first (no foreground flag), which every node reads as foreground; the
+/// second keeps the flag; the two never read as each other.
+#[test]
+fn the_shard_record_is_written_in_the_layout_of_the_protocol_sent() {
+    let device = |foreground| phone("alice", foreground);
     let both = vec![device(false), device(true)];
     let v2 = encode_device_record(&both, RECORD_FOREGROUND_SINCE);
     assert_eq!(decode_device_record(&v2), Some(both.clone()));
@@ -453,17 +458,7 @@ fn the_shard_record_is_written_in_the_layout_of_the_protocol_sent() {
 /// in the layouts before.
 #[test]
 fn a_shard_record_written_from_its_parts_reads_back() {
-    let device = |user: &str, foreground| RecordedDevice {
-        user: user.into(),
-        device: "phone".into(),
-        kind: proto::Kind::Mobile,
-        edge: "a".into(),
-        incarnation: 7,
-        conn: 1,
-        heard: 600,
-        foreground,
-    };
-    let devices = [device("alice", false), device("bob", true)];
+    let devices = [phone("alice", false), phone("bob", true)];
     let refs: Vec<&RecordedDevice> = devices.iter().collect();
     let carol = "carol".to_string();
     let v3 = encode_shard_record(&refs, &[&carol], CONNECT_WELCOMED_SINCE);
