@@ -23,8 +23,8 @@ pub(super) enum ToEdge {
     },
     /// Counts of groups homed at one of this node's shards.
     Counts(GroupCounts),
-    /// The owner of `shard` read a user or the shard's record: what it
-    /// answered `Loading` may be asked again.
+    /// The owner of `shard` read a user from its KV: what it answered
+    /// `Loading` may be asked again.
     Loaded {
         shard: u32,
         now: Instant,

@@ -281,8 +281,8 @@ impl ClusterLink {
         }
     }
 
-    /// This node's owner of `shard` read a user (or the shard's record):
-    /// the subscribes it answered `Loading` are asked again at once, so a
+    /// This node's owner of `shard` read a user from its KV: the
+    /// subscribes it answered `Loading` are asked again at once, so a
     /// node's own reads cost no retry delay. One still loading is answered
     /// `Loading` again and waits for the next read.
     pub(in crate::cluster) fn loaded_here(&mut self, shard: u32, now: Instant, at: Millis) {
