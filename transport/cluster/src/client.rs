@@ -71,10 +71,12 @@ impl Cluster {
     /// are sealed with it).
     pub async fn connect(urls: &str, config: ClusterConfig, envelope: Envelope) -> Result<Cluster> {
         config.validate()?;
+        let most = config.op_timeout;
         let options = async_nats::ConnectOptions::new()
             .name(format!("greendot-{}", config.node))
             .request_timeout(Some(config.op_timeout))
             .connection_timeout(config.op_timeout)
+            .reconnect_delay_callback(move |attempts| reconnect_delay(attempts, most))
             .subscription_capacity(config.channel_capacity);
         let options = config
             .nats
@@ -863,6 +865,20 @@ fn fenced_epoch(record: &[u8]) -> (u64, usize) {
     }
 }
 
+/// How long the NATS client waits before its `attempts`-th try to
+/// reconnect (each server tried counts one): at once, then doubling from
+/// 2 ms, at most `most` (the op timeout). async-nats's own backoff reaches
+/// 4 s; through an outage of a few seconds it gets there, and a node then
+/// noticed NATS's return up to 4 s late, when its peers may have rejoined
+/// and its clients wait on it.
+fn reconnect_delay(attempts: usize, most: Duration) -> Duration {
+    if attempts <= 1 {
+        return Duration::ZERO;
+    }
+    let exponent = u32::try_from(attempts - 1).unwrap_or(u32::MAX).min(20);
+    Duration::from_millis(1u64 << exponent).min(most)
+}
+
 async fn latest_value(store: &kv::Store, key: &str, timeout: Duration) -> Result<Option<Bytes>> {
     Ok(read(store, key, timeout)
         .await?
@@ -973,5 +989,24 @@ impl ClaimWatch {
     /// When the watch last delivered an entry (see [`MemberWatch::seen_at`]).
     pub fn seen_at(&self) -> Instant {
         self.seen_at
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::reconnect_delay;
+    use std::time::Duration;
+
+    /// Reconnects come at once, then doubling, and never further apart than
+    /// the op timeout, however long NATS was away.
+    #[test]
+    fn reconnects_come_at_most_an_op_timeout_apart() {
+        let most = Duration::from_millis(500);
+        assert_eq!(reconnect_delay(0, most), Duration::ZERO);
+        assert_eq!(reconnect_delay(1, most), Duration::ZERO);
+        assert_eq!(reconnect_delay(2, most), Duration::from_millis(2));
+        assert_eq!(reconnect_delay(9, most), Duration::from_millis(256));
+        assert_eq!(reconnect_delay(10, most), most);
+        assert_eq!(reconnect_delay(usize::MAX, most), most);
     }
 }
