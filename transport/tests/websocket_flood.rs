@@ -31,6 +31,13 @@ const SECRET: &str = "0123456789abcdef0123456789abcdef";
 const FLOOD: usize = 3000;
 /// The server's per-address limit at the defaults.
 const PER_ADDRESS: u64 = 512;
+/// How long the flood's last connections may take to reach the door (see
+/// where it is used).
+const ACCOUNTED_WITHIN: Duration = Duration::from_secs(2);
+/// Connects of the flood the server may never see: the kernel dropped
+/// their handshake's last ACK with the accept queue full (1% of them; 4
+/// to 16 were seen).
+const UNSEEN: u64 = FLOOD as u64 / 100;
 /// What the flood may add to the server's resident memory: 512 waiting
 /// connections of at most ~40 KiB each (TLS state, tungstenite's buffer,
 /// the task), with room for the allocator's slack.
@@ -235,23 +242,37 @@ async fn a_websocket_flood_from_one_address_is_held_at_the_door() {
     }
     while tasks.join_next().await.is_some() {}
 
-    // The door held one address to its limit and dropped the rest.
-    let pending = metric(&metrics, "greendot_websocket_pending").unwrap();
+    // The door held one address to its limit and dropped the rest. A
+    // connect is done for its client once its handshake is, before the
+    // server takes it from the accept queue, so the last ones are counted
+    // a moment later: the counts are read until they add up (each read a
+    // round trip to the metrics port), or for `ACCOUNTED_WITHIN`. With the
+    // accept queue full, the kernel also drops a handshake's last ACK: the
+    // client believes it is connected, and the server never sees it (a few
+    // of the 3,000 here, at most `UNSEEN`).
+    let refused = refused.load(Ordering::Relaxed) as u64;
+    let deadline = Instant::now() + ACCOUNTED_WITHIN;
+    let (pending, per_address) = loop {
+        let pending = metric(&metrics, "greendot_websocket_pending").unwrap();
+        let shed = metric(
+            &metrics,
+            "greendot_websocket_shed_total{reason=\"per_address\"}",
+        )
+        .unwrap()
+            + metric(&metrics, "greendot_websocket_shed_total{reason=\"rate\"}").unwrap();
+        if pending + shed + refused >= FLOOD as u64 || Instant::now() >= deadline {
+            break (pending, shed);
+        }
+    };
     assert!(
         pending > 0 && pending <= PER_ADDRESS,
         "{pending} waiting for their hello"
     );
-    let per_address = metric(
-        &metrics,
-        "greendot_websocket_shed_total{reason=\"per_address\"}",
-    )
-    .unwrap()
-        + metric(&metrics, "greendot_websocket_shed_total{reason=\"rate\"}").unwrap();
-    let refused = refused.load(Ordering::Relaxed) as u64;
     assert!(
-        per_address + refused >= FLOOD as u64 - PER_ADDRESS,
+        per_address + refused + UNSEEN >= FLOOD as u64 - PER_ADDRESS,
         "shed {per_address} and {refused} refused by the kernel, of {FLOOD}"
     );
+    let unseen = (FLOOD as u64).saturating_sub(pending + per_address + refused);
     assert!(reached_tls.load(Ordering::Relaxed) <= PER_ADDRESS as usize);
     // None of them holds a connection slot.
     assert_eq!(
@@ -260,7 +281,8 @@ async fn a_websocket_flood_from_one_address_is_held_at_the_door() {
     );
     let rss_flood = rss(pid);
     eprintln!(
-        "flood: {pending} held at the door, {per_address} shed, server RSS {} -> {} MiB",
+        "flood: {pending} held at the door, {per_address} shed, {refused} refused and \
+         {unseen} not seen, server RSS {} -> {} MiB",
         rss_before >> 20,
         rss_flood >> 20
     );
