@@ -151,13 +151,8 @@ impl OwnedShards {
 #[cfg(any(test, feature = "check"))]
 fn check_rows(o: &Owner, heard: u64, shard: u32, devices: &[&RecordedDevice], owed: &[&String]) {
     let key = |d: &RecordedDevice| {
-        let fields = (d.kind, d.incarnation, d.conn, d.heard, d.foreground);
-        (
-            d.user.clone(),
-            d.device.clone(),
-            d.edge.clone(),
-            format!("{fields:?}"),
-        )
+        let numbers = (d.incarnation, d.conn, d.heard, d.foreground, d.kind as u8);
+        (d.user.clone(), d.device.clone(), d.edge.clone(), numbers)
     };
     let mut whole: Vec<RecordedDevice> = o
         .sessions
